@@ -1,0 +1,304 @@
+"""The rig file: parsed and validated here, once, into one typed `RigConfig`.
+
+Every check that can be made before a process starts is made here (or in `plan.py`, which
+needs the model's metadata), and each failure is one line: `ConfigError`.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A bad rig or flag: one line, raised before anything starts."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    device: str = "cpu"            # "cpu" or "cuda:N"
+    threads: int | None = None     # CPU stages: torch threads, pinned to their own cores
+    memory: int | None = None      # bytes this stage may use (a cap for the planner)
+    speed: float | None = None     # relative speed for layer_split: auto (else calibrated)
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    text: str | None = None        # literal text
+    file: str | None = None        # a text file
+    stdlib: str | None = None      # a module of Python's standard library, e.g. "typing": its source text
+    ids_file: str | None = None    # token ids: .npy, or whitespace-separated integers
+    random: dict | None = None     # {tokens: N, seed: S}: random ids (synthetic models)
+    max_tokens: int | None = None  # cut the tokenized prompt to this many tokens
+
+
+@dataclass(frozen=True)
+class DebugSpec:
+    """Test hooks: fault injection and delays. Not for normal use."""
+    delay_s: float = 0.0           # sleep added to every chunk's work (orders events in tests)
+    fail_stage: int | None = None  # this stage ...
+    fail_chunk: int | None = None  # ... at this chunk ...
+    fail_mode: str = "raise"       # ... raises, exits ("exit"), or stops moving ("hang")
+
+
+@dataclass(frozen=True)
+class RigConfig:
+    model: str = "smollm2"                  # HF dir, .gguf file, "smollm2", or "synthetic:PRESET"
+    dtype: str = "float32"
+    stages: tuple[StageSpec, ...] | str = "auto"   # list of stages, or "auto"
+    layer_split: tuple[int, ...] | str = "auto"     # layer counts per stage, or "auto"
+    chunk: int = 512                        # tokens per chunk (the largest, with dynamic chunks)
+    dynamic_chunks: bool = False            # size later chunks so each costs what the first does
+    depth: int = 1                          # chunks in flight below a stage: 1 overlap, 0 the old join
+    prompt: PromptSpec = field(default_factory=lambda: PromptSpec(text="The capital of France is"))
+    generate: int = 0                       # greedy continuation tokens after the prefill
+    perplexity: bool = True                 # mean NLL of the prompt, computed on the last stage
+    dump_residual: bool = False             # write residual.npy (after the last layer) and its md5
+    timing: bool = False                    # per-stage timing table and busy histogram
+    out: str | None = None                  # run directory (default runs/<time>)
+    seed: int = 0                           # synthetic weights
+    ready_timeout_s: float = 300.0          # each stage must load and report ready within this
+    stall_timeout_s: float = 600.0          # no progress for this long fails the run (stacks dumped)
+    progress: bool = True                   # progress bar on the console
+    debug: DebugSpec = field(default_factory=DebugSpec)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_TOP = {f.name for f in fields(RigConfig)}
+
+
+def _suggest(key: str, known) -> str:
+    m = difflib.get_close_matches(key, sorted(known), n=1)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+def _check_keys(d: dict, known: set, where: str) -> None:
+    for k in d:
+        if k not in known:
+            raise ConfigError(f"unknown key {where}{k!r}{_suggest(str(k), known)}")
+
+
+def _typed(name: str, value: Any, kind, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return value
+    raise AssertionError(kind)
+
+
+def _sub(cls, name: str, raw) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: expected a mapping, got {raw!r}")
+    known = {f.name for f in fields(cls)}
+    _check_keys(raw, known, f"in {name}: ")
+    out = {}
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        v = raw[f.name]
+        t = f.type if isinstance(f.type, str) else f.type.__name__
+        if f.name == "random":
+            if not isinstance(v, dict):
+                raise ConfigError(f"{name}.random: expected {{tokens: N, seed: S}}, got {v!r}")
+            _check_keys(v, {"tokens", "seed"}, f"in {name}.random: ")
+            _typed(f"{name}.random.tokens", v.get("tokens"), int)
+            _typed(f"{name}.random.seed", v.get("seed", 0), int)
+            out[f.name] = {"tokens": v["tokens"], "seed": v.get("seed", 0)}
+            continue
+        base = t.replace(" | None", "")
+        kind = {"str": str, "int": int, "float": float, "bool": bool}[base]
+        out[f.name] = _typed(f"{name}.{f.name}", v, kind, allow_none=" | None" in t)
+    return cls(**out)
+
+
+def parse_value(text: str) -> Any:
+    """A --set value: parsed as YAML so `chunk=64`, `timing=true`, `stages=[...]` all work."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set value {text!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key=value, got {assignment!r}")
+    key, text = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if parts[0] not in _TOP:
+        raise ConfigError(f"--set: unknown key {parts[0]!r}{_suggest(parts[0], _TOP)}")
+    d = raw
+    for p in parts[:-1]:
+        if not isinstance(d.get(p), dict):
+            d[p] = {}
+        d = d[p]
+    d[parts[-1]] = parse_value(text)
+
+
+def load_raw(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"rig file {str(p)!r} not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"rig file {str(p)!r} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"rig file {str(p)!r}: expected a mapping of keys, got {type(raw).__name__}")
+    return raw
+
+
+def from_dict(raw: dict, env: dict | None = None) -> RigConfig:
+    """Validate a raw mapping (from YAML, --set, or the Python API) into a RigConfig.
+
+    STRATA_PF_DEPTH and STRATA_PREFILL_TIMING in `env` (default os.environ) override the rig.
+    """
+    env = os.environ if env is None else env
+    _check_keys(raw, _TOP, "")
+    raw = _apply_env(raw, env)
+    out: dict[str, Any] = {}
+    for name in ("model", "dtype", "out"):
+        if name in raw:
+            out[name] = _typed(name, raw[name], str, allow_none=(name == "out"))
+    for name in ("chunk", "depth", "generate", "seed"):
+        if name in raw:
+            out[name] = _typed(name, raw[name], int)
+    for name in ("dynamic_chunks", "perplexity", "dump_residual", "timing", "progress"):
+        if name in raw:
+            out[name] = _typed(name, raw[name], bool)
+    for name in ("ready_timeout_s", "stall_timeout_s"):
+        if name in raw:
+            out[name] = _typed(name, raw[name], float)
+            if out[name] <= 0:
+                raise ConfigError(f"{name}: must be > 0, got {raw[name]!r}")
+    if "prompt" in raw:
+        out["prompt"] = _sub(PromptSpec, "prompt", raw["prompt"])
+    if "debug" in raw:
+        out["debug"] = _sub(DebugSpec, "debug", raw["debug"])
+    if "stages" in raw:
+        s = raw["stages"]
+        if s == "auto":
+            out["stages"] = "auto"
+        elif isinstance(s, list) and s:
+            out["stages"] = tuple(_stage(i, x) for i, x in enumerate(s))
+        else:
+            raise ConfigError(f"stages: expected 'auto' or a non-empty list of {{device, threads?}}, got {s!r}")
+    if "layer_split" in raw:
+        ls = raw["layer_split"]
+        if ls == "auto":
+            out["layer_split"] = "auto"
+        elif isinstance(ls, list) and ls and all(isinstance(n, int) and not isinstance(n, bool) for n in ls):
+            if any(n <= 0 for n in ls):
+                raise ConfigError(f"layer_split: every stage needs at least one layer, got {ls}")
+            out["layer_split"] = tuple(ls)
+        else:
+            raise ConfigError(f"layer_split: expected 'auto' or a list of layer counts, got {ls!r}")
+    cfg = RigConfig(**out)
+    _check_values(cfg)
+    return cfg
+
+
+def _apply_env(raw: dict, env) -> dict:
+    raw = dict(raw)
+    if env.get("STRATA_PF_DEPTH", "") != "":
+        try:
+            raw["depth"] = int(env["STRATA_PF_DEPTH"])
+        except ValueError:
+            raise ConfigError(f"STRATA_PF_DEPTH={env['STRATA_PF_DEPTH']!r}: expected 0 or 1") from None
+    if env.get("STRATA_PREFILL_TIMING", "") not in ("", "0"):
+        raw["timing"] = True
+    return raw
+
+
+def _stage(i: int, x) -> StageSpec:
+    if isinstance(x, str):
+        x = {"device": x}
+    spec = _sub(StageSpec, f"stages[{i}]", x)
+    if spec.threads is not None and spec.threads <= 0:
+        raise ConfigError(f"stages[{i}].threads: must be > 0, got {spec.threads}")
+    if spec.memory is not None and spec.memory <= 0:
+        raise ConfigError(f"stages[{i}].memory: must be > 0 bytes, got {spec.memory}")
+    if spec.speed is not None and spec.speed <= 0:
+        raise ConfigError(f"stages[{i}].speed: must be > 0, got {spec.speed}")
+    return spec
+
+
+def _check_values(cfg: RigConfig) -> None:
+    if cfg.depth not in (0, 1):
+        raise ConfigError(
+            f"depth {cfg.depth} refused: a stage owns one set of chunk buffers, so at most one chunk may be "
+            "in flight below it (1 = overlap, 0 = the old full join)")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype: {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.chunk <= 0:
+        raise ConfigError(f"chunk: must be a positive number of tokens, got {cfg.chunk}")
+    if cfg.generate < 0:
+        raise ConfigError(f"generate: must be >= 0, got {cfg.generate}")
+    p = cfg.prompt
+    given = [n for n in ("text", "file", "stdlib", "ids_file", "random") if getattr(p, n) is not None]
+    if len(given) != 1:
+        raise ConfigError(f"prompt: give exactly one of text, file, stdlib, ids_file, random (got {given or 'none'})")
+    if p.max_tokens is not None and p.max_tokens <= 0:
+        raise ConfigError(f"prompt.max_tokens: must be > 0, got {p.max_tokens}")
+    if p.random is not None and p.random["tokens"] <= 0:
+        raise ConfigError(f"prompt.random.tokens: must be > 0, got {p.random['tokens']}")
+    if p.text is not None and p.text == "":
+        raise ConfigError("prompt: the text is empty")
+    for name in ("file", "ids_file"):
+        v = getattr(p, name)
+        if v is not None and not Path(v).is_file():
+            raise ConfigError(f"prompt.{name}: {v!r} not found")
+    if cfg.debug.fail_mode not in ("raise", "exit", "hang"):
+        raise ConfigError(f"debug.fail_mode: expected raise, exit or hang, got {cfg.debug.fail_mode!r}")
+    if isinstance(cfg.stages, tuple):
+        for i, s in enumerate(cfg.stages):
+            check_device(s.device, f"stages[{i}].device")
+
+
+def check_device(dev: str, name: str) -> None:
+    if dev == "cpu":
+        return
+    if not dev.startswith("cuda:") or not dev[5:].isdigit():
+        raise ConfigError(f"{name}: {dev!r} is not a device (expected 'cpu' or 'cuda:N')")
+    import torch
+    n = torch.cuda.device_count()
+    if int(dev[5:]) >= n:
+        raise ConfigError(f"{name}: {dev} does not exist ({n} CUDA device{'s' if n != 1 else ''} visible)")
+
+
+def load(path: str | os.PathLike, overrides: list[str] = (), env: dict | None = None) -> RigConfig:
+    """Rig file, then the environment (STRATA_PF_DEPTH, STRATA_PREFILL_TIMING), then --set."""
+    env = os.environ if env is None else env
+    raw = load_raw(path)
+    _check_keys(raw, _TOP, "")
+    raw = _apply_env(raw, env)
+    for a in overrides:
+        apply_override(raw, a)
+    return from_dict(raw, env={})

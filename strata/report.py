@@ -1,0 +1,130 @@
+"""What a run reports: report.json fields, the console table, the busy histogram, timeline.png."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+
+def busy_histogram(intervals: list[list[tuple[float, float]]], t0: float, t1: float) -> dict:
+    """Fraction of [t0, t1] with exactly one, exactly two, three or more stages working.
+
+    Exact: a sweep over the stages' work intervals, not samples."""
+    edges = []
+    for per_stage in intervals:
+        for a, b in per_stage:
+            a, b = max(a, t0), min(b, t1)
+            if b > a:
+                edges += [(a, 1), (b, -1)]
+    edges.sort()
+    span = max(t1 - t0, 1e-12)
+    acc = {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0}
+    busy, last = 0, t0
+    for t, d in edges:
+        acc[min(busy, 3)] += t - last
+        busy, last = busy + d, t
+    acc[min(busy, 3)] += t1 - last
+    return {"none": acc[0] / span, "one": acc[1] / span, "two": acc[2] / span, "three_plus": acc[3] / span}
+
+
+def md5_file(path: Path) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_report(p, seconds: float, ppl, cont, text) -> dict:
+    """The report of one prefill: written to DIR/report.json, printed by the launcher."""
+    plan, cfg = p.plan, p.cfg
+    stages, intervals, events = [], [], []
+    for st in p.stages:
+        s = st.stats["prefill"]
+        ev = s["events"]
+        intervals.append([(e[1], e[2]) for e in ev])
+        stages.append({"index": st.index, "device": st.device, "layers": list(st.layers), "pid": st.pid,
+                       "wall_s": s["wall_s"], "work_s": s["work_s"], "handoff_wait_s": s["handoff_wait_s"],
+                       "input_wait_s": s["input_wait_s"], "chunks": s["chunks"], "mem_bytes": st.mem_bytes,
+                       "kv_bytes": st.kv_bytes, "pinned": st.pinned, "load_s": st.load_s,
+                       "bad_frames": s["bad_frames"]})
+        events.append([[e[0], e[1], e[2], e[3]] for e in ev])
+    all_ev = [e for ev in events for e in ev]
+    begin = min((e[1] for e in all_ev), default=0.0)
+    end = max((e[3] for e in all_ev), default=0.0)
+    # events relative to the first work start, so the timeline reads in seconds from zero
+    rel = [[[k, a - begin, b - begin, c - begin] for k, a, b, c in ev] for ev in events]
+    n_boundaries = len(plan.stages) - 1
+    report = {
+        "tokens": plan.tokens, "seconds": seconds, "tok_s": plan.tokens / seconds if seconds else 0.0,
+        "depth": cfg.depth, "chunk": cfg.chunk, "chunks": len(plan.schedule),
+        "dynamic_chunks": cfg.dynamic_chunks, "schedule": [list(x) for x in plan.schedule],
+        "model": cfg.model, "dtype": cfg.dtype, "stages": stages,
+        "busy": busy_histogram(intervals, begin, end),
+        "handoff_pinned_bytes": n_boundaries * plan.handoff_bytes(),
+        "handoff_buffers": n_boundaries,
+        "pinned": all(s["pinned"] for s in stages if s["device"].startswith("cuda")) and
+        any(s["device"].startswith("cuda") for s in stages),
+        "perplexity": ppl, "continuation_ids": cont, "continuation": text,
+        "events": rel, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if cfg.dump_residual:
+        path = p.out / "residual.npy"
+        report["residual_file"] = str(path)
+        report["residual_md5"] = md5_file(path)
+    (p.out / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def format_table(report: dict) -> str:
+    rows = [f"{'stage':>5} {'device':<8} {'layers':<9} {'wall s':>8} {'work s':>8} {'handoff s':>9} {'input s':>8}"]
+    for s in report["stages"]:
+        a, b = s["layers"]
+        rows.append(f"{s['index']:>5} {s['device']:<8} {f'{a}-{b - 1}':<9} {s['wall_s']:>8.3f} {s['work_s']:>8.3f} "
+                    f"{s['handoff_wait_s']:>9.3f} {s['input_wait_s']:>8.3f}")
+    busy = report["busy"]
+    rows.append(f"busy: one {busy['one']:.0%}  two {busy['two']:.0%}  three+ {busy['three_plus']:.0%}  "
+                f"(none {busy['none']:.0%})")
+    rows.append(f"{report['tokens']:,} tokens in {report['seconds']:.2f}s = {report['tok_s']:,.1f} tok/s "
+                f"(depth {report['depth']}, {report['chunks']} chunks of <= {report['chunk']})")
+    rows.append(f"hand-off: {report['handoff_buffers']} buffer(s), {report['handoff_pinned_bytes']:,} bytes"
+                f"{' pinned' if report['pinned'] else ' (shared memory, CPU stages)'}")
+    if report.get("residual_md5"):
+        rows.append(f"residual md5 {report['residual_md5']}")
+    if report.get("perplexity") is not None:
+        rows.append(f"prompt perplexity {report['perplexity']:.4f}")
+    if report.get("continuation") is not None:
+        rows.append(f"continuation: {report['continuation']!r}")
+    elif report.get("continuation_ids"):
+        rows.append(f"continuation ids: {report['continuation_ids']}")
+    return "\n".join(rows)
+
+
+def draw_timeline(report: dict, path: Path) -> None:
+    """One row per stage, one bar per chunk of work; gaps are waits. Headless."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ev = report["events"]
+    n = len(ev)
+    fig, ax = plt.subplots(figsize=(12, 0.8 + 0.6 * n))
+    colors = plt.get_cmap("tab20")
+    for i, stage_ev in enumerate(ev):
+        for k, a, b, c in stage_ev:
+            ax.broken_barh([(a, b - a)], (i - 0.35, 0.7), color=colors(k % 20))
+            if c > b:  # waiting to hand off (reap / join)
+                ax.broken_barh([(b, c - b)], (i - 0.1, 0.2), color="0.75")
+            if b - a > 0.04 * max(1e-9, report["seconds"]):
+                ax.text((a + b) / 2, i, str(k), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"stage {s['index']}\n{s['device']}" for s in report["stages"]])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    b = report["busy"]
+    ax.set_title(f"depth {report['depth']}: {report['tok_s']:,.0f} tok/s; busy one {b['one']:.0%}, "
+                 f"two {b['two']:.0%}, three+ {b['three_plus']:.0%}  (bars: work per chunk; grey: hand-off wait)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

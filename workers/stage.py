@@ -1,0 +1,377 @@
+"""The stage process: layers [start, end) of the model on one device, serving chunks.
+
+A chunk's path, top to bottom in `Stage.run_chunk`: wait for input -> copy it out of the
+hand-off buffer and say "taken" upstream -> compute -> reap the chunk in flight below
+(depth 1: wait until the stage below took it) -> copy into the hand-off buffer below and
+notify. With depth 0 the stage then waits until the chunk has gone through the whole rest
+of the pipeline (the old join) before it takes its next input.
+
+Sockets are touched only here, in one thread; the model knows nothing of them.
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+
+import numpy as np
+
+
+def _die_with_parent() -> None:
+    """Backstop for orphaning: the kernel sends SIGKILL when the head dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _watch_head(conn) -> None:
+    """The pipe's EOF means the head is gone: exit at once, whatever the main thread is doing."""
+    def watch():
+        try:
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(3)
+    threading.Thread(target=watch, name="head-watch", daemon=True).start()
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+class Stage:
+    def __init__(self, spec: dict, log: logging.Logger):
+        import torch
+        import zmq
+
+        from strata import messages as M
+        from strata.model import Transformer
+        from strata.shm import Segment
+        from strata.weights import slice_tensors
+
+        self.torch, self.zmq, self.M = torch, zmq, M
+        self.spec, self.log = spec, log
+        self.i = spec["index"]
+        self.n_stages = spec["n_stages"]
+        self.first, self.last = self.i == 0, self.i == self.n_stages - 1
+        self.depth = spec["depth"]
+        self.device = torch.device(spec["device"])
+        self.dtype = getattr(torch, spec["dtype"])
+        self.current_chunk = -1
+        self.bad_frames = 0
+        t_load = time.perf_counter()
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            if spec["threads"]:
+                torch.set_num_threads(spec["threads"])
+            if spec["cores"]:
+                os.sched_setaffinity(0, spec["cores"])
+
+        # -- model slice, built on the meta device then filled with just this slice's weights
+        from strata.model import ModelArgs
+        args = ModelArgs(**spec["args"])
+        self.args = args
+        with torch.device("meta"):
+            model = Transformer(args, spec["start"], spec["end"])
+        tensors = slice_tensors(spec["model"], args, spec["start"], spec["end"], device=self.device,
+                                dtype=self.dtype, seed=spec["seed"])
+        model.load_weights(tensors, self.device, self.dtype)
+        del tensors
+        self.model = model.eval()
+        self.kv_bytes = model.setup_cache(spec["max_len"])
+
+        # -- shared buffers: ids (all stages read it), input boundary, output boundary / result
+        segs = spec["segments"]
+        self.segments = []
+
+        def attach(key):
+            name, nbytes = segs[key]
+            seg = Segment.attach(name, nbytes)
+            self.segments.append(seg)
+            return seg
+
+        self.ids = attach("ids").tensor(torch.int32, (spec["max_len"] + 1,))
+        dim, cmax = args.dim, spec["max_chunk"]
+        self.inbuf = None if self.first else attach(f"b{self.i - 1}").tensor(self.dtype, (cmax, dim))
+        if self.last:
+            self.outbuf = attach("result").tensor(torch.float32, (args.vocab_size,))
+        else:
+            self.outbuf = attach(f"b{self.i}").tensor(self.dtype, (cmax, dim))
+        self.pinned = False
+        if self.device.type == "cuda":
+            self.pinned = all(s.pin() for s in self.segments if s.name.split("-")[-1] != "ids")
+        self.residual_file = None
+        if self.last and spec["dump_residual"]:
+            self.residual_file = np.lib.format.open_memmap(
+                spec["dump_residual"], mode="w+", dtype=np.float32, shape=(spec["tokens"], dim))
+
+        # -- sockets: one PULL in, PUSH to each neighbour and to the head
+        ctx = zmq.Context.instance()
+        self.ctx = ctx
+        self.inbox_sock = ctx.socket(zmq.PULL)
+        self.inbox_sock.setsockopt(zmq.LINGER, 0)
+        self.inbox_sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME)
+        self.inbox_sock.bind(spec["endpoints"][self.i])
+
+        def push(ep):
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 2000)  # long enough for a final "fail" to leave
+            s.connect(ep)
+            return s
+
+        self.to_head = push(spec["head_endpoint"])
+        self.to_up = None if self.first else push(spec["endpoints"][self.i - 1])
+        self.to_down = self.to_head if self.last else push(spec["endpoints"][self.i + 1])
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox_sock, zmq.POLLIN)
+
+        # -- state fed by the dispatcher
+        self.inputs: deque = deque()     # chunk messages waiting to be processed
+        self.taken_below: set[int] = set()
+        self.done_below: set[int] = set()
+        self.inflight: deque = deque()    # chunks handed below and not yet reaped (at most 1)
+        self.phase_end: str | None = None
+        self.stopping = False
+        self.load_s = time.perf_counter() - t_load
+        self.debug = spec["debug"]
+        self._reset_stats("prefill", time.perf_counter())
+
+    # -- messages ------------------------------------------------------------------------------
+    def send(self, sock, type_, **fields):
+        sock.send(self.M.encode(type_, **fields))
+
+    def _dispatch(self, msg: dict) -> None:
+        t = msg["t"]
+        if t == "chunk":
+            self.inputs.append(msg)
+        elif t == "taken":
+            self.taken_below.add(msg["k"])
+        elif t == "done":
+            self.done_below.add(msg["k"])
+        elif t == "begin":
+            self._reset_stats(msg["phase"], msg["t0"])
+        elif t == "end":
+            self.phase_end = msg["phase"]
+        elif t == "stop":
+            self.stopping = True
+        else:
+            raise self.M.BadMessage(f"{t}: not a message a stage accepts")
+
+    def pump(self, timeout_ms: int) -> None:
+        """Receive and dispatch whatever arrives within timeout_ms. Garbage is counted and dropped."""
+        if not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.inbox_sock.recv(self.zmq.NOBLOCK)
+            except self.zmq.Again:
+                return
+            try:
+                self._dispatch(self.M.decode(frame))
+            except self.M.BadMessage as e:
+                self.bad_frames += 1
+                if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
+                    self.log.warning("rejected frame #%d: %s", self.bad_frames, e)
+
+    def wait_until(self, cond) -> float:
+        """Block (dispatching messages) until cond() holds; returns seconds waited."""
+        t = time.perf_counter()
+        while not cond():
+            if self.stopping:
+                raise SystemExit(0)
+            self.pump(100)
+        return time.perf_counter() - t
+
+    # -- timing ---------------------------------------------------------------------------------
+    def _reset_stats(self, phase: str, t0: float) -> None:
+        self.phase, self.t0 = phase, t0
+        self.work_s = self.handoff_wait_s = self.input_wait_s = 0.0
+        self.events: list[list] = []  # [k, work_start, work_end, handoff_done]
+        self.last_handoff = t0
+        self.nchunks = 0
+
+    def report_stats(self) -> None:
+        self.send(self.to_head, "stats", stage=self.i, phase=self.phase,
+                  wall_s=max(0.0, self.last_handoff - self.t0), work_s=self.work_s,
+                  handoff_wait_s=self.handoff_wait_s, input_wait_s=self.input_wait_s,
+                  events=self.events, chunks=self.nchunks, bad_frames=self.bad_frames)
+
+    # -- the chunk path -------------------------------------------------------------------------
+    def run_chunk(self, msg: dict) -> None:
+        torch = self.torch
+        k, pos, n = msg["k"], msg["pos"], msg["n"]
+        self.current_chunk = k
+        self.send(self.to_head, "working", stage=self.i, k=k)
+
+        # 1. input: ids for the first stage, else residual rows from the buffer above
+        if self.first:
+            x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
+        else:
+            x = self.inbuf[:n].to(self.device, copy=True).view(1, n, self.args.dim)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the copy has left the buffer
+            self.send(self.to_up, "taken", k=k)
+
+        # 2. compute
+        work_start = time.perf_counter()
+        self._inject(k)
+        h = self.model(x, pos)
+        nll, count, argmax = 0.0, 0, -1
+        if self.last:
+            if msg["phase"] == "prefill" and self.spec["perplexity"]:
+                targets = self.ids[pos + 1: min(pos + n + 1, self.spec["tokens"])].to(torch.long)
+                if targets.numel():
+                    nll, count = self.model.nll(h, targets)
+            logits = self.model.logits(h[0, -1])
+            argmax = int(logits.argmax())
+            if self.residual_file is not None and msg["phase"] == "prefill":
+                self.residual_file[pos:pos + n] = h[0].float().cpu().numpy()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        work_end = time.perf_counter()
+        self.work_s += work_end - work_start
+
+        # 3. reap: the chunk in flight below must have left the buffer before we overwrite it
+        if self.depth == 1:
+            while self.inflight:
+                below = self.inflight[0]
+                self.handoff_wait_s += self.wait_until(lambda: below in self.taken_below)
+                self.taken_below.discard(below)
+                self.inflight.popleft()
+
+        # 4. hand off
+        if self.last:
+            self.outbuf.copy_(logits)
+            self.send(self.to_down, "result", k=k, nll=float(nll), count=count, argmax=argmax)
+        else:
+            self.outbuf[:n].copy_(h.view(n, self.args.dim))
+            self.send(self.to_down, "chunk", k=k, pos=pos, n=n, phase=msg["phase"])
+        self.inflight.append(k)
+
+        # depth 0: the old join; nothing new until this chunk is through the rest of the pipeline
+        if self.depth == 0:
+            done = self.taken_below if self.last else self.done_below  # the head's "taken" is its done
+            self.handoff_wait_s += self.wait_until(lambda: k in done)
+            done.discard(k)
+            self.taken_below.discard(k)
+            self.inflight.popleft()
+            if not self.first:
+                self.send(self.to_up, "done", k=k)
+        self.last_handoff = time.perf_counter()
+        self.events.append([k, work_start, work_end, self.last_handoff])
+        self.nchunks += 1
+
+    def _inject(self, k: int) -> None:
+        d = self.debug
+        if d["delay_s"]:
+            time.sleep(d["delay_s"])
+        if d["fail_stage"] == self.i and d["fail_chunk"] == k and self.phase == "prefill":
+            mode = d["fail_mode"]
+            self.log.error("debug: injected failure (%s) at chunk %d", mode, k)
+            if mode == "raise":
+                raise StageFailed(f"injected failure at chunk {k}")
+            if mode == "exit":
+                os._exit(17)
+            while True:  # hang: the watchdog must notice
+                time.sleep(1)
+
+    def serve(self) -> None:
+        self.send(self.to_head, "ready", stage=self.i, pid=os.getpid(), device=str(self.device),
+                  layers=[self.spec["start"], self.spec["end"]], mem_bytes=self._mem_bytes(),
+                  kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s)
+        while True:
+            t = time.perf_counter()
+            self.wait_until(lambda: self.inputs or self.phase_end is not None)
+            if self.inputs:
+                if self.nchunks:  # before the first chunk a stage waits for the pipeline to fill
+                    self.input_wait_s += time.perf_counter() - t
+                else:
+                    self.input_wait_s += time.perf_counter() - max(t, self.t0)
+                self.run_chunk(self.inputs.popleft())
+            else:
+                self.report_stats()
+                self.phase_end = None
+
+    def _mem_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(self.torch.cuda.memory_allocated(self.device))
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.kv_bytes
+
+    def close(self) -> None:
+        for s in (self.inbox_sock, self.to_up, self.to_head, self.to_down):
+            if s is not None and not s.closed:
+                s.close(linger=0)
+        for seg in self.segments:
+            seg.close()
+
+
+def run_stage_process(spec: dict, head_conn) -> None:
+    """Entry point of a stage process (spawned by the head)."""
+    _die_with_parent()
+    _watch_head(head_conn)
+    i = spec["index"]
+    log = logging.getLogger(f"stage{i}")
+    log.setLevel(logging.INFO)
+    fmt = logging.Formatter(f"%(asctime)s [stage {i}] %(levelname)s %(message)s")
+    fh = logging.FileHandler(spec["log_file"])
+    fh.setFormatter(fmt)
+    log.addHandler(fh)
+    if spec["console"]:
+        ch = logging.StreamHandler(sys.stderr)
+        ch.setFormatter(logging.Formatter(f"[stage {i}] %(message)s"))
+        ch.setLevel(logging.WARNING)
+        log.addHandler(ch)
+    log_stream = open(spec["log_file"], "a")
+    faulthandler.enable(file=log_stream)
+    faulthandler.register(signal.SIGUSR1, file=log_stream, all_threads=True)  # the watchdog's stack dump
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the head's to handle; it tells us to stop
+    stage, code = None, 0
+    try:
+        log.info("pid %d, device %s, layers [%d, %d)", os.getpid(), spec["device"], spec["start"], spec["end"])
+        stage = Stage(spec, log)
+        log.info("ready: loaded in %.2fs, KV cache %d bytes, pinned=%s", stage.load_s, stage.kv_bytes, stage.pinned)
+        stage.serve()
+    except SystemExit:
+        log.info("stopping")
+    except BaseException as e:  # noqa: BLE001 - report every failure upward, typed, then exit
+        tb = traceback.format_exc()
+        log.error("failed: %s", tb)
+        _report_failure(spec, stage, e, tb)
+        code = 1
+    if stage is not None:
+        stage.close()
+    logging.shutdown()
+    log_stream.flush()
+    os._exit(code)
+
+
+def _report_failure(spec, stage, exc, tb) -> None:
+    try:
+        import zmq
+
+        from strata import messages as M
+        frame = M.encode("fail", stage=spec["index"], pid=os.getpid(), device=spec["device"],
+                         chunk=stage.current_chunk if stage else -1, error=type(exc).__name__,
+                         message=str(exc)[:2000], traceback=tb[-8000:])
+        if stage is not None:
+            stage.to_head.send(frame)
+        else:
+            s = zmq.Context.instance().socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 2000)
+            s.connect(spec["head_endpoint"])
+            s.send(frame)
+            s.close()
+    except Exception:  # noqa: BLE001 - the head still sees the exit code
+        pass
