@@ -3,6 +3,10 @@
 Bulk data never travels here; a message says which chunk sits in which shared buffer.
 Nothing is unpickled. A frame that does not decode to a known, well-formed message raises
 `BadMessage`; receivers count and log it and carry on.
+
+Validation is about shape, not authenticity: a well-formed message of a type the receiver
+accepts is acted on. Who may send is decided by where the endpoints live: ipc sockets in a
+per-run directory of mode 0700, so only this user reaches them.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ class BadMessage(ValueError):
 
 
 _num = (int, float)
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1  # every integer field fits an int64
 # type -> {field: allowed python types}. Every field is required; extra fields are refused.
 SCHEMA: dict[str, dict[str, tuple]] = {
     # head -> stages: a prefill / decode phase begins at monotonic time t0
@@ -35,7 +40,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "end": {"phase": (str,)},
     # stage -> head: per-phase timing and events
     "stats": {"stage": (int,), "phase": (str,), "wall_s": _num, "work_s": _num, "handoff_wait_s": _num,
-              "input_wait_s": _num, "events": (list,), "chunks": (int,), "bad_frames": (int,)},
+              "input_wait_s": _num, "copy_s": _num, "events": (list,), "chunks": (int,), "bad_frames": (int,)},
     # stage -> head: loaded and mapped; ready to serve
     "ready": {"stage": (int,), "pid": (int,), "device": (str,), "layers": (list,), "mem_bytes": (int,),
               "kv_bytes": (int,), "pinned": (bool,), "load_s": _num},
@@ -56,8 +61,9 @@ def encode(type_: str, **fields) -> bytes:
 def validate(msg) -> dict:
     if not isinstance(msg, dict):
         raise BadMessage(f"not a map: {type(msg).__name__}")
-    if msg.get("v") != VERSION:
-        raise BadMessage(f"version {msg.get('v')!r}, expected {VERSION}")
+    v = msg.get("v")
+    if type(v) is not int or v != VERSION:  # not True, not 1.0: those compare equal to 1
+        raise BadMessage(f"version {v!r}, expected {VERSION}")
     t = msg.get("t")
     schema = SCHEMA.get(t) if isinstance(t, str) else None
     if schema is None:
@@ -73,6 +79,8 @@ def validate(msg) -> dict:
             raise BadMessage(f"{t}.{name}: bad type bool")
         if not isinstance(v, kinds):
             raise BadMessage(f"{t}.{name}: bad type {type(v).__name__}")
+        if isinstance(v, int) and not isinstance(v, bool) and not _INT_MIN <= v <= _INT_MAX:
+            raise BadMessage(f"{t}.{name}: integer out of range")
     return msg
 
 

@@ -8,6 +8,7 @@ end == n_layers. Prefill is chunked: `forward(x, pos)` runs T tokens at absolute
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -104,17 +105,41 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int)
     T, S = q.shape[2], k.shape[2]
     if pos == 0:  # square: top-left and bottom-right alignment coincide
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if q.is_cuda:  # flash (or memory-efficient for fp32) handles lower-right natively
+    if q.is_cuda:
+        if CUDA_ATTENTION == "cudnn-split" and q.dtype != torch.float32:
+            return _split_attention(q, k, v, pos, _cudnn_with_lse)
+        # flash (memory-efficient for fp32) handles the lower-right alignment natively
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True)
-    # CPU: the lower-right bias would materialise a mask. Split into the cached prefix
-    # (unmasked) and the chunk's own keys (causal, square) and merge by log-sum-exp.
-    cpu_attn = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out_p, lse_p = cpu_attn(q, k[:, :, :pos], v[:, :, :pos], 0.0, False)
-    out_s, lse_s = cpu_attn(q, k[:, :, pos:], v[:, :, pos:], 0.0, True)
+    # CPU: the lower-right bias would materialise a mask; split instead
+    return _split_attention(q, k, v, pos, _cpu_with_lse)
+
+
+# "flash": one lower-right causal call. "cudnn-split": the cached prefix unmasked plus the
+# chunk's own keys causal and square, both through cuDNN (its fast cases; performance.md).
+CUDA_ATTENTION = os.environ.get("STRATA_CUDA_ATTENTION", "cudnn-split")
+
+
+def _split_attention(q, k, v, pos, attend):
+    """Attention over [prefix | own chunk] as two calls merged by their log-sum-exp."""
+    out_p, lse_p = attend(q, k[:, :, :pos], v[:, :, :pos], False)
+    out_s, lse_s = attend(q, k[:, :, pos:], v[:, :, pos:], True)
     lse = torch.logaddexp(lse_p, lse_s)
     w_p = torch.exp(lse_p - lse).unsqueeze(-1)
     w_s = torch.exp(lse_s - lse).unsqueeze(-1)
     return (out_p.float() * w_p + out_s.float() * w_s).to(q.dtype)
+
+
+def _cpu_with_lse(q, k, v, causal):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out, lse
+
+
+def _cudnn_with_lse(q, k, v, causal):
+    if k.shape[1] != q.shape[1]:  # the raw op wants as many key heads as query heads
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
+    return out, lse.view(q.shape[:3])
 
 
 class RMSNorm(nn.Module):

@@ -46,10 +46,20 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
         intervals.append([(e[1], e[2]) for e in ev])
         stages.append({"index": st.index, "device": st.device, "layers": list(st.layers), "pid": st.pid,
                        "wall_s": s["wall_s"], "work_s": s["work_s"], "handoff_wait_s": s["handoff_wait_s"],
-                       "input_wait_s": s["input_wait_s"], "chunks": s["chunks"], "mem_bytes": st.mem_bytes,
+                       "input_wait_s": s["input_wait_s"], "copy_s": s["copy_s"], "chunks": s["chunks"], "mem_bytes": st.mem_bytes,
                        "kv_bytes": st.kv_bytes, "pinned": st.pinned, "load_s": st.load_s,
                        "bad_frames": s["bad_frames"]})
         events.append([[e[0], e[1], e[2], e[3]] for e in ev])
+    planner = plan.planner or {}
+    for i, st in enumerate(stages):  # the planner's prediction beside the measured work
+        if planner.get("predicted"):
+            st["predicted_s"] = planner["predicted"][i] if planner["unit"] == "s" else None
+            st["predicted_share"] = planner["predicted_share"][i]
+            st["need_bytes"] = planner["needs"][i]["total"]
+            st["cap_bytes"] = planner["caps"][i]
+    work = sum(st["work_s"] for st in stages) or 1.0
+    for st in stages:
+        st["work_share"] = st["work_s"] / work
     all_ev = [e for ev in events for e in ev]
     begin = min((e[1] for e in all_ev), default=0.0)
     end = max((e[3] for e in all_ev), default=0.0)
@@ -61,6 +71,7 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
         "depth": cfg.depth, "chunk": cfg.chunk, "chunks": len(plan.schedule),
         "dynamic_chunks": cfg.dynamic_chunks, "schedule": [list(x) for x in plan.schedule],
         "model": cfg.model, "dtype": cfg.dtype, "stages": stages,
+        "split": [s.end - s.start for s in plan.stages], "planner": planner,
         "busy": busy_histogram(intervals, begin, end),
         "handoff_pinned_bytes": n_boundaries * plan.handoff_bytes(),
         "handoff_buffers": n_boundaries,
@@ -83,6 +94,16 @@ def format_table(report: dict) -> str:
         a, b = s["layers"]
         rows.append(f"{s['index']:>5} {s['device']:<8} {f'{a}-{b - 1}':<9} {s['wall_s']:>8.3f} {s['work_s']:>8.3f} "
                     f"{s['handoff_wait_s']:>9.3f} {s['input_wait_s']:>8.3f}")
+    pl = report.get("planner") or {}
+    if pl.get("predicted"):
+        st = report["stages"]
+        if pl["unit"] == "s":
+            pred = " / ".join(f"{s['predicted_s']:.2f}" for s in st) + " s"
+        else:
+            pred = " / ".join(f"{s['predicted_share']:.0%}" for s in st)
+        rows.append(f"split {report['split']} ({pl['mode']}, speeds {pl['speeds_from']}): predicted {pred}; "
+                    f"measured work " + " / ".join(f"{s['work_s']:.2f}" for s in st) + " s ("
+                    + " / ".join(f"{s['work_share']:.0%}" for s in st) + ")")
     busy = report["busy"]
     rows.append(f"busy: one {busy['one']:.0%}  two {busy['two']:.0%}  three+ {busy['three_plus']:.0%}  "
                 f"(none {busy['none']:.0%})")

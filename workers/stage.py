@@ -34,19 +34,49 @@ def _die_with_parent() -> None:
         pass
 
 
-def _watch_head(conn) -> None:
+def _watch_head(conn, log_fd: int | None = None) -> None:
     """The pipe's EOF means the head is gone: exit at once, whatever the main thread is doing."""
     def watch():
         try:
             conn.recv_bytes()
         except (EOFError, OSError):
             pass
+        if log_fd is not None:  # a raw write: no logging lock the main thread might hold
+            try:
+                os.write(log_fd, f"head gone (pipe EOF): stage pid {os.getpid()} exits\n".encode())
+            except OSError:
+                pass
         os._exit(3)
     threading.Thread(target=watch, name="head-watch", daemon=True).start()
 
 
 class StageFailed(RuntimeError):
     pass
+
+
+class ResidualDump:
+    """Residual rows after the last layer -> residual.npy (float32, exact for every dtype),
+    written by a thread so the file write overlaps the next chunk's compute."""
+
+    def __init__(self, path: str, tokens: int, dim: int, max_chunk: int, device):
+        import torch
+        self.file = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(tokens, dim))
+        self.staging = torch.empty((max_chunk, dim), dtype=torch.float32, pin_memory=device.type == "cuda")
+        self.writer: threading.Thread | None = None
+
+    def write(self, pos: int, h) -> None:
+        self.wait()  # the staging buffer is free again
+        n = h.shape[0]
+        self.staging[:n].copy_(h)
+        rows = self.staging[:n].numpy()
+        self.writer = threading.Thread(target=self.file.__setitem__, args=(slice(pos, pos + n), rows), daemon=True)
+        self.writer.start()
+
+    def wait(self) -> None:
+        if self.writer is not None:
+            self.writer.join()
+            self.writer = None
+            self.file.flush()
 
 
 class Stage:
@@ -112,10 +142,9 @@ class Stage:
         self.pinned = False
         if self.device.type == "cuda":
             self.pinned = all(s.pin() for s in self.segments if s.name.split("-")[-1] != "ids")
-        self.residual_file = None
+        self.dump = None
         if self.last and spec["dump_residual"]:
-            self.residual_file = np.lib.format.open_memmap(
-                spec["dump_residual"], mode="w+", dtype=np.float32, shape=(spec["tokens"], dim))
+            self.dump = ResidualDump(spec["dump_residual"], spec["tokens"], dim, cmax, self.device)
 
         # -- sockets: one PULL in, PUSH to each neighbour and to the head
         ctx = zmq.Context.instance()
@@ -147,6 +176,8 @@ class Stage:
         self.load_s = time.perf_counter() - t_load
         self.debug = spec["debug"]
         self._reset_stats("prefill", time.perf_counter())
+        if self.debug["fail_stage"] == self.i and self.debug["fail_phase"] == "load":
+            self._injected_failure("while loading")
 
     # -- messages ------------------------------------------------------------------------------
     def send(self, sock, type_, **fields):
@@ -154,7 +185,14 @@ class Stage:
 
     def _dispatch(self, msg: dict) -> None:
         t = msg["t"]
+        if t in ("chunk", "begin", "end") and msg["phase"] not in ("prefill", "decode"):
+            raise self.M.BadMessage(f"{t}: unknown phase {msg['phase']!r}")
+        if t in ("chunk", "taken", "done") and msg["k"] < 0:
+            raise self.M.BadMessage(f"{t}: negative chunk index {msg['k']}")
         if t == "chunk":
+            pos, n = msg["pos"], msg["n"]
+            if not (0 <= pos and 1 <= n <= self.spec["max_chunk"] and pos + n <= self.spec["max_len"]):
+                raise self.M.BadMessage(f"chunk: rows [{pos}, {pos + n}) do not fit the buffers")
             self.inputs.append(msg)
         elif t == "taken":
             self.taken_below.add(msg["k"])
@@ -197,7 +235,7 @@ class Stage:
     # -- timing ---------------------------------------------------------------------------------
     def _reset_stats(self, phase: str, t0: float) -> None:
         self.phase, self.t0 = phase, t0
-        self.work_s = self.handoff_wait_s = self.input_wait_s = 0.0
+        self.work_s = self.handoff_wait_s = self.input_wait_s = self.copy_s = 0.0
         self.events: list[list] = []  # [k, work_start, work_end, handoff_done]
         self.last_handoff = t0
         self.nchunks = 0
@@ -205,7 +243,7 @@ class Stage:
     def report_stats(self) -> None:
         self.send(self.to_head, "stats", stage=self.i, phase=self.phase,
                   wall_s=max(0.0, self.last_handoff - self.t0), work_s=self.work_s,
-                  handoff_wait_s=self.handoff_wait_s, input_wait_s=self.input_wait_s,
+                  handoff_wait_s=self.handoff_wait_s, input_wait_s=self.input_wait_s, copy_s=self.copy_s,
                   events=self.events, chunks=self.nchunks, bad_frames=self.bad_frames)
 
     # -- the chunk path -------------------------------------------------------------------------
@@ -216,6 +254,7 @@ class Stage:
         self.send(self.to_head, "working", stage=self.i, k=k)
 
         # 1. input: ids for the first stage, else residual rows from the buffer above
+        copy_start = time.perf_counter()
         if self.first:
             x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
         else:
@@ -223,6 +262,7 @@ class Stage:
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the copy has left the buffer
             self.send(self.to_up, "taken", k=k)
+        self.copy_s += time.perf_counter() - copy_start
 
         # 2. compute
         work_start = time.perf_counter()
@@ -236,8 +276,8 @@ class Stage:
                     nll, count = self.model.nll(h, targets)
             logits = self.model.logits(h[0, -1])
             argmax = int(logits.argmax())
-            if self.residual_file is not None and msg["phase"] == "prefill":
-                self.residual_file[pos:pos + n] = h[0].float().cpu().numpy()
+            if self.dump is not None and msg["phase"] == "prefill":
+                self.dump.write(pos, h[0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         work_end = time.perf_counter()
@@ -252,12 +292,14 @@ class Stage:
                 self.inflight.popleft()
 
         # 4. hand off
+        copy_start = time.perf_counter()
         if self.last:
             self.outbuf.copy_(logits)
             self.send(self.to_down, "result", k=k, nll=float(nll), count=count, argmax=argmax)
         else:
             self.outbuf[:n].copy_(h.view(n, self.args.dim))
             self.send(self.to_down, "chunk", k=k, pos=pos, n=n, phase=msg["phase"])
+        self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
         # depth 0: the old join; nothing new until this chunk is through the rest of the pipeline
@@ -277,15 +319,22 @@ class Stage:
         d = self.debug
         if d["delay_s"]:
             time.sleep(d["delay_s"])
-        if d["fail_stage"] == self.i and d["fail_chunk"] == k and self.phase == "prefill":
-            mode = d["fail_mode"]
-            self.log.error("debug: injected failure (%s) at chunk %d", mode, k)
-            if mode == "raise":
-                raise StageFailed(f"injected failure at chunk {k}")
-            if mode == "exit":
-                os._exit(17)
-            while True:  # hang: the watchdog must notice
-                time.sleep(1)
+        if d["fail_stage"] == self.i and d["fail_chunk"] == k and self.phase == d["fail_phase"]:
+            self._injected_failure(f"at chunk {k}")
+
+    def _injected_failure(self, where: str) -> None:
+        mode = self.debug["fail_mode"]
+        self.log.error("debug: injected failure (%s) %s", mode, where)
+        for h in self.log.handlers:
+            h.flush()
+        if mode == "raise":
+            raise StageFailed(f"injected failure {where}")
+        if mode == "exit":
+            os._exit(17)
+        if mode == "kill":  # as if killed from outside: no message, no cleanup
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang: the watchdog (or the ready deadline) must notice
+            time.sleep(1)
 
     def serve(self) -> None:
         self.send(self.to_head, "ready", stage=self.i, pid=os.getpid(), device=str(self.device),
@@ -301,6 +350,8 @@ class Stage:
                     self.input_wait_s += time.perf_counter() - max(t, self.t0)
                 self.run_chunk(self.inputs.popleft())
             else:
+                if self.dump is not None:
+                    self.dump.wait()  # the head hashes the file once every stage has reported
                 self.report_stats()
                 self.phase_end = None
 
@@ -320,7 +371,8 @@ class Stage:
 def run_stage_process(spec: dict, head_conn) -> None:
     """Entry point of a stage process (spawned by the head)."""
     _die_with_parent()
-    _watch_head(head_conn)
+    log_stream = open(spec["log_file"], "a")
+    _watch_head(head_conn, log_stream.fileno())
     i = spec["index"]
     log = logging.getLogger(f"stage{i}")
     log.setLevel(logging.INFO)
@@ -333,7 +385,6 @@ def run_stage_process(spec: dict, head_conn) -> None:
         ch.setFormatter(logging.Formatter(f"[stage {i}] %(message)s"))
         ch.setLevel(logging.WARNING)
         log.addHandler(ch)
-    log_stream = open(spec["log_file"], "a")
     faulthandler.enable(file=log_stream)
     faulthandler.register(signal.SIGUSR1, file=log_stream, all_threads=True)  # the watchdog's stack dump
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the head's to handle; it tells us to stop
@@ -344,7 +395,7 @@ def run_stage_process(spec: dict, head_conn) -> None:
         log.info("ready: loaded in %.2fs, KV cache %d bytes, pinned=%s", stage.load_s, stage.kv_bytes, stage.pinned)
         stage.serve()
     except SystemExit:
-        log.info("stopping")
+        log.info("stopping (%d bad frames rejected)", stage.bad_frames if stage else 0)
     except BaseException as e:  # noqa: BLE001 - report every failure upward, typed, then exit
         tb = traceback.format_exc()
         log.error("failed: %s", tb)

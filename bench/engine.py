@@ -1,0 +1,163 @@
+"""One stage on one GPU: Strata's engine next to transformers' LlamaForCausalLM, same weights.
+
+    python bench/engine.py --preset llama-3-8b --tokens 122880 --chunk 10240 --hf --attn flash,cudnn-split --profile
+
+Prints tok/s of each engine (same chunks), a bf16 correctness check on a small model against
+transformers in float32, and optionally the per-op CUDA time of one late chunk.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import strata.model as sm  # noqa: E402
+from strata.model import PRESETS, Transformer  # noqa: E402
+from strata.weights import synthetic_tensors  # noqa: E402
+
+
+def hf_model(args, tensors, dtype, device):
+    import transformers
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
+        max_position_embeddings=args.max_seq_len, tie_word_embeddings=args.tie_embeddings,
+        rope_scaling=dict(rope_type="llama3", **args.rope_scaling) if args.rope_scaling else None,
+        attn_implementation="sdpa", torch_dtype=dtype)
+    with torch.device("meta"):
+        m = transformers.LlamaForCausalLM(cfg)
+    names = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+             "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
+             "mlp_norm": "post_attention_layernorm.weight", "w_gate": "mlp.gate_proj.weight",
+             "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
+    sd = {"model.embed_tokens.weight": tensors["embed"], "model.norm.weight": tensors["norm"],
+          "lm_head.weight": tensors.get("head", tensors["embed"])}
+    for k, v in tensors.items():
+        if k.startswith("layers."):
+            _, i, short = k.split(".")
+            sd[f"model.layers.{i}.{names[short]}"] = v
+    m.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, strict=False, assign=True)
+    with torch.device(device):  # its inv_freq buffer was built on meta
+        m.model.rotary_emb = type(m.model.rotary_emb)(config=cfg)
+    return m.eval()
+
+
+def strata_model(args, tensors, dtype, device):
+    with torch.device("meta"):
+        t = Transformer(args)
+    t.load_weights(tensors, device, dtype)
+    return t.eval()
+
+
+def time_strata(t, ids, chunk):
+    t.setup_cache(ids.shape[1])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    per_chunk = []
+    for p in range(0, ids.shape[1], chunk):
+        c0 = time.perf_counter()
+        h = t(ids[:, p:p + chunk], p)
+        t.logits(h[0, -1:])
+        torch.cuda.synchronize()
+        per_chunk.append(time.perf_counter() - c0)
+    return time.perf_counter() - start, per_chunk
+
+
+@torch.inference_mode()
+def time_hf(m, ids, chunk):
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    per_chunk = []
+    for p in range(0, ids.shape[1], chunk):
+        c0 = time.perf_counter()
+        x = ids[:, p:p + chunk]
+        m(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1,
+          cache_position=torch.arange(p, p + x.shape[1], device=ids.device))
+        torch.cuda.synchronize()
+        per_chunk.append(time.perf_counter() - c0)
+    del cache
+    return time.perf_counter() - start, per_chunk
+
+
+@torch.inference_mode()
+def correctness(device):
+    """bf16 engine vs transformers float32 on a small synthetic model; chunked vs whole."""
+    args = PRESETS["smoke-wide"]
+    tensors = synthetic_tensors(args, 0, args.n_layers, device, torch.float32, seed=1)
+    ref = hf_model(args, tensors, torch.float32, device)
+    ids = torch.randint(0, args.vocab_size, (1, 1500), device=device, generator=torch.Generator(device).manual_seed(0))
+    want = ref(ids).logits[0].float()
+    rows = []
+    for mode in ("flash", "cudnn-split"):
+        sm.CUDA_ATTENTION = mode
+        t = strata_model(args, tensors, torch.bfloat16, device)
+        t.setup_cache(ids.shape[1])
+        h = torch.cat([t(ids[:, p:p + 256], p) for p in range(0, ids.shape[1], 256)], dim=1)
+        got = t.logits(h[0])
+        rel = ((got - want).norm() / want.norm()).item()
+        rows.append((mode, rel))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama-3-8b")
+    ap.add_argument("--tokens", type=int, default=122880)
+    ap.add_argument("--chunk", type=int, default=10240)
+    ap.add_argument("--attn", default="flash,cudnn-split")
+    ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    device = torch.device("cuda:0")
+    dtype = torch.bfloat16
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    for mode, rel in correctness(device):
+        print(f"correctness smoke-wide bf16 vs transformers fp32 ({mode}): rel {rel:.2e}  (bf16 tolerance 2e-2)")
+    args = PRESETS[a.preset]
+    tensors = synthetic_tensors(args, 0, args.n_layers, device, dtype, seed=0)
+    ids = torch.randint(0, args.vocab_size, (1, a.tokens), device=device, generator=torch.Generator(device).manual_seed(0))
+    rows = []
+    if a.hf:
+        m = hf_model(args, tensors, dtype, device)
+        time_hf(m, ids[:, :2048], 1024)  # warm-up
+        sec, per = time_hf(m, ids, a.chunk)
+        rows.append(("transformers sdpa", sec, per))
+        print(f"transformers: {a.tokens / sec:,.0f} tok/s", flush=True)
+        del m
+        torch.cuda.empty_cache()
+    t = strata_model(args, tensors, dtype, device)
+    del tensors
+    for mode in a.attn.split(","):
+        sm.CUDA_ATTENTION = mode
+        time_strata(t, ids[:, :2048], 1024)
+        sec, per = time_strata(t, ids, a.chunk)
+        rows.append((f"strata {mode}", sec, per))
+        print(f"strata {mode}: {a.tokens / sec:,.0f} tok/s", flush=True)
+    print(f"\n{a.preset} bf16, {a.tokens:,} tokens, chunk {a.chunk:,}, one GPU")
+    base = rows[0][1]
+    print(f"{'engine':<22}{'tok/s':>10}{'vs first':>10}{'first chunk s':>15}{'last chunk s':>14}")
+    for name, sec, per in rows:
+        print(f"{name:<22}{a.tokens / sec:>10,.0f}{base / sec:>10.2f}{per[0]:>15.3f}{per[-1]:>14.3f}")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        for mode in a.attn.split(","):
+            sm.CUDA_ATTENTION = mode
+            p = a.tokens - a.chunk  # the cache still holds the timed run's real keys and values
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t(ids[:, p:], p)
+                torch.cuda.synchronize()
+            print(f"\nper-op CUDA time, one chunk of {a.chunk} at position {p:,} ({mode}):")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The pipeline runtime against the single-process engine, and the depth semantics from event records."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from strata.config import ConfigError, from_dict
+from strata.model import Transformer
+from strata.pipeline import Pipeline
+from strata.shm import SHM_DIR
+from strata.weights import model_args, slice_tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_stages(n):
+    return [{"device": "cpu", "threads": 1} for _ in range(n)]
+
+
+def run(cfg: dict, out) -> "Result":
+    with Pipeline(cfg, out=out, console=False) as p:
+        res = p.prefill()
+        run_id = p.run_id
+        pids = [s.pid for s in p.stages]
+    # nothing of the run is left: processes and shared memory
+    assert not [n for n in os.listdir(SHM_DIR) if run_id in n]
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    return res
+
+
+def reference(model: str, ids: np.ndarray, chunk: int):
+    """The single-process engine, one slice, same chunking, one thread like the stages."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = model_args(model)
+        t = Transformer(args)
+        t.load_weights(slice_tensors(model, args, 0, args.n_layers), "cpu", torch.float32)
+        t.setup_cache(ids.size)
+        x = torch.from_numpy(ids.astype(np.int64)).view(1, -1)
+        hs = [t(x[:, p:p + chunk], p) for p in range(0, ids.size, chunk)]
+        h = torch.cat(hs, dim=1)
+        return h[0].numpy(), t.logits(h[0, -1]).numpy()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def smollm2_ids():
+    pytest.importorskip("gguf")
+    from strata.weights import smollm2_path
+    try:
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    rng = np.random.default_rng(7)
+    return rng.integers(0, 49152, size=300).astype(np.int32)
+
+
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_smollm2_stages_bit_exact_and_depth_arms_identical(tmp_path, smollm2_ids, n_stages):
+    ids_file = tmp_path / "ids.npy"
+    np.save(ids_file, smollm2_ids)
+    ref_h, ref_logits = reference("smollm2", smollm2_ids, 64)
+    md5 = {}
+    for depth in (0, 1):
+        cfg = dict(model="smollm2", stages=cpu_stages(n_stages), chunk=64, depth=depth,
+                   prompt={"ids_file": str(ids_file)}, dump_residual=True, progress=False)
+        res = run(cfg, tmp_path / f"d{depth}")
+        resid = np.load(tmp_path / f"d{depth}" / "residual.npy")
+        assert np.array_equal(resid, ref_h), f"depth {depth}: residual differs from the single-process engine"
+        assert np.array_equal(res.last_logits, ref_logits)
+        md5[depth] = res.report["residual_md5"]
+        assert len(res.report["stages"]) == n_stages
+    assert md5[0] == md5[1]
+
+
+def _events(report):
+    """{(stage, chunk): (start, end)} from the stages' own records."""
+    return {(i, k): (a, b) for i, ev in enumerate(report["events"]) for k, a, b, _ in ev}
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_ordering_from_event_records(tmp_path, depth):
+    cfg = dict(model="synthetic:smoke", stages=cpu_stages(3), chunk=64, depth=depth,
+               prompt={"random": {"tokens": 384, "seed": 1}}, progress=False, debug={"delay_s": 0.05})
+    rep = run(cfg, tmp_path / "o").report
+    ev = _events(rep)
+    n_chunks = rep["chunks"]
+    overlaps = 0
+    for i in range(2):
+        for k in range(n_chunks - 1):
+            start_next_here = ev[(i, k + 1)][0]
+            end_below = ev[(i + 1, k)][1]
+            if depth == 1:
+                # stage i works on chunk k+1 while stage i+1 works on chunk k
+                assert start_next_here < end_below, (i, k)
+            else:
+                # the old join: chunk k must be through the whole rest of the pipeline first
+                last_end = ev[(2, k)][1]
+                assert start_next_here > last_end, (i, k)
+            overlaps += start_next_here < end_below
+    assert (overlaps > 0) == (depth == 1)
+
+
+def test_depth_2_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="depth 2 refused"):
+        from_dict({"model": "synthetic:smoke", "depth": 2, "prompt": {"random": {"tokens": 10}}})
+    rig = tmp_path / "rig.yaml"
+    rig.write_text("model: synthetic:smoke\nprompt: {random: {tokens: 100}}\nstages: [cpu, cpu]\n")
+    env = dict(os.environ, STRATA_PF_DEPTH="2")
+    r = subprocess.run([sys.executable, str(ROOT / "launcher.py"), "--config", str(rig), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: depth 2 refused")
+    assert not (tmp_path / "o").exists()  # nothing started, nothing written
+
+
+def test_report_contract_and_timeline(tmp_path):
+    rig = tmp_path / "rig.yaml"
+    rig.write_text("model: synthetic:smoke\nstages: [{device: cpu, threads: 1}, {device: cpu, threads: 1}]\n"
+                   "chunk: 100\nprompt: {random: {tokens: 450, seed: 3}}\ngenerate: 3\ndump_residual: true\n")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "launcher.py"), "--config", str(rig), "--out", str(out),
+                        "--set", "timing=true", "--set", "depth=0"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    import json
+    rep = json.loads((out / "report.json").read_text())
+    for key in ("tokens", "seconds", "tok_s", "depth", "chunk", "stages", "busy", "handoff_pinned_bytes",
+                "residual_md5"):
+        assert key in rep, key
+    assert rep["tokens"] == 450 and rep["depth"] == 0 and rep["chunk"] == 100 and rep["chunks"] == 5
+    for s in rep["stages"]:
+        for key in ("index", "device", "layers", "wall_s", "work_s", "handoff_wait_s", "input_wait_s"):
+            assert key in s
+    assert [s["layers"] for s in rep["stages"]][0][0] == 0
+    assert rep["stages"][-1]["layers"][1] == 8
+    assert set(rep["busy"]) >= {"one", "two", "three_plus"}
+    assert abs(sum(rep["busy"].values()) - 1) < 1e-6
+    assert rep["handoff_pinned_bytes"] == 100 * 128 * 4  # one buffer: chunk x hidden x float32
+    assert len(rep["continuation_ids"]) == 3
+    assert (out / "timeline.png").stat().st_size > 1000
+    assert (out / "stage-0.log").is_file() and (out / "stage-1.log").is_file()
+
+
+def test_depth_and_timing_from_environment():
+    cfg = from_dict({"model": "synthetic:smoke", "prompt": {"random": {"tokens": 10}}},
+                    env={"STRATA_PF_DEPTH": "0", "STRATA_PREFILL_TIMING": "1"})
+    assert cfg.depth == 0 and cfg.timing
