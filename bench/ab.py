@@ -22,6 +22,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from strata.pipeline import Pipeline  # noqa: E402
 
 
+class NvmlSampler:
+    """Samples each GPU's utilization once a second in a thread; histogram of how many are busy."""
+
+    def __init__(self, devices: list[str]):
+        import threading
+
+        import pynvml
+        pynvml.nvmlInit()
+        idx = sorted({int(d.split(":")[1]) for d in devices if d.startswith("cuda")})
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in idx]
+        self.samples: list[int] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import pynvml
+        while not self.stopped.wait(1.0):
+            self.samples.append(sum(pynvml.nvmlDeviceGetUtilizationRates(h).gpu >= 50 for h in self.handles))
+
+    def stop(self) -> dict:
+        self.stopped.set()
+        self.thread.join()
+        n = max(1, len(self.samples))
+        c = [sum(1 for s in self.samples if s == k) for k in range(4)]
+        c[3] = sum(1 for s in self.samples if s >= 3)
+        return {"none": c[0] / n, "one": c[1] / n, "two": c[2] / n, "three_plus": c[3] / n, "samples": len(self.samples)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -35,6 +64,7 @@ def main() -> int:
     ap.add_argument("--dynamic", action="store_true", help="dynamic chunk sizes")
     ap.add_argument("--runs", type=int, default=2, help="runs per arm")
     ap.add_argument("--no-perplexity", action="store_true")
+    ap.add_argument("--nvml", action="store_true", help="also sample GPU utilization every second (NVML)")
     ap.add_argument("--json", help="write all reports here")
     ap.add_argument("--out", help="run directories under here (default: a temp dir)")
     a = ap.parse_args()
@@ -54,7 +84,11 @@ def main() -> int:
         for depth in (0, 1):
             cfg = dict(base, depth=depth)
             with Pipeline(cfg, out=root / f"run{r}-depth{depth}", console=False) as p:
+                p.start()
+                sampler = NvmlSampler(sorted({s.device for s in p.plan.stages})) if a.nvml else None
                 rep = p.prefill().report
+                if sampler:
+                    rep["busy_nvml"] = sampler.stop()
             rep["run"] = r
             reports.append(rep)
             print(f"run {r} depth {depth}: {rep['tok_s']:,.1f} tok/s  ({rep['seconds']:.2f} s, "
@@ -78,7 +112,11 @@ def main() -> int:
     for name, rs in (("depth 0", rep0), ("depth 1", rep1)):
         b = {k: statistics.mean(x["busy"][k] for x in rs) for k in ("one", "two", "three_plus", "none")}
         print(f"busy {name}: one {b['one']:.0%}  two {b['two']:.0%}  three+ {b['three_plus']:.0%}  "
-              f"none {b['none']:.0%}")
+              f"none {b['none']:.0%}   (exact intervals)")
+        if all("busy_nvml" in x for x in rs):
+            b = {k: statistics.mean(x["busy_nvml"][k] for x in rs) for k in ("one", "two", "three_plus", "none")}
+            print(f"busy {name}: one {b['one']:.0%}  two {b['two']:.0%}  three+ {b['three_plus']:.0%}  "
+                  f"none {b['none']:.0%}   (1 s NVML samples, GPU busy = utilization >= 50%)")
     print(f"{'stage':>5} {'device':<8} {'layers':<8} {'work d0':>9} {'work d1':>9} {'handoff d0':>11} "
           f"{'handoff d1':>11} {'input d0':>9} {'input d1':>9}   (seconds, mean over runs)")
     for i in range(n):

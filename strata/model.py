@@ -226,32 +226,41 @@ class Transformer(nn.Module):
 
     # -- weights ---------------------------------------------------------------------------
     def load_weights(self, tensors: dict[str, torch.Tensor], device, dtype) -> None:
-        """Assign canonical (HF-layout) tensors; see strata.weights for the names."""
-        sd = {}
+        """Assign canonical (HF-layout) tensors; see strata.weights for the names.
+
+        Consumes `tensors` layer by layer (entries are popped), so fusing q/k/v and gate/up
+        never holds a second copy of the whole slice: a 70B slice fills most of a GPU.
+        """
+        def take(name):
+            if name not in tensors:
+                raise ValueError(f"weights missing: {name}")
+            return tensors.pop(name).to(device=device, dtype=dtype)
+
+        def assign(sd):
+            for name, t in sd.items():
+                want = self.get_parameter(name).shape
+                if tuple(t.shape) != tuple(want):
+                    raise ValueError(f"weight {name} has shape {tuple(t.shape)}, the config expects {tuple(want)}")
+            self.load_state_dict(sd, strict=False, assign=True)
+
+        if self.has_head:  # before the embedding: a tied head on the first slice shares it
+            head = take("head") if "head" in tensors else tensors["embed"].to(device=device, dtype=dtype)
+            assign({"norm.weight": take("norm"), "head.weight": head})
         if self.has_embed:
-            sd["embed.weight"] = tensors["embed"]
+            assign({"embed.weight": take("embed")})
         for i in range(self.start, self.end):
             p = f"layers.{i}."
-            sd[p + "attn_norm.weight"] = tensors[p + "attn_norm"]
-            sd[p + "mlp_norm.weight"] = tensors[p + "mlp_norm"]
-            sd[p + "attn.wqkv.weight"] = torch.cat([tensors[p + n] for n in ("wq", "wk", "wv")])
+            sd = {p + "attn_norm.weight": take(p + "attn_norm"), p + "mlp_norm.weight": take(p + "mlp_norm"),
+                  p + "attn.wqkv.weight": torch.cat([take(p + n) for n in ("wq", "wk", "wv")]),
+                  p + "attn.wo.weight": take(p + "wo"),
+                  p + "mlp.w13.weight": torch.cat([take(p + "w_gate"), take(p + "w_up")]),
+                  p + "mlp.w2.weight": take(p + "w_down")}
             if self.args.qkv_bias:
-                sd[p + "attn.wqkv.bias"] = torch.cat([tensors[p + n] for n in ("bq", "bk", "bv")])
-            sd[p + "attn.wo.weight"] = tensors[p + "wo"]
-            sd[p + "mlp.w13.weight"] = torch.cat([tensors[p + "w_gate"], tensors[p + "w_up"]])
-            sd[p + "mlp.w2.weight"] = tensors[p + "w_down"]
-        if self.has_head:
-            sd["norm.weight"] = tensors["norm"]
-            sd["head.weight"] = tensors["head"] if "head" in tensors else tensors["embed"]
-        expected = {k for k in self.state_dict() if k != "inv_freq"}
-        missing = expected - set(sd)
-        if missing:
-            raise ValueError(f"weights missing: {sorted(missing)[:4]}")
-        for name, t in sd.items():
-            want = self.get_parameter(name).shape
-            if tuple(t.shape) != tuple(want):
-                raise ValueError(f"weight {name} has shape {tuple(t.shape)}, the config expects {tuple(want)}")
-        self.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, strict=False, assign=True)
+                sd[p + "attn.wqkv.bias"] = torch.cat([take(p + n) for n in ("bq", "bk", "bv")])
+            assign(sd)
+        meta = [n for n, t in self.named_parameters() if t.is_meta]
+        if meta:
+            raise ValueError(f"weights missing: {meta[:4]}")
         self.inv_freq = rope_frequencies(self.args).to(device)  # also when built on the meta device
 
     def setup_cache(self, max_len: int) -> int:

@@ -120,6 +120,8 @@ def hf_model_args(d: Path) -> ModelArgs:
         scaling = {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
         raise ModelError(f"{d}: unsupported rope scaling {rs.get('rope_type', rs.get('type'))!r} (supported: llama3)")
+    if cfg.get("mlp_bias") or (arch == "llama" and cfg.get("attention_bias")):
+        raise ModelError(f"{d}: unsupported: biases on {'the MLP' if cfg.get('mlp_bias') else 'attention'} projections")
     nh = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     return ModelArgs(arch=arch, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"],
@@ -129,7 +131,7 @@ def hf_model_args(d: Path) -> ModelArgs:
                      ffn_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
                      rope_theta=float(rope_theta), rope_scaling=scaling,
                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                     qkv_bias=(arch == "qwen2") or bool(cfg.get("attention_bias", False)),
+                     qkv_bias=(arch == "qwen2"),
                      max_seq_len=cfg.get("max_position_embeddings", 8192),
                      bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos)
 

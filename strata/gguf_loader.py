@@ -1,0 +1,252 @@
+"""GGUF model files (llama, qwen2): metadata to `ModelArgs`, and one layer range's tensors dequantized to HF layout."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .model import ModelArgs, rope_frequencies
+from .weights import ModelError, wanted_names
+
+SUPPORTED = ("llama", "qwen2")
+
+# canonical per-layer name -> GGUF per-layer name (blk.N.<name>.weight / .bias)
+_LAYER = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
+          "wv": "attn_v.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+          "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight",
+          "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
+_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
+
+
+def gguf_name(canon: str) -> str:
+    """Canonical tensor name -> the name llama.cpp gives it in a GGUF file."""
+    if canon in _GLOBAL:
+        return _GLOBAL[canon]
+    _, i, short = canon.split(".")
+    return f"blk.{i}.{_LAYER[short]}"
+
+
+# -- reading ------------------------------------------------------------------------------------
+def open_gguf(path: Path):
+    """A parsed, memory-mapped `gguf.GGUFReader`, cached per file version (parsing costs seconds)."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read GGUF file ({e.strerror or e})") from None
+    if not path.is_file():
+        raise ModelError(f"{path}: not a file")
+    return _open_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, size: int, mtime_ns: int):
+    import gguf
+    if size < 24:
+        raise ModelError(f"{path}: not a GGUF file (only {size} bytes)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{path}: not a GGUF file (bad magic {magic!r})")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the parser fails in many ways on truncated or corrupt bytes
+        raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {_one_line(e)})") from None
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelError(f"{path}: truncated GGUF file: tensor {t.name} extends to byte "
+                             f"{t.data_offset + t.n_bytes}, the file has {size}")
+    return reader
+
+
+def _one_line(e: BaseException) -> str:
+    s = " ".join(str(e).split())
+    return s[:200]
+
+
+def field_value(reader, key: str, default=None):
+    """A metadata value as a Python scalar, str or list (missing -> default)."""
+    import gguf
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    T = gguf.GGUFValueType
+
+    def scalar(vtype, part):
+        if vtype == T.STRING:
+            return bytes(part).decode("utf-8", errors="replace")
+        v = part[0]
+        if vtype == T.BOOL:
+            return bool(v)
+        if vtype in (T.FLOAT32, T.FLOAT64):
+            return float(v)
+        return int(v)
+
+    if f.types[0] == T.ARRAY:
+        if len(f.types) < 2:  # empty array
+            return []
+        return [scalar(f.types[1], f.parts[i]) for i in f.data]
+    return scalar(f.types[0], f.parts[f.data[0]])
+
+
+def _tensor_index(reader) -> dict:
+    return {t.name: t for t in reader.tensors}
+
+
+# -- metadata -------------------------------------------------------------------------------------
+def gguf_model_args(path: Path) -> ModelArgs:
+    reader = open_gguf(path)
+    arch = field_value(reader, "general.architecture")
+    if arch not in SUPPORTED:
+        raise ModelError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED)})")
+    tensors = _tensor_index(reader)
+
+    def need(key):
+        v = field_value(reader, f"{arch}.{key}")
+        if v is None:
+            raise ModelError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return v
+
+    def get(key, default=None):
+        return field_value(reader, f"{arch}.{key}", default)
+
+    dim, n_heads = need("embedding_length"), need("attention.head_count")
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_heads, list) or isinstance(n_kv, list):
+        raise ModelError(f"{path}: per-layer head counts are unsupported")
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or dim // n_heads
+    rot = get("rope.dimension_count")
+    if rot is not None and rot != head_dim:
+        raise ModelError(f"{path}: unsupported partial rotary embedding ({rot} of {head_dim} head dims)")
+    if get("attention.value_length", head_dim) != head_dim:
+        raise ModelError(f"{path}: unsupported attention with value length != key length")
+
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    vocab = get("vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None and "token_embd.weight" in tensors:
+        vocab = int(tensors["token_embd.weight"].shape[1])
+    if vocab is None:
+        raise ModelError(f"{path}: cannot tell the vocabulary size")
+
+    theta = float(get("rope.freq_base", 10000.0))
+    scaling = _rope_scaling(path, reader, arch, tensors, theta, head_dim)
+    try:
+        args = ModelArgs(
+            arch=arch, vocab_size=int(vocab), dim=int(dim), n_layers=int(need("block_count")),
+            n_heads=int(n_heads), n_kv_heads=int(n_kv), head_dim=int(head_dim),
+            ffn_dim=int(need("feed_forward_length")),
+            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=theta, rope_scaling=scaling,
+            tie_embeddings="output.weight" not in tensors,
+            qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+            max_seq_len=int(get("context_length", 8192)),
+            bos_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+            eos_id=field_value(reader, "tokenizer.ggml.eos_token_id"))
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{path}: inconsistent GGUF metadata ({_one_line(e)})") from None
+    if args.qkv_bias and arch == "qwen2" and "blk.0.attn_q.bias" not in tensors:
+        raise ModelError(f"{path}: qwen2 model without q/k/v biases is unsupported")
+    return args
+
+
+def _rope_scaling(path, reader, arch, tensors, theta, head_dim) -> dict | None:
+    """Llama-3 style scaling, from explicit metadata or recognised in a `rope_freqs` tensor."""
+    kind = field_value(reader, f"{arch}.rope.scaling.type")
+    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    orig = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    lo = field_value(reader, f"{arch}.rope.scaling.low_freq_factor")
+    hi = field_value(reader, f"{arch}.rope.scaling.high_freq_factor")
+    if kind not in (None, "none", "llama3") and not (kind == "linear" and factor in (None, 1.0)):
+        raise ModelError(f"{path}: unsupported rope scaling {kind!r} (supported: llama3)")
+    if kind == "llama3" or (lo is not None and hi is not None):
+        if None in (factor, lo, hi, orig):
+            raise ModelError(f"{path}: llama3 rope scaling lacks factor/low/high/original_context_length")
+        return dict(factor=float(factor), low_freq_factor=float(lo), high_freq_factor=float(hi),
+                    original_max_position_embeddings=int(orig))
+    if "rope_freqs.weight" not in tensors:
+        return None
+    # llama.cpp's converter stores Llama-3 scaling only as per-frequency divisors (rope_freqs).
+    # Find the standard llama3 parameters that reproduce them exactly, or refuse.
+    t = tensors["rope_freqs.weight"]
+    divisors = torch.from_numpy(_dequantize(path, t)).double().flatten()
+    if divisors.numel() != head_dim // 2:
+        raise ModelError(f"{path}: rope_freqs has {divisors.numel()} entries, expected {head_dim // 2}")
+    if torch.allclose(divisors, torch.ones_like(divisors)):
+        return None
+    fmax = float(divisors.max())
+    origs = [int(orig)] if orig else [8192, 4096, 16384, 32768]
+    for o in origs:
+        for lo_, hi_ in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
+            cand = dict(factor=fmax, low_freq_factor=lo_, high_freq_factor=hi_, original_max_position_embeddings=o)
+            base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+            trial = ModelArgs(head_dim=head_dim, rope_theta=theta, rope_scaling=cand, n_heads=1, n_kv_heads=1)
+            got = base / rope_frequencies(trial).double()
+            if torch.allclose(got, divisors, rtol=1e-3, atol=1e-4):
+                return cand
+    raise ModelError(f"{path}: unsupported rope scaling: rope_freqs tensor does not match llama3-style parameters")
+
+
+# -- tensors --------------------------------------------------------------------------------------
+def _dequantize(path, t) -> np.ndarray:
+    """A GGUF tensor as a float32 numpy array in numpy/torch (HF) dimension order."""
+    import gguf
+    T = gguf.GGMLQuantizationType
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+    try:
+        if t.tensor_type == T.F32:
+            arr = np.array(t.data, dtype=np.float32)
+        elif t.tensor_type == T.F16:
+            arr = np.asarray(t.data).view(np.float16).astype(np.float32)
+        else:
+            arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    except NotImplementedError:
+        raise ModelError(f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}, "
+                         f"which gguf-py cannot dequantize") from None
+    except Exception as e:
+        raise ModelError(f"{path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {_one_line(e)}") from None
+    if arr.size != int(np.prod(shape)):
+        raise ModelError(f"{path}: tensor {t.name} decodes to {arr.size} values, its shape {shape} needs {np.prod(shape)}")
+    return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (interleaved rotary pairs) back to HF rotate-half order.
+
+    The converter maps HF rows (head, half, i) to (head, i, half); we map them back.
+    """
+    rows = w.shape[0]
+    hd = rows // n_heads
+    return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int) -> dict[str, torch.Tensor]:
+    """Canonical float32 tensors of layers [start, end) (+ embedding / norm and head at the ends)."""
+    if not 0 <= start < end <= args.n_layers:
+        raise ModelError(f"layer range [{start}, {end}) is outside the model's {args.n_layers} layers")
+    reader = open_gguf(path)
+    tensors = _tensor_index(reader)
+    hd = args.head_dim
+    expect = {"embed": (args.vocab_size, args.dim), "head": (args.vocab_size, args.dim), "norm": (args.dim,),
+              "attn_norm": (args.dim,), "mlp_norm": (args.dim,), "wq": (args.n_heads * hd, args.dim),
+              "wk": (args.n_kv_heads * hd, args.dim), "wv": (args.n_kv_heads * hd, args.dim),
+              "wo": (args.dim, args.n_heads * hd), "w_gate": (args.ffn_dim, args.dim),
+              "w_up": (args.ffn_dim, args.dim), "w_down": (args.dim, args.ffn_dim),
+              "bq": (args.n_heads * hd,), "bk": (args.n_kv_heads * hd,), "bv": (args.n_kv_heads * hd,)}
+    out: dict[str, torch.Tensor] = {}
+    for canon in wanted_names(args, start, end):
+        name = gguf_name(canon)
+        t = tensors.get(name)
+        if t is None:
+            raise ModelError(f"{path}: tensor {name} missing from the file")
+        w = torch.from_numpy(_dequantize(path, t))
+        short = canon.rsplit(".", 1)[-1]
+        if tuple(w.shape) != expect[short]:
+            raise ModelError(f"{path}: tensor {name} has shape {tuple(w.shape)}, the metadata implies {expect[short]}")
+        if args.arch == "llama" and short in ("wq", "bq"):
+            w = _unpermute(w, args.n_heads)
+        elif args.arch == "llama" and short in ("wk", "bk"):
+            w = _unpermute(w, args.n_kv_heads)
+        out[canon] = w.contiguous()
+    return out
