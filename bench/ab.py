@@ -126,6 +126,8 @@ def main() -> int:
         print(f"{i:>5} {s['device']:<8} {str(s['layers'][0]) + '-' + str(s['layers'][1] - 1):<8} "
               f"{mean(rep0, 'work_s'):>9.3f} {mean(rep1, 'work_s'):>9.3f} {mean(rep0, 'handoff_wait_s'):>11.3f} "
               f"{mean(rep1, 'handoff_wait_s'):>11.3f} {mean(rep0, 'input_wait_s'):>9.3f} {mean(rep1, 'input_wait_s'):>9.3f}")
+    print(f"tail (stage 0's last chunk end -> last stage's last chunk end), depth 1: "
+          f"{statistics.mean(x['tail_s'] for x in rep1):.3f} s of {statistics.mean(x['seconds'] for x in rep1):.3f} s")
     md5s = {x["residual_md5"] for x in reports}
     print(f"residual md5 identical across all {len(reports)} runs: {len(md5s) == 1} ({sorted(md5s)[0]})")
     print(f"hand-off: {first['handoff_buffers']} buffer(s), {first['handoff_pinned_bytes']:,} bytes, "
