@@ -8,14 +8,16 @@ from __future__ import annotations
 import math
 import os
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .config import ConfigError, RigConfig, StageSpec, check_device
 from .model import ModelArgs
-from .planner import DTYPE_BYTES, PlanError, check_split, even_split, plan_split
+from .schedule import chunk_schedule
+from .planner import (DTYPE_BYTES, PlanError, Speed, check_split, even_split, plan_split, predicted_times,
+                      stage_needs)
 from .weights import ModelError, model_args
 
 
@@ -39,6 +41,7 @@ class Plan:
     ids: np.ndarray            # int32 prompt token ids
     schedule: tuple[tuple[int, int], ...]  # (pos, length) of each prefill chunk
     max_chunk: int
+    planner: dict = field(default_factory=dict)  # how the split was chosen: speeds, predicted times, needs
 
     @property
     def tokens(self) -> int:
@@ -129,34 +132,6 @@ def stdlib_source(module: str) -> str:
     raise ConfigError(f"prompt.stdlib: no source for module {module!r} under {base}")
 
 
-def chunk_schedule(tokens: int, chunk: int, dynamic: bool, args: ModelArgs) -> list[tuple[int, int]]:
-    """(pos, length) of each chunk. Dynamic: later chunks shrink so each costs what the first does.
-
-    Cost of a chunk of T tokens at position p, per layer: linear 2*P*T plus attention
-    4*nh*hd*T*(p + T/2) FLOPs. The first chunk sets the budget; buffers stay sized for it.
-    """
-    if not dynamic:
-        return [(p, min(chunk, tokens - p)) for p in range(0, tokens, chunk)]
-    lin = 2 * args.layer_param_count()
-    att = 4 * args.n_heads * args.head_dim
-
-    def cost(p, t):
-        return lin * t + att * t * (p + t / 2)
-
-    first = min(chunk, tokens)
-    budget = cost(0, first)
-    out, p = [], 0
-    while p < tokens:
-        # largest t with cost(p, t) <= budget: att/2 t^2 + (lin + att p) t - budget = 0
-        a, b = att / 2, lin + att * p
-        t = int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
-        t = max(64, (t // 64) * 64) if t >= 64 else max(1, t)  # multiples of 64 keep kernels efficient
-        t = min(t, chunk, tokens - p)
-        out.append((p, t))
-        p += t
-    return out
-
-
 def build_plan(cfg: RigConfig) -> Plan:
     try:
         args = model_args(cfg.model)
@@ -174,30 +149,79 @@ def build_plan(cfg: RigConfig) -> Plan:
                           f"of {args.max_seq_len} tokens (cut it with prompt.max_tokens)")
     schedule = chunk_schedule(int(ids.size), cfg.chunk, cfg.dynamic_chunks, args)
     max_chunk = max(t for _, t in schedule)
-    caps = [s.memory for s in stages]
-    host = [s.device == "cpu" for s in stages]
-    if cfg.layer_split == "auto":
-        speeds = [s.speed or 1.0 for s in stages]
-        try:
-            split = plan_split(args, len(stages), speeds, caps, total, max_chunk, cfg.dtype, host,
-                               with_head=cfg.perplexity)
-        except PlanError as e:
-            raise ConfigError(str(e)) from None
-    else:
-        split = list(cfg.layer_split)
-        if len(split) != len(stages):
-            raise ConfigError(f"layer_split: {len(split)} entries for {len(stages)} stages")
-        if sum(split) != args.n_layers:
-            raise ConfigError(f"layer_split: {split} sums to {sum(split)}, the model has {args.n_layers} layers")
-        err = check_split(args, split, caps, total, max_chunk, cfg.dtype, host)
-        if err:
-            raise ConfigError(err)
     cores = assign_cores(stages)
+    split, planner = choose_split(cfg, args, stages, cores, int(ids.size), total, max_chunk)
     plans, a = [], 0
     for i, (s, n) in enumerate(zip(stages, split)):
         plans.append(StagePlan(i, s.device, a, a + n, s.threads, cores[i], s.speed, s.memory))
         a += n
-    return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk)
+    return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner)
+
+
+def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: int, kv_tokens: int,
+                 max_chunk: int) -> tuple[list[int], dict]:
+    """The layer split (auto: planned; else the rig's, checked) and how it was chosen, for the report.
+
+    Memory caps: the rig's `memory:`, else a CUDA device's free memory now, else none per CPU
+    stage (all CPU stages together are checked against the host's available memory). Speeds: the
+    rig's `speed:` (all stages or none), else calibrated (strata.calibrate) when the stages differ."""
+    from .calibrate import CalibrationError, host_available_bytes, stage_facts
+    auto = cfg.layer_split == "auto"
+    n = len(stages)
+    given = [i for i, s in enumerate(stages) if s.speed is not None]
+    if auto and n > 1 and given and len(given) != n:
+        raise ConfigError(f"stages: speed is given for stage(s) {given} but not for all {n}: give it for every "
+                          "stage (relative speeds) or for none (then it is calibrated)")
+    try:
+        facts = stage_facts(stages, cores, args, cfg.dtype, max_chunk, kv_tokens, prompt_tokens,
+                            want_speed=auto, with_head=cfg.perplexity)
+    except CalibrationError as e:
+        raise ConfigError(f"{e} (give every stage `speed:` and, on CUDA, `memory:` to skip the probes)") from None
+    host = [s.device == "cpu" for s in stages]
+    labels = [s.device + (f", {s.threads} thread{'s' if s.threads != 1 else ''}" if s.threads else "")
+              for s in stages]
+    kw = dict(with_head=cfg.perplexity, labels=labels, cap_notes=facts.cap_notes)
+    if auto:
+        try:
+            split = plan_split(args, n, facts.speeds, facts.caps, kv_tokens, max_chunk, cfg.dtype, host,
+                               prompt_tokens=prompt_tokens, **kw)
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        split = list(cfg.layer_split)
+        if len(split) != n:
+            raise ConfigError(f"layer_split: {len(split)} entries for {n} stages")
+        if sum(split) != args.n_layers:
+            raise ConfigError(f"layer_split: {split} sums to {sum(split)}, the model has {args.n_layers} layers")
+        err = check_split(args, split, facts.caps, kv_tokens, max_chunk, cfg.dtype, host, **kw)
+        if err:
+            raise ConfigError(err)
+    needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity)
+    cpu = [i for i in range(n) if host[i]]
+    # CPU stages share the host: checked together, unless every one of them gives its own `memory:`
+    avail = host_available_bytes() if any(stages[i].memory is None for i in cpu) else None
+    if avail is not None:
+        want = sum(needs[i].total for i in cpu)
+        if want > avail:
+            part = {k: sum(getattr(needs[i], k) for i in cpu) / 2**30 for k in ("weights", "kv_cache", "activations")}
+            raise ConfigError(
+                f"the CPU stage(s) {cpu} together need {want:,} bytes ({want / 2**30:.2f} GiB: weights "
+                f"{part['weights']:.2f} GiB, KV cache {part['kv_cache']:.2f} GiB, activations "
+                f"{part['activations']:.2f} GiB) but the host has {avail:,} bytes available "
+                f"({avail / 2**30:.2f} GiB, MemAvailable); if it can give more (a VM that grows its memory on "
+                f"demand), give each CPU stage `memory:` to plan with your own caps")
+    predicted = predicted_times(args, split, facts.speeds, prompt_tokens, cfg.perplexity)
+    total = sum(predicted) or 1.0
+    planner = {
+        "split": split, "mode": "auto" if auto else "given", "speeds_from": facts.source,
+        "unit": "s" if facts.source == "calibrated" else "relative",
+        "predicted": predicted, "predicted_share": [t / total for t in predicted],
+        "speeds": [Speed.of(s).as_dict() for s in facts.speeds],
+        "caps": facts.caps, "cap_notes": facts.cap_notes, "needs": [x.as_dict() for x in needs],
+        "host_available": avail, "calibration_s": facts.seconds,
+        "probes": [{"device": p.device, "threads": p.threads, "seconds": p.seconds, **p.detail} for p in facts.probes],
+    }
+    return split, planner
 
 
 __all__ = ["Plan", "StagePlan", "build_plan", "chunk_schedule", "even_split", "load_prompt"]

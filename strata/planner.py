@@ -1,6 +1,20 @@
 """Layer split planning: contiguous layer ranges that make the slowest stage as fast as possible
 while every stage fits its memory (weights, KV cache for the whole prompt, one chunk's
-activations and scratch, hand-off buffers)."""
+activations and scratch, hand-off buffers, the process's own runtime).
+
+Pure arithmetic: nothing here starts a process or touches a device. Speeds come from the rig or
+from `strata.calibrate`; memory caps from the rig or from the device (see `plan.build_plan`).
+
+Cost model. A stage holding n layers (and the final norm and head when it is the last one)
+spends, over a prompt of N tokens,
+
+    t = n * (linear / s.linear + attention / s.attention) + [last] head / s.head
+
+with per layer linear = 2 * P_layer * N FLOPs, attention = 2 * n_heads * head_dim * N^2 (causal:
+QK^T and PV over half the square) and head = 2 * vocab * dim * N (the perplexity's logits for
+every prompt row). Speeds in FLOP/s give seconds; relative speeds (`speed:` in the rig) give
+comparable units, so only the shares mean anything.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,10 +22,23 @@ from dataclasses import dataclass
 from .model import ModelArgs
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GiB = 2**30
+# Beyond the tensors a stage allocates: a CPU stage process's interpreter and torch (anonymous
+# memory after the imports, measured ~0.2-0.3 GB RSS); a CUDA stage's cuBLAS workspace and the
+# caching allocator's rounding. The CUDA context itself is not in here: a cap measured on the
+# device already excludes one (see calibrate.py); a cap from the rig has CUDA_CONTEXT taken off.
+CPU_RUNTIME_BYTES = 256 * 2**20
+CUDA_RUNTIME_BYTES = 256 * 2**20
+CUDA_CONTEXT_BYTES = 512 * 2**20
+NLL_BLOCK = 1024  # rows of full-vocabulary logits at once in Transformer.nll
 
 
 class PlanError(ValueError):
     """A split that cannot work: one line naming the stage and the bytes."""
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GiB:.2f} GiB"
 
 
 @dataclass(frozen=True)
@@ -20,114 +47,301 @@ class StageNeed:
     kv_cache: int
     activations: int
     handoff: int
+    runtime: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations + self.handoff
+        return self.weights + self.kv_cache + self.activations + self.handoff + self.runtime
 
     def describe(self) -> str:
-        gib = 2**30
-        return (f"weights {self.weights / gib:.2f} GiB, KV cache {self.kv_cache / gib:.2f} GiB, "
-                f"activations {self.activations / gib:.2f} GiB, hand-off {self.handoff / gib:.2f} GiB")
+        parts = [f"weights {_gib(self.weights)}", f"KV cache {_gib(self.kv_cache)}",
+                 f"activations {_gib(self.activations)}"]
+        if self.handoff:
+            parts.append(f"hand-off {_gib(self.handoff)}")
+        if self.runtime:
+            parts.append(f"runtime {_gib(self.runtime)}")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"weights": self.weights, "kv_cache": self.kv_cache, "activations": self.activations,
+                "handoff": self.handoff, "runtime": self.runtime, "total": self.total}
+
+
+def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: int, dtype: str,
+          on_cpu: bool, with_head: bool) -> StageNeed:
+    b = DTYPE_BYTES[dtype]
+    f4 = 4
+    dim, hd, nh, nkv, ffn, V = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size
+    q, kvw = nh * hd, nkv * hd
+    qkv = q + 2 * kvw
+
+    # -- weights: layers (+ q/k/v biases), embedding on the first stage, norm and head on the last.
+    # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
+    weights = n * (args.layer_param_count() + (qkv if args.qkv_bias else 0))
+    if first:
+        weights += V * dim
+    if last:
+        weights += dim + (V * dim if not (args.tie_embeddings and first) else 0)
+    weights *= b
+
+    # -- KV cache: allocated once for every position (prompt + continuation), every layer held
+    kv = 2 * n * kvw * tokens * b
+
+    # -- one chunk's activations at their peak, in bytes per row. Alive through a block: the
+    # stage's input rows and the block's input (2 rows of dim). Then the largest of the phases:
+    norm = dim * b + 2 * dim * f4                       # RMSNorm: float32 copy and square, result
+    rope = qkv * b + 4 * q * b                          # fused q/k/v out + rotate-half temporaries of q
+    split = on_cpu or (_cuda_attention() == "cudnn-split" and b != f4)
+    if split:  # two attention calls (prefix, own keys) merged by log-sum-exp in float32
+        attn = qkv * b + (q + kvw) * b + 2 * q * b + 3 * q * f4 + 5 * nh * f4
+    else:      # flash / memory-efficient SDPA: the output and its log-sum-exp
+        attn = qkv * b + (q + kvw) * b + q * b + nh * f4
+    attn += dim * b                                     # the normed input feeding it
+    mlp = 2 * dim * b + 4 * ffn * b                     # residual, normed input, gate|up, silu, product
+    per_row = 2 * dim * b + max(norm, rope + dim * b, attn, mlp)
+    act = chunk * per_row + chunk * hd * (2 * b + 3 * f4)  # + rope cos/sin tables
+    if split and not on_cpu and nkv != nh:
+        # the cuDNN split path repeats K and V to every query head: at the last chunk, the whole context
+        act += 2 * q * tokens * b
+    if last:
+        # the final norm and head: blocked float32 logits for the NLL (logits in dtype, their
+        # float32 copy, log-softmax), while the chunk's output rows stay alive
+        rows = min(chunk, NLL_BLOCK) if with_head else 1
+        head = rows * V * (b + (f4 if b != f4 else 0) + f4) + rows * (dim * b + 2 * dim * f4)
+        act = max(act, chunk * 2 * dim * b + head)
+
+    # -- hand-off: on CPU the shared-memory buffers this stage maps (in from above, out below,
+    # or the result row and the token ids); a CUDA stage's are pinned host memory, not on the card
+    handoff = 0
+    if on_cpu:
+        handoff += (0 if first else chunk * dim * b) + (V * f4 if last else chunk * dim * b)
+        handoff += (tokens + 1) * 4
+    runtime = CPU_RUNTIME_BYTES if on_cpu else CUDA_RUNTIME_BYTES
+    return StageNeed(weights, kv, act, handoff, runtime)
+
+
+def _cuda_attention() -> str:
+    from . import model
+    return getattr(model, "CUDA_ATTENTION", "flash")
 
 
 def stage_need(args: ModelArgs, start: int, end: int, tokens: int, chunk: int, dtype: str,
-               host_handoff: bool = False) -> StageNeed:
-    """Bytes a stage holding layers [start, end) needs for a prompt of `tokens` in chunks of `chunk`."""
-    b = DTYPE_BYTES[dtype]
-    weights = args.param_count(start, end) * b
-    if end == args.n_layers and args.tie_embeddings and start != 0:
-        weights += args.vocab_size * args.dim * b  # the tied head keeps its own copy of the embedding
-    kv = 2 * (end - start) * args.n_kv_heads * args.head_dim * tokens * b
-    qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-    # residual + normed input + qkv + attention out + gate/up + activation product, one chunk
-    act = chunk * (3 * args.dim + qkv + args.n_heads * args.head_dim + 3 * args.ffn_dim) * b
-    act += chunk * args.n_heads * 4 * 2  # log-sum-exp of split attention (float32)
-    if end == args.n_layers:
-        act += min(chunk, 1024) * args.vocab_size * 4  # blocked float32 logits for the NLL
-    handoff = 2 * chunk * args.dim * b if host_handoff else 0
-    return StageNeed(weights, kv, act, handoff)
+               host_handoff: bool = False, with_head: bool = True) -> StageNeed:
+    """Bytes a stage holding layers [start, end) needs: `tokens` KV positions (prompt + continuation),
+    chunks of at most `chunk` rows. `host_handoff`: a CPU stage (its hand-off buffers are host memory
+    it maps; its activations take the CPU attention path). `with_head`: the perplexity's blocked logits."""
+    return _need(args, end - start, start == 0, end == args.n_layers, tokens, chunk, dtype, host_handoff, with_head)
+
+
+# -- speed and cost ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Speed:
+    """A device's throughput: FLOP/s (calibrated) or relative units (the rig's `speed:`)."""
+    linear: float
+    attention: float
+    head: float
+
+    @classmethod
+    def of(cls, s: "Speed | float") -> "Speed":
+        return s if isinstance(s, Speed) else cls(float(s), float(s), float(s))
+
+    def as_dict(self) -> dict:
+        return {"linear": self.linear, "attention": self.attention, "head": self.head}
+
+
+def layer_flops(args: ModelArgs, tokens: int) -> tuple[float, float]:
+    """(linear, attention) FLOPs of one layer over a prompt of `tokens`."""
+    return 2.0 * args.layer_param_count() * tokens, 2.0 * args.n_heads * args.head_dim * tokens * tokens
+
+
+def head_flops(args: ModelArgs, tokens: int) -> float:
+    return 2.0 * args.vocab_size * args.dim * tokens
+
+
+def chunk_flops(args: ModelArgs, pos: int, n: int) -> tuple[float, float]:
+    """(linear, attention) FLOPs of one layer on a chunk of n rows at position pos (as chunk_schedule)."""
+    return 2.0 * args.layer_param_count() * n, 4.0 * args.n_heads * args.head_dim * n * (pos + n / 2)
 
 
 def stage_cost(args: ModelArgs, start: int, end: int, tokens: int, with_head: bool = True) -> float:
     """FLOPs a stage spends on the whole prompt (linear layers + causal attention + head)."""
-    n = end - start
-    linear = 2 * args.layer_param_count() * tokens
-    attn = 2 * args.n_heads * args.head_dim * tokens * tokens  # QK^T and PV over the causal half
-    flops = n * (linear + attn)
+    lin, att = layer_flops(args, tokens)
+    flops = (end - start) * (lin + att)
     if end == args.n_layers and with_head:
-        flops += 2 * args.vocab_size * args.dim * tokens
+        flops += head_flops(args, tokens)
     return float(flops)
 
 
-def plan_split(args: ModelArgs, n_stages: int, speeds: list[float], caps: list[int | None],
-               tokens: int, chunk: int, dtype: str, host_handoff: list[bool] | None = None,
-               with_head: bool = True) -> list[int]:
-    """Optimal contiguous split (layer counts) by dynamic programming over (stage, first layer).
-
-    Minimises the slowest stage's predicted time cost/speed subject to each stage's memory cap.
-    """
-    L = args.n_layers
-    host_handoff = host_handoff or [False] * n_stages
-    if n_stages > L:
-        raise PlanError(f"{n_stages} stages but the model has only {L} layers")
-    INF = float("inf")
-
-    def t(i, a, b):
-        if caps[i] is not None and stage_need(args, a, b, tokens, chunk, dtype, host_handoff[i]).total > caps[i]:
-            return INF
-        return stage_cost(args, a, b, tokens, with_head) / speeds[i]
-
-    # best[i][a]: best max-time for stages i.. covering layers [a, L)
-    best = [[INF] * (L + 1) for _ in range(n_stages + 1)]
-    choice = [[0] * (L + 1) for _ in range(n_stages + 1)]
-    best[n_stages][L] = 0.0
-    for i in range(n_stages - 1, -1, -1):
-        for a in range(L - 1, -1, -1):
-            for b in range(a + 1, L - (n_stages - 1 - i) + 1):
-                v = max(t(i, a, b), best[i + 1][b])
-                if v < best[i][a]:
-                    best[i][a], choice[i][a] = v, b
-    if best[0][0] == INF:
-        raise PlanError(_no_fit_reason(args, n_stages, caps, tokens, chunk, dtype, host_handoff))
-    split, a = [], 0
-    for i in range(n_stages):
-        b = choice[i][a]
-        split.append(b - a)
-        a = b
-    return split
+def stage_time(args: ModelArgs, n: int, last: bool, speed: "Speed | float", tokens: int,
+               with_head: bool = True) -> float:
+    """Predicted time of a stage holding n layers (seconds when speed is in FLOP/s)."""
+    s = Speed.of(speed)
+    lin, att = layer_flops(args, tokens)
+    t = n * (lin / s.linear + att / s.attention)
+    if last and with_head:
+        t += head_flops(args, tokens) / s.head
+    return t
 
 
-def _no_fit_reason(args, n_stages, caps, tokens, chunk, dtype, host_handoff) -> str:
-    # Name the stage that fails under the even split: the clearest single culprit to report.
-    even = even_split(args.n_layers, n_stages)
-    return check_split(args, even, caps, tokens, chunk, dtype, host_handoff, prefix="no split fits: even split fails: ") or \
-        "no split fits the stages' memory"
+def predicted_times(args: ModelArgs, split: list[int], speeds: list, tokens: int,
+                    with_head: bool = True) -> list[float]:
+    return [stage_time(args, n, i == len(split) - 1, speeds[i], tokens, with_head) for i, n in enumerate(split)]
 
 
+# -- the split -----------------------------------------------------------------------------------
 def even_split(n_layers: int, n_stages: int) -> list[int]:
     base, extra = divmod(n_layers, n_stages)
     return [base + (1 if i < extra else 0) for i in range(n_stages)]
 
 
+def _label(i: int, labels) -> str:
+    return f"stage {i}" + (f" ({labels[i]})" if labels and labels[i] else "")
+
+
+def _has(i: int, cap: int, notes) -> str:
+    note = f"; {notes[i]}" if notes and notes[i] else ""
+    return f"{cap:,} bytes ({_gib(cap)}{note})"
+
+
+def plan_split(args: ModelArgs, n_stages: int, speeds: list, caps: list[int | None], tokens: int, chunk: int,
+               dtype: str, host_handoff: list[bool] | None = None, with_head: bool = True,
+               prompt_tokens: int | None = None, labels: list[str] | None = None,
+               cap_notes: list[str] | None = None) -> list[int]:
+    """Optimal contiguous split (layer counts per stage), by dynamic programming.
+
+    Minimises the slowest stage's predicted time subject to every stage's memory cap; among the
+    splits that reach that minimum, the one with the least total time (the pipeline's fill and
+    drain). `tokens`: KV positions (memory); `prompt_tokens` (default `tokens`): the work.
+    Raises PlanError naming the stage that cannot fit and its bytes, broken down.
+    """
+    L, S = args.n_layers, n_stages
+    host = host_handoff or [False] * S
+    work = tokens if prompt_tokens is None else prompt_tokens
+    if S > L:
+        raise PlanError(f"{S} stages but the model has only {L} layers")
+    nmax = L - (S - 1)  # every other stage holds at least one layer
+    INF = float("inf")
+    # time and fit of stage i holding n layers: position only matters through first / last
+    t = [[INF] * (nmax + 1) for _ in range(S)]
+    for i in range(S):
+        for n in range(1, nmax + 1):
+            need = _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head)
+            if caps[i] is not None and need.total > caps[i]:
+                break  # needs grow with n: no larger count fits either
+            t[i][n] = stage_time(args, n, i == S - 1, speeds[i], work, with_head)
+
+    def solve(threshold: float | None) -> tuple[float, list[int]] | None:
+        # best[i][a]: stages i.. covering layers [a, L): min of max time (threshold None), or
+        # min of total time with every stage under threshold
+        best = [[INF] * (L + 1) for _ in range(S + 1)]
+        pick = [[0] * (L + 1) for _ in range(S + 1)]
+        best[S][L] = 0.0
+        for i in range(S - 1, -1, -1):
+            for a in range(i, L - (S - 1 - i)):
+                for n in range(1, min(nmax, L - (S - 1 - i) - a) + 1):
+                    ti, rest = t[i][n], best[i + 1][a + n]
+                    if ti == INF:
+                        break
+                    if rest == INF:
+                        continue
+                    if threshold is None:
+                        v = max(ti, rest)
+                    elif ti > threshold:
+                        continue
+                    else:
+                        v = ti + rest
+                    if v < best[i][a]:
+                        best[i][a], pick[i][a] = v, n
+        if best[0][0] == INF:
+            return None
+        split, a = [], 0
+        for i in range(S):
+            split.append(pick[i][a])
+            a += pick[i][a]
+        return best[0][0], split
+
+    first = solve(None)
+    if first is None:
+        raise PlanError(explain_no_fit(args, S, caps, tokens, chunk, dtype, host, with_head, labels, cap_notes))
+    bottleneck = first[0]
+    second = solve(bottleneck * (1 + 1e-12))
+    return second[1] if second is not None else first[1]
+
+
+def max_layers(args: ModelArgs, i: int, n_stages: int, cap: int | None, tokens: int, chunk: int, dtype: str,
+               on_cpu: bool, with_head: bool = True) -> int:
+    """The most layers stage i of n_stages can hold under `cap` (0: not even one)."""
+    nmax = args.n_layers - (n_stages - 1)
+    if cap is None:
+        return nmax
+    m = 0
+    for n in range(1, nmax + 1):
+        if _need(args, n, i == 0, i == n_stages - 1, tokens, chunk, dtype, on_cpu, with_head).total > cap:
+            break
+        m = n
+    return m
+
+
+def explain_no_fit(args: ModelArgs, n_stages: int, caps: list[int | None], tokens: int, chunk: int, dtype: str,
+                   host_handoff: list[bool] | None = None, with_head: bool = True, labels=None,
+                   cap_notes=None) -> str:
+    """Why no contiguous split fits: the tightest stage under the most favourable split.
+
+    A stage's need grows with its layer count and otherwise depends only on whether it is first
+    or last, so a split exists iff every stage fits one layer and the most each can hold sums
+    to at least the model's layers. When it does not, giving every other stage its most leaves
+    stage j the fewest layers it could possibly take; the stage named is the one that misses by
+    the fewest bytes then. Its need is a lower bound over all splits."""
+    L, S = args.n_layers, n_stages
+    host = host_handoff or [False] * S
+
+    def need(i, n):
+        return _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head)
+
+    m = [max_layers(args, i, S, caps[i], tokens, chunk, dtype, host[i], with_head) for i in range(S)]
+    for i in range(S):
+        if m[i] == 0:
+            nd = need(i, 1)
+            return (f"no layer split fits: {_label(i, labels)} needs {nd.total:,} bytes ({_gib(nd.total)}) even "
+                    f"with a single layer ({nd.describe()}) but has {_has(i, caps[i], cap_notes)}")
+    if sum(m) >= L:  # cannot happen when called after the DP failed; kept for direct callers
+        return "no layer split fits the stages' memory"
+    worst = None
+    for j in range(S):
+        if caps[j] is None:
+            continue
+        n = L - (sum(m) - m[j])
+        nd = need(j, n)
+        over = nd.total - caps[j]
+        if worst is None or over < worst[0]:
+            worst = (over, j, n, nd)
+    _, j, n, nd = worst
+    per = ", ".join(f"{m[i]}" for i in range(S))
+    return (f"no layer split fits: the stages hold at most {sum(m)} of the model's {L} layers (at most {per} "
+            f"per stage); even with the most favourable split {_label(j, labels)} must take {n} layers and needs "
+            f"{nd.total:,} bytes ({_gib(nd.total)}: {nd.describe()}) but has {_has(j, caps[j], cap_notes)}")
+
+
 def check_split(args: ModelArgs, split: list[int], caps: list[int | None], tokens: int, chunk: int,
-                dtype: str, host_handoff: list[bool] | None = None, prefix: str = "") -> str | None:
+                dtype: str, host_handoff: list[bool] | None = None, prefix: str = "", with_head: bool = True,
+                labels: list[str] | None = None, cap_notes: list[str] | None = None) -> str | None:
     """None if every stage fits; else one line naming the first stage that does not."""
-    host_handoff = host_handoff or [False] * len(split)
+    host = host_handoff or [False] * len(split)
     a = 0
     for i, n in enumerate(split):
-        need = stage_need(args, a, a + n, tokens, chunk, dtype, host_handoff[i])
+        need = stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head)
         if caps[i] is not None and need.total > caps[i]:
-            return (f"{prefix}stage {i} (layers {a}-{a + n - 1}) needs {need.total:,} bytes but has {caps[i]:,} "
-                    f"({need.describe()})")
+            return (f"{prefix}{_label(i, labels)} (layers {a}-{a + n - 1}) needs {need.total:,} bytes "
+                    f"({_gib(need.total)}: {need.describe()}) but has {_has(i, caps[i], cap_notes)}")
         a += n
     return None
 
 
-def predicted_times(args: ModelArgs, split: list[int], speeds: list[float], tokens: int,
-                    with_head: bool = True) -> list[float]:
+def stage_needs(args: ModelArgs, split: list[int], tokens: int, chunk: int, dtype: str,
+                host_handoff: list[bool] | None = None, with_head: bool = True) -> list[StageNeed]:
+    host = host_handoff or [False] * len(split)
     out, a = [], 0
-    for n, s in zip(split, speeds):
-        out.append(stage_cost(args, a, a + n, tokens, with_head) / s)
+    for i, n in enumerate(split):
+        out.append(stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head))
         a += n
     return out

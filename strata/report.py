@@ -50,7 +50,7 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
                        "kv_bytes": st.kv_bytes, "pinned": st.pinned, "load_s": st.load_s,
                        "bad_frames": s["bad_frames"]})
         events.append([[e[0], e[1], e[2], e[3]] for e in ev])
-    planner = plan.planner or {}
+    planner = getattr(plan, "planner", None) or {}  # absent on plans made without the planner
     for i, st in enumerate(stages):  # the planner's prediction beside the measured work
         if planner.get("predicted"):
             st["predicted_s"] = planner["predicted"][i] if planner["unit"] == "s" else None
@@ -78,6 +78,8 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
         "pinned": all(s["pinned"] for s in stages if s["device"].startswith("cuda")) and
         any(s["device"].startswith("cuda") for s in stages),
         "perplexity": ppl, "continuation_ids": cont, "continuation": text,
+        # the tail: after stage 0 finishes its last chunk, the time until the last stage finishes it
+        "tail_s": (events[-1][-1][2] - events[0][-1][2]) if events[0] and events[-1] else 0.0,
         "events": rel, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if cfg.dump_residual:
