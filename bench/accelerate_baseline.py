@@ -35,7 +35,7 @@ def main():
     a = ap.parse_args()
     import transformers
     from accelerate import dispatch_model, infer_auto_device_map
-    from accelerate.utils import set_module_tensor_to_device
+    from accelerate.utils import get_balanced_memory, set_module_tensor_to_device
 
     args = PRESETS[a.preset]
     dtype = torch.bfloat16
@@ -51,6 +51,9 @@ def main():
     n_gpu = torch.cuda.device_count()
     total = [torch.cuda.mem_get_info(i)[1] for i in range(n_gpu)]
     max_memory = {i: int(t - a.reserve_gib * 2**30) for i, t in enumerate(total)}
+    # what device_map="auto" does in from_pretrained: balance the layers over the GPUs first
+    max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=["LlamaDecoderLayer"],
+                                     dtype=dtype)
     device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=["LlamaDecoderLayer"],
                                        dtype=dtype)
     t0 = time.perf_counter()

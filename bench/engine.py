@@ -99,7 +99,7 @@ def correctness(device):
     rows = []
     for mode in ("flash", "cudnn-split"):
         sm.CUDA_ATTENTION = mode
-        t = strata_model(args, tensors, torch.bfloat16, device)
+        t = strata_model(args, dict(tensors), torch.bfloat16, device)  # load_weights consumes its dict
         t.setup_cache(ids.shape[1])
         h = torch.cat([t(ids[:, p:p + 256], p) for p in range(0, ids.shape[1], 256)], dim=1)
         got = t.logits(h[0])

@@ -135,9 +135,7 @@ def _cpu_with_lse(q, k, v, causal):
 
 
 def _cudnn_with_lse(q, k, v, causal):
-    if k.shape[1] != q.shape[1]:  # the raw op wants as many key heads as query heads
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    # grouped-query attention natively: fewer key/value heads than query heads, no expansion
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
     return out, lse.view(q.shape[:3])
 

@@ -100,9 +100,6 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
     mlp = 2 * dim * b + 4 * ffn * b                     # residual, normed input, gate|up, silu, product
     per_row = 2 * dim * b + max(norm, rope + dim * b, attn, mlp)
     act = chunk * per_row + chunk * hd * (2 * b + 3 * f4)  # + rope cos/sin tables
-    if split and not on_cpu and nkv != nh:
-        # the cuDNN split path repeats K and V to every query head: at the last chunk, the whole context
-        act += 2 * q * tokens * b
     if last:
         # the final norm and head: blocked float32 logits for the NLL (logits in dtype, their
         # float32 copy, log-softmax), while the chunk's output rows stay alive
