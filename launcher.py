@@ -12,13 +12,15 @@ import json
 import signal
 import sys
 
-
-class Terminated(BaseException):
-    """SIGTERM, turned into an exception so the prefill guard and teardown run."""
+_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-def _on_term(signum, frame):
-    raise Terminated()
+class Stopped(BaseException):
+    """SIGINT or SIGTERM while no stage runs (before the pipeline exists, or after it closed)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,32 +36,60 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-timeline", action="store_true", help="do not draw timeline.png")
     a = ap.parse_args(argv)
 
+    # Signal handlers only record the signal once the pipeline exists: the head acts on it at a
+    # safe point (never between receiving a message and handling it), joins the chunks in
+    # flight, then tears everything down. Before that, nothing has started: stop at once.
+    head: dict = {}
+
+    def on_signal(signum, frame):
+        if "pipe" in head:
+            head["pipe"].interrupt(signum)
+        else:
+            raise Stopped(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in _EXIT}
+    try:
+        return _run(a, head)
+    except Stopped as e:
+        print(f"error: stopped by {signal.Signals(e.signum).name} (no stage was running)", file=sys.stderr)
+        return _EXIT[e.signum]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _run(a, head: dict) -> int:
     from strata.config import ConfigError, load
-    from strata.pipeline import Pipeline, PipelineError
+    from strata.pipeline import Interrupted, Pipeline, PipelineError
     from strata.weights import ModelError
 
-    signal.signal(signal.SIGTERM, _on_term)
     try:
         cfg = load(a.config, a.overrides)
         pipe = Pipeline(cfg, out=a.out)
     except (ConfigError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    head["pipe"] = pipe
+
+    def logs():
+        return f" (logs: {pipe.out})" if pipe.out.is_dir() else ""
     try:
         with pipe:
             result = pipe.prefill()
     except PipelineError as e:
-        print(f"error: {e} (logs: {pipe.out})", file=sys.stderr)
+        print(f"error: {e}{logs()}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"error: interrupted; all stages stopped (logs: {pipe.out})", file=sys.stderr)
+    except Interrupted as e:
+        verb = "interrupted" if e.signum == signal.SIGINT else "terminated"
+        print(f"error: {verb} by {signal.Signals(e.signum).name}; stopped {pipe.where()}{logs()}", file=sys.stderr)
+        return _EXIT[e.signum]
+    except KeyboardInterrupt:  # a SIGINT that came through Python's default handler
+        print(f"error: interrupted by SIGINT; stopped {pipe.where()}{logs()}", file=sys.stderr)
         return 130
-    except Terminated:
-        print(f"error: terminated; all stages stopped (logs: {pipe.out})", file=sys.stderr)
-        return 143
     except (ConfigError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    head.pop("pipe")  # every stage has exited: a signal from here on stops at once
     from strata.report import draw_timeline, format_table
     if not a.no_timeline:
         draw_timeline(result.report, pipe.out / "timeline.png")

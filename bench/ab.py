@@ -6,12 +6,21 @@ waits, and whether the residual md5 is identical across all runs.
 
     python bench/ab.py --model smollm2 --stages 2 --threads 1 --tokens 4096 --chunk 256
     python bench/ab.py --model synthetic:llama-3-8b --devices cuda:0,cuda:0 --dtype bfloat16 ...
+
+Across hosts: `--hosts local,gpu2 --listen 10.0.0.5` (rig `stages[i].host`, `listen`; remote stages
+start through `--remote-command`, default ssh). `--netns` (root, Linux) runs the same A/B with every
+stage on a "host" of its own on this machine: the head and stage 0 in one network namespace, each
+other stage in another, joined by a bridge (strata/netns.py); boundaries go over tcp + CurveZMQ.
+
+    sudo python bench/ab.py --netns --model smollm2 --stages 2 --threads 1 --tokens 4096 --chunk 256
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -67,7 +76,14 @@ def main() -> int:
     ap.add_argument("--nvml", action="store_true", help="also sample GPU utilization every second (NVML)")
     ap.add_argument("--json", help="write all reports here")
     ap.add_argument("--out", help="run directories under here (default: a temp dir)")
+    ap.add_argument("--hosts", help="comma-separated host per stage (local = this machine); needs --listen")
+    ap.add_argument("--listen", help="address the head listens on when a stage is remote (rig `listen`)")
+    ap.add_argument("--remote-command", help="rig `remote_command` (default: ssh {host} ...)")
+    ap.add_argument("--netns", action="store_true", help="each stage in a network namespace of its own on this "
+                    "machine (the head with stage 0); needs root and iproute2")
     a = ap.parse_args()
+    if a.netns:
+        return in_namespaces(a)
 
     if a.devices:
         stages = [{"device": d} for d in a.devices.split(",")]
@@ -78,6 +94,12 @@ def main() -> int:
                 progress=False, perplexity=not a.no_perplexity, generate=0)
     if a.split:
         base["layer_split"] = [int(x) for x in a.split.split(",")]
+    if a.hosts:
+        for st, h in zip(stages, a.hosts.split(",")):
+            st["host"] = h
+        base.update(listen=a.listen)
+        if a.remote_command:
+            base["remote_command"] = a.remote_command
     root = Path(a.out or tempfile.mkdtemp(prefix="strata-ab-"))
     reports = []
     for r in range(a.runs):
@@ -131,11 +153,29 @@ def main() -> int:
     md5s = {x["residual_md5"] for x in reports}
     print(f"residual md5 identical across all {len(reports)} runs: {len(md5s) == 1} ({sorted(md5s)[0]})")
     print(f"hand-off: {first['handoff_buffers']} buffer(s), {first['handoff_pinned_bytes']:,} bytes, "
-          f"pinned={first['pinned']}")
+          f"pinned={first['pinned']}, boundaries {'/'.join(first['boundaries'])}, hosts "
+          f"{[s['host'] for s in first['stages']]}")
     if a.json:
         Path(a.json).write_text(json.dumps(reports, indent=1))
     print(f"date {time.strftime('%Y-%m-%d %H:%M')}, runs under {root}")
     return 0 if len(md5s) == 1 else 1
+
+
+def in_namespaces(a) -> int:
+    """This A/B again, run by the head inside namespace a, stage i > 0 in namespace i (ip netns exec)."""
+    from strata.netns import Netns, available
+    why = available()
+    if why:
+        print(f"error: --netns: {why}", file=sys.stderr)
+        return 2
+    n = len(a.devices.split(",")) if a.devices else a.stages
+    argv = [x for x in sys.argv[1:] if x != "--netns"]
+    with Netns(n) as ns:
+        argv += ["--hosts", ",".join(["local"] + ns.names[1:]), "--listen", ns.addr(0), "--remote-command",
+                 "ip netns exec {host} {python} -m workers.stage --join {join} --key {key}"]
+        print(f"namespaces {ns.names} on one bridge ({ns.addr(0)} .. {ns.addr(n - 1)}): head and stage 0 in "
+              f"{ns.names[0]}", flush=True)
+        return subprocess.run(ns.exec(0) + [sys.executable, os.path.abspath(__file__), *argv]).returncode
 
 
 if __name__ == "__main__":

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
+# the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
+REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.stage --join {join} --key {key}"
+REMOTE_FIELDS = ("host", "python", "cwd", "join", "key", "stage")
 
 
 class ConfigError(ValueError):
@@ -26,6 +29,12 @@ class StageSpec:
     threads: int | None = None     # CPU stages: torch threads, pinned to their own cores
     memory: int | None = None      # bytes this stage may use (a cap for the planner)
     speed: float | None = None     # relative speed for layer_split: auto (else calibrated)
+    host: str | None = None        # where it runs: None (or "local") = this machine; else a name or address for
+                                   # `remote_command` ({host}); activations to and from it travel over tcp
+
+    @property
+    def remote(self) -> bool:
+        return self.host is not None
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,8 @@ class DebugSpec:
     delay_s: float = 0.0           # sleep added to every chunk's work (orders events in tests)
     fail_stage: int | None = None  # this stage ...
     fail_chunk: int | None = None  # ... at this chunk ...
-    fail_mode: str = "raise"       # ... raises, exits ("exit"), or stops moving ("hang")
+    fail_mode: str = "raise"       # ... raises, exits ("exit"), stops moving ("hang") or SIGKILLs itself ("kill")
+    fail_phase: str = "prefill"    # ... in this phase: "prefill", "decode", or "load" (before ready; no chunk)
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,17 @@ class RigConfig:
     ready_timeout_s: float = 300.0          # each stage must load and report ready within this
     stall_timeout_s: float = 600.0          # no progress for this long fails the run (stacks dumped)
     progress: bool = True                   # progress bar on the console
+    # -- stages on other hosts (`stages[i].host`); none of these is used while every stage is local --------
+    listen: str | None = None               # "ADDR" or "ADDR:PORT" (an address or interface name of this machine)
+                                            # the head binds its tcp sockets on; required once a stage is remote
+                                            # (never guessed; 0.0.0.0 only if written here). PORT: the join port
+    remote_command: str = REMOTE_COMMAND    # how the head starts a remote stage: a template, split like a shell
+                                            # line and run without one (fields {host} {python} {cwd} {join} {key}
+                                            # {stage}; {key} is "-": the key goes on stdin), or "print": only print
+                                            # the exact command for each remote stage, for a person to run
+    heartbeat_s: float = 1.0                # head and remote stages tell each other they are alive this often
+    heartbeat_timeout_s: float = 10.0       # a remote stage silent this long fails the run (naming host and
+                                            # stage); a remote stage exits when the head is silent this long
     debug: DebugSpec = field(default_factory=DebugSpec)
 
     def to_dict(self) -> dict:
@@ -193,7 +214,10 @@ def from_dict(raw: dict, env: dict | None = None) -> RigConfig:
     for name in ("dynamic_chunks", "perplexity", "dump_residual", "timing", "progress"):
         if name in raw:
             out[name] = _typed(name, raw[name], bool)
-    for name in ("ready_timeout_s", "stall_timeout_s"):
+    for name in ("listen", "remote_command"):
+        if name in raw:
+            out[name] = _typed(name, raw[name], str, allow_none=(name == "listen"))
+    for name in ("ready_timeout_s", "stall_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
         if name in raw:
             out[name] = _typed(name, raw[name], float)
             if out[name] <= 0:
@@ -247,6 +271,11 @@ def _stage(i: int, x) -> StageSpec:
         raise ConfigError(f"stages[{i}].memory: must be > 0 bytes, got {spec.memory}")
     if spec.speed is not None and spec.speed <= 0:
         raise ConfigError(f"stages[{i}].speed: must be > 0, got {spec.speed}")
+    if spec.host is not None:
+        if spec.host.strip() == "":
+            raise ConfigError(f"stages[{i}].host: empty (leave it out, or write local, for this machine)")
+        if spec.host == "local":
+            spec = replace(spec, host=None)
     return spec
 
 
@@ -275,11 +304,66 @@ def _check_values(cfg: RigConfig) -> None:
         v = getattr(p, name)
         if v is not None and not Path(v).is_file():
             raise ConfigError(f"prompt.{name}: {v!r} not found")
-    if cfg.debug.fail_mode not in ("raise", "exit", "hang"):
-        raise ConfigError(f"debug.fail_mode: expected raise, exit or hang, got {cfg.debug.fail_mode!r}")
+    if cfg.debug.fail_mode not in ("raise", "exit", "hang", "kill"):
+        raise ConfigError(f"debug.fail_mode: expected raise, exit, hang or kill, got {cfg.debug.fail_mode!r}")
+    if cfg.debug.fail_phase not in ("load", "prefill", "decode"):
+        raise ConfigError(f"debug.fail_phase: expected load, prefill or decode, got {cfg.debug.fail_phase!r}")
     if isinstance(cfg.stages, tuple):
         for i, s in enumerate(cfg.stages):
-            check_device(s.device, f"stages[{i}].device")
+            if not s.remote:  # a remote stage's device is checked on its host, when it loads
+                check_device(s.device, f"stages[{i}].device")
+    _check_remote(cfg)
+
+
+def split_listen(listen: str) -> tuple[str, int | None]:
+    """`listen` -> (address or interface, join port or None for any free port)."""
+    host, sep, port = listen.rpartition(":") if listen.count(":") == 1 else (listen, "", "")
+    if not sep:
+        return listen, None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"listen: {listen!r}: the port must be a number in 1..65535")
+    return host, int(port)
+
+
+def _check_remote(cfg: RigConfig) -> None:
+    """Stages on other hosts: the head must be told where to listen; the launch template must be usable;
+    what the planner would measure on this machine (speed, a card's free memory) must be given."""
+    import shlex
+    import string
+    if cfg.heartbeat_s <= 0 or cfg.heartbeat_timeout_s < 2 * cfg.heartbeat_s:
+        raise ConfigError(f"heartbeat_timeout_s ({cfg.heartbeat_timeout_s:g}) must be at least twice heartbeat_s "
+                          f"({cfg.heartbeat_s:g}), and heartbeat_s > 0")
+    remote = [i for i, s in enumerate(cfg.stages) if s.remote] if isinstance(cfg.stages, tuple) else []
+    if not remote:
+        return
+    who = f"stage {remote[0]} runs on host {cfg.stages[remote[0]].host!r}"
+    if not cfg.listen:
+        raise ConfigError(f"listen: required when a stage is remote ({who}): the address of this machine the "
+                          "stages reach it at, e.g. listen: 10.0.0.5 (it is never guessed)")
+    if "://" in cfg.listen or not split_listen(cfg.listen)[0]:
+        raise ConfigError(f"listen: {cfg.listen!r}: expected ADDR or ADDR:PORT, e.g. 10.0.0.5 or 10.0.0.5:5555")
+    if cfg.remote_command != "print":
+        try:
+            names = {f for arg in shlex.split(cfg.remote_command)
+                     for _, f, _, _ in string.Formatter().parse(arg) if f is not None}
+        except ValueError as e:
+            raise ConfigError(f"remote_command: {e}") from None
+        unknown = sorted(names - set(REMOTE_FIELDS))
+        if unknown:
+            raise ConfigError(f"remote_command: unknown field {{{unknown[0]}}} (fields: "
+                              + " ".join("{" + f + "}" for f in REMOTE_FIELDS) + ")")
+        if not {"join", "key"} <= names:
+            raise ConfigError("remote_command: must pass {join} and {key} to the stage, e.g. "
+                              "'ssh {host} {python} -m workers.stage --join {join} --key {key}' (or use: print)")
+    for i in remote:
+        s = cfg.stages[i]
+        if s.device != "cpu" and s.memory is None:
+            raise ConfigError(f"stages[{i}].memory: required for a remote {s.device} (host {s.host!r}): its free "
+                              "memory cannot be measured from here")
+    alike = len({(s.device.split(":")[0], s.threads) for s in cfg.stages}) == 1
+    if cfg.layer_split == "auto" and not alike and any(s.speed is None for s in cfg.stages):
+        raise ConfigError(f"stages: give every stage `speed:` (or give layer_split) when a stage is remote and the "
+                          f"stages differ ({who}): calibration measures this machine only")
 
 
 def check_device(dev: str, name: str) -> None:

@@ -6,7 +6,11 @@ Nothing is unpickled. A frame that does not decode to a known, well-formed messa
 
 Validation is about shape, not authenticity: a well-formed message of a type the receiver
 accepts is acted on. Who may send is decided by where the endpoints live: ipc sockets in a
-per-run directory of mode 0700, so only this user reaches them.
+per-run directory of mode 0700, so only this user reaches them; across hosts, tcp sockets that
+only a peer holding one of the run's CurveZMQ keys can connect to (strata/net.py).
+
+A remote stage gets its spec from the head as one msgpack frame too (`encode_spec` /
+`decode_spec`), checked field by field before anything is built from it.
 """
 from __future__ import annotations
 
@@ -49,6 +53,19 @@ SCHEMA: dict[str, dict[str, tuple]] = {
              "message": (str,), "traceback": (str,)},
     # head -> stage: exit now
     "stop": {},
+    # -- across hosts (strata/net.py); only a run with a remote stage sends or accepts these ------------
+    # remote stage -> head (control socket): give me my spec; `clock` is its perf_counter when sent
+    "join": {"pid": (int,), "host": (str,), "boot_id": (str,), "clock": _num},
+    # head <-> remote stage (control socket): still here
+    "hb": {"stage": (int,)},
+    # stage -> head: its tcp inbox (a neighbour is on another host, or it is remote itself)
+    "bound": {"stage": (int,), "endpoint": (str,)},
+    # head -> stage: the tcp inboxes and CURVE public keys of its neighbours ("" = not over tcp)
+    "peers": {"up": (str,), "up_key": (str,), "down": (str,), "down_key": (str,)},
+    # head -> remote stage 0 (decode): the token at `pos` (the ids segment is not shared across hosts)
+    "token": {"pos": (int,), "id": (int,)},
+    # stage -> head: its tcp sockets refused `count` handshakes so far (no key, wrong key); the latest why
+    "rejected": {"stage": (int,), "count": (int,), "detail": (str,)},
 }
 
 
@@ -93,3 +110,89 @@ def decode(frame: bytes) -> dict:
     except Exception as e:  # noqa: BLE001 - msgpack raises many types for garbage
         raise BadMessage(f"undecodable frame ({type(e).__name__})") from None
     return validate(msg)
+
+
+# -- a remote stage's spec (the head's join reply) -----------------------------------------------------
+_NONE = type(None)
+_SCALAR = (int, float, str, bool, _NONE)
+SPEC: dict[str, tuple] = {
+    "index": (int,), "n_stages": (int,), "device": (str,), "dtype": (str,), "threads": (int, _NONE),
+    "cores": (list,), "start": (int,), "end": (int,), "model": (str,), "args": (dict,), "seed": (int,),
+    "max_len": (int,), "tokens": (int,), "max_chunk": (int,), "depth": (int,), "perplexity": (bool,),
+    "segments": (dict,), "endpoints": (list,), "head_endpoint": (str,), "log_file": (str,),
+    "console": (bool,), "dump_residual": (str,), "debug": (dict,), "net": (dict,),
+}
+SPEC_NET: dict[str, tuple] = {
+    "host": (str,), "remote": (bool,), "bind": (str,), "tcp_in": (bool,), "tcp_out": (bool,),
+    "tcp_inbox": (bool,), "public": (str,), "secret": (str,), "head_public": (str,), "allow": (list,),
+    "head_tcp": (str,), "heartbeat_s": _num, "heartbeat_timeout_s": _num, "head_clock": _num, "boot_id": (str,),
+}
+SPEC_DEBUG = ("delay_s", "fail_stage", "fail_chunk", "fail_mode", "fail_phase")
+MAX_SPEC = 1 << 20
+
+
+def _fields(where: str, d: dict, schema: dict) -> None:
+    if set(d) != set(schema):
+        raise BadMessage(f"{where}: fields {sorted(map(str, set(d) ^ set(schema)))} missing or unexpected")
+    for name, kinds in schema.items():
+        v = d[name]
+        if (isinstance(v, bool) and bool not in kinds) or not isinstance(v, kinds):
+            raise BadMessage(f"{where}.{name}: bad type {type(v).__name__}")
+
+
+def _plain(where: str, v, depth: int = 0) -> None:
+    """Scalars, and (one level down) maps of scalars: what model args hold (rope_scaling)."""
+    if isinstance(v, dict) and depth == 0:
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise BadMessage(f"{where}: non-string key")
+            _plain(f"{where}.{k}", x, 1)
+    elif not isinstance(v, _SCALAR):
+        raise BadMessage(f"{where}: bad type {type(v).__name__}")
+
+
+def validate_spec(spec) -> dict:
+    """A remote stage's spec, as it arrives from the head: every field present and typed, values in
+    range; a remote stage maps no shared memory and reaches no ipc endpoint, so those must be empty."""
+    if not isinstance(spec, dict):
+        raise BadMessage("spec: not a map")
+    _fields("spec", spec, SPEC)
+    _fields("spec.net", spec["net"], SPEC_NET)
+    s, net = spec, spec["net"]
+    if not (0 <= s["index"] < s["n_stages"] and 0 <= s["start"] < s["end"]):
+        raise BadMessage("spec: stage index or layer range out of range")
+    if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)):
+        raise BadMessage("spec: tokens, max_len, max_chunk or depth out of range")
+    if s["dtype"] not in ("float32", "bfloat16", "float16"):
+        raise BadMessage(f"spec.dtype: {s['dtype']!r}")
+    dev = s["device"]
+    if not (dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise BadMessage(f"spec.device: {dev!r}")
+    if not all(type(c) is int and c >= 0 for c in s["cores"]) or (s["threads"] is not None and s["threads"] <= 0):
+        raise BadMessage("spec: bad cores or threads")
+    if not net["remote"] or s["segments"] or s["endpoints"] or s["log_file"]:
+        raise BadMessage("spec: a remote stage maps no shared memory, reaches no ipc endpoint, logs to stderr")
+    if not all(isinstance(k, str) for k in net["allow"]) or not net["head_tcp"].startswith("tcp://"):
+        raise BadMessage("spec.net: bad allow list or head endpoint")
+    if not (0 < net["heartbeat_s"] < net["heartbeat_timeout_s"]):
+        raise BadMessage("spec.net: heartbeat_s must be > 0 and below heartbeat_timeout_s")
+    for name in ("args", "debug"):
+        _plain(f"spec.{name}", s[name])
+    missing = [k for k in SPEC_DEBUG if k not in s["debug"]]
+    if missing:
+        raise BadMessage(f"spec.debug: missing {missing}")
+    return spec
+
+
+def encode_spec(spec: dict) -> bytes:
+    return msgpack.packb(validate_spec(spec), use_bin_type=True)
+
+
+def decode_spec(frame: bytes) -> dict:
+    if len(frame) > MAX_SPEC:
+        raise BadMessage(f"spec of {len(frame)} bytes")
+    try:
+        spec = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 - msgpack raises many types for garbage
+        raise BadMessage(f"undecodable spec ({type(e).__name__})") from None
+    return validate_spec(spec)

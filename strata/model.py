@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -108,7 +107,9 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int)
     if q.is_cuda:
         if CUDA_ATTENTION == "cudnn-split" and q.dtype != torch.float32:
             return _split_attention(q, k, v, pos, _cudnn_with_lse)
-        # flash (memory-efficient for fp32) handles the lower-right alignment natively
+        # flash (memory-efficient for fp32) handles the lower-right alignment natively.
+        # Imported here: torch.nn.attention.bias pulls in dynamo, ~1 s at every process start.
+        from torch.nn.attention.bias import causal_lower_right
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True)
     # CPU: the lower-right bias would materialise a mask; split instead
     return _split_attention(q, k, v, pos, _cpu_with_lse)

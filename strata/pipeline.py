@@ -7,14 +7,22 @@
 the head never returns while chunks are in flight. Everything the run creates (processes,
 sockets, the ipc directory, shared memory) is released by `close()`, reached through
 `weakref.finalize` too, however the run ends.
+
+Stages on other hosts (`stages[i].host`): the head also listens on tcp (`listen`) with CurveZMQ,
+starts each remote stage through `remote_command` (or prints the command), serves its join and
+watches it by heartbeats as well as by its launcher process (strata/net.py); boundaries that cross
+hosts carry their rows over tcp (strata/transport.py).
 """
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import weakref
@@ -29,10 +37,74 @@ from .plan import Plan, build_plan
 from .planner import DTYPE_BYTES
 
 PAGE = 4096
+IPC_PREFIX = "strata-ipc-"          # + head pid + "-": a later start removes the dirs of dead heads
+HEAD_ACCEPTS = ("ready", "working", "result", "stats", "fail")
+NET_ACCEPTS = ("bound", "rejected")  # only while a stage is remote
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: a remote stage runs `-m workers.stage` from here
+log = logging.getLogger("strata.pipeline")
 
 
 class PipelineError(RuntimeError):
     """A run that failed: names the stage (index, device, pid), the chunk and the cause."""
+
+
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM to the head, raised at a safe point of the head's loop (see `interrupt`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def sweep_dead_ipc_dirs() -> list[str]:
+    """Remove per-run ipc directories left by heads that died without cleaning up (SIGKILL)."""
+    removed = []
+    base = Path(tempfile.gettempdir())
+    pat = re.compile(rf"^{IPC_PREFIX}(\d+)-")
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        m = pat.match(d.name)
+        if not m:
+            continue
+        try:
+            if d.stat().st_uid != os.getuid() or not d.is_dir():
+                continue
+            os.kill(int(m[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+        except OSError:
+            continue
+    return removed
+
+
+def check_model_files(model: str) -> None:
+    """Open every safetensors header before any process starts: a truncated or corrupt file, or one
+    that lacks a tensor, is refused here in one line rather than in a stage. (GGUF files are checked
+    tensor by tensor when their metadata is read; synthetic models have no files.)"""
+    from .weights import ModelError, _hf_name, model_args, resolve, wanted_names
+    kind, loc = resolve(model)
+    if kind != "hf":
+        return
+    from safetensors import SafetensorError, safe_open
+    d = Path(loc)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{d}: no *.safetensors files (pickled .bin checkpoints are refused)")
+    keys: set[str] = set()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                keys.update(sf.keys())
+        except (SafetensorError, OSError) as e:
+            raise ModelError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+    args = model_args(model)
+    missing = [h for h in (_hf_name(c) for c in wanted_names(args, 0, args.n_layers)) if h not in keys]
+    if missing:
+        raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
 
 
 @dataclass
@@ -40,6 +112,7 @@ class StageInfo:
     index: int
     device: str
     layers: tuple[int, int]
+    host: str | None = None    # None: this machine
     pid: int = 0
     mem_bytes: int = 0
     kv_bytes: int = 0
@@ -72,6 +145,7 @@ class _Resources:
         self.socks: list = []
         self.ctx = None
         self.ipc_dir: str | None = None
+        self.net = None            # strata.net.HeadNet when a stage is remote
 
     def release(self, grace_s: float = 5.0) -> None:
         # ask (stop message, sent by the caller), wait, terminate, kill
@@ -91,6 +165,9 @@ class _Resources:
         for s in self.socks:
             if not s.closed:
                 s.close(linger=0)
+        if self.net is not None:
+            self.net.stop()  # its thread, its sockets, the ZAP handler: before the context ends
+            self.net = None
         if self.ctx is not None:
             self.ctx.term()
         for seg in self.segments:
@@ -105,17 +182,26 @@ class Pipeline:
     def __init__(self, config: RigConfig | dict, out: str | os.PathLike | None = None, console: bool = True):
         self.cfg = config if isinstance(config, RigConfig) else from_dict(config)
         self.plan: Plan = build_plan(self.cfg)
+        check_model_files(self.cfg.model)
         self.out = Path(out or self.cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.console = console
         self.run_id = f"{os.getpid():x}{int(time.time() * 1000) % 0xFFFFFF:x}"
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release, 1.0)
-        self.stages = [StageInfo(s.index, s.device, (s.start, s.end)) for s in self.plan.stages]
+        self.stages = [StageInfo(s.index, s.device, (s.start, s.end), s.host) for s in self.plan.stages]
         self.started = False
         self.failure: PipelineError | None = None
+        self.bad_frames = 0            # frames the head rejected (garbled, unknown, out of range)
+        self._signals: list[int] = []  # filled by `interrupt` (signal handlers), read at safe points
+        self._signals_seen = 0
         self._sent = self._got = 0
         self._results: dict[int, dict] = {}
         self._last_logits = None
+        self._net = None               # strata.net.HeadNet when a stage is remote
+        self._accepts = HEAD_ACCEPTS
+        self._bound: dict[int, str] = {}           # stage -> its tcp inbox
+        self._stage_rejected: dict[int, int] = {}  # stage -> handshakes its tcp inbox refused
+        self.boundaries: list[str] = []            # per boundary: "shm" or "tcp"
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "Pipeline":
@@ -135,22 +221,36 @@ class Pipeline:
 
         plan, cfg = self.plan, self.cfg
         shm.sweep_dead()
+        sweep_dead_ipc_dirs()
         n = len(plan.stages)
+        remote = [sp.host is not None for sp in plan.stages]
+        across = [remote[i] or remote[i + 1] for i in range(n - 1)]  # boundary i (stage i -> i+1) leaves this host
+        self.boundaries = ["tcp" if a else "shm" for a in across]
         b = DTYPE_BYTES[cfg.dtype]
         sizes = {"ids": _page((plan.max_len + 1) * 4), "result": _page(plan.args.vocab_size * 4)}
+        if remote[-1]:
+            del sizes["result"]  # the last stage's logits come over tcp
         for i in range(n - 1):
-            sizes[f"b{i}"] = _page(plan.handoff_bytes())
-        shm.check_room(sum(sizes.values()))
+            if not across[i]:
+                sizes[f"b{i}"] = _page(plan.handoff_bytes())
+        try:
+            shm.check_room(sum(sizes.values()))
+        except OSError as e:
+            raise PipelineError(str(e)) from None
         self.out.mkdir(parents=True, exist_ok=True)
         res = self._res
-        res.ipc_dir = tempfile.mkdtemp(prefix="strata-")  # mode 0700: only this user reaches the sockets
+        # mode 0700: only this user reaches the sockets (messages are validated, not authenticated)
+        res.ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
         segs = {}
         for what, nbytes in sizes.items():
             seg = shm.Segment.create(shm.segment_name(self.run_id, what), nbytes)
             res.segments.append(seg)
             segs[what] = (seg.name, nbytes)
         self._ids = res.segments[0].tensor(__import__("torch").int32, (plan.max_len + 1,))
-        self._result_buf = res.segments[1].tensor(__import__("torch").float32, (plan.args.vocab_size,))
+        from .transport import TcpLink
+        self._result_link = TcpLink(__import__("torch").float32, (plan.args.vocab_size,)) if remote[-1] else None
+        self._result_buf = (self._result_link.buf if remote[-1] else
+                            res.segments[1].tensor(__import__("torch").float32, (plan.args.vocab_size,)))
         self._write_ids(plan.ids)
 
         res.ctx = zmq.Context()
@@ -160,11 +260,24 @@ class Pipeline:
         head_ep = f"ipc://{res.ipc_dir}/head"
         self._pull.bind(head_ep)
         endpoints = [f"ipc://{res.ipc_dir}/s{i}" for i in range(n)]
+        if any(remote):
+            from .config import split_listen
+            from .net import HeadNet, curve_client, keypair
+            keys = {i: keypair() for i in range(n)}  # this run's: nobody outside it holds one
+            try:
+                self._net = res.net = HeadNet(res.ctx, split_listen(cfg.listen), keys, {i for i in range(n) if remote[i]},
+                                              plan.args.vocab_size * 4, cfg.heartbeat_s, cfg.heartbeat_timeout_s, log)
+            except OSError as e:
+                raise PipelineError(str(e)) from None
+            self._accepts = HEAD_ACCEPTS + NET_ACCEPTS
         self._push = []
-        for ep in endpoints:
+        for i, ep in enumerate(endpoints):
             s = res.ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
-            s.connect(ep)
+            if remote[i]:  # its tcp inbox, once it says where that is ("bound")
+                curve_client(s, self._net.public, self._net.secret, keys[i][0])
+            else:
+                s.connect(ep)
             res.socks.append(s)
             self._push.append(s)
 
@@ -179,6 +292,11 @@ class Pipeline:
                         console=self.console,
                         dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
                         debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__})
+            spec["net"] = self._stage_net(sp.index, remote, across, keys) if self._net else None
+            if remote[sp.index]:
+                res.procs.append(self._launch_remote(sp, spec))
+                self.stages[sp.index].pid = res.procs[-1].pid
+                continue
             parent_end, child_end = ctx.Pipe(duplex=False)  # EOF on child_end's peer = head gone
             proc = ctx.Process(target=run_stage_process, args=(spec, parent_end), name=f"strata-stage-{sp.index}",
                                daemon=True)
@@ -188,6 +306,8 @@ class Pipeline:
             res.conns.append(child_end)
             self.stages[sp.index].pid = proc.pid
         self.started = True
+        if self._net:
+            self._net.start()  # joins are served from here on
         ready: set[int] = set()
         deadline = time.monotonic() + cfg.ready_timeout_s
         while len(ready) < n:
@@ -200,9 +320,116 @@ class Pipeline:
                     st.mem_bytes, st.kv_bytes, st.pinned, st.load_s = (msg["mem_bytes"], msg["kv_bytes"],
                                                                       msg["pinned"], msg["load_s"])
                     ready.add(msg["stage"])
+                elif msg["t"] == "bound" and msg["stage"] not in self._bound and msg["endpoint"].startswith("tcp://"):
+                    self._bound[msg["stage"]] = msg["endpoint"]
+                    if remote[msg["stage"]]:
+                        self._push[msg["stage"]].connect(msg["endpoint"])
+        if self._net:
+            self._send_peers(remote, across, keys)
+            # where everything listens, with public keys only: for operators (and the tests' intruders)
+            import json
+            (self.out / "net.json").write_text(json.dumps({
+                "listen": cfg.listen, "join": self._net.join_endpoint, "notes": self._net.pull_endpoint,
+                "head_public": self._net.public, "boundaries": self.boundaries,
+                "stages": [{"index": i, "host": self.plan.stages[i].host or "local", "endpoint": self._bound.get(i, ""),
+                            "public": keys[i][0]} for i in range(n)]}, indent=1))
         # every stage has mapped its buffers: unlink now, so even SIGKILL leaks nothing
         for seg in res.segments:
             seg.unlink()
+
+    # -- stages on other hosts -----------------------------------------------------------------
+    def _stage_net(self, i: int, remote: list[bool], across: list[bool], keys: dict) -> dict:
+        """What stage i needs to know about the network (spec["net"]): which of its boundaries cross
+        hosts, its keypair, who may connect to its tcp inbox, the head's tcp side, the heartbeats."""
+        from .config import split_listen
+        n, net = len(remote), self._net
+        tcp_in = i > 0 and across[i - 1]
+        tcp_out = across[i] if i < n - 1 else remote[i]  # a remote last stage sends its logits over tcp
+        allow = [keys[j][0] for j in (i - 1, i + 1) if 0 <= j < n and (remote[i] or remote[j])]
+        if remote[i]:
+            allow.append(net.public)
+        return {"host": self.plan.stages[i].host or "local", "remote": remote[i],
+                "bind": "" if remote[i] else split_listen(self.cfg.listen)[0],
+                "tcp_in": tcp_in, "tcp_out": tcp_out, "tcp_inbox": remote[i] or tcp_in or (i < n - 1 and across[i]),
+                "public": keys[i][0], "secret": "" if remote[i] else keys[i][1],  # a remote stage brings its own
+                "head_public": net.public, "allow": allow, "head_tcp": net.pull_endpoint,
+                "heartbeat_s": self.cfg.heartbeat_s, "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s,
+                "head_clock": 0.0, "boot_id": ""}  # both filled in when it joins
+
+    def _launch_remote(self, sp, spec: dict):
+        """Offer stage sp's spec for its join, then start it through `remote_command` (or print how)."""
+        from .net import PrintedStage, RemoteProc, join_key, remote_argv, stage_command
+        net, i = self._net, sp.index
+        spec.update(segments={}, endpoints=[], head_endpoint=net.pull_endpoint, log_file="", console=False)
+        net.offer(i, spec, self.plan.ids.astype("<i4").tobytes())
+        key = join_key(net.public, *net.stage_keys[i])
+        if self.cfg.remote_command == "print":
+            print(f"stage {i} runs on {sp.host}: start it there (from a checkout of Strata at {ROOT}) within "
+                  f"{self.cfg.ready_timeout_s:.0f}s with\n  {stage_command(sys.executable, net.join_endpoint, key)}",
+                  file=sys.stderr, flush=True)
+            return PrintedStage()
+        argv = remote_argv(self.cfg.remote_command, dict(host=sp.host, python=sys.executable, cwd=str(ROOT),
+                                                         join=net.join_endpoint, key="-", stage=i))
+        log.info("stage %d on %s: %s", i, sp.host, " ".join(argv))
+        try:
+            return RemoteProc(argv, key, self.out / f"stage-{i}.log", cwd=str(ROOT))
+        except OSError as e:
+            self._fail(f"stage {i} ({sp.device} on {sp.host}): remote_command {argv[0]!r} did not start: {e}")
+
+    def _send_peers(self, remote: list[bool], across: list[bool], keys: dict) -> None:
+        """Every stage has bound and is ready: tell each one with a neighbour across hosts where it listens."""
+        n = len(remote)
+        for i in range(n):
+            up = i > 0 and across[i - 1]
+            down = i < n - 1 and across[i]
+            if not (up or down):
+                continue
+            missing = [j for j, want in ((i - 1, up), (i + 1, down)) if want and j not in self._bound]
+            if missing:
+                self._fail(f"{self._who(missing[0])} is ready but never said where it listens")
+            self._send(i, "peers", up=self._bound[i - 1] if up else "", up_key=keys[i - 1][0] if up else "",
+                       down=self._bound[i + 1] if down else "", down_key=keys[i + 1][0] if down else "")
+
+    def _recv_tcp(self) -> list[dict]:
+        """Notes from remote stages (already authenticated); a result comes with the last row's logits."""
+        import zmq
+        out = []
+        while True:
+            try:
+                parts = self._net.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            msg = self._accept(parts[0].bytes)
+            if msg is None:
+                continue
+            try:
+                with_rows = msg["t"] == "result" and self._result_link is not None
+                if len(parts) != 1 + with_rows:
+                    raise M.BadMessage(f"{msg['t']}: {len(parts) - 1} data frame(s)")
+                if with_rows:
+                    self._result_link.land(self._result_buf.numel(), parts[1])
+            except M.BadMessage as e:
+                self.bad_frames += 1
+                log.warning("head rejected frame #%d: %s", self.bad_frames, e)
+                continue
+            out.append(msg)
+
+    def _check_remote(self) -> None:
+        """Remote stages: their pids once joined; one silent past the deadline fails the run."""
+        if self._net.error:
+            self._fail(f"the head's network thread failed: {self._net.error}")
+        for i, j in self._net.joins().items():
+            self.stages[i].pid = j["pid"]
+        silent = self._net.silent()
+        if silent:
+            i, age = silent[0]
+            self._fail(f"{self._who(i)} went silent: no heartbeat for {age:.1f}s "
+                       f"(heartbeat_timeout_s {self.cfg.heartbeat_timeout_s:g})")
+
+    @property
+    def rejected_connections(self) -> int:
+        """Handshakes refused on this run's tcp sockets (no key, a wrong key): the head's and the stages'."""
+        return (self._net.gate.count if self._net else 0) + sum(self._stage_rejected.values())
 
     def close(self) -> None:
         """Stop every stage and release everything; idempotent."""
@@ -214,10 +441,25 @@ class Pipeline:
                     pass
         self._finalizer()
 
+    def interrupt(self, signum: int) -> None:
+        """Ask the head to stop (safe from a signal handler: it only records the signal). The head
+        raises `Interrupted` at its next safe point, within ~0.2 s, then joins chunks in flight."""
+        self._signals.append(signum)
+
+    def _check_interrupt(self) -> None:
+        if len(self._signals) > self._signals_seen:
+            self._signals_seen = len(self._signals)
+            raise Interrupted(self._signals[-1])
+
     # -- messages ----------------------------------------------------------------------------
     def _who(self, i: int) -> str:
         st = self.stages[i]
-        return f"stage {i} ({st.device}, pid {st.pid}, chunk {st.chunk})"
+        where = f"{st.device} on {st.host}" if st.host else st.device
+        return f"stage {i} ({where}, pid {st.pid}, chunk {st.chunk})"
+
+    def where(self) -> str:
+        """Every stage with its device, pid and the chunk it last started."""
+        return ", ".join(self._who(i) for i in range(len(self.stages)))
 
     def _fail(self, why: str) -> None:
         self.failure = self.failure or PipelineError(why)
@@ -228,10 +470,14 @@ class Pipeline:
         import zmq
         if self.failure:
             raise self.failure
+        self._check_interrupt()  # only here: never between receiving a message and handling it
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        if self._net is not None:
+            poller.register(self._net.pull, zmq.POLLIN)
         for p in self._res.procs:
-            poller.register(p.sentinel, zmq.POLLIN)
+            if p.sentinel is not None:  # a stage started by hand has none: heartbeats watch it
+                poller.register(p.sentinel, zmq.POLLIN)
         events = dict(poller.poll(timeout_ms))
         out = []
         while True:
@@ -239,17 +485,11 @@ class Pipeline:
                 frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            try:
-                msg = M.decode(frame)
-            except M.BadMessage:
-                continue  # not ours; never acted on
-            if msg["t"] == "fail":
-                st = self.stages[msg["stage"]]
-                st.chunk = msg["chunk"] if msg["chunk"] >= 0 else st.chunk
-                self._fail(f"{self._who(msg['stage'])} failed: {msg['error']}: {msg['message']}")
-            if msg["t"] == "working":
-                self.stages[msg["stage"]].chunk = msg["k"]
-            out.append(msg)
+            msg = self._accept(frame)
+            if msg is not None:
+                out.append(msg)
+        if self._net is not None:
+            out += self._recv_tcp()
         for i, p in enumerate(self._res.procs):
             if p.sentinel in events or not p.is_alive():
                 p.join(0.1)
@@ -260,21 +500,49 @@ class Pipeline:
                 code = p.exitcode
                 how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 self._fail(f"{self._who(i)} {how}")
+        if self._net is not None:
+            self._check_remote()
         return out
 
+    def _accept(self, frame: bytes) -> dict | None:
+        """One frame from the head's socket: a typed failure fails the run; a working note moves the
+        stage's chunk; anything malformed, of a type the head does not take, or naming a stage or
+        chunk that does not exist is counted, logged and dropped (never acted on)."""
+        try:
+            msg = M.decode(frame)
+            t = msg["t"]
+            if t not in self._accepts:
+                raise M.BadMessage(f"{t}: not a message the head accepts")
+            if "stage" in msg and not 0 <= msg["stage"] < len(self.stages):
+                raise M.BadMessage(f"{t}: no stage {msg['stage']}")
+            if t == "result" and not (0 <= msg["k"] < self._sent and msg["k"] not in self._results):
+                raise M.BadMessage(f"result: chunk {msg['k']} is not in flight")
+        except M.BadMessage as e:
+            self.bad_frames += 1
+            if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
+                log.warning("head rejected frame #%d: %s", self.bad_frames, e)
+            return None
+        if t == "fail":
+            st = self.stages[msg["stage"]]
+            st.chunk = msg["chunk"] if msg["chunk"] >= 0 else st.chunk
+            self._fail(f"{self._who(msg['stage'])} failed: {msg['error']}: {msg['message']}")
+        if t == "working":
+            self.stages[msg["stage"]].chunk = msg["k"]
+        if t == "rejected":
+            self._stage_rejected[msg["stage"]] = max(msg["count"], self._stage_rejected.get(msg["stage"], 0))
+            log.warning("stage %d refused a connection (%d so far): %s", msg["stage"], msg["count"], msg["detail"])
+        return msg
+
     def _drain_for_failure(self, ms: int) -> None:
+        """A stage has died: its typed failure (and its last working note) may still be in flight."""
         import zmq
         if self._pull.poll(ms, zmq.POLLIN):
             while True:
                 try:
-                    msg = M.decode(self._pull.recv(zmq.NOBLOCK))
+                    frame = self._pull.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     return
-                except M.BadMessage:
-                    continue
-                if msg["t"] == "fail":
-                    self.stages[msg["stage"]].chunk = msg["chunk"]
-                    self._fail(f"{self._who(msg['stage'])} failed: {msg['error']}: {msg['message']}")
+                self._accept(frame)
 
     def _send(self, i: int, type_: str, **fields) -> None:
         self._push[i].send(M.encode(type_, **fields))
@@ -320,7 +588,7 @@ class Pipeline:
     def _stalled(self) -> None:
         # dump every stage's stacks into its log, then fail naming where each one was
         for p in self._res.procs:
-            if p.is_alive():
+            if p.is_alive() and isinstance(p, mp.process.BaseProcess):  # not a remote stage's ssh
                 os.kill(p.pid, signal.SIGUSR1)
         time.sleep(0.5)
         where = ", ".join(self._who(i) for i in range(len(self.stages)))
@@ -352,6 +620,7 @@ class Pipeline:
                     self._stalled()
         finally:
             # the guard: never leave with chunks in flight; a known failure returns at once
+            # (a second SIGINT/SIGTERM through `interrupt` raises Interrupted here and abandons the join)
             if not self.failure:
                 try:
                     self.finish()
@@ -403,6 +672,8 @@ class Pipeline:
             if tok == eos or pos >= self.plan.max_len:
                 break
             self._ids[pos] = tok
+            if self.stages[0].host is not None:  # stage 0 is remote: it has its own copy of the ids
+                self._send(0, "token", pos=pos, id=tok)
             self._run_phase("decode", [(pos, 1)])
             tok = int(self._results[0]["argmax"])
             pos += 1
@@ -429,7 +700,7 @@ class Pipeline:
             tmp.write_text(" ".join(map(str, ids.tolist())))
             self.cfg = replace(self.cfg, prompt=PromptSpec(ids_file=str(tmp)))
             self.plan = build_plan(self.cfg)
-        self.stages = [StageInfo(s.index, s.device, (s.start, s.end)) for s in self.plan.stages]
+        self.stages = [StageInfo(s.index, s.device, (s.start, s.end), s.host) for s in self.plan.stages]
 
     def _progress_bar(self, total: int):
         if not (self.cfg.progress and self.console):

@@ -31,6 +31,7 @@ class StagePlan:
     cores: tuple[int, ...]    # CPU: cores this stage is pinned to (empty: no pinning)
     speed: float | None
     memory: int | None
+    host: str | None = None   # None: this machine; else the rig's `stages[i].host`
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def auto_stages(n_cores: int | None = None) -> tuple[StageSpec, ...]:
 def assign_cores(stages: tuple[StageSpec, ...]) -> list[tuple[int, ...]]:
     """Give each CPU stage its own cores (two stages on the same cores fight; performance.md)."""
     avail = sorted(os.sched_getaffinity(0))
-    cpu_idx = [i for i, s in enumerate(stages) if s.device == "cpu"]
+    cpu_idx = [i for i, s in enumerate(stages) if s.device == "cpu" and not s.remote]  # remote: not our cores
     out: list[tuple[int, ...]] = [() for _ in stages]
     want = sum((stages[i].threads or 1) for i in cpu_idx)
     if want > len(avail):
@@ -139,7 +140,8 @@ def build_plan(cfg: RigConfig) -> Plan:
         raise ConfigError(str(e)) from None
     stages = cfg.stages if isinstance(cfg.stages, tuple) else auto_stages()
     for i, s in enumerate(stages):
-        check_device(s.device, f"stages[{i}].device")
+        if not s.remote:  # a remote stage's device is checked on its host
+            check_device(s.device, f"stages[{i}].device")
     if len(stages) > args.n_layers:
         raise ConfigError(f"stages: {len(stages)} stages but the model has only {args.n_layers} layers")
     ids = load_prompt(cfg, args)
@@ -153,7 +155,7 @@ def build_plan(cfg: RigConfig) -> Plan:
     split, planner = choose_split(cfg, args, stages, cores, int(ids.size), total, max_chunk)
     plans, a = [], 0
     for i, (s, n) in enumerate(zip(stages, split)):
-        plans.append(StagePlan(i, s.device, a, a + n, s.threads, cores[i], s.speed, s.memory))
+        plans.append(StagePlan(i, s.device, a, a + n, s.threads, cores[i], s.speed, s.memory, s.host))
         a += n
     return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner)
 
@@ -197,8 +199,9 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         if err:
             raise ConfigError(err)
     needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity)
-    cpu = [i for i in range(n) if host[i]]
-    # CPU stages share the host: checked together, unless every one of them gives its own `memory:`
+    cpu = [i for i in range(n) if host[i] and not stages[i].remote]
+    # CPU stages share this host: checked together, unless every one of them gives its own `memory:`
+    # (a remote stage's memory is its own host's)
     avail = host_available_bytes() if any(stages[i].memory is None for i in cpu) else None
     if avail is not None:
         want = sum(needs[i].total for i in cpu)

@@ -44,7 +44,8 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
         s = st.stats["prefill"]
         ev = s["events"]
         intervals.append([(e[1], e[2]) for e in ev])
-        stages.append({"index": st.index, "device": st.device, "layers": list(st.layers), "pid": st.pid,
+        stages.append({"index": st.index, "device": st.device, "host": st.host or "local",
+                       "layers": list(st.layers), "pid": st.pid,
                        "wall_s": s["wall_s"], "work_s": s["work_s"], "handoff_wait_s": s["handoff_wait_s"],
                        "input_wait_s": s["input_wait_s"], "copy_s": s["copy_s"], "chunks": s["chunks"], "mem_bytes": st.mem_bytes,
                        "kv_bytes": st.kv_bytes, "pinned": st.pinned, "load_s": st.load_s,
@@ -75,6 +76,9 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
         "busy": busy_histogram(intervals, begin, end),
         "handoff_pinned_bytes": n_boundaries * plan.handoff_bytes(),
         "handoff_buffers": n_boundaries,
+        # per boundary: "shm" (both stages on this host) or "tcp" (across hosts, CurveZMQ)
+        "boundaries": list(getattr(p, "boundaries", [])) or ["shm"] * n_boundaries,
+        "rejected_connections": getattr(p, "rejected_connections", 0),
         "pinned": all(s["pinned"] for s in stages if s["device"].startswith("cuda")) and
         any(s["device"].startswith("cuda") for s in stages),
         "perplexity": ppl, "continuation_ids": cont, "continuation": text,
@@ -113,6 +117,9 @@ def format_table(report: dict) -> str:
                 f"(depth {report['depth']}, {report['chunks']} chunks of <= {report['chunk']})")
     rows.append(f"hand-off: {report['handoff_buffers']} buffer(s), {report['handoff_pinned_bytes']:,} bytes"
                 f"{' pinned' if report['pinned'] else ' (shared memory, CPU stages)'}")
+    if "tcp" in report.get("boundaries", ()):
+        rows.append(f"across hosts: boundaries {' / '.join(report['boundaries'])} (tcp: CurveZMQ frames); "
+                    f"{report['rejected_connections']} connection(s) without the run's key refused")
     if report.get("residual_md5"):
         rows.append(f"residual md5 {report['residual_md5']}")
     if report.get("perplexity") is not None:

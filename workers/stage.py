@@ -6,7 +6,12 @@ hand-off buffer and say "taken" upstream -> compute -> reap the chunk in flight 
 notify. With depth 0 the stage then waits until the chunk has gone through the whole rest
 of the pipeline (the old join) before it takes its next input.
 
-Sockets are touched only here, in one thread; the model knows nothing of them.
+Sockets are touched only here, in one thread; the model knows nothing of them. (A remote stage
+also has a heartbeat thread with a socket of its own: strata/net.py.)
+
+Across hosts the path is the same: a boundary whose ends are on different hosts is a `TcpLink`
+instead of a `ShmLink` (strata/transport.py), the rows travelling with the note. A stage on another
+host is started as `python -m workers.stage --join tcp://HEAD:PORT --key KEY` (see `main`).
 """
 from __future__ import annotations
 
@@ -80,13 +85,16 @@ class ResidualDump:
 
 
 class Stage:
-    def __init__(self, spec: dict, log: logging.Logger):
+    def __init__(self, spec: dict, log: logging.Logger, ids: bytes | None = None, clock_offset: float = 0.0):
+        """`ids` and `clock_offset`: a remote stage's prompt ids (they came with its spec) and the head's
+        perf_counter minus this host's (0 on the same kernel)."""
         import torch
         import zmq
 
         from strata import messages as M
         from strata.model import Transformer
         from strata.shm import Segment
+        from strata.transport import ShmLink, TcpLink
         from strata.weights import slice_tensors
 
         self.torch, self.zmq, self.M = torch, zmq, M
@@ -122,7 +130,13 @@ class Stage:
         self.model = model.eval()
         self.kv_bytes = model.setup_cache(spec["max_len"])
 
-        # -- shared buffers: ids (all stages read it), input boundary, output boundary / result
+        # -- buffers: ids (all stages read it), input boundary, output boundary / result. A boundary
+        # inside this host is a shared segment (ShmLink); one that crosses hosts is a buffer of this
+        # process whose rows travel with the note over tcp (TcpLink)
+        net = spec.get("net")  # None: every stage of the run is on this host
+        self.net = net
+        self.clock_offset = clock_offset
+        tcp_in, tcp_out = bool(net and net["tcp_in"]), bool(net and net["tcp_out"])
         segs = spec["segments"]
         self.segments = []
 
@@ -132,13 +146,25 @@ class Stage:
             self.segments.append(seg)
             return seg
 
-        self.ids = attach("ids").tensor(torch.int32, (spec["max_len"] + 1,))
+        if ids is None:
+            self.ids = attach("ids").tensor(torch.int32, (spec["max_len"] + 1,))
+        else:  # decoded tokens reach a remote stage 0 as "token" notes
+            self.ids = torch.zeros(spec["max_len"] + 1, dtype=torch.int32)
+            self.ids[:spec["tokens"]] = torch.frombuffer(bytearray(ids), dtype=torch.int32)
         dim, cmax = args.dim, spec["max_chunk"]
-        self.inbuf = None if self.first else attach(f"b{self.i - 1}").tensor(self.dtype, (cmax, dim))
+        pin = self.device.type == "cuda"
+        self.inlink = None
+        if not self.first:
+            self.inlink = (TcpLink(self.dtype, (cmax, dim), pin=pin) if tcp_in
+                           else ShmLink(attach(f"b{self.i - 1}").tensor(self.dtype, (cmax, dim))))
         if self.last:
-            self.outbuf = attach("result").tensor(torch.float32, (args.vocab_size,))
+            self.outlink = (TcpLink(torch.float32, (args.vocab_size,), pin=pin) if tcp_out
+                            else ShmLink(attach("result").tensor(torch.float32, (args.vocab_size,))))
         else:
-            self.outbuf = attach(f"b{self.i}").tensor(self.dtype, (cmax, dim))
+            self.outlink = (TcpLink(self.dtype, (cmax, dim), pin=pin) if tcp_out
+                            else ShmLink(attach(f"b{self.i}").tensor(self.dtype, (cmax, dim))))
+        self.inbuf = self.inlink.buf if self.inlink else None
+        self.outbuf = self.outlink.buf
         self.pinned = False
         if self.device.type == "cuda":
             self.pinned = all(s.pin() for s in self.segments if s.name.split("-")[-1] != "ids")
@@ -146,13 +172,26 @@ class Stage:
         if self.last and spec["dump_residual"]:
             self.dump = ResidualDump(spec["dump_residual"], spec["tokens"], dim, cmax, self.device)
 
-        # -- sockets: one PULL in, PUSH to each neighbour and to the head
+        # -- sockets: one PULL in, PUSH to each neighbour and to the head. Across hosts also (or, for
+        # a remote stage, only) a tcp PULL: a CURVE server that lets in the head and the neighbours only
         ctx = zmq.Context.instance()
         self.ctx = ctx
-        self.inbox_sock = ctx.socket(zmq.PULL)
-        self.inbox_sock.setsockopt(zmq.LINGER, 0)
-        self.inbox_sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME)
-        self.inbox_sock.bind(spec["endpoints"][self.i])
+        self.inboxes, self.inbox_sock, self.tcp_inbox, self.gate = [], None, None, None
+        if not (net and net["remote"]):
+            self.inbox_sock = ctx.socket(zmq.PULL)
+            self.inbox_sock.setsockopt(zmq.LINGER, 0)
+            self.inbox_sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME)
+            self.inbox_sock.bind(spec["endpoints"][self.i])
+            self.inboxes.append(self.inbox_sock)
+        if net and net["tcp_inbox"]:
+            from strata import net as N
+            self.gate = N.Gate(ctx, net["allow"], log)
+            self.tcp_inbox = N.curve_server(ctx.socket(zmq.PULL), net["public"], net["secret"])
+            self.tcp_inbox.setsockopt(zmq.LINGER, 0)
+            self.tcp_inbox.setsockopt(zmq.MAXMSGSIZE, max(M.MAX_FRAME, cmax * self.inlink.row_bytes if tcp_in else 0))
+            self.gate.watch(self.tcp_inbox, f"stage {self.i} inbox")
+            self.tcp_endpoint = N.bind_tcp(self.tcp_inbox, net["bind"] or N.route_address(spec["head_endpoint"]))
+            self.inboxes.append(self.tcp_inbox)
 
         def push(ep):
             s = ctx.socket(zmq.PUSH)
@@ -160,11 +199,24 @@ class Stage:
             s.connect(ep)
             return s
 
-        self.to_head = push(spec["head_endpoint"])
-        self.to_up = None if self.first else push(spec["endpoints"][self.i - 1])
-        self.to_down = self.to_head if self.last else push(spec["endpoints"][self.i + 1])
+        def tcp_push():  # a CURVE client; connected once the head says where the neighbour listens
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 2000)
+            s.curve_publickey, s.curve_secretkey = net["public"].encode(), net["secret"].encode()
+            return s
+
+        self.to_head = _head_push(ctx, spec)
+        self.to_up = None if self.first else tcp_push() if tcp_in else push(spec["endpoints"][self.i - 1])
+        self.to_down = self.to_head if self.last else tcp_push() if tcp_out else push(spec["endpoints"][self.i + 1])
+        self.outlink.sock = self.to_down
+        self.linked = not ((tcp_in and not self.first) or (tcp_out and not self.last))  # else: wait for "peers"
         self.poller = zmq.Poller()
-        self.poller.register(self.inbox_sock, zmq.POLLIN)
+        for s in self.inboxes:
+            self.poller.register(s, zmq.POLLIN)
+        for mon, _ in (self.gate.monitors if self.gate else ()):
+            self.poller.register(mon, zmq.POLLIN)
+        if self.tcp_inbox is not None:
+            self.send(self.to_head, "bound", stage=self.i, endpoint=self.tcp_endpoint)
 
         # -- state fed by the dispatcher
         self.inputs: deque = deque()     # chunk messages waiting to be processed
@@ -183,8 +235,11 @@ class Stage:
     def send(self, sock, type_, **fields):
         sock.send(self.M.encode(type_, **fields))
 
-    def _dispatch(self, msg: dict) -> None:
+    def _dispatch(self, msg: dict, data=None) -> None:
+        """One message (and, across hosts, the rows that came with a chunk note)."""
         t = msg["t"]
+        if data is not None and t != "chunk":
+            raise self.M.BadMessage(f"{t}: unexpected data frame")
         if t in ("chunk", "begin", "end") and msg["phase"] not in ("prefill", "decode"):
             raise self.M.BadMessage(f"{t}: unknown phase {msg['phase']!r}")
         if t in ("chunk", "taken", "done") and msg["k"] < 0:
@@ -193,31 +248,71 @@ class Stage:
             pos, n = msg["pos"], msg["n"]
             if not (0 <= pos and 1 <= n <= self.spec["max_chunk"] and pos + n <= self.spec["max_len"]):
                 raise self.M.BadMessage(f"chunk: rows [{pos}, {pos + n}) do not fit the buffers")
+            if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
+                if data is None:
+                    raise self.M.BadMessage("chunk: no rows with the note (across hosts they travel together)")
+                self.inlink.land(n, data)
+            elif data is not None:
+                raise self.M.BadMessage("chunk: unexpected data frame")
             self.inputs.append(msg)
         elif t == "taken":
             self.taken_below.add(msg["k"])
         elif t == "done":
             self.done_below.add(msg["k"])
         elif t == "begin":
-            self._reset_stats(msg["phase"], msg["t0"])
+            self._reset_stats(msg["phase"], msg["t0"] - self.clock_offset)
         elif t == "end":
             self.phase_end = msg["phase"]
         elif t == "stop":
             self.stopping = True
+        elif t == "peers" and not self.linked:
+            self._link(msg)
+        elif t == "token" and self.first and self.net is not None and self.net["remote"]:
+            if not (0 <= msg["pos"] < self.spec["max_len"] and 0 <= msg["id"] < self.args.vocab_size):
+                raise self.M.BadMessage(f"token: {msg['id']} at {msg['pos']} out of range")
+            self.ids[msg["pos"]] = msg["id"]
         else:
             raise self.M.BadMessage(f"{t}: not a message a stage accepts")
+
+    def _link(self, msg: dict) -> None:
+        """The head says where this stage's neighbours across hosts listen: connect to them."""
+        want = [(self.to_up, msg["up"], msg["up_key"], self.net["tcp_in"] and not self.first),
+                (self.to_down, msg["down"], msg["down_key"], self.net["tcp_out"] and not self.last)]
+        for _, ep, key, needed in want:
+            if needed and not (ep.startswith("tcp://") and len(key) == 40):
+                raise self.M.BadMessage(f"peers: no tcp endpoint and key for a neighbour ({ep!r})")
+        for sock, ep, key, needed in want:
+            if needed:
+                sock.curve_serverkey = key.encode("ascii")
+                sock.connect(ep)
+        self.linked = True
 
     def pump(self, timeout_ms: int) -> None:
         """Receive and dispatch whatever arrives within timeout_ms. Garbage is counted and dropped."""
         if not self.poller.poll(timeout_ms):
             return
+        for sock in self.inboxes:
+            self._drain(sock)
+        if self.gate is not None and self.gate.drain():  # refused handshakes on the tcp inbox
+            self.send(self.to_head, "rejected", stage=self.i, count=self.gate.count, detail=self.gate.last[:500])
+
+    def _drain(self, sock) -> None:
+        across = sock is self.tcp_inbox  # a note may come with its rows: one multipart message
         while True:
             try:
-                frame = self.inbox_sock.recv(self.zmq.NOBLOCK)
+                if across:
+                    parts = sock.recv_multipart(self.zmq.NOBLOCK, copy=False)
+                else:
+                    frame = sock.recv(self.zmq.NOBLOCK)
             except self.zmq.Again:
                 return
             try:
-                self._dispatch(self.M.decode(frame))
+                if across:
+                    if len(parts) > 2:
+                        raise self.M.BadMessage(f"a message of {len(parts)} frames")
+                    self._dispatch(self.M.decode(parts[0].bytes), parts[1] if len(parts) == 2 else None)
+                else:
+                    self._dispatch(self.M.decode(frame))
             except self.M.BadMessage as e:
                 self.bad_frames += 1
                 if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
@@ -244,7 +339,9 @@ class Stage:
         self.send(self.to_head, "stats", stage=self.i, phase=self.phase,
                   wall_s=max(0.0, self.last_handoff - self.t0), work_s=self.work_s,
                   handoff_wait_s=self.handoff_wait_s, input_wait_s=self.input_wait_s, copy_s=self.copy_s,
-                  events=self.events, chunks=self.nchunks, bad_frames=self.bad_frames)
+                  events=[[k, a + self.clock_offset, b + self.clock_offset, c + self.clock_offset]
+                          for k, a, b, c in self.events] if self.clock_offset else self.events,
+                  chunks=self.nchunks, bad_frames=self.bad_frames)
 
     # -- the chunk path -------------------------------------------------------------------------
     def run_chunk(self, msg: dict) -> None:
@@ -258,7 +355,7 @@ class Stage:
         if self.first:
             x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
         else:
-            x = self.inbuf[:n].to(self.device, copy=True).view(1, n, self.args.dim)
+            x = self.inlink.get(n).to(self.device, copy=True).view(1, n, self.args.dim)
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the copy has left the buffer
             self.send(self.to_up, "taken", k=k)
@@ -294,11 +391,9 @@ class Stage:
         # 4. hand off
         copy_start = time.perf_counter()
         if self.last:
-            self.outbuf.copy_(logits)
-            self.send(self.to_down, "result", k=k, nll=float(nll), count=count, argmax=argmax)
+            self.outlink.put(logits, "result", k=k, nll=float(nll), count=count, argmax=argmax)
         else:
-            self.outbuf[:n].copy_(h.view(n, self.args.dim))
-            self.send(self.to_down, "chunk", k=k, pos=pos, n=n, phase=msg["phase"])
+            self.outlink.put(h.view(n, self.args.dim), "chunk", k=k, pos=pos, n=n, phase=msg["phase"])
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
@@ -340,6 +435,8 @@ class Stage:
         self.send(self.to_head, "ready", stage=self.i, pid=os.getpid(), device=str(self.device),
                   layers=[self.spec["start"], self.spec["end"]], mem_bytes=self._mem_bytes(),
                   kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s)
+        if not self.linked:  # neighbours on other hosts: the head says where they listen once all are ready
+            self.wait_until(lambda: self.linked)
         while True:
             t = time.perf_counter()
             self.wait_until(lambda: self.inputs or self.phase_end is not None)
@@ -360,38 +457,63 @@ class Stage:
             return int(self.torch.cuda.memory_allocated(self.device))
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.kv_bytes
 
-    def close(self) -> None:
-        for s in (self.inbox_sock, self.to_up, self.to_head, self.to_down):
-            if s is not None and not s.closed:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the sockets (outgoing ones keep `linger_ms` to deliver what is queued) and unmap."""
+        for s in self.inboxes:
+            if not s.closed:
                 s.close(linger=0)
+        for s in (self.to_up, self.to_head, self.to_down):
+            if s is not None and not s.closed:
+                s.close(linger=linger_ms)
+        if self.gate is not None:
+            self.gate.stop()
         for seg in self.segments:
             seg.close()
 
 
-def run_stage_process(spec: dict, head_conn) -> None:
-    """Entry point of a stage process (spawned by the head)."""
-    _die_with_parent()
-    log_stream = open(spec["log_file"], "a")
-    _watch_head(head_conn, log_stream.fileno())
+def _flush_sockets(timeout_s: float) -> None:
+    """Terminate ZeroMQ so queued messages (the typed failure) leave before os._exit kills its I/O
+    thread. Bounded: term() waits for every socket, and a failed __init__ may have left one open."""
+    import zmq
+    t = threading.Thread(target=zmq.Context.instance().term, daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+
+def run_stage_process(spec: dict, head_conn, joined: dict | None = None) -> None:
+    """Entry point of a stage process (spawned by the head; or, with `joined`, a remote stage that has
+    joined: `main`). A remote stage logs to stderr (the head keeps it as stage-N.log) and notices a
+    dead head by its heartbeats instead of a pipe."""
+    local = head_conn is not None
+    if local:
+        _die_with_parent()
+    log_stream = open(spec["log_file"], "a") if local else sys.stderr
+    if local:
+        _watch_head(head_conn, log_stream.fileno())
     i = spec["index"]
     log = logging.getLogger(f"stage{i}")
     log.setLevel(logging.INFO)
     fmt = logging.Formatter(f"%(asctime)s [stage {i}] %(levelname)s %(message)s")
-    fh = logging.FileHandler(spec["log_file"])
+    fh = logging.FileHandler(spec["log_file"]) if local else logging.StreamHandler(sys.stderr)
     fh.setFormatter(fmt)
     log.addHandler(fh)
-    if spec["console"]:
+    if spec["console"] and local:
         ch = logging.StreamHandler(sys.stderr)
         ch.setFormatter(logging.Formatter(f"[stage {i}] %(message)s"))
         ch.setLevel(logging.WARNING)
         log.addHandler(ch)
     faulthandler.enable(file=log_stream)
     faulthandler.register(signal.SIGUSR1, file=log_stream, all_threads=True)  # the watchdog's stack dump
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the head's to handle; it tells us to stop
+    if local:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the head's to handle; it tells us to stop
+    joined = joined or {}
     stage, code = None, 0
     try:
         log.info("pid %d, device %s, layers [%d, %d)", os.getpid(), spec["device"], spec["start"], spec["end"])
-        stage = Stage(spec, log)
+        if not local:
+            log.info("joined the head from %s: %s, tcp in %s, tcp out %s", socket_host(), spec["net"]["host"],
+                     spec["net"]["tcp_in"], spec["net"]["tcp_out"])
+        stage = Stage(spec, log, ids=joined.get("ids"), clock_offset=joined.get("clock_offset", 0.0))
         log.info("ready: loaded in %.2fs, KV cache %d bytes, pinned=%s", stage.load_s, stage.kv_bytes, stage.pinned)
         stage.serve()
     except SystemExit:
@@ -402,7 +524,11 @@ def run_stage_process(spec: dict, head_conn) -> None:
         _report_failure(spec, stage, e, tb)
         code = 1
     if stage is not None:
-        stage.close()
+        stage.close(linger_ms=2000 if code else 0)
+    if joined.get("watch") is not None:
+        joined["watch"].stop()
+    if code:
+        _flush_sockets(3.0)  # the "fail" must reach the head before the exit code does
     logging.shutdown()
     log_stream.flush()
     os._exit(code)
@@ -419,10 +545,73 @@ def _report_failure(spec, stage, exc, tb) -> None:
         if stage is not None:
             stage.to_head.send(frame)
         else:
-            s = zmq.Context.instance().socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 2000)
-            s.connect(spec["head_endpoint"])
+            s = _head_push(zmq.Context.instance(), spec)
             s.send(frame)
             s.close()
     except Exception:  # noqa: BLE001 - the head still sees the exit code
         pass
+
+
+def _head_push(ctx, spec: dict):
+    """A PUSH to the head: its ipc socket, or (a remote stage) its tcp socket as a CURVE client."""
+    import zmq
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 2000)  # long enough for a final "fail" to leave
+    net = spec.get("net")
+    if net and net["remote"]:
+        from strata.net import curve_client
+        curve_client(s, net["public"], net["secret"], net["head_public"])
+    s.connect(spec["head_endpoint"])
+    return s
+
+
+def socket_host() -> str:
+    import socket
+    return socket.gethostname()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A stage on another host: join the head, get the spec, load the slice, serve.
+
+        python -m workers.stage --join tcp://HEAD:PORT --key KEY      (KEY: 192 hex digits, or - for stdin)
+    """
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m workers.stage", description="A Strata stage on another host: "
+                                 "joins the head (CurveZMQ), gets its spec, loads its layers and serves chunks.")
+    ap.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's join endpoint")
+    ap.add_argument("--key", required=True, metavar="KEY", help="the run's key for this stage (printed by the head, "
+                    "or given on stdin by its remote_command); - reads it from stdin")
+    ap.add_argument("--bind", default="", metavar="ADDR", help="address the neighbours reach this stage at "
+                    "(default: this host's address on the route to the head)")
+    ap.add_argument("--join-timeout", type=float, default=60.0, metavar="S", help="give up joining after S seconds")
+    a = ap.parse_args(argv)
+    from strata import messages as M
+    from strata import net as N
+    try:
+        key = N.parse_join_key(sys.stdin.readline() if a.key == "-" else a.key)
+        if not a.join.startswith("tcp://"):
+            raise ValueError(f"--join: {a.join!r} is not tcp://HOST:PORT")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import zmq
+    try:
+        dealer, spec, ids, offset = N.join(zmq.Context.instance(), a.join, key, a.join_timeout)
+    except (TimeoutError, M.BadMessage, zmq.ZMQError) as e:
+        print(f"error: could not join {a.join}: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(2)  # no context teardown: a socket may still be connecting
+    net = spec["net"]
+    if net["public"] != key[1]:
+        print("error: the head sent the spec of another stage", file=sys.stderr)
+        os._exit(2)
+    net["secret"] = key[2]
+    if a.bind:
+        net["bind"] = a.bind
+    watch = N.HeadWatch(dealer, spec["index"], net["heartbeat_s"], net["heartbeat_timeout_s"], sys.stderr.fileno())
+    run_stage_process(spec, None, {"ids": ids, "clock_offset": offset, "watch": watch})
+    return 0  # not reached: run_stage_process exits the process
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""One boundary's hand-off: the rows of a chunk from a stage to the stage below (or the last row's
+logits from the last stage to the head).
+
+Both ends on this host: the rows sit in a /dev/shm segment both have mapped (`ShmLink`) and only
+the note travels. Ends on different hosts: the rows travel with the note, as a second ZeroMQ frame
+over tcp (`TcpLink`), sent zero-copy from the sender's hand-off buffer and written on arrival into
+the receiver's own input buffer. The notes are the same messages either way, and so is the
+one-buffer rule: a sender overwrites its buffer only after the chunk before has been "taken".
+"""
+from __future__ import annotations
+
+import torch
+
+from . import messages as M
+
+SEND_RELEASE_S = 60.0  # ZeroMQ lets go of a sent frame long before "taken" comes back; this is a backstop
+
+
+class ShmLink:
+    """Rows in a shared segment (`buf`, mapped by both ends); `sock` carries the note."""
+
+    crosses_hosts = False
+
+    def __init__(self, buf: torch.Tensor, sock=None):
+        self.buf, self.sock = buf, sock
+
+    def put(self, rows: torch.Tensor, type_: str, **note) -> None:
+        """Sender: copy the rows into the shared buffer, then say so."""
+        self.buf[:rows.shape[0]].copy_(rows)
+        self.sock.send(M.encode(type_, **note))
+
+    def get(self, n: int) -> torch.Tensor:
+        """Receiver: the first n rows of the shared buffer."""
+        return self.buf[:n]
+
+
+class TcpLink:
+    """Rows in a buffer of this process (`buf`, page-locked for a CUDA stage); they leave with the note
+    as a second frame, and land in the receiver's own `TcpLink` buffer when the note arrives."""
+
+    crosses_hosts = True
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], sock=None, pin: bool = False):
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.buf = self.raw.view(dtype).view(shape)
+        self.row_bytes = nbytes // shape[0]
+        self.bytes = memoryview(self.raw.numpy())  # what ZeroMQ reads from and what arrivals are copied into
+        self.sock = sock
+        self.tracker = None
+
+    def put(self, rows: torch.Tensor, type_: str, **note) -> None:
+        """Sender: copy the rows into the hand-off buffer and send note + rows; ZeroMQ reads the rows
+        straight from the buffer (copy=False), tracked so the buffer is not rewritten under it."""
+        if self.tracker is not None and not self.tracker.done:
+            self.tracker.wait(SEND_RELEASE_S)  # raises zmq.NotDone past the backstop
+        n = rows.shape[0]
+        self.buf[:n].copy_(rows)
+        self.tracker = self.sock.send_multipart([M.encode(type_, **note), self.bytes[: n * self.row_bytes]],
+                                                copy=False, track=True)
+
+    def land(self, n: int, frame) -> None:
+        """Receiver: the rows that came with the note for n rows, into the input buffer."""
+        data = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        if data.nbytes != n * self.row_bytes:
+            raise M.BadMessage(f"data frame of {data.nbytes} bytes for {n} rows of {self.row_bytes}")
+        self.bytes[: data.nbytes] = data.cast("B")
+
+    def get(self, n: int) -> torch.Tensor:
+        return self.buf[:n]
