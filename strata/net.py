@@ -173,6 +173,8 @@ class HeadNet:
         self.remote = set(remote)
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self.log = logger
+        self.thread: threading.Thread | None = None
+        self.stopping = threading.Event()
         self.stage_of = {stage_keys[i][0]: i for i in self.remote}
         self.gate = Gate(ctx, self.stage_of, logger)  # only remote stages connect to the head over tcp
         address, port = listen
@@ -182,7 +184,6 @@ class HeadNet:
         self.control = curve_server(ctx.socket(zmq.ROUTER), self.public, self.secret)
         self.control.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME)
         self.control.setsockopt(zmq.LINGER, 0)
-        self.thread = None
         try:
             self.gate.watch(self.pull, "notes")
             self.pull_endpoint = bind_tcp(self.pull, address)
@@ -195,7 +196,6 @@ class HeadNet:
         self.joined: dict[int, dict] = {}    # stage -> {pid, host, ident, t}; read by the main thread
         self.last_seen: dict[int, float] = {}
         self.lock = threading.Lock()
-        self.stopping = threading.Event()
         self.error = ""  # set if the thread died: the main thread fails the run with it
 
     def offer(self, i: int, spec: dict, ids: bytes) -> None:

@@ -81,6 +81,7 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
         "rejected_connections": getattr(p, "rejected_connections", 0),
         "pinned": all(s["pinned"] for s in stages if s["device"].startswith("cuda")) and
         any(s["device"].startswith("cuda") for s in stages),
+        "head_bad_frames": getattr(p, "bad_frames", 0),  # frames the head rejected during the run
         "perplexity": ppl, "continuation_ids": cont, "continuation": text,
         # the tail: after stage 0 finishes its last chunk, the time until the last stage finishes it
         "tail_s": (events[-1][-1][2] - events[0][-1][2]) if events[0] and events[-1] else 0.0,
