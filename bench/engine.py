@@ -8,7 +8,6 @@ transformers in float32, and optionally the per-op CUDA time of one late chunk.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path

@@ -51,6 +51,8 @@ class PromptSpec:
 class DebugSpec:
     """Test hooks: fault injection and delays. Not for normal use."""
     delay_s: float = 0.0           # sleep added to every chunk's work (orders events in tests)
+    delay_step_s: float = 0.0      # ... plus this times the stage index: later stages slower, so
+                                   # the order of events no longer races on equal sleeps
     fail_stage: int | None = None  # this stage ...
     fail_chunk: int | None = None  # ... at this chunk ...
     fail_mode: str = "raise"       # ... raises, exits ("exit"), stops moving ("hang") or SIGKILLs itself ("kill")

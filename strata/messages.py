@@ -127,7 +127,7 @@ SPEC_NET: dict[str, tuple] = {
     "tcp_inbox": (bool,), "public": (str,), "secret": (str,), "head_public": (str,), "allow": (list,),
     "head_tcp": (str,), "heartbeat_s": _num, "heartbeat_timeout_s": _num, "head_clock": _num, "boot_id": (str,),
 }
-SPEC_DEBUG = ("delay_s", "fail_stage", "fail_chunk", "fail_mode", "fail_phase")
+SPEC_DEBUG = ("delay_s", "delay_step_s", "fail_stage", "fail_chunk", "fail_mode", "fail_phase")
 MAX_SPEC = 1 << 20
 
 

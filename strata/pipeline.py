@@ -30,6 +30,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import torch
+import zmq
 
 from . import messages as M
 from .config import ConfigError, PromptSpec, RigConfig, from_dict
@@ -214,7 +216,6 @@ class Pipeline:
         """Spawn the stages and wait until each has loaded its slice and mapped its buffers."""
         if self.started:
             return
-        import zmq
 
         from . import shm
         from workers.stage import run_stage_process
@@ -226,7 +227,6 @@ class Pipeline:
         remote = [sp.host is not None for sp in plan.stages]
         across = [remote[i] or remote[i + 1] for i in range(n - 1)]  # boundary i (stage i -> i+1) leaves this host
         self.boundaries = ["tcp" if a else "shm" for a in across]
-        b = DTYPE_BYTES[cfg.dtype]
         sizes = {"ids": _page((plan.max_len + 1) * 4), "result": _page(plan.args.vocab_size * 4)}
         if remote[-1]:
             del sizes["result"]  # the last stage's logits come over tcp
@@ -246,11 +246,11 @@ class Pipeline:
             seg = shm.Segment.create(shm.segment_name(self.run_id, what), nbytes)
             res.segments.append(seg)
             segs[what] = (seg.name, nbytes)
-        self._ids = res.segments[0].tensor(__import__("torch").int32, (plan.max_len + 1,))
+        self._ids = res.segments[0].tensor(torch.int32, (plan.max_len + 1,))
         from .transport import TcpLink
-        self._result_link = TcpLink(__import__("torch").float32, (plan.args.vocab_size,)) if remote[-1] else None
+        self._result_link = TcpLink(torch.float32, (plan.args.vocab_size,)) if remote[-1] else None
         self._result_buf = (self._result_link.buf if remote[-1] else
-                            res.segments[1].tensor(__import__("torch").float32, (plan.args.vocab_size,)))
+                            res.segments[1].tensor(torch.float32, (plan.args.vocab_size,)))
         self._write_ids(plan.ids)
 
         res.ctx = zmq.Context()
@@ -392,7 +392,6 @@ class Pipeline:
 
     def _recv_tcp(self) -> list[dict]:
         """Notes from remote stages (already authenticated); a result comes with the last row's logits."""
-        import zmq
         out = []
         while True:
             try:
@@ -436,7 +435,7 @@ class Pipeline:
         if self._res.procs:
             for s in getattr(self, "_push", []):
                 try:
-                    s.send(M.encode("stop"), flags=__import__("zmq").NOBLOCK)
+                    s.send(M.encode("stop"), flags=zmq.NOBLOCK)
                 except Exception:  # noqa: BLE001 - a dead peer cannot be told
                     pass
         self._finalizer()
@@ -467,7 +466,6 @@ class Pipeline:
 
     def _recv(self, timeout_ms: int) -> list[dict]:
         """Messages that arrive within timeout_ms; a dead stage or a typed failure raises."""
-        import zmq
         if self.failure:
             raise self.failure
         self._check_interrupt()  # only here: never between receiving a message and handling it
@@ -535,7 +533,6 @@ class Pipeline:
 
     def _drain_for_failure(self, ms: int) -> None:
         """A stage has died: its typed failure (and its last working note) may still be in flight."""
-        import zmq
         if self._pull.poll(ms, zmq.POLLIN):
             while True:
                 try:
@@ -552,7 +549,6 @@ class Pipeline:
             self._send(i, type_, **fields)
 
     def _write_ids(self, ids: np.ndarray) -> None:
-        import torch
         self._ids[: ids.size] = torch.from_numpy(ids.astype(np.int32))
 
     # -- the run -----------------------------------------------------------------------------

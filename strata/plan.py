@@ -5,7 +5,6 @@ Everything here runs in the head before any process starts, so every refusal lea
 """
 from __future__ import annotations
 
-import math
 import os
 import sysconfig
 from dataclasses import dataclass, field

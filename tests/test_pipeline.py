@@ -21,7 +21,7 @@ def cpu_stages(n):
     return [{"device": "cpu", "threads": 1} for _ in range(n)]
 
 
-def run(cfg: dict, out) -> "Result":
+def run(cfg: dict, out):
     with Pipeline(cfg, out=out, console=False) as p:
         res = p.prefill()
         run_id = p.run_id
@@ -88,7 +88,8 @@ def _events(report):
 @pytest.mark.parametrize("depth", [0, 1])
 def test_ordering_from_event_records(tmp_path, depth):
     cfg = dict(model="synthetic:smoke", stages=cpu_stages(3), chunk=64, depth=depth,
-               prompt={"random": {"tokens": 384, "seed": 1}}, progress=False, debug={"delay_s": 0.05})
+               prompt={"random": {"tokens": 384, "seed": 1}}, progress=False,
+               debug={"delay_s": 0.05, "delay_step_s": 0.03})
     rep = run(cfg, tmp_path / "o").report
     ev = _events(rep)
     n_chunks = rep["chunks"]

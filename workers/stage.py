@@ -412,8 +412,9 @@ class Stage:
 
     def _inject(self, k: int) -> None:
         d = self.debug
-        if d["delay_s"]:
-            time.sleep(d["delay_s"])
+        delay = d["delay_s"] + self.i * d["delay_step_s"]
+        if delay:
+            time.sleep(delay)
         if d["fail_stage"] == self.i and d["fail_chunk"] == k and self.phase == d["fail_phase"]:
             self._injected_failure(f"at chunk {k}")
 
