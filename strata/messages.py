@@ -101,15 +101,18 @@ def validate(msg) -> dict:
     return msg
 
 
-def decode(frame: bytes) -> dict:
-    if len(frame) > MAX_FRAME:
-        raise BadMessage(f"frame of {len(frame)} bytes is larger than any message")
+def _unpack(frame: bytes, limit: int, what: str):
+    """msgpack -> Python, bounded: strict_map_key, no ext hooks; a hostile frame can only fail."""
+    if len(frame) > limit:
+        raise BadMessage(f"{what} of {len(frame)} bytes is larger than any {what}")
     try:
-        # strict_map_key, no ext hooks, bounded sizes: a hostile frame can only fail to decode
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - msgpack raises many types for garbage
-        raise BadMessage(f"undecodable frame ({type(e).__name__})") from None
-    return validate(msg)
+        raise BadMessage(f"undecodable {what} ({type(e).__name__})") from None
+
+
+def decode(frame: bytes) -> dict:
+    return validate(_unpack(frame, MAX_FRAME, "frame"))
 
 
 # -- a remote stage's spec (the head's join reply) -----------------------------------------------------
@@ -189,10 +192,4 @@ def encode_spec(spec: dict) -> bytes:
 
 
 def decode_spec(frame: bytes) -> dict:
-    if len(frame) > MAX_SPEC:
-        raise BadMessage(f"spec of {len(frame)} bytes")
-    try:
-        spec = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as e:  # noqa: BLE001 - msgpack raises many types for garbage
-        raise BadMessage(f"undecodable spec ({type(e).__name__})") from None
-    return validate_spec(spec)
+    return validate_spec(_unpack(frame, MAX_SPEC, "spec"))
