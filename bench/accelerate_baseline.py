@@ -18,13 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from strata.model import PRESETS  # noqa: E402
-from strata.weights import synthetic_tensors  # noqa: E402
+from strata.weights import hf_name, synthetic_tensors  # noqa: E402
 
-HF_NAMES = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
-            "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
-            "mlp_norm": "post_attention_layernorm.weight", "w_gate": "mlp.gate_proj.weight",
-            "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
-
+from engine import llama_config  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 def main():
     ap = argparse.ArgumentParser()
@@ -39,13 +35,7 @@ def main():
 
     args = PRESETS[a.preset]
     dtype = torch.bfloat16
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
-        max_position_embeddings=args.max_seq_len, tie_word_embeddings=False,
-        rope_scaling=dict(rope_type="llama3", **args.rope_scaling) if args.rope_scaling else None,
-        attn_implementation="sdpa", torch_dtype=dtype)
+    cfg = llama_config(args, dtype)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg).to(dtype)
     n_gpu = torch.cuda.device_count()
@@ -69,7 +59,7 @@ def main():
         dev = torch.device(f"cuda:{where(f'model.layers.{i}')}")
         for canon, t in synthetic_tensors(args, i, i + 1, dev, dtype, seed=0).items():
             if canon.startswith("layers."):
-                set_module_tensor_to_device(model, f"model.layers.{i}.{HF_NAMES[canon.split('.')[-1]]}", dev, value=t)
+                set_module_tensor_to_device(model, hf_name(canon), dev, value=t)
     for canon, hf in (("embed", "model.embed_tokens.weight"), ("norm", "model.norm.weight"), ("head", "lm_head.weight")):
         dev = torch.device(f"cuda:{where(hf)}")
         t = synthetic_tensors(args, 0 if canon == "embed" else args.n_layers - 1,

@@ -18,30 +18,28 @@ import torch  # noqa: E402
 
 import strata.model as sm  # noqa: E402
 from strata.model import PRESETS, Transformer  # noqa: E402
-from strata.weights import synthetic_tensors  # noqa: E402
+from strata.weights import hf_name, synthetic_tensors  # noqa: E402
 
 
-def hf_model(args, tensors, dtype, device):
+def llama_config(args, dtype):
+    """transformers' LlamaConfig for a ModelArgs (the reference side of every GPU comparison)."""
     import transformers
-    cfg = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
         num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
         head_dim=args.head_dim, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
         max_position_embeddings=args.max_seq_len, tie_word_embeddings=args.tie_embeddings,
         rope_scaling=dict(rope_type="llama3", **args.rope_scaling) if args.rope_scaling else None,
         attn_implementation="sdpa", torch_dtype=dtype)
+
+
+def hf_model(args, tensors, dtype, device):
+    import transformers
+    cfg = llama_config(args, dtype)
     with torch.device("meta"):
         m = transformers.LlamaForCausalLM(cfg)
-    names = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
-             "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
-             "mlp_norm": "post_attention_layernorm.weight", "w_gate": "mlp.gate_proj.weight",
-             "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
-    sd = {"model.embed_tokens.weight": tensors["embed"], "model.norm.weight": tensors["norm"],
-          "lm_head.weight": tensors.get("head", tensors["embed"])}
-    for k, v in tensors.items():
-        if k.startswith("layers."):
-            _, i, short = k.split(".")
-            sd[f"model.layers.{i}.{names[short]}"] = v
+    sd = {hf_name(k): v for k, v in tensors.items()}
+    sd.setdefault("lm_head.weight", tensors["embed"])  # tied
     m.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, strict=False, assign=True)
     with torch.device(device):  # its inv_freq buffer was built on meta
         m.model.rotary_emb = type(m.model.rotary_emb)(config=cfg)

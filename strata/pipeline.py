@@ -36,7 +36,6 @@ import zmq
 from . import messages as M
 from .config import ConfigError, PromptSpec, RigConfig, from_dict
 from .plan import Plan, build_plan
-from .planner import DTYPE_BYTES
 
 PAGE = 4096
 IPC_PREFIX = "strata-ipc-"          # + head pid + "-": a later start removes the dirs of dead heads
@@ -87,7 +86,7 @@ def check_model_files(model: str) -> None:
     """Open every safetensors header before any process starts: a truncated or corrupt file, or one
     that lacks a tensor, is refused here in one line rather than in a stage. (GGUF files are checked
     tensor by tensor when their metadata is read; synthetic models have no files.)"""
-    from .weights import ModelError, _hf_name, model_args, resolve, wanted_names
+    from .weights import ModelError, hf_name, model_args, resolve, wanted_names
     kind, loc = resolve(model)
     if kind != "hf":
         return
@@ -104,7 +103,7 @@ def check_model_files(model: str) -> None:
         except (SafetensorError, OSError) as e:
             raise ModelError(f"{f}: corrupt or truncated safetensors file ({e})") from None
     args = model_args(model)
-    missing = [h for h in (_hf_name(c) for c in wanted_names(args, 0, args.n_layers)) if h not in keys]
+    missing = [h for h in (hf_name(c) for c in wanted_names(args, 0, args.n_layers)) if h not in keys]
     if missing:
         raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
 

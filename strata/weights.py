@@ -135,7 +135,8 @@ def hf_model_args(d: Path) -> ModelArgs:
                      bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos)
 
 
-def _hf_name(canon: str) -> str:
+def hf_name(canon: str) -> str:
+    """Canonical tensor name -> its name in an HF Llama/Qwen2 checkpoint."""
     if canon == "embed":
         return "model.embed_tokens.weight"
     if canon == "norm":
@@ -158,7 +159,7 @@ def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str
         for name, fname in json.loads(index.read_text())["weight_map"].items():
             where[name] = d / fname
     out: dict[str, torch.Tensor] = {}
-    wanted = {_hf_name(c): c for c in wanted_names(args, start, end)}
+    wanted = {hf_name(c): c for c in wanted_names(args, start, end)}
     by_file: dict[Path, list[str]] = {}
     for hf in wanted:
         if hf in where:
