@@ -28,10 +28,10 @@ _num = (int, float)
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1  # every integer field fits an int64
 # type -> {field: allowed python types}. Every field is required; extra fields are refused.
 SCHEMA: dict[str, dict[str, tuple]] = {
-    # head -> stages: a prefill / decode phase begins at monotonic time t0
-    "begin": {"phase": (str,), "t0": _num},
-    # upstream -> stage: chunk k (pos, n) is in the input buffer (stage 0: in the ids segment)
-    "chunk": {"k": (int,), "pos": (int,), "n": (int,), "phase": (str,)},
+    # upstream -> stage: chunk k (pos, n) is in the input buffer (stage 0: in the ids segment).
+    # t0 is the head's clock when the phase began; it rides with the chunk so that a stage learns
+    # of a new phase in stream order (a separate note from the head could overtake or trail it)
+    "chunk": {"k": (int,), "pos": (int,), "n": (int,), "phase": (str,), "t0": _num},
     # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
     "taken": {"k": (int,)},
     # stage -> upstream (depth 0): chunk k has gone through the whole rest of the pipeline

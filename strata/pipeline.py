@@ -595,14 +595,13 @@ class Pipeline:
         self._results.clear()
         self._sent = self._got = 0
         t0 = time.perf_counter()
-        self._broadcast("begin", phase=phase, t0=t0)
         window = n + 1  # enough to keep stage 0 busy; bounds what Ctrl-C must wait for
         try:
             deadline = time.monotonic() + self.cfg.stall_timeout_s
             while self._got < len(schedule):
                 while self._sent < len(schedule) and self._sent - self._got < window:
                     pos, m = schedule[self._sent]
-                    self._send(0, "chunk", k=self._sent, pos=pos, n=m, phase=phase)
+                    self._send(0, "chunk", k=self._sent, pos=pos, n=m, phase=phase, t0=t0)
                     self._sent += 1
                 before = self._got
                 for msg in self._recv(100):

@@ -19,7 +19,7 @@ from conftest import make_rig
 
 from strata import messages as M
 
-STAGE_TAKES = ("chunk", "taken", "done", "begin", "end", "stop")
+STAGE_TAKES = ("chunk", "taken", "done", "end", "stop")
 PHASES = ("prefill", "decode")
 
 
@@ -131,7 +131,7 @@ def _bad_values(r, max_chunk=64, max_len=512):
     elif kind == 5:
         m["phase"] = r.choice(["", "warmup", "PREFILL", "prefill\x00", "x" * 300])
     else:
-        m = _valid(r.choice(["taken", "done", "begin", "end"]))
+        m = _valid(r.choice(["taken", "done", "end"]))
         if "k" in m:
             m["k"] = -1
         else:
@@ -167,7 +167,7 @@ def stage_would_act(frame: bytes, max_chunk: int, max_len: int) -> bool:
     t = m["t"]
     if t not in STAGE_TAKES:
         return False
-    if t in ("chunk", "begin", "end") and m["phase"] not in PHASES:
+    if t in ("chunk", "end") and m["phase"] not in PHASES:
         return False
     if t in ("chunk", "taken", "done") and m["k"] < 0:
         return False

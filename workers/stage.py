@@ -224,6 +224,7 @@ class Stage:
         self.done_below: set[int] = set()
         self.inflight: deque = deque()    # chunks handed below and not yet reaped (at most 1)
         self.phase_end: str | None = None
+        self.phase_t0: float | None = None  # head's clock at the start of the phase being served
         self.stopping = False
         self.load_s = time.perf_counter() - t_load
         self.debug = spec["debug"]
@@ -240,7 +241,7 @@ class Stage:
         t = msg["t"]
         if data is not None and t != "chunk":
             raise self.M.BadMessage(f"{t}: unexpected data frame")
-        if t in ("chunk", "begin", "end") and msg["phase"] not in ("prefill", "decode"):
+        if t in ("chunk", "end") and msg["phase"] not in ("prefill", "decode"):
             raise self.M.BadMessage(f"{t}: unknown phase {msg['phase']!r}")
         if t in ("chunk", "taken", "done") and msg["k"] < 0:
             raise self.M.BadMessage(f"{t}: negative chunk index {msg['k']}")
@@ -259,8 +260,6 @@ class Stage:
             self.taken_below.add(msg["k"])
         elif t == "done":
             self.done_below.add(msg["k"])
-        elif t == "begin":
-            self._reset_stats(msg["phase"], msg["t0"] - self.clock_offset)
         elif t == "end":
             self.phase_end = msg["phase"]
         elif t == "stop":
@@ -393,7 +392,8 @@ class Stage:
         if self.last:
             self.outlink.put(logits, "result", k=k, nll=float(nll), count=count, argmax=argmax)
         else:
-            self.outlink.put(h.view(n, self.args.dim), "chunk", k=k, pos=pos, n=n, phase=msg["phase"])
+            self.outlink.put(h.view(n, self.args.dim), "chunk", k=k, pos=pos, n=n, phase=msg["phase"],
+                             t0=msg["t0"])
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
@@ -442,6 +442,9 @@ class Stage:
             t = time.perf_counter()
             self.wait_until(lambda: self.inputs or self.phase_end is not None)
             if self.inputs:
+                if self.inputs[0]["t0"] != self.phase_t0:  # the first chunk of a new phase
+                    self.phase_t0 = self.inputs[0]["t0"]
+                    self._reset_stats(self.inputs[0]["phase"], self.phase_t0 - self.clock_offset)
                 if self.nchunks:  # before the first chunk a stage waits for the pipeline to fill
                     self.input_wait_s += time.perf_counter() - t
                 else:
