@@ -93,6 +93,10 @@ def test_ordering_from_event_records(tmp_path, depth):
     rep = run(cfg, tmp_path / "o").report
     ev = _events(rep)
     n_chunks = rep["chunks"]
+    # every stage's record holds every chunk once (a phase start learnt late once wiped chunk 0's)
+    for i, st_ev in enumerate(rep["events"]):
+        assert [e[0] for e in st_ev] == list(range(n_chunks)), i
+        assert rep["stages"][i]["chunks"] == n_chunks
     overlaps = 0
     for i in range(2):
         for k in range(n_chunks - 1):
