@@ -594,6 +594,8 @@ class Pipeline:
         n = len(self.stages)
         self._results.clear()
         self._sent = self._got = 0
+        for st in self.stages:  # a second prefill must wait for fresh timing, not find the last one's
+            st.stats.pop(phase, None)
         t0 = time.perf_counter()
         window = n + 1  # enough to keep stage 0 busy; bounds what Ctrl-C must wait for
         try:
@@ -621,6 +623,8 @@ class Pipeline:
                 except KeyboardInterrupt:
                     self._fail("interrupted while joining chunks in flight")
         seconds = time.perf_counter() - t0
+        if phase != "prefill":  # only the prefill's timing is reported; a decode step needs no round trip
+            return seconds
         self._broadcast("end", phase=phase)
         deadline = time.monotonic() + self.cfg.stall_timeout_s
         while any(phase not in st.stats for st in self.stages):

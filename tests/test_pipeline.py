@@ -113,6 +113,23 @@ def test_ordering_from_event_records(tmp_path, depth):
     assert (overlaps > 0) == (depth == 1)
 
 
+def test_second_prefill_reports_its_own_timing(tmp_path):
+    """Two prefills on one pipeline: same arithmetic, and the second report waits for the stages'
+    fresh records instead of finding the first prefill's (which once made stage 0's stale)."""
+    # no continuation: the report is built right after the prefill, with nothing received in between
+    cfg = dict(model="synthetic:smoke", stages=cpu_stages(2), chunk=64, generate=0, dump_residual=True,
+               prompt={"random": {"tokens": 256, "seed": 4}}, progress=False)
+    with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
+        a = p.prefill()
+        first = [st.stats["prefill"]["events"] for st in p.stages]
+        b = p.prefill()
+        second = [st.stats["prefill"]["events"] for st in p.stages]
+    assert a.report["residual_md5"] == b.report["residual_md5"] and a.perplexity == b.perplexity
+    for i, (ea, eb) in enumerate(zip(first, second)):
+        assert len(eb) == b.report["chunks"], i
+        assert min(e[1] for e in eb) > max(e[3] for e in ea), f"stage {i}: the second report holds old records"
+
+
 def test_depth_2_refused_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="depth 2 refused"):
         from_dict({"model": "synthetic:smoke", "depth": 2, "prompt": {"random": {"tokens": 10}}})
