@@ -82,6 +82,29 @@ def test_stage_sigkill_at_chunk(tmp_path, guard, victim):
     run_ok(tmp_path)
 
 
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_stage_fails_during_decode(tmp_path, guard, mode):
+    """The continuation runs through the pipeline one token at a time: after a complete prefill the
+    last stage fails on the first decode step (each step is one chunk, index 0)."""
+    from strata.pipeline import PipelineError
+    rig = make_rig(2, generate=4, debug=dict(fail_stage=1, fail_phase="decode", fail_chunk=0, fail_mode=mode))
+    p = _pipeline(tmp_path, rig, guard)
+    with pytest.raises(PipelineError) as ei:
+        with p:
+            p.start()
+            guard.track_pipeline(p)
+            p.prefill()
+    t_exit = time.time()
+    t_fault = log_time(p.out, 1, "injected failure")
+    assert t_fault is not None and t_exit - t_fault < EXIT_WITHIN
+    pid = p.stages[1].pid
+    want = {"raise": f"stage 1 (cpu, pid {pid}, chunk 0) failed: StageFailed: injected failure at chunk 0",
+            "kill": f"stage 1 (cpu, pid {pid}, chunk 0) killed by SIGKILL"}[mode]
+    assert str(ei.value) == want
+    _stage_gone_within([Proc(s.pid) for s in p.stages], t_fault)
+    assert segments(run_id=p.run_id) == []
+
+
 def test_middle_stage_killed_from_outside(tmp_path, guard):
     """The test SIGKILLs the middle stage once the head sees it start chunk 3. Its neighbours are
     left waiting on it (stage 0 for 'taken', stage 2 for input): the head's teardown ends them."""
