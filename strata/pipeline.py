@@ -191,6 +191,7 @@ class Pipeline:
         self._finalizer = weakref.finalize(self, self._res.release, 1.0)
         self.stages = [StageInfo(s.index, s.device, (s.start, s.end), s.host) for s in self.plan.stages]
         self.started = False
+        self.closed = False
         self.failure: PipelineError | None = None
         self.bad_frames = 0            # frames the head rejected (garbled, unknown, out of range)
         self._signals: list[int] = []  # filled by `interrupt` (signal handlers), read at safe points
@@ -213,6 +214,8 @@ class Pipeline:
 
     def start(self) -> None:
         """Spawn the stages and wait until each has loaded its slice and mapped its buffers."""
+        if self.closed:
+            raise PipelineError("this pipeline is closed (its stages have stopped): make a new Pipeline")
         if self.started:
             return
 
@@ -431,6 +434,7 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop every stage and release everything; idempotent."""
+        self.closed = True
         if self._res.procs:
             for s in getattr(self, "_push", []):
                 try:
@@ -637,7 +641,7 @@ class Pipeline:
     def prefill(self, prompt: str | list[int] | np.ndarray | None = None) -> Result:
         """Prefill the prompt (None: the rig's), then the greedy continuation. Returns the report."""
         from .report import build_report
-        if prompt is not None:
+        if prompt is not None and not self.closed:
             self._replan(prompt)
         self.start()
         plan = self.plan

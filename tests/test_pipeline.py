@@ -10,7 +10,7 @@ import torch
 
 from strata.config import ConfigError, from_dict
 from strata.model import Transformer
-from strata.pipeline import Pipeline
+from strata.pipeline import Pipeline, PipelineError
 from strata.shm import SHM_DIR
 from strata.weights import model_args, slice_tensors
 
@@ -124,6 +124,8 @@ def test_second_prefill_reports_its_own_timing(tmp_path):
         first = [st.stats["prefill"]["events"] for st in p.stages]
         b = p.prefill()
         second = [st.stats["prefill"]["events"] for st in p.stages]
+    with pytest.raises(PipelineError, match=r"^this pipeline is closed \(its stages have stopped\): make a new"):
+        p.prefill()
     assert a.report["residual_md5"] == b.report["residual_md5"] and a.perplexity == b.perplexity
     for i, (ea, eb) in enumerate(zip(first, second)):
         assert len(eb) == b.report["chunks"], i
