@@ -214,8 +214,7 @@ class Pipeline:
 
     def start(self) -> None:
         """Spawn the stages and wait until each has loaded its slice and mapped its buffers."""
-        if self.closed:
-            raise PipelineError("this pipeline is closed (its stages have stopped): make a new Pipeline")
+        self._refuse_if_closed()
         if self.started:
             return
 
@@ -432,6 +431,10 @@ class Pipeline:
         """Handshakes refused on this run's tcp sockets (no key, a wrong key): the head's and the stages'."""
         return (self._net.gate.count if self._net else 0) + sum(self._stage_rejected.values())
 
+    def _refuse_if_closed(self) -> None:
+        if self.closed:
+            raise PipelineError("this pipeline is closed (its stages have stopped): make a new Pipeline")
+
     def close(self) -> None:
         """Stop every stage and release everything; idempotent."""
         self.closed = True
@@ -641,7 +644,8 @@ class Pipeline:
     def prefill(self, prompt: str | list[int] | np.ndarray | None = None) -> Result:
         """Prefill the prompt (None: the rig's), then the greedy continuation. Returns the report."""
         from .report import build_report
-        if prompt is not None and not self.closed:
+        self._refuse_if_closed()
+        if prompt is not None:
             self._replan(prompt)
         self.start()
         plan = self.plan
