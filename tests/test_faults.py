@@ -34,6 +34,21 @@ def _pipeline(tmp: Path, rig: dict, guard, name="run"):
     return p
 
 
+def _prefill_fails(p, guard, stage: int) -> tuple[str, float, float]:
+    """Start and prefill `p`, which must fail; returns the error, when close() returned (every stage
+    joined, everything released) and when `stage` logged its injected failure."""
+    from strata.pipeline import PipelineError
+    with pytest.raises(PipelineError) as ei:
+        with p:
+            p.start()
+            guard.track_pipeline(p)
+            p.prefill()
+    t_exit = time.time()
+    t_fault = log_time(p.out, stage, "injected failure")
+    assert t_fault is not None
+    return str(ei.value), t_exit, t_fault
+
+
 def _stage_gone_within(procs, t_fault: float):
     left = wait_gone(procs, max(0.0, t_fault + EXIT_WITHIN - time.time()))
     assert not left, f"still alive {EXIT_WITHIN}s after the fault: {left}"
@@ -65,18 +80,11 @@ def test_stage_raises_on_chunk_launcher(tmp_path, guard):
 def test_stage_sigkill_at_chunk(tmp_path, guard, victim):
     """The stage SIGKILLs itself on chunk 2 (debug.fail_mode=kill): no message, no cleanup.
     (The middle stage of three is killed from outside in the next test.)"""
-    from strata.pipeline import PipelineError
     p = _pipeline(tmp_path, make_rig(2, debug=dict(SLOW, fail_stage=victim, fail_chunk=2, fail_mode="kill")), guard)
-    with pytest.raises(PipelineError) as ei:
-        with p:
-            p.start()
-            guard.track_pipeline(p)
-            p.prefill()
-    t_exit = time.time()  # close() has returned: every stage joined, everything released
-    t_fault = log_time(p.out, victim, "injected failure")
-    assert t_fault is not None and t_exit - t_fault < EXIT_WITHIN
+    err, t_exit, t_fault = _prefill_fails(p, guard, victim)
+    assert t_exit - t_fault < EXIT_WITHIN
     pid = p.stages[victim].pid
-    assert str(ei.value) == f"stage {victim} (cpu, pid {pid}, chunk 2) killed by SIGKILL"
+    assert err == f"stage {victim} (cpu, pid {pid}, chunk 2) killed by SIGKILL"
     _stage_gone_within([Proc(s.pid) for s in p.stages], t_fault)
     assert segments(run_id=p.run_id) == []
     run_ok(tmp_path)
@@ -86,21 +94,14 @@ def test_stage_sigkill_at_chunk(tmp_path, guard, victim):
 def test_stage_fails_during_decode(tmp_path, guard, mode):
     """The continuation runs through the pipeline one token at a time: after a complete prefill the
     last stage fails on the first decode step (each step is one chunk, index 0)."""
-    from strata.pipeline import PipelineError
     rig = make_rig(2, generate=4, debug=dict(fail_stage=1, fail_phase="decode", fail_chunk=0, fail_mode=mode))
     p = _pipeline(tmp_path, rig, guard)
-    with pytest.raises(PipelineError) as ei:
-        with p:
-            p.start()
-            guard.track_pipeline(p)
-            p.prefill()
-    t_exit = time.time()
-    t_fault = log_time(p.out, 1, "injected failure")
-    assert t_fault is not None and t_exit - t_fault < EXIT_WITHIN
+    err, t_exit, t_fault = _prefill_fails(p, guard, 1)
+    assert t_exit - t_fault < EXIT_WITHIN
     pid = p.stages[1].pid
     want = {"raise": f"stage 1 (cpu, pid {pid}, chunk 0) failed: StageFailed: injected failure at chunk 0",
             "kill": f"stage 1 (cpu, pid {pid}, chunk 0) killed by SIGKILL"}[mode]
-    assert str(ei.value) == want
+    assert err == want
     _stage_gone_within([Proc(s.pid) for s in p.stages], t_fault)
     assert segments(run_id=p.run_id) == []
 
@@ -139,18 +140,10 @@ def test_middle_stage_killed_from_outside(tmp_path, guard):
 def test_stage_hang_trips_watchdog(tmp_path, guard):
     """A stage that stops moving: after stall_timeout_s the head dumps every stage's stacks into
     its log and fails naming where each stage was."""
-    from strata.pipeline import PipelineError
     p = _pipeline(tmp_path, make_rig(2, stall_timeout_s=2.0,
                                      debug=dict(fail_stage=1, fail_chunk=2, fail_mode="hang")), guard)
-    with pytest.raises(PipelineError) as ei:
-        with p:
-            p.start()
-            guard.track_pipeline(p)
-            p.prefill()
-    t_exit = time.time()
-    t_fault = log_time(p.out, 1, "injected failure")
-    assert t_fault is not None and t_exit - t_fault < 2.0 + EXIT_WITHIN
-    msg = str(ei.value)
+    msg, t_exit, t_fault = _prefill_fails(p, guard, 1)
+    assert t_exit - t_fault < 2.0 + EXIT_WITHIN
     assert msg.startswith("no progress for 2s (stacks dumped to the stage logs): "), msg
     assert f"stage 1 (cpu, pid {p.stages[1].pid}, chunk 2)" in msg
     log1 = (p.out / "stage-1.log").read_text()

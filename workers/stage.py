@@ -442,9 +442,10 @@ class Stage:
             t = time.perf_counter()
             self.wait_until(lambda: self.inputs or self.phase_end is not None)
             if self.inputs:
-                if self.inputs[0]["t0"] != self.phase_t0:  # the first chunk of a new phase
-                    self.phase_t0 = self.inputs[0]["t0"]
-                    self._reset_stats(self.inputs[0]["phase"], self.phase_t0 - self.clock_offset)
+                front = self.inputs[0]
+                if front["t0"] != self.phase_t0:  # the first chunk of a new phase
+                    self.phase_t0 = front["t0"]
+                    self._reset_stats(front["phase"], self.phase_t0 - self.clock_offset)
                 if self.nchunks:  # before the first chunk a stage waits for the pipeline to fill
                     self.input_wait_s += time.perf_counter() - t
                 else:
