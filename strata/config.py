@@ -13,14 +13,12 @@ from typing import Any
 
 import yaml
 
+from .errors import ConfigError
+
 DTYPES = ("float32", "bfloat16", "float16")
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
 REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.stage --join {join} --key {key}"
 REMOTE_FIELDS = ("host", "python", "cwd", "join", "key", "stage")
-
-
-class ConfigError(ValueError):
-    """A bad rig or flag: one line, raised before anything starts."""
 
 
 @dataclass(frozen=True)

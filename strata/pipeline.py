@@ -34,7 +34,8 @@ import torch
 import zmq
 
 from . import messages as M
-from .config import ConfigError, PromptSpec, RigConfig, from_dict
+from .config import PromptSpec, RigConfig, from_dict
+from .errors import ConfigError, PipelineError
 from .plan import Plan, build_plan
 
 PAGE = 4096
@@ -43,10 +44,6 @@ HEAD_ACCEPTS = ("ready", "working", "result", "stats", "fail")
 NET_ACCEPTS = ("bound", "rejected")  # only while a stage is remote
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: a remote stage runs `-m workers.stage` from here
 log = logging.getLogger("strata.pipeline")
-
-
-class PipelineError(RuntimeError):
-    """A run that failed: names the stage (index, device, pid), the chunk and the cause."""
 
 
 class Interrupted(BaseException):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import PlanError
 from .model import ModelArgs
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -31,10 +32,6 @@ CPU_RUNTIME_BYTES = 256 * 2**20
 CUDA_RUNTIME_BYTES = 256 * 2**20
 CUDA_CONTEXT_BYTES = 512 * 2**20
 NLL_BLOCK = 1024  # rows of full-vocabulary logits at once in Transformer.nll
-
-
-class PlanError(ValueError):
-    """A split that cannot work: one line naming the stage and the bytes."""
 
 
 def _gib(n: int | float) -> str:

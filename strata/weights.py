@@ -14,13 +14,10 @@ from pathlib import Path
 
 import torch
 
+from .errors import ModelError
 from .model import PRESETS, ModelArgs
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelError(ValueError):
-    """A model that cannot be used: missing, truncated, corrupt or unsupported. One clear line."""
 
 
 def smollm2_path() -> Path:
