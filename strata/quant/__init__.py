@@ -71,8 +71,12 @@ def dequantize(blocks: torch.Tensor, qtype) -> torch.Tensor:
     b = blocks.contiguous().view(-1, ts)
     if name == "F32":
         return b.view(torch.float32).reshape(out_shape).clone()
-    if name == "F16":  # on the bits: torch's .float() would canonicalise NaN payloads
-        return blocks_mod.f16_to_f32(b.view(torch.int16)).reshape(out_shape)
+    if name == "F16":
+        h = b.view(torch.int16)
+        w = h.view(torch.float16).float()
+        if w.device.type == "cpu" and bool(torch.isnan(w).any()):  # .float() canonicalises NaN payloads
+            w = torch.where(torch.isnan(w), blocks_mod.f16_to_f32(h), w)
+        return w.reshape(out_shape)
     if name == "BF16":  # the top half of a float32
         return (b.view(torch.int16).to(torch.int32) << 16).view(torch.float32).reshape(out_shape)
     fn = DEQUANT[name]
