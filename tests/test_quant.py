@@ -174,3 +174,87 @@ def test_cuda_matches_cpu(name):
     g = torch.Generator(device="cuda").manual_seed(5)
     w = Q.dequantize(Q.random_blocks(name, 16, cols, g, "cuda"), name)
     assert bool(torch.isfinite(w).all()) and 1e-3 < float(w.std()) < 1e-1
+
+
+# -- bench/make_gguf.py -------------------------------------------------------------------------------
+def _make_gguf():
+    import importlib.util
+    import sys
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).resolve().parents[1] / "bench" / "make_gguf.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["make_gguf"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("preset,qtype,layers", [("smoke", "Q4_1", None), ("smoke", "IQ3_S", 2),
+                                                  ("smoke-wide", "Q4_K", 1)])
+def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
+    import dataclasses
+    from strata.model import PRESETS
+    from strata.weights import model_args, slice_tensors
+    mg = _make_gguf()
+    out = tmp_path / "m.gguf"
+    argv = ["--preset", preset, "--qtype", qtype, "--out", str(out), "--seed", "7"]
+    assert mg.main(argv + (["--layers", str(layers)] if layers else [])) == 0
+    want = PRESETS[preset] if layers is None else dataclasses.replace(PRESETS[preset], n_layers=layers)
+
+    reader = gguf.GGUFReader(out)
+    got = {t.name: t for t in reader.tensors}
+    planned = mg.plan(want, qtype)
+    assert list(got) == [p.name for p in planned]
+    assert f"blk.{want.n_layers - 1}.ffn_down.weight" in got and "output.weight" in got
+    for p in planned:
+        t = got[p.name]
+        assert tuple(int(d) for d in reversed(t.shape.tolist())) == p.shape, p.name  # GGUF dims are fastest-first
+        # the type asked for wherever whole blocks fit a row, Q8_0 elsewhere; norms F32
+        cols = p.shape[-1]
+        expect = "F32" if len(p.shape) == 1 else (qtype if cols % Q.block_size(qtype) == 0 else "Q8_0")
+        assert t.tensor_type.name == expect, p.name
+    assert got["blk.0.ffn_down.weight"].tensor_type.name == qtype  # the type is really used
+
+    from strata.gguf_loader import field_value
+    assert field_value(reader, "tokenizer.ggml.model") == "none"  # llama.cpp: dummy tokens
+    assert field_value(reader, "llama.vocab_size") == want.vocab_size
+    assert field_value(reader, "tokenizer.ggml.tokens") is None
+
+    args = model_args(str(out))  # Strata reads the shape back without a vocabulary
+    for f in ("arch", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+              "rope_theta", "rope_scaling", "max_seq_len", "tie_embeddings", "qkv_bias"):
+        assert getattr(args, f) == getattr(want, f), f
+    assert args.norm_eps == pytest.approx(want.norm_eps)
+    w = slice_tensors(str(out), args, 0, args.n_layers)  # and loads every tensor
+    for name, x in w.items():
+        assert bool(torch.isfinite(x).all()), name
+        if not name.endswith("norm"):
+            assert 5e-3 < float(x.std()) < 5e-2, name
+    raw = torch.from_numpy(np.array(got["blk.0.ffn_down.weight"].data).view(np.uint8))
+    if qtype in Q.SUPPORTED:  # Strata's torch path reads the same weights as its gguf-py path
+        assert Q.dequantize(raw, qtype).equal(w["layers.0.w_down"])
+
+
+def test_make_gguf_llama3_rope_freqs(tmp_path):
+    """A preset with Llama-3 rope scaling gets llama.cpp's rope_freqs tensor, which Strata decodes back."""
+    import dataclasses
+    from strata.model import PRESETS
+    from strata.weights import model_args
+    mg = _make_gguf()
+    scaling = PRESETS["llama-3-8b"].rope_scaling
+    want = dataclasses.replace(PRESETS["smoke"], n_layers=1, rope_theta=500000.0, rope_scaling=scaling)
+    out = tmp_path / "r.gguf"
+    mg.write(out, want, "Q8_0", seed=1)
+    assert model_args(str(out)).rope_scaling == scaling
+
+
+def test_make_gguf_70b_plan_size():
+    """The 70B plan: 80 layers of the right widths, about 3.4 bits per weight in IQ3_S (~28 GiB)."""
+    from strata.model import PRESETS
+    mg = _make_gguf()
+    args = PRESETS["llama-3-70b"]
+    planned = mg.plan(args, "IQ3_S")
+    assert len(planned) == 2 + 1 + 9 * 80 + 1  # embed, rope_freqs, layers, norm, head
+    weights = sum(int(np.prod(p.shape)) for p in planned)
+    assert 70.4e9 < weights < 70.7e9  # Llama-3-70B: 70.6 B parameters
+    size = sum(mg.nbytes(p) for p in planned)
+    assert 26 * 2**30 < size < 30 * 2**30, size / 2**30
