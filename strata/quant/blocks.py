@@ -44,8 +44,16 @@ def nan_first(a: torch.Tensor, r: torch.Tensor, scales: torch.Tensor) -> torch.T
     return torch.where(torch.isnan(a), a, r)
 
 
-def _shifts(values, device, dtype=torch.uint8) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+_shift_cache: dict[tuple, torch.Tensor] = {}
+
+
+def _shifts(values: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small constant column `(len(values), 1)`, made once per device (no copy per call on CUDA)."""
+    key = (values, device, dtype)
+    t = _shift_cache.get(key)
+    if t is None:
+        t = _shift_cache[key] = torch.tensor(values, dtype=dtype, device=device).view(-1, 1)
+    return t
 
 
 def nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -55,7 +63,7 @@ def nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def bits_of(x: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
     """`(N, G, k)` -> `(N, G, len(shifts), k)`: (x >> s) & mask for each shift s."""
-    return (x.unsqueeze(-2) >> _shifts(shifts, x.device, x.dtype).view(-1, 1)) & mask
+    return (x.unsqueeze(-2) >> _shifts(tuple(shifts), x.device, x.dtype)) & mask
 
 
 def _u32_bits(b: torch.Tensor, off: int) -> torch.Tensor:
