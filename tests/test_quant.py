@@ -88,8 +88,9 @@ def test_smollm2_every_tensor_bit_exact():
     try:
         for t in reader.tensors:
             raw = np.asarray(t.data).view(np.uint8)
-            ref = raw.view(np.float32) if t.tensor_type == T.F32 else gguf_ref(torch.from_numpy(raw.copy()), t.tensor_type.name)
-            got = Q.dequantize(torch.from_numpy(raw.copy()), t.tensor_type)
+            blocks_t = torch.from_numpy(raw.copy())
+            ref = raw.view(np.float32) if t.tensor_type == T.F32 else gguf_ref(blocks_t, t.tensor_type.name)
+            got = Q.dequantize(blocks_t, t.tensor_type)
             assert got.numel() == int(np.prod(t.shape)), t.name
             assert_bits_equal(got, ref)
             kinds.add(t.tensor_type.name)
@@ -181,7 +182,8 @@ def _make_gguf():
     import importlib.util
     import sys
     from pathlib import Path
-    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).resolve().parents[1] / "bench" / "make_gguf.py")
+    path = Path(__file__).resolve().parents[1] / "bench" / "make_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_gguf", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["make_gguf"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
