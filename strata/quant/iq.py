@@ -1,4 +1,191 @@
-"""IQ (importance-matrix grid) block types: IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M (being written)."""
+"""IQ (importance-matrix grid) block types in torch: IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M.
+
+Every function maps uint8 blocks `(..., k * type_size)` to float32 `(..., k * 256)` on the blocks'
+device, bit for bit what `gguf.quants.dequantize` gives on the CPU: the float32 operations run in
+gguf-py's order (a scale times a grid value, then times a +-1 sign; `d * (0.5 + s) * 0.25` left to
+right). The grids and sign tables come from the installed gguf package, read once per device.
+"""
 from __future__ import annotations
 
-DEQUANT: dict = {}  # type name -> fn(blocks uint8 (N, type_size)) -> float32 (N, block_size)
+import functools
+from typing import Callable
+
+import torch
+
+QK_K = 256
+BATCH_BLOCKS = 1 << 15  # blocks per step (8M weights): bounds the intermediates for huge tensors
+
+
+@functools.lru_cache(maxsize=None)
+def _gguf_tables() -> dict[str, torch.Tensor]:
+    """The grids (G, W) float32 and the 7-bit sign index table, from gguf-py, on the CPU."""
+    import numpy as np
+    from gguf import quants as q
+
+    out = {}
+    for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S"):
+        cls = getattr(q, name)
+        cls.init_grid()
+        out[name] = torch.from_numpy(np.array(cls.grid, dtype=np.float32).reshape(cls.grid_shape))
+    out["ksigns"] = torch.from_numpy(np.frombuffer(q.IQ2_XXS.ksigns, dtype=np.uint8).astype(np.int64))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(device: torch.device) -> dict[str, torch.Tensor]:
+    """Per-device tables: the grids, `signs8` (256, 8) +-1 for a sign byte (bit k -> weight k),
+    `ksigns8` (128, 8) +-1 for a 7-bit sign index, and IQ3_S's grid with its 4 signs folded in."""
+    t = {k: v.to(device) for k, v in _gguf_tables().items()}
+    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    t["signs8"] = (1 - 2 * bits).to(torch.float32)
+    t["ksigns8"] = t["signs8"][t.pop("ksigns")]
+    # IQ3_S: row (grid index << 4 | 4 sign bits). +-g is exact, so scale * (+-g) == (scale * g) * +-1.
+    s4 = t["signs8"][:16, :4]
+    t["IQ3_S_signed"] = (t["IQ3_S"][:, None, :] * s4[None, :, :]).reshape(-1, 4)
+    return t
+
+
+def _half(h: torch.Tensor) -> torch.Tensor:
+    """int32 fp16 bit patterns -> float32. torch's own cast loses NaN payloads and signs on some
+    CPU paths; gguf-py keeps them, so NaNs are rebuilt from their bits (quiet, as any multiply makes them)."""
+    f = h.to(torch.int16).view(torch.float16).to(torch.float32)
+    nan = (h & 0x7C00) == 0x7C00
+    nan &= (h & 0x03FF) != 0
+    bits = ((h & 0x8000) << 16) | 0x7FC00000 | ((h & 0x03FF) << 13)
+    return torch.where(nan, bits.view(torch.float32), f)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """(M, 2) little-endian fp16 bytes -> (M, 1) float32."""
+    return _half(_u16(b))
+
+
+def _u16(b: torch.Tensor) -> torch.Tensor:
+    """(M, 2k) bytes -> (M, k) int32 of the little-endian uint16 values."""
+    b = b.reshape(b.shape[0], -1, 2).to(torch.int32)
+    return b[..., 0] | (b[..., 1] << 8)
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """(M, 4k) bytes -> (M, k) int64 of the little-endian uint32 values."""
+    b = b.reshape(b.shape[0], -1, 4).to(torch.int64)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """(M, k) bytes -> (M, 2k): low nibble then high nibble of each byte."""
+    return torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(b.shape[0], -1)
+
+
+def _shifts(x: torch.Tensor, shifts: tuple[int, ...]) -> torch.Tensor:
+    """(M, k) -> (M, k, len(shifts)) of x >> each shift."""
+    return x[..., None] >> torch.tensor(shifts, dtype=x.dtype, device=x.device)
+
+
+def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows of `table` at `idx` (any shape): shape idx.shape + (W,)."""
+    return table.index_select(0, idx.reshape(-1).to(torch.int64)).reshape(*idx.shape, table.shape[1])
+
+
+# -- the block types: each takes (M, type_size) uint8 and returns (M, 256) float32 ---------------
+def _iq2_xxs(b: torch.Tensor, t: dict) -> torch.Tensor:
+    m = b.shape[0]
+    d = _f16(b[:, :2])
+    q = b[:, 2:].reshape(m, 8, 8)  # per 32 weights: 4 grid indices, then a uint32 of signs + scale
+    aux = _u32(q[:, :, 4:].reshape(m, 32))  # (m, 8)
+    db = d * (0.5 + (q[:, :, 7] >> 4).to(torch.float32)) * 0.25
+    w = db[:, :, None, None] * _gather(t["IQ2_XXS"], q[:, :, :4])  # (m, 8, 4, 8)
+    return (w * _gather(t["ksigns8"], _shifts(aux, (0, 7, 14, 21)) & 0x7F)).reshape(m, QK_K)
+
+
+def _iq2_xs(b: torch.Tensor, t: dict) -> torch.Tensor:
+    m = b.shape[0]
+    d = _f16(b[:, :2])
+    qs = _u16(b[:, 2:66])  # (m, 32): 9-bit grid index, 7-bit sign index
+    db = d * (0.5 + _nibbles(b[:, 66:74]).to(torch.float32)) * 0.25  # (m, 16)
+    w = db[:, :, None] * _gather(t["IQ2_XS"], qs & 511).reshape(m, 16, 16)
+    return (w * _gather(t["ksigns8"], qs >> 9).reshape(m, 16, 16)).reshape(m, QK_K)
+
+
+def _iq2_s(b: torch.Tensor, t: dict) -> torch.Tensor:
+    m = b.shape[0]
+    d = _f16(b[:, :2])
+    qh = (_shifts(b[:, 66:74], (0, 2, 4, 6)) & 3).reshape(m, 32).to(torch.int32)
+    qs = b[:, 2:34].to(torch.int32) | (qh << 8)  # 10-bit grid index
+    db = d * (0.5 + _nibbles(b[:, 74:82]).to(torch.float32)) * 0.25  # (m, 16)
+    w = db[:, :, None] * _gather(t["IQ2_S"], qs).reshape(m, 16, 16)
+    return (w * _gather(t["signs8"], b[:, 34:66]).reshape(m, 16, 16)).reshape(m, QK_K)
+
+
+def _iq3_xxs(b: torch.Tensor, t: dict) -> torch.Tensor:
+    m = b.shape[0]
+    d = _f16(b[:, :2])
+    aux = _u32(b[:, 66:98])  # (m, 8): 4 7-bit sign indices + 4-bit scale per 32 weights
+    db = d * (0.5 + (b[:, 69:98:4] >> 4).to(torch.float32)) * 0.5
+    w = db[:, :, None] * _gather(t["IQ3_XXS"], b[:, 2:66]).reshape(m, 8, 32)
+    signs = _gather(t["ksigns8"], _shifts(aux, (0, 7, 14, 21)) & 0x7F).reshape(m, 8, 32)
+    return (w * signs).reshape(m, QK_K)
+
+
+def _iq3_s(b: torch.Tensor, t: dict) -> torch.Tensor:
+    m = b.shape[0]
+    d = _f16(b[:, :2])
+    qh = (_shifts(b[:, 66:74], tuple(range(8))) & 1).reshape(m, 64).to(torch.int32)
+    sg = _nibbles(b[:, 74:106]).to(torch.int32)  # (m, 64): 4 sign bits per grid entry
+    idx = (b[:, 2:66].to(torch.int32) << 4) | (qh << 12) | sg  # (grid index << 4) | signs
+    db = d * (1 + 2 * _nibbles(b[:, 106:110]).to(torch.int32)).to(torch.float32)  # (m, 8)
+    return (db[:, :, None] * _gather(t["IQ3_S_signed"], idx).reshape(m, 8, 32)).reshape(m, QK_K)
+
+
+def _iq1_s(b: torch.Tensor, t: dict) -> torch.Tensor:
+    m = b.shape[0]
+    d = _f16(b[:, :2])
+    qh = _u16(b[:, 34:50])  # (m, 8)
+    dl = d * (2 * ((qh >> 12) & 7) + 1).to(torch.float32)
+    delta = torch.where((qh & 0x8000) == 0, 0.125, -0.125).to(torch.float32)
+    idx = b[:, 2:34].reshape(m, 8, 4).to(torch.int32) | ((_shifts(qh, (0, 3, 6, 9)) & 7) << 8)
+    g = _gather(t["IQ1_S"], idx).reshape(m, 8, 32) + delta[:, :, None]
+    return (dl[:, :, None] * g).reshape(m, QK_K)
+
+
+def _iq1_m(b: torch.Tensor, t: dict) -> torch.Tensor:
+    m = b.shape[0]
+    sc = _u16(b[:, 48:56])  # (m, 4): 4 x 3-bit scales each, the fp16 d in the top nibbles
+    dbits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 12) << 4) | ((sc[:, 2] >> 12) << 8) | ((sc[:, 3] >> 12) << 12)
+    d = _half(dbits)[:, None]
+    dl = d * (2 * (_shifts(sc, (0, 3, 6, 9)) & 7).reshape(m, 16) + 1).to(torch.float32)
+    qh = _nibbles(b[:, 32:48]).to(torch.int32)  # (m, 32): 3 high index bits + delta sign
+    idx = b[:, :32].to(torch.int32) | ((qh & 7) << 8)
+    delta = torch.where((qh & 8) == 0, 0.125, -0.125).to(torch.float32)
+    g = _gather(t["IQ1_S"], idx) + delta[:, :, None]  # (m, 32, 8)
+    return (dl[:, :, None] * g.reshape(m, 16, 16)).reshape(m, QK_K)
+
+
+_TYPES: dict[str, tuple[int, Callable]] = {
+    "IQ2_XXS": (66, _iq2_xxs), "IQ2_XS": (74, _iq2_xs), "IQ2_S": (82, _iq2_s),
+    "IQ3_XXS": (98, _iq3_xxs), "IQ3_S": (110, _iq3_s), "IQ1_S": (50, _iq1_s), "IQ1_M": (56, _iq1_m),
+}
+
+
+def _dequantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    type_size, fn = _TYPES[name]
+
+    def dequant(blocks: torch.Tensor) -> torch.Tensor:
+        if blocks.dtype != torch.uint8:
+            raise TypeError(f"{name} blocks must be uint8, got {blocks.dtype}")
+        if blocks.ndim == 0 or blocks.shape[-1] % type_size:
+            raise ValueError(f"{name}: last dim of {tuple(blocks.shape)} is not a multiple of {type_size} bytes")
+        lead, k = blocks.shape[:-1], blocks.shape[-1] // type_size
+        flat = blocks.reshape(-1, type_size)
+        out = torch.empty(flat.shape[0], QK_K, dtype=torch.float32, device=blocks.device)
+        t = _tables(blocks.device)
+        for i in range(0, flat.shape[0], BATCH_BLOCKS):
+            out[i:i + BATCH_BLOCKS] = fn(flat[i:i + BATCH_BLOCKS], t)
+        return out.reshape(*lead, k * QK_K)
+
+    dequant.__name__ = dequant.__qualname__ = f"dequant_{name.lower()}"
+    dequant.__doc__ = f"{name} blocks uint8 (..., k*{type_size}) -> float32 (..., k*{QK_K}) on the same device."
+    return dequant
+
+
+DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {name: _dequantizer(name) for name in _TYPES}
