@@ -33,15 +33,24 @@ def _gguf_tables() -> dict[str, torch.Tensor]:
 
 @functools.lru_cache(maxsize=None)
 def _tables(device: torch.device) -> dict[str, torch.Tensor]:
-    """Per-device tables: the grids, `signs8` (256, 8) +-1 for a sign byte (bit k -> weight k),
-    `ksigns8` (128, 8) +-1 for a 7-bit sign index, and IQ3_S's grid with its 4 signs folded in."""
-    t = {k: v.to(device) for k, v in _gguf_tables().items()}
-    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
-    t["signs8"] = (1 - 2 * bits).to(torch.float32)
-    t["ksigns8"] = t["signs8"][t.pop("ksigns")]
-    # IQ3_S: row (grid index << 4 | 4 sign bits). +-g is exact, so scale * (+-g) == (scale * g) * +-1.
-    s4 = t["signs8"][:16, :4]
-    t["IQ3_S_signed"] = (t["IQ3_S"][:, None, :] * s4[None, :, :]).reshape(-1, 4)
+    """Per-device tables, one gather per output row of 4 (or 8) weights with the signs folded in.
+
+    For the sign-carrying types a row is `(grid index, [which half of an 8-wide entry,] 4 sign bits)`
+    and holds grid * (+-1): flipping a sign is exact, and a NaN/inf scale propagates the same, so
+    `scale * (+-g)` has the bits of gguf-py's `(scale * g) * +-1`. IQ1 rows hold gguf-py's exact
+    `grid + delta` for either delta sign."""
+    g = {k: v.to(device) for k, v in _gguf_tables().items()}
+    bits = (torch.arange(16, device=device)[:, None] >> torch.arange(4, device=device)) & 1
+    s4 = (1 - 2 * bits).to(torch.float32)  # (16, 4): nibble -> +-1 for its 4 weights
+
+    def signed(grid: torch.Tensor) -> torch.Tensor:  # (G, W) -> (G * W/4 * 16, 4)
+        quads = grid.reshape(-1, 1, 4)  # (G * W/4, 1, 4): the 4-wide slices of each entry
+        return (quads * s4[None]).reshape(-1, 4)
+
+    t = {name: signed(g[name]) for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")}
+    delta = torch.tensor([0.125, -0.125], dtype=torch.float32, device=device)
+    t["IQ1"] = (g["IQ1_S"][:, None, :] + delta[None, :, None]).reshape(-1, 8)  # row g << 1 | negative
+    t["ksigns"] = g["ksigns"].to(torch.int32)
     return t
 
 
@@ -83,82 +92,90 @@ def _shifts(x: torch.Tensor, shifts: tuple[int, ...]) -> torch.Tensor:
 
 
 def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows of `table` at `idx` (any shape): shape idx.shape + (W,)."""
-    return table.index_select(0, idx.reshape(-1).to(torch.int64)).reshape(*idx.shape, table.shape[1])
+    """Rows of `table` (G, W) at int32 `idx` (m, k): (m, k * W). On the CPU a row is moved as one
+    complex128 (W=4) or two: torch's scalar gather is several times faster than its row gather."""
+    m, w = idx.shape[0], table.shape[1]
+    if table.device.type == "cpu":
+        table = table.view(torch.complex128).reshape(-1) if w == 4 else table.view(torch.complex128)
+    return table.index_select(0, idx.reshape(-1)).view(torch.float32).reshape(m, -1)
 
 
-# -- the block types: each takes (M, type_size) uint8 and returns (M, 256) float32 ---------------
-def _iq2_xxs(b: torch.Tensor, t: dict) -> torch.Tensor:
+def _halves(g: torch.Tensor, sign_bytes: torch.Tensor) -> torch.Tensor:
+    """Signed-table rows for 8-wide grid entries `g` (m, k) with one sign byte each: (m, 2k)."""
+    sb = sign_bytes.to(torch.int32)
+    return ((g << 5)[..., None] | torch.stack((sb & 15, (sb >> 4) | 16), dim=-1)).reshape(g.shape[0], -1)
+
+
+# -- the block types: each writes (m, type_size) uint8 blocks into `out` (m, 256) float32 ----------
+def _iq2_xxs(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     m = b.shape[0]
     d = _f16(b[:, :2])
     q = b[:, 2:].reshape(m, 8, 8)  # per 32 weights: 4 grid indices, then a uint32 of signs + scale
     aux = _u32(q[:, :, 4:].reshape(m, 32))  # (m, 8)
     db = d * (0.5 + (q[:, :, 7] >> 4).to(torch.float32)) * 0.25
-    w = db[:, :, None, None] * _gather(t["IQ2_XXS"], q[:, :, :4])  # (m, 8, 4, 8)
-    return (w * _gather(t["ksigns8"], _shifts(aux, (0, 7, 14, 21)) & 0x7F)).reshape(m, QK_K)
+    sign_bytes = t["ksigns"][(_shifts(aux, (0, 7, 14, 21)) & 0x7F).reshape(m, 32)]
+    rows = _gather(t["IQ2_XXS"], _halves(q[:, :, :4].reshape(m, 32).to(torch.int32), sign_bytes))
+    torch.mul(db[:, :, None], rows.view(m, 8, 32), out=out.view(m, 8, 32))
 
 
-def _iq2_xs(b: torch.Tensor, t: dict) -> torch.Tensor:
+def _iq2_xs(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     m = b.shape[0]
     d = _f16(b[:, :2])
     qs = _u16(b[:, 2:66])  # (m, 32): 9-bit grid index, 7-bit sign index
     db = d * (0.5 + _nibbles(b[:, 66:74]).to(torch.float32)) * 0.25  # (m, 16)
-    w = db[:, :, None] * _gather(t["IQ2_XS"], qs & 511).reshape(m, 16, 16)
-    return (w * _gather(t["ksigns8"], qs >> 9).reshape(m, 16, 16)).reshape(m, QK_K)
+    rows = _gather(t["IQ2_XS"], _halves(qs & 511, t["ksigns"][qs >> 9]))
+    torch.mul(db[:, :, None], rows.view(m, 16, 16), out=out.view(m, 16, 16))
 
 
-def _iq2_s(b: torch.Tensor, t: dict) -> torch.Tensor:
+def _iq2_s(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     m = b.shape[0]
     d = _f16(b[:, :2])
     qh = (_shifts(b[:, 66:74], (0, 2, 4, 6)) & 3).reshape(m, 32).to(torch.int32)
     qs = b[:, 2:34].to(torch.int32) | (qh << 8)  # 10-bit grid index
     db = d * (0.5 + _nibbles(b[:, 74:82]).to(torch.float32)) * 0.25  # (m, 16)
-    w = db[:, :, None] * _gather(t["IQ2_S"], qs).reshape(m, 16, 16)
-    return (w * _gather(t["signs8"], b[:, 34:66]).reshape(m, 16, 16)).reshape(m, QK_K)
+    rows = _gather(t["IQ2_S"], _halves(qs, b[:, 34:66]))
+    torch.mul(db[:, :, None], rows.view(m, 16, 16), out=out.view(m, 16, 16))
 
 
-def _iq3_xxs(b: torch.Tensor, t: dict) -> torch.Tensor:
+def _iq3_xxs(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     m = b.shape[0]
     d = _f16(b[:, :2])
     aux = _u32(b[:, 66:98])  # (m, 8): 4 7-bit sign indices + 4-bit scale per 32 weights
     db = d * (0.5 + (b[:, 69:98:4] >> 4).to(torch.float32)) * 0.5
-    w = db[:, :, None] * _gather(t["IQ3_XXS"], b[:, 2:66]).reshape(m, 8, 32)
-    signs = _gather(t["ksigns8"], _shifts(aux, (0, 7, 14, 21)) & 0x7F).reshape(m, 8, 32)
-    return (w * signs).reshape(m, QK_K)
+    sign_bytes = t["ksigns"][(_shifts(aux, (0, 7, 14, 21)) & 0x7F).reshape(m, 32)]
+    idx = (b[:, 2:66].to(torch.int32) << 4) | _nibbles(sign_bytes)  # (m, 64): 2 grid entries per byte
+    torch.mul(db[:, :, None], _gather(t["IQ3_XXS"], idx).view(m, 8, 32), out=out.view(m, 8, 32))
 
 
-def _iq3_s(b: torch.Tensor, t: dict) -> torch.Tensor:
+def _iq3_s(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     m = b.shape[0]
     d = _f16(b[:, :2])
-    qh = (_shifts(b[:, 66:74], tuple(range(8))) & 1).reshape(m, 64).to(torch.int32)
-    sg = _nibbles(b[:, 74:106]).to(torch.int32)  # (m, 64): 4 sign bits per grid entry
-    idx = (b[:, 2:66].to(torch.int32) << 4) | (qh << 12) | sg  # (grid index << 4) | signs
+    qh = b[:, 66:74].to(torch.int32)[:, :, None] << torch.arange(12, 4, -1, dtype=torch.int32, device=b.device)
+    sg = _nibbles(b[:, 74:106].to(torch.int32))  # (m, 64): 4 sign bits per grid entry
+    idx = (b[:, 2:66].to(torch.int32) << 4) | (qh & 0x1000).reshape(m, 64) | sg  # grid index << 4 | signs
     db = d * (1 + 2 * _nibbles(b[:, 106:110]).to(torch.int32)).to(torch.float32)  # (m, 8)
-    return (db[:, :, None] * _gather(t["IQ3_S_signed"], idx).reshape(m, 8, 32)).reshape(m, QK_K)
+    torch.mul(db[:, :, None], _gather(t["IQ3_S"], idx).view(m, 8, 32), out=out.view(m, 8, 32))
 
 
-def _iq1_s(b: torch.Tensor, t: dict) -> torch.Tensor:
+def _iq1_s(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     m = b.shape[0]
     d = _f16(b[:, :2])
     qh = _u16(b[:, 34:50])  # (m, 8)
     dl = d * (2 * ((qh >> 12) & 7) + 1).to(torch.float32)
-    delta = torch.where((qh & 0x8000) == 0, 0.125, -0.125).to(torch.float32)
     idx = b[:, 2:34].reshape(m, 8, 4).to(torch.int32) | ((_shifts(qh, (0, 3, 6, 9)) & 7) << 8)
-    g = _gather(t["IQ1_S"], idx).reshape(m, 8, 32) + delta[:, :, None]
-    return (dl[:, :, None] * g).reshape(m, QK_K)
+    idx = (idx << 1) | (qh >> 15)[:, :, None]  # the delta's sign
+    torch.mul(dl[:, :, None], _gather(t["IQ1"], idx.reshape(m, 32)).view(m, 8, 32), out=out.view(m, 8, 32))
 
 
-def _iq1_m(b: torch.Tensor, t: dict) -> torch.Tensor:
+def _iq1_m(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     m = b.shape[0]
     sc = _u16(b[:, 48:56])  # (m, 4): 4 x 3-bit scales each, the fp16 d in the top nibbles
     dbits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 12) << 4) | ((sc[:, 2] >> 12) << 8) | ((sc[:, 3] >> 12) << 12)
     d = _half(dbits)[:, None]
     dl = d * (2 * (_shifts(sc, (0, 3, 6, 9)) & 7).reshape(m, 16) + 1).to(torch.float32)
-    qh = _nibbles(b[:, 32:48]).to(torch.int32)  # (m, 32): 3 high index bits + delta sign
-    idx = b[:, :32].to(torch.int32) | ((qh & 7) << 8)
-    delta = torch.where((qh & 8) == 0, 0.125, -0.125).to(torch.float32)
-    g = _gather(t["IQ1_S"], idx) + delta[:, :, None]  # (m, 32, 8)
-    return (dl[:, :, None] * g.reshape(m, 16, 16)).reshape(m, QK_K)
+    qh = _nibbles(b[:, 32:48].to(torch.int32))  # (m, 32): 3 high index bits + the delta's sign
+    idx = ((b[:, :32].to(torch.int32) | ((qh & 7) << 8)) << 1) | (qh >> 3)
+    torch.mul(dl[:, :, None], _gather(t["IQ1"], idx).view(m, 16, 16), out=out.view(m, 16, 16))
 
 
 _TYPES: dict[str, tuple[int, Callable]] = {
@@ -180,7 +197,7 @@ def _dequantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         out = torch.empty(flat.shape[0], QK_K, dtype=torch.float32, device=blocks.device)
         t = _tables(blocks.device)
         for i in range(0, flat.shape[0], BATCH_BLOCKS):
-            out[i:i + BATCH_BLOCKS] = fn(flat[i:i + BATCH_BLOCKS], t)
+            fn(flat[i:i + BATCH_BLOCKS], t, out[i:i + BATCH_BLOCKS])
         return out.reshape(*lead, k * QK_K)
 
     dequant.__name__ = dequant.__qualname__ = f"dequant_{name.lower()}"
