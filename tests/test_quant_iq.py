@@ -71,6 +71,14 @@ def test_leading_dims_and_batches(name, monkeypatch):
     assert_bits_equal(got, reference(raw, name))
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_float_row_gather_path(name, monkeypatch):
+    """The gather CUDA uses (float32 rows, big steps), run on the CPU: same bits."""
+    raw = random_blocks(name, 50, seed=11)
+    monkeypatch.setattr(iq, "COMPLEX_ROW_DEVICES", set())
+    assert_bits_equal(iq.DEQUANT[name](torch.from_numpy(raw)), reference(raw, name))
+
+
 def test_rejects_bad_input():
     f = iq.DEQUANT["IQ3_S"]
     with pytest.raises(ValueError, match="multiple of 110"):

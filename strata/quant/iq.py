@@ -13,7 +13,13 @@ from typing import Callable
 import torch
 
 QK_K = 256
-BATCH_BLOCKS = 1 << 15  # blocks per step (8M weights): bounds the intermediates for huge tensors
+# Blocks per step: bounds the intermediates (~6 bytes per weight at the peak, besides the output).
+# The CPU likes them cache-sized; a GPU wants few kernel launches (an 0.85 GB bf16 layer is ~7 steps).
+BATCH_BLOCKS = 8192
+CUDA_BATCH_FACTOR = 32
+# Devices where a table row moves as complex128 scalars: torch's CPU scalar gather is several times
+# faster than its row gather. Elsewhere (CUDA) rows move as float32, the plainest indexing kernel.
+COMPLEX_ROW_DEVICES = {"cpu"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,12 +98,16 @@ def _shifts(x: torch.Tensor, shifts: tuple[int, ...]) -> torch.Tensor:
 
 
 def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows of `table` (G, W) at int32 `idx` (m, k): (m, k * W). On the CPU a row is moved as one
-    complex128 (W=4) or two: torch's scalar gather is several times faster than its row gather."""
+    """Rows of `table` (G, W) at int32 `idx` (m, k): (m, k * W), bits untouched."""
     m, w = idx.shape[0], table.shape[1]
-    if table.device.type == "cpu":
+    if table.device.type in COMPLEX_ROW_DEVICES:  # a row is one complex128 (W=4) or two (W=8)
         table = table.view(torch.complex128).reshape(-1) if w == 4 else table.view(torch.complex128)
     return table.index_select(0, idx.reshape(-1)).view(torch.float32).reshape(m, -1)
+
+
+def _lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """table[idx] for a 1-D table and integer indices of any shape."""
+    return table.index_select(0, idx.reshape(-1)).reshape(idx.shape)
 
 
 def _halves(g: torch.Tensor, sign_bytes: torch.Tensor) -> torch.Tensor:
@@ -113,7 +123,7 @@ def _iq2_xxs(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     q = b[:, 2:].reshape(m, 8, 8)  # per 32 weights: 4 grid indices, then a uint32 of signs + scale
     aux = _u32(q[:, :, 4:].reshape(m, 32))  # (m, 8)
     db = d * (0.5 + (q[:, :, 7] >> 4).to(torch.float32)) * 0.25
-    sign_bytes = t["ksigns"][(_shifts(aux, (0, 7, 14, 21)) & 0x7F).reshape(m, 32)]
+    sign_bytes = _lookup(t["ksigns"], (_shifts(aux, (0, 7, 14, 21)) & 0x7F).reshape(m, 32))
     rows = _gather(t["IQ2_XXS"], _halves(q[:, :, :4].reshape(m, 32).to(torch.int32), sign_bytes))
     torch.mul(db[:, :, None], rows.view(m, 8, 32), out=out.view(m, 8, 32))
 
@@ -123,7 +133,7 @@ def _iq2_xs(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     d = _f16(b[:, :2])
     qs = _u16(b[:, 2:66])  # (m, 32): 9-bit grid index, 7-bit sign index
     db = d * (0.5 + _nibbles(b[:, 66:74]).to(torch.float32)) * 0.25  # (m, 16)
-    rows = _gather(t["IQ2_XS"], _halves(qs & 511, t["ksigns"][qs >> 9]))
+    rows = _gather(t["IQ2_XS"], _halves(qs & 511, _lookup(t["ksigns"], qs >> 9)))
     torch.mul(db[:, :, None], rows.view(m, 16, 16), out=out.view(m, 16, 16))
 
 
@@ -142,7 +152,7 @@ def _iq3_xxs(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     d = _f16(b[:, :2])
     aux = _u32(b[:, 66:98])  # (m, 8): 4 7-bit sign indices + 4-bit scale per 32 weights
     db = d * (0.5 + (b[:, 69:98:4] >> 4).to(torch.float32)) * 0.5
-    sign_bytes = t["ksigns"][(_shifts(aux, (0, 7, 14, 21)) & 0x7F).reshape(m, 32)]
+    sign_bytes = _lookup(t["ksigns"], (_shifts(aux, (0, 7, 14, 21)) & 0x7F).reshape(m, 32))
     idx = (b[:, 2:66].to(torch.int32) << 4) | _nibbles(sign_bytes)  # (m, 64): 2 grid entries per byte
     torch.mul(db[:, :, None], _gather(t["IQ3_XXS"], idx).view(m, 8, 32), out=out.view(m, 8, 32))
 
@@ -196,8 +206,9 @@ def _dequantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         flat = blocks.reshape(-1, type_size)
         out = torch.empty(flat.shape[0], QK_K, dtype=torch.float32, device=blocks.device)
         t = _tables(blocks.device)
-        for i in range(0, flat.shape[0], BATCH_BLOCKS):
-            fn(flat[i:i + BATCH_BLOCKS], t, out[i:i + BATCH_BLOCKS])
+        step = BATCH_BLOCKS * (CUDA_BATCH_FACTOR if blocks.is_cuda else 1)
+        for i in range(0, flat.shape[0], step):
+            fn(flat[i:i + step], t, out[i:i + step])
         return out.reshape(*lead, k * QK_K)
 
     dequant.__name__ = dequant.__qualname__ = f"dequant_{name.lower()}"
