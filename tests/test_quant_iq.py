@@ -88,17 +88,40 @@ def test_rejects_bad_input():
     assert f(torch.zeros(0, 110, dtype=torch.uint8)).shape == (0, 256)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", TYPES)
-def test_cuda_matches_cpu(name):
-    raw = torch.from_numpy(random_blocks(name, 2000, seed=3))
-    cpu = iq.DEQUANT[name](raw)
-    gpu = iq.DEQUANT[name](raw.cuda())
+def assert_close_on_gpu(gpu: torch.Tensor, cpu: torch.Tensor) -> None:
+    """CUDA vs CPU: same NaN and inf positions (NaN payloads may differ), finite values within FMA rounding."""
     assert gpu.is_cuda and gpu.dtype == torch.float32 and gpu.shape == cpu.shape
     gpu = gpu.cpu()
-    assert torch.equal(torch.isnan(gpu), torch.isnan(cpu))  # NaN payloads may differ on the GPU
-    fin = torch.isfinite(cpu)
-    assert torch.equal(gpu[~fin & ~torch.isnan(cpu)], cpu[~fin & ~torch.isnan(cpu)])  # infinities
-    bound = 1e-6 * cpu[fin].abs().max()
-    assert (gpu[fin] - cpu[fin]).abs().max() <= bound
+    nan, fin = torch.isnan(cpu), torch.isfinite(cpu)
+    assert torch.equal(torch.isnan(gpu), nan)
+    assert torch.equal(gpu[~fin & ~nan], cpu[~fin & ~nan])  # the infinities
+    assert (gpu[fin] - cpu[fin]).abs().max() <= 1e-6 * cpu[fin].abs().max()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("name", TYPES)
+def test_cuda_matches_cpu(name, monkeypatch):
+    """The torch path on CUDA (IQ3_S's Triton kernel off), several steps of blocks."""
+    monkeypatch.setattr(iq, "USE_TRITON", False)
+    monkeypatch.setattr(iq, "BATCH_BLOCKS", 16)  # 512 blocks per CUDA step
+    raw = torch.from_numpy(random_blocks(name, 2000, seed=3))
+    assert_close_on_gpu(iq.DEQUANT[name](raw.cuda()), iq.DEQUANT[name](raw))
+
+
+@pytest.mark.gpu
+@cuda
+def test_iq3_s_triton_kernel_matches_cpu():
+    """IQ3_S's fused Triton kernel, called directly (no fallback), and through DEQUANT."""
+    if iq.triton is None:
+        pytest.skip("triton is not installed")
+    raw = torch.from_numpy(random_blocks("IQ3_S", 2001, seed=4))  # not a multiple of the program's blocks
+    cpu = iq.DEQUANT["IQ3_S"](raw)
+    out = torch.full((2001, 256), 7.0, device="cuda")
+    iq._iq3_s_triton(raw.cuda(), out)
+    assert_close_on_gpu(out, cpu)
+    assert_close_on_gpu(iq.DEQUANT["IQ3_S"](raw.reshape(3, 667 * 110).cuda()).reshape(2001, 256), cpu)
+    assert iq.USE_TRITON

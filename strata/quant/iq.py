@@ -9,9 +9,18 @@ take one gather from them and one multiply by their scale. `python -m strata.qua
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable
 
 import torch
+
+try:  # ships with CUDA builds of torch; only IQ3_S on CUDA uses it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+log = logging.getLogger("strata.quant")
 
 QK_K = 256
 # Blocks per step: bounds the intermediates (~6 bytes per weight at the peak, besides the output).
@@ -58,6 +67,7 @@ def _tables(device: torch.device) -> dict[str, torch.Tensor]:
     delta = torch.tensor([0.125, -0.125], dtype=torch.float32, device=device)
     t["IQ1"] = (g["IQ1_S"][:, None, :] + delta[None, :, None]).reshape(-1, 8)  # row g << 1 | negative
     t["ksigns"] = g["ksigns"].to(torch.int32)
+    t["IQ3_S_grid"] = g["IQ3_S"].contiguous()  # the fused kernel's plain grid
     return t
 
 
@@ -188,6 +198,40 @@ def _iq1_m(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     torch.mul(dl[:, :, None], _gather(t["IQ1"], idx).view(m, 16, 16), out=out.view(m, 16, 16))
 
 
+# -- IQ3_S on CUDA: one fused Triton kernel (reads 110 bytes, writes 1 KiB per block, no intermediates)
+USE_TRITON = triton is not None
+TRITON_BLOCKS = 4  # quant blocks per program: 1024 outputs
+
+if triton is not None:
+    @triton.jit
+    def _iq3_s_kernel(blocks_ptr, grid_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
+        nb = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]  # (BLOCKS, 1) block numbers
+        j = tl.arange(0, 256)[None, :]  # (1, 256) weight within the block
+        live = nb < n_blocks
+        base = blocks_ptr + nb.to(tl.int64) * 110
+        h = tl.load(base, mask=live, other=0).to(tl.int32) | (tl.load(base + 1, mask=live, other=0).to(tl.int32) << 8)
+        d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        e = j // 4  # grid entry (4 weights each)
+        qs = tl.load(base + 2 + e, mask=live, other=0).to(tl.int32)
+        qh = tl.load(base + 66 + j // 32, mask=live, other=0).to(tl.int32)
+        gv = tl.load(grid_ptr + (qs | (((qh >> (e % 8)) & 1) << 8)) * 4 + j % 4)
+        sb = tl.load(base + 74 + j // 8, mask=live, other=0).to(tl.int32)
+        gv = tl.where(((sb >> (j % 8)) & 1) != 0, -gv, gv)
+        sc = tl.load(base + 106 + j // 64, mask=live, other=0).to(tl.int32)
+        db = d * (1 + 2 * ((sc >> ((j // 32) % 2 * 4)) & 15)).to(tl.float32)
+        tl.store(out_ptr + nb.to(tl.int64) * 256 + j, db * gv, mask=live)
+
+
+def _iq3_s_triton(flat: torch.Tensor, out: torch.Tensor) -> None:
+    """IQ3_S (M, 110) uint8 -> `out` (M, 256) float32 in one kernel. Same float32 operations as
+    `_iq3_s` (d * (1 + 2s), times the signed grid value), so equal up to NaN payloads."""
+    n = flat.shape[0]
+    if n:
+        grid = _tables(flat.device)["IQ3_S_grid"]
+        with torch.cuda.device(flat.device):  # Triton launches on the current device
+            _iq3_s_kernel[(triton.cdiv(n, TRITON_BLOCKS),)](flat.contiguous(), grid, out, n, BLOCKS=TRITON_BLOCKS)
+
+
 _TYPES: dict[str, tuple[int, Callable]] = {
     "IQ2_XXS": (66, _iq2_xxs), "IQ2_XS": (74, _iq2_xs), "IQ2_S": (82, _iq2_s),
     "IQ3_XXS": (98, _iq3_xxs), "IQ3_S": (110, _iq3_s), "IQ1_S": (50, _iq1_s), "IQ1_M": (56, _iq1_m),
@@ -205,6 +249,14 @@ def _dequantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         lead, k = blocks.shape[:-1], blocks.shape[-1] // type_size
         flat = blocks.reshape(-1, type_size)
         out = torch.empty(flat.shape[0], QK_K, dtype=torch.float32, device=blocks.device)
+        global USE_TRITON
+        if fn is _iq3_s and blocks.is_cuda and USE_TRITON:
+            try:
+                _iq3_s_triton(flat, out)
+                return out.reshape(*lead, k * QK_K)
+            except Exception as e:  # a Triton that cannot build the kernel: the torch path still works
+                log.warning("IQ3_S Triton kernel failed (%s: %s); using the torch path", type(e).__name__, e)
+                USE_TRITON = False
         t = _tables(blocks.device)
         step = BATCH_BLOCKS * (CUDA_BATCH_FACTOR if blocks.is_cuda else 1)
         for i in range(0, flat.shape[0], step):
