@@ -8,6 +8,7 @@ take one gather from them and one multiply by their scale. `python -m strata.qua
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Callable
@@ -228,7 +229,8 @@ def _iq3_s_triton(flat: torch.Tensor, out: torch.Tensor) -> None:
     n = flat.shape[0]
     if n:
         grid = _tables(flat.device)["IQ3_S_grid"]
-        with torch.cuda.device(flat.device):  # Triton launches on the current device
+        # Triton launches on the current device (CPU tensors: only under TRITON_INTERPRET=1)
+        with torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext():
             _iq3_s_kernel[(triton.cdiv(n, TRITON_BLOCKS),)](flat.contiguous(), grid, out, n, BLOCKS=TRITON_BLOCKS)
 
 
