@@ -1,0 +1,65 @@
+"""Time `strata.quant.dequantize` for one transformer layer of a preset's shape, per block type.
+
+Resident quantized weights dequantize one layer per chunk, so this time, times layers, times
+chunks, is what resident weights add to a prefill.
+
+    python bench/dequant.py --preset llama-3-70b --types IQ3_S,Q4_K --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata import quant  # noqa: E402
+from strata.model import PRESETS  # noqa: E402
+
+
+def layer_shapes(preset: str) -> list[tuple[int, int]]:
+    a = PRESETS[preset]
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    return [(q, a.dim), (kv, a.dim), (kv, a.dim), (a.dim, q), (a.ffn_dim, a.dim), (a.ffn_dim, a.dim), (a.dim, a.ffn_dim)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-3-70b")
+    ap.add_argument("--types", default="IQ3_S,Q4_K,Q4_0,Q8_0")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    shapes = layer_shapes(a.preset)
+    n = sum(r * c for r, c in shapes)
+    g = torch.Generator().manual_seed(0)
+    print(f"{a.preset}: one layer = {n / 1e6:.0f}M weights, device {dev}")
+    print("| type | stored MB/layer | ms/layer | GB/s written (bf16) |")
+    print("|---|---:|---:|---:|")
+    for t in a.types.split(","):
+        blocks = [quant.random_blocks(t, r, c, g, "cpu").to(dev) for r, c in shapes]
+        out = [torch.empty(r, c, dtype=torch.bfloat16, device=dev) for r, c in shapes]
+
+        def once():
+            for b, o in zip(blocks, out):
+                o.copy_(quant.dequantize(b, t))
+        once()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(a.reps):
+            once()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / a.reps * 1e3
+        stored = sum(b.numel() for b in blocks)
+        print(f"| {t} | {stored / 1e6:,.0f} | {ms:,.2f} | {2 * n / ms / 1e6:,.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

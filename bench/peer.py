@@ -1,0 +1,131 @@
+"""Strata beside llama.cpp on the same GGUF file and GPUs, in one process run: the peer table.
+
+Arms (any subset, in this order): `llama` (llama-bench `-sm layer`), `d1` / `d0` (Strata on the
+same file, depth 1 / depth 0, resident quantized weights unless `--weights`), `bf16` (Strata, the
+same shape with bf16 synthetic weights: what dequantizing everything would cost in memory).
+A random-block GGUF of the preset shape is written first if `--gguf` does not exist
+(bench/make_gguf.py), so both arms time the same file.
+
+    python bench/peer.py --preset llama-3-70b --qtype IQ3_S --devices cuda:0,cuda:1 \
+        --tokens 122880 --chunk 10240 --gguf /tmp/70b-iq3s.gguf --llama-bench /tmp/ll/build/bin/llama-bench
+
+Prints one table with tok/s, ratios against llama.cpp and against Strata bf16, depth1/depth0, and
+whether the residual md5 is identical across the depth arms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def llama_bench(exe: str, gguf: Path, tokens: int, chunk: int, n_devices: int, decode: int) -> dict:
+    """llama-bench's prefill (and, with decode > 0, generation) tok/s on the file, every layer on GPU."""
+    out = {}
+    runs = [("prefill", ["-p", str(tokens), "-n", "0"])]
+    if decode:
+        runs.append(("decode", ["-p", "0", "-n", str(decode)]))
+    for what, extra in runs:
+        cmd = [exe, "-m", str(gguf), "-ngl", "99", "-fa", "1", "-b", str(chunk), "-ub", "2048", "-r", "1",
+               "-o", "json", *extra]
+        if n_devices > 1:
+            cmd += ["-sm", "layer"]
+        t = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode:
+            raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-2000:]}")
+        rows = json.loads(p.stdout)
+        out[what] = rows[0]["avg_ts"]
+        out[what + "_wall_s"] = time.perf_counter() - t
+        print(f"llama.cpp {what}: {out[what]:,.1f} tok/s ({' '.join(cmd[1:])})", flush=True)
+    return out
+
+
+def strata_run(model: str, devices: list[str], tokens: int, chunk: int, depth: int, weights: str, out: Path,
+               decode: int) -> dict:
+    from strata.pipeline import Pipeline
+    cfg = dict(model=model, dtype="bfloat16", stages=[{"device": d} for d in devices], chunk=chunk, depth=depth,
+               prompt={"random": {"tokens": tokens, "seed": 0}}, dump_residual=depth is not None, timing=True,
+               progress=False, perplexity=False, generate=decode)
+    if weights:
+        cfg["weights"] = weights
+    t = time.perf_counter()
+    with Pipeline(cfg, out=out, console=False) as p:
+        p.start()
+        load_s = time.perf_counter() - t
+        rep = p.prefill().report
+    rep["load_wall_s"] = load_s
+    if rep.get("residual_file"):
+        Path(rep["residual_file"]).unlink()  # md5 kept; the dump is tokens x dim float32
+    print(f"strata {model} depth {depth}: {rep['tok_s']:,.1f} tok/s ({rep['seconds']:.2f} s; load {load_s:.1f} s; "
+          f"md5 {str(rep.get('residual_md5'))[:12]}; weights {[s.get('weight_bytes') for s in rep['stages']]})",
+          flush=True)
+    return rep
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-3-70b")
+    ap.add_argument("--qtype", default="IQ3_S")
+    ap.add_argument("--devices", default="cuda:0,cuda:1")
+    ap.add_argument("--tokens", type=int, default=122880)
+    ap.add_argument("--chunk", type=int, default=10240)
+    ap.add_argument("--gguf", help="the random-block GGUF (written if missing)")
+    ap.add_argument("--llama-bench", help="llama-bench executable (the llama arm is skipped without it)")
+    ap.add_argument("--arms", default="llama,d1,d0,bf16")
+    ap.add_argument("--weights", default="", help="rig `weights` for the Strata arms on the file (default: auto)")
+    ap.add_argument("--decode", type=int, default=0, help="also time this many generated tokens")
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+    devices = a.devices.split(",")
+    arms = a.arms.split(",")
+    gguf = Path(a.gguf or Path(tempfile.gettempdir()) / f"{a.preset}-{a.qtype}.gguf")
+    if any(x in arms for x in ("llama", "d1", "d0")) and not gguf.exists():
+        t = time.perf_counter()
+        subprocess.run([sys.executable, str(ROOT / "bench" / "make_gguf.py"), "--preset", a.preset, "--qtype", a.qtype,
+                        "--out", str(gguf), "--seed", "0"], check=True)
+        print(f"wrote {gguf} ({gguf.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="strata-peer-"))
+    res: dict = {"preset": a.preset, "qtype": a.qtype, "devices": devices, "tokens": a.tokens, "chunk": a.chunk,
+                 "date": time.strftime("%Y-%m-%d %H:%M")}
+    if "llama" in arms and a.llama_bench:
+        res["llama"] = llama_bench(a.llama_bench, gguf, a.tokens, a.chunk, len(devices), a.decode)
+    for arm in ("d1", "d0"):
+        if arm in arms:
+            rep = strata_run(str(gguf), devices, a.tokens, a.chunk, int(arm[1]), a.weights, root / arm, a.decode)
+            res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "residual_md5", "load_wall_s", "decode_tok_s")}
+            res[arm]["stages"] = [{k: s.get(k) for k in ("device", "layers", "work_s", "weight_bytes", "kv_bytes",
+                                                          "scratch_bytes", "mem_bytes")} for s in rep["stages"]]
+    if "bf16" in arms:
+        rep = strata_run(f"synthetic:{a.preset}", devices, a.tokens, a.chunk, 1, "", root / "bf16", a.decode)
+        res["bf16"] = {k: rep.get(k) for k in ("tok_s", "seconds", "load_wall_s", "decode_tok_s")}
+
+    print()
+    print(f"{a.preset} {a.qtype} ({gguf.name}), {len(devices)} x {devices[0]}, {a.tokens:,} tokens, chunk {a.chunk:,}")
+    llama = res.get("llama", {}).get("prefill")
+    bf16 = res.get("bf16", {}).get("tok_s")
+    print(f"| arm | prefill tok/s | vs llama.cpp | vs Strata bf16 |")
+    print(f"|---|---:|---:|---:|")
+    rows = [("llama.cpp `-sm layer`", llama), ("Strata depth 1, quantized resident", res.get("d1", {}).get("tok_s")),
+            ("Strata depth 0, quantized resident", res.get("d0", {}).get("tok_s")), ("Strata depth 1, bf16", bf16)]
+    for name, v in rows:
+        if v:
+            print(f"| {name} | {v:,.1f} | {v / llama:.2f}x |" if llama else f"| {name} | {v:,.1f} | - |", end="")
+            print(f" {v / bf16:.0%} |" if bf16 else " - |")
+    if "d1" in res and "d0" in res:
+        print(f"depth1/depth0: {res['d1']['tok_s'] / res['d0']['tok_s']:.2f}x; residual md5 identical: "
+              f"{res['d1']['residual_md5'] == res['d0']['residual_md5']} ({res['d1']['residual_md5']})")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
