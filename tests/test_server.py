@@ -540,3 +540,220 @@ def test_shutdown_finishes_the_running_request_refuses_the_waiting_and_closes(en
 
 def test_fake_engine_satisfies_the_protocol():
     assert isinstance(FakeEngine(), Engine)
+
+
+# -- the real openai client ----------------------------------------------------------------------------
+
+def test_openai_client_streaming_and_not(server, engine):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+    msgs = [{"role": "user", "content": "Say something."}]
+    r = client.chat.completions.create(model="fake-model", messages=msgs, max_tokens=7)
+    want = bytes(engine.continuation(list(engine.chat_prompt(msgs).encode()), 7)).decode()
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 7 and r.usage.prompt_tokens_details.cached_tokens == 0
+    stream = client.chat.completions.create(model="fake-model", messages=msgs, max_tokens=7, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    # the fake keeps the whole last prompt: the same conversation again is all reused
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(engine.chat_prompt(msgs).encode())
+    c = client.completions.create(model="fake-model", prompt="abc", max_tokens=3)
+    assert c.choices[0].text == bytes(engine.continuation(list(b"abc"), 3)).decode()
+    assert [m.id for m in client.models.list()] == ["fake-model"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="fake-model", prompt="abc", temperature=5)
+
+
+def test_openai_client_sees_a_stream_error(server, engine):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+    engine.fail_next, engine.fail_after = "stage 2 (cuda:2, pid 77)", 1
+    with pytest.raises(openai.APIError, match="stage 2"):
+        for _ in client.completions.create(model="fake-model", prompt="x", max_tokens=5, stream=True):
+            pass
+
+
+# -- SIGTERM for real, in a child process -----------------------------------------------------------------
+
+CHILD = r"""
+import socket, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from test_server import FakeEngine
+import strata.server as S
+
+class Engine(FakeEngine):
+    def close(self):
+        super().close()
+        print("CLOSED", flush=True)
+
+engine = Engine()
+engine.pause_after = 2
+sock = socket.socket(); sock.bind(("127.0.0.1", 0))
+print("PORT", sock.getsockname()[1], flush=True)
+uv, app = S.make_uvicorn(engine, log_level="warning")
+graceful = uv.handle_exit
+
+def on_signal(sig, frame):  # the paused generation (a slow decode) goes on once shutdown has begun
+    graceful(sig, frame)
+    engine.resume.set()
+
+uv.handle_exit = on_signal
+uv.run(sockets=[sock])
+"""
+
+
+def test_sigterm_finishes_the_stream_closes_the_engine_and_exits(tmp_path):
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "child.py"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(CHILD.format(root=os.path.dirname(tests), tests=tests))
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = child.stdout.readline()
+        assert first.startswith("PORT "), child.communicate(timeout=WAIT_S)[1][-2000:]
+        port = int(first.split()[1])
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=url, timeout=WAIT_S) as c:
+            wait_until(lambda: _up(c), "the child server")
+            with c.stream("POST", "/v1/completions", json={"prompt": "bye", "max_tokens": 6, "stream": True}) as r:
+                lines = r.iter_lines()
+                got = []
+                while sum(x.startswith("data:") for x in got) < 2:
+                    got.append(next(lines))
+                child.send_signal(signal.SIGTERM)  # mid-answer: the generation is paused after 2 tokens
+                got += list(lines)
+        events = sse_events(got)
+        assert events[-1] == (None, "[DONE]")
+        text = "".join(json.loads(d)["choices"][0]["text"] for _, d in events[:-1])
+        assert text == bytes(FakeEngine().continuation(list(b"bye"), 6)).decode()
+        out, err = child.communicate(timeout=WAIT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert "CLOSED" in out, err
+    assert child.returncode == -signal.SIGTERM, err  # uvicorn re-raises the signal after its graceful exit
+
+
+def _up(c: httpx.Client) -> bool:
+    try:
+        return c.get("/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+# -- LocalEngine: the in-process reference engine ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    model.save_pretrained(path, safe_serialization=True)
+    return model, str(path)
+
+
+def _gen(engine, ids, n, **kw):
+    out = []
+    stats = engine.generate(ids, SamplingParams(max_tokens=n, **kw), lambda t: out.append(t) or True)
+    return out, stats
+
+
+def test_local_engine_greedy_matches_transformers(tiny_llama):
+    from strata.engine import LocalEngine
+    model, path = tiny_llama
+    ids = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng = LocalEngine(path, prefill_chunk=10)  # several prefill chunks
+    ours, stats = _gen(eng, ids, 16)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=2,
+                             pad_token_id=2)[0, len(ids):].tolist()
+    assert ours == ref[:len(ours)]
+    if stats.finish_reason == "stop":
+        assert ref[len(ours)] == 2
+    else:
+        assert len(ours) == 16
+    assert (stats.prompt_tokens, stats.reused_tokens, stats.completion_tokens) == (24, 0, len(ours))
+    assert eng.max_context == 256 and eng.model_name == "llama"
+
+
+def test_local_engine_prefix_reuse_gives_the_cold_tokens(tiny_llama):
+    from strata.engine import LocalEngine
+    _, path = tiny_llama
+    g = torch.Generator().manual_seed(1)
+    doc = torch.randint(3, 300, (40,), generator=g).tolist()
+    q1, q2 = torch.randint(3, 300, (5,), generator=g).tolist(), torch.randint(3, 300, (6,), generator=g).tolist()
+    warm = LocalEngine(path)
+    _gen(warm, doc + q1, 8)
+    second, s2 = _gen(warm, doc + q2, 8)
+    common = next(i for i, (a, b) in enumerate(zip(doc + q1, doc + q2)) if a != b)
+    assert s2.reused_tokens == common >= 40
+    # a follow-up that contains the previous answer reuses it too (all but the last token, never fed back)
+    follow = doc + q2 + second + q1
+    third, s3 = _gen(warm, follow, 8)
+    assert s3.reused_tokens == len(doc + q2) + len(second) - 1
+    cold = LocalEngine(path)
+    assert _gen(cold, doc + q2, 8)[0] == second
+    cold.restart()
+    assert _gen(cold, follow, 8)[0] == third
+    # the same prompt again: everything but the last token is reused, same answer
+    again, s4 = _gen(warm, follow, 8)
+    assert again == third and s4.reused_tokens == len(follow) - 1
+
+
+def test_local_engine_stops_when_told_and_at_eos(tiny_llama):
+    import dataclasses as dc
+    from strata.engine import LocalEngine
+    _, path = tiny_llama
+    eng = LocalEngine(path)
+    ids = list(range(10, 30))
+    seen = []
+    stats = eng.generate(ids, SamplingParams(max_tokens=50), lambda t: seen.append(t) or len(seen) < 3)
+    assert len(seen) == 3 and stats.completion_tokens == 3 and stats.finish_reason == "stop"
+    eng.args = dc.replace(eng.args, eos_id=seen[0])  # the first greedy token is now the end of sequence
+    out, stats = _gen(eng, ids, 50)
+    assert out == [] and stats.finish_reason == "stop"
+    out, stats = _gen(eng, list(range(10, 250)), 50)  # the context (256) ends it first
+    assert stats.completion_tokens == len(out) <= 16
+    eng.close()
+    with pytest.raises(EngineError):
+        _gen(eng, ids, 2)
+
+
+@pytest.fixture(scope="module")
+def smollm2_server():
+    from strata.engine import LocalEngine
+    from strata.weights import smollm2_path
+    try:
+        smollm2_path()
+    except Exception as e:
+        pytest.skip(str(e))
+    eng = LocalEngine("smollm2", max_context=512)
+    s = Running(eng)
+    yield s, eng
+    s.stop()
+
+
+def test_smollm2_through_the_openai_client(smollm2_server):
+    openai = pytest.importorskip("openai")
+    s, eng = smollm2_server
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=6)
+    text = r.choices[0].message.content
+    prompt_len = len(eng.tokenize(eng.chat_prompt(msgs)))
+    assert text and r.usage.prompt_tokens == prompt_len and r.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt_len - 1  # the same prompt again
+    # too long for the context: refused before it reaches the model, naming the limit
+    with pytest.raises(openai.BadRequestError, match="512"):
+        client.completions.create(model="smollm2", prompt="word " * 600, max_tokens=1)
