@@ -51,8 +51,10 @@ class GenerationStats:
 
 @runtime_checkable
 class Engine(Protocol):
-    """A loaded model that generates for one request at a time. The server calls every method from one
-    worker thread only, so an implementation needs no locking of its own."""
+    """A loaded model that generates for one request at a time. The server calls generate and restart from
+    one worker thread only (close after that thread has stopped), so those need no locking. tokenize,
+    detokenize and chat_prompt are also called from other threads, during a generate: they must not touch
+    the stages. Optional: `metrics_text() -> str`, Prometheus lines appended to the server's /metrics."""
 
     model_name: str
     max_context: int  # prompt + generated tokens must fit

@@ -191,7 +191,8 @@ class Worker:
                 raise RequestError(503, "the server is shutting down", type="unavailable")
             # a waiting client that went away frees its place
             self._pending = collections.deque(j for j in self._pending if not j.cancelled.is_set())
-            if len(self._pending) >= self.queue_size and (self._running is not None or self._pending):
+            # when idle, the first waiting job is about to run: it does not hold a waiting place
+            if len(self._pending) >= self.queue_size + (self._running is None):
                 raise RequestError(429, f"the queue is full ({self.queue_size} requests waiting); retry later",
                                    type="rate_limit_exceeded")
             self._pending.append(job)
@@ -536,8 +537,11 @@ class Server:
                             status_code=200 if status == "ok" else 503)
 
     async def prometheus(self, request: Request) -> Response:
-        return PlainTextResponse(self.metrics.render(self.worker.queue_length, self.worker.busy),
-                                 media_type="text/plain; version=0.0.4")
+        text = self.metrics.render(self.worker.queue_length, self.worker.busy)
+        extra = getattr(self.engine, "metrics_text", None)  # optional: an engine's own series (busy histogram)
+        if callable(extra):
+            text += extra()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):

@@ -104,6 +104,10 @@ class FakeEngine:
         return GenerationStats(prompt_tokens=len(ids), reused_tokens=reused, completion_tokens=n,
                                prefill_s=0.001, decode_s=max(time.perf_counter() - t0, 1e-6), finish_reason=finish)
 
+    def metrics_text(self) -> str:  # the optional hook: an engine's own series on /metrics
+        return "# HELP strata_fake_generations Generate calls.\n# TYPE strata_fake_generations counter\n" \
+               f"strata_fake_generations {len(self.produced)}\n"
+
     def restart(self) -> None:
         self.restarts += 1
         self.broken = False
@@ -324,6 +328,23 @@ def test_metrics_text_parses_and_counts(server):
     assert s[("strata_completion_tokens_total", "")] == 6
     assert s[("strata_last_decode_tokens_per_second", "")] > 0
     assert s[("strata_last_prefill_tokens_per_second", "")] == pytest.approx(1 / 0.001)
+    assert s[("strata_fake_generations", "")] == 2
+
+
+def test_queue_size_zero_serves_one_at_a_time():
+    eng = FakeEngine()
+    eng.gate = threading.Event()
+    s = Running(eng, queue_size=0)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, s.client() as c:
+            first = pool.submit(c.post, "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+            assert eng.entered.wait(WAIT_S)
+            assert c.post("/v1/completions", json={"prompt": "b"}).status_code == 429
+            eng.gate.set()
+            assert first.result(WAIT_S).status_code == 200
+            assert c.post("/v1/completions", json={"prompt": "c", "max_tokens": 1}).status_code == 200
+    finally:
+        s.stop()
 
 
 # -- refusals ----------------------------------------------------------------------------------------
