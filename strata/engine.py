@@ -187,3 +187,14 @@ class LocalEngine:
 
     def close(self) -> None:
         self.net, self.kept = None, []
+
+
+def local_engine(cfg) -> LocalEngine:
+    """A LocalEngine for a rig config: its model and dtype on the first stage's device (default: cuda:0 when
+    there is a GPU, else the CPU), the rig's `max_context` when it has one."""
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    stages = getattr(cfg, "stages", "auto")
+    if isinstance(stages, tuple) and stages and getattr(stages[0], "device", None):
+        device = stages[0].device
+    return LocalEngine(cfg.model, max_context=getattr(cfg, "max_context", None), device=device,
+                       dtype=getattr(torch, cfg.dtype))

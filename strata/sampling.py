@@ -160,7 +160,8 @@ class Detokenizer:
         now = self._decode(self._ids[self._prefix:])
         if len(now) > len(before) and not now.endswith("\ufffd"):
             piece = now[len(before):]
-            self._prefix, self._read = self._read, len(self._ids)
+            del self._ids[:self._read]  # only the window is ever decoded again: keep memory flat
+            self._prefix, self._read = 0, len(self._ids)
             return piece
         return ""  # an incomplete character: wait for the next token
 

@@ -611,9 +611,13 @@ def serve(engine: Engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, ap
         app.state.server.worker.stop()  # a no-op after the lifespan's shutdown; closes the engine otherwise
 
 
-def run_server(cfg, engine_factory: Callable[[Any], Engine], host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-               api_key: str | None = None, queue_size: int = DEFAULT_QUEUE, log_level: str = "info") -> int:
-    """`launcher.py --serve`: load the engine once from the rig config, serve it, return the exit status."""
+def run_server(cfg, engine_factory: Callable[[Any], Engine] | None = None, host: str = DEFAULT_HOST,
+               port: int = DEFAULT_PORT, api_key: str | None = None, queue_size: int = DEFAULT_QUEUE,
+               log_level: str = "info") -> int:
+    """`launcher.py --serve`: load the engine once from the rig config (engine_factory(cfg); default: the
+    whole model in this process, strata.engine.local_engine), serve it, return the exit status."""
+    if engine_factory is None:
+        from .engine import local_engine as engine_factory
     engine = engine_factory(cfg)
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
     serve(engine, host=host, port=port, api_key=api_key, queue_size=queue_size, log_level=log_level)
