@@ -146,3 +146,20 @@ def test_detokenizer_holds_split_utf8_characters():
     assert "".join(pieces) + d.flush() == "aé€b"
     assert all("\ufffd" not in p for p in pieces)
     assert pieces == ["a", "", "é", "", "", "€", "b"]
+
+
+def test_detokenizer_increments_add_up_on_a_real_tokenizer():
+    from strata.tokenizer import Tokenizer
+    from strata.weights import smollm2_path
+    try:
+        smollm2_path()
+    except Exception as e:
+        pytest.skip(str(e))
+    tk = Tokenizer.for_model("smollm2")
+    text = "Grüße, 世界! naïve café — emoji 🙂🚀 and\n  indented code: x = 1  # ok\n"
+    ids = tk.encode(text)
+    prompt = tk.encode("Say: ")
+    d = Detokenizer(tk.decode, context=prompt)
+    pieces = [d.add(i) for i in ids]
+    assert "".join(pieces) + d.flush() == tk.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)

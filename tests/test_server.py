@@ -49,6 +49,7 @@ class FakeEngine:
         self.eos_after: int | None = None
         self.produced: list[int] = []  # tokens produced per generate call (including a refused one)
         self.restarts = 0
+        self.restart_failures = 0  # how many restarts raise before one works
         self.broken = False
         self.closed = 0
 
@@ -109,6 +110,9 @@ class FakeEngine:
                f"strata_fake_generations {len(self.produced)}\n"
 
     def restart(self) -> None:
+        if self.restart_failures:
+            self.restart_failures -= 1
+            raise RuntimeError("stage 1 did not come back")
         self.restarts += 1
         self.broken = False
         self.kept = []
@@ -358,6 +362,15 @@ def test_queue_size_zero_serves_one_at_a_time():
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_k": 1.5}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "seed": -3}, "seed"),
+    ("/v1/completions", {"prompt": 17}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "model": 3}, "model"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": "y"}}, "include_usage"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
+    ("/v1/chat/completions", {"messages": "hello"}, "non-empty"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "n=2"),
@@ -450,6 +463,31 @@ def test_engine_failure_is_503_naming_the_stage_then_restart_and_serve(server, e
     assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 4
     assert engine.restarts == 1  # between the two: the worker restarts before taking the next request
     assert m[("strata_engine_errors_total", "")] == 1 and m[("strata_engine_restarts_total", "")] == 1
+
+
+def test_failed_restart_marks_the_server_down_until_a_restart_works(server, engine):
+    engine.fail_next, engine.restart_failures = "stage 1 (cpu:1, pid 9)", 2
+    with server.client() as c:
+        assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 503
+        wait_until(lambda: server.worker.broken is not None, "the failed restart")
+        h = c.get("/health")
+        assert h.status_code == 503 and "did not come back" in h.json()["reason"]
+        r = c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})  # the second restart fails too
+        assert r.status_code == 503 and "engine is down" in r.json()["error"]["message"]
+        ok = c.post("/v1/completions", json={"prompt": "c", "max_tokens": 2})  # the third works
+        assert ok.status_code == 200 and c.get("/health").json()["status"] == "ok"
+    assert engine.restarts == 1
+
+
+def test_oversized_body_is_413():
+    s = Running(FakeEngine(), max_body=200)
+    try:
+        with s.client() as c:
+            r = c.post("/v1/completions", json={"prompt": "x" * 300})
+            assert r.status_code == 413 and "200" in r.json()["error"]["message"]
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    finally:
+        s.stop()
 
 
 def test_engine_failure_mid_stream_is_an_sse_error_event(server, engine):
