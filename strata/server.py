@@ -447,7 +447,10 @@ class Server:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _bad("model must be a string", param="model")
-        ids = await run_in_threadpool(self.engine.tokenize, prompt)
+        try:
+            ids = await run_in_threadpool(self.engine.tokenize, prompt)
+        except ValueError as e:  # e.g. strata's ModelError: a model without a tokenizer
+            raise _bad(str(e), param="prompt") from None
         limit = self.engine.max_context
         if not ids:
             raise _bad("the prompt is empty", param="messages" if chat else "prompt")
