@@ -74,14 +74,17 @@ class Metrics:
     last_decode_tok_s: float = 0.0
     last_prefill_s: float = 0.0
     last_reused_tokens: int = 0
+    last_ttft_s: float = 0.0  # generate() start to the first token: prefill plus the first sampling
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def count_request(self, path: str, status: int) -> None:
         with self.lock:
             self.requests[(path if path in ROUTES else "other", status)] += 1
 
-    def record(self, s: GenerationStats) -> None:
+    def record(self, s: GenerationStats, ttft_s: float | None) -> None:
         with self.lock:
+            if ttft_s is not None:
+                self.last_ttft_s = ttft_s
             self.prompt_tokens += s.prompt_tokens
             self.completion_tokens += s.completion_tokens
             self.reused_tokens += s.reused_tokens
@@ -112,6 +115,9 @@ class Metrics:
                           [("", float(self.last_prefill_tok_s))])
             out += metric("last_prefill_seconds", "gauge", "Prefill time of the last generation.",
                           [("", float(self.last_prefill_s))])
+            out += metric("last_time_to_first_token_seconds", "gauge",
+                          "From the engine taking the last request to its first generated token.",
+                          [("", float(self.last_ttft_s))])
             out += metric("last_decode_tokens_per_second", "gauge", "Decode speed of the last generation.",
                           [("", float(self.last_decode_tok_s))])
             out += metric("engine_errors_total", "counter", "Generations that failed in the engine.",
@@ -244,8 +250,11 @@ class Worker:
                 return
         detok = Detokenizer(self.engine.detokenize, context=job.ids)
         stop = StopMatcher(job.params.stop)
+        first: list[float] = []
 
         def on_token(token: int) -> bool:
+            if not first:
+                first.append(time.perf_counter() - t0)
             if job.cancelled.is_set():
                 return False
             piece = detok.add(token)
@@ -254,6 +263,7 @@ class Worker:
                 job.emit(("text", text))
             return not stop.stopped
 
+        t0 = time.perf_counter()
         try:
             stats = self.engine.generate(job.ids, job.params, on_token)
         except EngineError as e:
@@ -273,7 +283,7 @@ class Worker:
         tail = stop.feed(detok.flush()) + stop.flush()
         if tail:
             job.emit(("text", tail))
-        self.metrics.record(stats)
+        self.metrics.record(stats, first[0] if first else None)
         job.emit(("done", stats, "stop" if stop.stopped else stats.finish_reason))
 
     def _restart(self) -> None:

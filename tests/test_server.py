@@ -52,6 +52,7 @@ class FakeEngine:
         self.restart_failures = 0  # how many restarts raise before one works
         self.broken = False
         self.closed = 0
+        self.inside = threading.Lock()  # held during generate: a second, overlapping call fails
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -72,6 +73,14 @@ class FakeEngine:
     def generate(self, ids, params: SamplingParams, on_token) -> GenerationStats:
         assert not self.broken, "generate after a failure without restart()"
         assert self.closed == 0
+        if not self.inside.acquire(blocking=False):
+            raise AssertionError("fake engine: overlapping generate calls")
+        try:
+            return self._generate(ids, params, on_token)
+        finally:
+            self.inside.release()
+
+    def _generate(self, ids, params: SamplingParams, on_token) -> GenerationStats:
         reused = 0
         while reused < min(len(ids), len(self.kept)) and ids[reused] == self.kept[reused]:
             reused += 1
@@ -331,8 +340,29 @@ def test_metrics_text_parses_and_counts(server):
     assert s[("strata_reused_tokens_total", "")] == 3
     assert s[("strata_completion_tokens_total", "")] == 6
     assert s[("strata_last_decode_tokens_per_second", "")] > 0
+    assert 0 < s[("strata_last_time_to_first_token_seconds", "")] < WAIT_S
     assert s[("strata_last_prefill_tokens_per_second", "")] == pytest.approx(1 / 0.001)
     assert s[("strata_fake_generations", "")] == 2
+
+
+def test_concurrent_clients_are_served_one_at_a_time_in_full(engine):
+    s = Running(engine, queue_size=8)
+    try:
+        def ask(i):
+            with s.client() as c:
+                if i % 2:
+                    with c.stream("POST", "/v1/completions",
+                                  json={"prompt": f"client {i}", "max_tokens": 20, "stream": True}) as r:
+                        ev = sse_events(r.iter_lines())
+                    return "".join(json.loads(d)["choices"][0]["text"] for _, d in ev[:-1])
+                return c.post("/v1/completions", json={"prompt": f"client {i}", "max_tokens": 20}).json()[
+                    "choices"][0]["text"]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(ask, range(8)))
+    finally:
+        s.stop()
+    assert texts == [bytes(engine.continuation(list(f"client {i}".encode()), 20)).decode() for i in range(8)]
+    assert engine.produced == [20] * 8
 
 
 def test_queue_size_zero_serves_one_at_a_time():
