@@ -8,7 +8,7 @@ from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 import torch
 
-from .errors import PipelineError
+from .errors import ModelError, PipelineError
 from .sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -98,7 +98,13 @@ class LocalEngine:
             raise ValueError(f"max_context must be >= 1, got {self.max_context}")
         self.model_name = name or (model if model == "smollm2" or model.startswith("synthetic:") else
                                    Path(model).name)
-        self._tokenizer = self._template = None
+        self._template = None
+        self._tokenizer = self._tokenizer_error = None
+        try:  # now, not on the first request (parsing a GGUF vocabulary takes seconds)
+            from .tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.for_model(model)
+        except ModelError as e:  # a synthetic model or a directory without one: ids only
+            self._tokenizer_error = e
         self.net = None
         self.kept: list[int] = []
         self.restart()
@@ -107,8 +113,7 @@ class LocalEngine:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from .tokenizer import Tokenizer
-            self._tokenizer = Tokenizer.for_model(self.model)
+            raise self._tokenizer_error
         return self._tokenizer
 
     def tokenize(self, text: str) -> list[int]:

@@ -771,6 +771,9 @@ def test_local_engine_greedy_matches_transformers(tiny_llama):
         assert len(ours) == 16
     assert (stats.prompt_tokens, stats.reused_tokens, stats.completion_tokens) == (24, 0, len(ours))
     assert eng.max_context == 256 and eng.model_name == "llama"
+    from strata.errors import ModelError
+    with pytest.raises(ModelError, match="tokenizer"):  # this directory has none: ids only (a 400 when served)
+        eng.tokenize("text")
 
 
 def test_local_engine_prefix_reuse_gives_the_cold_tokens(tiny_llama):
