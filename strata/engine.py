@@ -1,0 +1,205 @@
+"""The interface between the server and whatever runs the model: the Engine protocol and its errors."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
+
+import torch
+
+from .errors import ModelError, PipelineError
+from .sampling import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+
+class EngineError(PipelineError):
+    """A generation that failed inside the engine; `stage` names where (e.g. 'stage 1 (cuda:1, pid 4242)')."""
+
+    def __init__(self, stage: str, message: str):
+        super().__init__(f"{stage}: {message}")
+        self.stage, self.message = stage, message
+
+
+@dataclass
+class GenerationStats:
+    """What one `Engine.generate` call did.
+
+    prompt_tokens: the prompt's length; reused_tokens: how many of them came from the kept KV of the
+    previous prompt (prefix reuse) instead of being prefilled; completion_tokens: tokens passed to on_token;
+    finish_reason: 'length' when max_tokens (or the context) ran out, else 'stop' (end-of-sequence token,
+    or on_token returned False).
+    """
+
+    prompt_tokens: int
+    reused_tokens: int
+    completion_tokens: int
+    prefill_s: float
+    decode_s: float
+    finish_reason: FinishReason
+
+    @property
+    def prefill_tok_s(self) -> float:
+        new = self.prompt_tokens - self.reused_tokens
+        return new / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded model that generates for one request at a time. The server calls generate and restart from
+    one worker thread only (close after that thread has stopped), so those need no locking. tokenize,
+    detokenize and chat_prompt are also called from other threads, during a generate: they must not touch
+    the stages. Optional: `metrics_text() -> str`, Prometheus lines appended to the server's /metrics."""
+
+    model_name: str
+    max_context: int  # prompt + generated tokens must fit
+
+    def tokenize(self, text: str) -> list[int]:
+        """Prompt text -> ids, with the model's BOS rule applied."""
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Ids -> text (special tokens kept as text: the server cuts at stop strings itself)."""
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        """Chat messages -> prompt text through the model's chat template (generation prompt added).
+        Raises ValueError (e.g. strata.chat.ChatError) for a conversation the template refuses."""
+
+    def generate(self, ids: list[int], params: SamplingParams,
+                 on_token: Callable[[int], bool]) -> GenerationStats:
+        """Blocking: prefill `ids` (reusing the KV of the longest common prefix with the previous call), then
+        decode up to params.max_tokens tokens with params' sampling. Calls on_token(id) for each generated
+        token except the end-of-sequence one, and stops as soon as it returns False. Raises EngineError when
+        a stage fails; the engine is then unusable until restart()."""
+
+    def restart(self) -> None:
+        """Bring a failed engine back (start the stages again); the kept KV is gone."""
+
+    def close(self) -> None:
+        """Stop the stages and free their resources; idempotent."""
+
+
+class LocalEngine:
+    """A whole model in this process, no stages: the reference Engine (greedy here is the plain
+    model's greedy), and a server for a model that fits one device. Prefix reuse: the KV cache is
+    indexed by absolute position, so the positions a new prompt shares with the kept one stay valid."""
+
+    def __init__(self, model: str, max_context: int | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, prefill_chunk: int = 512, name: str | None = None):
+        from .weights import model_args
+        self.model, self.device, self.dtype, self.prefill_chunk = model, torch.device(device), dtype, prefill_chunk
+        self.args = model_args(model)
+        self.max_context = min(max_context or self.args.max_seq_len, self.args.max_seq_len)
+        if self.max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {self.max_context}")
+        self.model_name = name or (model if model == "smollm2" or model.startswith("synthetic:") else
+                                   Path(model).name)
+        self._template = None
+        self._tokenizer = self._tokenizer_error = None
+        try:  # now, not on the first request (parsing a GGUF vocabulary takes seconds)
+            from .tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.for_model(model)
+        except ModelError as e:  # a synthetic model or a directory without one: ids only
+            self._tokenizer_error = e
+        self.net = None
+        self.kept: list[int] = []
+        self.restart()
+
+    # -- text ----------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            raise self._tokenizer_error
+        return self._tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        from .chat import ChatTemplate
+        if self._template is None:
+            self._template = ChatTemplate.for_model(self.model) or False
+        if not self._template:
+            raise ValueError(f"model {self.model_name!r} has no chat template: use /v1/completions")
+        return self._template.render(messages)
+
+    # -- compute -------------------------------------------------------------------------------
+    def generate(self, ids: list[int], params: SamplingParams,
+                 on_token: Callable[[int], bool]) -> GenerationStats:
+        from .sampling import Sampler
+        if self.net is None:
+            raise EngineError("local", "the engine is closed or failed: restart() it")
+        n = len(ids)
+        if not 0 < n <= self.max_context:
+            raise ValueError(f"prompt of {n} tokens: must be 1..{self.max_context}")
+        if min(ids) < 0 or max(ids) >= self.args.vocab_size:
+            raise ValueError(f"prompt ids must be in [0, {self.args.vocab_size})")
+        reused = 0
+        for a, b in zip(ids, self.kept):
+            if a != b:
+                break
+            reused += 1
+        reused = min(reused, n - 1)  # the last prompt token is always run: its logits give the first token
+        self.kept = list(ids[:reused])  # past `reused` the cache is about to be overwritten
+        try:
+            t0 = time.perf_counter()
+            h = None
+            for pos in range(reused, n, self.prefill_chunk):
+                chunk = torch.tensor([ids[pos:pos + self.prefill_chunk]], device=self.device)
+                h = self.net(chunk, pos)
+            self.kept = list(ids)
+            logits = self.net.logits(h[0, -1])
+            t1 = time.perf_counter()
+            sampler, count, finish = Sampler(params), 0, "length"
+            limit = min(params.max_tokens, self.max_context - n)
+            while count < limit:
+                tok = sampler.next(logits)
+                if tok == self.args.eos_id:
+                    finish = "stop"
+                    break
+                count += 1
+                if not on_token(tok):
+                    finish = "stop"
+                    break
+                if count == limit:
+                    break
+                # the generated token joins the cache: a follow-up prompt that contains it reuses it
+                logits = self.net.logits(self.net(torch.tensor([[tok]], device=self.device), len(self.kept))[0, -1])
+                self.kept.append(tok)
+            t2 = time.perf_counter()
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            self.net = None
+            raise EngineError(f"local ({self.device})", f"{type(e).__name__}: {e}") from e
+        return GenerationStats(prompt_tokens=n, reused_tokens=reused, completion_tokens=count,
+                               prefill_s=t1 - t0, decode_s=t2 - t1, finish_reason=finish)
+
+    def restart(self) -> None:
+        from .model import Transformer
+        from .weights import slice_tensors
+        self.close()
+        with torch.device("meta"):
+            net = Transformer(self.args)
+        net.load_weights(slice_tensors(self.model, self.args, 0, self.args.n_layers), self.device, self.dtype)
+        net.setup_cache(self.max_context)
+        self.net, self.kept = net.eval(), []
+
+    def close(self) -> None:
+        self.net, self.kept = None, []
+
+
+def local_engine(cfg) -> LocalEngine:
+    """A LocalEngine for a rig config: its model and dtype on the first stage's device (default: cuda:0 when
+    there is a GPU, else the CPU), the rig's `max_context` when it has one."""
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    stages = getattr(cfg, "stages", "auto")
+    if isinstance(stages, tuple) and stages and getattr(stages[0], "device", None):
+        device = stages[0].device
+    return LocalEngine(cfg.model, max_context=getattr(cfg, "max_context", None), device=device,
+                       dtype=getattr(torch, cfg.dtype))
