@@ -1,0 +1,116 @@
+"""Stages on two (or more) GPUs: `pytest -m multigpu`, skipped with fewer than 2 CUDA devices.
+
+Checks what only a multi-GPU run can show: both arms byte-identical across devices, logits against
+the single-process engine, a SIGKILLed CUDA stage tearing the run down (no process, no GPU memory
+held by the run, nothing in /dev/shm), `stages: auto` giving one stage per GPU, and the hand-off
+copy staying a small share of the work.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import Proc, segments, wait_gone
+
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
+              pytest.mark.skipif(N_GPUS < 2, reason="needs at least 2 CUDA devices")]
+
+MODEL = "synthetic:smoke-wide"
+TOKENS, CHUNK = 8192, 1024
+
+
+def _rig(**over) -> dict:
+    rig = dict(model=MODEL, dtype="bfloat16", stages=[{"device": "cuda:0"}, {"device": "cuda:1"}], chunk=CHUNK,
+               prompt={"random": {"tokens": TOKENS, "seed": 3}}, dump_residual=True, progress=False, generate=0)
+    rig.update(over)
+    return rig
+
+
+def _single_process_logits(ids: np.ndarray) -> np.ndarray:
+    from strata.model import Transformer
+    from strata.weights import model_args, slice_tensors
+    args = model_args(MODEL)
+    t = Transformer(args)
+    t.load_weights(slice_tensors(MODEL, args, 0, args.n_layers, device="cuda:0", dtype=torch.bfloat16),
+                   "cuda:0", torch.bfloat16)
+    t.setup_cache(ids.size)
+    x = torch.from_numpy(ids.astype(np.int64)).view(1, -1).cuda()
+    h = torch.cat([t(x[:, p:p + CHUNK], p) for p in range(0, ids.size, CHUNK)], dim=1)
+    return t.logits(h[0, -1]).cpu().numpy()
+
+
+def _gpu_pids() -> set[int]:
+    """Pids holding memory on any GPU (nvidia-smi sees every process of this container)."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                         text=True, check=True).stdout
+    return {int(x) for x in out.split()}
+
+
+def test_two_gpus_identical_arms_and_reference(tmp_path):
+    from strata.pipeline import Pipeline
+    reports, logits = {}, {}
+    for depth in (0, 1):
+        with Pipeline(_rig(depth=depth), out=tmp_path / f"d{depth}", console=False) as p:
+            res = p.prefill()
+            ids = p.plan.ids
+        reports[depth], logits[depth] = res.report, res.last_logits
+    assert [s["device"] for s in reports[1]["stages"]] == ["cuda:0", "cuda:1"]
+    assert reports[0]["residual_md5"] == reports[1]["residual_md5"]
+    assert np.array_equal(logits[0], logits[1])
+    ref = _single_process_logits(ids)
+    rel = float(np.linalg.norm(logits[1] - ref) / np.linalg.norm(ref))
+    assert rel < 2e-2, rel  # bf16: the stages' arithmetic equals the single process's up to kernel choice
+    rep = reports[1]
+    assert rep["pinned"] and all(s["pinned"] for s in rep["stages"])
+    work = sum(s["work_s"] for s in rep["stages"])
+    copy = sum(s["copy_s"] for s in rep["stages"])
+    print(f"2 GPUs: rel {rel:.2e}; copy {copy:.4f} s of work {work:.3f} s ({copy / work:.2%}); "
+          f"tok/s depth 0 {reports[0]['tok_s']:,.0f}, depth 1 {rep['tok_s']:,.0f}")
+    assert copy <= 0.01 * work
+
+
+def test_auto_stages_one_per_gpu(tmp_path):
+    from strata.pipeline import Pipeline
+    with Pipeline(_rig(stages="auto", dump_residual=False, prompt={"random": {"tokens": 2048, "seed": 0}}),
+                  out=tmp_path / "auto", console=False) as p:
+        assert [s.device for s in p.plan.stages] == [f"cuda:{i}" for i in range(N_GPUS)]
+        rep = p.prefill().report
+    assert [s["device"] for s in rep["stages"]] == [f"cuda:{i}" for i in range(N_GPUS)]
+
+
+def test_sigkill_of_a_cuda_stage(tmp_path):
+    """The second GPU's stage is SIGKILLed from outside mid-prefill: the run fails naming it within
+    5 s, and no process of the run, no GPU memory of its pids and no segment of it is left."""
+    from strata.errors import PipelineError
+    from strata.pipeline import Pipeline
+    rig = _rig(dump_residual=False, prompt={"random": {"tokens": 65536, "seed": 0}}, chunk=512,
+               debug={"delay_s": 0.05})
+    killed: dict = {}
+    p = Pipeline(rig, out=tmp_path / "kill", console=False)
+    p.start()
+    pids = [s.pid for s in p.stages]
+    assert set(pids) <= _gpu_pids()  # both stages hold GPU memory now
+
+    def killer():
+        time.sleep(1.0)  # let chunks flow through both GPUs first
+        killed["t"] = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+    threading.Thread(target=killer, daemon=True).start()
+    with pytest.raises(PipelineError) as ei:
+        p.prefill()
+    failed_after = time.monotonic() - killed["t"]
+    run_id = p.run_id
+    p.close()
+    assert "stage 1 (cuda:1" in str(ei.value) and "SIGKILL" in str(ei.value)
+    assert failed_after <= 5.0, failed_after
+    assert not wait_gone([Proc(x) for x in pids], 5.0)
+    assert not set(pids) & _gpu_pids()
+    assert segments(run_id=run_id) == []
