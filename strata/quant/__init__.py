@@ -1,28 +1,90 @@
 """GGUF block dequantization in torch: `dequantize(blocks, qtype)` on the blocks' own device.
 
-PLACEHOLDER (being replaced by the torch implementation): round-trips through gguf-py on the CPU.
-The contract stays: `blocks` is a uint8 tensor shaped `(..., bytes)` like `gguf.quants.dequantize`'s
-input, `qtype` a type name ("IQ3_S") or `gguf.GGMLQuantizationType`; the result is float32
-`(..., weights)` on the blocks' device.
+`blocks` is a uint8 tensor shaped `(..., bytes)` like `gguf.quants.dequantize`'s input, `qtype` a
+type name ("IQ3_S", any case) or `gguf.GGMLQuantizationType`; the result is float32
+`(..., weights)` on the blocks' device. Per-type kernels live in submodules, each exporting
+`DEQUANT: dict[name, fn]` with fn mapping uint8 `(N, type_size)` -> float32 `(N, block_size)`.
 """
 from __future__ import annotations
 
-import numpy as np
+import gguf
 import torch
 
+from . import blocks as blocks_mod, iq
+from .random import random_blocks
 
-def qtype_of(qtype):
-    import gguf
+__all__ = ["DEQUANT", "SUPPORTED", "block_size", "dequantize", "qtype_of", "random_blocks", "type_size"]
+
+_PLAIN = ("F32", "F16", "BF16")  # viewed from bytes, no blocks
+DEQUANT: dict = {**blocks_mod.DEQUANT, **iq.DEQUANT}
+SUPPORTED: tuple[str, ...] = _PLAIN + tuple(DEQUANT)
+
+# Blocks per kernel call: bounds the intermediates (a few bytes per weight) on big tensors.
+_CHUNK_WEIGHTS = {"cpu": 1 << 20, "cuda": 1 << 26}
+
+
+def qtype_of(qtype) -> gguf.GGMLQuantizationType:
+    """A type name (any case) or enum value -> `gguf.GGMLQuantizationType`; ValueError if unknown."""
+    if isinstance(qtype, gguf.GGMLQuantizationType):
+        return qtype
     if isinstance(qtype, str):
         try:
             return gguf.GGMLQuantizationType[qtype.upper()]
         except KeyError:
             raise ValueError(f"unknown GGUF quantization type {qtype!r}") from None
-    return gguf.GGMLQuantizationType(qtype)
+    try:
+        return gguf.GGMLQuantizationType(qtype)
+    except ValueError:
+        raise ValueError(f"unknown GGUF quantization type {qtype!r}") from None
+
+
+def block_size(qtype) -> int:
+    """Weights per block."""
+    return gguf.constants.GGML_QUANT_SIZES[qtype_of(qtype)][0]
+
+
+def type_size(qtype) -> int:
+    """Bytes per block."""
+    return gguf.constants.GGML_QUANT_SIZES[qtype_of(qtype)][1]
+
+
+def _supported(qtype) -> str:
+    name = qtype_of(qtype).name
+    if name not in SUPPORTED:
+        raise ValueError(f"GGUF quantization type {name} is not supported (supported: {', '.join(SUPPORTED)})")
+    return name
 
 
 def dequantize(blocks: torch.Tensor, qtype) -> torch.Tensor:
-    import gguf
-    t = qtype_of(qtype)
-    out = gguf.quants.dequantize(blocks.cpu().numpy(), t)
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(blocks.device)
+    """uint8 `(..., n_blocks * type_size)` -> float32 `(..., n_blocks * block_size)`, same device."""
+    name = _supported(qtype)
+    if blocks.dtype != torch.uint8:
+        raise ValueError(f"GGUF blocks must be uint8, got {blocks.dtype}")
+    if blocks.dim() == 0:
+        raise ValueError("GGUF blocks must have at least one dimension")
+    bs, ts = block_size(name), type_size(name)
+    nbytes = blocks.shape[-1]
+    if nbytes % ts:
+        raise ValueError(f"{name}: last dimension {nbytes} is not a multiple of the block size of {ts} bytes")
+    lead = tuple(blocks.shape[:-1])
+    out_shape = lead + (nbytes // ts * bs,)
+    b = blocks.contiguous().view(-1, ts)
+    if name == "F32":
+        return b.view(torch.float32).reshape(out_shape).clone()
+    if name == "F16":
+        h = b.view(torch.int16)
+        w = h.view(torch.float16).float()
+        if w.device.type == "cpu" and bool(torch.isnan(w).any()):  # .float() canonicalises NaN payloads
+            w = torch.where(torch.isnan(w), blocks_mod.f16_to_f32(h), w)
+        return w.reshape(out_shape)
+    if name == "BF16":  # the top half of a float32
+        return (b.view(torch.int16).to(torch.int32) << 16).view(torch.float32).reshape(out_shape)
+    fn = DEQUANT[name]
+    n = b.shape[0]
+    step = max(1, _CHUNK_WEIGHTS.get(b.device.type, 1 << 22) // bs)
+    if n <= step:
+        return fn(b).reshape(out_shape)
+    out = torch.empty((n, bs), dtype=torch.float32, device=b.device)
+    for i in range(0, n, step):
+        out[i:i + step] = fn(b[i:i + step])
+    return out.reshape(out_shape)

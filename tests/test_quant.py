@@ -1,0 +1,262 @@
+"""strata.quant against gguf-py: bit-exact dequantization of Q4_0..Q8_0, K-quants, IQ4; random_blocks."""
+from __future__ import annotations
+
+import warnings
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import strata.quant as Q
+from strata.quant import blocks, random as qrandom
+
+MINE = tuple(blocks.DEQUANT)  # the types this module implements (the IQ grid types live in iq.py)
+T = gguf.GGMLQuantizationType
+
+# fp16 scale values that must poison or pass through exactly as in numpy: NaNs with payloads and
+# either sign (quiet and signalling), infinities, a subnormal, signed zero, the largest finite.
+SPECIAL_F16 = (0x7E01, 0xFD55, 0x7C01, 0xFC02, 0x7C00, 0xFC00, 0x0001, 0x83FF, 0x8000, 0x7BFF)
+
+
+def gguf_ref(b: torch.Tensor, name: str) -> np.ndarray:
+    with warnings.catch_warnings():  # NaN/inf scales make numpy warn
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return gguf.quants.dequantize(b.numpy(), T[name])
+
+
+def assert_bits_equal(got: torch.Tensor, ref: np.ndarray):
+    assert got.dtype == torch.float32 and tuple(got.shape) == ref.shape
+    g, r = got.numpy().view(np.uint32), np.ascontiguousarray(ref, dtype=np.float32).view(np.uint32)
+    bad = np.flatnonzero(g != r)
+    assert bad.size == 0, (f"{bad.size} of {g.size} weights differ, first at {bad[0]}: "
+                           f"{g.flat[bad[0]]:#010x} != gguf {r.flat[bad[0]]:#010x}")
+
+
+def with_special_scales(b: torch.Tensor, name: str) -> torch.Tensor:
+    """Rows of blocks whose fp16 fields take each SPECIAL_F16 value, paired so both d and min vary."""
+    b = b.clone().view(-1, Q.type_size(name))
+    fields = [off for off, _ in qrandom._FIELDS[name]]
+    for i, v in enumerate(SPECIAL_F16):
+        for j, off in enumerate(fields):  # the min gets a different special than d
+            w = SPECIAL_F16[(i + 3 * j) % len(SPECIAL_F16)]
+            b[i, off], b[i, off + 1] = w & 0xFF, w >> 8
+    return b
+
+
+@pytest.mark.parametrize("name", MINE)
+@pytest.mark.parametrize("lead", [(), (6,), (2, 3)])
+def test_bit_exact_random_bytes(name, lead):
+    g = torch.Generator().manual_seed(hash((name, lead)) % 2**31)
+    ts = Q.type_size(name)
+    n_rows = int(np.prod(lead)) if lead else 1
+    per_row = 300 // n_rows
+    b = torch.randint(0, 256, (n_rows * per_row, ts), generator=g, dtype=torch.uint8)
+    b = with_special_scales(b, name).reshape(*lead, per_row * ts)
+    ref = gguf_ref(b, name)
+    assert np.isnan(ref).any() and np.isinf(ref).any(), "the input should exercise NaN and inf scales"
+    got = Q.dequantize(b, name)
+    assert_bits_equal(got, ref)
+    assert Q.dequantize(b, Q.qtype_of(name)).view(torch.int32).equal(got.view(torch.int32))  # enum = name
+
+
+@pytest.mark.parametrize("name", MINE)
+def test_bit_exact_in_row_batches(name, monkeypatch):
+    """Tensors bigger than one batch are cut in pieces; the seams must not show."""
+    monkeypatch.setitem(Q._CHUNK_WEIGHTS, "cpu", 3 * Q.block_size(name))
+    g = torch.Generator().manual_seed(1)
+    b = torch.randint(0, 256, (5, 4 * Q.type_size(name)), generator=g, dtype=torch.uint8)
+    assert_bits_equal(Q.dequantize(b, name), gguf_ref(b, name))
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+def test_plain_types_pass_through(name):
+    g = torch.Generator().manual_seed(2)
+    b = torch.randint(0, 256, (3, 64), generator=g, dtype=torch.uint8)
+    if name == "F16":  # NaN payloads must survive the conversion
+        b.view(torch.int16).view(-1)[:len(SPECIAL_F16)] = torch.tensor(SPECIAL_F16, dtype=torch.int32).to(torch.int16)
+    ref = b.numpy().view(np.float32) if name == "F32" else gguf_ref(b, name)
+    assert_bits_equal(Q.dequantize(b, name), ref)
+
+
+def test_smollm2_every_tensor_bit_exact():
+    from strata.weights import smollm2_path
+    reader = gguf.GGUFReader(smollm2_path())
+    kinds = set()
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: thread hand-offs cost more than they save on a busy CI box
+    try:
+        for t in reader.tensors:
+            raw = np.asarray(t.data).view(np.uint8)
+            blocks_t = torch.from_numpy(raw.copy())
+            ref = raw.view(np.float32) if t.tensor_type == T.F32 else gguf_ref(blocks_t, t.tensor_type.name)
+            got = Q.dequantize(blocks_t, t.tensor_type)
+            assert got.numel() == int(np.prod(t.shape)), t.name
+            assert_bits_equal(got, ref)
+            kinds.add(t.tensor_type.name)
+    finally:
+        torch.set_num_threads(prev)
+    assert {"Q4_1", "Q8_0", "F32"} <= kinds
+
+
+# -- the contract -----------------------------------------------------------------------------------
+def test_sizes_and_names():
+    for name in MINE + ("F16", "IQ3_S"):
+        assert (Q.block_size(name), Q.type_size(name)) == gguf.constants.GGML_QUANT_SIZES[T[name]]
+    assert Q.qtype_of("q4_k") is T.Q4_K and Q.qtype_of(T.Q6_K) is T.Q6_K and Q.qtype_of(int(T.Q8_0)) is T.Q8_0
+    assert set(MINE) <= set(Q.SUPPORTED) and {"F32", "F16", "BF16"} <= set(Q.SUPPORTED)
+    assert set(Q.SUPPORTED) == {"F32", "F16", "BF16"} | set(Q.DEQUANT)  # only what is registered
+    from strata.quant import iq
+    assert set(iq.DEQUANT) <= set(Q.SUPPORTED)
+
+
+def test_errors():
+    b = torch.zeros((2, 68), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="Q9_9"):
+        Q.dequantize(b, "Q9_9")
+    with pytest.raises(ValueError, match="unknown"):
+        Q.qtype_of(12345)
+    for unsupported in ("Q8_K", "TQ1_0", "I32"):
+        with pytest.raises(ValueError, match=unsupported):
+            Q.dequantize(b, unsupported)
+    with pytest.raises(ValueError, match="multiple"):
+        Q.dequantize(torch.zeros((2, 35), dtype=torch.uint8), "Q8_0")
+    with pytest.raises(ValueError, match="uint8"):
+        Q.dequantize(torch.zeros((2, 34), dtype=torch.int8), "Q8_0")
+    assert Q.dequantize(b, "Q8_0").shape == (2, 64)
+    assert Q.dequantize(torch.zeros((3, 0), dtype=torch.uint8), "Q4_K").shape == (3, 0)
+
+
+# -- random_blocks ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(qrandom._FIELDS) + ["F32", "F16", "BF16"])
+def test_random_blocks_valid(name):
+    bs = Q.block_size(name)
+    rows, cols = 16, 4 * max(bs, 32)
+    b = Q.random_blocks(name, rows, cols, torch.Generator().manual_seed(3), "cpu")
+    assert b.dtype == torch.uint8 and tuple(b.shape) == (rows, cols // bs * Q.type_size(name))
+    again = Q.random_blocks(name, rows, cols, torch.Generator().manual_seed(3), "cpu")
+    assert b.equal(again)
+    w = gguf_ref(b, name) if name not in ("F32",) else b.numpy().view(np.float32)  # gguf-py: every type
+    assert w.shape == (rows, cols)
+    assert np.isfinite(w).all()
+    assert 1e-3 < float(w.std()) < 1e-1, float(w.std())
+    assert abs(float(w.mean())) < 0.5 * float(w.std())
+    if name in Q.SUPPORTED:
+        assert_bits_equal(Q.dequantize(b, name), np.ascontiguousarray(w, dtype=np.float32))
+
+
+def test_random_blocks_rejects_bad_columns():
+    with pytest.raises(ValueError, match="multiple"):
+        Q.random_blocks("Q4_K", 2, 100, torch.Generator(), "cpu")
+
+
+# -- CUDA ------------------------------------------------------------------------------------------
+# Math that is one multiply per weight (or two chained multiplies) is exact on any IEEE device;
+# d*q + m may be fused into an FMA there, which rounds once instead of twice.
+_FMA_FREE = {"Q4_0", "Q5_0", "Q8_0", "Q3_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F32", "F16", "BF16"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", Q.SUPPORTED)
+def test_cuda_matches_cpu(name):
+    bs = Q.block_size(name)
+    cols = 8 * max(bs, 32)
+    b = Q.random_blocks(name, 64, cols, torch.Generator().manual_seed(4), "cpu")
+    cpu = Q.dequantize(b, name)
+    gpu = Q.dequantize(b.cuda(), name)
+    assert gpu.device.type == "cuda" and gpu.dtype == torch.float32 and gpu.shape == cpu.shape
+    gpu = gpu.cpu()
+    if name in _FMA_FREE:
+        assert gpu.view(torch.int32).equal(cpu.view(torch.int32))
+    else:
+        assert float((gpu - cpu).abs().max()) <= 1e-6 * float(cpu.abs().max())
+    # random_blocks made on the device is valid there too
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = Q.dequantize(Q.random_blocks(name, 16, cols, g, "cuda"), name)
+    assert bool(torch.isfinite(w).all()) and 1e-3 < float(w.std()) < 1e-1
+
+
+# -- bench/make_gguf.py -------------------------------------------------------------------------------
+def _make_gguf():
+    import importlib.util
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "make_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_gguf", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["make_gguf"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("preset,qtype,layers", [("smoke", "Q4_1", None), ("smoke", "IQ3_S", 2),
+                                                  ("smoke-wide", "Q4_K", 1)])
+def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
+    import dataclasses
+    from strata.model import PRESETS
+    from strata.weights import model_args, slice_tensors
+    mg = _make_gguf()
+    out = tmp_path / "m.gguf"
+    argv = ["--preset", preset, "--qtype", qtype, "--out", str(out), "--seed", "7"]
+    assert mg.main(argv + (["--layers", str(layers)] if layers else [])) == 0
+    want = PRESETS[preset] if layers is None else dataclasses.replace(PRESETS[preset], n_layers=layers)
+
+    reader = gguf.GGUFReader(out)
+    got = {t.name: t for t in reader.tensors}
+    planned = mg.plan(want, qtype)
+    assert list(got) == [p.name for p in planned]
+    assert f"blk.{want.n_layers - 1}.ffn_down.weight" in got and "output.weight" in got
+    for p in planned:
+        t = got[p.name]
+        assert tuple(int(d) for d in reversed(t.shape.tolist())) == p.shape, p.name  # GGUF dims are fastest-first
+        # the type asked for wherever whole blocks fit a row, Q8_0 elsewhere; norms F32
+        cols = p.shape[-1]
+        expect = "F32" if len(p.shape) == 1 else (qtype if cols % Q.block_size(qtype) == 0 else "Q8_0")
+        assert t.tensor_type.name == expect, p.name
+    assert got["blk.0.ffn_down.weight"].tensor_type.name == qtype  # the type is really used
+
+    from strata.gguf_loader import field_value
+    assert field_value(reader, "tokenizer.ggml.model") == "none"  # llama.cpp: dummy tokens
+    assert field_value(reader, "llama.vocab_size") == want.vocab_size
+    assert field_value(reader, "tokenizer.ggml.tokens") is None
+
+    args = model_args(str(out))  # Strata reads the shape back without a vocabulary
+    for f in ("arch", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+              "rope_theta", "rope_scaling", "max_seq_len", "tie_embeddings", "qkv_bias"):
+        assert getattr(args, f) == getattr(want, f), f
+    assert args.norm_eps == pytest.approx(want.norm_eps)
+    w = slice_tensors(str(out), args, 0, args.n_layers)  # and loads every tensor
+    for name, x in w.items():
+        assert bool(torch.isfinite(x).all()), name
+        if not name.endswith("norm"):
+            assert 5e-3 < float(x.std()) < 5e-2, name
+    raw = torch.from_numpy(np.array(got["blk.0.ffn_down.weight"].data).view(np.uint8))
+    if qtype in Q.SUPPORTED:  # Strata's torch path reads the same weights as its gguf-py path
+        assert Q.dequantize(raw, qtype).equal(w["layers.0.w_down"])
+
+
+def test_make_gguf_llama3_rope_freqs(tmp_path):
+    """A preset with Llama-3 rope scaling gets llama.cpp's rope_freqs tensor, which Strata decodes back."""
+    import dataclasses
+    from strata.model import PRESETS
+    from strata.weights import model_args
+    mg = _make_gguf()
+    scaling = PRESETS["llama-3-8b"].rope_scaling
+    want = dataclasses.replace(PRESETS["smoke"], n_layers=1, rope_theta=500000.0, rope_scaling=scaling)
+    out = tmp_path / "r.gguf"
+    mg.write(out, want, "Q8_0", seed=1)
+    assert model_args(str(out)).rope_scaling == scaling
+
+
+def test_make_gguf_70b_plan_size():
+    """The 70B plan: 80 layers of the right widths, about 3.4 bits per weight in IQ3_S (~28 GiB)."""
+    from strata.model import PRESETS
+    mg = _make_gguf()
+    args = PRESETS["llama-3-70b"]
+    planned = mg.plan(args, "IQ3_S")
+    assert len(planned) == 2 + 1 + 9 * 80 + 1  # embed, rope_freqs, layers, norm, head
+    weights = sum(int(np.prod(p.shape)) for p in planned)
+    assert 70.4e9 < weights < 70.7e9  # Llama-3-70B: 70.6 B parameters
+    size = sum(mg.nbytes(p) for p in planned)
+    assert 26 * 2**30 < size < 30 * 2**30, size / 2**30
