@@ -246,9 +246,13 @@ def tensor_facts(path: Path) -> dict[str, TensorFacts]:
 def quant_supported(qtype: str) -> bool:
     """strata.quant can dequantize this block type (asked with one zero block: the public contract only)."""
     import gguf
-    from .quant import dequantize
+
+    from . import quant
     if qtype in FLOAT_TYPES:
         return True
+    if hasattr(quant, "SUPPORTED"):
+        return qtype in quant.SUPPORTED
+    dequantize = quant.dequantize
     try:
         t = gguf.GGMLQuantizationType[qtype]
         bs, ts = gguf.GGML_QUANT_SIZES[t]
