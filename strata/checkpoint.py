@@ -107,6 +107,9 @@ def weights_mode(model: str, device_type: str, weights: str = "auto", args: Mode
     return "resident" if _has_quantized(model, args or model_args(model)) else "dequantized"
 
 
+_mode_of = weights_mode  # stage_bytes' parameter of that name shadows it
+
+
 def slice_tensors(model: str, args: ModelArgs, start: int, end: int, device="cpu", dtype=torch.float32,
                   seed: int = 0, weights: str = "dequantized") -> dict:
     """Canonical tensors for layers [start, end) (+ embedding / norm and head at the ends).
@@ -166,7 +169,7 @@ def _stored_types(model: str, args: ModelArgs, names: list[str]) -> dict[str, tu
     return out
 
 
-def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, weights_mode_: str = "auto",
+def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, weights_mode: str = "auto",
                 kv_dtype="auto", max_len: int = 0, device_type: str = "cpu") -> tuple[int, int, int]:
     """(weight_bytes, scratch_bytes, kv_bytes) a stage of layers [start, end) will hold, from headers only.
 
@@ -175,7 +178,7 @@ def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, w
     The loaded Transformer's weight_bytes / scratch_bytes / kv_bytes measure the same things."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     esize = torch.empty((), dtype=dtype).element_size()
-    mode = weights_mode(model_spec, device_type, weights_mode_, args)
+    mode = _mode_of(model_spec, device_type, weights_mode, args)
     names = wanted_names(args, start, end)
     stored = _stored_types(model_spec, args, names) if mode == "resident" else {n: None for n in names}
     sh = shapes(args)
