@@ -1,31 +1,19 @@
-"""GGUF model files (llama, qwen2): metadata to `ModelArgs`, and one layer range's tensors dequantized to HF layout."""
+"""GGUF model files (llama, qwen2): metadata to `ModelArgs`, and one layer range's tensors, dequantized or as stored blocks."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .model import ModelArgs, rope_frequencies
-from .weights import ModelError, wanted_names
+from .errors import ModelError
+from .model import ModelArgs, Quantized, rope_frequencies
+from .names import gguf_name, shapes, short, wanted_names
 
 SUPPORTED = ("llama", "qwen2")
-
-# canonical per-layer name -> GGUF per-layer name (blk.N.<name>.weight / .bias)
-_LAYER = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
-          "wv": "attn_v.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
-          "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight",
-          "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
-_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
-
-
-def gguf_name(canon: str) -> str:
-    """Canonical tensor name -> the name llama.cpp gives it in a GGUF file."""
-    if canon in _GLOBAL:
-        return _GLOBAL[canon]
-    _, i, short = canon.split(".")
-    return f"blk.{i}.{_LAYER[short]}"
+FLOAT_TYPES = ("F32", "F16", "BF16")  # held dense in the compute dtype in either load mode
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -56,7 +44,7 @@ def _open_cached(path: str, size: int, mtime_ns: int):
         raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {_one_line(e)})") from None
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise ModelError(f"{path}: truncated GGUF file: tensor {t.name} extends to byte "
+            raise ModelError(f"{path}: truncated GGUF file: tensor {t.name} ({t.tensor_type.name}) extends to byte "
                              f"{t.data_offset + t.n_bytes}, the file has {size}")
     return reader
 
@@ -221,32 +209,128 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int) -> dict[str, torch.Tensor]:
-    """Canonical float32 tensors of layers [start, end) (+ embedding / norm and head at the ends)."""
+@dataclass(frozen=True)
+class TensorFacts:
+    """What the file says about one tensor, read from its header only."""
+    name: str
+    qtype: str               # GGML type name
+    shape: tuple[int, ...]   # HF (numpy) dimension order
+    stored: int              # bytes between its offset and the next tensor's (or the file's end)
+
+    @property
+    def quantized(self) -> bool:
+        return self.qtype not in FLOAT_TYPES
+
+    def needed(self) -> int:
+        """Bytes its shape needs in its type (rows of whole blocks)."""
+        import gguf
+        bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.qtype]]
+        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        return rows * -(-self.shape[-1] // bs) * ts
+
+
+def tensor_facts(path: Path) -> dict[str, TensorFacts]:
+    """Every tensor's type, shape and the bytes the file holds for it, without reading any data."""
+    reader = open_gguf(path)
+    size = Path(path).stat().st_size
+    ts = sorted(reader.tensors, key=lambda t: t.data_offset)
+    out = {}
+    for j, t in enumerate(ts):
+        end = ts[j + 1].data_offset if j + 1 < len(ts) else size
+        out[t.name] = TensorFacts(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
+                                  int(end - t.data_offset))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def quant_supported(qtype: str) -> bool:
+    """strata.quant can dequantize this block type (asked with one zero block: the public contract only)."""
+    import gguf
+
+    from . import quant
+    if qtype in FLOAT_TYPES:
+        return True
+    if hasattr(quant, "SUPPORTED"):
+        return qtype in quant.SUPPORTED
+    dequantize = quant.dequantize
+    try:
+        t = gguf.GGMLQuantizationType[qtype]
+        bs, ts = gguf.GGML_QUANT_SIZES[t]
+        out = dequantize(torch.zeros(1, ts, dtype=torch.uint8), qtype)
+        return tuple(out.shape) == (1, bs)
+    except Exception:  # NotImplementedError, ValueError, a missing kernel: all mean "not supported"
+        return False
+
+
+def check_tensors(path: Path, args: ModelArgs, start: int, end: int) -> None:
+    """Refuse, in one line naming tensor, type and file, any tensor of [start, end) that is missing, of a
+    type strata.quant cannot dequantize, shaped unlike the metadata says, or shorter than its shape needs."""
+    facts = tensor_facts(path)
+    want = shapes(args)
+    for canon in wanted_names(args, start, end):
+        name = gguf_name(canon)
+        f = facts.get(name)
+        if f is None:
+            raise ModelError(f"{path}: tensor {name} missing from the file")
+        if not quant_supported(f.qtype):
+            raise ModelError(f"{path}: tensor {name} has type {f.qtype}, which strata.quant cannot dequantize")
+        if f.shape != want[short(canon)]:
+            raise ModelError(f"{path}: tensor {name} ({f.qtype}) has shape {f.shape}, the metadata implies {want[short(canon)]}")
+        import gguf
+        bs = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.qtype]][0]
+        if f.shape[-1] % bs:
+            raise ModelError(f"{path}: tensor {name} ({f.qtype}) has rows of {f.shape[-1]} values, "
+                             f"not whole blocks of {bs}")
+        if f.stored < f.needed():
+            raise ModelError(f"{path}: tensor {name} ({f.qtype}) holds {f.stored} bytes, its shape {f.shape} "
+                             f"needs {f.needed()}")
+
+
+def has_quantized(path: Path, args: ModelArgs, start: int = 0, end: int | None = None) -> bool:
+    facts = tensor_facts(path)
+    names = wanted_names(args, start, args.n_layers if end is None else end)
+    return any(facts[gguf_name(c)].quantized for c in names if gguf_name(c) in facts)
+
+
+def _unpermute_for(args: ModelArgs, s: str, w: torch.Tensor) -> torch.Tensor:
+    if args.arch == "llama" and s in ("wq", "bq"):
+        return _unpermute(w, args.n_heads)
+    if args.arch == "llama" and s in ("wk", "bk"):
+        return _unpermute(w, args.n_kv_heads)
+    return w
+
+
+def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, resident: bool = False) -> dict:
+    """Canonical tensors of layers [start, end) (+ embedding / norm and head at the ends).
+
+    Float32 tensors; with `resident`, quantized matrices stay `Quantized` blocks instead (llama's
+    q/k row un-permutation moves whole rows, so it applies to the block rows unchanged)."""
     if not 0 <= start < end <= args.n_layers:
         raise ModelError(f"layer range [{start}, {end}) is outside the model's {args.n_layers} layers")
     reader = open_gguf(path)
     tensors = _tensor_index(reader)
-    hd = args.head_dim
-    expect = {"embed": (args.vocab_size, args.dim), "head": (args.vocab_size, args.dim), "norm": (args.dim,),
-              "attn_norm": (args.dim,), "mlp_norm": (args.dim,), "wq": (args.n_heads * hd, args.dim),
-              "wk": (args.n_kv_heads * hd, args.dim), "wv": (args.n_kv_heads * hd, args.dim),
-              "wo": (args.dim, args.n_heads * hd), "w_gate": (args.ffn_dim, args.dim),
-              "w_up": (args.ffn_dim, args.dim), "w_down": (args.dim, args.ffn_dim),
-              "bq": (args.n_heads * hd,), "bk": (args.n_kv_heads * hd,), "bv": (args.n_kv_heads * hd,)}
-    out: dict[str, torch.Tensor] = {}
+    expect = shapes(args)
+    out: dict = {}
     for canon in wanted_names(args, start, end):
         name = gguf_name(canon)
         t = tensors.get(name)
         if t is None:
             raise ModelError(f"{path}: tensor {name} missing from the file")
+        s = short(canon)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if resident and t.tensor_type.name not in FLOAT_TYPES and len(shape) == 2:
+            if shape != expect[s]:
+                raise ModelError(f"{path}: tensor {name} has shape {shape}, the metadata implies {expect[s]}")
+            if not quant_supported(t.tensor_type.name):
+                raise ModelError(f"{path}: tensor {name} has type {t.tensor_type.name}, which strata.quant cannot dequantize")
+            blocks = np.asarray(t.data)
+            if blocks.dtype != np.uint8 or blocks.shape[0] != shape[0]:
+                raise ModelError(f"{path}: tensor {name} ({t.tensor_type.name}): unexpected block layout {blocks.shape}")
+            b = torch.from_numpy(np.array(blocks))  # copied out of the memory map
+            out[canon] = Quantized(_unpermute_for(args, s, b).contiguous(), t.tensor_type.name, shape[1])
+            continue
         w = torch.from_numpy(_dequantize(path, t))
-        short = canon.rsplit(".", 1)[-1]
-        if tuple(w.shape) != expect[short]:
-            raise ModelError(f"{path}: tensor {name} has shape {tuple(w.shape)}, the metadata implies {expect[short]}")
-        if args.arch == "llama" and short in ("wq", "bq"):
-            w = _unpermute(w, args.n_heads)
-        elif args.arch == "llama" and short in ("wk", "bk"):
-            w = _unpermute(w, args.n_kv_heads)
-        out[canon] = w.contiguous()
+        if tuple(w.shape) != expect[s]:
+            raise ModelError(f"{path}: tensor {name} has shape {tuple(w.shape)}, the metadata implies {expect[s]}")
+        out[canon] = _unpermute_for(args, s, w).contiguous()
     return out

