@@ -74,14 +74,14 @@ def nbytes(t: Planned) -> int:
     return rows * (cols // block_size(t.qtype)) * type_size(t.qtype)
 
 
-def tensor_data(t: Planned, args: ModelArgs, g: torch.Generator) -> np.ndarray:
+def tensor_data(t: Planned, args: ModelArgs, g: torch.Generator, device: str = "cpu") -> np.ndarray:
     """The bytes of one tensor, as uint8 numpy (what GGUFWriter writes)."""
     if t.name == "rope_freqs.weight":
         base = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
         return (base / rope_frequencies(args).double()).float().numpy().view(np.uint8)
     if len(t.shape) == 1:  # a norm: near 1, as in a trained model
         return (1.0 + 0.02 * torch.randn(t.shape, generator=g)).numpy().view(np.uint8)
-    return random_blocks(t.qtype, *t.shape, generator=g, device="cpu").numpy()
+    return random_blocks(t.qtype, *t.shape, generator=g, device=device).cpu().numpy()
 
 
 def _file_type(qtype: str) -> int | None:
@@ -92,8 +92,10 @@ def _file_type(qtype: str) -> int | None:
     return None
 
 
-def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "random", progress: bool = False) -> int:
-    """Write the file; returns its size in bytes."""
+def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "random", progress: bool = False,
+          device: str = "cpu") -> int:
+    """Write the file; returns its size in bytes. `device` makes the random blocks there (a GPU makes a 28 GiB
+    file in the time the disk takes; the bytes differ from the CPU's, each device is reproducible)."""
     qtype = qtype_of(qtype).name
     tensors = plan(args, qtype)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -126,8 +128,8 @@ def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "r
     total, t0 = sum(nbytes(t) for t in tensors), time.monotonic()
     done = 0
     for i, t in enumerate(tensors):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + i)  # per tensor: any one is reproducible alone
-        data = tensor_data(t, args, g)
+        g = torch.Generator(device if len(t.shape) == 2 else "cpu").manual_seed(seed * 1_000_003 + i)  # per tensor
+        data = tensor_data(t, args, g, device)
         assert data.nbytes == nbytes(t), (t.name, data.nbytes, nbytes(t))
         w.write_tensor_data(data)
         done += data.nbytes
@@ -146,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--qtype", default="Q4_K", help="GGUF type of the weight matrices (e.g. Q4_K, IQ3_S)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the random blocks are made (cuda: much faster)")
     ap.add_argument("--layers", type=int, help="override the preset's layer count (a smaller file of the same widths)")
     a = ap.parse_args(argv)
     args = PRESETS[a.preset]
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
         block_size(q)
     except (ValueError, KeyError) as e:
         ap.error(str(e))
-    size = write(a.out, args, q, a.seed, name=a.preset, progress=True)
+    size = write(a.out, args, q, a.seed, name=a.preset, progress=True, device=a.device)
     print(f"{a.out}: {a.preset} ({args.n_layers} layers) in {q}, {size / 2**30:.2f} GiB")
     return 0
 

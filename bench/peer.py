@@ -90,7 +90,8 @@ def main() -> int:
     if any(x in arms for x in ("llama", "d1", "d0")) and not gguf.exists():
         t = time.perf_counter()
         subprocess.run([sys.executable, str(ROOT / "bench" / "make_gguf.py"), "--preset", a.preset, "--qtype", a.qtype,
-                        "--out", str(gguf), "--seed", "0"], check=True)
+                        "--out", str(gguf), "--seed", "0",
+                        "--device", devices[0].split(":")[0]], check=True)
         print(f"wrote {gguf} ({gguf.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s", flush=True)
     root = Path(tempfile.mkdtemp(prefix="strata-peer-"))
     res: dict = {"preset": a.preset, "qtype": a.qtype, "devices": devices, "tokens": a.tokens, "chunk": a.chunk,
