@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +88,6 @@ class RigConfig:
     heartbeat_timeout_s: float = 10.0       # a remote stage silent this long fails the run (naming host and
                                             # stage); a remote stage exits when the head is silent this long
     debug: DebugSpec = field(default_factory=DebugSpec)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 _TOP = {f.name for f in fields(RigConfig)}

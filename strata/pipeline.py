@@ -561,12 +561,8 @@ class Pipeline:
             self._last_logits = self._result_buf.numpy().copy()
             self._send(len(self.stages) - 1, "taken", k=msg["k"])
             self._got += 1
-            self._on_result(msg)
         elif msg["t"] == "stats":
             self.stages[msg["stage"]].stats[msg["phase"]] = msg
-
-    def _on_result(self, msg):
-        pass
 
     def finish(self) -> None:
         """Wait until every chunk sent has come out of the last stage, or a failure is known.

@@ -75,7 +75,7 @@ def auto_stages(n_cores: int | None = None) -> tuple[StageSpec, ...]:
 
 
 def assign_cores(stages: tuple[StageSpec, ...]) -> list[tuple[int, ...]]:
-    """Give each CPU stage its own cores (two stages on the same cores fight; performance.md)."""
+    """Give each CPU stage its own cores (two stages on the same cores fight over them and both slow down)."""
     avail = sorted(os.sched_getaffinity(0))
     cpu_idx = [i for i, s in enumerate(stages) if s.device == "cpu" and not s.remote]  # remote: not our cores
     out: list[tuple[int, ...]] = [() for _ in stages]

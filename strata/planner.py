@@ -152,20 +152,6 @@ def head_flops(args: ModelArgs, tokens: int) -> float:
     return 2.0 * args.vocab_size * args.dim * tokens
 
 
-def chunk_flops(args: ModelArgs, pos: int, n: int) -> tuple[float, float]:
-    """(linear, attention) FLOPs of one layer on a chunk of n rows at position pos (as chunk_schedule)."""
-    return 2.0 * args.layer_param_count() * n, 4.0 * args.n_heads * args.head_dim * n * (pos + n / 2)
-
-
-def stage_cost(args: ModelArgs, start: int, end: int, tokens: int, with_head: bool = True) -> float:
-    """FLOPs a stage spends on the whole prompt (linear layers + causal attention + head)."""
-    lin, att = layer_flops(args, tokens)
-    flops = (end - start) * (lin + att)
-    if end == args.n_layers and with_head:
-        flops += head_flops(args, tokens)
-    return float(flops)
-
-
 def stage_time(args: ModelArgs, n: int, last: bool, speed: "Speed | float", tokens: int,
                with_head: bool = True) -> float:
     """Predicted time of a stage holding n layers (seconds when speed is in FLOP/s)."""
