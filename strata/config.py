@@ -363,6 +363,18 @@ def _check_remote(cfg: RigConfig) -> None:
                           f"stages differ ({who}): calibration measures this machine only")
 
 
+def check_run_dir(path: Path) -> None:
+    """The run directory must be creatable and writable: refused here, before any stage starts and
+    dies trying to open its log there. Creates the directory (the run would anyway)."""
+    probe = path / f".strata-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"out: {str(path)!r} cannot be the run directory: {e.strerror or e}") from None
+
+
 def check_device(dev: str, name: str) -> None:
     if dev == "cpu":
         return

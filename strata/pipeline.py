@@ -34,7 +34,7 @@ import torch
 import zmq
 
 from . import messages as M
-from .config import PromptSpec, RigConfig, from_dict
+from .config import PromptSpec, RigConfig, check_run_dir, from_dict
 from .errors import ConfigError, PipelineError
 from .plan import Plan, build_plan
 
@@ -182,6 +182,7 @@ class Pipeline:
         self.plan: Plan = build_plan(self.cfg)
         check_model_files(self.cfg.model)
         self.out = Path(out or self.cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        check_run_dir(self.out)
         self.console = console
         self.run_id = f"{os.getpid():x}{int(time.time() * 1000) % 0xFFFFFF:x}"
         self._res = _Resources()

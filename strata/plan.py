@@ -109,7 +109,7 @@ def load_prompt(cfg: RigConfig, args: ModelArgs) -> np.ndarray:
         if p.text is not None:
             text = p.text
         elif p.file is not None:
-            text = Path(p.file).read_text(errors="replace")
+            text = read_text_file(p.file)
         else:
             text = stdlib_source(p.stdlib)
         ids = np.array(Tokenizer.for_model(cfg.model).encode(text), dtype=np.int64)
@@ -118,6 +118,21 @@ def load_prompt(cfg: RigConfig, args: ModelArgs) -> np.ndarray:
     if ids.size == 0:
         raise ConfigError("prompt: empty after tokenization")
     return ids.astype(np.int32)
+
+
+def read_text_file(path: str) -> str:
+    """A prompt file: UTF-8 text, else refused naming the first offending byte (a binary file would
+    otherwise be tokenized as garbage)."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"prompt.file {path!r}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") \
+            from None
+    nul = text.find("\0")
+    if nul >= 0:
+        raise ConfigError(f"prompt.file {path!r}: not text (a NUL byte at offset {len(text[:nul].encode())})")
+    return text
 
 
 def stdlib_source(module: str) -> str:
