@@ -119,7 +119,8 @@ def decode(frame: bytes) -> dict:
 _NONE = type(None)
 _SCALAR = (int, float, str, bool, _NONE)
 SPEC: dict[str, tuple] = {
-    "index": (int,), "n_stages": (int,), "device": (str,), "dtype": (str,), "threads": (int, _NONE),
+    "index": (int,), "n_stages": (int,), "device": (str,), "dtype": (str,), "attention": (str,), "weights": (str,),
+    "kv_dtype": (str,), "threads": (int, _NONE),
     "cores": (list,), "start": (int,), "end": (int,), "model": (str,), "args": (dict,), "seed": (int,),
     "max_len": (int,), "tokens": (int,), "max_chunk": (int,), "depth": (int,), "perplexity": (bool,),
     "segments": (dict,), "endpoints": (list,), "head_endpoint": (str,), "log_file": (str,),
@@ -166,11 +167,12 @@ def validate_spec(spec) -> dict:
         raise BadMessage("spec: stage index or layer range out of range")
     if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)):
         raise BadMessage("spec: tokens, max_len, max_chunk or depth out of range")
-    if s["dtype"] not in ("float32", "bfloat16", "float16"):
-        raise BadMessage(f"spec.dtype: {s['dtype']!r}")
-    dev = s["device"]
-    if not (dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise BadMessage(f"spec.device: {dev!r}")
+    from .config import ATTENTION, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
+    for name, choices in (("dtype", DTYPES), ("attention", ATTENTION), ("weights", WEIGHTS), ("kv_dtype", KV_DTYPES)):
+        if s[name] not in choices:
+            raise BadMessage(f"spec.{name}: {s[name]!r}")
+    if not device_syntax_ok(s["device"]):
+        raise BadMessage(f"spec.device: {s['device']!r}")
     if not all(type(c) is int and c >= 0 for c in s["cores"]) or (s["threads"] is not None and s["threads"] <= 0):
         raise BadMessage("spec: bad cores or threads")
     if not net["remote"] or s["segments"] or s["endpoints"] or s["log_file"]:

@@ -283,7 +283,8 @@ class Pipeline:
         ctx = mp.get_context("spawn")  # not fork: CUDA cannot survive a fork
         args_dict = {f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__}
         for sp in plan.stages:
-            spec = dict(index=sp.index, n_stages=n, device=sp.device, dtype=cfg.dtype, threads=sp.threads,
+            spec = dict(index=sp.index, n_stages=n, device=sp.device, dtype=cfg.dtype, attention=cfg.attention,
+                        weights=cfg.weights, kv_dtype=cfg.kv_dtype, threads=sp.threads,
                         cores=list(sp.cores), start=sp.start, end=sp.end, model=cfg.model, args=args_dict,
                         seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk,
                         depth=cfg.depth, perplexity=cfg.perplexity, segments=segs, endpoints=endpoints,

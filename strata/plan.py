@@ -196,7 +196,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     host = [s.device == "cpu" for s in stages]
     labels = [s.device + (f", {s.threads} thread{'s' if s.threads != 1 else ''}" if s.threads else "")
               for s in stages]
-    kw = dict(with_head=cfg.perplexity, labels=labels, cap_notes=facts.cap_notes)
+    kw = dict(with_head=cfg.perplexity, labels=labels, cap_notes=facts.cap_notes, attention=cfg.attention)
     if auto:
         try:
             split = plan_split(args, n, facts.speeds, facts.caps, kv_tokens, max_chunk, cfg.dtype, host,
@@ -212,7 +212,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         err = check_split(args, split, facts.caps, kv_tokens, max_chunk, cfg.dtype, host, **kw)
         if err:
             raise ConfigError(err)
-    needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity)
+    needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention)
     cpu = [i for i in range(n) if host[i] and not stages[i].remote]
     # CPU stages share this host: checked together, unless every one of them gives its own `memory:`
     # (a remote stage's memory is its own host's)

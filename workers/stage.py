@@ -118,7 +118,10 @@ class Stage:
                 os.sched_setaffinity(0, spec["cores"])
 
         # -- model slice, built on the meta device then filled with just this slice's weights
+        import strata.model
         from strata.model import ModelArgs
+        if spec["attention"] != "auto":  # the rig's choice (the planner sized activations for the same path)
+            strata.model.CUDA_ATTENTION = spec["attention"]
         args = ModelArgs(**spec["args"])
         self.args = args
         with torch.device("meta"):
