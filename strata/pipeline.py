@@ -116,7 +116,7 @@ class StageInfo:
     kv_bytes: int = 0
     pinned: bool = False
     load_s: float = 0.0
-    chunk: int = -1            # the chunk it last started
+    chunk: int = -1            # the chunk it last said it started, this phase ("working"; a typed failure's)
     stats: dict = field(default_factory=dict)
 
 
@@ -456,10 +456,17 @@ class Pipeline:
             raise Interrupted(self._signals[-1])
 
     # -- messages ----------------------------------------------------------------------------
+    def _chunk_of(self, i: int) -> int:
+        """The chunk stage i is on, by what the head knows itself as well as by the stage's notes: chunks
+        leave the pipeline in order, so every stage has started the oldest chunk the head sent and has not
+        got back (or waits for it). A note lost with a killed stage cannot make the head name an older one."""
+        oldest_in_flight = self._got if self._got < self._sent else -1
+        return max(self.stages[i].chunk, oldest_in_flight)
+
     def _who(self, i: int) -> str:
         st = self.stages[i]
         where = f"{st.device} on {st.host}" if st.host else st.device
-        return f"stage {i} ({where}, pid {st.pid}, chunk {st.chunk})"
+        return f"stage {i} ({where}, pid {st.pid}, chunk {self._chunk_of(i)})"
 
     def where(self) -> str:
         """Every stage with its device, pid and the chunk it last started."""
@@ -598,6 +605,7 @@ class Pipeline:
         self._sent = self._got = 0
         for st in self.stages:  # a second prefill must wait for fresh timing, not find the last one's
             st.stats.pop(phase, None)
+            st.chunk = -1       # notes of the last phase name none of this phase's chunks
         t0 = time.perf_counter()
         window = n + 1  # enough to keep stage 0 busy; bounds what Ctrl-C must wait for
         try:

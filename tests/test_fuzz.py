@@ -239,9 +239,14 @@ def _sender(ctx, endpoint: str):
     return s
 
 
-def _fuzzed_prefill(p):
-    time.sleep(0.5)  # let the idle stages drain their inboxes
-    assert all(pr.is_alive() for pr in p._res.procs), "a stage died of garbage"
+def _fuzzed_prefill(p, expect: dict[int, int]):
+    """Once each idle stage says (in its log) it has rejected all the garbage sent to it, prefill."""
+    deadline = time.monotonic() + 60
+    for i, n in expect.items():
+        while f"inbox idle: {n} frame(s) rejected so far" not in (p.out / f"stage-{i}.log").read_text():
+            assert all(pr.is_alive() for pr in p._res.procs), "a stage died of garbage"
+            assert time.monotonic() < deadline, f"stage {i} never reported {n} rejected frames"
+            time.sleep(0.02)
     return p.prefill()
 
 
@@ -282,7 +287,7 @@ def test_fuzz_running_stages_and_head(tmp_path, guard):
             socks.append(_sender(ctx, f"ipc://{ipc}/s1"))
             socks[-1].send(b"\x81" * (M.MAX_FRAME + 1))
             socks[-1].send(b"\0" * (4 * M.MAX_FRAME))
-            fuzzed = _fuzzed_prefill(p)
+            fuzzed = _fuzzed_prefill(p, {0: len(to_stage[0]), 1: len(to_stage[1]) + 3 * len(multipart)})
         finally:
             for s in socks:
                 s.close(linger=0)

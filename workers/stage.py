@@ -106,7 +106,7 @@ class Stage:
         self.device = torch.device(spec["device"])
         self.dtype = getattr(torch, spec["dtype"])
         self.current_chunk = -1
-        self.bad_frames = 0
+        self.bad_frames = self.bad_frames_logged = 0
         t_load = time.perf_counter()
 
         if self.device.type == "cuda":
@@ -289,14 +289,16 @@ class Stage:
                 sock.connect(ep)
         self.linked = True
 
-    def pump(self, timeout_ms: int) -> None:
-        """Receive and dispatch whatever arrives within timeout_ms. Garbage is counted and dropped."""
+    def pump(self, timeout_ms: int) -> bool:
+        """Receive and dispatch whatever arrives within timeout_ms (False: nothing did). Garbage is
+        counted and dropped."""
         if not self.poller.poll(timeout_ms):
-            return
+            return False
         for sock in self.inboxes:
             self._drain(sock)
         if self.gate is not None and self.gate.drain():  # refused handshakes on the tcp inbox
             self.send(self.to_head, "rejected", stage=self.i, count=self.gate.count, detail=self.gate.last[:500])
+        return True
 
     def _drain(self, sock) -> None:
         across = sock is self.tcp_inbox  # a note may come with its rows: one multipart message
@@ -326,7 +328,10 @@ class Stage:
         while not cond():
             if self.stopping:
                 raise SystemExit(0)
-            self.pump(100)
+            if not self.pump(100) and self.bad_frames != self.bad_frames_logged:
+                # idle after garbage: one line with the running count (a flood is not one line per frame)
+                self.bad_frames_logged = self.bad_frames
+                self.log.info("inbox idle: %d frame(s) rejected so far", self.bad_frames)
         return time.perf_counter() - t
 
     # -- timing ---------------------------------------------------------------------------------
@@ -449,6 +454,8 @@ class Stage:
                 if front["t0"] != self.phase_t0:  # the first chunk of a new phase
                     self.phase_t0 = front["t0"]
                     self._reset_stats(front["phase"], self.phase_t0 - self.clock_offset)
+                    if front["phase"] == "prefill":  # tests (and people) wait on this line, not on a sleep
+                        self.log.info("prefill: started (chunk %d)", front["k"])
                 if self.nchunks:  # before the first chunk a stage waits for the pipeline to fill
                     self.input_wait_s += time.perf_counter() - t
                 else:
