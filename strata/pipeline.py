@@ -217,7 +217,7 @@ class Pipeline:
             return
 
         from . import shm
-        from workers.stage import run_stage_process
+        from workers.bootstrap import run_stage_process
 
         plan, cfg = self.plan, self.cfg
         shm.sweep_dead()
