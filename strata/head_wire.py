@@ -12,8 +12,8 @@ import zmq
 
 from . import messages as M
 
-HEAD_ACCEPTS = ("ready", "working", "result", "stats", "fail")
-NET_ACCEPTS = ("bound", "rejected")  # only while a stage is remote
+HEAD_ACCEPTS = (M.Ready, M.Working, M.ChunkResult, M.Stats, M.Fail)
+NET_ACCEPTS = (M.Bound, M.Rejected)  # only while a stage is remote
 log = logging.getLogger("strata.pipeline")
 
 
@@ -46,7 +46,7 @@ class HeadWire:
         self.push: list[zmq.Socket] = []
         self.remote = None                   # strata.remote.RemoteStages when a stage is remote
         self.accepts = HEAD_ACCEPTS
-        self.handlers: dict[str, Callable[[dict], None]] = {}  # type -> the head's handler
+        self.handlers: dict[type, Callable] = {}  # message type -> the head's handler (msg, data frame or None)
         self.land_result: Callable | None = None  # a remote last stage: lands the logits row sent with "result"
         self.bad_frames = 0                  # frames rejected (garbled, unknown, out of range)
 
@@ -66,18 +66,18 @@ class HeadWire:
             self.push.append(s)
 
     # -- out ----------------------------------------------------------------------------------------
-    def send(self, i: int, type_: str, **fields) -> None:
-        self.push[i].send(M.encode(type_, **fields))
+    def send(self, i: int, msg: M.Message) -> None:
+        self.push[i].send(M.encode(msg))
 
-    def broadcast(self, type_: str, **fields) -> None:
+    def broadcast(self, msg: M.Message) -> None:
         for i in range(len(self.push)):
-            self.send(i, type_, **fields)
+            self.send(i, msg)
 
     def stop_all(self) -> None:
         """Tell every stage to stop; a dead peer cannot be told, and that is fine."""
         for s in self.push:
             try:
-                s.send(M.encode("stop"), flags=zmq.NOBLOCK)
+                s.send(M.encode(M.Stop()), flags=zmq.NOBLOCK)
             except Exception:  # noqa: BLE001
                 pass
 
@@ -92,7 +92,7 @@ class HeadWire:
             poller.register(s, zmq.POLLIN)
         return {s for s, _ in poller.poll(timeout_ms) if not isinstance(s, zmq.Socket)}
 
-    def take_all(self, only: tuple[str, ...] | None = None) -> None:
+    def take_all(self, only: tuple[type, ...] | None = None) -> None:
         """Accept every frame waiting (ipc, then tcp); `only`: handle just these types (the rest is read
         and dropped uncounted: a failure is being collected)."""
         while True:
@@ -108,28 +108,29 @@ class HeadWire:
                 break
             self.accept(parts[0].bytes, parts[1:], only=only)
 
-    def drain(self, ms: int, only: tuple[str, ...]) -> None:
+    def drain(self, ms: int, only: tuple[type, ...]) -> None:
         """A stage has died: its typed failure (and its last working note) may still be in flight."""
         if self.pull.poll(ms, zmq.POLLIN):
             self.take_all(only)
 
-    def accept(self, frame: bytes, data: list = (), only: tuple[str, ...] | None = None) -> None:
+    def accept(self, frame: bytes, data: list = (), only: tuple[type, ...] | None = None) -> None:
         """One frame: decoded and checked, then handled by its type's handler. Anything malformed, of a type
         the head does not take, naming a stage or chunk that does not exist, or (over tcp) with the wrong
         data frames is counted, logged and dropped, never acted on."""
         try:
             msg = M.decode(frame)
-            t = msg["t"]
+            t = type(msg)
             if t not in self.accepts:
-                raise M.BadMessage(f"{t}: not a message the head accepts")
-            if "stage" in msg and not 0 <= msg["stage"] < self.n:
-                raise M.BadMessage(f"{t}: no stage {msg['stage']}")
+                raise M.BadMessage(f"{msg.TYPE}: not a message the head accepts")
+            stage = getattr(msg, "stage", None)
+            if stage is not None and not 0 <= stage < self.n:
+                raise M.BadMessage(f"{msg.TYPE}: no stage {stage}")
             if only is not None and t not in only:
                 return
-            with_rows = t == "result" and self.land_result is not None
+            with_rows = t is M.ChunkResult and self.land_result is not None
             if len(data) != with_rows:
-                raise M.BadMessage(f"{t}: {len(data)} data frame(s)")
-            self.handlers[t](msg, data[0] if with_rows and data else None)
+                raise M.BadMessage(f"{msg.TYPE}: {len(data)} data frame(s)")
+            self.handlers[t](msg, data[0] if with_rows else None)
         except M.BadMessage as e:
             self.bad_frames += 1
             if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:

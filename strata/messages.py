@@ -14,6 +14,9 @@ A remote stage gets its spec from the head as one msgpack frame too (`encode_spe
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import ClassVar, get_type_hints
+
 import msgpack
 
 VERSION = 1
@@ -26,56 +29,168 @@ class BadMessage(ValueError):
 
 _num = (int, float)
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1  # every integer field fits an int64
-# type -> {field: allowed python types}. Every field is required; extra fields are refused.
-SCHEMA: dict[str, dict[str, tuple]] = {
-    # upstream -> stage: chunk k (pos, n) is in the input buffer (stage 0: in the ids segment).
-    # t0 is the head's clock when the phase began; it rides with the chunk so that a stage learns
-    # of a new phase in stream order (a separate note from the head could overtake or trail it)
-    "chunk": {"k": (int,), "pos": (int,), "n": (int,), "phase": (str,), "t0": _num},
-    # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
-    "taken": {"k": (int,)},
-    # stage -> upstream (depth 0): chunk k has gone through the whole rest of the pipeline
-    "done": {"k": (int,)},
-    # last stage -> head: chunk k finished; last-row logits are in the result buffer
-    "result": {"k": (int,), "nll": _num, "count": (int,), "argmax": (int,)},
-    # stage -> head: started work on chunk k (progress display)
-    "working": {"stage": (int,), "k": (int,)},
-    # head -> stage: the phase is over; report timing
-    "end": {"phase": (str,)},
-    # stage -> head: per-phase timing and events
-    "stats": {"stage": (int,), "phase": (str,), "wall_s": _num, "work_s": _num, "handoff_wait_s": _num,
-              "input_wait_s": _num, "copy_s": _num, "events": (list,), "chunks": (int,), "bad_frames": (int,)},
-    # stage -> head: loaded and mapped; ready to serve
-    "ready": {"stage": (int,), "pid": (int,), "device": (str,), "layers": (list,), "mem_bytes": (int,),
-              "kv_bytes": (int,), "pinned": (bool,), "load_s": _num},
-    # stage -> head: a typed failure, sent before the stage exits
-    "fail": {"stage": (int,), "pid": (int,), "device": (str,), "chunk": (int,), "error": (str,),
-             "message": (str,), "traceback": (str,)},
-    # head -> stage: exit now
-    "stop": {},
-    # -- across hosts (strata/net.py); only a run with a remote stage sends or accepts these ------------
-    # remote stage -> head (control socket): give me my spec; `clock` is its perf_counter when sent
-    "join": {"pid": (int,), "host": (str,), "boot_id": (str,), "clock": _num},
-    # head <-> remote stage (control socket): still here
-    "hb": {"stage": (int,)},
-    # stage -> head: its tcp inbox (a neighbour is on another host, or it is remote itself)
-    "bound": {"stage": (int,), "endpoint": (str,)},
-    # head -> stage: the tcp inboxes and CURVE public keys of its neighbours ("" = not over tcp)
-    "peers": {"up": (str,), "up_key": (str,), "down": (str,), "down_key": (str,)},
-    # head -> remote stage 0 (decode): the token at `pos` (the ids segment is not shared across hosts)
-    "token": {"pos": (int,), "id": (int,)},
-    # stage -> head: its tcp sockets refused `count` handshakes so far (no key, wrong key); the latest why
-    "rejected": {"stage": (int,), "count": (int,), "detail": (str,)},
-}
+PHASES = ("prefill", "decode")
 
 
-def encode(type_: str, **fields) -> bytes:
-    msg = {"v": VERSION, "t": type_, **fields}
-    validate(msg)
-    return msgpack.packb(msg, use_bin_type=True)
+class Message:
+    """A wire message: a frozen dataclass whose fields are the map's keys (besides "v" and "t")."""
+    TYPE: ClassVar[str]
+
+
+def _message(type_: str):
+    def wrap(cls):
+        cls.TYPE = type_
+        return dataclass(frozen=True)(cls)
+    return wrap
+
+
+# upstream -> stage: chunk k (pos, n) is in the input buffer (stage 0: in the ids segment).
+# t0 is the head's clock when the phase began; it rides with the chunk so that a stage learns
+# of a new phase in stream order (a separate note from the head could overtake or trail it)
+@_message("chunk")
+class Chunk(Message):
+    k: int
+    pos: int
+    n: int
+    phase: str
+    t0: float
+
+
+@_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
+class Taken(Message):
+    k: int
+
+
+@_message("done")    # stage -> upstream (depth 0): chunk k has gone through the whole rest of the pipeline
+class Done(Message):
+    k: int
+
+
+@_message("result")  # last stage -> head: chunk k finished; last-row logits are in the result buffer
+class ChunkResult(Message):
+    k: int
+    nll: float
+    count: int
+    argmax: int
+
+
+@_message("working")  # stage -> head: started work on chunk k (progress display)
+class Working(Message):
+    stage: int
+    k: int
+
+
+@_message("end")     # head -> stage: the phase is over; report timing
+class End(Message):
+    phase: str
+
+
+@_message("stats")   # stage -> head: per-phase timing and events
+class Stats(Message):
+    stage: int
+    phase: str
+    wall_s: float
+    work_s: float
+    handoff_wait_s: float
+    input_wait_s: float
+    copy_s: float
+    events: list
+    chunks: int
+    bad_frames: int
+
+
+@_message("ready")   # stage -> head: loaded and mapped; ready to serve
+class Ready(Message):
+    stage: int
+    pid: int
+    device: str
+    layers: list
+    mem_bytes: int
+    kv_bytes: int
+    pinned: bool
+    load_s: float
+
+
+@_message("fail")    # stage -> head: a typed failure, sent before the stage exits
+class Fail(Message):
+    stage: int
+    pid: int
+    device: str
+    chunk: int
+    error: str
+    message: str
+    traceback: str
+
+
+@_message("stop")    # head -> stage: exit now
+class Stop(Message):
+    pass
+
+
+# -- across hosts (strata/net.py); only a run with a remote stage sends or accepts these ------------
+@_message("join")    # remote stage -> head (control socket): give me my spec; `clock`: its perf_counter when sent
+class Join(Message):
+    pid: int
+    host: str
+    boot_id: str
+    clock: float
+
+
+@_message("hb")      # head <-> remote stage (control socket): still here
+class Heartbeat(Message):
+    stage: int
+
+
+@_message("bound")   # stage -> head: its tcp inbox (a neighbour is on another host, or it is remote itself)
+class Bound(Message):
+    stage: int
+    endpoint: str
+
+
+@_message("peers")   # head -> stage: the tcp inboxes and CURVE public keys of its neighbours ("" = not over tcp)
+class Peers(Message):
+    up: str
+    up_key: str
+    down: str
+    down_key: str
+
+
+@_message("token")   # head -> remote stage 0 (decode): the token at `pos` (the ids segment is not shared across hosts)
+class Token(Message):
+    pos: int
+    id: int
+
+
+@_message("rejected")  # stage -> head: its tcp sockets refused `count` handshakes so far; the latest why
+class Rejected(Message):
+    stage: int
+    count: int
+    detail: str
+
+
+MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Chunk, Taken, Done, ChunkResult, Working, End, Stats, Ready,
+                                                        Fail, Stop, Join, Heartbeat, Bound, Peers, Token, Rejected)}
+_KINDS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), list: (list,)}
+# type -> {field: allowed python types}, derived from the dataclasses. Every field is required; extra ones refused.
+SCHEMA: dict[str, dict[str, tuple]] = {t: {f.name: _KINDS[get_type_hints(c)[f.name]] for f in fields(c)}
+                                       for t, c in MESSAGES.items()}
+
+
+def encode(msg: Message) -> bytes:
+    """A typed message -> one msgpack frame (checked as the receiver will check it)."""
+    m = {"v": VERSION, "t": msg.TYPE, **{f.name: getattr(msg, f.name) for f in fields(msg)}}
+    validate(m)
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def as_map(msg: Message) -> dict:
+    """What `encode` puts on the wire, as a map (for tests and logs)."""
+    return {"v": VERSION, "t": msg.TYPE, **{f.name: getattr(msg, f.name) for f in fields(msg)}}
 
 
 def validate(msg) -> dict:
+    """A decoded map: version, a known type, exactly its fields with their types, integers in int64,
+    chunk indices >= 0 and phases known. Raises BadMessage."""
     if not isinstance(msg, dict):
         raise BadMessage(f"not a map: {type(msg).__name__}")
     v = msg.get("v")
@@ -98,6 +213,10 @@ def validate(msg) -> dict:
             raise BadMessage(f"{t}.{name}: bad type {type(v).__name__}")
         if isinstance(v, int) and not isinstance(v, bool) and not _INT_MIN <= v <= _INT_MAX:
             raise BadMessage(f"{t}.{name}: integer out of range")
+    if t in ("chunk", "taken", "done", "result", "working") and msg["k"] < 0:
+        raise BadMessage(f"{t}: negative chunk index {msg['k']}")
+    if t in ("chunk", "end", "stats") and msg["phase"] not in PHASES:
+        raise BadMessage(f"{t}: unknown phase {msg['phase']!r}")
     return msg
 
 
@@ -111,8 +230,10 @@ def _unpack(frame: bytes, limit: int, what: str):
         raise BadMessage(f"undecodable {what} ({type(e).__name__})") from None
 
 
-def decode(frame: bytes) -> dict:
-    return validate(_unpack(frame, MAX_FRAME, "frame"))
+def decode(frame: bytes) -> Message:
+    """One frame -> its typed message, or BadMessage."""
+    m = validate(_unpack(frame, MAX_FRAME, "frame"))
+    return MESSAGES[m["t"]](**{k: v for k, v in m.items() if k not in ("v", "t")})
 
 
 # -- a remote stage's spec (the head's join reply) -----------------------------------------------------

@@ -114,7 +114,7 @@ class Pipeline:
         self._signals: list[int] = []  # filled by `interrupt` (signal handlers), read at safe points
         self._signals_seen = 0
         self._sent = self._got = 0     # chunks of the current phase sent to stage 0 / back from the last
-        self._results: dict[int, dict] = {}
+        self._results: dict[int, M.ChunkResult] = {}
         self._last_logits = None
         self._ready: set[int] = set()
         self._wire: HeadWire | None = None
@@ -146,9 +146,9 @@ class Pipeline:
             from .remote import RemoteStages
             self._remote = RemoteStages(self._res, self.cfg, self.plan, remote, across)
         self._wire.connect(self._remote)
-        self._wire.handlers = {"ready": self._on_ready, "bound": self._on_bound, "working": self._on_working,
-                               "result": self._on_result, "stats": self._on_stats, "fail": self._on_fail,
-                               "rejected": self._on_rejected}
+        self._wire.handlers = {M.Ready: self._on_ready, M.Bound: self._on_bound, M.Working: self._on_working,
+                               M.ChunkResult: self._on_result, M.Stats: self._on_stats, M.Fail: self._on_fail,
+                               M.Rejected: self._on_rejected}
         self._result_row = self._result_buffer(remote[-1])
         for sp in self.plan.stages:
             self.stages[sp.index].pid = self._launch(sp, self._spec(sp))
@@ -207,7 +207,7 @@ class Pipeline:
         except LookupError as e:
             self._fail(f"{self._who(e.args[0])} is ready but never said where it listens")
         for i, p in peers.items():
-            self._wire.send(i, "peers", **p)
+            self._wire.send(i, M.Peers(**p))
         self._remote.write_net_json(self.out / "net.json", self.boundaries)
 
     @property
@@ -276,7 +276,7 @@ class Pipeline:
                 p.join(0.1)
                 if p.exitcode is None:
                     continue
-                self._wire.drain(500, only=("fail", "working"))  # its typed failure may still be in flight
+                self._wire.drain(500, only=(M.Fail, M.Working))  # its typed failure may still be in flight
                 code = p.exitcode
                 how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 self._fail(f"{self._who(i)} {how}")
@@ -290,38 +290,38 @@ class Pipeline:
                 self._fail(why if i is None else f"{self._who(i)} {why}")
 
     # -- the head's handlers: one per message type it accepts ------------------------------------
-    def _on_ready(self, msg: dict, data) -> None:
-        st = self.stages[msg["stage"]]
-        st.mem_bytes, st.kv_bytes, st.pinned, st.load_s = msg["mem_bytes"], msg["kv_bytes"], msg["pinned"], msg["load_s"]
-        self._ready.add(msg["stage"])
+    def _on_ready(self, msg: M.Ready, data) -> None:
+        st = self.stages[msg.stage]
+        st.mem_bytes, st.kv_bytes, st.pinned, st.load_s = msg.mem_bytes, msg.kv_bytes, msg.pinned, msg.load_s
+        self._ready.add(msg.stage)
 
-    def _on_bound(self, msg: dict, data) -> None:
-        self._remote.on_bound(msg["stage"], msg["endpoint"], self._wire.push[msg["stage"]])
+    def _on_bound(self, msg: M.Bound, data) -> None:
+        self._remote.on_bound(msg.stage, msg.endpoint, self._wire.push[msg.stage])
 
-    def _on_working(self, msg: dict, data) -> None:
-        self.stages[msg["stage"]].chunk = msg["k"]
+    def _on_working(self, msg: M.Working, data) -> None:
+        self.stages[msg.stage].chunk = msg.k
 
-    def _on_result(self, msg: dict, data) -> None:
-        k = msg["k"]
+    def _on_result(self, msg: M.ChunkResult, data) -> None:
+        k = msg.k
         if not (0 <= k < self._sent and k not in self._results):
             raise M.BadMessage(f"result: chunk {k} is not in flight")
         if data is not None:
             self._wire.land_result(data)
         self._results[k] = msg
         self._last_logits = self._result_row.numpy().copy()
-        self._wire.send(len(self.stages) - 1, "taken", k=k)
+        self._wire.send(len(self.stages) - 1, M.Taken(k=k))
         self._got += 1
 
-    def _on_stats(self, msg: dict, data) -> None:
-        self.stages[msg["stage"]].stats[msg["phase"]] = msg
+    def _on_stats(self, msg: M.Stats, data) -> None:
+        self.stages[msg.stage].stats[msg.phase] = msg
 
-    def _on_fail(self, msg: dict, data) -> None:
-        st = self.stages[msg["stage"]]
-        st.chunk = msg["chunk"] if msg["chunk"] >= 0 else st.chunk
-        self._fail(f"{self._who(msg['stage'])} failed: {msg['error']}: {msg['message']}")
+    def _on_fail(self, msg: M.Fail, data) -> None:
+        st = self.stages[msg.stage]
+        st.chunk = msg.chunk if msg.chunk >= 0 else st.chunk
+        self._fail(f"{self._who(msg.stage)} failed: {msg.error}: {msg.message}")
 
-    def _on_rejected(self, msg: dict, data) -> None:
-        self._remote.on_rejected(msg["stage"], msg["count"], msg["detail"])
+    def _on_rejected(self, msg: M.Rejected, data) -> None:
+        self._remote.on_rejected(msg.stage, msg.count, msg.detail)
 
     # -- the run -----------------------------------------------------------------------------
     def finish(self) -> None:
@@ -357,7 +357,7 @@ class Pipeline:
         def step():
             while self._sent < len(schedule) and self._sent - self._got < window:
                 pos, m = schedule[self._sent]
-                self._wire.send(0, "chunk", k=self._sent, pos=pos, n=m, phase=phase, t0=t0)
+                self._wire.send(0, M.Chunk(k=self._sent, pos=pos, n=m, phase=phase, t0=t0))
                 self._sent += 1
             self._receive(100)
             if on_progress:
@@ -376,7 +376,7 @@ class Pipeline:
         seconds = time.perf_counter() - t0
         if phase != "prefill":  # only the prefill's timing is reported; a decode step needs no round trip
             return seconds
-        self._wire.broadcast("end", phase=phase)
+        self._wire.broadcast(M.End(phase=phase))
         poll_until(lambda: all(phase in st.stats for st in self.stages), self.cfg.stall_timeout_s,
                    what=self._stalled, step=lambda: self._receive(100))
         return seconds
@@ -395,10 +395,10 @@ class Pipeline:
         finally:
             if bar:
                 bar.close()
-        nll = sum(r["nll"] for r in self._results.values())
-        count = sum(r["count"] for r in self._results.values())
+        nll = sum(r.nll for r in self._results.values())
+        count = sum(r.count for r in self._results.values())
         last_logits = self._last_logits
-        cont = self._generate(int(self._results[len(plan.schedule) - 1]["argmax"])) if self.cfg.generate else []
+        cont = self._generate(self._results[len(plan.schedule) - 1].argmax) if self.cfg.generate else []
         text = None
         if cont:
             try:
@@ -419,9 +419,9 @@ class Pipeline:
                 break
             self._buffers.ids[pos] = tok
             if self.stages[0].host is not None:  # stage 0 is remote: it has its own copy of the ids
-                self._wire.send(0, "token", pos=pos, id=tok)
+                self._wire.send(0, M.Token(pos=pos, id=tok))
             self._run_phase("decode", [(pos, 1)])
-            tok = int(self._results[0]["argmax"])
+            tok = self._results[0].argmax
             pos += 1
         return out
 

@@ -41,15 +41,15 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
     plan, cfg = p.plan, p.cfg
     stages, intervals, events = [], [], []
     for st in p.stages:
-        s = st.stats["prefill"]
-        ev = s["events"]
+        s = st.stats["prefill"]  # the stage's Stats message
+        ev = s.events
         intervals.append([(e[1], e[2]) for e in ev])
         stages.append({"index": st.index, "device": st.device, "host": st.host or "local",
                        "layers": list(st.layers), "pid": st.pid,
-                       "wall_s": s["wall_s"], "work_s": s["work_s"], "handoff_wait_s": s["handoff_wait_s"],
-                       "input_wait_s": s["input_wait_s"], "copy_s": s["copy_s"], "chunks": s["chunks"], "mem_bytes": st.mem_bytes,
+                       "wall_s": s.wall_s, "work_s": s.work_s, "handoff_wait_s": s.handoff_wait_s,
+                       "input_wait_s": s.input_wait_s, "copy_s": s.copy_s, "chunks": s.chunks, "mem_bytes": st.mem_bytes,
                        "kv_bytes": st.kv_bytes, "pinned": st.pinned, "load_s": st.load_s,
-                       "bad_frames": s["bad_frames"]})
+                       "bad_frames": s.bad_frames})
         events.append([[e[0], e[1], e[2], e[3]] for e in ev])
     planner = getattr(plan, "planner", None) or {}  # absent on plans made without the planner
     for i, st in enumerate(stages):  # the planner's prediction beside the measured work

@@ -292,9 +292,9 @@ def test_connections_without_the_key_are_refused_and_counted(tmp_path, ns):
     run = _launch(ns, tmp_path, rig)
     _wait_ready(run, 3)
     net = json.loads((run.out / "net.json").read_text())
-    fail = M.encode("fail", stage=1, pid=1, device="cpu", chunk=0, error="X", message="intruder", traceback="").hex()
-    stop = M.encode("stop").hex()
-    join = M.encode("join", pid=1, host="intruder", boot_id="", clock=0.0).hex()
+    fail = M.encode(M.Fail(stage=1, pid=1, device="cpu", chunk=0, error="X", message="intruder", traceback="")).hex()
+    stop = M.encode(M.Stop()).hex()
+    join = M.encode(M.Join(pid=1, host="intruder", boot_id="", clock=0.0)).hex()
     targets = [{"kind": "notes", "endpoint": net["notes"], "key": net["head_public"], "frames": [fail]},
                {"kind": "join", "endpoint": net["join"], "key": net["head_public"], "frames": [join]},
                {"kind": "stage", "endpoint": net["stages"][1]["endpoint"], "key": net["stages"][1]["public"],

@@ -121,9 +121,9 @@ def test_second_prefill_reports_its_own_timing(tmp_path):
                prompt={"random": {"tokens": 256, "seed": 4}}, progress=False)
     with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
         a = p.prefill()
-        first = [st.stats["prefill"]["events"] for st in p.stages]
+        first = [st.stats["prefill"].events for st in p.stages]
         b = p.prefill()
-        second = [st.stats["prefill"]["events"] for st in p.stages]
+        second = [st.stats["prefill"].events for st in p.stages]
     with pytest.raises(PipelineError, match=r"^this pipeline is closed \(its stages have stopped\): make a new"):
         p.prefill()
     assert a.report["residual_md5"] == b.report["residual_md5"] and a.perplexity == b.perplexity

@@ -110,9 +110,9 @@ def run_stage_process(spec: dict, head_conn, joined: dict | None = None) -> None
 
 def _report_failure(spec, stage, exc, tb) -> None:
     try:
-        frame = M.encode("fail", stage=spec["index"], pid=os.getpid(), device=spec["device"],
-                         chunk=stage.current_chunk if stage else -1, error=type(exc).__name__,
-                         message=str(exc)[:2000], traceback=tb[-8000:])
+        frame = M.encode(M.Fail(stage=spec["index"], pid=os.getpid(), device=spec["device"],
+                                chunk=stage.current_chunk if stage else -1, error=type(exc).__name__,
+                                message=str(exc)[:2000], traceback=tb[-8000:]))
         if stage is not None:
             stage.to_head.send(frame)
         else:

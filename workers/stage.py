@@ -36,9 +36,6 @@ from strata.shm import Segment
 from strata.transport import ShmLink, TcpLink
 from strata.weights import slice_tensors
 
-PHASES = ("prefill", "decode")
-
-
 class StageFailed(RuntimeError):
     pass
 
@@ -97,8 +94,8 @@ class Stage:
         self.phase_end: str | None = None
         self.phase_t0: float | None = None  # head's clock at the start of the phase being served
         self.stopping = False
-        self.handlers = {"chunk": self.on_chunk, "taken": self.on_taken, "done": self.on_done, "end": self.on_end,
-                         "stop": self.on_stop, "peers": self.on_peers, "token": self.on_token}
+        self.handlers = {M.Chunk: self.on_chunk, M.Taken: self.on_taken, M.Done: self.on_done, M.End: self.on_end,
+                         M.Stop: self.on_stop, M.Peers: self.on_peers, M.Token: self.on_token}
         self.load_s = time.perf_counter() - t_load
         self._reset_stats("prefill", time.perf_counter())
         if self.debug["fail_stage"] == self.i and self.debug["fail_phase"] == "load":
@@ -215,27 +212,23 @@ class Stage:
         for mon, _ in (self.gate.monitors if self.gate else ()):
             self.poller.register(mon, zmq.POLLIN)
         if self.tcp_inbox is not None:
-            self.send(self.to_head, "bound", stage=self.i, endpoint=self.tcp_endpoint)
+            self.send(self.to_head, M.Bound(stage=self.i, endpoint=self.tcp_endpoint))
 
     # -- messages ------------------------------------------------------------------------------
-    def send(self, sock, type_, **fields):
-        sock.send(M.encode(type_, **fields))
+    def send(self, sock, msg: M.Message) -> None:
+        sock.send(M.encode(msg))
 
     def _dispatch(self, msg: dict, data=None) -> None:
         """One message (and, across hosts, the rows that came with a chunk note), by its type's handler."""
-        handler = self.handlers.get(msg["t"])
+        handler = self.handlers.get(type(msg))
         if handler is None:
-            raise M.BadMessage(f"{msg['t']}: not a message a stage accepts")
-        if data is not None and msg["t"] != "chunk":
-            raise M.BadMessage(f"{msg['t']}: unexpected data frame")
+            raise M.BadMessage(f"{msg.TYPE}: not a message a stage accepts")
+        if data is not None and not isinstance(msg, M.Chunk):
+            raise M.BadMessage(f"{msg.TYPE}: unexpected data frame")
         handler(msg, data)
 
-    def on_chunk(self, msg: dict, data) -> None:
-        pos, n = msg["pos"], msg["n"]
-        if msg["phase"] not in PHASES:
-            raise M.BadMessage(f"chunk: unknown phase {msg['phase']!r}")
-        if msg["k"] < 0:
-            raise M.BadMessage(f"chunk: negative chunk index {msg['k']}")
+    def on_chunk(self, msg: M.Chunk, data) -> None:
+        pos, n = msg.pos, msg.n  # k >= 0 and a known phase: checked by M.decode
         if not (0 <= pos and 1 <= n <= self.spec["max_chunk"] and pos + n <= self.spec["max_len"]):
             raise M.BadMessage(f"chunk: rows [{pos}, {pos + n}) do not fit the buffers")
         if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
@@ -246,38 +239,32 @@ class Stage:
             raise M.BadMessage("chunk: unexpected data frame")
         self.inputs.append(msg)
 
-    def on_taken(self, msg: dict, data) -> None:
-        if msg["k"] < 0:
-            raise M.BadMessage(f"taken: negative chunk index {msg['k']}")
-        self.taken_below.add(msg["k"])
+    def on_taken(self, msg: M.Taken, data) -> None:
+        self.taken_below.add(msg.k)
 
-    def on_done(self, msg: dict, data) -> None:
-        if msg["k"] < 0:
-            raise M.BadMessage(f"done: negative chunk index {msg['k']}")
-        self.done_below.add(msg["k"])
+    def on_done(self, msg: M.Done, data) -> None:
+        self.done_below.add(msg.k)
 
-    def on_end(self, msg: dict, data) -> None:
-        if msg["phase"] not in PHASES:
-            raise M.BadMessage(f"end: unknown phase {msg['phase']!r}")
-        self.phase_end = msg["phase"]
+    def on_end(self, msg: M.End, data) -> None:
+        self.phase_end = msg.phase
 
-    def on_stop(self, msg: dict, data) -> None:
+    def on_stop(self, msg: M.Stop, data) -> None:
         self.stopping = True
 
-    def on_token(self, msg: dict, data) -> None:
+    def on_token(self, msg: M.Token, data) -> None:
         """Decode on a remote stage 0: the head's next token (the ids segment is not shared across hosts)."""
         if not (self.first and self.net is not None and self.net["remote"]):
             raise M.BadMessage("token: not a message a stage accepts")
-        if not (0 <= msg["pos"] < self.spec["max_len"] and 0 <= msg["id"] < self.args.vocab_size):
-            raise M.BadMessage(f"token: {msg['id']} at {msg['pos']} out of range")
-        self.ids[msg["pos"]] = msg["id"]
+        if not (0 <= msg.pos < self.spec["max_len"] and 0 <= msg.id < self.args.vocab_size):
+            raise M.BadMessage(f"token: {msg.id} at {msg.pos} out of range")
+        self.ids[msg.pos] = msg.id
 
-    def on_peers(self, msg: dict, data) -> None:
+    def on_peers(self, msg: M.Peers, data) -> None:
         """The head says where this stage's neighbours across hosts listen: connect to them."""
         if self.linked:
             raise M.BadMessage("peers: not a message a stage accepts")
-        want = [(self.to_up, msg["up"], msg["up_key"], self.net["tcp_in"] and not self.first),
-                (self.to_down, msg["down"], msg["down_key"], self.net["tcp_out"] and not self.last)]
+        want = [(self.to_up, msg.up, msg.up_key, self.net["tcp_in"] and not self.first),
+                (self.to_down, msg.down, msg.down_key, self.net["tcp_out"] and not self.last)]
         for _, ep, key, needed in want:
             if needed and not (ep.startswith("tcp://") and len(key) == 40):
                 raise M.BadMessage(f"peers: no tcp endpoint and key for a neighbour ({ep!r})")
@@ -295,7 +282,7 @@ class Stage:
         for sock in self.inboxes:
             self._drain(sock)
         if self.gate is not None and self.gate.drain():  # refused handshakes on the tcp inbox
-            self.send(self.to_head, "rejected", stage=self.i, count=self.gate.count, detail=self.gate.last[:500])
+            self.send(self.to_head, M.Rejected(stage=self.i, count=self.gate.count, detail=self.gate.last[:500]))
         return True
 
     def _drain(self, sock) -> None:
@@ -341,18 +328,18 @@ class Stage:
         self.nchunks = 0
 
     def report_stats(self) -> None:
-        self.send(self.to_head, "stats", stage=self.i, phase=self.phase,
-                  wall_s=max(0.0, self.last_handoff - self.t0), work_s=self.work_s,
-                  handoff_wait_s=self.handoff_wait_s, input_wait_s=self.input_wait_s, copy_s=self.copy_s,
-                  events=[[k, a + self.clock_offset, b + self.clock_offset, c + self.clock_offset]
-                          for k, a, b, c in self.events] if self.clock_offset else self.events,
-                  chunks=self.nchunks, bad_frames=self.bad_frames)
+        self.send(self.to_head, M.Stats(stage=self.i, phase=self.phase,
+                         wall_s=max(0.0, self.last_handoff - self.t0), work_s=self.work_s,
+                         handoff_wait_s=self.handoff_wait_s, input_wait_s=self.input_wait_s, copy_s=self.copy_s,
+                         events=[[k, a + self.clock_offset, b + self.clock_offset, c + self.clock_offset]
+                                 for k, a, b, c in self.events] if self.clock_offset else self.events,
+                         chunks=self.nchunks, bad_frames=self.bad_frames))
 
     # -- the chunk path -------------------------------------------------------------------------
-    def run_chunk(self, msg: dict) -> None:
-        k, pos, n = msg["k"], msg["pos"], msg["n"]
+    def run_chunk(self, msg: M.Chunk) -> None:
+        k, pos, n = msg.k, msg.pos, msg.n
         self.current_chunk = k
-        self.send(self.to_head, "working", stage=self.i, k=k)
+        self.send(self.to_head, M.Working(stage=self.i, k=k))
 
         # 1. input: ids for the first stage, else residual rows from the buffer above
         copy_start = time.perf_counter()
@@ -362,7 +349,7 @@ class Stage:
             x = self.inlink.get(n).to(self.device, copy=True).view(1, n, self.args.dim)
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the copy has left the buffer
-            self.send(self.to_up, "taken", k=k)
+            self.send(self.to_up, M.Taken(k=k))
         self.copy_s += time.perf_counter() - copy_start
 
         # 2. compute
@@ -371,13 +358,13 @@ class Stage:
         h = self.model(x, pos)
         nll, count, argmax = 0.0, 0, -1
         if self.last:
-            if msg["phase"] == "prefill" and self.spec["perplexity"]:
+            if msg.phase == "prefill" and self.spec["perplexity"]:
                 targets = self.ids[pos + 1: min(pos + n + 1, self.spec["tokens"])].to(torch.long)
                 if targets.numel():
                     nll, count = self.model.nll(h, targets)
             logits = self.model.logits(h[0, -1])
             argmax = int(logits.argmax())
-            if self.dump is not None and msg["phase"] == "prefill":
+            if self.dump is not None and msg.phase == "prefill":
                 self.dump.write(pos, h[0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -395,10 +382,9 @@ class Stage:
         # 4. hand off
         copy_start = time.perf_counter()
         if self.last:
-            self.outlink.put(logits, "result", k=k, nll=float(nll), count=count, argmax=argmax)
+            self.outlink.put(logits, M.ChunkResult(k=k, nll=float(nll), count=count, argmax=argmax))
         else:
-            self.outlink.put(h.view(n, self.args.dim), "chunk", k=k, pos=pos, n=n, phase=msg["phase"],
-                             t0=msg["t0"])
+            self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0))
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
@@ -410,7 +396,7 @@ class Stage:
             self.taken_below.discard(k)
             self.inflight.popleft()
             if not self.first:
-                self.send(self.to_up, "done", k=k)
+                self.send(self.to_up, M.Done(k=k))
         self.last_handoff = time.perf_counter()
         self.events.append([k, work_start, work_end, self.last_handoff])
         self.nchunks += 1
@@ -438,9 +424,9 @@ class Stage:
             time.sleep(1)
 
     def serve(self) -> None:
-        self.send(self.to_head, "ready", stage=self.i, pid=os.getpid(), device=str(self.device),
-                  layers=[self.spec["start"], self.spec["end"]], mem_bytes=self._mem_bytes(),
-                  kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s)
+        self.send(self.to_head, M.Ready(stage=self.i, pid=os.getpid(), device=str(self.device),
+                         layers=[self.spec["start"], self.spec["end"]], mem_bytes=self._mem_bytes(),
+                         kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s))
         if not self.linked:  # neighbours on other hosts: the head says where they listen once all are ready
             self.wait_until(lambda: self.linked)
         while True:
@@ -448,11 +434,11 @@ class Stage:
             self.wait_until(lambda: self.inputs or self.phase_end is not None)
             if self.inputs:
                 front = self.inputs[0]
-                if front["t0"] != self.phase_t0:  # the first chunk of a new phase
-                    self.phase_t0 = front["t0"]
-                    self._reset_stats(front["phase"], self.phase_t0 - self.clock_offset)
-                    if front["phase"] == "prefill":  # tests (and people) wait on this line, not on a sleep
-                        self.log.info("prefill: started (chunk %d)", front["k"])
+                if front.t0 != self.phase_t0:  # the first chunk of a new phase
+                    self.phase_t0 = front.t0
+                    self._reset_stats(front.phase, self.phase_t0 - self.clock_offset)
+                    if front.phase == "prefill":  # tests (and people) wait on this line, not on a sleep
+                        self.log.info("prefill: started (chunk %d)", front.k)
                 if self.nchunks:  # before the first chunk a stage waits for the pipeline to fill
                     self.input_wait_s += time.perf_counter() - t
                 else:
