@@ -1,4 +1,5 @@
-"""Every message on the wire: msgpack maps with a version and a type, validated on receipt.
+"""Every message on the wire: one frozen dataclass per type, sent as a msgpack map with a version
+and a type, validated on receipt and decoded into its dataclass (`encode(msg)` / `decode(frame)`).
 
 Bulk data never travels here; a message says which chunk sits in which shared buffer.
 Nothing is unpickled. A frame that does not decode to a known, well-formed message raises
@@ -9,12 +10,13 @@ accepts is acted on. Who may send is decided by where the endpoints live: ipc so
 per-run directory of mode 0700, so only this user reaches them; across hosts, tcp sockets that
 only a peer holding one of the run's CurveZMQ keys can connect to (strata/net.py).
 
-A remote stage gets its spec from the head as one msgpack frame too (`encode_spec` /
-`decode_spec`), checked field by field before anything is built from it.
+The stage's spec is a dataclass too (`StageJob`, with `StageNet`): a local stage gets it as its
+process argument; a remote stage from the head as one msgpack frame (`encode_spec` / `decode_spec`),
+checked field by field before anything is built from it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, get_type_hints
 
 import msgpack
@@ -28,6 +30,7 @@ class BadMessage(ValueError):
 
 
 _num = (int, float)
+_NONE = type(None)
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1  # every integer field fits an int64
 PHASES = ("prefill", "decode")
 
@@ -237,21 +240,74 @@ def decode(frame: bytes) -> Message:
 
 
 # -- a remote stage's spec (the head's join reply) -----------------------------------------------------
-_NONE = type(None)
-_SCALAR = (int, float, str, bool, _NONE)
-SPEC: dict[str, tuple] = {
-    "index": (int,), "n_stages": (int,), "device": (str,), "dtype": (str,), "attention": (str,), "weights": (str,),
-    "kv_dtype": (str,), "threads": (int, _NONE),
-    "cores": (list,), "start": (int,), "end": (int,), "model": (str,), "args": (dict,), "seed": (int,),
-    "max_len": (int,), "tokens": (int,), "max_chunk": (int,), "depth": (int,), "perplexity": (bool,),
-    "segments": (dict,), "endpoints": (list,), "head_endpoint": (str,), "log_file": (str,),
-    "console": (bool,), "dump_residual": (str,), "debug": (dict,), "net": (dict,),
-}
-SPEC_NET: dict[str, tuple] = {
-    "host": (str,), "remote": (bool,), "bind": (str,), "tcp_in": (bool,), "tcp_out": (bool,),
-    "tcp_inbox": (bool,), "public": (str,), "secret": (str,), "head_public": (str,), "allow": (list,),
-    "head_tcp": (str,), "heartbeat_s": _num, "heartbeat_timeout_s": _num, "head_clock": _num, "boot_id": (str,),
-}
+_SCALAR = (int, float, str, bool, type(None))
+@dataclass
+class StageNet:
+    """A stage's network facts (a run with a remote stage): which boundaries cross hosts, its keys, the heartbeats."""
+    host: str                  # where it runs ("local": this machine)
+    remote: bool
+    bind: str                  # the address its tcp inbox binds on ("" for a remote stage: its route to the head)
+    tcp_in: bool               # its input boundary crosses hosts
+    tcp_out: bool              # its output boundary (or, last stage, its result) crosses hosts
+    tcp_inbox: bool            # it listens on tcp
+    public: str                # its CURVE keypair (a remote stage brings its own secret)
+    secret: str
+    head_public: str
+    allow: list                # public keys that may connect to its tcp inbox
+    head_tcp: str              # the head's tcp notes endpoint
+    heartbeat_s: float
+    heartbeat_timeout_s: float
+    head_clock: float          # the head's perf_counter when it answered the join (0 until then)
+    boot_id: str               # the head's kernel boot id: same kernel, same clock
+
+
+@dataclass
+class StageJob:
+    """Everything a stage process needs: built by the head (Pipeline._spec), read by attribute in the stage.
+    A remote stage gets it as one msgpack map, checked by `validate_spec` before anything is built from it."""
+    index: int
+    n_stages: int
+    device: str                # "cpu" or "cuda:N"
+    dtype: str
+    attention: str             # the rig's `attention`
+    weights: str               # the rig's `weights` (issue 12)
+    kv_dtype: str              # the rig's `kv_dtype` (issue 12)
+    threads: int | None
+    cores: list
+    start: int                 # layers [start, end)
+    end: int
+    model: str
+    args: dict                 # ModelArgs fields
+    seed: int
+    max_len: int               # KV positions: prompt + continuation
+    tokens: int
+    max_chunk: int
+    depth: int
+    perplexity: bool
+    segments: dict             # what -> (shared segment name, bytes); empty for a remote stage
+    endpoints: list            # every stage's ipc inbox; empty for a remote stage
+    head_endpoint: str
+    log_file: str              # "" for a remote stage: it logs to stderr
+    console: bool
+    dump_residual: str         # the path of residual.npy, or ""
+    debug: dict                # DebugSpec fields
+    net: StageNet | None = None  # None: every stage of the run is on this host
+
+
+def _spec_kinds(cls) -> dict[str, tuple]:
+    hints = get_type_hints(cls)
+    plain = {int: (int,), float: _num, str: (str,), bool: (bool,), list: (list,), dict: (dict,)}
+    out = {}
+    for f in fields(cls):
+        h = hints[f.name]
+        args = [a for a in getattr(h, "__args__", (h,)) if a is not _NONE]
+        kinds = plain.get(args[0], (dict,))  # a nested dataclass travels as a map
+        out[f.name] = kinds + ((_NONE,) if len(args) < len(getattr(h, "__args__", (h,))) and f.name != "net" else ())
+    return out
+
+
+SPEC: dict[str, tuple] = _spec_kinds(StageJob)   # on the wire `net` is required: only remote stages get a spec
+SPEC_NET: dict[str, tuple] = _spec_kinds(StageNet)
 SPEC_DEBUG = ("delay_s", "delay_step_s", "fail_stage", "fail_chunk", "fail_mode", "fail_phase")
 MAX_SPEC = 1 << 20
 
@@ -310,9 +366,10 @@ def validate_spec(spec) -> dict:
     return spec
 
 
-def encode_spec(spec: dict) -> bytes:
-    return msgpack.packb(validate_spec(spec), use_bin_type=True)
+def encode_spec(job: StageJob) -> bytes:
+    return msgpack.packb(validate_spec(asdict(job)), use_bin_type=True)
 
 
-def decode_spec(frame: bytes) -> dict:
-    return validate_spec(_unpack(frame, MAX_SPEC, "spec"))
+def decode_spec(frame: bytes) -> StageJob:
+    d = validate_spec(_unpack(frame, MAX_SPEC, "spec"))
+    return StageJob(**{**d, "net": StageNet(**d["net"])})

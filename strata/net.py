@@ -27,6 +27,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import zmq
@@ -198,7 +199,7 @@ class HeadNet:
         self.lock = threading.Lock()
         self.error = ""  # set if the thread died: the main thread fails the run with it
 
-    def offer(self, i: int, spec: dict, ids: bytes) -> None:
+    def offer(self, i: int, spec: M.StageJob, ids: bytes) -> None:
         """What stage i gets when it joins (its spec, the prompt's ids); before `start`."""
         self.offers[i] = (spec, ids)
 
@@ -275,7 +276,7 @@ class HeadNet:
             self.log.warning("control: stage %d joined already; refused a second join from %s", i, msg.host)
             return
         spec, ids = self.offers[i]
-        spec = dict(spec, net=dict(spec["net"], head_clock=time.perf_counter(), boot_id=boot_id()))
+        spec = replace(spec, net=replace(spec.net, head_clock=time.perf_counter(), boot_id=boot_id()))
         self.control.send_multipart([ident, M.encode_spec(spec), ids])
         with self.lock:
             self.joined[i] = {"pid": msg.pid, "host": msg.host, "ident": ident, "t": time.monotonic()}
@@ -314,11 +315,11 @@ def join(ctx: zmq.Context, endpoint: str, key: tuple[str, str, str], timeout_s: 
     if len(parts) != 2:
         raise M.BadMessage(f"join reply of {len(parts)} frames")
     spec = M.decode_spec(parts[0])
-    net = spec["net"]
-    same_clock = net["boot_id"] and net["boot_id"] == boot_id()
-    offset = 0.0 if same_clock else net["head_clock"] - (sent + got) / 2
-    if len(parts[1]) != 4 * spec["tokens"]:
-        raise M.BadMessage(f"join reply: {len(parts[1])} bytes of ids for {spec['tokens']} tokens")
+    net = spec.net
+    same_clock = net.boot_id and net.boot_id == boot_id()
+    offset = 0.0 if same_clock else net.head_clock - (sent + got) / 2
+    if len(parts[1]) != 4 * spec.tokens:
+        raise M.BadMessage(f"join reply: {len(parts[1])} bytes of ids for {spec.tokens} tokens")
     return dealer, spec, parts[1], offset
 
 

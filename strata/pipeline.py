@@ -168,21 +168,21 @@ class Pipeline:
         self._wire.land_result = lambda frame: link.land(link.buf.numel(), frame)
         return link.buf
 
-    def _spec(self, sp) -> dict:
+    def _spec(self, sp) -> M.StageJob:
         """What stage sp needs to build and serve its slice (validated again by a remote stage on arrival)."""
         plan, cfg, w = self.plan, self.cfg, self._wire
-        return dict(index=sp.index, n_stages=len(plan.stages), device=sp.device, dtype=cfg.dtype,
-                    attention=cfg.attention, weights=cfg.weights, kv_dtype=cfg.kv_dtype, threads=sp.threads,
-                    cores=list(sp.cores), start=sp.start, end=sp.end, model=cfg.model,
-                    args={f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__},
-                    seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk,
-                    depth=cfg.depth, perplexity=cfg.perplexity, segments=self._buffers.names,
-                    endpoints=w.endpoints, head_endpoint=w.endpoint, log_file=str(self.out / f"stage-{sp.index}.log"),
-                    console=self.console, dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
-                    debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
-                    net=self._remote.stage_net(sp.index) if self._remote else None)
+        return M.StageJob(
+            index=sp.index, n_stages=len(plan.stages), device=sp.device, dtype=cfg.dtype, attention=cfg.attention,
+            weights=cfg.weights, kv_dtype=cfg.kv_dtype, threads=sp.threads, cores=list(sp.cores), start=sp.start,
+            end=sp.end, model=cfg.model, args={f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__},
+            seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk, depth=cfg.depth,
+            perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,
+            log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
+            dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
+            debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
+            net=self._remote.stage_net(sp.index) if self._remote else None)
 
-    def _launch(self, sp, spec: dict) -> int:
+    def _launch(self, sp, spec: M.StageJob) -> int:
         if sp.host is None:
             return spawn_local(self._res, spec, sp.index)
         try:

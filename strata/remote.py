@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import zmq
 
+from . import messages as M
 from .config import RigConfig, split_listen
 from .errors import PipelineError
 from .net import HeadNet, PrintedStage, RemoteProc, curve_client, join_key, keypair, remote_argv, stage_command
@@ -42,8 +44,8 @@ class RemoteStages:
         """The head's PUSH to remote stage i: a CURVE client, connected once the stage says where ("bound")."""
         curve_client(sock, self.net.public, self.net.secret, self.keys[i][0])
 
-    def stage_net(self, i: int) -> dict:
-        """What stage i needs to know about the network (spec["net"]): which of its boundaries cross
+    def stage_net(self, i: int) -> M.StageNet:
+        """What stage i needs to know about the network (its spec's `net`): which of its boundaries cross
         hosts, its keypair, who may connect to its tcp inbox, the head's tcp side, the heartbeats."""
         remote, across, keys, net = self.remote, self.across, self.keys, self.net
         n = len(remote)
@@ -52,18 +54,18 @@ class RemoteStages:
         allow = [keys[j][0] for j in (i - 1, i + 1) if 0 <= j < n and (remote[i] or remote[j])]
         if remote[i]:
             allow.append(net.public)
-        return {"host": self.plan.stages[i].host or "local", "remote": remote[i],
-                "bind": "" if remote[i] else split_listen(self.cfg.listen)[0],
-                "tcp_in": tcp_in, "tcp_out": tcp_out, "tcp_inbox": remote[i] or tcp_in or (i < n - 1 and across[i]),
-                "public": keys[i][0], "secret": "" if remote[i] else keys[i][1],  # a remote stage brings its own
-                "head_public": net.public, "allow": allow, "head_tcp": net.pull_endpoint,
-                "heartbeat_s": self.cfg.heartbeat_s, "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s,
-                "head_clock": 0.0, "boot_id": ""}  # both filled in when it joins
+        return M.StageNet(host=self.plan.stages[i].host or "local", remote=remote[i],
+                          bind="" if remote[i] else split_listen(self.cfg.listen)[0],
+                          tcp_in=tcp_in, tcp_out=tcp_out, tcp_inbox=remote[i] or tcp_in or (i < n - 1 and across[i]),
+                          public=keys[i][0], secret="" if remote[i] else keys[i][1],  # a remote stage brings its own
+                          head_public=net.public, allow=allow, head_tcp=net.pull_endpoint,
+                          heartbeat_s=self.cfg.heartbeat_s, heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
+                          head_clock=0.0, boot_id="")  # both filled in when it joins
 
-    def launch(self, sp, spec: dict, out: Path):
+    def launch(self, sp, spec: M.StageJob, out: Path):
         """Offer stage sp's spec for its join, then start it through `remote_command` (or print how)."""
         net, i = self.net, sp.index
-        spec.update(segments={}, endpoints=[], head_endpoint=net.pull_endpoint, log_file="", console=False)
+        spec = replace(spec, segments={}, endpoints=[], head_endpoint=net.pull_endpoint, log_file="", console=False)
         net.offer(i, spec, self.plan.ids.astype("<i4").tobytes())
         key = join_key(net.public, *net.stage_keys[i])
         if self.cfg.remote_command == "print":

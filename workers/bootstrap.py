@@ -54,24 +54,24 @@ def _flush_sockets(timeout_s: float) -> None:
     t.join(timeout_s)
 
 
-def run_stage_process(spec: dict, head_conn, joined: dict | None = None) -> None:
+def run_stage_process(spec: M.StageJob, head_conn, joined: dict | None = None) -> None:
     """Entry point of a stage process (spawned by the head; or, with `joined`, a remote stage that has
     joined: `main`). A remote stage logs to stderr (the head keeps it as stage-N.log) and notices a
     dead head by its heartbeats instead of a pipe."""
     local = head_conn is not None
     if local:
         _die_with_parent()
-    log_stream = open(spec["log_file"], "a") if local else sys.stderr
+    log_stream = open(spec.log_file, "a") if local else sys.stderr
     if local:
         _watch_head(head_conn, log_stream.fileno())
-    i = spec["index"]
+    i = spec.index
     log = logging.getLogger(f"stage{i}")
     log.setLevel(logging.INFO)
     fmt = logging.Formatter(f"%(asctime)s [stage {i}] %(levelname)s %(message)s")
-    fh = logging.FileHandler(spec["log_file"]) if local else logging.StreamHandler(sys.stderr)
+    fh = logging.FileHandler(spec.log_file) if local else logging.StreamHandler(sys.stderr)
     fh.setFormatter(fmt)
     log.addHandler(fh)
-    if spec["console"] and local:
+    if spec.console and local:
         ch = logging.StreamHandler(sys.stderr)
         ch.setFormatter(logging.Formatter(f"[stage {i}] %(message)s"))
         ch.setLevel(logging.WARNING)
@@ -83,10 +83,10 @@ def run_stage_process(spec: dict, head_conn, joined: dict | None = None) -> None
     joined = joined or {}
     stage, code = None, 0
     try:
-        log.info("pid %d, device %s, layers [%d, %d)", os.getpid(), spec["device"], spec["start"], spec["end"])
+        log.info("pid %d, device %s, layers [%d, %d)", os.getpid(), spec.device, spec.start, spec.end)
         if not local:
-            log.info("joined the head from %s: %s, tcp in %s, tcp out %s", socket.gethostname(), spec["net"]["host"],
-                     spec["net"]["tcp_in"], spec["net"]["tcp_out"])
+            log.info("joined the head from %s: %s, tcp in %s, tcp out %s", socket.gethostname(), spec.net.host,
+                     spec.net.tcp_in, spec.net.tcp_out)
         stage = Stage(spec, log, ids=joined.get("ids"), clock_offset=joined.get("clock_offset", 0.0))
         log.info("ready: loaded in %.2fs, KV cache %d bytes, pinned=%s", stage.load_s, stage.kv_bytes, stage.pinned)
         stage.serve()
@@ -110,7 +110,7 @@ def run_stage_process(spec: dict, head_conn, joined: dict | None = None) -> None
 
 def _report_failure(spec, stage, exc, tb) -> None:
     try:
-        frame = M.encode(M.Fail(stage=spec["index"], pid=os.getpid(), device=spec["device"],
+        frame = M.encode(M.Fail(stage=spec.index, pid=os.getpid(), device=spec.device,
                                 chunk=stage.current_chunk if stage else -1, error=type(exc).__name__,
                                 message=str(exc)[:2000], traceback=tb[-8000:]))
         if stage is not None:

@@ -38,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: could not join {a.join}: {e}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(2)  # no context teardown: a socket may still be connecting
-    net = spec["net"]
-    if net["public"] != key[1]:
+    net = spec.net
+    if net.public != key[1]:
         print("error: the head sent the spec of another stage", file=sys.stderr)
         os._exit(2)
-    net["secret"] = key[2]
+    net.secret = key[2]
     if a.bind:
-        net["bind"] = a.bind
-    watch = N.HeadWatch(dealer, spec["index"], net["heartbeat_s"], net["heartbeat_timeout_s"], sys.stderr.fileno())
+        net.bind = a.bind
+    watch = N.HeadWatch(dealer, spec.index, net.heartbeat_s, net.heartbeat_timeout_s, sys.stderr.fileno())
     from .bootstrap import run_stage_process  # torch loads here, after the join: a bad key fails fast
     run_stage_process(spec, None, {"ids": ids, "clock_offset": offset, "watch": watch})
     return 0  # not reached: run_stage_process exits the process

@@ -65,19 +65,19 @@ class ResidualDump:
 
 
 class Stage:
-    def __init__(self, spec: dict, log: logging.Logger, ids: bytes | None = None, clock_offset: float = 0.0):
+    def __init__(self, spec: M.StageJob, log: logging.Logger, ids: bytes | None = None, clock_offset: float = 0.0):
         """`ids` and `clock_offset`: a remote stage's prompt ids (they came with its spec) and the head's
         perf_counter minus this host's (0 on the same kernel)."""
         self.spec, self.log = spec, log
-        self.i = spec["index"]
-        self.n_stages = spec["n_stages"]
+        self.i = spec.index
+        self.n_stages = spec.n_stages
         self.first, self.last = self.i == 0, self.i == self.n_stages - 1
-        self.depth = spec["depth"]
-        self.device = torch.device(spec["device"])
-        self.dtype = getattr(torch, spec["dtype"])
-        self.net = spec.get("net")  # None: every stage of the run is on this host
+        self.depth = spec.depth
+        self.device = torch.device(spec.device)
+        self.dtype = getattr(torch, spec.dtype)
+        self.net = spec.net  # None: every stage of the run is on this host
         self.clock_offset = clock_offset
-        self.debug = spec["debug"]
+        self.debug = spec.debug
         self.current_chunk = -1
         self.bad_frames = self.bad_frames_logged = 0
         t_load = time.perf_counter()
@@ -101,35 +101,35 @@ class Stage:
         if self.debug["fail_stage"] == self.i and self.debug["fail_phase"] == "load":
             self._injected_failure("while loading")
 
-    def _use_device(self, spec: dict) -> None:
+    def _use_device(self, spec: M.StageJob) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
-            if spec["threads"]:
-                torch.set_num_threads(spec["threads"])
-            if spec["cores"]:
-                os.sched_setaffinity(0, spec["cores"])
-        if spec["attention"] != "auto":  # the rig's choice (the planner sized activations for the same path)
-            strata.model.CUDA_ATTENTION = spec["attention"]
+            if spec.threads:
+                torch.set_num_threads(spec.threads)
+            if spec.cores:
+                os.sched_setaffinity(0, spec.cores)
+        if spec.attention != "auto":  # the rig's choice (the planner sized activations for the same path)
+            strata.model.CUDA_ATTENTION = spec.attention
 
-    def _load_model(self, spec: dict) -> tuple[Transformer, int]:
+    def _load_model(self, spec: M.StageJob) -> tuple[Transformer, int]:
         """This stage's slice: built on the meta device, filled with just its weights; its KV cache."""
-        args = ModelArgs(**spec["args"])
+        args = ModelArgs(**spec.args)
         with torch.device("meta"):
-            model = Transformer(args, spec["start"], spec["end"])
-        tensors = slice_tensors(spec["model"], args, spec["start"], spec["end"], device=self.device,
-                                dtype=self.dtype, seed=spec["seed"])
+            model = Transformer(args, spec.start, spec.end)
+        tensors = slice_tensors(spec.model, args, spec.start, spec.end, device=self.device,
+                                dtype=self.dtype, seed=spec.seed)
         model.load_weights(tensors, self.device, self.dtype)
         del tensors
-        return model.eval(), model.setup_cache(spec["max_len"])
+        return model.eval(), model.setup_cache(spec.max_len)
 
-    def _map_buffers(self, spec: dict, ids: bytes | None) -> None:
+    def _map_buffers(self, spec: M.StageJob, ids: bytes | None) -> None:
         # ids (all stages read it), input boundary, output boundary / result. A boundary
         # inside this host is a shared segment (ShmLink); one that crosses hosts is a buffer of this
         # process whose rows travel with the note over tcp (TcpLink)
         net = self.net
-        tcp_in, tcp_out = bool(net and net["tcp_in"]), bool(net and net["tcp_out"])
-        segs = spec["segments"]
+        tcp_in, tcp_out = bool(net and net.tcp_in), bool(net and net.tcp_out)
+        segs = spec.segments
         self.segments = []
 
         def attach(key):
@@ -139,12 +139,12 @@ class Stage:
             return seg
 
         if ids is None:
-            self.ids = attach("ids").tensor(torch.int32, (spec["max_len"] + 1,))
+            self.ids = attach("ids").tensor(torch.int32, (spec.max_len + 1,))
         else:  # decoded tokens reach a remote stage 0 as "token" notes
-            self.ids = torch.zeros(spec["max_len"] + 1, dtype=torch.int32)
-            self.ids[:spec["tokens"]] = torch.frombuffer(bytearray(ids), dtype=torch.int32)
+            self.ids = torch.zeros(spec.max_len + 1, dtype=torch.int32)
+            self.ids[:spec.tokens] = torch.frombuffer(bytearray(ids), dtype=torch.int32)
         args = self.args
-        dim, cmax = args.dim, spec["max_chunk"]
+        dim, cmax = args.dim, spec.max_chunk
         pin = self.device.type == "cuda"
         self.inlink = None
         if not self.first:
@@ -162,31 +162,31 @@ class Stage:
         if self.device.type == "cuda":
             self.pinned = all(s.pin() for s in self.segments if s.name.split("-")[-1] != "ids")
         self.dump = None
-        if self.last and spec["dump_residual"]:
-            self.dump = ResidualDump(spec["dump_residual"], spec["tokens"], dim, cmax, self.device)
+        if self.last and spec.dump_residual:
+            self.dump = ResidualDump(spec.dump_residual, spec.tokens, dim, cmax, self.device)
 
-    def _open_sockets(self, spec: dict) -> None:
+    def _open_sockets(self, spec: M.StageJob) -> None:
         net, log = self.net, self.log
-        tcp_in, tcp_out = bool(net and net["tcp_in"]), bool(net and net["tcp_out"])
-        cmax = spec["max_chunk"]
+        tcp_in, tcp_out = bool(net and net.tcp_in), bool(net and net.tcp_out)
+        cmax = spec.max_chunk
         # one PULL in, PUSH to each neighbour and to the head. Across hosts also (or, for
         # a remote stage, only) a tcp PULL: a CURVE server that lets in the head and the neighbours only
         ctx = zmq.Context.instance()
         self.ctx = ctx
         self.inboxes, self.inbox_sock, self.tcp_inbox, self.gate = [], None, None, None
-        if not (net and net["remote"]):
+        if not (net and net.remote):
             self.inbox_sock = ctx.socket(zmq.PULL)
             self.inbox_sock.setsockopt(zmq.LINGER, 0)
             self.inbox_sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME)
-            self.inbox_sock.bind(spec["endpoints"][self.i])
+            self.inbox_sock.bind(spec.endpoints[self.i])
             self.inboxes.append(self.inbox_sock)
-        if net and net["tcp_inbox"]:
-            self.gate = N.Gate(ctx, net["allow"], log)
-            self.tcp_inbox = N.curve_server(ctx.socket(zmq.PULL), net["public"], net["secret"])
+        if net and net.tcp_inbox:
+            self.gate = N.Gate(ctx, net.allow, log)
+            self.tcp_inbox = N.curve_server(ctx.socket(zmq.PULL), net.public, net.secret)
             self.tcp_inbox.setsockopt(zmq.LINGER, 0)
             self.tcp_inbox.setsockopt(zmq.MAXMSGSIZE, max(M.MAX_FRAME, cmax * self.inlink.row_bytes if tcp_in else 0))
             self.gate.watch(self.tcp_inbox, f"stage {self.i} inbox")
-            self.tcp_endpoint = N.bind_tcp(self.tcp_inbox, net["bind"] or N.route_address(spec["head_endpoint"]))
+            self.tcp_endpoint = N.bind_tcp(self.tcp_inbox, net.bind or N.route_address(spec.head_endpoint))
             self.inboxes.append(self.tcp_inbox)
 
         def push(ep):
@@ -198,12 +198,12 @@ class Stage:
         def tcp_push():  # a CURVE client; connected once the head says where the neighbour listens
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 2000)
-            s.curve_publickey, s.curve_secretkey = net["public"].encode(), net["secret"].encode()
+            s.curve_publickey, s.curve_secretkey = net.public.encode(), net.secret.encode()
             return s
 
         self.to_head = head_push(ctx, spec)
-        self.to_up = None if self.first else tcp_push() if tcp_in else push(spec["endpoints"][self.i - 1])
-        self.to_down = self.to_head if self.last else tcp_push() if tcp_out else push(spec["endpoints"][self.i + 1])
+        self.to_up = None if self.first else tcp_push() if tcp_in else push(spec.endpoints[self.i - 1])
+        self.to_down = self.to_head if self.last else tcp_push() if tcp_out else push(spec.endpoints[self.i + 1])
         self.outlink.sock = self.to_down
         self.linked = not ((tcp_in and not self.first) or (tcp_out and not self.last))  # else: wait for "peers"
         self.poller = zmq.Poller()
@@ -229,7 +229,7 @@ class Stage:
 
     def on_chunk(self, msg: M.Chunk, data) -> None:
         pos, n = msg.pos, msg.n  # k >= 0 and a known phase: checked by M.decode
-        if not (0 <= pos and 1 <= n <= self.spec["max_chunk"] and pos + n <= self.spec["max_len"]):
+        if not (0 <= pos and 1 <= n <= self.spec.max_chunk and pos + n <= self.spec.max_len):
             raise M.BadMessage(f"chunk: rows [{pos}, {pos + n}) do not fit the buffers")
         if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
             if data is None:
@@ -253,9 +253,9 @@ class Stage:
 
     def on_token(self, msg: M.Token, data) -> None:
         """Decode on a remote stage 0: the head's next token (the ids segment is not shared across hosts)."""
-        if not (self.first and self.net is not None and self.net["remote"]):
+        if not (self.first and self.net is not None and self.net.remote):
             raise M.BadMessage("token: not a message a stage accepts")
-        if not (0 <= msg.pos < self.spec["max_len"] and 0 <= msg.id < self.args.vocab_size):
+        if not (0 <= msg.pos < self.spec.max_len and 0 <= msg.id < self.args.vocab_size):
             raise M.BadMessage(f"token: {msg.id} at {msg.pos} out of range")
         self.ids[msg.pos] = msg.id
 
@@ -263,8 +263,8 @@ class Stage:
         """The head says where this stage's neighbours across hosts listen: connect to them."""
         if self.linked:
             raise M.BadMessage("peers: not a message a stage accepts")
-        want = [(self.to_up, msg.up, msg.up_key, self.net["tcp_in"] and not self.first),
-                (self.to_down, msg.down, msg.down_key, self.net["tcp_out"] and not self.last)]
+        want = [(self.to_up, msg.up, msg.up_key, self.net.tcp_in and not self.first),
+                (self.to_down, msg.down, msg.down_key, self.net.tcp_out and not self.last)]
         for _, ep, key, needed in want:
             if needed and not (ep.startswith("tcp://") and len(key) == 40):
                 raise M.BadMessage(f"peers: no tcp endpoint and key for a neighbour ({ep!r})")
@@ -358,8 +358,8 @@ class Stage:
         h = self.model(x, pos)
         nll, count, argmax = 0.0, 0, -1
         if self.last:
-            if msg.phase == "prefill" and self.spec["perplexity"]:
-                targets = self.ids[pos + 1: min(pos + n + 1, self.spec["tokens"])].to(torch.long)
+            if msg.phase == "prefill" and self.spec.perplexity:
+                targets = self.ids[pos + 1: min(pos + n + 1, self.spec.tokens)].to(torch.long)
                 if targets.numel():
                     nll, count = self.model.nll(h, targets)
             logits = self.model.logits(h[0, -1])
@@ -425,7 +425,7 @@ class Stage:
 
     def serve(self) -> None:
         self.send(self.to_head, M.Ready(stage=self.i, pid=os.getpid(), device=str(self.device),
-                         layers=[self.spec["start"], self.spec["end"]], mem_bytes=self._mem_bytes(),
+                         layers=[self.spec.start, self.spec.end], mem_bytes=self._mem_bytes(),
                          kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s))
         if not self.linked:  # neighbours on other hosts: the head says where they listen once all are ready
             self.wait_until(lambda: self.linked)
@@ -469,14 +469,14 @@ class Stage:
             seg.close()
 
 
-def head_push(ctx, spec: dict):
+def head_push(ctx, spec: M.StageJob):
     """A PUSH to the head: its ipc socket, or (a remote stage) its tcp socket as a CURVE client."""
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.LINGER, 2000)  # long enough for a final "fail" to leave
-    net = spec.get("net")
-    if net and net["remote"]:
-        N.curve_client(s, net["public"], net["secret"], net["head_public"])
-    s.connect(spec["head_endpoint"])
+    net = spec.net
+    if net and net.remote:
+        N.curve_client(s, net.public, net.secret, net.head_public)
+    s.connect(spec.head_endpoint)
     return s
 
 
