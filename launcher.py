@@ -2,6 +2,7 @@
 prefill (and the continuation), prints the report and writes the run directory.
 
     python launcher.py --config configs/rig.yaml [--out DIR] [--set key=value ...]
+    strata --config configs/rig.yaml ...        (the same, as the installed console script)
 
 Exit 0 on success; otherwise non-zero with one line starting `error:` on stderr.
 """
@@ -25,7 +26,7 @@ class Stopped(BaseException):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="launcher.py", description="Strata: pipelined long-prompt prefill across layer-split stages.")
+        prog="strata", description="Strata: pipelined long-prompt prefill across layer-split stages.")
     ap.add_argument("--config", required=True, metavar="PATH", help="rig file (YAML); see README for every key")
     ap.add_argument("--out", metavar="DIR", help="run directory for report.json, stage logs, timeline.png "
                     "(default: the rig's `out`, else runs/<time>)")

@@ -37,42 +37,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _alive(pid: int) -> bool:
-    """A live (non-zombie) process: /proc, no psutil needed."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return raw[raw.rindex(")") + 2] not in "ZX"
-
-
-def _stage_pids(out: Path) -> dict[int, int]:
-    pids = {}
-    for f in out.glob("stage-*.log"):
-        m = re.search(r"\[stage (\d+)\] INFO pid (\d+),", f.read_text(errors="replace"))
-        if m:
-            pids[int(m[1])] = int(m[2])
-    return pids
-
-
-def _log_time(out: Path, stage: int, text: str) -> float | None:
-    f = out / f"stage-{stage}.log"
-    for line in (f.read_text(errors="replace").splitlines() if f.is_file() else []):
-        if text in line:
-            m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
-            if m:
-                return time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000
-    return None
+from strata.leftovers import Proc, log_time, segments, stage_pids  # noqa: E402
 
 
 def _leftovers(owner_pid: int | None, run_id: str | None, stage_pids) -> tuple[list, list, list]:
     """(live stage pids, /dev/shm segments, ipc dirs) of a run that should have left nothing."""
-    orphans = [p for p in stage_pids if _alive(p)]
-    segs = []
-    for p in Path("/dev/shm").iterdir():
-        m = re.match(r"^strata-([0-9a-z]+)-(\d+)-[0-9a-z]+$", p.name)
-        if m and ((owner_pid is not None and int(m[2]) == owner_pid) or (run_id is not None and m[1] == run_id)):
-            segs.append(p.name)
+    orphans = [p for p in stage_pids if Proc(p).alive()]
+    segs = segments(owner_pid) if owner_pid is not None else segments(run_id=run_id)
     dirs = [d.name for d in Path(tempfile.gettempdir()).glob(f"strata-ipc-{owner_pid}-*")] if owner_pid else []
     return orphans, segs, dirs
 
@@ -97,8 +68,8 @@ def run_launcher(a, k: int, victim: int, chunk: int, tmp: Path) -> dict:
         p.kill()
         _, stderr = p.communicate()
     t_exit = time.time()
-    pids = _stage_pids(out)
-    t_kill = _log_time(out, victim, "injected failure")
+    pids = stage_pids(out)
+    t_kill = log_time(out, victim, "injected failure")
     errs = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
     want = f"error: stage {victim} (cpu, pid {pids.get(victim)}, chunk {chunk}) killed by SIGKILL"
     named = bool(errs) and errs[-1].startswith(want)

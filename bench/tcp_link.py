@@ -41,11 +41,11 @@ def receive(a, keys: dict) -> None:
     while True:
         parts = inbox.recv_multipart(copy=False)
         msg = M.decode(parts[0].bytes)
-        if msg["t"] == "stop":
+        if isinstance(msg, M.Stop):
             break
-        link.land(msg["n"], parts[1])
-        link.get(msg["n"]).clone()  # the copy out of the input buffer, as run_chunk makes it
-        back.send(M.encode("taken", k=msg["k"]))
+        link.land(msg.n, parts[1])
+        link.get(msg.n).clone()  # the copy out of the input buffer, as run_chunk makes it
+        back.send(M.encode(M.Taken(k=msg.k)))
     for s in (inbox, back):
         s.close(0)
     gate.stop()
@@ -68,14 +68,14 @@ def send(a, keys: dict, receiver: subprocess.Popen) -> list[str]:
         times = []
         for _ in range(a.reps + 1):  # the first is a warm-up
             t = time.perf_counter()
-            link.put(h, "chunk", k=k, pos=0, n=n, phase="prefill")
+            link.put(h, M.Chunk(k=k, pos=0, n=n, phase="prefill", t0=0.0))
             M.decode(back.recv())
             times.append(time.perf_counter() - t)
             k += 1
         ms = statistics.median(times[1:]) * 1000
         mb = n * a.dim * 4 / 1e6
         lines.append(f"| {n:,} | {mb:.1f} | {ms:.2f} | {mb / ms:.2f} |")
-    out.send(M.encode("stop"))
+    out.send(M.encode(M.Stop()))
     receiver.wait(30)
     for s in (out, back):
         s.close(0)

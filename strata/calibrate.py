@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .model import ModelArgs
-from .planner import Speed, chunk_flops
+from .planner import Speed
+from .schedule import chunk_flops
 
 ALWAYS = False           # calibrate even identical CPU stages (bench/split.py --calibrate)
 CPU_MAX_CONTEXT = 8192   # CPU probes time attention over at most this many cached positions

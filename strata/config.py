@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+import types
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import yaml
 
 from .errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/model.py); auto = the model's default
+WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
+KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn")  # the KV cache's dtype (issue 12); auto = dtype
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
 REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.stage --join {join} --key {key}"
 REMOTE_FIELDS = ("host", "python", "cwd", "join", "key", "stage")
@@ -60,7 +64,12 @@ class DebugSpec:
 @dataclass(frozen=True)
 class RigConfig:
     model: str = "smollm2"                  # HF dir, .gguf file, "smollm2", or "synthetic:PRESET"
-    dtype: str = "float32"
+    dtype: str = field(default="float32", metadata={"choices": DTYPES})
+    attention: str = field(default="auto", metadata={"choices": ATTENTION})  # CUDA attention path (stages and
+                                            # planner alike); STRATA_CUDA_ATTENTION overrides it
+    weights: str = field(default="auto", metadata={"choices": WEIGHTS})      # quantized weights resident or
+                                            # dequantized at load (carried to the stage; see issue 12)
+    kv_dtype: str = field(default="auto", metadata={"choices": KV_DTYPES})   # KV cache dtype (see issue 12)
     stages: tuple[StageSpec, ...] | str = "auto"   # list of stages, or "auto"
     layer_split: tuple[int, ...] | str = "auto"     # layer counts per stage, or "auto"
     chunk: int = 512                        # tokens per chunk (the largest, with dynamic chunks)
@@ -70,11 +79,12 @@ class RigConfig:
     generate: int = 0                       # greedy continuation tokens after the prefill
     perplexity: bool = True                 # mean NLL of the prompt, computed on the last stage
     dump_residual: bool = False             # write residual.npy (after the last layer) and its md5
-    timing: bool = False                    # per-stage timing table and busy histogram
+    timing: bool = False                    # console: the per-stage timing table and busy histogram (report.json
+                                            # always has the figures)
     out: str | None = None                  # run directory (default runs/<time>)
     seed: int = 0                           # synthetic weights
-    ready_timeout_s: float = 300.0          # each stage must load and report ready within this
-    stall_timeout_s: float = 600.0          # no progress for this long fails the run (stacks dumped)
+    ready_timeout_s: float = field(default=300.0, metadata={"positive": True})          # each stage must load and report ready within this
+    stall_timeout_s: float = field(default=600.0, metadata={"positive": True})          # no progress for this long fails the run (stacks dumped)
     progress: bool = True                   # progress bar on the console
     # -- stages on other hosts (`stages[i].host`); none of these is used while every stage is local --------
     listen: str | None = None               # "ADDR" or "ADDR:PORT" (an address or interface name of this machine)
@@ -84,13 +94,10 @@ class RigConfig:
                                             # line and run without one (fields {host} {python} {cwd} {join} {key}
                                             # {stage}; {key} is "-": the key goes on stdin), or "print": only print
                                             # the exact command for each remote stage, for a person to run
-    heartbeat_s: float = 1.0                # head and remote stages tell each other they are alive this often
-    heartbeat_timeout_s: float = 10.0       # a remote stage silent this long fails the run (naming host and
+    heartbeat_s: float = field(default=1.0, metadata={"positive": True})                # head and remote stages tell each other they are alive this often
+    heartbeat_timeout_s: float = field(default=10.0, metadata={"positive": True})       # a remote stage silent this long fails the run (naming host and
                                             # stage); a remote stage exits when the head is silent this long
     debug: DebugSpec = field(default_factory=DebugSpec)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 _TOP = {f.name for f in fields(RigConfig)}
@@ -129,31 +136,91 @@ def _typed(name: str, value: Any, kind, allow_none=False):
     raise AssertionError(kind)
 
 
-def _sub(cls, name: str, raw) -> Any:
-    if raw is None:
-        return cls()
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{name}: expected a mapping, got {raw!r}")
-    known = {f.name for f in fields(cls)}
-    _check_keys(raw, known, f"in {name}: ")
+def _scalar_kind(cls, f) -> tuple[type, bool]:
+    """(python type, None allowed) of a scalar field, from its annotation (resolved, not string-edited)."""
+    t = get_type_hints(cls)[f.name]
+    args = get_args(t) if isinstance(t, types.UnionType) else (t,)
+    kinds = [a for a in args if a is not type(None)]
+    if len(kinds) != 1 or kinds[0] not in (str, int, float, bool):
+        raise AssertionError(f"{cls.__name__}.{f.name}: {t} needs a parser in _PARSERS")
+    return kinds[0], len(kinds) != len(args)
+
+
+def _parse_fields(cls, name: str, raw: dict, parsers: dict) -> Any:
+    """raw mapping -> cls, every field of the dataclass reached: a scalar by its annotation, anything
+    else by `parsers[field]`; a field with neither fails at import (see _check_parsers), never dropped."""
+    _check_keys(raw, {f.name for f in fields(cls)}, f"in {name}: " if name else "")
     out = {}
     for f in fields(cls):
         if f.name not in raw:
             continue
-        v = raw[f.name]
-        t = f.type if isinstance(f.type, str) else f.type.__name__
-        if f.name == "random":
-            if not isinstance(v, dict):
-                raise ConfigError(f"{name}.random: expected {{tokens: N, seed: S}}, got {v!r}")
-            _check_keys(v, {"tokens", "seed"}, f"in {name}.random: ")
-            _typed(f"{name}.random.tokens", v.get("tokens"), int)
-            _typed(f"{name}.random.seed", v.get("seed", 0), int)
-            out[f.name] = {"tokens": v["tokens"], "seed": v.get("seed", 0)}
-            continue
-        base = t.replace(" | None", "")
-        kind = {"str": str, "int": int, "float": float, "bool": bool}[base]
-        out[f.name] = _typed(f"{name}.{f.name}", v, kind, allow_none=" | None" in t)
+        where = f"{name}.{f.name}" if name else f.name
+        if f.name in parsers:
+            out[f.name] = parsers[f.name](where, raw[f.name])
+        else:
+            kind, allow_none = _scalar_kind(cls, f)
+            out[f.name] = _typed(where, raw[f.name], kind, allow_none)
+        choices = f.metadata.get("choices")
+        if choices and out[f.name] not in choices:
+            raise ConfigError(f"{where}: {out[f.name]!r} is not one of {', '.join(map(str, choices))}")
+        if f.metadata.get("positive") and out[f.name] is not None and out[f.name] <= 0:
+            raise ConfigError(f"{where}: must be > 0, got {raw[f.name]!r}")
     return cls(**out)
+
+
+def _sub(cls, parsers: dict | None = None):
+    def parse(name: str, raw) -> Any:
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {raw!r}")
+        return _parse_fields(cls, name, raw, parsers or {})
+    return parse
+
+
+def _random(name: str, v) -> dict:
+    if not isinstance(v, dict):
+        raise ConfigError(f"{name}: expected {{tokens: N, seed: S}}, got {v!r}")
+    _check_keys(v, {"tokens", "seed"}, f"in {name}: ")
+    _typed(f"{name}.tokens", v.get("tokens"), int)
+    _typed(f"{name}.seed", v.get("seed", 0), int)
+    return {"tokens": v["tokens"], "seed": v.get("seed", 0)}
+
+
+def _stages(name: str, s):
+    if s == "auto":
+        return "auto"
+    if isinstance(s, list) and s:
+        return tuple(_stage(i, x) for i, x in enumerate(s))
+    raise ConfigError(f"stages: expected 'auto' or a non-empty list of {{device, threads?}}, got {s!r}")
+
+
+def _layer_split(name: str, ls):
+    if ls == "auto":
+        return "auto"
+    if isinstance(ls, list) and ls and all(isinstance(n, int) and not isinstance(n, bool) for n in ls):
+        if any(n <= 0 for n in ls):
+            raise ConfigError(f"layer_split: every stage needs at least one layer, got {ls}")
+        return tuple(ls)
+    raise ConfigError(f"layer_split: expected 'auto' or a list of layer counts, got {ls!r}")
+
+
+# fields whose type is not a plain scalar: every one of them has its parser here
+_PARSERS = {
+    RigConfig: {"stages": _stages, "layer_split": _layer_split, "prompt": _sub(PromptSpec, {"random": _random}),
+                "debug": _sub(DebugSpec)},
+    PromptSpec: {"random": _random},
+    StageSpec: {},
+    DebugSpec: {},
+}
+
+
+def _check_parsers() -> None:
+    """At import: a field added to a rig dataclass without a way to parse it fails loudly here."""
+    for cls, parsers in _PARSERS.items():
+        for f in fields(cls):
+            if f.name not in parsers:
+                _scalar_kind(cls, f)
 
 
 def parse_value(text: str) -> Any:
@@ -199,52 +266,13 @@ def load_raw(path: str | os.PathLike) -> dict:
 def from_dict(raw: dict, env: dict | None = None) -> RigConfig:
     """Validate a raw mapping (from YAML, --set, or the Python API) into a RigConfig.
 
-    STRATA_PF_DEPTH and STRATA_PREFILL_TIMING in `env` (default os.environ) override the rig.
+    STRATA_PF_DEPTH, STRATA_PREFILL_TIMING and STRATA_CUDA_ATTENTION in `env` (default os.environ) override
+    the rig.
     """
     env = os.environ if env is None else env
     _check_keys(raw, _TOP, "")
     raw = _apply_env(raw, env)
-    out: dict[str, Any] = {}
-    for name in ("model", "dtype", "out"):
-        if name in raw:
-            out[name] = _typed(name, raw[name], str, allow_none=(name == "out"))
-    for name in ("chunk", "depth", "generate", "seed"):
-        if name in raw:
-            out[name] = _typed(name, raw[name], int)
-    for name in ("dynamic_chunks", "perplexity", "dump_residual", "timing", "progress"):
-        if name in raw:
-            out[name] = _typed(name, raw[name], bool)
-    for name in ("listen", "remote_command"):
-        if name in raw:
-            out[name] = _typed(name, raw[name], str, allow_none=(name == "listen"))
-    for name in ("ready_timeout_s", "stall_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
-        if name in raw:
-            out[name] = _typed(name, raw[name], float)
-            if out[name] <= 0:
-                raise ConfigError(f"{name}: must be > 0, got {raw[name]!r}")
-    if "prompt" in raw:
-        out["prompt"] = _sub(PromptSpec, "prompt", raw["prompt"])
-    if "debug" in raw:
-        out["debug"] = _sub(DebugSpec, "debug", raw["debug"])
-    if "stages" in raw:
-        s = raw["stages"]
-        if s == "auto":
-            out["stages"] = "auto"
-        elif isinstance(s, list) and s:
-            out["stages"] = tuple(_stage(i, x) for i, x in enumerate(s))
-        else:
-            raise ConfigError(f"stages: expected 'auto' or a non-empty list of {{device, threads?}}, got {s!r}")
-    if "layer_split" in raw:
-        ls = raw["layer_split"]
-        if ls == "auto":
-            out["layer_split"] = "auto"
-        elif isinstance(ls, list) and ls and all(isinstance(n, int) and not isinstance(n, bool) for n in ls):
-            if any(n <= 0 for n in ls):
-                raise ConfigError(f"layer_split: every stage needs at least one layer, got {ls}")
-            out["layer_split"] = tuple(ls)
-        else:
-            raise ConfigError(f"layer_split: expected 'auto' or a list of layer counts, got {ls!r}")
-    cfg = RigConfig(**out)
+    cfg = _parse_fields(RigConfig, "", raw, _PARSERS[RigConfig])
     _check_values(cfg)
     return cfg
 
@@ -258,13 +286,18 @@ def _apply_env(raw: dict, env) -> dict:
             raise ConfigError(f"STRATA_PF_DEPTH={env['STRATA_PF_DEPTH']!r}: expected 0 or 1") from None
     if env.get("STRATA_PREFILL_TIMING", "") not in ("", "0"):
         raw["timing"] = True
+    if env.get("STRATA_CUDA_ATTENTION", "") != "":
+        if env["STRATA_CUDA_ATTENTION"] not in ATTENTION:
+            raise ConfigError(f"STRATA_CUDA_ATTENTION={env['STRATA_CUDA_ATTENTION']!r}: expected one of "
+                              f"{', '.join(ATTENTION)}")
+        raw["attention"] = env["STRATA_CUDA_ATTENTION"]
     return raw
 
 
 def _stage(i: int, x) -> StageSpec:
     if isinstance(x, str):
         x = {"device": x}
-    spec = _sub(StageSpec, f"stages[{i}]", x)
+    spec = _sub(StageSpec)(f"stages[{i}]", x)
     if spec.threads is not None and spec.threads <= 0:
         raise ConfigError(f"stages[{i}].threads: must be > 0, got {spec.threads}")
     if spec.memory is not None and spec.memory <= 0:
@@ -284,8 +317,6 @@ def _check_values(cfg: RigConfig) -> None:
         raise ConfigError(
             f"depth {cfg.depth} refused: a stage owns one set of chunk buffers, so at most one chunk may be "
             "in flight below it (1 = overlap, 0 = the old full join)")
-    if cfg.dtype not in DTYPES:
-        raise ConfigError(f"dtype: {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.chunk <= 0:
         raise ConfigError(f"chunk: must be a positive number of tokens, got {cfg.chunk}")
     if cfg.generate < 0:
@@ -366,10 +397,27 @@ def _check_remote(cfg: RigConfig) -> None:
                           f"stages differ ({who}): calibration measures this machine only")
 
 
+def check_run_dir(path: Path) -> None:
+    """The run directory must be creatable and writable: refused here, before any stage starts and
+    dies trying to open its log there. Creates the directory (the run would anyway)."""
+    probe = path / f".strata-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"out: {str(path)!r} cannot be the run directory: {e.strerror or e}") from None
+
+
+def device_syntax_ok(dev: str) -> bool:
+    """'cpu' or 'cuda:N': the one place device syntax is defined (the rig and a remote stage's spec)."""
+    return dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit())
+
+
 def check_device(dev: str, name: str) -> None:
     if dev == "cpu":
         return
-    if not dev.startswith("cuda:") or not dev[5:].isdigit():
+    if not device_syntax_ok(dev):
         raise ConfigError(f"{name}: {dev!r} is not a device (expected 'cpu' or 'cuda:N')")
     import torch
     n = torch.cuda.device_count()
@@ -378,7 +426,7 @@ def check_device(dev: str, name: str) -> None:
 
 
 def load(path: str | os.PathLike, overrides: list[str] = (), env: dict | None = None) -> RigConfig:
-    """Rig file, then the environment (STRATA_PF_DEPTH, STRATA_PREFILL_TIMING), then --set."""
+    """Rig file, then the environment (STRATA_PF_DEPTH, STRATA_PREFILL_TIMING, STRATA_CUDA_ATTENTION), then --set."""
     env = os.environ if env is None else env
     raw = load_raw(path)
     _check_keys(raw, _TOP, "")
@@ -386,3 +434,6 @@ def load(path: str | os.PathLike, overrides: list[str] = (), env: dict | None = 
     for a in overrides:
         apply_override(raw, a)
     return from_dict(raw, env={})
+
+
+_check_parsers()

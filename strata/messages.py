@@ -1,4 +1,5 @@
-"""Every message on the wire: msgpack maps with a version and a type, validated on receipt.
+"""Every message on the wire: one frozen dataclass per type, sent as a msgpack map with a version
+and a type, validated on receipt and decoded into its dataclass (`encode(msg)` / `decode(frame)`).
 
 Bulk data never travels here; a message says which chunk sits in which shared buffer.
 Nothing is unpickled. A frame that does not decode to a known, well-formed message raises
@@ -9,10 +10,14 @@ accepts is acted on. Who may send is decided by where the endpoints live: ipc so
 per-run directory of mode 0700, so only this user reaches them; across hosts, tcp sockets that
 only a peer holding one of the run's CurveZMQ keys can connect to (strata/net.py).
 
-A remote stage gets its spec from the head as one msgpack frame too (`encode_spec` /
-`decode_spec`), checked field by field before anything is built from it.
+The stage's spec is a dataclass too (`StageJob`, with `StageNet`): a local stage gets it as its
+process argument; a remote stage from the head as one msgpack frame (`encode_spec` / `decode_spec`),
+checked field by field before anything is built from it.
 """
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar, get_type_hints
 
 import msgpack
 
@@ -25,57 +30,170 @@ class BadMessage(ValueError):
 
 
 _num = (int, float)
+_NONE = type(None)
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1  # every integer field fits an int64
-# type -> {field: allowed python types}. Every field is required; extra fields are refused.
-SCHEMA: dict[str, dict[str, tuple]] = {
-    # upstream -> stage: chunk k (pos, n) is in the input buffer (stage 0: in the ids segment).
-    # t0 is the head's clock when the phase began; it rides with the chunk so that a stage learns
-    # of a new phase in stream order (a separate note from the head could overtake or trail it)
-    "chunk": {"k": (int,), "pos": (int,), "n": (int,), "phase": (str,), "t0": _num},
-    # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
-    "taken": {"k": (int,)},
-    # stage -> upstream (depth 0): chunk k has gone through the whole rest of the pipeline
-    "done": {"k": (int,)},
-    # last stage -> head: chunk k finished; last-row logits are in the result buffer
-    "result": {"k": (int,), "nll": _num, "count": (int,), "argmax": (int,)},
-    # stage -> head: started work on chunk k (progress display)
-    "working": {"stage": (int,), "k": (int,)},
-    # head -> stage: the phase is over; report timing
-    "end": {"phase": (str,)},
-    # stage -> head: per-phase timing and events
-    "stats": {"stage": (int,), "phase": (str,), "wall_s": _num, "work_s": _num, "handoff_wait_s": _num,
-              "input_wait_s": _num, "copy_s": _num, "events": (list,), "chunks": (int,), "bad_frames": (int,)},
-    # stage -> head: loaded and mapped; ready to serve
-    "ready": {"stage": (int,), "pid": (int,), "device": (str,), "layers": (list,), "mem_bytes": (int,),
-              "kv_bytes": (int,), "pinned": (bool,), "load_s": _num},
-    # stage -> head: a typed failure, sent before the stage exits
-    "fail": {"stage": (int,), "pid": (int,), "device": (str,), "chunk": (int,), "error": (str,),
-             "message": (str,), "traceback": (str,)},
-    # head -> stage: exit now
-    "stop": {},
-    # -- across hosts (strata/net.py); only a run with a remote stage sends or accepts these ------------
-    # remote stage -> head (control socket): give me my spec; `clock` is its perf_counter when sent
-    "join": {"pid": (int,), "host": (str,), "boot_id": (str,), "clock": _num},
-    # head <-> remote stage (control socket): still here
-    "hb": {"stage": (int,)},
-    # stage -> head: its tcp inbox (a neighbour is on another host, or it is remote itself)
-    "bound": {"stage": (int,), "endpoint": (str,)},
-    # head -> stage: the tcp inboxes and CURVE public keys of its neighbours ("" = not over tcp)
-    "peers": {"up": (str,), "up_key": (str,), "down": (str,), "down_key": (str,)},
-    # head -> remote stage 0 (decode): the token at `pos` (the ids segment is not shared across hosts)
-    "token": {"pos": (int,), "id": (int,)},
-    # stage -> head: its tcp sockets refused `count` handshakes so far (no key, wrong key); the latest why
-    "rejected": {"stage": (int,), "count": (int,), "detail": (str,)},
-}
+PHASES = ("prefill", "decode")
 
 
-def encode(type_: str, **fields) -> bytes:
-    msg = {"v": VERSION, "t": type_, **fields}
-    validate(msg)
-    return msgpack.packb(msg, use_bin_type=True)
+class Message:
+    """A wire message: a frozen dataclass whose fields are the map's keys (besides "v" and "t")."""
+    TYPE: ClassVar[str]
+
+
+def _message(type_: str):
+    def wrap(cls):
+        cls.TYPE = type_
+        return dataclass(frozen=True)(cls)
+    return wrap
+
+
+# upstream -> stage: chunk k (pos, n) is in the input buffer (stage 0: in the ids segment).
+# t0 is the head's clock when the phase began; it rides with the chunk so that a stage learns
+# of a new phase in stream order (a separate note from the head could overtake or trail it)
+@_message("chunk")
+class Chunk(Message):
+    k: int
+    pos: int
+    n: int
+    phase: str
+    t0: float
+
+
+@_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
+class Taken(Message):
+    k: int
+
+
+@_message("done")    # stage -> upstream (depth 0): chunk k has gone through the whole rest of the pipeline
+class Done(Message):
+    k: int
+
+
+@_message("result")  # last stage -> head: chunk k finished; last-row logits are in the result buffer
+class ChunkResult(Message):
+    k: int
+    nll: float
+    count: int
+    argmax: int
+
+
+@_message("working")  # stage -> head: started work on chunk k (progress display)
+class Working(Message):
+    stage: int
+    k: int
+
+
+@_message("end")     # head -> stage: the phase is over; report timing
+class End(Message):
+    phase: str
+
+
+@_message("stats")   # stage -> head: per-phase timing and events
+class Stats(Message):
+    stage: int
+    phase: str
+    wall_s: float
+    work_s: float
+    handoff_wait_s: float
+    input_wait_s: float
+    copy_s: float
+    events: list
+    chunks: int
+    bad_frames: int
+
+
+@_message("ready")   # stage -> head: loaded and mapped; ready to serve
+class Ready(Message):
+    stage: int
+    pid: int
+    device: str
+    layers: list
+    mem_bytes: int
+    kv_bytes: int
+    pinned: bool
+    load_s: float
+
+
+@_message("fail")    # stage -> head: a typed failure, sent before the stage exits
+class Fail(Message):
+    stage: int
+    pid: int
+    device: str
+    chunk: int
+    error: str
+    message: str
+    traceback: str
+
+
+@_message("stop")    # head -> stage: exit now
+class Stop(Message):
+    pass
+
+
+# -- across hosts (strata/net.py); only a run with a remote stage sends or accepts these ------------
+@_message("join")    # remote stage -> head (control socket): give me my spec; `clock`: its perf_counter when sent
+class Join(Message):
+    pid: int
+    host: str
+    boot_id: str
+    clock: float
+
+
+@_message("hb")      # head <-> remote stage (control socket): still here
+class Heartbeat(Message):
+    stage: int
+
+
+@_message("bound")   # stage -> head: its tcp inbox (a neighbour is on another host, or it is remote itself)
+class Bound(Message):
+    stage: int
+    endpoint: str
+
+
+@_message("peers")   # head -> stage: the tcp inboxes and CURVE public keys of its neighbours ("" = not over tcp)
+class Peers(Message):
+    up: str
+    up_key: str
+    down: str
+    down_key: str
+
+
+@_message("token")   # head -> remote stage 0 (decode): the token at `pos` (the ids segment is not shared across hosts)
+class Token(Message):
+    pos: int
+    id: int
+
+
+@_message("rejected")  # stage -> head: its tcp sockets refused `count` handshakes so far; the latest why
+class Rejected(Message):
+    stage: int
+    count: int
+    detail: str
+
+
+MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Chunk, Taken, Done, ChunkResult, Working, End, Stats, Ready,
+                                                        Fail, Stop, Join, Heartbeat, Bound, Peers, Token, Rejected)}
+_KINDS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), list: (list,)}
+# type -> {field: allowed python types}, derived from the dataclasses. Every field is required; extra ones refused.
+SCHEMA: dict[str, dict[str, tuple]] = {t: {f.name: _KINDS[get_type_hints(c)[f.name]] for f in fields(c)}
+                                       for t, c in MESSAGES.items()}
+
+
+def encode(msg: Message) -> bytes:
+    """A typed message -> one msgpack frame (checked as the receiver will check it)."""
+    m = {"v": VERSION, "t": msg.TYPE, **{f.name: getattr(msg, f.name) for f in fields(msg)}}
+    validate(m)
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def as_map(msg: Message) -> dict:
+    """What `encode` puts on the wire, as a map (for tests and logs)."""
+    return {"v": VERSION, "t": msg.TYPE, **{f.name: getattr(msg, f.name) for f in fields(msg)}}
 
 
 def validate(msg) -> dict:
+    """A decoded map: version, a known type, exactly its fields with their types, integers in int64,
+    chunk indices >= 0 and phases known. Raises BadMessage."""
     if not isinstance(msg, dict):
         raise BadMessage(f"not a map: {type(msg).__name__}")
     v = msg.get("v")
@@ -98,6 +216,10 @@ def validate(msg) -> dict:
             raise BadMessage(f"{t}.{name}: bad type {type(v).__name__}")
         if isinstance(v, int) and not isinstance(v, bool) and not _INT_MIN <= v <= _INT_MAX:
             raise BadMessage(f"{t}.{name}: integer out of range")
+    if t in ("chunk", "taken", "done", "result", "working") and msg["k"] < 0:
+        raise BadMessage(f"{t}: negative chunk index {msg['k']}")
+    if t in ("chunk", "end", "stats") and msg["phase"] not in PHASES:
+        raise BadMessage(f"{t}: unknown phase {msg['phase']!r}")
     return msg
 
 
@@ -111,25 +233,81 @@ def _unpack(frame: bytes, limit: int, what: str):
         raise BadMessage(f"undecodable {what} ({type(e).__name__})") from None
 
 
-def decode(frame: bytes) -> dict:
-    return validate(_unpack(frame, MAX_FRAME, "frame"))
+def decode(frame: bytes) -> Message:
+    """One frame -> its typed message, or BadMessage."""
+    m = validate(_unpack(frame, MAX_FRAME, "frame"))
+    return MESSAGES[m["t"]](**{k: v for k, v in m.items() if k not in ("v", "t")})
 
 
 # -- a remote stage's spec (the head's join reply) -----------------------------------------------------
-_NONE = type(None)
-_SCALAR = (int, float, str, bool, _NONE)
-SPEC: dict[str, tuple] = {
-    "index": (int,), "n_stages": (int,), "device": (str,), "dtype": (str,), "threads": (int, _NONE),
-    "cores": (list,), "start": (int,), "end": (int,), "model": (str,), "args": (dict,), "seed": (int,),
-    "max_len": (int,), "tokens": (int,), "max_chunk": (int,), "depth": (int,), "perplexity": (bool,),
-    "segments": (dict,), "endpoints": (list,), "head_endpoint": (str,), "log_file": (str,),
-    "console": (bool,), "dump_residual": (str,), "debug": (dict,), "net": (dict,),
-}
-SPEC_NET: dict[str, tuple] = {
-    "host": (str,), "remote": (bool,), "bind": (str,), "tcp_in": (bool,), "tcp_out": (bool,),
-    "tcp_inbox": (bool,), "public": (str,), "secret": (str,), "head_public": (str,), "allow": (list,),
-    "head_tcp": (str,), "heartbeat_s": _num, "heartbeat_timeout_s": _num, "head_clock": _num, "boot_id": (str,),
-}
+_SCALAR = (int, float, str, bool, type(None))
+@dataclass
+class StageNet:
+    """A stage's network facts (a run with a remote stage): which boundaries cross hosts, its keys, the heartbeats."""
+    host: str                  # where it runs ("local": this machine)
+    remote: bool
+    bind: str                  # the address its tcp inbox binds on ("" for a remote stage: its route to the head)
+    tcp_in: bool               # its input boundary crosses hosts
+    tcp_out: bool              # its output boundary (or, last stage, its result) crosses hosts
+    tcp_inbox: bool            # it listens on tcp
+    public: str                # its CURVE keypair (a remote stage brings its own secret)
+    secret: str
+    head_public: str
+    allow: list                # public keys that may connect to its tcp inbox
+    head_tcp: str              # the head's tcp notes endpoint
+    heartbeat_s: float
+    heartbeat_timeout_s: float
+    head_clock: float          # the head's perf_counter when it answered the join (0 until then)
+    boot_id: str               # the head's kernel boot id: same kernel, same clock
+
+
+@dataclass
+class StageJob:
+    """Everything a stage process needs: built by the head (Pipeline._spec), read by attribute in the stage.
+    A remote stage gets it as one msgpack map, checked by `validate_spec` before anything is built from it."""
+    index: int
+    n_stages: int
+    device: str                # "cpu" or "cuda:N"
+    dtype: str
+    attention: str             # the rig's `attention`
+    weights: str               # the rig's `weights` (issue 12)
+    kv_dtype: str              # the rig's `kv_dtype` (issue 12)
+    threads: int | None
+    cores: list
+    start: int                 # layers [start, end)
+    end: int
+    model: str
+    args: dict                 # ModelArgs fields
+    seed: int
+    max_len: int               # KV positions: prompt + continuation
+    tokens: int
+    max_chunk: int
+    depth: int
+    perplexity: bool
+    segments: dict             # what -> (shared segment name, bytes); empty for a remote stage
+    endpoints: list            # every stage's ipc inbox; empty for a remote stage
+    head_endpoint: str
+    log_file: str              # "" for a remote stage: it logs to stderr
+    console: bool
+    dump_residual: str         # the path of residual.npy, or ""
+    debug: dict                # DebugSpec fields
+    net: StageNet | None = None  # None: every stage of the run is on this host
+
+
+def _spec_kinds(cls) -> dict[str, tuple]:
+    hints = get_type_hints(cls)
+    plain = {int: (int,), float: _num, str: (str,), bool: (bool,), list: (list,), dict: (dict,)}
+    out = {}
+    for f in fields(cls):
+        h = hints[f.name]
+        args = [a for a in getattr(h, "__args__", (h,)) if a is not _NONE]
+        kinds = plain.get(args[0], (dict,))  # a nested dataclass travels as a map
+        out[f.name] = kinds + ((_NONE,) if len(args) < len(getattr(h, "__args__", (h,))) and f.name != "net" else ())
+    return out
+
+
+SPEC: dict[str, tuple] = _spec_kinds(StageJob)   # on the wire `net` is required: only remote stages get a spec
+SPEC_NET: dict[str, tuple] = _spec_kinds(StageNet)
 SPEC_DEBUG = ("delay_s", "delay_step_s", "fail_stage", "fail_chunk", "fail_mode", "fail_phase")
 MAX_SPEC = 1 << 20
 
@@ -166,11 +344,12 @@ def validate_spec(spec) -> dict:
         raise BadMessage("spec: stage index or layer range out of range")
     if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)):
         raise BadMessage("spec: tokens, max_len, max_chunk or depth out of range")
-    if s["dtype"] not in ("float32", "bfloat16", "float16"):
-        raise BadMessage(f"spec.dtype: {s['dtype']!r}")
-    dev = s["device"]
-    if not (dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise BadMessage(f"spec.device: {dev!r}")
+    from .config import ATTENTION, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
+    for name, choices in (("dtype", DTYPES), ("attention", ATTENTION), ("weights", WEIGHTS), ("kv_dtype", KV_DTYPES)):
+        if s[name] not in choices:
+            raise BadMessage(f"spec.{name}: {s[name]!r}")
+    if not device_syntax_ok(s["device"]):
+        raise BadMessage(f"spec.device: {s['device']!r}")
     if not all(type(c) is int and c >= 0 for c in s["cores"]) or (s["threads"] is not None and s["threads"] <= 0):
         raise BadMessage("spec: bad cores or threads")
     if not net["remote"] or s["segments"] or s["endpoints"] or s["log_file"]:
@@ -187,9 +366,10 @@ def validate_spec(spec) -> dict:
     return spec
 
 
-def encode_spec(spec: dict) -> bytes:
-    return msgpack.packb(validate_spec(spec), use_bin_type=True)
+def encode_spec(job: StageJob) -> bytes:
+    return msgpack.packb(validate_spec(asdict(job)), use_bin_type=True)
 
 
-def decode_spec(frame: bytes) -> dict:
-    return validate_spec(_unpack(frame, MAX_SPEC, "spec"))
+def decode_spec(frame: bytes) -> StageJob:
+    d = validate_spec(_unpack(frame, MAX_SPEC, "spec"))
+    return StageJob(**{**d, "net": StageNet(**d["net"])})

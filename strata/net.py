@@ -27,6 +27,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import zmq
@@ -198,7 +199,7 @@ class HeadNet:
         self.lock = threading.Lock()
         self.error = ""  # set if the thread died: the main thread fails the run with it
 
-    def offer(self, i: int, spec: dict, ids: bytes) -> None:
+    def offer(self, i: int, spec: M.StageJob, ids: bytes) -> None:
         """What stage i gets when it joins (its spec, the prompt's ids); before `start`."""
         self.offers[i] = (spec, ids)
 
@@ -244,7 +245,7 @@ class HeadNet:
                     idents = [(i, j["ident"]) for i, j in self.joined.items()]
                 for i, ident in idents:
                     try:
-                        self.control.send_multipart([ident, M.encode("hb", stage=i)], zmq.NOBLOCK)
+                        self.control.send_multipart([ident, M.encode(M.Heartbeat(stage=i))], zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass  # gone: its silence is noticed on this side too
 
@@ -261,26 +262,26 @@ class HeadNet:
             return
         if i is None:
             return
-        if msg["t"] == "hb":
+        if isinstance(msg, M.Heartbeat):
             with self.lock:
                 if self.joined.get(i, {}).get("ident") == ident:
                     self.last_seen[i] = time.monotonic()
             return
-        if msg["t"] != "join":
-            self.log.warning("control: stage %d sent %r", i, msg["t"])
+        if not isinstance(msg, M.Join):
+            self.log.warning("control: stage %d sent %r", i, msg.TYPE)
             return
         with self.lock:
             again = i in self.joined
         if again:  # one join per stage and run: a second (a copy of the key) is refused
-            self.log.warning("control: stage %d joined already; refused a second join from %s", i, msg["host"])
+            self.log.warning("control: stage %d joined already; refused a second join from %s", i, msg.host)
             return
         spec, ids = self.offers[i]
-        spec = dict(spec, net=dict(spec["net"], head_clock=time.perf_counter(), boot_id=boot_id()))
+        spec = replace(spec, net=replace(spec.net, head_clock=time.perf_counter(), boot_id=boot_id()))
         self.control.send_multipart([ident, M.encode_spec(spec), ids])
         with self.lock:
-            self.joined[i] = {"pid": msg["pid"], "host": msg["host"], "ident": ident, "t": time.monotonic()}
+            self.joined[i] = {"pid": msg.pid, "host": msg.host, "ident": ident, "t": time.monotonic()}
             self.last_seen[i] = time.monotonic()
-        self.log.info("stage %d joined from %s (pid %d)", i, msg["host"], msg["pid"])
+        self.log.info("stage %d joined from %s (pid %d)", i, msg.host, msg.pid)
 
     def stop(self) -> None:
         """Stop the thread and close the control socket, the notes socket and the gate."""
@@ -304,7 +305,7 @@ def join(ctx: zmq.Context, endpoint: str, key: tuple[str, str, str], timeout_s: 
     dealer.setsockopt(zmq.MAXMSGSIZE, -1)
     dealer.connect(endpoint)
     sent = time.perf_counter()
-    dealer.send(M.encode("join", pid=os.getpid(), host=socket.gethostname(), boot_id=boot_id(), clock=sent))
+    dealer.send(M.encode(M.Join(pid=os.getpid(), host=socket.gethostname(), boot_id=boot_id(), clock=sent)))
     if not dealer.poll(int(timeout_s * 1000)):
         dealer.close(linger=0)
         raise TimeoutError(f"no answer from the head at {endpoint} within {timeout_s:.0f}s (unreachable, "
@@ -314,11 +315,11 @@ def join(ctx: zmq.Context, endpoint: str, key: tuple[str, str, str], timeout_s: 
     if len(parts) != 2:
         raise M.BadMessage(f"join reply of {len(parts)} frames")
     spec = M.decode_spec(parts[0])
-    net = spec["net"]
-    same_clock = net["boot_id"] and net["boot_id"] == boot_id()
-    offset = 0.0 if same_clock else net["head_clock"] - (sent + got) / 2
-    if len(parts[1]) != 4 * spec["tokens"]:
-        raise M.BadMessage(f"join reply: {len(parts[1])} bytes of ids for {spec['tokens']} tokens")
+    net = spec.net
+    same_clock = net.boot_id and net.boot_id == boot_id()
+    offset = 0.0 if same_clock else net.head_clock - (sent + got) / 2
+    if len(parts[1]) != 4 * spec.tokens:
+        raise M.BadMessage(f"join reply: {len(parts[1])} bytes of ids for {spec.tokens} tokens")
     return dealer, spec, parts[1], offset
 
 
@@ -335,7 +336,7 @@ class HeadWatch:
 
     def _run(self) -> None:
         heard = time.monotonic()
-        hb = M.encode("hb", stage=self.stage)
+        hb = M.encode(M.Heartbeat(stage=self.stage))
         while not self.stopping.is_set():
             try:
                 self.dealer.send(hb, zmq.NOBLOCK)

@@ -75,7 +75,7 @@ def auto_stages(n_cores: int | None = None) -> tuple[StageSpec, ...]:
 
 
 def assign_cores(stages: tuple[StageSpec, ...]) -> list[tuple[int, ...]]:
-    """Give each CPU stage its own cores (two stages on the same cores fight; performance.md)."""
+    """Give each CPU stage its own cores (two stages on the same cores fight over them and both slow down)."""
     avail = sorted(os.sched_getaffinity(0))
     cpu_idx = [i for i, s in enumerate(stages) if s.device == "cpu" and not s.remote]  # remote: not our cores
     out: list[tuple[int, ...]] = [() for _ in stages]
@@ -109,7 +109,7 @@ def load_prompt(cfg: RigConfig, args: ModelArgs) -> np.ndarray:
         if p.text is not None:
             text = p.text
         elif p.file is not None:
-            text = Path(p.file).read_text(errors="replace")
+            text = read_text_file(p.file)
         else:
             text = stdlib_source(p.stdlib)
         ids = np.array(Tokenizer.for_model(cfg.model).encode(text), dtype=np.int64)
@@ -118,6 +118,21 @@ def load_prompt(cfg: RigConfig, args: ModelArgs) -> np.ndarray:
     if ids.size == 0:
         raise ConfigError("prompt: empty after tokenization")
     return ids.astype(np.int32)
+
+
+def read_text_file(path: str) -> str:
+    """A prompt file: UTF-8 text, else refused naming the first offending byte (a binary file would
+    otherwise be tokenized as garbage)."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"prompt.file {path!r}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") \
+            from None
+    nul = text.find("\0")
+    if nul >= 0:
+        raise ConfigError(f"prompt.file {path!r}: not text (a NUL byte at offset {len(text[:nul].encode())})")
+    return text
 
 
 def stdlib_source(module: str) -> str:
@@ -181,7 +196,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     host = [s.device == "cpu" for s in stages]
     labels = [s.device + (f", {s.threads} thread{'s' if s.threads != 1 else ''}" if s.threads else "")
               for s in stages]
-    kw = dict(with_head=cfg.perplexity, labels=labels, cap_notes=facts.cap_notes)
+    kw = dict(with_head=cfg.perplexity, labels=labels, cap_notes=facts.cap_notes, attention=cfg.attention)
     if auto:
         try:
             split = plan_split(args, n, facts.speeds, facts.caps, kv_tokens, max_chunk, cfg.dtype, host,
@@ -197,7 +212,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         err = check_split(args, split, facts.caps, kv_tokens, max_chunk, cfg.dtype, host, **kw)
         if err:
             raise ConfigError(err)
-    needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity)
+    needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention)
     cpu = [i for i in range(n) if host[i] and not stages[i].remote]
     # CPU stages share this host: checked together, unless every one of them gives its own `memory:`
     # (a remote stage's memory is its own host's)

@@ -65,7 +65,7 @@ class StageNeed:
 
 
 def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: int, dtype: str,
-          on_cpu: bool, with_head: bool) -> StageNeed:
+          on_cpu: bool, with_head: bool, attention: str = "auto") -> StageNeed:
     b = DTYPE_BYTES[dtype]
     f4 = 4
     dim, hd, nh, nkv, ffn, V = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size
@@ -88,7 +88,7 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
     # stage's input rows and the block's input (2 rows of dim). Then the largest of the phases:
     norm = dim * b + 2 * dim * f4                       # RMSNorm: float32 copy and square, result
     rope = qkv * b + 4 * q * b                          # fused q/k/v out + rotate-half temporaries of q
-    split = on_cpu or (_cuda_attention() == "cudnn-split" and b != f4)
+    split = on_cpu or (cuda_attention(attention) == "cudnn-split" and b != f4)
     if split:  # two attention calls (prefix, own keys) merged by log-sum-exp in float32
         attn = qkv * b + (q + kvw) * b + 2 * q * b + 3 * q * f4 + 5 * nh * f4
     else:      # flash / memory-efficient SDPA: the output and its log-sum-exp
@@ -114,17 +114,21 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
     return StageNeed(weights, kv, act, handoff, runtime)
 
 
-def _cuda_attention() -> str:
+def cuda_attention(choice: str = "auto") -> str:
+    """The CUDA attention path a stage will take: the rig's `attention`, or for auto the model's default."""
+    if choice != "auto":
+        return choice
     from . import model
     return getattr(model, "CUDA_ATTENTION", "flash")
 
 
 def stage_need(args: ModelArgs, start: int, end: int, tokens: int, chunk: int, dtype: str,
-               host_handoff: bool = False, with_head: bool = True) -> StageNeed:
+               host_handoff: bool = False, with_head: bool = True, attention: str = "auto") -> StageNeed:
     """Bytes a stage holding layers [start, end) needs: `tokens` KV positions (prompt + continuation),
     chunks of at most `chunk` rows. `host_handoff`: a CPU stage (its hand-off buffers are host memory
     it maps; its activations take the CPU attention path). `with_head`: the perplexity's blocked logits."""
-    return _need(args, end - start, start == 0, end == args.n_layers, tokens, chunk, dtype, host_handoff, with_head)
+    return _need(args, end - start, start == 0, end == args.n_layers, tokens, chunk, dtype, host_handoff, with_head,
+                 attention)
 
 
 # -- speed and cost ------------------------------------------------------------------------------
@@ -150,20 +154,6 @@ def layer_flops(args: ModelArgs, tokens: int) -> tuple[float, float]:
 
 def head_flops(args: ModelArgs, tokens: int) -> float:
     return 2.0 * args.vocab_size * args.dim * tokens
-
-
-def chunk_flops(args: ModelArgs, pos: int, n: int) -> tuple[float, float]:
-    """(linear, attention) FLOPs of one layer on a chunk of n rows at position pos (as chunk_schedule)."""
-    return 2.0 * args.layer_param_count() * n, 4.0 * args.n_heads * args.head_dim * n * (pos + n / 2)
-
-
-def stage_cost(args: ModelArgs, start: int, end: int, tokens: int, with_head: bool = True) -> float:
-    """FLOPs a stage spends on the whole prompt (linear layers + causal attention + head)."""
-    lin, att = layer_flops(args, tokens)
-    flops = (end - start) * (lin + att)
-    if end == args.n_layers and with_head:
-        flops += head_flops(args, tokens)
-    return float(flops)
 
 
 def stage_time(args: ModelArgs, n: int, last: bool, speed: "Speed | float", tokens: int,
@@ -200,7 +190,7 @@ def _has(i: int, cap: int, notes) -> str:
 def plan_split(args: ModelArgs, n_stages: int, speeds: list, caps: list[int | None], tokens: int, chunk: int,
                dtype: str, host_handoff: list[bool] | None = None, with_head: bool = True,
                prompt_tokens: int | None = None, labels: list[str] | None = None,
-               cap_notes: list[str] | None = None) -> list[int]:
+               cap_notes: list[str] | None = None, attention: str = "auto") -> list[int]:
     """Optimal contiguous split (layer counts per stage), by dynamic programming.
 
     Minimises the slowest stage's predicted time subject to every stage's memory cap; among the
@@ -219,7 +209,7 @@ def plan_split(args: ModelArgs, n_stages: int, speeds: list, caps: list[int | No
     t = [[INF] * (nmax + 1) for _ in range(S)]
     for i in range(S):
         for n in range(1, nmax + 1):
-            need = _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head)
+            need = _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head, attention)
             if caps[i] is not None and need.total > caps[i]:
                 break  # needs grow with n: no larger count fits either
             t[i][n] = stage_time(args, n, i == S - 1, speeds[i], work, with_head)
@@ -256,21 +246,22 @@ def plan_split(args: ModelArgs, n_stages: int, speeds: list, caps: list[int | No
 
     first = solve(None)
     if first is None:
-        raise PlanError(explain_no_fit(args, S, caps, tokens, chunk, dtype, host, with_head, labels, cap_notes))
+        raise PlanError(explain_no_fit(args, S, caps, tokens, chunk, dtype, host, with_head, labels, cap_notes,
+                                       attention))
     bottleneck = first[0]
     second = solve(bottleneck * (1 + 1e-12))
     return second[1] if second is not None else first[1]
 
 
 def max_layers(args: ModelArgs, i: int, n_stages: int, cap: int | None, tokens: int, chunk: int, dtype: str,
-               on_cpu: bool, with_head: bool = True) -> int:
+               on_cpu: bool, with_head: bool = True, attention: str = "auto") -> int:
     """The most layers stage i of n_stages can hold under `cap` (0: not even one)."""
     nmax = args.n_layers - (n_stages - 1)
     if cap is None:
         return nmax
     m = 0
     for n in range(1, nmax + 1):
-        if _need(args, n, i == 0, i == n_stages - 1, tokens, chunk, dtype, on_cpu, with_head).total > cap:
+        if _need(args, n, i == 0, i == n_stages - 1, tokens, chunk, dtype, on_cpu, with_head, attention).total > cap:
             break
         m = n
     return m
@@ -278,7 +269,7 @@ def max_layers(args: ModelArgs, i: int, n_stages: int, cap: int | None, tokens: 
 
 def explain_no_fit(args: ModelArgs, n_stages: int, caps: list[int | None], tokens: int, chunk: int, dtype: str,
                    host_handoff: list[bool] | None = None, with_head: bool = True, labels=None,
-                   cap_notes=None) -> str:
+                   cap_notes=None, attention: str = "auto") -> str:
     """Why no contiguous split fits: the tightest stage under the most favourable split.
 
     A stage's need grows with its layer count and otherwise depends only on whether it is first
@@ -290,9 +281,9 @@ def explain_no_fit(args: ModelArgs, n_stages: int, caps: list[int | None], token
     host = host_handoff or [False] * S
 
     def need(i, n):
-        return _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head)
+        return _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head, attention)
 
-    m = [max_layers(args, i, S, caps[i], tokens, chunk, dtype, host[i], with_head) for i in range(S)]
+    m = [max_layers(args, i, S, caps[i], tokens, chunk, dtype, host[i], with_head, attention) for i in range(S)]
     for i in range(S):
         if m[i] == 0:
             nd = need(i, 1)
@@ -318,12 +309,13 @@ def explain_no_fit(args: ModelArgs, n_stages: int, caps: list[int | None], token
 
 def check_split(args: ModelArgs, split: list[int], caps: list[int | None], tokens: int, chunk: int,
                 dtype: str, host_handoff: list[bool] | None = None, prefix: str = "", with_head: bool = True,
-                labels: list[str] | None = None, cap_notes: list[str] | None = None) -> str | None:
+                labels: list[str] | None = None, cap_notes: list[str] | None = None,
+                attention: str = "auto") -> str | None:
     """None if every stage fits; else one line naming the first stage that does not."""
     host = host_handoff or [False] * len(split)
     a = 0
     for i, n in enumerate(split):
-        need = stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head)
+        need = stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head, attention)
         if caps[i] is not None and need.total > caps[i]:
             return (f"{prefix}{_label(i, labels)} (layers {a}-{a + n - 1}) needs {need.total:,} bytes "
                     f"({_gib(need.total)}: {need.describe()}) but has {_has(i, caps[i], cap_notes)}")
@@ -332,10 +324,11 @@ def check_split(args: ModelArgs, split: list[int], caps: list[int | None], token
 
 
 def stage_needs(args: ModelArgs, split: list[int], tokens: int, chunk: int, dtype: str,
-                host_handoff: list[bool] | None = None, with_head: bool = True) -> list[StageNeed]:
+                host_handoff: list[bool] | None = None, with_head: bool = True,
+                attention: str = "auto") -> list[StageNeed]:
     host = host_handoff or [False] * len(split)
     out, a = [], 0
     for i, n in enumerate(split):
-        out.append(stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head))
+        out.append(stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head, attention))
         a += n
     return out

@@ -41,15 +41,15 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
     plan, cfg = p.plan, p.cfg
     stages, intervals, events = [], [], []
     for st in p.stages:
-        s = st.stats["prefill"]
-        ev = s["events"]
+        s = st.stats["prefill"]  # the stage's Stats message
+        ev = s.events
         intervals.append([(e[1], e[2]) for e in ev])
         stages.append({"index": st.index, "device": st.device, "host": st.host or "local",
                        "layers": list(st.layers), "pid": st.pid,
-                       "wall_s": s["wall_s"], "work_s": s["work_s"], "handoff_wait_s": s["handoff_wait_s"],
-                       "input_wait_s": s["input_wait_s"], "copy_s": s["copy_s"], "chunks": s["chunks"], "mem_bytes": st.mem_bytes,
+                       "wall_s": s.wall_s, "work_s": s.work_s, "handoff_wait_s": s.handoff_wait_s,
+                       "input_wait_s": s.input_wait_s, "copy_s": s.copy_s, "chunks": s.chunks, "mem_bytes": st.mem_bytes,
                        "kv_bytes": st.kv_bytes, "pinned": st.pinned, "load_s": st.load_s,
-                       "bad_frames": s["bad_frames"]})
+                       "bad_frames": s.bad_frames})
         events.append([[e[0], e[1], e[2], e[3]] for e in ev])
     planner = getattr(plan, "planner", None) or {}  # absent on plans made without the planner
     for i, st in enumerate(stages):  # the planner's prediction beside the measured work
@@ -69,6 +69,7 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
     n_boundaries = len(plan.stages) - 1
     report = {
         "tokens": plan.tokens, "seconds": seconds, "tok_s": plan.tokens / seconds if seconds else 0.0,
+        "timing": cfg.timing,  # the console shows the timing table and busy histogram only when set
         "depth": cfg.depth, "chunk": cfg.chunk, "chunks": len(plan.schedule),
         "dynamic_chunks": cfg.dynamic_chunks, "schedule": [list(x) for x in plan.schedule],
         "model": cfg.model, "dtype": cfg.dtype, "stages": stages,
@@ -96,11 +97,17 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
 
 
 def format_table(report: dict) -> str:
-    rows = [f"{'stage':>5} {'device':<8} {'layers':<9} {'wall s':>8} {'work s':>8} {'handoff s':>9} {'input s':>8}"]
-    for s in report["stages"]:
-        a, b = s["layers"]
-        rows.append(f"{s['index']:>5} {s['device']:<8} {f'{a}-{b - 1}':<9} {s['wall_s']:>8.3f} {s['work_s']:>8.3f} "
-                    f"{s['handoff_wait_s']:>9.3f} {s['input_wait_s']:>8.3f}")
+    """The console summary. The per-stage timing table and the busy histogram only with `timing`
+    (report.json has those figures either way)."""
+    timing = report.get("timing", True)
+    rows = []
+    if timing:
+        rows.append(f"{'stage':>5} {'device':<8} {'layers':<9} {'wall s':>8} {'work s':>8} {'handoff s':>9} "
+                    f"{'input s':>8}")
+        for s in report["stages"]:
+            a, b = s["layers"]
+            rows.append(f"{s['index']:>5} {s['device']:<8} {f'{a}-{b - 1}':<9} {s['wall_s']:>8.3f} "
+                        f"{s['work_s']:>8.3f} {s['handoff_wait_s']:>9.3f} {s['input_wait_s']:>8.3f}")
     pl = report.get("planner") or {}
     if pl.get("predicted"):
         st = report["stages"]
@@ -112,8 +119,9 @@ def format_table(report: dict) -> str:
                     f"measured work " + " / ".join(f"{s['work_s']:.2f}" for s in st) + " s ("
                     + " / ".join(f"{s['work_share']:.0%}" for s in st) + ")")
     busy = report["busy"]
-    rows.append(f"busy: one {busy['one']:.0%}  two {busy['two']:.0%}  three+ {busy['three_plus']:.0%}  "
-                f"(none {busy['none']:.0%})")
+    if timing:
+        rows.append(f"busy: one {busy['one']:.0%}  two {busy['two']:.0%}  three+ {busy['three_plus']:.0%}  "
+                    f"(none {busy['none']:.0%})")
     rows.append(f"{report['tokens']:,} tokens in {report['seconds']:.2f}s = {report['tok_s']:,.1f} tok/s "
                 f"(depth {report['depth']}, {report['chunks']} chunks of <= {report['chunk']})")
     rows.append(f"hand-off: {report['handoff_buffers']} buffer(s), {report['handoff_pinned_bytes']:,} bytes"

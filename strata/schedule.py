@@ -12,9 +12,14 @@ import math
 from .model import ModelArgs
 
 
-def chunk_cost(args: ModelArgs, pos: int, t: int) -> float:
-    """FLOPs per layer for a chunk of t tokens at position pos."""
-    return 2 * args.layer_param_count() * t + 4 * args.n_heads * args.head_dim * t * (pos + t / 2)
+def chunk_flops(args: ModelArgs, pos: int, n: int) -> tuple[float, float]:
+    """(linear, attention) FLOPs of one layer on a chunk of n rows at position pos."""
+    return 2.0 * args.layer_param_count() * n, 4.0 * args.n_heads * args.head_dim * n * (pos + n / 2)
+
+
+def chunk_cost(args: ModelArgs, pos: int, n: int) -> float:
+    """Total FLOPs of one layer on a chunk (what dynamic chunks equalise)."""
+    return sum(chunk_flops(args, pos, n))
 
 
 def chunk_schedule(tokens: int, chunk: int, dynamic: bool, args: ModelArgs) -> list[tuple[int, int]]:

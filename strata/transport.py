@@ -24,10 +24,10 @@ class ShmLink:
     def __init__(self, buf: torch.Tensor, sock=None):
         self.buf, self.sock = buf, sock
 
-    def put(self, rows: torch.Tensor, type_: str, **note) -> None:
+    def put(self, rows: torch.Tensor, note: M.Message) -> None:
         """Sender: copy the rows into the shared buffer, then say so."""
         self.buf[:rows.shape[0]].copy_(rows)
-        self.sock.send(M.encode(type_, **note))
+        self.sock.send(M.encode(note))
 
     def get(self, n: int) -> torch.Tensor:
         """Receiver: the first n rows of the shared buffer."""
@@ -52,14 +52,14 @@ class TcpLink:
         self.sock = sock
         self.tracker = None
 
-    def put(self, rows: torch.Tensor, type_: str, **note) -> None:
+    def put(self, rows: torch.Tensor, note: M.Message) -> None:
         """Sender: copy the rows into the hand-off buffer and send note + rows; ZeroMQ reads the rows
         straight from the buffer (copy=False), tracked so the buffer is not rewritten under it."""
         if self.tracker is not None and not self.tracker.done:
             self.tracker.wait(SEND_RELEASE_S)  # raises zmq.NotDone past the backstop
         n = rows.shape[0]
         self.buf[:n].copy_(rows)
-        self.tracker = self.sock.send_multipart([M.encode(type_, **note), self.bytes[: n * self.row_bytes]],
+        self.tracker = self.sock.send_multipart([M.encode(note), self.bytes[: n * self.row_bytes]],
                                                 copy=False, track=True)
 
     def land(self, n: int, frame) -> None:

@@ -300,3 +300,29 @@ def test_cli_malformed_yaml(tmp_path, guard):
 def test_cli_depth_from_environment(tmp_path, guard):
     run = guard.track_launch(launch(tmp_path, make_rig(), "chunk=32", env={"STRATA_PF_DEPTH": "2"}))
     _assert_cli_refused(run, "error: depth 2 refused")
+
+
+# -- the run directory and the prompt file ---------------------------------------------------------
+@pytest.mark.parametrize("where", ["proc", "under-a-file"])
+def test_run_directory_not_writable(tmp_path, capsys, where):
+    out = "/proc/self" if where == "proc" else str(tmp_path / "a-file" / "run")
+    (tmp_path / "a-file").write_text("x")
+    cfg = tmp_path / "rig.yaml"
+    cfg.write_text(yaml.safe_dump(make_rig(out=out)))
+    before = set(segments(owner_pid=os.getpid()))
+    rc = launcher.main(["--config", str(cfg), "--no-timeline"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: out: {out!r} cannot be the run directory: "), err
+    assert mp.active_children() == [] and set(segments(owner_pid=os.getpid())) == before
+
+
+@pytest.mark.parametrize("data,expect", [
+    (b"hello \xe9t\xe9", "not UTF-8 text (byte 0xe9 at offset 6)"),
+    (b"\x7fELF\x02\x01\x01\x00\x00\x00", "not text (a NUL byte at offset 7)"),
+], ids=["latin-1", "binary"])
+def test_prompt_file_not_text(tmp_path, capsys, data, expect):
+    f = tmp_path / "prompt.bin"
+    f.write_bytes(data)
+    line = refuse(tmp_path, capsys, make_rig(model="smollm2", prompt={"file": str(f)}))
+    assert line == f"error: prompt.file {str(f)!r}: {expect}", line

@@ -180,7 +180,11 @@ def _launch_and_wait_mid_prefill(tmp_path, guard, name="run"):
     while segments(owner_pid=run.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert segments(owner_pid=run.pid) == [], "segments not unlinked after every stage was ready"
-    time.sleep(0.8)  # a few chunks into the prefill
+    # the last stage has started the prefill: both stages are busy mid-run (16 chunks of >= 0.25 s)
+    deadline = time.monotonic() + 30
+    while log_time(run.out, 1, "prefill: started") is None:
+        assert time.monotonic() < deadline and run.popen.poll() is None, "the prefill never reached stage 1"
+        time.sleep(0.02)
     assert run.popen.poll() is None, run.popen.communicate()
     stages = {i: Proc(pid, f"stage {i}") for i, pid in stage_pids(run.out).items()}
     assert len(stages) == 2 and all(s.alive() for s in stages.values())
@@ -243,8 +247,12 @@ def test_shm_sweep_early_unlink_and_private_ipc_dir(tmp_path, guard):
     stale_ipc.mkdir(mode=0o700)
     try:
         p = _pipeline(tmp_path, make_rig(2, tokens=256, chunk=64, debug=dict(delay_s=0.1)), guard)
-        during = []
-        p._on_result = lambda msg: during.append(shm.run_segments(p.run_id))
+        during, running = [], threading.Event()
+
+        def sample():  # /dev/shm as seen while the prefill runs
+            while running.is_set():
+                during.append(shm.run_segments(p.run_id))
+                time.sleep(0.02)
         with p:
             p.start()
             guard.track_pipeline(p)
@@ -257,8 +265,15 @@ def test_shm_sweep_early_unlink_and_private_ipc_dir(tmp_path, guard):
             assert ipc.stat().st_mode & 0o777 == 0o700
             assert ipc.stat().st_uid == os.getuid()
             assert sorted(x.name for x in ipc.iterdir()) == ["head", "s0", "s1"]
-            r = p.prefill()
-            assert len(during) == 4 and all(d == [] for d in during)
+            running.set()
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            try:
+                r = p.prefill()
+            finally:
+                running.clear()
+                sampler.join()
+            assert len(during) >= 4 and all(d == [] for d in during)
             assert r.report["tokens"] == 256
         assert not ipc.exists()
     finally:

@@ -161,7 +161,7 @@ def garbage(seed: int, n: int, max_chunk: int, max_len: int) -> list[bytes]:
 
 def stage_would_act(frame: bytes, max_chunk: int, max_len: int) -> bool:
     try:
-        m = M.decode(frame)
+        m = M.as_map(M.decode(frame))
     except M.BadMessage:
         return False
     t = m["t"]
@@ -191,7 +191,7 @@ def head_garbage(seed: int, n: int, n_stages: int) -> list[bytes]:
         else:
             f = r.choice(MAKERS)(r) if r.random() < 0.9 else _pack({**_valid("result"), "k": -r.randint(1, 9)})
         try:
-            m = M.decode(f)
+            m = M.as_map(M.decode(f))
             if m["t"] == "result" and m["k"] >= 0:
                 continue
             if m["t"] in ("ready", "working", "stats", "fail") and 0 <= m["stage"] < n_stages:
@@ -211,14 +211,16 @@ def test_decode_rejects_only_with_badmessage():
     for i in range(20000):
         f = r.choice(MAKERS + [_random_bytes] * 3)(r)
         try:
-            M.validate(M.decode(f))
+            M.validate(M.as_map(M.decode(f)))
             ok += 1
         except M.BadMessage:
             bad += 1
     assert bad > 15000 and ok + bad == 20000
     for t in M.SCHEMA:
         m = _valid(t)
-        assert M.decode(M.encode(t, **{k: v for k, v in m.items() if k not in ("v", "t")})) == m
+        typed = M.decode(_pack(m))
+        assert isinstance(typed, M.MESSAGES[t]) and M.as_map(typed) == m
+        assert M.decode(M.encode(typed)) == typed
     with pytest.raises(M.BadMessage):
         M.decode(b"\0" * (M.MAX_FRAME + 1))
     for v in (True, 1.0, "1"):  # compare equal to 1 (or look like it) but are not version 1
@@ -239,9 +241,14 @@ def _sender(ctx, endpoint: str):
     return s
 
 
-def _fuzzed_prefill(p):
-    time.sleep(0.5)  # let the idle stages drain their inboxes
-    assert all(pr.is_alive() for pr in p._res.procs), "a stage died of garbage"
+def _fuzzed_prefill(p, expect: dict[int, int]):
+    """Once each idle stage says (in its log) it has rejected all the garbage sent to it, prefill."""
+    deadline = time.monotonic() + 60
+    for i, n in expect.items():
+        while f"inbox idle: {n} frame(s) rejected so far" not in (p.out / f"stage-{i}.log").read_text():
+            assert all(pr.is_alive() for pr in p._res.procs), "a stage died of garbage"
+            assert time.monotonic() < deadline, f"stage {i} never reported {n} rejected frames"
+            time.sleep(0.02)
     return p.prefill()
 
 
@@ -282,7 +289,7 @@ def test_fuzz_running_stages_and_head(tmp_path, guard):
             socks.append(_sender(ctx, f"ipc://{ipc}/s1"))
             socks[-1].send(b"\x81" * (M.MAX_FRAME + 1))
             socks[-1].send(b"\0" * (4 * M.MAX_FRAME))
-            fuzzed = _fuzzed_prefill(p)
+            fuzzed = _fuzzed_prefill(p, {0: len(to_stage[0]), 1: len(to_stage[1]) + 3 * len(multipart)})
         finally:
             for s in socks:
                 s.close(linger=0)

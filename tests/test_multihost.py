@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, Launched, Proc, make_rig, ready_count, segments, stage_pids, wait_gone, write_rig
+from conftest import (PYTHON, REPO, Launched, Proc, log_time, make_rig, ready_count, segments, stage_pids, wait_gone,
+                      write_rig)
 
 from strata import netns as NS
 
@@ -154,11 +155,19 @@ def test_md5_equals_single_host(tmp_path, ns, hosts, depth, generate):
 
 
 # -- deaths across hosts ---------------------------------------------------------------------------
+def _wait_prefill_reached(run, stage: int, timeout: float = 60.0) -> None:
+    """Until `stage` logs that it started the prefill (its first chunk): mid-run, by the stage's word."""
+    deadline = time.monotonic() + timeout
+    while log_time(run.out, stage, "prefill: started") is None:
+        assert time.monotonic() < deadline and run.popen.poll() is None, f"the prefill never reached stage {stage}"
+        time.sleep(0.02)
+
+
 def test_remote_stage_sigkill_fails_the_run(tmp_path, ns):
     """SIGKILL of the middle stage (in namespace b) mid-prefill: the head sees its launcher process die."""
     run = _launch(ns, tmp_path, _rig(ns, debug={"delay_s": 0.4}))
     _wait_ready(run, 3)
-    time.sleep(1.0)  # into the prefill
+    _wait_prefill_reached(run, 1)
     pid = stage_pids(run.out)[1]
     os.kill(pid, signal.SIGKILL)
     t_kill = time.monotonic()
@@ -176,7 +185,7 @@ def test_remote_stage_silent_fails_within_heartbeat_deadline(tmp_path, ns):
     within heartbeat_timeout_s, naming host and stage; teardown kills the stopped process."""
     run = _launch(ns, tmp_path, _rig(ns, debug={"delay_s": 0.4}))
     _wait_ready(run, 3)
-    time.sleep(1.0)
+    _wait_prefill_reached(run, 2)
     pid = stage_pids(run.out)[2]
     os.kill(pid, signal.SIGSTOP)
     t_stop = time.monotonic()
@@ -283,9 +292,9 @@ def test_connections_without_the_key_are_refused_and_counted(tmp_path, ns):
     run = _launch(ns, tmp_path, rig)
     _wait_ready(run, 3)
     net = json.loads((run.out / "net.json").read_text())
-    fail = M.encode("fail", stage=1, pid=1, device="cpu", chunk=0, error="X", message="intruder", traceback="").hex()
-    stop = M.encode("stop").hex()
-    join = M.encode("join", pid=1, host="intruder", boot_id="", clock=0.0).hex()
+    fail = M.encode(M.Fail(stage=1, pid=1, device="cpu", chunk=0, error="X", message="intruder", traceback="")).hex()
+    stop = M.encode(M.Stop()).hex()
+    join = M.encode(M.Join(pid=1, host="intruder", boot_id="", clock=0.0)).hex()
     targets = [{"kind": "notes", "endpoint": net["notes"], "key": net["head_public"], "frames": [fail]},
                {"kind": "join", "endpoint": net["join"], "key": net["head_public"], "frames": [join]},
                {"kind": "stage", "endpoint": net["stages"][1]["endpoint"], "key": net["stages"][1]["public"],

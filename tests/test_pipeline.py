@@ -121,9 +121,9 @@ def test_second_prefill_reports_its_own_timing(tmp_path):
                prompt={"random": {"tokens": 256, "seed": 4}}, progress=False)
     with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
         a = p.prefill()
-        first = [st.stats["prefill"]["events"] for st in p.stages]
+        first = [st.stats["prefill"].events for st in p.stages]
         b = p.prefill()
-        second = [st.stats["prefill"]["events"] for st in p.stages]
+        second = [st.stats["prefill"].events for st in p.stages]
     with pytest.raises(PipelineError, match=r"^this pipeline is closed \(its stages have stopped\): make a new"):
         p.prefill()
     assert a.report["residual_md5"] == b.report["residual_md5"] and a.perplexity == b.perplexity
@@ -169,8 +169,64 @@ def test_report_contract_and_timeline(tmp_path):
     assert abs(sum(rep["busy"].values()) - 1) < 1e-6
     assert rep["handoff_pinned_bytes"] == 100 * 128 * 4  # one buffer: chunk x hidden x float32
     assert len(rep["continuation_ids"]) == 3
-    assert (out / "timeline.png").stat().st_size > 1000
+    _assert_timeline_draws_both_stages(out / "timeline.png", rep)
+    # timing=true: the console shows the per-stage table and the busy histogram; without it they are
+    # left out (report.json has the figures either way)
+    assert "handoff s" in r.stdout and "busy: one" in r.stdout, r.stdout
+    from strata.report import format_table
+    quiet = format_table({**rep, "timing": False})
+    assert "handoff s" not in quiet and "busy:" not in quiet and "tok/s" in quiet
     assert (out / "stage-0.log").is_file() and (out / "stage-1.log").is_file()
+
+
+def _assert_timeline_draws_both_stages(png: Path, rep: dict) -> None:
+    """Read the PNG back: its size is the figure's (12 in x (0.8 + 0.6 n) in at 110 dpi), and chunk 0's
+    colour (tab20's first) appears in two separate horizontal bands: one bar per stage."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+    img = mpimg.imread(png)
+    n = len(rep["stages"])
+    assert img.shape[:2] == (round((0.8 + 0.6 * n) * 110), 12 * 110), img.shape
+    color = np.array(plt.get_cmap("tab20")(0)[:3])
+    rows = np.flatnonzero((np.abs(img[:, :, :3] - color) < 0.02).all(axis=2).sum(axis=1) > 3)
+    bands = 1 + int((np.diff(rows) > 1).sum()) if rows.size else 0
+    assert bands == n, (bands, rows)
+
+
+def test_every_rig_field_is_parsed():
+    """from_dict reaches every field of RigConfig: each one, given its default, comes back unchanged."""
+    from dataclasses import asdict, fields
+    from strata.config import RigConfig
+    base = {"model": "synthetic:smoke", "prompt": {"random": {"tokens": 10}}}
+    for f in fields(RigConfig):
+        default = getattr(RigConfig(), f.name)
+        if f.name in ("prompt", "debug"):
+            raw = {k: v for k, v in asdict(default).items() if v is not None}
+        else:
+            raw = default
+        cfg = from_dict({**base, f.name: raw}, env={})
+        assert getattr(cfg, f.name) == default, f.name
+    cfg = from_dict({**base, "attention": "flash", "weights": "resident", "kv_dtype": "float8_e4m3fn"}, env={})
+    assert (cfg.attention, cfg.weights, cfg.kv_dtype) == ("flash", "resident", "float8_e4m3fn")
+
+
+@pytest.mark.parametrize("raw,env,expect", [
+    ({"attention": "flsh"}, {}, "attention: 'flsh' is not one of auto, flash, cudnn-split"),
+    ({}, {"STRATA_CUDA_ATTENTION": "flsh"}, "STRATA_CUDA_ATTENTION='flsh': expected one of auto, flash, cudnn-split"),
+    ({"weights": "int4"}, {}, "weights: 'int4' is not one of auto, resident, dequantized"),
+    ({"kv_dtype": "float8"}, {}, "kv_dtype: 'float8' is not one of auto, bfloat16, float16, float8_e4m3fn"),
+], ids=["attention", "env-attention", "weights", "kv_dtype"])
+def test_numerics_keys_refused(raw, env, expect):
+    with pytest.raises(ConfigError) as e:
+        from_dict({"model": "synthetic:smoke", **raw}, env=env)
+    assert str(e.value) == expect
+
+
+def test_attention_from_environment():
+    cfg = from_dict({"model": "synthetic:smoke", "attention": "flash"}, env={"STRATA_CUDA_ATTENTION": "cudnn-split"})
+    assert cfg.attention == "cudnn-split"
 
 
 def test_depth_and_timing_from_environment():

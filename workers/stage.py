@@ -1,4 +1,4 @@
-"""The stage process: layers [start, end) of the model on one device, serving chunks.
+"""The stage: layers [start, end) of the model on one device, serving chunks.
 
 A chunk's path, top to bottom in `Stage.run_chunk`: wait for input -> copy it out of the
 hand-off buffer and say "taken" upstream -> compute -> reap the chunk in flight below
@@ -7,53 +7,34 @@ notify. With depth 0 the stage then waits until the chunk has gone through the w
 of the pipeline (the old join) before it takes its next input.
 
 Sockets are touched only here, in one thread; the model knows nothing of them. (A remote stage
-also has a heartbeat thread with a socket of its own: strata/net.py.)
+also has a heartbeat thread with a socket of its own: strata/net.py.) The process around a Stage
+(lifelines, logging, the failure report) is workers/bootstrap.py; a stage on another host joins
+the head through workers/join.py, started as `python -m workers.stage --join tcp://HEAD:PORT --key KEY`.
 
 Across hosts the path is the same: a boundary whose ends are on different hosts is a `TcpLink`
-instead of a `ShmLink` (strata/transport.py), the rows travelling with the note. A stage on another
-host is started as `python -m workers.stage --join tcp://HEAD:PORT --key KEY` (see `main`).
+instead of a `ShmLink` (strata/transport.py), the rows travelling with the note.
 """
 from __future__ import annotations
 
-import ctypes
-import faulthandler
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 
 import numpy as np
+import torch
+import zmq
 
-
-def _die_with_parent() -> None:
-    """Backstop for orphaning: the kernel sends SIGKILL when the head dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _watch_head(conn, log_fd: int | None = None) -> None:
-    """The pipe's EOF means the head is gone: exit at once, whatever the main thread is doing."""
-    def watch():
-        try:
-            conn.recv_bytes()
-        except (EOFError, OSError):
-            pass
-        if log_fd is not None:  # a raw write: no logging lock the main thread might hold
-            try:
-                os.write(log_fd, f"head gone (pipe EOF): stage pid {os.getpid()} exits\n".encode())
-            except OSError:
-                pass
-        os._exit(3)
-    threading.Thread(target=watch, name="head-watch", daemon=True).start()
-
+import strata.model
+from strata import messages as M
+from strata import net as N
+from strata.model import ModelArgs, Transformer
+from strata.shm import Segment
+from strata.transport import ShmLink, TcpLink
+from strata.weights import slice_tensors
 
 class StageFailed(RuntimeError):
     pass
@@ -64,7 +45,6 @@ class ResidualDump:
     written by a thread so the file write overlaps the next chunk's compute."""
 
     def __init__(self, path: str, tokens: int, dim: int, max_chunk: int, device):
-        import torch
         self.file = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(tokens, dim))
         self.staging = torch.empty((max_chunk, dim), dtype=torch.float32, pin_memory=device.type == "cuda")
         self.writer: threading.Thread | None = None
@@ -85,59 +65,71 @@ class ResidualDump:
 
 
 class Stage:
-    def __init__(self, spec: dict, log: logging.Logger, ids: bytes | None = None, clock_offset: float = 0.0):
+    def __init__(self, spec: M.StageJob, log: logging.Logger, ids: bytes | None = None, clock_offset: float = 0.0):
         """`ids` and `clock_offset`: a remote stage's prompt ids (they came with its spec) and the head's
         perf_counter minus this host's (0 on the same kernel)."""
-        import torch
-        import zmq
-
-        from strata import messages as M
-        from strata.model import Transformer
-        from strata.shm import Segment
-        from strata.transport import ShmLink, TcpLink
-        from strata.weights import slice_tensors
-
-        self.torch, self.zmq, self.M = torch, zmq, M
         self.spec, self.log = spec, log
-        self.i = spec["index"]
-        self.n_stages = spec["n_stages"]
+        self.i = spec.index
+        self.n_stages = spec.n_stages
         self.first, self.last = self.i == 0, self.i == self.n_stages - 1
-        self.depth = spec["depth"]
-        self.device = torch.device(spec["device"])
-        self.dtype = getattr(torch, spec["dtype"])
+        self.depth = spec.depth
+        self.device = torch.device(spec.device)
+        self.dtype = getattr(torch, spec.dtype)
+        self.net = spec.net  # None: every stage of the run is on this host
+        self.clock_offset = clock_offset
+        self.debug = spec.debug
         self.current_chunk = -1
-        self.bad_frames = 0
+        self.bad_frames = self.bad_frames_logged = 0
         t_load = time.perf_counter()
+        self._use_device(spec)
+        self.model, self.kv_bytes = self._load_model(spec)
+        self.args = self.model.args
+        self._map_buffers(spec, ids)
+        self._open_sockets(spec)
+        # -- state fed by the handlers
+        self.inputs: deque = deque()     # chunk messages waiting to be processed
+        self.taken_below: set[int] = set()
+        self.done_below: set[int] = set()
+        self.inflight: deque = deque()    # chunks handed below and not yet reaped (at most 1)
+        self.phase_end: str | None = None
+        self.phase_t0: float | None = None  # head's clock at the start of the phase being served
+        self.stopping = False
+        self.handlers = {M.Chunk: self.on_chunk, M.Taken: self.on_taken, M.Done: self.on_done, M.End: self.on_end,
+                         M.Stop: self.on_stop, M.Peers: self.on_peers, M.Token: self.on_token}
+        self.load_s = time.perf_counter() - t_load
+        self._reset_stats("prefill", time.perf_counter())
+        if self.debug["fail_stage"] == self.i and self.debug["fail_phase"] == "load":
+            self._injected_failure("while loading")
 
+    def _use_device(self, spec: M.StageJob) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
-            if spec["threads"]:
-                torch.set_num_threads(spec["threads"])
-            if spec["cores"]:
-                os.sched_setaffinity(0, spec["cores"])
+            if spec.threads:
+                torch.set_num_threads(spec.threads)
+            if spec.cores:
+                os.sched_setaffinity(0, spec.cores)
+        if spec.attention != "auto":  # the rig's choice (the planner sized activations for the same path)
+            strata.model.CUDA_ATTENTION = spec.attention
 
-        # -- model slice, built on the meta device then filled with just this slice's weights
-        from strata.model import ModelArgs
-        args = ModelArgs(**spec["args"])
-        self.args = args
+    def _load_model(self, spec: M.StageJob) -> tuple[Transformer, int]:
+        """This stage's slice: built on the meta device, filled with just its weights; its KV cache."""
+        args = ModelArgs(**spec.args)
         with torch.device("meta"):
-            model = Transformer(args, spec["start"], spec["end"])
-        tensors = slice_tensors(spec["model"], args, spec["start"], spec["end"], device=self.device,
-                                dtype=self.dtype, seed=spec["seed"])
+            model = Transformer(args, spec.start, spec.end)
+        tensors = slice_tensors(spec.model, args, spec.start, spec.end, device=self.device,
+                                dtype=self.dtype, seed=spec.seed)
         model.load_weights(tensors, self.device, self.dtype)
         del tensors
-        self.model = model.eval()
-        self.kv_bytes = model.setup_cache(spec["max_len"])
+        return model.eval(), model.setup_cache(spec.max_len)
 
-        # -- buffers: ids (all stages read it), input boundary, output boundary / result. A boundary
+    def _map_buffers(self, spec: M.StageJob, ids: bytes | None) -> None:
+        # ids (all stages read it), input boundary, output boundary / result. A boundary
         # inside this host is a shared segment (ShmLink); one that crosses hosts is a buffer of this
         # process whose rows travel with the note over tcp (TcpLink)
-        net = spec.get("net")  # None: every stage of the run is on this host
-        self.net = net
-        self.clock_offset = clock_offset
-        tcp_in, tcp_out = bool(net and net["tcp_in"]), bool(net and net["tcp_out"])
-        segs = spec["segments"]
+        net = self.net
+        tcp_in, tcp_out = bool(net and net.tcp_in), bool(net and net.tcp_out)
+        segs = spec.segments
         self.segments = []
 
         def attach(key):
@@ -147,11 +139,12 @@ class Stage:
             return seg
 
         if ids is None:
-            self.ids = attach("ids").tensor(torch.int32, (spec["max_len"] + 1,))
+            self.ids = attach("ids").tensor(torch.int32, (spec.max_len + 1,))
         else:  # decoded tokens reach a remote stage 0 as "token" notes
-            self.ids = torch.zeros(spec["max_len"] + 1, dtype=torch.int32)
-            self.ids[:spec["tokens"]] = torch.frombuffer(bytearray(ids), dtype=torch.int32)
-        dim, cmax = args.dim, spec["max_chunk"]
+            self.ids = torch.zeros(spec.max_len + 1, dtype=torch.int32)
+            self.ids[:spec.tokens] = torch.frombuffer(bytearray(ids), dtype=torch.int32)
+        args = self.args
+        dim, cmax = args.dim, spec.max_chunk
         pin = self.device.type == "cuda"
         self.inlink = None
         if not self.first:
@@ -169,28 +162,31 @@ class Stage:
         if self.device.type == "cuda":
             self.pinned = all(s.pin() for s in self.segments if s.name.split("-")[-1] != "ids")
         self.dump = None
-        if self.last and spec["dump_residual"]:
-            self.dump = ResidualDump(spec["dump_residual"], spec["tokens"], dim, cmax, self.device)
+        if self.last and spec.dump_residual:
+            self.dump = ResidualDump(spec.dump_residual, spec.tokens, dim, cmax, self.device)
 
-        # -- sockets: one PULL in, PUSH to each neighbour and to the head. Across hosts also (or, for
+    def _open_sockets(self, spec: M.StageJob) -> None:
+        net, log = self.net, self.log
+        tcp_in, tcp_out = bool(net and net.tcp_in), bool(net and net.tcp_out)
+        cmax = spec.max_chunk
+        # one PULL in, PUSH to each neighbour and to the head. Across hosts also (or, for
         # a remote stage, only) a tcp PULL: a CURVE server that lets in the head and the neighbours only
         ctx = zmq.Context.instance()
         self.ctx = ctx
         self.inboxes, self.inbox_sock, self.tcp_inbox, self.gate = [], None, None, None
-        if not (net and net["remote"]):
+        if not (net and net.remote):
             self.inbox_sock = ctx.socket(zmq.PULL)
             self.inbox_sock.setsockopt(zmq.LINGER, 0)
             self.inbox_sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME)
-            self.inbox_sock.bind(spec["endpoints"][self.i])
+            self.inbox_sock.bind(spec.endpoints[self.i])
             self.inboxes.append(self.inbox_sock)
-        if net and net["tcp_inbox"]:
-            from strata import net as N
-            self.gate = N.Gate(ctx, net["allow"], log)
-            self.tcp_inbox = N.curve_server(ctx.socket(zmq.PULL), net["public"], net["secret"])
+        if net and net.tcp_inbox:
+            self.gate = N.Gate(ctx, net.allow, log)
+            self.tcp_inbox = N.curve_server(ctx.socket(zmq.PULL), net.public, net.secret)
             self.tcp_inbox.setsockopt(zmq.LINGER, 0)
             self.tcp_inbox.setsockopt(zmq.MAXMSGSIZE, max(M.MAX_FRAME, cmax * self.inlink.row_bytes if tcp_in else 0))
             self.gate.watch(self.tcp_inbox, f"stage {self.i} inbox")
-            self.tcp_endpoint = N.bind_tcp(self.tcp_inbox, net["bind"] or N.route_address(spec["head_endpoint"]))
+            self.tcp_endpoint = N.bind_tcp(self.tcp_inbox, net.bind or N.route_address(spec.head_endpoint))
             self.inboxes.append(self.tcp_inbox)
 
         def push(ep):
@@ -202,12 +198,12 @@ class Stage:
         def tcp_push():  # a CURVE client; connected once the head says where the neighbour listens
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 2000)
-            s.curve_publickey, s.curve_secretkey = net["public"].encode(), net["secret"].encode()
+            s.curve_publickey, s.curve_secretkey = net.public.encode(), net.secret.encode()
             return s
 
-        self.to_head = _head_push(ctx, spec)
-        self.to_up = None if self.first else tcp_push() if tcp_in else push(spec["endpoints"][self.i - 1])
-        self.to_down = self.to_head if self.last else tcp_push() if tcp_out else push(spec["endpoints"][self.i + 1])
+        self.to_head = head_push(ctx, spec)
+        self.to_up = None if self.first else tcp_push() if tcp_in else push(spec.endpoints[self.i - 1])
+        self.to_down = self.to_head if self.last else tcp_push() if tcp_out else push(spec.endpoints[self.i + 1])
         self.outlink.sock = self.to_down
         self.linked = not ((tcp_in and not self.first) or (tcp_out and not self.last))  # else: wait for "peers"
         self.poller = zmq.Poller()
@@ -216,103 +212,97 @@ class Stage:
         for mon, _ in (self.gate.monitors if self.gate else ()):
             self.poller.register(mon, zmq.POLLIN)
         if self.tcp_inbox is not None:
-            self.send(self.to_head, "bound", stage=self.i, endpoint=self.tcp_endpoint)
-
-        # -- state fed by the dispatcher
-        self.inputs: deque = deque()     # chunk messages waiting to be processed
-        self.taken_below: set[int] = set()
-        self.done_below: set[int] = set()
-        self.inflight: deque = deque()    # chunks handed below and not yet reaped (at most 1)
-        self.phase_end: str | None = None
-        self.phase_t0: float | None = None  # head's clock at the start of the phase being served
-        self.stopping = False
-        self.load_s = time.perf_counter() - t_load
-        self.debug = spec["debug"]
-        self._reset_stats("prefill", time.perf_counter())
-        if self.debug["fail_stage"] == self.i and self.debug["fail_phase"] == "load":
-            self._injected_failure("while loading")
+            self.send(self.to_head, M.Bound(stage=self.i, endpoint=self.tcp_endpoint))
 
     # -- messages ------------------------------------------------------------------------------
-    def send(self, sock, type_, **fields):
-        sock.send(self.M.encode(type_, **fields))
+    def send(self, sock, msg: M.Message) -> None:
+        sock.send(M.encode(msg))
 
     def _dispatch(self, msg: dict, data=None) -> None:
-        """One message (and, across hosts, the rows that came with a chunk note)."""
-        t = msg["t"]
-        if data is not None and t != "chunk":
-            raise self.M.BadMessage(f"{t}: unexpected data frame")
-        if t in ("chunk", "end") and msg["phase"] not in ("prefill", "decode"):
-            raise self.M.BadMessage(f"{t}: unknown phase {msg['phase']!r}")
-        if t in ("chunk", "taken", "done") and msg["k"] < 0:
-            raise self.M.BadMessage(f"{t}: negative chunk index {msg['k']}")
-        if t == "chunk":
-            pos, n = msg["pos"], msg["n"]
-            if not (0 <= pos and 1 <= n <= self.spec["max_chunk"] and pos + n <= self.spec["max_len"]):
-                raise self.M.BadMessage(f"chunk: rows [{pos}, {pos + n}) do not fit the buffers")
-            if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
-                if data is None:
-                    raise self.M.BadMessage("chunk: no rows with the note (across hosts they travel together)")
-                self.inlink.land(n, data)
-            elif data is not None:
-                raise self.M.BadMessage("chunk: unexpected data frame")
-            self.inputs.append(msg)
-        elif t == "taken":
-            self.taken_below.add(msg["k"])
-        elif t == "done":
-            self.done_below.add(msg["k"])
-        elif t == "end":
-            self.phase_end = msg["phase"]
-        elif t == "stop":
-            self.stopping = True
-        elif t == "peers" and not self.linked:
-            self._link(msg)
-        elif t == "token" and self.first and self.net is not None and self.net["remote"]:
-            if not (0 <= msg["pos"] < self.spec["max_len"] and 0 <= msg["id"] < self.args.vocab_size):
-                raise self.M.BadMessage(f"token: {msg['id']} at {msg['pos']} out of range")
-            self.ids[msg["pos"]] = msg["id"]
-        else:
-            raise self.M.BadMessage(f"{t}: not a message a stage accepts")
+        """One message (and, across hosts, the rows that came with a chunk note), by its type's handler."""
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            raise M.BadMessage(f"{msg.TYPE}: not a message a stage accepts")
+        if data is not None and not isinstance(msg, M.Chunk):
+            raise M.BadMessage(f"{msg.TYPE}: unexpected data frame")
+        handler(msg, data)
 
-    def _link(self, msg: dict) -> None:
+    def on_chunk(self, msg: M.Chunk, data) -> None:
+        pos, n = msg.pos, msg.n  # k >= 0 and a known phase: checked by M.decode
+        if not (0 <= pos and 1 <= n <= self.spec.max_chunk and pos + n <= self.spec.max_len):
+            raise M.BadMessage(f"chunk: rows [{pos}, {pos + n}) do not fit the buffers")
+        if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
+            if data is None:
+                raise M.BadMessage("chunk: no rows with the note (across hosts they travel together)")
+            self.inlink.land(n, data)
+        elif data is not None:
+            raise M.BadMessage("chunk: unexpected data frame")
+        self.inputs.append(msg)
+
+    def on_taken(self, msg: M.Taken, data) -> None:
+        self.taken_below.add(msg.k)
+
+    def on_done(self, msg: M.Done, data) -> None:
+        self.done_below.add(msg.k)
+
+    def on_end(self, msg: M.End, data) -> None:
+        self.phase_end = msg.phase
+
+    def on_stop(self, msg: M.Stop, data) -> None:
+        self.stopping = True
+
+    def on_token(self, msg: M.Token, data) -> None:
+        """Decode on a remote stage 0: the head's next token (the ids segment is not shared across hosts)."""
+        if not (self.first and self.net is not None and self.net.remote):
+            raise M.BadMessage("token: not a message a stage accepts")
+        if not (0 <= msg.pos < self.spec.max_len and 0 <= msg.id < self.args.vocab_size):
+            raise M.BadMessage(f"token: {msg.id} at {msg.pos} out of range")
+        self.ids[msg.pos] = msg.id
+
+    def on_peers(self, msg: M.Peers, data) -> None:
         """The head says where this stage's neighbours across hosts listen: connect to them."""
-        want = [(self.to_up, msg["up"], msg["up_key"], self.net["tcp_in"] and not self.first),
-                (self.to_down, msg["down"], msg["down_key"], self.net["tcp_out"] and not self.last)]
+        if self.linked:
+            raise M.BadMessage("peers: not a message a stage accepts")
+        want = [(self.to_up, msg.up, msg.up_key, self.net.tcp_in and not self.first),
+                (self.to_down, msg.down, msg.down_key, self.net.tcp_out and not self.last)]
         for _, ep, key, needed in want:
             if needed and not (ep.startswith("tcp://") and len(key) == 40):
-                raise self.M.BadMessage(f"peers: no tcp endpoint and key for a neighbour ({ep!r})")
+                raise M.BadMessage(f"peers: no tcp endpoint and key for a neighbour ({ep!r})")
         for sock, ep, key, needed in want:
             if needed:
                 sock.curve_serverkey = key.encode("ascii")
                 sock.connect(ep)
         self.linked = True
 
-    def pump(self, timeout_ms: int) -> None:
-        """Receive and dispatch whatever arrives within timeout_ms. Garbage is counted and dropped."""
+    def pump(self, timeout_ms: int) -> bool:
+        """Receive and dispatch whatever arrives within timeout_ms (False: nothing did). Garbage is
+        counted and dropped."""
         if not self.poller.poll(timeout_ms):
-            return
+            return False
         for sock in self.inboxes:
             self._drain(sock)
         if self.gate is not None and self.gate.drain():  # refused handshakes on the tcp inbox
-            self.send(self.to_head, "rejected", stage=self.i, count=self.gate.count, detail=self.gate.last[:500])
+            self.send(self.to_head, M.Rejected(stage=self.i, count=self.gate.count, detail=self.gate.last[:500]))
+        return True
 
     def _drain(self, sock) -> None:
         across = sock is self.tcp_inbox  # a note may come with its rows: one multipart message
         while True:
             try:
                 if across:
-                    parts = sock.recv_multipart(self.zmq.NOBLOCK, copy=False)
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 else:
-                    frame = sock.recv(self.zmq.NOBLOCK)
-            except self.zmq.Again:
+                    frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
                 return
             try:
                 if across:
                     if len(parts) > 2:
-                        raise self.M.BadMessage(f"a message of {len(parts)} frames")
-                    self._dispatch(self.M.decode(parts[0].bytes), parts[1] if len(parts) == 2 else None)
+                        raise M.BadMessage(f"a message of {len(parts)} frames")
+                    self._dispatch(M.decode(parts[0].bytes), parts[1] if len(parts) == 2 else None)
                 else:
-                    self._dispatch(self.M.decode(frame))
-            except self.M.BadMessage as e:
+                    self._dispatch(M.decode(frame))
+            except M.BadMessage as e:
                 self.bad_frames += 1
                 if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
                     self.log.warning("rejected frame #%d: %s", self.bad_frames, e)
@@ -323,7 +313,10 @@ class Stage:
         while not cond():
             if self.stopping:
                 raise SystemExit(0)
-            self.pump(100)
+            if not self.pump(100) and self.bad_frames != self.bad_frames_logged:
+                # idle after garbage: one line with the running count (a flood is not one line per frame)
+                self.bad_frames_logged = self.bad_frames
+                self.log.info("inbox idle: %d frame(s) rejected so far", self.bad_frames)
         return time.perf_counter() - t
 
     # -- timing ---------------------------------------------------------------------------------
@@ -335,19 +328,18 @@ class Stage:
         self.nchunks = 0
 
     def report_stats(self) -> None:
-        self.send(self.to_head, "stats", stage=self.i, phase=self.phase,
-                  wall_s=max(0.0, self.last_handoff - self.t0), work_s=self.work_s,
-                  handoff_wait_s=self.handoff_wait_s, input_wait_s=self.input_wait_s, copy_s=self.copy_s,
-                  events=[[k, a + self.clock_offset, b + self.clock_offset, c + self.clock_offset]
-                          for k, a, b, c in self.events] if self.clock_offset else self.events,
-                  chunks=self.nchunks, bad_frames=self.bad_frames)
+        self.send(self.to_head, M.Stats(stage=self.i, phase=self.phase,
+                         wall_s=max(0.0, self.last_handoff - self.t0), work_s=self.work_s,
+                         handoff_wait_s=self.handoff_wait_s, input_wait_s=self.input_wait_s, copy_s=self.copy_s,
+                         events=[[k, a + self.clock_offset, b + self.clock_offset, c + self.clock_offset]
+                                 for k, a, b, c in self.events] if self.clock_offset else self.events,
+                         chunks=self.nchunks, bad_frames=self.bad_frames))
 
     # -- the chunk path -------------------------------------------------------------------------
-    def run_chunk(self, msg: dict) -> None:
-        torch = self.torch
-        k, pos, n = msg["k"], msg["pos"], msg["n"]
+    def run_chunk(self, msg: M.Chunk) -> None:
+        k, pos, n = msg.k, msg.pos, msg.n
         self.current_chunk = k
-        self.send(self.to_head, "working", stage=self.i, k=k)
+        self.send(self.to_head, M.Working(stage=self.i, k=k))
 
         # 1. input: ids for the first stage, else residual rows from the buffer above
         copy_start = time.perf_counter()
@@ -357,7 +349,7 @@ class Stage:
             x = self.inlink.get(n).to(self.device, copy=True).view(1, n, self.args.dim)
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the copy has left the buffer
-            self.send(self.to_up, "taken", k=k)
+            self.send(self.to_up, M.Taken(k=k))
         self.copy_s += time.perf_counter() - copy_start
 
         # 2. compute
@@ -366,13 +358,13 @@ class Stage:
         h = self.model(x, pos)
         nll, count, argmax = 0.0, 0, -1
         if self.last:
-            if msg["phase"] == "prefill" and self.spec["perplexity"]:
-                targets = self.ids[pos + 1: min(pos + n + 1, self.spec["tokens"])].to(torch.long)
+            if msg.phase == "prefill" and self.spec.perplexity:
+                targets = self.ids[pos + 1: min(pos + n + 1, self.spec.tokens)].to(torch.long)
                 if targets.numel():
                     nll, count = self.model.nll(h, targets)
             logits = self.model.logits(h[0, -1])
             argmax = int(logits.argmax())
-            if self.dump is not None and msg["phase"] == "prefill":
+            if self.dump is not None and msg.phase == "prefill":
                 self.dump.write(pos, h[0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -390,10 +382,9 @@ class Stage:
         # 4. hand off
         copy_start = time.perf_counter()
         if self.last:
-            self.outlink.put(logits, "result", k=k, nll=float(nll), count=count, argmax=argmax)
+            self.outlink.put(logits, M.ChunkResult(k=k, nll=float(nll), count=count, argmax=argmax))
         else:
-            self.outlink.put(h.view(n, self.args.dim), "chunk", k=k, pos=pos, n=n, phase=msg["phase"],
-                             t0=msg["t0"])
+            self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0))
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
@@ -405,7 +396,7 @@ class Stage:
             self.taken_below.discard(k)
             self.inflight.popleft()
             if not self.first:
-                self.send(self.to_up, "done", k=k)
+                self.send(self.to_up, M.Done(k=k))
         self.last_handoff = time.perf_counter()
         self.events.append([k, work_start, work_end, self.last_handoff])
         self.nchunks += 1
@@ -433,9 +424,9 @@ class Stage:
             time.sleep(1)
 
     def serve(self) -> None:
-        self.send(self.to_head, "ready", stage=self.i, pid=os.getpid(), device=str(self.device),
-                  layers=[self.spec["start"], self.spec["end"]], mem_bytes=self._mem_bytes(),
-                  kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s)
+        self.send(self.to_head, M.Ready(stage=self.i, pid=os.getpid(), device=str(self.device),
+                         layers=[self.spec.start, self.spec.end], mem_bytes=self._mem_bytes(),
+                         kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s))
         if not self.linked:  # neighbours on other hosts: the head says where they listen once all are ready
             self.wait_until(lambda: self.linked)
         while True:
@@ -443,9 +434,11 @@ class Stage:
             self.wait_until(lambda: self.inputs or self.phase_end is not None)
             if self.inputs:
                 front = self.inputs[0]
-                if front["t0"] != self.phase_t0:  # the first chunk of a new phase
-                    self.phase_t0 = front["t0"]
-                    self._reset_stats(front["phase"], self.phase_t0 - self.clock_offset)
+                if front.t0 != self.phase_t0:  # the first chunk of a new phase
+                    self.phase_t0 = front.t0
+                    self._reset_stats(front.phase, self.phase_t0 - self.clock_offset)
+                    if front.phase == "prefill":  # tests (and people) wait on this line, not on a sleep
+                        self.log.info("prefill: started (chunk %d)", front.k)
                 if self.nchunks:  # before the first chunk a stage waits for the pipeline to fill
                     self.input_wait_s += time.perf_counter() - t
                 else:
@@ -459,7 +452,7 @@ class Stage:
 
     def _mem_bytes(self) -> int:
         if self.device.type == "cuda":
-            return int(self.torch.cuda.memory_allocated(self.device))
+            return int(torch.cuda.memory_allocated(self.device))
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.kv_bytes
 
     def close(self, linger_ms: int = 0) -> None:
@@ -476,147 +469,17 @@ class Stage:
             seg.close()
 
 
-def _flush_sockets(timeout_s: float) -> None:
-    """Terminate ZeroMQ so queued messages (the typed failure) leave before os._exit kills its I/O
-    thread. Bounded: term() waits for every socket, and a failed __init__ may have left one open."""
-    import zmq
-    t = threading.Thread(target=zmq.Context.instance().term, daemon=True)
-    t.start()
-    t.join(timeout_s)
-
-
-def run_stage_process(spec: dict, head_conn, joined: dict | None = None) -> None:
-    """Entry point of a stage process (spawned by the head; or, with `joined`, a remote stage that has
-    joined: `main`). A remote stage logs to stderr (the head keeps it as stage-N.log) and notices a
-    dead head by its heartbeats instead of a pipe."""
-    local = head_conn is not None
-    if local:
-        _die_with_parent()
-    log_stream = open(spec["log_file"], "a") if local else sys.stderr
-    if local:
-        _watch_head(head_conn, log_stream.fileno())
-    i = spec["index"]
-    log = logging.getLogger(f"stage{i}")
-    log.setLevel(logging.INFO)
-    fmt = logging.Formatter(f"%(asctime)s [stage {i}] %(levelname)s %(message)s")
-    fh = logging.FileHandler(spec["log_file"]) if local else logging.StreamHandler(sys.stderr)
-    fh.setFormatter(fmt)
-    log.addHandler(fh)
-    if spec["console"] and local:
-        ch = logging.StreamHandler(sys.stderr)
-        ch.setFormatter(logging.Formatter(f"[stage {i}] %(message)s"))
-        ch.setLevel(logging.WARNING)
-        log.addHandler(ch)
-    faulthandler.enable(file=log_stream)
-    faulthandler.register(signal.SIGUSR1, file=log_stream, all_threads=True)  # the watchdog's stack dump
-    if local:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the head's to handle; it tells us to stop
-    joined = joined or {}
-    stage, code = None, 0
-    try:
-        log.info("pid %d, device %s, layers [%d, %d)", os.getpid(), spec["device"], spec["start"], spec["end"])
-        if not local:
-            log.info("joined the head from %s: %s, tcp in %s, tcp out %s", socket_host(), spec["net"]["host"],
-                     spec["net"]["tcp_in"], spec["net"]["tcp_out"])
-        stage = Stage(spec, log, ids=joined.get("ids"), clock_offset=joined.get("clock_offset", 0.0))
-        log.info("ready: loaded in %.2fs, KV cache %d bytes, pinned=%s", stage.load_s, stage.kv_bytes, stage.pinned)
-        stage.serve()
-    except SystemExit:
-        log.info("stopping (%d bad frames rejected)", stage.bad_frames if stage else 0)
-    except BaseException as e:  # noqa: BLE001 - report every failure upward, typed, then exit
-        tb = traceback.format_exc()
-        log.error("failed: %s", tb)
-        _report_failure(spec, stage, e, tb)
-        code = 1
-    if stage is not None:
-        stage.close(linger_ms=2000 if code else 0)
-    if joined.get("watch") is not None:
-        joined["watch"].stop()
-    if code:
-        _flush_sockets(3.0)  # the "fail" must reach the head before the exit code does
-    logging.shutdown()
-    log_stream.flush()
-    os._exit(code)
-
-
-def _report_failure(spec, stage, exc, tb) -> None:
-    try:
-        import zmq
-
-        from strata import messages as M
-        frame = M.encode("fail", stage=spec["index"], pid=os.getpid(), device=spec["device"],
-                         chunk=stage.current_chunk if stage else -1, error=type(exc).__name__,
-                         message=str(exc)[:2000], traceback=tb[-8000:])
-        if stage is not None:
-            stage.to_head.send(frame)
-        else:
-            s = _head_push(zmq.Context.instance(), spec)
-            s.send(frame)
-            s.close()
-    except Exception:  # noqa: BLE001 - the head still sees the exit code
-        pass
-
-
-def _head_push(ctx, spec: dict):
+def head_push(ctx, spec: M.StageJob):
     """A PUSH to the head: its ipc socket, or (a remote stage) its tcp socket as a CURVE client."""
-    import zmq
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.LINGER, 2000)  # long enough for a final "fail" to leave
-    net = spec.get("net")
-    if net and net["remote"]:
-        from strata.net import curve_client
-        curve_client(s, net["public"], net["secret"], net["head_public"])
-    s.connect(spec["head_endpoint"])
+    net = spec.net
+    if net and net.remote:
+        N.curve_client(s, net.public, net.secret, net.head_public)
+    s.connect(spec.head_endpoint)
     return s
 
 
-def socket_host() -> str:
-    import socket
-    return socket.gethostname()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """A stage on another host: join the head, get the spec, load the slice, serve.
-
-        python -m workers.stage --join tcp://HEAD:PORT --key KEY      (KEY: 192 hex digits, or - for stdin)
-    """
-    import argparse
-    ap = argparse.ArgumentParser(prog="python -m workers.stage", description="A Strata stage on another host: "
-                                 "joins the head (CurveZMQ), gets its spec, loads its layers and serves chunks.")
-    ap.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's join endpoint")
-    ap.add_argument("--key", required=True, metavar="KEY", help="the run's key for this stage (printed by the head, "
-                    "or given on stdin by its remote_command); - reads it from stdin")
-    ap.add_argument("--bind", default="", metavar="ADDR", help="address the neighbours reach this stage at "
-                    "(default: this host's address on the route to the head)")
-    ap.add_argument("--join-timeout", type=float, default=60.0, metavar="S", help="give up joining after S seconds")
-    a = ap.parse_args(argv)
-    from strata import messages as M
-    from strata import net as N
-    try:
-        key = N.parse_join_key(sys.stdin.readline() if a.key == "-" else a.key)
-        if not a.join.startswith("tcp://"):
-            raise ValueError(f"--join: {a.join!r} is not tcp://HOST:PORT")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    import zmq
-    try:
-        dealer, spec, ids, offset = N.join(zmq.Context.instance(), a.join, key, a.join_timeout)
-    except (TimeoutError, M.BadMessage, zmq.ZMQError) as e:
-        print(f"error: could not join {a.join}: {e}", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(2)  # no context teardown: a socket may still be connecting
-    net = spec["net"]
-    if net["public"] != key[1]:
-        print("error: the head sent the spec of another stage", file=sys.stderr)
-        os._exit(2)
-    net["secret"] = key[2]
-    if a.bind:
-        net["bind"] = a.bind
-    watch = N.HeadWatch(dealer, spec["index"], net["heartbeat_s"], net["heartbeat_timeout_s"], sys.stderr.fileno())
-    run_stage_process(spec, None, {"ids": ids, "clock_offset": offset, "watch": watch})
-    return 0  # not reached: run_stage_process exits the process
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # a stage on another host: python -m workers.stage --join ... --key ...
+    from workers.join import main
     sys.exit(main())

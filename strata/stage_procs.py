@@ -1,0 +1,139 @@
+"""The head's stage processes and everything a run must release: spawn, teardown, shared buffers, ipc dir.
+
+`Resources` is kept apart from the Pipeline so that its `weakref.finalize` holds no cycle: whatever
+way a run ends (return, exception, Ctrl-C, garbage collection), `release` stops the stages (ask,
+wait, terminate, kill), closes the sockets, ends the context and unlinks the buffers.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import shm
+from .errors import PipelineError
+
+PAGE = 4096
+IPC_PREFIX = "strata-ipc-"          # + head pid + "-": a later start removes the dirs of dead heads
+
+
+def sweep_dead_ipc_dirs() -> list[str]:
+    """Remove per-run ipc directories left by heads that died without cleaning up (SIGKILL)."""
+    removed = []
+    base = Path(tempfile.gettempdir())
+    pat = re.compile(rf"^{IPC_PREFIX}(\d+)-")
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        m = pat.match(d.name)
+        if not m:
+            continue
+        try:
+            if d.stat().st_uid != os.getuid() or not d.is_dir():
+                continue
+            os.kill(int(m[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+        except OSError:
+            continue
+    return removed
+
+
+def _page(n: int) -> int:
+    return max(PAGE, (n + PAGE - 1) // PAGE * PAGE)
+
+
+class Resources:
+    """Everything that must be released: processes, pipes, sockets, the context, segments, the ipc dir."""
+
+    def __init__(self):
+        self.procs: list = []
+        self.conns: list = []
+        self.segments: list = []
+        self.socks: list = []
+        self.ctx = None
+        self.ipc_dir: str | None = None
+        self.net = None            # strata.net.HeadNet when a stage is remote
+
+    def release(self, grace_s: float = 5.0) -> None:
+        # ask (stop message, sent by the caller), wait, terminate, kill
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for c in self.conns:
+            c.close()
+        for s in self.socks:
+            if not s.closed:
+                s.close(linger=0)
+        if self.net is not None:
+            self.net.stop()  # its thread, its sockets, the ZAP handler: before the context ends
+            self.net = None
+        if self.ctx is not None:
+            self.ctx.term()
+        for seg in self.segments:
+            seg.unlink()
+            seg.close()
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self.procs, self.conns, self.segments, self.socks, self.ctx, self.ipc_dir = [], [], [], [], None, None
+
+    def make_ipc_dir(self) -> str:
+        # mode 0700: only this user reaches the sockets (messages are validated, not authenticated)
+        self.ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
+        return self.ipc_dir
+
+
+class Buffers:
+    """The run's shared segments: token ids, the last stage's logits row, one hand-off buffer per boundary
+    inside this host (a boundary across hosts has none: its rows travel with the note)."""
+
+    def __init__(self, res: Resources, run_id: str, plan, remote: list[bool], across: list[bool]):
+        shm.sweep_dead()
+        sizes = {"ids": _page((plan.max_len + 1) * 4), "result": _page(plan.args.vocab_size * 4)}
+        if remote[-1]:
+            del sizes["result"]  # the last stage's logits come over tcp
+        for i in range(len(remote) - 1):
+            if not across[i]:
+                sizes[f"b{i}"] = _page(plan.handoff_bytes())
+        try:
+            shm.check_room(sum(sizes.values()))
+        except OSError as e:
+            raise PipelineError(str(e)) from None
+        self.names: dict[str, tuple[str, int]] = {}  # what -> (segment name, bytes): the stages attach these
+        for what, nbytes in sizes.items():
+            seg = shm.Segment.create(shm.segment_name(run_id, what), nbytes)
+            res.segments.append(seg)
+            self.names[what] = (seg.name, nbytes)
+        self.ids = res.segments[0].tensor(torch.int32, (plan.max_len + 1,))
+        self.result = None if remote[-1] else res.segments[1].tensor(torch.float32, (plan.args.vocab_size,))
+
+
+def spawn_local(res: Resources, spec: dict, index: int) -> int:
+    """Start stage `index` as a child process (spawn, not fork: CUDA cannot survive a fork); its pid.
+    The pipe is its lifeline: EOF on the child's end means the head is gone."""
+    from workers.bootstrap import run_stage_process
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run_stage_process, args=(spec, parent_end), name=f"strata-stage-{index}", daemon=True)
+    proc.start()
+    parent_end.close()
+    res.procs.append(proc)
+    res.conns.append(child_end)
+    return proc.pid
