@@ -233,3 +233,16 @@ def test_depth_and_timing_from_environment():
     cfg = from_dict({"model": "synthetic:smoke", "prompt": {"random": {"tokens": 10}}},
                     env={"STRATA_PF_DEPTH": "0", "STRATA_PREFILL_TIMING": "1"})
     assert cfg.depth == 0 and cfg.timing
+
+
+def test_console_script_is_the_launcher():
+    """pyproject's `strata` command resolves to the launcher's main: same arguments, same checks."""
+    import importlib
+    import tomllib
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["strata"]
+    module, func = target.split(":")
+    import launcher
+    assert getattr(importlib.import_module(module), func) is launcher.main
+    with pytest.raises(SystemExit) as e:
+        launcher.main(["--help"])
+    assert e.value.code == 0
