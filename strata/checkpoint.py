@@ -194,6 +194,32 @@ def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, w
     return weight, scratch, kv
 
 
+def storage(model_spec: str, args: ModelArgs, dtype, weights_mode: str = "auto", kv_dtype="auto",
+            device_type: str = "cpu"):
+    """What the planner counts for this model on this kind of device: bytes as stored, per part."""
+    from .planner import Storage
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    esize = torch.empty((), dtype=dtype).element_size()
+    mode = _mode_of(model_spec, device_type, weights_mode, args)
+    names = wanted_names(args, 0, args.n_layers)
+    if args.tie_embeddings:
+        names.append("head")  # a tied head on a stage without the embedding holds its own copy
+    stored = _stored_types(model_spec, args, names) if mode == "resident" else {n: None for n in names}
+    sh = shapes(args)
+
+    def size(n):
+        s = stored.get(n)
+        return s[1] if s is not None else _numel(sh[short(n)]) * esize
+    layers = sum(size(n) for n in names if n.startswith("layers."))
+    scratch = 0
+    if any(v is not None for v in stored.values()):
+        scratch = scratch_layout(args)[1] * esize + dequant_piece_bytes(args)
+    kv_size = torch.empty((), dtype=kv_dtype_of(kv_dtype, dtype)).element_size()
+    head = size("head") if "head" in stored else size("embed")
+    return Storage(layer=layers / args.n_layers, embed=size("embed"), head=head, norm=size("norm"), scratch=scratch,
+                   kv_elem=kv_size, mode=mode)
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:

@@ -112,6 +112,9 @@ class Ready(Message):
     kv_bytes: int
     pinned: bool
     load_s: float
+    weights: str               # what the stage holds: "resident" (GGUF blocks) or "dequantized"
+    weight_bytes: int          # weights as stored on the device
+    scratch_bytes: int         # the one-layer dequantization scratch (0 when dequantized)
 
 
 @_message("fail")    # stage -> head: a typed failure, sent before the stage exits
@@ -272,6 +275,7 @@ class StageJob:
     attention: str             # the rig's `attention`
     weights: str               # the rig's `weights` (issue 12)
     kv_dtype: str              # the rig's `kv_dtype` (issue 12)
+    memory: int | None         # the rig's `stages[i].memory`: enforced on CUDA
     threads: int | None
     cores: list
     start: int                 # layers [start, end)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import messages as M
+from .checkpoint import check_model_files
 from .config import PromptSpec, RigConfig, check_run_dir, from_dict
 from .errors import ConfigError, PipelineError
 from .head_wire import HeadWire, poll_until
@@ -46,32 +47,6 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-def check_model_files(model: str) -> None:
-    """Open every safetensors header before any process starts: a truncated or corrupt file, or one
-    that lacks a tensor, is refused here in one line rather than in a stage. (GGUF files are checked
-    tensor by tensor when their metadata is read; synthetic models have no files.)"""
-    from .weights import ModelError, hf_name, model_args, resolve, wanted_names
-    kind, loc = resolve(model)
-    if kind != "hf":
-        return
-    from safetensors import SafetensorError, safe_open
-    d = Path(loc)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{d}: no *.safetensors files (pickled .bin checkpoints are refused)")
-    keys: set[str] = set()
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                keys.update(sf.keys())
-        except (SafetensorError, OSError) as e:
-            raise ModelError(f"{f}: corrupt or truncated safetensors file ({e})") from None
-    args = model_args(model)
-    missing = [h for h in (hf_name(c) for c in wanted_names(args, 0, args.n_layers)) if h not in keys]
-    if missing:
-        raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
-
-
 @dataclass
 class StageInfo:
     index: int
@@ -81,6 +56,9 @@ class StageInfo:
     pid: int = 0
     mem_bytes: int = 0
     kv_bytes: int = 0
+    weight_bytes: int = 0
+    scratch_bytes: int = 0
+    weights: str = ""
     pinned: bool = False
     load_s: float = 0.0
     chunk: int = -1            # the chunk it last said it started, this phase ("working"; a typed failure's)
@@ -173,7 +151,7 @@ class Pipeline:
         plan, cfg, w = self.plan, self.cfg, self._wire
         return M.StageJob(
             index=sp.index, n_stages=len(plan.stages), device=sp.device, dtype=cfg.dtype, attention=cfg.attention,
-            weights=cfg.weights, kv_dtype=cfg.kv_dtype, threads=sp.threads, cores=list(sp.cores), start=sp.start,
+            weights=cfg.weights, kv_dtype=cfg.kv_dtype, memory=sp.memory, threads=sp.threads, cores=list(sp.cores), start=sp.start,
             end=sp.end, model=cfg.model, args={f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__},
             seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk, depth=cfg.depth,
             perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,
@@ -293,6 +271,7 @@ class Pipeline:
     def _on_ready(self, msg: M.Ready, data) -> None:
         st = self.stages[msg.stage]
         st.mem_bytes, st.kv_bytes, st.pinned, st.load_s = msg.mem_bytes, msg.kv_bytes, msg.pinned, msg.load_s
+        st.weights, st.weight_bytes, st.scratch_bytes = msg.weights, msg.weight_bytes, msg.scratch_bytes
         self._ready.add(msg.stage)
 
     def _on_bound(self, msg: M.Bound, data) -> None:

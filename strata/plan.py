@@ -17,7 +17,8 @@ from .model import ModelArgs
 from .schedule import chunk_schedule
 from .planner import (DTYPE_BYTES, PlanError, Speed, check_split, even_split, plan_split, predicted_times,
                       stage_needs)
-from .weights import ModelError, model_args
+from .checkpoint import model_args, storage
+from .errors import ModelError
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,12 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     host = [s.device == "cpu" for s in stages]
     labels = [s.device + (f", {s.threads} thread{'s' if s.threads != 1 else ''}" if s.threads else "")
               for s in stages]
-    kw = dict(with_head=cfg.perplexity, labels=labels, cap_notes=facts.cap_notes, attention=cfg.attention)
+    # weights as stored (resident GGUF blocks + one layer's scratch, or dense in dtype) and KV at kv_dtype
+    store = {kind: storage(cfg.model, args, cfg.dtype, cfg.weights, cfg.kv_dtype, kind) for kind in {
+        "cpu" if h else "cuda" for h in host}}
+    per_stage = [store["cpu" if h else "cuda"] for h in host]
+    kw = dict(with_head=cfg.perplexity, labels=labels, cap_notes=facts.cap_notes, attention=cfg.attention,
+              storage=per_stage)
     if auto:
         try:
             split = plan_split(args, n, facts.speeds, facts.caps, kv_tokens, max_chunk, cfg.dtype, host,
@@ -212,7 +218,8 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         err = check_split(args, split, facts.caps, kv_tokens, max_chunk, cfg.dtype, host, **kw)
         if err:
             raise ConfigError(err)
-    needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention)
+    needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention,
+                        storage=per_stage)
     cpu = [i for i in range(n) if host[i] and not stages[i].remote]
     # CPU stages share this host: checked together, unless every one of them gives its own `memory:`
     # (a remote stage's memory is its own host's)

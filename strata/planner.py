@@ -64,25 +64,47 @@ class StageNeed:
                 "handoff": self.handoff, "runtime": self.runtime, "total": self.total}
 
 
+@dataclass(frozen=True)
+class Storage:
+    """Bytes as stored, per part (strata.checkpoint.storage): resident quantized blocks count as blocks,
+    plus the one-layer dequantization scratch; KV at the rig's kv_dtype. Without one, params x dtype."""
+    layer: float               # one layer's weights (mean over the layers)
+    embed: int
+    head: int                  # the head, or the tied embedding's copy on a stage without the embedding
+    norm: int
+    scratch: int               # resident: one layer dense in dtype + the dequantizer's transient
+    kv_elem: int               # bytes per cached K or V element
+    mode: str = "dequantized"  # "resident" or "dequantized"
+
+
+def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b: int, st: Storage | None):
+    kvw = args.n_kv_heads * args.head_dim
+    if st is not None:
+        weights = int(n * st.layer) + st.scratch + (st.embed if first else 0)
+        if last:
+            weights += st.norm + (0 if args.tie_embeddings and first else st.head)
+        return weights, 2 * n * kvw * tokens * st.kv_elem
+    # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
+    qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+    weights = n * (args.layer_param_count() + (qkv if args.qkv_bias else 0))
+    if first:
+        weights += args.vocab_size * args.dim
+    if last:
+        weights += args.dim + (args.vocab_size * args.dim if not (args.tie_embeddings and first) else 0)
+    return weights * b, 2 * n * kvw * tokens * b
+
+
 def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: int, dtype: str,
-          on_cpu: bool, with_head: bool, attention: str = "auto") -> StageNeed:
+          on_cpu: bool, with_head: bool, attention: str = "auto", storage: Storage | None = None) -> StageNeed:
     b = DTYPE_BYTES[dtype]
     f4 = 4
     dim, hd, nh, nkv, ffn, V = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size
     q, kvw = nh * hd, nkv * hd
     qkv = q + 2 * kvw
 
-    # -- weights: layers (+ q/k/v biases), embedding on the first stage, norm and head on the last.
-    # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
-    weights = n * (args.layer_param_count() + (qkv if args.qkv_bias else 0))
-    if first:
-        weights += V * dim
-    if last:
-        weights += dim + (V * dim if not (args.tie_embeddings and first) else 0)
-    weights *= b
-
-    # -- KV cache: allocated once for every position (prompt + continuation), every layer held
-    kv = 2 * n * kvw * tokens * b
+    # -- weights: layers (+ q/k/v biases), embedding on the first stage, norm and head on the last,
+    # as stored; KV cache: allocated once for every position (prompt + continuation), every layer held
+    weights, kv = _weights_kv(args, n, first, last, tokens, b, storage)
 
     # -- one chunk's activations at their peak, in bytes per row. Alive through a block: the
     # stage's input rows and the block's input (2 rows of dim). Then the largest of the phases:
@@ -123,12 +145,13 @@ def cuda_attention(choice: str = "auto") -> str:
 
 
 def stage_need(args: ModelArgs, start: int, end: int, tokens: int, chunk: int, dtype: str,
-               host_handoff: bool = False, with_head: bool = True, attention: str = "auto") -> StageNeed:
+               host_handoff: bool = False, with_head: bool = True, attention: str = "auto",
+               storage: Storage | None = None) -> StageNeed:
     """Bytes a stage holding layers [start, end) needs: `tokens` KV positions (prompt + continuation),
     chunks of at most `chunk` rows. `host_handoff`: a CPU stage (its hand-off buffers are host memory
     it maps; its activations take the CPU attention path). `with_head`: the perplexity's blocked logits."""
     return _need(args, end - start, start == 0, end == args.n_layers, tokens, chunk, dtype, host_handoff, with_head,
-                 attention)
+                 attention, storage)
 
 
 # -- speed and cost ------------------------------------------------------------------------------
@@ -190,7 +213,8 @@ def _has(i: int, cap: int, notes) -> str:
 def plan_split(args: ModelArgs, n_stages: int, speeds: list, caps: list[int | None], tokens: int, chunk: int,
                dtype: str, host_handoff: list[bool] | None = None, with_head: bool = True,
                prompt_tokens: int | None = None, labels: list[str] | None = None,
-               cap_notes: list[str] | None = None, attention: str = "auto") -> list[int]:
+               cap_notes: list[str] | None = None, attention: str = "auto",
+               storage: list[Storage | None] | None = None) -> list[int]:
     """Optimal contiguous split (layer counts per stage), by dynamic programming.
 
     Minimises the slowest stage's predicted time subject to every stage's memory cap; among the
@@ -200,6 +224,7 @@ def plan_split(args: ModelArgs, n_stages: int, speeds: list, caps: list[int | No
     """
     L, S = args.n_layers, n_stages
     host = host_handoff or [False] * S
+    st = storage or [None] * S
     work = tokens if prompt_tokens is None else prompt_tokens
     if S > L:
         raise PlanError(f"{S} stages but the model has only {L} layers")
@@ -209,7 +234,7 @@ def plan_split(args: ModelArgs, n_stages: int, speeds: list, caps: list[int | No
     t = [[INF] * (nmax + 1) for _ in range(S)]
     for i in range(S):
         for n in range(1, nmax + 1):
-            need = _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head, attention)
+            need = _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head, attention, st[i])
             if caps[i] is not None and need.total > caps[i]:
                 break  # needs grow with n: no larger count fits either
             t[i][n] = stage_time(args, n, i == S - 1, speeds[i], work, with_head)
@@ -247,21 +272,22 @@ def plan_split(args: ModelArgs, n_stages: int, speeds: list, caps: list[int | No
     first = solve(None)
     if first is None:
         raise PlanError(explain_no_fit(args, S, caps, tokens, chunk, dtype, host, with_head, labels, cap_notes,
-                                       attention))
+                                       attention, storage))
     bottleneck = first[0]
     second = solve(bottleneck * (1 + 1e-12))
     return second[1] if second is not None else first[1]
 
 
 def max_layers(args: ModelArgs, i: int, n_stages: int, cap: int | None, tokens: int, chunk: int, dtype: str,
-               on_cpu: bool, with_head: bool = True, attention: str = "auto") -> int:
+               on_cpu: bool, with_head: bool = True, attention: str = "auto", storage: Storage | None = None) -> int:
     """The most layers stage i of n_stages can hold under `cap` (0: not even one)."""
     nmax = args.n_layers - (n_stages - 1)
     if cap is None:
         return nmax
     m = 0
     for n in range(1, nmax + 1):
-        if _need(args, n, i == 0, i == n_stages - 1, tokens, chunk, dtype, on_cpu, with_head, attention).total > cap:
+        if _need(args, n, i == 0, i == n_stages - 1, tokens, chunk, dtype, on_cpu, with_head, attention,
+                 storage).total > cap:
             break
         m = n
     return m
@@ -269,7 +295,7 @@ def max_layers(args: ModelArgs, i: int, n_stages: int, cap: int | None, tokens: 
 
 def explain_no_fit(args: ModelArgs, n_stages: int, caps: list[int | None], tokens: int, chunk: int, dtype: str,
                    host_handoff: list[bool] | None = None, with_head: bool = True, labels=None,
-                   cap_notes=None, attention: str = "auto") -> str:
+                   cap_notes=None, attention: str = "auto", storage: list[Storage | None] | None = None) -> str:
     """Why no contiguous split fits: the tightest stage under the most favourable split.
 
     A stage's need grows with its layer count and otherwise depends only on whether it is first
@@ -279,11 +305,13 @@ def explain_no_fit(args: ModelArgs, n_stages: int, caps: list[int | None], token
     the fewest bytes then. Its need is a lower bound over all splits."""
     L, S = args.n_layers, n_stages
     host = host_handoff or [False] * S
+    st = storage or [None] * S
 
     def need(i, n):
-        return _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head, attention)
+        return _need(args, n, i == 0, i == S - 1, tokens, chunk, dtype, host[i], with_head, attention, st[i])
 
-    m = [max_layers(args, i, S, caps[i], tokens, chunk, dtype, host[i], with_head, attention) for i in range(S)]
+    m = [max_layers(args, i, S, caps[i], tokens, chunk, dtype, host[i], with_head, attention, st[i])
+         for i in range(S)]
     for i in range(S):
         if m[i] == 0:
             nd = need(i, 1)
@@ -310,12 +338,13 @@ def explain_no_fit(args: ModelArgs, n_stages: int, caps: list[int | None], token
 def check_split(args: ModelArgs, split: list[int], caps: list[int | None], tokens: int, chunk: int,
                 dtype: str, host_handoff: list[bool] | None = None, prefix: str = "", with_head: bool = True,
                 labels: list[str] | None = None, cap_notes: list[str] | None = None,
-                attention: str = "auto") -> str | None:
+                attention: str = "auto", storage: list[Storage | None] | None = None) -> str | None:
     """None if every stage fits; else one line naming the first stage that does not."""
     host = host_handoff or [False] * len(split)
+    st = storage or [None] * len(split)
     a = 0
     for i, n in enumerate(split):
-        need = stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head, attention)
+        need = stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head, attention, st[i])
         if caps[i] is not None and need.total > caps[i]:
             return (f"{prefix}{_label(i, labels)} (layers {a}-{a + n - 1}) needs {need.total:,} bytes "
                     f"({_gib(need.total)}: {need.describe()}) but has {_has(i, caps[i], cap_notes)}")
@@ -325,10 +354,11 @@ def check_split(args: ModelArgs, split: list[int], caps: list[int | None], token
 
 def stage_needs(args: ModelArgs, split: list[int], tokens: int, chunk: int, dtype: str,
                 host_handoff: list[bool] | None = None, with_head: bool = True,
-                attention: str = "auto") -> list[StageNeed]:
+                attention: str = "auto", storage: list[Storage | None] | None = None) -> list[StageNeed]:
     host = host_handoff or [False] * len(split)
+    st = storage or [None] * len(split)
     out, a = [], 0
     for i, n in enumerate(split):
-        out.append(stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head, attention))
+        out.append(stage_need(args, a, a + n, tokens, chunk, dtype, host[i], with_head, attention, st[i]))
         a += n
     return out

@@ -34,7 +34,7 @@ from strata import net as N
 from strata.model import ModelArgs, Transformer
 from strata.shm import Segment
 from strata.transport import ShmLink, TcpLink
-from strata.weights import slice_tensors
+from strata.checkpoint import load_stage, weights_mode
 
 class StageFailed(RuntimeError):
     pass
@@ -104,6 +104,9 @@ class Stage:
     def _use_device(self, spec: M.StageJob) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            if spec.memory:  # the plan's cap, enforced: an over-tight plan fails here, not on a bigger card's spare
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, spec.memory / total), self.device)
         else:
             if spec.threads:
                 torch.set_num_threads(spec.threads)
@@ -113,15 +116,12 @@ class Stage:
             strata.model.CUDA_ATTENTION = spec.attention
 
     def _load_model(self, spec: M.StageJob) -> tuple[Transformer, int]:
-        """This stage's slice: built on the meta device, filled with just its weights; its KV cache."""
+        """This stage's slice (weights resident as GGUF blocks or dequantized) and its KV cache."""
         args = ModelArgs(**spec.args)
-        with torch.device("meta"):
-            model = Transformer(args, spec.start, spec.end)
-        tensors = slice_tensors(spec.model, args, spec.start, spec.end, device=self.device,
-                                dtype=self.dtype, seed=spec.seed)
-        model.load_weights(tensors, self.device, self.dtype)
-        del tensors
-        return model.eval(), model.setup_cache(spec.max_len)
+        self.weights = weights_mode(spec.model, self.device.type, spec.weights, args)
+        model = load_stage(spec.model, args, spec.start, spec.end, device=self.device, dtype=self.dtype,
+                           seed=spec.seed, weights=self.weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len)
+        return model, model.kv_bytes
 
     def _map_buffers(self, spec: M.StageJob, ids: bytes | None) -> None:
         # ids (all stages read it), input boundary, output boundary / result. A boundary
@@ -426,7 +426,8 @@ class Stage:
     def serve(self) -> None:
         self.send(self.to_head, M.Ready(stage=self.i, pid=os.getpid(), device=str(self.device),
                          layers=[self.spec.start, self.spec.end], mem_bytes=self._mem_bytes(),
-                         kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s))
+                         kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s, weights=self.weights,
+                         weight_bytes=self.model.weight_bytes, scratch_bytes=self.model.scratch_bytes))
         if not self.linked:  # neighbours on other hosts: the head says where they listen once all are ready
             self.wait_until(lambda: self.linked)
         while True:
@@ -453,7 +454,7 @@ class Stage:
     def _mem_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.kv_bytes
+        return self.model.weight_bytes + self.model.scratch_bytes + self.kv_bytes
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the sockets (outgoing ones keep `linger_ms` to deliver what is queued) and unmap."""
