@@ -165,3 +165,25 @@ def test_weight_only_refuses_resident():
                                      resident=True), "cpu", torch.float32)
     with pytest.raises(ValueError, match="dense"):
         m.set_decode_weights("int8")
+
+
+# -- GGUF loading through strata.quant ---------------------------------------------------------------
+def test_gguf_tensors_bit_exact_with_gguf_py():
+    """SmolLM2's GGUF tensors (two layers, the embedding, the norm) decode to gguf-py's float32 bits (the
+    residual md5s rely on it). The whole file takes gguf-py ~15 s."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from strata.gguf_loader import _decode, open_gguf
+    from strata.weights import smollm2_path
+    path = smollm2_path()
+    reader = open_gguf(path)
+    types = set()
+    for t in reader.tensors:
+        if not t.name.startswith(("blk.0.", "blk.29.", "token_embd", "output_norm")):
+            continue
+        ours = _decode(path, t).numpy()
+        theirs = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+        assert ours.tobytes() == theirs.reshape(ours.shape).tobytes(), t.name
+        types.add(t.tensor_type.name)
+    assert types == {"F32", "Q4_1", "Q8_0"}  # every type the file holds went through it
