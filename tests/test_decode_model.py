@@ -187,3 +187,32 @@ def test_gguf_tensors_bit_exact_with_gguf_py():
         assert ours.tobytes() == theirs.reshape(ours.shape).tobytes(), t.name
         types.add(t.tensor_type.name)
     assert types == {"F32", "Q4_1", "Q8_0"}  # every type the file holds went through it
+
+
+# -- the CUDA graph step's arithmetic, run eagerly on CPU (the capture itself needs a GPU: tests/test_gpu.py)
+@pytest.mark.parametrize("start,end", [(0, 3), (1, 3)])
+def test_graph_body_matches_decode_path(start, end):
+    """DecodeGraphs' step body (bucketed cache with an additive mask, rope and cache write from a
+    position tensor) equals the eager decode path, across bucket sizes and a cache of odd length."""
+    from strata.model import DecodeGraphs
+    eager, body = build(SMALL, 600, start=start, end=end), build(SMALL, 600, start=start, end=end)
+    dg = DecodeGraphs(body)
+    assert [dg.bucket(p) for p in (0, 255, 256, 511, 512, 599)] == [256, 256, 512, 512, 600, 600]
+    g = torch.Generator().manual_seed(8)
+    if start == 0:
+        xs = torch.randint(0, SMALL.vocab_size, (1, 560), generator=g)
+    else:
+        xs = torch.randn(1, 560, SMALL.dim, generator=g)
+    assert torch.equal(eager(xs[:, :240], 0), body(xs[:, :240], 0))
+    with torch.inference_mode():
+        for p in list(range(240, 270)) + list(range(500, 520)):
+            if p == 500:  # fill 270..499 in both caches alike
+                eager(xs[:, 270:500], 270), body(xs[:, 270:500], 270)
+            a = eager(xs[:, p:p + 1], p)
+            (dg.ids if dg.ids is not None else dg.res).copy_(xs[:, p:p + 1].reshape(-1) if start == 0
+                                                               else xs[:, p:p + 1])
+            dg.pos.fill_(p)
+            b = dg._body(dg.bucket(p))
+            assert rel(b, a) < 1e-5, p
+            for blk_a, blk_b in zip(eager.layers.values(), body.layers.values()):
+                assert rel(blk_b.attn.k_cache[:, :, p], blk_a.attn.k_cache[:, :, p]) < 1e-5
