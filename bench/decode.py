@@ -1,9 +1,9 @@
 """Model-level decode speed: per-token ms of one process's slice, one token at a time after a context.
 
 Modes: prefill-path (forward(decode=False): the chunk path with T=1, what decode cost before),
-fast (the decode path), int8 / int4 (CPU weight-only kernels), graphs (CUDA graphs). The KV cache
+fast (the decode path), float16 / int8 / int4 (Transformer.set_decode_weights), graphs (CUDA graphs). The KV cache
 is filled with random keys/values for --context positions (decode time depends on the length,
-not the values) unless --prefill. With --check, int8/int4 are compared with the fast path on a real
+not the values) unless --prefill. With --check, float16/int8/int4 are compared with the fast path on a real
 prompt: max relative logit difference (teacher-forced) and whether --steps greedy tokens match.
 
     python bench/decode.py --model smollm2 --device cpu --threads 1 --context 2000 --steps 64
@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.model import WEIGHT_ONLY  # noqa: E402
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a screw press adapted from wine making. Within decades, print "
@@ -68,7 +69,7 @@ def main() -> int:
     ap.add_argument("--modes", default=None, help="comma list (default: all that apply)")
     ap.add_argument("--weights", default="auto", help="dequantized | resident | auto")
     ap.add_argument("--prefill", action="store_true", help="fill the context by a real prefill (slow on CPU)")
-    ap.add_argument("--check", action="store_true", help="int8/int4 logits and greedy tokens vs the fast path")
+    ap.add_argument("--check", action="store_true", help="float16/int8/int4 logits and greedy tokens vs the fast path")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
@@ -77,7 +78,7 @@ def main() -> int:
     start, end = (int(v) for v in a.layers.split(":")) if a.layers else (0, args.n_layers)
     t = time.perf_counter()
     m = load_stage(a.model, args, start, end, device=dev, dtype=dtype, weights=a.weights,
-                   max_len=a.context + a.steps + 1)
+                   max_len=max(a.context, 400) + a.steps + 1)  # --check: a ~200-token prompt
     print(f"{a.model} layers [{start}, {end}) on {dev} {dtype}, {a.threads} thread(s): loaded in "
           f"{time.perf_counter() - t:.2f} s; context {a.context}, {a.steps} steps")
     g = torch.Generator().manual_seed(0)
@@ -92,10 +93,10 @@ def main() -> int:
     first = (torch.tensor([[1]], device=dev) if m.has_embed
              else torch.randn(1, 1, args.dim, generator=g).to(dev, dtype))
     modes = a.modes.split(",") if a.modes else (
-        ["prefill-path", "fast"] + (["graphs"] if dev.type == "cuda" else ["int8", "int4"]))
+        ["prefill-path", "fast"] + (["graphs"] if dev.type == "cuda" else ["float16", "int8", "int4"]))
     base = None
     for mode in modes:
-        if mode in ("int8", "int4"):
+        if mode in WEIGHT_ONLY:
             extra = m.set_decode_weights(mode)
         else:
             m.set_decode_weights(None)
@@ -113,7 +114,7 @@ def main() -> int:
 
 
 def check(m, a, dev) -> None:
-    """Real prompt: greedy tokens and logits of int8/int4 against the fast (dense) decode path."""
+    """Real prompt: greedy tokens and logits of float16/int8/int4 against the fast (dense) decode path."""
     from strata.tokenizer import Tokenizer
     ids = Tokenizer.for_model(a.model).encode(TEXT * 4)
     prompt = torch.tensor([ids], device=dev)
@@ -127,7 +128,7 @@ def check(m, a, dev) -> None:
         return [int(first)] + toks, lg
 
     ref, ref_lg = greedy(None)
-    for kind in ("int8", "int4"):
+    for kind in WEIGHT_ONLY:
         toks, _ = greedy(kind)
         # teacher-forced: the reference's tokens through this kind, logits compared row by row
         m.set_decode_weights(kind)

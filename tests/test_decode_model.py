@@ -127,7 +127,7 @@ def _grid_matrix(n, k, g):
     return (d * q + m).view(n, k)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "float16"])
 def test_weight_only_product(kind):
     g = torch.Generator().manual_seed(6)
     w = _grid_matrix(96, 256, g) if kind == "int4" else torch.randn(96, 256, generator=g)
@@ -135,6 +135,10 @@ def test_weight_only_product(kind):
     wo = WeightOnly(w, kind)
     y = wo(x)
     assert y.shape == (3, 96) and y.dtype == torch.float32
+    if kind == "float16":
+        assert rel(y, x.half().float() @ w.half().float().T) < 2e-3
+        assert rel(y, x @ w.T) < 3e-3
+        return
     # the kernels round x to bfloat16; against that, only int8's rounding of w and the output's remain
     ref = x.bfloat16().float() @ w.T
     assert rel(y, ref) < (2e-2 if kind == "int8" else 8e-3)
