@@ -220,3 +220,11 @@ def test_graph_body_matches_decode_path(start, end):
             assert rel(b, a) < 1e-5, p
             for blk_a, blk_b in zip(eager.layers.values(), body.layers.values()):
                 assert rel(blk_b.attn.k_cache[:, :, p], blk_a.attn.k_cache[:, :, p]) < 1e-5
+
+
+def test_load_stage_decode_weights():
+    from strata.checkpoint import load_stage, model_args
+    args = model_args("synthetic:smoke")
+    m = load_stage("synthetic:smoke", args, 0, 4, device="cpu", dtype=torch.float32, max_len=16, decode_weights="int8")
+    assert m.decode_weights == "int8" and set(m._weight_only) == {"0", "1", "2", "3"}
+    assert load_stage("synthetic:smoke", args, 4, 8, device="cpu", dtype=torch.float32, max_len=16).decode_weights is None
