@@ -11,6 +11,7 @@ prompt: max relative logit difference (teacher-forced) and whether --steps greed
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,14 +33,14 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def run_steps(m, dev, pos: int, steps: int, first, greedy: bool, mode: str) -> tuple[float, list[int], list]:
-    """steps one-token calls from pos; returns (seconds, greedy ids, logits rows)."""
-    x, ids, logits = first, [], []
+def run_steps(m, dev, pos: int, steps: int, first, greedy: bool, mode: str) -> tuple[list[float], list[int], list]:
+    """steps one-token calls from pos; returns (seconds of each step, greedy ids, logits rows)."""
+    x, ids, logits, times = first, [], [], []
     decode = mode != "prefill-path"
     m.cuda_graphs = mode == "graphs"
     sync(dev)
-    t0 = time.perf_counter()
     for i in range(steps):
+        t0 = time.perf_counter()
         h = m(x, pos + i, decode=decode)
         if m.has_head:
             lg = m.logits(h[0, -1])
@@ -52,9 +53,10 @@ def run_steps(m, dev, pos: int, steps: int, first, greedy: bool, mode: str) -> t
             x = torch.tensor([[tok if greedy and tok is not None else (pos + i) % m.args.vocab_size]], device=dev)
         else:
             x = h
-    sync(dev)
+        sync(dev)
+        times.append(time.perf_counter() - t0)
     m.cuda_graphs = False
-    return time.perf_counter() - t0, ids, logits
+    return times, ids, logits
 
 
 def main() -> int:
@@ -102,11 +104,12 @@ def main() -> int:
             m.set_decode_weights(None)
             extra = 0
         run_steps(m, dev, a.context, 2, first, False, mode)  # warm-up (graph capture, kernels)
-        s, _, _ = run_steps(m, dev, a.context, a.steps, first, False, mode)
-        ms = s / a.steps * 1e3
+        times, _, _ = run_steps(m, dev, a.context, a.steps, first, False, mode)
+        ms = statistics.median(times) * 1e3  # the median: robust to a shared machine's preemptions
+        mean = sum(times) / len(times) * 1e3
         base = base or ms
         note = f" (+{extra / 2**20:.0f} MiB weight-only copies)" if extra else ""
-        print(f"  {mode:13s} {ms:8.2f} ms/token  {1e3 / ms:7.1f} tok/s  x{base / ms:.2f}{note}")
+        print(f"  {mode:13s} {ms:8.2f} ms/token median ({mean:.2f} mean)  {1e3 / ms:7.1f} tok/s  x{base / ms:.2f}{note}")
     m.set_decode_weights(None)
     if a.check and m.has_embed and m.has_head:
         check(m, a, dev)
