@@ -3,7 +3,9 @@
 The model knows nothing about stages, processes or transports. A `Transformer` holds layers
 [start, end) of a model, plus the embedding when start == 0 and the final norm and head when
 end == n_layers. Prefill is chunked: `forward(x, pos)` runs T tokens at absolute position
-`pos`, appending their keys/values to a cache allocated once for the whole prompt.
+`pos`, appending their keys/values to a cache allocated once for the whole prompt. Up to
+DECODE_T rows take a decode path (one unmasked attention call for T=1, fewer ops), optionally
+with narrower CPU weights (`set_decode_weights`) or CUDA graphs (`decode_step`, `cuda_graphs`).
 """
 from __future__ import annotations
 
@@ -761,8 +763,42 @@ class Transformer(nn.Module):
         return n
 
     def _graphable(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and self.scratch is None and not self._weight_only
+        return (x.is_cuda and not self._weight_only and not isinstance(self.embed, QuantEmbedding)
                 and all(isinstance(b.weights, DenseMatrices) for b in self.layers.values()))
+
+    def densify(self, max_bytes: int) -> int:
+        """Dequantize resident layers, first to last, into dense matrices of their own while their
+        dense bytes fit in `max_bytes`: decode steps (and prefill chunks) skip those layers'
+        per-call dequantization, and they become eligible for CUDA graphs once all are dense. The
+        weights are the bits the scratch would get, so results do not change. Returns layers densified."""
+        device, dtype = self._compute()
+        n, left = 0, max_bytes
+        for blk in self.layers.values():
+            r = blk.weights
+            if not isinstance(r, ResidentMatrices):
+                continue
+            parts = r.parts
+            need = sum(p.n_rows * p.cols for p in parts.values()) * dtype.itemsize
+            if need > left:
+                break
+            with torch.device("meta"):
+                m = DenseMatrices(self.args)
+            for attr, names in (("wqkv", ("wq", "wk", "wv")), ("wo", ("wo",)), ("w13", ("w_gate", "w_up")),
+                                ("w2", ("w_down",))):
+                rows = sum(parts[k].n_rows for k in names)
+                w = torch.empty(rows, parts[names[0]].cols, device=device, dtype=dtype)
+                r0 = 0
+                for k in names:
+                    parts[k].into(w[r0:r0 + parts[k].n_rows])
+                    r0 += parts[k].n_rows
+                getattr(m, attr).weight = nn.Parameter(w, requires_grad=False)
+            m.wqkv.bias = r.bqkv
+            blk.weights = m
+            left -= need
+            n += 1
+        if n:
+            self._graphs = None
+        return n
 
     @torch.inference_mode()
     def decode_step(self, x: torch.Tensor, pos: int) -> torch.Tensor:

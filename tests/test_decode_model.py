@@ -228,3 +228,31 @@ def test_load_stage_decode_weights():
     m = load_stage("synthetic:smoke", args, 0, 4, device="cpu", dtype=torch.float32, max_len=16, decode_weights="int8")
     assert m.decode_weights == "int8" and set(m._weight_only) == {"0", "1", "2", "3"}
     assert load_stage("synthetic:smoke", args, 4, 8, device="cpu", dtype=torch.float32, max_len=16).decode_weights is None
+
+
+# -- resident layers made dense within a memory budget -------------------------------------------------
+def test_densify_resident_layers_same_bits():
+    import hashlib
+    args = PRESETS["smoke"]
+
+    def resident():
+        with torch.device("meta"):
+            m = Transformer(args)
+        m.load_weights(synthetic_tensors(args, 0, args.n_layers, "cpu", torch.float32, seed=0, qtype="Q4_0",
+                                         resident=True), "cpu", torch.float32)
+        m.setup_cache(80)
+        return m
+
+    ids = torch.randint(0, args.vocab_size, (1, 80), generator=torch.Generator().manual_seed(9))
+
+    def md5(m):
+        h = torch.cat([m(ids[:, :64], 0), m(ids[:, 64:65], 64), m(ids[:, 65:80], 65)], dim=1)
+        return hashlib.md5(h.numpy().tobytes()).hexdigest()
+
+    ref = md5(resident())
+    some, whole = resident(), resident()
+    per = args.layer_param_count() * 4 - 2 * args.dim * 4
+    assert some.densify(3 * per + 10) == 3
+    assert [type(b.weights).__name__ for b in some.layers.values()].count("DenseMatrices") == 3
+    assert whole.densify(1 << 40) == args.n_layers and whole.densify(1 << 40) == 0
+    assert md5(some) == ref and md5(whole) == ref
