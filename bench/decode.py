@@ -70,6 +70,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--modes", default=None, help="comma list (default: all that apply)")
     ap.add_argument("--weights", default="auto", help="dequantized | resident | auto")
+    ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype (auto = the compute dtype)")
     ap.add_argument("--prefill", action="store_true", help="fill the context by a real prefill (slow on CPU)")
     ap.add_argument("--check", action="store_true", help="float16/int8/int4 logits and greedy tokens vs the fast path")
     a = ap.parse_args()
@@ -80,7 +81,7 @@ def main() -> int:
     start, end = (int(v) for v in a.layers.split(":")) if a.layers else (0, args.n_layers)
     t = time.perf_counter()
     m = load_stage(a.model, args, start, end, device=dev, dtype=dtype, weights=a.weights,
-                   max_len=max(a.context, 400) + a.steps + 1)  # --check: a ~200-token prompt
+                   max_len=max(a.context, 400) + a.steps + 1, kv_dtype=a.kv_dtype)  # --check: a ~200-token prompt
     print(f"{a.model} layers [{start}, {end}) on {dev} {dtype}, {a.threads} thread(s): loaded in "
           f"{time.perf_counter() - t:.2f} s; context {a.context}, {a.steps} steps")
     g = torch.Generator().manual_seed(0)
@@ -91,7 +92,7 @@ def main() -> int:
     else:
         for blk in m.layers.values():
             for c in (blk.attn.k_cache, blk.attn.v_cache):
-                c[:, :, :a.context].copy_(torch.randn(c[:, :, :a.context].shape, generator=g))
+                c[:, :, :a.context].copy_(torch.randn(c[:, :, :a.context].shape, generator=g).clamp(-4, 4))
     first = (torch.tensor([[1]], device=dev) if m.has_embed
              else torch.randn(1, 1, args.dim, generator=g).to(dev, dtype))
     modes = a.modes.split(",") if a.modes else (
