@@ -129,9 +129,11 @@ def slice_tensors(model: str, args: ModelArgs, start: int, end: int, device="cpu
 
 
 def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dtype, seed: int = 0,
-               weights: str = "auto", kv_dtype="auto", max_len: int) -> Transformer:
+               weights: str = "auto", kv_dtype="auto", max_len: int, decode_weights: str | None = None) -> Transformer:
     """The stage process's one entry point: layers [start, end) built on the meta device, filled with
-    just this slice's weights (as stored or dequantized), KV cache allocated for `max_len` positions."""
+    just this slice's weights (as stored or dequantized), KV cache allocated for `max_len` positions.
+
+    decode_weights: None, or "int4" / "int8" / "float16" for CPU decode steps (Transformer.set_decode_weights)."""
     device = torch.device(device)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     mode = weights_mode(model, device.type, weights, args)
@@ -141,6 +143,8 @@ def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dty
     m.load_weights(tensors, device, dtype)
     del tensors
     m.setup_cache(max_len, kv_dtype)
+    if decode_weights is not None:
+        m.set_decode_weights(decode_weights)
     return m.eval()
 
 

@@ -3,7 +3,9 @@
 The model knows nothing about stages, processes or transports. A `Transformer` holds layers
 [start, end) of a model, plus the embedding when start == 0 and the final norm and head when
 end == n_layers. Prefill is chunked: `forward(x, pos)` runs T tokens at absolute position
-`pos`, appending their keys/values to a cache allocated once for the whole prompt.
+`pos`, appending their keys/values to a cache allocated once for the whole prompt. Up to
+DECODE_T rows take a decode path (one unmasked attention call for T=1, fewer ops), optionally
+with narrower CPU weights (`set_decode_weights`) or CUDA graphs (`decode_step`, `cuda_graphs`).
 """
 from __future__ import annotations
 
@@ -140,6 +142,37 @@ def _cudnn_with_lse(q, k, v, causal):
     # grouped-query attention natively: fewer key/value heads than query heads, no expansion
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
     return out, lse.view(q.shape[:3])
+
+
+DECODE_T = 4  # forward() with at most this many rows takes the decode path (Block.decode)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query row at the last position against all keys k, v (1, nkv, S, hd): nothing masked.
+
+    q: (1, nh, 1, hd) or already (1, nkv, g, hd). Grouped-query attention runs as plain multi-head
+    attention: a kv head's g query heads are g query rows against it, so no backend needs GQA
+    support and each key is read once. One call, no split; on CUDA flash (efficient for fp32),
+    whose kernels do not depend on the key length (cuDNN builds a graph per length)."""
+    nkv, hd = k.shape[1], k.shape[3]
+    qg = q.reshape(1, nkv, -1, hd)
+    if q.is_cuda:
+        try:
+            if q.dtype in (torch.float16, torch.bfloat16):
+                out = torch.ops.aten._scaled_dot_product_flash_attention(qg, k, v)[0]
+            else:
+                out = torch.ops.aten._scaled_dot_product_efficient_attention(qg, k, v, None, False)[0]
+        except RuntimeError:  # a shape or GPU those kernels refuse: the generic dispatcher
+            out = F.scaled_dot_product_attention(qg, k, v)
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False)[0]
+    return out.reshape(q.shape)
+
+
+def _rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (T, heads, hd); cos, sin: (T, 1, hd). The rotate-half form of apply_rope on all heads at once.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
 
 
 class RMSNorm(nn.Module):
@@ -367,6 +400,74 @@ class FeedForward(nn.Module):
         return F.linear(F.silu(gate) * up, w.w2)
 
 
+# -- weight-only kernels for decode (CPU) -------------------------------------------------------
+WEIGHT_ONLY = ("int4", "int8", "float16")
+INT4_GROUP = 32
+
+
+class WeightOnly:
+    """A dense matrix in fewer bytes for CPU decode, which is bound by reading the weights.
+
+    int8 / int4: torch's weight-only GEMM kernels, whose fast paths take bfloat16 activations (x is
+    rounded to bfloat16). int8: one scale per row, symmetric. int4: groups of 32 along a row,
+    w = (q - 8) * scale + zero (GGUF Q4_1's w = d*q + m is that with scale d, zero m + 8d).
+    float16: the matrix and x in float16 (oneDNN's half GEMM). The product comes back in x's dtype."""
+
+    def __init__(self, w: torch.Tensor, kind: str):
+        if kind not in WEIGHT_ONLY:
+            raise ValueError(f"unknown decode_weights {kind!r} (known: {', '.join(WEIGHT_ONLY)})")
+        n, k = w.shape
+        self.kind, self.rows = kind, n
+        wf = w.detach().float()
+        if kind == "float16":
+            self.q, self.scales = wf.half(), torch.empty(0)
+            return
+        if kind == "int8":
+            scale = (wf.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).bfloat16()
+            self.q = torch.round(wf / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+            self.scales = scale
+            return
+        if k % INT4_GROUP:
+            raise ValueError(f"int4 decode weights need rows of whole {INT4_GROUP}-groups, got {k}")
+        g = wf.view(n, k // INT4_GROUP, INT4_GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        # round the scale and zero to bfloat16 first, then pick q against the rounded ones
+        d_b, z_b = d.bfloat16(), (lo + 8 * d).bfloat16()
+        q = torch.round((g - z_b.float()[..., None]) / d_b.float()[..., None]) + 8
+        q = q.clamp(0, 15).to(torch.int32).view(n, k)
+        self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.scales = torch.stack([d_b, z_b], -1).transpose(0, 1).contiguous()  # (k/32, n, 2)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "float16":
+            return F.linear(x.to(torch.float16), self.q).to(x.dtype)
+        xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.q, INT4_GROUP, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scales)
+        return y.to(x.dtype).view(*x.shape[:-1], self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+class LayerWeightOnly(NamedTuple):
+    wqkv: WeightOnly
+    wo: WeightOnly
+    w13: WeightOnly
+    w2: WeightOnly
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wo: WeightOnly | None) -> torch.Tensor:
+    if wo is None:
+        return F.linear(x, w, b)
+    y = wo(x)
+    return y if b is None else y + b
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -380,6 +481,34 @@ class Block(nn.Module):
         w = self.weights.get()
         h = h + self.attn(self.attn_norm(h), w, pos, cos, sin)
         return h + self.mlp(self.mlp_norm(h), w)
+
+    def decode(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+               wo: LayerWeightOnly | None = None) -> torch.Tensor:
+        """The layer for a few rows (T <= DECODE_T) in fewer ops: fused norms, rope on q and k at
+        once, T == 1 attention as one unmasked call; `wo`: weight-only kernels for the matrices.
+
+        cos, sin: (T, 1, hd). Same arithmetic as forward up to rounding (not the same bits)."""
+        a, T = self.attn, h.shape[1]
+        nh, nkv, hd = a.nh, a.nkv, a.hd
+        if a.k_cache is None:
+            raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
+        if pos + T > a.k_cache.shape[2]:
+            raise ValueError(f"positions {pos}..{pos + T} exceed the KV cache ({a.k_cache.shape[2]})")
+        w = self.weights.get()
+        x = F.rms_norm(h, (h.shape[-1],), self.attn_norm.weight, self.attn_norm.eps)
+        qkv = _mm(x, w.wqkv, w.bqkv, wo and wo.wqkv).view(T, nh + 2 * nkv, hd)
+        qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
+        a.k_cache[0, :, pos:pos + T] = _to_cache(qk[:, nh:].transpose(0, 1), a.k_cache.dtype)
+        a.v_cache[0, :, pos:pos + T] = _to_cache(qkv[:, nh + nkv:].transpose(0, 1), a.v_cache.dtype)
+        keys, vals = a.k_cache[:, :, :pos + T], a.v_cache[:, :, :pos + T]
+        if keys.dtype != qk.dtype:
+            keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
+        q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
+        y = decode_attention(q, keys, vals) if T == 1 else chunk_attention(q, keys, vals, pos)
+        h = h + _mm(y.transpose(1, 2).reshape(1, T, nh * hd), w.wo, None, wo and wo.wo)
+        x = F.rms_norm(h, (h.shape[-1],), self.mlp_norm.weight, self.mlp_norm.eps)
+        gate, up = _mm(x, w.w13, None, wo and wo.w13).split(self.mlp.ffn, dim=-1)
+        return h + _mm(F.silu(gate) * up, w.w2, None, wo and wo.w2)
 
 
 class QuantEmbedding(nn.Module):
@@ -436,6 +565,11 @@ class Transformer(nn.Module):
                      if self.has_head else None)
         self.scratch: Scratch | None = None
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
+        self.decode_weights: str | None = None
+        self._weight_only: dict[str, LayerWeightOnly] = {}
+        self._head_weight_only: WeightOnly | None = None
+        self.cuda_graphs = False  # opt-in: forward's one-token steps replay CUDA graphs (decode_step)
+        self._graphs: DecodeGraphs | None = None
 
     # -- weights ---------------------------------------------------------------------------
     def load_weights(self, tensors: dict, device, dtype) -> None:
@@ -513,6 +647,9 @@ class Transformer(nn.Module):
         if meta:
             raise ValueError(f"weights missing: {meta[:4]}")
         self.inv_freq = rope_frequencies(self.args).to(device)  # also when built on the meta device
+        self._graphs = None
+        if self.decode_weights:
+            self.set_decode_weights(self.decode_weights)
 
     def _compute(self) -> tuple[torch.device, torch.dtype]:
         w = next(iter(self.layers.values())).attn_norm.weight  # norms are held in the compute dtype
@@ -526,6 +663,7 @@ class Transformer(nn.Module):
         device, dtype = self._compute()
         kv = kv_dtype_of(kv_dtype, dtype)
         shape = (1, self.args.n_kv_heads, max_len, self.args.head_dim)
+        self._graphs = None  # captured graphs address the old cache
         for blk in self.layers.values():
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
             blk.attn.k_cache = torch.zeros(shape, device=device, dtype=kv)
@@ -560,10 +698,28 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """x: token ids (1, T) on the first slice, else the residual (1, T, dim). Returns the residual."""
+    def forward(self, x: torch.Tensor, pos: int, decode: bool | None = None) -> torch.Tensor:
+        """x: token ids (1, T) on the first slice, else the residual (1, T, dim). Returns the residual.
+
+        decode: None picks the decode path (Block.decode, weight-only kernels if set, CUDA graphs if
+        enabled) for T <= DECODE_T rows, the prefill path above; True / False force one. The prefill
+        path's arithmetic is the same for every T; the two paths agree up to rounding."""
+        T = x.shape[1]
+        if decode is None:
+            decode = T <= DECODE_T
+        if decode and T == 1 and self.cuda_graphs and self._graphable(x):
+            return self._graph_step(x, pos)
+        return self._run(x, pos, decode)
+
+    def _run(self, x: torch.Tensor, pos: int, decode: bool) -> torch.Tensor:
+        T = x.shape[1]
         h = self.embed(x) if self.has_embed else x
-        cos, sin = self.rope(pos, h.shape[1], h.dtype)
+        cos, sin = self.rope(pos, T, h.dtype)
+        if decode:
+            cos, sin = cos[:, None], sin[:, None]
+            for i, blk in self.layers.items():
+                h = blk.decode(h, pos, cos, sin, self._weight_only.get(i))
+            return h
         for blk in self.layers.values():
             h = blk(h, pos, cos, sin)
         return h
@@ -571,7 +727,93 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head over residual rows (..., dim) -> float32 logits (..., vocab)."""
-        return self.head(self.norm(h)).float()
+        x = self.norm(h)
+        hw = self._head_weight_only
+        if hw is not None and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T:
+            return hw(x.float()).float()
+        return self.head(x).float()
+
+    # -- decode options --------------------------------------------------------------------------
+    def set_decode_weights(self, kind: str | None) -> int:
+        """Opt-in narrower weights for rows <= DECODE_T (decode) on CPU: "int4", "int8", "float16" or None.
+
+        Re-quantizes the layers' dense matrices to `kind` and the head to float16, once, kept beside
+        them; the prefill path is untouched. Returns the extra bytes held."""
+        self._weight_only, self._head_weight_only, self.decode_weights = {}, None, None
+        if kind is None:
+            return 0
+        if kind not in WEIGHT_ONLY:
+            raise ValueError(f"unknown decode_weights {kind!r} (known: {', '.join(WEIGHT_ONLY)}, or None)")
+        device, _ = self._compute()
+        if device.type != "cpu":
+            raise ValueError(f"decode_weights={kind!r} uses torch's CPU kernels; this slice is on {device}")
+        packs, n = {}, 0
+        for i, blk in self.layers.items():
+            if not isinstance(blk.weights, DenseMatrices):
+                raise ValueError(f"decode_weights={kind!r} needs dense (dequantized) weights; layer {i} is resident")
+            m = blk.weights
+            packs[i] = LayerWeightOnly(*(WeightOnly(t.weight, kind) for t in (m.wqkv, m.wo, m.w13, m.w2)))
+            n += sum(p.nbytes for p in packs[i])
+        if self.has_head and not isinstance(self.head.weight, Packed):
+            # the head in float16 whatever the layers: SmolLM2's head in int4 moved logits by 0.15 of their
+            # max, int8 by 0.02, float16 by 5e-4, and float16 was the fastest of int8 / float16 (3.2 ms)
+            self._head_weight_only = WeightOnly(self.head.weight, "float16")
+            n += self._head_weight_only.nbytes
+        self._weight_only, self.decode_weights = packs, kind
+        return n
+
+    def _graphable(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and not self._weight_only and not isinstance(self.embed, QuantEmbedding)
+                and all(isinstance(b.weights, DenseMatrices) for b in self.layers.values()))
+
+    def densify(self, max_bytes: int) -> int:
+        """Dequantize resident layers, first to last, into dense matrices of their own while their
+        dense bytes fit in `max_bytes`: decode steps (and prefill chunks) skip those layers'
+        per-call dequantization, and they become eligible for CUDA graphs once all are dense. The
+        weights are the bits the scratch would get, so results do not change. Returns layers densified."""
+        device, dtype = self._compute()
+        n, left = 0, max_bytes
+        for blk in self.layers.values():
+            r = blk.weights
+            if not isinstance(r, ResidentMatrices):
+                continue
+            parts = r.parts
+            need = sum(p.n_rows * p.cols for p in parts.values()) * dtype.itemsize
+            if need > left:
+                break
+            with torch.device("meta"):
+                m = DenseMatrices(self.args)
+            for attr, names in (("wqkv", ("wq", "wk", "wv")), ("wo", ("wo",)), ("w13", ("w_gate", "w_up")),
+                                ("w2", ("w_down",))):
+                rows = sum(parts[k].n_rows for k in names)
+                w = torch.empty(rows, parts[names[0]].cols, device=device, dtype=dtype)
+                r0 = 0
+                for k in names:
+                    parts[k].into(w[r0:r0 + parts[k].n_rows])
+                    r0 += parts[k].n_rows
+                getattr(m, attr).weight = nn.Parameter(w, requires_grad=False)
+            m.wqkv.bias = r.bqkv
+            blk.weights = m
+            left -= need
+            n += 1
+        if n:
+            self._graphs = None
+        return n
+
+    @torch.inference_mode()
+    def decode_step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """One token at `pos` (x: ids (1, 1) or residual (1, 1, dim)) -> residual (1, 1, dim).
+
+        On CUDA with dense weights: replays a CUDA graph captured (lazily) for the power-of-two
+        bucket of cache positions that holds pos; elsewhere the eager decode path."""
+        if x.shape[1] != 1:
+            raise ValueError(f"decode_step takes one token, got {x.shape[1]}")
+        return self._graph_step(x, pos) if self._graphable(x) else self._run(x, pos, True)
+
+    def _graph_step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        if self._graphs is None:
+            self._graphs = DecodeGraphs(self)
+        return self._graphs.step(x, pos)
 
     @torch.inference_mode()
     def nll(self, h: torch.Tensor, targets: torch.Tensor, block: int = 1024) -> tuple[float, int]:
@@ -586,3 +828,94 @@ class Transformer(nn.Module):
             total += F.cross_entropy(lg, targets[s:s + block].to(lg.device), reduction="sum").item()
             n += lg.shape[0]
         return total, n
+
+
+# -- CUDA graphs of the one-token step ------------------------------------------------------------
+GRAPH_MIN_BUCKET = 256
+
+
+class DecodeGraphs:
+    """CUDA graphs of a dense Transformer slice's one-token step, one per bucket of cache positions.
+
+    A graph attends over the first `bucket` cache positions (a power of two >= GRAPH_MIN_BUCKET, or
+    the whole cache) with an additive mask that hides those after pos, so its kernels' shapes stay
+    fixed while pos moves. The token (ids or residual row) and pos are copied into static inputs
+    before a replay; the step's rope, mask and cache write read pos on the device. Captured lazily
+    on a bucket's first use; the Transformer drops them when its cache or weights change."""
+
+    def __init__(self, m: Transformer):
+        self.m = m
+        self.device, self.dtype = m._compute()
+        dev = self.device
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev) if m.has_embed else None
+        self.res = None if m.has_embed else torch.zeros(1, 1, m.args.dim, dtype=self.dtype, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
+        self.ar = torch.arange(self.cache_len, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def bucket(self, pos: int) -> int:
+        b = GRAPH_MIN_BUCKET
+        while b < pos + 1:
+            b *= 2
+        return min(b, self.cache_len)
+
+    def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        if not 0 <= pos < self.cache_len:
+            raise ValueError(f"position {pos} is outside the KV cache ({self.cache_len})")
+        with torch.cuda.device(self.device):
+            static = self.ids if self.ids is not None else self.res
+            static.copy_(x.reshape(static.shape))
+            self.pos.fill_(pos)
+            b = self.bucket(pos)
+            entry = self.graphs.get(b)
+            if entry is None:
+                entry = self.graphs[b] = self._capture(b)
+            entry[0].replay()  # a fresh capture has only recorded: this replay computes the step
+            return entry[1].clone()  # the static output is overwritten by the next replay
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        # efficient attention takes the additive mask at a fixed length; its kernels do not depend on
+        # the mask's contents (cuDNN would also do, but flash takes no mask)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up outside the capture (lazy cuBLAS/workspace init); idempotent
+                self._body(b)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                out = self._body(b)
+        return g, out
+
+    def _body(self, b: int) -> torch.Tensor:
+        m, dt = self.m, self.dtype
+        h = m.embed(self.ids) if self.ids is not None else self.res
+        freqs = self.pos.to(torch.float32)[:, None] * m.inv_freq[None]  # as Transformer.rope, one row
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(dt)[:, None], emb.sin().to(dt)[:, None]  # (1, 1, hd)
+        mask = torch.zeros(b, dtype=dt, device=self.device).masked_fill(self.ar[:b] > self.pos, float("-inf"))
+        mask = mask.view(1, 1, 1, b)
+        for blk in m.layers.values():
+            h = self._layer(blk, h, cos, sin, mask, b)
+        return h
+
+    def _layer(self, blk: Block, h, cos, sin, mask, b: int) -> torch.Tensor:
+        a = blk.attn
+        nh, nkv, hd = a.nh, a.nkv, a.hd
+        w = blk.weights.get()
+        x = F.rms_norm(h, (h.shape[-1],), blk.attn_norm.weight, blk.attn_norm.eps)
+        qkv = F.linear(x, w.wqkv, w.bqkv).view(1, nh + 2 * nkv, hd)
+        qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
+        a.k_cache.index_copy_(2, self.pos, _to_cache(qk[:, nh:].transpose(0, 1).unsqueeze(0), a.k_cache.dtype))
+        a.v_cache.index_copy_(2, self.pos, _to_cache(qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0), a.v_cache.dtype))
+        keys, vals = a.k_cache[:, :, :b], a.v_cache[:, :, :b]
+        if keys.dtype != qk.dtype:
+            keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
+        q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
+        y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        h = h + F.linear(y.reshape(1, 1, nh * hd), w.wo)
+        x = F.rms_norm(h, (h.shape[-1],), blk.mlp_norm.weight, blk.mlp_norm.eps)
+        gate, up = F.linear(x, w.w13).split(blk.mlp.ffn, dim=-1)
+        return h + F.linear(F.silu(gate) * up, w.w2)

@@ -1,0 +1,258 @@
+"""The model's decode path (one token, T <= 4 rows) against the prefill path and transformers' generate;
+the opt-in CPU weight-only decode kernels; the CPU fallback of decode_step."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from strata.checkpoint import synthetic_tensors
+from strata.model import (DECODE_T, PRESETS, ModelArgs, Transformer, WeightOnly, decode_attention)
+
+SMALL = ModelArgs(vocab_size=300, dim=128, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=192,
+                  max_seq_len=4096)
+
+
+def build(args: ModelArgs, max_len: int, kv_dtype="auto", start=0, end=None) -> Transformer:
+    end = args.n_layers if end is None else end
+    with torch.device("meta"):
+        m = Transformer(args, start, end)
+    m.load_weights(synthetic_tensors(args, start, end, "cpu", torch.float32, seed=4), "cpu", torch.float32)
+    m.setup_cache(max_len, kv_dtype)
+    return m.eval()
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+def test_decode_path_matches_prefill_path(qkv_bias, kv_dtype):
+    """Two models, same weights and prompt: one token at a time through the chunk path (decode=False)
+    and through the decode path give the same residuals and logits within fp32 rounding."""
+    args = ModelArgs(**{**SMALL.__dict__, "qkv_bias": qkv_bias, "arch": "qwen2" if qkv_bias else "llama"})
+    old, new = build(args, 400, kv_dtype), build(args, 400, kv_dtype)
+    ids = torch.randint(0, args.vocab_size, (1, 330), generator=torch.Generator().manual_seed(1))
+    h_old, h_new = old(ids[:, :300], 0), new(ids[:, :300], 0)
+    assert torch.equal(h_old, h_new)  # prefill (T > DECODE_T) takes one path, the same bits
+    for p in range(300, 330):
+        a = old(ids[:, p:p + 1], p, decode=False)
+        b = new(ids[:, p:p + 1], p)  # T == 1: the decode path by default
+        assert rel(b, a) < 1e-5, p
+        assert rel(new.logits(b[0, -1]), old.logits(a[0, -1])) < 1e-5, p
+
+
+def test_small_chunks_and_position_zero():
+    """T = 2..DECODE_T through the decode path (split attention, fused ops) and a first token at pos 0."""
+    old, new = build(SMALL, 64), build(SMALL, 64)
+    ids = torch.randint(0, SMALL.vocab_size, (1, 1 + 2 + 3 + 4), generator=torch.Generator().manual_seed(2))
+    pos = 0
+    for T in (1, 2, 3, DECODE_T):
+        a = old(ids[:, pos:pos + T], pos, decode=False)
+        b = new(ids[:, pos:pos + T], pos)
+        assert rel(b, a) < 1e-5, T
+        pos += T
+
+
+def test_decode_attention_is_grouped_query_attention():
+    """Against an explicit softmax over every key with each kv head repeated for its query heads."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 8, 1, 16, generator=g), torch.randn(1, 2, 77, 16, generator=g), torch.randn(1, 2, 77, 16, generator=g)
+    kr, vr = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    ref = torch.softmax(q @ kr.transpose(-1, -2) / 4.0, dim=-1) @ vr
+    assert rel(decode_attention(q, k, v), ref) < 1e-5
+
+
+def test_sliced_decode_matches_whole():
+    """Stages' decode: the residual row crosses slices; equals the whole model's decode step."""
+    whole = build(SMALL, 64)
+    parts = [build(SMALL, 64, start=0, end=1), build(SMALL, 64, start=1, end=3)]
+    ids = torch.randint(0, SMALL.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    whole(ids[:, :32], 0)
+    h = ids[:, :32]
+    for t in parts:
+        h = t(h, 0)
+    for p in range(32, 40):
+        a = whole(ids[:, p:p + 1], p)
+        b = ids[:, p:p + 1]
+        for t in parts:
+            b = t.decode_step(b, p)  # CPU: the eager decode path
+        assert rel(b, a) < 1e-6
+
+
+def test_greedy_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from strata.weights import model_args, slice_tensors
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=5000.0)
+    ref = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # sharper logits than the default init, so greedy is not decided by rounding
+        for n, p in ref.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif n == "lm_head.weight":
+                p.mul_(20)
+            elif n.endswith(("q_proj.weight", "k_proj.weight", "o_proj.weight", "v_proj.weight")):
+                p.mul_(6)  # attention that matters: a wrong key or position changes the tokens
+    ref.save_pretrained(tmp_path / "m", safe_serialization=True)
+    d = str(tmp_path / "m")
+    args = model_args(d)
+    m = Transformer(args)
+    m.load_weights(slice_tensors(d, args, 0, args.n_layers), "cpu", torch.float32)
+    ids = torch.randint(0, 300, (1, 50), generator=torch.Generator().manual_seed(0))
+    N = 40
+    m.setup_cache(ids.shape[1] + N)
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=N, do_sample=False, min_new_tokens=N,
+                            pad_token_id=0)[0, ids.shape[1]:].tolist()
+    tok = int(m.logits(m(ids, 0)[0, -1]).argmax())
+    got = [tok]
+    for p in range(ids.shape[1], ids.shape[1] + N - 1):
+        tok = int(m.logits(m(torch.tensor([[tok]]), p)[0, -1]).argmax())
+        got.append(tok)
+    assert got == want
+
+
+# -- weight-only kernels ---------------------------------------------------------------------------
+def _grid_matrix(n, k, g):
+    """A matrix on an int4 group-32 grid whose scales and zeros are exact in bfloat16 (like GGUF Q4_1)."""
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # each group spans the grid, so min/max re-quantization finds it again
+    d = torch.rand(n, k // 32, 1, generator=g).bfloat16().float() * 0.1 + 0.01
+    m = (-8 * d).bfloat16().float() + torch.randn(n, k // 32, 1, generator=g).bfloat16().float() * 0.01
+    return (d * q + m).view(n, k)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "float16"])
+def test_weight_only_product(kind):
+    g = torch.Generator().manual_seed(6)
+    w = _grid_matrix(96, 256, g) if kind == "int4" else torch.randn(96, 256, generator=g)
+    x = torch.randn(3, 256, generator=g)
+    wo = WeightOnly(w, kind)
+    y = wo(x)
+    assert y.shape == (3, 96) and y.dtype == torch.float32
+    if kind == "float16":
+        assert rel(y, x.half().float() @ w.half().float().T) < 2e-3
+        assert rel(y, x @ w.T) < 3e-3
+        return
+    # the kernels round x to bfloat16; against that, only int8's rounding of w and the output's remain
+    ref = x.bfloat16().float() @ w.T
+    assert rel(y, ref) < (2e-2 if kind == "int8" else 8e-3)
+    assert rel(y, x @ w.T) < 3e-2
+
+
+def test_weight_only_decode_leaves_prefill_alone():
+    args = PRESETS["smoke"]
+    plain, wq = build(args, 200), build(args, 200)
+    extra = wq.set_decode_weights("int4")
+    assert extra > 0 and wq.decode_weights == "int4"
+    ids = torch.randint(0, args.vocab_size, (1, 150), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(plain(ids[:, :140], 0), wq(ids[:, :140], 0))  # prefill: the dense path, same bits
+    for p in range(140, 150):
+        a, b = plain(ids[:, p:p + 1], p), wq(ids[:, p:p + 1], p)
+        la, lb = plain.logits(a[0, -1]), wq.logits(b[0, -1])
+        assert 0 < rel(lb, la) < 0.1  # different kernels (not silently the dense path), close logits
+    assert wq.set_decode_weights(None) == 0 and wq.decode_weights is None
+    with pytest.raises(ValueError, match="unknown decode_weights"):
+        wq.set_decode_weights("int3")
+
+
+def test_weight_only_refuses_resident():
+    args = PRESETS["smoke"]
+    with torch.device("meta"):
+        m = Transformer(args)
+    m.load_weights(synthetic_tensors(args, 0, args.n_layers, "cpu", torch.float32, seed=0, qtype="Q4_0",
+                                     resident=True), "cpu", torch.float32)
+    with pytest.raises(ValueError, match="dense"):
+        m.set_decode_weights("int8")
+
+
+# -- GGUF loading through strata.quant ---------------------------------------------------------------
+def test_gguf_tensors_bit_exact_with_gguf_py():
+    """SmolLM2's GGUF tensors (two layers, the embedding, the norm) decode to gguf-py's float32 bits (the
+    residual md5s rely on it). The whole file takes gguf-py ~15 s."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from strata.gguf_loader import _decode, open_gguf
+    from strata.weights import smollm2_path
+    path = smollm2_path()
+    reader = open_gguf(path)
+    types = set()
+    for t in reader.tensors:
+        if not t.name.startswith(("blk.0.", "blk.29.", "token_embd", "output_norm")):
+            continue
+        ours = _decode(path, t).numpy()
+        theirs = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+        assert ours.tobytes() == theirs.reshape(ours.shape).tobytes(), t.name
+        types.add(t.tensor_type.name)
+    assert types == {"F32", "Q4_1", "Q8_0"}  # every type the file holds went through it
+
+
+# -- the CUDA graph step's arithmetic, run eagerly on CPU (the capture itself needs a GPU: tests/test_gpu.py)
+@pytest.mark.parametrize("start,end", [(0, 3), (1, 3)])
+def test_graph_body_matches_decode_path(start, end):
+    """DecodeGraphs' step body (bucketed cache with an additive mask, rope and cache write from a
+    position tensor) equals the eager decode path, across bucket sizes and a cache of odd length."""
+    from strata.model import DecodeGraphs
+    eager, body = build(SMALL, 600, start=start, end=end), build(SMALL, 600, start=start, end=end)
+    dg = DecodeGraphs(body)
+    assert [dg.bucket(p) for p in (0, 255, 256, 511, 512, 599)] == [256, 256, 512, 512, 600, 600]
+    g = torch.Generator().manual_seed(8)
+    if start == 0:
+        xs = torch.randint(0, SMALL.vocab_size, (1, 560), generator=g)
+    else:
+        xs = torch.randn(1, 560, SMALL.dim, generator=g)
+    assert torch.equal(eager(xs[:, :240], 0), body(xs[:, :240], 0))
+    with torch.inference_mode():
+        for p in list(range(240, 270)) + list(range(500, 520)):
+            if p == 500:  # fill 270..499 in both caches alike
+                eager(xs[:, 270:500], 270), body(xs[:, 270:500], 270)
+            a = eager(xs[:, p:p + 1], p)
+            (dg.ids if dg.ids is not None else dg.res).copy_(xs[:, p:p + 1].reshape(-1) if start == 0
+                                                               else xs[:, p:p + 1])
+            dg.pos.fill_(p)
+            b = dg._body(dg.bucket(p))
+            assert rel(b, a) < 1e-5, p
+            for blk_a, blk_b in zip(eager.layers.values(), body.layers.values()):
+                assert rel(blk_b.attn.k_cache[:, :, p], blk_a.attn.k_cache[:, :, p]) < 1e-5
+
+
+def test_load_stage_decode_weights():
+    from strata.checkpoint import load_stage, model_args
+    args = model_args("synthetic:smoke")
+    m = load_stage("synthetic:smoke", args, 0, 4, device="cpu", dtype=torch.float32, max_len=16, decode_weights="int8")
+    assert m.decode_weights == "int8" and set(m._weight_only) == {"0", "1", "2", "3"}
+    assert load_stage("synthetic:smoke", args, 4, 8, device="cpu", dtype=torch.float32, max_len=16).decode_weights is None
+
+
+# -- resident layers made dense within a memory budget -------------------------------------------------
+def test_densify_resident_layers_same_bits():
+    import hashlib
+    args = PRESETS["smoke"]
+
+    def resident():
+        with torch.device("meta"):
+            m = Transformer(args)
+        m.load_weights(synthetic_tensors(args, 0, args.n_layers, "cpu", torch.float32, seed=0, qtype="Q4_0",
+                                         resident=True), "cpu", torch.float32)
+        m.setup_cache(80)
+        return m
+
+    ids = torch.randint(0, args.vocab_size, (1, 80), generator=torch.Generator().manual_seed(9))
+
+    def md5(m):
+        h = torch.cat([m(ids[:, :64], 0), m(ids[:, 64:65], 64), m(ids[:, 65:80], 65)], dim=1)
+        return hashlib.md5(h.numpy().tobytes()).hexdigest()
+
+    ref = md5(resident())
+    some, whole = resident(), resident()
+    per = args.layer_param_count() * 4 - 2 * args.dim * 4
+    assert some.densify(3 * per + 10) == 3
+    assert [type(b.weights).__name__ for b in some.layers.values()].count("DenseMatrices") == 3
+    assert whole.densify(1 << 40) == args.n_layers and whole.densify(1 << 40) == 0
+    assert md5(some) == ref and md5(whole) == ref
