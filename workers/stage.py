@@ -355,7 +355,7 @@ class Stage:
         # 2. compute
         work_start = time.perf_counter()
         self._inject(k)
-        h = self.model(x, pos)
+        h = self.model(x, pos, decode=msg.phase == "decode")  # a prefill chunk never takes the decode path
         nll, count, argmax = 0.0, 0, -1
         if self.last:
             if msg.phase == "prefill" and self.spec.perplexity:
