@@ -115,6 +115,7 @@ class Ready(Message):
     weights: str               # what the stage holds: "resident" (GGUF blocks) or "dequantized"
     weight_bytes: int          # weights as stored on the device
     scratch_bytes: int         # the one-layer dequantization scratch (0 when dequantized)
+    warm_s: float              # of load_s: running the schedule's chunk shape once (CUDA kernel set-up)
 
 
 @_message("fail")    # stage -> head: a typed failure, sent before the stage exits

@@ -59,6 +59,7 @@ class StageInfo:
     weight_bytes: int = 0
     scratch_bytes: int = 0
     weights: str = ""
+    warm_s: float = 0.0
     pinned: bool = False
     load_s: float = 0.0
     chunk: int = -1            # the chunk it last said it started, this phase ("working"; a typed failure's)
@@ -272,6 +273,7 @@ class Pipeline:
         st = self.stages[msg.stage]
         st.mem_bytes, st.kv_bytes, st.pinned, st.load_s = msg.mem_bytes, msg.kv_bytes, msg.pinned, msg.load_s
         st.weights, st.weight_bytes, st.scratch_bytes = msg.weights, msg.weight_bytes, msg.scratch_bytes
+        st.warm_s = msg.warm_s
         self._ready.add(msg.stage)
 
     def _on_bound(self, msg: M.Bound, data) -> None:

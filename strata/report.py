@@ -50,6 +50,7 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
                        "input_wait_s": s.input_wait_s, "copy_s": s.copy_s, "chunks": s.chunks, "mem_bytes": st.mem_bytes,
                        "kv_bytes": st.kv_bytes, "weights": st.weights, "weight_bytes": st.weight_bytes,
                        "scratch_bytes": st.scratch_bytes, "pinned": st.pinned, "load_s": st.load_s,
+                       "warm_s": st.warm_s,
                        "bad_frames": s.bad_frames})
         events.append([[e[0], e[1], e[2], e[3]] for e in ev])
     planner = getattr(plan, "planner", None) or {}  # absent on plans made without the planner

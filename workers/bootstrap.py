@@ -88,7 +88,8 @@ def run_stage_process(spec: M.StageJob, head_conn, joined: dict | None = None) -
             log.info("joined the head from %s: %s, tcp in %s, tcp out %s", socket.gethostname(), spec.net.host,
                      spec.net.tcp_in, spec.net.tcp_out)
         stage = Stage(spec, log, ids=joined.get("ids"), clock_offset=joined.get("clock_offset", 0.0))
-        log.info("ready: loaded in %.2fs, KV cache %d bytes, pinned=%s", stage.load_s, stage.kv_bytes, stage.pinned)
+        log.info("ready: loaded in %.2fs (kernel warm-up %.2fs), KV cache %d bytes, pinned=%s", stage.load_s,
+                 stage.warm_s, stage.kv_bytes, stage.pinned)
         stage.serve()
     except SystemExit:
         log.info("stopping (%d bad frames rejected)", stage.bad_frames if stage else 0)
