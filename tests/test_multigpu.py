@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from conftest import Proc, segments, wait_gone
+from test_gpu import MODEL, single_process_logits  # the single-process reference, one copy
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
               pytest.mark.skipif(N_GPUS < 2, reason="needs at least 2 CUDA devices")]
 
-MODEL = "synthetic:smoke-wide"
 TOKENS, CHUNK = 8192, 1024
 
 
@@ -32,19 +32,6 @@ def _rig(**over) -> dict:
                prompt={"random": {"tokens": TOKENS, "seed": 3}}, dump_residual=True, progress=False, generate=0)
     rig.update(over)
     return rig
-
-
-def _single_process_logits(ids: np.ndarray) -> np.ndarray:
-    from strata.model import Transformer
-    from strata.weights import model_args, slice_tensors
-    args = model_args(MODEL)
-    t = Transformer(args)
-    t.load_weights(slice_tensors(MODEL, args, 0, args.n_layers, device="cuda:0", dtype=torch.bfloat16),
-                   "cuda:0", torch.bfloat16)
-    t.setup_cache(ids.size)
-    x = torch.from_numpy(ids.astype(np.int64)).view(1, -1).cuda()
-    h = torch.cat([t(x[:, p:p + CHUNK], p) for p in range(0, ids.size, CHUNK)], dim=1)
-    return t.logits(h[0, -1]).cpu().numpy()
 
 
 def _gpu_pids() -> set[int]:
@@ -65,7 +52,7 @@ def test_two_gpus_identical_arms_and_reference(tmp_path):
     assert [s["device"] for s in reports[1]["stages"]] == ["cuda:0", "cuda:1"]
     assert reports[0]["residual_md5"] == reports[1]["residual_md5"]
     assert np.array_equal(logits[0], logits[1])
-    ref = _single_process_logits(ids)
+    ref = single_process_logits(ids, CHUNK)
     rel = float(np.linalg.norm(logits[1] - ref) / np.linalg.norm(ref))
     assert rel < 2e-2, rel  # bf16: the stages' arithmetic equals the single process's up to kernel choice
     rep = reports[1]
