@@ -105,8 +105,12 @@ class Pipeline:
         self._signals_seen = 0
         self._sent = self._got = 0     # chunks of the current phase sent to stage 0 / back from the last
         self._results: dict[int, M.ChunkResult] = {}
-        self._kept = np.zeros(0, dtype=np.int32)  # the ids whose KV every stage holds, from position 0
+        # the ids whose KV every stage holds: positions [0, _kept_n) (a decoded token is one write, not a copy)
+        self._kept = np.zeros(self.plan.max_len, dtype=np.int32)
+        self._kept_n = 0
         self._tokenizer = None
+        self.steps = 0                 # decode steps of the current (or last) generate; then `generations` counts it
+        self.generations = 0
         self._ready: set[int] = set()
         self._wire: HeadWire | None = None
         self._remote = None            # strata.remote.RemoteStages when a stage is remote
@@ -418,7 +422,7 @@ class Pipeline:
         recomputed (its logits give the first generated token). None with dump_residual (every row dumped)."""
         if self.cfg.dump_residual:
             return 0
-        m = min(self._kept.size, ids.size)
+        m = min(self._kept_n, ids.size)
         diff = np.flatnonzero(self._kept[:m] != ids[:m])
         common = int(diff[0]) if diff.size else m
         return min(common, ids.size - 1)
@@ -435,7 +439,7 @@ class Pipeline:
         """Prefill ids [reused, n) on the running stages; the facts the report and the caller need."""
         n = ids.size
         reused = self._reusable(ids)
-        self._kept = ids[:reused]  # past `reused` the stages' KV is about to be overwritten
+        self._kept_n = reused  # past `reused` the stages' KV is about to be overwritten
         self._put_ids(ids, reused)
         schedule = self.plan.schedule_for(reused, n)
         update, bar = self._progress_bar(n - reused, schedule)
@@ -444,7 +448,8 @@ class Pipeline:
         finally:
             if bar:
                 bar.close()
-        self._kept = ids.copy()
+        self._kept[:n] = ids
+        self._kept_n = n
         last = self._results[len(schedule) - 1]
         nll = sum(r.nll for r in self._results.values())
         count = sum(r.count for r in self._results.values())
@@ -475,6 +480,8 @@ class Pipeline:
         self._refuse_if_closed()
         ids = self.prompt_ids(prompt)
         self.start()
+        self.steps = 0
+        self.generations += 1
         t_start = time.perf_counter()
         stop = StopMatcher(params.stop) if params.stop else None
         detok = Detokenizer(self.tokenizer.decode, context=ids.tolist()) if stop else None
@@ -509,9 +516,11 @@ class Pipeline:
                 if len(out) == limit:
                     break
                 res = self._decode_step(pos, tok, t0)
-                self._kept = np.append(self._kept, np.int32(tok))  # its KV is at `pos` now on every stage
+                self._kept[pos] = tok  # its KV is at `pos` now on every stage
+                self._kept_n = pos + 1
                 pos += 1
                 steps += 1
+                self.steps = steps
                 argmax = res.argmax
                 if not params.greedy:
                     logits = self._result_row  # read before the next token goes down: nothing overwrites it

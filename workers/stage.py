@@ -355,7 +355,8 @@ class Stage:
     def run_chunk(self, msg: M.Chunk) -> None:
         k, pos, n = msg.k, msg.pos, msg.n
         self.current_chunk = k
-        self.send(self.to_head, M.Working(stage=self.i, k=k))
+        if msg.phase == "prefill":  # a decode step is one chunk in flight: the head knows where it is
+            self.send(self.to_head, M.Working(stage=self.i, k=k))
 
         # 1. input: ids for the first stage, else residual rows from the buffer above
         copy_start = time.perf_counter()
