@@ -162,3 +162,21 @@ def test_stop_strings_cut_the_text(smol):
     told = []
     r = smol.generate(ids, SamplingParams(max_tokens=12), on_token=lambda t: told.append(t) or len(told) < 3)
     assert told == full.continuation_ids[:3] and r.continuation_ids == told and r.finish_reason == "stop"
+
+
+def test_default_max_context_is_what_every_stage_can_hold():
+    """Default max_context: the model's context, halved until each stage's KV + weights fit its memory."""
+    from strata.config import from_dict
+    from strata.plan import build_plan
+    base = dict(model="synthetic:smoke", chunk=64, prompt={"random": {"tokens": 8, "seed": 0}}, progress=False)
+    roomy = build_plan(from_dict({**base, "stages": STAGES}, env={}))
+    assert roomy.max_len == roomy.args.max_seq_len == 65536
+    capped = [{"device": "cpu", "threads": 1, "memory": 300_000_000, "speed": 1.0}] * 2
+    plan = build_plan(from_dict({**base, "stages": capped}, env={}))
+    need = plan.planner["needs"]
+    assert plan.max_len < 65536 and all(n["total"] <= 300_000_000 for n in need)
+    # twice as many positions would not have fitted
+    kv_per_token = need[0]["kv_cache"] / plan.max_len
+    assert need[0]["total"] + kv_per_token * plan.max_len > 300_000_000
+    with pytest.raises(ConfigError):  # and a given max_context is not cut: refused with the planner's reason
+        build_plan(from_dict({**base, "stages": capped, "max_context": 65536}, env={}))
