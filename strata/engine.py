@@ -231,6 +231,7 @@ class PipelineEngine:
             self._tokenizer_error = e
         self.pipe = None
         self.starts = 0
+        self.last_report: dict | None = None  # the last generation's report (metrics_text reads it)
         self.restart()
         self.max_context = self.pipe.max_context
 
@@ -270,9 +271,24 @@ class PipelineEngine:
             where = _STAGE.search(str(e))
             self.close()
             raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
+        self.last_report = r.report
         return GenerationStats(prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
                                completion_tokens=len(r.continuation_ids), prefill_s=r.prefill_s,
                                decode_s=r.decode_s, finish_reason=r.finish_reason)
+
+    def metrics_text(self) -> str:
+        """Prometheus lines for /metrics: the last prefill's busy histogram and the last decode's split."""
+        rep = self.last_report
+        if not rep:
+            return ""
+        lines = ["# HELP strata_last_prefill_busy_fraction Share of the last prefill with that many stages working.",
+                 "# TYPE strata_last_prefill_busy_fraction gauge"]
+        lines += [f'strata_last_prefill_busy_fraction{{stages="{k}"}} {v:g}' for k, v in rep["busy"].items()]
+        if rep.get("decode_overhead_ms_per_token") is not None:
+            lines += ["# HELP strata_last_decode_overhead_ms_per_token Decode time per token outside the stages' "
+                      "layers (messaging, the head).", "# TYPE strata_last_decode_overhead_ms_per_token gauge",
+                      f"strata_last_decode_overhead_ms_per_token {rep['decode_overhead_ms_per_token']:g}"]
+        return "\n".join(lines) + "\n"
 
     def restart(self) -> None:
         """New stages (the kept KV is gone); the run directory of each start after the first is a subfolder."""

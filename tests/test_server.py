@@ -888,6 +888,10 @@ def test_pipeline_engine_greedy_equals_the_cli_continuation(pipeline_server, tmp
     n = len(eng.tokenize(prompt))
     assert again.json()["choices"][0]["text"] == want.continuation
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    with s.client() as c:
+        m = parse_prometheus(c.get("/metrics").text)
+    busy = [m[("strata_last_prefill_busy_fraction", f'{{stages="{k}"}}')] for k in ("none", "one", "two", "three_plus")]
+    assert abs(sum(busy) - 1) < 1e-6 and m[("strata_last_decode_overhead_ms_per_token", "")] > 0
 
 
 def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_server):
