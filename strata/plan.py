@@ -55,9 +55,13 @@ class Plan:
         return self.max_context or self.tokens + self.cfg.generate
 
     def schedule_for(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
-        """The chunks of prompt positions [start, end) (start > 0: a reused prefix is not recomputed)."""
-        return tuple((start + p, n) for p, n in chunk_schedule(end - start, self.max_chunk, self.cfg.dynamic_chunks,
-                                                                self.args))
+        """The chunks of prompt positions [start, end) (start > 0: a reused prefix is not recomputed): the
+        cold prompt's chunks from `start` on, the one it falls in cut there (dynamic chunks keep their cost)."""
+        out = []
+        for p, n in chunk_schedule(end, self.max_chunk, self.cfg.dynamic_chunks, self.args):
+            if p + n > start:
+                out.append((max(p, start), p + n - max(p, start)))
+        return tuple(out)
 
     def handoff_bytes(self) -> int:
         """One buffer per boundary between stages: the largest chunk of residual rows."""
