@@ -2,6 +2,7 @@
 prefill (and the continuation), prints the report and writes the run directory.
 
     python launcher.py --config configs/rig.yaml [--out DIR] [--set key=value ...]
+    python launcher.py --config configs/rig.yaml --serve [--host 127.0.0.1] [--port 8000] [--api-key KEY]
     strata --config configs/rig.yaml ...        (the same, as the installed console script)
 
 Exit 0 on success; otherwise non-zero with one line starting `error:` on stderr.
@@ -35,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
                          "repeatable")
     ap.add_argument("--json", action="store_true", help="print report.json to stdout instead of the table")
     ap.add_argument("--no-timeline", action="store_true", help="do not draw timeline.png")
+    ap.add_argument("--serve", action="store_true", help="load the stages once and serve an OpenAI-compatible "
+                    "API (/v1/completions, /v1/chat/completions) until SIGTERM / SIGINT")
+    ap.add_argument("--host", default="127.0.0.1", help="--serve: address to bind (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="--serve: port (default 8000)")
+    ap.add_argument("--api-key", default=None, help="--serve: require `Authorization: Bearer KEY`")
     a = ap.parse_args(argv)
+    if a.serve:
+        return _serve(a)
 
     # Signal handlers only record the signal once the pipeline exists: the head acts on it at a
     # safe point (never between receiving a message and handling it), joins the chunks in
@@ -57,6 +65,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _serve(a) -> int:
+    """The stages stay up; uvicorn owns SIGINT / SIGTERM (drain, close the stages, exit)."""
+    from strata.config import ConfigError, load
+    from strata.engine import pipeline_engine
+    from strata.errors import PipelineError
+    from strata.server import run_server
+    from strata.weights import ModelError
+    try:
+        cfg = load(a.config, a.overrides)
+        return run_server(cfg, engine_factory=lambda c: pipeline_engine(c, out=a.out), host=a.host, port=a.port,
+                          api_key=a.api_key)
+    except (ConfigError, ModelError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def _run(a, head: dict) -> int:

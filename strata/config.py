@@ -20,6 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/model.py); auto = the model's default
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn")  # the KV cache's dtype (issue 12); auto = dtype
+DECODE_WEIGHTS = ("none", "float16", "int8", "int4")  # CPU stages: weight-only copies for one-token steps
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
 REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.stage --join {join} --key {key}"
 REMOTE_FIELDS = ("host", "python", "cwd", "join", "key", "stage")
@@ -77,6 +78,12 @@ class RigConfig:
     depth: int = 1                          # chunks in flight below a stage: 1 overlap, 0 the old join
     prompt: PromptSpec = field(default_factory=lambda: PromptSpec(text="The capital of France is"))
     generate: int = 0                       # greedy continuation tokens after the prefill
+    max_context: int | None = None          # prompt + generated tokens any prefill / generate may use: the ids
+                                            # buffer and every stage's KV cache are sized for it once (default:
+                                            # the model's context, halved until each stage's memory holds it)
+    decode_weights: str = field(default="none", metadata={"choices": DECODE_WEIGHTS})  # CPU stages: narrower
+                                            # weight-only copies for decode steps (prefill keeps the dense ones)
+    cuda_graphs: bool = False               # CUDA stages: replay a captured graph for each one-token step
     perplexity: bool = True                 # mean NLL of the prompt, computed on the last stage
     dump_residual: bool = False             # write residual.npy (after the last layer) and its md5
     timing: bool = False                    # console: the per-stage timing table and busy histogram (report.json
@@ -321,6 +328,8 @@ def _check_values(cfg: RigConfig) -> None:
         raise ConfigError(f"chunk: must be a positive number of tokens, got {cfg.chunk}")
     if cfg.generate < 0:
         raise ConfigError(f"generate: must be >= 0, got {cfg.generate}")
+    if cfg.max_context is not None and cfg.max_context < 1:
+        raise ConfigError(f"max_context: must be a positive number of tokens, got {cfg.max_context}")
     p = cfg.prompt
     given = [n for n in ("text", "file", "stdlib", "ids_file", "random") if getattr(p, n) is not None]
     if len(given) != 1:

@@ -1,8 +1,9 @@
 """The interface between the server and whatever runs the model: the Engine protocol and its errors."""
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
@@ -203,3 +204,113 @@ def local_engine(cfg) -> LocalEngine:
         device = stages[0].device
     return LocalEngine(cfg.model, max_context=getattr(cfg, "max_context", None), device=device,
                        dtype=getattr(torch, cfg.dtype))
+
+
+_STAGE = re.compile(r"(stage \d+ \([^)]*\))")
+
+
+class PipelineEngine:
+    """The Engine over one running `strata.Pipeline`: the stages load once and stay up; each generate
+    prefills only what the stages' KV does not already hold (the previous prompt and its answer), then
+    decodes through them. A stage failure is an EngineError naming the stage; restart() starts new stages."""
+
+    def __init__(self, cfg, out: str | Path | None = None, name: str | None = None):
+        from .config import RigConfig, from_dict
+        from .errors import ConfigError
+        self.cfg = cfg if isinstance(cfg, RigConfig) else from_dict(cfg)
+        self.out = Path(out or self.cfg.out or Path("runs") / time.strftime("serve-%Y%m%d-%H%M%S"))
+        model = self.cfg.model
+        self.model_name = name or (model if model == "smollm2" or model.startswith("synthetic:") else Path(model).name)
+        self._config_error = ConfigError
+        self._template = None
+        self._tokenizer = self._tokenizer_error = None
+        try:
+            from .tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.for_model(model)
+        except ModelError as e:  # a synthetic model: ids only
+            self._tokenizer_error = e
+        self.pipe = None
+        self.starts = 0
+        self.last_report: dict | None = None  # the last generation's report (metrics_text reads it)
+        self.restart()
+        self.max_context = self.pipe.max_context
+
+    # -- text (no stage is touched: safe from other threads during a generate) -------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            raise self._tokenizer_error
+        return self._tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        from .chat import ChatTemplate
+        if self._template is None:
+            self._template = ChatTemplate.for_model(self.cfg.model) or False
+        if not self._template:
+            raise ValueError(f"model {self.model_name!r} has no chat template: use /v1/completions")
+        return self._template.render(messages)
+
+    # -- compute -----------------------------------------------------------------------------------
+    def generate(self, ids: list[int], params: SamplingParams,
+                 on_token: Callable[[int], bool]) -> GenerationStats:
+        if self.pipe is None:
+            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
+        # stop strings are the server's (it cuts the text it streams); the pipeline only decodes
+        params = replace(params, stop=())
+        try:
+            r = self.pipe.generate(ids, params, on_token=on_token)
+        except self._config_error as e:  # a prompt the pipeline refuses (too long, ids out of range)
+            raise ValueError(str(e)) from None
+        except PipelineError as e:
+            where = _STAGE.search(str(e))
+            self.close()
+            raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
+        self.last_report = r.report
+        return GenerationStats(prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
+                               completion_tokens=len(r.continuation_ids), prefill_s=r.prefill_s,
+                               decode_s=r.decode_s, finish_reason=r.finish_reason)
+
+    def metrics_text(self) -> str:
+        """Prometheus lines for /metrics: the last prefill's busy histogram and the last decode's split."""
+        rep = self.last_report
+        if not rep:
+            return ""
+        lines = ["# HELP strata_last_prefill_busy_fraction Share of the last prefill with that many stages working.",
+                 "# TYPE strata_last_prefill_busy_fraction gauge"]
+        lines += [f'strata_last_prefill_busy_fraction{{stages="{k}"}} {v:g}' for k, v in rep["busy"].items()]
+        if rep.get("decode_overhead_ms_per_token") is not None:
+            lines += ["# HELP strata_last_decode_overhead_ms_per_token Decode time per token outside the stages' "
+                      "layers (messaging, the head).", "# TYPE strata_last_decode_overhead_ms_per_token gauge",
+                      f"strata_last_decode_overhead_ms_per_token {rep['decode_overhead_ms_per_token']:g}"]
+        return "\n".join(lines) + "\n"
+
+    def restart(self) -> None:
+        """New stages (the kept KV is gone); the run directory of each start after the first is a subfolder."""
+        from .pipeline import Pipeline
+        self.close()
+        out = self.out if self.starts == 0 else self.out / f"restart-{self.starts}"
+        self.starts += 1
+        cfg = replace(self.cfg, progress=False, generate=0)
+        pipe = Pipeline(cfg, out=out, console=False)
+        try:
+            pipe.start()
+        except BaseException:
+            pipe.close()
+            raise
+        self.pipe = pipe
+
+    def close(self) -> None:
+        if self.pipe is not None:
+            pipe, self.pipe = self.pipe, None
+            pipe.close()
+
+
+def pipeline_engine(cfg, out: str | Path | None = None) -> PipelineEngine:
+    """`launcher.py --serve`'s engine factory: the rig's stages, loaded once."""
+    return PipelineEngine(cfg, out=out)

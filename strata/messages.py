@@ -57,6 +57,7 @@ class Chunk(Message):
     n: int
     phase: str
     t0: float
+    tokens: int      # the prompt's length (prefill: the last stage's perplexity targets end there)
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -168,6 +169,12 @@ class Token(Message):
     id: int
 
 
+@_message("ids")     # head -> remote stage 0 (a new prompt): token ids from `pos` on (sent in slices under MAX_FRAME)
+class Ids(Message):
+    pos: int
+    ids: list
+
+
 @_message("rejected")  # stage -> head: its tcp sockets refused `count` handshakes so far; the latest why
 class Rejected(Message):
     stage: int
@@ -176,7 +183,8 @@ class Rejected(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Chunk, Taken, Done, ChunkResult, Working, End, Stats, Ready,
-                                                        Fail, Stop, Join, Heartbeat, Bound, Peers, Token, Rejected)}
+                                                        Fail, Stop, Join, Heartbeat, Bound, Peers, Token, Ids,
+                                                        Rejected)}
 _KINDS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), list: (list,)}
 # type -> {field: allowed python types}, derived from the dataclasses. Every field is required; extra ones refused.
 SCHEMA: dict[str, dict[str, tuple]] = {t: {f.name: _KINDS[get_type_hints(c)[f.name]] for f in fields(c)}
@@ -222,6 +230,8 @@ def validate(msg) -> dict:
             raise BadMessage(f"{t}.{name}: integer out of range")
     if t in ("chunk", "taken", "done", "result", "working") and msg["k"] < 0:
         raise BadMessage(f"{t}: negative chunk index {msg['k']}")
+    if t == "chunk" and not 0 < msg["tokens"]:
+        raise BadMessage(f"chunk: prompt length {msg['tokens']}")
     if t in ("chunk", "end", "stats") and msg["phase"] not in PHASES:
         raise BadMessage(f"{t}: unknown phase {msg['phase']!r}")
     return msg
@@ -295,6 +305,8 @@ class StageJob:
     log_file: str              # "" for a remote stage: it logs to stderr
     console: bool
     dump_residual: str         # the path of residual.npy, or ""
+    decode_weights: str        # the rig's `decode_weights` (CPU: weight-only copies for decode steps)
+    cuda_graphs: bool          # the rig's `cuda_graphs`
     debug: dict                # DebugSpec fields
     net: StageNet | None = None  # None: every stage of the run is on this host
 
@@ -349,8 +361,9 @@ def validate_spec(spec) -> dict:
         raise BadMessage("spec: stage index or layer range out of range")
     if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)):
         raise BadMessage("spec: tokens, max_len, max_chunk or depth out of range")
-    from .config import ATTENTION, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
-    for name, choices in (("dtype", DTYPES), ("attention", ATTENTION), ("weights", WEIGHTS), ("kv_dtype", KV_DTYPES)):
+    from .config import ATTENTION, DECODE_WEIGHTS, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
+    for name, choices in (("dtype", DTYPES), ("attention", ATTENTION), ("weights", WEIGHTS), ("kv_dtype", KV_DTYPES),
+                          ("decode_weights", DECODE_WEIGHTS)):
         if s[name] not in choices:
             raise BadMessage(f"spec.{name}: {s[name]!r}")
     if not device_syntax_ok(s["device"]):

@@ -2,6 +2,11 @@
 
     with strata.Pipeline(config) as p:
         result = p.prefill("some long text")   # or token ids; None = the rig's prompt
+        answer = p.generate("same long text, then a question?", SamplingParams(max_tokens=64))
+
+Buffers and every stage's KV cache are sized once for `max_context`: any number of prompts up to it run on
+the same stages, and the prefix a prompt shares with what the stages hold (the last prompt and its
+answer) is not prefilled again.
 
 `prefill` has a guard on every return path (normal, exception, Ctrl-C) that calls `finish()`:
 the head never returns while chunks are in flight. Everything the run creates (processes,
@@ -22,15 +27,16 @@ import os
 import signal
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 from . import messages as M
 from .checkpoint import check_model_files
-from .config import PromptSpec, RigConfig, check_run_dir, from_dict
+from .config import RigConfig, check_run_dir, from_dict
 from .errors import ConfigError, PipelineError
 from .head_wire import HeadWire, poll_until
 from .plan import Plan, build_plan
@@ -69,10 +75,16 @@ class StageInfo:
 @dataclass
 class Result:
     report: dict
-    continuation_ids: list[int]
-    continuation: str | None
-    perplexity: float | None
-    last_logits: np.ndarray
+    continuation_ids: list[int]      # generated tokens (an end-of-sequence token is not one of them)
+    continuation: str | None         # their text (cut before a stop string); None without a tokenizer
+    perplexity: float | None         # over the prompt positions computed this time (not a reused prefix)
+    last_logits: np.ndarray          # the prompt's last row
+    finish_reason: str = "length"    # "stop": EOS, a stop string or on_token said stop; "length": out of tokens
+    prompt_tokens: int = 0
+    reused_tokens: int = 0           # prompt positions whose KV the stages already held (not prefilled)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float | None = None      # from the call to the first generated token (prefill included)
 
 
 class Pipeline:
@@ -94,7 +106,12 @@ class Pipeline:
         self._signals_seen = 0
         self._sent = self._got = 0     # chunks of the current phase sent to stage 0 / back from the last
         self._results: dict[int, M.ChunkResult] = {}
-        self._last_logits = None
+        # the ids whose KV every stage holds: positions [0, _kept_n) (a decoded token is one write, not a copy)
+        self._kept = np.zeros(self.plan.max_len, dtype=np.int32)
+        self._kept_n = 0
+        self._tokenizer = None
+        self.steps = 0                 # decode steps of the current (or last) generate; then `generations` counts it
+        self.generations = 0
         self._ready: set[int] = set()
         self._wire: HeadWire | None = None
         self._remote = None            # strata.remote.RemoteStages when a stage is remote
@@ -158,6 +175,7 @@ class Pipeline:
             perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,
             log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
             dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
+            decode_weights=cfg.decode_weights, cuda_graphs=cfg.cuda_graphs,
             debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
             net=self._remote.stage_net(sp.index) if self._remote else None)
 
@@ -289,7 +307,6 @@ class Pipeline:
         if data is not None:
             self._wire.land_result(data)
         self._results[k] = msg
-        self._last_logits = self._result_row.numpy().copy()
         self._wire.send(len(self.stages) - 1, M.Taken(k=k))
         self._got += 1
 
@@ -324,21 +341,40 @@ class Pipeline:
         self._fail(f"no progress for {self.cfg.stall_timeout_s:.0f}s (stacks dumped to the stage logs): "
                    f"{self.where()}")
 
-    def _run_phase(self, phase: str, schedule, on_progress=None) -> float:
-        """Feed `schedule` [(pos, n)] to stage 0 through a bounded window, with the finish guard."""
-        n = len(self.stages)
+    def _new_phase(self, phase: str) -> None:
         self._results.clear()
         self._sent = self._got = 0
         for st in self.stages:  # a second prefill must wait for fresh timing, not find the last one's
             st.stats.pop(phase, None)
             st.chunk = -1       # notes of the last phase name none of this phase's chunks
+
+    def _guard(self) -> None:
+        """Never leave with chunks in flight; a known failure returns at once (a second SIGINT/SIGTERM
+        through `interrupt` raises Interrupted here and abandons the join)."""
+        if not self.failure:
+            try:
+                self.finish()
+            except KeyboardInterrupt:
+                self._fail("interrupted while joining chunks in flight")
+
+    def _collect_stats(self, phase: str) -> None:
+        """One round trip at the end of a phase (never per token): each stage's timing of it."""
+        self._wire.broadcast(M.End(phase=phase))
+        poll_until(lambda: all(phase in st.stats for st in self.stages), self.cfg.stall_timeout_s,
+                   what=self._stalled, step=lambda: self._receive(100))
+
+    def _run_phase(self, phase: str, schedule, tokens: int, on_progress=None) -> float:
+        """Feed `schedule` [(pos, n)] of a `tokens`-long prompt to stage 0 through a bounded window, with the
+        finish guard."""
+        n = len(self.stages)
+        self._new_phase(phase)
         t0 = time.perf_counter()
         window = n + 1  # enough to keep stage 0 busy; bounds what Ctrl-C must wait for
 
         def step():
             while self._sent < len(schedule) and self._sent - self._got < window:
                 pos, m = schedule[self._sent]
-                self._wire.send(0, M.Chunk(k=self._sent, pos=pos, n=m, phase=phase, t0=t0))
+                self._wire.send(0, M.Chunk(k=self._sent, pos=pos, n=m, phase=phase, t0=t0, tokens=tokens))
                 self._sent += 1
             self._receive(100)
             if on_progress:
@@ -347,95 +383,196 @@ class Pipeline:
             poll_until(lambda: self._got >= len(schedule), self.cfg.stall_timeout_s, what=self._stalled, step=step,
                        progress=lambda: self._got)
         finally:
-            # the guard: never leave with chunks in flight; a known failure returns at once
-            # (a second SIGINT/SIGTERM through `interrupt` raises Interrupted here and abandons the join)
-            if not self.failure:
-                try:
-                    self.finish()
-                except KeyboardInterrupt:
-                    self._fail("interrupted while joining chunks in flight")
+            self._guard()
         seconds = time.perf_counter() - t0
-        if phase != "prefill":  # only the prefill's timing is reported; a decode step needs no round trip
-            return seconds
-        self._wire.broadcast(M.End(phase=phase))
-        poll_until(lambda: all(phase in st.stats for st in self.stages), self.cfg.stall_timeout_s,
-                   what=self._stalled, step=lambda: self._receive(100))
+        self._collect_stats(phase)
         return seconds
 
-    def prefill(self, prompt: str | list[int] | np.ndarray | None = None) -> Result:
-        """Prefill the prompt (None: the rig's), then the greedy continuation. Returns the report."""
-        from .report import build_report
-        self._refuse_if_closed()
-        if prompt is not None:
-            self._replan(prompt)
-        self.start()
-        plan = self.plan
-        update, bar = self._progress_bar(plan.tokens)
+    # -- prompts -------------------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        """Prompt + generated tokens one prefill / generate may use (the stages' KV positions)."""
+        return self.plan.max_len
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.for_model(self.cfg.model)  # ModelError for a model without one
+        return self._tokenizer
+
+    def prompt_ids(self, prompt: str | list[int] | np.ndarray | None) -> np.ndarray:
+        """The prompt as int32 ids (None: the rig's), checked against the vocabulary and max_context."""
+        if prompt is None:
+            ids = self.plan.ids
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ConfigError("prompt: the text is empty")
+            ids = np.asarray(self.tokenizer.encode(prompt), dtype=np.int64)
+        else:
+            ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.plan.args.vocab_size):
+                raise ConfigError(f"prompt: ids must be in [0, {self.plan.args.vocab_size})")
+        if ids.size == 0:
+            raise ConfigError("prompt: empty")
+        if ids.size > self.max_context:
+            raise ConfigError(f"prompt: {ids.size} tokens exceeds max_context of {self.max_context} tokens")
+        return ids.astype(np.int32)
+
+    def _reusable(self, ids: np.ndarray) -> int:
+        """Leading positions whose KV the stages already hold for these ids; the last prompt token is always
+        recomputed (its logits give the first generated token). None with dump_residual (every row dumped)."""
+        if self.cfg.dump_residual:
+            return 0
+        m = min(self._kept_n, ids.size)
+        diff = np.flatnonzero(self._kept[:m] != ids[:m])
+        common = int(diff[0]) if diff.size else m
+        return min(common, ids.size - 1)
+
+    def _put_ids(self, ids: np.ndarray, start: int) -> None:
+        self._buffers.ids[start:ids.size] = torch.from_numpy(ids[start:])
+        if self.stages[0].host is not None:  # a remote stage 0 has its own copy of the ids
+            step = 65536                     # ~330 KB of msgpack ints: well under a frame's limit
+            for a in range(start, ids.size, step):
+                self._wire.send(0, M.Ids(pos=a, ids=ids[a:a + step].tolist()))
+
+    # -- prefill and generate ------------------------------------------------------------------
+    def _prefill(self, ids: np.ndarray) -> dict:
+        """Prefill ids [reused, n) on the running stages; the facts the report and the caller need."""
+        n = ids.size
+        reused = self._reusable(ids)
+        self._kept_n = reused  # past `reused` the stages' KV is about to be overwritten
+        self._put_ids(ids, reused)
+        schedule = self.plan.schedule_for(reused, n)
+        update, bar = self._progress_bar(n - reused, schedule)
         try:
-            seconds = self._run_phase("prefill", plan.schedule, update)
+            seconds = self._run_phase("prefill", schedule, n, update)
         finally:
             if bar:
                 bar.close()
+        self._kept[:n] = ids
+        self._kept_n = n
+        last = self._results[len(schedule) - 1]
         nll = sum(r.nll for r in self._results.values())
         count = sum(r.count for r in self._results.values())
-        last_logits = self._last_logits
-        cont = self._generate(self._results[len(plan.schedule) - 1].argmax) if self.cfg.generate else []
+        return {"ids": ids, "reused": reused, "schedule": schedule, "seconds": seconds, "argmax": last.argmax,
+                "logits": self._result_row.numpy().copy(), "nll": nll, "count": count}
+
+    def prefill(self, prompt: str | list[int] | np.ndarray | None = None) -> Result:
+        """Prefill the prompt (None: the rig's; text or ids, up to max_context, any number of times: a prefix
+        shared with what the stages hold is not computed again), then the rig's greedy continuation
+        (`generate`). Returns the report."""
+        if self.cfg.generate:
+            from .sampling import SamplingParams
+            return self.generate(prompt, SamplingParams(max_tokens=self.cfg.generate))
+        self._refuse_if_closed()
+        ids = self.prompt_ids(prompt)
+        self.start()
+        pre = self._prefill(ids)
+        return self._result(pre, [], None, "length", 0.0, 0, None)
+
+    def generate(self, prompt: str | list[int] | np.ndarray | None = None, params=None,
+                 on_token: Callable[[int], bool | None] | None = None) -> Result:
+        """Prefill the prompt (with prefix reuse), then decode up to params.max_tokens tokens (default: the
+        rig's `generate`, greedy). Per token one id goes down and one residual row crosses each boundary;
+        the head samples the last stage's logits row. Stops at EOS (not included), at a stop string (text cut
+        before it), when on_token(id) returns False, or at max_context."""
+        from .sampling import Detokenizer, Sampler, SamplingParams, StopMatcher
+        params = params if params is not None else SamplingParams(max_tokens=self.cfg.generate)
+        self._refuse_if_closed()
+        ids = self.prompt_ids(prompt)
+        self.start()
+        self.steps = 0
+        self.generations += 1
+        t_start = time.perf_counter()
+        stop = StopMatcher(params.stop) if params.stop else None
+        detok = Detokenizer(self.tokenizer.decode, context=ids.tolist()) if stop else None
+        pre = self._prefill(ids)
+        sampler = Sampler(params)
+        eos = self.plan.args.eos_id
+        limit = min(params.max_tokens, self.max_context - ids.size)
+        out: list[int] = []
+        text_parts: list[str] = []
+        finish, ttft, steps = "length", None, 0
+        argmax, logits = pre["argmax"], torch.from_numpy(pre["logits"])
+        pos = ids.size
+        self._new_phase("decode")
+        t0 = time.perf_counter()
+        try:
+            while len(out) < limit:
+                tok = argmax if params.greedy else sampler.next(logits)
+                if ttft is None:
+                    ttft = time.perf_counter() - t_start
+                if tok == eos:
+                    finish = "stop"
+                    break
+                out.append(tok)
+                if stop is not None:
+                    text_parts.append(stop.feed(detok.add(tok)))
+                    if stop.stopped:
+                        finish = "stop"
+                        break
+                if on_token is not None and on_token(tok) is False:
+                    finish = "stop"
+                    break
+                if len(out) == limit:
+                    break
+                res = self._decode_step(pos, tok, t0)
+                self._kept[pos] = tok  # its KV is at `pos` now on every stage
+                self._kept_n = pos + 1
+                pos += 1
+                steps += 1
+                self.steps = steps
+                argmax = res.argmax
+                if not params.greedy:
+                    logits = self._result_row  # read before the next token goes down: nothing overwrites it
+        finally:
+            self._guard()
+        decode_s = time.perf_counter() - t0
+        if steps:
+            self._collect_stats("decode")
         text = None
-        if cont:
+        if stop is not None:
+            text = "".join(text_parts) + (stop.feed(detok.flush()) + stop.flush() if not stop.stopped else "")
+        elif out:
             try:
-                from .tokenizer import Tokenizer
-                text = Tokenizer.for_model(self.cfg.model).decode(cont)
+                text = self.tokenizer.decode(out)
             except Exception:  # noqa: BLE001 - synthetic models have no tokenizer
                 text = None
-        ppl = math.exp(nll / count) if count else None
-        report = build_report(self, seconds, ppl, cont, text)
-        return Result(report, cont, text, ppl, last_logits)
+        return self._result(pre, out, text, finish, decode_s, steps, ttft)
 
-    def _generate(self, first: int) -> list[int]:
-        eos = self.plan.args.eos_id
-        out, tok, pos = [], first, self.plan.tokens
-        for _ in range(self.cfg.generate):
-            out.append(tok)
-            if tok == eos or pos >= self.plan.max_len:
-                break
-            self._buffers.ids[pos] = tok
-            if self.stages[0].host is not None:  # stage 0 is remote: it has its own copy of the ids
-                self._wire.send(0, M.Token(pos=pos, id=tok))
-            self._run_phase("decode", [(pos, 1)])
-            tok = self._results[0].argmax
-            pos += 1
-        return out
+    def _decode_step(self, pos: int, tok: int, t0: float) -> M.ChunkResult:
+        """One token through every stage: its id into the ids segment, one note to stage 0, one result back."""
+        self._buffers.ids[pos] = tok
+        if self.stages[0].host is not None:  # stage 0 is remote: it has its own copy of the ids
+            self._wire.send(0, M.Token(pos=pos, id=tok))
+        k = self._sent
+        self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1))
+        self._sent += 1
+        deadline = time.monotonic() + self.cfg.stall_timeout_s
+        while self._got < self._sent:
+            self._receive(200)
+            if time.monotonic() > deadline:
+                self._stalled()
+        return self._results.pop(k)
 
-    def _replan(self, prompt) -> None:
-        if isinstance(prompt, str):
-            spec = PromptSpec(text=prompt)
-        else:
-            ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
-            spec = None
-        if self.started:
-            raise ConfigError("prefill(prompt): give the prompt before the first prefill (buffers are sized for it)")
-        if spec is not None:
-            self.cfg = replace(self.cfg, prompt=spec)
-            self.plan = build_plan(self.cfg)
-        else:
-            if ids.size == 0:
-                raise ConfigError("prompt: empty")
-            if ids.min() < 0 or ids.max() >= self.plan.args.vocab_size:
-                raise ConfigError(f"prompt: ids must be in [0, {self.plan.args.vocab_size})")
-            tmp = self.out / "prompt_ids.txt"
-            self.out.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(" ".join(map(str, ids.tolist())))
-            self.cfg = replace(self.cfg, prompt=PromptSpec(ids_file=str(tmp)))
-            self.plan = build_plan(self.cfg)
-        self.stages = [StageInfo(s.index, s.device, (s.start, s.end), s.host) for s in self.plan.stages]
+    def _result(self, pre: dict, out: list[int], text, finish: str, decode_s: float, steps: int, ttft) -> Result:
+        from .report import build_report
+        ppl = math.exp(pre["nll"] / pre["count"]) if pre["count"] else None
+        decode = {"decode_tokens": len(out), "decode_steps": steps, "decode_s": decode_s,
+                  "decode_tok_s": steps / decode_s if decode_s > 0 and steps else 0.0,
+                  "ttft_s": ttft, "finish_reason": finish}
+        report = build_report(self, pre["seconds"], ppl, out, text, ids=pre["ids"], schedule=pre["schedule"],
+                              reused=pre["reused"], perplexity_tokens=pre["count"], decode=decode)
+        return Result(report, out, text, ppl, pre["logits"], finish_reason=finish, prompt_tokens=int(pre["ids"].size),
+                      reused_tokens=pre["reused"], prefill_s=pre["seconds"], decode_s=decode_s, ttft_s=ttft)
 
-    def _progress_bar(self, total: int):
+    def _progress_bar(self, total: int, schedule):
         if not (self.cfg.progress and self.console):
             return None, None
         from tqdm import tqdm
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="prefill", leave=False, dynamic_ncols=True)
         done = [0]
-        schedule = self.plan.schedule
 
         def update():  # tokens through the last stage; which chunk each stage is on
             tokens = sum(schedule[k][1] for k in self._results)

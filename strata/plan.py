@@ -41,16 +41,27 @@ class Plan:
     stages: tuple[StagePlan, ...]
     ids: np.ndarray            # int32 prompt token ids
     schedule: tuple[tuple[int, int], ...]  # (pos, length) of each prefill chunk
-    max_chunk: int
+    max_chunk: int             # the hand-off buffers' rows: the largest chunk of any prompt up to max_context
     planner: dict = field(default_factory=dict)  # how the split was chosen: speeds, predicted times, needs
+    max_context: int = 0       # KV positions every stage holds (and the ids buffer's length): any prompt + its
+                               # continuation up to this runs on the same stages
 
     @property
     def tokens(self) -> int:
         return int(self.ids.size)
 
     @property
-    def max_len(self) -> int:  # KV cache positions: the prompt plus the continuation
-        return self.tokens + self.cfg.generate
+    def max_len(self) -> int:  # KV cache positions (the planner's kv_tokens)
+        return self.max_context or self.tokens + self.cfg.generate
+
+    def schedule_for(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The chunks of prompt positions [start, end) (start > 0: a reused prefix is not recomputed): the
+        cold prompt's chunks from `start` on, the one it falls in cut there (dynamic chunks keep their cost)."""
+        out = []
+        for p, n in chunk_schedule(end, self.max_chunk, self.cfg.dynamic_chunks, self.args):
+            if p + n > start:
+                out.append((max(p, start), p + n - max(p, start)))
+        return tuple(out)
 
     def handoff_bytes(self) -> int:
         """One buffer per boundary between stages: the largest chunk of residual rows."""
@@ -161,18 +172,30 @@ def build_plan(cfg: RigConfig) -> Plan:
         raise ConfigError(f"stages: {len(stages)} stages but the model has only {args.n_layers} layers")
     ids = load_prompt(cfg, args)
     total = ids.size + cfg.generate
-    if total > args.max_seq_len:
-        raise ConfigError(f"prompt: {ids.size} tokens + {cfg.generate} generated exceeds the model's context "
-                          f"of {args.max_seq_len} tokens (cut it with prompt.max_tokens)")
+    if cfg.max_context is not None and cfg.max_context > args.max_seq_len:
+        raise ConfigError(f"max_context: {cfg.max_context} exceeds the model's context of {args.max_seq_len} tokens")
+    limit = cfg.max_context or args.max_seq_len
+    if total > limit:
+        what = "max_context" if cfg.max_context else "the model's context"
+        raise ConfigError(f"prompt: {ids.size} tokens + {cfg.generate} generated exceeds {what} "
+                          f"of {limit} tokens (cut it with prompt.max_tokens)")
     schedule = chunk_schedule(int(ids.size), cfg.chunk, cfg.dynamic_chunks, args)
-    max_chunk = max(t for _, t in schedule)
     cores = assign_cores(stages)
-    split, planner = choose_split(cfg, args, stages, cores, int(ids.size), total, max_chunk)
+    # the buffers and KV are sized once for max_context: a default one is halved until every stage holds it
+    while True:
+        max_chunk = min(cfg.chunk, limit)  # any later prompt's largest chunk
+        try:
+            split, planner = choose_split(cfg, args, stages, cores, int(ids.size), limit, max_chunk)
+            break
+        except ConfigError:
+            if cfg.max_context is not None or limit <= total:
+                raise
+            limit = max(limit // 2, int(total))
     plans, a = [], 0
     for i, (s, n) in enumerate(zip(stages, split)):
         plans.append(StagePlan(i, s.device, a, a + n, s.threads, cores[i], s.speed, s.memory, s.host))
         a += n
-    return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner)
+    return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner, limit)
 
 
 def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: int, kv_tokens: int,

@@ -36,9 +36,16 @@ def md5_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def build_report(p, seconds: float, ppl, cont, text) -> dict:
-    """The report of one prefill: written to DIR/report.json, printed by the launcher."""
+def build_report(p, seconds: float, ppl, cont, text, ids=None, schedule=None, reused: int = 0,
+                 perplexity_tokens: int | None = None, decode: dict | None = None) -> dict:
+    """The report of one prefill (and its continuation): written to DIR/report.json, printed by the launcher.
+
+    ids / schedule: the prompt and the chunks computed (default: the rig's); reused: leading prompt positions
+    whose KV the stages already held (not computed, not in the perplexity); decode: the decode figures."""
     plan, cfg = p.plan, p.cfg
+    tokens = plan.tokens if ids is None else int(len(ids))
+    schedule = plan.schedule if schedule is None else schedule
+    computed = tokens - reused
     stages, intervals, events = [], [], []
     for st in p.stages:
         s = st.stats["prefill"]  # the stage's Stats message
@@ -70,10 +77,12 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
     rel = [[[k, a - begin, b - begin, c - begin] for k, a, b, c in ev] for ev in events]
     n_boundaries = len(plan.stages) - 1
     report = {
-        "tokens": plan.tokens, "seconds": seconds, "tok_s": plan.tokens / seconds if seconds else 0.0,
+        # tok_s: prompt positions computed (a reused prefix is not) per second of prefill
+        "tokens": tokens, "reused_tokens": reused, "prefilled_tokens": computed, "max_context": plan.max_len,
+        "seconds": seconds, "tok_s": computed / seconds if seconds else 0.0,
         "timing": cfg.timing,  # the console shows the timing table and busy histogram only when set
-        "depth": cfg.depth, "chunk": cfg.chunk, "chunks": len(plan.schedule),
-        "dynamic_chunks": cfg.dynamic_chunks, "schedule": [list(x) for x in plan.schedule],
+        "depth": cfg.depth, "chunk": cfg.chunk, "chunks": len(schedule),
+        "dynamic_chunks": cfg.dynamic_chunks, "schedule": [list(x) for x in schedule],
         "model": cfg.model, "dtype": cfg.dtype, "stages": stages,
         "split": [s.end - s.start for s in plan.stages], "planner": planner,
         "busy": busy_histogram(intervals, begin, end),
@@ -85,11 +94,26 @@ def build_report(p, seconds: float, ppl, cont, text) -> dict:
         "pinned": all(s["pinned"] for s in stages if s["device"].startswith("cuda")) and
         any(s["device"].startswith("cuda") for s in stages),
         "head_bad_frames": getattr(p, "bad_frames", 0),  # frames the head rejected during the run
-        "perplexity": ppl, "continuation_ids": cont, "continuation": text,
+        # perplexity over the prompt positions computed this time: perplexity_tokens targets (a reused prefix's
+        # positions are not among them)
+        "perplexity": ppl, "perplexity_tokens": perplexity_tokens or 0,
+        "continuation_ids": cont, "continuation": text,
+        "decode_tokens": 0, "decode_steps": 0, "decode_s": 0.0, "decode_tok_s": 0.0, "ttft_s": None,
+        "finish_reason": None, "decode_weights": cfg.decode_weights, "cuda_graphs": cfg.cuda_graphs,
         # the tail: after stage 0 finishes its last chunk, the time until the last stage finishes it
         "tail_s": (events[-1][-1][2] - events[0][-1][2]) if events[0] and events[-1] else 0.0,
         "events": rel, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    if decode:
+        report.update(decode)
+        dec = [st.stats.get("decode") for st in p.stages]
+        if decode.get("decode_steps") and all(dec):
+            # one stage works at a time in decode: what the stages' sums do not cover is messaging and the head
+            work = sum(d.work_s for d in dec)
+            for st, d in zip(stages, dec):
+                st["decode_work_s"], st["decode_copy_s"] = d.work_s, d.copy_s
+            report["decode_work_s"] = work
+            report["decode_overhead_ms_per_token"] = 1000 * max(0.0, decode["decode_s"] - work) / decode["decode_steps"]
     if cfg.dump_residual:
         path = p.out / "residual.npy"
         report["residual_file"] = str(path)
@@ -131,10 +155,20 @@ def format_table(report: dict) -> str:
     if "tcp" in report.get("boundaries", ()):
         rows.append(f"across hosts: boundaries {' / '.join(report['boundaries'])} (tcp: CurveZMQ frames); "
                     f"{report['rejected_connections']} connection(s) without the run's key refused")
+    if report.get("reused_tokens"):
+        rows.append(f"prefix reuse: {report['reused_tokens']:,} of {report['tokens']:,} prompt tokens were already "
+                    f"in the stages' KV; {report['prefilled_tokens']:,} prefilled")
+    if report.get("decode_steps"):
+        over = report.get("decode_overhead_ms_per_token")
+        rows.append(f"decode: {report['decode_tokens']} tokens, {report['decode_steps']} steps in "
+                    f"{report['decode_s']:.2f}s = {report['decode_tok_s']:,.1f} tok/s"
+                    + (f" ({over:.2f} ms/token outside the stages' work)" if over is not None else "")
+                    + (f"; first token after {report['ttft_s']:.3f}s" if report.get("ttft_s") else ""))
     if report.get("residual_md5"):
         rows.append(f"residual md5 {report['residual_md5']}")
     if report.get("perplexity") is not None:
-        rows.append(f"prompt perplexity {report['perplexity']:.4f}")
+        part = f" (the {report['perplexity_tokens']:,} positions computed)" if report.get("reused_tokens") else ""
+        rows.append(f"prompt perplexity {report['perplexity']:.4f}{part}")
     if report.get("continuation") is not None:
         rows.append(f"continuation: {report['continuation']!r}")
     elif report.get("continuation_ids"):

@@ -158,7 +158,7 @@ class Running:
         return self.app.state.server.worker
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=WAIT_S, **kw)
+        return httpx.Client(base_url=self.url, **{"timeout": WAIT_S, **kw})
 
     def stop(self) -> None:
         self.uv.should_exit = True
@@ -849,3 +849,69 @@ def test_smollm2_through_the_openai_client(smollm2_server):
     # too long for the context: refused before it reaches the model, naming the limit
     with pytest.raises(openai.BadRequestError, match="512"):
         client.completions.create(model="smollm2", prompt="word " * 600, max_tokens=1)
+
+
+# -- the pipeline engine: SmolLM2 on two CPU stages -------------------------------------------------
+PIPE_RIG = dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, chunk=64, max_context=256,
+                progress=False, debug={"delay_s": 0.01})  # a decode step of >= 10 ms: room to kill a stage
+
+
+@pytest.fixture(scope="module")
+def pipeline_server(tmp_path_factory):
+    from strata.engine import PipelineEngine
+    from strata.weights import smollm2_path
+    try:
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    eng = PipelineEngine(PIPE_RIG, out=tmp_path_factory.mktemp("serve"))
+    s = Running(eng)
+    yield s, eng
+    s.stop()
+    assert eng.pipe is None  # the worker closed the engine: no stage is left
+
+
+def test_pipeline_engine_greedy_equals_the_cli_continuation(pipeline_server, tmp_path):
+    from strata.pipeline import Pipeline
+    s, eng = pipeline_server
+    assert isinstance(eng, Engine) and eng.max_context == 256
+    prompt = "The capital of France is"
+    with Pipeline({**PIPE_RIG, "generate": 8, "prompt": {"text": prompt}}, out=tmp_path / "cli", console=False) as p:
+        want = p.prefill()
+    with s.client(timeout=120) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+        again = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want.continuation
+    assert r.json()["usage"]["completion_tokens"] == len(want.continuation_ids) == 8
+    # the same prompt again: all but its last token come from the stages' KV
+    n = len(eng.tokenize(prompt))
+    assert again.json()["choices"][0]["text"] == want.continuation
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    with s.client() as c:
+        m = parse_prometheus(c.get("/metrics").text)
+    busy = [m[("strata_last_prefill_busy_fraction", f'{{stages="{k}"}}')] for k in ("none", "one", "two", "three_plus")]
+    assert abs(sum(busy) - 1) < 1e-6 and m[("strata_last_decode_overhead_ms_per_token", "")] > 0
+
+
+def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_server):
+    import os
+    s, eng = pipeline_server
+    pid = eng.pipe.stages[1].pid
+    starts, calls = eng.starts, eng.pipe.generations
+    with s.client(timeout=120) as c:
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=c.post("/v1/completions", json={
+            "prompt": "Once upon a time", "max_tokens": 150, "temperature": 0})))
+        t.start()
+        wait_until(lambda: eng.pipe.generations > calls and eng.pipe.steps >= 3, "a few decode steps")
+        os.kill(pid, signal.SIGKILL)
+        t.join(120)
+        r = box["r"]
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["stage"].startswith(f"stage 1 (cpu, pid {pid}, chunk ") and "SIGKILL" in err["message"]
+        ok = c.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert eng.starts == starts + 1 and eng.pipe.stages[1].pid != pid
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()

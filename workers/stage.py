@@ -96,7 +96,7 @@ class Stage:
         self.phase_t0: float | None = None  # head's clock at the start of the phase being served
         self.stopping = False
         self.handlers = {M.Chunk: self.on_chunk, M.Taken: self.on_taken, M.Done: self.on_done, M.End: self.on_end,
-                         M.Stop: self.on_stop, M.Peers: self.on_peers, M.Token: self.on_token}
+                         M.Stop: self.on_stop, M.Peers: self.on_peers, M.Token: self.on_token, M.Ids: self.on_ids}
         self.load_s = time.perf_counter() - t_load
         self._reset_stats("prefill", time.perf_counter())
         if self.debug["fail_stage"] == self.i and self.debug["fail_phase"] == "load":
@@ -122,6 +122,13 @@ class Stage:
         self.weights = weights_mode(spec.model, self.device.type, spec.weights, args)
         model = load_stage(spec.model, args, spec.start, spec.end, device=self.device, dtype=self.dtype,
                            seed=spec.seed, weights=self.weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len)
+        # decode options, after the load: weight-only copies are a CPU kernel path, graphs a CUDA one
+        if spec.decode_weights != "none" and self.device.type == "cpu":
+            model.set_decode_weights(spec.decode_weights)
+        elif spec.decode_weights != "none":
+            self.log.info("decode_weights=%s: CPU stages only; %s decodes with its own weights",
+                          spec.decode_weights, self.device)
+        model.cuda_graphs = bool(spec.cuda_graphs and self.device.type == "cuda")
         return model, model.kv_bytes
 
     def _warm_up(self, spec: M.StageJob) -> float:
@@ -184,9 +191,7 @@ class Stage:
         self.pinned = False
         if self.device.type == "cuda":
             self.pinned = all(s.pin() for s in self.segments if s.name.split("-")[-1] != "ids")
-        self.dump = None
-        if self.last and spec.dump_residual:
-            self.dump = ResidualDump(spec.dump_residual, spec.tokens, dim, cmax, self.device)
+        self.dump = None  # opened per prefill (each prompt has its own length): `_open_dump`
 
     def _open_sockets(self, spec: M.StageJob) -> None:
         net, log = self.net, self.log
@@ -252,8 +257,9 @@ class Stage:
 
     def on_chunk(self, msg: M.Chunk, data) -> None:
         pos, n = msg.pos, msg.n  # k >= 0 and a known phase: checked by M.decode
-        if not (0 <= pos and 1 <= n <= self.spec.max_chunk and pos + n <= self.spec.max_len):
-            raise M.BadMessage(f"chunk: rows [{pos}, {pos + n}) do not fit the buffers")
+        if not (0 <= pos and 1 <= n <= self.spec.max_chunk and pos + n <= self.spec.max_len
+                and msg.tokens <= self.spec.max_len):
+            raise M.BadMessage(f"chunk: rows [{pos}, {pos + n}) of a {msg.tokens}-token prompt do not fit the buffers")
         if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
             if data is None:
                 raise M.BadMessage("chunk: no rows with the note (across hosts they travel together)")
@@ -281,6 +287,16 @@ class Stage:
         if not (0 <= msg.pos < self.spec.max_len and 0 <= msg.id < self.args.vocab_size):
             raise M.BadMessage(f"token: {msg.id} at {msg.pos} out of range")
         self.ids[msg.pos] = msg.id
+
+    def on_ids(self, msg: M.Ids, data) -> None:
+        """A new prompt on a remote stage 0: its ids from `pos` on (a local stage reads the shared ids segment)."""
+        if not (self.first and self.net is not None and self.net.remote):
+            raise M.BadMessage("ids: not a message a stage accepts")
+        ids = msg.ids
+        if not (0 <= msg.pos and msg.pos + len(ids) <= self.spec.max_len
+                and all(type(t) is int and 0 <= t < self.args.vocab_size for t in ids)):
+            raise M.BadMessage(f"ids: {len(ids)} ids at {msg.pos} out of range")
+        self.ids[msg.pos:msg.pos + len(ids)] = torch.tensor(ids, dtype=torch.int32)
 
     def on_peers(self, msg: M.Peers, data) -> None:
         """The head says where this stage's neighbours across hosts listen: connect to them."""
@@ -362,7 +378,8 @@ class Stage:
     def run_chunk(self, msg: M.Chunk) -> None:
         k, pos, n = msg.k, msg.pos, msg.n
         self.current_chunk = k
-        self.send(self.to_head, M.Working(stage=self.i, k=k))
+        if msg.phase == "prefill":  # a decode step is one chunk in flight: the head knows where it is
+            self.send(self.to_head, M.Working(stage=self.i, k=k))
 
         # 1. input: ids for the first stage, else residual rows from the buffer above
         copy_start = time.perf_counter()
@@ -382,7 +399,7 @@ class Stage:
         nll, count, argmax = 0.0, 0, -1
         if self.last:
             if msg.phase == "prefill" and self.spec.perplexity:
-                targets = self.ids[pos + 1: min(pos + n + 1, self.spec.tokens)].to(torch.long)
+                targets = self.ids[pos + 1: min(pos + n + 1, msg.tokens)].to(torch.long)
                 if targets.numel():
                     nll, count = self.model.nll(h, targets)
             logits = self.model.logits(h[0, -1])
@@ -407,7 +424,8 @@ class Stage:
         if self.last:
             self.outlink.put(logits, M.ChunkResult(k=k, nll=float(nll), count=count, argmax=argmax))
         else:
-            self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0))
+            self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0,
+                                                               tokens=msg.tokens))
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
@@ -421,7 +439,8 @@ class Stage:
             if not self.first:
                 self.send(self.to_up, M.Done(k=k))
         self.last_handoff = time.perf_counter()
-        self.events.append([k, work_start, work_end, self.last_handoff])
+        if msg.phase == "prefill":  # decode reports its sums only: a long answer must not grow the stats note
+            self.events.append([k, work_start, work_end, self.last_handoff])
         self.nchunks += 1
 
     def _inject(self, k: int) -> None:
@@ -464,6 +483,7 @@ class Stage:
                     self._reset_stats(front.phase, self.phase_t0 - self.clock_offset)
                     if front.phase == "prefill":  # tests (and people) wait on this line, not on a sleep
                         self.log.info("prefill: started (chunk %d)", front.k)
+                        self._open_dump(front.tokens)
                 if self.nchunks:  # before the first chunk a stage waits for the pipeline to fill
                     self.input_wait_s += time.perf_counter() - t
                 else:
@@ -474,6 +494,14 @@ class Stage:
                     self.dump.wait()  # the head hashes the file once every stage has reported
                 self.report_stats()
                 self.phase_end = None
+
+    def _open_dump(self, tokens: int) -> None:
+        """residual.npy for this prefill's prompt (the head prefills from 0 when it is asked for)."""
+        if self.last and self.spec.dump_residual:
+            if self.dump is not None:
+                self.dump.wait()
+                self.dump = None  # its map goes before the file is made again
+            self.dump = ResidualDump(self.spec.dump_residual, tokens, self.args.dim, self.spec.max_chunk, self.device)
 
     def _mem_bytes(self) -> int:
         if self.device.type == "cuda":
