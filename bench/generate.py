@@ -1,0 +1,56 @@
+"""Decode through the stages: tok/s of `Pipeline.generate` after a short and after a long prompt.
+
+One pipeline per setting (stages stay up across its prompts); greedy, `--tokens` generated per prompt.
+
+    python bench/generate.py --model synthetic:llama-3-8b --devices cuda:0,cuda:1 --contexts 2048,32768 --tokens 128
+    python bench/generate.py --model smollm2 --cpu-stages 2 --contexts 512 --tokens 64 --decode-weights none,int4
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata.pipeline import Pipeline  # noqa: E402
+from strata.sampling import SamplingParams  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--devices", help="comma-separated, one stage each")
+    ap.add_argument("--cpu-stages", type=int, default=2, help="without --devices: CPU stages of one thread")
+    ap.add_argument("--dtype", default="")
+    ap.add_argument("--contexts", default="2048", help="prompt lengths (random ids), comma-separated")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--cuda-graphs", default="false", help="comma list of true/false")
+    ap.add_argument("--decode-weights", default="none", help="comma list (CPU stages)")
+    a = ap.parse_args()
+    stages = ([{"device": d} for d in a.devices.split(",")] if a.devices
+              else [{"device": "cpu", "threads": 1}] * a.cpu_stages)
+    dtype = a.dtype or ("bfloat16" if a.devices else "float32")
+    contexts = [int(x) for x in a.contexts.split(",")]
+    print(f"{a.model} {dtype}, stages {[s['device'] for s in stages]}, {a.tokens} tokens per prompt")
+    print("| cuda_graphs | decode_weights | context | decode tok/s | ms/token | outside the stages ms/token | ttft s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    import numpy as np
+    for graphs in a.cuda_graphs.split(","):
+        for dw in a.decode_weights.split(","):
+            cfg = dict(model=a.model, dtype=dtype, stages=stages, chunk=a.chunk, progress=False, perplexity=False,
+                       max_context=max(contexts) + a.tokens + 1, cuda_graphs=graphs == "true", decode_weights=dw,
+                       prompt={"random": {"tokens": 16, "seed": 0}})
+            with Pipeline(cfg, console=False) as p:
+                vocab = p.plan.args.vocab_size
+                for n in contexts:
+                    ids = np.random.default_rng(n).integers(0, vocab, n)
+                    r = p.generate(ids.tolist(), SamplingParams(max_tokens=a.tokens)).report
+                    print(f"| {graphs} | {dw} | {n:,} | {r['decode_tok_s']:,.1f} | {1e3 / max(r['decode_tok_s'], 1e-9):.2f} "
+                          f"| {r.get('decode_overhead_ms_per_token') or 0:.2f} | {r['ttft_s']:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
