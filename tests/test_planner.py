@@ -314,9 +314,9 @@ def smoke_need(start, end, with_head=True):
 
 
 def test_build_plan_memory_cap_moves_layers():
-    cap = smoke_need(6, 8)  # stage 1 can hold exactly two layers
-    plan = build_plan(from_dict(rig(stages=[{"device": "cpu", "threads": 1},
-                                            {"device": "cpu", "threads": 1, "memory": cap}])))
+    cap = smoke_need(6, 8)  # stage 1 can hold exactly two layers with KV for 512 positions
+    plan = build_plan(from_dict(rig(max_context=512, stages=[{"device": "cpu", "threads": 1},
+                                                             {"device": "cpu", "threads": 1, "memory": cap}])))
     assert [s.end - s.start for s in plan.stages] == [6, 2]
     pl = plan.planner
     assert pl["split"] == [6, 2] and pl["mode"] == "auto" and pl["speeds_from"] == "equal"
