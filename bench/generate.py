@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--cuda-graphs", default="false", help="comma list of true/false")
     ap.add_argument("--decode-weights", default="none", help="comma list (CPU stages)")
+    ap.add_argument("--llama-bench", help="also time llama.cpp's decode on the model's GGUF file, same contexts")
+    ap.add_argument("--llama-threads", type=int, default=0, help="llama-bench -t (CPU; default: one per stage)")
     a = ap.parse_args()
     stages = ([{"device": d} for d in a.devices.split(",")] if a.devices
               else [{"device": "cpu", "threads": 1}] * a.cpu_stages)
@@ -49,7 +51,30 @@ def main() -> int:
                     r = p.generate(ids.tolist(), SamplingParams(max_tokens=a.tokens)).report
                     print(f"| {graphs} | {dw} | {n:,} | {r['decode_tok_s']:,.1f} | {1e3 / max(r['decode_tok_s'], 1e-9):.2f} "
                           f"| {r.get('decode_overhead_ms_per_token') or 0:.2f} | {r['ttft_s']:.3f} |", flush=True)
+    if a.llama_bench:
+        llama_decode(a, stages, contexts)
     return 0
+
+
+def llama_decode(a, stages, contexts) -> None:
+    """llama-bench's generation speed on the same file after each context (`-d`), in the same run."""
+    import json
+    import subprocess
+    from strata.checkpoint import resolve
+    kind, path = resolve(a.model)
+    if kind != "gguf":
+        print(f"llama.cpp: needs a GGUF model, {a.model} is {kind}")
+        return
+    for n in contexts:
+        cmd = [a.llama_bench, "-m", path, "-p", "0", "-n", str(a.tokens), "-d", str(n), "-r", "1", "-o", "json"]
+        cmd += ["-ngl", "99", "-fa", "1"] + (["-sm", "layer"] if len(stages) > 1 else []) if a.devices else \
+            ["-t", str(a.llama_threads or len(stages))]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            print(f"llama.cpp failed ({out.returncode}): {out.stderr[-500:]}")
+            return
+        ts = json.loads(out.stdout)[0]["avg_ts"]
+        print(f"| llama.cpp | `{' '.join(cmd[3:])}` | {n:,} | {ts:,.1f} | {1e3 / ts:.2f} | - | - |", flush=True)
 
 
 if __name__ == "__main__":
