@@ -54,8 +54,10 @@ def main() -> None:
             sys.exit(f"run {i}: no start-up line (rc {r.returncode}):\n{r.stderr[-3000:]}")
         s = json.loads(line[0][8:])
         runs.append(s)
-        print(f"run {i}: " + "  ".join(f"{k} {v:.2f}" for k, v in s.items()) + f"  (wall to exit {wall:.2f})")
-    print("median: " + "  ".join(f"{k} {statistics.median(r[k] for r in runs):.2f}" for k in runs[0]))
+        print(f"run {i}: " + "  ".join(f"{k} {v:.2f}" for k, v in s.items() if k != "stage_start")
+              + f"  stages by {s.get('stage_start')}  (wall to exit {wall:.2f})")
+    print("median: " + "  ".join(f"{k} {statistics.median(r[k] for r in runs):.2f}" for k in runs[0]
+                                 if k != "stage_start"))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from .config import RigConfig, check_run_dir, from_dict
 from .errors import ConfigError, PipelineError
 from .head_wire import HeadWire, poll_until
 from .plan import Plan, build_plan
-from .stage_procs import Buffers, Resources, spawn_local, sweep_dead_ipc_dirs
+from .stage_procs import Buffers, Resources, spawn_local, start_method, sweep_dead_ipc_dirs
 
 log = logging.getLogger("strata.pipeline")
 
@@ -407,6 +407,8 @@ class Pipeline:
         self._marks["first"] = time.perf_counter()
         self.startup = startup_breakdown(self._marks, self.plan.timings.get("tokenizer_s", 0.0),
                                          max((st.load_s for st in self.stages), default=0.0))
+        local = [start_method(st.device) for st in self.stages if st.host is None]
+        self.startup["stage_start"] = "forkserver" if "forkserver" in local else "spawn" if local else "remote"
         log.info(format_startup(self.startup))
 
     # -- prompts -------------------------------------------------------------------------------

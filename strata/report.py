@@ -40,7 +40,7 @@ def startup_breakdown(marks: dict[str, float], tokenizer_s: float, stage_load_s:
 def format_startup(s: dict) -> str:
     return (f"startup: {s['total_s']:.2f}s to the first chunk (imports {s['imports_s']:.2f}, plan {s['plan_s']:.2f}, "
             f"tokenizer {s['tokenizer_s']:.2f}, spawn {s['spawn_s']:.2f}, ready wait {s['ready_wait_s']:.2f} "
-            f"[slowest stage load {s['stage_load_s']:.2f}], other {s['other_s']:.2f})")
+            f"[slowest stage load {s['stage_load_s']:.2f}], other {s['other_s']:.2f}; stages by {s.get('stage_start', '?')})")
 
 
 def busy_histogram(intervals: list[list[tuple[float, float]]], t0: float, t1: float) -> dict:

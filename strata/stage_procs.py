@@ -151,12 +151,17 @@ def start_forkserver() -> None:
     _forkserver["started"] = True
 
 
+def start_method(device: str) -> str:
+    """How a local stage on `device` is started: 'forkserver' (a CPU stage once the fork server runs) or 'spawn'."""
+    return "forkserver" if _forkserver["started"] and device == "cpu" else "spawn"
+
+
 def spawn_local(res: Resources, spec, index: int) -> int:
     """Start stage `index` as a child process; its pid. CUDA stages (and any stage when no fork server
     was started) are spawned: CUDA cannot survive a fork. A CPU stage is forked from the fork server
     when `start_forkserver` ran. The pipe is its lifeline: EOF on the child's end means the head is gone."""
     from workers.bootstrap import run_stage_process
-    ctx = mp.get_context("forkserver" if _forkserver["started"] and spec.device == "cpu" else "spawn")
+    ctx = mp.get_context(start_method(spec.device))
     parent_end, child_end = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_stage_process, args=(spec, parent_end), name=f"strata-stage-{index}", daemon=True)
     proc.start()
