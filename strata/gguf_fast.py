@@ -47,13 +47,13 @@ class GGUFIndex:
         n_tensors, n_kv = self._u("Q"), self._u("Q")
         self.values: dict = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
         for _ in range(n_kv):
-            key = self._str()
+            key = self._str(strict=True)
             if key in self.values:
                 raise ValueError(f"duplicate metadata key {key!r}")
             self.values[key] = self._value(self._u("I"))
         infos = []
         for _ in range(n_tensors):
-            name = self._str()
+            name = self._str(strict=True)
             n_dims = self._u("I")
             if n_dims > 8:
                 raise ValueError(f"tensor {name!r}: {n_dims} dimensions")
@@ -100,12 +100,13 @@ class GGUFIndex:
         self._off += struct.calcsize(fmt)
         return v
 
-    def _str(self) -> str:
+    def _str(self, strict: bool = False) -> str:
+        """strict for keys and tensor names (gguf-py refuses bad UTF-8 there); values as field_value reads them."""
         n = self._u("Q")
         end = self._off + n
         if end > len(self._buf):
             raise ValueError("string runs past the end of the file")
-        s = bytes(self._buf[self._off:end]).decode("utf-8", errors="replace")
+        s = bytes(self._buf[self._off:end]).decode("utf-8", errors="strict" if strict else "replace")
         self._off = end
         return s
 
