@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if "strata.stage_procs" in sys.modules:
+            sys.modules["strata.stage_procs"].stop_forkserver()
 
 
 def _serve(a) -> int:

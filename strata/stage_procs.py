@@ -152,6 +152,27 @@ def start_forkserver() -> None:
     _forkserver["started"] = True
 
 
+def stop_forkserver() -> None:
+    """End the fork server (the launcher, on its way out, when every stage has exited): one still importing
+    PRELOAD would otherwise outlive a refused run by seconds."""
+    if not _forkserver["started"]:
+        return
+    import signal
+    from multiprocessing import forkserver
+    fs = forkserver._forkserver
+    pid = getattr(fs, "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)  # closing its pipe alone would wait for its imports to finish
+        except ProcessLookupError:
+            pass
+    try:
+        fs._stop()  # reaps it, removes its socket
+    except (AttributeError, OSError):
+        pass
+    _forkserver["started"] = False
+
+
 def start_method(device: str) -> str:
     """How a local stage on `device` is started: 'forkserver' (a CPU stage once the fork server runs) or 'spawn'."""
     return "forkserver" if _forkserver["started"] and device == "cpu" else "spawn"
