@@ -126,9 +126,8 @@ class Buffers:
 
 
 # What a forked stage would otherwise import itself (~2.5 s of CPU per stage): torch, the stage code, the
-# GGUF reader and dequantizers, and torch._dynamo, which building the model on the meta device pulls in
-# (nn.Embedding's normal_ init on a meta tensor goes through torch._refs, which imports it, ~1 s; drop it
-# here once model.py builds the embedding without that init)
+# GGUF reader and dequantizers, and torch._dynamo (with sympy), which building the model on the meta device
+# pulls in: nn.init and arange on meta tensors go through torch._refs
 PRELOAD = ["torch", "torch._dynamo", "workers.bootstrap", "strata.gguf_loader", "strata.quant"]
 _forkserver = {"started": False}
 
