@@ -38,8 +38,12 @@ def _open_cached(path: str, size: int, mtime_ns: int):
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelError(f"{path}: not a GGUF file (bad magic {magic!r})")
+    from .gguf_fast import GGUFIndex, Unhandled
     try:
-        reader = gguf.GGUFReader(path, "r")
+        try:
+            reader = GGUFIndex(path)  # gguf-py's reader spends seconds on the tokenizer arrays
+        except Unhandled:
+            reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the parser fails in many ways on truncated or corrupt bytes
         raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {_one_line(e)})") from None
     for t in reader.tensors:
@@ -57,6 +61,10 @@ def _one_line(e: BaseException) -> str:
 def field_value(reader, key: str, default=None):
     """A metadata value as a Python scalar, str or list (missing -> default)."""
     import gguf
+
+    from .gguf_fast import GGUFIndex
+    if isinstance(reader, GGUFIndex):
+        return reader.value(key, default)
     f = reader.fields.get(key)
     if f is None:
         return default

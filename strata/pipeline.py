@@ -40,7 +40,7 @@ from .config import RigConfig, check_run_dir, from_dict
 from .errors import ConfigError, PipelineError
 from .head_wire import HeadWire, poll_until
 from .plan import Plan, build_plan
-from .stage_procs import Buffers, Resources, spawn_local, sweep_dead_ipc_dirs
+from .stage_procs import Buffers, Resources, spawn_local, start_method, sweep_dead_ipc_dirs
 
 log = logging.getLogger("strata.pipeline")
 
@@ -88,7 +88,14 @@ class Result:
 
 
 class Pipeline:
-    def __init__(self, config: RigConfig | dict, out: str | os.PathLike | None = None, console: bool = True):
+    def __init__(self, config: RigConfig | dict, out: str | os.PathLike | None = None, console: bool = True,
+                 marks: dict[str, float] | None = None):
+        """marks: perf_counter times the caller knows (the launcher: `process` start, `imports` done); the
+        start-up breakdown (`startup`, report.json's startup_s) counts from `process`, else from here."""
+        self._marks = dict(marks or {})
+        self._marks.setdefault("process", time.perf_counter())
+        self._marks.setdefault("imports", self._marks["process"])
+        self.startup: dict | None = None
         self.cfg = config if isinstance(config, RigConfig) else from_dict(config)
         self.plan: Plan = build_plan(self.cfg)
         check_model_files(self.cfg.model)
@@ -116,6 +123,7 @@ class Pipeline:
         self._wire: HeadWire | None = None
         self._remote = None            # strata.remote.RemoteStages when a stage is remote
         self.boundaries: list[str] = []            # per boundary: "shm" or "tcp"
+        self._marks["planned"] = time.perf_counter()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "Pipeline":
@@ -129,6 +137,7 @@ class Pipeline:
         self._refuse_if_closed()
         if self.started:
             return
+        self._marks["spawn"] = time.perf_counter()
         sweep_dead_ipc_dirs()
         remote = [sp.host is not None for sp in self.plan.stages]
         across = [remote[i] or remote[i + 1] for i in range(len(remote) - 1)]  # boundary i leaves this host
@@ -149,9 +158,11 @@ class Pipeline:
         for sp in self.plan.stages:
             self.stages[sp.index].pid = self._launch(sp, self._spec(sp))
         self.started = True
+        self._marks["spawned"] = time.perf_counter()
         self._wait_ready()
         if self._remote:
             self._link_remote()
+        self._marks["ready"] = time.perf_counter()
         for seg in self._res.segments:  # every stage has mapped its buffers: unlink now, so even SIGKILL leaks nothing
             seg.unlink()
 
@@ -376,6 +387,8 @@ class Pipeline:
                 pos, m = schedule[self._sent]
                 self._wire.send(0, M.Chunk(k=self._sent, pos=pos, n=m, phase=phase, t0=t0, tokens=tokens))
                 self._sent += 1
+                if self.startup is None:
+                    self._startup_done()
             self._receive(100)
             if on_progress:
                 on_progress()
@@ -387,6 +400,16 @@ class Pipeline:
         seconds = time.perf_counter() - t0
         self._collect_stats(phase)
         return seconds
+
+    def _startup_done(self) -> None:
+        """The first chunk has left for stage 0: where the seconds since the process started went."""
+        from .report import format_startup, startup_breakdown
+        self._marks["first"] = time.perf_counter()
+        self.startup = startup_breakdown(self._marks, self.plan.timings.get("tokenizer_s", 0.0),
+                                         max((st.load_s for st in self.stages), default=0.0))
+        local = [start_method(st.device) for st in self.stages if st.host is None]
+        self.startup["stage_start"] = "forkserver" if "forkserver" in local else "spawn" if local else "remote"
+        log.info(format_startup(self.startup))
 
     # -- prompts -------------------------------------------------------------------------------
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class Plan:
     planner: dict = field(default_factory=dict)  # how the split was chosen: speeds, predicted times, needs
     max_context: int = 0       # KV positions every stage holds (and the ids buffer's length): any prompt + its
                                # continuation up to this runs on the same stages
+    timings: dict = field(default_factory=dict)  # seconds build_plan spent: total_s, tokenizer_s (inside it)
 
     @property
     def tokens(self) -> int:
@@ -102,7 +104,8 @@ def assign_cores(stages: tuple[StageSpec, ...]) -> list[tuple[int, ...]]:
     return out
 
 
-def load_prompt(cfg: RigConfig, args: ModelArgs) -> np.ndarray:
+def load_prompt(cfg: RigConfig, args: ModelArgs, timings: dict | None = None) -> np.ndarray:
+    """The rig's prompt as ids; `timings["tokenizer_s"]` gets the tokenizer's build + encode time."""
     p = cfg.prompt
     if p.random is not None:
         rng = np.random.default_rng(p.random["seed"])
@@ -124,7 +127,10 @@ def load_prompt(cfg: RigConfig, args: ModelArgs) -> np.ndarray:
             text = read_text_file(p.file)
         else:
             text = stdlib_source(p.stdlib)
+        t0 = time.perf_counter()
         ids = np.array(Tokenizer.for_model(cfg.model).encode(text), dtype=np.int64)
+        if timings is not None:
+            timings["tokenizer_s"] = time.perf_counter() - t0
     if p.max_tokens is not None:
         ids = ids[: p.max_tokens]
     if ids.size == 0:
@@ -160,6 +166,8 @@ def stdlib_source(module: str) -> str:
 
 
 def build_plan(cfg: RigConfig) -> Plan:
+    t0 = time.perf_counter()
+    timings = {"tokenizer_s": 0.0}
     try:
         args = model_args(cfg.model)
     except ModelError as e:
@@ -170,7 +178,7 @@ def build_plan(cfg: RigConfig) -> Plan:
             check_device(s.device, f"stages[{i}].device")
     if len(stages) > args.n_layers:
         raise ConfigError(f"stages: {len(stages)} stages but the model has only {args.n_layers} layers")
-    ids = load_prompt(cfg, args)
+    ids = load_prompt(cfg, args, timings)
     total = ids.size + cfg.generate
     if cfg.max_context is not None and cfg.max_context > args.max_seq_len:
         raise ConfigError(f"max_context: {cfg.max_context} exceeds the model's context of {args.max_seq_len} tokens")
@@ -195,7 +203,8 @@ def build_plan(cfg: RigConfig) -> Plan:
     for i, (s, n) in enumerate(zip(stages, split)):
         plans.append(StagePlan(i, s.device, a, a + n, s.threads, cores[i], s.speed, s.memory, s.host))
         a += n
-    return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner, limit)
+    timings["total_s"] = time.perf_counter() - t0
+    return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner, limit, timings)
 
 
 def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: int, kv_tokens: int,

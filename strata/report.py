@@ -3,8 +3,44 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
+
+STARTUP_PARTS = ("imports_s", "plan_s", "tokenizer_s", "spawn_s", "ready_wait_s", "other_s")
+
+
+def process_start() -> float:
+    """This process's start on the perf_counter clock (from /proc: ~10 ms resolution); now if unknown."""
+    now = time.perf_counter()
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime (clock ticks after boot)
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        return now - max(0.0, up - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return now
+
+
+def startup_breakdown(marks: dict[str, float], tokenizer_s: float, stage_load_s: float) -> dict:
+    """From perf_counter marks on the head's path (process, imports, planned, spawn, spawned, ready, first)
+    to the seconds of each consecutive part; `other_s` is what lies between them (the head between
+    its plan and `start`, the ids copy, the first send), so the parts sum to `total_s`. stage_load_s (the
+    slowest stage's own load) is inside spawn + ready wait, not a part of its own."""
+    m = marks
+    out = {"imports_s": m["imports"] - m["process"], "plan_s": m["planned"] - m["imports"] - tokenizer_s,
+           "tokenizer_s": tokenizer_s, "spawn_s": m["spawned"] - m["spawn"], "ready_wait_s": m["ready"] - m["spawned"]}
+    total = m["first"] - m["process"]
+    out["other_s"] = total - sum(out.values())
+    out.update(total_s=total, stage_load_s=stage_load_s)
+    return out
+
+
+def format_startup(s: dict) -> str:
+    return (f"startup: {s['total_s']:.2f}s to the first chunk (imports {s['imports_s']:.2f}, plan {s['plan_s']:.2f}, "
+            f"tokenizer {s['tokenizer_s']:.2f}, spawn {s['spawn_s']:.2f}, ready wait {s['ready_wait_s']:.2f} "
+            f"[slowest stage load {s['stage_load_s']:.2f}], other {s['other_s']:.2f}; stages by {s.get('stage_start', '?')})")
 
 
 def busy_histogram(intervals: list[list[tuple[float, float]]], t0: float, t1: float) -> dict:
@@ -104,6 +140,10 @@ def build_report(p, seconds: float, ppl, cont, text, ids=None, schedule=None, re
         "tail_s": (events[-1][-1][2] - events[0][-1][2]) if events[0] and events[-1] else 0.0,
         "events": rel, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    startup = getattr(p, "startup", None)  # measured once per Pipeline, at its first chunk
+    if startup:
+        report["startup_s"] = startup["total_s"]
+        report["startup"] = startup
     if decode:
         report.update(decode)
         dec = [st.stats.get("decode") for st in p.stages]
@@ -164,6 +204,8 @@ def format_table(report: dict) -> str:
                     f"{report['decode_s']:.2f}s = {report['decode_tok_s']:,.1f} tok/s"
                     + (f" ({over:.2f} ms/token outside the stages' work)" if over is not None else "")
                     + (f"; first token after {report['ttft_s']:.3f}s" if report.get("ttft_s") else ""))
+    if report.get("startup"):
+        rows.append(format_startup(report["startup"]))
     if report.get("residual_md5"):
         rows.append(f"residual md5 {report['residual_md5']}")
     if report.get("perplexity") is not None:

@@ -14,9 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from . import shm
 from .errors import PipelineError
 
 PAGE = 4096
@@ -105,6 +102,9 @@ class Buffers:
     inside this host (a boundary across hosts has none: its rows travel with the note)."""
 
     def __init__(self, res: Resources, run_id: str, plan, remote: list[bool], across: list[bool]):
+        import torch  # here, not at the top: the launcher imports this module before torch (start_forkserver)
+
+        from . import shm
         shm.sweep_dead()
         sizes = {"ids": _page((plan.max_len + 1) * 4), "result": _page(plan.args.vocab_size * 4)}
         if remote[-1]:
@@ -125,11 +125,64 @@ class Buffers:
         self.result = None if remote[-1] else res.segments[1].tensor(torch.float32, (plan.args.vocab_size,))
 
 
-def spawn_local(res: Resources, spec: dict, index: int) -> int:
-    """Start stage `index` as a child process (spawn, not fork: CUDA cannot survive a fork); its pid.
-    The pipe is its lifeline: EOF on the child's end means the head is gone."""
+# What a forked stage would otherwise import itself (~2.5 s of CPU per stage): torch, the stage code, the
+# GGUF reader and dequantizers, and torch._dynamo (with sympy), which building the model on the meta device
+# pulls in: nn.init and arange on meta tensors go through torch._refs
+PRELOAD = ["torch", "torch._dynamo", "workers.bootstrap", "strata.gguf_loader", "strata.quant"]
+_forkserver = {"started": False}
+
+
+def no_gpu_devices() -> bool:
+    """No NVIDIA / AMD device nodes: torch would see no GPU (asked without importing torch)."""
+    import glob
+    return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
+
+
+def start_forkserver() -> None:
+    """Start multiprocessing's fork server now, importing PRELOAD in the background, so that CPU stages
+    started later are forks of a process that has imported them already. The server is a fresh
+    interpreter (not a fork of the head) that never touches CUDA, and only CPU stages are forked from it."""
+    if _forkserver["started"]:
+        return
+    from multiprocessing import forkserver
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()  # returns at once; the server imports PRELOAD before its first fork
+    _forkserver["started"] = True
+
+
+def stop_forkserver() -> None:
+    """End the fork server (the launcher, on its way out, when every stage has exited): one still importing
+    PRELOAD would otherwise outlive a refused run by seconds."""
+    if not _forkserver["started"]:
+        return
+    import signal
+    from multiprocessing import forkserver
+    fs = forkserver._forkserver
+    pid = getattr(fs, "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)  # closing its pipe alone would wait for its imports to finish
+        except ProcessLookupError:
+            pass
+    try:
+        fs._stop()  # reaps it, removes its socket
+    except (AttributeError, OSError):
+        pass
+    _forkserver["started"] = False
+
+
+def start_method(device: str) -> str:
+    """How a local stage on `device` is started: 'forkserver' (a CPU stage once the fork server runs) or 'spawn'."""
+    return "forkserver" if _forkserver["started"] and device == "cpu" else "spawn"
+
+
+def spawn_local(res: Resources, spec, index: int) -> int:
+    """Start stage `index` as a child process; its pid. CUDA stages (and any stage when no fork server
+    was started) are spawned: CUDA cannot survive a fork. A CPU stage is forked from the fork server
+    when `start_forkserver` ran. The pipe is its lifeline: EOF on the child's end means the head is gone."""
     from workers.bootstrap import run_stage_process
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method(spec.device))
     parent_end, child_end = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_stage_process, args=(spec, parent_end), name=f"strata-stage-{index}", daemon=True)
     proc.start()
