@@ -169,10 +169,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.reshape(q.shape)
 
 
-def _rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (T, heads, hd); cos, sin: (T, 1, hd). The rotate-half form of apply_rope on all heads at once.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, once per step: rotate_half(x) * sin == roll(x) * signed_sin, bit for bit."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope_rows(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
+    # x: (T, heads, hd); cos, ssin: (T, 1, hd), ssin from _signed_sin. The rotate-half form of apply_rope on all
+    # heads at once, in 3 ops instead of 5 (a decode step is bound by per-op dispatch): cat((-x2, x1)) * sin is
+    # cat((x2, x1)) * cat((-sin1, sin2)), the same products, and cat((x2, x1)) is a roll by half
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), ssin)
 
 
 class RMSNorm(nn.Module):
@@ -487,7 +494,8 @@ class Block(nn.Module):
         """The layer for a few rows (T <= DECODE_T) in fewer ops: fused norms, rope on q and k at
         once, T == 1 attention as one unmasked call; `wo`: weight-only kernels for the matrices.
 
-        cos, sin: (T, 1, hd). Same arithmetic as forward up to rounding (not the same bits)."""
+        cos, sin: (T, 1, hd), sin signed (`_signed_sin`, made once per step). Same arithmetic as forward up
+        to rounding (not the same bits)."""
         a, T = self.attn, h.shape[1]
         nh, nkv, hd = a.nh, a.nkv, a.hd
         if a.k_cache is None:
@@ -716,7 +724,7 @@ class Transformer(nn.Module):
         h = self.embed(x) if self.has_embed else x
         cos, sin = self.rope(pos, T, h.dtype)
         if decode:
-            cos, sin = cos[:, None], sin[:, None]
+            cos, sin = cos[:, None], _signed_sin(sin[:, None])
             for i, blk in self.layers.items():
                 h = blk.decode(h, pos, cos, sin, self._weight_only.get(i))
             return h
@@ -894,7 +902,7 @@ class DecodeGraphs:
         h = m.embed(self.ids) if self.ids is not None else self.res
         freqs = self.pos.to(torch.float32)[:, None] * m.inv_freq[None]  # as Transformer.rope, one row
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(dt)[:, None], emb.sin().to(dt)[:, None]  # (1, 1, hd)
+        cos, sin = emb.cos().to(dt)[:, None], _signed_sin(emb.sin().to(dt)[:, None])  # (1, 1, hd)
         mask = torch.zeros(b, dtype=dt, device=self.device).masked_fill(self.ar[:b] > self.pos, float("-inf"))
         mask = mask.view(1, 1, 1, b)
         for blk in m.layers.values():
