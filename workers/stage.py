@@ -150,6 +150,19 @@ class Stage:
                 self.model.logits(h[0, -1])
                 if spec.perplexity:
                     self.model.nll(h, torch.zeros(n, dtype=torch.long, device=self.device))
+        # the decode step too (its kernels, cuBLAS's one-row GEMM set-up, the head's argmax), else the first
+        # answer pays it; with cuda_graphs, every bucket of cache positions is captured now, not mid-answer
+        x1 = (torch.zeros(1, 1, dtype=torch.long, device=self.device) if self.first
+              else torch.zeros(1, 1, self.args.dim, dtype=self.dtype, device=self.device))
+        positions = [0]
+        if self.model.cuda_graphs and self.model._graphable(x1):
+            from strata.model import DecodeGraphs
+            g = DecodeGraphs(self.model)
+            positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
+        for pos in positions:
+            h = self.model(x1, pos, decode=True)
+            if self.last:
+                self.model.logits(h[0, -1]).argmax()
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t
 
@@ -191,6 +204,7 @@ class Stage:
         self.pinned = False
         if self.device.type == "cuda":
             self.pinned = all(s.pin() for s in self.segments if s.name.split("-")[-1] != "ids")
+        self._argmax_host = torch.empty((), dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.dump = None  # opened per prefill (each prompt has its own length): `_open_dump`
 
     def _open_sockets(self, spec: M.StageJob) -> None:
@@ -376,10 +390,11 @@ class Stage:
 
     # -- the chunk path -------------------------------------------------------------------------
     def run_chunk(self, msg: M.Chunk) -> None:
+        if msg.phase == "decode":
+            return self.decode_step(msg)
         k, pos, n = msg.k, msg.pos, msg.n
         self.current_chunk = k
-        if msg.phase == "prefill":  # a decode step is one chunk in flight: the head knows where it is
-            self.send(self.to_head, M.Working(stage=self.i, k=k))
+        self.send(self.to_head, M.Working(stage=self.i, k=k))
 
         # 1. input: ids for the first stage, else residual rows from the buffer above
         copy_start = time.perf_counter()
@@ -395,7 +410,7 @@ class Stage:
         # 2. compute
         work_start = time.perf_counter()
         self._inject(k)
-        h = self.model(x, pos, decode=msg.phase == "decode")  # a prefill chunk never takes the decode path
+        h = self.model(x, pos, decode=False)  # a prefill chunk never takes the decode path
         nll, count, argmax = 0.0, 0, -1
         if self.last:
             if msg.phase == "prefill" and self.spec.perplexity:
@@ -404,7 +419,7 @@ class Stage:
                     nll, count = self.model.nll(h, targets)
             logits = self.model.logits(h[0, -1])
             argmax = int(logits.argmax())
-            if self.dump is not None and msg.phase == "prefill":
+            if self.dump is not None:
                 self.dump.write(pos, h[0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -412,12 +427,7 @@ class Stage:
         self.work_s += work_end - work_start
 
         # 3. reap: the chunk in flight below must have left the buffer before we overwrite it
-        if self.depth == 1:
-            while self.inflight:
-                below = self.inflight[0]
-                self.handoff_wait_s += self.wait_until(lambda: below in self.taken_below)
-                self.taken_below.discard(below)
-                self.inflight.popleft()
+        self._reap()
 
         # 4. hand off
         copy_start = time.perf_counter()
@@ -429,7 +439,22 @@ class Stage:
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
-        # depth 0: the old join; nothing new until this chunk is through the rest of the pipeline
+        self._join(k)
+        self.last_handoff = time.perf_counter()
+        self.events.append([k, work_start, work_end, self.last_handoff])
+        self.nchunks += 1
+
+    def _reap(self) -> None:
+        """Depth 1: the chunk in flight below must have left the output buffer before we overwrite it."""
+        if self.depth == 1:
+            while self.inflight:
+                below = self.inflight[0]
+                self.handoff_wait_s += self.wait_until(lambda: below in self.taken_below)
+                self.taken_below.discard(below)
+                self.inflight.popleft()
+
+    def _join(self, k: int) -> None:
+        """Depth 0: the old join; nothing new until chunk k is through the rest of the pipeline."""
         if self.depth == 0:
             done = self.taken_below if self.last else self.done_below  # the head's "taken" is its done
             self.handoff_wait_s += self.wait_until(lambda: k in done)
@@ -438,9 +463,59 @@ class Stage:
             self.inflight.popleft()
             if not self.first:
                 self.send(self.to_up, M.Done(k=k))
+
+    def decode_step(self, msg: M.Chunk) -> None:
+        """One decode step: the chunk path less what only a pipeline full of chunks needs, since a decode
+        step is the only chunk in flight and every stage waits on the one above.
+
+        - The input rows are read where they lie: in place from the shared buffer on CPU, one queued copy
+          from the page-locked buffer on CUDA. "taken" goes up after the rows have gone down, off the
+          critical path (the stage above next writes its buffer a whole token later).
+        - On CUDA one synchronize covers input copy, layers, head, argmax and the queued copy of the output
+          (residual row, or logits row plus argmax) into page-locked memory; before it the notes say nothing.
+        - No "working" note, no per-step event (decode reports its sums only: a long answer must not grow
+          the stats note), no residual dump, no nll."""
+        k, pos, n = msg.k, msg.pos, msg.n
+        self.current_chunk = k
+        cuda = self.device.type == "cuda"
+        t_in = time.perf_counter()
+        if self.first:
+            x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
+        else:
+            x = self.inlink.get(n)
+            if cuda:
+                x = x.to(self.device, non_blocking=self.pinned)
+            x = x.view(1, n, self.args.dim)
+        work_start = time.perf_counter()
+        self.copy_s += work_start - t_in
+        self._inject(k)
+        h = self.model(x, pos, decode=True)
+        if self.last:
+            logits = self.model.logits(h[0, -1])
+            out = logits
+            am = logits.argmax()
+        else:
+            out = h.view(n, self.args.dim)
+        self._reap()  # normally long done: the stage below took the last step's rows a token ago
+        self.outlink.fill(out, non_blocking=cuda and self.pinned)
+        if self.last:
+            if cuda:
+                self._argmax_host.copy_(am, non_blocking=self.pinned)
+                am = self._argmax_host
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        work_end = time.perf_counter()
+        self.work_s += work_end - work_start
+        if self.last:
+            self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=int(am)))
+        else:
+            self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens))
+        if not self.first:
+            self.send(self.to_up, M.Taken(k=k))
+        self.copy_s += time.perf_counter() - work_end
+        self.inflight.append(k)
+        self._join(k)
         self.last_handoff = time.perf_counter()
-        if msg.phase == "prefill":  # decode reports its sums only: a long answer must not grow the stats note
-            self.events.append([k, work_start, work_end, self.last_handoff])
         self.nchunks += 1
 
     def _inject(self, k: int) -> None:
