@@ -105,6 +105,10 @@ class Stage:
     def _use_device(self, spec: M.StageJob) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            if spec.cores:
+                os.sched_setaffinity(0, spec.cores)
+            else:
+                self._near_gpu()
             if spec.memory:  # the plan's cap, enforced: an over-tight plan fails here, not on a bigger card's spare
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, spec.memory / total), self.device)
@@ -115,6 +119,27 @@ class Stage:
                 os.sched_setaffinity(0, spec.cores)
         if spec.attention != "auto":  # the rig's choice (the planner sized activations for the same path)
             strata.model.CUDA_ATTENTION = spec.attention
+
+    def _near_gpu(self) -> None:
+        """Run on the CPU cores of the GPU's own NUMA node (sysfs `local_cpulist`), kept within this process's
+        allowed cores. An unpinned CUDA stage's thread may sleep between decode steps and wake on the far
+        socket, where every kernel launch (a decode step is hundreds) crosses the socket link. Nothing known:
+        nothing changes."""
+        props = torch.cuda.get_device_properties(self.device)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is None:
+            return
+        path = (f"/sys/bus/pci/devices/{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:"
+                f"{getattr(props, 'pci_device_id', 0):02x}.0/local_cpulist")
+        try:
+            with open(path) as f:
+                cores = parse_cpulist(f.read())
+        except (OSError, ValueError):
+            return
+        cores &= os.sched_getaffinity(0)
+        if cores and cores != os.sched_getaffinity(0):
+            os.sched_setaffinity(0, cores)
+            self.log.info("%s is local to cores %s: running there", self.device, sorted(cores))
 
     def _load_model(self, spec: M.StageJob) -> tuple[Transformer, int]:
         """This stage's slice (weights resident as GGUF blocks or dequantized) and its KV cache."""
@@ -595,6 +620,17 @@ class Stage:
             self.gate.stop()
         for seg in self.segments:
             seg.close()
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """sysfs cpulist "0-15,32-47" -> {0, ..., 15, 32, ..., 47}."""
+    cores: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        a, _, b = part.partition("-")
+        cores.update(range(int(a), int(b or a) + 1))
+    return cores
 
 
 def head_push(ctx, spec: M.StageJob):
