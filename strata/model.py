@@ -812,7 +812,7 @@ class Transformer(nn.Module):
     def decode_step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """One token at `pos` (x: ids (1, 1) or residual (1, 1, dim)) -> residual (1, 1, dim).
 
-        On CUDA with dense weights: replays a CUDA graph captured (lazily) for the power-of-two
+        On CUDA with dense weights: replays a CUDA graph captured (lazily) for the
         bucket of cache positions that holds pos; elsewhere the eager decode path."""
         if x.shape[1] != 1:
             raise ValueError(f"decode_step takes one token, got {x.shape[1]}")
@@ -845,7 +845,8 @@ GRAPH_MIN_BUCKET = 256
 class DecodeGraphs:
     """CUDA graphs of a dense Transformer slice's one-token step, one per bucket of cache positions.
 
-    A graph attends over the first `bucket` cache positions (a power of two >= GRAPH_MIN_BUCKET, or
+    A graph attends over the first `bucket` cache positions (GRAPH_MIN_BUCKET doubled up to 4 times it, then
+    grown by a quarter in whole GRAPH_MIN_BUCKETs, so at most ~25% of the keys it reads are masked; or
     the whole cache) with an additive mask that hides those after pos, so its kernels' shapes stay
     fixed while pos moves. The token (ids or residual row) and pos are copied into static inputs
     before a replay; the step's rope, mask and cache write read pos on the device. Captured lazily
@@ -863,9 +864,11 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def bucket(self, pos: int) -> int:
-        b = GRAPH_MIN_BUCKET
+        # its attention (no split over keys) costs in proportion to the bucket: powers of two past a few
+        # thousand positions read up to twice the keys needed (2,049 -> 4,096); ~25% steps keep ~25 buckets to 128k
+        b, m = GRAPH_MIN_BUCKET, GRAPH_MIN_BUCKET
         while b < pos + 1:
-            b *= 2
+            b = 2 * b if b < 4 * m else -(-(b * 5 // 4) // m) * m
         return min(b, self.cache_len)
 
     def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
