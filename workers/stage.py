@@ -493,9 +493,11 @@ class Stage:
         """One decode step: the chunk path less what only a pipeline full of chunks needs, since a decode
         step is the only chunk in flight and every stage waits on the one above.
 
-        - The input rows are read where they lie: in place from the shared buffer on CPU, one queued copy
-          from the page-locked buffer on CUDA. "taken" goes up after the rows have gone down, off the
-          critical path (the stage above next writes its buffer a whole token later).
+        - CPU: the input row is copied out and "taken" goes up at once, as for a prefill chunk: the stage
+          above wakes while this one computes (on a few cores a wake-up after the hand-off competes with
+          the head and the stage below, which are on the critical path).
+        - CUDA: one queued copy from the page-locked buffer; "taken" goes up after the rows have gone down
+          (the stage above next writes its buffer a whole token later), so no synchronize of its own.
         - On CUDA one synchronize covers input copy, layers, head, argmax and the queued copy of the output
           (residual row, or logits row plus argmax) into page-locked memory; before it the notes say nothing.
         - No "working" note, no per-step event (decode reports its sums only: a long answer must not grow
@@ -507,10 +509,10 @@ class Stage:
         if self.first:
             x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
         else:
-            x = self.inlink.get(n)
-            if cuda:
-                x = x.to(self.device, non_blocking=self.pinned)
+            x = self.inlink.get(n).to(self.device, copy=True, non_blocking=cuda and self.pinned)
             x = x.view(1, n, self.args.dim)
+            if not cuda:
+                self.send(self.to_up, M.Taken(k=k))
         work_start = time.perf_counter()
         self.copy_s += work_start - t_in
         self._inject(k)
@@ -535,7 +537,7 @@ class Stage:
             self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=int(am)))
         else:
             self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens))
-        if not self.first:
+        if cuda and not self.first:
             self.send(self.to_up, M.Taken(k=k))
         self.copy_s += time.perf_counter() - work_end
         self.inflight.append(k)
