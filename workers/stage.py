@@ -36,6 +36,12 @@ from strata.shm import Segment
 from strata.transport import ShmLink, TcpLink
 from strata.checkpoint import load_stage, weights_mode
 
+# A CUDA stage between decode steps polls its inbox without sleeping for this long (then sleeps in poll as
+# always): a token comes back within a few ms, and a core that slept wakes late (a scheduler hop, a cold or
+# down-clocked core) on every hop of every token. GPU hosts have cores to spare; CPU stages never spin.
+DECODE_SPIN_S = 0.05
+
+
 class StageFailed(RuntimeError):
     pass
 
@@ -385,12 +391,17 @@ class Stage:
                 if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
                     self.log.warning("rejected frame #%d: %s", self.bad_frames, e)
 
-    def wait_until(self, cond) -> float:
-        """Block (dispatching messages) until cond() holds; returns seconds waited."""
+    def wait_until(self, cond, spin_s: float = 0.0) -> float:
+        """Block (dispatching messages) until cond() holds; returns seconds waited. spin_s: poll without
+        sleeping for that long first (see DECODE_SPIN_S)."""
         t = time.perf_counter()
+        spin_end = t + spin_s
         while not cond():
             if self.stopping:
                 raise SystemExit(0)
+            if spin_s and time.perf_counter() < spin_end:
+                self.pump(0)
+                continue
             if not self.pump(100) and self.bad_frames != self.bad_frames_logged:
                 # idle after garbage: one line with the running count (a flood is not one line per frame)
                 self.bad_frames_logged = self.bad_frames
@@ -577,7 +588,8 @@ class Stage:
             self.wait_until(lambda: self.linked)
         while True:
             t = time.perf_counter()
-            self.wait_until(lambda: self.inputs or self.phase_end is not None)
+            self.wait_until(lambda: self.inputs or self.phase_end is not None,
+                            DECODE_SPIN_S if self.phase == "decode" and self.device.type == "cuda" else 0.0)
             if self.inputs:
                 front = self.inputs[0]
                 if front.t0 != self.phase_t0:  # the first chunk of a new phase
