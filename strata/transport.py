@@ -26,7 +26,16 @@ class ShmLink:
 
     def put(self, rows: torch.Tensor, note: M.Message) -> None:
         """Sender: copy the rows into the shared buffer, then say so."""
-        self.buf[:rows.shape[0]].copy_(rows)
+        self.fill(rows)
+        self.send(note)
+
+    def fill(self, rows: torch.Tensor, non_blocking: bool = False) -> None:
+        """The rows into the shared buffer. non_blocking (a CUDA source, the buffer page-locked): the copy is
+        only queued on the current stream; the caller synchronizes it before `send`."""
+        self.buf[:rows.shape[0]].copy_(rows, non_blocking=non_blocking)
+
+    def send(self, note: M.Message) -> None:
+        """The note for rows already in the buffer."""
         self.sock.send(M.encode(note))
 
     def get(self, n: int) -> torch.Tensor:
@@ -51,15 +60,24 @@ class TcpLink:
         self.bytes = memoryview(self.raw.numpy())  # what ZeroMQ reads from and what arrivals are copied into
         self.sock = sock
         self.tracker = None
+        self.n = 0  # rows in the buffer (`fill`)
 
     def put(self, rows: torch.Tensor, note: M.Message) -> None:
         """Sender: copy the rows into the hand-off buffer and send note + rows; ZeroMQ reads the rows
         straight from the buffer (copy=False), tracked so the buffer is not rewritten under it."""
+        self.fill(rows)
+        self.send(note)
+
+    def fill(self, rows: torch.Tensor, non_blocking: bool = False) -> None:
+        """The rows into the hand-off buffer (once ZeroMQ has let go of the last ones); non_blocking as ShmLink."""
         if self.tracker is not None and not self.tracker.done:
             self.tracker.wait(SEND_RELEASE_S)  # raises zmq.NotDone past the backstop
-        n = rows.shape[0]
-        self.buf[:n].copy_(rows)
-        self.tracker = self.sock.send_multipart([M.encode(note), self.bytes[: n * self.row_bytes]],
+        self.n = rows.shape[0]
+        self.buf[:self.n].copy_(rows, non_blocking=non_blocking)
+
+    def send(self, note: M.Message) -> None:
+        """The note with the rows `fill` put in the buffer, sent zero-copy and tracked."""
+        self.tracker = self.sock.send_multipart([M.encode(note), self.bytes[: self.n * self.row_bytes]],
                                                 copy=False, track=True)
 
     def land(self, n: int, frame) -> None:

@@ -36,6 +36,12 @@ from strata.shm import Segment
 from strata.transport import ShmLink, TcpLink
 from strata.checkpoint import load_stage, weights_mode
 
+# A CUDA stage between decode steps polls its inbox without sleeping for this long (then sleeps in poll as
+# always): a token comes back within a few ms, and a core that slept wakes late (a scheduler hop, a cold or
+# down-clocked core) on every hop of every token. GPU hosts have cores to spare; CPU stages never spin.
+DECODE_SPIN_S = 0.05
+
+
 class StageFailed(RuntimeError):
     pass
 
@@ -105,6 +111,10 @@ class Stage:
     def _use_device(self, spec: M.StageJob) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            if spec.cores:
+                os.sched_setaffinity(0, spec.cores)
+            else:
+                self._near_gpu()
             if spec.memory:  # the plan's cap, enforced: an over-tight plan fails here, not on a bigger card's spare
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, spec.memory / total), self.device)
@@ -115,6 +125,27 @@ class Stage:
                 os.sched_setaffinity(0, spec.cores)
         if spec.attention != "auto":  # the rig's choice (the planner sized activations for the same path)
             strata.model.CUDA_ATTENTION = spec.attention
+
+    def _near_gpu(self) -> None:
+        """Run on the CPU cores of the GPU's own NUMA node (sysfs `local_cpulist`), kept within this process's
+        allowed cores. An unpinned CUDA stage's thread may sleep between decode steps and wake on the far
+        socket, where every kernel launch (a decode step is hundreds) crosses the socket link. Nothing known:
+        nothing changes."""
+        props = torch.cuda.get_device_properties(self.device)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is None:
+            return
+        path = (f"/sys/bus/pci/devices/{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:"
+                f"{getattr(props, 'pci_device_id', 0):02x}.0/local_cpulist")
+        try:
+            with open(path) as f:
+                cores = parse_cpulist(f.read())
+        except (OSError, ValueError):
+            return
+        cores &= os.sched_getaffinity(0)
+        if cores and cores != os.sched_getaffinity(0):
+            os.sched_setaffinity(0, cores)
+            self.log.info("%s is local to cores %s: running there", self.device, sorted(cores))
 
     def _load_model(self, spec: M.StageJob) -> tuple[Transformer, int]:
         """This stage's slice (weights resident as GGUF blocks or dequantized) and its KV cache."""
@@ -150,6 +181,19 @@ class Stage:
                 self.model.logits(h[0, -1])
                 if spec.perplexity:
                     self.model.nll(h, torch.zeros(n, dtype=torch.long, device=self.device))
+        # the decode step too (its kernels, cuBLAS's one-row GEMM set-up, the head's argmax), else the first
+        # answer pays it; with cuda_graphs, every bucket of cache positions is captured now, not mid-answer
+        x1 = (torch.zeros(1, 1, dtype=torch.long, device=self.device) if self.first
+              else torch.zeros(1, 1, self.args.dim, dtype=self.dtype, device=self.device))
+        positions = [0]
+        if self.model.cuda_graphs and self.model._graphable(x1):
+            from strata.model import DecodeGraphs
+            g = DecodeGraphs(self.model)
+            positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
+        for pos in positions:
+            h = self.model(x1, pos, decode=True)
+            if self.last:
+                self.model.logits(h[0, -1]).argmax()
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t
 
@@ -191,6 +235,7 @@ class Stage:
         self.pinned = False
         if self.device.type == "cuda":
             self.pinned = all(s.pin() for s in self.segments if s.name.split("-")[-1] != "ids")
+        self._argmax_host = torch.empty((), dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.dump = None  # opened per prefill (each prompt has its own length): `_open_dump`
 
     def _open_sockets(self, spec: M.StageJob) -> None:
@@ -346,12 +391,17 @@ class Stage:
                 if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
                     self.log.warning("rejected frame #%d: %s", self.bad_frames, e)
 
-    def wait_until(self, cond) -> float:
-        """Block (dispatching messages) until cond() holds; returns seconds waited."""
+    def wait_until(self, cond, spin_s: float = 0.0) -> float:
+        """Block (dispatching messages) until cond() holds; returns seconds waited. spin_s: poll without
+        sleeping for that long first (see DECODE_SPIN_S)."""
         t = time.perf_counter()
+        spin_end = t + spin_s
         while not cond():
             if self.stopping:
                 raise SystemExit(0)
+            if spin_s and time.perf_counter() < spin_end:
+                self.pump(0)
+                continue
             if not self.pump(100) and self.bad_frames != self.bad_frames_logged:
                 # idle after garbage: one line with the running count (a flood is not one line per frame)
                 self.bad_frames_logged = self.bad_frames
@@ -376,10 +426,11 @@ class Stage:
 
     # -- the chunk path -------------------------------------------------------------------------
     def run_chunk(self, msg: M.Chunk) -> None:
+        if msg.phase == "decode":
+            return self.decode_step(msg)
         k, pos, n = msg.k, msg.pos, msg.n
         self.current_chunk = k
-        if msg.phase == "prefill":  # a decode step is one chunk in flight: the head knows where it is
-            self.send(self.to_head, M.Working(stage=self.i, k=k))
+        self.send(self.to_head, M.Working(stage=self.i, k=k))
 
         # 1. input: ids for the first stage, else residual rows from the buffer above
         copy_start = time.perf_counter()
@@ -395,7 +446,7 @@ class Stage:
         # 2. compute
         work_start = time.perf_counter()
         self._inject(k)
-        h = self.model(x, pos, decode=msg.phase == "decode")  # a prefill chunk never takes the decode path
+        h = self.model(x, pos, decode=False)  # a prefill chunk never takes the decode path
         nll, count, argmax = 0.0, 0, -1
         if self.last:
             if msg.phase == "prefill" and self.spec.perplexity:
@@ -404,7 +455,7 @@ class Stage:
                     nll, count = self.model.nll(h, targets)
             logits = self.model.logits(h[0, -1])
             argmax = int(logits.argmax())
-            if self.dump is not None and msg.phase == "prefill":
+            if self.dump is not None:
                 self.dump.write(pos, h[0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -412,12 +463,7 @@ class Stage:
         self.work_s += work_end - work_start
 
         # 3. reap: the chunk in flight below must have left the buffer before we overwrite it
-        if self.depth == 1:
-            while self.inflight:
-                below = self.inflight[0]
-                self.handoff_wait_s += self.wait_until(lambda: below in self.taken_below)
-                self.taken_below.discard(below)
-                self.inflight.popleft()
+        self._reap()
 
         # 4. hand off
         copy_start = time.perf_counter()
@@ -429,7 +475,22 @@ class Stage:
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
-        # depth 0: the old join; nothing new until this chunk is through the rest of the pipeline
+        self._join(k)
+        self.last_handoff = time.perf_counter()
+        self.events.append([k, work_start, work_end, self.last_handoff])
+        self.nchunks += 1
+
+    def _reap(self) -> None:
+        """Depth 1: the chunk in flight below must have left the output buffer before we overwrite it."""
+        if self.depth == 1:
+            while self.inflight:
+                below = self.inflight[0]
+                self.handoff_wait_s += self.wait_until(lambda: below in self.taken_below)
+                self.taken_below.discard(below)
+                self.inflight.popleft()
+
+    def _join(self, k: int) -> None:
+        """Depth 0: the old join; nothing new until chunk k is through the rest of the pipeline."""
         if self.depth == 0:
             done = self.taken_below if self.last else self.done_below  # the head's "taken" is its done
             self.handoff_wait_s += self.wait_until(lambda: k in done)
@@ -438,9 +499,61 @@ class Stage:
             self.inflight.popleft()
             if not self.first:
                 self.send(self.to_up, M.Done(k=k))
+
+    def decode_step(self, msg: M.Chunk) -> None:
+        """One decode step: the chunk path less what only a pipeline full of chunks needs, since a decode
+        step is the only chunk in flight and every stage waits on the one above.
+
+        - CPU: the input row is copied out and "taken" goes up at once, as for a prefill chunk: the stage
+          above wakes while this one computes (on a few cores a wake-up after the hand-off competes with
+          the head and the stage below, which are on the critical path).
+        - CUDA: one queued copy from the page-locked buffer; "taken" goes up after the rows have gone down
+          (the stage above next writes its buffer a whole token later), so no synchronize of its own.
+        - On CUDA one synchronize covers input copy, layers, head, argmax and the queued copy of the output
+          (residual row, or logits row plus argmax) into page-locked memory; before it the notes say nothing.
+        - No "working" note, no per-step event (decode reports its sums only: a long answer must not grow
+          the stats note), no residual dump, no nll."""
+        k, pos, n = msg.k, msg.pos, msg.n
+        self.current_chunk = k
+        cuda = self.device.type == "cuda"
+        t_in = time.perf_counter()
+        if self.first:
+            x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
+        else:
+            x = self.inlink.get(n).to(self.device, copy=True, non_blocking=cuda and self.pinned)
+            x = x.view(1, n, self.args.dim)
+            if not cuda:
+                self.send(self.to_up, M.Taken(k=k))
+        work_start = time.perf_counter()
+        self.copy_s += work_start - t_in
+        self._inject(k)
+        h = self.model(x, pos, decode=True)
+        if self.last:
+            logits = self.model.logits(h[0, -1])
+            out = logits
+            am = logits.argmax()
+        else:
+            out = h.view(n, self.args.dim)
+        self._reap()  # normally long done: the stage below took the last step's rows a token ago
+        self.outlink.fill(out, non_blocking=cuda and self.pinned)
+        if self.last:
+            if cuda:
+                self._argmax_host.copy_(am, non_blocking=self.pinned)
+                am = self._argmax_host
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        work_end = time.perf_counter()
+        self.work_s += work_end - work_start
+        if self.last:
+            self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=int(am)))
+        else:
+            self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens))
+        if cuda and not self.first:
+            self.send(self.to_up, M.Taken(k=k))
+        self.copy_s += time.perf_counter() - work_end
+        self.inflight.append(k)
+        self._join(k)
         self.last_handoff = time.perf_counter()
-        if msg.phase == "prefill":  # decode reports its sums only: a long answer must not grow the stats note
-            self.events.append([k, work_start, work_end, self.last_handoff])
         self.nchunks += 1
 
     def _inject(self, k: int) -> None:
@@ -475,7 +588,8 @@ class Stage:
             self.wait_until(lambda: self.linked)
         while True:
             t = time.perf_counter()
-            self.wait_until(lambda: self.inputs or self.phase_end is not None)
+            self.wait_until(lambda: self.inputs or self.phase_end is not None,
+                            DECODE_SPIN_S if self.phase == "decode" and self.device.type == "cuda" else 0.0)
             if self.inputs:
                 front = self.inputs[0]
                 if front.t0 != self.phase_t0:  # the first chunk of a new phase
@@ -520,6 +634,17 @@ class Stage:
             self.gate.stop()
         for seg in self.segments:
             seg.close()
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """sysfs cpulist "0-15,32-47" -> {0, ..., 15, 32, ..., 47}."""
+    cores: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        a, _, b = part.partition("-")
+        cores.update(range(int(a), int(b or a) + 1))
+    return cores
 
 
 def head_push(ctx, spec: M.StageJob):
