@@ -84,33 +84,21 @@ class Engine(Protocol):
         """Stop the stages and free their resources; idempotent."""
 
 
-class LocalEngine:
-    """A whole model in this process, no stages: the reference Engine (greedy here is the plain
-    model's greedy), and a server for a model that fits one device. Prefix reuse: the KV cache is
-    indexed by absolute position, so the positions a new prompt shares with the kept one stay valid."""
+class _ModelText:
+    """The text side every engine shares: the model's served name, its tokenizer (loaded at start, not on
+    the first request: parsing a GGUF vocabulary takes seconds) and its own chat template."""
 
-    def __init__(self, model: str, max_context: int | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, prefill_chunk: int = 512, name: str | None = None):
-        from .weights import model_args
-        self.model, self.device, self.dtype, self.prefill_chunk = model, torch.device(device), dtype, prefill_chunk
-        self.args = model_args(model)
-        self.max_context = min(max_context or self.args.max_seq_len, self.args.max_seq_len)
-        if self.max_context < 1:
-            raise ValueError(f"max_context must be >= 1, got {self.max_context}")
-        self.model_name = name or (model if model == "smollm2" or model.startswith("synthetic:") else
-                                   Path(model).name)
+    def _init_text(self, model: str, name: str | None) -> None:
+        self._text_model = model
+        self.model_name = name or (model if model == "smollm2" or model.startswith("synthetic:") else Path(model).name)
         self._template = None
         self._tokenizer = self._tokenizer_error = None
-        try:  # now, not on the first request (parsing a GGUF vocabulary takes seconds)
+        try:
             from .tokenizer import Tokenizer
             self._tokenizer = Tokenizer.for_model(model)
         except ModelError as e:  # a synthetic model or a directory without one: ids only
             self._tokenizer_error = e
-        self.net = None
-        self.kept: list[int] = []
-        self.restart()
 
-    # -- text ----------------------------------------------------------------------------------
     @property
     def tokenizer(self):
         if self._tokenizer is None:
@@ -126,10 +114,29 @@ class LocalEngine:
     def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
         from .chat import ChatTemplate
         if self._template is None:
-            self._template = ChatTemplate.for_model(self.model) or False
+            self._template = ChatTemplate.for_model(self._text_model) or False
         if not self._template:
             raise ValueError(f"model {self.model_name!r} has no chat template: use /v1/completions")
         return self._template.render(messages)
+
+
+class LocalEngine(_ModelText):
+    """A whole model in this process, no stages: the reference Engine (greedy here is the plain
+    model's greedy), and a server for a model that fits one device. Prefix reuse: the KV cache is
+    indexed by absolute position, so the positions a new prompt shares with the kept one stay valid."""
+
+    def __init__(self, model: str, max_context: int | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, prefill_chunk: int = 512, name: str | None = None):
+        from .weights import model_args
+        self.model, self.device, self.dtype, self.prefill_chunk = model, torch.device(device), dtype, prefill_chunk
+        self.args = model_args(model)
+        self.max_context = min(max_context or self.args.max_seq_len, self.args.max_seq_len)
+        if self.max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {self.max_context}")
+        self._init_text(model, name)
+        self.net = None
+        self.kept: list[int] = []
+        self.restart()
 
     # -- compute -------------------------------------------------------------------------------
     def generate(self, ids: list[int], params: SamplingParams,
@@ -209,7 +216,7 @@ def local_engine(cfg) -> LocalEngine:
 _STAGE = re.compile(r"(stage \d+ \([^)]*\))")
 
 
-class PipelineEngine:
+class PipelineEngine(_ModelText):
     """The Engine over one running `strata.Pipeline`: the stages load once and stay up; each generate
     prefills only what the stages' KV does not already hold (the previous prompt and its answer), then
     decodes through them. A stage failure is an EngineError naming the stage; restart() starts new stages."""
@@ -219,42 +226,13 @@ class PipelineEngine:
         from .errors import ConfigError
         self.cfg = cfg if isinstance(cfg, RigConfig) else from_dict(cfg)
         self.out = Path(out or self.cfg.out or Path("runs") / time.strftime("serve-%Y%m%d-%H%M%S"))
-        model = self.cfg.model
-        self.model_name = name or (model if model == "smollm2" or model.startswith("synthetic:") else Path(model).name)
+        self._init_text(self.cfg.model, name)
         self._config_error = ConfigError
-        self._template = None
-        self._tokenizer = self._tokenizer_error = None
-        try:
-            from .tokenizer import Tokenizer
-            self._tokenizer = Tokenizer.for_model(model)
-        except ModelError as e:  # a synthetic model: ids only
-            self._tokenizer_error = e
         self.pipe = None
         self.starts = 0
         self.last_report: dict | None = None  # the last generation's report (metrics_text reads it)
         self.restart()
         self.max_context = self.pipe.max_context
-
-    # -- text (no stage is touched: safe from other threads during a generate) -------------------
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            raise self._tokenizer_error
-        return self._tokenizer
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
-        from .chat import ChatTemplate
-        if self._template is None:
-            self._template = ChatTemplate.for_model(self.cfg.model) or False
-        if not self._template:
-            raise ValueError(f"model {self.model_name!r} has no chat template: use /v1/completions")
-        return self._template.render(messages)
 
     # -- compute -----------------------------------------------------------------------------------
     def generate(self, ids: list[int], params: SamplingParams,
