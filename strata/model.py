@@ -840,17 +840,24 @@ class Transformer(nn.Module):
 
 # -- CUDA graphs of the one-token step ------------------------------------------------------------
 GRAPH_MIN_BUCKET = 256
+# the graphs' attention: "split-k" (strata/decode_attention.py, Triton; reads only the live keys) or "masked"
+# (efficient attention over the whole bucket with an additive mask: no split over keys, slow past a few thousand)
+GRAPH_ATTENTION = os.environ.get("STRATA_GRAPH_ATTENTION", "split-k")
+if GRAPH_ATTENTION not in ("split-k", "masked"):
+    raise ValueError(f"STRATA_GRAPH_ATTENTION={GRAPH_ATTENTION!r}: use split-k or masked")
 
 
 class DecodeGraphs:
     """CUDA graphs of a dense Transformer slice's one-token step, one per bucket of cache positions.
 
-    A graph attends over the first `bucket` cache positions (GRAPH_MIN_BUCKET doubled up to 4 times it, then
-    grown by a quarter in whole GRAPH_MIN_BUCKETs, so at most ~25% of the keys it reads are masked; or
-    the whole cache) with an additive mask that hides those after pos, so its kernels' shapes stay
-    fixed while pos moves. The token (ids or residual row) and pos are copied into static inputs
-    before a replay; the step's rope, mask and cache write read pos on the device. Captured lazily
-    on a bucket's first use; the Transformer drops them when its cache or weights change."""
+    A graph's kernels keep their shapes while pos moves: its attention covers the first `bucket` cache
+    positions and reads the live count (pos + 1) on the device. With Triton that is the split-K kernel
+    (strata/decode_attention.py), which reads only the live keys; buckets double, so their ranges stay at
+    least half live. Without it, efficient attention with an additive mask over the whole bucket, which
+    costs in proportion to the bucket: buckets then grow by a quarter past 4 * GRAPH_MIN_BUCKET. The token
+    (ids or residual row) and pos are copied into static inputs before a replay; rope, mask and cache
+    write read pos on the device. Captured lazily on a bucket's first use (the stage captures all at
+    load); the Transformer drops them when its cache or weights change."""
 
     def __init__(self, m: Transformer):
         self.m = m
@@ -862,13 +869,14 @@ class DecodeGraphs:
         self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
         self.ar = torch.arange(self.cache_len, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        from strata import decode_attention  # imports Triton: only where graphs are built
+        self.use_split_k = decode_attention.available() and GRAPH_ATTENTION == "split-k"
+        self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
 
     def bucket(self, pos: int) -> int:
-        # its attention (no split over keys) costs in proportion to the bucket: powers of two past a few
-        # thousand positions read up to twice the keys needed (2,049 -> 4,096); ~25% steps keep ~25 buckets to 128k
         b, m = GRAPH_MIN_BUCKET, GRAPH_MIN_BUCKET
         while b < pos + 1:
-            b = 2 * b if b < 4 * m else -(-(b * 5 // 4) // m) * m
+            b = 2 * b if self.use_split_k or b < 4 * m else -(-(b * 5 // 4) // m) * m
         return min(b, self.cache_len)
 
     def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
@@ -887,8 +895,8 @@ class DecodeGraphs:
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        # efficient attention takes the additive mask at a fixed length; its kernels do not depend on
-        # the mask's contents (cuDNN would also do, but flash takes no mask)
+        # without Triton: efficient attention takes the additive mask at a fixed length; its kernels do not
+        # depend on the mask's contents (cuDNN would also do, but flash takes no mask)
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -900,14 +908,25 @@ class DecodeGraphs:
                 out = self._body(b)
         return g, out
 
+    def _attention(self, b: int):
+        """The bucket's split-K attention (its partial-result buffers serve every layer: they run in turn)."""
+        if b not in self.split_k:
+            a = next(iter(self.m.layers.values())).attn
+            from strata.decode_attention import SplitKAttention
+            self.split_k[b] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, b, self.device)
+        return self.split_k[b]
+
     def _body(self, b: int) -> torch.Tensor:
         m, dt = self.m, self.dtype
         h = m.embed(self.ids) if self.ids is not None else self.res
         freqs = self.pos.to(torch.float32)[:, None] * m.inv_freq[None]  # as Transformer.rope, one row
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(dt)[:, None], _signed_sin(emb.sin().to(dt)[:, None])  # (1, 1, hd)
-        mask = torch.zeros(b, dtype=dt, device=self.device).masked_fill(self.ar[:b] > self.pos, float("-inf"))
-        mask = mask.view(1, 1, 1, b)
+        if self.use_split_k:
+            mask = self.pos + 1  # the live keys, read on the device by the split-K kernel
+        else:
+            mask = torch.zeros(b, dtype=dt, device=self.device).masked_fill(self.ar[:b] > self.pos, float("-inf"))
+            mask = mask.view(1, 1, 1, b)
         for blk in m.layers.values():
             h = self._layer(blk, h, cos, sin, mask, b)
         return h
@@ -921,11 +940,14 @@ class DecodeGraphs:
         qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
         a.k_cache.index_copy_(2, self.pos, _to_cache(qk[:, nh:].transpose(0, 1).unsqueeze(0), a.k_cache.dtype))
         a.v_cache.index_copy_(2, self.pos, _to_cache(qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0), a.v_cache.dtype))
-        keys, vals = a.k_cache[:, :, :b], a.v_cache[:, :, :b]
-        if keys.dtype != qk.dtype:
-            keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
-        q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
-        y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        if self.use_split_k:  # reads only the live keys, in the cache's own dtype
+            y = self._attention(b)(qk[0, :nh].view(nkv, nh // nkv, hd), a.k_cache[0, :, :b], a.v_cache[0, :, :b], mask)
+        else:
+            keys, vals = a.k_cache[:, :, :b], a.v_cache[:, :, :b]
+            if keys.dtype != qk.dtype:
+                keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
+            q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         h = h + F.linear(y.reshape(1, 1, nh * hd), w.wo)
         x = F.rms_norm(h, (h.shape[-1],), blk.mlp_norm.weight, blk.mlp_norm.eps)
         gate, up = F.linear(x, w.w13).split(blk.mlp.ffn, dim=-1)

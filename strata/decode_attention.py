@@ -1,0 +1,134 @@
+"""Split-K attention for one query row over a KV cache whose length lives on the device (CUDA graphs).
+
+A decode step's attention reads the whole cache for a handful of query rows. One program per key/value
+head (what flash and the memory-efficient kernels launch for one row) leaves most of the GPU idle past a
+few thousand positions, and a graph cannot pass a new key count each step. Here the keys are cut into
+`splits` ranges, one program per (kv head, range); each reads only the positions below the length it loads
+from the device, and a second kernel merges the ranges by their log-sum-exp (flash-decoding). The grid
+depends on the cache buffer only, so one captured graph serves every length up to it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the callers keep their torch path
+    triton = None
+
+BLOCK_N = 64       # keys per tile
+KEYS_PER_SPLIT = 128  # at least this many keys per range: fewer ranges for short caches
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def n_splits(keys: int, target: int = 64) -> int:
+    """Ranges for a cache of `keys` positions: enough programs to fill the GPU at long lengths."""
+    return max(1, min(target, keys // KEYS_PER_SPLIT))
+
+
+if triton is not None:
+    @triton.jit
+    def _partial(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
+                 sk_h, sk_s, sv_h, sv_s, span, scale,
+                 G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
+                 PREC: tl.constexpr):
+        h = tl.program_id(0)
+        s = tl.program_id(1)
+        n_split = tl.num_programs(1)
+        n_keys = tl.load(len_ptr).to(tl.int32)
+        lo = s * span
+        hi = tl.minimum(lo + span, n_keys)
+        rows = tl.arange(0, GP)
+        dims = tl.arange(0, HD)
+        q = tl.load(q_ptr + (h * G + rows)[:, None] * HD + dims[None, :], mask=(rows < G)[:, None], other=0.0)
+        dt = q_ptr.dtype.element_ty  # products in the query's dtype (bf16 as flash does), sums in float32
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HD], tl.float32)
+        for start in range(lo, hi, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            live = cols < hi
+            k = tl.load(k_ptr + h * sk_h + cols[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_ptr + h * sv_h + cols[:, None] * sv_s + dims[None, :], mask=live[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k.to(dt)), input_precision=PREC) * scale        # (GP, BLOCK)
+            sc = tl.where(live[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v.to(dt), input_precision=PREC)
+            m_i = m_new
+        base = (h * n_split + s) * GP + rows
+        tl.store(m_ptr + base, m_i)
+        tl.store(l_ptr + base, l_i)
+        tl.store(acc_ptr + base[:, None] * HD + dims[None, :], acc)
+
+    @triton.jit
+    def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, n_split,
+               G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr):
+        h = tl.program_id(0)
+        sp = tl.arange(0, SP)
+        rows = tl.arange(0, GP)
+        dims = tl.arange(0, HD)
+        idx = (h * n_split + sp)[:, None] * GP + rows[None, :]                # (SP, GP)
+        ok = (sp < n_split)[:, None]
+        m = tl.load(m_ptr + idx, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + idx, mask=ok, other=0.0)
+        m_all = tl.max(m, 0)                                                  # (GP,): position 0 is always live
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[None, :]))
+        den = tl.sum(w * l, 0)
+        out = tl.zeros([GP, HD], tl.float32)
+        for i in range(0, n_split):
+            wi = tl.sum(tl.where(sp[:, None] == i, w, 0.0), 0)                 # (GP,)
+            a = tl.load(acc_ptr + ((h * n_split + i) * GP + rows)[:, None] * HD + dims[None, :])
+            out += wi[:, None] * a
+        out = out / den[:, None]
+        tl.store(o_ptr + (h * G + rows)[:, None] * HD + dims[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=(rows < G)[:, None])
+
+
+class SplitKAttention:
+    """Buffers and launches for one cache shape: call(q, k, v, n_keys) -> out, all on one device.
+
+    q: (nkv, g, hd) query rows grouped by their kv head; k, v: (nkv, S, hd) views of the cache (last dim
+    contiguous, any dtype Triton loads); n_keys: a device int tensor (1,), the live positions (< S read).
+    The partial results live in buffers made once here, so the launches can be captured in a graph."""
+
+    def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None):
+        if triton is None:
+            raise RuntimeError("split-K decode attention needs Triton")
+        if hd & (hd - 1):
+            raise ValueError(f"head dim {hd} is not a power of two")
+        self.nkv, self.g, self.hd = nkv, g, hd
+        self.gp = max(16, 1 << (g - 1).bit_length())  # tl.dot wants >= 16 rows; the padding rows are zeros
+        self.splits = splits or n_splits(keys)
+        self.span = BLOCK_N * math.ceil(keys / self.splits / BLOCK_N)
+        self.splits = math.ceil(keys / self.span)
+        shape = (nkv, self.splits, self.gp)
+        self.m = torch.empty(shape, dtype=torch.float32, device=device)
+        self.l = torch.empty(shape, dtype=torch.float32, device=device)
+        self.acc = torch.empty(*shape, hd, dtype=torch.float32, device=device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        nkv, g, hd = self.nkv, self.g, self.hd
+        if q.shape != (nkv, g, hd) or k.shape[0] != nkv or k.shape[2] != hd or v.shape != k.shape:
+            raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                             f"({nkv}, {g}, {hd})")
+        if k.stride(2) != 1 or v.stride(2) != 1:
+            raise ValueError("keys and values need a contiguous last dimension")
+        q = q.contiguous()
+        out = torch.empty_like(q) if out is None else out
+        _partial[(nkv, self.splits)](q, k, v, n_keys, self.m, self.l, self.acc,
+                                     k.stride(0), k.stride(1), v.stride(0), v.stride(1), self.span,
+                                     1.0 / math.sqrt(hd), G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
+                                     PREC="ieee" if q.dtype == torch.float32 else "tf32")
+        _merge[(nkv,)](self.m, self.l, self.acc, out, self.splits, G=g, GP=self.gp, HD=hd,
+                       SP=max(2, 1 << (self.splits - 1).bit_length()))
+        return out
