@@ -72,6 +72,7 @@ def main() -> int:
     ap.add_argument("--weights", default="auto", help="dequantized | resident | auto")
     ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype (auto = the compute dtype)")
     ap.add_argument("--prefill", action="store_true", help="fill the context by a real prefill (slow on CPU)")
+    ap.add_argument("--profile", action="store_true", help="CUDA time per kernel kind of the fast path's steps")
     ap.add_argument("--check", action="store_true", help="float16/int8/int4 logits and greedy tokens vs the fast path")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -112,9 +113,37 @@ def main() -> int:
         note = f" (+{extra / 2**20:.0f} MiB weight-only copies)" if extra else ""
         print(f"  {mode:13s} {ms:8.2f} ms/token median ({mean:.2f} mean)  {1e3 / ms:7.1f} tok/s  x{base / ms:.2f}{note}")
     m.set_decode_weights(None)
+    if a.profile and dev.type == "cuda":
+        profile(m, dev, a.context, first)
     if a.check and m.has_embed and m.has_head:
         check(m, a, dev)
     return 0
+
+
+def profile(m, dev, pos: int, first, steps: int = 8) -> None:
+    """Kernel time of `steps` eager decode steps (the graphs replay the same kernels), by kind."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    run_steps(m, dev, pos, 2, first, False, "fast")
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        run_steps(m, dev, pos, steps, first, False, "fast")
+    kinds: dict[str, float] = {}
+    top: dict[str, float] = {}
+    for e in p.events():
+        if e.device_type.name != "CUDA":
+            continue
+        n = e.name.lower()
+        kind = ("attention" if any(w in n for w in ("flash", "fmha", "attention", "_partial", "_merge")) else
+                "gemm/gemv" if any(w in n for w in ("gemm", "gemv", "cutlass", "sm90", "xmma", "splitk")) else
+                "copy" if "copy" in n or "memcpy" in n else "elementwise/other")
+        us = e.device_time / steps
+        kinds[kind] = kinds.get(kind, 0.0) + us
+        top[e.name[:90]] = top.get(e.name[:90], 0.0) + us
+    total = sum(kinds.values())
+    print(f"  kernel time per step (eager fast path, {steps} steps): {total / 1e3:.2f} ms")
+    for k, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"    {k:18s} {us / 1e3:7.3f} ms  {us / total:5.1%}")
+    for name, us in sorted(top.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"      {us:9.1f} us  {name}")
 
 
 def check(m, a, dev) -> None:
