@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--cuda-graphs", default="false", help="comma list of true/false")
     ap.add_argument("--decode-weights", default="none", help="comma list (CPU stages)")
     ap.add_argument("--llama-bench", help="also time llama.cpp's decode on the model's GGUF file, same contexts")
+    ap.add_argument("--llama-gguf", help="the file llama-bench decodes (default: the model's own GGUF; for a "
+                    "synthetic model, e.g. bench/make_gguf.py's F16 file of the same shape)")
     ap.add_argument("--llama-threads", type=int, default=0, help="llama-bench -t (CPU; default: one per stage)")
     a = ap.parse_args()
     stages = ([{"device": d} for d in a.devices.split(",")] if a.devices
@@ -61,7 +63,7 @@ def llama_decode(a, stages, contexts) -> None:
     import json
     import subprocess
     from strata.checkpoint import resolve
-    kind, path = resolve(a.model)
+    kind, path = ("gguf", a.llama_gguf) if a.llama_gguf else resolve(a.model)
     if kind != "gguf":
         print(f"llama.cpp: needs a GGUF model, {a.model} is {kind}")
         return

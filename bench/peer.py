@@ -1,8 +1,9 @@
 """Strata beside llama.cpp on the same GGUF file and GPUs, in one process run: the peer table.
 
-Arms (any subset, in this order): `llama` (llama-bench `-sm layer`), `d1` / `d0` (Strata on the
-same file, depth 1 / depth 0, resident quantized weights unless `--weights`), `bf16` (Strata, the
-same shape with bf16 synthetic weights: what dequantizing everything would cost in memory).
+Arms (any subset, in this order): `llama` (llama-bench, `-sm layer` on several GPUs), `d1` / `d0` (Strata on
+the same file, depth 1 / depth 0, resident quantized weights unless `--weights`), `bf16` / `bf16d0` (Strata,
+the same shape with bf16 synthetic weights, depth 1 / 0), `hf` (transformers `LlamaForCausalLM`, placed by
+accelerate `device_map="auto"` over the same GPUs: bench/accelerate_baseline.py, same synthetic weights).
 A random-block GGUF of the preset shape is written first if `--gguf` does not exist
 (bench/make_gguf.py), so both arms time the same file.
 
@@ -70,6 +71,21 @@ def strata_run(model: str, devices: list[str], tokens: int, chunk: int, depth: i
     return rep
 
 
+def hf_run(preset: str, devices: list[str], tokens: int, chunk: int) -> dict:
+    """bench/accelerate_baseline.py in a process of its own, seeing only these GPUs."""
+    import os
+    import re
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(d.split(":")[1] for d in devices))
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "accelerate_baseline.py"), "--preset", preset,
+                        "--tokens", str(tokens), "--chunk", str(chunk)], capture_output=True, text=True, env=env)
+    m = re.search(r"([\d.]+) s, ([\d,]+) tok/s", p.stdout)
+    if p.returncode or not m:
+        print(f"transformers failed ({p.returncode}): {(p.stdout + p.stderr)[-1500:]}", flush=True)
+        return {}
+    print(p.stdout.strip().splitlines()[-1], flush=True)
+    return {"tok_s": float(m.group(2).replace(",", "")), "seconds": float(m.group(1))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-3-70b")
@@ -104,9 +120,12 @@ def main() -> int:
             res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "residual_md5", "load_wall_s", "decode_tok_s")}
             res[arm]["stages"] = [{k: s.get(k) for k in ("device", "layers", "work_s", "weight_bytes", "kv_bytes",
                                                           "scratch_bytes", "mem_bytes")} for s in rep["stages"]]
-    if "bf16" in arms:
-        rep = strata_run(f"synthetic:{a.preset}", devices, a.tokens, a.chunk, 1, "", root / "bf16", a.decode)
-        res["bf16"] = {k: rep.get(k) for k in ("tok_s", "seconds", "load_wall_s", "decode_tok_s")}
+    for arm, depth in (("bf16", 1), ("bf16d0", 0)):
+        if arm in arms:
+            rep = strata_run(f"synthetic:{a.preset}", devices, a.tokens, a.chunk, depth, "", root / arm, a.decode)
+            res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "load_wall_s", "decode_tok_s", "residual_md5")}
+    if "hf" in arms:
+        res["hf"] = hf_run(a.preset, devices, a.tokens, a.chunk)
 
     print()
     print(f"{a.preset} {a.qtype} ({gguf.name}), {len(devices)} x {devices[0]}, {a.tokens:,} tokens, chunk {a.chunk:,}")
@@ -114,8 +133,12 @@ def main() -> int:
     bf16 = res.get("bf16", {}).get("tok_s")
     print(f"| arm | prefill tok/s | vs llama.cpp | vs Strata bf16 |")
     print(f"|---|---:|---:|---:|")
-    rows = [("llama.cpp `-sm layer`", llama), ("Strata depth 1, quantized resident", res.get("d1", {}).get("tok_s")),
-            ("Strata depth 0, quantized resident", res.get("d0", {}).get("tok_s")), ("Strata depth 1, bf16", bf16)]
+    rows = [("llama.cpp" + (" `-sm layer`" if len(devices) > 1 else ""), llama),
+            ("Strata depth 1, quantized resident", res.get("d1", {}).get("tok_s")),
+            ("Strata depth 0, quantized resident", res.get("d0", {}).get("tok_s")), ("Strata depth 1, bf16", bf16),
+            ("Strata depth 0, bf16", res.get("bf16d0", {}).get("tok_s")),
+            ("transformers" + (" + accelerate `device_map=auto`" if len(devices) > 1 else "") + ", bf16",
+             res.get("hf", {}).get("tok_s"))]
     for name, v in rows:
         if v:
             print(f"| {name} | {v:,.1f} | {v / llama:.2f}x |" if llama else f"| {name} | {v:,.1f} | - |", end="")
@@ -123,6 +146,9 @@ def main() -> int:
     if "d1" in res and "d0" in res:
         print(f"depth1/depth0: {res['d1']['tok_s'] / res['d0']['tok_s']:.2f}x; residual md5 identical: "
               f"{res['d1']['residual_md5'] == res['d0']['residual_md5']} ({res['d1']['residual_md5']})")
+    if "bf16" in res and "bf16d0" in res:
+        print(f"bf16 depth1/depth0: {res['bf16']['tok_s'] / res['bf16d0']['tok_s']:.2f}x; residual md5 identical: "
+              f"{res['bf16']['residual_md5'] == res['bf16d0']['residual_md5']}")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return 0
