@@ -53,6 +53,9 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+HEAD_SPIN_S = 0.05  # the head's spin per decode step with GPU stages (a CPU rig has no core to spare)
+
+
 @dataclass
 class StageInfo:
     index: int
@@ -106,6 +109,7 @@ class Pipeline:
         self._res = Resources()
         self._finalizer = weakref.finalize(self, self._res.release, 1.0)
         self.stages = [StageInfo(s.index, s.device, (s.start, s.end), s.host) for s in self.plan.stages]
+        self._all_cuda = all(s.device.startswith("cuda") for s in self.stages)
         self.started = False
         self.closed = False
         self.failure: PipelineError | None = None
@@ -573,8 +577,11 @@ class Pipeline:
         self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1))
         self._sent += 1
         deadline = time.monotonic() + self.cfg.stall_timeout_s
+        # all stages on GPUs: the head polls without sleeping for a while (as their stages do, DECODE_SPIN_S in
+        # workers/stage.py): a token is back within milliseconds and a sleeping head wakes late on every one
+        spin_end = time.perf_counter() + (HEAD_SPIN_S if self._all_cuda else 0.0)
         while self._got < self._sent:
-            self._receive(200)
+            self._receive(0 if time.perf_counter() < spin_end else 200)
             if time.monotonic() > deadline:
                 self._stalled()
         return self._results.pop(k)
