@@ -818,6 +818,20 @@ class Transformer(nn.Module):
             raise ValueError(f"decode_step takes one token, got {x.shape[1]}")
         return self._graph_step(x, pos) if self._graphable(x) else self._run(x, pos, True)
 
+    @torch.inference_mode()
+    def decode_token(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One token at `pos` -> (residual (1, 1, dim), float32 logits (vocab,), argmax); the last two only on
+        the slice with the head. With cuda_graphs on a graphable slice all three come from one replay."""
+        if self.cuda_graphs and self._graphable(x):
+            if self._graphs is None:
+                self._graphs = DecodeGraphs(self)
+            return self._graphs.step_all(x, pos)
+        h = self._run(x, pos, True)
+        if not self.has_head:
+            return h, None, None
+        logits = self.logits(h[0, -1])
+        return h, logits, logits.argmax()
+
     def _graph_step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         if self._graphs is None:
             self._graphs = DecodeGraphs(self)
@@ -870,7 +884,9 @@ class DecodeGraphs:
         self.ar = torch.arange(self.cache_len, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         from strata import decode_attention  # imports Triton: only where graphs are built
-        self.use_split_k = decode_attention.available() and GRAPH_ATTENTION == "split-k"
+        # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter)
+        self.use_split_k = (decode_attention.available() and GRAPH_ATTENTION == "split-k"
+                            and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
         self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
 
     def bucket(self, pos: int) -> int:
@@ -880,6 +896,10 @@ class DecodeGraphs:
         return min(b, self.cache_len)
 
     def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        return self.step_all(x, pos)[0]
+
+    def step_all(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(residual, logits, argmax) of one replay; logits and argmax only on a slice with the head."""
         if not 0 <= pos < self.cache_len:
             raise ValueError(f"position {pos} is outside the KV cache ({self.cache_len})")
         with torch.cuda.device(self.device):
@@ -891,9 +911,10 @@ class DecodeGraphs:
             if entry is None:
                 entry = self.graphs[b] = self._capture(b)
             entry[0].replay()  # a fresh capture has only recorded: this replay computes the step
-            return entry[1].clone()  # the static output is overwritten by the next replay
+            # the static outputs are overwritten by the next replay
+            return tuple(t.clone() if t is not None else None for t in entry[1])
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, tuple]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         # without Triton: efficient attention takes the additive mask at a fixed length; its kernels do not
         # depend on the mask's contents (cuDNN would also do, but flash takes no mask)
@@ -916,7 +937,7 @@ class DecodeGraphs:
             self.split_k[b] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, b, self.device)
         return self.split_k[b]
 
-    def _body(self, b: int) -> torch.Tensor:
+    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         m, dt = self.m, self.dtype
         h = m.embed(self.ids) if self.ids is not None else self.res
         freqs = self.pos.to(torch.float32)[:, None] * m.inv_freq[None]  # as Transformer.rope, one row
@@ -929,7 +950,10 @@ class DecodeGraphs:
             mask = mask.view(1, 1, 1, b)
         for blk in m.layers.values():
             h = self._layer(blk, h, cos, sin, mask, b)
-        return h
+        if not m.has_head:
+            return h, None, None
+        logits = m.logits(h[0, -1])  # the head in the graph too: eager, its launches cost more than its GEMV
+        return h, logits, logits.argmax()
 
     def _layer(self, blk: Block, h, cos, sin, mask, b: int) -> torch.Tensor:
         a = blk.attn

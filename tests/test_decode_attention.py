@@ -103,3 +103,36 @@ def test_graph_step_long_context_matches_eager():
         worst = max(worst, float((a.float() - b.float()).abs().max() / a.float().abs().max()))
     assert graph._graphs.use_split_k
     assert worst < 2e-2, worst
+
+
+GRAPH_BODY = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.model import DecodeGraphs
+from tests.test_decode_model import SMALL, build, rel
+eager, body = build(SMALL, 600), build(SMALL, 600)
+dg = DecodeGraphs(body)
+assert dg.use_split_k
+xs = torch.randint(0, SMALL.vocab_size, (1, 530), generator=torch.Generator().manual_seed(9))
+eager(xs[:, :500], 0), body(xs[:, :500], 0)
+with torch.inference_mode():
+    for p in range(500, 530):  # bucket 512, then the cache's own 600
+        a = eager(xs[:, p:p + 1], p)
+        dg.ids.copy_(xs[:, p:p + 1].reshape(-1))
+        dg.pos.fill_(p)
+        h, logits, am = dg._body(dg.bucket(p))
+        assert rel(h, a) < 1e-5, (p, rel(h, a))
+        ref = eager.logits(a[0, -1])
+        assert rel(logits, ref) < 1e-5 and int(am) == int(ref.argmax())
+print(sorted({dg.bucket(p) for p in range(500, 530)}))
+"""
+
+
+@needs_triton
+def test_graph_body_split_k_interpreted_matches_eager():
+    """DecodeGraphs' step body with the split-K kernel (interpreted on CPU) == the eager decode path."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", GRAPH_BODY, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "[512, 600]"

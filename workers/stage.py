@@ -191,9 +191,7 @@ class Stage:
             g = DecodeGraphs(self.model)
             positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
         for pos in positions:
-            h = self.model(x1, pos, decode=True)
-            if self.last:
-                self.model.logits(h[0, -1]).argmax()
+            self.model.decode_token(x1, pos)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t
 
@@ -527,11 +525,14 @@ class Stage:
         work_start = time.perf_counter()
         self.copy_s += work_start - t_in
         self._inject(k)
-        h = self.model(x, pos, decode=True)
+        if n == 1:  # with cuda_graphs: layers, head and argmax in one replay
+            h, logits, am = self.model.decode_token(x, pos)
+        else:
+            h = self.model(x, pos, decode=True)
+            logits = self.model.logits(h[0, -1]) if self.last else None
+            am = logits.argmax() if self.last else None
         if self.last:
-            logits = self.model.logits(h[0, -1])
             out = logits
-            am = logits.argmax()
         else:
             out = h.view(n, self.args.dim)
         self._reap()  # normally long done: the stage below took the last step's rows a token ago
