@@ -114,18 +114,19 @@ def main() -> int:
         print(f"  {mode:13s} {ms:8.2f} ms/token median ({mean:.2f} mean)  {1e3 / ms:7.1f} tok/s  x{base / ms:.2f}{note}")
     m.set_decode_weights(None)
     if a.profile and dev.type == "cuda":
-        profile(m, dev, a.context, first)
+        for mode in ("fast", "graphs"):
+            profile(m, dev, a.context, first, mode)
     if a.check and m.has_embed and m.has_head:
         check(m, a, dev)
     return 0
 
 
-def profile(m, dev, pos: int, first, steps: int = 8) -> None:
-    """Kernel time of `steps` eager decode steps (the graphs replay the same kernels), by kind."""
+def profile(m, dev, pos: int, first, mode: str, steps: int = 8) -> None:
+    """Kernel time of `steps` decode steps in `mode` (fast: eager; graphs: replays), by kind."""
     from torch.profiler import ProfilerActivity, profile as prof
-    run_steps(m, dev, pos, 2, first, False, "fast")
+    run_steps(m, dev, pos, 2, first, False, mode)
     with prof(activities=[ProfilerActivity.CUDA]) as p:
-        run_steps(m, dev, pos, steps, first, False, "fast")
+        run_steps(m, dev, pos, steps, first, False, mode)
     kinds: dict[str, float] = {}
     top: dict[str, float] = {}
     for e in p.events():
@@ -139,7 +140,7 @@ def profile(m, dev, pos: int, first, steps: int = 8) -> None:
         kinds[kind] = kinds.get(kind, 0.0) + us
         top[e.name[:90]] = top.get(e.name[:90], 0.0) + us
     total = sum(kinds.values())
-    print(f"  kernel time per step (eager fast path, {steps} steps): {total / 1e3:.2f} ms")
+    print(f"  kernel time per step ({mode}, {steps} steps): {total / 1e3:.2f} ms")
     for k, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"    {k:18s} {us / 1e3:7.3f} ms  {us / total:5.1%}")
     for name, us in sorted(top.items(), key=lambda kv: -kv[1])[:12]:

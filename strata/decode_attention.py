@@ -65,32 +65,28 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), v.to(dt), input_precision=PREC)
             m_i = m_new
         base = (h * n_split + s) * GP + rows
-        tl.store(m_ptr + base, m_i)
-        tl.store(l_ptr + base, l_i)
-        tl.store(acc_ptr + base[:, None] * HD + dims[None, :], acc)
+        real = rows < G  # the padding rows are never read back
+        tl.store(m_ptr + base, m_i, mask=real)
+        tl.store(l_ptr + base, l_i, mask=real)
+        tl.store(acc_ptr + base[:, None] * HD + dims[None, :], acc, mask=real[:, None])
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, n_split,
                G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr):
+        # one program per (kv head, query row): its ranges' partial results weighed by their log-sum-exp
         h = tl.program_id(0)
+        r = tl.program_id(1)
         sp = tl.arange(0, SP)
-        rows = tl.arange(0, GP)
         dims = tl.arange(0, HD)
-        idx = (h * n_split + sp)[:, None] * GP + rows[None, :]                # (SP, GP)
-        ok = (sp < n_split)[:, None]
-        m = tl.load(m_ptr + idx, mask=ok, other=float("-inf"))
-        l = tl.load(l_ptr + idx, mask=ok, other=0.0)
-        m_all = tl.max(m, 0)                                                  # (GP,): position 0 is always live
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[None, :]))
-        den = tl.sum(w * l, 0)
-        out = tl.zeros([GP, HD], tl.float32)
-        for i in range(0, n_split):
-            wi = tl.sum(tl.where(sp[:, None] == i, w, 0.0), 0)                 # (GP,)
-            a = tl.load(acc_ptr + ((h * n_split + i) * GP + rows)[:, None] * HD + dims[None, :])
-            out += wi[:, None] * a
-        out = out / den[:, None]
-        tl.store(o_ptr + (h * G + rows)[:, None] * HD + dims[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=(rows < G)[:, None])
+        ok = sp < n_split
+        base = (h * n_split + sp) * GP + r
+        m = tl.load(m_ptr + base, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + base, mask=ok, other=0.0)
+        m_all = tl.max(m, 0)  # finite: the first range always holds position 0
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+        a = tl.load(acc_ptr + base[:, None] * HD + dims[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(w[:, None] * a, 0) / tl.sum(w * l, 0)
+        tl.store(o_ptr + (h * G + r) * HD + dims, out.to(o_ptr.dtype.element_ty))
 
 
 class SplitKAttention:
@@ -129,6 +125,6 @@ class SplitKAttention:
                                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), self.span,
                                      1.0 / math.sqrt(hd), G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32")
-        _merge[(nkv,)](self.m, self.l, self.acc, out, self.splits, G=g, GP=self.gp, HD=hd,
+        _merge[(nkv, g)](self.m, self.l, self.acc, out, self.splits, G=g, GP=self.gp, HD=hd,
                        SP=max(2, 1 << (self.splits - 1).bit_length()))
         return out
