@@ -1,0 +1,70 @@
+"""Triton kernels of the CUDA prefill path; strata.model imports this lazily and keeps a torch fallback for each."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+try:  # ships with CUDA builds of torch; absent elsewhere (callers then take their torch formula)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+log = logging.getLogger("strata.kernels")
+
+USE_TRITON = triton is not None
+MERGE_ROWS = 32  # query rows per program: with head_dim 128, 4,096 values of each input
+
+if triton is not None:
+    # T and the strides change with the chunk (a short last chunk): not specialized, so one compile serves all
+    @triton.jit(do_not_specialize=["T", "sp_h", "sp_t", "ss_h", "ss_t", "slp_h", "slp_t", "sls_h", "sls_t",
+                                   "so_h", "so_t"])
+    def _lse_merge_kernel(op, os_, lp, ls, out, T, sp_h, sp_t, ss_h, ss_t, slp_h, slp_t, sls_h, sls_t, so_h, so_t,
+                          D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+        h = tl.program_id(1).to(tl.int64)
+        t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        live = t < T
+        m = live[:, None] & (d[None, :] < D)
+        a = tl.load(lp + h * slp_h + t * slp_t, mask=live, other=0.0).to(tl.float32)
+        b = tl.load(ls + h * sls_h + t * sls_t, mask=live, other=0.0).to(tl.float32)
+        top = tl.maximum(a, b)
+        wa = tl.exp(a - top)
+        wb = tl.exp(b - top)
+        inv = 1.0 / (wa + wb)  # weights exp(lse_x - logaddexp(lse_p, lse_s)), each part's share of the softmax
+        x = tl.load(op + h * sp_h + t[:, None] * sp_t + d[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.load(os_ + h * ss_h + t[:, None] * ss_t + d[None, :], mask=m, other=0.0).to(tl.float32)
+        r = x * (wa * inv)[:, None] + y * (wb * inv)[:, None]
+        tl.store(out + h * so_h + t[:, None] * so_t + d[None, :], r.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
+
+
+def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor, lse_s: torch.Tensor) -> torch.Tensor | None:
+    """Two attention parts over disjoint keys merged by their log-sum-exp, in one pass (float32 inside).
+
+    out_p, out_s: (1, nh, T, hd), any strides with the last one 1; lse_p, lse_s: (1, nh, T) float32.
+    Returns (1, nh, T, hd) in out_p's dtype, laid out (1, T, nh, hd) underneath (the o-projection
+    reads it as rows without a copy); None where Triton is missing or failed (the caller falls back)."""
+    global USE_TRITON
+    if not USE_TRITON:
+        return None
+    _, nh, T, hd = out_p.shape
+    if out_p.shape[0] != 1 or out_p.stride(-1) != 1 or out_s.stride(-1) != 1 or out_s.shape != out_p.shape:
+        return None
+    out = torch.empty(1, T, nh, hd, device=out_p.device, dtype=out_p.dtype).transpose(1, 2)
+    if T == 0:
+        return out
+    try:
+        # Triton launches on the current device (CPU tensors: only under TRITON_INTERPRET=1)
+        with torch.cuda.device(out_p.device) if out_p.is_cuda else contextlib.nullcontext():
+            _lse_merge_kernel[(triton.cdiv(T, MERGE_ROWS), nh)](
+                out_p, out_s, lse_p, lse_s, out, T,
+                out_p.stride(1), out_p.stride(2), out_s.stride(1), out_s.stride(2),
+                lse_p.stride(1), lse_p.stride(2), lse_s.stride(1), lse_s.stride(2), out.stride(1), out.stride(2),
+                D=hd, ROWS=MERGE_ROWS, BLOCK_D=triton.next_power_of_2(hd))
+    except Exception as e:  # a Triton that cannot build the kernel: the torch formula still works
+        log.warning("LSE merge Triton kernel failed (%s: %s); using the torch formula", type(e).__name__, e)
+        USE_TRITON = False
+        return None
+    return out

@@ -1,0 +1,138 @@
+"""The prefill path's fused pieces against float64 formulas: the LSE merge (torch, and the Triton kernel under
+Triton's interpreter), RoPE, RMSNorm; the cuDNN warm-up's calls against a real forward's."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import strata.model as sm
+from strata.checkpoint import synthetic_tensors
+from strata.model import ModelArgs, RMSNorm, Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ModelArgs(vocab_size=300, dim=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=192,
+                  max_seq_len=4096)
+
+
+def merge64(out_p, lse_p, out_s, lse_s):
+    lse = torch.logaddexp(lse_p.double(), lse_s.double())
+    return (out_p.double() * torch.exp(lse_p.double() - lse)[..., None]
+            + out_s.double() * torch.exp(lse_s.double() - lse)[..., None])
+
+
+def parts(T, nh=3, hd=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out_p = torch.randn(1, T, nh, hd, generator=g).to(dtype).transpose(1, 2)  # cuDNN's (1, T, nh, hd) layout
+    out_s = torch.randn(1, nh, T, hd, generator=g).to(dtype)
+    lse_p = torch.randn(1, nh, T, generator=g) * 5
+    lse_s = torch.randn(1, nh, T, generator=g) * 5
+    lse_p[..., 0], lse_s[..., 0] = 80.0, -80.0  # one row all prefix: no overflow, no NaN
+    return out_p, lse_p, out_s, lse_s
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -8)])
+def test_merge_lse_torch_formula(dtype, tol):
+    p = parts(37, dtype=dtype)
+    got = sm.merge_lse(*p)
+    assert got.dtype == dtype
+    want = merge64(*p)
+    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-6).all()
+
+
+_KERNEL_SCRIPT = r"""
+import torch
+from strata import kernels as K
+from tests.test_prefill_ops import merge64, parts
+# float32 and float16 round to nearest in the interpreter; its bfloat16 cast truncates (a GPU rounds to nearest)
+TOL = {torch.float32: 2e-6, torch.float16: 2 ** -11, torch.bfloat16: 2 ** -7}
+checked = 0
+for T, hd in ((37, 16), (1, 16), (70, 24)):
+    for dtype, tol in TOL.items():
+        out_p, lse_p, out_s, lse_s = parts(T, hd=hd, dtype=dtype, seed=T)
+        lse_s = lse_s.transpose(1, 2).contiguous().transpose(1, 2)  # strided log-sum-exp too
+        got = K.lse_merge(out_p, lse_p, out_s, lse_s)
+        assert got is not None and K.USE_TRITON, "kernel did not run"
+        assert got.shape == out_p.shape and got.dtype == dtype
+        assert got.transpose(1, 2).is_contiguous(), got.stride()  # rows for the o-projection, no copy
+        want = merge64(out_p, lse_p, out_s, lse_s)
+        err = (got.double() - want).abs()
+        assert torch.isfinite(got).all()
+        assert (err <= tol * want.abs() + 1e-6).all(), (T, hd, dtype, float(err.max()))
+        checked += 1
+print("checked", checked)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_lse_merge_kernel_interpreted():
+    """The Triton kernel on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported: a fresh
+    process), odd T and a head_dim that is not a power of two, against the float64 formula."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checked 9" in r.stdout
+
+
+def test_apply_rope_is_rotate_half():
+    g = torch.Generator().manual_seed(1)
+    T, heads, hd = 9, 3, 16
+    x = torch.randn(1, T, heads + 2, hd, generator=g)[:, :, :heads]  # strided rows, as a q view of the qkv GEMM
+    ang = torch.randn(T, hd // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    x1, x2 = x.double().chunk(2, dim=-1)
+    want = x.double() * cos[:, None] + torch.cat((-x2, x1), -1) * sin[:, None]
+    got = sm.apply_rope(x, cos.float()[:, None], sm._signed_sin(sin.float()[:, None]))
+    assert got.is_contiguous() and got.shape == x.shape
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)])
+def test_rms_norm_within_rounding_of_transformers_formula(dtype, tol):
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight = torch.nn.Parameter((1 + torch.randn(96, generator=g) * 0.3).to(dtype))
+    x = (torch.randn(5, 96, generator=g) * 4).to(dtype)
+    xf = x.float()  # transformers' LlamaRMSNorm: normalized rows rounded to x's dtype, then the weight
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = norm(x)
+    assert got.dtype == dtype
+    assert ((got.float() - ref.float()).abs() <= tol * ref.float().abs() + 1e-6).all()
+
+
+def build(max_len, kv_dtype):
+    with torch.device("meta"):
+        m = Transformer(SMALL)
+    m.load_weights(synthetic_tensors(SMALL, 0, SMALL.n_layers, "cpu", torch.float32, seed=3), "cpu", torch.float32)
+    m.setup_cache(max_len, kv_dtype)
+    return m.eval()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+def test_warm_up_calls_match_the_forward(monkeypatch, kv_dtype):
+    """warm_prefix_attention makes the very prefix calls (shapes and strides: cuDNN's graph key) that the
+    chunks at those positions make, reads the cache and writes nothing; without CUDA it does nothing."""
+    n, m = 32, build(200, kv_dtype)
+    calls, real = [], sm._cpu_with_lse
+
+    def record(q, k, v, causal):
+        calls.append((tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), causal))
+        return real(q, k, v, causal)
+
+    monkeypatch.setattr(sm, "_cpu_with_lse", record)
+    ids = torch.randint(0, SMALL.vocab_size, (1, 4 * n), generator=torch.Generator().manual_seed(4))
+    for pos in range(0, 4 * n, n):
+        m(ids[:, pos:pos + n], pos)
+    forward = {c for c in calls if not c[-1]}
+    assert len(forward) == 3  # prefixes n, 2n, 3n
+    calls.clear()
+    before = [(b.attn.k_cache.clone(), b.attn.v_cache.clone()) for b in m.layers.values()]
+    assert sm.warm_prefix_attention(m, [(n, n), (2 * n, n), (3 * n, n), (190, n)]) == 0  # CPU: nothing
+    assert sm.warm_prefix_attention(m, [(n, n), (2 * n, n), (3 * n, n), (190, n)], attend=record) == 3
+    assert set(calls) == forward and len(calls) == 3  # (190, n) runs past the cache: skipped
+    for (k, v), b in zip(before, m.layers.values()):
+        assert torch.equal(k, b.attn.k_cache) and torch.equal(v, b.attn.v_cache)
