@@ -136,3 +136,45 @@ def test_warm_up_calls_match_the_forward(monkeypatch, kv_dtype):
     assert set(calls) == forward and len(calls) == 3  # (190, n) runs past the cache: skipped
     for (k, v), b in zip(before, m.layers.values()):
         assert torch.equal(k, b.attn.k_cache) and torch.equal(v, b.attn.v_cache)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_merge_kernel_matches_float64():
+    from strata import kernels
+    if kernels.triton is None:
+        pytest.skip("triton is not installed")
+    for T in (1, 1001):
+        p = [t.cuda() for t in parts(T, nh=32, hd=128, dtype=torch.bfloat16, seed=T)]
+        got = kernels.lse_merge(*p)
+        assert got is not None and kernels.USE_TRITON
+        want = merge64(*p)
+        assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()  # rounded to nearest on a GPU
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_prefill_merge_paths_agree_and_warm_up_builds(monkeypatch):
+    """cudnn-split on smoke-wide bf16: the Triton merge and the torch formula give the same chunks up to
+    bf16 rounding; warm_prefix_attention builds the later chunks' prefix shapes."""
+    from strata.weights import model_args, slice_tensors
+    monkeypatch.setattr(sm, "CUDA_ATTENTION", "cudnn-split")
+    name = "synthetic:smoke-wide"
+    args = model_args(name)
+    ids = torch.randint(0, args.vocab_size, (1, 2048), generator=torch.Generator().manual_seed(6)).cuda()
+    out = {}
+    for merge in ("torch", "triton"):
+        monkeypatch.setattr(sm, "CUDA_MERGE", merge)
+        with torch.device("meta"):
+            m = Transformer(args)
+        m.load_weights(slice_tensors(name, args, 0, args.n_layers, device="cuda:0", dtype=torch.bfloat16),
+                       "cuda:0", torch.bfloat16)
+        m.setup_cache(ids.shape[1])
+        if merge == "triton":
+            assert sm.warm_prefix_attention(m, [(p, 512) for p in range(512, 2048, 512)]) == 3
+        out[merge] = torch.cat([m(ids[:, p:p + 512], p) for p in range(0, 2048, 512)], dim=1).float()
+    rel = ((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item()
+    assert rel < 1e-2, rel
