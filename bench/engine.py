@@ -1,7 +1,7 @@
 """One stage on one GPU: Strata's engine next to transformers' LlamaForCausalLM, same weights.
 
     python bench/engine.py --preset llama-3-8b --tokens 122880 --chunk 10240 --hf --attn flash,cudnn-split --profile
-    python bench/engine.py --attn cudnn-split --merge triton,torch --runs 2 --profile   # the prefill A/B (issue 14)
+    python bench/engine.py --attn cudnn-split --kernels triton,torch --runs 2 --profile   # the prefill A/B (issue 14)
 
 Prints tok/s of each engine (same chunks), a bf16 correctness check on a small model against
 transformers in float32, and optionally the per-op CUDA time of one late chunk and its time by kernel
@@ -144,23 +144,20 @@ def correctness(device):
     ids = torch.randint(0, args.vocab_size, (1, 1500), device=device, generator=torch.Generator(device).manual_seed(0))
     want = ref(ids).logits[0].float()
     rows = []
-    for mode, merge in (("flash", "-"), ("cudnn-split", "torch"), ("cudnn-split", "triton")):
-        sm.CUDA_ATTENTION, sm.CUDA_MERGE = mode, merge
+    for mode, kernels in (("flash", "torch"), ("cudnn-split", "torch"), ("cudnn-split", "triton")):
+        sm.CUDA_ATTENTION, sm.CUDA_KERNELS = mode, kernels
         t = strata_model(args, dict(tensors), torch.bfloat16, device)  # load_weights consumes its dict
         t.setup_cache(ids.shape[1])
         h = torch.cat([t(ids[:, p:p + 256], p) for p in range(0, ids.shape[1], 256)], dim=1)
         got = t.logits(h[0])
         rel = ((got - want).norm() / want.norm()).item()
-        rows.append((mode if merge == "-" else f"{mode}, merge {merge}", rel))
+        rows.append((f"{mode}, kernels {kernels}", rel))
     return rows
 
 
 def variants(a) -> list[tuple[str, str]]:
-    """(attention, merge) pairs to time: every --merge for cudnn-split, flash once."""
-    out = []
-    for mode in a.attn.split(","):
-        out += [(mode, m) for m in a.merge.split(",")] if mode == "cudnn-split" else [(mode, "-")]
-    return out
+    """(attention, kernels) pairs to time: every --attn with every --kernels."""
+    return [(mode, k) for mode in a.attn.split(",") for k in a.kernels.split(",")]
 
 
 def main():
@@ -169,7 +166,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=122880)
     ap.add_argument("--chunk", type=int, default=10240)
     ap.add_argument("--attn", default="flash,cudnn-split")
-    ap.add_argument("--merge", default="triton", help="cudnn-split's LSE merge: triton, torch or both (A/B)")
+    ap.add_argument("--kernels", default="triton",
+                    help="strata.model.CUDA_KERNELS (STRATA_CUDA_KERNELS): triton (fused LSE merge, SiLU*up), torch, "
+                         "or triton,torch (A/B in one run)")
     ap.add_argument("--warm", default="stage", choices=("stage", "small"), help="warm-up before the timed runs")
     ap.add_argument("--runs", type=int, default=1, help="timed prefills per variant (the first is the cold one)")
     ap.add_argument("--hf", action="store_true")
@@ -194,9 +193,9 @@ def main():
         torch.cuda.empty_cache()
     t = strata_model(args, tensors, dtype, device)
     del tensors
-    for mode, merge in variants(a):
-        sm.CUDA_ATTENTION, sm.CUDA_MERGE = mode, merge
-        name = f"strata {mode}" + ("" if merge == "-" else f" {merge}")
+    for mode, kernels in variants(a):
+        sm.CUDA_ATTENTION, sm.CUDA_KERNELS = mode, kernels
+        name = f"strata {mode} {kernels}"
         warm = warm_strata(t, ids, a.chunk, a.warm)
         for r in range(a.runs):
             sec, per = time_strata(t, ids, a.chunk)
@@ -213,14 +212,14 @@ def main():
         from torch.profiler import ProfilerActivity, profile
         p = a.tokens - a.chunk  # the cache still holds the timed run's real keys and values
         tables = []
-        for mode, merge in variants(a):
-            sm.CUDA_ATTENTION, sm.CUDA_MERGE = mode, merge
+        for mode, kernels in variants(a):
+            sm.CUDA_ATTENTION, sm.CUDA_KERNELS = mode, kernels
             t(ids[:, p:], p)  # unprofiled once: nothing left to set up
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 t(ids[:, p:], p)
                 torch.cuda.synchronize()
-            name = mode + ("" if merge == "-" else f", merge {merge}")
+            name = f"{mode}, kernels {kernels}"
             print(f"\nper-op CUDA time, one chunk of {a.chunk} at position {p:,} ({name}):")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
             cats, elem = category_table(prof)

@@ -16,9 +16,11 @@ log = logging.getLogger("strata.kernels")
 
 USE_TRITON = triton is not None
 MERGE_ROWS = 32  # query rows per program: with head_dim 128, 4,096 values of each input
+SILU_COLS = 1024  # values of one row per program
 
 if triton is not None:
-    # T and the strides change with the chunk (a short last chunk): not specialized, so one compile serves all
+    # Stores round float32 to the output dtype to nearest even (Triton's default for a narrowing cast; its CPU
+    # interpreter truncates to bfloat16 instead). T and the strides change with the chunk (a short last chunk): not specialized, so one compile serves all
     @triton.jit(do_not_specialize=["T", "sp_h", "sp_t", "ss_h", "ss_t", "slp_h", "slp_t", "sls_h", "sls_t",
                                    "so_h", "so_t"])
     def _lse_merge_kernel(op, os_, lp, ls, out, T, sp_h, sp_t, ss_h, ss_t, slp_h, slp_t, sls_h, sls_t, so_h, so_t,
@@ -37,7 +39,23 @@ if triton is not None:
         x = tl.load(op + h * sp_h + t[:, None] * sp_t + d[None, :], mask=m, other=0.0).to(tl.float32)
         y = tl.load(os_ + h * ss_h + t[:, None] * ss_t + d[None, :], mask=m, other=0.0).to(tl.float32)
         r = x * (wa * inv)[:, None] + y * (wb * inv)[:, None]
-        tl.store(out + h * so_h + t[:, None] * so_t + d[None, :], r.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
+        tl.store(out + h * so_h + t[:, None] * so_t + d[None, :], r.to(out.dtype.element_ty), mask=m)
+
+    @triton.jit(do_not_specialize=["s_g", "s_u", "s_o"])
+    def _silu_mul_kernel(g, u, out, cols, s_g, s_u, s_o, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = c < cols
+        a = tl.load(g + r * s_g + c, mask=live, other=0.0).to(tl.float32)
+        b = tl.load(u + r * s_u + c, mask=live, other=0.0).to(tl.float32)
+        y = a / (1.0 + tl.exp(-a)) * b  # silu(a) * b, rounded once
+        tl.store(out + r * s_o + c, y.to(out.dtype.element_ty), mask=live)
+
+
+def _failed(what: str, e: Exception) -> None:
+    global USE_TRITON
+    log.warning("%s Triton kernel failed (%s: %s); using the torch formulas", what, type(e).__name__, e)
+    USE_TRITON = False
 
 
 def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor, lse_s: torch.Tensor) -> torch.Tensor | None:
@@ -46,7 +64,6 @@ def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor, lse
     out_p, out_s: (1, nh, T, hd), any strides with the last one 1; lse_p, lse_s: (1, nh, T) float32.
     Returns (1, nh, T, hd) in out_p's dtype, laid out (1, T, nh, hd) underneath (the o-projection
     reads it as rows without a copy); None where Triton is missing or failed (the caller falls back)."""
-    global USE_TRITON
     if not USE_TRITON:
         return None
     _, nh, T, hd = out_p.shape
@@ -64,7 +81,28 @@ def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor, lse
                 lse_p.stride(1), lse_p.stride(2), lse_s.stride(1), lse_s.stride(2), out.stride(1), out.stride(2),
                 D=hd, ROWS=MERGE_ROWS, BLOCK_D=triton.next_power_of_2(hd))
     except Exception as e:  # a Triton that cannot build the kernel: the torch formula still works
-        log.warning("LSE merge Triton kernel failed (%s: %s); using the torch formula", type(e).__name__, e)
-        USE_TRITON = False
+        _failed("LSE merge", e)
+        return None
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up in one pass, float32 inside, rounded once: gate, up (1, T, ffn), rows of any stride
+    (the two halves of the fused gate/up GEMM's output). Returns a new (1, T, ffn) tensor in gate's dtype;
+    None where Triton is missing or failed (the caller falls back to F.silu(gate) * up)."""
+    if not USE_TRITON:
+        return None
+    if gate.dim() != 3 or gate.shape[0] != 1 or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return None
+    _, T, cols = gate.shape
+    out = torch.empty(1, T, cols, device=gate.device, dtype=gate.dtype)
+    if T == 0 or cols == 0:
+        return out
+    try:
+        with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():
+            _silu_mul_kernel[(T, triton.cdiv(cols, SILU_COLS))](gate, up, out, cols, gate.stride(1), up.stride(1),
+                                                                out.stride(1), BLOCK=SILU_COLS)
+    except Exception as e:
+        _failed("SiLU*up", e)
         return None
     return out

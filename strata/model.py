@@ -127,16 +127,17 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int)
 CUDA_ATTENTION = os.environ.get("STRATA_CUDA_ATTENTION", "cudnn-split")
 
 
-# How the CUDA split path merges its two parts: "triton" (one fused kernel, strata/kernels.py; the torch
-# formula where Triton is missing) or "torch" (the float32 formula, ~8 kernels). STRATA_CUDA_MERGE=torch: A/B.
-CUDA_MERGE = os.environ.get("STRATA_CUDA_MERGE", "triton")
+# The CUDA prefill path's fused kernels: "triton" (strata/kernels.py: the split path's LSE merge in one pass
+# instead of ~8 float32 kernels, SiLU*up in one instead of two; the torch formulas where Triton is missing) or
+# "torch" (those formulas). STRATA_CUDA_KERNELS=torch: the A/B.
+CUDA_KERNELS = os.environ.get("STRATA_CUDA_KERNELS", "triton")
 
 
 def _split_attention(q, k, v, pos, attend):
     """Attention over [prefix | own chunk] as two calls merged by their log-sum-exp."""
     out_p, lse_p = attend(q, k[:, :, :pos], v[:, :, :pos], False)
     out_s, lse_s = attend(q, k[:, :, pos:], v[:, :, pos:], True)
-    if q.is_cuda and CUDA_MERGE == "triton":
+    if q.is_cuda and CUDA_KERNELS == "triton":
         from .kernels import lse_merge
         out = lse_merge(out_p, lse_p, out_s, lse_s)
         if out is not None:
@@ -469,6 +470,11 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, w: Mats) -> torch.Tensor:
         gate, up = F.linear(x, w.w13).split(self.ffn, dim=-1)
+        if x.is_cuda and CUDA_KERNELS == "triton":
+            from .kernels import silu_mul
+            y = silu_mul(gate, up)
+            if y is not None:
+                return F.linear(y, w.w2)
         return F.linear(F.silu(gate) * up, w.w2)
 
 

@@ -1,5 +1,5 @@
-"""The prefill path's fused pieces against float64 formulas: the LSE merge (torch, and the Triton kernel under
-Triton's interpreter), RoPE, RMSNorm; the cuDNN warm-up's calls against a real forward's."""
+"""The prefill path's fused pieces against float64 formulas: the LSE merge (torch, and the Triton kernels under
+Triton's interpreter: merge, SiLU*up), RoPE, RMSNorm; the cuDNN warm-up's calls against a real forward's."""
 import importlib.util
 import os
 import subprocess
@@ -63,19 +63,31 @@ for T, hd in ((37, 16), (1, 16), (70, 24)):
         assert torch.isfinite(got).all()
         assert (err <= tol * want.abs() + 1e-6).all(), (T, hd, dtype, float(err.max()))
         checked += 1
+for T, cols in ((7, 50), (3, 1500)):
+    for dtype, tol in TOL.items():
+        gu = (torch.randn(1, T, 2 * cols, generator=torch.Generator().manual_seed(cols)) * 4).to(dtype)
+        gate, up = gu.split(cols, dim=-1)  # strided halves, as the fused gate/up GEMM gives them
+        got = K.silu_mul(gate, up)
+        assert got is not None and K.USE_TRITON and got.shape == gate.shape and got.dtype == dtype
+        g64, u64 = gate.double(), up.double()
+        want = g64 * torch.sigmoid(g64) * u64
+        err = (got.double() - want).abs()
+        assert (err <= tol * want.abs() + 1e-6).all(), (T, cols, dtype, float(err.max()))
+        checked += 1
 print("checked", checked)
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_lse_merge_kernel_interpreted():
-    """The Triton kernel on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported: a fresh
-    process), odd T and a head_dim that is not a power of two, against the float64 formula."""
+def test_triton_kernels_interpreted():
+    """The Triton kernels on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported: a fresh
+    process) against float64 formulas: the LSE merge at odd T and a head_dim that is not a power of two,
+    SiLU*up on strided halves, rows longer and shorter than a program's block."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "checked 9" in r.stdout
+    assert "checked 15" in r.stdout
 
 
 def test_apply_rope_is_rotate_half():
@@ -143,7 +155,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_merge_kernel_matches_float64():
+def test_cuda_kernels_match_float64():
     from strata import kernels
     if kernels.triton is None:
         pytest.skip("triton is not installed")
@@ -153,28 +165,33 @@ def test_cuda_merge_kernel_matches_float64():
         assert got is not None and kernels.USE_TRITON
         want = merge64(*p)
         assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()  # rounded to nearest on a GPU
+    gate, up = (torch.randn(1, 1001, 2 * 14336, device="cuda") * 4).bfloat16().split(14336, dim=-1)
+    got = kernels.silu_mul(gate, up)
+    assert got is not None and kernels.USE_TRITON
+    want = gate.double() * torch.sigmoid(gate.double()) * up.double()
+    assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()
 
 
 @pytest.mark.gpu
 @cuda
 def test_cuda_prefill_merge_paths_agree_and_warm_up_builds(monkeypatch):
-    """cudnn-split on smoke-wide bf16: the Triton merge and the torch formula give the same chunks up to
-    bf16 rounding; warm_prefix_attention builds the later chunks' prefix shapes."""
+    """cudnn-split on smoke-wide bf16: the Triton kernels (merge, SiLU*up) and the torch formulas give the
+    same chunks up to bf16 rounding; warm_prefix_attention builds the later chunks' prefix shapes."""
     from strata.weights import model_args, slice_tensors
     monkeypatch.setattr(sm, "CUDA_ATTENTION", "cudnn-split")
     name = "synthetic:smoke-wide"
     args = model_args(name)
     ids = torch.randint(0, args.vocab_size, (1, 2048), generator=torch.Generator().manual_seed(6)).cuda()
     out = {}
-    for merge in ("torch", "triton"):
-        monkeypatch.setattr(sm, "CUDA_MERGE", merge)
+    for kernels in ("torch", "triton"):
+        monkeypatch.setattr(sm, "CUDA_KERNELS", kernels)
         with torch.device("meta"):
             m = Transformer(args)
         m.load_weights(slice_tensors(name, args, 0, args.n_layers, device="cuda:0", dtype=torch.bfloat16),
                        "cuda:0", torch.bfloat16)
         m.setup_cache(ids.shape[1])
-        if merge == "triton":
+        if kernels == "triton":
             assert sm.warm_prefix_attention(m, [(p, 512) for p in range(512, 2048, 512)]) == 3
-        out[merge] = torch.cat([m(ids[:, p:p + 512], p) for p in range(0, 2048, 512)], dim=1).float()
+        out[kernels] = torch.cat([m(ids[:, p:p + 512], p) for p in range(0, 2048, 512)], dim=1).float()
     rel = ((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item()
     assert rel < 1e-2, rel
