@@ -17,6 +17,7 @@ log = logging.getLogger("strata.kernels")
 USE_TRITON = triton is not None
 MERGE_ROWS = 32  # query rows per program: with head_dim 128, 4,096 values of each input
 SILU_COLS = 1024  # values of one row per program
+ROPE_ROWS = 16  # token rows of one head per program
 
 if triton is not None:
     # Stores round float32 to the output dtype to nearest even (Triton's default for a narrowing cast; its CPU
@@ -50,6 +51,20 @@ if triton is not None:
         b = tl.load(u + r * s_u + c, mask=live, other=0.0).to(tl.float32)
         y = a / (1.0 + tl.exp(-a)) * b  # silu(a) * b, rounded once
         tl.store(out + r * s_o + c, y.to(out.dtype.element_ty), mask=live)
+
+
+    @triton.jit(do_not_specialize=["T", "sx_t", "sc_t"])
+    def _rope_kernel(x, cos, ssin, out, T, sx_t, sc_t, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+        h = tl.program_id(0)  # heads vary fastest: programs running together share their rows' cos/sin
+        t = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        d = tl.arange(0, D)
+        live = t[:, None] < T
+        row = x + t[:, None] * sx_t + h * D
+        a = tl.load(row + d[None, :], mask=live, other=0.0).to(tl.float32)
+        b = tl.load(row + ((d + D // 2) % D)[None, :], mask=live, other=0.0).to(tl.float32)  # cat((x2, x1))
+        c = tl.load(cos + t[:, None] * sc_t + d[None, :], mask=live, other=0.0).to(tl.float32)
+        s = tl.load(ssin + t[:, None] * sc_t + d[None, :], mask=live, other=0.0).to(tl.float32)
+        tl.store(out + t[:, None] * (H * D) + h * D + d[None, :], (a * c + b * s).to(out.dtype.element_ty), mask=live)
 
 
 def _failed(what: str, e: Exception) -> None:
@@ -104,5 +119,30 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
                                                                 out.stride(1), BLOCK=SILU_COLS)
     except Exception as e:
         _failed("SiLU*up", e)
+        return None
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor | None:
+    """strata.model.apply_rope in one pass, float32 inside, rounded once: x (1, T, heads, hd) with any row
+    stride (a q or k view of the fused q/k/v GEMM's output), cos and ssin (T, 1, hd). Returns a new contiguous
+    (1, T, heads, hd) tensor; None where Triton is missing or failed, or for a head_dim that is not a power
+    of two (the caller falls back to the torch ops)."""
+    if not USE_TRITON:
+        return None
+    _, T, H, D = x.shape
+    if (x.shape[0] != 1 or D & (D - 1) or x.stride(3) != 1 or x.stride(2) != D or cos.shape != (T, 1, D)
+            or ssin.shape != cos.shape or cos.stride(0) != ssin.stride(0) or cos.stride(2) != 1
+            or ssin.stride(2) != 1):
+        return None
+    out = torch.empty(1, T, H, D, device=x.device, dtype=x.dtype)
+    if T == 0 or H == 0:
+        return out
+    try:
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _rope_kernel[(H, triton.cdiv(T, ROPE_ROWS))](x, cos, ssin, out, T, x.stride(1), cos.stride(0),
+                                                          H=H, D=D, ROWS=ROPE_ROWS)
+    except Exception as e:
+        _failed("RoPE", e)
         return None
     return out

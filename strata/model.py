@@ -94,11 +94,17 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout; GGUF q/k rows are un-permuted on load) in 3 kernels instead of 5.
+    """Rotate-half RoPE (HF layout; GGUF q/k rows are un-permuted on load): one Triton kernel on CUDA
+    (strata.kernels.rope), else 3 torch ops instead of the textbook 5.
 
     x: (1, T, heads, hd), any strides; cos, ssin: (T, 1, hd), ssin from `_signed_sin`. cat((-x2, x1)) * sin
     is cat((x2, x1)) * cat((-sin1, sin2)), the same products; the swap is a cat (not a roll, which copies a
     strided x first). Returns a new contiguous (1, T, heads, hd) tensor."""
+    if x.is_cuda and CUDA_KERNELS == "triton":
+        from .kernels import rope
+        y = rope(x, cos, ssin)  # one pass instead of three
+        if y is not None:
+            return y
     half = x.shape[-1] // 2
     return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), ssin)
 
@@ -128,8 +134,8 @@ CUDA_ATTENTION = os.environ.get("STRATA_CUDA_ATTENTION", "cudnn-split")
 
 
 # The CUDA prefill path's fused kernels: "triton" (strata/kernels.py: the split path's LSE merge in one pass
-# instead of ~8 float32 kernels, SiLU*up in one instead of two; the torch formulas where Triton is missing) or
-# "torch" (those formulas). STRATA_CUDA_KERNELS=torch: the A/B.
+# instead of ~8 float32 kernels, RoPE in one instead of three, SiLU*up in one instead of two; the torch
+# formulas where Triton is missing) or "torch" (those formulas). STRATA_CUDA_KERNELS=torch: the A/B.
 CUDA_KERNELS = os.environ.get("STRATA_CUDA_KERNELS", "triton")
 
 

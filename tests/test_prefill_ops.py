@@ -1,5 +1,5 @@
 """The prefill path's fused pieces against float64 formulas: the LSE merge (torch, and the Triton kernels under
-Triton's interpreter: merge, SiLU*up), RoPE, RMSNorm; the cuDNN warm-up's calls against a real forward's."""
+Triton's interpreter: merge, SiLU*up, RoPE), RoPE, RMSNorm; the cuDNN warm-up's calls against a real forward's."""
 import importlib.util
 import os
 import subprocess
@@ -45,6 +45,7 @@ def test_merge_lse_torch_formula(dtype, tol):
 
 _KERNEL_SCRIPT = r"""
 import torch
+import strata.model as sm
 from strata import kernels as K
 from tests.test_prefill_ops import merge64, parts
 # float32 and float16 round to nearest in the interpreter; its bfloat16 cast truncates (a GPU rounds to nearest)
@@ -74,6 +75,22 @@ for T, cols in ((7, 50), (3, 1500)):
         err = (got.double() - want).abs()
         assert (err <= tol * want.abs() + 1e-6).all(), (T, cols, dtype, float(err.max()))
         checked += 1
+for T, H, D in ((13, 3, 16), (1, 2, 32)):
+    for dtype, tol in TOL.items():
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(1, T, H + 2, D, generator=g).to(dtype)[:, :, :H]  # strided rows
+        ang = torch.randn(T, D // 2, generator=g, dtype=torch.float64)
+        cos64, sin64 = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        cos, ssin = cos64.to(dtype)[:, None], sm._signed_sin(sin64.to(dtype)[:, None])
+        got = K.rope(x, cos, ssin)
+        assert got is not None and K.USE_TRITON and got.is_contiguous() and got.dtype == dtype
+        x1, x2 = x.double().chunk(2, dim=-1)  # the textbook form with the tables as rounded
+        want = x.double() * cos.double() + torch.cat((-x2, x1), -1) * sin64.to(dtype).double()[:, None]
+        err = (got.double() - want).abs()
+        assert (err <= tol * want.abs() + 1e-5).all(), (T, H, D, dtype, float(err.max()))
+        checked += 1
+x = torch.randn(1, 4, 2, 24)  # head_dim not a power of two: declined, apply_rope's torch ops run instead
+assert K.rope(x, torch.ones(4, 1, 24), torch.ones(4, 1, 24)) is None and K.USE_TRITON
 print("checked", checked)
 """
 
@@ -82,12 +99,12 @@ print("checked", checked)
 def test_triton_kernels_interpreted():
     """The Triton kernels on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported: a fresh
     process) against float64 formulas: the LSE merge at odd T and a head_dim that is not a power of two,
-    SiLU*up on strided halves, rows longer and shorter than a program's block."""
+    SiLU*up on strided halves, rows longer and shorter than a program's block, RoPE on strided rows."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "checked 15" in r.stdout
+    assert "checked 21" in r.stdout
 
 
 def test_apply_rope_is_rotate_half():
@@ -170,6 +187,14 @@ def test_cuda_kernels_match_float64():
     assert got is not None and kernels.USE_TRITON
     want = gate.double() * torch.sigmoid(gate.double()) * up.double()
     assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()
+    x = torch.randn(1, 1001, 48, 128, device="cuda").bfloat16()[:, :, :32]  # q rows of a q/k/v GEMM's output
+    ang = torch.randn(1001, 64, device="cuda", dtype=torch.float64)
+    cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
+    got = kernels.rope(x, cos[:, None], sm._signed_sin(sin[:, None]))
+    assert got is not None and kernels.USE_TRITON
+    x1, x2 = x.double().chunk(2, dim=-1)
+    want = x.double() * cos.double()[:, None] + torch.cat((-x2, x1), -1) * sin.double()[:, None]
+    assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-4).all()
 
 
 @pytest.mark.gpu
