@@ -167,8 +167,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=10240)
     ap.add_argument("--attn", default="flash,cudnn-split")
     ap.add_argument("--kernels", default="triton",
-                    help="strata.model.CUDA_KERNELS (STRATA_CUDA_KERNELS): triton (fused LSE merge, SiLU*up), torch, "
-                         "or triton,torch (A/B in one run)")
+                    help="strata.model.CUDA_KERNELS (STRATA_CUDA_KERNELS): triton (fused LSE merge, RoPE, "
+                         "SiLU*up), torch, or triton,torch (A/B in one run)")
     ap.add_argument("--warm", default="stage", choices=("stage", "small"), help="warm-up before the timed runs")
     ap.add_argument("--runs", type=int, default=1, help="timed prefills per variant (the first is the cold one)")
     ap.add_argument("--hf", action="store_true")

@@ -21,7 +21,8 @@ ROPE_ROWS = 16  # token rows of one head per program
 
 if triton is not None:
     # Stores round float32 to the output dtype to nearest even (Triton's default for a narrowing cast; its CPU
-    # interpreter truncates to bfloat16 instead). T and the strides change with the chunk (a short last chunk): not specialized, so one compile serves all
+    # interpreter truncates to bfloat16 instead). T and the strides change with the chunk (a short last chunk):
+    # not specialized, so one compile serves all
     @triton.jit(do_not_specialize=["T", "sp_h", "sp_t", "ss_h", "ss_t", "slp_h", "slp_t", "sls_h", "sls_t",
                                    "so_h", "so_t"])
     def _lse_merge_kernel(op, os_, lp, ls, out, T, sp_h, sp_t, ss_h, ss_t, slp_h, slp_t, sls_h, sls_t, so_h, so_t,
@@ -73,7 +74,8 @@ def _failed(what: str, e: Exception) -> None:
     USE_TRITON = False
 
 
-def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor, lse_s: torch.Tensor) -> torch.Tensor | None:
+def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor,
+              lse_s: torch.Tensor) -> torch.Tensor | None:
     """Two attention parts over disjoint keys merged by their log-sum-exp, in one pass (float32 inside).
 
     out_p, out_s: (1, nh, T, hd), any strides with the last one 1; lse_p, lse_s: (1, nh, T) float32.

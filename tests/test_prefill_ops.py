@@ -1,5 +1,5 @@
 """The prefill path's fused pieces against float64 formulas: the LSE merge (torch, and the Triton kernels under
-Triton's interpreter: merge, SiLU*up, RoPE), RoPE, RMSNorm; the cuDNN warm-up's calls against a real forward's."""
+Triton's interpreter: merge, SiLU*up, RoPE), RoPE's torch form, RMSNorm; the cuDNN warm-up's calls vs a forward's."""
 import importlib.util
 import os
 import subprocess
@@ -199,8 +199,8 @@ def test_cuda_kernels_match_float64():
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_prefill_merge_paths_agree_and_warm_up_builds(monkeypatch):
-    """cudnn-split on smoke-wide bf16: the Triton kernels (merge, SiLU*up) and the torch formulas give the
+def test_cuda_kernel_paths_agree_and_warm_up_builds(monkeypatch):
+    """cudnn-split on smoke-wide bf16: the Triton kernels (merge, RoPE, SiLU*up) and the torch formulas give the
     same chunks up to bf16 rounding; warm_prefix_attention builds the later chunks' prefix shapes."""
     from strata.weights import model_args, slice_tensors
     monkeypatch.setattr(sm, "CUDA_ATTENTION", "cudnn-split")
