@@ -434,6 +434,7 @@ WARM_PREFIXES = 32
 WARM_BUDGET_S = 30.0
 
 
+@torch.inference_mode()
 def warm_prefix_attention(model: "Transformer", shapes, attend=None) -> int:
     """Build cuDNN's graphs for the prefix attention of chunks (pos, n) ahead of a prefill: one layer's
     unmasked call against its cache's first `pos` keys, with a zero q of the chunk's shape and layout (the
