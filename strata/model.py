@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -92,11 +93,20 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     return inv.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (1, nh, T, hd); rotate-half convention (HF layout; GGUF q/k rows are un-permuted on load)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout; GGUF q/k rows are un-permuted on load): one Triton kernel on CUDA
+    (strata.kernels.rope), else 3 torch ops instead of the textbook 5.
+
+    x: (1, T, heads, hd), any strides; cos, ssin: (T, 1, hd), ssin from `_signed_sin`. cat((-x2, x1)) * sin
+    is cat((x2, x1)) * cat((-sin1, sin2)), the same products; the swap is a cat (not a roll, which copies a
+    strided x first). Returns a new contiguous (1, T, heads, hd) tensor."""
+    if x.is_cuda and CUDA_KERNELS == "triton":
+        from .kernels import rope
+        y = rope(x, cos, ssin)  # one pass instead of three
+        if y is not None:
+            return y
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), ssin)
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
@@ -123,14 +133,31 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int)
 CUDA_ATTENTION = os.environ.get("STRATA_CUDA_ATTENTION", "cudnn-split")
 
 
+# The CUDA prefill path's fused kernels: "triton" (strata/kernels.py: the split path's LSE merge in one pass
+# instead of ~8 float32 kernels, RoPE in one instead of three, SiLU*up in one instead of two; the torch
+# formulas where Triton is missing) or "torch" (those formulas). STRATA_CUDA_KERNELS=torch: the A/B.
+CUDA_KERNELS = os.environ.get("STRATA_CUDA_KERNELS", "triton")
+
+
 def _split_attention(q, k, v, pos, attend):
     """Attention over [prefix | own chunk] as two calls merged by their log-sum-exp."""
     out_p, lse_p = attend(q, k[:, :, :pos], v[:, :, :pos], False)
     out_s, lse_s = attend(q, k[:, :, pos:], v[:, :, pos:], True)
+    if q.is_cuda and CUDA_KERNELS == "triton":
+        from .kernels import lse_merge
+        out = lse_merge(out_p, lse_p, out_s, lse_s)
+        if out is not None:
+            return out
+    return merge_lse(out_p, lse_p, out_s, lse_s)
+
+
+def merge_lse(out_p, lse_p, out_s, lse_s):
+    """Two attention parts over disjoint keys, (1, nh, T, hd) each with its log-sum-exp (1, nh, T), as
+    one: each weighted by its share of the softmax, in float32, rounded once to the parts' dtype."""
     lse = torch.logaddexp(lse_p, lse_s)
     w_p = torch.exp(lse_p - lse).unsqueeze(-1)
     w_s = torch.exp(lse_s - lse).unsqueeze(-1)
-    return (out_p.float() * w_p + out_s.float() * w_s).to(q.dtype)
+    return (out_p.float() * w_p + out_s.float() * w_s).to(out_p.dtype)
 
 
 def _cpu_with_lse(q, k, v, causal):
@@ -189,6 +216,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            # one fused kernel on CUDA (float32 inside, the weight applied before the one rounding) instead of
+            # ~8 over a float32 copy; below, transformers' formula (normalized rows rounded, then the weight)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -366,24 +397,67 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (1, T, dim); cos, sin: (T, hd) as Transformer.rope makes them."""
         T = x.shape[1]
+        cos, sin = cos[:, None], _signed_sin(sin[:, None])  # (T, 1, hd) tables: tiny next to q and k
         qkv = F.linear(x, w.wqkv, w.bqkv)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = q.view(1, T, self.nh, self.hd).transpose(1, 2)     # (1, nh, T, hd)
-        k = k.view(1, T, self.nkv, self.hd).transpose(1, 2)    # (1, nkv, T, hd)
+        # rope on the (1, T, heads, hd) rows, then (1, heads, T, hd) views: q's layout is what
+        # warm_prefix_attention builds cuDNN's graphs for
+        q = apply_rope(q.view(1, T, self.nh, self.hd), cos, sin).transpose(1, 2)    # (1, nh, T, hd)
+        k = apply_rope(k.view(1, T, self.nkv, self.hd), cos, sin).transpose(1, 2)   # (1, nkv, T, hd)
         v = v.view(1, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
         if pos + T > self.k_cache.shape[2]:
             raise ValueError(f"positions {pos}..{pos + T} exceed the KV cache ({self.k_cache.shape[2]})")
         self.k_cache[:, :, pos:pos + T] = _to_cache(k, self.k_cache.dtype)
         self.v_cache[:, :, pos:pos + T] = _to_cache(v, self.v_cache.dtype)
-        keys, vals = self.k_cache[:, :, :pos + T], self.v_cache[:, :, :pos + T]
-        if keys.dtype != q.dtype:  # a narrower cache: widen this layer's prefix for the attention only
-            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+        keys, vals = self.cached(pos + T, q.dtype)
         y = chunk_attention(q, keys, vals, pos)
         return F.linear(y.transpose(1, 2).reshape(1, T, self.nh * self.hd), w.wo)
+
+    def cached(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [0, end) as attention reads them: views of the cache, or a narrower cache's
+        prefix widened to `dtype` for this layer's attention only."""
+        keys, vals = self.k_cache[:, :, :end], self.v_cache[:, :, :end]
+        if keys.dtype != dtype:
+            keys, vals = keys.to(dtype), vals.to(dtype)
+        return keys, vals
+
+
+# cuDNN builds (and caches, process-wide) an execution graph per attention shape, and each chunk of a prompt
+# meets a new cached-prefix length, so a cold prefill pays one set-up per chunk (8B, 122,880 tokens: 14.2 s
+# cold vs 10.2 s warm, performance.md). Bounded: at most WARM_PREFIXES shapes and WARM_BUDGET_S seconds of
+# host time are spent building them ahead.
+WARM_PREFIXES = 32
+WARM_BUDGET_S = 30.0
+
+
+@torch.inference_mode()
+def warm_prefix_attention(model: "Transformer", shapes, attend=None) -> int:
+    """Build cuDNN's graphs for the prefix attention of chunks (pos, n) ahead of a prefill: one layer's
+    unmasked call against its cache's first `pos` keys, with a zero q of the chunk's shape and layout (the
+    same strides as Attention.forward, which the graph is keyed on). Only where chunk_attention takes the
+    cuDNN split (CUDA, half precision); returns how many shapes were built (0 elsewhere). Reads the cache,
+    writes nothing. `attend`: the call to make instead (tests)."""
+    device, dtype = model._compute()
+    if attend is None:
+        if device.type != "cuda" or CUDA_ATTENTION != "cudnn-split" or dtype == torch.float32:
+            return 0
+        attend = _cudnn_with_lse
+    attn = next(iter(model.layers.values())).attn
+    t0, built = time.perf_counter(), 0
+    for pos, n in list(shapes)[:WARM_PREFIXES]:
+        if pos <= 0 or n <= 0 or pos + n > attn.k_cache.shape[2]:
+            continue
+        q = torch.zeros(1, n, attn.nh, attn.hd, device=device, dtype=dtype).transpose(1, 2)
+        keys, vals = attn.cached(pos + n, dtype)
+        attend(q, keys[:, :, :pos], vals[:, :, :pos], False)
+        built += 1
+        if time.perf_counter() - t0 > WARM_BUDGET_S:
+            break
+    return built
 
 
 _FP8 = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
@@ -404,6 +478,11 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, w: Mats) -> torch.Tensor:
         gate, up = F.linear(x, w.w13).split(self.ffn, dim=-1)
+        if x.is_cuda and CUDA_KERNELS == "triton":
+            from .kernels import silu_mul
+            y = silu_mul(gate, up)
+            if y is not None:
+                return F.linear(y, w.w2)
         return F.linear(F.silu(gate) * up, w.w2)
 
 

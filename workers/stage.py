@@ -164,9 +164,10 @@ class Stage:
 
     def _warm_up(self, spec: M.StageJob) -> float:
         """CUDA: run the schedule's largest chunk twice (at position 0, then after a prefix: both attention
-        branches) before saying ready, so one-time kernel set-up (cuDNN graphs, Triton compiles, cuBLAS
-        workspaces) is paid at load and reported there (`warm_s`, inside `load_s`), never inside a timed
-        prefill. The KV rows it writes are overwritten by the prefill. CPU kernels need no set-up."""
+        branches) and build cuDNN's graphs of the later chunks' prefix lengths before saying ready, so one-time
+        kernel set-up (cuDNN graphs, Triton compiles, cuBLAS workspaces) is paid at load and reported there
+        (`warm_s`, inside `load_s`), never inside a timed prefill. The KV rows it writes are overwritten by the
+        prefill. CPU kernels need no set-up."""
         if self.device.type != "cuda":
             return 0.0
         t = time.perf_counter()
@@ -181,6 +182,13 @@ class Stage:
                 self.model.logits(h[0, -1])
                 if spec.perplexity:
                     self.model.nll(h, torch.zeros(n, dtype=torch.long, device=self.device))
+        # every later chunk of a fixed-size schedule meets a new cached-prefix length, and cuDNN builds a graph
+        # per shape: build those of the prefix call (pos 2n, 3n, ... below max_len) now, not one per chunk in the
+        # first prefill; bounded by strata.model.WARM_PREFIXES shapes and WARM_BUDGET_S seconds
+        shapes = [(p, n) for p in range(2 * n, spec.max_len - n + 1, n)]
+        built = strata.model.warm_prefix_attention(self.model, shapes)
+        if built:
+            self.log.info("prefix attention warmed for %d of %d prefix lengths (chunk %d)", built, len(shapes), n)
         # the decode step too (its kernels, cuBLAS's one-row GEMM set-up, the head's argmax), else the first
         # answer pays it; with cuda_graphs, every bucket of cache positions is captured now, not mid-answer
         x1 = (torch.zeros(1, 1, dtype=torch.long, device=self.device) if self.first

@@ -1,0 +1,150 @@
+"""Triton kernels of the CUDA prefill path; strata.model imports this lazily and keeps a torch fallback for each."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+try:  # ships with CUDA builds of torch; absent elsewhere (callers then take their torch formula)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+log = logging.getLogger("strata.kernels")
+
+USE_TRITON = triton is not None
+MERGE_ROWS = 32  # query rows per program: with head_dim 128, 4,096 values of each input
+SILU_COLS = 1024  # values of one row per program
+ROPE_ROWS = 16  # token rows of one head per program
+
+if triton is not None:
+    # Stores round float32 to the output dtype to nearest even (Triton's default for a narrowing cast; its CPU
+    # interpreter truncates to bfloat16 instead). T and the strides change with the chunk (a short last chunk):
+    # not specialized, so one compile serves all
+    @triton.jit(do_not_specialize=["T", "sp_h", "sp_t", "ss_h", "ss_t", "slp_h", "slp_t", "sls_h", "sls_t",
+                                   "so_h", "so_t"])
+    def _lse_merge_kernel(op, os_, lp, ls, out, T, sp_h, sp_t, ss_h, ss_t, slp_h, slp_t, sls_h, sls_t, so_h, so_t,
+                          D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+        h = tl.program_id(1).to(tl.int64)
+        t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        live = t < T
+        m = live[:, None] & (d[None, :] < D)
+        a = tl.load(lp + h * slp_h + t * slp_t, mask=live, other=0.0).to(tl.float32)
+        b = tl.load(ls + h * sls_h + t * sls_t, mask=live, other=0.0).to(tl.float32)
+        top = tl.maximum(a, b)
+        wa = tl.exp(a - top)
+        wb = tl.exp(b - top)
+        inv = 1.0 / (wa + wb)  # weights exp(lse_x - logaddexp(lse_p, lse_s)), each part's share of the softmax
+        x = tl.load(op + h * sp_h + t[:, None] * sp_t + d[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.load(os_ + h * ss_h + t[:, None] * ss_t + d[None, :], mask=m, other=0.0).to(tl.float32)
+        r = x * (wa * inv)[:, None] + y * (wb * inv)[:, None]
+        tl.store(out + h * so_h + t[:, None] * so_t + d[None, :], r.to(out.dtype.element_ty), mask=m)
+
+    @triton.jit(do_not_specialize=["s_g", "s_u", "s_o"])
+    def _silu_mul_kernel(g, u, out, cols, s_g, s_u, s_o, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = c < cols
+        a = tl.load(g + r * s_g + c, mask=live, other=0.0).to(tl.float32)
+        b = tl.load(u + r * s_u + c, mask=live, other=0.0).to(tl.float32)
+        y = a / (1.0 + tl.exp(-a)) * b  # silu(a) * b, rounded once
+        tl.store(out + r * s_o + c, y.to(out.dtype.element_ty), mask=live)
+
+
+    @triton.jit(do_not_specialize=["T", "sx_t", "sc_t"])
+    def _rope_kernel(x, cos, ssin, out, T, sx_t, sc_t, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+        h = tl.program_id(0)  # heads vary fastest: programs running together share their rows' cos/sin
+        t = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        d = tl.arange(0, D)
+        live = t[:, None] < T
+        row = x + t[:, None] * sx_t + h * D
+        a = tl.load(row + d[None, :], mask=live, other=0.0).to(tl.float32)
+        b = tl.load(row + ((d + D // 2) % D)[None, :], mask=live, other=0.0).to(tl.float32)  # cat((x2, x1))
+        c = tl.load(cos + t[:, None] * sc_t + d[None, :], mask=live, other=0.0).to(tl.float32)
+        s = tl.load(ssin + t[:, None] * sc_t + d[None, :], mask=live, other=0.0).to(tl.float32)
+        tl.store(out + t[:, None] * (H * D) + h * D + d[None, :], (a * c + b * s).to(out.dtype.element_ty), mask=live)
+
+
+def _failed(what: str, e: Exception) -> None:
+    global USE_TRITON
+    log.warning("%s Triton kernel failed (%s: %s); using the torch formulas", what, type(e).__name__, e)
+    USE_TRITON = False
+
+
+def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor,
+              lse_s: torch.Tensor) -> torch.Tensor | None:
+    """Two attention parts over disjoint keys merged by their log-sum-exp, in one pass (float32 inside).
+
+    out_p, out_s: (1, nh, T, hd), any strides with the last one 1; lse_p, lse_s: (1, nh, T) float32.
+    Returns (1, nh, T, hd) in out_p's dtype, laid out (1, T, nh, hd) underneath (the o-projection
+    reads it as rows without a copy); None where Triton is missing or failed (the caller falls back)."""
+    if not USE_TRITON:
+        return None
+    _, nh, T, hd = out_p.shape
+    if out_p.shape[0] != 1 or out_p.stride(-1) != 1 or out_s.stride(-1) != 1 or out_s.shape != out_p.shape:
+        return None
+    out = torch.empty(1, T, nh, hd, device=out_p.device, dtype=out_p.dtype).transpose(1, 2)
+    if T == 0:
+        return out
+    try:
+        # Triton launches on the current device (CPU tensors: only under TRITON_INTERPRET=1)
+        with torch.cuda.device(out_p.device) if out_p.is_cuda else contextlib.nullcontext():
+            _lse_merge_kernel[(triton.cdiv(T, MERGE_ROWS), nh)](
+                out_p, out_s, lse_p, lse_s, out, T,
+                out_p.stride(1), out_p.stride(2), out_s.stride(1), out_s.stride(2),
+                lse_p.stride(1), lse_p.stride(2), lse_s.stride(1), lse_s.stride(2), out.stride(1), out.stride(2),
+                D=hd, ROWS=MERGE_ROWS, BLOCK_D=triton.next_power_of_2(hd))
+    except Exception as e:  # a Triton that cannot build the kernel: the torch formula still works
+        _failed("LSE merge", e)
+        return None
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up in one pass, float32 inside, rounded once: gate, up (1, T, ffn), rows of any stride
+    (the two halves of the fused gate/up GEMM's output). Returns a new (1, T, ffn) tensor in gate's dtype;
+    None where Triton is missing or failed (the caller falls back to F.silu(gate) * up)."""
+    if not USE_TRITON:
+        return None
+    if gate.dim() != 3 or gate.shape[0] != 1 or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return None
+    _, T, cols = gate.shape
+    out = torch.empty(1, T, cols, device=gate.device, dtype=gate.dtype)
+    if T == 0 or cols == 0:
+        return out
+    try:
+        with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():
+            _silu_mul_kernel[(T, triton.cdiv(cols, SILU_COLS))](gate, up, out, cols, gate.stride(1), up.stride(1),
+                                                                out.stride(1), BLOCK=SILU_COLS)
+    except Exception as e:
+        _failed("SiLU*up", e)
+        return None
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor | None:
+    """strata.model.apply_rope in one pass, float32 inside, rounded once: x (1, T, heads, hd) with any row
+    stride (a q or k view of the fused q/k/v GEMM's output), cos and ssin (T, 1, hd). Returns a new contiguous
+    (1, T, heads, hd) tensor; None where Triton is missing or failed, or for a head_dim that is not a power
+    of two (the caller falls back to the torch ops)."""
+    if not USE_TRITON:
+        return None
+    _, T, H, D = x.shape
+    if (x.shape[0] != 1 or D & (D - 1) or x.stride(3) != 1 or x.stride(2) != D or cos.shape != (T, 1, D)
+            or ssin.shape != cos.shape or cos.stride(0) != ssin.stride(0) or cos.stride(2) != 1
+            or ssin.stride(2) != 1):
+        return None
+    out = torch.empty(1, T, H, D, device=x.device, dtype=x.dtype)
+    if T == 0 or H == 0:
+        return out
+    try:
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _rope_kernel[(H, triton.cdiv(T, ROPE_ROWS))](x, cos, ssin, out, T, x.stride(1), cos.stride(0),
+                                                          H=H, D=D, ROWS=ROPE_ROWS)
+    except Exception as e:
+        _failed("RoPE", e)
+        return None
+    return out

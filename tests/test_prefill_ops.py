@@ -1,0 +1,222 @@
+"""The prefill path's fused pieces against float64 formulas: the LSE merge (torch, and the Triton kernels under
+Triton's interpreter: merge, SiLU*up, RoPE), RoPE's torch form, RMSNorm; the cuDNN warm-up's calls vs a forward's."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import strata.model as sm
+from strata.checkpoint import synthetic_tensors
+from strata.model import ModelArgs, RMSNorm, Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ModelArgs(vocab_size=300, dim=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=192,
+                  max_seq_len=4096)
+
+
+def merge64(out_p, lse_p, out_s, lse_s):
+    lse = torch.logaddexp(lse_p.double(), lse_s.double())
+    return (out_p.double() * torch.exp(lse_p.double() - lse)[..., None]
+            + out_s.double() * torch.exp(lse_s.double() - lse)[..., None])
+
+
+def parts(T, nh=3, hd=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out_p = torch.randn(1, T, nh, hd, generator=g).to(dtype).transpose(1, 2)  # cuDNN's (1, T, nh, hd) layout
+    out_s = torch.randn(1, nh, T, hd, generator=g).to(dtype)
+    lse_p = torch.randn(1, nh, T, generator=g) * 5
+    lse_s = torch.randn(1, nh, T, generator=g) * 5
+    lse_p[..., 0], lse_s[..., 0] = 80.0, -80.0  # one row all prefix: no overflow, no NaN
+    return out_p, lse_p, out_s, lse_s
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -8)])
+def test_merge_lse_torch_formula(dtype, tol):
+    p = parts(37, dtype=dtype)
+    got = sm.merge_lse(*p)
+    assert got.dtype == dtype
+    want = merge64(*p)
+    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-6).all()
+
+
+_KERNEL_SCRIPT = r"""
+import torch
+import strata.model as sm
+from strata import kernels as K
+from tests.test_prefill_ops import merge64, parts
+# float32 and float16 round to nearest in the interpreter; its bfloat16 cast truncates (a GPU rounds to nearest)
+TOL = {torch.float32: 2e-6, torch.float16: 2 ** -11, torch.bfloat16: 2 ** -7}
+checked = 0
+for T, hd in ((37, 16), (1, 16), (70, 24)):
+    for dtype, tol in TOL.items():
+        out_p, lse_p, out_s, lse_s = parts(T, hd=hd, dtype=dtype, seed=T)
+        lse_s = lse_s.transpose(1, 2).contiguous().transpose(1, 2)  # strided log-sum-exp too
+        got = K.lse_merge(out_p, lse_p, out_s, lse_s)
+        assert got is not None and K.USE_TRITON, "kernel did not run"
+        assert got.shape == out_p.shape and got.dtype == dtype
+        assert got.transpose(1, 2).is_contiguous(), got.stride()  # rows for the o-projection, no copy
+        want = merge64(out_p, lse_p, out_s, lse_s)
+        err = (got.double() - want).abs()
+        assert torch.isfinite(got).all()
+        assert (err <= tol * want.abs() + 1e-6).all(), (T, hd, dtype, float(err.max()))
+        checked += 1
+for T, cols in ((7, 50), (3, 1500)):
+    for dtype, tol in TOL.items():
+        gu = (torch.randn(1, T, 2 * cols, generator=torch.Generator().manual_seed(cols)) * 4).to(dtype)
+        gate, up = gu.split(cols, dim=-1)  # strided halves, as the fused gate/up GEMM gives them
+        got = K.silu_mul(gate, up)
+        assert got is not None and K.USE_TRITON and got.shape == gate.shape and got.dtype == dtype
+        g64, u64 = gate.double(), up.double()
+        want = g64 * torch.sigmoid(g64) * u64
+        err = (got.double() - want).abs()
+        assert (err <= tol * want.abs() + 1e-6).all(), (T, cols, dtype, float(err.max()))
+        checked += 1
+for T, H, D in ((13, 3, 16), (1, 2, 32)):
+    for dtype, tol in TOL.items():
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(1, T, H + 2, D, generator=g).to(dtype)[:, :, :H]  # strided rows
+        ang = torch.randn(T, D // 2, generator=g, dtype=torch.float64)
+        cos64, sin64 = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        cos, ssin = cos64.to(dtype)[:, None], sm._signed_sin(sin64.to(dtype)[:, None])
+        got = K.rope(x, cos, ssin)
+        assert got is not None and K.USE_TRITON and got.is_contiguous() and got.dtype == dtype
+        x1, x2 = x.double().chunk(2, dim=-1)  # the textbook form with the tables as rounded
+        want = x.double() * cos.double() + torch.cat((-x2, x1), -1) * sin64.to(dtype).double()[:, None]
+        err = (got.double() - want).abs()
+        assert (err <= tol * want.abs() + 1e-5).all(), (T, H, D, dtype, float(err.max()))
+        checked += 1
+x = torch.randn(1, 4, 2, 24)  # head_dim not a power of two: declined, apply_rope's torch ops run instead
+assert K.rope(x, torch.ones(4, 1, 24), torch.ones(4, 1, 24)) is None and K.USE_TRITON
+print("checked", checked)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_interpreted():
+    """The Triton kernels on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported: a fresh
+    process) against float64 formulas: the LSE merge at odd T and a head_dim that is not a power of two,
+    SiLU*up on strided halves, rows longer and shorter than a program's block, RoPE on strided rows."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checked 21" in r.stdout
+
+
+def test_apply_rope_is_rotate_half():
+    g = torch.Generator().manual_seed(1)
+    T, heads, hd = 9, 3, 16
+    x = torch.randn(1, T, heads + 2, hd, generator=g)[:, :, :heads]  # strided rows, as a q view of the qkv GEMM
+    ang = torch.randn(T, hd // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    x1, x2 = x.double().chunk(2, dim=-1)
+    want = x.double() * cos[:, None] + torch.cat((-x2, x1), -1) * sin[:, None]
+    got = sm.apply_rope(x, cos.float()[:, None], sm._signed_sin(sin.float()[:, None]))
+    assert got.is_contiguous() and got.shape == x.shape
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)])
+def test_rms_norm_within_rounding_of_transformers_formula(dtype, tol):
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight = torch.nn.Parameter((1 + torch.randn(96, generator=g) * 0.3).to(dtype))
+    x = (torch.randn(5, 96, generator=g) * 4).to(dtype)
+    xf = x.float()  # transformers' LlamaRMSNorm: normalized rows rounded to x's dtype, then the weight
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = norm(x)
+    assert got.dtype == dtype
+    assert ((got.float() - ref.float()).abs() <= tol * ref.float().abs() + 1e-6).all()
+
+
+def build(max_len, kv_dtype):
+    with torch.device("meta"):
+        m = Transformer(SMALL)
+    m.load_weights(synthetic_tensors(SMALL, 0, SMALL.n_layers, "cpu", torch.float32, seed=3), "cpu", torch.float32)
+    m.setup_cache(max_len, kv_dtype)
+    return m.eval()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+def test_warm_up_calls_match_the_forward(monkeypatch, kv_dtype):
+    """warm_prefix_attention makes the very prefix calls (shapes and strides: cuDNN's graph key) that the
+    chunks at those positions make, reads the cache and writes nothing; without CUDA it does nothing."""
+    n, m = 32, build(200, kv_dtype)
+    calls, real = [], sm._cpu_with_lse
+
+    def record(q, k, v, causal):
+        calls.append((tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), causal))
+        return real(q, k, v, causal)
+
+    monkeypatch.setattr(sm, "_cpu_with_lse", record)
+    ids = torch.randint(0, SMALL.vocab_size, (1, 4 * n), generator=torch.Generator().manual_seed(4))
+    for pos in range(0, 4 * n, n):
+        m(ids[:, pos:pos + n], pos)
+    forward = {c for c in calls if not c[-1]}
+    assert len(forward) == 3  # prefixes n, 2n, 3n
+    calls.clear()
+    before = [(b.attn.k_cache.clone(), b.attn.v_cache.clone()) for b in m.layers.values()]
+    assert sm.warm_prefix_attention(m, [(n, n), (2 * n, n), (3 * n, n), (190, n)]) == 0  # CPU: nothing
+    assert sm.warm_prefix_attention(m, [(n, n), (2 * n, n), (3 * n, n), (190, n)], attend=record) == 3
+    assert set(calls) == forward and len(calls) == 3  # (190, n) runs past the cache: skipped
+    for (k, v), b in zip(before, m.layers.values()):
+        assert torch.equal(k, b.attn.k_cache) and torch.equal(v, b.attn.v_cache)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_kernels_match_float64():
+    from strata import kernels
+    if kernels.triton is None:
+        pytest.skip("triton is not installed")
+    for T in (1, 1001):
+        p = [t.cuda() for t in parts(T, nh=32, hd=128, dtype=torch.bfloat16, seed=T)]
+        got = kernels.lse_merge(*p)
+        assert got is not None and kernels.USE_TRITON
+        want = merge64(*p)
+        assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()  # rounded to nearest on a GPU
+    gate, up = (torch.randn(1, 1001, 2 * 14336, device="cuda") * 4).bfloat16().split(14336, dim=-1)
+    got = kernels.silu_mul(gate, up)
+    assert got is not None and kernels.USE_TRITON
+    want = gate.double() * torch.sigmoid(gate.double()) * up.double()
+    assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()
+    x = torch.randn(1, 1001, 48, 128, device="cuda").bfloat16()[:, :, :32]  # q rows of a q/k/v GEMM's output
+    ang = torch.randn(1001, 64, device="cuda", dtype=torch.float64)
+    cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
+    got = kernels.rope(x, cos[:, None], sm._signed_sin(sin[:, None]))
+    assert got is not None and kernels.USE_TRITON
+    x1, x2 = x.double().chunk(2, dim=-1)
+    want = x.double() * cos.double()[:, None] + torch.cat((-x2, x1), -1) * sin.double()[:, None]
+    assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-4).all()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_kernel_paths_agree_and_warm_up_builds(monkeypatch):
+    """cudnn-split on smoke-wide bf16: the Triton kernels (merge, RoPE, SiLU*up) and the torch formulas give the
+    same chunks up to bf16 rounding; warm_prefix_attention builds the later chunks' prefix shapes."""
+    from strata.weights import model_args, slice_tensors
+    monkeypatch.setattr(sm, "CUDA_ATTENTION", "cudnn-split")
+    name = "synthetic:smoke-wide"
+    args = model_args(name)
+    ids = torch.randint(0, args.vocab_size, (1, 2048), generator=torch.Generator().manual_seed(6)).cuda()
+    out = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setattr(sm, "CUDA_KERNELS", kernels)
+        with torch.device("meta"):
+            m = Transformer(args)
+        m.load_weights(slice_tensors(name, args, 0, args.n_layers, device="cuda:0", dtype=torch.bfloat16),
+                       "cuda:0", torch.bfloat16)
+        m.setup_cache(ids.shape[1])
+        if kernels == "triton":
+            assert sm.warm_prefix_attention(m, [(p, 512) for p in range(512, 2048, 512)]) == 3
+        out[kernels] = torch.cat([m(ids[:, p:p + 512], p) for p in range(0, 2048, 512)], dim=1).float()
+    rel = ((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item()
+    assert rel < 1e-2, rel
