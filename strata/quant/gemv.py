@@ -1,0 +1,256 @@
+"""Fused dequantize + matrix-vector product on GGUF blocks (Triton): decode reads each weight once, as stored.
+
+`quant_matmul(x, blocks, qtype, cols)` is x (M, cols) @ W.T for W the (rows, cols) matrix whose GGUF
+blocks `blocks` (uint8, rows x bytes) hold, for the few rows of a decode step (M <= MAX_M per launch;
+more rows take several launches). float32 accumulation; the result in x's dtype (or `out`'s).
+`quant_matmul_parts` multiplies one x by several matrices of equal width (q/k/v, gate/up) into one
+output, one launch per run of parts of the same type. No host sync and no data-dependent allocation:
+CUDA-graph capturable once the per-device tables exist (any call before capture makes them).
+Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import qtype_of
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch without triton: supports() is False everywhere
+    triton = None
+
+MAX_M = 4  # x rows per launch (the decode path's DECODE_T); the weights are read once for all of them
+MAX_PARTS = 3  # matrices per launch (q, k, v)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch shape: BLOCK_N output rows per program, SB quant blocks of a row decoded per loop step."""
+    block_n: int
+    sb: int
+    num_warps: int = 4
+
+
+# Defaults per type (tunable with bench/gemv.py --sweep): a [BLOCK_N, SB * block] tile per step
+CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 8)}
+_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34)}  # (weights, bytes) per block
+
+
+def supports(qtype) -> bool:
+    """Whether the fused kernel takes this block type (and Triton is importable)."""
+    try:
+        name = qtype_of(qtype).name
+    except ValueError:
+        return False
+    return triton is not None and name in CONFIGS
+
+
+def available(device) -> bool:
+    """Whether the kernels can run on `device`: CUDA with Triton, or any device under the interpreter."""
+    if triton is None:
+        return False
+    return torch.device(device).type == "cuda" or INTERPRET
+
+
+if triton is not None:
+    @triton.jit
+    def _part(pid, p0, p1, a0, a1, a2, n0, n1, n2):
+        """Which matrix program `pid` works on: (blocks pointer, its rows, its first output column, local pid)."""
+        if pid < p0:
+            ptr, n, col, local = a0, n0, n0 * 0, pid
+        elif pid < p1:
+            ptr, n, col, local = a1, n1, n0, pid - p0
+        else:
+            ptr, n, col, local = a2, n2, n0 + n1, pid - p1
+        return ptr, n, col, local
+
+    @triton.jit
+    def _acc4(acc, xr, xo, xm, w0, w1, w2, w3):
+        """acc += the 4 weights of each entry times x at columns xo + 0..3 (x row pointer xr)."""
+        x0 = tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32)[None, :]
+        x1 = tl.load(xr + xo + 1, mask=xm, other=0.0).to(tl.float32)[None, :]
+        x2 = tl.load(xr + xo + 2, mask=xm, other=0.0).to(tl.float32)[None, :]
+        x3 = tl.load(xr + xo + 3, mask=xm, other=0.0).to(tl.float32)[None, :]
+        return acc + w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+
+    @triton.jit
+    def _acc1(acc, xr, xo, xm, w):
+        return acc + w * tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32)[None, :]
+
+    @triton.jit
+    def _store(out_ptr, acc, m, out_stride, cols_out, live):
+        tl.store(out_ptr + m * out_stride + cols_out, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _iq3_s_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        """IQ3_S: per 4 weights (one grid entry) a byte of index, a high bit, a nibble of signs, and a
+        4-bit scale per 32 weights times the block's fp16 d. The tile is [BLOCK_N rows, SB * 64 entries]."""
+        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < n
+        row_base = ptr + rows.to(tl.int64)[:, None] * (nb * 110)
+        e = tl.arange(0, SB * 64) % 64  # entry within its block
+        sub = tl.arange(0, SB * 64) // 64  # which of the step's blocks
+        acc0 = tl.zeros((BLOCK_N, SB * 64), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, SB * 64), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, SB * 64), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, SB * 64), tl.float32)
+        for k in range(0, nb, SB):
+            b = k + sub
+            bm = b < nb
+            mask = live[:, None] & bm[None, :]
+            base = row_base + (b * 110)[None, :]
+            h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
+            d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            qs = tl.load(base + 2 + e[None, :], mask=mask, other=0).to(tl.int32)
+            qh = tl.load(base + 66 + (e // 8)[None, :], mask=mask, other=0).to(tl.int32)
+            g = tl.load(grid_ptr + (qs | (((qh >> (e % 8)[None, :]) & 1) << 8)))
+            sg = tl.load(base + 74 + (e // 2)[None, :], mask=mask, other=0).to(tl.int32) >> ((e % 2) * 4)[None, :]
+            sc = tl.load(base + 106 + (e // 16)[None, :], mask=mask, other=0).to(tl.int32)
+            db = d * (1 + 2 * ((sc >> ((e // 8) % 2 * 4)[None, :]) & 15)).to(tl.float32)
+            w0 = db * tl.where((sg & 1) != 0, -(g & 255), g & 255).to(tl.float32)
+            w1 = db * tl.where((sg & 2) != 0, -((g >> 8) & 255), (g >> 8) & 255).to(tl.float32)
+            w2 = db * tl.where((sg & 4) != 0, -((g >> 16) & 255), (g >> 16) & 255).to(tl.float32)
+            w3 = db * tl.where((sg & 8) != 0, -((g >> 24) & 255), (g >> 24) & 255).to(tl.float32)
+            xo = b * 256 + e * 4
+            acc0 = _acc4(acc0, x_ptr, xo, bm, w0, w1, w2, w3)
+            if M > 1:
+                acc1 = _acc4(acc1, x_ptr + cols, xo, bm, w0, w1, w2, w3)
+            if M > 2:
+                acc2 = _acc4(acc2, x_ptr + 2 * cols, xo, bm, w0, w1, w2, w3)
+            if M > 3:
+                acc3 = _acc4(acc3, x_ptr + 3 * cols, xo, bm, w0, w1, w2, w3)
+        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
+        if M > 1:
+            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
+        if M > 2:
+            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
+        if M > 3:
+            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+
+    @triton.jit
+    def _q8_0_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        """Q8_0: 32 int8 weights times the block's fp16 d. The tile is [BLOCK_N rows, SB * 32 weights]."""
+        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < n
+        row_base = ptr + rows.to(tl.int64)[:, None] * (nb * 34)
+        j = tl.arange(0, SB * 32) % 32
+        sub = tl.arange(0, SB * 32) // 32
+        acc0 = tl.zeros((BLOCK_N, SB * 32), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, SB * 32), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, SB * 32), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, SB * 32), tl.float32)
+        for k in range(0, nb, SB):
+            b = k + sub
+            bm = b < nb
+            mask = live[:, None] & bm[None, :]
+            base = row_base + (b * 34)[None, :]
+            h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
+            d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            q = tl.load(base + 2 + j[None, :], mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            w = d * q
+            xo = b * 32 + j
+            acc0 = _acc1(acc0, x_ptr, xo, bm, w)
+            if M > 1:
+                acc1 = _acc1(acc1, x_ptr + cols, xo, bm, w)
+            if M > 2:
+                acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, bm, w)
+            if M > 3:
+                acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, bm, w)
+        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
+        if M > 1:
+            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
+        if M > 2:
+            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
+        if M > 3:
+            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+
+    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv}
+
+
+def _grid(name: str, device: torch.device) -> torch.Tensor:
+    if name == "IQ3_S":
+        from .iq import _tables
+        return _tables(device)["IQ3_S_packed"]
+    return _dummy(device)
+
+
+_DUMMIES: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A table pointer for kernels that have none (made once per device, outside any graph capture)."""
+    if device not in _DUMMIES:
+        _DUMMIES[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _DUMMIES[device]
+
+
+def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out: torch.Tensor, col0: int,
+            config: Config | None) -> None:
+    """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices."""
+    cfg = config or CONFIGS[name]
+    bs, ts = _BYTES[name]
+    nb = cols // bs
+    for m in mats:
+        if m.dtype != torch.uint8 or m.dim() != 2 or m.shape[1] != nb * ts or not m.is_contiguous():
+            raise ValueError(f"{name}: blocks must be contiguous uint8 (rows, {nb * ts}), got {m.dtype} {tuple(m.shape)}")
+    rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
+    ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
+    progs = [triton.cdiv(r, cfg.block_n) for r in rows]
+    dst = out[:, col0:]
+    kernel = _KERNELS[name]
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        for r0 in range(0, x.shape[0], MAX_M):  # the weights are read once per MAX_M rows of x
+            xs = x[r0:r0 + MAX_M]
+            kernel[(sum(progs),)](xs, dst[r0:], _grid(name, x.device), *ptrs, *rows, progs[0], progs[0] + progs[1],
+                                  nb, cols, out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=cfg.sb,
+                                  num_warps=cfg.num_warps)
+
+
+def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
+                       out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+    """x (M, cols) times each matrix (blocks, qtype) of `parts`, side by side: (M, sum of their rows).
+
+    Consecutive parts of one type share a launch (up to MAX_PARTS). `out`: a contiguous (M, total rows)
+    tensor to write into (any float dtype, e.g. float32 logits); default a new one in x's dtype."""
+    if triton is None:
+        raise RuntimeError("strata.quant.gemv needs triton")
+    if x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be (M, {cols}), got {tuple(x.shape)}")
+    names = [qtype_of(q).name for _, q in parts]
+    for name in names:
+        if name not in CONFIGS:
+            raise ValueError(f"no fused matrix-vector kernel for {name} (have: {', '.join(CONFIGS)})")
+        if cols % _BYTES[name][0]:
+            raise ValueError(f"{name}: {cols} columns is not a multiple of its block of {_BYTES[name][0]}")
+    total = sum(b.shape[0] for b, _ in parts)
+    x = x.contiguous()
+    if out is None:
+        out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
+    elif tuple(out.shape) != (x.shape[0], total) or out.stride(1) != 1:
+        raise ValueError(f"out must be a row-major ({x.shape[0]}, {total}), got {tuple(out.shape)}")
+    i, col = 0, 0
+    while i < len(parts):
+        j = i + 1
+        while j < len(parts) and j - i < MAX_PARTS and names[j] == names[i]:
+            j += 1
+        mats = [b for b, _ in parts[i:j]]
+        _launch(x, mats, names[i], cols, out, col, config)
+        col += sum(m.shape[0] for m in mats)
+        i = j
+    return out
+
+
+def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype, cols: int, out: torch.Tensor | None = None,
+                 config: Config | None = None) -> torch.Tensor:
+    """x (M, cols) @ W.T -> (M, rows) for W's GGUF `blocks` uint8 (rows, bytes per row); float32 accumulation."""
+    return quant_matmul_parts(x, [(blocks, qtype)], cols, out, config)
