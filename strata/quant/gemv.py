@@ -37,8 +37,8 @@ class Config:
     num_warps: int = 4
 
 
-# Defaults per type (tunable with bench/gemv.py --sweep): a [BLOCK_N, SB * block] tile per step
-CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 8)}
+# Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
+CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4)}
 _BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34)}  # (weights, bytes) per block
 
 
@@ -71,17 +71,18 @@ if triton is not None:
         return ptr, n, col, local
 
     @triton.jit
-    def _acc4(acc, xr, xo, xm, w0, w1, w2, w3):
-        """acc += the 4 weights of each entry times x at columns xo + 0..3 (x row pointer xr)."""
-        x0 = tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32)[None, :]
-        x1 = tl.load(xr + xo + 1, mask=xm, other=0.0).to(tl.float32)[None, :]
-        x2 = tl.load(xr + xo + 2, mask=xm, other=0.0).to(tl.float32)[None, :]
-        x3 = tl.load(xr + xo + 3, mask=xm, other=0.0).to(tl.float32)[None, :]
-        return acc + w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+    def _acc4(acc, xr, xo, xm, scale, w0, w1, w2, w3):
+        """acc += scale * (the 4 weights of each entry . x at columns xo + 0..3), x row pointer xr."""
+        x0 = tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32)
+        x1 = tl.load(xr + xo + 1, mask=xm, other=0.0).to(tl.float32)
+        x2 = tl.load(xr + xo + 2, mask=xm, other=0.0).to(tl.float32)
+        x3 = tl.load(xr + xo + 3, mask=xm, other=0.0).to(tl.float32)
+        return acc + scale * (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3)
 
     @triton.jit
-    def _acc1(acc, xr, xo, xm, w):
-        return acc + w * tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32)[None, :]
+    def _acc1(acc, xr, xo, xm, scale, w):
+        """acc += scale * w * x at columns xo, x row pointer xr."""
+        return acc + scale * (w * tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32))
 
     @triton.jit
     def _store(out_ptr, acc, m, out_stride, cols_out, live):
@@ -90,43 +91,47 @@ if triton is not None:
     @triton.jit
     def _iq3_s_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                     M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        """IQ3_S: per 4 weights (one grid entry) a byte of index, a high bit, a nibble of signs, and a
-        4-bit scale per 32 weights times the block's fp16 d. The tile is [BLOCK_N rows, SB * 64 entries]."""
+        """IQ3_S: per 4 weights (one grid entry) a byte of index, a high bit and a nibble of signs, which
+        pick one int32 of 4 signed int8 values (`grid_ptr`, iq.pack_signed_grid); a 4-bit scale per 32
+        weights times the block's fp16 d, applied after the 4-weight dot. Tile: [BLOCK_N rows, 64 entries],
+        SB blocks per loop step."""
         ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
         rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < n
-        row_base = ptr + rows.to(tl.int64)[:, None] * (nb * 110)
-        e = tl.arange(0, SB * 64) % 64  # entry within its block
-        sub = tl.arange(0, SB * 64) // 64  # which of the step's blocks
-        acc0 = tl.zeros((BLOCK_N, SB * 64), tl.float32)
-        acc1 = tl.zeros((BLOCK_N, SB * 64), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, SB * 64), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, SB * 64), tl.float32)
+        row_base = ptr + rows.to(tl.int64)[:, None] * (nb * 110)  # (BLOCK_N, 1)
+        e = tl.arange(0, 64)[None, :]  # grid entry within the block
+        acc0 = tl.zeros((BLOCK_N, 64), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 64), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 64), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 64), tl.float32)
         for k in range(0, nb, SB):
-            b = k + sub
-            bm = b < nb
-            mask = live[:, None] & bm[None, :]
-            base = row_base + (b * 110)[None, :]
-            h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
-            d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            qs = tl.load(base + 2 + e[None, :], mask=mask, other=0).to(tl.int32)
-            qh = tl.load(base + 66 + (e // 8)[None, :], mask=mask, other=0).to(tl.int32)
-            g = tl.load(grid_ptr + (qs | (((qh >> (e % 8)[None, :]) & 1) << 8)))
-            sg = tl.load(base + 74 + (e // 2)[None, :], mask=mask, other=0).to(tl.int32) >> ((e % 2) * 4)[None, :]
-            sc = tl.load(base + 106 + (e // 16)[None, :], mask=mask, other=0).to(tl.int32)
-            db = d * (1 + 2 * ((sc >> ((e // 8) % 2 * 4)[None, :]) & 15)).to(tl.float32)
-            w0 = db * tl.where((sg & 1) != 0, -(g & 255), g & 255).to(tl.float32)
-            w1 = db * tl.where((sg & 2) != 0, -((g >> 8) & 255), (g >> 8) & 255).to(tl.float32)
-            w2 = db * tl.where((sg & 4) != 0, -((g >> 16) & 255), (g >> 16) & 255).to(tl.float32)
-            w3 = db * tl.where((sg & 8) != 0, -((g >> 24) & 255), (g >> 24) & 255).to(tl.float32)
-            xo = b * 256 + e * 4
-            acc0 = _acc4(acc0, x_ptr, xo, bm, w0, w1, w2, w3)
-            if M > 1:
-                acc1 = _acc4(acc1, x_ptr + cols, xo, bm, w0, w1, w2, w3)
-            if M > 2:
-                acc2 = _acc4(acc2, x_ptr + 2 * cols, xo, bm, w0, w1, w2, w3)
-            if M > 3:
-                acc3 = _acc4(acc3, x_ptr + 3 * cols, xo, bm, w0, w1, w2, w3)
+            for s in tl.static_range(SB):
+                b = k + s
+                ok = (tl.zeros((1, 1), tl.int32) + b) < nb  # a ragged last step
+                mask = live[:, None] & ok
+                base = row_base + b * 110
+                h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
+                d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
+                qs = tl.load(base + 2 + e, mask=mask, other=0).to(tl.int32)
+                qh = tl.load(base + 66 + e // 8, mask=mask, other=0).to(tl.int32)
+                sg = tl.load(base + 74 + e // 2, mask=mask, other=0).to(tl.int32)
+                sc = tl.load(base + 106 + e // 16, mask=mask, other=0).to(tl.int32)
+                idx = ((qs | (((qh >> (e % 8)) & 1) << 8)) << 4) | ((sg >> ((e % 2) * 4)) & 15)
+                v = tl.load(grid_ptr + idx)
+                w0 = ((v << 24) >> 24).to(tl.float32)  # arithmetic shifts: the signed byte i
+                w1 = ((v << 16) >> 24).to(tl.float32)
+                w2 = ((v << 8) >> 24).to(tl.float32)
+                w3 = (v >> 24).to(tl.float32)
+                db = d * (1 + 2 * ((sc >> ((e // 8) % 2 * 4)) & 15)).to(tl.float32)
+                xo = b * 256 + e * 4
+                xm = ok & (e >= 0)
+                acc0 = _acc4(acc0, x_ptr, xo, xm, db, w0, w1, w2, w3)
+                if M > 1:
+                    acc1 = _acc4(acc1, x_ptr + cols, xo, xm, db, w0, w1, w2, w3)
+                if M > 2:
+                    acc2 = _acc4(acc2, x_ptr + 2 * cols, xo, xm, db, w0, w1, w2, w3)
+                if M > 3:
+                    acc3 = _acc4(acc3, x_ptr + 3 * cols, xo, xm, db, w0, w1, w2, w3)
         _store(out_ptr, acc0, 0, out_stride, col + rows, live)
         if M > 1:
             _store(out_ptr, acc1, 1, out_stride, col + rows, live)
@@ -138,34 +143,35 @@ if triton is not None:
     @triton.jit
     def _q8_0_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        """Q8_0: 32 int8 weights times the block's fp16 d. The tile is [BLOCK_N rows, SB * 32 weights]."""
+        """Q8_0: 32 int8 weights times the block's fp16 d, applied after their dot with x. Tile: [BLOCK_N
+        rows, 32 weights], SB blocks per loop step."""
         ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
         rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < n
         row_base = ptr + rows.to(tl.int64)[:, None] * (nb * 34)
-        j = tl.arange(0, SB * 32) % 32
-        sub = tl.arange(0, SB * 32) // 32
-        acc0 = tl.zeros((BLOCK_N, SB * 32), tl.float32)
-        acc1 = tl.zeros((BLOCK_N, SB * 32), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, SB * 32), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, SB * 32), tl.float32)
+        j = tl.arange(0, 32)[None, :]
+        acc0 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 32), tl.float32)
         for k in range(0, nb, SB):
-            b = k + sub
-            bm = b < nb
-            mask = live[:, None] & bm[None, :]
-            base = row_base + (b * 34)[None, :]
-            h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
-            d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            q = tl.load(base + 2 + j[None, :], mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            w = d * q
-            xo = b * 32 + j
-            acc0 = _acc1(acc0, x_ptr, xo, bm, w)
-            if M > 1:
-                acc1 = _acc1(acc1, x_ptr + cols, xo, bm, w)
-            if M > 2:
-                acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, bm, w)
-            if M > 3:
-                acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, bm, w)
+            for s in tl.static_range(SB):
+                b = k + s
+                ok = (tl.zeros((1, 1), tl.int32) + b) < nb
+                mask = live[:, None] & ok
+                base = row_base + b * 34
+                h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
+                d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
+                q = tl.load(base + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+                xo = b * 32 + j
+                xm = ok & (j >= 0)
+                acc0 = _acc1(acc0, x_ptr, xo, xm, d, q)
+                if M > 1:
+                    acc1 = _acc1(acc1, x_ptr + cols, xo, xm, d, q)
+                if M > 2:
+                    acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, xm, d, q)
+                if M > 3:
+                    acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, xm, d, q)
         _store(out_ptr, acc0, 0, out_stride, col + rows, live)
         if M > 1:
             _store(out_ptr, acc1, 1, out_stride, col + rows, live)
@@ -180,7 +186,7 @@ if triton is not None:
 def _grid(name: str, device: torch.device) -> torch.Tensor:
     if name == "IQ3_S":
         from .iq import _tables
-        return _tables(device)["IQ3_S_packed"]
+        return _tables(device)["IQ3_S_signed"]
     return _dummy(device)
 
 

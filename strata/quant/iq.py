@@ -69,16 +69,20 @@ def _tables(device: torch.device) -> dict[str, torch.Tensor]:
     t["IQ1"] = (g["IQ1_S"][:, None, :] + delta[None, :, None]).reshape(-1, 8)  # row g << 1 | negative
     t["ksigns"] = g["ksigns"].to(torch.int32)
     t["IQ3_S_grid"] = g["IQ3_S"].contiguous()  # the fused kernel's plain grid
-    t["IQ3_S_packed"] = pack_grid(g["IQ3_S"])  # the fused matrix-vector kernel's: one load per 4 weights
+    t["IQ3_S_signed"] = pack_signed_grid(g["IQ3_S"])  # the fused matrix-vector kernel's: one load per 4 weights
     return t
 
 
-def pack_grid(grid: torch.Tensor) -> torch.Tensor:
-    """(G, 4) grid of small non-negative integers (IQ3_S: 1..15) -> (G,) int32, value i in byte i."""
+def pack_signed_grid(grid: torch.Tensor) -> torch.Tensor:
+    """(G, 4) grid of integers in 0..127 -> (G * 16,) int32: row `entry << 4 | sign nibble` holds the
+    entry's 4 values, value i negated where bit i of the nibble is set, as int8 in byte i."""
     v = grid.to(torch.int32)
-    if grid.shape[1] != 4 or bool((v.float() != grid).any()) or int(v.min()) < 0 or int(v.max()) > 255:
-        raise ValueError("pack_grid takes 4-wide grids of integers in 0..255")
-    return v[:, 0] | (v[:, 1] << 8) | (v[:, 2] << 16) | (v[:, 3] << 24)
+    if grid.shape[1] != 4 or bool((v.float() != grid).any()) or int(v.min()) < 0 or int(v.max()) > 127:
+        raise ValueError("pack_signed_grid takes 4-wide grids of integers in 0..127")
+    bits = (torch.arange(16, device=grid.device)[:, None] >> torch.arange(4, device=grid.device)) & 1
+    signed = (v[:, None, :].long() * (1 - 2 * bits)[None]).reshape(-1, 4) & 0xFF  # (G * 16, 4) two's-complement bytes
+    word = signed[:, 0] | (signed[:, 1] << 8) | (signed[:, 2] << 16) | (signed[:, 3] << 24)  # uint32 in int64
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
 
 
 def _half(h: torch.Tensor) -> torch.Tensor:
