@@ -198,3 +198,22 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, monkeypatch):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for a, b in zip(run(True), run(False)):
         assert rel(a, b) < tol, rel(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graph_capture():
+    """quant_matmul_parts (q/k/v-like parts, M=2) captured in a CUDA graph: a replay with new x gives
+    what an eager call gives."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cols = 1024
+    parts = [(random_blocks("IQ3_S", r, cols, g, device="cuda"), "IQ3_S") for r in (1024, 256, 256)]
+    x = torch.randn(2, cols, generator=g, device="cuda").bfloat16()
+    gemv.quant_matmul_parts(x, parts, cols)  # compiles, makes the tables
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv.quant_matmul_parts(x, parts, cols)
+    x.copy_(torch.randn(2, cols, generator=g, device="cuda"))
+    graph.replay()
+    assert torch.equal(y, gemv.quant_matmul_parts(x, parts, cols))
