@@ -35,7 +35,7 @@ def check_kernel_matches_reference():
     (two launches); fp32 x within fp32 accumulation, bf16 x (result rounded to bf16) within bf16."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(7)
-    for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11)):
+    for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3)):
         for rows, m in ((37, 1), (21, 3), (5, 6)):
             blocks = random_blocks(qtype, rows, cols, g)
             x = torch.randn(m, cols, generator=g)
@@ -50,13 +50,13 @@ def check_kernel_matches_reference():
 
 
 def check_parts_side_by_side():
-    """q/k/v-like parts of different rows and mixed types (three launches) into one float32 `out`."""
+    """q/k/v-like parts of different rows and mixed types (four launches) into one float32 `out`."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(8)
     cols = 512
-    parts = [(random_blocks(q, r, cols, g), q) for q, r in (("IQ3_S", 19), ("IQ3_S", 6), ("Q8_0", 11), ("IQ3_S", 9))]
+    parts = [(random_blocks(q, r, cols, g), q) for q, r in (("IQ3_S", 19), ("IQ3_S", 6), ("Q8_0", 11), ("IQ3_S", 9), ("Q4_K", 10))]
     x = torch.randn(3, cols, generator=g).bfloat16()
-    out = torch.full((3, 45), float("nan"))
+    out = torch.full((3, 55), float("nan"))
     gemv.quant_matmul_parts(x, parts, cols, out=out)
     want = torch.cat([reference(x, b, q) for b, q in parts], dim=1)
     assert rel(out, want) < 1e-5
@@ -133,8 +133,8 @@ def test_interpreted(interpreted, name):
 
 def test_supports():
     from strata.quant import gemv
-    assert gemv.supports("IQ3_S") and gemv.supports("iq3_s") and gemv.supports("Q8_0")
-    assert not gemv.supports("Q4_K") and not gemv.supports("F16") and not gemv.supports("nonsense")
+    assert gemv.supports("IQ3_S") and gemv.supports("iq3_s") and gemv.supports("Q8_0") and gemv.supports("Q4_K")
+    assert not gemv.supports("Q6_K") and not gemv.supports("F16") and not gemv.supports("nonsense")
     assert not gemv.available("cpu") or gemv.INTERPRET
 
 
@@ -145,14 +145,14 @@ def test_bad_blocks_refused():
     with pytest.raises(ValueError):
         gemv.quant_matmul(torch.zeros(1, 128), torch.zeros(4, 110, dtype=torch.uint8), "IQ3_S", 128)
     with pytest.raises(ValueError):
-        gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 110, dtype=torch.uint8), "Q4_K", 256)
+        gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 210, dtype=torch.uint8), "Q6_K", 256)
 
 
 # -- CUDA -----------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
-@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_70b_shapes(shape, qtype, m):
     """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64."""

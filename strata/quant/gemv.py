@@ -38,8 +38,8 @@ class Config:
 
 
 # Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
-CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4)}
-_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34)}  # (weights, bytes) per block
+CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1)}
+_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144)}  # (weights, bytes) per block
 
 
 def supports(qtype) -> bool:
@@ -180,7 +180,74 @@ if triton is not None:
         if M > 3:
             _store(out_ptr, acc3, 3, out_stride, col + rows, live)
 
-    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv}
+    @triton.jit
+    def _k4_scale_min(sp, j: tl.constexpr, mask):
+        """Q4_K's 6-bit scale and min of sub-block j from the 12 packed bytes at sp: (BLOCK_N, 1) each."""
+        if j < 4:
+            sc = tl.load(sp + j, mask=mask, other=0).to(tl.int32) & 63
+            m = tl.load(sp + j + 4, mask=mask, other=0).to(tl.int32) & 63
+        else:
+            hi = tl.load(sp + j + 4, mask=mask, other=0).to(tl.int32)
+            sc = (hi & 15) | ((tl.load(sp + j - 4, mask=mask, other=0).to(tl.int32) >> 6) << 4)
+            m = (hi >> 4) | ((tl.load(sp + j, mask=mask, other=0).to(tl.int32) >> 6) << 4)
+        return sc.to(tl.float32), m.to(tl.float32)
+
+    @triton.jit
+    def _acc_k4(acc, xr, xo, xm, dl, ml, ql, dh, mh, qh):
+        """acc += (dl * ql - ml) . x[xo] + (dh * qh - mh) . x[xo + 32], the scales applied after the products."""
+        xl = tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32)
+        xh = tl.load(xr + xo + 32, mask=xm, other=0.0).to(tl.float32)
+        return acc + dl * (ql * xl) - ml * xl + dh * (qh * xh) - mh * xh
+
+    @triton.jit
+    def _q4_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        """Q4_K: fp16 d and dmin, 8 sub-blocks of 32 with 6-bit scale and min, 4-bit weights: byte i of
+        quarter p holds weight 64p + i (low nibble, sub-block 2p) and 64p + 32 + i (high, 2p + 1).
+        Tile: [BLOCK_N rows, 32 bytes], a block's 4 quarters unrolled, SB blocks per loop step."""
+        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < n
+        row_base = ptr + rows.to(tl.int64)[:, None] * (nb * 144)
+        i = tl.arange(0, 32)[None, :]
+        acc0 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 32), tl.float32)
+        for k in range(0, nb, SB):
+            for s in tl.static_range(SB):
+                b = k + s
+                ok = (tl.zeros((1, 1), tl.int32) + b) < nb
+                mask = live[:, None] & ok
+                base = row_base + b * 144
+                h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
+                d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                h = tl.load(base + 2, mask=mask, other=0).to(tl.int32) | (tl.load(base + 3, mask=mask, other=0).to(tl.int32) << 8)
+                dmin = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                xm = ok & (i >= 0)
+                for p in tl.static_range(4):
+                    q = tl.load(base + 16 + 32 * p + i, mask=mask, other=0).to(tl.int32)
+                    ql, qh = (q & 15).to(tl.float32), (q >> 4).to(tl.float32)
+                    scl, mnl = _k4_scale_min(base + 4, 2 * p, mask)
+                    sch, mnh = _k4_scale_min(base + 4, 2 * p + 1, mask)
+                    dl, ml, dh, mh = d * scl, dmin * mnl, d * sch, dmin * mnh
+                    xo = b * 256 + 64 * p + i
+                    acc0 = _acc_k4(acc0, x_ptr, xo, xm, dl, ml, ql, dh, mh, qh)
+                    if M > 1:
+                        acc1 = _acc_k4(acc1, x_ptr + cols, xo, xm, dl, ml, ql, dh, mh, qh)
+                    if M > 2:
+                        acc2 = _acc_k4(acc2, x_ptr + 2 * cols, xo, xm, dl, ml, ql, dh, mh, qh)
+                    if M > 3:
+                        acc3 = _acc_k4(acc3, x_ptr + 3 * cols, xo, xm, dl, ml, ql, dh, mh, qh)
+        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
+        if M > 1:
+            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
+        if M > 2:
+            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
+        if M > 3:
+            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+
+    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv}
 
 
 def _grid(name: str, device: torch.device) -> torch.Tensor:
