@@ -31,7 +31,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @dataclass(frozen=True)
 class Config:
-    """Launch shape: BLOCK_N output rows per program, SB quant blocks of a row decoded per loop step."""
+    """Launch shape: BLOCK_N output rows per program, up to SB quant blocks of a row per loop step
+    (the largest count <= SB that divides the row's blocks)."""
     block_n: int
     sb: int
     num_warps: int = 4
@@ -71,18 +72,18 @@ if triton is not None:
         return ptr, n, col, local
 
     @triton.jit
-    def _acc4(acc, xr, xo, xm, scale, w0, w1, w2, w3):
+    def _acc4(acc, xr, xo, scale, w0, w1, w2, w3):
         """acc += scale * (the 4 weights of each entry . x at columns xo + 0..3), x row pointer xr."""
-        x0 = tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32)
-        x1 = tl.load(xr + xo + 1, mask=xm, other=0.0).to(tl.float32)
-        x2 = tl.load(xr + xo + 2, mask=xm, other=0.0).to(tl.float32)
-        x3 = tl.load(xr + xo + 3, mask=xm, other=0.0).to(tl.float32)
+        x0 = tl.load(xr + xo).to(tl.float32)
+        x1 = tl.load(xr + xo + 1).to(tl.float32)
+        x2 = tl.load(xr + xo + 2).to(tl.float32)
+        x3 = tl.load(xr + xo + 3).to(tl.float32)
         return acc + scale * (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3)
 
     @triton.jit
-    def _acc1(acc, xr, xo, xm, scale, w):
+    def _acc1(acc, xr, xo, scale, w):
         """acc += scale * w * x at columns xo, x row pointer xr."""
-        return acc + scale * (w * tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32))
+        return acc + scale * (w * tl.load(xr + xo).to(tl.float32))
 
     @triton.jit
     def _store(out_ptr, acc, m, out_stride, cols_out, live):
@@ -92,13 +93,13 @@ if triton is not None:
     def _iq3_s_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                     M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
         """IQ3_S: per 4 weights (one grid entry) a byte of index, a high bit and a nibble of signs, which
-        pick one int32 of 4 signed int8 values (`grid_ptr`, iq.pack_signed_grid); a 4-bit scale per 32
+        pick 4 signed bfloat16 values (`grid_ptr`, iq.signed_bf16_grid); a 4-bit scale per 32
         weights times the block's fp16 d, applied after the 4-weight dot. Tile: [BLOCK_N rows, 64 entries],
         SB blocks per loop step."""
         ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
         rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < n
-        row_base = ptr + rows.to(tl.int64)[:, None] * (nb * 110)  # (BLOCK_N, 1)
+        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 110)  # in bounds: loads unmasked
         e = tl.arange(0, 64)[None, :]  # grid entry within the block
         acc0 = tl.zeros((BLOCK_N, 64), tl.float32)
         acc1 = tl.zeros((BLOCK_N, 64), tl.float32)
@@ -107,31 +108,30 @@ if triton is not None:
         for k in range(0, nb, SB):
             for s in tl.static_range(SB):
                 b = k + s
-                ok = (tl.zeros((1, 1), tl.int32) + b) < nb  # a ragged last step
-                mask = live[:, None] & ok
                 base = row_base + b * 110
-                h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
+                h = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
                 d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
-                qs = tl.load(base + 2 + e, mask=mask, other=0).to(tl.int32)
-                qh = tl.load(base + 66 + e // 8, mask=mask, other=0).to(tl.int32)
-                sg = tl.load(base + 74 + e // 2, mask=mask, other=0).to(tl.int32)
-                sc = tl.load(base + 106 + e // 16, mask=mask, other=0).to(tl.int32)
+                qs = tl.load(base + 2 + e).to(tl.int32)
+                qh = tl.load(base + 66 + e // 8).to(tl.int32)
+                sg = tl.load(base + 74 + e // 2).to(tl.int32)
+                sc = tl.load(base + 106 + e // 16).to(tl.int32)
                 idx = ((qs | (((qh >> (e % 8)) & 1) << 8)) << 4) | ((sg >> ((e % 2) * 4)) & 15)
-                v = tl.load(grid_ptr + idx)
-                w0 = ((v << 24) >> 24).to(tl.float32)  # arithmetic shifts: the signed byte i
-                w1 = ((v << 16) >> 24).to(tl.float32)
-                w2 = ((v << 8) >> 24).to(tl.float32)
-                w3 = (v >> 24).to(tl.float32)
-                db = d * (1 + 2 * ((sc >> ((e // 8) % 2 * 4)) & 15)).to(tl.float32)
+                lo = tl.load(grid_ptr + 2 * idx)  # values 0, 1 as bfloat16 pairs, 2, 3 in the next word
+                hi = tl.load(grid_ptr + 2 * idx + 1)
+                w0 = (lo << 16).to(tl.float32, bitcast=True)
+                w1 = (lo & -65536).to(tl.float32, bitcast=True)
+                w2 = (hi << 16).to(tl.float32, bitcast=True)
+                w3 = (hi & -65536).to(tl.float32, bitcast=True)
+                odd = 1 + 2 * ((sc >> ((e // 8) % 2 * 4)) & 15)  # 1..31 as float32 without a conversion:
+                db = d * ((odd | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)  # 2^23 + odd, minus 2^23
                 xo = b * 256 + e * 4
-                xm = ok & (e >= 0)
-                acc0 = _acc4(acc0, x_ptr, xo, xm, db, w0, w1, w2, w3)
+                acc0 = _acc4(acc0, x_ptr, xo, db, w0, w1, w2, w3)
                 if M > 1:
-                    acc1 = _acc4(acc1, x_ptr + cols, xo, xm, db, w0, w1, w2, w3)
+                    acc1 = _acc4(acc1, x_ptr + cols, xo, db, w0, w1, w2, w3)
                 if M > 2:
-                    acc2 = _acc4(acc2, x_ptr + 2 * cols, xo, xm, db, w0, w1, w2, w3)
+                    acc2 = _acc4(acc2, x_ptr + 2 * cols, xo, db, w0, w1, w2, w3)
                 if M > 3:
-                    acc3 = _acc4(acc3, x_ptr + 3 * cols, xo, xm, db, w0, w1, w2, w3)
+                    acc3 = _acc4(acc3, x_ptr + 3 * cols, xo, db, w0, w1, w2, w3)
         _store(out_ptr, acc0, 0, out_stride, col + rows, live)
         if M > 1:
             _store(out_ptr, acc1, 1, out_stride, col + rows, live)
@@ -148,7 +148,7 @@ if triton is not None:
         ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
         rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < n
-        row_base = ptr + rows.to(tl.int64)[:, None] * (nb * 34)
+        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 34)  # in bounds: loads unmasked
         j = tl.arange(0, 32)[None, :]
         acc0 = tl.zeros((BLOCK_N, 32), tl.float32)
         acc1 = tl.zeros((BLOCK_N, 32), tl.float32)
@@ -157,21 +157,18 @@ if triton is not None:
         for k in range(0, nb, SB):
             for s in tl.static_range(SB):
                 b = k + s
-                ok = (tl.zeros((1, 1), tl.int32) + b) < nb
-                mask = live[:, None] & ok
                 base = row_base + b * 34
-                h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
+                h = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
                 d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
-                q = tl.load(base + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+                q = tl.load(base + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
                 xo = b * 32 + j
-                xm = ok & (j >= 0)
-                acc0 = _acc1(acc0, x_ptr, xo, xm, d, q)
+                acc0 = _acc1(acc0, x_ptr, xo, d, q)
                 if M > 1:
-                    acc1 = _acc1(acc1, x_ptr + cols, xo, xm, d, q)
+                    acc1 = _acc1(acc1, x_ptr + cols, xo, d, q)
                 if M > 2:
-                    acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, xm, d, q)
+                    acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, d, q)
                 if M > 3:
-                    acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, xm, d, q)
+                    acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, d, q)
         _store(out_ptr, acc0, 0, out_stride, col + rows, live)
         if M > 1:
             _store(out_ptr, acc1, 1, out_stride, col + rows, live)
@@ -181,22 +178,22 @@ if triton is not None:
             _store(out_ptr, acc3, 3, out_stride, col + rows, live)
 
     @triton.jit
-    def _k4_scale_min(sp, j: tl.constexpr, mask):
+    def _k4_scale_min(sp, j: tl.constexpr):
         """Q4_K's 6-bit scale and min of sub-block j from the 12 packed bytes at sp: (BLOCK_N, 1) each."""
         if j < 4:
-            sc = tl.load(sp + j, mask=mask, other=0).to(tl.int32) & 63
-            m = tl.load(sp + j + 4, mask=mask, other=0).to(tl.int32) & 63
+            sc = tl.load(sp + j).to(tl.int32) & 63
+            m = tl.load(sp + j + 4).to(tl.int32) & 63
         else:
-            hi = tl.load(sp + j + 4, mask=mask, other=0).to(tl.int32)
-            sc = (hi & 15) | ((tl.load(sp + j - 4, mask=mask, other=0).to(tl.int32) >> 6) << 4)
-            m = (hi >> 4) | ((tl.load(sp + j, mask=mask, other=0).to(tl.int32) >> 6) << 4)
+            hi = tl.load(sp + j + 4).to(tl.int32)
+            sc = (hi & 15) | ((tl.load(sp + j - 4).to(tl.int32) >> 6) << 4)
+            m = (hi >> 4) | ((tl.load(sp + j).to(tl.int32) >> 6) << 4)
         return sc.to(tl.float32), m.to(tl.float32)
 
     @triton.jit
-    def _acc_k4(acc, xr, xo, xm, dl, ml, ql, dh, mh, qh):
+    def _acc_k4(acc, xr, xo, dl, ml, ql, dh, mh, qh):
         """acc += (dl * ql - ml) . x[xo] + (dh * qh - mh) . x[xo + 32], the scales applied after the products."""
-        xl = tl.load(xr + xo, mask=xm, other=0.0).to(tl.float32)
-        xh = tl.load(xr + xo + 32, mask=xm, other=0.0).to(tl.float32)
+        xl = tl.load(xr + xo).to(tl.float32)
+        xh = tl.load(xr + xo + 32).to(tl.float32)
         return acc + dl * (ql * xl) - ml * xl + dh * (qh * xh) - mh * xh
 
     @triton.jit
@@ -208,7 +205,7 @@ if triton is not None:
         ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
         rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < n
-        row_base = ptr + rows.to(tl.int64)[:, None] * (nb * 144)
+        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 144)  # in bounds: loads unmasked
         i = tl.arange(0, 32)[None, :]
         acc0 = tl.zeros((BLOCK_N, 32), tl.float32)
         acc1 = tl.zeros((BLOCK_N, 32), tl.float32)
@@ -217,28 +214,25 @@ if triton is not None:
         for k in range(0, nb, SB):
             for s in tl.static_range(SB):
                 b = k + s
-                ok = (tl.zeros((1, 1), tl.int32) + b) < nb
-                mask = live[:, None] & ok
                 base = row_base + b * 144
-                h = tl.load(base, mask=mask, other=0).to(tl.int32) | (tl.load(base + 1, mask=mask, other=0).to(tl.int32) << 8)
+                h = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
                 d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                h = tl.load(base + 2, mask=mask, other=0).to(tl.int32) | (tl.load(base + 3, mask=mask, other=0).to(tl.int32) << 8)
+                h = tl.load(base + 2).to(tl.int32) | (tl.load(base + 3).to(tl.int32) << 8)
                 dmin = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                xm = ok & (i >= 0)
                 for p in tl.static_range(4):
-                    q = tl.load(base + 16 + 32 * p + i, mask=mask, other=0).to(tl.int32)
+                    q = tl.load(base + 16 + 32 * p + i).to(tl.int32)
                     ql, qh = (q & 15).to(tl.float32), (q >> 4).to(tl.float32)
-                    scl, mnl = _k4_scale_min(base + 4, 2 * p, mask)
-                    sch, mnh = _k4_scale_min(base + 4, 2 * p + 1, mask)
+                    scl, mnl = _k4_scale_min(base + 4, 2 * p)
+                    sch, mnh = _k4_scale_min(base + 4, 2 * p + 1)
                     dl, ml, dh, mh = d * scl, dmin * mnl, d * sch, dmin * mnh
                     xo = b * 256 + 64 * p + i
-                    acc0 = _acc_k4(acc0, x_ptr, xo, xm, dl, ml, ql, dh, mh, qh)
+                    acc0 = _acc_k4(acc0, x_ptr, xo, dl, ml, ql, dh, mh, qh)
                     if M > 1:
-                        acc1 = _acc_k4(acc1, x_ptr + cols, xo, xm, dl, ml, ql, dh, mh, qh)
+                        acc1 = _acc_k4(acc1, x_ptr + cols, xo, dl, ml, ql, dh, mh, qh)
                     if M > 2:
-                        acc2 = _acc_k4(acc2, x_ptr + 2 * cols, xo, xm, dl, ml, ql, dh, mh, qh)
+                        acc2 = _acc_k4(acc2, x_ptr + 2 * cols, xo, dl, ml, ql, dh, mh, qh)
                     if M > 3:
-                        acc3 = _acc_k4(acc3, x_ptr + 3 * cols, xo, xm, dl, ml, ql, dh, mh, qh)
+                        acc3 = _acc_k4(acc3, x_ptr + 3 * cols, xo, dl, ml, ql, dh, mh, qh)
         _store(out_ptr, acc0, 0, out_stride, col + rows, live)
         if M > 1:
             _store(out_ptr, acc1, 1, out_stride, col + rows, live)
@@ -253,7 +247,7 @@ if triton is not None:
 def _grid(name: str, device: torch.device) -> torch.Tensor:
     if name == "IQ3_S":
         from .iq import _tables
-        return _tables(device)["IQ3_S_signed"]
+        return _tables(device)["IQ3_S_bf16"]
     return _dummy(device)
 
 
@@ -279,13 +273,14 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
     ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
     progs = [triton.cdiv(r, cfg.block_n) for r in rows]
+    sb = next(k for k in range(cfg.sb, 0, -1) if nb % k == 0)  # whole steps: the kernels mask no load
     dst = out[:, col0:]
     kernel = _KERNELS[name]
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         for r0 in range(0, x.shape[0], MAX_M):  # the weights are read once per MAX_M rows of x
             xs = x[r0:r0 + MAX_M]
             kernel[(sum(progs),)](xs, dst[r0:], _grid(name, x.device), *ptrs, *rows, progs[0], progs[0] + progs[1],
-                                  nb, cols, out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=cfg.sb,
+                                  nb, cols, out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb,
                                   num_warps=cfg.num_warps)
 
 

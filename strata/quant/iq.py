@@ -69,20 +69,19 @@ def _tables(device: torch.device) -> dict[str, torch.Tensor]:
     t["IQ1"] = (g["IQ1_S"][:, None, :] + delta[None, :, None]).reshape(-1, 8)  # row g << 1 | negative
     t["ksigns"] = g["ksigns"].to(torch.int32)
     t["IQ3_S_grid"] = g["IQ3_S"].contiguous()  # the fused kernel's plain grid
-    t["IQ3_S_signed"] = pack_signed_grid(g["IQ3_S"])  # the fused matrix-vector kernel's: one load per 4 weights
+    t["IQ3_S_bf16"] = signed_bf16_grid(g["IQ3_S"])  # the fused matrix-vector kernel's: two loads per 4 weights
     return t
 
 
-def pack_signed_grid(grid: torch.Tensor) -> torch.Tensor:
-    """(G, 4) grid of integers in 0..127 -> (G * 16,) int32: row `entry << 4 | sign nibble` holds the
-    entry's 4 values, value i negated where bit i of the nibble is set, as int8 in byte i."""
-    v = grid.to(torch.int32)
-    if grid.shape[1] != 4 or bool((v.float() != grid).any()) or int(v.min()) < 0 or int(v.max()) > 127:
-        raise ValueError("pack_signed_grid takes 4-wide grids of integers in 0..127")
+def signed_bf16_grid(grid: torch.Tensor) -> torch.Tensor:
+    """(G, 4) float32 grid -> (G * 16 * 2,) int32: rows `entry << 4 | sign nibble`, each 2 int32 holding
+    the entry's 4 values as bfloat16 pairs (value i negated where bit i of the nibble is set; value 2k
+    in the low half of word k). A bfloat16 widens to float32 by a shift: no int-to-float conversion."""
+    if grid.shape[1] != 4 or bool((grid.bfloat16().float() != grid).any()):
+        raise ValueError("signed_bf16_grid takes 4-wide grids exact in bfloat16")
     bits = (torch.arange(16, device=grid.device)[:, None] >> torch.arange(4, device=grid.device)) & 1
-    signed = (v[:, None, :].long() * (1 - 2 * bits)[None]).reshape(-1, 4) & 0xFF  # (G * 16, 4) two's-complement bytes
-    word = signed[:, 0] | (signed[:, 1] << 8) | (signed[:, 2] << 16) | (signed[:, 3] << 24)  # uint32 in int64
-    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+    signed = (grid[:, None, :] * (1 - 2 * bits)[None]).reshape(-1, 4)  # (G * 16, 4)
+    return signed.bfloat16().contiguous().view(torch.int32).reshape(-1)  # little-endian: value 2k low
 
 
 def _half(h: torch.Tensor) -> torch.Tensor:
