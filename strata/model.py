@@ -9,11 +9,12 @@ with narrower CPU weights (`set_decode_weights`) or CUDA graphs (`decode_step`, 
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -381,12 +382,34 @@ class ResidentMatrices(nn.Module):
         self.parts = nn.ModuleDict(parts)
         self.bqkv = None if bqkv is None else nn.Parameter(bqkv, requires_grad=False)
         self.scratch = scratch
+        self._fused: dict[torch.device, bool] = {}
 
     def get(self) -> Mats:
         s = self.scratch
         for name, p in self.parts.items():
             p.into(s.view(name))
         return Mats(s.span("wq", "wv"), self.bqkv, s.view("wo"), s.span("w_gate", "w_up"), s.view("w_down"))
+
+    def fused_decode_ok(self, device) -> bool:
+        """Whether decode can multiply on the blocks themselves (strata.quant.gemv) on `device`: every
+        part quantized in a type the fused kernel takes. Then `products` replaces `get` for few rows."""
+        device = torch.device(device)
+        if device not in self._fused:  # asked once per layer per token: answered once per device
+            self._fused[device] = all(_fused_ok(p, device) for p in self.parts.values())
+        return self._fused[device]
+
+    def products(self) -> Products:
+        """The layer's four products computed on the blocks (fused_decode_ok must hold): no scratch."""
+        return Products(functools.partial(self._matmul, ("wq", "wk", "wv"), bias=self.bqkv),
+                        functools.partial(self._matmul, ("wo",)), functools.partial(self._matmul, ("w_gate", "w_up")),
+                        functools.partial(self._matmul, ("w_down",)))
+
+    def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from .quant.gemv import quant_matmul_parts
+        parts = [self.parts[n] for n in names]
+        y = quant_matmul_parts(x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts], parts[0].cols)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
 
 
 class Attention(nn.Module):
@@ -554,6 +577,20 @@ def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wo: WeightOnly
     return y if b is None else y + b
 
 
+class Products(NamedTuple):
+    """A layer's four products for the decode path, each x (..., in) -> (..., out)."""
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    wo: Callable[[torch.Tensor], torch.Tensor]
+    w13: Callable[[torch.Tensor], torch.Tensor]
+    w2: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _dense_products(w: Mats, wo: LayerWeightOnly | None) -> Products:
+    p = functools.partial
+    return Products(p(_mm, w=w.wqkv, b=w.bqkv, wo=wo and wo.wqkv), p(_mm, w=w.wo, b=None, wo=wo and wo.wo),
+                    p(_mm, w=w.w13, b=None, wo=wo and wo.w13), p(_mm, w=w.w2, b=None, wo=wo and wo.w2))
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -581,9 +618,13 @@ class Block(nn.Module):
             raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
         if pos + T > a.k_cache.shape[2]:
             raise ValueError(f"positions {pos}..{pos + T} exceed the KV cache ({a.k_cache.shape[2]})")
-        w = self.weights.get()
+        r = self.weights
+        if wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device):
+            mm = r.products()  # multiply on the blocks: no per-token dequantization into the scratch
+        else:
+            mm = _dense_products(r.get(), wo)
         x = F.rms_norm(h, (h.shape[-1],), self.attn_norm.weight, self.attn_norm.eps)
-        qkv = _mm(x, w.wqkv, w.bqkv, wo and wo.wqkv).view(T, nh + 2 * nkv, hd)
+        qkv = mm.qkv(x).view(T, nh + 2 * nkv, hd)
         qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
         a.k_cache[0, :, pos:pos + T] = _to_cache(qk[:, nh:].transpose(0, 1), a.k_cache.dtype)
         a.v_cache[0, :, pos:pos + T] = _to_cache(qkv[:, nh + nkv:].transpose(0, 1), a.v_cache.dtype)
@@ -592,10 +633,10 @@ class Block(nn.Module):
             keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
         q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
         y = decode_attention(q, keys, vals) if T == 1 else chunk_attention(q, keys, vals, pos)
-        h = h + _mm(y.transpose(1, 2).reshape(1, T, nh * hd), w.wo, None, wo and wo.wo)
+        h = h + mm.wo(y.transpose(1, 2).reshape(1, T, nh * hd))
         x = F.rms_norm(h, (h.shape[-1],), self.mlp_norm.weight, self.mlp_norm.eps)
-        gate, up = _mm(x, w.w13, None, wo and wo.w13).split(self.mlp.ffn, dim=-1)
-        return h + _mm(F.silu(gate) * up, w.w2, None, wo and wo.w2)
+        gate, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
+        return h + mm.w2(F.silu(gate) * up)
 
 
 class QuantEmbedding(nn.Module):
@@ -607,6 +648,11 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.gather(ids)
+
+
+def _fused_ok(p: Packed, device) -> bool:
+    from .quant import gemv
+    return p.qtype is not None and gemv.supports(p.qtype) and gemv.available(device)
 
 
 class Head(nn.Module):
@@ -624,6 +670,10 @@ class Head(nn.Module):
         w = self.weight
         vocab = w.n_rows if isinstance(w, Packed) else w.shape[0]
         out = torch.empty(*x.shape[:-1], vocab, device=x.device, dtype=torch.float32)
+        if isinstance(w, Packed) and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T and _fused_ok(w, x.device):
+            from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
+            quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab))
+            return out
         for s in range(0, vocab, self.rows):
             e = min(vocab, s + self.rows)
             if isinstance(w, Packed):

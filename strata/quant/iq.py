@@ -69,7 +69,19 @@ def _tables(device: torch.device) -> dict[str, torch.Tensor]:
     t["IQ1"] = (g["IQ1_S"][:, None, :] + delta[None, :, None]).reshape(-1, 8)  # row g << 1 | negative
     t["ksigns"] = g["ksigns"].to(torch.int32)
     t["IQ3_S_grid"] = g["IQ3_S"].contiguous()  # the fused kernel's plain grid
+    t["IQ3_S_bf16"] = signed_bf16_grid(g["IQ3_S"])  # the fused matrix-vector kernel's: two loads per 4 weights
     return t
+
+
+def signed_bf16_grid(grid: torch.Tensor) -> torch.Tensor:
+    """(G, 4) float32 grid -> (G * 16 * 2,) int32: rows `entry << 4 | sign nibble`, each 2 int32 holding
+    the entry's 4 values as bfloat16 pairs (value i negated where bit i of the nibble is set; value 2k
+    in the low half of word k). A bfloat16 widens to float32 by a shift: no int-to-float conversion."""
+    if grid.shape[1] != 4 or bool((grid.bfloat16().float() != grid).any()):
+        raise ValueError("signed_bf16_grid takes 4-wide grids exact in bfloat16")
+    bits = (torch.arange(16, device=grid.device)[:, None] >> torch.arange(4, device=grid.device)) & 1
+    signed = (grid[:, None, :] * (1 - 2 * bits)[None]).reshape(-1, 4)  # (G * 16, 4)
+    return signed.bfloat16().contiguous().view(torch.int32).reshape(-1)  # little-endian: value 2k low
 
 
 def _half(h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,168 @@
+"""Time the fused dequantize + matrix-vector kernels (strata.quant.gemv) against the current decode path.
+
+Per type at a preset's layer shapes (q/k/v and gate/up as the one launch decode makes): the kernel's
+median time (CUDA events, L2 flushed before each rep), the GB/s of blocks it reads, the current path
+(dequantize into a bf16 buffer + F.linear) and the relative error against float64. Then one whole
+layer (its 4 launches) eager and replayed from a CUDA graph, and what that makes per token.
+
+    python bench/gemv.py                       # IQ3_S and Q8_0 at llama-3-70b shapes, M=1 and 4 (CUDA)
+    python bench/gemv.py --sweep               # also try launch shapes per matrix (pick CONFIGS from it)
+    TRITON_INTERPRET=1 python bench/gemv.py --smoke    # tiny shapes on the CPU, through the interpreter
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata import quant  # noqa: E402
+from strata.model import PRESETS, Packed  # noqa: E402
+from strata.quant import gemv  # noqa: E402
+
+SWEEP = [gemv.Config(bn, sb, w) for bn in (4, 8, 16) for sb in (1, 2, 4) for w in (4, 8)]  # ~1 s to compile each
+
+
+def mats(preset: str, smoke: bool) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(label, [(rows, cols) of each part]) as decode launches them."""
+    if smoke:
+        return [("qkv", [(64, 512), (16, 512), (16, 512)]), ("w_down", [(40, 768)]), ("head", [(72, 512)])]
+    a = PRESETS[preset]
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    return [("qkv", [(q, a.dim), (kv, a.dim), (kv, a.dim)]), ("wo", [(a.dim, q)]),
+            ("gate_up", [(a.ffn_dim, a.dim), (a.ffn_dim, a.dim)]), ("w_down", [(a.dim, a.ffn_dim)]),
+            ("head", [(a.vocab_size, a.dim)])]
+
+
+class Timer:
+    """Median seconds of fn: CUDA events around each rep with L2 flushed before it; wall clock on the CPU."""
+
+    def __init__(self, device: torch.device, reps: int):
+        self.cuda, self.reps = device.type == "cuda", reps
+        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device=device) if self.cuda else None
+
+    def __call__(self, fn) -> float:
+        fn()
+        out = []
+        for _ in range(self.reps):
+            if self.cuda:
+                self.flush.zero_()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: bool, dtype) -> list:
+    g = torch.Generator(device=device).manual_seed(0)
+    layer = []
+    for label, parts in shapes:
+        cols = parts[0][1]
+        blocks = [quant.random_blocks(qtype, r, cols, g, device=device) for r, _ in parts]
+        rows = sum(r for r, _ in parts)
+        nbytes = sum(b.numel() for b in blocks)
+        packed = [(b, qtype) for b in blocks]
+        w = torch.cat([quant.dequantize(b, qtype) for b in blocks])
+        buf = torch.empty(rows, cols, device=device, dtype=dtype)
+        pk = [Packed(b, qtype, cols, dtype) for b in blocks]
+
+        def current(x):
+            r0 = 0
+            for p in pk:  # what ResidentMatrices.get + F.linear do per token today
+                p.into(buf[r0:r0 + p.n_rows])
+                r0 += p.n_rows
+            return F.linear(x, buf)
+
+        for m in ms:
+            x = torch.randn(m, cols, generator=g, device=device).to(dtype)
+            want = x.double() @ w.double().T
+            y = gemv.quant_matmul_parts(x, packed, cols)
+            t = timer(lambda: gemv.quant_matmul_parts(x, packed, cols))
+            tc = timer(lambda: current(x)) if m == 1 else float("nan")
+            err = rel(y, want)
+            print(f"{qtype:6s} {label:8s} {rows:>6d}x{cols:<6d} M={m}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s"
+                  f"  current {tc * 1e6:9.1f} us  x{tc / t:6.1f}  rel err {err:.1e}")
+            if sweep and m == ms[0]:
+                best = None
+                for cfg in SWEEP:
+                    ts = timer(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg))
+                    if best is None or ts < best[0]:
+                        best = (ts, cfg)
+                print(f"{'':16s} best launch shape {best[1]}: {best[0] * 1e6:.1f} us, {nbytes / best[0] / 1e9:.0f} GB/s")
+        if label != "head":
+            layer.append((packed, cols))
+        del w, buf
+    return layer
+
+
+def bench_layer(qtype: str, layer, head_s: float | None, timer: Timer, device, n_layers: int, dtype) -> None:
+    """One layer's 4 launches at M=1, eager and from a CUDA graph (no launch overhead)."""
+    xs = [torch.randn(1, cols, device=device).to(dtype) for _, cols in layer]
+
+    def step():
+        for (packed, cols), x in zip(layer, xs):
+            gemv.quant_matmul_parts(x, packed, cols)
+
+    eager = timer(step)
+    line = f"{qtype:6s} one layer (4 launches) eager {eager * 1e6:8.1f} us"
+    if device.type == "cuda":
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        replay = timer(graph.replay)
+        line += f", graph {replay * 1e6:8.1f} us; x{n_layers} layers: {n_layers * replay * 1e3:.2f} ms / token"
+        if head_s is not None:
+            line += f" (+ head {head_s * 1e3:.2f} ms)"
+    print(line)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-3-70b")
+    ap.add_argument("--types", default=",".join(gemv.CONFIGS))
+    ap.add_argument("--m", default="1,4", help="x rows, comma-separated")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
+    a = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    if not gemv.available(device):
+        print("needs CUDA, or TRITON_INTERPRET=1 with --smoke", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timer = Timer(device, 3 if a.smoke else a.reps)
+    ms = [int(m) for m in a.m.split(",")]
+    shapes = mats(a.preset, a.smoke)
+    n_layers = PRESETS[a.preset].n_layers
+    if device.type == "cuda":
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {gemv.triton.__version__}")
+    for qtype in a.types.split(","):
+        layer = bench_type(qtype, shapes, ms, timer, device, a.sweep, dtype)
+        bench_layer(qtype, layer, None, timer, device, n_layers, dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Fused dequantize + matrix-vector product on GGUF blocks (Triton): decode reads each weight once, as stored.
+
+`quant_matmul(x, blocks, qtype, cols)` is x (M, cols) @ W.T for W the (rows, cols) matrix whose GGUF
+blocks `blocks` (uint8, rows x bytes) hold, for the few rows of a decode step (M <= MAX_M per launch;
+more rows take several launches). float32 accumulation; the result in x's dtype (or `out`'s).
+`quant_matmul_parts` multiplies one x by several matrices of equal width (q/k/v, gate/up) into one
+output, one launch per run of parts of the same type. No host sync and no data-dependent allocation:
+CUDA-graph capturable once the per-device tables exist (any call before capture makes them).
+Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import qtype_of
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch without triton: supports() is False everywhere
+    triton = None
+
+MAX_M = 4  # x rows per launch (the decode path's DECODE_T); the weights are read once for all of them
+MAX_PARTS = 3  # matrices per launch (q, k, v)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch shape: BLOCK_N output rows per program, up to SB quant blocks of a row per loop step
+    (the largest count <= SB that divides the row's blocks)."""
+    block_n: int
+    sb: int
+    num_warps: int = 4
+
+
+# Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
+CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1)}
+_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144)}  # (weights, bytes) per block
+
+
+def supports(qtype) -> bool:
+    """Whether the fused kernel takes this block type (and Triton is importable)."""
+    try:
+        name = qtype_of(qtype).name
+    except ValueError:
+        return False
+    return triton is not None and name in CONFIGS
+
+
+def available(device) -> bool:
+    """Whether the kernels can run on `device`: CUDA with Triton, or any device under the interpreter."""
+    if triton is None:
+        return False
+    return torch.device(device).type == "cuda" or INTERPRET
+
+
+if triton is not None:
+    @triton.jit
+    def _part(pid, p0, p1, a0, a1, a2, n0, n1, n2):
+        """Which matrix program `pid` works on: (blocks pointer, its rows, its first output column, local pid)."""
+        if pid < p0:
+            ptr, n, col, local = a0, n0, n0 * 0, pid
+        elif pid < p1:
+            ptr, n, col, local = a1, n1, n0, pid - p0
+        else:
+            ptr, n, col, local = a2, n2, n0 + n1, pid - p1
+        return ptr, n, col, local
+
+    @triton.jit
+    def _acc4(acc, xr, xo, scale, w0, w1, w2, w3):
+        """acc += scale * (the 4 weights of each entry . x at columns xo + 0..3), x row pointer xr."""
+        x0 = tl.load(xr + xo).to(tl.float32)
+        x1 = tl.load(xr + xo + 1).to(tl.float32)
+        x2 = tl.load(xr + xo + 2).to(tl.float32)
+        x3 = tl.load(xr + xo + 3).to(tl.float32)
+        return acc + scale * (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3)
+
+    @triton.jit
+    def _acc1(acc, xr, xo, scale, w):
+        """acc += scale * w * x at columns xo, x row pointer xr."""
+        return acc + scale * (w * tl.load(xr + xo).to(tl.float32))
+
+    @triton.jit
+    def _store(out_ptr, acc, m, out_stride, cols_out, live):
+        tl.store(out_ptr + m * out_stride + cols_out, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _iq3_s_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        """IQ3_S: per 4 weights (one grid entry) a byte of index, a high bit and a nibble of signs, which
+        pick 4 signed bfloat16 values (`grid_ptr`, iq.signed_bf16_grid); a 4-bit scale per 32
+        weights times the block's fp16 d, applied after the 4-weight dot. Tile: [BLOCK_N rows, 64 entries],
+        SB blocks per loop step."""
+        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < n
+        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 110)  # in bounds: loads unmasked
+        e = tl.arange(0, 64)[None, :]  # grid entry within the block
+        acc0 = tl.zeros((BLOCK_N, 64), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 64), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 64), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 64), tl.float32)
+        for k in range(0, nb, SB):
+            for s in tl.static_range(SB):
+                b = k + s
+                base = row_base + b * 110
+                h = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
+                d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
+                qs = tl.load(base + 2 + e).to(tl.int32)
+                qh = tl.load(base + 66 + e // 8).to(tl.int32)
+                sg = tl.load(base + 74 + e // 2).to(tl.int32)
+                sc = tl.load(base + 106 + e // 16).to(tl.int32)
+                idx = ((qs | (((qh >> (e % 8)) & 1) << 8)) << 4) | ((sg >> ((e % 2) * 4)) & 15)
+                lo = tl.load(grid_ptr + 2 * idx)  # values 0, 1 as bfloat16 pairs, 2, 3 in the next word
+                hi = tl.load(grid_ptr + 2 * idx + 1)
+                w0 = (lo << 16).to(tl.float32, bitcast=True)
+                w1 = (lo & -65536).to(tl.float32, bitcast=True)
+                w2 = (hi << 16).to(tl.float32, bitcast=True)
+                w3 = (hi & -65536).to(tl.float32, bitcast=True)
+                odd = 1 + 2 * ((sc >> ((e // 8) % 2 * 4)) & 15)  # 1..31 as float32 without a conversion:
+                db = d * ((odd | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)  # 2^23 + odd, minus 2^23
+                xo = b * 256 + e * 4
+                acc0 = _acc4(acc0, x_ptr, xo, db, w0, w1, w2, w3)
+                if M > 1:
+                    acc1 = _acc4(acc1, x_ptr + cols, xo, db, w0, w1, w2, w3)
+                if M > 2:
+                    acc2 = _acc4(acc2, x_ptr + 2 * cols, xo, db, w0, w1, w2, w3)
+                if M > 3:
+                    acc3 = _acc4(acc3, x_ptr + 3 * cols, xo, db, w0, w1, w2, w3)
+        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
+        if M > 1:
+            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
+        if M > 2:
+            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
+        if M > 3:
+            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+
+    @triton.jit
+    def _q8_0_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        """Q8_0: 32 int8 weights times the block's fp16 d, applied after their dot with x. Tile: [BLOCK_N
+        rows, 32 weights], SB blocks per loop step."""
+        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < n
+        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 34)  # in bounds: loads unmasked
+        j = tl.arange(0, 32)[None, :]
+        acc0 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 32), tl.float32)
+        for k in range(0, nb, SB):
+            for s in tl.static_range(SB):
+                b = k + s
+                base = row_base + b * 34
+                h = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
+                d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
+                q = tl.load(base + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
+                xo = b * 32 + j
+                acc0 = _acc1(acc0, x_ptr, xo, d, q)
+                if M > 1:
+                    acc1 = _acc1(acc1, x_ptr + cols, xo, d, q)
+                if M > 2:
+                    acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, d, q)
+                if M > 3:
+                    acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, d, q)
+        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
+        if M > 1:
+            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
+        if M > 2:
+            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
+        if M > 3:
+            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+
+    @triton.jit
+    def _k4_scale_min(sp, j: tl.constexpr):
+        """Q4_K's 6-bit scale and min of sub-block j from the 12 packed bytes at sp: (BLOCK_N, 1) each."""
+        if j < 4:
+            sc = tl.load(sp + j).to(tl.int32) & 63
+            m = tl.load(sp + j + 4).to(tl.int32) & 63
+        else:
+            hi = tl.load(sp + j + 4).to(tl.int32)
+            sc = (hi & 15) | ((tl.load(sp + j - 4).to(tl.int32) >> 6) << 4)
+            m = (hi >> 4) | ((tl.load(sp + j).to(tl.int32) >> 6) << 4)
+        return sc.to(tl.float32), m.to(tl.float32)
+
+    @triton.jit
+    def _acc_k4(acc, xr, xo, dl, ml, ql, dh, mh, qh):
+        """acc += (dl * ql - ml) . x[xo] + (dh * qh - mh) . x[xo + 32], the scales applied after the products."""
+        xl = tl.load(xr + xo).to(tl.float32)
+        xh = tl.load(xr + xo + 32).to(tl.float32)
+        return acc + dl * (ql * xl) - ml * xl + dh * (qh * xh) - mh * xh
+
+    @triton.jit
+    def _q4_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        """Q4_K: fp16 d and dmin, 8 sub-blocks of 32 with 6-bit scale and min, 4-bit weights: byte i of
+        quarter p holds weight 64p + i (low nibble, sub-block 2p) and 64p + 32 + i (high, 2p + 1).
+        Tile: [BLOCK_N rows, 32 bytes], a block's 4 quarters unrolled, SB blocks per loop step."""
+        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < n
+        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 144)  # in bounds: loads unmasked
+        i = tl.arange(0, 32)[None, :]
+        acc0 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 32), tl.float32)
+        for k in range(0, nb, SB):
+            for s in tl.static_range(SB):
+                b = k + s
+                base = row_base + b * 144
+                h = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
+                d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                h = tl.load(base + 2).to(tl.int32) | (tl.load(base + 3).to(tl.int32) << 8)
+                dmin = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                for p in tl.static_range(4):
+                    q = tl.load(base + 16 + 32 * p + i).to(tl.int32)
+                    ql, qh = (q & 15).to(tl.float32), (q >> 4).to(tl.float32)
+                    scl, mnl = _k4_scale_min(base + 4, 2 * p)
+                    sch, mnh = _k4_scale_min(base + 4, 2 * p + 1)
+                    dl, ml, dh, mh = d * scl, dmin * mnl, d * sch, dmin * mnh
+                    xo = b * 256 + 64 * p + i
+                    acc0 = _acc_k4(acc0, x_ptr, xo, dl, ml, ql, dh, mh, qh)
+                    if M > 1:
+                        acc1 = _acc_k4(acc1, x_ptr + cols, xo, dl, ml, ql, dh, mh, qh)
+                    if M > 2:
+                        acc2 = _acc_k4(acc2, x_ptr + 2 * cols, xo, dl, ml, ql, dh, mh, qh)
+                    if M > 3:
+                        acc3 = _acc_k4(acc3, x_ptr + 3 * cols, xo, dl, ml, ql, dh, mh, qh)
+        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
+        if M > 1:
+            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
+        if M > 2:
+            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
+        if M > 3:
+            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+
+    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv}
+
+
+def _grid(name: str, device: torch.device) -> torch.Tensor:
+    if name == "IQ3_S":
+        from .iq import _tables
+        return _tables(device)["IQ3_S_bf16"]
+    return _dummy(device)
+
+
+_DUMMIES: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A table pointer for kernels that have none (made once per device, outside any graph capture)."""
+    if device not in _DUMMIES:
+        _DUMMIES[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _DUMMIES[device]
+
+
+def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out: torch.Tensor, col0: int,
+            config: Config | None) -> None:
+    """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices."""
+    cfg = config or CONFIGS[name]
+    bs, ts = _BYTES[name]
+    nb = cols // bs
+    for m in mats:
+        if m.dtype != torch.uint8 or m.dim() != 2 or m.shape[1] != nb * ts or not m.is_contiguous():
+            raise ValueError(f"{name}: blocks must be contiguous uint8 (rows, {nb * ts}), got {m.dtype} {tuple(m.shape)}")
+    rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
+    ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
+    progs = [triton.cdiv(r, cfg.block_n) for r in rows]
+    sb = next(k for k in range(cfg.sb, 0, -1) if nb % k == 0)  # whole steps: the kernels mask no load
+    dst = out[:, col0:]
+    kernel = _KERNELS[name]
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        for r0 in range(0, x.shape[0], MAX_M):  # the weights are read once per MAX_M rows of x
+            xs = x[r0:r0 + MAX_M]
+            kernel[(sum(progs),)](xs, dst[r0:], _grid(name, x.device), *ptrs, *rows, progs[0], progs[0] + progs[1],
+                                  nb, cols, out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb,
+                                  num_warps=cfg.num_warps)
+
+
+def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
+                       out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+    """x (M, cols) times each matrix (blocks, qtype) of `parts`, side by side: (M, sum of their rows).
+
+    Consecutive parts of one type share a launch (up to MAX_PARTS). `out`: a contiguous (M, total rows)
+    tensor to write into (any float dtype, e.g. float32 logits); default a new one in x's dtype."""
+    if triton is None:
+        raise RuntimeError("strata.quant.gemv needs triton")
+    if x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be (M, {cols}), got {tuple(x.shape)}")
+    names = [qtype_of(q).name for _, q in parts]
+    for name in names:
+        if name not in CONFIGS:
+            raise ValueError(f"no fused matrix-vector kernel for {name} (have: {', '.join(CONFIGS)})")
+        if cols % _BYTES[name][0]:
+            raise ValueError(f"{name}: {cols} columns is not a multiple of its block of {_BYTES[name][0]}")
+    total = sum(b.shape[0] for b, _ in parts)
+    x = x.contiguous()
+    if out is None:
+        out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
+    elif tuple(out.shape) != (x.shape[0], total) or out.stride(1) != 1:
+        raise ValueError(f"out must be a row-major ({x.shape[0]}, {total}), got {tuple(out.shape)}")
+    i, col = 0, 0
+    while i < len(parts):
+        j = i + 1
+        while j < len(parts) and j - i < MAX_PARTS and names[j] == names[i]:
+            j += 1
+        mats = [b for b, _ in parts[i:j]]
+        _launch(x, mats, names[i], cols, out, col, config)
+        col += sum(m.shape[0] for m in mats)
+        i = j
+    return out
+
+
+def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype, cols: int, out: torch.Tensor | None = None,
+                 config: Config | None = None) -> torch.Tensor:
+    """x (M, cols) @ W.T -> (M, rows) for W's GGUF `blocks` uint8 (rows, bytes per row); float32 accumulation."""
+    return quant_matmul_parts(x, [(blocks, qtype)], cols, out, config)

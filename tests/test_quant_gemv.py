@@ -1,0 +1,219 @@
+"""strata.quant.gemv: the fused dequantize + matrix-vector kernels against dequantize + a float64 product.
+
+On the CPU the kernels run under Triton's interpreter, which must be switched on before triton is
+imported: the checks below run in one subprocess with TRITON_INTERPRET=1, each reporting ok or its
+traceback, and every test asserts its own check. The gpu tests compare with the current CUDA path."""
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative error as a whole (norm), the measure that fp32 / bf16 accumulation bounds."""
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Independent: dequantize (bit-exact with gguf-py) then a float64 product, on the CPU."""
+    from strata.quant import dequantize
+    return x.cpu().double() @ dequantize(blocks.cpu(), qtype).double().T
+
+
+# -- the checks run under the interpreter (in the subprocess) -----------------------------------------
+def check_kernel_matches_reference():
+    """Odd shapes (rows not a multiple of BLOCK_N, a ragged last step of blocks), M=1 and M=3, and M=6
+    (two launches); fp32 x within fp32 accumulation, bf16 x (result rounded to bf16) within bf16."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator().manual_seed(7)
+    for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3)):
+        for rows, m in ((37, 1), (21, 3), (5, 6)):
+            blocks = random_blocks(qtype, rows, cols, g)
+            x = torch.randn(m, cols, generator=g)
+            want = reference(x, blocks, qtype)
+            y = gemv.quant_matmul(x, blocks, qtype, cols)
+            assert y.shape == (m, rows) and y.dtype == torch.float32
+            assert rel(y, want) < 1e-5, (qtype, rows, m, rel(y, want))
+            xb = x.bfloat16()
+            yb = gemv.quant_matmul(xb, blocks, qtype, cols)
+            assert yb.dtype == torch.bfloat16
+            assert rel(yb, reference(xb, blocks, qtype)) < 8e-3, (qtype, rows, m, rel(yb, want))
+
+
+def check_parts_side_by_side():
+    """q/k/v-like parts of different rows and mixed types (four launches) into one float32 `out`."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator().manual_seed(8)
+    cols = 512
+    parts = [(random_blocks(q, r, cols, g), q) for q, r in (("IQ3_S", 19), ("IQ3_S", 6), ("Q8_0", 11), ("IQ3_S", 9), ("Q4_K", 10))]
+    x = torch.randn(3, cols, generator=g).bfloat16()
+    out = torch.full((3, 55), float("nan"))
+    gemv.quant_matmul_parts(x, parts, cols, out=out)
+    want = torch.cat([reference(x, b, q) for b, q in parts], dim=1)
+    assert rel(out, want) < 1e-5
+
+
+def check_model_decode_fused():
+    """A tiny IQ3_S resident model (q/k/v bias, untied IQ3_S head; wo's 128-wide rows fall back to Q8_0)
+    decodes through the kernels, and its residuals and logits match the same weights dequantized
+    (dense F.linear) at T=1 and T=3."""
+    from strata.checkpoint import synthetic_tensors
+    from strata.model import ModelArgs, Transformer
+    from strata.quant import gemv
+    args = ModelArgs(arch="qwen2", qkv_bias=True, vocab_size=40, dim=256, n_layers=2, n_heads=2, n_kv_heads=1,
+                     head_dim=64, ffn_dim=256, max_seq_len=64)
+
+    def build(resident: bool) -> Transformer:
+        with torch.device("meta"):
+            m = Transformer(args)
+        m.load_weights(synthetic_tensors(args, 0, 2, "cpu", torch.float32, seed=3, qtype="IQ3_S", resident=resident),
+                       "cpu", torch.float32)
+        m.setup_cache(64)
+        return m.eval()
+
+    fused, dense = build(True), build(False)
+    assert all(b.weights.fused_decode_ok("cpu") for b in fused.layers.values())
+    assert {p.qtype for b in fused.layers.values() for p in b.weights.parts.values()} == {"IQ3_S", "Q8_0"}
+    calls = []
+    real, configs = gemv.quant_matmul_parts, gemv.CONFIGS
+    gemv.quant_matmul_parts = lambda *a, **k: calls.append(1) or real(*a, **k)
+    # the interpreter runs programs one by one: wider ones (another launch shape, also worth a check)
+    gemv.CONFIGS = {"IQ3_S": gemv.Config(32, 1), "Q8_0": gemv.Config(32, 3)}
+    try:
+        ids = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+        assert rel(fused(ids[:, :8], 0), dense(ids[:, :8], 0)) < 1e-6  # prefill: the scratch path
+        assert not calls
+        for p, t in ((8, 1), (9, 3)):
+            a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
+            assert rel(a, b) < 1e-5, (p, rel(a, b))
+            la, lb = fused.logits(a[0]), dense.logits(b[0])
+            assert la.dtype == torch.float32 and rel(la, lb) < 1e-5, (p, rel(la, lb))
+    finally:
+        gemv.quant_matmul_parts, gemv.CONFIGS = real, configs
+    assert len(calls) == 2 * 2 * 4 + 2, len(calls)  # 4 products per layer per step, plus the head per step
+
+
+CHECKS = [check_kernel_matches_reference, check_parts_side_by_side, check_model_decode_fused]
+
+
+def _run_checks() -> None:
+    results = {}
+    for fn in CHECKS:
+        try:
+            fn()
+            results[fn.__name__] = "ok"
+        except Exception:
+            results[fn.__name__] = traceback.format_exc()
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", "import tests.test_quant_gemv as t; t._run_checks()"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert p.returncode == 0 and lines, p.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
+def test_interpreted(interpreted, name):
+    assert interpreted[name] == "ok", interpreted[name]
+
+
+def test_supports():
+    from strata.quant import gemv
+    assert gemv.supports("IQ3_S") and gemv.supports("iq3_s") and gemv.supports("Q8_0") and gemv.supports("Q4_K")
+    assert not gemv.supports("Q6_K") and not gemv.supports("F16") and not gemv.supports("nonsense")
+    assert not gemv.available("cpu") or gemv.INTERPRET
+
+
+def test_bad_blocks_refused():
+    from strata.quant import gemv
+    with pytest.raises(ValueError):
+        gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 109, dtype=torch.uint8), "IQ3_S", 256)
+    with pytest.raises(ValueError):
+        gemv.quant_matmul(torch.zeros(1, 128), torch.zeros(4, 110, dtype=torch.uint8), "IQ3_S", 128)
+    with pytest.raises(ValueError):
+        gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 210, dtype=torch.uint8), "Q6_K", 256)
+
+
+# -- CUDA -----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
+@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gpu_70b_shapes(shape, qtype, m):
+    """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64."""
+    from strata.quant import dequantize, gemv, random_blocks
+    rows, cols = shape
+    g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
+    blocks = random_blocks(qtype, rows, cols, g, device="cuda")
+    x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
+    y = gemv.quant_matmul(x, blocks, qtype, cols)
+    w = dequantize(blocks, qtype)
+    want = x.double() @ w.double().T
+    current = torch.nn.functional.linear(x, w.bfloat16())
+    assert rel(y, want) < 8e-3 and rel(y, current) < 1.2e-2, (rel(y, want), rel(current, want))
+    y32 = gemv.quant_matmul(x.float(), blocks, qtype, cols)
+    assert rel(y32, want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_block_decode_fused_vs_unfused(dtype, monkeypatch):
+    """synthetic:smoke-wide@IQ3_S resident on CUDA: decode steps with the kernels give the logits of the
+    scratch path (dequantize + F.linear), and the fused path is the one taken."""
+    from strata import model as M
+    from strata.checkpoint import load_stage, model_args
+    model = "synthetic:smoke-wide@IQ3_S"
+    args = model_args(model)
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        if not fused:  # the layers and the head take the scratch path
+            monkeypatch.setattr(M, "_fused_ok", lambda p, device: False)
+        m = load_stage(model, args, 0, args.n_layers, device="cuda", dtype=dtype, weights="resident", max_len=64)
+        blk = next(iter(m.layers.values()))
+        assert isinstance(blk.weights, M.ResidentMatrices) and blk.weights.fused_decode_ok("cuda") == fused
+        ids = torch.randint(0, args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0)).cuda()
+        h = m(ids[:, :16], 0)
+        out = [m.logits(h[0, -1:])]
+        for p, t in ((16, 1), (17, 3)):
+            out.append(m.logits(m(ids[:, p:p + t], p)[0]))
+        monkeypatch.undo()
+        return out
+
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for a, b in zip(run(True), run(False)):
+        assert rel(a, b) < tol, rel(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graph_capture():
+    """quant_matmul_parts (q/k/v-like parts, M=2) captured in a CUDA graph: a replay with new x gives
+    what an eager call gives."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cols = 1024
+    parts = [(random_blocks("IQ3_S", r, cols, g, device="cuda"), "IQ3_S") for r in (1024, 256, 256)]
+    x = torch.randn(2, cols, generator=g, device="cuda").bfloat16()
+    gemv.quant_matmul_parts(x, parts, cols)  # compiles, makes the tables
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv.quant_matmul_parts(x, parts, cols)
+    x.copy_(torch.randn(2, cols, generator=g, device="cuda"))
+    graph.replay()
+    assert torch.equal(y, gemv.quant_matmul_parts(x, parts, cols))
