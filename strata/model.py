@@ -900,8 +900,14 @@ class Transformer(nn.Module):
         return n
 
     def _graphable(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and not self._weight_only and not isinstance(self.embed, QuantEmbedding)
-                and all(isinstance(b.weights, DenseMatrices) for b in self.layers.values()))
+        """Dense layers, or resident ones the fused kernels multiply on their blocks (strata.quant.gemv); a
+        resident head likewise. A resident embedding is gathered outside the graph."""
+        if not x.is_cuda or self._weight_only:
+            return False
+        if self.has_head and isinstance(self.head.weight, Packed) and not _fused_ok(self.head.weight, x.device):
+            return False
+        return all(isinstance(b.weights, DenseMatrices) or b.weights.fused_decode_ok(x.device)
+                   for b in self.layers.values())
 
     def densify(self, max_bytes: int) -> int:
         """Dequantize resident layers, first to last, into dense matrices of their own while their
@@ -991,7 +997,8 @@ if GRAPH_ATTENTION not in ("split-k", "masked"):
 
 
 class DecodeGraphs:
-    """CUDA graphs of a dense Transformer slice's one-token step, one per bucket of cache positions.
+    """CUDA graphs of a Transformer slice's one-token step (dense layers, or resident ones multiplied on their
+    blocks by strata.quant.gemv), one per bucket of cache positions.
 
     A graph's kernels keep their shapes while pos moves: its attention covers the first `bucket` cache
     positions and reads the live count (pos + 1) on the device. With Triton that is the split-K kernel
@@ -1006,8 +1013,10 @@ class DecodeGraphs:
         self.m = m
         self.device, self.dtype = m._compute()
         dev = self.device
-        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev) if m.has_embed else None
-        self.res = None if m.has_embed else torch.zeros(1, 1, m.args.dim, dtype=self.dtype, device=dev)
+        # a resident embedding's row is gathered (dequantized) before the replay: the graph takes the residual row
+        self.eager_embed = m.has_embed and isinstance(m.embed, QuantEmbedding)
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev) if m.has_embed and not self.eager_embed else None
+        self.res = None if self.ids is not None else torch.zeros(1, 1, m.args.dim, dtype=self.dtype, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
         self.ar = torch.arange(self.cache_len, device=dev)
@@ -1033,6 +1042,8 @@ class DecodeGraphs:
             raise ValueError(f"position {pos} is outside the KV cache ({self.cache_len})")
         with torch.cuda.device(self.device):
             static = self.ids if self.ids is not None else self.res
+            if self.eager_embed:
+                x = self.m.embed(x.reshape(1, 1))
             static.copy_(x.reshape(static.shape))
             self.pos.fill_(pos)
             b = self.bucket(pos)
@@ -1087,9 +1098,10 @@ class DecodeGraphs:
     def _layer(self, blk: Block, h, cos, sin, mask, b: int) -> torch.Tensor:
         a = blk.attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
-        w = blk.weights.get()
+        r = blk.weights  # resident: the fused kernels read the blocks (_graphable checked they can)
+        mm = r.products() if isinstance(r, ResidentMatrices) else _dense_products(r.get(), None)
         x = F.rms_norm(h, (h.shape[-1],), blk.attn_norm.weight, blk.attn_norm.eps)
-        qkv = F.linear(x, w.wqkv, w.bqkv).view(1, nh + 2 * nkv, hd)
+        qkv = mm.qkv(x).view(1, nh + 2 * nkv, hd)
         qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
         a.k_cache.index_copy_(2, self.pos, _to_cache(qk[:, nh:].transpose(0, 1).unsqueeze(0), a.k_cache.dtype))
         a.v_cache.index_copy_(2, self.pos, _to_cache(qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0), a.v_cache.dtype))
@@ -1101,7 +1113,7 @@ class DecodeGraphs:
                 keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
             q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        h = h + F.linear(y.reshape(1, 1, nh * hd), w.wo)
+        h = h + mm.wo(y.reshape(1, 1, nh * hd))
         x = F.rms_norm(h, (h.shape[-1],), blk.mlp_norm.weight, blk.mlp_norm.eps)
-        gate, up = F.linear(x, w.w13).split(blk.mlp.ffn, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w.w2)
+        gate, up = mm.w13(x).split(blk.mlp.ffn, dim=-1)
+        return h + mm.w2(F.silu(gate) * up)
