@@ -53,6 +53,11 @@ def main() -> int:
                     r = p.generate(ids.tolist(), SamplingParams(max_tokens=a.tokens)).report
                     print(f"| {graphs} | {dw} | {n:,} | {r['decode_tok_s']:,.1f} | {1e3 / max(r['decode_tok_s'], 1e-9):.2f} "
                           f"| {r.get('decode_overhead_ms_per_token') or 0:.2f} | {r['ttft_s']:.3f} |", flush=True)
+                    steps = max(r.get("decode_steps") or 0, 1)
+                    print(f"    per token, ms: head {1e3 * r.get('decode_head_s', 0) / steps:.3f}; stages' work "
+                          + ", ".join(f"{1e3 * (s.get('decode_work_s') or 0) / steps:.3f}" for s in r["stages"])
+                          + "; stages' copies and notes " + ", ".join(f"{1e3 * (s.get('decode_copy_s') or 0) / steps:.3f}"
+                                                                  for s in r["stages"]), flush=True)
     if a.llama_bench:
         llama_decode(a, stages, contexts)
     return 0

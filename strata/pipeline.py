@@ -117,6 +117,7 @@ class Pipeline:
         self._signals_seen = 0
         self._sent = self._got = 0     # chunks of the current phase sent to stage 0 / back from the last
         self._results: dict[int, M.ChunkResult] = {}
+        self._decoding = False  # decode phase: the ring head -> stage 0 -> ... -> head carries no "taken" notes
         # the ids whose KV every stage holds: positions [0, _kept_n) (a decoded token is one write, not a copy)
         self._kept = np.zeros(self.plan.max_len, dtype=np.int32)
         self._kept_n = 0
@@ -322,7 +323,8 @@ class Pipeline:
         if data is not None:
             self._wire.land_result(data)
         self._results[k] = msg
-        self._wire.send(len(self.stages) - 1, M.Taken(k=k))
+        if not self._decoding:  # a decode step's result is read before the next token goes down: nothing to free
+            self._wire.send(len(self.stages) - 1, M.Taken(k=k))
         self._got += 1
 
     def _on_stats(self, msg: M.Stats, data) -> None:
@@ -357,6 +359,7 @@ class Pipeline:
                    f"{self.where()}")
 
     def _new_phase(self, phase: str) -> None:
+        self._decoding = phase == "decode"
         self._results.clear()
         self._sent = self._got = 0
         for st in self.stages:  # a second prefill must wait for fresh timing, not find the last one's
@@ -524,6 +527,7 @@ class Pipeline:
         argmax, logits = pre["argmax"], torch.from_numpy(pre["logits"])
         pos = ids.size
         self._new_phase("decode")
+        self._decode_wait_s = 0.0  # waiting on the stages; the rest of decode_s is the head's own time
         t0 = time.perf_counter()
         try:
             while len(out) < limit:
@@ -576,6 +580,7 @@ class Pipeline:
         k = self._sent
         self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1))
         self._sent += 1
+        t_wait = time.perf_counter()
         deadline = time.monotonic() + self.cfg.stall_timeout_s
         # all stages on GPUs: the head polls without sleeping for a while (as their stages do, DECODE_SPIN_S in
         # workers/stage.py): a token is back within milliseconds and a sleeping head wakes late on every one
@@ -584,12 +589,14 @@ class Pipeline:
             self._receive(0 if time.perf_counter() < spin_end else 200)
             if time.monotonic() > deadline:
                 self._stalled()
+        self._decode_wait_s += time.perf_counter() - t_wait
         return self._results.pop(k)
 
     def _result(self, pre: dict, out: list[int], text, finish: str, decode_s: float, steps: int, ttft) -> Result:
         from .report import build_report
         ppl = math.exp(pre["nll"] / pre["count"]) if pre["count"] else None
         decode = {"decode_tokens": len(out), "decode_steps": steps, "decode_s": decode_s,
+                  "decode_head_s": decode_s - getattr(self, "_decode_wait_s", 0.0) if steps else 0.0,
                   "decode_tok_s": steps / decode_s if decode_s > 0 and steps else 0.0,
                   "ttft_s": ttft, "finish_reason": finish}
         report = build_report(self, pre["seconds"], ppl, out, text, ids=pre["ids"], schedule=pre["schedule"],

@@ -510,11 +510,10 @@ class Stage:
         """One decode step: the chunk path less what only a pipeline full of chunks needs, since a decode
         step is the only chunk in flight and every stage waits on the one above.
 
-        - CPU: the input row is copied out and "taken" goes up at once, as for a prefill chunk: the stage
-          above wakes while this one computes (on a few cores a wake-up after the hand-off competes with
-          the head and the stage below, which are on the critical path).
-        - CUDA: one queued copy from the page-locked buffer; "taken" goes up after the rows have gone down
-          (the stage above next writes its buffer a whole token later), so no synchronize of its own.
+        - No "taken" or "done" notes, no chunk in flight to reap later: steps go round a ring (head -> stage
+          0 -> ... -> last -> head) one token at a time, so the stage above writes its buffer again only after
+          this step's result reached the head, long after this stage read it. Per token one note per hop.
+        - CUDA: one queued copy from the page-locked buffer, covered by the step's one synchronize.
         - On CUDA one synchronize covers input copy, layers, head, argmax and the queued copy of the output
           (residual row, or logits row plus argmax) into page-locked memory; before it the notes say nothing.
         - No "working" note, no per-step event (decode reports its sums only: a long answer must not grow
@@ -528,8 +527,6 @@ class Stage:
         else:
             x = self.inlink.get(n).to(self.device, copy=True, non_blocking=cuda and self.pinned)
             x = x.view(1, n, self.args.dim)
-            if not cuda:
-                self.send(self.to_up, M.Taken(k=k))
         work_start = time.perf_counter()
         self.copy_s += work_start - t_in
         self._inject(k)
@@ -543,7 +540,7 @@ class Stage:
             out = logits
         else:
             out = h.view(n, self.args.dim)
-        self._reap()  # normally long done: the stage below took the last step's rows a token ago
+        self._reap()  # only the prefill's last chunk can still be in flight below
         self.outlink.fill(out, non_blocking=cuda and self.pinned)
         if self.last:
             if cuda:
@@ -557,11 +554,7 @@ class Stage:
             self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=int(am)))
         else:
             self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens))
-        if cuda and not self.first:
-            self.send(self.to_up, M.Taken(k=k))
         self.copy_s += time.perf_counter() - work_end
-        self.inflight.append(k)
-        self._join(k)
         self.last_handoff = time.perf_counter()
         self.nchunks += 1
 
