@@ -83,7 +83,7 @@ class RigConfig:
                                             # the model's context, halved until each stage's memory holds it)
     decode_weights: str = field(default="none", metadata={"choices": DECODE_WEIGHTS})  # CPU stages: narrower
                                             # weight-only copies for decode steps (prefill keeps the dense ones)
-    cuda_graphs: bool = False               # CUDA stages: replay a captured graph for each one-token step
+    cuda_graphs: bool = True                # CUDA stages: replay a captured graph for each one-token step
     perplexity: bool = True                 # mean NLL of the prompt, computed on the last stage
     dump_residual: bool = False             # write residual.npy (after the last layer) and its md5
     timing: bool = False                    # console: the per-stage timing table and busy histogram (report.json
