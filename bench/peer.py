@@ -124,6 +124,8 @@ def main() -> int:
         if arm in arms:
             rep = strata_run(f"synthetic:{a.preset}", devices, a.tokens, a.chunk, depth, "", root / arm, a.decode)
             res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "load_wall_s", "decode_tok_s", "residual_md5")}
+            res[arm]["warm_s"] = [s.get("warm_s") for s in rep["stages"]]
+            res[arm]["chunk_s"] = [[round(e[2] - e[1], 3) for e in ev] for ev in rep.get("events", [])]
     if "hf" in arms:
         res["hf"] = hf_run(a.preset, devices, a.tokens, a.chunk)
 
