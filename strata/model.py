@@ -408,43 +408,8 @@ class FeedForward(nn.Module):
 
 
 # -- weight-only kernels for decode (CPU) -------------------------------------------------------
-WEIGHT_ONLY = ("int4", "int8", "float16")  # decode_weights for the layers
-# qint8 (fbgemm's dynamic int8) only under RefinedHead: for SmolLM2's layers it was no faster than int4 once
-# the weights no longer fit the cache, and greedy tokens left the float32 path's after 2 steps on one prompt
-WEIGHT_KINDS = WEIGHT_ONLY + ("qint8",)
+WEIGHT_ONLY = ("int4", "int8", "float16")
 INT4_GROUP = 32
-
-
-def _has_vnni() -> bool:
-    """x86 VNNI: fbgemm's u8 x s8 dot products accumulate in int32 without the int16 pair saturation of
-    AVX2's vpmaddubsw, so activations may use all 8 bits (else 7, fbgemm's reduce_range)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return bool({"avx512_vnni", "avx_vnni"} & set(line.split()))
-    except OSError:
-        pass
-    return False
-
-
-_REDUCE_RANGE = not _has_vnni()
-
-
-def _fbgemm_pack(wf: torch.Tensor):
-    """wf (n, k) float32 -> fbgemm's packed int8 matrix (one symmetric scale per row) for linear_dynamic."""
-    import warnings
-    n = wf.shape[0]
-    scale = (wf.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).double()
-    with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes only them
-        warnings.simplefilter("ignore")
-        qw = torch.quantize_per_channel(wf, scale, torch.zeros(n, dtype=torch.long), 0, torch.qint8)
-        prev = torch.backends.quantized.engine
-        try:
-            torch.backends.quantized.engine = "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines else prev
-            return torch.ops.quantized.linear_prepack(qw, None)
-        finally:
-            torch.backends.quantized.engine = prev
 
 
 class WeightOnly:
@@ -453,23 +418,16 @@ class WeightOnly:
     int8 / int4: torch's weight-only GEMM kernels, whose fast paths take bfloat16 activations (x is
     rounded to bfloat16). int8: one scale per row, symmetric. int4: groups of 32 along a row,
     w = (q - 8) * scale + zero (GGUF Q4_1's w = d*q + m is that with scale d, zero m + 8d).
-    float16: the matrix and x in float16 (oneDNN's half GEMM). qint8: fbgemm's dynamic int8 GEMM, one
-    symmetric scale per row of w, x quantized per call to 8-bit unsigned with one scale and zero (7-bit
-    without VNNI; x86 integer dot products: ~2x int4/int8's speed on one-row products, float32 in and out, no
-    bfloat16 casts). The product comes back in x's dtype."""
+    float16: the matrix and x in float16 (oneDNN's half GEMM). The product comes back in x's dtype."""
 
     def __init__(self, w: torch.Tensor, kind: str):
-        if kind not in WEIGHT_KINDS:
-            raise ValueError(f"unknown weight-only kind {kind!r} (known: {', '.join(WEIGHT_KINDS)})")
+        if kind not in WEIGHT_ONLY:
+            raise ValueError(f"unknown decode_weights {kind!r} (known: {', '.join(WEIGHT_ONLY)})")
         n, k = w.shape
         self.kind, self.rows = kind, n
         wf = w.detach().float()
         if kind == "float16":
             self.q, self.scales = wf.half(), torch.empty(0)
-            return
-        if kind == "qint8":
-            self.q, self.scales = _fbgemm_pack(wf), torch.empty(0)
-            self.packed_bytes = n * k + 4 * n  # int8 weights and a scale per row (the pack is opaque)
             return
         if kind == "int8":
             scale = (wf.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).bfloat16()
@@ -491,9 +449,6 @@ class WeightOnly:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "float16":
             return F.linear(x.to(torch.float16), self.q).to(x.dtype)
-        if self.kind == "qint8":
-            y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]).float(), self.q, _REDUCE_RANGE)
-            return y.to(x.dtype).view(*x.shape[:-1], self.rows)  # float32 in and out: casts are no-ops
         xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.q, INT4_GROUP, self.scales)
@@ -503,45 +458,7 @@ class WeightOnly:
 
     @property
     def nbytes(self) -> int:
-        if self.kind == "qint8":
-            return self.packed_bytes
         return self.q.numel() * self.q.element_size() + self.scales.numel() * self.scales.element_size()
-
-
-class RefinedHead:
-    """The head for decode rows on CPU: int8 logits (fbgemm, ~4x fewer bytes and cycles than float16) with
-    the rows that could be the largest recomputed in float32 from the head's own weight.
-
-    The int8 product y differs from x @ w.T by at most b_i = ex * |w8_i|_1 + ew_i * |x|_1 per row (ex, ew:
-    half the activation and weight quantization steps; the integer sums are exact), so every row with
-    y_i + b_i >= max(y - b) is a candidate and the exact argmax is among them: those rows get their float32
-    value (a few hundred of 49,152 on SmolLM2), the others keep the int8 estimate, which lies below the
-    largest exact logit. Greedy decoding thus picks the float32 head's token; sampling sees exact top rows
-    and int8 estimates (off by ~1e-2 of the max) far below them."""
-
-    def __init__(self, w: torch.Tensor):
-        wf = w.detach().float()
-        self.w, self.rows, self.k = w, wf.shape[0], wf.shape[1]
-        self.int8 = WeightOnly(wf, "qint8")
-        scale = (wf.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        self.l1 = (torch.round(wf / scale[:, None]).clamp(-127, 127).abs().sum(1) * scale)  # |w8_i|_1
-        self.half_step = scale / 2
-        self.levels = 127 if _REDUCE_RANGE else 255
-        self.nbytes = self.int8.nbytes + 2 * 4 * self.rows
-        self.last_candidates = 0
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xs = x.reshape(-1, self.k).float()
-        y = self.int8(xs)
-        for r in range(xs.shape[0]):
-            xr, yr = xs[r], y[r]
-            ex = (xr.max().clamp_min(0) - xr.min().clamp_max(0)) / (2 * self.levels)
-            b = torch.addcmul(self.l1 * ex, self.half_step, xr.abs().sum())  # the bound, per row
-            b.mul_(1.001).add_(1e-4 + 1e-6 * float(yr.abs().max()))         # float rounding of the int8 output
-            cand = (yr + b >= (yr - b).max()).nonzero()[:, 0]
-            yr[cand] = F.linear(xr, self.w.index_select(0, cand).float())
-            self.last_candidates = int(cand.numel())
-        return y.view(*x.shape[:-1], self.rows)
 
 
 class LayerWeightOnly(NamedTuple):
@@ -846,9 +763,9 @@ class Transformer(nn.Module):
             packs[i] = LayerWeightOnly(*(WeightOnly(t.weight, kind) for t in (m.wqkv, m.wo, m.w13, m.w2)))
             n += sum(p.nbytes for p in packs[i])
         if self.has_head and not isinstance(self.head.weight, Packed):
-            # whatever the layers: SmolLM2's head in int4 moved logits by 0.15 of their max, int8 by 0.02,
-            # float16 by 5e-4 (3.2 ms); RefinedHead's int8 with float32 top rows: the float32 argmax, ~1 ms
-            self._head_weight_only = RefinedHead(self.head.weight)
+            # the head in float16 whatever the layers: SmolLM2's head in int4 moved logits by 0.15 of their
+            # max, int8 by 0.02, float16 by 5e-4, and float16 was the fastest of int8 / float16 (3.2 ms)
+            self._head_weight_only = WeightOnly(self.head.weight, "float16")
             n += self._head_weight_only.nbytes
         self._weight_only, self.decode_weights = packs, kind
         return n
