@@ -456,6 +456,16 @@ class WeightOnly:
             y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scales)
         return y.to(x.dtype).view(*x.shape[:-1], self.rows)
 
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, k) -> (rows, n) in the kernel's own dtype (bfloat16 for int4 / int8, which take x as
+        bfloat16 anyway): the decode path adds it to a float32 residual (type promotion, one op) or feeds it to
+        the next kernel, so the casts back and forth of __call__ are skipped."""
+        if self.kind == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q, INT4_GROUP, self.scales)
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
+        return self(x)
+
     @property
     def nbytes(self) -> int:
         return self.q.numel() * self.q.element_size() + self.scales.numel() * self.scales.element_size()
@@ -472,6 +482,14 @@ def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wo: WeightOnly
     if wo is None:
         return F.linear(x, w, b)
     y = wo(x)
+    return y if b is None else y + b
+
+
+def _mm_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wo: WeightOnly | None) -> torch.Tensor:
+    # x (rows, k); a weight-only product comes back in its kernel's dtype (see WeightOnly.native)
+    if wo is None:
+        return F.linear(x, w, b)
+    y = wo.native(x)
     return y if b is None else y + b
 
 
@@ -494,9 +512,18 @@ class Block(nn.Module):
         """The layer for a few rows (T <= DECODE_T) in fewer ops: fused norms, rope on q and k at
         once, T == 1 attention as one unmasked call; `wo`: weight-only kernels for the matrices.
 
-        cos, sin: (T, 1, hd), sin signed (`_signed_sin`, made once per step). Same arithmetic as forward up
-        to rounding (not the same bits)."""
-        a, T = self.attn, h.shape[1]
+        h: (1, T, dim). cos, sin: (T, 1, hd), sin signed (`_signed_sin`, made once per step). Same arithmetic as
+        forward up to rounding (not the same bits)."""
+        T = h.shape[1]
+        return self.decode_rows(h.view(T, h.shape[2]), pos, cos, sin, wo).view(1, T, -1)
+
+    def decode_rows(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                    wo: LayerWeightOnly | None = None) -> torch.Tensor:
+        """Block.decode on the residual as rows (T, dim): a decode step is bound by per-op dispatch (SmolLM2:
+        ~35 tiny ops a layer), so every view, cast and copy that can go does (weight-only products stay in
+        bfloat16 until added to the float32 residual; silu(gate) * up in bfloat16, which the next kernel
+        rounds its input to anyway)."""
+        a, T = self.attn, h.shape[0]
         nh, nkv, hd = a.nh, a.nkv, a.hd
         if a.k_cache is None:
             raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
@@ -504,19 +531,26 @@ class Block(nn.Module):
             raise ValueError(f"positions {pos}..{pos + T} exceed the KV cache ({a.k_cache.shape[2]})")
         w = self.weights.get()
         x = F.rms_norm(h, (h.shape[-1],), self.attn_norm.weight, self.attn_norm.eps)
-        qkv = _mm(x, w.wqkv, w.bqkv, wo and wo.wqkv).view(T, nh + 2 * nkv, hd)
-        qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
-        a.k_cache[0, :, pos:pos + T] = _to_cache(qk[:, nh:].transpose(0, 1), a.k_cache.dtype)
-        a.v_cache[0, :, pos:pos + T] = _to_cache(qkv[:, nh + nkv:].transpose(0, 1), a.v_cache.dtype)
-        keys, vals = a.k_cache[:, :, :pos + T], a.v_cache[:, :, :pos + T]
+        qkv = _mm_rows(x, w.wqkv, w.bqkv, wo and wo.wqkv).view(T, nh + 2 * nkv, hd)
+        qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)  # in h's dtype (a bfloat16 qkv is promoted)
+        kc, vc = a.k_cache, a.v_cache
+        k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + nkv:].transpose(0, 1)  # (nkv, T, hd)
+        if kc.dtype in _FP8:
+            k_new, v_new = _to_cache(k_new, kc.dtype), _to_cache(v_new, vc.dtype)
+        kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
+        vc.narrow(2, pos, T).copy_(v_new)
+        keys, vals = kc.narrow(2, 0, pos + T), vc.narrow(2, 0, pos + T)
         if keys.dtype != qk.dtype:
             keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
-        q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-        y = decode_attention(q, keys, vals) if T == 1 else chunk_attention(q, keys, vals, pos)
-        h = h + _mm(y.transpose(1, 2).reshape(1, T, nh * hd), w.wo, None, wo and wo.wo)
+        if T == 1:
+            y = decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals).view(1, nh * hd)
+        else:
+            q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
+            y = chunk_attention(q, keys, vals, pos).transpose(1, 2).reshape(T, nh * hd)
+        h = h + _mm_rows(y, w.wo, None, wo and wo.wo)
         x = F.rms_norm(h, (h.shape[-1],), self.mlp_norm.weight, self.mlp_norm.eps)
-        gate, up = _mm(x, w.w13, None, wo and wo.w13).split(self.mlp.ffn, dim=-1)
-        return h + _mm(F.silu(gate) * up, w.w2, None, wo and wo.w2)
+        gate, up = _mm_rows(x, w.w13, None, wo and wo.w13).split(self.mlp.ffn, dim=-1)
+        return h + _mm_rows(F.silu(gate) * up, w.w2, None, wo and wo.w2)
 
 
 class QuantEmbedding(nn.Module):
@@ -578,6 +612,7 @@ class Transformer(nn.Module):
         self._head_weight_only: WeightOnly | None = None
         self.cuda_graphs = False  # opt-in: forward's one-token steps replay CUDA graphs (decode_step)
         self._graphs: DecodeGraphs | None = None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU decode: cos, signed sin by position
 
     # -- weights ---------------------------------------------------------------------------
     def load_weights(self, tensors: dict, device, dtype) -> None:
@@ -705,6 +740,19 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _decode_rope(self, pos: int, T: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (T, 1, hd) for a decode step. On CPU, rows of a table made once (grown by
+        doubling), the same bits as rope(): a step costs two narrows instead of a dozen ops."""
+        if device.type != "cpu":
+            cos, sin = self.rope(pos, T, dtype)
+            return cos[:, None], _signed_sin(sin[:, None])
+        tab = self._rope_table
+        if tab is None or tab[0].shape[0] < pos + T or tab[0].dtype != dtype:
+            n = max(256, 1 << (pos + T - 1).bit_length())
+            cos, sin = self.rope(0, n, dtype)
+            tab = self._rope_table = (cos[:, None].contiguous(), _signed_sin(sin[:, None]).contiguous())
+        return tab[0].narrow(0, pos, T), tab[1].narrow(0, pos, T)
+
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, pos: int, decode: bool | None = None) -> torch.Tensor:
         """x: token ids (1, T) on the first slice, else the residual (1, T, dim). Returns the residual.
@@ -722,12 +770,14 @@ class Transformer(nn.Module):
     def _run(self, x: torch.Tensor, pos: int, decode: bool) -> torch.Tensor:
         T = x.shape[1]
         h = self.embed(x) if self.has_embed else x
-        cos, sin = self.rope(pos, T, h.dtype)
         if decode:
-            cos, sin = cos[:, None], _signed_sin(sin[:, None])
+            cos, sin = self._decode_rope(pos, T, h.dtype, h.device)
+            dim = h.shape[-1]
+            h = h.view(T, dim)
             for i, blk in self.layers.items():
-                h = blk.decode(h, pos, cos, sin, self._weight_only.get(i))
-            return h
+                h = blk.decode_rows(h, pos, cos, sin, self._weight_only.get(i))
+            return h.view(1, T, dim)
+        cos, sin = self.rope(pos, T, h.dtype)
         for blk in self.layers.values():
             h = blk(h, pos, cos, sin)
         return h
@@ -735,10 +785,10 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head over residual rows (..., dim) -> float32 logits (..., vocab)."""
-        x = self.norm(h)
         hw = self._head_weight_only
-        if hw is not None and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T:
-            return hw(x.float()).float()
+        if hw is not None and h.numel() <= DECODE_T * h.shape[-1]:  # decode rows: one fused norm op
+            return hw(F.rms_norm(h, (h.shape[-1],), self.norm.weight, self.norm.eps).float()).float()
+        x = self.norm(h)
         return self.head(x).float()
 
     # -- decode options --------------------------------------------------------------------------
