@@ -44,6 +44,24 @@ def test_decode_path_matches_prefill_path(qkv_bias, kv_dtype):
         assert rel(new.logits(b[0, -1]), old.logits(a[0, -1])) < 1e-5, p
 
 
+def test_bf16_cache_attention_close_to_widened(monkeypatch):
+    """A bfloat16 cache read as is (bfloat16 GEMMs per kv head, float32 softmax; past BF16_ATTENTION_FROM
+    positions) against the same cache widened for the float32 path: close, not the same bits."""
+    import strata.model as sm
+    monkeypatch.setattr(sm, "BF16_ATTENTION_FROM", 1)
+    old, new = build(SMALL, 200, "bfloat16"), build(SMALL, 200, "bfloat16")
+    ids = torch.randint(0, SMALL.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3))
+    old(ids[:, :150], 0), new(ids[:, :150], 0)
+    calls = []
+    real = sm._bf16_cache_attention
+    monkeypatch.setattr(sm, "_bf16_cache_attention", lambda *a: calls.append(1) or real(*a))
+    for p in range(150, 160):
+        a, b = old(ids[:, p:p + 1], p, decode=False), new(ids[:, p:p + 1], p)
+        assert 0 < rel(b, a) < 2e-2, p
+        assert rel(new.logits(b[0, -1]), old.logits(a[0, -1])) < 2e-2, p
+    assert len(calls) == 10 * SMALL.n_layers  # the bfloat16 path ran, every layer of every step
+
+
 def test_small_chunks_and_position_zero():
     """T = 2..DECODE_T through the decode path (split attention, fused ops) and a first token at pos 0."""
     old, new = build(SMALL, 64), build(SMALL, 64)
