@@ -274,3 +274,16 @@ def test_densify_resident_layers_same_bits():
     assert [type(b.weights).__name__ for b in some.layers.values()].count("DenseMatrices") == 3
     assert whole.densify(1 << 40) == args.n_layers and whole.densify(1 << 40) == 0
     assert md5(some) == ref and md5(whole) == ref
+
+
+def test_decode_rope_table_same_bits_as_rope():
+    """The CPU decode path's rope rows come from a table grown by doubling: the bits rope(pos, T) makes."""
+    from strata.model import _signed_sin
+    m = build(SMALL, 8)
+    for dtype in (torch.float32, torch.bfloat16):
+        for pos in (0, 1, 255, 256, 300, 4095, 70000):
+            for T in (1, DECODE_T):
+                cos, sin = m._decode_rope(pos, T, dtype, torch.device("cpu"))
+                c2, s2 = m.rope(pos, T, dtype)
+                assert torch.equal(cos, c2[:, None]) and torch.equal(sin, _signed_sin(s2[:, None])), (pos, T)
+    assert m._rope_table[0].shape[0] == 1 << 17  # 70,004 positions: the next power of two
