@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--cuda-graphs", default="false", help="comma list of true/false")
     ap.add_argument("--decode-weights", default="none", help="comma list (CPU stages)")
+    ap.add_argument("--kv-dtype", default="auto", help="comma list: the KV cache dtype (auto: the compute dtype)")
     ap.add_argument("--llama-bench", help="also time llama.cpp's decode on the model's GGUF file, same contexts")
     ap.add_argument("--llama-gguf", help="the file llama-bench decodes (default: the model's own GGUF; for a "
                     "synthetic model, e.g. bench/make_gguf.py's F16 file of the same shape)")
@@ -38,12 +39,12 @@ def main() -> int:
     dtype = a.dtype or ("bfloat16" if a.devices else "float32")
     contexts = [int(x) for x in a.contexts.split(",")]
     print(f"{a.model} {dtype}, stages {[s['device'] for s in stages]}, {a.tokens} tokens per prompt")
-    print("| cuda_graphs | decode_weights | context | decode tok/s | ms/token | outside the stages ms/token | ttft s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| cuda_graphs | decode_weights | kv_dtype | context | decode tok/s | ms/token | outside the stages ms/token | ttft s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     import numpy as np
     for graphs in a.cuda_graphs.split(","):
-        for dw in a.decode_weights.split(","):
-            cfg = dict(model=a.model, dtype=dtype, stages=stages, chunk=a.chunk, progress=False, perplexity=False,
+        for dw, kv in [(d, k) for d in a.decode_weights.split(",") for k in a.kv_dtype.split(",")]:
+            cfg = dict(kv_dtype=kv, model=a.model, dtype=dtype, stages=stages, chunk=a.chunk, progress=False, perplexity=False,
                        max_context=max(contexts) + a.tokens + 1, cuda_graphs=graphs == "true", decode_weights=dw,
                        prompt={"random": {"tokens": 16, "seed": 0}})
             with Pipeline(cfg, console=False) as p:
@@ -51,7 +52,7 @@ def main() -> int:
                 for n in contexts:
                     ids = np.random.default_rng(n).integers(0, vocab, n)
                     r = p.generate(ids.tolist(), SamplingParams(max_tokens=a.tokens)).report
-                    print(f"| {graphs} | {dw} | {n:,} | {r['decode_tok_s']:,.1f} | {1e3 / max(r['decode_tok_s'], 1e-9):.2f} "
+                    print(f"| {graphs} | {dw} | {kv} | {n:,} | {r['decode_tok_s']:,.1f} | {1e3 / max(r['decode_tok_s'], 1e-9):.2f} "
                           f"| {r.get('decode_overhead_ms_per_token') or 0:.2f} | {r['ttft_s']:.3f} |", flush=True)
                     steps = max(r.get("decode_steps") or 0, 1)
                     print(f"    per token, ms: head {1e3 * r.get('decode_head_s', 0) / steps:.3f}; stages' work "
@@ -81,7 +82,7 @@ def llama_decode(a, stages, contexts) -> None:
             print(f"llama.cpp failed ({out.returncode}): {out.stderr[-500:]}")
             return
         ts = json.loads(out.stdout)[0]["avg_ts"]
-        print(f"| llama.cpp | `{' '.join(cmd[3:])}` | {n:,} | {ts:,.1f} | {1e3 / ts:.2f} | - | - |", flush=True)
+        print(f"| llama.cpp | `{' '.join(cmd[3:])}` | - | {n:,} | {ts:,.1f} | {1e3 / ts:.2f} | - | - |", flush=True)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,27 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.reshape(q.shape)
 
 
+# From this many cached positions a CPU decode step attends over a bfloat16 cache as is (below, widening the
+# prefix and the float32 flash kernel were faster on SmolLM2: 512 positions, 7.9 vs 11.7 ms a stage)
+BF16_ATTENTION_FROM = 2048
+
+
+def _bf16_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query row (1, nh, hd) against a bfloat16 CPU cache k, v (1, nkv, S, hd) -> (1, nh * hd) bfloat16.
+
+    Per kv head two bfloat16 GEMMs and a float32 softmax: at long contexts a decode step streams the cache
+    from memory, and this reads it in half the bytes. Per head, because a batched GEMM over the narrowed
+    cache (heads max_len apart) is slower than the float32 flash kernel; the flash kernel on bfloat16
+    is slower still. The scores are rounded to bfloat16 before the softmax (relative 4e-3), as the cache is."""
+    nkv, hd = k.shape[1], k.shape[3]
+    qg = (q * hd ** -0.5).to(torch.bfloat16).view(nkv, -1, hd)  # a kv head's query rows
+    out = torch.empty(qg.shape, dtype=torch.bfloat16)
+    for j in range(nkv):
+        p = torch.mm(qg[j], k[0, j].t()).softmax(-1, dtype=torch.float32).to(torch.bfloat16)
+        torch.mm(p, v[0, j], out=out[j])
+    return out.view(1, -1)
+
+
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """sin with its first half negated, once per step: rotate_half(x) * sin == roll(x) * signed_sin, bit for bit."""
     half = sin.shape[-1] // 2
@@ -558,6 +579,16 @@ class WeightOnly:
             y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scales)
         return y.to(x.dtype).view(*x.shape[:-1], self.rows)
 
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, k) -> (rows, n) in the kernel's own dtype (bfloat16 for int4 / int8, which take x as
+        bfloat16 anyway): the decode path adds it to a float32 residual (type promotion, one op) or feeds it to
+        the next kernel, so the casts back and forth of __call__ are skipped."""
+        if self.kind == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q, INT4_GROUP, self.scales)
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
+        return self(x)
+
     @property
     def nbytes(self) -> int:
         return self.q.numel() * self.q.element_size() + self.scales.numel() * self.scales.element_size()
@@ -570,10 +601,11 @@ class LayerWeightOnly(NamedTuple):
     w2: WeightOnly
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wo: WeightOnly | None) -> torch.Tensor:
+def _mm_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wo: WeightOnly | None) -> torch.Tensor:
+    # x (rows, k); a weight-only product comes back in its kernel's dtype (see WeightOnly.native)
     if wo is None:
         return F.linear(x, w, b)
-    y = wo(x)
+    y = wo.native(x)
     return y if b is None else y + b
 
 
@@ -587,8 +619,8 @@ class Products(NamedTuple):
 
 def _dense_products(w: Mats, wo: LayerWeightOnly | None) -> Products:
     p = functools.partial
-    return Products(p(_mm, w=w.wqkv, b=w.bqkv, wo=wo and wo.wqkv), p(_mm, w=w.wo, b=None, wo=wo and wo.wo),
-                    p(_mm, w=w.w13, b=None, wo=wo and wo.w13), p(_mm, w=w.w2, b=None, wo=wo and wo.w2))
+    return Products(p(_mm_rows, w=w.wqkv, b=w.bqkv, wo=wo and wo.wqkv), p(_mm_rows, w=w.wo, b=None, wo=wo and wo.wo),
+                    p(_mm_rows, w=w.w13, b=None, wo=wo and wo.w13), p(_mm_rows, w=w.w2, b=None, wo=wo and wo.w2))
 
 
 class Block(nn.Module):
@@ -610,9 +642,18 @@ class Block(nn.Module):
         """The layer for a few rows (T <= DECODE_T) in fewer ops: fused norms, rope on q and k at
         once, T == 1 attention as one unmasked call; `wo`: weight-only kernels for the matrices.
 
-        cos, sin: (T, 1, hd), sin signed (`_signed_sin`, made once per step). Same arithmetic as forward up
-        to rounding (not the same bits)."""
-        a, T = self.attn, h.shape[1]
+        h: (1, T, dim). cos, sin: (T, 1, hd), sin signed (`_signed_sin`, made once per step). Same arithmetic as
+        forward up to rounding (not the same bits)."""
+        T = h.shape[1]
+        return self.decode_rows(h.view(T, h.shape[2]), pos, cos, sin, wo).view(1, T, -1)
+
+    def decode_rows(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                    wo: LayerWeightOnly | None = None) -> torch.Tensor:
+        """Block.decode on the residual as rows (T, dim): a decode step is bound by per-op dispatch (SmolLM2:
+        ~35 tiny ops a layer), so every view, cast and copy that can go does (weight-only products stay in
+        bfloat16 until added to the float32 residual; silu(gate) * up in bfloat16, which the next kernel
+        rounds its input to anyway)."""
+        a, T = self.attn, h.shape[0]
         nh, nkv, hd = a.nh, a.nkv, a.hd
         if a.k_cache is None:
             raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
@@ -625,15 +666,30 @@ class Block(nn.Module):
             mm = _dense_products(r.get(), wo)
         x = F.rms_norm(h, (h.shape[-1],), self.attn_norm.weight, self.attn_norm.eps)
         qkv = mm.qkv(x).view(T, nh + 2 * nkv, hd)
-        qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
-        a.k_cache[0, :, pos:pos + T] = _to_cache(qk[:, nh:].transpose(0, 1), a.k_cache.dtype)
-        a.v_cache[0, :, pos:pos + T] = _to_cache(qkv[:, nh + nkv:].transpose(0, 1), a.v_cache.dtype)
-        keys, vals = a.k_cache[:, :, :pos + T], a.v_cache[:, :, :pos + T]
+        qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)  # in h's dtype (a bfloat16 qkv is promoted)
+        kc, vc = a.k_cache, a.v_cache
+        k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + nkv:].transpose(0, 1)  # (nkv, T, hd)
+        if kc.dtype in _FP8:
+            k_new, v_new = _to_cache(k_new, kc.dtype), _to_cache(v_new, vc.dtype)
+        kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
+        vc.narrow(2, pos, T).copy_(v_new)
+        keys, vals = kc.narrow(2, 0, pos + T), vc.narrow(2, 0, pos + T)
+        if (T == 1 and keys.dtype == torch.bfloat16 != qk.dtype and keys.device.type == "cpu"
+                and pos + 1 >= BF16_ATTENTION_FROM):
+            y = _bf16_cache_attention(qk[:, :nh], keys, vals)  # the prefix is never widened
+            h = h + mm.wo(y if wo is not None else y.to(h.dtype))
+            return self._mlp_rows(h, mm)
         if keys.dtype != qk.dtype:
             keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
-        q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-        y = decode_attention(q, keys, vals) if T == 1 else chunk_attention(q, keys, vals, pos)
-        h = h + mm.wo(y.transpose(1, 2).reshape(1, T, nh * hd))
+        if T == 1:
+            y = decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals).view(1, nh * hd)
+        else:
+            q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
+            y = chunk_attention(q, keys, vals, pos).transpose(1, 2).reshape(T, nh * hd)
+        h = h + mm.wo(y)
+        return self._mlp_rows(h, mm)
+
+    def _mlp_rows(self, h: torch.Tensor, mm: Products) -> torch.Tensor:
         x = F.rms_norm(h, (h.shape[-1],), self.mlp_norm.weight, self.mlp_norm.eps)
         gate, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
         return h + mm.w2(F.silu(gate) * up)
@@ -707,6 +763,7 @@ class Transformer(nn.Module):
         self._head_weight_only: WeightOnly | None = None
         self.cuda_graphs = False  # opt-in: forward's one-token steps replay CUDA graphs (decode_step)
         self._graphs: DecodeGraphs | None = None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU decode: cos, signed sin by position
 
     # -- weights ---------------------------------------------------------------------------
     def load_weights(self, tensors: dict, device, dtype) -> None:
@@ -834,6 +891,19 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _decode_rope(self, pos: int, T: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (T, 1, hd) for a decode step. On CPU, rows of a table made once (grown by
+        doubling), the same bits as rope(): a step costs two narrows instead of a dozen ops."""
+        if device.type != "cpu":
+            cos, sin = self.rope(pos, T, dtype)
+            return cos[:, None], _signed_sin(sin[:, None])
+        tab = self._rope_table
+        if tab is None or tab[0].shape[0] < pos + T or tab[0].dtype != dtype:
+            n = max(256, 1 << (pos + T - 1).bit_length())
+            cos, sin = self.rope(0, n, dtype)
+            tab = self._rope_table = (cos[:, None].contiguous(), _signed_sin(sin[:, None]).contiguous())
+        return tab[0].narrow(0, pos, T), tab[1].narrow(0, pos, T)
+
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, pos: int, decode: bool | None = None) -> torch.Tensor:
         """x: token ids (1, T) on the first slice, else the residual (1, T, dim). Returns the residual.
@@ -851,12 +921,14 @@ class Transformer(nn.Module):
     def _run(self, x: torch.Tensor, pos: int, decode: bool) -> torch.Tensor:
         T = x.shape[1]
         h = self.embed(x) if self.has_embed else x
-        cos, sin = self.rope(pos, T, h.dtype)
         if decode:
-            cos, sin = cos[:, None], _signed_sin(sin[:, None])
+            cos, sin = self._decode_rope(pos, T, h.dtype, h.device)
+            dim = h.shape[-1]
+            h = h.view(T, dim)
             for i, blk in self.layers.items():
-                h = blk.decode(h, pos, cos, sin, self._weight_only.get(i))
-            return h
+                h = blk.decode_rows(h, pos, cos, sin, self._weight_only.get(i))
+            return h.view(1, T, dim)
+        cos, sin = self.rope(pos, T, h.dtype)
         for blk in self.layers.values():
             h = blk(h, pos, cos, sin)
         return h
@@ -864,10 +936,10 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head over residual rows (..., dim) -> float32 logits (..., vocab)."""
-        x = self.norm(h)
         hw = self._head_weight_only
-        if hw is not None and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T:
-            return hw(x.float()).float()
+        if hw is not None and h.numel() <= DECODE_T * h.shape[-1]:  # decode rows: one fused norm op
+            return hw(F.rms_norm(h, (h.shape[-1],), self.norm.weight, self.norm.eps).float()).float()
+        x = self.norm(h)
         return self.head(x).float()
 
     # -- decode options --------------------------------------------------------------------------

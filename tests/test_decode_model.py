@@ -44,6 +44,24 @@ def test_decode_path_matches_prefill_path(qkv_bias, kv_dtype):
         assert rel(new.logits(b[0, -1]), old.logits(a[0, -1])) < 1e-5, p
 
 
+def test_bf16_cache_attention_close_to_widened(monkeypatch):
+    """A bfloat16 cache read as is (bfloat16 GEMMs per kv head, float32 softmax; past BF16_ATTENTION_FROM
+    positions) against the same cache widened for the float32 path: close, not the same bits."""
+    import strata.model as sm
+    monkeypatch.setattr(sm, "BF16_ATTENTION_FROM", 1)
+    old, new = build(SMALL, 200, "bfloat16"), build(SMALL, 200, "bfloat16")
+    ids = torch.randint(0, SMALL.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3))
+    old(ids[:, :150], 0), new(ids[:, :150], 0)
+    calls = []
+    real = sm._bf16_cache_attention
+    monkeypatch.setattr(sm, "_bf16_cache_attention", lambda *a: calls.append(1) or real(*a))
+    for p in range(150, 160):
+        a, b = old(ids[:, p:p + 1], p, decode=False), new(ids[:, p:p + 1], p)
+        assert 0 < rel(b, a) < 2e-2, p
+        assert rel(new.logits(b[0, -1]), old.logits(a[0, -1])) < 2e-2, p
+    assert len(calls) == 10 * SMALL.n_layers  # the bfloat16 path ran, every layer of every step
+
+
 def test_small_chunks_and_position_zero():
     """T = 2..DECODE_T through the decode path (split attention, fused ops) and a first token at pos 0."""
     old, new = build(SMALL, 64), build(SMALL, 64)
@@ -256,3 +274,16 @@ def test_densify_resident_layers_same_bits():
     assert [type(b.weights).__name__ for b in some.layers.values()].count("DenseMatrices") == 3
     assert whole.densify(1 << 40) == args.n_layers and whole.densify(1 << 40) == 0
     assert md5(some) == ref and md5(whole) == ref
+
+
+def test_decode_rope_table_same_bits_as_rope():
+    """The CPU decode path's rope rows come from a table grown by doubling: the bits rope(pos, T) makes."""
+    from strata.model import _signed_sin
+    m = build(SMALL, 8)
+    for dtype in (torch.float32, torch.bfloat16):
+        for pos in (0, 1, 255, 256, 300, 4095, 70000):
+            for T in (1, DECODE_T):
+                cos, sin = m._decode_rope(pos, T, dtype, torch.device("cpu"))
+                c2, s2 = m.rope(pos, T, dtype)
+                assert torch.equal(cos, c2[:, None]) and torch.equal(sin, _signed_sin(s2[:, None])), (pos, T)
+    assert m._rope_table[0].shape[0] == 1 << 17  # 70,004 positions: the next power of two
