@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="2048", help="prompt lengths (random ids), comma-separated")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--cuda-graphs", default="false", help="comma list of true/false")
+    ap.add_argument("--cuda-graphs", default="true", help="comma list of true/false (the rig's default: true)")
     ap.add_argument("--decode-weights", default="none", help="comma list (CPU stages)")
     ap.add_argument("--kv-dtype", default="auto", help="comma list: the KV cache dtype (auto: the compute dtype)")
     ap.add_argument("--llama-bench", help="also time llama.cpp's decode on the model's GGUF file, same contexts")

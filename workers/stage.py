@@ -58,7 +58,8 @@ class ResidualDump:
     def write(self, pos: int, h) -> None:
         self.wait()  # the staging buffer is free again
         n = h.shape[0]
-        self.staging[:n].copy_(h)
+        # widen on the device: a copy that also converts runs on one CPU core (~0.1 s for a 10,240 x 4,096 chunk)
+        self.staging[:n].copy_(h.float() if h.is_cuda else h)
         rows = self.staging[:n].numpy()
         self.writer = threading.Thread(target=self.file.__setitem__, args=(slice(pos, pos + n), rows), daemon=True)
         self.writer.start()
