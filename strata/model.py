@@ -1066,6 +1066,7 @@ GRAPH_MIN_BUCKET = 256
 GRAPH_ATTENTION = os.environ.get("STRATA_GRAPH_ATTENTION", "split-k")
 if GRAPH_ATTENTION not in ("split-k", "masked"):
     raise ValueError(f"STRATA_GRAPH_ATTENTION={GRAPH_ATTENTION!r}: use split-k or masked")
+GRAPH_KERNELS = os.environ.get("STRATA_GRAPH_KERNELS", "triton")  # "torch": norms and rope by torch ops (A/B)
 
 
 class DecodeGraphs:
@@ -1098,6 +1099,11 @@ class DecodeGraphs:
         self.use_split_k = (decode_attention.available() and GRAPH_ATTENTION == "split-k"
                             and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
         self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
+        # with split-K, also the Triton norm and rope-and-store kernels (strata/decode_kernels.py); not for a
+        # float8 cache (its stores clamp first) or a head dim that is not a power of two
+        a = next(iter(m.layers.values())).attn
+        self.fused = (self.use_split_k and GRAPH_KERNELS == "triton" and a.hd & (a.hd - 1) == 0
+                      and a.k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
     def bucket(self, pos: int) -> int:
         b, m = GRAPH_MIN_BUCKET, GRAPH_MIN_BUCKET
@@ -1172,8 +1178,13 @@ class DecodeGraphs:
         nh, nkv, hd = a.nh, a.nkv, a.hd
         r = blk.weights  # resident: the fused kernels read the blocks (_graphable checked they can)
         mm = r.products() if isinstance(r, ResidentMatrices) else _dense_products(r.get(), None)
-        x = F.rms_norm(h, (h.shape[-1],), blk.attn_norm.weight, blk.attn_norm.eps)
+        x = self._norm(h, blk.attn_norm)
         qkv = mm.qkv(x).view(1, nh + 2 * nkv, hd)
+        if self.fused:  # one launch: q rotated, k rotated and v written at pos
+            from strata.decode_kernels import rope_store
+            q = rope_store(qkv[0], cos.view(hd), sin.view(hd), self.pos, nh, nkv, a.k_cache[0], a.v_cache[0])
+            y = self._attention(b)(q.view(nkv, nh // nkv, hd), a.k_cache[0, :, :b], a.v_cache[0, :, :b], mask)
+            return self._rest(blk, mm, h, y)
         qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
         a.k_cache.index_copy_(2, self.pos, _to_cache(qk[:, nh:].transpose(0, 1).unsqueeze(0), a.k_cache.dtype))
         a.v_cache.index_copy_(2, self.pos, _to_cache(qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0), a.v_cache.dtype))
@@ -1185,7 +1196,17 @@ class DecodeGraphs:
                 keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
             q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        h = h + mm.wo(y.reshape(1, 1, nh * hd))
-        x = F.rms_norm(h, (h.shape[-1],), blk.mlp_norm.weight, blk.mlp_norm.eps)
+        return self._rest(blk, mm, h, y)
+
+    def _rest(self, blk: Block, mm: Products, h, y) -> torch.Tensor:
+        """The layer after attention: o-projection, residual, MLP."""
+        h = h + mm.wo(y.reshape(1, 1, -1))
+        x = self._norm(h, blk.mlp_norm)
         gate, up = mm.w13(x).split(blk.mlp.ffn, dim=-1)
         return h + mm.w2(F.silu(gate) * up)
+
+    def _norm(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        if self.fused:
+            from strata.decode_kernels import rms_norm
+            return rms_norm(h, norm.weight, norm.eps)
+        return F.rms_norm(h, (h.shape[-1],), norm.weight, norm.eps)

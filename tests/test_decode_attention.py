@@ -136,3 +136,37 @@ def test_graph_body_split_k_interpreted_matches_eager():
                        timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == "[512, 600]"
+
+
+KERNELS = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import torch.nn.functional as F
+from strata.decode_kernels import rms_norm, rope_store
+from strata.model import _rope_rows, _signed_sin
+g = torch.Generator().manual_seed(11)
+nh, nkv, hd, S, pos = 6, 2, 32, 40, 17
+qkv = torch.randn(nh + 2 * nkv, hd, generator=g)
+ang = torch.randn(hd // 2, generator=g)
+cos, sin = torch.cat((ang, ang)).cos(), torch.cat((ang, ang)).sin()
+ssin = _signed_sin(sin)
+kc, vc = torch.full((nkv, S, hd), float("nan")), torch.full((nkv, S, hd), float("nan"))
+q = rope_store(qkv, cos, ssin, torch.tensor([pos]), nh, nkv, kc, vc)
+ref = _rope_rows(qkv[None, :nh + nkv], cos.view(1, 1, hd), ssin.view(1, 1, hd))[0]
+assert torch.allclose(q, ref[:nh], rtol=1e-6, atol=1e-6)
+assert torch.allclose(kc[:, pos], ref[nh:], rtol=1e-6, atol=1e-6) and torch.equal(vc[:, pos], qkv[nh + nkv:])
+assert torch.isnan(kc[:, :pos]).all() and torch.isnan(vc[:, pos + 1:]).all()  # nothing else written
+x, w = torch.randn(1, 1, 300, generator=g), torch.randn(300, generator=g)
+y = rms_norm(x, w, 1e-5)
+assert torch.allclose(y, F.rms_norm(x, (300,), w, 1e-5), rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+@needs_triton
+def test_decode_kernels_interpreted_match_torch():
+    """rope_store (q rotated; k rotated and v written at pos, nothing else) and the one-row RMSNorm."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", KERNELS, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

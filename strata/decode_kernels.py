@@ -1,0 +1,72 @@
+"""Triton kernels of the CUDA-graph decode step besides attention: RMSNorm of one row, and RoPE with the cache write.
+
+A graph step is ~15 kernels a layer on one token; each small one costs a few microseconds of launch-bound
+latency. One RMSNorm program replaces torch's row-norm kernel; one RoPE-and-store launch replaces the rotation's
+three kernels and the two cache writes. Positions are read on the device (graph replays move them).
+Same arithmetic as the eager path's torch ops: rotations rounded as `x * cos` then `+ roll(x) * signed_sin`.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm(x_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        live = i < n
+        x = tl.load(x_ptr + i, mask=live, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+        tl.store(out_ptr + i, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _rope_store(qkv_ptr, cos_ptr, ssin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, skh, sks, svh, svs,
+                    NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr):
+        h = tl.program_id(0)
+        d = tl.arange(0, HD)
+        pos = tl.load(pos_ptr)
+        x = tl.load(qkv_ptr + h * HD + d)
+        if h < NH + NKV:  # q or k: rotate (rotate-half as a roll by HD/2 times the signed sin)
+            xr = tl.load(qkv_ptr + h * HD + (d + HD // 2) % HD).to(tl.float32)
+            c = tl.load(cos_ptr + d).to(tl.float32)
+            s = tl.load(ssin_ptr + d).to(tl.float32)
+            a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)  # x * cos, rounded as torch rounds it
+            r = a + xr * s
+            if h < NH:
+                tl.store(q_ptr + h * HD + d, r.to(q_ptr.dtype.element_ty))
+            else:
+                tl.store(kc_ptr + (h - NH) * skh + pos * sks + d, r.to(x.dtype).to(kc_ptr.dtype.element_ty))
+        else:
+            tl.store(vc_ptr + (h - NH - NKV) * svh + pos * svs + d, x.to(vc_ptr.dtype.element_ty))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One row x (..., n) with n = x.numel(): x * rsqrt(mean(x^2) + eps) * weight, float32 inside."""
+    n = x.numel()
+    out = torch.empty_like(x)
+    _rms_norm[(1,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, pos: torch.Tensor, nh: int, nkv: int,
+               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """qkv (nh + 2 nkv, hd) of one token -> rotated q (nh, hd); rotated k and v written at cache position pos
+    (a device tensor). k_cache, v_cache: (nkv, S, hd) views, last dim contiguous. cos, ssin: (hd,)."""
+    hd = qkv.shape[-1]
+    if qkv.stride(-1) != 1 or not qkv.is_contiguous() or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("rope_store wants a contiguous qkv row and caches with a contiguous last dim")
+    q = torch.empty(nh, hd, dtype=qkv.dtype, device=qkv.device)
+    _rope_store[(nh + 2 * nkv,)](qkv, cos, ssin, pos, q, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+                                 v_cache.stride(0), v_cache.stride(1), NH=nh, NKV=nkv, HD=hd)
+    return q
