@@ -7,10 +7,17 @@ more rows take several launches). float32 accumulation; the result in x's dtype 
 output, one launch per run of parts of the same type. No host sync and no data-dependent allocation:
 CUDA-graph capturable once the per-device tables exist (any call before capture makes them).
 Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
+
+IQ3_S has two kernels (IQ3S_KERNEL, env STRATA_GEMV_IQ3S): "dp4a" (default) quantizes x once per call
+to int8 with a float32 scale per 32 values (`quantize_x`) and takes per 4 weights one packed-byte grid
+lookup, the signs applied on the packed word, and a 4-way int8 dot (PTX dp4a) into int32; "dp4a-table"
+the same with the signs folded into a 16x larger table (no sign arithmetic); "float" the earlier kernel
+with float32 x (exact to float32 accumulation, ~4x slower). The int8 x costs ~5e-3 relative error.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 
@@ -27,6 +34,10 @@ except ImportError:  # CPU-only torch without triton: supports() is False everyw
 MAX_M = 4  # x rows per launch (the decode path's DECODE_T); the weights are read once for all of them
 MAX_PARTS = 3  # matrices per launch (q, k, v)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+IQ3S_KERNELS = ("dp4a", "dp4a-table", "float")
+IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a")  # read per call: bench/gemv.py switches it
+XQ_GROUP = 32  # x values per int8 scale
+log = logging.getLogger("strata.quant")
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,9 @@ class Config:
 
 # Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
 CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1)}
+# the dp4a IQ3_S kernel: a [block_n rows, sb blocks] tile, one block per element (block_n raised to fill
+# the threads when sb, the largest power of two <= sb dividing the row's blocks, is smaller)
+DP4A_CONFIG = Config(4, 32, 4)
 _BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144)}  # (weights, bytes) per block
 
 
@@ -241,7 +255,162 @@ if triton is not None:
         if M > 3:
             _store(out_ptr, acc3, 3, out_stride, col + rows, live)
 
+    @triton.jit
+    def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, cols, groups, G: tl.constexpr):
+        """x row program_id(1), groups of 32 from G * program_id(0): int8 q = round(x * 127 / amax) (half away
+        from zero) and the float32 scale amax / 127 per group (q = 0, scale 0 for an all-zero group)."""
+        m = tl.program_id(1)
+        g1 = tl.program_id(0) * G + tl.arange(0, G)
+        g = g1[:, None]
+        t = tl.arange(0, 32)[None, :]
+        live = g < groups
+        off = m.to(tl.int64) * cols + g * 32 + t
+        x = tl.load(x_ptr + off, mask=live, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = 127.0 / tl.where(amax > 0, amax, 1.0)  # an all-zero group: q = 0
+        v = x * inv[:, None]
+        q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)  # truncation toward zero of v +- 1/2
+        tl.store(q_ptr + off, q.to(tl.int8), mask=live)
+        tl.store(s_ptr + m.to(tl.int64) * groups + g1, amax / 127.0, mask=g1 < groups)
+
+    @triton.jit
+    def _dp4a(a, b, c, PTX: tl.constexpr):
+        """c + the dot of a's and b's 4 signed bytes: one PTX dp4a on CUDA; shifts and multiplies (the same
+        int32 result) under the interpreter, which cannot run inline assembly."""
+        if PTX:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            s = c
+            for i in tl.static_range(4):
+                s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)  # sign-extended byte i
+            return s
+
+    @triton.jit
+    def _bit8(v, pos: tl.constexpr):
+        """Bit `pos` of v moved to bit 8 (value 0 or 256)."""
+        if pos <= 8:
+            return (v << (8 - pos)) & 256
+        else:
+            return (v >> (pos - 8)) & 256
+
+    @triton.jit
+    def _iq3_s_word(grid_ptr, q, hb, nib, TABLE: tl.constexpr):
+        """One grid entry's 4 weights as packed int8 (weight t in byte t): q its index byte, hb its high
+        index bit (0 or 256), nib its 4 sign bits."""
+        if TABLE:  # signs folded in: row (q | hb) << 4 | nib
+            w = tl.load(grid_ptr + (((q | hb) << 4) | nib))
+        else:
+            g = tl.load(grid_ptr + (q | hb))  # 4 unsigned bytes, each odd in 1..15
+            lsb = (nib * 0x204081) & 0x01010101  # bit t of nib -> bit 0 of byte t
+            # bytewise two's complement where the bit is set: (g ^ 0xFF) + 1 per byte; g's bytes are
+            # nonzero, so no byte carries into the next
+            w = (g ^ (lsb * 255)) + lsb
+        return w
+
+    @triton.jit
+    def _iq3_s_dp4a(xq_ptr, xs_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, TABLE: tl.constexpr,
+                    PTX: tl.constexpr):
+        """IQ3_S with int8 x (`quantize_x`: xq_ptr its int64 words, xs_ptr its float32 scale per 32): an
+        element of the [BLOCK_N rows, SB blocks] tile is one block, its 8 sub-blocks of 32 weights unrolled
+        (every load at a constant offset from the block); a sub-block's int32 dot with x is scaled by
+        d * (1 + 2 * scale) * x's scale in float32. Blocks are read as uint16 (110-byte blocks are 2-byte
+        aligned): halfword 0 d, 1..32 qs, 33..36 qh, 37..52 signs, 53..54 scales."""
+        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < n
+        c = tl.arange(0, SB)[None, :]
+        base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 55) + c * 55  # loads unmasked
+        acc0 = tl.zeros((BLOCK_N, SB), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, SB), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, SB), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, SB), tl.float32)
+        xrow = cols // 8  # int64 words per x row
+        srow = cols // 32  # scales per x row
+        for k in range(0, nb, SB):
+            bp = base + k * 55
+            xq = xq_ptr + (k + c) * 32  # the block's 32 int64 words of x row 0
+            xs = xs_ptr + (k + c) * 8
+            d = tl.load(bp).to(tl.int16, bitcast=True).to(tl.float16, bitcast=True).to(tl.float32)
+            for j in tl.static_range(8):  # sub-block
+                qh = tl.load(bp + 33 + j // 2).to(tl.int32)  # its 8 high bits at bit 8 * (j % 2)
+                sc = (tl.load(bp + 53 + j // 4).to(tl.int32) >> (4 * (j % 4))) & 15
+                db = d * (1 + 2 * sc).to(tl.float32)
+                s0 = tl.zeros((BLOCK_N, SB), tl.int32)
+                s1 = tl.zeros((BLOCK_N, SB), tl.int32)
+                s2 = tl.zeros((BLOCK_N, SB), tl.int32)
+                s3 = tl.zeros((BLOCK_N, SB), tl.int32)
+                for p in tl.static_range(4):  # entry pairs 2p, 2p + 1: a halfword of qs, a byte of signs
+                    h = tl.load(bp + 1 + 4 * j + p).to(tl.int32)
+                    sg = (tl.load(bp + 37 + 2 * j + p // 2).to(tl.int32) >> (8 * (p % 2))) & 255
+                    wa = _iq3_s_word(grid_ptr, h & 255, _bit8(qh, 8 * (j % 2) + 2 * p), sg & 15, TABLE)
+                    wb = _iq3_s_word(grid_ptr, h >> 8, _bit8(qh, 8 * (j % 2) + 2 * p + 1), sg >> 4, TABLE)
+                    xo = 4 * j + p
+                    x = tl.load(xq + xo)
+                    s0 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s0, PTX), PTX)
+                    if M > 1:
+                        x = tl.load(xq + xrow + xo)
+                        s1 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s1, PTX), PTX)
+                    if M > 2:
+                        x = tl.load(xq + 2 * xrow + xo)
+                        s2 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s2, PTX), PTX)
+                    if M > 3:
+                        x = tl.load(xq + 3 * xrow + xo)
+                        s3 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s3, PTX), PTX)
+                acc0 += s0.to(tl.float32) * (db * tl.load(xs + j))
+                if M > 1:
+                    acc1 += s1.to(tl.float32) * (db * tl.load(xs + srow + j))
+                if M > 2:
+                    acc2 += s2.to(tl.float32) * (db * tl.load(xs + 2 * srow + j))
+                if M > 3:
+                    acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow + j))
+        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
+        if M > 1:
+            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
+        if M > 2:
+            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
+        if M > 3:
+            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+
     _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv}
+
+
+_IQ3S_WORDS: dict[tuple[torch.device, bool], torch.Tensor] = {}
+
+
+def iq3_s_words(device, signed: bool = False) -> torch.Tensor:
+    """The IQ3_S grid as int32 words of 4 bytes (value t in byte t): (512,) unsigned, or with `signed`
+    (512 * 16,) rows `entry << 4 | sign nibble`, value t negated (int8) where bit t is set. Per device,
+    made outside any graph capture by the first call."""
+    device = torch.device(device)
+    key = (device, signed)
+    if key not in _IQ3S_WORDS:
+        from .iq import _tables
+        g = _tables(device)["IQ3_S_grid"].to(torch.int32)  # (512, 4), odd values 1..15
+        if signed:
+            bits = (torch.arange(16, device=device)[:, None] >> torch.arange(4, device=device)) & 1
+            g = (g[:, None, :] * (1 - 2 * bits)[None]).reshape(-1, 4)
+        _IQ3S_WORDS[key] = g.to(torch.int8).contiguous().view(torch.int32).reshape(-1)  # little-endian
+    return _IQ3S_WORDS[key]
+
+
+def quantize_x(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, cols) float -> (q int8 (M, cols), s float32 (M, cols / 32)): per group of 32 values
+    s = amax / 127 and q = round(x / s) (half away from zero), so x ~ q * s within s / 2. One launch."""
+    if x.dim() != 2 or x.shape[1] % XQ_GROUP:
+        raise ValueError(f"quantize_x takes (M, cols) with cols a multiple of {XQ_GROUP}, got {tuple(x.shape)}")
+    m, cols = x.shape
+    groups = cols // XQ_GROUP
+    if out is None:
+        out = (torch.empty((m, cols), dtype=torch.int8, device=x.device),
+               torch.empty((m, groups), dtype=torch.float32, device=x.device))
+    q, s = out
+    x = x.contiguous()
+    g = 32  # groups per program
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _quantize_x_kernel[(triton.cdiv(groups, g), m)](x, q, s, cols, groups, G=g)
+    return q, s
 
 
 def _grid(name: str, device: torch.device) -> torch.Tensor:
@@ -262,15 +431,29 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out: torch.Tensor, col0: int,
-            config: Config | None) -> None:
-    """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices."""
+            config: Config | None, xq: tuple[torch.Tensor, torch.Tensor] | None = None, table: bool = False) -> None:
+    """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices
+    (IQ3_S with xq, x's `quantize_x`: the dp4a kernel, `table` its signed-table variant)."""
     cfg = config or CONFIGS[name]
-    bs, ts = _BYTES[name]
-    nb = cols // bs
-    for m in mats:
-        if m.dtype != torch.uint8 or m.dim() != 2 or m.shape[1] != nb * ts or not m.is_contiguous():
-            raise ValueError(f"{name}: blocks must be contiguous uint8 (rows, {nb * ts}), got {m.dtype} {tuple(m.shape)}")
+    nb = cols // _BYTES[name][0]
     rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
+    if xq is not None:  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
+        cfg = config or DP4A_CONFIG
+        ptrs = [m.view(torch.uint16) for m in mats]
+        ptrs += [ptrs[0]] * (MAX_PARTS - len(mats))
+        sb = next(k for k in (64, 32, 16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)  # a power of two: tile width
+        bn = max(cfg.block_n, 32 * cfg.num_warps // sb)  # at least an element per thread
+        progs = [triton.cdiv(r, bn) for r in rows]
+        q, s = xq
+        dst = out[:, col0:]
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            for r0 in range(0, x.shape[0], MAX_M):
+                mr = min(MAX_M, x.shape[0] - r0)
+                _iq3_s_dp4a[(sum(progs),)](q[r0:].view(torch.int64), s[r0:], dst[r0:], iq3_s_words(x.device, table),
+                                           *ptrs, *rows, progs[0], progs[0] + progs[1], nb, cols, out.stride(0),
+                                           M=mr, BLOCK_N=bn, SB=sb, TABLE=table, PTX=not INTERPRET,
+                                           num_warps=cfg.num_warps)
+        return
     ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
     progs = [triton.cdiv(r, cfg.block_n) for r in rows]
     sb = next(k for k in range(cfg.sb, 0, -1) if nb % k == 0)  # whole steps: the kernels mask no load
@@ -300,19 +483,30 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
             raise ValueError(f"no fused matrix-vector kernel for {name} (have: {', '.join(CONFIGS)})")
         if cols % _BYTES[name][0]:
             raise ValueError(f"{name}: {cols} columns is not a multiple of its block of {_BYTES[name][0]}")
+    for (m, _), name in zip(parts, names):
+        bs, ts = _BYTES[name]
+        if m.dtype != torch.uint8 or m.dim() != 2 or m.shape[1] != cols // bs * ts or not m.is_contiguous():
+            raise ValueError(f"{name}: blocks must be contiguous uint8 (rows, {cols // bs * ts}), got {m.dtype} {tuple(m.shape)}")
     total = sum(b.shape[0] for b, _ in parts)
     x = x.contiguous()
     if out is None:
         out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
     elif tuple(out.shape) != (x.shape[0], total) or out.stride(1) != 1:
         raise ValueError(f"out must be a row-major ({x.shape[0]}, {total}), got {tuple(out.shape)}")
+    mode = IQ3S_KERNEL
+    if mode not in IQ3S_KERNELS:
+        raise ValueError(f"STRATA_GEMV_IQ3S={mode!r}: one of {', '.join(IQ3S_KERNELS)}")
+    xq = quantize_x(x) if mode != "float" and "IQ3_S" in names else None  # once for all the parts
     i, col = 0, 0
     while i < len(parts):
         j = i + 1
         while j < len(parts) and j - i < MAX_PARTS and names[j] == names[i]:
             j += 1
         mats = [b for b, _ in parts[i:j]]
-        _launch(x, mats, names[i], cols, out, col, config)
+        if names[i] == "IQ3_S" and xq is not None:
+            _launch(x, mats, names[i], cols, out, col, config, xq, table=mode == "dp4a-table")
+        else:
+            _launch(x, mats, names[i], cols, out, col, config)
         col += sum(m.shape[0] for m in mats)
         i = j
     return out
