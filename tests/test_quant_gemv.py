@@ -250,9 +250,11 @@ def test_bad_blocks_refused():
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
 @pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("m", [1, 3])
-def test_gpu_70b_shapes(shape, qtype, m):
-    """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64."""
+def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
+    """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64
+    (IQ3_S: the float kernel; the dp4a ones in test_gpu_iq3s_dp4a_70b_shapes)."""
     from strata.quant import dequantize, gemv, random_blocks
+    monkeypatch.setattr(gemv, "IQ3S_KERNEL", "float")
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
     blocks = random_blocks(qtype, rows, cols, g, device="cuda")
@@ -268,16 +270,46 @@ def test_gpu_70b_shapes(shape, qtype, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672), (128256, 8192)])
+@pytest.mark.parametrize("mode", IQ3S_DP4A)
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_gpu_iq3s_dp4a_70b_shapes(shape, mode, m, monkeypatch):
+    """The dp4a IQ3_S kernels at a 70B model's shapes (head included), bf16 x: to float32 accumulation of
+    the float64 product with x's int8 rounding (the PTX dp4a path, exact integer sums), within DP4A_TOL of
+    the one with x, and the bf16 result within DP4A_TOL + bf16 rounding."""
+    from strata.quant import dequantize, gemv, random_blocks
+    monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
+    rows, cols = shape
+    g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
+    blocks = random_blocks("IQ3_S", rows, cols, g, device="cuda")
+    x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
+    q, s = gemv.quantize_x(x)
+    qr, sr = quantize_ref(x)
+    assert rel(s, sr) < 1e-7 and float((q.double().cpu() - qr).abs().max()) <= 1  # ties may round either way
+    xq = (q.double().reshape(m, -1, 32) * s.double()[:, :, None]).reshape(m, cols)
+    w = dequantize(blocks, "IQ3_S").double()
+    y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows, device="cuda"))
+    assert rel(y, xq @ w.T) < 1e-5
+    want = x.double() @ w.T
+    assert rel(y, want) < DP4A_TOL, rel(y, want)
+    assert rel(gemv.quant_matmul(x, blocks, "IQ3_S", cols), want) < DP4A_TOL + 8e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_block_decode_fused_vs_unfused(dtype, monkeypatch):
+@pytest.mark.parametrize("mode", ("float",) + IQ3S_DP4A)
+def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
     """synthetic:smoke-wide@IQ3_S resident on CUDA: decode steps with the kernels give the logits of the
     scratch path (dequantize + F.linear), and the fused path is the one taken."""
     from strata import model as M
     from strata.checkpoint import load_stage, model_args
+    from strata.quant import gemv
     model = "synthetic:smoke-wide@IQ3_S"
     args = model_args(model)
 
     def run(fused: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
         if not fused:  # the layers and the head take the scratch path
             monkeypatch.setattr(M, "_fused_ok", lambda p, device: False)
         m = load_stage(model, args, 0, args.n_layers, device="cuda", dtype=dtype, weights="resident", max_len=64)
@@ -291,17 +323,19 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, monkeypatch):
         monkeypatch.undo()
         return out
 
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = 1e-4 if dtype == torch.float32 and mode == "float" else 3e-2  # int8 x: ~DP4A_TOL per product
     for a, b in zip(run(True), run(False)):
         assert rel(a, b) < tol, rel(a, b)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_graph_capture():
+@pytest.mark.parametrize("mode", ("float",) + IQ3S_DP4A)
+def test_gpu_graph_capture(mode, monkeypatch):
     """quant_matmul_parts (q/k/v-like parts, M=2) captured in a CUDA graph: a replay with new x gives
-    what an eager call gives."""
+    what an eager call gives (dp4a: x's quantization captured too)."""
     from strata.quant import gemv, random_blocks
+    monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
     g = torch.Generator(device="cuda").manual_seed(1)
     cols = 1024
     parts = [(random_blocks("IQ3_S", r, cols, g, device="cuda"), "IQ3_S") for r in (1024, 256, 256)]
