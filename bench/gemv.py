@@ -28,8 +28,8 @@ from strata.model import PRESETS, Packed  # noqa: E402
 from strata.quant import gemv  # noqa: E402
 
 SWEEP = [gemv.Config(bn, sb, w) for bn in (4, 8, 16) for sb in (1, 2, 4) for w in (4, 8)]  # ~1 s to compile each
-# the dp4a IQ3_S kernel: sb blocks of a row side by side, block_n raised to fill the warps
-DP4A_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 4, 16) for sb in (8, 16, 32) for w in (1, 2, 4, 8)]
+# the dp4a IQ3_S kernel: 8 * sb sub-blocks of a row side by side, block_n raised to fill the warps
+DP4A_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 4, 16) for sb in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
 
 
 def mats(preset: str, smoke: bool) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -111,7 +111,7 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
                       f"  current {tc * 1e6:9.1f} us  x{tc / t:6.1f}  rel err {err:.1e}")
                 if sweep and m == ms[0]:
                     best = None
-                    for cfg in (DP4A_SWEEP if mode in ("dp4a", "dp4a-table") else SWEEP):
+                    for cfg in (DP4A_SWEEP if mode is not None and mode.startswith("dp4a") else SWEEP):
                         ts = timer(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg))
                         if best is None or ts < best[0]:
                             best = (ts, cfg)

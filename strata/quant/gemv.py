@@ -8,11 +8,14 @@ output, one launch per run of parts of the same type. No host sync and no data-d
 CUDA-graph capturable once the per-device tables exist (any call before capture makes them).
 Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
 
-IQ3_S has two kernels (IQ3S_KERNEL, env STRATA_GEMV_IQ3S): "dp4a" (default) quantizes x once per call
-to int8 with a float32 scale per 32 values (`quantize_x`) and takes per 4 weights one packed-byte grid
-lookup, the signs applied on the packed word, and a 4-way int8 dot (PTX dp4a) into int32; "dp4a-table"
-the same with the signs folded into a 16x larger table (no sign arithmetic); "float" the earlier kernel
-with float32 x (exact to float32 accumulation, ~4x slower). The int8 x costs ~5e-3 relative error.
+IQ3_S has two kernels (IQ3S_KERNEL, env STRATA_GEMV_IQ3S, read per call): "dp4a" (default) quantizes x
+once per call to int8 with a float32 scale per 32 values (`quantize_x`) and takes per 4 weights one
+packed-byte grid lookup, the 4 signs applied on the packed word, and a 4-way int8 dot (PTX dp4a) into
+int32, scaled per 32 weights in float32. Its variants differ in the grid table (`iq3_s_words`):
+"dp4a-table" folds the signs into a 16x larger table (no sign arithmetic, 32 KiB), "dp4a-u16" packs an
+entry in 4 nibbles (1 KiB: fewer L1 lines per warp's gather, 4 more integer ops). "float" is the earlier
+kernel with float x and bfloat16 grid rows (exact to float32 accumulation). int8 x costs ~5e-3 relative
+error of the product (measured on random blocks, tests/test_quant_gemv.py).
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ except ImportError:  # CPU-only torch without triton: supports() is False everyw
 MAX_M = 4  # x rows per launch (the decode path's DECODE_T); the weights are read once for all of them
 MAX_PARTS = 3  # matrices per launch (q, k, v)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-IQ3S_KERNELS = ("dp4a", "dp4a-table", "float")
+IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "float")
+_IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2}  # the dp4a kernel's TABLE: which grid table
 IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a")  # read per call: bench/gemv.py switches it
 XQ_GROUP = 32  # x values per int8 scale
 log = logging.getLogger("strata.quant")
@@ -51,9 +55,9 @@ class Config:
 
 # Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
 CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1)}
-# the dp4a IQ3_S kernel: a [block_n rows, sb blocks] tile, one block per element (block_n raised to fill
-# the threads when sb, the largest power of two <= sb dividing the row's blocks, is smaller)
-DP4A_CONFIG = Config(4, 32, 4)
+# the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
+# divides the row's blocks, block_n raised to give each thread an element when sb is smaller
+DP4A_CONFIG = Config(4, 4, 4)
 _BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144)}  # (weights, bytes) per block
 
 
@@ -298,10 +302,15 @@ if triton is not None:
     def _iq3_s_word(grid_ptr, q, hb, nib, TABLE: tl.constexpr):
         """One grid entry's 4 weights as packed int8 (weight t in byte t): q its index byte, hb its high
         index bit (0 or 256), nib its 4 sign bits."""
-        if TABLE:  # signs folded in: row (q | hb) << 4 | nib
+        if TABLE == 1:  # signs folded in: row (q | hb) << 4 | nib
             w = tl.load(grid_ptr + (((q | hb) << 4) | nib))
         else:
-            g = tl.load(grid_ptr + (q | hb))  # 4 unsigned bytes, each odd in 1..15
+            if TABLE == 2:  # 4 nibbles in a uint16 (a 1 KiB table, 8 cache lines): spread to bytes
+                e = tl.load(grid_ptr + (q | hb)).to(tl.int32)
+                e = (e | (e << 8)) & 0x00FF00FF
+                g = (e | (e << 4)) & 0x0F0F0F0F
+            else:
+                g = tl.load(grid_ptr + (q | hb))  # 4 unsigned bytes, each odd in 1..15
             lsb = (nib * 0x204081) & 0x01010101  # bit t of nib -> bit 0 of byte t
             # bytewise two's complement where the bit is set: (g ^ 0xFF) + 1 per byte; g's bytes are
             # nonzero, so no byte carries into the next
@@ -313,58 +322,65 @@ if triton is not None:
                     M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, TABLE: tl.constexpr,
                     PTX: tl.constexpr):
         """IQ3_S with int8 x (`quantize_x`: xq_ptr its int64 words, xs_ptr its float32 scale per 32): an
-        element of the [BLOCK_N rows, SB blocks] tile is one block, its 8 sub-blocks of 32 weights unrolled
-        (every load at a constant offset from the block); a sub-block's int32 dot with x is scaled by
-        d * (1 + 2 * scale) * x's scale in float32. Blocks are read as uint16 (110-byte blocks are 2-byte
-        aligned): halfword 0 d, 1..32 qs, 33..36 qh, 37..52 signs, 53..54 scales."""
+        element of the [BLOCK_N rows, 8 * SB] tile is one sub-block of 32 weights (8 grid entries, unrolled)
+        of one of SB blocks per loop step, so a warp's lanes read neighbouring sub-blocks of a row (few cache
+        lines per load); its int32 dot with x is scaled by d * (1 + 2 * scale) * x's scale in float32.
+        Blocks are read as uint16 (110-byte blocks are 2-byte aligned): halfword 0 d, 1..32 qs, 33..36 qh,
+        37..52 signs, 53..54 scales."""
         ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
         rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < n
-        c = tl.arange(0, SB)[None, :]
-        base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 55) + c * 55  # loads unmasked
-        acc0 = tl.zeros((BLOCK_N, SB), tl.float32)
-        acc1 = tl.zeros((BLOCK_N, SB), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, SB), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, SB), tl.float32)
+        c = tl.arange(0, 8 * SB)[None, :]
+        j = c % 8  # sub-block of block c // 8 of the step
+        base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 55) + (c // 8) * 55  # loads unmasked
+        qs_p = base + 1 + 4 * j  # its 4 halfwords of grid index bytes
+        sg_p = base + 37 + 2 * j  # its 2 halfwords of sign bits
+        qh_p = base + 33 + j // 2  # its byte of high index bits, at bit qh_shift
+        sc_p = base + 53 + j // 4  # its scale nibble, at bit sc_shift
+        qh_shift = 8 * (j % 2)
+        sc_shift = 4 * (j % 4)
+        xo = (c // 8) * 32 + 4 * j  # its 4 int64 words of x within the step
+        acc0 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
         xrow = cols // 8  # int64 words per x row
         srow = cols // 32  # scales per x row
         for k in range(0, nb, SB):
-            bp = base + k * 55
-            xq = xq_ptr + (k + c) * 32  # the block's 32 int64 words of x row 0
-            xs = xs_ptr + (k + c) * 8
-            d = tl.load(bp).to(tl.int16, bitcast=True).to(tl.float16, bitcast=True).to(tl.float32)
-            for j in tl.static_range(8):  # sub-block
-                qh = tl.load(bp + 33 + j // 2).to(tl.int32)  # its 8 high bits at bit 8 * (j % 2)
-                sc = (tl.load(bp + 53 + j // 4).to(tl.int32) >> (4 * (j % 4))) & 15
-                db = d * (1 + 2 * sc).to(tl.float32)
-                s0 = tl.zeros((BLOCK_N, SB), tl.int32)
-                s1 = tl.zeros((BLOCK_N, SB), tl.int32)
-                s2 = tl.zeros((BLOCK_N, SB), tl.int32)
-                s3 = tl.zeros((BLOCK_N, SB), tl.int32)
-                for p in tl.static_range(4):  # entry pairs 2p, 2p + 1: a halfword of qs, a byte of signs
-                    h = tl.load(bp + 1 + 4 * j + p).to(tl.int32)
-                    sg = (tl.load(bp + 37 + 2 * j + p // 2).to(tl.int32) >> (8 * (p % 2))) & 255
-                    wa = _iq3_s_word(grid_ptr, h & 255, _bit8(qh, 8 * (j % 2) + 2 * p), sg & 15, TABLE)
-                    wb = _iq3_s_word(grid_ptr, h >> 8, _bit8(qh, 8 * (j % 2) + 2 * p + 1), sg >> 4, TABLE)
-                    xo = 4 * j + p
-                    x = tl.load(xq + xo)
-                    s0 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s0, PTX), PTX)
-                    if M > 1:
-                        x = tl.load(xq + xrow + xo)
-                        s1 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s1, PTX), PTX)
-                    if M > 2:
-                        x = tl.load(xq + 2 * xrow + xo)
-                        s2 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s2, PTX), PTX)
-                    if M > 3:
-                        x = tl.load(xq + 3 * xrow + xo)
-                        s3 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s3, PTX), PTX)
-                acc0 += s0.to(tl.float32) * (db * tl.load(xs + j))
+            kb = k * 55
+            d = tl.load(base + kb).to(tl.int16, bitcast=True).to(tl.float16, bitcast=True).to(tl.float32)
+            qh = tl.load(qh_p + kb).to(tl.int32) >> qh_shift  # bit i: entry i's
+            sc = (tl.load(sc_p + kb).to(tl.int32) >> sc_shift) & 15
+            db = d * (1 + 2 * sc).to(tl.float32)
+            xq = xq_ptr + k * 32 + xo
+            s0 = tl.zeros((BLOCK_N, 8 * SB), tl.int32)
+            s1 = tl.zeros((BLOCK_N, 8 * SB), tl.int32)
+            s2 = tl.zeros((BLOCK_N, 8 * SB), tl.int32)
+            s3 = tl.zeros((BLOCK_N, 8 * SB), tl.int32)
+            for p in tl.static_range(4):  # entries 2p, 2p + 1: a halfword of index bytes, a byte of signs
+                h = tl.load(qs_p + kb + p).to(tl.int32)
+                sg = (tl.load(sg_p + kb + p // 2).to(tl.int32) >> (8 * (p % 2))) & 255
+                wa = _iq3_s_word(grid_ptr, h & 255, _bit8(qh, 2 * p), sg & 15, TABLE)
+                wb = _iq3_s_word(grid_ptr, h >> 8, _bit8(qh, 2 * p + 1), sg >> 4, TABLE)
+                x = tl.load(xq + p)
+                s0 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s0, PTX), PTX)
                 if M > 1:
-                    acc1 += s1.to(tl.float32) * (db * tl.load(xs + srow + j))
+                    x = tl.load(xq + xrow + p)
+                    s1 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s1, PTX), PTX)
                 if M > 2:
-                    acc2 += s2.to(tl.float32) * (db * tl.load(xs + 2 * srow + j))
+                    x = tl.load(xq + 2 * xrow + p)
+                    s2 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s2, PTX), PTX)
                 if M > 3:
-                    acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow + j))
+                    x = tl.load(xq + 3 * xrow + p)
+                    s3 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s3, PTX), PTX)
+            xs = xs_ptr + k * 8 + c
+            acc0 += s0.to(tl.float32) * (db * tl.load(xs))
+            if M > 1:
+                acc1 += s1.to(tl.float32) * (db * tl.load(xs + srow))
+            if M > 2:
+                acc2 += s2.to(tl.float32) * (db * tl.load(xs + 2 * srow))
+            if M > 3:
+                acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow))
         _store(out_ptr, acc0, 0, out_stride, col + rows, live)
         if M > 1:
             _store(out_ptr, acc1, 1, out_stride, col + rows, live)
@@ -376,22 +392,28 @@ if triton is not None:
     _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv}
 
 
-_IQ3S_WORDS: dict[tuple[torch.device, bool], torch.Tensor] = {}
+_IQ3S_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def iq3_s_words(device, signed: bool = False) -> torch.Tensor:
-    """The IQ3_S grid as int32 words of 4 bytes (value t in byte t): (512,) unsigned, or with `signed`
-    (512 * 16,) rows `entry << 4 | sign nibble`, value t negated (int8) where bit t is set. Per device,
-    made outside any graph capture by the first call."""
+def iq3_s_words(device, table: int = 0) -> torch.Tensor:
+    """The IQ3_S grid for the dp4a kernel (its TABLE): 0, (512,) int32 words of 4 bytes (value t in byte t);
+    1, (512 * 16,) int32 rows `entry << 4 | sign nibble`, value t negated (int8) where bit t is set;
+    2, (512,) uint16 of 4 nibbles (value t in bits 4t..4t+3). Per device, made by the first call (outside
+    any graph capture)."""
     device = torch.device(device)
-    key = (device, signed)
+    key = (device, table)
     if key not in _IQ3S_WORDS:
         from .iq import _tables
         g = _tables(device)["IQ3_S_grid"].to(torch.int32)  # (512, 4), odd values 1..15
-        if signed:
-            bits = (torch.arange(16, device=device)[:, None] >> torch.arange(4, device=device)) & 1
-            g = (g[:, None, :] * (1 - 2 * bits)[None]).reshape(-1, 4)
-        _IQ3S_WORDS[key] = g.to(torch.int8).contiguous().view(torch.int32).reshape(-1)  # little-endian
+        if table == 2:
+            words = (g << torch.arange(0, 16, 4, device=device, dtype=torch.int32)).sum(dim=1, dtype=torch.int32)
+            t = words.view(torch.int16).reshape(-1, 2)[:, 0].contiguous().view(torch.uint16)  # little-endian low half
+        else:
+            if table == 1:
+                bits = (torch.arange(16, device=device)[:, None] >> torch.arange(4, device=device)) & 1
+                g = (g[:, None, :] * (1 - 2 * bits)[None]).reshape(-1, 4)
+            t = g.to(torch.int8).contiguous().view(torch.int32).reshape(-1)  # little-endian: value t in byte t
+        _IQ3S_WORDS[key] = t
     return _IQ3S_WORDS[key]
 
 
@@ -431,9 +453,9 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out: torch.Tensor, col0: int,
-            config: Config | None, xq: tuple[torch.Tensor, torch.Tensor] | None = None, table: bool = False) -> None:
+            config: Config | None, xq: tuple[torch.Tensor, torch.Tensor] | None = None, table: int = 0) -> None:
     """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices
-    (IQ3_S with xq, x's `quantize_x`: the dp4a kernel, `table` its signed-table variant)."""
+    (IQ3_S with xq, x's `quantize_x`: the dp4a kernel, `table` its grid table, iq3_s_words)."""
     cfg = config or CONFIGS[name]
     nb = cols // _BYTES[name][0]
     rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
@@ -441,8 +463,8 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
         cfg = config or DP4A_CONFIG
         ptrs = [m.view(torch.uint16) for m in mats]
         ptrs += [ptrs[0]] * (MAX_PARTS - len(mats))
-        sb = next(k for k in (64, 32, 16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)  # a power of two: tile width
-        bn = max(cfg.block_n, 32 * cfg.num_warps // sb)  # at least an element per thread
+        sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)  # a power of two: 8 * sb wide tiles
+        bn = max(cfg.block_n, 32 * cfg.num_warps // (8 * sb))  # at least an element per thread
         progs = [triton.cdiv(r, bn) for r in rows]
         q, s = xq
         dst = out[:, col0:]
@@ -504,7 +526,7 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
             j += 1
         mats = [b for b, _ in parts[i:j]]
         if names[i] == "IQ3_S" and xq is not None:
-            _launch(x, mats, names[i], cols, out, col, config, xq, table=mode == "dp4a-table")
+            _launch(x, mats, names[i], cols, out, col, config, xq, table=_IQ3S_TABLE[mode])
         else:
             _launch(x, mats, names[i], cols, out, col, config)
         col += sum(m.shape[0] for m in mats)
