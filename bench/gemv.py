@@ -107,6 +107,8 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
                 t = timer(lambda: gemv.quant_matmul_parts(x, packed, cols))
                 err = rel(y, want)
                 name = qtype if mode is None else f"{qtype}/{mode}"
+                if mode is not None and gemv.IQ3S_KERNEL != mode:
+                    name += "->" + gemv.IQ3S_KERNEL  # it failed and fell back (see the warning)
                 print(f"{name:16s} {label:8s} {rows:>6d}x{cols:<6d} M={m}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s"
                       f"  current {tc * 1e6:9.1f} us  x{tc / t:6.1f}  rel err {err:.1e}")
                 if sweep and m == ms[0]:

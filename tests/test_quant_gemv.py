@@ -290,6 +290,7 @@ def test_gpu_iq3s_dp4a_70b_shapes(shape, mode, m, monkeypatch):
     xq = (q.double().reshape(m, -1, 32) * s.double()[:, :, None]).reshape(m, cols)
     w = dequantize(blocks, "IQ3_S").double()
     y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows, device="cuda"))
+    assert gemv.IQ3S_KERNEL == mode  # no fallback to the float kernel
     assert rel(y, xq @ w.T) < 1e-5
     want = x.double() @ w.T
     assert rel(y, want) < DP4A_TOL, rel(y, want)
@@ -342,6 +343,7 @@ def test_gpu_graph_capture(mode, monkeypatch):
     parts = [(random_blocks("IQ3_S", r, cols, g, device="cuda"), "IQ3_S") for r in (1024, 256, 256)]
     x = torch.randn(2, cols, generator=g, device="cuda").bfloat16()
     gemv.quant_matmul_parts(x, parts, cols)  # compiles, makes the tables
+    assert gemv.IQ3S_KERNEL == mode  # no fallback to the float kernel
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = gemv.quant_matmul_parts(x, parts, cols)

@@ -515,6 +515,7 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
         out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
     elif tuple(out.shape) != (x.shape[0], total) or out.stride(1) != 1:
         raise ValueError(f"out must be a row-major ({x.shape[0]}, {total}), got {tuple(out.shape)}")
+    global IQ3S_KERNEL  # set to "float" where a dp4a kernel fails
     mode = IQ3S_KERNEL
     if mode not in IQ3S_KERNELS:
         raise ValueError(f"STRATA_GEMV_IQ3S={mode!r}: one of {', '.join(IQ3S_KERNELS)}")
@@ -526,7 +527,14 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
             j += 1
         mats = [b for b, _ in parts[i:j]]
         if names[i] == "IQ3_S" and xq is not None:
-            _launch(x, mats, names[i], cols, out, col, config, xq, table=_IQ3S_TABLE[mode])
+            try:
+                _launch(x, mats, names[i], cols, out, col, config, xq, table=_IQ3S_TABLE[mode])
+            except Exception as e:  # e.g. a Triton that cannot build the inline PTX: the float kernel still works
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                log.warning("IQ3_S %s kernel failed (%s: %s); using the float kernel", mode, type(e).__name__, e)
+                IQ3S_KERNEL = "float"
+                _launch(x, mats, names[i], cols, out, col, config)
         else:
             _launch(x, mats, names[i], cols, out, col, config)
         col += sum(m.shape[0] for m in mats)
