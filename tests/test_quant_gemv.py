@@ -31,7 +31,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 DP4A_TOL = 1.5e-2  # int8 x: ~5e-3 measured (3x margin); float32 x in the float kernel: 1e-5
-IQ3S_DP4A = ("dp4a", "dp4a-table", "dp4a-u16")
+IQ3S_DP4A = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem")
 
 
 def reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -112,7 +112,7 @@ def check_iq3s_dp4a_matches_reference():
     errs = []
     # (the interpreter is slow on the unrolled kernel: the table variants, same data flow but the lookup, once)
     for mode, shapes in (("dp4a", ((37, 768, 1), (21, 512, 3), (5, 1024, 6))), ("dp4a-table", ((21, 512, 3),)),
-                         ("dp4a-u16", ((21, 512, 3),))):
+                         ("dp4a-u16", ((21, 512, 3),)), ("dp4a-smem", ((21, 512, 3),))):
         for rows, cols, m in shapes:
             blocks = random_blocks("IQ3_S", rows, cols, g)
             for dtype in (torch.float32, torch.bfloat16):

@@ -13,7 +13,9 @@ once per call to int8 with a float32 scale per 32 values (`quantize_x`) and take
 packed-byte grid lookup, the 4 signs applied on the packed word, and a 4-way int8 dot (PTX dp4a) into
 int32, scaled per 32 weights in float32. Its variants differ in the grid table (`iq3_s_words`):
 "dp4a-table" folds the signs into a 16x larger table (no sign arithmetic, 32 KiB), "dp4a-u16" packs an
-entry in 4 nibbles (1 KiB: fewer L1 lines per warp's gather, 4 more integer ops). "float" is the earlier
+entry in 4 nibbles (1 KiB: fewer L1 lines per warp's gather, 4 more integer ops), "dp4a-smem" gathers
+from the 2 KiB grid staged in shared memory (tl.gather: 4 stores, 2 barriers, then 8 shared loads per
+sub-block instead of 8 L1 gathers that each touch ~14 cache lines). "float" is the earlier
 kernel with float x and bfloat16 grid rows (exact to float32 accumulation). int8 x costs ~5e-3 relative
 error of the product (measured on random blocks, tests/test_quant_gemv.py).
 """
@@ -37,8 +39,8 @@ except ImportError:  # CPU-only torch without triton: supports() is False everyw
 MAX_M = 4  # x rows per launch (the decode path's DECODE_T); the weights are read once for all of them
 MAX_PARTS = 3  # matrices per launch (q, k, v)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "float")
-_IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2}  # the dp4a kernel's TABLE: which grid table
+IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
+_IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the dp4a kernel's TABLE: which grid table
 IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a")  # read per call: bench/gemv.py switches it
 XQ_GROUP = 32  # x values per int8 scale
 log = logging.getLogger("strata.quant")
@@ -299,23 +301,75 @@ if triton is not None:
             return (v >> (pos - 8)) & 256
 
     @triton.jit
-    def _iq3_s_word(grid_ptr, q, hb, nib, TABLE: tl.constexpr):
-        """One grid entry's 4 weights as packed int8 (weight t in byte t): q its index byte, hb its high
-        index bit (0 or 256), nib its 4 sign bits."""
-        if TABLE == 1:  # signs folded in: row (q | hb) << 4 | nib
-            w = tl.load(grid_ptr + (((q | hb) << 4) | nib))
+    def _sign4(g, nib):
+        """Packed bytes g with byte t negated (int8) where bit t of nib is set: (g ^ 0xFF) + 1 per byte,
+        and no byte carries into the next as long as g's bytes are nonzero (the grid's are 1..15)."""
+        lsb = (nib * 0x204081) & 0x01010101  # bit t of nib -> bit 0 of byte t
+        return (g ^ (lsb * 255)) + lsb
+
+    @triton.jit
+    def _iq3_s_word(grid_ptr, idx, nib, TABLE: tl.constexpr):
+        """One grid entry's 4 weights as packed int8 (weight t in byte t): idx its 9-bit grid index, nib
+        its 4 sign bits."""
+        if TABLE == 1:  # signs folded in: row idx << 4 | nib
+            w = tl.load(grid_ptr + ((idx << 4) | nib))
         else:
             if TABLE == 2:  # 4 nibbles in a uint16 (a 1 KiB table, 8 cache lines): spread to bytes
-                e = tl.load(grid_ptr + (q | hb)).to(tl.int32)
+                e = tl.load(grid_ptr + idx).to(tl.int32)
                 e = (e | (e << 8)) & 0x00FF00FF
                 g = (e | (e << 4)) & 0x0F0F0F0F
             else:
-                g = tl.load(grid_ptr + (q | hb))  # 4 unsigned bytes, each odd in 1..15
-            lsb = (nib * 0x204081) & 0x01010101  # bit t of nib -> bit 0 of byte t
-            # bytewise two's complement where the bit is set: (g ^ 0xFF) + 1 per byte; g's bytes are
-            # nonzero, so no byte carries into the next
-            w = (g ^ (lsb * 255)) + lsb
+                g = tl.load(grid_ptr + idx)  # 4 unsigned bytes, each odd in 1..15
+            w = _sign4(g, nib)
         return w
+
+    @triton.jit
+    def _iq3_s_words8(grid_ptr, g512, qs_p, sg_p, qh, TABLE: tl.constexpr, N: tl.constexpr):
+        """A sub-block's 8 entries as packed signed int8 words: qs_p/sg_p its pointers to 4 halfwords of
+        index bytes and 2 of sign bits, qh its 8 high index bits. TABLE 3: one tl.gather for all 8 from
+        `g512`, the 512-word grid held as a tensor (Triton stages it in shared memory for the gather:
+        no L1 line per lane), N the tile's elements times 8."""
+        h0 = tl.load(qs_p).to(tl.int32)
+        h1 = tl.load(qs_p + 1).to(tl.int32)
+        h2 = tl.load(qs_p + 2).to(tl.int32)
+        h3 = tl.load(qs_p + 3).to(tl.int32)
+        sa = tl.load(sg_p).to(tl.int32)
+        sb = tl.load(sg_p + 1).to(tl.int32)
+        i0, i1 = (h0 & 255) | _bit8(qh, 0), (h0 >> 8) | _bit8(qh, 1)
+        i2, i3 = (h1 & 255) | _bit8(qh, 2), (h1 >> 8) | _bit8(qh, 3)
+        i4, i5 = (h2 & 255) | _bit8(qh, 4), (h2 >> 8) | _bit8(qh, 5)
+        i6, i7 = (h3 & 255) | _bit8(qh, 6), (h3 >> 8) | _bit8(qh, 7)
+        n0, n1, n2, n3 = sa & 15, (sa >> 4) & 15, (sa >> 8) & 15, sa >> 12
+        n4, n5, n6, n7 = sb & 15, (sb >> 4) & 15, (sb >> 8) & 15, sb >> 12
+        if TABLE == 3:
+            idx = tl.join(tl.join(tl.join(i0, i1), tl.join(i2, i3)), tl.join(tl.join(i4, i5), tl.join(i6, i7)))
+            g = tl.reshape(tl.gather(g512, tl.reshape(idx, (N,)), 0), idx.shape)  # [..., c, b, a]: entry 4a + 2b + c
+            lo, hi = tl.split(g)
+            g01, g23 = tl.split(lo)
+            g45, g67 = tl.split(hi)
+            g0, g1 = tl.split(g01)
+            g2, g3 = tl.split(g23)
+            g4, g5 = tl.split(g45)
+            g6, g7 = tl.split(g67)
+            return (_sign4(g0, n0), _sign4(g1, n1), _sign4(g2, n2), _sign4(g3, n3),
+                    _sign4(g4, n4), _sign4(g5, n5), _sign4(g6, n6), _sign4(g7, n7))
+        else:
+            return (_iq3_s_word(grid_ptr, i0, n0, TABLE), _iq3_s_word(grid_ptr, i1, n1, TABLE),
+                    _iq3_s_word(grid_ptr, i2, n2, TABLE), _iq3_s_word(grid_ptr, i3, n3, TABLE),
+                    _iq3_s_word(grid_ptr, i4, n4, TABLE), _iq3_s_word(grid_ptr, i5, n5, TABLE),
+                    _iq3_s_word(grid_ptr, i6, n6, TABLE), _iq3_s_word(grid_ptr, i7, n7, TABLE))
+
+    @triton.jit
+    def _dot8(xq, w0, w1, w2, w3, w4, w5, w6, w7, PTX: tl.constexpr):
+        """int32 dot of 8 packed words with the 32 int8 x in the 4 int64 words at xq."""
+        x = tl.load(xq)
+        s = _dp4a(w1, (x >> 32).to(tl.int32), _dp4a(w0, x.to(tl.int32), 0, PTX), PTX)
+        x = tl.load(xq + 1)
+        s = _dp4a(w3, (x >> 32).to(tl.int32), _dp4a(w2, x.to(tl.int32), s, PTX), PTX)
+        x = tl.load(xq + 2)
+        s = _dp4a(w5, (x >> 32).to(tl.int32), _dp4a(w4, x.to(tl.int32), s, PTX), PTX)
+        x = tl.load(xq + 3)
+        return _dp4a(w7, (x >> 32).to(tl.int32), _dp4a(w6, x.to(tl.int32), s, PTX), PTX)
 
     @triton.jit
     def _iq3_s_dp4a(xq_ptr, xs_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
@@ -346,6 +400,10 @@ if triton is not None:
         acc3 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
         xrow = cols // 8  # int64 words per x row
         srow = cols // 32  # scales per x row
+        if TABLE == 3:
+            g512 = tl.load(grid_ptr + tl.arange(0, 512))
+        else:
+            g512 = 0
         for k in range(0, nb, SB):
             kb = k * 55
             d = tl.load(base + kb).to(tl.int16, bitcast=True).to(tl.float16, bitcast=True).to(tl.float32)
@@ -353,26 +411,15 @@ if triton is not None:
             sc = (tl.load(sc_p + kb).to(tl.int32) >> sc_shift) & 15
             db = d * (1 + 2 * sc).to(tl.float32)
             xq = xq_ptr + k * 32 + xo
-            s0 = tl.zeros((BLOCK_N, 8 * SB), tl.int32)
-            s1 = tl.zeros((BLOCK_N, 8 * SB), tl.int32)
-            s2 = tl.zeros((BLOCK_N, 8 * SB), tl.int32)
-            s3 = tl.zeros((BLOCK_N, 8 * SB), tl.int32)
-            for p in tl.static_range(4):  # entries 2p, 2p + 1: a halfword of index bytes, a byte of signs
-                h = tl.load(qs_p + kb + p).to(tl.int32)
-                sg = (tl.load(sg_p + kb + p // 2).to(tl.int32) >> (8 * (p % 2))) & 255
-                wa = _iq3_s_word(grid_ptr, h & 255, _bit8(qh, 2 * p), sg & 15, TABLE)
-                wb = _iq3_s_word(grid_ptr, h >> 8, _bit8(qh, 2 * p + 1), sg >> 4, TABLE)
-                x = tl.load(xq + p)
-                s0 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s0, PTX), PTX)
-                if M > 1:
-                    x = tl.load(xq + xrow + p)
-                    s1 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s1, PTX), PTX)
-                if M > 2:
-                    x = tl.load(xq + 2 * xrow + p)
-                    s2 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s2, PTX), PTX)
-                if M > 3:
-                    x = tl.load(xq + 3 * xrow + p)
-                    s3 = _dp4a(wb, (x >> 32).to(tl.int32), _dp4a(wa, x.to(tl.int32), s3, PTX), PTX)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _iq3_s_words8(grid_ptr, g512, qs_p + kb, sg_p + kb, qh, TABLE,
+                                                           BLOCK_N * SB * 64)
+            s0 = _dot8(xq, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+            if M > 1:
+                s1 = _dot8(xq + xrow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+            if M > 2:
+                s2 = _dot8(xq + 2 * xrow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+            if M > 3:
+                s3 = _dot8(xq + 3 * xrow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
             xs = xs_ptr + k * 8 + c
             acc0 += s0.to(tl.float32) * (db * tl.load(xs))
             if M > 1:
@@ -471,7 +518,7 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             for r0 in range(0, x.shape[0], MAX_M):
                 mr = min(MAX_M, x.shape[0] - r0)
-                _iq3_s_dp4a[(sum(progs),)](q[r0:].view(torch.int64), s[r0:], dst[r0:], iq3_s_words(x.device, table),
+                _iq3_s_dp4a[(sum(progs),)](q[r0:].view(torch.int64), s[r0:], dst[r0:], iq3_s_words(x.device, table % 3),
                                            *ptrs, *rows, progs[0], progs[0] + progs[1], nb, cols, out.stride(0),
                                            M=mr, BLOCK_N=bn, SB=sb, TABLE=table, PTX=not INTERPRET,
                                            num_warps=cfg.num_warps)
