@@ -117,8 +117,7 @@ def check_iq3s_dp4a_matches_reference():
             blocks = random_blocks("IQ3_S", rows, cols, g)
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(m, cols, generator=g).to(dtype)
-                q, s = gemv.quantize_x(x)  # (checked against float64 in check_quantize_x)
-                xq = (q.double().reshape(m, -1, 32) * s.double()[:, :, None]).reshape(m, cols)  # what it multiplies
+                xq = gemv.int8_x(*gemv.quantize_x(x))  # what it multiplies (quantize_x: check_quantize_x)
                 with iq3s_kernel(mode):
                     y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows))
                     yx = gemv.quant_matmul(x, blocks, "IQ3_S", cols) if dtype != torch.float32 else y
@@ -143,6 +142,7 @@ def check_quantize_x():
         x = x.to(dtype)
         q, s = gemv.quantize_x(x)
         assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == x.shape and s.shape == (3, 37)
+        q = gemv.int8_x(q, torch.ones_like(s))  # back to x's order: a wrong interleave fails against qr below
         qr, sr = quantize_ref(x)
         assert rel(s, sr) < 1e-7 and bool((s[1, 2] == 0).all()) and bool((q[1, 64:96] == 0).all())
         diff = (q.double() - qr).abs()
@@ -286,8 +286,9 @@ def test_gpu_iq3s_dp4a_70b_shapes(shape, mode, m, monkeypatch):
     x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
     q, s = gemv.quantize_x(x)
     qr, sr = quantize_ref(x)
-    assert rel(s, sr) < 1e-7 and float((q.double().cpu() - qr).abs().max()) <= 1  # ties may round either way
-    xq = (q.double().reshape(m, -1, 32) * s.double()[:, :, None]).reshape(m, cols)
+    xq = gemv.int8_x(q, s)
+    q = gemv.int8_x(q, torch.ones_like(s)).cpu()
+    assert rel(s, sr) < 1e-7 and float((q - qr).abs().max()) <= 1  # ties may round either way
     w = dequantize(blocks, "IQ3_S").double()
     y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows, device="cuda"))
     assert gemv.IQ3S_KERNEL == mode  # no fallback to the float kernel

@@ -264,7 +264,8 @@ if triton is not None:
     @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, cols, groups, G: tl.constexpr):
         """x row program_id(1), groups of 32 from G * program_id(0): int8 q = round(x * 127 / amax) (half away
-        from zero) and the float32 scale amax / 127 per group (q = 0, scale 0 for an all-zero group)."""
+        from zero) and the float32 scale amax / 127 per group (q = 0, scale 0 for an all-zero group). q's
+        row is 4 planes of 8-byte words, word p of group g at plane p, word g (`quantize_x`)."""
         m = tl.program_id(1)
         g1 = tl.program_id(0) * G + tl.arange(0, G)
         g = g1[:, None]
@@ -276,7 +277,8 @@ if triton is not None:
         inv = 127.0 / tl.where(amax > 0, amax, 1.0)  # an all-zero group: q = 0
         v = x * inv[:, None]
         q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)  # truncation toward zero of v +- 1/2
-        tl.store(q_ptr + off, q.to(tl.int8), mask=live)
+        qo = m.to(tl.int64) * cols + (t // 8) * (groups * 8) + g * 8 + t % 8
+        tl.store(q_ptr + qo, q.to(tl.int8), mask=live)
         tl.store(s_ptr + m.to(tl.int64) * groups + g1, amax / 127.0, mask=g1 < groups)
 
     @triton.jit
@@ -360,15 +362,16 @@ if triton is not None:
                     _iq3_s_word(grid_ptr, i6, n6, TABLE), _iq3_s_word(grid_ptr, i7, n7, TABLE))
 
     @triton.jit
-    def _dot8(xq, w0, w1, w2, w3, w4, w5, w6, w7, PTX: tl.constexpr):
-        """int32 dot of 8 packed words with the 32 int8 x in the 4 int64 words at xq."""
+    def _dot8(xq, plane, w0, w1, w2, w3, w4, w5, w6, w7, PTX: tl.constexpr):
+        """int32 dot of 8 packed words with a group's 32 int8 x: int64 words xq, xq + plane, ... (the
+        planes of `quantize_x`, so that neighbouring lanes read neighbouring words)."""
         x = tl.load(xq)
         s = _dp4a(w1, (x >> 32).to(tl.int32), _dp4a(w0, x.to(tl.int32), 0, PTX), PTX)
-        x = tl.load(xq + 1)
+        x = tl.load(xq + plane)
         s = _dp4a(w3, (x >> 32).to(tl.int32), _dp4a(w2, x.to(tl.int32), s, PTX), PTX)
-        x = tl.load(xq + 2)
+        x = tl.load(xq + 2 * plane)
         s = _dp4a(w5, (x >> 32).to(tl.int32), _dp4a(w4, x.to(tl.int32), s, PTX), PTX)
-        x = tl.load(xq + 3)
+        x = tl.load(xq + 3 * plane)
         return _dp4a(w7, (x >> 32).to(tl.int32), _dp4a(w6, x.to(tl.int32), s, PTX), PTX)
 
     @triton.jit
@@ -393,7 +396,7 @@ if triton is not None:
         sc_p = base + 53 + j // 4  # its scale nibble, at bit sc_shift
         qh_shift = 8 * (j % 2)
         sc_shift = 4 * (j % 4)
-        xo = (c // 8) * 32 + 4 * j  # its 4 int64 words of x within the step
+        xo = c  # its x group within the step (word p in plane p)
         acc0 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
         acc1 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
         acc2 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
@@ -410,16 +413,16 @@ if triton is not None:
             qh = tl.load(qh_p + kb).to(tl.int32) >> qh_shift  # bit i: entry i's
             sc = (tl.load(sc_p + kb).to(tl.int32) >> sc_shift) & 15
             db = d * (1 + 2 * sc).to(tl.float32)
-            xq = xq_ptr + k * 32 + xo
+            xq = xq_ptr + k * 8 + xo
             w0, w1, w2, w3, w4, w5, w6, w7 = _iq3_s_words8(grid_ptr, g512, qs_p + kb, sg_p + kb, qh, TABLE,
                                                            BLOCK_N * SB * 64)
-            s0 = _dot8(xq, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+            s0 = _dot8(xq, srow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
             if M > 1:
-                s1 = _dot8(xq + xrow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+                s1 = _dot8(xq + xrow, srow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
             if M > 2:
-                s2 = _dot8(xq + 2 * xrow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+                s2 = _dot8(xq + 2 * xrow, srow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
             if M > 3:
-                s3 = _dot8(xq + 3 * xrow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+                s3 = _dot8(xq + 3 * xrow, srow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
             xs = xs_ptr + k * 8 + c
             acc0 += s0.to(tl.float32) * (db * tl.load(xs))
             if M > 1:
@@ -466,7 +469,9 @@ def iq3_s_words(device, table: int = 0) -> torch.Tensor:
 
 def quantize_x(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, cols) float -> (q int8 (M, cols), s float32 (M, cols / 32)): per group of 32 values
-    s = amax / 127 and q = round(x / s) (half away from zero), so x ~ q * s within s / 2. One launch."""
+    s = amax / 127 and q = round(x / s) (half away from zero), so x ~ q * s within s / 2. One launch.
+    q's rows are interleaved for the kernel: (4, groups, 8) bytes, byte 8p + b of group g at [p, g, b]
+    (`int8_x` undoes it)."""
     if x.dim() != 2 or x.shape[1] % XQ_GROUP:
         raise ValueError(f"quantize_x takes (M, cols) with cols a multiple of {XQ_GROUP}, got {tuple(x.shape)}")
     m, cols = x.shape
@@ -480,6 +485,14 @@ def quantize_x(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = 
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _quantize_x_kernel[(triton.cdiv(groups, g), m)](x, q, s, cols, groups, G=g)
     return q, s
+
+
+def int8_x(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """`quantize_x`'s (q, s) back to x's order and float64: (M, cols) of q * s."""
+    m, cols = q.shape
+    g = cols // XQ_GROUP
+    q = q.reshape(m, 4, g, 8).permute(0, 2, 1, 3).reshape(m, g, XQ_GROUP)
+    return (q.double() * s.double()[:, :, None]).reshape(m, cols)
 
 
 def _grid(name: str, device: torch.device) -> torch.Tensor:
