@@ -235,6 +235,25 @@ def test_supports():
     assert not gemv.available("cpu") or gemv.INTERPRET
 
 
+def test_iq3s_sign_trick_on_the_grid():
+    """The dp4a kernel's sign step on every (grid entry, sign nibble): (g ^ mask) + lsb on the packed word
+    gives the signed table's word (each byte negated as int8 where its bit is set), which holds because
+    the grid's bytes are nonzero (odd, 1..15): no byte carries into the next. And the uint16 nibble table
+    spreads back to the packed word."""
+    from strata.quant import gemv
+    g = gemv.iq3_s_words("cpu", 0).long() & 0xFFFFFFFF  # (512,)
+    b = torch.stack([(g >> (8 * t)) & 255 for t in range(4)], dim=1)
+    assert bool(((b >= 1) & (b <= 15) & (b % 2 == 1)).all())
+    nib = torch.arange(16)
+    lsb = (nib * 0x204081) & 0x01010101
+    w = ((g[:, None] ^ (lsb * 255)[None]) + lsb[None]) & 0xFFFFFFFF  # (512, 16), int32 wraparound as on the GPU
+    signed = gemv.iq3_s_words("cpu", 1).long() & 0xFFFFFFFF
+    assert torch.equal(w.reshape(-1), signed)
+    e = gemv.iq3_s_words("cpu", 2).to(torch.int32).long() & 0xFFFF
+    e = (e | (e << 8)) & 0x00FF00FF
+    assert torch.equal((e | (e << 4)) & 0x0F0F0F0F, g)
+
+
 def test_bad_blocks_refused():
     from strata.quant import gemv
     with pytest.raises(ValueError):
