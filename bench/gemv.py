@@ -1,11 +1,12 @@
 """Time the fused dequantize + matrix-vector kernels (strata.quant.gemv) against the current decode path.
 
-Per type at a preset's layer shapes (q/k/v and gate/up as the one launch decode makes): the kernel's
+Per type (IQ3_S: per kernel of --iq3s, gemv.IQ3S_KERNEL) at a preset's layer shapes (q/k/v and gate/up as the one launch decode makes): the kernel's
 median time (CUDA events, L2 flushed before each rep), the GB/s of blocks it reads, the current path
 (dequantize into a bf16 buffer + F.linear) and the relative error against float64. Then one whole
 layer (its 4 launches) eager and replayed from a CUDA graph, and what that makes per token.
 
     python bench/gemv.py                       # IQ3_S and Q8_0 at llama-3-70b shapes, M=1 and 4 (CUDA)
+    python bench/gemv.py --types IQ3_S --iq3s float,dp4a,dp4a-table   # IQ3_S's kernels side by side
     python bench/gemv.py --sweep               # also try launch shapes per matrix (pick CONFIGS from it)
     TRITON_INTERPRET=1 python bench/gemv.py --smoke    # tiny shapes on the CPU, through the interpreter
 """
@@ -27,6 +28,8 @@ from strata.model import PRESETS, Packed  # noqa: E402
 from strata.quant import gemv  # noqa: E402
 
 SWEEP = [gemv.Config(bn, sb, w) for bn in (4, 8, 16) for sb in (1, 2, 4) for w in (4, 8)]  # ~1 s to compile each
+# the dp4a IQ3_S kernel: 8 * sb sub-blocks of a row side by side, block_n raised to fill the warps
+DP4A_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 4, 16) for sb in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
 
 
 def mats(preset: str, smoke: bool) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -70,7 +73,10 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm())
 
 
-def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: bool, dtype) -> list:
+def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: bool, dtype,
+               modes: list[str | None]) -> dict:
+    """Per matrix and M, each kernel of `modes` (IQ3_S's gemv.IQ3S_KERNEL values; [None] for other types).
+    Returns {mode: [(parts, cols) of one layer]}."""
     g = torch.Generator(device=device).manual_seed(0)
     layer = []
     for label, parts in shapes:
@@ -93,19 +99,25 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
         for m in ms:
             x = torch.randn(m, cols, generator=g, device=device).to(dtype)
             want = x.double() @ w.double().T
-            y = gemv.quant_matmul_parts(x, packed, cols)
-            t = timer(lambda: gemv.quant_matmul_parts(x, packed, cols))
             tc = timer(lambda: current(x)) if m == 1 else float("nan")
-            err = rel(y, want)
-            print(f"{qtype:6s} {label:8s} {rows:>6d}x{cols:<6d} M={m}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s"
-                  f"  current {tc * 1e6:9.1f} us  x{tc / t:6.1f}  rel err {err:.1e}")
-            if sweep and m == ms[0]:
-                best = None
-                for cfg in SWEEP:
-                    ts = timer(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg))
-                    if best is None or ts < best[0]:
-                        best = (ts, cfg)
-                print(f"{'':16s} best launch shape {best[1]}: {best[0] * 1e6:.1f} us, {nbytes / best[0] / 1e9:.0f} GB/s")
+            for mode in modes:
+                if mode is not None:
+                    gemv.IQ3S_KERNEL = mode
+                y = gemv.quant_matmul_parts(x, packed, cols)
+                t = timer(lambda: gemv.quant_matmul_parts(x, packed, cols))
+                err = rel(y, want)
+                name = qtype if mode is None else f"{qtype}/{mode}"
+                if mode is not None and gemv.IQ3S_KERNEL != mode:
+                    name += "->" + gemv.IQ3S_KERNEL  # it failed and fell back (see the warning)
+                print(f"{name:16s} {label:8s} {rows:>6d}x{cols:<6d} M={m}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s"
+                      f"  current {tc * 1e6:9.1f} us  x{tc / t:6.1f}  rel err {err:.1e}")
+                if sweep and m == ms[0]:
+                    best = None
+                    for cfg in (DP4A_SWEEP if mode is not None and mode.startswith("dp4a") else SWEEP):
+                        ts = timer(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg))
+                        if best is None or ts < best[0]:
+                            best = (ts, cfg)
+                    print(f"{'':26s} best launch shape {best[1]}: {best[0] * 1e6:.1f} us, {nbytes / best[0] / 1e9:.0f} GB/s")
         if label != "head":
             layer.append((packed, cols))
         del w, buf
@@ -121,7 +133,7 @@ def bench_layer(qtype: str, layer, head_s: float | None, timer: Timer, device, n
             gemv.quant_matmul_parts(x, packed, cols)
 
     eager = timer(step)
-    line = f"{qtype:6s} one layer (4 launches) eager {eager * 1e6:8.1f} us"
+    line = f"{qtype:16s} one layer (4 launches) eager {eager * 1e6:8.1f} us"
     if device.type == "cuda":
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -144,7 +156,8 @@ def main() -> int:
     ap.add_argument("--types", default=",".join(gemv.CONFIGS))
     ap.add_argument("--m", default="1,4", help="x rows, comma-separated")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP")
+    ap.add_argument("--iq3s", default=",".join(gemv.IQ3S_KERNELS), help="IQ3_S kernels to compare (gemv.IQ3S_KERNELS)")
+    ap.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (dp4a: DP4A_SWEEP)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
@@ -158,9 +171,18 @@ def main() -> int:
     n_layers = PRESETS[a.preset].n_layers
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {gemv.triton.__version__}")
+    iq3s = a.iq3s.split(",")
+    for mode in iq3s:
+        if mode not in gemv.IQ3S_KERNELS:
+            print(f"--iq3s: {mode!r} is not one of {', '.join(gemv.IQ3S_KERNELS)}", file=sys.stderr)
+            return 2
     for qtype in a.types.split(","):
-        layer = bench_type(qtype, shapes, ms, timer, device, a.sweep, dtype)
-        bench_layer(qtype, layer, None, timer, device, n_layers, dtype)
+        modes = iq3s if qtype == "IQ3_S" else [None]
+        layer = bench_type(qtype, shapes, ms, timer, device, a.sweep, dtype, modes)
+        for mode in modes:
+            if mode is not None:
+                gemv.IQ3S_KERNEL = mode
+            bench_layer(qtype if mode is None else f"{qtype}/{mode}", layer, None, timer, device, n_layers, dtype)
     return 0
 
 

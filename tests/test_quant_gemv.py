@@ -2,7 +2,14 @@
 
 On the CPU the kernels run under Triton's interpreter, which must be switched on before triton is
 imported: the checks below run in one subprocess with TRITON_INTERPRET=1, each reporting ok or its
-traceback, and every test asserts its own check. The gpu tests compare with the current CUDA path."""
+traceback, and every test asserts its own check. The gpu tests compare with the current CUDA path.
+
+IQ3_S's dp4a kernels take x rounded to int8 with a float32 scale per 32 values (gemv.quantize_x): against
+x itself they are held to DP4A_TOL (x's rounding error, at most s/2 per value with s = amax/127, is
+~0.5% of x's norm for Gaussian x, and the product's relative error follows it: ~5e-3 measured on the
+CPU, see check_iq3s_dp4a_matches_reference), and against the int8 x they multiply (q * s exactly in
+float64) to float32 accumulation: that checks the integer data flow bit for bit up to the final sums."""
+import contextlib
 import json
 import os
 import subprocess
@@ -23,10 +30,34 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
 
+DP4A_TOL = 1.5e-2  # int8 x: ~5e-3 measured (3x margin); float32 x in the float kernel: 1e-5
+IQ3S_DP4A = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem")
+
+
 def reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """Independent: dequantize (bit-exact with gguf-py) then a float64 product, on the CPU."""
     from strata.quant import dequantize
     return x.cpu().double() @ dequantize(blocks.cpu(), qtype).double().T
+
+
+def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 reference of gemv.quantize_x: per 32 values s = amax / 127, q = round half away from zero of x / s."""
+    xd = x.cpu().double().reshape(x.shape[0], -1, 32)
+    amax = xd.abs().amax(dim=2, keepdim=True)
+    v = xd * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    return q.reshape(x.shape), (amax / 127).reshape(x.shape[0], -1)
+
+
+@contextlib.contextmanager
+def iq3s_kernel(mode: str):
+    """Run with gemv.IQ3S_KERNEL = mode (read per call)."""
+    from strata.quant import gemv
+    old, gemv.IQ3S_KERNEL = gemv.IQ3S_KERNEL, mode
+    try:
+        yield
+    finally:
+        gemv.IQ3S_KERNEL = old
 
 
 # -- the checks run under the interpreter (in the subprocess) -----------------------------------------
@@ -35,6 +66,11 @@ def check_kernel_matches_reference():
     (two launches); fp32 x within fp32 accumulation, bf16 x (result rounded to bf16) within bf16."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(7)
+    with iq3s_kernel("float"):
+        _check_float_kernels(gemv, random_blocks, g)
+
+
+def _check_float_kernels(gemv, random_blocks, g):
     for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3)):
         for rows, m in ((37, 1), (21, 3), (5, 6)):
             blocks = random_blocks(qtype, rows, cols, g)
@@ -56,10 +92,65 @@ def check_parts_side_by_side():
     cols = 512
     parts = [(random_blocks(q, r, cols, g), q) for q, r in (("IQ3_S", 19), ("IQ3_S", 6), ("Q8_0", 11), ("IQ3_S", 9), ("Q4_K", 10))]
     x = torch.randn(3, cols, generator=g).bfloat16()
-    out = torch.full((3, 55), float("nan"))
-    gemv.quant_matmul_parts(x, parts, cols, out=out)
     want = torch.cat([reference(x, b, q) for b, q in parts], dim=1)
-    assert rel(out, want) < 1e-5
+    for mode, tol in (("float", 1e-5),) + tuple((m, DP4A_TOL) for m in IQ3S_DP4A):
+        out = torch.full((3, 55), float("nan"))
+        with iq3s_kernel(mode):
+            gemv.quant_matmul_parts(x, parts, cols, out=out)
+        assert rel(out, want) < tol, (mode, rel(out, want))
+        # the other types' columns are exact either way
+        q8 = slice(25, 36)
+        assert rel(out[:, q8], want[:, q8]) < 1e-5
+
+
+def check_iq3s_dp4a_matches_reference():
+    """The dp4a IQ3_S kernels (packed grid + sign bits, and the signed table), fresh random blocks, odd row
+    counts, M = 1, 3 and 6 (two launches), float32 and bfloat16 x: within DP4A_TOL of the float64
+    product with x, and to float32 accumulation of the float64 product with x's int8 rounding q * s."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator().manual_seed(11)
+    errs = []
+    # (the interpreter is slow on the unrolled kernel: the table variants, same data flow but the lookup, once)
+    for mode, shapes in (("dp4a", ((37, 768, 1), (21, 512, 3), (5, 1024, 6))), ("dp4a-table", ((21, 512, 3),)),
+                         ("dp4a-u16", ((21, 512, 3),)), ("dp4a-smem", ((21, 512, 3),))):
+        for rows, cols, m in shapes:
+            blocks = random_blocks("IQ3_S", rows, cols, g)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, cols, generator=g).to(dtype)
+                xq = gemv.int8_x(*gemv.quantize_x(x))  # what it multiplies (quantize_x: check_quantize_x)
+                with iq3s_kernel(mode):
+                    y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows))
+                    yx = gemv.quant_matmul(x, blocks, "IQ3_S", cols) if dtype != torch.float32 else y
+                want = reference(x, blocks, "IQ3_S")
+                assert float(want.norm()) > 0 and float(y.norm()) > 0
+                assert rel(y, reference(xq, blocks, "IQ3_S")) < 1e-5, (mode, rows, m, dtype)
+                errs.append(rel(y, want))
+                assert errs[-1] < DP4A_TOL, (mode, rows, m, dtype, errs[-1])
+                assert yx.dtype == dtype and rel(yx, want) < DP4A_TOL + (8e-3 if dtype == torch.bfloat16 else 0)
+    print(f"dp4a rel err vs float64 x: max {max(errs):.2e}, mean {sum(errs) / len(errs):.2e}", file=sys.stderr)
+
+
+def check_quantize_x():
+    """gemv.quantize_x against its float64 reference: float32 and bfloat16 x with an all-zero group, an
+    outlier and a row past one program's groups; scales to float32 rounding, q exact but at ties."""
+    from strata.quant import gemv
+    g = torch.Generator().manual_seed(12)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 32 * 37, generator=g)
+        x[1, 64:96] = 0
+        x[2, 5] = 300.0
+        x = x.to(dtype)
+        q, s = gemv.quantize_x(x)
+        assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == x.shape and s.shape == (3, 37)
+        q = gemv.int8_x(q, torch.ones_like(s))  # back to x's order: a wrong interleave fails against qr below
+        qr, sr = quantize_ref(x)
+        assert rel(s, sr) < 1e-7 and bool((s[1, 2] == 0).all()) and bool((q[1, 64:96] == 0).all())
+        diff = (q.double() - qr).abs()
+        v = (x.double().reshape(3, -1, 32) / sr[:, :, None]).reshape(x.shape).abs()  # x / s: ties at k + 1/2
+        tie = ((v - v.floor()) - 0.5).abs() < 1e-5  # bf16 x has exact ties; float32's x * (127 / amax) rounds
+        assert float(diff.max()) <= 1 and bool(tie[diff > 0].all()), int((diff > 0).sum())
+        err = (q.double().reshape(3, -1, 32) * sr[:, :, None]).reshape(x.shape) - x.double()
+        assert bool((err.abs().reshape(3, -1, 32) <= sr[:, :, None] * (0.5 + 1e-5)).all())
 
 
 def check_model_decode_fused():
@@ -90,19 +181,25 @@ def check_model_decode_fused():
     gemv.CONFIGS = {"IQ3_S": gemv.Config(32, 1), "Q8_0": gemv.Config(32, 3)}
     try:
         ids = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
-        assert rel(fused(ids[:, :8], 0), dense(ids[:, :8], 0)) < 1e-6  # prefill: the scratch path
-        assert not calls
-        for p, t in ((8, 1), (9, 3)):
-            a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
-            assert rel(a, b) < 1e-5, (p, rel(a, b))
-            la, lb = fused.logits(a[0]), dense.logits(b[0])
-            assert la.dtype == torch.float32 and rel(la, lb) < 1e-5, (p, rel(la, lb))
+        # the dp4a kernel (int8 x: the residual stream's error) for the T=3 step only, the slow one interpreted
+        for mode, tol, steps in (("float", 1e-5, ((8, 1), (9, 3))), ("dp4a", DP4A_TOL, ((9, 3),))):
+            with iq3s_kernel(mode):
+                n = steps[0][0]
+                assert rel(fused(ids[:, :n], 0), dense(ids[:, :n], 0)) < 1e-6  # prefill: the scratch path
+                assert not calls
+                for p, t in steps:
+                    a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
+                    assert rel(a, b) < tol, (mode, p, rel(a, b))
+                    la, lb = fused.logits(a[0]), dense.logits(b[0])
+                    assert la.dtype == torch.float32 and rel(la, lb) < tol, (mode, p, rel(la, lb))
+            assert len(calls) == len(steps) * (2 * 4 + 1), len(calls)  # 4 products per layer, the head, per step
+            calls.clear()
     finally:
         gemv.quant_matmul_parts, gemv.CONFIGS = real, configs
-    assert len(calls) == 2 * 2 * 4 + 2, len(calls)  # 4 products per layer per step, plus the head per step
 
 
-CHECKS = [check_kernel_matches_reference, check_parts_side_by_side, check_model_decode_fused]
+CHECKS = [check_kernel_matches_reference, check_parts_side_by_side, check_model_decode_fused,
+          check_iq3s_dp4a_matches_reference, check_quantize_x]
 
 
 def _run_checks() -> None:
@@ -138,6 +235,25 @@ def test_supports():
     assert not gemv.available("cpu") or gemv.INTERPRET
 
 
+def test_iq3s_sign_trick_on_the_grid():
+    """The dp4a kernel's sign step on every (grid entry, sign nibble): (g ^ mask) + lsb on the packed word
+    gives the signed table's word (each byte negated as int8 where its bit is set), which holds because
+    the grid's bytes are nonzero (odd, 1..15): no byte carries into the next. And the uint16 nibble table
+    spreads back to the packed word."""
+    from strata.quant import gemv
+    g = gemv.iq3_s_words("cpu", 0).long() & 0xFFFFFFFF  # (512,)
+    b = torch.stack([(g >> (8 * t)) & 255 for t in range(4)], dim=1)
+    assert bool(((b >= 1) & (b <= 15) & (b % 2 == 1)).all())
+    nib = torch.arange(16)
+    lsb = (nib * 0x204081) & 0x01010101
+    w = ((g[:, None] ^ (lsb * 255)[None]) + lsb[None]) & 0xFFFFFFFF  # (512, 16), int32 wraparound as on the GPU
+    signed = gemv.iq3_s_words("cpu", 1).long() & 0xFFFFFFFF
+    assert torch.equal(w.reshape(-1), signed)
+    e = gemv.iq3_s_words("cpu", 2).to(torch.int32).long() & 0xFFFF
+    e = (e | (e << 8)) & 0x00FF00FF
+    assert torch.equal((e | (e << 4)) & 0x0F0F0F0F, g)
+
+
 def test_bad_blocks_refused():
     from strata.quant import gemv
     with pytest.raises(ValueError):
@@ -154,9 +270,11 @@ def test_bad_blocks_refused():
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
 @pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("m", [1, 3])
-def test_gpu_70b_shapes(shape, qtype, m):
-    """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64."""
+def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
+    """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64
+    (IQ3_S: the float kernel; the dp4a ones in test_gpu_iq3s_dp4a_70b_shapes)."""
     from strata.quant import dequantize, gemv, random_blocks
+    monkeypatch.setattr(gemv, "IQ3S_KERNEL", "float")
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
     blocks = random_blocks(qtype, rows, cols, g, device="cuda")
@@ -172,16 +290,48 @@ def test_gpu_70b_shapes(shape, qtype, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672), (128256, 8192)])
+@pytest.mark.parametrize("mode", IQ3S_DP4A)
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_gpu_iq3s_dp4a_70b_shapes(shape, mode, m, monkeypatch):
+    """The dp4a IQ3_S kernels at a 70B model's shapes (head included), bf16 x: to float32 accumulation of
+    the float64 product with x's int8 rounding (the PTX dp4a path, exact integer sums), within DP4A_TOL of
+    the one with x, and the bf16 result within DP4A_TOL + bf16 rounding."""
+    from strata.quant import dequantize, gemv, random_blocks
+    monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
+    rows, cols = shape
+    g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
+    blocks = random_blocks("IQ3_S", rows, cols, g, device="cuda")
+    x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
+    q, s = gemv.quantize_x(x)
+    qr, sr = quantize_ref(x)
+    xq = gemv.int8_x(q, s)
+    q = gemv.int8_x(q, torch.ones_like(s)).cpu()
+    assert rel(s, sr) < 1e-7 and float((q - qr).abs().max()) <= 1  # ties may round either way
+    w = dequantize(blocks, "IQ3_S").double()
+    y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows, device="cuda"))
+    assert gemv.IQ3S_KERNEL == mode  # no fallback to the float kernel
+    assert rel(y, xq @ w.T) < 1e-5
+    want = x.double() @ w.T
+    assert rel(y, want) < DP4A_TOL, rel(y, want)
+    assert rel(gemv.quant_matmul(x, blocks, "IQ3_S", cols), want) < DP4A_TOL + 8e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_block_decode_fused_vs_unfused(dtype, monkeypatch):
+@pytest.mark.parametrize("mode", ("float",) + IQ3S_DP4A)
+def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
     """synthetic:smoke-wide@IQ3_S resident on CUDA: decode steps with the kernels give the logits of the
     scratch path (dequantize + F.linear), and the fused path is the one taken."""
     from strata import model as M
     from strata.checkpoint import load_stage, model_args
+    from strata.quant import gemv
     model = "synthetic:smoke-wide@IQ3_S"
     args = model_args(model)
 
     def run(fused: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
         if not fused:  # the layers and the head take the scratch path
             monkeypatch.setattr(M, "_fused_ok", lambda p, device: False)
         m = load_stage(model, args, 0, args.n_layers, device="cuda", dtype=dtype, weights="resident", max_len=64)
@@ -195,22 +345,25 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, monkeypatch):
         monkeypatch.undo()
         return out
 
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = 1e-4 if dtype == torch.float32 and mode == "float" else 3e-2  # int8 x: ~DP4A_TOL per product
     for a, b in zip(run(True), run(False)):
         assert rel(a, b) < tol, rel(a, b)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_graph_capture():
+@pytest.mark.parametrize("mode", ("float",) + IQ3S_DP4A)
+def test_gpu_graph_capture(mode, monkeypatch):
     """quant_matmul_parts (q/k/v-like parts, M=2) captured in a CUDA graph: a replay with new x gives
-    what an eager call gives."""
+    what an eager call gives (dp4a: x's quantization captured too)."""
     from strata.quant import gemv, random_blocks
+    monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
     g = torch.Generator(device="cuda").manual_seed(1)
     cols = 1024
     parts = [(random_blocks("IQ3_S", r, cols, g, device="cuda"), "IQ3_S") for r in (1024, 256, 256)]
     x = torch.randn(2, cols, generator=g, device="cuda").bfloat16()
     gemv.quant_matmul_parts(x, parts, cols)  # compiles, makes the tables
+    assert gemv.IQ3S_KERNEL == mode  # no fallback to the float kernel
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = gemv.quant_matmul_parts(x, parts, cols)

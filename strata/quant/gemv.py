@@ -7,10 +7,22 @@ more rows take several launches). float32 accumulation; the result in x's dtype 
 output, one launch per run of parts of the same type. No host sync and no data-dependent allocation:
 CUDA-graph capturable once the per-device tables exist (any call before capture makes them).
 Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
+
+IQ3_S has two kernels (IQ3S_KERNEL, env STRATA_GEMV_IQ3S, read per call): "dp4a" (default) quantizes x
+once per call to int8 with a float32 scale per 32 values (`quantize_x`) and takes per 4 weights one
+packed-byte grid lookup, the 4 signs applied on the packed word, and a 4-way int8 dot (PTX dp4a) into
+int32, scaled per 32 weights in float32. Its variants differ in the grid table (`iq3_s_words`):
+"dp4a-table" folds the signs into a 16x larger table (no sign arithmetic, 32 KiB), "dp4a-u16" packs an
+entry in 4 nibbles (1 KiB: fewer L1 lines per warp's gather, 4 more integer ops), "dp4a-smem" gathers
+from the 2 KiB grid staged in shared memory (tl.gather: 4 stores, 2 barriers, then 8 shared loads per
+sub-block instead of 8 L1 gathers that each touch ~14 cache lines). "float" is the earlier
+kernel with float x and bfloat16 grid rows (exact to float32 accumulation). int8 x costs ~5e-3 relative
+error of the product (measured on random blocks, tests/test_quant_gemv.py).
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 
@@ -27,6 +39,11 @@ except ImportError:  # CPU-only torch without triton: supports() is False everyw
 MAX_M = 4  # x rows per launch (the decode path's DECODE_T); the weights are read once for all of them
 MAX_PARTS = 3  # matrices per launch (q, k, v)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
+_IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the dp4a kernel's TABLE: which grid table
+IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a")  # read per call: bench/gemv.py switches it
+XQ_GROUP = 32  # x values per int8 scale
+log = logging.getLogger("strata.quant")
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,9 @@ class Config:
 
 # Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
 CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1)}
+# the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
+# divides the row's blocks, block_n raised to give each thread an element when sb is smaller
+DP4A_CONFIG = Config(4, 4, 4)
 _BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144)}  # (weights, bytes) per block
 
 
@@ -241,7 +261,238 @@ if triton is not None:
         if M > 3:
             _store(out_ptr, acc3, 3, out_stride, col + rows, live)
 
+    @triton.jit
+    def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, cols, groups, G: tl.constexpr):
+        """x row program_id(1), groups of 32 from G * program_id(0): int8 q = round(x * 127 / amax) (half away
+        from zero) and the float32 scale amax / 127 per group (q = 0, scale 0 for an all-zero group). q's
+        row is 4 planes of 8-byte words, word p of group g at plane p, word g (`quantize_x`)."""
+        m = tl.program_id(1)
+        g1 = tl.program_id(0) * G + tl.arange(0, G)
+        g = g1[:, None]
+        t = tl.arange(0, 32)[None, :]
+        live = g < groups
+        off = m.to(tl.int64) * cols + g * 32 + t
+        x = tl.load(x_ptr + off, mask=live, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = 127.0 / tl.where(amax > 0, amax, 1.0)  # an all-zero group: q = 0
+        v = x * inv[:, None]
+        q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)  # truncation toward zero of v +- 1/2
+        qo = m.to(tl.int64) * cols + (t // 8) * (groups * 8) + g * 8 + t % 8
+        tl.store(q_ptr + qo, q.to(tl.int8), mask=live)
+        tl.store(s_ptr + m.to(tl.int64) * groups + g1, amax / 127.0, mask=g1 < groups)
+
+    @triton.jit
+    def _dp4a(a, b, c, PTX: tl.constexpr):
+        """c + the dot of a's and b's 4 signed bytes: one PTX dp4a on CUDA; shifts and multiplies (the same
+        int32 result) under the interpreter, which cannot run inline assembly."""
+        if PTX:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            s = c
+            for i in tl.static_range(4):
+                s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)  # sign-extended byte i
+            return s
+
+    @triton.jit
+    def _bit8(v, pos: tl.constexpr):
+        """Bit `pos` of v moved to bit 8 (value 0 or 256)."""
+        if pos <= 8:
+            return (v << (8 - pos)) & 256
+        else:
+            return (v >> (pos - 8)) & 256
+
+    @triton.jit
+    def _sign4(g, nib):
+        """Packed bytes g with byte t negated (int8) where bit t of nib is set: (g ^ 0xFF) + 1 per byte,
+        and no byte carries into the next as long as g's bytes are nonzero (the grid's are 1..15)."""
+        lsb = (nib * 0x204081) & 0x01010101  # bit t of nib -> bit 0 of byte t
+        return (g ^ (lsb * 255)) + lsb
+
+    @triton.jit
+    def _iq3_s_word(grid_ptr, idx, nib, TABLE: tl.constexpr):
+        """One grid entry's 4 weights as packed int8 (weight t in byte t): idx its 9-bit grid index, nib
+        its 4 sign bits."""
+        if TABLE == 1:  # signs folded in: row idx << 4 | nib
+            w = tl.load(grid_ptr + ((idx << 4) | nib))
+        else:
+            if TABLE == 2:  # 4 nibbles in a uint16 (a 1 KiB table, 8 cache lines): spread to bytes
+                e = tl.load(grid_ptr + idx).to(tl.int32)
+                e = (e | (e << 8)) & 0x00FF00FF
+                g = (e | (e << 4)) & 0x0F0F0F0F
+            else:
+                g = tl.load(grid_ptr + idx)  # 4 unsigned bytes, each odd in 1..15
+            w = _sign4(g, nib)
+        return w
+
+    @triton.jit
+    def _iq3_s_words8(grid_ptr, g512, qs_p, sg_p, qh, TABLE: tl.constexpr, N: tl.constexpr):
+        """A sub-block's 8 entries as packed signed int8 words: qs_p/sg_p its pointers to 4 halfwords of
+        index bytes and 2 of sign bits, qh its 8 high index bits. TABLE 3: one tl.gather for all 8 from
+        `g512`, the 512-word grid held as a tensor (Triton stages it in shared memory for the gather:
+        no L1 line per lane), N the tile's elements times 8."""
+        h0 = tl.load(qs_p).to(tl.int32)
+        h1 = tl.load(qs_p + 1).to(tl.int32)
+        h2 = tl.load(qs_p + 2).to(tl.int32)
+        h3 = tl.load(qs_p + 3).to(tl.int32)
+        sa = tl.load(sg_p).to(tl.int32)
+        sb = tl.load(sg_p + 1).to(tl.int32)
+        i0, i1 = (h0 & 255) | _bit8(qh, 0), (h0 >> 8) | _bit8(qh, 1)
+        i2, i3 = (h1 & 255) | _bit8(qh, 2), (h1 >> 8) | _bit8(qh, 3)
+        i4, i5 = (h2 & 255) | _bit8(qh, 4), (h2 >> 8) | _bit8(qh, 5)
+        i6, i7 = (h3 & 255) | _bit8(qh, 6), (h3 >> 8) | _bit8(qh, 7)
+        n0, n1, n2, n3 = sa & 15, (sa >> 4) & 15, (sa >> 8) & 15, sa >> 12
+        n4, n5, n6, n7 = sb & 15, (sb >> 4) & 15, (sb >> 8) & 15, sb >> 12
+        if TABLE == 3:
+            idx = tl.join(tl.join(tl.join(i0, i1), tl.join(i2, i3)), tl.join(tl.join(i4, i5), tl.join(i6, i7)))
+            g = tl.reshape(tl.gather(g512, tl.reshape(idx, (N,)), 0), idx.shape)  # [..., c, b, a]: entry 4a + 2b + c
+            lo, hi = tl.split(g)
+            g01, g23 = tl.split(lo)
+            g45, g67 = tl.split(hi)
+            g0, g1 = tl.split(g01)
+            g2, g3 = tl.split(g23)
+            g4, g5 = tl.split(g45)
+            g6, g7 = tl.split(g67)
+            return (_sign4(g0, n0), _sign4(g1, n1), _sign4(g2, n2), _sign4(g3, n3),
+                    _sign4(g4, n4), _sign4(g5, n5), _sign4(g6, n6), _sign4(g7, n7))
+        else:
+            return (_iq3_s_word(grid_ptr, i0, n0, TABLE), _iq3_s_word(grid_ptr, i1, n1, TABLE),
+                    _iq3_s_word(grid_ptr, i2, n2, TABLE), _iq3_s_word(grid_ptr, i3, n3, TABLE),
+                    _iq3_s_word(grid_ptr, i4, n4, TABLE), _iq3_s_word(grid_ptr, i5, n5, TABLE),
+                    _iq3_s_word(grid_ptr, i6, n6, TABLE), _iq3_s_word(grid_ptr, i7, n7, TABLE))
+
+    @triton.jit
+    def _dot8(xq, plane, w0, w1, w2, w3, w4, w5, w6, w7, PTX: tl.constexpr):
+        """int32 dot of 8 packed words with a group's 32 int8 x: int64 words xq, xq + plane, ... (the
+        planes of `quantize_x`, so that neighbouring lanes read neighbouring words)."""
+        x = tl.load(xq)
+        s = _dp4a(w1, (x >> 32).to(tl.int32), _dp4a(w0, x.to(tl.int32), 0, PTX), PTX)
+        x = tl.load(xq + plane)
+        s = _dp4a(w3, (x >> 32).to(tl.int32), _dp4a(w2, x.to(tl.int32), s, PTX), PTX)
+        x = tl.load(xq + 2 * plane)
+        s = _dp4a(w5, (x >> 32).to(tl.int32), _dp4a(w4, x.to(tl.int32), s, PTX), PTX)
+        x = tl.load(xq + 3 * plane)
+        return _dp4a(w7, (x >> 32).to(tl.int32), _dp4a(w6, x.to(tl.int32), s, PTX), PTX)
+
+    @triton.jit
+    def _iq3_s_dp4a(xq_ptr, xs_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, TABLE: tl.constexpr,
+                    PTX: tl.constexpr):
+        """IQ3_S with int8 x (`quantize_x`: xq_ptr its int64 words, xs_ptr its float32 scale per 32): an
+        element of the [BLOCK_N rows, 8 * SB] tile is one sub-block of 32 weights (8 grid entries, unrolled)
+        of one of SB blocks per loop step, so a warp's lanes read neighbouring sub-blocks of a row (few cache
+        lines per load); its int32 dot with x is scaled by d * (1 + 2 * scale) * x's scale in float32.
+        Blocks are read as uint16 (110-byte blocks are 2-byte aligned): halfword 0 d, 1..32 qs, 33..36 qh,
+        37..52 signs, 53..54 scales."""
+        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < n
+        c = tl.arange(0, 8 * SB)[None, :]
+        j = c % 8  # sub-block of block c // 8 of the step
+        base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 55) + (c // 8) * 55  # loads unmasked
+        qs_p = base + 1 + 4 * j  # its 4 halfwords of grid index bytes
+        sg_p = base + 37 + 2 * j  # its 2 halfwords of sign bits
+        qh_p = base + 33 + j // 2  # its byte of high index bits, at bit qh_shift
+        sc_p = base + 53 + j // 4  # its scale nibble, at bit sc_shift
+        qh_shift = 8 * (j % 2)
+        sc_shift = 4 * (j % 4)
+        xo = c  # its x group within the step (word p in plane p)
+        acc0 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
+        xrow = cols // 8  # int64 words per x row
+        srow = cols // 32  # scales per x row
+        if TABLE == 3:
+            g512 = tl.load(grid_ptr + tl.arange(0, 512))
+        else:
+            g512 = 0
+        for k in range(0, nb, SB):
+            kb = k * 55
+            d = tl.load(base + kb).to(tl.int16, bitcast=True).to(tl.float16, bitcast=True).to(tl.float32)
+            qh = tl.load(qh_p + kb).to(tl.int32) >> qh_shift  # bit i: entry i's
+            sc = (tl.load(sc_p + kb).to(tl.int32) >> sc_shift) & 15
+            db = d * (1 + 2 * sc).to(tl.float32)
+            xq = xq_ptr + k * 8 + xo
+            w0, w1, w2, w3, w4, w5, w6, w7 = _iq3_s_words8(grid_ptr, g512, qs_p + kb, sg_p + kb, qh, TABLE,
+                                                           BLOCK_N * SB * 64)
+            s0 = _dot8(xq, srow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+            if M > 1:
+                s1 = _dot8(xq + xrow, srow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+            if M > 2:
+                s2 = _dot8(xq + 2 * xrow, srow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+            if M > 3:
+                s3 = _dot8(xq + 3 * xrow, srow, w0, w1, w2, w3, w4, w5, w6, w7, PTX)
+            xs = xs_ptr + k * 8 + c
+            acc0 += s0.to(tl.float32) * (db * tl.load(xs))
+            if M > 1:
+                acc1 += s1.to(tl.float32) * (db * tl.load(xs + srow))
+            if M > 2:
+                acc2 += s2.to(tl.float32) * (db * tl.load(xs + 2 * srow))
+            if M > 3:
+                acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow))
+        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
+        if M > 1:
+            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
+        if M > 2:
+            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
+        if M > 3:
+            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+
     _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv}
+
+
+_IQ3S_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def iq3_s_words(device, table: int = 0) -> torch.Tensor:
+    """The IQ3_S grid for the dp4a kernel (its TABLE): 0, (512,) int32 words of 4 bytes (value t in byte t);
+    1, (512 * 16,) int32 rows `entry << 4 | sign nibble`, value t negated (int8) where bit t is set;
+    2, (512,) uint16 of 4 nibbles (value t in bits 4t..4t+3). Per device, made by the first call (outside
+    any graph capture)."""
+    device = torch.device(device)
+    key = (device, table)
+    if key not in _IQ3S_WORDS:
+        from .iq import _tables
+        g = _tables(device)["IQ3_S_grid"].to(torch.int32)  # (512, 4), odd values 1..15
+        if table == 2:
+            words = (g << torch.arange(0, 16, 4, device=device, dtype=torch.int32)).sum(dim=1, dtype=torch.int32)
+            t = words.view(torch.int16).reshape(-1, 2)[:, 0].contiguous().view(torch.uint16)  # little-endian low half
+        else:
+            if table == 1:
+                bits = (torch.arange(16, device=device)[:, None] >> torch.arange(4, device=device)) & 1
+                g = (g[:, None, :] * (1 - 2 * bits)[None]).reshape(-1, 4)
+            t = g.to(torch.int8).contiguous().view(torch.int32).reshape(-1)  # little-endian: value t in byte t
+        _IQ3S_WORDS[key] = t
+    return _IQ3S_WORDS[key]
+
+
+def quantize_x(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, cols) float -> (q int8 (M, cols), s float32 (M, cols / 32)): per group of 32 values
+    s = amax / 127 and q = round(x / s) (half away from zero), so x ~ q * s within s / 2. One launch.
+    q's rows are interleaved for the kernel: (4, groups, 8) bytes, byte 8p + b of group g at [p, g, b]
+    (`int8_x` undoes it)."""
+    if x.dim() != 2 or x.shape[1] % XQ_GROUP:
+        raise ValueError(f"quantize_x takes (M, cols) with cols a multiple of {XQ_GROUP}, got {tuple(x.shape)}")
+    m, cols = x.shape
+    groups = cols // XQ_GROUP
+    if out is None:
+        out = (torch.empty((m, cols), dtype=torch.int8, device=x.device),
+               torch.empty((m, groups), dtype=torch.float32, device=x.device))
+    q, s = out
+    x = x.contiguous()
+    g = 32  # groups per program
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _quantize_x_kernel[(triton.cdiv(groups, g), m)](x, q, s, cols, groups, G=g)
+    return q, s
+
+
+def int8_x(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """`quantize_x`'s (q, s) back to x's order and float64: (M, cols) of q * s."""
+    m, cols = q.shape
+    g = cols // XQ_GROUP
+    q = q.reshape(m, 4, g, 8).permute(0, 2, 1, 3).reshape(m, g, XQ_GROUP)
+    return (q.double() * s.double()[:, :, None]).reshape(m, cols)
 
 
 def _grid(name: str, device: torch.device) -> torch.Tensor:
@@ -262,15 +513,29 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out: torch.Tensor, col0: int,
-            config: Config | None) -> None:
-    """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices."""
+            config: Config | None, xq: tuple[torch.Tensor, torch.Tensor] | None = None, table: int = 0) -> None:
+    """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices
+    (IQ3_S with xq, x's `quantize_x`: the dp4a kernel, `table` its grid table, iq3_s_words)."""
     cfg = config or CONFIGS[name]
-    bs, ts = _BYTES[name]
-    nb = cols // bs
-    for m in mats:
-        if m.dtype != torch.uint8 or m.dim() != 2 or m.shape[1] != nb * ts or not m.is_contiguous():
-            raise ValueError(f"{name}: blocks must be contiguous uint8 (rows, {nb * ts}), got {m.dtype} {tuple(m.shape)}")
+    nb = cols // _BYTES[name][0]
     rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
+    if xq is not None:  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
+        cfg = config or DP4A_CONFIG
+        ptrs = [m.view(torch.uint16) for m in mats]
+        ptrs += [ptrs[0]] * (MAX_PARTS - len(mats))
+        sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)  # a power of two: 8 * sb wide tiles
+        bn = max(cfg.block_n, 32 * cfg.num_warps // (8 * sb))  # at least an element per thread
+        progs = [triton.cdiv(r, bn) for r in rows]
+        q, s = xq
+        dst = out[:, col0:]
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            for r0 in range(0, x.shape[0], MAX_M):
+                mr = min(MAX_M, x.shape[0] - r0)
+                _iq3_s_dp4a[(sum(progs),)](q[r0:].view(torch.int64), s[r0:], dst[r0:], iq3_s_words(x.device, table % 3),
+                                           *ptrs, *rows, progs[0], progs[0] + progs[1], nb, cols, out.stride(0),
+                                           M=mr, BLOCK_N=bn, SB=sb, TABLE=table, PTX=not INTERPRET,
+                                           num_warps=cfg.num_warps)
+        return
     ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
     progs = [triton.cdiv(r, cfg.block_n) for r in rows]
     sb = next(k for k in range(cfg.sb, 0, -1) if nb % k == 0)  # whole steps: the kernels mask no load
@@ -300,19 +565,38 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
             raise ValueError(f"no fused matrix-vector kernel for {name} (have: {', '.join(CONFIGS)})")
         if cols % _BYTES[name][0]:
             raise ValueError(f"{name}: {cols} columns is not a multiple of its block of {_BYTES[name][0]}")
+    for (m, _), name in zip(parts, names):
+        bs, ts = _BYTES[name]
+        if m.dtype != torch.uint8 or m.dim() != 2 or m.shape[1] != cols // bs * ts or not m.is_contiguous():
+            raise ValueError(f"{name}: blocks must be contiguous uint8 (rows, {cols // bs * ts}), got {m.dtype} {tuple(m.shape)}")
     total = sum(b.shape[0] for b, _ in parts)
     x = x.contiguous()
     if out is None:
         out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
     elif tuple(out.shape) != (x.shape[0], total) or out.stride(1) != 1:
         raise ValueError(f"out must be a row-major ({x.shape[0]}, {total}), got {tuple(out.shape)}")
+    global IQ3S_KERNEL  # set to "float" where a dp4a kernel fails
+    mode = IQ3S_KERNEL
+    if mode not in IQ3S_KERNELS:
+        raise ValueError(f"STRATA_GEMV_IQ3S={mode!r}: one of {', '.join(IQ3S_KERNELS)}")
+    xq = quantize_x(x) if mode != "float" and "IQ3_S" in names else None  # once for all the parts
     i, col = 0, 0
     while i < len(parts):
         j = i + 1
         while j < len(parts) and j - i < MAX_PARTS and names[j] == names[i]:
             j += 1
         mats = [b for b, _ in parts[i:j]]
-        _launch(x, mats, names[i], cols, out, col, config)
+        if names[i] == "IQ3_S" and xq is not None:
+            try:
+                _launch(x, mats, names[i], cols, out, col, config, xq, table=_IQ3S_TABLE[mode])
+            except Exception as e:  # e.g. a Triton that cannot build the inline PTX: the float kernel still works
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                log.warning("IQ3_S %s kernel failed (%s: %s); using the float kernel", mode, type(e).__name__, e)
+                IQ3S_KERNEL = "float"
+                _launch(x, mats, names[i], cols, out, col, config)
+        else:
+            _launch(x, mats, names[i], cols, out, col, config)
         col += sum(m.shape[0] for m in mats)
         i = j
     return out
