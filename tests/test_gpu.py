@@ -165,8 +165,13 @@ def test_cuda_graph_resident_quantized_matches_eager():
     eager(ids[:, :500], 0), graph(ids[:, :500], 0)
     x = ids[:, :1]
     assert graph._graphable(x)
+    # the dp4a kernels round each product's x to int8 (per 32 values): a bf16 rounding difference between the
+    # graph's and eager's inputs (split-K vs flash attention) can move an int8 step, so the two paths differ
+    # more than bf16 alone (H200: 2.2e-2 max-relative at p=500 with dp4a-u16; 2e-2 holds with the float kernel)
+    from strata.quant import gemv
+    tol = 4e-2 if gemv.IQ3S_KERNEL.startswith("dp4a") else 2e-2
     for p in range(500, 560):
         a, la, ia = eager.decode_token(ids[:, p:p + 1], p)
         b, lb, ib = graph.decode_token(ids[:, p:p + 1], p)
-        assert _rel(b, a) < 2e-2 and _rel(lb, la) < 2e-2, p
+        assert _rel(b, a) < tol and _rel(lb, la) < tol, (p, _rel(b, a), _rel(lb, la))
     assert graph._graphs is not None and sorted(graph._graphs.graphs) == [512, 700]

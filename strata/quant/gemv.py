@@ -8,12 +8,12 @@ output, one launch per run of parts of the same type. No host sync and no data-d
 CUDA-graph capturable once the per-device tables exist (any call before capture makes them).
 Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
 
-IQ3_S has two kernels (IQ3S_KERNEL, env STRATA_GEMV_IQ3S, read per call): "dp4a" (default) quantizes x
+IQ3_S has two kernels (IQ3S_KERNEL, env STRATA_GEMV_IQ3S, read per call): "dp4a" quantizes x
 once per call to int8 with a float32 scale per 32 values (`quantize_x`) and takes per 4 weights one
 packed-byte grid lookup, the 4 signs applied on the packed word, and a 4-way int8 dot (PTX dp4a) into
 int32, scaled per 32 weights in float32. Its variants differ in the grid table (`iq3_s_words`):
-"dp4a-table" folds the signs into a 16x larger table (no sign arithmetic, 32 KiB), "dp4a-u16" packs an
-entry in 4 nibbles (1 KiB: fewer L1 lines per warp's gather, 4 more integer ops), "dp4a-smem" gathers
+"dp4a-table" folds the signs into a 16x larger table (no sign arithmetic, 32 KiB), "dp4a-u16" (the default,
+the fastest measured) packs an entry in 4 nibbles (1 KiB: fewer L1 lines per warp's gather, 4 more integer ops), "dp4a-smem" gathers
 from the 2 KiB grid staged in shared memory (tl.gather: 4 stores, 2 barriers, then 8 shared loads per
 sub-block instead of 8 L1 gathers that each touch ~14 cache lines). "float" is the earlier
 kernel with float x and bfloat16 grid rows (exact to float32 accumulation). int8 x costs ~5e-3 relative
@@ -41,7 +41,9 @@ MAX_PARTS = 3  # matrices per launch (q, k, v)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
 _IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the dp4a kernel's TABLE: which grid table
-IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a")  # read per call: bench/gemv.py switches it
+# read per call: bench/gemv.py switches it. dp4a-u16 was the fastest on an H200 (70B gate/up, M=1: 137 us,
+# 1,475 GB/s; dp4a 177, dp4a-table 215, dp4a-smem 240, float 679; .devrun-style pick in BENCHMARKS.md)
+IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a-u16")
 XQ_GROUP = 32  # x values per int8 scale
 log = logging.getLogger("strata.quant")
 
