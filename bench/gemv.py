@@ -120,7 +120,7 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
                     print(f"{'':26s} best launch shape {best[1]}: {best[0] * 1e6:.1f} us, {nbytes / best[0] / 1e9:.0f} GB/s")
         if label != "head":
             layer.append((packed, cols))
-        del w, buf
+        del w  # buf stays bound: current() closes over it
     return layer
 
 

@@ -133,8 +133,8 @@ def main() -> int:
     print(f"{a.preset} {a.qtype} ({gguf.name}), {len(devices)} x {devices[0]}, {a.tokens:,} tokens, chunk {a.chunk:,}")
     llama = res.get("llama", {}).get("prefill")
     bf16 = res.get("bf16", {}).get("tok_s")
-    print(f"| arm | prefill tok/s | vs llama.cpp | vs Strata bf16 |")
-    print(f"|---|---:|---:|---:|")
+    print("| arm | prefill tok/s | vs llama.cpp | vs Strata bf16 |")
+    print("|---|---:|---:|---:|")
     rows = [("llama.cpp" + (" `-sm layer`" if len(devices) > 1 else ""), llama),
             ("Strata depth 1, quantized resident", res.get("d1", {}).get("tok_s")),
             ("Strata depth 0, quantized resident", res.get("d0", {}).get("tok_s")), ("Strata depth 1, bf16", bf16),

@@ -108,7 +108,7 @@ def test_graph_step_long_context_matches_eager():
 GRAPH_BODY = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata.model import DecodeGraphs
+from strata.decode_graphs import DecodeGraphs
 from tests.test_decode_model import SMALL, build, rel
 eager, body = build(SMALL, 600), build(SMALL, 600)
 dg = DecodeGraphs(body)

@@ -216,7 +216,7 @@ def test_gguf_tensors_bit_exact_with_gguf_py():
 def test_graph_body_matches_decode_path(start, end):
     """DecodeGraphs' step body (bucketed cache with an additive mask, rope and cache write from a
     position tensor) equals the eager decode path, across bucket sizes and a cache of odd length."""
-    from strata.model import DecodeGraphs
+    from strata.decode_graphs import DecodeGraphs
     eager, body = build(SMALL, 600, start=start, end=end), build(SMALL, 600, start=start, end=end)
     dg = DecodeGraphs(body)
     assert [dg.bucket(p) for p in (0, 255, 256, 511, 512, 599)] == [256, 256, 512, 512, 600, 600]

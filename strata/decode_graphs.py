@@ -1,0 +1,161 @@
+"""CUDA graphs of a Transformer slice's one-token decode step (`Transformer.decode_token` with cuda_graphs)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .model import (Block, Products, QuantEmbedding, ResidentMatrices, RMSNorm, Transformer, _dense_products,
+                    _rope_rows, _signed_sin, _to_cache)
+
+GRAPH_MIN_BUCKET = 256
+# the graphs' attention: "split-k" (strata/decode_attention.py, Triton; reads only the live keys) or "masked"
+# (efficient attention over the whole bucket with an additive mask: no split over keys, slow past a few thousand)
+GRAPH_ATTENTION = os.environ.get("STRATA_GRAPH_ATTENTION", "split-k")
+if GRAPH_ATTENTION not in ("split-k", "masked"):
+    raise ValueError(f"STRATA_GRAPH_ATTENTION={GRAPH_ATTENTION!r}: use split-k or masked")
+GRAPH_KERNELS = os.environ.get("STRATA_GRAPH_KERNELS", "triton")  # "torch": norms and rope by torch ops (A/B)
+
+
+class DecodeGraphs:
+    """CUDA graphs of a Transformer slice's one-token step (dense layers, or resident ones multiplied on their
+    blocks by strata.quant.gemv), one per bucket of cache positions.
+
+    A graph's kernels keep their shapes while pos moves: its attention covers the first `bucket` cache
+    positions and reads the live count (pos + 1) on the device. With Triton that is the split-K kernel
+    (strata/decode_attention.py), which reads only the live keys; buckets double, so their ranges stay at
+    least half live. Without it, efficient attention with an additive mask over the whole bucket, which
+    costs in proportion to the bucket: buckets then grow by a quarter past 4 * GRAPH_MIN_BUCKET. The token
+    (ids or residual row) and pos are copied into static inputs before a replay; rope, mask and cache
+    write read pos on the device. Captured lazily on a bucket's first use (the stage captures all at
+    load); the Transformer drops them when its cache or weights change."""
+
+    def __init__(self, m: Transformer):
+        self.m = m
+        self.device, self.dtype = m._compute()
+        dev = self.device
+        # a resident embedding's row is gathered (dequantized) before the replay: the graph takes the residual row
+        self.eager_embed = m.has_embed and isinstance(m.embed, QuantEmbedding)
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev) if m.has_embed and not self.eager_embed else None
+        self.res = None if self.ids is not None else torch.zeros(1, 1, m.args.dim, dtype=self.dtype, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
+        self.ar = torch.arange(self.cache_len, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        from strata import decode_attention  # imports Triton
+        # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter)
+        self.use_split_k = (decode_attention.available() and GRAPH_ATTENTION == "split-k"
+                            and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+        self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
+        # with split-K, also the Triton norm and rope-and-store kernels (strata/decode_kernels.py); not for a
+        # float8 cache (its stores clamp first) or a head dim that is not a power of two
+        a = next(iter(m.layers.values())).attn
+        self.fused = (self.use_split_k and GRAPH_KERNELS == "triton" and a.hd & (a.hd - 1) == 0
+                      and a.k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+    def bucket(self, pos: int) -> int:
+        b, m = GRAPH_MIN_BUCKET, GRAPH_MIN_BUCKET
+        while b < pos + 1:
+            b = 2 * b if self.use_split_k or b < 4 * m else -(-(b * 5 // 4) // m) * m
+        return min(b, self.cache_len)
+
+    def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        return self.step_all(x, pos)[0]
+
+    def step_all(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(residual, logits, argmax) of one replay; logits and argmax only on a slice with the head."""
+        if not 0 <= pos < self.cache_len:
+            raise ValueError(f"position {pos} is outside the KV cache ({self.cache_len})")
+        with torch.cuda.device(self.device):
+            static = self.ids if self.ids is not None else self.res
+            if self.eager_embed:
+                x = self.m.embed(x.reshape(1, 1))
+            static.copy_(x.reshape(static.shape))
+            self.pos.fill_(pos)
+            b = self.bucket(pos)
+            entry = self.graphs.get(b)
+            if entry is None:
+                entry = self.graphs[b] = self._capture(b)
+            entry[0].replay()  # a fresh capture has only recorded: this replay computes the step
+            # the static outputs are overwritten by the next replay
+            return tuple(t.clone() if t is not None else None for t in entry[1])
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        # without Triton: efficient attention takes the additive mask at a fixed length; its kernels do not
+        # depend on the mask's contents (cuDNN would also do, but flash takes no mask)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up outside the capture (lazy cuBLAS/workspace init); idempotent
+                self._body(b)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                out = self._body(b)
+        return g, out
+
+    def _attention(self, b: int):
+        """The bucket's split-K attention (its partial-result buffers serve every layer: they run in turn)."""
+        if b not in self.split_k:
+            a = next(iter(self.m.layers.values())).attn
+            from strata.decode_attention import SplitKAttention
+            self.split_k[b] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, b, self.device)
+        return self.split_k[b]
+
+    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        m, dt = self.m, self.dtype
+        h = m.embed(self.ids) if self.ids is not None else self.res
+        freqs = self.pos.to(torch.float32)[:, None] * m.inv_freq[None]  # as Transformer.rope, one row
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(dt)[:, None], _signed_sin(emb.sin().to(dt)[:, None])  # (1, 1, hd)
+        if self.use_split_k:
+            mask = self.pos + 1  # the live keys, read on the device by the split-K kernel
+        else:
+            mask = torch.zeros(b, dtype=dt, device=self.device).masked_fill(self.ar[:b] > self.pos, float("-inf"))
+            mask = mask.view(1, 1, 1, b)
+        for blk in m.layers.values():
+            h = self._layer(blk, h, cos, sin, mask, b)
+        if not m.has_head:
+            return h, None, None
+        logits = m.logits(h[0, -1])  # the head in the graph too: eager, its launches cost more than its GEMV
+        return h, logits, logits.argmax()
+
+    def _layer(self, blk: Block, h, cos, sin, mask, b: int) -> torch.Tensor:
+        a = blk.attn
+        nh, nkv, hd = a.nh, a.nkv, a.hd
+        r = blk.weights  # resident: the fused kernels read the blocks (_graphable checked they can)
+        mm = r.products() if isinstance(r, ResidentMatrices) else _dense_products(r.get(), None)
+        x = self._norm(h, blk.attn_norm)
+        qkv = mm.qkv(x).view(1, nh + 2 * nkv, hd)
+        if self.fused:  # one launch: q rotated, k rotated and v written at pos
+            from strata.decode_kernels import rope_store
+            q = rope_store(qkv[0], cos.view(hd), sin.view(hd), self.pos, nh, nkv, a.k_cache[0], a.v_cache[0])
+            y = self._attention(b)(q.view(nkv, nh // nkv, hd), a.k_cache[0, :, :b], a.v_cache[0, :, :b], mask)
+            return self._rest(blk, mm, h, y)
+        qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
+        a.k_cache.index_copy_(2, self.pos, _to_cache(qk[:, nh:].transpose(0, 1).unsqueeze(0), a.k_cache.dtype))
+        a.v_cache.index_copy_(2, self.pos, _to_cache(qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0), a.v_cache.dtype))
+        if self.use_split_k:  # reads only the live keys, in the cache's own dtype
+            y = self._attention(b)(qk[0, :nh].view(nkv, nh // nkv, hd), a.k_cache[0, :, :b], a.v_cache[0, :, :b], mask)
+        else:
+            keys, vals = a.k_cache[:, :, :b], a.v_cache[:, :, :b]
+            if keys.dtype != qk.dtype:
+                keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
+            q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return self._rest(blk, mm, h, y)
+
+    def _rest(self, blk: Block, mm: Products, h, y) -> torch.Tensor:
+        """The layer after attention: o-projection, residual, MLP."""
+        h = h + mm.wo(y.reshape(1, 1, -1))
+        x = self._norm(h, blk.mlp_norm)
+        gate, up = mm.w13(x).split(blk.mlp.ffn, dim=-1)
+        return h + mm.w2(F.silu(gate) * up)
+
+    def _norm(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        if self.fused:
+            from strata.decode_kernels import rms_norm
+            return rms_norm(h, norm.weight, norm.eps)
+        return F.rms_norm(h, (h.shape[-1],), norm.weight, norm.eps)
