@@ -128,7 +128,8 @@ class Buffers:
 # What a forked stage would otherwise import itself (~2.5 s of CPU per stage): torch, the stage code, the
 # GGUF reader and dequantizers, and torch._dynamo (with sympy), which building the model on the meta device
 # pulls in: nn.init and arange on meta tensors go through torch._refs
-PRELOAD = ["torch", "torch._dynamo", "workers.bootstrap", "strata.gguf_loader", "strata.quant"]
+PRELOAD = ["torch", "torch._dynamo", "workers.bootstrap", "strata.gguf_loader", "strata.quant",
+           "strata.forkserver_exit"]  # the last: its socket directory goes with it, however the head ends
 _forkserver = {"started": False}
 
 

@@ -193,14 +193,20 @@ def _launch_and_wait_mid_prefill(tmp_path, guard, name="run"):
 
 def test_head_sigkill_stages_exit(tmp_path, guard):
     """SIGKILL of the head: each stage sees its pipe's EOF (PR_SET_PDEATHSIG as a backstop) and exits."""
+    pymp_before = set(Path(tempfile.gettempdir()).glob("pymp-*"))
     run, stages = _launch_and_wait_mid_prefill(tmp_path, guard)
     ipc_dirs = list(Path(tempfile.gettempdir()).glob(f"strata-ipc-{run.pid}-*"))
+    pymp_new = set(Path(tempfile.gettempdir()).glob("pymp-*")) - pymp_before  # the head's fork server socket dir
     t_kill = time.time()
     os.kill(run.pid, signal.SIGKILL)
     assert run.wait(EXIT_WITHIN) == -signal.SIGKILL
     _stage_gone_within(list(stages.values()), t_kill)
     assert segments(owner_pid=run.pid) == []
     assert len(ipc_dirs) == 1  # the dead head's private ipc dir: the next start removes it
+    deadline = time.time() + EXIT_WITHIN  # the fork server exits on its pipe's EOF and takes its directory along
+    while any(d.exists() for d in pymp_new) and time.time() < deadline:
+        time.sleep(0.05)
+    assert pymp_new and not any(d.exists() for d in pymp_new), pymp_new
     run_ok(tmp_path)
     assert not ipc_dirs[0].exists()
 
