@@ -16,6 +16,8 @@ GRAPH_ATTENTION = os.environ.get("STRATA_GRAPH_ATTENTION", "split-k")
 if GRAPH_ATTENTION not in ("split-k", "masked"):
     raise ValueError(f"STRATA_GRAPH_ATTENTION={GRAPH_ATTENTION!r}: use split-k or masked")
 GRAPH_KERNELS = os.environ.get("STRATA_GRAPH_KERNELS", "triton")  # "torch": norms and rope by torch ops (A/B)
+if GRAPH_KERNELS not in ("triton", "torch"):
+    raise ValueError(f"STRATA_GRAPH_KERNELS={GRAPH_KERNELS!r}: use triton or torch")
 
 
 class DecodeGraphs:
@@ -42,7 +44,7 @@ class DecodeGraphs:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
         self.ar = torch.arange(self.cache_len, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # bucket -> (graph, its static outputs)
         from strata import decode_attention  # imports Triton
         # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter)
         self.use_split_k = (decode_attention.available() and GRAPH_ATTENTION == "split-k"
