@@ -42,7 +42,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
 _IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the dp4a kernel's TABLE: which grid table
 # read per call: bench/gemv.py switches it. dp4a-u16 was the fastest on an H200 (70B gate/up, M=1: 137 us,
-# 1,475 GB/s; dp4a 177, dp4a-table 215, dp4a-smem 240, float 679; .devrun-style pick in BENCHMARKS.md)
+# 1,475 GB/s; dp4a 177, dp4a-table 215, dp4a-smem 240, float 679: bench/pick_iq3s.py, BENCHMARKS.md)
 IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a-u16")
 XQ_GROUP = 32  # x values per int8 scale
 log = logging.getLogger("strata.quant")
