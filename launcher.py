@@ -82,6 +82,7 @@ def _serve(a) -> int:
     from strata.weights import ModelError
     try:
         cfg = load(a.config, a.overrides)
+        _fork_cpu_stages(cfg)  # CPU stages (and their restarts after a failure) forked ready-made, as in a run
         return run_server(cfg, engine_factory=lambda c: pipeline_engine(c, out=a.out), host=a.host, port=a.port,
                           api_key=a.api_key)
     except (ConfigError, ModelError) as e:
@@ -90,6 +91,9 @@ def _serve(a) -> int:
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if "strata.stage_procs" in sys.modules:
+            sys.modules["strata.stage_procs"].stop_forkserver()
 
 
 def _fork_cpu_stages(cfg) -> None:

@@ -915,3 +915,71 @@ def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     assert eng.starts == starts + 1 and eng.pipe.stages[1].pid != pid
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of pid (from /proc), e.g. the fork server and the stages forked from it."""
+    import os
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                raw = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            kids.setdefault(int(raw[raw.rindex(")") + 2:].split()[1]), []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def test_cli_serve_answers_and_sigterm_leaves_nothing(tmp_path):
+    """`launcher.py --serve` on the default model's two CPU stages: answers, then SIGTERM ends the server, its
+    fork server and stages, with no segment left."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    import yaml
+    from strata.leftovers import Proc, segments, wait_gone
+    from strata.weights import smollm2_path
+    try:
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    rig = tmp_path / "rig.yaml"
+    rig.write_text(yaml.safe_dump({k: v for k, v in PIPE_RIG.items() if k != "debug"}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, str(root / "launcher.py"), "--config", str(rig), "--serve",
+                             "--port", str(port), "--out", str(tmp_path / "out")], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: proc.poll() is not None or _up(url), "the server to answer /health")
+        assert proc.poll() is None, proc.stdout.read()
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        kids = [Proc(p) for p in _children(proc.pid)]
+        assert len(kids) >= 2  # two stages (and, on a host without GPUs, the fork server they were forked from)
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn drains, closes the stages, then re-raises the signal: the shell sees SIGTERM's 143
+        assert proc.wait(30) in (-signal.SIGTERM, 128 + signal.SIGTERM)
+        assert wait_gone(kids, 10) == []
+        assert segments(owner_pid=proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
