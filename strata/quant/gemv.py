@@ -112,6 +112,23 @@ if triton is not None:
         tl.store(out_ptr + m * out_stride + cols_out, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
+    def _store_rows(out_ptr, acc0, acc1, acc2, acc3, M: tl.constexpr, out_stride, cols_out, live):
+        """The first M of the four x rows' accumulators, each summed over its tile's columns."""
+        _store(out_ptr, acc0, 0, out_stride, cols_out, live)
+        if M > 1:
+            _store(out_ptr, acc1, 1, out_stride, cols_out, live)
+        if M > 2:
+            _store(out_ptr, acc2, 2, out_stride, cols_out, live)
+        if M > 3:
+            _store(out_ptr, acc3, 3, out_stride, cols_out, live)
+
+    @triton.jit
+    def _f16(ptr):
+        """The little-endian fp16 at byte pointer ptr (2-byte aligned only), as float32."""
+        h = tl.load(ptr).to(tl.int32) | (tl.load(ptr + 1).to(tl.int32) << 8)
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _iq3_s_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                     M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
         """IQ3_S: per 4 weights (one grid entry) a byte of index, a high bit and a nibble of signs, which
@@ -131,8 +148,7 @@ if triton is not None:
             for s in tl.static_range(SB):
                 b = k + s
                 base = row_base + b * 110
-                h = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
-                d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
+                d = _f16(base)  # (BLOCK_N, 1)
                 qs = tl.load(base + 2 + e).to(tl.int32)
                 qh = tl.load(base + 66 + e // 8).to(tl.int32)
                 sg = tl.load(base + 74 + e // 2).to(tl.int32)
@@ -154,13 +170,7 @@ if triton is not None:
                     acc2 = _acc4(acc2, x_ptr + 2 * cols, xo, db, w0, w1, w2, w3)
                 if M > 3:
                     acc3 = _acc4(acc3, x_ptr + 3 * cols, xo, db, w0, w1, w2, w3)
-        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
-        if M > 1:
-            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
-        if M > 2:
-            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
-        if M > 3:
-            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+        _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
     def _q8_0_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
@@ -180,8 +190,7 @@ if triton is not None:
             for s in tl.static_range(SB):
                 b = k + s
                 base = row_base + b * 34
-                h = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
-                d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
+                d = _f16(base)  # (BLOCK_N, 1)
                 q = tl.load(base + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
                 xo = b * 32 + j
                 acc0 = _acc1(acc0, x_ptr, xo, d, q)
@@ -191,13 +200,7 @@ if triton is not None:
                     acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, d, q)
                 if M > 3:
                     acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, d, q)
-        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
-        if M > 1:
-            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
-        if M > 2:
-            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
-        if M > 3:
-            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+        _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
     def _k4_scale_min(sp, j: tl.constexpr):
@@ -237,10 +240,8 @@ if triton is not None:
             for s in tl.static_range(SB):
                 b = k + s
                 base = row_base + b * 144
-                h = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
-                d = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                h = tl.load(base + 2).to(tl.int32) | (tl.load(base + 3).to(tl.int32) << 8)
-                dmin = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                d = _f16(base)
+                dmin = _f16(base + 2)
                 for p in tl.static_range(4):
                     q = tl.load(base + 16 + 32 * p + i).to(tl.int32)
                     ql, qh = (q & 15).to(tl.float32), (q >> 4).to(tl.float32)
@@ -255,13 +256,7 @@ if triton is not None:
                         acc2 = _acc_k4(acc2, x_ptr + 2 * cols, xo, dl, ml, ql, dh, mh, qh)
                     if M > 3:
                         acc3 = _acc_k4(acc3, x_ptr + 3 * cols, xo, dl, ml, ql, dh, mh, qh)
-        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
-        if M > 1:
-            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
-        if M > 2:
-            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
-        if M > 3:
-            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+        _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, cols, groups, G: tl.constexpr):
@@ -433,13 +428,7 @@ if triton is not None:
                 acc2 += s2.to(tl.float32) * (db * tl.load(xs + 2 * srow))
             if M > 3:
                 acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow))
-        _store(out_ptr, acc0, 0, out_stride, col + rows, live)
-        if M > 1:
-            _store(out_ptr, acc1, 1, out_stride, col + rows, live)
-        if M > 2:
-            _store(out_ptr, acc2, 2, out_stride, col + rows, live)
-        if M > 3:
-            _store(out_ptr, acc3, 3, out_stride, col + rows, live)
+        _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv}
 
