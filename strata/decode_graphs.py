@@ -43,13 +43,14 @@ class DecodeGraphs:
         self.res = None if self.ids is not None else torch.zeros(1, 1, m.args.dim, dtype=self.dtype, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
-        self.ar = torch.arange(self.cache_len, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # bucket -> (graph, its static outputs)
         from strata import decode_attention  # imports Triton
         # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter)
         self.use_split_k = (decode_attention.available() and GRAPH_ATTENTION == "split-k"
                             and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
         self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
+        # the masked path's positions, compared with pos on the device (split-K reads the live count instead)
+        self.ar = None if self.use_split_k else torch.arange(self.cache_len, device=dev)
         # with split-K, also the Triton norm and rope-and-store kernels (strata/decode_kernels.py); not for a
         # float8 cache (its stores clamp first) or a head dim that is not a power of two
         a = next(iter(m.layers.values())).attn
