@@ -1030,21 +1030,22 @@ class Transformer(nn.Module):
         """One token at `pos` -> (residual (1, 1, dim), float32 logits (vocab,), argmax); the last two only on
         the slice with the head. With cuda_graphs on a graphable slice all three come from one replay."""
         if self.cuda_graphs and self._graphable(x):
-            return self._graph_set().step_all(x, pos)
+            return self.decode_graphs().step_all(x, pos)
         h = self._run(x, pos, True)
         if not self.has_head:
             return h, None, None
         logits = self.logits(h[0, -1])
         return h, logits, logits.argmax()
 
-    def _graph_set(self):
+    def decode_graphs(self):
+        """This slice's strata.decode_graphs.DecodeGraphs (made on first use; dropped when cache or weights change)."""
         if self._graphs is None:
             from .decode_graphs import DecodeGraphs  # imports Triton: only where graphs are built
             self._graphs = DecodeGraphs(self)
         return self._graphs
 
     def _graph_step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        return self._graph_set().step(x, pos)
+        return self.decode_graphs().step(x, pos)
 
     @torch.inference_mode()
     def nll(self, h: torch.Tensor, targets: torch.Tensor, block: int = 1024) -> tuple[float, int]:

@@ -196,8 +196,7 @@ class Stage:
               else torch.zeros(1, 1, self.args.dim, dtype=self.dtype, device=self.device))
         positions = [0]
         if self.model.cuda_graphs and self.model._graphable(x1):
-            from strata.decode_graphs import DecodeGraphs
-            g = DecodeGraphs(self.model)
+            g = self.model.decode_graphs()  # the set the steps below capture into
             positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
         for pos in positions:
             self.model.decode_token(x1, pos)
