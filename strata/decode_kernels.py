@@ -64,7 +64,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, pos: to
     """qkv (nh + 2 nkv, hd) of one token -> rotated q (nh, hd); rotated k and v written at cache position pos
     (a device tensor). k_cache, v_cache: (nkv, S, hd) views, last dim contiguous. cos, ssin: (hd,)."""
     hd = qkv.shape[-1]
-    if qkv.stride(-1) != 1 or not qkv.is_contiguous() or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+    if not qkv.is_contiguous() or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("rope_store wants a contiguous qkv row and caches with a contiguous last dim")
     q = torch.empty(nh, hd, dtype=qkv.dtype, device=qkv.device)
     _rope_store[(nh + 2 * nkv,)](qkv, cos, ssin, pos, q, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
