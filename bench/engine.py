@@ -70,7 +70,7 @@ def warm_strata(t, ids, chunk, how):
         n = min(chunk, ids.shape[1] // 2)
         for pos in (0, n):
             t.logits(t(ids[:, pos:pos + n], pos)[0, -1:])
-        sm.warm_prefix_attention(t, [(p, n) for p in range(2 * n, ids.shape[1] - n + 1, n)])
+        sm.warm_chunk_attention(t, [(p, n) for p in range(2 * n, ids.shape[1] - n + 1, n)])
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

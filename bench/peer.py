@@ -50,9 +50,10 @@ def llama_bench(exe: str, gguf: Path, tokens: int, chunk: int, n_devices: int, d
 
 
 def strata_run(model: str, devices: list[str], tokens: int, chunk: int, depth: int, weights: str, out: Path,
-               decode: int) -> dict:
+               decode: int, dynamic: bool = False) -> dict:
     from strata.pipeline import Pipeline
     cfg = dict(model=model, dtype="bfloat16", stages=[{"device": d} for d in devices], chunk=chunk, depth=depth,
+               dynamic_chunks=dynamic,
                prompt={"random": {"tokens": tokens, "seed": 0}}, dump_residual=depth is not None, timing=True,
                progress=False, perplexity=False, generate=decode)
     if weights:
@@ -92,7 +93,9 @@ def main() -> int:
     ap.add_argument("--qtype", default="IQ3_S")
     ap.add_argument("--devices", default="cuda:0,cuda:1")
     ap.add_argument("--tokens", type=int, default=122880)
-    ap.add_argument("--chunk", type=int, default=10240)
+    ap.add_argument("--chunk", type=int, default=10240, help="tokens per chunk (the largest, with --dynamic)")
+    ap.add_argument("--dynamic", action="store_true", help="Strata arms: rig `dynamic_chunks: true` (later chunks "
+                    "shrink so each costs what the first does: the pipeline's tail is one small chunk)")
     ap.add_argument("--gguf", help="the random-block GGUF (written if missing)")
     ap.add_argument("--llama-bench", help="llama-bench executable (the llama arm is skipped without it)")
     ap.add_argument("--arms", default="llama,d1,d0,bf16")
@@ -111,18 +114,21 @@ def main() -> int:
         print(f"wrote {gguf} ({gguf.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s", flush=True)
     root = Path(tempfile.mkdtemp(prefix="strata-peer-"))
     res: dict = {"preset": a.preset, "qtype": a.qtype, "devices": devices, "tokens": a.tokens, "chunk": a.chunk,
+                 "dynamic_chunks": a.dynamic,
                  "date": time.strftime("%Y-%m-%d %H:%M")}
     if "llama" in arms and a.llama_bench:
         res["llama"] = llama_bench(a.llama_bench, gguf, a.tokens, a.chunk, len(devices), a.decode)
     for arm in ("d1", "d0"):
         if arm in arms:
-            rep = strata_run(str(gguf), devices, a.tokens, a.chunk, int(arm[1]), a.weights, root / arm, a.decode)
+            rep = strata_run(str(gguf), devices, a.tokens, a.chunk, int(arm[1]), a.weights, root / arm, a.decode,
+                             a.dynamic)
             res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "residual_md5", "load_wall_s", "decode_tok_s")}
             res[arm]["stages"] = [{k: s.get(k) for k in ("device", "layers", "work_s", "weight_bytes", "kv_bytes",
                                                           "scratch_bytes", "mem_bytes")} for s in rep["stages"]]
     for arm, depth in (("bf16", 1), ("bf16d0", 0)):
         if arm in arms:
-            rep = strata_run(f"synthetic:{a.preset}", devices, a.tokens, a.chunk, depth, "", root / arm, a.decode)
+            rep = strata_run(f"synthetic:{a.preset}", devices, a.tokens, a.chunk, depth, "", root / arm, a.decode,
+                             a.dynamic)
             res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "load_wall_s", "decode_tok_s", "residual_md5")}
             res[arm]["warm_s"] = [s.get("warm_s") for s in rep["stages"]]
             res[arm]["chunk_s"] = [[round(e[2] - e[1], 3) for e in ev] for ev in rep.get("events", [])]
@@ -130,7 +136,8 @@ def main() -> int:
         res["hf"] = hf_run(a.preset, devices, a.tokens, a.chunk)
 
     print()
-    print(f"{a.preset} {a.qtype} ({gguf.name}), {len(devices)} x {devices[0]}, {a.tokens:,} tokens, chunk {a.chunk:,}")
+    print(f"{a.preset} {a.qtype} ({gguf.name}), {len(devices)} x {devices[0]}, {a.tokens:,} tokens, chunk {a.chunk:,}"
+          + (" (Strata: dynamic chunks)" if a.dynamic else ""))
     llama = res.get("llama", {}).get("prefill")
     bf16 = res.get("bf16", {}).get("tok_s")
     print("| arm | prefill tok/s | vs llama.cpp | vs Strata bf16 |")

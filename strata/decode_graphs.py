@@ -118,19 +118,23 @@ class DecodeGraphs:
         else:
             mask = torch.zeros(b, dtype=dt, device=self.device).masked_fill(self.ar[:b] > self.pos, float("-inf"))
             mask = mask.view(1, 1, 1, b)
+        pend = None  # each layer's last product, added to the residual by the next norm's kernel (fused: one launch)
         for blk in m.layers.values():
-            h = self._layer(blk, h, cos, sin, mask, b)
+            h, pend = self._layer(blk, h, pend, cos, sin, mask, b)
+        h = h + pend
         if not m.has_head:
             return h, None, None
         logits = m.logits(h[0, -1])  # the head in the graph too: eager, its launches cost more than its GEMV
         return h, logits, logits.argmax()
 
-    def _layer(self, blk: Block, h, cos, sin, mask, b: int) -> torch.Tensor:
+    def _layer(self, blk: Block, h, pend, cos, sin, mask, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the residual h plus the previous layer's pending product -> (residual, this layer's
+        MLP product, not yet added)."""
         a = blk.attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
         r = blk.weights  # resident: the fused kernels read the blocks (_graphable checked they can)
         mm = r.products() if isinstance(r, ResidentMatrices) else _dense_products(r.get(), None)
-        x = self._norm(h, blk.attn_norm)
+        h, x = self._add_norm(h, pend, blk.attn_norm)
         qkv = mm.qkv(x).view(1, nh + 2 * nkv, hd)
         if self.fused:  # one launch: q rotated, k rotated and v written at pos
             from strata.decode_kernels import rope_store
@@ -150,15 +154,24 @@ class DecodeGraphs:
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         return self._rest(blk, mm, h, y)
 
-    def _rest(self, blk: Block, mm: Products, h, y) -> torch.Tensor:
-        """The layer after attention: o-projection, residual, MLP."""
-        h = h + mm.wo(y.reshape(1, 1, -1))
-        x = self._norm(h, blk.mlp_norm)
+    def _rest(self, blk: Block, mm: Products, h, y) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention: o-projection, residual, MLP (its product left for the next norm to add)."""
+        h, x = self._add_norm(h, mm.wo(y.reshape(1, 1, -1)), blk.mlp_norm)
         gate, up = mm.w13(x).split(blk.mlp.ffn, dim=-1)
-        return h + mm.w2(F.silu(gate) * up)
-
-    def _norm(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        z = None
         if self.fused:
-            from strata.decode_kernels import rms_norm
-            return rms_norm(h, norm.weight, norm.eps)
-        return F.rms_norm(h, (h.shape[-1],), norm.weight, norm.eps)
+            from strata.kernels import silu_mul
+            z = silu_mul(gate, up)  # one launch instead of two, rounded once (None: the torch formula)
+        return h, mm.w2(z if z is not None else F.silu(gate) * up)
+
+    def _add_norm(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + y, norm(h + y)); y None: (h, norm(h))."""
+        if self.fused:
+            from strata.decode_kernels import add_rms_norm, rms_norm
+            if y is None:
+                return h, rms_norm(h, norm.weight, norm.eps)
+            if y.dtype == h.dtype and y.is_contiguous() and h.is_contiguous():
+                return add_rms_norm(h, y, norm.weight, norm.eps)
+        if y is not None:
+            h = h + y
+        return h, F.rms_norm(h, (h.shape[-1],), norm.weight, norm.eps)

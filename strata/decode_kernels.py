@@ -1,8 +1,8 @@
 """Triton kernels of the CUDA-graph decode step besides attention: RMSNorm of one row, and RoPE with the cache write.
 
 A graph step is ~15 kernels a layer on one token; each small one costs a few microseconds of launch-bound
-latency. One RMSNorm program replaces torch's row-norm kernel; one RoPE-and-store launch replaces the rotation's
-three kernels and the two cache writes. Positions are read on the device (graph replays move them).
+latency. One RMSNorm program replaces torch's row-norm kernel, and with the residual add before it, the add's
+kernel too; one RoPE-and-store launch replaces the rotation's three kernels and the two cache writes. Positions are read on the device (graph replays move them).
 Same arithmetic as the eager path's torch ops: rotations rounded as `x * cos` then `+ roll(x) * signed_sin`.
 """
 from __future__ import annotations
@@ -26,6 +26,19 @@ if triton is not None:
         i = tl.arange(0, BLOCK)
         live = i < n
         x = tl.load(x_ptr + i, mask=live, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+        tl.store(out_ptr + i, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _add_rms_norm(h_ptr, y_ptr, w_ptr, hout_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        live = i < n
+        h = tl.load(h_ptr + i, mask=live, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + i, mask=live, other=0.0).to(tl.float32)
+        s = (h + y).to(hout_ptr.dtype.element_ty)  # the residual rounded as torch's h + y rounds it
+        tl.store(hout_ptr + i, s, mask=live)
+        x = s.to(tl.float32)
         w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
         tl.store(out_ptr + i, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=live)
@@ -57,6 +70,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     _rms_norm[(1,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
     return out
+
+
+def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm of one row in one launch: (h + y, rms_norm(h + y) * weight), the sum
+    rounded to h's dtype first (what `h = h + y` then a norm compute)."""
+    n = h.numel()
+    if y.numel() != n or not (h.is_contiguous() and y.is_contiguous()):
+        raise ValueError("add_rms_norm wants two contiguous rows of one length")
+    h_out, out = torch.empty_like(h), torch.empty_like(h)
+    _add_rms_norm[(1,)](h, y, weight, h_out, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    return h_out, out
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, pos: torch.Tensor, nh: int, nkv: int,

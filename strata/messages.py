@@ -297,6 +297,7 @@ class StageJob:
     max_len: int               # KV positions: prompt + continuation
     tokens: int
     max_chunk: int
+    dynamic_chunks: bool       # the rig's `dynamic_chunks`: the stage warms the schedule's own chunk shapes
     depth: int
     perplexity: bool
     segments: dict             # what -> (shared segment name, bytes); empty for a remote stage

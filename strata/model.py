@@ -447,7 +447,7 @@ class Attention(nn.Module):
         qkv = F.linear(x, w.wqkv, w.bqkv)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         # rope on the (1, T, heads, hd) rows, then (1, heads, T, hd) views: q's layout is what
-        # warm_prefix_attention builds cuDNN's graphs for
+        # warm_chunk_attention builds cuDNN's graphs for
         q = apply_rope(q.view(1, T, self.nh, self.hd), cos, sin).transpose(1, 2)    # (1, nh, T, hd)
         k = apply_rope(k.view(1, T, self.nkv, self.hd), cos, sin).transpose(1, 2)   # (1, nkv, T, hd)
         v = v.view(1, T, self.nkv, self.hd).transpose(1, 2)
@@ -471,33 +471,36 @@ class Attention(nn.Module):
 
 
 # cuDNN builds (and caches, process-wide) an execution graph per attention shape, and each chunk of a prompt
-# meets a new cached-prefix length, so a cold prefill pays one set-up per chunk (8B, 122,880 tokens: 14.2 s
-# cold vs 10.2 s warm, performance.md). Bounded: at most WARM_PREFIXES shapes and WARM_BUDGET_S seconds of
-# host time are spent building them ahead.
-WARM_PREFIXES = 32
+# meets a new cached-prefix length (and, with dynamic chunks, a new own-chunk length), so a cold prefill pays one
+# set-up per chunk (8B, 122,880 tokens: 14.2 s cold vs 10.2 s warm, performance.md). Bounded: at most
+# WARM_CHUNKS chunk shapes and WARM_BUDGET_S seconds of host time are spent building them ahead.
+WARM_CHUNKS = 48
 WARM_BUDGET_S = 30.0
 
 
 @torch.inference_mode()
-def warm_prefix_attention(model: "Transformer", shapes, attend=None) -> int:
-    """Build cuDNN's graphs for the prefix attention of chunks (pos, n) ahead of a prefill: one layer's
-    unmasked call against its cache's first `pos` keys, with a zero q of the chunk's shape and layout (the
-    same strides as Attention.forward, which the graph is keyed on). Only where chunk_attention takes the
-    cuDNN split (CUDA, half precision); returns how many shapes were built (0 elsewhere). Reads the cache,
-    writes nothing. `attend`: the call to make instead (tests)."""
+def warm_chunk_attention(model: "Transformer", shapes, attend=None) -> int:
+    """Build cuDNN's graphs for the attention of chunks (pos, n) ahead of a prefill: one layer's unmasked call
+    against its cache's first `pos` keys, and the causal call on the chunk's own n keys (once per shape), with a
+    zero q of the chunk's shape and layout (the same strides as Attention.forward, which the graph is keyed on).
+    Only where chunk_attention takes the cuDNN split (CUDA, half precision); returns how many chunk shapes were
+    built (0 elsewhere). Reads the cache, writes nothing. `attend`: the call to make instead (tests)."""
     device, dtype = model._compute()
     if attend is None:
         if device.type != "cuda" or CUDA_ATTENTION != "cudnn-split" or dtype == torch.float32:
             return 0
         attend = _cudnn_with_lse
     attn = next(iter(model.layers.values())).attn
-    t0, built = time.perf_counter(), 0
-    for pos, n in list(shapes)[:WARM_PREFIXES]:
+    t0, built, own = time.perf_counter(), 0, set()
+    for pos, n in list(shapes)[:WARM_CHUNKS]:
         if pos <= 0 or n <= 0 or pos + n > attn.k_cache.shape[2]:
             continue
         q = torch.zeros(1, n, attn.nh, attn.hd, device=device, dtype=dtype).transpose(1, 2)
         keys, vals = attn.cached(pos + n, dtype)
         attend(q, keys[:, :, :pos], vals[:, :, :pos], False)
+        if (n, keys.stride()) not in own:  # a widened cache's strides move with pos: part of the key
+            attend(q, keys[:, :, pos:], vals[:, :, pos:], True)
+            own.add((n, keys.stride()))
         built += 1
         if time.perf_counter() - t0 > WARM_BUDGET_S:
             break

@@ -142,7 +142,7 @@ KERNELS = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import torch.nn.functional as F
-from strata.decode_kernels import rms_norm, rope_store
+from strata.decode_kernels import add_rms_norm, rms_norm, rope_store
 from strata.model import _rope_rows, _signed_sin
 g = torch.Generator().manual_seed(11)
 nh, nkv, hd, S, pos = 6, 2, 32, 40, 17
@@ -159,13 +159,18 @@ assert torch.isnan(kc[:, :pos]).all() and torch.isnan(vc[:, pos + 1:]).all()  # 
 x, w = torch.randn(1, 1, 300, generator=g), torch.randn(300, generator=g)
 y = rms_norm(x, w, 1e-5)
 assert torch.allclose(y, F.rms_norm(x, (300,), w, 1e-5), rtol=1e-5, atol=1e-6)
+d, x0 = torch.randn(1, 1, 300, generator=g), x.clone()
+h2, y2 = add_rms_norm(x, d, w, 1e-5)
+assert torch.equal(h2, x0 + d) and torch.allclose(y2, F.rms_norm(x0 + d, (300,), w, 1e-5), rtol=1e-5, atol=1e-6)
+assert torch.equal(x, x0)  # a new residual, the old one untouched
 print("ok")
 """
 
 
 @needs_triton
 def test_decode_kernels_interpreted_match_torch():
-    """rope_store (q rotated; k rotated and v written at pos, nothing else) and the one-row RMSNorm."""
+    """rope_store (q rotated; k rotated and v written at pos, nothing else), the one-row RMSNorm, and the
+    residual add fused with it."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", KERNELS, str(ROOT)], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)

@@ -143,8 +143,9 @@ def build(max_len, kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
 def test_warm_up_calls_match_the_forward(monkeypatch, kv_dtype):
-    """warm_prefix_attention makes the very prefix calls (shapes and strides: cuDNN's graph key) that the
-    chunks at those positions make, reads the cache and writes nothing; without CUDA it does nothing."""
+    """warm_chunk_attention makes the very attention calls (shapes and strides: cuDNN's graph key) that the
+    chunks at those positions make, prefix and own chunk, reads the cache and writes nothing; without CUDA it
+    does nothing."""
     n, m = 32, build(200, kv_dtype)
     calls, real = [], sm._cpu_with_lse
 
@@ -156,13 +157,14 @@ def test_warm_up_calls_match_the_forward(monkeypatch, kv_dtype):
     ids = torch.randint(0, SMALL.vocab_size, (1, 4 * n), generator=torch.Generator().manual_seed(4))
     for pos in range(0, 4 * n, n):
         m(ids[:, pos:pos + n], pos)
-    forward = {c for c in calls if not c[-1]}
-    assert len(forward) == 3  # prefixes n, 2n, 3n
+    forward = set(calls)
+    # prefixes n, 2n, 3n and the own chunk's causal n x n (per position where a widened cache's strides move)
+    assert len(forward) == (4 if kv_dtype == "auto" else 6)
     calls.clear()
     before = [(b.attn.k_cache.clone(), b.attn.v_cache.clone()) for b in m.layers.values()]
-    assert sm.warm_prefix_attention(m, [(n, n), (2 * n, n), (3 * n, n), (190, n)]) == 0  # CPU: nothing
-    assert sm.warm_prefix_attention(m, [(n, n), (2 * n, n), (3 * n, n), (190, n)], attend=record) == 3
-    assert set(calls) == forward and len(calls) == 3  # (190, n) runs past the cache: skipped
+    assert sm.warm_chunk_attention(m, [(n, n), (2 * n, n), (3 * n, n), (190, n)]) == 0  # CPU: nothing
+    assert sm.warm_chunk_attention(m, [(n, n), (2 * n, n), (3 * n, n), (190, n)], attend=record) == 3
+    assert set(calls) == forward and len(calls) == len(forward)  # each shape once; (190, n) runs past the cache
     for (k, v), b in zip(before, m.layers.values()):
         assert torch.equal(k, b.attn.k_cache) and torch.equal(v, b.attn.v_cache)
 
@@ -201,7 +203,7 @@ def test_cuda_kernels_match_float64():
 @cuda
 def test_cuda_kernel_paths_agree_and_warm_up_builds(monkeypatch):
     """cudnn-split on smoke-wide bf16: the Triton kernels (merge, RoPE, SiLU*up) and the torch formulas give the
-    same chunks up to bf16 rounding; warm_prefix_attention builds the later chunks' prefix shapes."""
+    same chunks up to bf16 rounding; warm_chunk_attention builds the later chunks' shapes."""
     from strata.weights import model_args, slice_tensors
     monkeypatch.setattr(sm, "CUDA_ATTENTION", "cudnn-split")
     name = "synthetic:smoke-wide"
@@ -216,7 +218,7 @@ def test_cuda_kernel_paths_agree_and_warm_up_builds(monkeypatch):
                        "cuda:0", torch.bfloat16)
         m.setup_cache(ids.shape[1])
         if kernels == "triton":
-            assert sm.warm_prefix_attention(m, [(p, 512) for p in range(512, 2048, 512)]) == 3
+            assert sm.warm_chunk_attention(m, [(p, 512) for p in range(512, 2048, 512)]) == 3
         out[kernels] = torch.cat([m(ids[:, p:p + 512], p) for p in range(0, 2048, 512)], dim=1).float()
     rel = ((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item()
     assert rel < 1e-2, rel

@@ -32,6 +32,7 @@ import strata.model
 from strata import messages as M
 from strata import net as N
 from strata.model import ModelArgs, Transformer
+from strata.schedule import chunk_schedule
 from strata.shm import Segment
 from strata.transport import ShmLink, TcpLink
 from strata.checkpoint import load_stage, weights_mode
@@ -65,10 +66,11 @@ class ResidualDump:
         self.writer.start()
 
     def wait(self) -> None:
+        # no flush (msync) per chunk: it wrote each chunk's rows to disk inside the timed chunk (~0.15 s for
+        # 10,240 x 4,096 on the GPU machine); the head reads the file through the same page cache
         if self.writer is not None:
             self.writer.join()
             self.writer = None
-            self.file.flush()
 
 
 class Stage:
@@ -183,13 +185,17 @@ class Stage:
                 self.model.logits(h[0, -1])
                 if spec.perplexity:
                     self.model.nll(h, torch.zeros(n, dtype=torch.long, device=self.device))
-        # every later chunk of a fixed-size schedule meets a new cached-prefix length, and cuDNN builds a graph
-        # per shape: build those of the prefix call (pos 2n, 3n, ... below max_len) now, not one per chunk in the
-        # first prefill; bounded by strata.model.WARM_PREFIXES shapes and WARM_BUDGET_S seconds
-        shapes = [(p, n) for p in range(2 * n, spec.max_len - n + 1, n)]
-        built = strata.model.warm_prefix_attention(self.model, shapes)
+        # every later chunk meets a new cached-prefix length (and with dynamic chunks a new length of its own), and
+        # cuDNN builds a graph per shape: build those of the schedule's chunks (the configured prompt's first, then
+        # any prompt's up to max_len) now, not one per chunk in the first prefill; bounded by
+        # strata.model.WARM_CHUNKS shapes and WARM_BUDGET_S seconds
+        shapes = []
+        for tokens in (spec.tokens, spec.max_len):
+            shapes += [c for c in chunk_schedule(tokens, n, spec.dynamic_chunks, self.args)
+                       if c[0] > 0 and c not in shapes]
+        built = strata.model.warm_chunk_attention(self.model, shapes)
         if built:
-            self.log.info("prefix attention warmed for %d of %d prefix lengths (chunk %d)", built, len(shapes), n)
+            self.log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d)", built, len(shapes), n)
         # the decode step too (its kernels, cuBLAS's one-row GEMM set-up, the head's argmax), else the first
         # answer pays it; with cuda_graphs, every bucket of cache positions is captured now, not mid-answer
         x1 = (torch.zeros(1, 1, dtype=torch.long, device=self.device) if self.first
