@@ -1,6 +1,7 @@
 """CUDA graphs of a Transformer slice's one-token decode step (`Transformer.decode_token` with cuda_graphs)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -133,7 +134,7 @@ class DecodeGraphs:
         a = blk.attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
         r = blk.weights  # resident: the fused kernels read the blocks (_graphable checked they can)
-        mm = r.products() if isinstance(r, ResidentMatrices) else _dense_products(r.get(), None)
+        mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
         h, x = self._add_norm(h, pend, blk.attn_norm)
         qkv = mm.qkv(x).view(1, nh + 2 * nkv, hd)
         if self.fused:  # one launch: q rotated, k rotated and v written at pos
@@ -153,6 +154,15 @@ class DecodeGraphs:
             q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         return self._rest(blk, mm, h, y)
+
+    def _dense(self, w) -> Products:
+        """A dense layer's products: with the fused kernels, strata.decode_gemv's (Triton or cuBLAS, whichever
+        it measured faster for the shape); else the eager path's."""
+        if not self.fused:
+            return _dense_products(w, None)
+        from strata.decode_gemv import matvec
+        p = functools.partial
+        return Products(p(matvec, w=w.wqkv, b=w.bqkv), p(matvec, w=w.wo), p(matvec, w=w.w13), p(matvec, w=w.w2))
 
     def _rest(self, blk: Block, mm: Products, h, y) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention: o-projection, residual, MLP (its product left for the next norm to add)."""

@@ -175,3 +175,52 @@ def test_decode_kernels_interpreted_match_torch():
     r = subprocess.run([sys.executable, "-c", KERNELS, str(ROOT)], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+GEMV = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import torch.nn.functional as F
+from strata import decode_gemv
+g = torch.Generator().manual_seed(12)
+for n, k, bias in ((64, 1024, False), (48, 512, True), (32, 2048, False)):
+    w, x = torch.randn(n, k, generator=g), torch.randn(1, 1, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    for cfg in decode_gemv.CONFIGS:
+        if decode_gemv._fits(cfg, n, k):
+            y = torch.full((n,), float("nan"))
+            decode_gemv._launch(cfg, x.reshape(k), w, b, y)
+            ref = F.linear(x.double().reshape(k), w.double(), None if b is None else b.double())
+            assert float((y.double() - ref).norm() / ref.norm()) < 1e-6, (n, k, cfg)
+print("ok")
+"""
+
+
+@needs_triton
+def test_decode_gemv_interpreted_matches_linear():
+    """The dense decode GEMV's every launch shape (strata/decode_gemv.py), with and without bias, == x @ w.T."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", GEMV, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode", ["triton", "auto"])
+def test_decode_gemv_cuda_8b_shapes(monkeypatch, mode):
+    """matvec at the 8B decode shapes in bf16, forced Triton and auto-picked, against float64."""
+    from strata import decode_gemv
+    if decode_gemv.triton is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(decode_gemv, "MODE", mode)
+    monkeypatch.setattr(decode_gemv, "_choice", {})
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+        x = torch.randn(1, 1, k, device="cuda", generator=g).bfloat16()
+        y = decode_gemv.matvec(x, w)
+        ref = x.double().reshape(k) @ w.double().T
+        assert y.shape == (1, 1, n) and float((y.double().reshape(n) - ref).norm() / ref.norm()) < 1e-2
+        if mode == "triton":
+            assert decode_gemv._choice[(n, k, w.dtype, x.device)] is not None
