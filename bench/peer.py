@@ -50,11 +50,11 @@ def llama_bench(exe: str, gguf: Path, tokens: int, chunk: int, n_devices: int, d
 
 
 def strata_run(model: str, devices: list[str], tokens: int, chunk: int, depth: int, weights: str, out: Path,
-               decode: int, dynamic: bool = False) -> dict:
+               decode: int, dynamic: bool = False, dump: bool = True) -> dict:
     from strata.pipeline import Pipeline
     cfg = dict(model=model, dtype="bfloat16", stages=[{"device": d} for d in devices], chunk=chunk, depth=depth,
                dynamic_chunks=dynamic,
-               prompt={"random": {"tokens": tokens, "seed": 0}}, dump_residual=depth is not None, timing=True,
+               prompt={"random": {"tokens": tokens, "seed": 0}}, dump_residual=dump, timing=True,
                progress=False, perplexity=False, generate=decode)
     if weights:
         cfg["weights"] = weights
@@ -99,6 +99,8 @@ def main() -> int:
     ap.add_argument("--gguf", help="the random-block GGUF (written if missing)")
     ap.add_argument("--llama-bench", help="llama-bench executable (the llama arm is skipped without it)")
     ap.add_argument("--arms", default="llama,d1,d0,bf16")
+    ap.add_argument("--no-dump", action="store_true", help="Strata arms without the residual dump (the rig's "
+                    "default): no md5 to compare")
     ap.add_argument("--weights", default="", help="rig `weights` for the Strata arms on the file (default: auto)")
     ap.add_argument("--decode", type=int, default=0, help="also time this many generated tokens")
     ap.add_argument("--json", help="write the figures here")
@@ -121,17 +123,18 @@ def main() -> int:
     for arm in ("d1", "d0"):
         if arm in arms:
             rep = strata_run(str(gguf), devices, a.tokens, a.chunk, int(arm[1]), a.weights, root / arm, a.decode,
-                             a.dynamic)
+                             a.dynamic, not a.no_dump)
             res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "residual_md5", "load_wall_s", "decode_tok_s")}
             res[arm]["stages"] = [{k: s.get(k) for k in ("device", "layers", "work_s", "weight_bytes", "kv_bytes",
                                                           "scratch_bytes", "mem_bytes")} for s in rep["stages"]]
     for arm, depth in (("bf16", 1), ("bf16d0", 0)):
         if arm in arms:
             rep = strata_run(f"synthetic:{a.preset}", devices, a.tokens, a.chunk, depth, "", root / arm, a.decode,
-                             a.dynamic)
+                             a.dynamic, not a.no_dump)
             res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "load_wall_s", "decode_tok_s", "residual_md5")}
             res[arm]["warm_s"] = [s.get("warm_s") for s in rep["stages"]]
             res[arm]["chunk_s"] = [[round(e[2] - e[1], 3) for e in ev] for ev in rep.get("events", [])]
+            res[arm]["events"] = rep.get("events", [])  # [k, work start, work end, hand-off] per stage
     if "hf" in arms:
         res["hf"] = hf_run(a.preset, devices, a.tokens, a.chunk)
 
