@@ -67,8 +67,10 @@ class DecodeGraphs:
     def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         return self.step_all(x, pos)[0]
 
-    def step_all(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(residual, logits, argmax) of one replay; logits and argmax only on a slice with the head."""
+    def step_all(self, x: torch.Tensor, pos: int,
+                 fresh: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(residual, logits, argmax) of one replay; logits and argmax only on a slice with the head. fresh=False:
+        the static outputs themselves, which the next replay overwrites."""
         if not 0 <= pos < self.cache_len:
             raise ValueError(f"position {pos} is outside the KV cache ({self.cache_len})")
         with torch.cuda.device(self.device):
@@ -82,6 +84,8 @@ class DecodeGraphs:
             if entry is None:
                 entry = self.graphs[b] = self._capture(b)
             entry[0].replay()  # a fresh capture has only recorded: this replay computes the step
+            if not fresh:
+                return entry[1]
             # the static outputs are overwritten by the next replay
             return tuple(t.clone() if t is not None else None for t in entry[1])
 

@@ -1029,11 +1029,14 @@ class Transformer(nn.Module):
         return self._graph_step(x, pos) if self._graphable(x) else self._run(x, pos, True)
 
     @torch.inference_mode()
-    def decode_token(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def decode_token(self, x: torch.Tensor, pos: int,
+                     fresh: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One token at `pos` -> (residual (1, 1, dim), float32 logits (vocab,), argmax); the last two only on
-        the slice with the head. With cuda_graphs on a graphable slice all three come from one replay."""
+        the slice with the head. With cuda_graphs on a graphable slice all three come from one replay; fresh=False
+        returns the graph's own output tensors, valid until the next step (a caller that copies them out at once:
+        three kernels fewer per token)."""
         if self.cuda_graphs and self._graphable(x):
-            return self.decode_graphs().step_all(x, pos)
+            return self.decode_graphs().step_all(x, pos, fresh)
         h = self._run(x, pos, True)
         if not self.has_head:
             return h, None, None

@@ -557,7 +557,7 @@ class Stage:
         self.copy_s += work_start - t_in
         self._inject(k)
         if n == 1:  # with cuda_graphs: layers, head and argmax in one replay
-            h, logits, am = self.model.decode_token(x, pos)
+            h, logits, am = self.model.decode_token(x, pos, fresh=False)  # copied out below, before the next step
         else:
             h = self.model(x, pos, decode=True)
             logits = self.model.logits(h[0, -1]) if self.last else None
