@@ -94,6 +94,11 @@ def _pick(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple | N
     return best
 
 
+def describe() -> str:
+    """The choices made so far, for the stage's log: "6144x4096 Triton (4, 512, 4), 4096x14336 cuBLAS"."""
+    return ", ".join(f"{n}x{k} " + (f"Triton {c}" if c else "cuBLAS") for (n, k, _, _), c in _choice.items())
+
+
 def matvec(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., cols) holding ONE row, w (rows, cols) -> x @ w.T + b, shaped (..., rows), in x's dtype."""
     n, k = w.shape

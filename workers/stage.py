@@ -226,6 +226,8 @@ class Stage:
             positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
         for pos in positions:
             self.model.decode_token(x1, pos)
+        if "strata.decode_gemv" in sys.modules:  # the graphs' dense products: which kernel each shape measured faster
+            self.log.info("decode GEMV: %s", sys.modules["strata.decode_gemv"].describe())
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t
 
