@@ -54,6 +54,7 @@ class Interrupted(BaseException):
 
 
 HEAD_SPIN_S = 0.05  # the head's spin per decode step with GPU stages (a CPU rig has no core to spare)
+BELL_CHECK_S = 0.0005  # spinning on a decode bell, the head still reads its socket and watches the stages this often
 
 
 @dataclass
@@ -345,10 +346,27 @@ class Pipeline:
 
         Public and idempotent: a caller may join the pipeline early; the prefill guard calls it."""
         if self._wire is not None:
+            bells = self._buffers.bells  # a decode step in flight may answer on its bell
+
+            def step():
+                if not (bells is not None and self._take_bell()):
+                    self._receive(200 if bells is None else 1)
             poll_until(lambda: self._got >= self._sent or self.failure is not None, self.cfg.stall_timeout_s,
-                       what=self._stalled, step=lambda: self._receive(200), progress=lambda: self._got)
+                       what=self._stalled, step=step, progress=lambda: self._got)
         if self.failure:
             raise self.failure
+
+    def _take_bell(self) -> bool:
+        """A decode step's result from the head's bell (strata/bells.py), handled as its note would be."""
+        note = self._buffers.bells.take(len(self.stages))
+        if note is None:
+            return False
+        try:
+            self._on_result(M.ChunkResult(k=note[0], nll=0.0, count=0, argmax=note[2]), None)
+        except M.BadMessage as e:  # checked as a frame is: counted and dropped, never acted on
+            self._wire.bad_frames += 1
+            log.warning("head rejected a decode bell: %s", e)
+        return True
 
     def _stalled(self) -> None:
         # dump every stage's stacks into its log, then fail naming where each one was
@@ -579,15 +597,30 @@ class Pipeline:
         if self.stages[0].host is not None:  # stage 0 is remote: it has its own copy of the ids
             self._wire.send(0, M.Token(pos=pos, id=tok))
         k = self._sent
-        self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1))
+        bells = self._buffers.bells
+        if bells is not None and k > 0:  # a phase's first step goes by ZeroMQ: it wakes a stage not yet spinning
+            bells.ring(0, k, pos, t0=t0)
+        else:
+            self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1))
         self._sent += 1
         t_wait = time.perf_counter()
         deadline = time.monotonic() + self.cfg.stall_timeout_s
         # all stages on GPUs: the head polls without sleeping for a while (as their stages do, DECODE_SPIN_S in
         # workers/stage.py): a token is back within milliseconds and a sleeping head wakes late on every one
-        spin_end = time.perf_counter() + (HEAD_SPIN_S if self._all_cuda else 0.0)
+        now = time.perf_counter()
+        spin_end = now + (HEAD_SPIN_S if self._all_cuda else 0.0)
+        checked = now
         while self._got < self._sent:
-            self._receive(0 if time.perf_counter() < spin_end else 200)
+            if bells is not None:
+                if self._take_bell():
+                    continue
+                now = time.perf_counter()
+                if now < spin_end and now - checked < BELL_CHECK_S:
+                    continue  # the bell alone; sockets and the stages' liveness every BELL_CHECK_S
+                checked = now
+                self._receive(0 if now < spin_end else 1)
+            else:
+                self._receive(0 if time.perf_counter() < spin_end else 200)
             if time.monotonic() > deadline:
                 self._stalled()
         self._decode_wait_s += time.perf_counter() - t_wait

@@ -99,7 +99,8 @@ class Resources:
 
 class Buffers:
     """The run's shared segments: token ids, the last stage's logits row, one hand-off buffer per boundary
-    inside this host (a boundary across hosts has none: its rows travel with the note)."""
+    inside this host (a boundary across hosts has none: its rows travel with the note), and the decode
+    doorbells when every stage is a local GPU one (strata/bells.py)."""
 
     def __init__(self, res: Resources, run_id: str, plan, remote: list[bool], across: list[bool]):
         import torch  # here, not at the top: the launcher imports this module before torch (start_forkserver)
@@ -109,6 +110,9 @@ class Buffers:
         sizes = {"ids": _page((plan.max_len + 1) * 4), "result": _page(plan.args.vocab_size * 4)}
         if remote[-1]:
             del sizes["result"]  # the last stage's logits come over tcp
+        from . import bells
+        if bells.wanted([sp.device for sp in plan.stages], any(remote)):
+            sizes["bells"] = _page(bells.nbytes(len(remote)))  # decode steps' notes (strata/bells.py)
         for i in range(len(remote) - 1):
             if not across[i]:
                 sizes[f"b{i}"] = _page(plan.handoff_bytes())
@@ -123,6 +127,10 @@ class Buffers:
             self.names[what] = (seg.name, nbytes)
         self.ids = res.segments[0].tensor(torch.int32, (plan.max_len + 1,))
         self.result = None if remote[-1] else res.segments[1].tensor(torch.float32, (plan.args.vocab_size,))
+        self.bells = None
+        if "bells" in sizes:
+            seg = res.segments[list(sizes).index("bells")]
+            self.bells = bells.Bells(seg.tensor(torch.int64, (len(remote) + 1, bells.ROW)).numpy())
 
 
 # What a forked stage would otherwise import itself (~2.5 s of CPU per stage): torch, the stage code, the

@@ -180,3 +180,25 @@ def test_default_max_context_is_what_every_stage_can_hold():
     assert need[0]["total"] + kv_per_token * plan.max_len > 300_000_000
     with pytest.raises(ConfigError):  # and a given max_context is not cut: refused with the planner's reason
         build_plan(from_dict({**base, "stages": capped, "max_context": 65536}, env={}))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=16),
+                                    SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=16)])
+def test_decode_bells_give_the_notes_tokens(tmp_path, monkeypatch, params):
+    """Decode steps announced on shared-memory bells (strata/bells.py; forced here on CPU stages, where they are
+    off by default) give the tokens ZeroMQ notes give, greedy and sampled; every step after a phase's first
+    went by bell, and a second generation on the same pipeline does too."""
+    from strata import bells
+    ids = random_ids(40, 5)
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setattr(bells, "MODE", mode)
+        with smoke(tmp_path, f"bells{mode}", dump_residual=False) as p:
+            runs = [p.generate(ids, params).continuation_ids for _ in range(2)]
+            b = p._buffers.bells
+            assert (b is None) == (mode == "0")
+            if b is not None:  # the head's bell: one result per step but each generation's first
+                assert b.seen == 2 * (len(runs[0]) - 2)
+        assert runs[0] == runs[1] and len(runs[0]) == 16
+        out[mode] = runs[0]
+    assert out["0"] == out["1"]

@@ -32,6 +32,8 @@ import strata.model
 from strata import messages as M
 from strata import net as N
 from strata.model import ModelArgs, Transformer
+from strata import bells as bells_mod
+from strata.bells import Bells
 from strata.schedule import chunk_schedule
 from strata.shm import Segment
 from strata.transport import ShmLink, TcpLink
@@ -94,6 +96,8 @@ class ResidualDump:
 
 
 class Stage:
+    bells: Bells | None = None  # set by _map_buffers when the run has decode doorbells
+    bell_key: tuple | None = None
     def __init__(self, spec: M.StageJob, log: logging.Logger, ids: bytes | None = None, clock_offset: float = 0.0):
         """`ids` and `clock_offset`: a remote stage's prompt ids (they came with its spec) and the head's
         perf_counter minus this host's (0 on the same kernel)."""
@@ -246,6 +250,10 @@ class Stage:
             self.segments.append(seg)
             return seg
 
+        # decode doorbells (strata/bells.py): every stage local and on a GPU (or forced for tests)
+        self.bells = (Bells(attach("bells").tensor(torch.int64, (spec.n_stages + 1, bells_mod.ROW)).numpy())
+                      if "bells" in segs else None)
+        self.bell_key = None  # (k, t0) of the decode step that came by bell: its note goes on by bell too
         if ids is None:
             self.ids = attach("ids").tensor(torch.int32, (spec.max_len + 1,))
         else:  # decoded tokens reach a remote stage 0 as "token" notes
@@ -433,14 +441,32 @@ class Stage:
         while not cond():
             if self.stopping:
                 raise SystemExit(0)
+            if self.bells is not None and self._take_bell():
+                continue
             if spin_s and time.perf_counter() < spin_end:
                 self.pump(0)
                 continue
-            if not self.pump(100) and self.bad_frames != self.bad_frames_logged:
+            # with bells, a decode step can arrive without a frame: look again within a millisecond
+            timeout = 1 if self.bells is not None and self.phase == "decode" else 100
+            if not self.pump(timeout) and self.bad_frames != self.bad_frames_logged:
                 # idle after garbage: one line with the running count (a flood is not one line per frame)
                 self.bad_frames_logged = self.bad_frames
                 self.log.info("inbox idle: %d frame(s) rejected so far", self.bad_frames)
         return time.perf_counter() - t
+
+    def _take_bell(self) -> bool:
+        """A decode step announced on this stage's bell, queued as its note would be (and checked as one)."""
+        note = self.bells.take(self.i)
+        if note is None:
+            return False
+        k, pos, _, t0 = note
+        try:
+            self.on_chunk(M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1), None)
+            self.bell_key = (k, t0)
+        except M.BadMessage as e:
+            self.bad_frames += 1
+            self.log.warning("rejected decode bell: %s", e)
+        return True
 
     # -- timing ---------------------------------------------------------------------------------
     def _reset_stats(self, phase: str, t0: float) -> None:
@@ -578,7 +604,9 @@ class Stage:
             torch.cuda.current_stream(self.device).synchronize()
         work_end = time.perf_counter()
         self.work_s += work_end - work_start
-        if self.last:
+        if self.bell_key == (k, msg.t0):  # it came by bell: the next hop's bell (its rows are in the buffer)
+            self.bells.ring(self.i + 1, k, pos, argmax=int(am) if self.last else -1, t0=msg.t0)
+        elif self.last:
             self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=int(am)))
         else:
             self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens))
