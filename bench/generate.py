@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--llama-bench", help="also time llama.cpp's decode on the model's GGUF file, same contexts")
     ap.add_argument("--llama-gguf", help="the file llama-bench decodes (default: the model's own GGUF; for a "
                     "synthetic model, e.g. bench/make_gguf.py's F16 file of the same shape)")
+    ap.add_argument("--llama-only", action="store_true", help="only the llama.cpp rows (Strata's came earlier in the "
+                    "same device call)")
     ap.add_argument("--llama-threads", type=int, default=0, help="llama-bench -t (CPU; default: one per stage)")
     a = ap.parse_args()
     stages = ([{"device": d} for d in a.devices.split(",")] if a.devices
@@ -42,7 +44,7 @@ def main() -> int:
     print("| cuda_graphs | decode_weights | kv_dtype | context | decode tok/s | ms/token | outside the stages ms/token | ttft s |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     import numpy as np
-    for graphs in a.cuda_graphs.split(","):
+    for graphs in ([] if a.llama_only else a.cuda_graphs.split(",")):
         for dw, kv in [(d, k) for d in a.decode_weights.split(",") for k in a.kv_dtype.split(",")]:
             cfg = dict(kv_dtype=kv, model=a.model, dtype=dtype, stages=stages, chunk=a.chunk, progress=False, perplexity=False,
                        max_context=max(contexts) + a.tokens + 1, cuda_graphs=graphs == "true", decode_weights=dw,
