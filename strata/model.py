@@ -81,7 +81,9 @@ PRESETS: dict[str, ModelArgs] = {
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,), with Llama-3 wavelength-dependent scaling if configured."""
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    # on the CPU, also inside a `torch.device("meta")` build: meta arange goes through torch's compiler (~1 s import)
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64, device="cpu")
+                                     / args.head_dim))
     sc = args.rope_scaling
     if sc:
         factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
@@ -380,16 +382,25 @@ class Packed(nn.Module):
         return rows.to(self.out_dtype).view(*ids.shape, self.cols)
 
 
+class _Linear(nn.Linear):
+    """nn.Linear without its random initialisation: every weight comes from a checkpoint (or the synthetic
+    generator), and initialising on the meta device imports torch's compiler for the random ops (~1 s of each
+    stage's start-up on a 2-core box)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class DenseMatrices(nn.Module):
     """A layer's matrices held dense in the compute dtype (q/k/v and gate/up fused at load)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         hd = args.head_dim
-        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
-        self.w13 = nn.Linear(args.dim, 2 * args.ffn_dim, bias=False)
-        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.wqkv = _Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
+        self.wo = _Linear(args.n_heads * hd, args.dim, bias=False)
+        self.w13 = _Linear(args.dim, 2 * args.ffn_dim, bias=False)
+        self.w2 = _Linear(args.ffn_dim, args.dim, bias=False)
 
     def get(self) -> Mats:
         return Mats(self.wqkv.weight, self.wqkv.bias, self.wo.weight, self.w13.weight, self.w2.weight)
@@ -754,7 +765,9 @@ class Transformer(nn.Module):
         self.args, self.start, self.end = args, start, end
         self.has_embed = start == 0
         self.has_head = end == args.n_layers
-        self.embed = nn.Embedding(args.vocab_size, args.dim) if self.has_embed else None
+        # _weight: no random initialisation (see _Linear)
+        self.embed = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)) \
+            if self.has_embed else None
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(start, end)})
         self.norm = RMSNorm(args.dim, args.norm_eps) if self.has_head else None
         self.head = (Head(nn.Parameter(torch.empty(args.vocab_size, args.dim), requires_grad=False), head_rows(args))

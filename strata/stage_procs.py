@@ -133,10 +133,10 @@ class Buffers:
             self.bells = bells.Bells(seg.tensor(torch.int64, (len(remote) + 1, bells.ROW)).numpy())
 
 
-# What a forked stage would otherwise import itself (~2.5 s of CPU per stage): torch, the stage code, the
-# GGUF reader and dequantizers, and torch._dynamo (with sympy), which building the model on the meta device
-# pulls in: nn.init and arange on meta tensors go through torch._refs
-PRELOAD = ["torch", "torch._dynamo", "workers.bootstrap", "strata.gguf_loader", "strata.quant",
+# What a forked stage would otherwise import itself (~1.5 s of CPU per stage): torch, the stage code, the GGUF
+# reader and dequantizers. Not torch._dynamo (with sympy, ~1 s): the model is built on the meta device without
+# the random inits and the meta arange that would import it (strata/model.py `_Linear`, `rope_frequencies`)
+PRELOAD = ["torch", "workers.bootstrap", "strata.gguf_loader", "strata.quant",
            "strata.forkserver_exit"]  # the last: its socket directory goes with it, however the head ends
 _forkserver = {"started": False}
 
