@@ -19,6 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from strata.cuda_timing import median_ms  # noqa: E402
+
 
 def cudnn(q, k, v):
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False)[:2]
@@ -52,15 +54,7 @@ def main() -> int:
         for name, fn in arms.items():
             outs[name] = fn()  # builds cuDNN's graph for the shape
             torch.cuda.synchronize()
-            times = []
-            for _ in range(a.reps):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e))
-            ms = sorted(times)[len(times) // 2]
+            ms = median_ms(fn, a.reps)
             cells.append(f"{ms:.1f} ({flops / ms / 1e9:,.0f})")
         diff = (outs["packed"][0].view(1, nh, T, hd).float() - outs["gqa-strided"][0].float()).abs().max().item()
         print(f"| {S:,} | " + " | ".join(cells) + f" | {diff:.2e} |", flush=True)

@@ -15,6 +15,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .cuda_timing import median_ms
+
 try:
     import triton
     import triton.language as tl
@@ -59,20 +61,7 @@ def _launch(cfg: tuple, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
 
 
 def _time(fn, flush: torch.Tensor) -> float:
-    """Median milliseconds of fn with L2 flushed before each rep (a decode step meets its weights cold). A spin
-    kernel before the start event keeps the GPU busy while the host launches fn, so the time is the kernel's,
-    not its launch's (a graph replays kernels without host launches)."""
-    times = []
-    for _ in range(REPS):
-        flush.zero_()
-        torch.cuda._sleep(100_000)  # ~50 us at ~2 GHz: longer than any launch
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, REPS, flush)
 
 
 def _pick(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple | None:
