@@ -98,6 +98,7 @@ class ResidualDump:
 class Stage:
     bells: Bells | None = None  # set by _map_buffers when the run has decode doorbells
     bell_key: tuple | None = None
+
     def __init__(self, spec: M.StageJob, log: logging.Logger, ids: bytes | None = None, clock_offset: float = 0.0):
         """`ids` and `clock_offset`: a remote stage's prompt ids (they came with its spec) and the head's
         perf_counter minus this host's (0 on the same kernel)."""
