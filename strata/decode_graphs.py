@@ -46,16 +46,17 @@ class DecodeGraphs:
         self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # bucket -> (graph, its static outputs)
         from strata import decode_attention  # imports Triton
-        # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter)
-        self.use_split_k = (decode_attention.available() and GRAPH_ATTENTION == "split-k"
+        a = next(iter(m.layers.values())).attn
+        # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter);
+        # the split-K kernel takes power-of-two head dims only: other models take the masked path
+        self.use_split_k = (decode_attention.available() and GRAPH_ATTENTION == "split-k" and a.hd & (a.hd - 1) == 0
                             and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
         self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
         # the masked path's positions, compared with pos on the device (split-K reads the live count instead)
         self.ar = None if self.use_split_k else torch.arange(self.cache_len, device=dev)
         # with split-K, also the Triton norm and rope-and-store kernels (strata/decode_kernels.py); not for a
-        # float8 cache (its stores clamp first) or a head dim that is not a power of two
-        a = next(iter(m.layers.values())).attn
-        self.fused = (self.use_split_k and GRAPH_KERNELS == "triton" and a.hd & (a.hd - 1) == 0
+        # float8 cache (its stores clamp first)
+        self.fused = (self.use_split_k and GRAPH_KERNELS == "triton"
                       and a.k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
     def bucket(self, pos: int) -> int:

@@ -128,6 +128,38 @@ print(sorted({dg.bucket(p) for p in range(500, 530)}))
 """
 
 
+ODD_HEAD_DIM = r"""
+import dataclasses, sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.decode_graphs import DecodeGraphs
+from tests.test_decode_model import SMALL, build, rel
+args = dataclasses.replace(SMALL, dim=96, n_heads=4, n_kv_heads=2, head_dim=24)
+eager, body = build(args, 300), build(args, 300)
+dg = DecodeGraphs(body)
+assert not dg.use_split_k and not dg.fused  # split-K wants a power-of-two head dim: the masked path instead
+xs = torch.randint(0, args.vocab_size, (1, 210), generator=torch.Generator().manual_seed(2))
+eager(xs[:, :200], 0), body(xs[:, :200], 0)
+with torch.inference_mode():
+    for p in range(200, 210):
+        a = eager(xs[:, p:p + 1], p)
+        dg.ids.copy_(xs[:, p:p + 1].reshape(-1))
+        dg.pos.fill_(p)
+        h, logits, am = dg._body(dg.bucket(p))
+        assert rel(h, a) < 1e-5, (p, rel(h, a))
+print("ok")
+"""
+
+
+@needs_triton
+def test_graph_body_odd_head_dim_takes_the_masked_path():
+    """A head dim that is not a power of two (24): the graph body takes the masked path (the split-K and fused
+    kernels refuse it) and still equals eager; it used to fail at capture."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", ODD_HEAD_DIM, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
 @needs_triton
 def test_graph_body_split_k_interpreted_matches_eager():
     """DecodeGraphs' step body with the split-K kernel (interpreted on CPU) == the eager decode path."""
