@@ -28,6 +28,18 @@ from strata.leftovers import _SEG, SHM, Proc, log_time, ready_count, segments, s
 
 
 # -- rigs and the launcher -----------------------------------------------------------------------
+def chained_prefill(slices, ids, chunk: int):
+    """Chunked prefill through chained Transformer slices in one process: the last slice's residual (1, T, dim)."""
+    import torch
+    out = []
+    for pos in range(0, ids.shape[1], chunk):
+        x = ids[:, pos:pos + chunk]
+        for s in slices:
+            x = s(x, pos)
+        out.append(x)
+    return torch.cat(out, dim=1)
+
+
 def make_rig(n_stages: int = 2, tokens: int = 512, chunk: int = 64, **over) -> dict:
     """A tiny rig: synthetic:smoke (8 layers, dim 128), CPU stages with one thread, random prompt."""
     rig = {"model": "synthetic:smoke", "dtype": "float32",

@@ -7,6 +7,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+from conftest import chained_prefill
 from strata.model import Transformer
 from strata.weights import ModelError, model_args, slice_tensors
 
@@ -40,14 +41,7 @@ def run_slices(model_dir, ids, bounds, chunk):
         t.load_weights(slice_tensors(model_dir, args, a, b), "cpu", torch.float32)
         t.setup_cache(ids.shape[1])
         slices.append(t)
-    outs = []
-    for pos in range(0, ids.shape[1], chunk):
-        x = ids[:, pos:pos + chunk]
-        for t in slices:
-            x = t(x, pos)
-        outs.append(x)
-    h = torch.cat(outs, dim=1)
-    return h, slices[-1]
+    return chained_prefill(slices, ids, chunk), slices[-1]
 
 
 def rel(a, b):

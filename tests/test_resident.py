@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import chained_prefill
 from strata import checkpoint, model as M, quant
 from strata.checkpoint import check_model_files, load_stage, model_args, stage_bytes, weights_mode
 from strata.errors import ModelError
@@ -39,13 +40,7 @@ def stages(args, mode, max_len, kv="auto", bounds=SLICES):
 
 def prefill(slices, ids, chunk=CHUNK):
     """Chunked prefill through chained slices: the last slice's residual (1, T, dim)."""
-    out = []
-    for pos in range(0, ids.shape[1], chunk):
-        x = ids[:, pos:pos + chunk]
-        for s in slices:
-            x = s(x, pos)
-        out.append(x)
-    return torch.cat(out, dim=1)
+    return chained_prefill(slices, ids, chunk)
 
 
 def greedy(slices, h, pos, n):
