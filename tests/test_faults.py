@@ -106,6 +106,29 @@ def test_stage_fails_during_decode(tmp_path, guard, mode):
     assert segments(run_id=p.run_id) == []
 
 
+@pytest.mark.parametrize("mode", ["raise", "kill", "hang"])
+def test_stage_fails_on_a_decode_step_that_came_by_bell(tmp_path, guard, monkeypatch, mode):
+    """With decode doorbells (strata/bells.py, forced on these CPU stages) the notes of steps after the first
+    never touch a socket: a stage failing on one (step 2) still fails the run naming it, within the same
+    bound, and leaves nothing; a stage that hangs on it trips the stall watchdog."""
+    from strata import bells
+    monkeypatch.setattr(bells, "MODE", "1")
+    over = dict(stall_timeout_s=3.0) if mode == "hang" else {}
+    rig = make_rig(2, generate=6, debug=dict(fail_stage=1, fail_phase="decode", fail_chunk=2, fail_mode=mode),
+                   **over)
+    p = _pipeline(tmp_path, rig, guard)
+    err, t_exit, t_fault = _prefill_fails(p, guard, 1)
+    assert p._buffers.bells is not None
+    pid = p.stages[1].pid
+    want = {"raise": f"stage 1 (cpu, pid {pid}, chunk 2) failed: StageFailed: injected failure at chunk 2",
+            "kill": f"stage 1 (cpu, pid {pid}, chunk 2) killed by SIGKILL",
+            "hang": "no progress for 3s"}[mode]
+    assert err.startswith(want), err
+    assert t_exit - t_fault < EXIT_WITHIN
+    _stage_gone_within([Proc(s.pid) for s in p.stages], t_fault)
+    assert segments(run_id=p.run_id) == []
+
+
 def test_middle_stage_killed_from_outside(tmp_path, guard):
     """The test SIGKILLs the middle stage once the head sees it start chunk 3. Its neighbours are
     left waiting on it (stage 0 for 'taken', stage 2 for input): the head's teardown ends them."""
