@@ -100,7 +100,7 @@ class Resources:
 class Buffers:
     """The run's shared segments: token ids, the last stage's logits row, one hand-off buffer per boundary
     inside this host (a boundary across hosts has none: its rows travel with the note), and the decode
-    doorbells when every stage is a local GPU one (strata/bells.py)."""
+    doorbells when they are on (strata/bells.py)."""
 
     def __init__(self, res: Resources, run_id: str, plan, remote: list[bool], across: list[bool]):
         import torch  # here, not at the top: the launcher imports this module before torch (start_forkserver)
