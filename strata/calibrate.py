@@ -172,7 +172,7 @@ def time_layer(args: ModelArgs, device: str, dtype, chunk: int, tokens: int) -> 
     import torch
     from types import SimpleNamespace
 
-    from .model import Block, Transformer, rope_frequencies
+    from .model import Block, Transformer, rope_frequencies, rope_tables
 
     cpu = device == "cpu"
     T = max(1, min(chunk, tokens))
@@ -196,7 +196,7 @@ def time_layer(args: ModelArgs, device: str, dtype, chunk: int, tokens: int) -> 
     budget, reps = (0.3, 3) if cpu else (0.2, 20)
 
     def at(pos):
-        cos, sin = Transformer.rope(rope_src, pos, T, dtype)
+        cos, sin = rope_tables(*Transformer.rope(rope_src, pos, T, dtype))
 
         def run():
             with torch.inference_mode():

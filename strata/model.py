@@ -220,6 +220,12 @@ def _bf16_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     return out.view(1, -1)
 
 
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transformer.rope's (T, hd) rows as every layer reads them: cos and signed sin (T, 1, hd), made once per
+    chunk or step, not once per layer."""
+    return cos[:, None], _signed_sin(sin[:, None])
+
+
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """sin with its first half negated, once per step: rotate_half(x) * sin == roll(x) * signed_sin, bit for bit."""
     half = sin.shape[-1] // 2
@@ -452,9 +458,8 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (1, T, dim); cos, sin: (T, hd) as Transformer.rope makes them."""
+        """x: (1, T, dim); cos, sin: (T, 1, hd), sin signed (`rope_tables`)."""
         T = x.shape[1]
-        cos, sin = cos[:, None], _signed_sin(sin[:, None])  # (T, 1, hd) tables: tiny next to q and k
         qkv = F.linear(x, w.wqkv, w.bqkv)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         # rope on the (1, T, heads, hd) rows, then (1, heads, T, hd) views: q's layout is what
@@ -911,13 +916,11 @@ class Transformer(nn.Module):
         """cos and signed sin (T, 1, hd) for a decode step. On CPU, rows of a table made once (grown by
         doubling), the same bits as rope(): a step costs two narrows instead of a dozen ops."""
         if device.type != "cpu":
-            cos, sin = self.rope(pos, T, dtype)
-            return cos[:, None], _signed_sin(sin[:, None])
+            return rope_tables(*self.rope(pos, T, dtype))
         tab = self._rope_table
         if tab is None or tab[0].shape[0] < pos + T or tab[0].dtype != dtype:
             n = max(256, 1 << (pos + T - 1).bit_length())
-            cos, sin = self.rope(0, n, dtype)
-            tab = self._rope_table = (cos[:, None].contiguous(), _signed_sin(sin[:, None]).contiguous())
+            tab = self._rope_table = tuple(t.contiguous() for t in rope_tables(*self.rope(0, n, dtype)))
         return tab[0].narrow(0, pos, T), tab[1].narrow(0, pos, T)
 
     @torch.inference_mode()
@@ -944,7 +947,7 @@ class Transformer(nn.Module):
             for i, blk in self.layers.items():
                 h = blk.decode_rows(h, pos, cos, sin, self._weight_only.get(i))
             return h.view(1, T, dim)
-        cos, sin = self.rope(pos, T, h.dtype)
+        cos, sin = rope_tables(*self.rope(pos, T, h.dtype))
         for blk in self.layers.values():
             h = blk(h, pos, cos, sin)
         return h
