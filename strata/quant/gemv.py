@@ -94,6 +94,20 @@ if triton is not None:
         return ptr, n, col, local
 
     @triton.jit
+    def _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N: tl.constexpr):
+        """This program's tile: (blocks pointer, the matrix's rows, its first output column, the tile's BLOCK_N
+        row indices, which of them exist)."""
+        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        return ptr, n, col, rows, rows < n
+
+    @triton.jit
+    def _zeros4(BLOCK_N: tl.constexpr, W: tl.constexpr):
+        """The four x rows' float32 accumulators, (BLOCK_N, W) each (those past M stay unused)."""
+        return (tl.zeros((BLOCK_N, W), tl.float32), tl.zeros((BLOCK_N, W), tl.float32),
+                tl.zeros((BLOCK_N, W), tl.float32), tl.zeros((BLOCK_N, W), tl.float32))
+
+    @triton.jit
     def _acc4(acc, xr, xo, scale, w0, w1, w2, w3):
         """acc += scale * (the 4 weights of each entry . x at columns xo + 0..3), x row pointer xr."""
         x0 = tl.load(xr + xo).to(tl.float32)
@@ -135,15 +149,10 @@ if triton is not None:
         pick 4 signed bfloat16 values (`grid_ptr`, iq.signed_bf16_grid); a 4-bit scale per 32
         weights times the block's fp16 d, applied after the 4-weight dot. Tile: [BLOCK_N rows, 64 entries],
         SB blocks per loop step."""
-        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
-        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = rows < n
+        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
         row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 110)  # in bounds: loads unmasked
         e = tl.arange(0, 64)[None, :]  # grid entry within the block
-        acc0 = tl.zeros((BLOCK_N, 64), tl.float32)
-        acc1 = tl.zeros((BLOCK_N, 64), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, 64), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, 64), tl.float32)
+        acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 64)
         for k in range(0, nb, SB):
             for s in tl.static_range(SB):
                 b = k + s
@@ -177,15 +186,10 @@ if triton is not None:
                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
         """Q8_0: 32 int8 weights times the block's fp16 d, applied after their dot with x. Tile: [BLOCK_N
         rows, 32 weights], SB blocks per loop step."""
-        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
-        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = rows < n
+        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
         row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 34)  # in bounds: loads unmasked
         j = tl.arange(0, 32)[None, :]
-        acc0 = tl.zeros((BLOCK_N, 32), tl.float32)
-        acc1 = tl.zeros((BLOCK_N, 32), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, 32), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 32)
         for k in range(0, nb, SB):
             for s in tl.static_range(SB):
                 b = k + s
@@ -227,15 +231,10 @@ if triton is not None:
         """Q4_K: fp16 d and dmin, 8 sub-blocks of 32 with 6-bit scale and min, 4-bit weights: byte i of
         quarter p holds weight 64p + i (low nibble, sub-block 2p) and 64p + 32 + i (high, 2p + 1).
         Tile: [BLOCK_N rows, 32 bytes], a block's 4 quarters unrolled, SB blocks per loop step."""
-        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
-        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = rows < n
+        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
         row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 144)  # in bounds: loads unmasked
         i = tl.arange(0, 32)[None, :]
-        acc0 = tl.zeros((BLOCK_N, 32), tl.float32)
-        acc1 = tl.zeros((BLOCK_N, 32), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, 32), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, 32), tl.float32)
+        acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 32)
         for k in range(0, nb, SB):
             for s in tl.static_range(SB):
                 b = k + s
@@ -381,9 +380,7 @@ if triton is not None:
         lines per load); its int32 dot with x is scaled by d * (1 + 2 * scale) * x's scale in float32.
         Blocks are read as uint16 (110-byte blocks are 2-byte aligned): halfword 0 d, 1..32 qs, 33..36 qh,
         37..52 signs, 53..54 scales."""
-        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
-        rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = rows < n
+        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
         c = tl.arange(0, 8 * SB)[None, :]
         j = c % 8  # sub-block of block c // 8 of the step
         base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 55) + (c // 8) * 55  # loads unmasked
@@ -394,10 +391,7 @@ if triton is not None:
         qh_shift = 8 * (j % 2)
         sc_shift = 4 * (j % 4)
         xo = c  # its x group within the step (word p in plane p)
-        acc0 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
-        acc1 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, 8 * SB), tl.float32)
+        acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 8 * SB)
         xrow = cols // 8  # int64 words per x row
         srow = cols // 32  # scales per x row
         if TABLE == 3:
