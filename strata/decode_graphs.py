@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import (Block, Products, QuantEmbedding, ResidentMatrices, RMSNorm, Transformer, _dense_products,
-                    _rope_rows, _signed_sin, _to_cache)
+                    _rope_rows, _to_cache, rope_tables)
 
 GRAPH_MIN_BUCKET = 256
 # the graphs' attention: "split-k" (strata/decode_attention.py, Triton; reads only the live keys) or "masked"
@@ -118,7 +118,7 @@ class DecodeGraphs:
         h = m.embed(self.ids) if self.ids is not None else self.res
         freqs = self.pos.to(torch.float32)[:, None] * m.inv_freq[None]  # as Transformer.rope, one row
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(dt)[:, None], _signed_sin(emb.sin().to(dt)[:, None])  # (1, 1, hd)
+        cos, sin = rope_tables(emb.cos().to(dt), emb.sin().to(dt))  # (1, 1, hd)
         if self.use_split_k:
             mask = self.pos + 1  # the live keys, read on the device by the split-K kernel
         else:
