@@ -568,9 +568,9 @@ class Stage:
         - No "taken" or "done" notes, no chunk in flight to reap later: steps go round a ring (head -> stage
           0 -> ... -> last -> head) one token at a time, so the stage above writes its buffer again only after
           this step's result reached the head, long after this stage read it. Per token one note per hop.
-        - CUDA: one queued copy from the page-locked buffer, covered by the step's one synchronize.
-        - On CUDA one synchronize covers input copy, layers, head, argmax and the queued copy of the output
-          (residual row, or logits row plus argmax) into page-locked memory; before it the notes say nothing.
+        - On CUDA one synchronize covers the queued copy in from the page-locked buffer, layers, head, argmax and
+          the queued copy of the output (residual row, or logits row plus argmax) into page-locked memory; before
+          it the notes (or bells) say nothing.
         - No "working" note, no per-step event (decode reports its sums only: a long answer must not grow
           the stats note), no residual dump, no nll."""
         k, pos, n = msg.k, msg.pos, msg.n
