@@ -76,7 +76,7 @@ def _pick(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple | N
     best, best_ms = None, _time(lambda: F.linear(x, w, b), flush)
     cublas_ms = best_ms
     for c in cands:
-        ms = _time(lambda: _launch(c, x, w, b, y), flush)
+        ms = _time(lambda c=c: _launch(c, x, w, b, y), flush)
         if ms < best_ms:
             best, best_ms = c, ms
     log.info("decode GEMV %dx%d: %s (%.1f us; cuBLAS %.1f us)", n, k, best or "cuBLAS", best_ms * 1e3, cublas_ms * 1e3)
