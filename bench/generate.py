@@ -60,7 +60,8 @@ def main() -> int:
                     print(f"    per token, ms: head {1e3 * r.get('decode_head_s', 0) / steps:.3f}; stages' work "
                           + ", ".join(f"{1e3 * (s.get('decode_work_s') or 0) / steps:.3f}" for s in r["stages"])
                           + "; stages' copies and notes " + ", ".join(f"{1e3 * (s.get('decode_copy_s') or 0) / steps:.3f}"
-                                                                  for s in r["stages"]), flush=True)
+                                                                  for s in r["stages"])
+                          + f"; results by bell {r.get('decode_bell_steps', 0)} of {steps}", flush=True)
     if a.llama_bench:
         llama_decode(a, stages, contexts)
     return 0

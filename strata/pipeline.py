@@ -118,6 +118,7 @@ class Pipeline:
         self._signals_seen = 0
         self._sent = self._got = 0     # chunks of the current phase sent to stage 0 / back from the last
         self._results: dict[int, M.ChunkResult] = {}
+        self._bell_results = 0  # decode steps whose result came by bell (strata/bells.py), not ZeroMQ
         self._decoding = False  # decode phase: the ring head -> stage 0 -> ... -> head carries no "taken" notes
         # the ids whose KV every stage holds: positions [0, _kept_n) (a decoded token is one write, not a copy)
         self._kept = np.zeros(self.plan.max_len, dtype=np.int32)
@@ -361,6 +362,7 @@ class Pipeline:
         note = self._buffers.bells.take(len(self.stages))
         if note is None:
             return False
+        self._bell_results += 1
         try:
             self._on_result(M.ChunkResult(k=note[0], nll=0.0, count=0, argmax=note[2]), None)
         except M.BadMessage as e:  # checked as a frame is: counted and dropped, never acted on
@@ -547,6 +549,7 @@ class Pipeline:
         pos = ids.size
         self._new_phase("decode")
         self._decode_wait_s = 0.0  # waiting on the stages; the rest of decode_s is the head's own time
+        self._bell_results = 0
         t0 = time.perf_counter()
         try:
             while len(out) < limit:
@@ -631,6 +634,7 @@ class Pipeline:
         ppl = math.exp(pre["nll"] / pre["count"]) if pre["count"] else None
         decode = {"decode_tokens": len(out), "decode_steps": steps, "decode_s": decode_s,
                   "decode_head_s": decode_s - getattr(self, "_decode_wait_s", 0.0) if steps else 0.0,
+                  "decode_bell_steps": self._bell_results,
                   "decode_tok_s": steps / decode_s if decode_s > 0 and steps else 0.0,
                   "ttft_s": ttft, "finish_reason": finish}
         report = build_report(self, pre["seconds"], ppl, out, text, ids=pre["ids"], schedule=pre["schedule"],

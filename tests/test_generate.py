@@ -194,11 +194,13 @@ def test_decode_bells_give_the_notes_tokens(tmp_path, monkeypatch, params):
     for mode in ("0", "1"):
         monkeypatch.setattr(bells, "MODE", mode)
         with smoke(tmp_path, f"bells{mode}", dump_residual=False) as p:
-            runs = [p.generate(ids, params).continuation_ids for _ in range(2)]
+            res = [p.generate(ids, params) for _ in range(2)]
+            runs = [r.continuation_ids for r in res]
             b = p._buffers.bells
             assert (b is None) == (mode == "0")
             if b is not None:  # the head's bell: one result per step but each generation's first
                 assert b.seen == 2 * (len(runs[0]) - 2)
+            assert [r.report["decode_bell_steps"] for r in res] == [0 if b is None else len(runs[0]) - 2] * 2
         assert runs[0] == runs[1] and len(runs[0]) == 16
         out[mode] = runs[0]
     assert out["0"] == out["1"]
