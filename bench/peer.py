@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def llama_bench(exe: str, gguf: Path, tokens: int, chunk: int, n_devices: int, decode: int) -> dict:
+def llama_bench(exe: str, gguf: Path, tokens: int, chunk: int, n_devices: int, decode: int,
+                warmup: bool = True) -> dict:
     """llama-bench's prefill (and, with decode > 0, generation) tok/s on the file, every layer on GPU."""
     out = {}
     runs = [("prefill", ["-p", str(tokens), "-n", "0"])]
@@ -35,7 +36,7 @@ def llama_bench(exe: str, gguf: Path, tokens: int, chunk: int, n_devices: int, d
         runs.append(("decode", ["-p", "0", "-n", str(decode)]))
     for what, extra in runs:
         cmd = [exe, "-m", str(gguf), "-ngl", "99", "-fa", "1", "-b", str(chunk), "-ub", "2048", "-r", "1",
-               "-o", "json", *extra]
+               "-o", "json", *extra] + ([] if warmup else ["--no-warmup"])
         if n_devices > 1:
             cmd += ["-sm", "layer"]
         t = time.perf_counter()
@@ -104,6 +105,8 @@ def main() -> int:
     ap.add_argument("--weights", default="", help="rig `weights` for the Strata arms on the file (default: auto)")
     ap.add_argument("--decode", type=int, default=0, help="also time this many generated tokens")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--llama-no-warmup", action="store_true", help="llama-bench --no-warmup: its warm-up pass is a "
+                    "whole prompt run, which doubles a long 70B prefill's time")
     a = ap.parse_args()
     devices = a.devices.split(",")
     arms = a.arms.split(",")
@@ -119,7 +122,8 @@ def main() -> int:
                  "dynamic_chunks": a.dynamic,
                  "date": time.strftime("%Y-%m-%d %H:%M")}
     if "llama" in arms and a.llama_bench:
-        res["llama"] = llama_bench(a.llama_bench, gguf, a.tokens, a.chunk, len(devices), a.decode)
+        res["llama"] = llama_bench(a.llama_bench, gguf, a.tokens, a.chunk, len(devices), a.decode,
+                                   warmup=not a.llama_no_warmup)
     for arm in ("d1", "d0"):
         if arm in arms:
             rep = strata_run(str(gguf), devices, a.tokens, a.chunk, int(arm[1]), a.weights, root / arm, a.decode,

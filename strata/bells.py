@@ -21,9 +21,9 @@ import numpy as np
 
 ROW = 8  # int64 words per bell: one 64-byte cache line (seq, k, pos, argmax, t0 as float64, 3 spare)
 SEQ, K, POS, ARGMAX, T0 = range(5)
-# STRATA_DECODE_BELLS: "0" (ZeroMQ only, the default until bells are measured on GPUs: they were written after
-# this session's last GPU call), "auto" (when every stage is a local CUDA one), "1" (any local stages: tests)
-MODE = os.environ.get("STRATA_DECODE_BELLS", "0")
+# STRATA_DECODE_BELLS: "auto" (the default: when every stage is a local CUDA one; on 2 H200s, 8B, they took a
+# token from 5.67 to 5.16 ms, BENCHMARKS.md), "0" (ZeroMQ only, the A/B arm), "1" (any local stages: tests)
+MODE = os.environ.get("STRATA_DECODE_BELLS", "auto")
 
 
 def supported() -> bool:
