@@ -45,6 +45,12 @@ class DecodeGraphs:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # bucket -> (graph, its static outputs)
+        # one warm-up stream and one memory pool for every bucket's capture: cuBLAS keeps a workspace (32 MiB on
+        # Hopper) per stream it meets, and each graph would keep a pool of its own; a stream and a pool per bucket
+        # held ~37 MB a bucket that the planner never counted (smoke-wide, 10 buckets: 375 MB). Sharing the pool is
+        # safe because replays run one at a time on one stream and a step's outputs are read before the next one.
+        self._side: torch.cuda.Stream | None = None
+        self._pool = None
         from strata import decode_attention  # imports Triton
         a = next(iter(m.layers.values())).attn
         # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter);
@@ -95,13 +101,15 @@ class DecodeGraphs:
         # without Triton: efficient attention takes the additive mask at a fixed length; its kernels do not
         # depend on the mask's contents (cuDNN would also do, but flash takes no mask)
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            side = torch.cuda.Stream(self.device)
+            if self._side is None:
+                self._side, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+            side = self._side
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up outside the capture (lazy cuBLAS/workspace init); idempotent
                 self._body(b)
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._body(b)
         return g, out
 

@@ -103,11 +103,17 @@ def test_cuda_graph_decode_matches_eager():
         print(f"prompt {prompt_len}: graph vs eager worst rel {worst:.2e}, buckets {sorted(graph._graphs.graphs)}")
         assert worst < 2e-2
     assert sorted(graph._graphs.graphs) == [256, 512, 1024, 1200]
-    # logits through the graph's residual: the same greedy token as eager's, step by step
+    # logits through the graph's residual: within bf16's tolerance of eager's, and the same greedy token unless
+    # eager's top two are closer than the two paths differ (a random model's logits are nearly flat: call 16
+    # saw 684 vs 946 on a near-tie)
     p = 300
     x = ids[:, p - 1:p]
     a, b = eager(x, p - 1, decode=True), graph.decode_step(x, p - 1)
-    assert int(eager.logits(a[0, -1]).argmax()) == int(graph.logits(b[0, -1]).argmax())
+    la, lb = eager.logits(a[0, -1]).float(), graph.logits(b[0, -1]).float()
+    assert _rel(lb, la) < 2e-2
+    top2 = la.topk(2).values
+    if float(top2[0] - top2[1]) > 2 * float((la - lb).abs().max()):
+        assert int(la.argmax()) == int(lb.argmax())
 
 
 def test_cuda_graph_middle_slice_and_forward_flag():

@@ -199,6 +199,7 @@ class Stage:
         if self.device.type != "cuda":
             return 0.0
         t = time.perf_counter()
+        mem = [torch.cuda.memory_allocated(self.device)]  # what each part of the warm-up leaves allocated
         n = max(1, min(spec.max_chunk, spec.max_len // 2))
         for pos in (0, n) if 2 * n <= spec.max_len else (0,):
             if self.first:
@@ -218,7 +219,9 @@ class Stage:
         for tokens in (spec.tokens, spec.max_len):
             shapes += [c for c in chunk_schedule(tokens, n, spec.dynamic_chunks, self.args)
                        if c[0] > 0 and c not in shapes]
+        mem.append(torch.cuda.memory_allocated(self.device))
         built = strata.model.warm_chunk_attention(self.model, shapes)
+        mem.append(torch.cuda.memory_allocated(self.device))
         if built:
             self.log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d)", built, len(shapes), n)
         # the decode step too (its kernels, cuBLAS's one-row GEMM set-up, the head's argmax), else the first
@@ -231,6 +234,9 @@ class Stage:
             positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
         for pos in positions:
             self.model.decode_token(x1, pos)
+        mem.append(torch.cuda.memory_allocated(self.device))
+        self.log.info("warm-up: GPU memory allocated %s bytes (loaded; after the chunks; after cuDNN's shapes; "
+                      "after the decode steps)", " -> ".join(f"{m:,}" for m in mem))
         if "strata.decode_gemv" in sys.modules:  # the graphs' dense products: which kernel each shape measured faster
             self.log.info("decode GEMV: %s", sys.modules["strata.decode_gemv"].describe())
         torch.cuda.synchronize(self.device)
