@@ -1,7 +1,8 @@
 """Model-level decode speed: per-token ms of one process's slice, one token at a time after a context.
 
 Modes: prefill-path (forward(decode=False): the chunk path with T=1, what decode cost before),
-fast (the decode path), float16 / int8 / int4 (Transformer.set_decode_weights), graphs (CUDA graphs). The KV cache
+fast (the decode path), float16 / int8 / int4 (Transformer.set_decode_weights), graphs (CUDA graphs), token (what a
+stage runs: `decode_token`, layers, head and argmax in one replay, the token read back). The KV cache
 is filled with random keys/values for --context positions (decode time depends on the length,
 not the values) unless --prefill. With --check, float16/int8/int4 are compared with the fast path on a real
 prompt: max relative logit difference (teacher-forced) and whether --steps greedy tokens match.
@@ -41,6 +42,17 @@ def run_steps(m, dev, pos: int, steps: int, first, greedy: bool, mode: str) -> t
     sync(dev)
     for i in range(steps):
         t0 = time.perf_counter()
+        if mode == "token":  # what a stage runs: one replay gives residual, logits and argmax
+            m.cuda_graphs = True
+            h, lg, am = m.decode_token(x, pos + i, fresh=False)
+            if m.has_head:
+                ids.append(int(am))
+                logits.append(lg)
+            x = (torch.tensor([[ids[-1] if greedy else (pos + i) % m.args.vocab_size]], device=dev)
+                 if m.has_embed else h)
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+            continue
         h = m(x, pos + i, decode=decode)
         if m.has_head:
             lg = m.logits(h[0, -1])
@@ -97,7 +109,7 @@ def main() -> int:
     first = (torch.tensor([[1]], device=dev) if m.has_embed
              else torch.randn(1, 1, args.dim, generator=g).to(dev, dtype))
     modes = a.modes.split(",") if a.modes else (
-        ["prefill-path", "fast"] + (["graphs"] if dev.type == "cuda" else ["float16", "int8", "int4"]))
+        ["prefill-path", "fast"] + (["graphs", "token"] if dev.type == "cuda" else ["float16", "int8", "int4"]))
     base = None
     for mode in modes:
         if mode in WEIGHT_ONLY:
