@@ -204,3 +204,24 @@ def test_decode_bells_give_the_notes_tokens(tmp_path, monkeypatch, params):
         assert runs[0] == runs[1] and len(runs[0]) == 16
         out[mode] = runs[0]
     assert out["0"] == out["1"]
+
+
+def test_decode_bells_stop_mid_answer_then_reuse(tmp_path, monkeypatch):
+    """With bells (forced on CPU stages), an answer stopped by its caller mid-way (what the server does when a
+    client leaves) leaves the stages ready: the next request on the same prompt reuses its KV, goes by bell
+    again and gives the whole greedy answer, and one that continues the stopped answer reuses that too."""
+    from strata import bells
+    monkeypatch.setattr(bells, "MODE", "1")
+    ids = random_ids(40, 9)
+    with smoke(tmp_path, "bellstop", dump_residual=False) as p:
+        full = p.generate(ids, SamplingParams(max_tokens=16)).continuation_ids
+        assert p._buffers.bells is not None
+        told = []
+        r = p.generate(ids, SamplingParams(max_tokens=16), on_token=lambda t: told.append(t) or len(told) < 3)
+        assert r.continuation_ids == told == full[:3] and r.finish_reason == "stop"
+        again = p.generate(ids, SamplingParams(max_tokens=16))
+        assert again.continuation_ids == full and again.reused_tokens == ids.size - 1
+        assert again.report["decode_bell_steps"] == len(full) - 2
+        follow = np.concatenate([ids, np.array(full[:2], dtype=np.int32)])
+        more = p.generate(follow, SamplingParams(max_tokens=4))
+        assert more.reused_tokens == follow.size - 1 and more.continuation_ids == full[2:6]
