@@ -27,8 +27,9 @@ GiB = 2**30
 # Beyond the tensors a stage allocates: a CPU stage process's interpreter and torch (anonymous
 # memory after the imports, measured ~0.2-0.3 GB RSS); a CUDA stage's cuBLAS workspaces (32 MiB a stream
 # on Hopper: the compute stream, the decode graphs' warm-up and capture streams), the decode graphs' shared
-# pool (73 MB on smoke-wide, 54-93 MB on 8B stages, measured on H200) and the caching allocator's rounding. The CUDA context itself is not in here: a cap measured on the
-# device already excludes one (see calibrate.py); a cap from the rig has CUDA_CONTEXT taken off.
+# pool (73 MB on smoke-wide, 54-93 MB on 8B stages, measured on H200) and the caching allocator's rounding.
+# The CUDA context itself is not in here: a cap measured on the device already excludes one (see
+# calibrate.py); a cap from the rig has CUDA_CONTEXT taken off.
 CPU_RUNTIME_BYTES = 256 * 2**20
 CUDA_RUNTIME_BYTES = 256 * 2**20
 CUDA_CONTEXT_BYTES = 512 * 2**20
