@@ -71,7 +71,7 @@ def check_kernel_matches_reference():
 
 
 def _check_float_kernels(gemv, random_blocks, g):
-    for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3)):
+    for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3), ("Q6_K", 256 * 3)):
         for rows, m in ((37, 1), (21, 3), (5, 6)):
             blocks = random_blocks(qtype, rows, cols, g)
             x = torch.randn(m, cols, generator=g)
@@ -90,11 +90,12 @@ def check_parts_side_by_side():
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(8)
     cols = 512
-    parts = [(random_blocks(q, r, cols, g), q) for q, r in (("IQ3_S", 19), ("IQ3_S", 6), ("Q8_0", 11), ("IQ3_S", 9), ("Q4_K", 10))]
+    parts = [(random_blocks(q, r, cols, g), q) for q, r in (("IQ3_S", 19), ("IQ3_S", 6), ("Q8_0", 11), ("IQ3_S", 9), ("Q4_K", 10),
+                                                            ("Q6_K", 7))]
     x = torch.randn(3, cols, generator=g).bfloat16()
     want = torch.cat([reference(x, b, q) for b, q in parts], dim=1)
     for mode, tol in (("float", 1e-5),) + tuple((m, DP4A_TOL) for m in IQ3S_DP4A):
-        out = torch.full((3, 55), float("nan"))
+        out = torch.full((3, 62), float("nan"))
         with iq3s_kernel(mode):
             gemv.quant_matmul_parts(x, parts, cols, out=out)
         assert rel(out, want) < tol, (mode, rel(out, want))
@@ -231,7 +232,8 @@ def test_interpreted(interpreted, name):
 def test_supports():
     from strata.quant import gemv
     assert gemv.supports("IQ3_S") and gemv.supports("iq3_s") and gemv.supports("Q8_0") and gemv.supports("Q4_K")
-    assert not gemv.supports("Q6_K") and not gemv.supports("F16") and not gemv.supports("nonsense")
+    assert gemv.supports("Q6_K")
+    assert not gemv.supports("Q5_K") and not gemv.supports("F16") and not gemv.supports("nonsense")
     assert not gemv.available("cpu") or gemv.INTERPRET
 
 
@@ -261,14 +263,16 @@ def test_bad_blocks_refused():
     with pytest.raises(ValueError):
         gemv.quant_matmul(torch.zeros(1, 128), torch.zeros(4, 110, dtype=torch.uint8), "IQ3_S", 128)
     with pytest.raises(ValueError):
-        gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 210, dtype=torch.uint8), "Q6_K", 256)
+        gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 176, dtype=torch.uint8), "Q5_K", 256)
+    with pytest.raises(ValueError):
+        gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 209, dtype=torch.uint8), "Q6_K", 256)
 
 
 # -- CUDA -----------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
-@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
     """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64

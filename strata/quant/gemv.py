@@ -58,11 +58,11 @@ class Config:
 
 
 # Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
-CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1)}
+CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1), "Q6_K": Config(8, 1)}
 # the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
 # divides the row's blocks, block_n raised to give each thread an element when sb is smaller
 DP4A_CONFIG = Config(4, 4, 4)
-_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144)}  # (weights, bytes) per block
+_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}  # (weights, bytes) per block
 
 
 def supports(qtype) -> bool:
@@ -258,6 +258,48 @@ if triton is not None:
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
+    def _q6_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        """Q6_K (Q4_K_M files keep the head and some ffn_down / attn_v in it): 128 bytes of low nibbles, 64 of
+        2-bit high parts, 16 int8 scales (one per 16 weights), fp16 d last. Weight 128h + 32j + i (half h,
+        group j of 32, lane i): low 4 bits from byte 64h + 32 * (j % 2) + i (its low nibble for j < 2, high
+        for j >= 2), high 2 bits from byte 128 + 32h + i at bit 2j, minus 32. Tile: [BLOCK_N rows, 32 lanes],
+        a block's 8 groups unrolled, SB blocks per loop step."""
+        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
+        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 210)  # in bounds: loads unmasked
+        i = tl.arange(0, 32)[None, :]
+        acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 32)
+        for k in range(0, nb, SB):
+            for s in tl.static_range(SB):
+                b = k + s
+                base = row_base + b * 210
+                d = _f16(base + 208)
+                for h in tl.static_range(2):
+                    even = tl.load(base + 64 * h + i).to(tl.int32)  # groups 0 (low nibbles) and 2 (high)
+                    odd = tl.load(base + 64 * h + 32 + i).to(tl.int32)  # groups 1 and 3
+                    hi2 = tl.load(base + 128 + 32 * h + i).to(tl.int32)
+                    for j in tl.static_range(4):
+                        if j % 2 == 0:
+                            lo = even
+                        else:
+                            lo = odd
+                        if j < 2:
+                            lo = lo & 15
+                        else:
+                            lo = lo >> 4
+                        q = ((lo | (((hi2 >> (2 * j)) & 3) << 4)) - 32).to(tl.float32)
+                        sc = tl.load(base + 192 + 8 * h + 2 * j + i // 16).to(tl.int8, bitcast=True).to(tl.float32)
+                        xo = b * 256 + 128 * h + 32 * j + i
+                        acc0 = _acc1(acc0, x_ptr, xo, d * sc, q)
+                        if M > 1:
+                            acc1 = _acc1(acc1, x_ptr + cols, xo, d * sc, q)
+                        if M > 2:
+                            acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, d * sc, q)
+                        if M > 3:
+                            acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, d * sc, q)
+        _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
+
+    @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, cols, groups, G: tl.constexpr):
         """x row program_id(1), groups of 32 from G * program_id(0): int8 q = round(x * 127 / amax) (half away
         from zero) and the float32 scale amax / 127 per group (q = 0, scale 0 for an all-zero group). q's
@@ -424,7 +466,7 @@ if triton is not None:
                 acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow))
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
-    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv}
+    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv, "Q6_K": _q6_k_gemv}
 
 
 _IQ3S_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
