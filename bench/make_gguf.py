@@ -8,6 +8,7 @@ and written one at a time, so a 28 GB file needs about one tensor's worth of mem
 
     python bench/make_gguf.py --preset llama-3-70b --qtype IQ3_S --out /data/l70-iq3s.gguf
     python bench/make_gguf.py --preset smoke --qtype Q4_K --out /tmp/smoke.gguf --layers 2
+    python bench/make_gguf.py --preset llama-3-8b --qtype Q4_K_M --out /tmp/8b-q4km.gguf --device cuda
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.model import PRESETS, ModelArgs, rope_frequencies  # noqa: E402
-from strata.quant import block_size, qtype_of, random_blocks, type_size  # noqa: E402
+from strata.quant import MIXES, block_size, mix_type, qtype_of, random_blocks, type_size  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ def tensor_type(qtype: str, cols: int) -> str:
 def plan(args: ModelArgs, qtype: str) -> list[Planned]:
     """Every tensor of a llama GGUF, in llama.cpp's order and names."""
     dim, hd, ffn = args.dim, args.head_dim, args.ffn_dim
-    mat = lambda name, rows, cols: Planned(name, (rows, cols), tensor_type(qtype, cols))  # noqa: E731
+    role = {"attn_v": "wv", "ffn_down": "w_down", "output": "head"}  # what a mix widens (strata.quant.MIXES)
+    mat = lambda name, rows, cols: Planned(  # noqa: E731
+        name, (rows, cols), tensor_type(mix_type(qtype, role.get(name.split(".")[-2], "")), cols))
     out = [mat("token_embd.weight", args.vocab_size, dim)]
     if args.rope_scaling:  # llama.cpp keeps Llama-3 rope scaling as per-frequency divisors
         out.append(Planned("rope_freqs.weight", (hd // 2,), "F32"))
@@ -96,7 +99,7 @@ def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "r
           device: str = "cpu") -> int:
     """Write the file; returns its size in bytes. `device` makes the random blocks there (a GPU makes a 28 GiB
     file in the time the disk takes; the bytes differ from the CPU's, each device is reproducible)."""
-    qtype = qtype_of(qtype).name
+    qtype = qtype.upper() if qtype.upper() in MIXES else qtype_of(qtype).name
     tensors = plan(args, qtype)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"strata random {name} {qtype}")
@@ -145,7 +148,8 @@ def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "r
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    ap.add_argument("--qtype", default="Q4_K", help="GGUF type of the weight matrices (e.g. Q4_K, IQ3_S)")
+    ap.add_argument("--qtype", default="Q4_K", help="GGUF type of the weight matrices (e.g. Q4_K, IQ3_S, or the mix "
+                    "Q4_K_M: strata.quant.MIXES)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="where the random blocks are made (cuda: much faster)")
@@ -155,8 +159,9 @@ def main(argv=None) -> int:
     if a.layers:
         args = dataclasses.replace(args, n_layers=a.layers)
     try:
-        q = qtype_of(a.qtype).name
-        block_size(q)
+        q = a.qtype.upper() if a.qtype.upper() in MIXES else qtype_of(a.qtype).name
+        for t in MIXES.get(q, (q,)):
+            block_size(t)
     except (ValueError, KeyError) as e:
         ap.error(str(e))
     size = write(a.out, args, q, a.seed, name=a.preset, progress=True, device=a.device)

@@ -40,9 +40,12 @@ def _synthetic_qtype(qtype: str) -> str:
     import gguf
 
     from .gguf_loader import FLOAT_TYPES, quant_supported
+    from .quant import MIXES
     name = qtype.upper()
+    if name in MIXES:
+        return name
     if name not in gguf.GGMLQuantizationType.__members__ or name in FLOAT_TYPES:
-        raise ModelError(f"synthetic model: {qtype!r} is not a GGUF quantization type (e.g. Q4_K, IQ3_S)")
+        raise ModelError(f"synthetic model: {qtype!r} is not a GGUF quantization type (e.g. Q4_K, IQ3_S, Q4_K_M)")
     if not quant_supported(name):
         raise ModelError(f"synthetic model: strata.quant cannot dequantize {name}")
     return name
@@ -166,7 +169,7 @@ def _stored_types(model: str, args: ModelArgs, names: list[str]) -> dict[str, tu
         sh = shapes(args)
         for n in names:
             s = sh[short(n)]
-            q = _synthetic_tensor_qtype(loc.partition("@")[2], s)
+            q = _synthetic_tensor_qtype(loc.partition("@")[2], s, short(n))
             if q is not None:
                 bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]]
                 out[n] = (q, s[0] * (s[1] // bs) * ts)
@@ -327,13 +330,16 @@ def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str
 
 
 # -- synthetic -----------------------------------------------------------------------------------
-def _synthetic_tensor_qtype(qtype: str, shape: tuple[int, ...]) -> str | None:
-    """The type a synthetic matrix is stored in: `qtype`, or (like llama.cpp's quantizer) Q8_0 for rows
-    that are not whole blocks of it (smoke's 128-wide rows under a 256-block K-quant); norms stay float."""
+def _synthetic_tensor_qtype(qtype: str, shape: tuple[int, ...], short_name: str) -> str | None:
+    """The type a synthetic matrix is stored in: `qtype` (a mix's pick for this matrix, strata.quant.mix_type), or
+    (like llama.cpp's quantizer) Q8_0 for rows that are not whole blocks of it (smoke's 128-wide rows under a
+    256-block K-quant); norms stay float."""
     import gguf
+
+    from .quant import mix_type
     if len(shape) != 2:
         return None
-    for q in (qtype, "Q8_0"):
+    for q in (mix_type(qtype, short_name), "Q8_0"):
         if shape[1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]][0] == 0:
             return q
     return None
@@ -364,7 +370,7 @@ def synthetic_tensors(args: ModelArgs, start: int, end: int, device, dtype, seed
             out[name] = torch.ones(shape, device=device, dtype=dtype)
             continue
         g = _synthetic_generator(args, name, device, seed)
-        q = _synthetic_tensor_qtype(qtype, shape) if qtype else None
+        q = _synthetic_tensor_qtype(qtype, shape, s) if qtype else None
         if q is not None:
             from .quant import dequantize, random_blocks
             blocks = random_blocks(q, shape[0], shape[1], g, device)

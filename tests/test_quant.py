@@ -191,7 +191,7 @@ def _make_gguf():
 
 
 @pytest.mark.parametrize("preset,qtype,layers", [("smoke", "Q4_1", None), ("smoke", "IQ3_S", 2),
-                                                  ("smoke-wide", "Q4_K", 1)])
+                                                  ("smoke-wide", "Q4_K", 1), ("smoke-wide", "Q4_K_M", 1)])
 def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
     import dataclasses
     from strata.model import PRESETS
@@ -207,14 +207,19 @@ def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
     planned = mg.plan(want, qtype)
     assert list(got) == [p.name for p in planned]
     assert f"blk.{want.n_layers - 1}.ffn_down.weight" in got and "output.weight" in got
+    role = {"attn_v": "wv", "ffn_down": "w_down", "output": "head"}
     for p in planned:
         t = got[p.name]
         assert tuple(int(d) for d in reversed(t.shape.tolist())) == p.shape, p.name  # GGUF dims are fastest-first
-        # the type asked for wherever whole blocks fit a row, Q8_0 elsewhere; norms F32
-        cols = p.shape[-1]
-        expect = "F32" if len(p.shape) == 1 else (qtype if cols % Q.block_size(qtype) == 0 else "Q8_0")
+        # the type asked for (a mix: Q6_K for attn_v, ffn_down and the head) wherever whole blocks fit a row,
+        # Q8_0 elsewhere; norms F32
+        cols, q = p.shape[-1], Q.mix_type(qtype, role.get(p.name.split(".")[-2], ""))
+        expect = "F32" if len(p.shape) == 1 else (q if cols % Q.block_size(q) == 0 else "Q8_0")
         assert t.tensor_type.name == expect, p.name
-    assert got["blk.0.ffn_down.weight"].tensor_type.name == qtype  # the type is really used
+    down = Q.mix_type(qtype, "w_down")
+    assert got["blk.0.ffn_down.weight"].tensor_type.name == down  # the type is really used
+    if qtype in Q.MIXES:
+        assert {t.tensor_type.name for t in reader.tensors} == {"F32", *Q.MIXES[qtype]}
 
     from strata.gguf_loader import field_value
     assert field_value(reader, "tokenizer.ggml.model") == "none"  # llama.cpp: dummy tokens
@@ -232,8 +237,8 @@ def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
         if not name.endswith("norm"):
             assert 5e-3 < float(x.std()) < 5e-2, name
     raw = torch.from_numpy(np.array(got["blk.0.ffn_down.weight"].data).view(np.uint8))
-    if qtype in Q.SUPPORTED:  # Strata's torch path reads the same weights as its gguf-py path
-        assert Q.dequantize(raw, qtype).equal(w["layers.0.w_down"])
+    if down in Q.SUPPORTED:  # Strata's torch path reads the same weights as its gguf-py path
+        assert Q.dequantize(raw, down).equal(w["layers.0.w_down"])
 
 
 def test_make_gguf_llama3_rope_freqs(tmp_path):

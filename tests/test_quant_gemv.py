@@ -154,25 +154,30 @@ def check_quantize_x():
         assert bool((err.abs().reshape(3, -1, 32) <= sr[:, :, None] * (0.5 + 1e-5)).all())
 
 
+def _resident_and_dense(args, qtype: str):
+    """A tiny synthetic model of `qtype` twice on the CPU: resident blocks, and the same weights dequantized."""
+    from strata.checkpoint import synthetic_tensors
+    from strata.model import Transformer
+
+    def build(resident: bool):
+        with torch.device("meta"):
+            m = Transformer(args)
+        m.load_weights(synthetic_tensors(args, 0, args.n_layers, "cpu", torch.float32, seed=3, qtype=qtype,
+                                         resident=resident), "cpu", torch.float32)
+        m.setup_cache(args.max_seq_len)
+        return m.eval()
+    return build(True), build(False)
+
+
 def check_model_decode_fused():
     """A tiny IQ3_S resident model (q/k/v bias, untied IQ3_S head; wo's 128-wide rows fall back to Q8_0)
     decodes through the kernels, and its residuals and logits match the same weights dequantized
     (dense F.linear) at T=1 and T=3."""
-    from strata.checkpoint import synthetic_tensors
-    from strata.model import ModelArgs, Transformer
+    from strata.model import ModelArgs
     from strata.quant import gemv
     args = ModelArgs(arch="qwen2", qkv_bias=True, vocab_size=40, dim=256, n_layers=2, n_heads=2, n_kv_heads=1,
                      head_dim=64, ffn_dim=256, max_seq_len=64)
-
-    def build(resident: bool) -> Transformer:
-        with torch.device("meta"):
-            m = Transformer(args)
-        m.load_weights(synthetic_tensors(args, 0, 2, "cpu", torch.float32, seed=3, qtype="IQ3_S", resident=resident),
-                       "cpu", torch.float32)
-        m.setup_cache(64)
-        return m.eval()
-
-    fused, dense = build(True), build(False)
+    fused, dense = _resident_and_dense(args, "IQ3_S")
     assert all(b.weights.fused_decode_ok("cpu") for b in fused.layers.values())
     assert {p.qtype for b in fused.layers.values() for p in b.weights.parts.values()} == {"IQ3_S", "Q8_0"}
     calls = []
@@ -199,8 +204,36 @@ def check_model_decode_fused():
         gemv.quant_matmul_parts, gemv.CONFIGS = real, configs
 
 
+def check_model_decode_fused_q4_k_m():
+    """A tiny Llama of the Q4_K_M mix (Q4_K matrices; Q6_K attn_v, ffn_down and head; wo's 128-wide rows in
+    Q8_0) decodes every product through the kernels (a layer with one unfused part would dequantize the whole
+    layer per token), and matches the same weights dequantized at T=1 and T=3."""
+    from strata.model import ModelArgs
+    from strata.quant import gemv
+    args = ModelArgs(vocab_size=40, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=256,
+                     max_seq_len=64)
+    fused, dense = _resident_and_dense(args, "Q4_K_M")
+    assert all(b.weights.fused_decode_ok("cpu") for b in fused.layers.values())
+    assert {n: p.qtype for n, p in fused.layers["0"].weights.parts.items()} == {
+        "wq": "Q4_K", "wk": "Q4_K", "wv": "Q6_K", "wo": "Q8_0", "w_gate": "Q4_K", "w_up": "Q4_K", "w_down": "Q6_K"}
+    assert fused.head.weight.qtype == "Q6_K"
+    calls = []
+    real = gemv.quant_matmul_parts
+    gemv.quant_matmul_parts = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        ids = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
+        assert rel(fused(ids[:, :8], 0), dense(ids[:, :8], 0)) < 1e-6  # prefill: the scratch path
+        for p, t in ((8, 1), (9, 3)):
+            a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
+            assert rel(a, b) < 1e-5, (p, rel(a, b))
+            assert rel(fused.logits(a[0]), dense.logits(b[0])) < 1e-5
+        assert len(calls) == 2 * (2 * 4 + 1), len(calls)  # 4 products per layer and the head, per step
+    finally:
+        gemv.quant_matmul_parts = real
+
+
 CHECKS = [check_kernel_matches_reference, check_parts_side_by_side, check_model_decode_fused,
-          check_iq3s_dp4a_matches_reference, check_quantize_x]
+          check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_quantize_x]
 
 
 def _run_checks() -> None:

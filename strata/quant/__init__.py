@@ -13,11 +13,26 @@ import torch
 from . import blocks as blocks_mod, iq
 from .random import random_blocks
 
-__all__ = ["DEQUANT", "SUPPORTED", "block_size", "dequantize", "qtype_of", "random_blocks", "type_size"]
+__all__ = ["DEQUANT", "MIXES", "SUPPORTED", "block_size", "dequantize", "mix_type", "qtype_of", "random_blocks",
+           "type_size"]
 
 _PLAIN = ("F32", "F16", "BF16")  # viewed from bytes, no blocks
 DEQUANT: dict = {**blocks_mod.DEQUANT, **iq.DEQUANT}
 SUPPORTED: tuple[str, ...] = _PLAIN + tuple(DEQUANT)
+
+# llama.cpp's "_M" file types mix two block types: the base one for most matrices, a wider one for the head,
+# attn_v and ffn_down. (llama.cpp widens attn_v / ffn_down in about half of the layers; the synthetic models and
+# bench/make_gguf.py widen them in all, a slightly larger file of the same kinds of tensors.)
+MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+_WIDE_IN_MIX = ("head", "wv", "w_down")  # canonical short names (strata.names)
+
+
+def mix_type(qtype: str, short_name: str) -> str:
+    """The block type a matrix `short_name` ("wq", "w_down", "head", ...) gets in a file of type `qtype`: a mix
+    picks per matrix (MIXES), any other type is itself."""
+    base, wide = MIXES.get(qtype.upper(), (qtype, qtype))
+    return wide if short_name in _WIDE_IN_MIX else base
+
 
 # Blocks per kernel call: bounds the intermediates (a few bytes per weight) on big tensors.
 _CHUNK_WEIGHTS = {"cpu": 1 << 20, "cuda": 1 << 26}
