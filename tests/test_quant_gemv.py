@@ -71,7 +71,7 @@ def check_kernel_matches_reference():
 
 
 def _check_float_kernels(gemv, random_blocks, g):
-    for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3), ("Q6_K", 256 * 3)):
+    for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3), ("Q5_K", 256 * 2), ("Q6_K", 256 * 3)):
         for rows, m in ((37, 1), (21, 3), (5, 6)):
             blocks = random_blocks(qtype, rows, cols, g)
             x = torch.randn(m, cols, generator=g)
@@ -265,8 +265,8 @@ def test_interpreted(interpreted, name):
 def test_supports():
     from strata.quant import gemv
     assert gemv.supports("IQ3_S") and gemv.supports("iq3_s") and gemv.supports("Q8_0") and gemv.supports("Q4_K")
-    assert gemv.supports("Q6_K")
-    assert not gemv.supports("Q5_K") and not gemv.supports("F16") and not gemv.supports("nonsense")
+    assert gemv.supports("Q6_K") and gemv.supports("Q5_K")
+    assert not gemv.supports("Q3_K") and not gemv.supports("F16") and not gemv.supports("nonsense")
     assert not gemv.available("cpu") or gemv.INTERPRET
 
 
@@ -296,7 +296,7 @@ def test_bad_blocks_refused():
     with pytest.raises(ValueError):
         gemv.quant_matmul(torch.zeros(1, 128), torch.zeros(4, 110, dtype=torch.uint8), "IQ3_S", 128)
     with pytest.raises(ValueError):
-        gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 176, dtype=torch.uint8), "Q5_K", 256)
+        gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 110, dtype=torch.uint8), "Q3_K", 256)
     with pytest.raises(ValueError):
         gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 209, dtype=torch.uint8), "Q6_K", 256)
 
@@ -305,7 +305,7 @@ def test_bad_blocks_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
-@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
     """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64

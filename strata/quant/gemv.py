@@ -58,11 +58,13 @@ class Config:
 
 
 # Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
-CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1), "Q6_K": Config(8, 1)}
+CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1), "Q5_K": Config(8, 1),
+                               "Q6_K": Config(8, 1)}
 # the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
 # divides the row's blocks, block_n raised to give each thread an element when sb is smaller
 DP4A_CONFIG = Config(4, 4, 4)
-_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}  # (weights, bytes) per block
+_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
+                                   "Q6_K": (256, 210)}  # (weights, bytes) per block
 
 
 def supports(qtype) -> bool:
@@ -226,36 +228,57 @@ if triton is not None:
         return acc + dl * (ql * xl) - ml * xl + dh * (qh * xh) - mh * xh
 
     @triton.jit
-    def _q4_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        """Q4_K: fp16 d and dmin, 8 sub-blocks of 32 with 6-bit scale and min, 4-bit weights: byte i of
-        quarter p holds weight 64p + i (low nibble, sub-block 2p) and 64p + 32 + i (high, 2p + 1).
-        Tile: [BLOCK_N rows, 32 bytes], a block's 4 quarters unrolled, SB blocks per loop step."""
+    def _k45_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                  M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, FIVE: tl.constexpr):
+        """Q4_K (FIVE False) and Q5_K: fp16 d and dmin, 8 sub-blocks of 32 with 6-bit scale and min, then Q5_K's
+        32 bytes of fifth bits (weight 32g + i: bit g of byte i), then 4-bit weights: byte i of quarter p holds
+        weight 64p + i (low nibble, sub-block 2p) and 64p + 32 + i (high, 2p + 1). Tile: [BLOCK_N rows, 32
+        bytes], a block's 4 quarters unrolled, SB blocks per loop step."""
+        if FIVE:
+            size, qs_at = 176, 48
+        else:
+            size, qs_at = 144, 16
         ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
-        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 144)  # in bounds: loads unmasked
+        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * size)  # in bounds: loads unmasked
         i = tl.arange(0, 32)[None, :]
         acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 32)
         for k in range(0, nb, SB):
             for s in tl.static_range(SB):
                 b = k + s
-                base = row_base + b * 144
+                base = row_base + b * size
                 d = _f16(base)
                 dmin = _f16(base + 2)
+                if FIVE:
+                    fifth = tl.load(base + 16 + i).to(tl.int32)
                 for p in tl.static_range(4):
-                    q = tl.load(base + 16 + 32 * p + i).to(tl.int32)
-                    ql, qh = (q & 15).to(tl.float32), (q >> 4).to(tl.float32)
+                    q = tl.load(base + qs_at + 32 * p + i).to(tl.int32)
+                    ql, qh = q & 15, q >> 4
+                    if FIVE:
+                        ql = ql | (((fifth >> (2 * p)) & 1) << 4)
+                        qh = qh | (((fifth >> (2 * p + 1)) & 1) << 4)
                     scl, mnl = _k4_scale_min(base + 4, 2 * p)
                     sch, mnh = _k4_scale_min(base + 4, 2 * p + 1)
                     dl, ml, dh, mh = d * scl, dmin * mnl, d * sch, dmin * mnh
                     xo = b * 256 + 64 * p + i
-                    acc0 = _acc_k4(acc0, x_ptr, xo, dl, ml, ql, dh, mh, qh)
+                    qlf, qhf = ql.to(tl.float32), qh.to(tl.float32)
+                    acc0 = _acc_k4(acc0, x_ptr, xo, dl, ml, qlf, dh, mh, qhf)
                     if M > 1:
-                        acc1 = _acc_k4(acc1, x_ptr + cols, xo, dl, ml, ql, dh, mh, qh)
+                        acc1 = _acc_k4(acc1, x_ptr + cols, xo, dl, ml, qlf, dh, mh, qhf)
                     if M > 2:
-                        acc2 = _acc_k4(acc2, x_ptr + 2 * cols, xo, dl, ml, ql, dh, mh, qh)
+                        acc2 = _acc_k4(acc2, x_ptr + 2 * cols, xo, dl, ml, qlf, dh, mh, qhf)
                     if M > 3:
-                        acc3 = _acc_k4(acc3, x_ptr + 3 * cols, xo, dl, ml, ql, dh, mh, qh)
+                        acc3 = _acc_k4(acc3, x_ptr + 3 * cols, xo, dl, ml, qlf, dh, mh, qhf)
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
+
+    @triton.jit
+    def _q4_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        _k45_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, False)
+
+    @triton.jit
+    def _q5_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        _k45_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, True)
 
     @triton.jit
     def _q6_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
@@ -466,7 +489,7 @@ if triton is not None:
                 acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow))
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
-    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv, "Q6_K": _q6_k_gemv}
+    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv, "Q5_K": _q5_k_gemv, "Q6_K": _q6_k_gemv}
 
 
 _IQ3S_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
