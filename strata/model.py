@@ -374,6 +374,10 @@ class Packed(nn.Module):
         r1 = self.n_rows if r1 is None else r1
         if self.qtype is None:
             return out.copy_(self.data[r0:r1])
+        if out.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":  # Triton imported only where it can run
+            from .quant import into  # the usual K-quants and Q8_0: one kernel, straight into out's dtype
+            if into.takes(self.qtype, out) and into.dequantize_into(out, self.data[r0:r1], self.qtype):
+                return out
         step = max(1, DEQUANT_PIECE // self.cols)
         for a in range(r0, r1, step):
             b = min(r1, a + step)

@@ -177,6 +177,21 @@ def test_cuda_matches_cpu(name):
     assert bool(torch.isfinite(w).all()) and 1e-3 < float(w.std()) < 1e-1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_cuda_dequantize_into_matches_cpu(name):
+    """The resident prefill's Triton dequantization (strata.quant.into) gives the CPU torch path's bits: float32
+    (same operations, no contraction) and bfloat16 (one round to nearest even), at a 70B layer's width."""
+    from strata.quant import into
+    b = Q.random_blocks(name, 64, 8192, torch.Generator().manual_seed(6), "cpu")
+    cpu = Q.dequantize(b, name)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(64, 8192, device="cuda", dtype=dtype)
+        assert into.takes(name, out) and into.dequantize_into(out, b.cuda(), name)
+        assert out.cpu().equal(cpu.to(dtype)), dtype
+
+
 # -- bench/make_gguf.py -------------------------------------------------------------------------------
 def _make_gguf():
     import importlib.util

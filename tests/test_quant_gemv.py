@@ -232,8 +232,40 @@ def check_model_decode_fused_q4_k_m():
         gemv.quant_matmul_parts = real
 
 
+def check_dequantize_into():
+    """strata.quant.into (the resident prefill's dequantization straight into the scratch): float32 out equals
+    the torch path bit for bit (same float32 operations, contraction off); bfloat16 out within one bfloat16
+    step of it (the interpreter truncates where the GPU rounds to nearest even: test_quant.py checks the GPU
+    bit for bit); Packed.into takes it for these types, odd row counts and a row range included."""
+    from strata.model import Packed
+    from strata.quant import dequantize, into, random_blocks
+    g = torch.Generator().manual_seed(12)
+    for qtype, cols in (("Q8_0", 96), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 512)):
+        for rows in (1, 7):
+            b = random_blocks(qtype, rows, cols, g)
+            want = dequantize(b, qtype)
+            out = torch.full((rows, cols), float("nan"))
+            assert into.takes(qtype, out) and into.dequantize_into(out, b, qtype)
+            assert torch.equal(out, want), qtype
+            out16 = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16)
+            assert into.dequantize_into(out16, b, qtype)
+            assert bool(((out16.float() - want).abs() <= want.abs() * 2.0 ** -7).all()), qtype
+        p = Packed(b, qtype, cols, torch.bfloat16)
+        calls, real = [], into.dequantize_into
+        into.dequantize_into = lambda *a: calls.append(a[2]) or real(*a)
+        try:
+            dst = torch.empty(4, cols, dtype=torch.bfloat16)
+            p.into(dst, 2, 6)
+        finally:
+            into.dequantize_into = real
+        assert calls == [qtype]
+        assert bool(((dst.float() - want[2:6]).abs() <= want[2:6].abs() * 2.0 ** -7).all()), qtype
+    assert not into.takes("IQ3_S", torch.empty(1)) and not into.takes("Q4_K", torch.empty(4, 4).t())
+
+
 CHECKS = [check_kernel_matches_reference, check_parts_side_by_side, check_model_decode_fused,
-          check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_quantize_x]
+          check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_quantize_x,
+          check_dequantize_into]
 
 
 def _run_checks() -> None:

@@ -1,0 +1,119 @@
+"""Resident prefill's dequantization on CUDA for the usual GGUF types (Q8_0, Q4_K, Q5_K, Q6_K: Q4_K_M and Q5_K_M
+files): one Triton kernel per type reads each block once and writes the compute dtype straight into the layer's
+scratch. The torch path (strata.quant.blocks) makes float32 pieces first (~10 integer and float ops over the
+weights, then a cast), ~15 ms for a 70B layer of Q4_K on an H200, paid again for every chunk.
+
+Same float32 operations in the same order as blocks.py (floating-point contraction off), then one rounding to
+the output dtype, so the scratch holds the bits the torch path gives (NaN payloads aside).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs without Triton
+    triton = None
+
+log = logging.getLogger("strata.quant")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCKS = 4  # quant blocks per program
+_SIZES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}  # (weights, bytes)
+_USE = {"on": triton is not None}  # off for good once a kernel fails to build: the torch path still works
+
+if triton is not None:
+    @triton.jit
+    def _f16(ptr, live):
+        h = tl.load(ptr, mask=live, other=0).to(tl.int32) | (tl.load(ptr + 1, mask=live, other=0).to(tl.int32) << 8)
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _q8_0_into(b_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
+        nb = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+        j = tl.arange(0, 32)[None, :]
+        live = nb < n_blocks
+        base = b_ptr + nb.to(tl.int64) * 34
+        q = tl.load(base + 2 + j, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        tl.store(out_ptr + nb.to(tl.int64) * 32 + j, (q * _f16(base, live)).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _k45_into(b_ptr, out_ptr, n_blocks, FIVE: tl.constexpr, BLOCKS: tl.constexpr):
+        """Q4_K / Q5_K: weight j of a block is in sub-block g = j // 32, lane j % 32: its nibble in byte
+        qs + 32 * (g // 2) + lane (low for even g), Q5_K's fifth bit at bit g of byte 16 + lane; 6-bit scale and
+        min of g from the 12 packed bytes at 4 (as blocks._scale_min_k4); (d * sc) * q - dmin * m."""
+        if FIVE:
+            size, qs_at = 176, 48
+        else:
+            size, qs_at = 144, 16
+        nb = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+        j = tl.arange(0, 256)[None, :]
+        live = nb < n_blocks
+        base = b_ptr + nb.to(tl.int64) * size
+        g, lane = j // 32, j % 32
+        q = (tl.load(base + qs_at + 32 * (g // 2) + lane, mask=live, other=0).to(tl.int32) >> (4 * (g % 2))) & 15
+        if FIVE:
+            q = q | (((tl.load(base + 16 + lane, mask=live, other=0).to(tl.int32) >> g) & 1) << 4)
+        sa = tl.load(base + 4 + g, mask=live, other=0).to(tl.int32)
+        sb = tl.load(base + 8 + g, mask=live, other=0).to(tl.int32)
+        sc = tl.load(base + 4 + tl.maximum(g - 4, 0), mask=live, other=0).to(tl.int32)
+        scale = tl.where(g < 4, sa & 63, (sb & 15) | ((sc >> 6) << 4))
+        mn = tl.where(g < 4, sb & 63, (sb >> 4) | ((sa >> 6) << 4))
+        dl = _f16(base, live) * scale.to(tl.float32)
+        dm = _f16(base + 2, live) * mn.to(tl.float32)
+        w = dl * q.to(tl.float32) - dm
+        tl.store(out_ptr + nb.to(tl.int64) * 256 + j, w.to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _q6_k_into(b_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
+        """Q6_K: weight j = 128h + 32t + lane: low nibble of byte 64h + 32 * (t % 2) + lane (the high one for
+        t >= 2), bits 2t, 2t + 1 of byte 128 + 32h + lane above it, minus 32; (d * scale[j // 16]) * q."""
+        nb = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+        j = tl.arange(0, 256)[None, :]
+        live = nb < n_blocks
+        base = b_ptr + nb.to(tl.int64) * 210
+        h, t, lane = j // 128, (j // 32) % 4, j % 32
+        lo = (tl.load(base + 64 * h + 32 * (t % 2) + lane, mask=live, other=0).to(tl.int32) >> (4 * (t // 2))) & 15
+        hi = (tl.load(base + 128 + 32 * h + lane, mask=live, other=0).to(tl.int32) >> (2 * t)) & 3
+        q = ((lo | (hi << 4)) - 32).to(tl.float32)
+        sc = tl.load(base + 192 + j // 16, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        w = (_f16(base + 208, live) * sc) * q
+        tl.store(out_ptr + nb.to(tl.int64) * 256 + j, w.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def takes(qtype: str | None, out: torch.Tensor) -> bool:
+    """Whether `dequantize_into` handles this type into this tensor (CUDA, or the CPU under Triton's interpreter)."""
+    return (_USE["on"] and qtype in _SIZES and out.is_contiguous() and out.dtype.is_floating_point
+            and (out.is_cuda or INTERPRET))
+
+
+def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str) -> bool:
+    """out (rows, cols) <- the rows' GGUF blocks (rows, bytes) dequantized, in out's dtype; False (nothing
+    written) when the kernel cannot run, and the caller takes the torch path."""
+    bs, ts = _SIZES[qtype]
+    flat = blocks.contiguous().view(-1, ts)
+    n = flat.shape[0]
+    if out.numel() != n * bs:
+        raise ValueError(f"{qtype}: {n} blocks make {n * bs} weights, out has {out.numel()}")
+    if not n:
+        return True
+    grid = (triton.cdiv(n, BLOCKS),)
+    try:
+        with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+            if qtype == "Q8_0":
+                _q8_0_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
+            elif qtype == "Q6_K":
+                _q6_k_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
+            else:
+                _k45_into[grid](flat, out, n, FIVE=qtype == "Q5_K", BLOCKS=BLOCKS, enable_fp_fusion=False)
+    except Exception as e:  # a Triton that cannot build it: the torch path still works
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        log.warning("%s dequantization kernel failed (%s: %s); using the torch path", qtype, type(e).__name__, e)
+        _USE["on"] = False
+        return False
+    return True
