@@ -174,6 +174,26 @@ def test_synthetic_quantized_deterministic_and_modes_agree():
     assert weights_mode("synthetic:smoke@Q4_K", "cuda") == "resident"
 
 
+def test_synthetic_q4_k_m_mix_resident_equals_dequantized():
+    """The Q4_K_M mix (Q6_K for attn_v, ffn_down and the head, strata.quant.MIXES) held resident gives the
+    dequantized model's residuals bit for bit, and the bytes the planner counts are the ones loaded."""
+    spec = "synthetic:smoke-wide@Q4_K_M"
+    a = model_args(spec)
+    ids = torch.randint(0, a.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for mode in ("resident", "dequantized"):
+        sl = [load_stage(spec, a, x, y, device="cpu", dtype=torch.float32, seed=3, weights=mode, max_len=64)
+              for x, y in [(0, 4), (4, 8)]]
+        outs[mode] = hashlib.md5(prefill(sl, ids, chunk=32).numpy().tobytes()).hexdigest()
+        w, sc, kv = stage_bytes(spec, a, 4, 8, torch.float32, mode, "auto", 64, "cpu")
+        assert (sl[1].weight_bytes, sl[1].scratch_bytes, sl[1].kv_bytes) == (w, sc, kv)
+        if mode == "resident":
+            parts = sl[1].layers["4"].weights.parts
+            assert {n: parts[n].qtype for n in ("wq", "wv", "w_down")} == {"wq": "Q4_K", "wv": "Q6_K", "w_down": "Q6_K"}
+            assert sl[1].head.weight.qtype == "Q6_K"
+    assert outs["resident"] == outs["dequantized"]
+
+
 @pytest.mark.parametrize("qtype,bytes_per_256", [("Q4_K", 144), ("IQ3_S", 110)])
 def test_synthetic_70b_bytes(qtype, bytes_per_256):
     if qtype not in getattr(quant, "SUPPORTED", ()):
