@@ -240,7 +240,7 @@ def check_dequantize_into():
     from strata.model import Packed
     from strata.quant import dequantize, into, random_blocks
     g = torch.Generator().manual_seed(12)
-    for qtype, cols in (("Q8_0", 96), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 512)):
+    for qtype, cols in (("Q8_0", 96), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 512), ("IQ3_S", 256)):
         for rows in (1, 7):
             b = random_blocks(qtype, rows, cols, g)
             want = dequantize(b, qtype)
@@ -260,7 +260,7 @@ def check_dequantize_into():
             into.dequantize_into = real
         assert calls == [qtype]
         assert bool(((dst.float() - want[2:6]).abs() <= want[2:6].abs() * 2.0 ** -7).all()), qtype
-    assert not into.takes("IQ3_S", torch.empty(1)) and not into.takes("Q4_K", torch.empty(4, 4).t())
+    assert not into.takes("Q2_K", torch.empty(1)) and not into.takes("Q4_K", torch.empty(4, 4).t())
 
 
 CHECKS = [check_kernel_matches_reference, check_parts_side_by_side, check_model_decode_fused,

@@ -1,6 +1,6 @@
 """Resident prefill's dequantization on CUDA for the usual GGUF types (Q8_0, Q4_K, Q5_K, Q6_K: Q4_K_M and Q5_K_M
-files): one Triton kernel per type reads each block once and writes the compute dtype straight into the layer's
-scratch. The torch path (strata.quant.blocks) makes float32 pieces first (~10 integer and float ops over the
+files; and IQ3_S through strata.quant.iq's kernel): one Triton kernel per type reads each block once and writes the
+compute dtype straight into the layer's scratch. The torch path (strata.quant.blocks) makes float32 pieces first (~10 integer and float ops over the
 weights, then a cast), ~15 ms for a 70B layer of Q4_K on an H200, paid again for every chunk.
 
 Same float32 operations in the same order as blocks.py (floating-point contraction off), then one rounding to
@@ -23,7 +23,8 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 log = logging.getLogger("strata.quant")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCKS = 4  # quant blocks per program
-_SIZES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}  # (weights, bytes)
+_SIZES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+          "IQ3_S": (256, 110)}  # (weights, bytes)
 _USE = {"on": triton is not None}  # off for good once a kernel fails to build: the torch path still works
 
 if triton is not None:
@@ -108,6 +109,10 @@ def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str) -> bool
                 _q8_0_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype == "Q6_K":
                 _q6_k_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
+            elif qtype == "IQ3_S":  # its float32 products (no add to contract) stored in out's dtype
+                from .iq import TRITON_BLOCKS, _iq3_s_kernel, _tables
+                _iq3_s_kernel[(triton.cdiv(n, TRITON_BLOCKS),)](flat, _tables(flat.device)["IQ3_S_grid"], out, n,
+                                                                BLOCKS=TRITON_BLOCKS, enable_fp_fusion=False)
             else:
                 _k45_into[grid](flat, out, n, FIVE=qtype == "Q5_K", BLOCKS=BLOCKS, enable_fp_fusion=False)
     except Exception as e:  # a Triton that cannot build it: the torch path still works
