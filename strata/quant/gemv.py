@@ -104,6 +104,13 @@ if triton is not None:
         return ptr, n, col, rows, rows < n
 
     @triton.jit
+    def _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N: tl.constexpr):
+        """_rows, with each row's first block (`size` bytes a block, nb blocks a row) in place of the blocks
+        pointer: rows past the matrix read its last row, so the loads stay in bounds unmasked (not stored)."""
+        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
+        return ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * size), col, rows, live
+
+    @triton.jit
     def _zeros4(BLOCK_N: tl.constexpr, W: tl.constexpr):
         """The four x rows' float32 accumulators, (BLOCK_N, W) each (those past M stay unused)."""
         return (tl.zeros((BLOCK_N, W), tl.float32), tl.zeros((BLOCK_N, W), tl.float32),
@@ -151,8 +158,7 @@ if triton is not None:
         pick 4 signed bfloat16 values (`grid_ptr`, iq.signed_bf16_grid); a 4-bit scale per 32
         weights times the block's fp16 d, applied after the 4-weight dot. Tile: [BLOCK_N rows, 64 entries],
         SB blocks per loop step."""
-        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
-        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 110)  # in bounds: loads unmasked
+        row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, 110, BLOCK_N)
         e = tl.arange(0, 64)[None, :]  # grid entry within the block
         acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 64)
         for k in range(0, nb, SB):
@@ -188,8 +194,7 @@ if triton is not None:
                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
         """Q8_0: 32 int8 weights times the block's fp16 d, applied after their dot with x. Tile: [BLOCK_N
         rows, 32 weights], SB blocks per loop step."""
-        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
-        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 34)  # in bounds: loads unmasked
+        row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, 34, BLOCK_N)
         j = tl.arange(0, 32)[None, :]
         acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 32)
         for k in range(0, nb, SB):
@@ -238,8 +243,7 @@ if triton is not None:
             size, qs_at = 176, 48
         else:
             size, qs_at = 144, 16
-        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
-        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * size)  # in bounds: loads unmasked
+        row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N)
         i = tl.arange(0, 32)[None, :]
         acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 32)
         for k in range(0, nb, SB):
@@ -288,8 +292,7 @@ if triton is not None:
         group j of 32, lane i): low 4 bits from byte 64h + 32 * (j % 2) + i (its low nibble for j < 2, high
         for j >= 2), high 2 bits from byte 128 + 32h + i at bit 2j, minus 32. Tile: [BLOCK_N rows, 32 lanes],
         a block's 8 groups unrolled, SB blocks per loop step."""
-        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
-        row_base = ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * 210)  # in bounds: loads unmasked
+        row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, 210, BLOCK_N)
         i = tl.arange(0, 32)[None, :]
         acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 32)
         for k in range(0, nb, SB):
