@@ -1,7 +1,7 @@
-"""The quantized-weight Triton kernels compile for an H100/H200 (sm_90) on a machine without a GPU: Triton's
-interpreter (test_quant_gemv.py) checks what they compute, not that the compiler takes them (a constexpr branch or
-a cast the interpreter allows can fail there). The resident prefill's dequantization must also round to bf16 to
-nearest even with no fused multiply-add, so that it gives the torch path's bits."""
+"""Strata's Triton kernels compile for an H100/H200 (sm_90) on a machine without a GPU, so CI catches what only
+the compiler refuses: Triton's interpreter (the CPU tests of the kernels) checks what they compute, not that the
+compiler takes them (a constexpr branch or a cast the interpreter allows can fail there). The resident prefill's
+dequantization must also round to bf16 to nearest even with no fused multiply-add, to give the torch path's bits."""
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -48,3 +48,45 @@ def test_iq3s_dequant_kernel_stores_bf16_rounded_to_nearest():
     sig = {"blocks_ptr": "*u8", "grid_ptr": "*fp32", "out_ptr": "*bf16", "n_blocks": "i32", "BLOCKS": "constexpr"}
     code = ptx(iq._iq3_s_kernel, sig, {"BLOCKS": 4}, enable_fp_fusion=False)
     assert "fma.rn.f32" not in code and "cvt.rn.bf16.f32" in code
+
+
+# -- the prefill and decode-graph kernels at the 8B shape (32 heads, 8 KV heads, head dim 128, dim 4096) ----------
+B16, F32, I32, I64 = "*bf16", "*fp32", "i32", "*i64"
+
+
+def _kernel_cases():
+    from strata import decode_attention as da, decode_gemv as dg, decode_kernels as dk, kernels as k
+    ints = lambda *names: {n: I32 for n in names}  # noqa: E731
+    return {
+        "lse_merge": (k._lse_merge_kernel, {"op": B16, "os_": B16, "lp": F32, "ls": F32, "out": B16,
+                                            **ints("T", "sp_h", "sp_t", "ss_h", "ss_t", "slp_h", "slp_t", "sls_h",
+                                                   "sls_t", "so_h", "so_t")},
+                      {"D": 128, "ROWS": k.MERGE_ROWS, "BLOCK_D": 128}),
+        "silu_mul": (k._silu_mul_kernel, {"g": B16, "u": B16, "out": B16, **ints("cols", "s_g", "s_u", "s_o")},
+                     {"BLOCK": k.SILU_COLS}),
+        "rope": (k._rope_kernel, {"x": B16, "cos": B16, "ssin": B16, "out": B16, **ints("T", "sx_t", "sc_t")},
+                 {"H": 32, "D": 128, "ROWS": k.ROPE_ROWS}),
+        "split_k_partial": (da._partial, {"q_ptr": B16, "k_ptr": B16, "v_ptr": B16, "len_ptr": I64, "m_ptr": F32,
+                                          "l_ptr": F32, "acc_ptr": F32, **ints("sk_h", "sk_s", "sv_h", "sv_s", "span"),
+                                          "scale": "fp32"},
+                            {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32"}),
+        "split_k_merge": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16, "n_split": I32},
+                          {"G": 4, "GP": 16, "HD": 128, "SP": 64}),
+        "rms_norm": (dk._rms_norm, {"x_ptr": B16, "w_ptr": B16, "out_ptr": B16, "n": I32, "eps": "fp32"},
+                     {"BLOCK": 4096}),
+        "add_rms_norm": (dk._add_rms_norm, {"h_ptr": B16, "y_ptr": B16, "w_ptr": B16, "hout_ptr": B16,
+                                            "out_ptr": B16, "n": I32, "eps": "fp32"}, {"BLOCK": 4096}),
+        "rope_store": (dk._rope_store, {"qkv_ptr": B16, "cos_ptr": B16, "ssin_ptr": B16, "pos_ptr": I64,
+                                        "q_ptr": B16, "kc_ptr": B16, "vc_ptr": B16, **ints("skh", "sks", "svh", "svs")},
+                       {"NH": 32, "NKV": 8, "HD": 128}),
+        "dense_gemv": (dg._gemv, {"x_ptr": B16, "w_ptr": B16, "b_ptr": B16, "y_ptr": B16, "K": I32, "stride_w": I32},
+                       {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512}),
+    }
+
+
+@pytest.mark.parametrize("name", ["lse_merge", "silu_mul", "rope", "split_k_partial", "split_k_merge", "rms_norm",
+                                  "add_rms_norm", "rope_store", "dense_gemv"])
+def test_prefill_and_decode_kernels_compile_for_sm90(name):
+    fn, sig, constexprs = _kernel_cases()[name]
+    sig = {**sig, **{c: "constexpr" for c in constexprs}}
+    assert ".target sm_90" in ptx(fn, sig, constexprs)
