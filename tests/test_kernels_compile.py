@@ -32,7 +32,9 @@ def test_decode_gemv_kernels_compile_for_sm90(name, m):
 
 
 @pytest.mark.parametrize("name,extra", [("_q8_0_into", {}), ("_k45_into", {"FIVE": False}),
-                                        ("_k45_into", {"FIVE": True}), ("_q6_k_into", {})])
+                                        ("_k45_into", {"FIVE": True}), ("_q6_k_into", {}),
+                                        ("_legacy_into", {"MIN": False, "FIVE": False}),
+                                        ("_legacy_into", {"MIN": True, "FIVE": True})])
 @pytest.mark.parametrize("out", ["*bf16", "*fp32"])
 def test_prefill_dequant_kernels_compile_round_to_nearest_without_fma(name, extra, out):
     from strata.quant import into

@@ -179,7 +179,7 @@ def test_cuda_matches_cpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_cuda_dequantize_into_matches_cpu(name):
     """The resident prefill's Triton dequantization (strata.quant.into) gives the CPU torch path's bits: float32
     (same operations, no contraction) and bfloat16 (one round to nearest even), at a 70B layer's width."""

@@ -240,7 +240,8 @@ def check_dequantize_into():
     from strata.model import Packed
     from strata.quant import dequantize, into, random_blocks
     g = torch.Generator().manual_seed(12)
-    for qtype, cols in (("Q8_0", 96), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 512), ("IQ3_S", 256)):
+    for qtype, cols in (("Q8_0", 96), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 512), ("IQ3_S", 256), ("Q4_0", 64),
+                        ("Q4_1", 96), ("Q5_0", 64), ("Q5_1", 96)):
         for rows in (1, 7):
             b = random_blocks(qtype, rows, cols, g)
             want = dequantize(b, qtype)

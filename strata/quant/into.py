@@ -1,5 +1,5 @@
 """Resident prefill's dequantization on CUDA for the usual GGUF types (Q8_0, Q4_K, Q5_K, Q6_K: Q4_K_M and Q5_K_M
-files; and IQ3_S through strata.quant.iq's kernel): one Triton kernel per type reads each block once and writes the
+files; the legacy Q4_0, Q4_1, Q5_0, Q5_1; IQ3_S through strata.quant.iq's kernel): one Triton kernel per type reads each block once and writes the
 compute dtype straight into the layer's scratch. The torch path (strata.quant.blocks) makes float32 pieces first (~10 integer and float ops over the
 weights, then a cast), ~15 ms for a 70B layer of Q4_K on an H200, paid again for every chunk.
 
@@ -23,8 +23,9 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 log = logging.getLogger("strata.quant")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCKS = 4  # quant blocks per program
-_SIZES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-          "IQ3_S": (256, 110)}  # (weights, bytes)
+_SIZES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ3_S": (256, 110),
+          "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}  # (weights, bytes)
+_LEGACY = {"Q4_0": (False, False), "Q4_1": (True, False), "Q5_0": (False, True), "Q5_1": (True, True)}  # (MIN, FIVE)
 _USE = {"on": triton is not None}  # off for good once a kernel fails to build: the torch path still works
 
 if triton is not None:
@@ -41,6 +42,27 @@ if triton is not None:
         base = b_ptr + nb.to(tl.int64) * 34
         q = tl.load(base + 2 + j, mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         tl.store(out_ptr + nb.to(tl.int64) * 32 + j, (q * _f16(base, live)).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _legacy_into(b_ptr, out_ptr, n_blocks, MIN: tl.constexpr, FIVE: tl.constexpr, BLOCKS: tl.constexpr):
+        """Q4_0, Q4_1 (MIN), Q5_0 (FIVE), Q5_1: fp16 d, [fp16 m], [32 fifth bits: bit j of the little-endian
+        uint32], 16 bytes whose low nibbles are weights 0..15 and high ones 16..31. d * (q - 8 or 16) without a
+        min, d * q + m with one (the torch path's order)."""
+        qh_at: tl.constexpr = 2 + 2 * MIN
+        qs_at: tl.constexpr = qh_at + 4 * FIVE
+        nb = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+        j = tl.arange(0, 32)[None, :]
+        live = nb < n_blocks
+        base = b_ptr + nb.to(tl.int64) * (qs_at + 16)
+        q = (tl.load(base + qs_at + j % 16, mask=live, other=0).to(tl.int32) >> (4 * (j // 16))) & 15
+        if FIVE:
+            q = q | (((tl.load(base + qh_at + j // 8, mask=live, other=0).to(tl.int32) >> (j % 8)) & 1) << 4)
+        d = _f16(base, live)
+        if MIN:
+            w = d * q.to(tl.float32) + _f16(base + 2, live)
+        else:
+            w = d * (q - 8 - 8 * FIVE).to(tl.float32)
+        tl.store(out_ptr + nb.to(tl.int64) * 32 + j, w.to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _k45_into(b_ptr, out_ptr, n_blocks, FIVE: tl.constexpr, BLOCKS: tl.constexpr):
@@ -109,6 +131,9 @@ def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str) -> bool
                 _q8_0_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype == "Q6_K":
                 _q6_k_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
+            elif qtype in _LEGACY:
+                mn, five = _LEGACY[qtype]
+                _legacy_into[grid](flat, out, n, MIN=mn, FIVE=five, BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype == "IQ3_S":  # its float32 products (no add to contract) stored in out's dtype
                 from .iq import TRITON_BLOCKS, _iq3_s_kernel, _tables
                 _iq3_s_kernel[(triton.cdiv(n, TRITON_BLOCKS),)](flat, _tables(flat.device)["IQ3_S_grid"], out, n,
