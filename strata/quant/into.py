@@ -1,7 +1,8 @@
-"""Resident prefill's dequantization on CUDA for the usual GGUF types (Q8_0, Q4_K, Q5_K, Q6_K: Q4_K_M and Q5_K_M
-files; the legacy Q4_0, Q4_1, Q5_0, Q5_1; IQ3_S through strata.quant.iq's kernel): one Triton kernel per type reads each block once and writes the
-compute dtype straight into the layer's scratch. The torch path (strata.quant.blocks) makes float32 pieces first (~10 integer and float ops over the
-weights, then a cast), ~15 ms for a 70B layer of Q4_K on an H200, paid again for every chunk.
+"""Resident prefill's dequantization on CUDA for the usual GGUF types: Q8_0, Q4_K, Q5_K, Q6_K (Q4_K_M and Q5_K_M
+files), the legacy Q4_0, Q4_1, Q5_0, Q5_1, and IQ3_S through strata.quant.iq's kernel. One Triton kernel per type
+reads each block once and writes the compute dtype straight into the layer's scratch. The torch path
+(strata.quant.blocks) makes float32 pieces first (~10 integer and float ops over the weights, then a cast), ~15 ms
+for a 70B layer of Q4_K on an H200, paid again for every chunk.
 
 Same float32 operations in the same order as blocks.py (floating-point contraction off), then one rounding to
 the output dtype, so the scratch holds the bits the torch path gives (NaN payloads aside).
