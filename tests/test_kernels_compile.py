@@ -23,7 +23,8 @@ def ptx(fn, signature: dict, constexprs: dict, **options) -> str:
         pytest.skip(f"no CUDA toolchain in this Triton: {e}")
 
 
-@pytest.mark.parametrize("name", ["_iq3_s_gemv", "_q8_0_gemv", "_q4_k_gemv", "_q5_k_gemv", "_q6_k_gemv"])
+@pytest.mark.parametrize("name", ["_iq3_s_gemv", "_q8_0_gemv", "_q4_k_gemv", "_q5_k_gemv", "_q6_k_gemv", "_q4_0_gemv",
+                                  "_q4_1_gemv", "_q5_0_gemv", "_q5_1_gemv"])
 @pytest.mark.parametrize("m", [1, 4])
 def test_decode_gemv_kernels_compile_for_sm90(name, m):
     from strata.quant import gemv

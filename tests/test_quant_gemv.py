@@ -71,7 +71,8 @@ def check_kernel_matches_reference():
 
 
 def _check_float_kernels(gemv, random_blocks, g):
-    for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3), ("Q5_K", 256 * 2), ("Q6_K", 256 * 3)):
+    for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3), ("Q5_K", 256 * 2), ("Q6_K", 256 * 3),
+                        ("Q4_0", 32 * 5), ("Q4_1", 32 * 3), ("Q5_0", 32 * 5), ("Q5_1", 32 * 3)):
         for rows, m in ((37, 1), (21, 3), (5, 6)):
             blocks = random_blocks(qtype, rows, cols, g)
             x = torch.randn(m, cols, generator=g)
@@ -298,7 +299,8 @@ def test_interpreted(interpreted, name):
 def test_supports():
     from strata.quant import gemv
     assert gemv.supports("IQ3_S") and gemv.supports("iq3_s") and gemv.supports("Q8_0") and gemv.supports("Q4_K")
-    assert gemv.supports("Q6_K") and gemv.supports("Q5_K")
+    assert gemv.supports("Q6_K") and gemv.supports("Q5_K") and all(gemv.supports(q) for q in ("Q4_0", "Q4_1", "Q5_0",
+                                                                                           "Q5_1"))
     assert not gemv.supports("Q3_K") and not gemv.supports("F16") and not gemv.supports("nonsense")
     assert not gemv.available("cpu") or gemv.INTERPRET
 
@@ -338,7 +340,7 @@ def test_bad_blocks_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
-@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_1"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
     """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64

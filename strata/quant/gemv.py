@@ -58,13 +58,14 @@ class Config:
 
 
 # Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
-CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1), "Q5_K": Config(8, 1),
-                               "Q6_K": Config(8, 1)}
+CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1),
+                               "Q5_K": Config(8, 1), "Q6_K": Config(8, 1), "Q4_0": Config(8, 4),
+                               "Q4_1": Config(8, 4), "Q5_0": Config(8, 4), "Q5_1": Config(8, 4)}
 # the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
 # divides the row's blocks, block_n raised to give each thread an element when sb is smaller
 DP4A_CONFIG = Config(4, 4, 4)
-_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
-                                   "Q6_K": (256, 210)}  # (weights, bytes) per block
+_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),  # (weights, bytes)
+          "Q6_K": (256, 210), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}
 
 
 def supports(qtype) -> bool:
@@ -212,6 +213,58 @@ if triton is not None:
                 if M > 3:
                     acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, d, q)
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
+
+    @triton.jit
+    def _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SB: tl.constexpr, MIN: tl.constexpr, FIVE: tl.constexpr):
+        """Q4_0, Q4_1 (MIN), Q5_0 (FIVE), Q5_1: fp16 d, [fp16 m], [32 fifth bits], 16 bytes whose low nibbles
+        are weights 0..15 and high ones 16..31; d * (q - 8 or 16), or d * q + m. Tile: [BLOCK_N rows, 32
+        weights], SB blocks per loop step."""
+        qh_at: tl.constexpr = 2 + 2 * MIN
+        qs_at: tl.constexpr = qh_at + 4 * FIVE
+        row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, qs_at + 16, BLOCK_N)
+        j = tl.arange(0, 32)[None, :]
+        acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 32)
+        for k in range(0, nb, SB):
+            for s in tl.static_range(SB):
+                b = k + s
+                base = row_base + b * (qs_at + 16)
+                q = (tl.load(base + qs_at + j % 16).to(tl.int32) >> (4 * (j // 16))) & 15
+                if FIVE:
+                    q = q | (((tl.load(base + qh_at + j // 8).to(tl.int32) >> (j % 8)) & 1) << 4)
+                if MIN:
+                    scale, w = 1.0, _f16(base) * q.to(tl.float32) + _f16(base + 2)  # the weight itself
+                else:
+                    scale, w = _f16(base), (q - 8 - 8 * FIVE).to(tl.float32)
+                xo = b * 32 + j
+                acc0 = _acc1(acc0, x_ptr, xo, scale, w)
+                if M > 1:
+                    acc1 = _acc1(acc1, x_ptr + cols, xo, scale, w)
+                if M > 2:
+                    acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, scale, w)
+                if M > 3:
+                    acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, scale, w)
+        _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
+
+    @triton.jit
+    def _q4_0_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, False, False)
+
+    @triton.jit
+    def _q4_1_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, True, False)
+
+    @triton.jit
+    def _q5_0_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, False, True)
+
+    @triton.jit
+    def _q5_1_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, True, True)
 
     @triton.jit
     def _k4_scale_min(sp, j: tl.constexpr):
@@ -492,7 +545,8 @@ if triton is not None:
                 acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow))
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
-    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv, "Q5_K": _q5_k_gemv, "Q6_K": _q6_k_gemv}
+    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv, "Q5_K": _q5_k_gemv,
+                "Q6_K": _q6_k_gemv, "Q4_0": _q4_0_gemv, "Q4_1": _q4_1_gemv, "Q5_0": _q5_0_gemv, "Q5_1": _q5_1_gemv}
 
 
 _IQ3S_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
