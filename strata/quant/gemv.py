@@ -132,6 +132,18 @@ if triton is not None:
         return acc + scale * (w * tl.load(xr + xo).to(tl.float32))
 
     @triton.jit
+    def _acc1_rows(acc0, acc1, acc2, acc3, x_ptr, cols, xo, scale, w, M: tl.constexpr):
+        """_acc1 for each of the first M rows of x (rows `cols` apart)."""
+        acc0 = _acc1(acc0, x_ptr, xo, scale, w)
+        if M > 1:
+            acc1 = _acc1(acc1, x_ptr + cols, xo, scale, w)
+        if M > 2:
+            acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, scale, w)
+        if M > 3:
+            acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, scale, w)
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
     def _store(out_ptr, acc, m, out_stride, cols_out, live):
         tl.store(out_ptr + m * out_stride + cols_out, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=live)
 
@@ -205,13 +217,7 @@ if triton is not None:
                 d = _f16(base)  # (BLOCK_N, 1)
                 q = tl.load(base + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
                 xo = b * 32 + j
-                acc0 = _acc1(acc0, x_ptr, xo, d, q)
-                if M > 1:
-                    acc1 = _acc1(acc1, x_ptr + cols, xo, d, q)
-                if M > 2:
-                    acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, d, q)
-                if M > 3:
-                    acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, d, q)
+                acc0, acc1, acc2, acc3 = _acc1_rows(acc0, acc1, acc2, acc3, x_ptr, cols, xo, d, q, M)
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
@@ -237,13 +243,7 @@ if triton is not None:
                 else:
                     scale, w = _f16(base), (q - 8 - 8 * FIVE).to(tl.float32)
                 xo = b * 32 + j
-                acc0 = _acc1(acc0, x_ptr, xo, scale, w)
-                if M > 1:
-                    acc1 = _acc1(acc1, x_ptr + cols, xo, scale, w)
-                if M > 2:
-                    acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, scale, w)
-                if M > 3:
-                    acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, scale, w)
+                acc0, acc1, acc2, acc3 = _acc1_rows(acc0, acc1, acc2, acc3, x_ptr, cols, xo, scale, w, M)
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
@@ -369,13 +369,7 @@ if triton is not None:
                         q = ((lo | (((hi2 >> (2 * j)) & 3) << 4)) - 32).to(tl.float32)
                         sc = tl.load(base + 192 + 8 * h + 2 * j + i // 16).to(tl.int8, bitcast=True).to(tl.float32)
                         xo = b * 256 + 128 * h + 32 * j + i
-                        acc0 = _acc1(acc0, x_ptr, xo, d * sc, q)
-                        if M > 1:
-                            acc1 = _acc1(acc1, x_ptr + cols, xo, d * sc, q)
-                        if M > 2:
-                            acc2 = _acc1(acc2, x_ptr + 2 * cols, xo, d * sc, q)
-                        if M > 3:
-                            acc3 = _acc1(acc3, x_ptr + 3 * cols, xo, d * sc, q)
+                        acc0, acc1, acc2, acc3 = _acc1_rows(acc0, acc1, acc2, acc3, x_ptr, cols, xo, d * sc, q, M)
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
