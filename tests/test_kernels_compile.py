@@ -23,12 +23,13 @@ def ptx(fn, signature: dict, constexprs: dict, **options) -> str:
         pytest.skip(f"no CUDA toolchain in this Triton: {e}")
 
 
-@pytest.mark.parametrize("name", ["_iq3_s_gemv", "_q8_0_gemv", "_q4_k_gemv", "_q5_k_gemv", "_q6_k_gemv", "_q4_0_gemv",
-                                  "_q4_1_gemv", "_q5_0_gemv", "_q5_1_gemv"])
+@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("m", [1, 4])
-def test_decode_gemv_kernels_compile_for_sm90(name, m):
+def test_decode_gemv_kernels_compile_for_sm90(qtype, m):
     from strata.quant import gemv
-    code = ptx(getattr(gemv, name), GEMV_SIG, {"M": m, "BLOCK_N": 8, "SB": 2})
+    kernel, family = gemv._KERNELS[qtype]
+    sig = {**GEMV_SIG, **{k: "constexpr" for k in family}}
+    code = ptx(kernel, sig, {"M": m, "BLOCK_N": 8, "SB": 2, **family})
     assert ".target sm_90" in code and "ld.global" in code
 
 

@@ -221,7 +221,7 @@ if triton is not None:
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
-    def _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M: tl.constexpr,
+    def _legacy_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M: tl.constexpr,
                      BLOCK_N: tl.constexpr, SB: tl.constexpr, MIN: tl.constexpr, FIVE: tl.constexpr):
         """Q4_0, Q4_1 (MIN), Q5_0 (FIVE), Q5_1: fp16 d, [fp16 m], [32 fifth bits], 16 bytes whose low nibbles
         are weights 0..15 and high ones 16..31; d * (q - 8 or 16), or d * q + m. Tile: [BLOCK_N rows, 32
@@ -247,26 +247,6 @@ if triton is not None:
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
-    def _q4_0_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, False, False)
-
-    @triton.jit
-    def _q4_1_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, True, False)
-
-    @triton.jit
-    def _q5_0_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, False, True)
-
-    @triton.jit
-    def _q5_1_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        _legacy_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, True, True)
-
-    @triton.jit
     def _k4_scale_min(sp, j: tl.constexpr):
         """Q4_K's 6-bit scale and min of sub-block j from the 12 packed bytes at sp: (BLOCK_N, 1) each."""
         if j < 4:
@@ -286,7 +266,7 @@ if triton is not None:
         return acc + dl * (ql * xl) - ml * xl + dh * (qh * xh) - mh * xh
 
     @triton.jit
-    def _k45_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+    def _k45_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, FIVE: tl.constexpr):
         """Q4_K (FIVE False) and Q5_K: fp16 d and dmin, 8 sub-blocks of 32 with 6-bit scale and min, then Q5_K's
         32 bytes of fifth bits (weight 32g + i: bit g of byte i), then 4-bit weights: byte i of quarter p holds
@@ -326,16 +306,6 @@ if triton is not None:
                     if M > 3:
                         acc3 = _acc_k4(acc3, x_ptr + 3 * cols, xo, dl, ml, qlf, dh, mh, qhf)
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
-
-    @triton.jit
-    def _q4_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        _k45_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, False)
-
-    @triton.jit
-    def _q5_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        _k45_gemv(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M, BLOCK_N, SB, True)
 
     @triton.jit
     def _q6_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
@@ -539,8 +509,13 @@ if triton is not None:
                 acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow))
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
-    _KERNELS = {"IQ3_S": _iq3_s_gemv, "Q8_0": _q8_0_gemv, "Q4_K": _q4_k_gemv, "Q5_K": _q5_k_gemv,
-                "Q6_K": _q6_k_gemv, "Q4_0": _q4_0_gemv, "Q4_1": _q4_1_gemv, "Q5_0": _q5_0_gemv, "Q5_1": _q5_1_gemv}
+    # type -> (kernel, the constexprs that pick the type within its family)
+    _KERNELS = {"IQ3_S": (_iq3_s_gemv, {}), "Q8_0": (_q8_0_gemv, {}), "Q6_K": (_q6_k_gemv, {}),
+                "Q4_K": (_k45_gemv, {"FIVE": False}), "Q5_K": (_k45_gemv, {"FIVE": True}),
+                "Q4_0": (_legacy_gemv, {"MIN": False, "FIVE": False}),
+                "Q4_1": (_legacy_gemv, {"MIN": True, "FIVE": False}),
+                "Q5_0": (_legacy_gemv, {"MIN": False, "FIVE": True}),
+                "Q5_1": (_legacy_gemv, {"MIN": True, "FIVE": True})}
 
 
 _IQ3S_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -641,13 +616,13 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     progs = [triton.cdiv(r, cfg.block_n) for r in rows]
     sb = next(k for k in range(cfg.sb, 0, -1) if nb % k == 0)  # whole steps: the kernels mask no load
     dst = out[:, col0:]
-    kernel = _KERNELS[name]
+    kernel, family = _KERNELS[name]
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         for r0 in range(0, x.shape[0], MAX_M):  # the weights are read once per MAX_M rows of x
             xs = x[r0:r0 + MAX_M]
             kernel[(sum(progs),)](xs, dst[r0:], _grid(name, x.device), *ptrs, *rows, progs[0], progs[0] + progs[1],
                                   nb, cols, out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb,
-                                  num_warps=cfg.num_warps)
+                                  num_warps=cfg.num_warps, **family)
 
 
 def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
