@@ -34,6 +34,12 @@ def mix_type(qtype: str, short_name: str) -> str:
     return wide if short_name in _WIDE_IN_MIX else base
 
 
+# The legacy 32-weight types as two layout flags, for the kernels that share one body among them
+# (strata.quant.gemv, strata.quant.into): a min after d (Q4_1, Q5_1), 32 fifth bits before the nibbles (Q5_0, Q5_1).
+LEGACY_FLAGS: dict[str, dict[str, bool]] = {"Q4_0": {"MIN": False, "FIVE": False}, "Q4_1": {"MIN": True, "FIVE": False},
+                                            "Q5_0": {"MIN": False, "FIVE": True}, "Q5_1": {"MIN": True, "FIVE": True}}
+
+
 # Blocks per kernel call: bounds the intermediates (a few bytes per weight) on big tensors.
 _CHUNK_WEIGHTS = {"cpu": 1 << 20, "cuda": 1 << 26}
 

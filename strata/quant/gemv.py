@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import qtype_of
+from . import LEGACY_FLAGS, block_size, qtype_of, type_size
 
 try:
     import triton
@@ -64,8 +64,6 @@ CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K
 # the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
 # divides the row's blocks, block_n raised to give each thread an element when sb is smaller
 DP4A_CONFIG = Config(4, 4, 4)
-_BYTES = {"IQ3_S": (256, 110), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),  # (weights, bytes)
-          "Q6_K": (256, 210), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}
 
 
 def supports(qtype) -> bool:
@@ -512,10 +510,7 @@ if triton is not None:
     # type -> (kernel, the constexprs that pick the type within its family)
     _KERNELS = {"IQ3_S": (_iq3_s_gemv, {}), "Q8_0": (_q8_0_gemv, {}), "Q6_K": (_q6_k_gemv, {}),
                 "Q4_K": (_k45_gemv, {"FIVE": False}), "Q5_K": (_k45_gemv, {"FIVE": True}),
-                "Q4_0": (_legacy_gemv, {"MIN": False, "FIVE": False}),
-                "Q4_1": (_legacy_gemv, {"MIN": True, "FIVE": False}),
-                "Q5_0": (_legacy_gemv, {"MIN": False, "FIVE": True}),
-                "Q5_1": (_legacy_gemv, {"MIN": True, "FIVE": True})}
+                **{q: (_legacy_gemv, flags) for q, flags in LEGACY_FLAGS.items()}}
 
 
 _IQ3S_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -593,7 +588,7 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices
     (IQ3_S with xq, x's `quantize_x`: the dp4a kernel, `table` its grid table, iq3_s_words)."""
     cfg = config or CONFIGS[name]
-    nb = cols // _BYTES[name][0]
+    nb = cols // block_size(name)
     rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
     if xq is not None:  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
         cfg = config or DP4A_CONFIG
@@ -639,10 +634,10 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
     for name in names:
         if name not in CONFIGS:
             raise ValueError(f"no fused matrix-vector kernel for {name} (have: {', '.join(CONFIGS)})")
-        if cols % _BYTES[name][0]:
-            raise ValueError(f"{name}: {cols} columns is not a multiple of its block of {_BYTES[name][0]}")
+        if cols % block_size(name):
+            raise ValueError(f"{name}: {cols} columns is not a multiple of its block of {block_size(name)}")
     for (m, _), name in zip(parts, names):
-        bs, ts = _BYTES[name]
+        bs, ts = block_size(name), type_size(name)
         if m.dtype != torch.uint8 or m.dim() != 2 or m.shape[1] != cols // bs * ts or not m.is_contiguous():
             raise ValueError(f"{name}: blocks must be contiguous uint8 (rows, {cols // bs * ts}), got {m.dtype} {tuple(m.shape)}")
     total = sum(b.shape[0] for b, _ in parts)

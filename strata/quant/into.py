@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from . import LEGACY_FLAGS, block_size, type_size
+
 try:
     import triton
     import triton.language as tl
@@ -24,9 +26,7 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 log = logging.getLogger("strata.quant")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCKS = 4  # quant blocks per program
-_SIZES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ3_S": (256, 110),
-          "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}  # (weights, bytes)
-_LEGACY = {"Q4_0": (False, False), "Q4_1": (True, False), "Q5_0": (False, True), "Q5_1": (True, True)}  # (MIN, FIVE)
+_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", *LEGACY_FLAGS)
 _USE = {"on": triton is not None}  # off for good once a kernel fails to build: the torch path still works
 
 if triton is not None:
@@ -111,14 +111,14 @@ if triton is not None:
 
 def takes(qtype: str | None, out: torch.Tensor) -> bool:
     """Whether `dequantize_into` handles this type into this tensor (CUDA, or the CPU under Triton's interpreter)."""
-    return (_USE["on"] and qtype in _SIZES and out.is_contiguous() and out.dtype.is_floating_point
+    return (_USE["on"] and qtype in _TYPES and out.is_contiguous() and out.dtype.is_floating_point
             and (out.is_cuda or INTERPRET))
 
 
 def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str) -> bool:
     """out (rows, cols) <- the rows' GGUF blocks (rows, bytes) dequantized, in out's dtype; False (nothing
     written) when the kernel cannot run, and the caller takes the torch path."""
-    bs, ts = _SIZES[qtype]
+    bs, ts = block_size(qtype), type_size(qtype)
     flat = blocks.contiguous().view(-1, ts)
     n = flat.shape[0]
     if out.numel() != n * bs:
@@ -132,9 +132,8 @@ def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str) -> bool
                 _q8_0_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype == "Q6_K":
                 _q6_k_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
-            elif qtype in _LEGACY:
-                mn, five = _LEGACY[qtype]
-                _legacy_into[grid](flat, out, n, MIN=mn, FIVE=five, BLOCKS=BLOCKS, enable_fp_fusion=False)
+            elif qtype in LEGACY_FLAGS:
+                _legacy_into[grid](flat, out, n, **LEGACY_FLAGS[qtype], BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype == "IQ3_S":  # its float32 products (no add to contract) stored in out's dtype
                 from .iq import TRITON_BLOCKS, _iq3_s_kernel, _tables
                 _iq3_s_kernel[(triton.cdiv(n, TRITON_BLOCKS),)](flat, _tables(flat.device)["IQ3_S_grid"], out, n,
