@@ -1,4 +1,4 @@
-"""Median time of one queued GPU call by CUDA events: what benchmarks and load-time kernel choices measure."""
+"""Median time of one queued GPU call by CUDA events: what the benchmarks measure."""
 from __future__ import annotations
 
 import torch

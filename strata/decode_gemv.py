@@ -1,21 +1,21 @@
-"""Dense one-row products of the decode graphs: a Triton matrix-vector kernel or cuBLAS, whichever is faster.
+"""Dense one-row products of the decode graphs: a Triton matrix-vector kernel, or cuBLAS where no launch shape fits.
 
-A decode step reads every weight once for one row of x, so it is bound by memory bandwidth; cuBLAS's one-row
-kernels read an 8B model's matrices at ~3.7 TB/s on an H200 (BENCHMARKS.md), against ~4.8 TB/s of HBM. The
-Triton kernel here streams BLOCK_N rows per program once, x from L2, float32 accumulation. Which is faster
-depends on the shape and the GPU, so `matvec` times cuBLAS and a few launch shapes of the kernel once per
-(rows, cols, dtype, device), on first use outside a graph capture (the graphs' warm-up replay), and keeps the
-fastest. Env STRATA_DECODE_GEMV: "auto" (that choice), "cublas" or "triton" (the A/B).
+A decode step reads every weight once for one row of x, so it is bound by memory bandwidth. The Triton kernel
+streams BLOCK_N rows per program once, x from L2, float32 accumulation. Over an 8B model's four products, each
+over every layer's own weights in one graph (`bench/decode_gemv.py --graph`, H200, BENCHMARKS.md), 4 rows a
+program with 2 warps and 1,024 columns a step read the weights at 4.1 TB/s, cuBLAS at 3.8 TB/s.
+
+The launch shape is a fixed rule of the matrix's shape (the first of CONFIGS that fits), never a timing: a
+shape's reduction order decides the product's rounding, and a choice timed at load could differ from run to run
+(it did: two pipelines of one rig picked different shapes and greedy decoding gave different tokens). Env
+STRATA_DECODE_GEMV: "auto" (that rule) or "cublas" (the A/B).
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 import torch.nn.functional as F
-
-from .cuda_timing import median_ms
 
 try:
     import triton
@@ -24,13 +24,13 @@ except ImportError:
     triton = None
 
 MODE = os.environ.get("STRATA_DECODE_GEMV", "auto")
-if MODE not in ("auto", "cublas", "triton"):
-    raise ValueError(f"STRATA_DECODE_GEMV={MODE!r}: use auto, cublas or triton")
-# (BLOCK_N rows per program, BLOCK_K columns per step, warps): the candidates timed per shape
-CONFIGS = ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4))
-REPS = 15
-log = logging.getLogger("strata.decode_gemv")
-_choice: dict[tuple, tuple | None] = {}  # (rows, cols, dtype, device) -> config, or None for cuBLAS
+if MODE not in ("auto", "cublas"):
+    raise ValueError(f"STRATA_DECODE_GEMV={MODE!r}: use auto or cublas")
+# (BLOCK_N rows per program, BLOCK_K columns per step, warps), in order of preference; from the sweep of 52
+# launch shapes above: (4, 1024, 2) was within 3% of the fastest shape on each of the 8B's matrices; (4, 512, 2)
+# and (4, 256, 4) were the fastest with those column steps
+CONFIGS = ((4, 1024, 2), (4, 512, 2), (4, 256, 4))
+_choice: dict[tuple, tuple | None] = {}  # (rows, cols) -> the launch shape, or None for cuBLAS: for the stage log
 
 if triton is not None:
     @triton.jit
@@ -60,32 +60,16 @@ def _launch(cfg: tuple, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
                               BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
 
 
-def _time(fn, flush: torch.Tensor) -> float:
-    return median_ms(fn, REPS, flush)
-
-
-def _pick(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple | None:
-    n, k = w.shape
-    cands = [c for c in CONFIGS if _fits(c, n, k)]
-    if MODE == "cublas" or not cands:
-        return None
-    if MODE == "triton":
-        return cands[0]
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
-    flush = torch.empty(64 << 20, dtype=torch.int32, device=x.device)  # 256 MiB: more than any L2
-    best, best_ms = None, _time(lambda: F.linear(x, w, b), flush)
-    cublas_ms = best_ms
-    for c in cands:
-        ms = _time(lambda c=c: _launch(c, x, w, b, y), flush)
-        if ms < best_ms:
-            best, best_ms = c, ms
-    log.info("decode GEMV %dx%d: %s (%.1f us; cuBLAS %.1f us)", n, k, best or "cuBLAS", best_ms * 1e3, cublas_ms * 1e3)
-    return best
-
-
 def describe() -> str:
-    """The choices made so far, for the stage's log: "6144x4096 Triton (4, 512, 4), 4096x14336 cuBLAS"."""
-    return ", ".join(f"{n}x{k} " + (f"Triton {c}" if c else "cuBLAS") for (n, k, _, _), c in _choice.items())
+    """The shapes met so far, for the stage's log: "6144x4096 Triton (4, 1024, 2), 4096x14336 Triton (4, 1024, 2)"."""
+    return ", ".join(f"{n}x{k} " + (f"Triton {c}" if c else "cuBLAS") for (n, k), c in _choice.items())
+
+
+def pick(n: int, k: int) -> tuple | None:
+    """The launch shape of an n x k matrix, or None (cuBLAS)."""
+    if MODE == "cublas" or triton is None:
+        return None
+    return next((c for c in CONFIGS if _fits(c, n, k)), None)
 
 
 def matvec(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,12 +78,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if (triton is None or not x.is_cuda or x.numel() != k or x.dtype != w.dtype or w.stride(1) != 1
             or (b is not None and not b.is_contiguous())):
         return F.linear(x, w, b)
-    key = (n, k, w.dtype, x.device)
-    if key not in _choice:
-        if torch.cuda.is_current_stream_capturing():  # never time inside a capture: cuBLAS for this one
-            return F.linear(x, w, b)
-        _choice[key] = _pick(x.reshape(k).contiguous(), w, b)
-    cfg = _choice[key]
+    cfg = _choice.setdefault((n, k), pick(n, k))
     if cfg is None:
         return F.linear(x, w, b)
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
