@@ -83,13 +83,18 @@ def _kernel_cases():
         "rope_store": (dk._rope_store, {"qkv_ptr": B16, "cos_ptr": B16, "ssin_ptr": B16, "pos_ptr": I64,
                                         "q_ptr": B16, "kc_ptr": B16, "vc_ptr": B16, **ints("skh", "sks", "svh", "svs")},
                        {"NH": 32, "NKV": 8, "HD": 128}),
+        "argmax_blocks": (dk._argmax_blocks, {"x_ptr": F32, "n": I32, "vals_ptr": F32, "idx_ptr": I64},
+                          {"BLOCK": dk.ARGMAX_BLOCK}),
+        "argmax_final": (dk._argmax_final, {"vals_ptr": F32, "idx_ptr": I64, "parts": I32, "out_ptr": I64},
+                         {"BLOCK": 32}),
         "dense_gemv": (dg._gemv, {"x_ptr": B16, "w_ptr": B16, "b_ptr": B16, "y_ptr": B16, "K": I32, "stride_w": I32},
                        {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512}),
     }
 
 
 @pytest.mark.parametrize("name", ["lse_merge", "silu_mul", "rope", "split_k_partial", "split_k_merge", "rms_norm",
-                                  "add_rms_norm", "rope_store", "dense_gemv"])
+                                  "add_rms_norm", "rope_store", "argmax_blocks", "argmax_final",
+                                  "dense_gemv"])
 def test_prefill_and_decode_kernels_compile_for_sm90(name):
     fn, sig, constexprs = _kernel_cases()[name]
     sig = {**sig, **{c: "constexpr" for c in constexprs}}
