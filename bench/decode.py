@@ -84,7 +84,7 @@ def main() -> int:
     ap.add_argument("--weights", default="auto", help="dequantized | resident | auto")
     ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype (auto = the compute dtype)")
     ap.add_argument("--prefill", action="store_true", help="fill the context by a real prefill (slow on CPU)")
-    ap.add_argument("--profile", action="store_true", help="CUDA time per kernel kind of the fast path's steps")
+    ap.add_argument("--profile", action="store_true", help="CUDA time per kernel kind of the steps (modes fast, graphs, token)")
     ap.add_argument("--check", action="store_true", help="float16/int8/int4 logits and greedy tokens vs the fast path")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -126,7 +126,7 @@ def main() -> int:
         print(f"  {mode:13s} {ms:8.2f} ms/token median ({mean:.2f} mean)  {1e3 / ms:7.1f} tok/s  x{base / ms:.2f}{note}")
     m.set_decode_weights(None)
     if a.profile and dev.type == "cuda":
-        for mode in ("fast", "graphs"):
+        for mode in [md for md in modes if md in ("fast", "graphs", "token")]:
             profile(m, dev, a.context, first, mode)
     if a.check and m.has_embed and m.has_head:
         check(m, a, dev)

@@ -8,6 +8,7 @@ One pipeline per setting (stages stay up across its prompts); greedy, `--tokens`
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def main() -> int:
     ap.add_argument("--cuda-graphs", default="true", help="comma list of true/false (the rig's default: true)")
     ap.add_argument("--decode-weights", default="none", help="comma list (CPU stages)")
     ap.add_argument("--kv-dtype", default="auto", help="comma list: the KV cache dtype (auto: the compute dtype)")
+    ap.add_argument("--ahead", default="auto", help="comma list: STRATA_DECODE_AHEAD of each run (auto, 0: the A/B of "
+                    "decode steps queued ahead behind GPU waits on the bells)")
     ap.add_argument("--llama-bench", help="also time llama.cpp's decode on the model's GGUF file, same contexts")
     ap.add_argument("--llama-gguf", help="the file llama-bench decodes (default: the model's own GGUF; for a "
                     "synthetic model, e.g. bench/make_gguf.py's F16 file of the same shape)")
@@ -41,27 +44,31 @@ def main() -> int:
     dtype = a.dtype or ("bfloat16" if a.devices else "float32")
     contexts = [int(x) for x in a.contexts.split(",")]
     print(f"{a.model} {dtype}, stages {[s['device'] for s in stages]}, {a.tokens} tokens per prompt")
-    print("| cuda_graphs | decode_weights | kv_dtype | context | decode tok/s | ms/token | outside the stages ms/token | ttft s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| cuda_graphs | decode_weights | kv_dtype | ahead | context | decode tok/s | ms/token | outside the stages ms/token | ttft s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
     import numpy as np
-    for graphs in ([] if a.llama_only else a.cuda_graphs.split(",")):
-        for dw, kv in [(d, k) for d in a.decode_weights.split(",") for k in a.kv_dtype.split(",")]:
-            cfg = dict(kv_dtype=kv, model=a.model, dtype=dtype, stages=stages, chunk=a.chunk, progress=False, perplexity=False,
-                       max_context=max(contexts) + a.tokens + 1, cuda_graphs=graphs == "true", decode_weights=dw,
-                       prompt={"random": {"tokens": 16, "seed": 0}})
-            with Pipeline(cfg, console=False) as p:
-                vocab = p.plan.args.vocab_size
-                for n in contexts:
-                    ids = np.random.default_rng(n).integers(0, vocab, n)
-                    r = p.generate(ids.tolist(), SamplingParams(max_tokens=a.tokens)).report
-                    print(f"| {graphs} | {dw} | {kv} | {n:,} | {r['decode_tok_s']:,.1f} | {1e3 / max(r['decode_tok_s'], 1e-9):.2f} "
-                          f"| {r.get('decode_overhead_ms_per_token') or 0:.2f} | {r['ttft_s']:.3f} |", flush=True)
-                    steps = max(r.get("decode_steps") or 0, 1)
-                    print(f"    per token, ms: head {1e3 * r.get('decode_head_s', 0) / steps:.3f}; stages' work "
-                          + ", ".join(f"{1e3 * (s.get('decode_work_s') or 0) / steps:.3f}" for s in r["stages"])
-                          + "; stages' copies and notes " + ", ".join(f"{1e3 * (s.get('decode_copy_s') or 0) / steps:.3f}"
-                                                                  for s in r["stages"])
-                          + f"; results by bell {r.get('decode_bell_steps', 0)} of {steps}", flush=True)
+    from strata import bells
+    runs = [(g, d, k, ah) for g in a.cuda_graphs.split(",") for d in a.decode_weights.split(",")
+            for k in a.kv_dtype.split(",") for ah in a.ahead.split(",")]
+    for graphs, dw, kv, ahead in ([] if a.llama_only else runs):
+        bells.AHEAD = ahead  # the head decides it for the run's stages
+        cfg = dict(kv_dtype=kv, model=a.model, dtype=dtype, stages=stages, chunk=a.chunk, progress=False, perplexity=False,
+                   max_context=max(contexts) + a.tokens + 1, cuda_graphs=graphs == "true", decode_weights=dw,
+                   prompt={"random": {"tokens": 16, "seed": 0}})
+        with Pipeline(cfg, console=False) as p:
+            vocab = p.plan.args.vocab_size
+            for n in contexts:
+                ids = np.random.default_rng(n).integers(0, vocab, n)
+                res = p.generate(ids.tolist(), SamplingParams(max_tokens=a.tokens))
+                r, toks = res.report, hashlib.md5(str(res.continuation_ids).encode()).hexdigest()[:12]
+                print(f"| {graphs} | {dw} | {kv} | {ahead} | {n:,} | {r['decode_tok_s']:,.1f} | {1e3 / max(r['decode_tok_s'], 1e-9):.2f} "
+                      f"| {r.get('decode_overhead_ms_per_token') or 0:.2f} | {r['ttft_s']:.3f} |", flush=True)
+                steps = max(r.get("decode_steps") or 0, 1)
+                print(f"    per token, ms: head {1e3 * r.get('decode_head_s', 0) / steps:.3f}; stages' work "
+                      + ", ".join(f"{1e3 * (s.get('decode_work_s') or 0) / steps:.3f}" for s in r["stages"])
+                      + "; stages' copies and notes " + ", ".join(f"{1e3 * (s.get('decode_copy_s') or 0) / steps:.3f}"
+                                                              for s in r["stages"])
+                      + f"; results by bell {r.get('decode_bell_steps', 0)} of {steps}; tokens' md5 {toks}", flush=True)
     if a.llama_bench:
         llama_decode(a, stages, contexts)
     return 0
@@ -85,7 +92,7 @@ def llama_decode(a, stages, contexts) -> None:
             print(f"llama.cpp failed ({out.returncode}): {out.stderr[-500:]}")
             return
         ts = json.loads(out.stdout)[0]["avg_ts"]
-        print(f"| llama.cpp | `{' '.join(cmd[3:])}` | - | {n:,} | {ts:,.1f} | {1e3 / ts:.2f} | - | - |", flush=True)
+        print(f"| llama.cpp | `{' '.join(cmd[3:])}` | - | - | {n:,} | {ts:,.1f} | {1e3 / ts:.2f} | - | - |", flush=True)
 
 
 if __name__ == "__main__":

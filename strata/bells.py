@@ -26,6 +26,13 @@ SEQ, K, POS, ARGMAX, T0 = range(5)
 MODE = os.environ.get("STRATA_DECODE_BELLS", "auto")
 
 
+# STRATA_DECODE_AHEAD: "auto" (the default: with bells, when every stage has a GPU of its own, each stage queues
+# its next step behind a GPU-side wait on its bell, strata/stream_wait.py) or "0" (the host launches each step
+# once its note is in: the A/B arm). Stages sharing a GPU never queue ahead: a stream parked on a wait would
+# hold the GPU's time slices from the others.
+AHEAD = os.environ.get("STRATA_DECODE_AHEAD", "auto")
+
+
 def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
@@ -35,6 +42,11 @@ def wanted(devices: list[str], any_remote: bool) -> bool:
     if MODE == "0" or any_remote or not supported():
         return False
     return MODE == "1" or all(d.startswith("cuda") for d in devices)
+
+
+def ahead_wanted(devices: list[str]) -> bool:
+    """Whether stages on these devices (a run that rings bells) queue their next decode step ahead."""
+    return AHEAD != "0" and all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices)
 
 
 def nbytes(n_stages: int) -> int:
@@ -54,6 +66,16 @@ class Bells:
         w[K], w[POS], w[ARGMAX] = k, pos, argmax
         self.floats[row, T0] = t0
         w[SEQ] = w[SEQ] + 1  # last: the receiver reads the fields once it sees this change
+
+    def release(self, row: int, pos: int) -> int:
+        """Ring this process's own bell as if the hop above had, for a step queued behind a wait on it that will
+        not come (end of phase): the queued step then runs at `pos` (token 0) and is dropped. Returns the new seq,
+        which this process has then seen."""
+        w = self.words[row]
+        w[POS], w[ARGMAX] = pos, 0
+        self.seen = int(w[SEQ]) + 1
+        w[SEQ] = self.seen
+        return self.seen
 
     def take(self, row: int) -> tuple[int, int, int, float] | None:
         """(k, pos, argmax, t0) of a new note on this bell, else None."""

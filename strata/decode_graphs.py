@@ -7,7 +7,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .model import (Block, Products, QuantEmbedding, ResidentMatrices, RMSNorm, Transformer, _dense_products,
+from .model import (Block, Packed, Products, QuantEmbedding, ResidentMatrices, RMSNorm, Transformer, _dense_products,
                     _rope_rows, _to_cache, rope_tables)
 
 GRAPH_MIN_BUCKET = 256
@@ -96,6 +96,30 @@ class DecodeGraphs:
             # the static outputs are overwritten by the next replay
             return tuple(t.clone() if t is not None else None for t in entry[1])
 
+    def captured(self, pos: int) -> bool:
+        return self.bucket(pos) in self.graphs
+
+    def replay_queued(self, pos: int, pos_src: torch.Tensor, token_src: torch.Tensor | None = None,
+                      row_src: torch.Tensor | None = None) -> tuple:
+        """Queue the step at `pos` with its inputs copied from page-locked host memory by the stream itself:
+        the position (pos_src, one int64 word that must hold pos when the copy runs) and the token id
+        (token_src, one int64 word; a slice with the embedding) or residual row (row_src). For a stream told to
+        wait for those words first (launch-ahead). pos's bucket must be captured already (a capture would run its
+        warm-up on inputs not there yet). Returns the static outputs (residual, logits, argmax)."""
+        b = self.bucket(pos)
+        entry = self.graphs[b]
+        with torch.cuda.device(self.device):
+            self.pos.copy_(pos_src.view(1), non_blocking=True)
+            if self.ids is not None:
+                self.ids.view(1).copy_(token_src.view(1), non_blocking=True)
+            elif self.eager_embed:
+                tok = token_src.to(self.device, non_blocking=True).view(1, 1)
+                self.res.copy_(self.m.embed(tok).view(self.res.shape))
+            else:
+                self.res.view(-1).copy_(row_src.reshape(-1), non_blocking=True)
+            entry[0].replay()
+        return entry[1]
+
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, tuple]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         # without Triton: efficient attention takes the additive mask at a fixed length; its kernels do not
@@ -138,8 +162,21 @@ class DecodeGraphs:
         h = h + pend
         if not m.has_head:
             return h, None, None
-        logits = m.logits(h[0, -1])  # the head in the graph too: eager, its launches cost more than its GEMV
+        logits = self._logits(h[0, -1])  # the head in the graph too: eager, its launches cost more than its GEMV
+        if self.fused:
+            from strata.decode_kernels import argmax
+            return h, logits, argmax(logits)
         return h, logits, logits.argmax()
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and head of one row; a dense head by strata.decode_gemv like the layers' products."""
+        m = self.m
+        w = m.head.weight
+        if not self.fused or isinstance(w, Packed) or m._head_weight_only is not None:
+            return m.logits(h)
+        from strata.decode_gemv import matvec
+        from strata.decode_kernels import rms_norm
+        return matvec(rms_norm(h, m.norm.weight, m.norm.eps), w).float()
 
     def _layer(self, blk: Block, h, pend, cos, sin, mask, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the residual h plus the previous layer's pending product -> (residual, this layer's

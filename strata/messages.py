@@ -308,6 +308,7 @@ class StageJob:
     dump_residual: str         # the path of residual.npy, or ""
     decode_weights: str        # the rig's `decode_weights` (CPU: weight-only copies for decode steps)
     cuda_graphs: bool          # the rig's `cuda_graphs`
+    decode_ahead: bool         # queue the next decode step behind a GPU wait on the bell (strata/bells.py AHEAD)
     debug: dict                # DebugSpec fields
     net: StageNet | None = None  # None: every stage of the run is on this host
 

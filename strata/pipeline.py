@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import bells
 from . import messages as M
 from .checkpoint import check_model_files
 from .config import RigConfig, check_run_dir, from_dict
@@ -195,6 +196,7 @@ class Pipeline:
             log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
             dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
             decode_weights=cfg.decode_weights, cuda_graphs=cfg.cuda_graphs,
+            decode_ahead="bells" in self._buffers.names and bells.ahead_wanted([s.device for s in plan.stages]),
             debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
             net=self._remote.stage_net(sp.index) if self._remote else None)
 
@@ -602,7 +604,7 @@ class Pipeline:
         k = self._sent
         bells = self._buffers.bells
         if bells is not None and k > 0:  # a phase's first step goes by ZeroMQ: it wakes a stage not yet spinning
-            bells.ring(0, k, pos, t0=t0)
+            bells.ring(0, k, pos, argmax=tok, t0=t0)  # the id too: a step queued ahead copies it from the bell
         else:
             self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1))
         self._sent += 1

@@ -112,3 +112,37 @@ def test_sigkill_of_a_cuda_stage(tmp_path):
     assert not wait_gone([Proc(x) for x in pids], 5.0)
     assert not set(pids) & _gpu_pids()
     assert segments(run_id=run_id) == []
+
+
+def test_decode_launch_ahead_gives_the_host_launched_tokens(tmp_path, monkeypatch):
+    """Decode steps queued ahead behind a GPU-side wait on each stage's bell (strata/stream_wait.py, on by default
+    with a GPU per stage) give the tokens of steps the host launches (STRATA_DECODE_AHEAD=0), bit for bit:
+    greedy, an answer stopped mid-way (its queued steps released), sampled, the same prompt again on the reused
+    KV, and a prompt that continues the answer."""
+    from strata import bells
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    ids = np.random.default_rng(21).integers(0, 512, size=700).astype(np.int32)
+    runs = {}
+    for ahead in ("auto", "0"):
+        monkeypatch.setattr(bells, "AHEAD", ahead)
+        out = tmp_path / f"ahead-{ahead}"
+        rig = _rig(dump_residual=False, max_context=2048, prompt={"random": {"tokens": ids.size, "seed": 3}})
+        with Pipeline(rig, out=out, console=False) as p:
+            greedy = p.generate(ids, SamplingParams(max_tokens=40))
+            told = []
+            stopped = p.generate(ids, SamplingParams(max_tokens=40), on_token=lambda t: told.append(t) or len(told) < 5)
+            sampled = p.generate(ids, SamplingParams(max_tokens=24, temperature=0.9, top_k=40, seed=3))
+            again = p.generate(ids, SamplingParams(max_tokens=40))
+            follow = p.generate(np.concatenate([ids, np.array(greedy.continuation_ids[:4], dtype=np.int32)]),
+                                SamplingParams(max_tokens=8))
+        for i in (0, 1):
+            log = (out / f"stage-{i}.log").read_text()
+            assert ("decode launch-ahead: on" in log) == (ahead == "auto"), log[-2000:]
+        assert stopped.continuation_ids == greedy.continuation_ids[:5] and stopped.finish_reason == "stop"
+        assert again.reused_tokens == ids.size - 1 and len(again.continuation_ids) == 40
+        assert again.report["decode_bell_steps"] == 40 - 2
+        # (the reused KV's last row came from a one-row prefill, rounded unlike the 700-row one: `again` may part
+        # from `greedy` on a GPU; it must not part from the other arm's `again`)
+        runs[ahead] = [r.continuation_ids for r in (greedy, sampled, again, follow)]
+    assert len(runs["auto"][0]) == 40 and runs["auto"] == runs["0"]

@@ -258,8 +258,8 @@ class Stage:
             return seg
 
         # decode doorbells (strata/bells.py): every stage local and on a GPU (or forced for tests)
-        self.bells = (Bells(attach("bells").tensor(torch.int64, (spec.n_stages + 1, bells_mod.ROW)).numpy())
-                      if "bells" in segs else None)
+        self.bell_words = attach("bells").tensor(torch.int64, (spec.n_stages + 1, bells_mod.ROW)) if "bells" in segs else None
+        self.bells = Bells(self.bell_words.numpy()) if self.bell_words is not None else None
         self.bell_key = None  # (k, t0) of the decode step that came by bell: its note goes on by bell too
         if ids is None:
             self.ids = attach("ids").tensor(torch.int32, (spec.max_len + 1,))
@@ -285,6 +285,16 @@ class Stage:
         if self.device.type == "cuda":
             self.pinned = all(s.pin() for s in self.segments if s.name.split("-")[-1] != "ids")
         self._argmax_host = torch.empty((), dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.ahead = None  # (k, pos) of the decode step queued behind a GPU wait on this stage's bell
+        self.ahead_seq = None  # the device address of this stage's bell seq word, when it queues steps ahead
+        graphs = self.model._graphs  # captured by the warm-up on a slice whose decode steps replay graphs
+        if spec.decode_ahead and self.bells is not None and self.pinned and graphs is not None and graphs.graphs:
+            from strata import stream_wait
+            word = self.bell_words[self.i, bells_mod.SEQ]
+            why = stream_wait.works(word, self.device)
+            if why is None:
+                self.ahead_seq = stream_wait.device_address(word)
+            self.log.info("decode launch-ahead: %s", "on" if why is None else f"off ({why})")
         self.dump = None  # opened per prefill (each prompt has its own length): `_open_dump`
 
     def _open_sockets(self, spec: M.StageJob) -> None:
@@ -582,6 +592,16 @@ class Stage:
         k, pos, n = msg.k, msg.pos, msg.n
         self.current_chunk = k
         cuda = self.device.type == "cuda"
+        if self.ahead is not None:
+            if self.ahead != (k, pos) or self.bell_key != (k, msg.t0):
+                # a bell always announces the step queued for it: anything else is a protocol bug, and the queued
+                # step already ran on what the bell row held
+                raise StageFailed(f"decode step {k} at {pos} arrived where step {self.ahead} was queued ahead")
+            self.ahead = None
+            work_start = time.perf_counter()
+            self._inject(k)
+            out, am = self.ahead_out  # the GPU started it when the bell rang: wait for it, ring, queue the next
+            return self._decode_done(msg, out, am, work_start)
         t_in = time.perf_counter()
         if self.first:
             x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
@@ -602,12 +622,21 @@ class Stage:
         else:
             out = h.view(n, self.args.dim)
         self._reap()  # only the prefill's last chunk can still be in flight below
+        self._copy_out(out, am)
+        self._decode_done(msg, out, self._argmax_host if self.last and cuda else am, work_start)
+
+    def _copy_out(self, out, am) -> None:
+        """Queue the step's output into the hand-off buffer below (and the argmax into page-locked memory)."""
+        cuda = self.device.type == "cuda"
         self.outlink.fill(out, non_blocking=cuda and self.pinned)
-        if self.last:
-            if cuda:
-                self._argmax_host.copy_(am, non_blocking=self.pinned)
-                am = self._argmax_host
-        if cuda:
+        if self.last and cuda:
+            self._argmax_host.copy_(am, non_blocking=self.pinned)
+
+    def _decode_done(self, msg: M.Chunk, out, am, work_start: float) -> None:
+        """A decode step's end: wait for its queued work, pass the note on (by bell when it came by one), and
+        with launch-ahead queue the next step behind a wait on this stage's bell."""
+        k, pos, n = msg.k, msg.pos, msg.n
+        if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         work_end = time.perf_counter()
         self.work_s += work_end - work_start
@@ -620,6 +649,38 @@ class Stage:
         self.copy_s += time.perf_counter() - work_end
         self.last_handoff = time.perf_counter()
         self.nchunks += 1
+        if self.ahead_seq is not None and n == 1:
+            self._queue_ahead(k + 1, pos + 1)
+
+    def _queue_ahead(self, k: int, pos: int) -> None:
+        """Queue decode step k at pos behind a GPU-side wait on this stage's bell (strata/stream_wait.py): when
+        the hop above rings, the GPU copies the position and the token or residual row in from the page-locked
+        bell and buffer and replays the step, and copies the output out, with no host step between the ring and
+        the kernels. The host sees the same bell, checks it announces (k, pos), waits for the step and rings on.
+        A step that does not come (the phase ends) is released by `_release_ahead`."""
+        graphs = self.model.decode_graphs()
+        if pos >= min(self.spec.max_len, graphs.cache_len) or not graphs.captured(pos):
+            return
+        from strata import stream_wait
+        stream = torch.cuda.current_stream(self.device)
+        stream_wait.wait_geq(stream, self.ahead_seq, self.bells.seen + 1)
+        row = self.bell_words[self.i]
+        h, logits, am = graphs.replay_queued(
+            pos, row[bells_mod.POS], token_src=row[bells_mod.ARGMAX] if self.first else None,
+            row_src=None if self.first else self.inlink.buf[0])
+        out = logits if self.last else h.view(1, self.args.dim)
+        self._copy_out(out, am)
+        self.ahead, self.ahead_out = (k, pos), (out, self._argmax_host if self.last else None)
+
+    def _release_ahead(self) -> None:
+        """Let a step queued ahead that will not come run and finish (the phase ended, or a new one starts):
+        it computes token 0 at its own position, the first one past the kept KV, and its output is dropped."""
+        if self.ahead is None:
+            return
+        _, pos = self.ahead
+        self.ahead = None
+        self.bells.release(self.i, pos)
+        torch.cuda.current_stream(self.device).synchronize()
 
     def _inject(self, k: int) -> None:
         d = self.debug
@@ -658,6 +719,7 @@ class Stage:
             if self.inputs:
                 front = self.inputs[0]
                 if front.t0 != self.phase_t0:  # the first chunk of a new phase
+                    self._release_ahead()
                     self.phase_t0 = front.t0
                     self._reset_stats(front.phase, self.phase_t0 - self.clock_offset)
                     if front.phase == "prefill":  # tests (and people) wait on this line, not on a sleep
@@ -669,6 +731,7 @@ class Stage:
                     self.input_wait_s += time.perf_counter() - max(t, self.t0)
                 self.run_chunk(self.inputs.popleft())
             else:
+                self._release_ahead()
                 if self.dump is not None:
                     self.dump.wait()  # the head hashes the file once every stage has reported
                 self.report_stats()
@@ -689,6 +752,11 @@ class Stage:
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the sockets (outgoing ones keep `linger_ms` to deliver what is queued) and unmap."""
+        if getattr(self, "ahead", None) is not None:  # a stream parked on the bell: let it drain first
+            try:
+                self._release_ahead()
+            except Exception:  # noqa: BLE001 - closing after a failure: the process goes anyway
+                pass
         for s in self.inboxes:
             if not s.closed:
                 s.close(linger=0)
