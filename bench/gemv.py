@@ -27,7 +27,7 @@ from strata import quant  # noqa: E402
 from strata.model import PRESETS, Packed  # noqa: E402
 from strata.quant import gemv  # noqa: E402
 
-SWEEP = [gemv.Config(bn, sb, w) for bn in (4, 8, 16) for sb in (1, 2, 4) for w in (4, 8)]  # ~1 s to compile each
+SWEEP = [gemv.Config(bn, sb, w) for bn in (4, 8, 16, 32) for sb in (1, 2, 4) for w in (4, 8)]  # ~1 s to compile each
 # the dp4a IQ3_S kernel: 8 * sb sub-blocks of a row side by side, block_n raised to fill the warps
 DP4A_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 4, 16) for sb in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
 

@@ -68,11 +68,19 @@ def check_kernel_matches_reference():
     g = torch.Generator().manual_seed(7)
     with iq3s_kernel("float"):
         _check_float_kernels(gemv, random_blocks, g)
+    big = gemv.BIG_ROWS
+    try:  # the big launches' shapes (gate/up, the head) on these small matrices: every launch counts as big
+        gemv.BIG_ROWS = 1
+        _check_float_kernels(gemv, random_blocks, g, types=tuple(gemv.BIG_CONFIGS))
+    finally:
+        gemv.BIG_ROWS = big
 
 
-def _check_float_kernels(gemv, random_blocks, g):
+def _check_float_kernels(gemv, random_blocks, g, types=None):
     for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3), ("Q5_K", 256 * 2), ("Q6_K", 256 * 3),
                         ("Q4_0", 32 * 5), ("Q4_1", 32 * 3), ("Q5_0", 32 * 5), ("Q5_1", 32 * 3)):
+        if types is not None and qtype not in types:
+            continue
         for rows, m in ((37, 1), (21, 3), (5, 6)):
             blocks = random_blocks(qtype, rows, cols, g)
             x = torch.randn(m, cols, generator=g)

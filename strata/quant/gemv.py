@@ -57,10 +57,16 @@ class Config:
     num_warps: int = 4
 
 
-# Defaults per type, untuned guesses (bench/gemv.py --sweep times the others on the GPU)
+# Defaults per type (bench/gemv.py --sweep times the others on the GPU). Q4_K and Q6_K from its sweep at 8B
+# shapes (H200, BENCHMARKS.md): Q6_K's smaller matrices went 1.3-1.8x faster with 4 rows a program and 8 warps;
+# the rest are untuned guesses
 CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K": Config(8, 1),
-                               "Q5_K": Config(8, 1), "Q6_K": Config(8, 1), "Q4_0": Config(8, 4),
+                               "Q5_K": Config(8, 1), "Q6_K": Config(4, 2, 8), "Q4_0": Config(8, 4),
                                "Q4_1": Config(8, 4), "Q5_0": Config(8, 4), "Q5_1": Config(8, 4)}
+# ... and for launches of at least BIG_ROWS rows (gate and up, the head): 32 rows a program, 2 blocks a step
+# (8B gate/up: Q4_K 84 -> 61 us, Q6_K 146 -> 108 us; the head 311 -> 220 and 524 -> 428 us)
+BIG_ROWS = 16384
+BIG_CONFIGS: dict[str, Config] = {"Q4_K": Config(32, 2, 4), "Q6_K": Config(32, 2, 4)}
 # the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
 # divides the row's blocks, block_n raised to give each thread an element when sb is smaller
 DP4A_CONFIG = Config(4, 4, 4)
@@ -587,9 +593,9 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
             config: Config | None, xq: tuple[torch.Tensor, torch.Tensor] | None = None, table: int = 0) -> None:
     """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices
     (IQ3_S with xq, x's `quantize_x`: the dp4a kernel, `table` its grid table, iq3_s_words)."""
-    cfg = config or CONFIGS[name]
-    nb = cols // block_size(name)
     rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
+    cfg = config or (BIG_CONFIGS.get(name) if sum(rows) >= BIG_ROWS else None) or CONFIGS[name]
+    nb = cols // block_size(name)
     if xq is not None:  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
         cfg = config or DP4A_CONFIG
         ptrs = [m.view(torch.uint16) for m in mats]
