@@ -48,16 +48,19 @@ if triton is not None:
     def _argmax_blocks(x_ptr, n, vals_ptr, idx_ptr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + i, mask=i < n, other=float("-inf")).to(tl.float32)
-        v, j = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+        v = tl.max(x, 0)
+        # the first index holding the maximum (min of a where, not max's return_indices: older interpreters
+        # return those with a shape); a NaN row matches nowhere and keeps the block's first index
+        j = tl.min(tl.where(x == v, i, n), 0)
         tl.store(vals_ptr + tl.program_id(0), v)
-        tl.store(idx_ptr + tl.program_id(0), tl.program_id(0).to(tl.int64) * BLOCK + j)
+        tl.store(idx_ptr + tl.program_id(0), tl.where(j < n, j, tl.program_id(0) * BLOCK).to(tl.int64))
 
     @triton.jit
     def _argmax_final(vals_ptr, idx_ptr, parts, out_ptr, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
         v = tl.load(vals_ptr + i, mask=i < parts, other=float("-inf"))
-        _, j = tl.max(v, 0, return_indices=True, return_indices_tie_break_left=True)  # the first block wins a tie
-        tl.store(out_ptr, tl.load(idx_ptr + j))
+        b = tl.min(tl.where(v == tl.max(v, 0), i, parts), 0)  # the first block wins a tie
+        tl.store(out_ptr, tl.load(idx_ptr + tl.where(b < parts, b, 0)))
 
     @triton.jit
     def _rope_store(qkv_ptr, cos_ptr, ssin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, skh, sks, svh, svs,
