@@ -45,6 +45,9 @@ _IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the
 # 1,475 GB/s; dp4a 177, dp4a-table 215, dp4a-smem 240, float 679: bench/pick_iq3s.py, BENCHMARKS.md)
 IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a-u16")
 XQ_GROUP = 32  # x values per int8 scale
+# Q4_K/Q5_K: "words" (the default: each block read as int32 words, _k45_words_gemv) or "bytes" (_k45_gemv, one
+# byte a lane and the scales byte by byte: the A/B arm)
+KQUANT = os.environ.get("STRATA_GEMV_KQUANT", "words")
 log = logging.getLogger("strata.quant")
 
 
@@ -312,6 +315,84 @@ if triton is not None:
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
+    def _k4_words_scales(w0, w1, w2, j):
+        """Q4_K/Q5_K's 6-bit scale and min of sub-block j (an int tensor) from the 12 scale bytes as 3 int32
+        words: j < 4: low 6 bits of bytes j and j + 4; else bytes j + 4's nibbles with bytes j - 4's and j's
+        top 2 bits above them."""
+        sh = 8 * (j & 3)
+        b0, b1, b2 = (w0 >> sh) & 255, (w1 >> sh) & 255, (w2 >> sh) & 255
+        sc = tl.where(j < 4, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
+        mn = tl.where(j < 4, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
+        return sc.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
+    def _acc_k4_words(acc, xr, xo, q, fifth, p, dl, ml, dh, mh, FIVE: tl.constexpr):
+        """acc += dl * (low nibbles . x) - ml * sum(x) + dh * (high nibbles . x[+32]) - mh * sum(x[+32]): the 4
+        bytes of each word, weights xo + t (low) and xo + 32 + t (high)."""
+        dot_lo = tl.zeros(acc.shape, tl.float32)
+        dot_hi = tl.zeros(acc.shape, tl.float32)
+        sum_lo = tl.zeros(xo.shape, tl.float32)
+        sum_hi = tl.zeros(xo.shape, tl.float32)
+        for t in tl.static_range(4):
+            byte = (q >> (8 * t)) & 255
+            lo, hi = byte & 15, byte >> 4
+            if FIVE:  # bit 2p (low sub-block) and 2p + 1 (high) of fifth-bit byte 4w + t
+                lo = lo | (((fifth >> (8 * t + 2 * p)) & 1) << 4)
+                hi = hi | (((fifth >> (8 * t + 2 * p + 1)) & 1) << 4)
+            xl = tl.load(xr + xo + t).to(tl.float32)
+            xh = tl.load(xr + xo + 32 + t).to(tl.float32)
+            dot_lo += lo.to(tl.float32) * xl
+            dot_hi += hi.to(tl.float32) * xh
+            sum_lo += xl
+            sum_hi += xh
+        return acc + dl * dot_lo - ml * sum_lo + dh * dot_hi - mh * sum_hi
+
+    @triton.jit
+    def _k45_words_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                        M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, FIVE: tl.constexpr):
+        """Q4_K and Q5_K (the layout of _k45_gemv) read in int32 words: a block's 128 quantized bytes as one
+        [BLOCK_N rows, 4 quarters, 8 words] load (word w of quarter p: weights 64p + 4w + t in its low nibbles,
+        64p + 32 + 4w + t in its high ones), its header as 4 words per row (d and dmin, then the 12 scale bytes),
+        Q5_K's 32 fifth-bit bytes as 8 words. Blocks must start 4-byte aligned (the caller checks)."""
+        if FIVE:
+            size, qs_at = 176, 48
+        else:
+            size, qs_at = 144, 16
+        row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N)
+        wbase = row_base.to(tl.pointer_type(tl.int32))[:, :, None]  # (BLOCK_N, 1, 1)
+        p = tl.arange(0, 4)[None, :, None]
+        w = tl.arange(0, 8)[None, None, :]
+        acc0 = tl.zeros((BLOCK_N, 4, 8), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 4, 8), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 4, 8), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 4, 8), tl.float32)
+        for k in range(0, nb, SB):
+            for s in tl.static_range(SB):
+                b = k + s
+                base = wbase + b * (size // 4)
+                q = tl.load(base + qs_at // 4 + 8 * p + w)  # (BLOCK_N, 4, 8)
+                h0 = tl.load(base)
+                d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                dmin = ((h0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                w0, w1, w2 = tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)
+                scl, mnl = _k4_words_scales(w0, w1, w2, 2 * p)
+                sch, mnh = _k4_words_scales(w0, w1, w2, 2 * p + 1)
+                dl, ml, dh, mh = d * scl, dmin * mnl, d * sch, dmin * mnh  # (BLOCK_N, 4, 1)
+                fifth = q
+                if FIVE:
+                    fifth = tl.load(base + 4 + w)  # (BLOCK_N, 1, 8): byte 4w + t holds weight 32g + 4w + t's bit g
+                xo = b * 256 + 64 * p + 4 * w  # (1, 4, 8)
+                acc0 = _acc_k4_words(acc0, x_ptr, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
+                if M > 1:
+                    acc1 = _acc_k4_words(acc1, x_ptr + cols, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
+                if M > 2:
+                    acc2 = _acc_k4_words(acc2, x_ptr + 2 * cols, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
+                if M > 3:
+                    acc3 = _acc_k4_words(acc3, x_ptr + 3 * cols, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
+        _store_rows(out_ptr, tl.sum(acc0, 2), tl.sum(acc1, 2), tl.sum(acc2, 2), tl.sum(acc3, 2), M, out_stride,
+                    col + rows, live)
+
+    @triton.jit
     def _q6_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
         """Q6_K (Q4_K_M files keep the head and some ffn_down / attn_v in it): 128 bytes of low nibbles, 64 of
@@ -515,7 +596,7 @@ if triton is not None:
 
     # type -> (kernel, the constexprs that pick the type within its family)
     _KERNELS = {"IQ3_S": (_iq3_s_gemv, {}), "Q8_0": (_q8_0_gemv, {}), "Q6_K": (_q6_k_gemv, {}),
-                "Q4_K": (_k45_gemv, {"FIVE": False}), "Q5_K": (_k45_gemv, {"FIVE": True}),
+                "Q4_K": (_k45_words_gemv, {"FIVE": False}), "Q5_K": (_k45_words_gemv, {"FIVE": True}),
                 **{q: (_legacy_gemv, flags) for q, flags in LEGACY_FLAGS.items()}}
 
 
@@ -618,6 +699,8 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     sb = next(k for k in range(cfg.sb, 0, -1) if nb % k == 0)  # whole steps: the kernels mask no load
     dst = out[:, col0:]
     kernel, family = _KERNELS[name]
+    if kernel is _k45_words_gemv and (KQUANT == "bytes" or any(m.data_ptr() % 4 for m in mats)):
+        kernel = _k45_gemv  # the byte-wise loads: the A/B arm, or blocks not 4-byte aligned
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         for r0 in range(0, x.shape[0], MAX_M):  # the weights are read once per MAX_M rows of x
             xs = x[r0:r0 + MAX_M]
