@@ -24,13 +24,13 @@ def ptx(fn, signature: dict, constexprs: dict, **options) -> str:
 
 
 @pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                                   "Q4_K/bytes", "Q5_K/bytes", "Q6_K/bytes"])
+                                   "Q4_K/bytes", "Q5_K/bytes"])
 @pytest.mark.parametrize("m", [1, 4])
 def test_decode_gemv_kernels_compile_for_sm90(qtype, m):
     from strata.quant import gemv
     kernel, family = gemv._KERNELS[qtype.split("/")[0]]
-    if qtype.endswith("/bytes"):  # the K-quants' byte-wise kernels (STRATA_GEMV_KQUANT=bytes, the A/B arm)
-        kernel = gemv._q6_k_gemv if qtype.startswith("Q6_K") else gemv._k45_gemv
+    if qtype.endswith("/bytes"):  # the K-quants' byte-wise kernel (STRATA_GEMV_KQUANT=bytes, the A/B arm)
+        kernel = gemv._k45_gemv
     sig = {**GEMV_SIG, **{k: "constexpr" for k in family}}
     code = ptx(kernel, sig, {"M": m, "BLOCK_N": 8, "SB": 2, **family})
     assert ".target sm_90" in code and "ld.global" in code

@@ -45,8 +45,10 @@ _IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the
 # 1,475 GB/s; dp4a 177, dp4a-table 215, dp4a-smem 240, float 679: bench/pick_iq3s.py, BENCHMARKS.md)
 IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a-u16")
 XQ_GROUP = 32  # x values per int8 scale
-# Q4_K/Q5_K and Q6_K: "words" (the default: blocks read in int32 words, _k45_words_gemv, or 16-bit ones,
-# _q6_k_halves_gemv) or "bytes" (_k45_gemv and _q6_k_gemv: a byte a lane, scales byte by byte: the A/B arm)
+# Q4_K/Q5_K: "words" (the default: each block read in int32 words, _k45_words_gemv) or "bytes" (_k45_gemv: a
+# byte a lane and the scales byte by byte, the A/B arm). On an H200 at 8B shapes one layer's four launches took
+# 143 vs 202 us (Q4_K) and 184 vs 297 us (Q5_K) in a graph. (A Q6_K kernel reading 16-bit words was slower than
+# _q6_k_gemv, 330 vs 265 us, and was dropped: BENCHMARKS.md fifth round.)
 KQUANT = os.environ.get("STRATA_GEMV_KQUANT", "words")
 log = logging.getLogger("strata.quant")
 
@@ -393,39 +395,6 @@ if triton is not None:
                     col + rows, live)
 
     @triton.jit
-    def _q6_k_halves_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                          M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-        """Q6_K (the layout of _q6_k_gemv) read in 16-bit words (its 210-byte blocks are 2-byte aligned only):
-        lane l = 32h + 16e + u of a [BLOCK_N rows, 64] tile takes low-bits halfword 32h + 16e + u (bytes i = 2u,
-        2u + 1 of group e's 32: group e in their low nibbles, e + 2 in their high ones) and high-bits halfword
-        64 + 16h + u, so 4 weights of half h: 128h + 32j + i for j = e, e + 2. Scales (int8, one per 16 weights)
-        by byte, d as a halfword."""
-        row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, 210, BLOCK_N)
-        hbase = row_base.to(tl.pointer_type(tl.int16))  # (BLOCK_N, 1)
-        lane = tl.arange(0, 64)[None, :]
-        h, e, u = lane // 32, (lane // 16) % 2, lane % 16
-        acc0, acc1, acc2, acc3 = _zeros4(BLOCK_N, 64)
-        for k in range(0, nb, SB):
-            for s in tl.static_range(SB):
-                b = k + s
-                base = hbase + b * 105
-                ql = tl.load(base + 32 * h + 16 * e + u).to(tl.int32) & 0xFFFF
-                qh = tl.load(base + 64 + 16 * h + u).to(tl.int32) & 0xFFFF
-                d = tl.load(base + 104).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
-                sp = row_base + b * 210 + 192 + 8 * h + 2 * e + u // 8  # scale of 16 weights: 8h + 2j + i // 16
-                da = d * tl.load(sp).to(tl.int8, bitcast=True).to(tl.float32)  # group j = e
-                db = d * tl.load(sp + 4).to(tl.int8, bitcast=True).to(tl.float32)  # group j = e + 2
-                for t in tl.static_range(2):
-                    lo = (ql >> (8 * t)) & 255
-                    hi2 = (qh >> (8 * t)) & 255
-                    qa = ((lo & 15) | (((hi2 >> (2 * e)) & 3) << 4)) - 32
-                    qb = ((lo >> 4) | (((hi2 >> (2 * e + 4)) & 3) << 4)) - 32
-                    xo = b * 256 + 128 * h + 32 * e + 2 * u + t
-                    acc0, acc1, acc2, acc3 = _acc1_rows(acc0, acc1, acc2, acc3, x_ptr, cols, xo, da, qa.to(tl.float32), M)
-                    acc0, acc1, acc2, acc3 = _acc1_rows(acc0, acc1, acc2, acc3, x_ptr, cols, xo + 64, db, qb.to(tl.float32), M)
-        _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
-
-    @triton.jit
     def _q6_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
         """Q6_K (Q4_K_M files keep the head and some ffn_down / attn_v in it): 128 bytes of low nibbles, 64 of
@@ -628,7 +597,7 @@ if triton is not None:
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     # type -> (kernel, the constexprs that pick the type within its family)
-    _KERNELS = {"IQ3_S": (_iq3_s_gemv, {}), "Q8_0": (_q8_0_gemv, {}), "Q6_K": (_q6_k_halves_gemv, {}),
+    _KERNELS = {"IQ3_S": (_iq3_s_gemv, {}), "Q8_0": (_q8_0_gemv, {}), "Q6_K": (_q6_k_gemv, {}),
                 "Q4_K": (_k45_words_gemv, {"FIVE": False}), "Q5_K": (_k45_words_gemv, {"FIVE": True}),
                 **{q: (_legacy_gemv, flags) for q, flags in LEGACY_FLAGS.items()}}
 
@@ -734,8 +703,6 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     kernel, family = _KERNELS[name]
     if kernel is _k45_words_gemv and (KQUANT == "bytes" or any(m.data_ptr() % 4 for m in mats)):
         kernel = _k45_gemv  # the byte-wise loads: the A/B arm, or blocks not 4-byte aligned
-    if kernel is _q6_k_halves_gemv and (KQUANT == "bytes" or any(m.data_ptr() % 2 for m in mats)):
-        kernel = _q6_k_gemv
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         for r0 in range(0, x.shape[0], MAX_M):  # the weights are read once per MAX_M rows of x
             xs = x[r0:r0 + MAX_M]
