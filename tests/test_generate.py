@@ -225,3 +225,31 @@ def test_decode_bells_stop_mid_answer_then_reuse(tmp_path, monkeypatch):
         follow = np.concatenate([ids, np.array(full[:2], dtype=np.int32)])
         more = p.generate(follow, SamplingParams(max_tokens=4))
         assert more.reused_tokens == follow.size - 1 and more.continuation_ids == full[2:6]
+
+
+def test_decode_ahead_only_with_a_gpu_per_stage(monkeypatch):
+    """Launch-ahead (a stream parked on a bell) is asked for only when every stage has a GPU of its own: stages
+    sharing a GPU would hold its time slices from each other; `0` turns it off."""
+    from strata import bells
+    monkeypatch.setattr(bells, "AHEAD", "auto")
+    assert bells.ahead_wanted(["cuda:0", "cuda:1"])
+    assert not bells.ahead_wanted(["cuda:0", "cuda:0"]) and not bells.ahead_wanted(["cuda:0", "cpu"])
+    monkeypatch.setattr(bells, "AHEAD", "0")
+    assert not bells.ahead_wanted(["cuda:0", "cuda:1"])
+
+
+def test_bell_release_reads_as_the_step_queued_ahead():
+    """A stage's release of the step it queued ahead rings its own bell as the hop above would: the queued
+    step's copies find its position and a valid token, the wait (seq >= seen + 1) passes, the stage has seen that
+    seq (it is not taken as a note), and the sender's next ring is the next seq, which is."""
+    from strata.bells import ARGMAX, POS, ROW, SEQ, Bells
+    words = np.zeros((3, ROW), dtype=np.int64)
+    sender, stage = Bells(words), Bells(words)
+    sender.ring(1, k=4, pos=700, argmax=-1, t0=1.5)
+    assert stage.take(1) == (4, 700, -1, 1.5)
+    queued_for = stage.seen + 1  # what the queued step waits for
+    assert stage.release(1, pos=701) == queued_for == words[1, SEQ]
+    assert words[1, POS] == 701 and words[1, ARGMAX] == 0
+    assert stage.take(1) is None
+    sender.ring(1, k=0, pos=705, t0=2.5)
+    assert words[1, SEQ] == queued_for + 1 and stage.take(1) == (0, 705, -1, 2.5)
