@@ -25,8 +25,7 @@ def _driver() -> dict | None:
         except OSError:
             _fns = {}
             return None
-        # the _v2 names are what cuda.h maps the plain ones to since CUDA 12 (stream memory operations without
-        # the nvidia module's NVreg_EnableStreamMemOPs)
+        # the _v2 names are what cuda.h maps the plain ones to since CUDA 12; `works` tries one before use
         wait = getattr(_lib, "cuStreamWaitValue32_v2", None) or getattr(_lib, "cuStreamWaitValue32", None)
         devptr = getattr(_lib, "cuMemHostGetDevicePointer_v2", None)
         if wait is None or devptr is None:
