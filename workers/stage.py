@@ -600,8 +600,9 @@ class Stage:
             self.ahead = None
             work_start = time.perf_counter()
             self._inject(k)
-            out, am = self.ahead_out  # the GPU started it when the bell rang: wait for it, ring, queue the next
-            return self._decode_done(msg, out, am, work_start)
+            # the GPU started it when the bell rang (its argmax, on the last stage, lands in _argmax_host): wait for
+            # it, ring on, queue the next
+            return self._decode_done(msg, self._argmax_host if self.last else None, work_start)
         t_in = time.perf_counter()
         if self.first:
             x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
@@ -623,7 +624,7 @@ class Stage:
             out = h.view(n, self.args.dim)
         self._reap()  # only the prefill's last chunk can still be in flight below
         self._copy_out(out, am)
-        self._decode_done(msg, out, self._argmax_host if self.last and cuda else am, work_start)
+        self._decode_done(msg, self._argmax_host if self.last and cuda else am, work_start)
 
     def _copy_out(self, out, am) -> None:
         """Queue the step's output into the hand-off buffer below (and the argmax into page-locked memory)."""
@@ -632,7 +633,7 @@ class Stage:
         if self.last and cuda:
             self._argmax_host.copy_(am, non_blocking=self.pinned)
 
-    def _decode_done(self, msg: M.Chunk, out, am, work_start: float) -> None:
+    def _decode_done(self, msg: M.Chunk, am, work_start: float) -> None:
         """A decode step's end: wait for its queued work, pass the note on (by bell when it came by one), and
         with launch-ahead queue the next step behind a wait on this stage's bell."""
         k, pos, n = msg.k, msg.pos, msg.n
@@ -670,7 +671,7 @@ class Stage:
             row_src=None if self.first else self.inlink.buf[0])
         out = logits if self.last else h.view(1, self.args.dim)
         self._copy_out(out, am)
-        self.ahead, self.ahead_out = (k, pos), (out, self._argmax_host if self.last else None)
+        self.ahead = (k, pos)
 
     def _release_ahead(self) -> None:
         """Let a step queued ahead that will not come run and finish (the phase ended, or a new one starts):
