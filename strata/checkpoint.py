@@ -136,7 +136,8 @@ def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dty
     """The stage process's one entry point: layers [start, end) built on the meta device, filled with
     just this slice's weights (as stored or dequantized), KV cache allocated for `max_len` positions.
 
-    decode_weights: None, or "int4" / "int8" / "float16" for CPU decode steps (Transformer.set_decode_weights)."""
+    decode_weights: None, or "int4" / "int8" / "float16" / "blocks" for CPU decode steps
+    (Transformer.set_decode_weights; "blocks" reads the slice's quantized tensors as stored a second time)."""
     device = torch.device(device)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     mode = weights_mode(model, device.type, weights, args)
@@ -146,7 +147,11 @@ def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dty
     m.load_weights(tensors, device, dtype)
     del tensors
     m.setup_cache(max_len, kv_dtype)
-    if decode_weights is not None:
+    if decode_weights == "blocks" and mode == "dequantized" and _has_quantized(model, args):
+        stored = {n: t for n, t in slice_tensors(model, args, start, end, device=device, dtype=dtype, seed=seed,
+                                                 weights="resident").items() if isinstance(t, Quantized)}
+        m.set_decode_weights(decode_weights, stored)
+    elif decode_weights is not None:
         m.set_decode_weights(decode_weights)
     return m.eval()
 

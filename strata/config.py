@@ -20,7 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/model.py); auto = the model's default
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn")  # the KV cache's dtype (issue 12); auto = dtype
-DECODE_WEIGHTS = ("none", "float16", "int8", "int4")  # CPU stages: weight-only copies for one-token steps
+DECODE_WEIGHTS = ("none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
 REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.stage --join {join} --key {key}"
 REMOTE_FIELDS = ("host", "python", "cwd", "join", "key", "stage")

@@ -555,6 +555,7 @@ class FeedForward(nn.Module):
 
 # -- weight-only kernels for decode (CPU) -------------------------------------------------------
 WEIGHT_ONLY = ("int4", "int8", "float16")
+DECODE_KINDS = WEIGHT_ONLY + ("blocks",)  # blocks: strata.cpu_decode (C on 4/8-bit blocks)
 INT4_GROUP = 32
 
 
@@ -786,6 +787,7 @@ class Transformer(nn.Module):
         self.decode_weights: str | None = None
         self._weight_only: dict[str, LayerWeightOnly] = {}
         self._head_weight_only: WeightOnly | None = None
+        self._blocks = None  # strata.cpu_decode.Decoder (decode_weights="blocks")
         self.cuda_graphs = False  # opt-in: forward's one-token steps replay CUDA graphs (decode_step)
         self._graphs = None  # strata.decode_graphs.DecodeGraphs, made on the first graph step
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU decode: cos, signed sin by position
@@ -887,6 +889,8 @@ class Transformer(nn.Module):
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
             blk.attn.k_cache = torch.zeros(shape, device=device, dtype=kv)
             blk.attn.v_cache = torch.zeros(shape, device=device, dtype=kv)
+        if self._blocks is not None:
+            self._blocks.bind_cache()
         return self.kv_bytes
 
     @property
@@ -947,6 +951,10 @@ class Transformer(nn.Module):
         if decode:
             cos, sin = self._decode_rope(pos, T, h.dtype, h.device)
             dim = h.shape[-1]
+            if self._blocks is not None and T == 1:
+                h = h.reshape(dim) if self.has_embed else h.reshape(dim).clone()  # in place: never the caller's
+                self._blocks.layers(h, pos, cos, sin)
+                return h.view(1, 1, dim)
             h = h.view(T, dim)
             for i, blk in self.layers.items():
                 h = blk.decode_rows(h, pos, cos, sin, self._weight_only.get(i))
@@ -959,6 +967,8 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head over residual rows (..., dim) -> float32 logits (..., vocab)."""
+        if self._blocks is not None and h.numel() == h.shape[-1]:
+            return self._blocks.logits(h.reshape(-1))[0].view(*h.shape[:-1], -1)
         hw = self._head_weight_only
         if hw is not None and h.numel() <= DECODE_T * h.shape[-1]:  # decode rows: one fused norm op
             return hw(F.rms_norm(h, (h.shape[-1],), self.norm.weight, self.norm.eps).float()).float()
@@ -966,19 +976,26 @@ class Transformer(nn.Module):
         return self.head(x).float()
 
     # -- decode options --------------------------------------------------------------------------
-    def set_decode_weights(self, kind: str | None) -> int:
-        """Opt-in narrower weights for rows <= DECODE_T (decode) on CPU: "int4", "int8", "float16" or None.
+    def set_decode_weights(self, kind: str | None, stored: dict | None = None) -> int:
+        """Opt-in narrower weights for rows <= DECODE_T (decode) on CPU: "int4", "int8", "float16",
+        "blocks" or None.
 
-        Re-quantizes the layers' dense matrices to `kind` and the head to float16, once, kept beside
-        them; the prefill path is untouched. Returns the extra bytes held."""
-        self._weight_only, self._head_weight_only, self.decode_weights = {}, None, None
+        int4 / int8 / float16: re-quantizes the layers' dense matrices to `kind` and the head to float16, once,
+        kept beside them, for torch's kernels. blocks: one-token steps run in C on 4/8-bit blocks
+        (strata.cpu_decode; `stored`: the slice's GGUF blocks, used as they are). The prefill path is untouched.
+        Returns the extra bytes held."""
+        self._weight_only, self._head_weight_only, self.decode_weights, self._blocks = {}, None, None, None
         if kind is None:
             return 0
-        if kind not in WEIGHT_ONLY:
-            raise ValueError(f"unknown decode_weights {kind!r} (known: {', '.join(WEIGHT_ONLY)}, or None)")
+        if kind not in DECODE_KINDS:
+            raise ValueError(f"unknown decode_weights {kind!r} (known: {', '.join(DECODE_KINDS)}, or None)")
         device, _ = self._compute()
         if device.type != "cpu":
-            raise ValueError(f"decode_weights={kind!r} uses torch's CPU kernels; this slice is on {device}")
+            raise ValueError(f"decode_weights={kind!r} uses CPU kernels; this slice is on {device}")
+        if kind == "blocks":
+            from .cpu_decode import Decoder
+            self._blocks, self.decode_weights = Decoder(self, stored), kind
+            return self._blocks.nbytes
         packs, n = {}, 0
         for i, blk in self.layers.items():
             if not isinstance(blk.weights, DenseMatrices):

@@ -179,12 +179,16 @@ class Stage:
         """This stage's slice (weights resident as GGUF blocks or dequantized) and its KV cache."""
         args = ModelArgs(**spec.args)
         self.weights = weights_mode(spec.model, self.device.type, spec.weights, args)
+        cpu_decode = spec.decode_weights if spec.decode_weights != "none" and self.device.type == "cpu" else None
         model = load_stage(spec.model, args, spec.start, spec.end, device=self.device, dtype=self.dtype,
-                           seed=spec.seed, weights=self.weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len)
-        # decode options, after the load: weight-only copies are a CPU kernel path, graphs a CUDA one
-        if spec.decode_weights != "none" and self.device.type == "cpu":
-            model.set_decode_weights(spec.decode_weights)
-        elif spec.decode_weights != "none":
+                           seed=spec.seed, weights=self.weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len,
+                           decode_weights=cpu_decode)
+        # decode options: weight-only copies are a CPU kernel path, graphs a CUDA one
+        if cpu_decode == "blocks":
+            b = model._blocks
+            self.log.info("decode_weights=blocks: %d matrices as stored, %d quantized to 8 bits, %.1f MB, %s build",
+                          b.exact, b.requantized, b.nbytes / 1e6, "AVX-512 VNNI" if b.lib.strata_simd() else "portable")
+        elif spec.decode_weights != "none" and self.device.type != "cpu":
             self.log.info("decode_weights=%s: CPU stages only; %s decodes with its own weights",
                           spec.decode_weights, self.device)
         model.cuda_graphs = bool(spec.cuda_graphs and self.device.type == "cuda")

@@ -1,0 +1,260 @@
+"""CPU decode steps in C on 4/8-bit blocks (`decode_weights: blocks`): strata/csrc/cpu_decode.c, built once
+per machine with the system's C compiler and loaded with ctypes (no torch headers: a build takes ~1 s).
+
+The products read GGUF's own Q4_0 / Q4_1 / Q8_0 blocks as stored (the file's weights, bit for bit);
+other matrices (K-quants, float files) are quantized to 8 bits per 32 here. The input row of each product is
+quantized to 8 bits per 32, as llama.cpp does, so results differ from the dense float32 path by that rounding
+(SmolLM2: logits within ~1e-2 of their range). Prefill keeps the dense weights; the KV cache is shared, so
+decode continues whatever prefill wrote."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.c"
+BLOCK = 32
+ROWS = 16  # rows interleaved per group (one AVX-512 register of int32 lanes)
+EXACT = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF types used as stored: bytes per block
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+class Mat(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("bits", ctypes.c_int32), ("rows", ctypes.c_int32), ("cols", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [(n, Mat) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [
+        (n, ctypes.c_void_p) for n in ("attn_norm", "mlp_norm", "bq", "bk", "bv", "k_cache", "v_cache")]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("dim", "n_heads", "n_kv", "hd", "ffn", "max_len", "n_layers",
+                                               "kv_bits")] + [
+        ("eps", ctypes.c_float), ("pad_", ctypes.c_int32), ("layers", ctypes.POINTER(Layer)), ("work", ctypes.c_void_p)]
+
+
+# -- the library -----------------------------------------------------------------------------------
+_libs: dict[bool, ctypes.CDLL] = {}
+_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STRATA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "strata")
+    return Path(root)
+
+
+def library(portable: bool = False) -> ctypes.CDLL:
+    """The compiled kernel, built on first use into the cache (`STRATA_CACHE_DIR`, else ~/.cache/strata) and
+    reused while the source, compiler and flags are the same. portable: without -march=native (the plain C
+    path; tests compare it with the vector one). Raises BuildError naming what is missing."""
+    with _lock:
+        if portable in _libs:
+            return _libs[portable]
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if not cc or not shutil.which(cc):
+            raise BuildError("decode_weights=blocks builds strata/csrc/cpu_decode.c and finds no C compiler "
+                             "(set CC, or install gcc)")
+        flags = ["-O2", "-std=c11", "-fPIC", "-shared"] + ([] if portable else ["-march=native"])
+        try:
+            version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            raise BuildError(f"{cc} --version failed: {e}") from None
+        src = SOURCE.read_bytes()
+        key = hashlib.sha256(src + " ".join([cc, version] + flags).encode()).hexdigest()[:16]
+        out = _cache_dir() / f"cpu_decode-{key}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            r = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                               timeout=300)
+            if r.returncode:
+                os.unlink(tmp)
+                first = (r.stderr.strip().splitlines() or ["?"])[0]
+                raise BuildError(f"building {SOURCE.name} with {cc} failed: {first}")
+            os.replace(tmp, out)  # atomic: stages building at once each install a whole file
+        lib = ctypes.CDLL(str(out))
+        lib.strata_simd.restype = ctypes.c_int
+        lib.strata_work_floats.restype = ctypes.c_long
+        lib.strata_work_floats.argtypes = [ctypes.POINTER(Model)]
+        lib.strata_matvec.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 3
+        lib.strata_layers.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p]
+        lib.strata_head.restype = ctypes.c_int
+        lib.strata_head.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(Mat),
+                                    ctypes.c_void_p]
+        _libs[portable] = lib
+        return lib
+
+
+# -- matrices in the kernel's layout -----------------------------------------------------------------
+class Packed:
+    """One matrix interleaved 16 rows at a time (see the C file's header): q (bytes), d and m (float16)."""
+
+    def __init__(self, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, cols: int):
+        """u: (rows, blocks, 16) GGUF qs bytes (4-bit) or (rows, blocks, 32) unsigned bytes (8-bit); d, m:
+        (rows, blocks) float16, so that weight = d * u + m."""
+        rows, J = d.shape
+        G = -(-rows // ROWS)
+        pad = G * ROWS - rows
+        if pad:
+            u = torch.cat([u, u.new_zeros(pad, *u.shape[1:])])
+            d, m = torch.cat([d, d.new_zeros(pad, J)]), torch.cat([m, m.new_zeros(pad, J)])
+        per = u.shape[2] // 4  # 4-byte groups a block: 4 (4-bit) or 8 (8-bit)
+        self.q = u.view(G, ROWS, J, per, 4).permute(0, 2, 3, 1, 4).contiguous()
+        self.d = d.view(G, ROWS, J).transpose(1, 2).contiguous().view(torch.int16)
+        self.m = m.view(G, ROWS, J).transpose(1, 2).contiguous().view(torch.int16)
+        self.rows, self.cols, self.bits = rows, cols, bits
+        self.mat = Mat(self.q.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), bits, rows, cols, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m))
+
+
+def from_blocks(blocks: torch.Tensor, qtype: str, cols: int) -> Packed | None:
+    """GGUF blocks (rows, bytes a row) of Q4_0 / Q4_1 / Q8_0 as the kernel reads them, the weights unchanged;
+    None for other types (or a Q8_0 scale too large for m = -128 d in float16)."""
+    size = EXACT.get(qtype)
+    if size is None or cols % BLOCK:
+        return None
+    b = blocks.contiguous().view(blocks.shape[0], cols // BLOCK, size)
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    if qtype == "Q4_1":
+        return Packed(b[..., 4:20], d, b[..., 2:4].contiguous().view(torch.float16)[..., 0], 4, cols)
+    if qtype == "Q4_0":
+        return Packed(b[..., 2:18], d, (d.float() * -8).half(), 4, cols)  # a power of two: exact
+    m = (d.float() * -128).half()
+    if not torch.isfinite(m).all():
+        return None
+    u = (b[..., 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return Packed(u, d, m, 8, cols)
+
+
+def from_dense(w: torch.Tensor) -> Packed:
+    """A float matrix quantized to 8 bits per 32 (GGUF Q8_0's rule: d = max |w| / 127, rounded to float16)."""
+    rows, cols = w.shape
+    g = w.detach().float().reshape(rows, cols // BLOCK, BLOCK)
+    d = (g.abs().amax(-1) / 127).half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(()))
+    q = torch.round(g * inv[..., None]).clamp(-127, 127)
+    return Packed((q + 128).to(torch.uint8), d, (d.float() * -128).half(), 8, cols)
+
+
+def matvec(p: Packed, x: torch.Tensor, portable: bool = False) -> torch.Tensor:
+    """p's product with one row x (cols,) float32 -> (rows,) float32: the kernel alone (tests, benchmarks)."""
+    lib = library(portable)
+    x = x.detach().float().contiguous()
+    y = torch.empty(p.rows, dtype=torch.float32)
+    work = torch.empty(p.cols, dtype=torch.float32)
+    lib.strata_matvec(ctypes.byref(p.mat), x.data_ptr(), y.data_ptr(), work.data_ptr())
+    return y
+
+
+# -- a stage's decode step ---------------------------------------------------------------------------
+def supported(model) -> str | None:
+    """Why `model` (a strata.model.Transformer slice) cannot decode here, or None."""
+    a = model.args
+    device, dtype = model._compute()
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"needs float32 weights on the CPU (this slice: {dtype} on {device})"
+    if a.dim % BLOCK or a.ffn_dim % BLOCK or (a.n_heads * a.head_dim) % BLOCK:
+        return f"needs widths in whole {BLOCK}-blocks (dim {a.dim}, ffn {a.ffn_dim}, heads x hd {a.n_heads * a.head_dim})"
+    if a.head_dim % 2 or a.head_dim > 256:
+        return f"needs an even head_dim up to 256 (got {a.head_dim})"
+    return None
+
+
+class Decoder:
+    """A Transformer slice's layers (and head, on the last slice) packed for strata_layers / strata_head.
+
+    stored: canonical name -> strata.model.Quantized, the slice's GGUF blocks where the file has them."""
+
+    def __init__(self, model, stored: dict | None = None):
+        why = supported(model)
+        if why:
+            raise ValueError(f"decode_weights=blocks {why}")
+        self.lib = library()
+        a, stored = model.args, stored or {}
+        self.model, self.exact, self.requantized = model, 0, 0
+        self._keep: list = []
+        layers = []
+        for i, blk in model.layers.items():
+            w = blk.weights.get()
+            qkv = w.wqkv.split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim])
+            gu = w.w13.split([a.ffn_dim, a.ffn_dim])
+            dense = dict(zip(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), (*qkv, w.wo, *gu, w.w2)))
+            mats = [self._pack(stored.get(f"layers.{i}.{n}"), t) for n, t in dense.items()]
+            biases = (None, None, None)
+            if w.bqkv is not None:
+                bias = [t.contiguous() for t in w.bqkv.float().split(
+                    [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim])]
+                self._keep += bias
+                biases = tuple(t.data_ptr() for t in bias)
+            layers.append(Layer(*(p.mat for p in mats), blk.attn_norm.weight.data_ptr(), blk.mlp_norm.weight.data_ptr(),
+                                *biases, None, None))
+            self._keep += mats
+        self._layers = (Layer * len(layers))(*layers)
+        self.spec = Model(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim, 0, len(layers), 32, a.norm_eps, 0,
+                          self._layers, None)
+        self.head = None
+        if model.has_head:
+            self.head = self._pack(stored.get("head", stored.get("embed") if a.tie_embeddings else None),
+                                   model.head.weight)
+            self._keep.append(self.head)
+        self.bind_cache()
+
+    def bind_cache(self) -> None:
+        """Point the layers at the model's KV cache (again after Transformer.setup_cache replaced it)."""
+        max_len, bits = 0, 32
+        for layer, blk in zip(self._layers, self.model.layers.values()):
+            kc, vc = blk.attn.k_cache, blk.attn.v_cache
+            if kc is None:
+                raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
+            if kc.dtype not in (torch.float32, torch.bfloat16) or not (kc.is_contiguous() and vc.is_contiguous()):
+                raise ValueError(f"decode_weights=blocks reads a contiguous float32 or bfloat16 KV cache, not {kc.dtype}")
+            layer.k_cache, layer.v_cache = kc.data_ptr(), vc.data_ptr()
+            max_len, bits = kc.shape[2], 16 if kc.dtype == torch.bfloat16 else 32
+        self.spec.max_len, self.spec.kv_bits = max_len, bits
+        self.work = torch.empty(self.lib.strata_work_floats(ctypes.byref(self.spec)), dtype=torch.float32)
+        self.spec.work = self.work.data_ptr()
+
+    def _pack(self, q, dense: torch.Tensor) -> Packed:
+        p = from_blocks(q.blocks, q.qtype, q.cols) if q is not None else None
+        if p is None:
+            p = from_dense(dense)
+            self.requantized += 1
+        else:
+            self.exact += 1
+        return p
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._keep if isinstance(p, Packed))
+
+    def layers(self, h: torch.Tensor, pos: int, cos: torch.Tensor, ssin: torch.Tensor) -> None:
+        """The slice's layers on one residual row h (dim,) float32 contiguous, in place; cos, ssin: (hd,) rows."""
+        if pos >= self.spec.max_len:
+            raise ValueError(f"position {pos} exceeds the KV cache ({self.spec.max_len})")
+        self.lib.strata_layers(ctypes.byref(self.spec), h.data_ptr(), pos, cos.data_ptr(), ssin.data_ptr())
+
+    def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Final norm and head of one residual row h (dim,) -> (float32 logits (vocab,), first argmax)."""
+        h = h.detach().float().contiguous()
+        out = torch.empty(self.head.rows, dtype=torch.float32)
+        best = self.lib.strata_head(ctypes.byref(self.spec), h.data_ptr(), self.model.norm.weight.data_ptr(),
+                                    ctypes.byref(self.head.mat), out.data_ptr())
+        return out, best

@@ -1,0 +1,407 @@
+/* One-token decode steps on a CPU core: a stage's layers and the head in one call each.
+ *
+ * Why C: a SmolLM2 decode step is ~35 tiny ops a layer; through torch each costs ~5-10 us of dispatch,
+ * more than its arithmetic. Here a layer is one loop nest and the products read 4- or 8-bit blocks.
+ *
+ * Products follow GGUF's legacy blocks: 32 weights w = d * u + m (u unsigned: Q4_1's nibbles; Q4_0 is
+ * m = -8d; Q8_0 is stored u = q + 128 with m = -128d). The input row is quantized to 8 bits per 32 (scale
+ * dx, as llama.cpp does), so a block's dot product is exact in integers:
+ *     sum_i w_i x_i ~= d * dx * sum_i u_i xq_i + m * (dx * sum_i xq_i).
+ * Rows are interleaved 16 at a time so one AVX-512 register holds 16 rows' bytes for 4 consecutive weights
+ * and VPDPBUSD adds 16 rows' 4-products at once: no horizontal sums, the 16 scales are one load.
+ *
+ * Layout of a matrix (rows padded to G = ceil(rows / 16) groups, J = cols / 32 blocks a row):
+ *   4-bit: q[((g * J + j) * 4 + p) * 64 + r * 4 + t], low nibble u[16g + r][32j + 4p + t],
+ *          high nibble u[16g + r][32j + 16 + 4p + t]   (GGUF's qs byte 4p + t of that row, as stored)
+ *   8-bit: q[((g * J + j) * 8 + p) * 64 + r * 4 + t] = u[16g + r][32j + 4p + t]
+ *   d, m:  IEEE half, [(g * J + j) * 16 + r]
+ * The portable build (no AVX-512 VNNI) runs the same arithmetic in the same order, so its products are the
+ * same bits; attention and SiLU use libm's expf there instead of the vector exp below.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define SIMD 1
+#else
+#define SIMD 0
+#endif
+
+typedef struct {
+    const uint8_t *q;
+    const uint16_t *d, *m;
+    int32_t bits, rows, cols, pad_;
+} mat_t;
+
+typedef struct {
+    mat_t wq, wk, wv, wo, wg, wu, wd;
+    const float *attn_norm, *mlp_norm;
+    const float *bq, *bk, *bv;  /* NULL without q/k/v biases */
+    void *k_cache, *v_cache;    /* (n_kv, max_len, hd): float32 or bfloat16 (kv_bits) */
+} layer_t;
+
+typedef struct {
+    int32_t dim, n_heads, n_kv, hd, ffn, max_len, n_layers, kv_bits;
+    float eps;
+    int32_t pad_;
+    const layer_t *layers;
+    float *work; /* strata_work_floats(model) floats */
+} model_t;
+
+int strata_simd(void) { return SIMD; }
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, f = h & 0x3FF, u;
+    if (e == 0) {
+        if (f == 0) {
+            u = s;
+        } else { /* subnormal: normalize */
+            e = 113;
+            while (!(f & 0x400)) { f <<= 1; e--; }
+            u = s | (e << 23) | ((f & 0x3FF) << 13);
+        }
+    } else if (e == 31) {
+        u = s | 0x7F800000 | (f << 13);
+    } else {
+        u = s | ((e + 112) << 23) | (f << 13);
+    }
+    float out;
+    memcpy(&out, &u, 4);
+    return out;
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float out;
+    memcpy(&out, &u, 4);
+    return out;
+}
+
+static inline uint16_t float_to_bf16(float x) { /* round to nearest even, as torch's cast */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7FFF + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* ---- the input row in 8 bits per 32 ------------------------------------------------------------- */
+
+/* x (n, a multiple of 32) -> xq, and per block dx (its scale) and sx = dx * sum(xq) */
+static void quantize_row(const float *x, int n, int8_t *xq, float *dx, float *sx) {
+    for (int j = 0; j < n / 32; j++) {
+        const float *xb = x + 32 * j;
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            int q = (int)lrintf(xb[i] * id);
+            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            xq[32 * j + i] = (int8_t)q;
+            sum += q;
+        }
+        dx[j] = d;
+        sx[j] = d * (float)sum;
+    }
+}
+
+/* ---- products --------------------------------------------------------------------------------- */
+
+#if SIMD
+static void matvec(const mat_t *W, const int8_t *xq, const float *dx, const float *sx, float *y) {
+    const int J = W->cols / 32, G = (W->rows + 15) / 16, bytes = W->bits == 4 ? 256 : 512;
+    const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *q = W->q + (size_t)g * J * bytes;
+        const uint16_t *d = W->d + (size_t)g * J * 16, *m = W->m + (size_t)g * J * 16;
+        __m512 acc = _mm512_setzero_ps();
+        for (int j = 0; j < J; j++, q += bytes) {
+            const int32_t *xb = (const int32_t *)(xq + 32 * j);
+            __m512i a0, a1, a2, a3;
+            if (W->bits == 4) {
+                __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
+                __m512i v2 = _mm512_loadu_si512(q + 128), v3 = _mm512_loadu_si512(q + 192);
+                a0 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(v0, low), _mm512_set1_epi32(xb[0]));
+                a1 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(v1, low), _mm512_set1_epi32(xb[1]));
+                a2 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(v2, low), _mm512_set1_epi32(xb[2]));
+                a3 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(v3, low), _mm512_set1_epi32(xb[3]));
+                a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low), _mm512_set1_epi32(xb[4]));
+                a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), _mm512_set1_epi32(xb[5]));
+                a2 = _mm512_dpbusd_epi32(a2, _mm512_and_si512(_mm512_srli_epi16(v2, 4), low), _mm512_set1_epi32(xb[6]));
+                a3 = _mm512_dpbusd_epi32(a3, _mm512_and_si512(_mm512_srli_epi16(v3, 4), low), _mm512_set1_epi32(xb[7]));
+            } else {
+                a0 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(q), _mm512_set1_epi32(xb[0]));
+                a1 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(q + 64), _mm512_set1_epi32(xb[1]));
+                a2 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(q + 128), _mm512_set1_epi32(xb[2]));
+                a3 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(q + 192), _mm512_set1_epi32(xb[3]));
+                a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(q + 256), _mm512_set1_epi32(xb[4]));
+                a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(q + 320), _mm512_set1_epi32(xb[5]));
+                a2 = _mm512_dpbusd_epi32(a2, _mm512_loadu_si512(q + 384), _mm512_set1_epi32(xb[6]));
+                a3 = _mm512_dpbusd_epi32(a3, _mm512_loadu_si512(q + 448), _mm512_set1_epi32(xb[7]));
+            }
+            __m512i s = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
+            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * j)));
+            __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + 16 * j)));
+            acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[j])), _mm512_cvtepi32_ps(s), acc);
+            acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[j]), acc);
+        }
+        int left = W->rows - 16 * g;
+        _mm512_mask_storeu_ps(y + 16 * g, left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1), acc);
+    }
+}
+#else
+static void matvec(const mat_t *W, const int8_t *xq, const float *dx, const float *sx, float *y) {
+    const int J = W->cols / 32, G = (W->rows + 15) / 16, bytes = W->bits == 4 ? 256 : 512;
+    for (int g = 0; g < G; g++) {
+        for (int r = 0; r < 16 && 16 * g + r < W->rows; r++) {
+            const uint8_t *q = W->q + (size_t)g * J * bytes;
+            const uint16_t *d = W->d + (size_t)g * J * 16, *m = W->m + (size_t)g * J * 16;
+            float acc = 0.f;
+            for (int j = 0; j < J; j++, q += bytes) {
+                const int8_t *xb = xq + 32 * j;
+                int32_t a[4] = {0, 0, 0, 0};
+                for (int p = 0; p < 8; p++)
+                    for (int t = 0; t < 4; t++) {
+                        int u, k;
+                        if (W->bits == 4) {
+                            uint8_t b = q[(p & 3) * 64 + r * 4 + t];
+                            u = p < 4 ? (b & 15) : (b >> 4);
+                            k = p < 4 ? 4 * p + t : 16 + 4 * (p - 4) + t;
+                        } else {
+                            u = q[p * 64 + r * 4 + t];
+                            k = 4 * p + t;
+                        }
+                        a[p & 3] += u * xb[k];
+                    }
+                int32_t s = (a[0] + a[1]) + (a[2] + a[3]);
+                float dw = half_to_float(d[16 * j + r]), mw = half_to_float(m[16 * j + r]);
+                acc = fmaf(dw * dx[j], (float)s, acc);
+                acc = fmaf(mw, sx[j], acc);
+            }
+            y[16 * g + r] = acc;
+        }
+    }
+}
+#endif
+
+/* ---- elementwise -------------------------------------------------------------------------------- */
+
+#if SIMD
+/* e^x for x <= 0 (softmax) or any x (SiLU, clamped): n = round(x log2 e), r = x - n ln 2 in two parts,
+ * e^r by its Taylor series to r^7 (|r| <= 0.35: relative error < 1e-7), times 2^n */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* y = x / rms(x) * w (n a multiple of 16 in the SIMD build) */
+static void rms_norm(const float *x, const float *w, int n, float eps, float *y) {
+    float ss = 0.f;
+#if SIMD
+    __m512 a = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        a = _mm512_fmadd_ps(v, v, a);
+    }
+    ss = _mm512_reduce_add_ps(a);
+#else
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+#endif
+    float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+/* silu(gate) * up in place of gate */
+static void silu_mul(float *g, const float *u, int n) {
+    int i = 0;
+#if SIMD
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(g + i);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+/* rotate-half RoPE of one head: x * cos + roll(x, hd / 2) * ssin (ssin: sin with its first half negated) */
+static void rope(float *x, const float *cos, const float *ssin, int hd) {
+    float t[512];
+    int half = hd / 2;
+    for (int i = 0; i < hd; i++) t[i] = x[i] * cos[i] + x[(i + half) % hd] * ssin[i];
+    memcpy(x, t, sizeof(float) * hd);
+}
+
+static inline float kv_at(const void *c, int bits, size_t i) {
+    return bits == 32 ? ((const float *)c)[i] : bf16_to_float(((const uint16_t *)c)[i]);
+}
+
+static void kv_put(void *c, int bits, size_t i, const float *x, int n) {
+    if (bits == 32)
+        memcpy((float *)c + i, x, sizeof(float) * n);
+    else
+        for (int k = 0; k < n; k++) ((uint16_t *)c)[i + k] = float_to_bf16(x[k]);
+}
+
+/* one query head q (hd) against a kv head's first L cached rows -> out (hd); sc: L floats of scratch */
+static void attend(const float *q, const void *kc, const void *vc, int bits, int L, int hd, float *sc, float *out) {
+    const float scale = 1.f / sqrtf((float)hd);
+    float mx = -INFINITY;
+#if SIMD
+    if (hd % 16 == 0 && hd <= 256) {
+        __m512 qv[16];
+        for (int c = 0; c < hd / 16; c++) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
+        for (int t = 0; t < L; t++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < hd / 16; c++) {
+                __m512 k = bits == 32 ? _mm512_loadu_ps((const float *)kc + (size_t)t * hd + 16 * c)
+                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                            _mm256_loadu_si256((const __m256i *)((const uint16_t *)kc + (size_t)t * hd + 16 * c))), 16));
+                a = _mm512_fmadd_ps(qv[c], k, a);
+            }
+            sc[t] = _mm512_reduce_add_ps(a);
+            mx = fmaxf(mx, sc[t]);
+        }
+        __m512 sum = _mm512_setzero_ps();
+        int t = 0;
+        for (; t + 16 <= L; t += 16) {
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), _mm512_set1_ps(mx)));
+            _mm512_storeu_ps(sc + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        float s = _mm512_reduce_add_ps(sum);
+        for (; t < L; t++) {
+            sc[t] = expf(sc[t] - mx);
+            s += sc[t];
+        }
+        __m512 acc[16];
+        for (int c = 0; c < hd / 16; c++) acc[c] = _mm512_setzero_ps();
+        for (t = 0; t < L; t++) {
+            __m512 p = _mm512_set1_ps(sc[t]);
+            for (int c = 0; c < hd / 16; c++) {
+                __m512 v = bits == 32 ? _mm512_loadu_ps((const float *)vc + (size_t)t * hd + 16 * c)
+                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                            _mm256_loadu_si256((const __m256i *)((const uint16_t *)vc + (size_t)t * hd + 16 * c))), 16));
+                acc[c] = _mm512_fmadd_ps(p, v, acc[c]);
+            }
+        }
+        __m512 inv = _mm512_set1_ps(1.f / s);
+        for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inv));
+        return;
+    }
+#endif
+    for (int t = 0; t < L; t++) {
+        float a = 0.f;
+        for (int i = 0; i < hd; i++) a += q[i] * scale * kv_at(kc, bits, (size_t)t * hd + i);
+        sc[t] = a;
+        mx = fmaxf(mx, a);
+    }
+    float s = 0.f;
+    for (int t = 0; t < L; t++) {
+        sc[t] = expf(sc[t] - mx);
+        s += sc[t];
+    }
+    for (int i = 0; i < hd; i++) out[i] = 0.f;
+    for (int t = 0; t < L; t++)
+        for (int i = 0; i < hd; i++) out[i] += sc[t] * kv_at(vc, bits, (size_t)t * hd + i);
+    for (int i = 0; i < hd; i++) out[i] /= s;
+}
+
+/* ---- entry points ------------------------------------------------------------------------------- */
+
+static int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* floats of model->work the calls below use */
+long strata_work_floats(const model_t *M) {
+    int wide = max3(M->dim, M->ffn, M->n_heads * M->hd);
+    /* x, qkv, y, gate, up, then xq (bytes) and the block scales, then the scores */
+    return (long)M->dim + (long)(M->n_heads + 2 * M->n_kv) * M->hd + (long)M->n_heads * M->hd + 2L * M->ffn
+           + wide / 4 + 2L * (wide / 32) + M->max_len + 64;
+}
+
+static void product(const mat_t *W, const float *x, int n, int8_t *xq, float *dx, float *sx, float *y, int quantize) {
+    if (quantize) quantize_row(x, n, xq, dx, sx);
+    matvec(W, xq, dx, sx, y);
+}
+
+/* y = W x for one row x (cols floats): the kernel on its own, for tests and benchmarks */
+void strata_matvec(const mat_t *W, const float *x, float *y, float *work) {
+    int8_t *xq = (int8_t *)work;
+    float *dx = work + W->cols / 4, *sx = dx + W->cols / 32;
+    product(W, x, W->cols, xq, dx, sx, y, 1);
+}
+
+/* The stage's layers on one token's residual h (dim) at position pos; cos, ssin: that position's RoPE rows */
+void strata_layers(const model_t *M, float *h, int pos, const float *cos, const float *ssin) {
+    const int dim = M->dim, nh = M->n_heads, nkv = M->n_kv, hd = M->hd, ffn = M->ffn;
+    const int wide = max3(dim, ffn, nh * hd), group = nh / nkv;
+    float *x = M->work, *qkv = x + dim, *y = qkv + (nh + 2 * nkv) * hd, *gate = y + nh * hd, *up = gate + ffn;
+    int8_t *xq = (int8_t *)(up + ffn);
+    float *dx = up + ffn + wide / 4, *sx = dx + wide / 32, *sc = sx + wide / 32;
+    float *q = qkv, *k = qkv + nh * hd, *v = k + nkv * hd;
+    for (int l = 0; l < M->n_layers; l++) {
+        const layer_t *L = M->layers + l;
+        rms_norm(h, L->attn_norm, dim, M->eps, x);
+        quantize_row(x, dim, xq, dx, sx); /* one quantized row for q, k and v */
+        product(&L->wq, x, dim, xq, dx, sx, q, 0);
+        product(&L->wk, x, dim, xq, dx, sx, k, 0);
+        product(&L->wv, x, dim, xq, dx, sx, v, 0);
+        if (L->bq) {
+            for (int i = 0; i < nh * hd; i++) q[i] += L->bq[i];
+            for (int i = 0; i < nkv * hd; i++) k[i] += L->bk[i];
+            for (int i = 0; i < nkv * hd; i++) v[i] += L->bv[i];
+        }
+        for (int i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, ssin, hd);
+        for (int i = 0; i < nkv; i++) {
+            size_t at = ((size_t)i * M->max_len + pos) * hd;
+            kv_put(L->k_cache, M->kv_bits, at, k + i * hd, hd);
+            kv_put(L->v_cache, M->kv_bits, at, v + i * hd, hd);
+        }
+        size_t esz = M->kv_bits / 8;
+        for (int i = 0; i < nh; i++) {
+            size_t base = (size_t)(i / group) * M->max_len * hd * esz;
+            attend(q + i * hd, (const char *)L->k_cache + base, (const char *)L->v_cache + base, M->kv_bits, pos + 1,
+                   hd, sc, y + i * hd);
+        }
+        product(&L->wo, y, nh * hd, xq, dx, sx, x, 1);
+        for (int i = 0; i < dim; i++) h[i] += x[i];
+        rms_norm(h, L->mlp_norm, dim, M->eps, x);
+        quantize_row(x, dim, xq, dx, sx);
+        product(&L->wg, x, dim, xq, dx, sx, gate, 0);
+        product(&L->wu, x, dim, xq, dx, sx, up, 0);
+        silu_mul(gate, up, ffn);
+        product(&L->wd, gate, ffn, xq, dx, sx, x, 1);
+        for (int i = 0; i < dim; i++) h[i] += x[i];
+    }
+}
+
+/* float32 logits (head rows) of the final norm of h; returns the first index of the largest logit */
+int strata_head(const model_t *M, const float *h, const float *norm_w, const mat_t *head, float *logits) {
+    const int wide = max3(M->dim, M->ffn, M->n_heads * M->hd);
+    float *x = M->work;
+    int8_t *xq = (int8_t *)(x + M->dim);
+    float *dx = x + M->dim + wide / 4, *sx = dx + wide / 32;
+    rms_norm(h, norm_w, M->dim, M->eps, x);
+    product(head, x, M->dim, xq, dx, sx, logits, 1);
+    int best = 0;
+    for (int i = 1; i < head->rows; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}

@@ -1,0 +1,189 @@
+"""decode_weights: blocks — CPU decode steps in C on 4/8-bit blocks (strata/cpu_decode.py, strata/csrc/cpu_decode.c):
+the product against its integer formula and gguf-py's dequantization, the vector build against the plain C one,
+whole decode steps against transformers and the float32 path, and a two-stage pipeline against one process."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+cd = pytest.importorskip("strata.cpu_decode")
+try:
+    cd.library()
+except cd.BuildError as e:  # no C compiler: the option reports it at load (test_no_compiler_is_one_line)
+    pytest.skip(str(e), allow_module_level=True)
+
+from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.model import ModelArgs, Transformer  # noqa: E402
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def quantized_x(x):
+    """The kernel's input rounding, in torch: 8 bits per 32 with scale max|x| / 127."""
+    g = x.double().view(-1, 32)
+    d = (g.abs().amax(-1).float() / 127).double()
+    q = torch.round(g / torch.where(d > 0, d, 1)[:, None]).clamp(-127, 127)
+    return (q * d[:, None]).view(-1)
+
+
+def test_product_is_the_integer_formula_and_both_builds_agree():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 576, generator=g)  # 200 rows: the last group of 16 is partial
+    x = torch.randn(576, generator=g) * 3
+    p = cd.from_dense(w)
+    # the weights as packed, dequantized in torch: d * u + m with 8-bit u = q + 128
+    blocks = w.view(200, 18, 32)
+    d = (blocks.abs().amax(-1) / 127).half().double()
+    wq = (torch.round(blocks.double() / torch.where(d > 0, d, 1)[..., None]).clamp(-127, 127) * d[..., None]).view(200, 576)
+    y = cd.matvec(p, x)
+    assert y.shape == (200,) and y.dtype == torch.float32
+    assert rel(y.double(), wq @ quantized_x(x)) < 1e-6  # only float32 accumulation left
+    assert 1e-4 < rel(y, w @ x) < 2e-2                # the 8-bit roundings of w and x, and nothing worse
+    assert torch.equal(y, cd.matvec(p, x, portable=True))  # same arithmetic, same order: same bits
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_are_read_as_stored(qtype):
+    """The file's own blocks, against gguf-py's quantization and dequantization (an independent reader)."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((48, 256)).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, t)
+    wd = torch.from_numpy(gguf.quants.dequantize(raw, t).reshape(48, 256).astype(np.float64))
+    p = cd.from_blocks(torch.from_numpy(raw), qtype, 256)
+    assert p is not None and p.bits == (8 if qtype == "Q8_0" else 4)
+    x = torch.from_numpy(rng.standard_normal(256).astype(np.float32))
+    y = cd.matvec(p, x)
+    assert rel(y.double(), wd @ quantized_x(x)) < 1e-6
+    assert rel(y.double(), wd @ x.double()) < 2e-2
+    assert torch.equal(y, cd.matvec(p, x, portable=True))
+    assert cd.from_blocks(torch.from_numpy(raw), "Q6_K", 256) is None  # other types: the caller re-quantizes
+
+
+# -- whole decode steps ------------------------------------------------------------------------------------
+def _tiny_hf(tmp_path, arch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(2)
+    common = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_theta=5000.0, **common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(rope_theta=10000.0, **common))
+    model = model.float().eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for n, prm in model.named_parameters():
+            if n.endswith("norm.weight") or n.endswith(".bias"):
+                prm.add_(torch.randn_like(prm) * 0.1)
+    path = tmp_path / arch
+    model.save_pretrained(path, safe_serialization=True)
+    return model, str(path)
+
+
+@pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("qwen2", "auto"), ("llama", "bfloat16")])
+def test_decode_steps_match_transformers(tmp_path, arch, kv_dtype):
+    """Two slices of a transformers-made model (float32 safetensors: every matrix re-quantized to 8 bits), a
+    prefill then one-token steps through the C path, against transformers' logits for the same tokens."""
+    ref, d = _tiny_hf(tmp_path, arch)
+    args = model_args(d)
+    ids = torch.randint(0, 300, (1, 100), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref(ids).logits[0]
+    kw = dict(device="cpu", dtype=torch.float32, max_len=128, kv_dtype=kv_dtype)
+    s0, s1 = load_stage(d, args, 0, 2, decode_weights="blocks", **kw), load_stage(d, args, 2, 4, decode_weights="blocks", **kw)
+    plain = load_stage(d, args, 2, 4, **kw)
+    assert s0._blocks.requantized == 7 * 2 and s1._blocks.requantized == 7 * 2 + 1 and s0._blocks.exact == 0
+    with torch.inference_mode():
+        h = s0(ids[:, :80], 0)
+        assert torch.equal(s1(h, 0), plain(h, 0))  # prefill keeps the dense path: same bits
+        for p in range(80, 100):
+            x = s0.decode_step(ids[:, p:p + 1], p)
+            x_before = x.clone()
+            out, logits, am = s1.decode_token(x, p)
+            assert torch.equal(x, x_before)  # the stage's input row is not written in place
+            assert logits.shape == (300,) and int(am) == int(logits.argmax())
+            assert rel(logits, want[p]) < 3e-2, p
+            assert rel(out[0, 0], plain.decode_step(x, p)[0, 0]) < 3e-2
+
+
+@pytest.fixture(scope="module")
+def smol_path():
+    pytest.importorskip("gguf")
+    from strata.weights import smollm2_path
+    try:
+        return str(smollm2_path())
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+
+
+TEXT = "The history of the Roman Empire spans many centuries. It began when Augustus became the first emperor, and"
+
+
+def _greedy(m, ids, n):
+    with torch.inference_mode():
+        t = int(m.logits(m(ids, 0)[0, -1]).argmax())
+        got = [t]
+        for p in range(ids.shape[1], ids.shape[1] + n - 1):
+            _, _, am = m.decode_token(torch.tensor([[t]]), p)
+            t = int(am)
+            got.append(t)
+    return got
+
+
+def test_smollm2_uses_the_file_blocks_and_keeps_the_float32_answer(smol_path):
+    """SmolLM2's Q4_1 layers and Q8_0 (tied) head are read as stored; on real text its greedy answer is the float32
+    path's (64 tokens measured equal; 24 checked here)."""
+    from strata.tokenizer import Tokenizer
+    args = model_args(smol_path)
+    ids = torch.tensor([Tokenizer.from_gguf(smol_path).encode(TEXT)])
+    kw = dict(device="cpu", dtype=torch.float32, max_len=ids.shape[1] + 32)
+    fast = load_stage(smol_path, args, 0, args.n_layers, decode_weights="blocks", **kw)
+    assert (fast._blocks.exact, fast._blocks.requantized) == (7 * 30 + 1, 0)
+    want = _greedy(load_stage(smol_path, args, 0, args.n_layers, **kw), ids, 24)
+    assert _greedy(fast, ids, 24) == want
+    # a new cache (another max_context) is picked up: the same answer again
+    fast.setup_cache(ids.shape[1] + 40)
+    assert _greedy(fast, ids, 24) == want
+
+
+def test_two_stage_pipeline_gives_the_single_process_tokens(smol_path, tmp_path):
+    """Stages hand the residual row between processes; the C steps on either side give one process's tokens."""
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    args = model_args(smol_path)
+    stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
+    with Pipeline(dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False,
+                       decode_weights="blocks"), out=tmp_path / "p", console=False) as p:
+        ids = p.prompt_ids(TEXT)
+        got = p.generate(ids, SamplingParams(max_tokens=16))
+    one = load_stage(smol_path, args, 0, args.n_layers, device="cpu", dtype=torch.float32, max_len=256,
+                     decode_weights="blocks")
+    assert got.continuation_ids == _greedy(one, torch.tensor([ids.tolist()]), 16)
+    assert got.report["decode_weights"] == "blocks"
+    import re
+    stored = [int(n) for f in (tmp_path / "p").rglob("*.log")
+              for n in re.findall(r"decode_weights=blocks: (\d+) matrices as stored, 0 quantized", f.read_text())]
+    # each stage its layers' matrices (the planner's split), the last one the head too
+    assert len(stored) == 2 and sum(stored) == 7 * 30 + 1 and sorted(n % 7 for n in stored) == [0, 1]
+
+
+def test_refusals_are_one_line(monkeypatch):
+    args = ModelArgs(vocab_size=64, dim=48, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=24, ffn_dim=64)
+    with torch.device("meta"):
+        m = Transformer(args)
+    from strata.checkpoint import synthetic_tensors
+    m.load_weights(synthetic_tensors(args, 0, 1, "cpu", torch.float32, seed=0), "cpu", torch.float32)
+    m.setup_cache(8)
+    with pytest.raises(ValueError, match=r"^decode_weights=blocks needs widths in whole 32-blocks \(dim 48"):
+        m.set_decode_weights("blocks")
+    # no compiler: the build names what is missing
+    monkeypatch.setattr(cd, "_libs", {})
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(cd.BuildError, match="finds no C compiler"):
+        cd.library()
