@@ -260,68 +260,106 @@ static void kv_put(void *c, int bits, size_t i, const float *x, int n) {
         for (int k = 0; k < n; k++) ((uint16_t *)c)[i + k] = float_to_bf16(x[k]);
 }
 
-/* one query head q (hd) against a kv head's first L cached rows -> out (hd); sc: L floats of scratch */
-static void attend(const float *q, const void *kc, const void *vc, int bits, int L, int hd, float *sc, float *out) {
-    const float scale = 1.f / sqrtf((float)hd);
-    float mx = -INFINITY;
 #if SIMD
-    if (hd % 16 == 0 && hd <= 256) {
-        __m512 qv[16];
-        for (int c = 0; c < hd / 16; c++) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
-        for (int t = 0; t < L; t++) {
-            __m512 a = _mm512_setzero_ps();
-            for (int c = 0; c < hd / 16; c++) {
-                __m512 k = bits == 32 ? _mm512_loadu_ps((const float *)kc + (size_t)t * hd + 16 * c)
-                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                            _mm256_loadu_si256((const __m256i *)((const uint16_t *)kc + (size_t)t * hd + 16 * c))), 16));
-                a = _mm512_fmadd_ps(qv[c], k, a);
-            }
-            sc[t] = _mm512_reduce_add_ps(a);
-            mx = fmaxf(mx, sc[t]);
-        }
-        __m512 sum = _mm512_setzero_ps();
-        int t = 0;
-        for (; t + 16 <= L; t += 16) {
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), _mm512_set1_ps(mx)));
-            _mm512_storeu_ps(sc + t, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        float s = _mm512_reduce_add_ps(sum);
-        for (; t < L; t++) {
-            sc[t] = expf(sc[t] - mx);
-            s += sc[t];
-        }
-        __m512 acc[16];
-        for (int c = 0; c < hd / 16; c++) acc[c] = _mm512_setzero_ps();
-        for (t = 0; t < L; t++) {
-            __m512 p = _mm512_set1_ps(sc[t]);
-            for (int c = 0; c < hd / 16; c++) {
-                __m512 v = bits == 32 ? _mm512_loadu_ps((const float *)vc + (size_t)t * hd + 16 * c)
-                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                            _mm256_loadu_si256((const __m256i *)((const uint16_t *)vc + (size_t)t * hd + 16 * c))), 16));
-                acc[c] = _mm512_fmadd_ps(p, v, acc[c]);
+static inline __m512 kv_load16(const void *c, int bits, size_t i) {
+    if (bits == 32) return _mm512_loadu_ps((const float *)c + i);
+    __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)c + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+#endif
+
+#define TILE 32 /* cached positions per pass: a tile of K or V stays in L1 while each query head of the group reads it */
+
+/* The G query heads q (G x hd) of one kv head against its first L cached rows -> out (G x hd); sc: G * L floats.
+ * Tiles of positions outside, heads inside: each cached row comes from memory once for the whole group. */
+static void attend(const float *q, int G, const void *kc, const void *vc, int bits, int L, int hd, float *sc,
+                   float *out) {
+    const float scale = 1.f / sqrtf((float)hd);
+#if SIMD
+    if (hd % 16 == 0) {
+        const int C = hd / 16;
+        for (int t0 = 0; t0 < L; t0 += TILE) {
+            int t1 = t0 + TILE < L ? t0 + TILE : L;
+            for (int h = 0; h < G; h++) {
+                const float *qh = q + h * hd;
+                for (int t = t0; t < t1; t++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int c = 0; c < C; c++)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), kv_load16(kc, bits, (size_t)t * hd + 16 * c), a);
+                    sc[h * L + t] = _mm512_reduce_add_ps(a) * scale;
+                }
             }
         }
-        __m512 inv = _mm512_set1_ps(1.f / s);
-        for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inv));
+        for (int h = 0; h < G; h++) {
+            float *s = sc + h * L, mx = -INFINITY;
+            for (int t = 0; t < L; t++) mx = fmaxf(mx, s[t]);
+            __m512 sum = _mm512_setzero_ps();
+            int t = 0;
+            for (; t + 16 <= L; t += 16) {
+                __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(mx)));
+                _mm512_storeu_ps(s + t, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            float total = _mm512_reduce_add_ps(sum);
+            for (; t < L; t++) {
+                s[t] = expf(s[t] - mx);
+                total += s[t];
+            }
+            float inv = 1.f / total;
+            for (t = 0; t < L; t++) s[t] *= inv;
+        }
+        memset(out, 0, sizeof(float) * G * hd);
+        for (int t0 = 0; t0 < L; t0 += TILE) {
+            int t1 = t0 + TILE < L ? t0 + TILE : L;
+            for (int h = 0; h < G; h++) {
+                const float *p = sc + h * L;
+                float *o = out + h * hd;
+                int c = 0;
+                for (; c + 4 <= C; c += 4) { /* four independent sums: an FMA's latency hidden behind the others */
+                    __m512 a0 = _mm512_loadu_ps(o + 16 * c), a1 = _mm512_loadu_ps(o + 16 * c + 16);
+                    __m512 a2 = _mm512_loadu_ps(o + 16 * c + 32), a3 = _mm512_loadu_ps(o + 16 * c + 48);
+                    for (int t = t0; t < t1; t++) {
+                        __m512 w = _mm512_set1_ps(p[t]);
+                        size_t at = (size_t)t * hd + 16 * c;
+                        a0 = _mm512_fmadd_ps(w, kv_load16(vc, bits, at), a0);
+                        a1 = _mm512_fmadd_ps(w, kv_load16(vc, bits, at + 16), a1);
+                        a2 = _mm512_fmadd_ps(w, kv_load16(vc, bits, at + 32), a2);
+                        a3 = _mm512_fmadd_ps(w, kv_load16(vc, bits, at + 48), a3);
+                    }
+                    _mm512_storeu_ps(o + 16 * c, a0);
+                    _mm512_storeu_ps(o + 16 * c + 16, a1);
+                    _mm512_storeu_ps(o + 16 * c + 32, a2);
+                    _mm512_storeu_ps(o + 16 * c + 48, a3);
+                }
+                for (; c < C; c++) {
+                    __m512 a = _mm512_loadu_ps(o + 16 * c);
+                    for (int t = t0; t < t1; t++)
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), kv_load16(vc, bits, (size_t)t * hd + 16 * c), a);
+                    _mm512_storeu_ps(o + 16 * c, a);
+                }
+            }
+        }
         return;
     }
 #endif
-    for (int t = 0; t < L; t++) {
-        float a = 0.f;
-        for (int i = 0; i < hd; i++) a += q[i] * scale * kv_at(kc, bits, (size_t)t * hd + i);
-        sc[t] = a;
-        mx = fmaxf(mx, a);
+    for (int h = 0; h < G; h++) {
+        const float *qh = q + h * hd;
+        float *s = sc + h * L, *o = out + h * hd, mx = -INFINITY, total = 0.f;
+        for (int t = 0; t < L; t++) {
+            float a = 0.f;
+            for (int i = 0; i < hd; i++) a += qh[i] * kv_at(kc, bits, (size_t)t * hd + i);
+            s[t] = a * scale;
+            mx = fmaxf(mx, s[t]);
+        }
+        for (int t = 0; t < L; t++) {
+            s[t] = expf(s[t] - mx);
+            total += s[t];
+        }
+        for (int t = 0; t < L; t++) s[t] /= total;
+        for (int i = 0; i < hd; i++) o[i] = 0.f;
+        for (int t = 0; t < L; t++)
+            for (int i = 0; i < hd; i++) o[i] += s[t] * kv_at(vc, bits, (size_t)t * hd + i);
     }
-    float s = 0.f;
-    for (int t = 0; t < L; t++) {
-        sc[t] = expf(sc[t] - mx);
-        s += sc[t];
-    }
-    for (int i = 0; i < hd; i++) out[i] = 0.f;
-    for (int t = 0; t < L; t++)
-        for (int i = 0; i < hd; i++) out[i] += sc[t] * kv_at(vc, bits, (size_t)t * hd + i);
-    for (int i = 0; i < hd; i++) out[i] /= s;
 }
 
 /* ---- entry points ------------------------------------------------------------------------------- */
@@ -333,7 +371,7 @@ long strata_work_floats(const model_t *M) {
     int wide = max3(M->dim, M->ffn, M->n_heads * M->hd);
     /* x, qkv, y, gate, up, then xq (bytes) and the block scales, then the scores */
     return (long)M->dim + (long)(M->n_heads + 2 * M->n_kv) * M->hd + (long)M->n_heads * M->hd + 2L * M->ffn
-           + wide / 4 + 2L * (wide / 32) + M->max_len + 64;
+           + wide / 4 + 2L * (wide / 32) + (long)(M->n_heads / M->n_kv) * M->max_len + 64;
 }
 
 static void product(const mat_t *W, const float *x, int n, int8_t *xq, float *dx, float *sx, float *y, int quantize) {
@@ -375,10 +413,10 @@ void strata_layers(const model_t *M, float *h, int pos, const float *cos, const 
             kv_put(L->v_cache, M->kv_bits, at, v + i * hd, hd);
         }
         size_t esz = M->kv_bits / 8;
-        for (int i = 0; i < nh; i++) {
-            size_t base = (size_t)(i / group) * M->max_len * hd * esz;
-            attend(q + i * hd, (const char *)L->k_cache + base, (const char *)L->v_cache + base, M->kv_bits, pos + 1,
-                   hd, sc, y + i * hd);
+        for (int i = 0; i < nkv; i++) { /* q heads i*group .. i*group+group-1 read kv head i */
+            size_t base = (size_t)i * M->max_len * hd * esz;
+            attend(q + i * group * hd, group, (const char *)L->k_cache + base, (const char *)L->v_cache + base,
+                   M->kv_bits, pos + 1, hd, sc, y + i * group * hd);
         }
         product(&L->wo, y, nh * hd, xq, dx, sx, x, 1);
         for (int i = 0; i < dim; i++) h[i] += x[i];
