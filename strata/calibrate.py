@@ -233,7 +233,7 @@ def time_head(args: ModelArgs, device: str, dtype, chunk: int) -> dict:
     class _Head(nn.Module):
         logits = Transformer.logits
         nll = Transformer.nll
-        _head_weight_only = None  # what Transformer.logits asks: no decode-only head copy here
+        _head_weight_only = _blocks = None  # what Transformer.logits asks: no decode-only head here
 
         def __init__(self):
             super().__init__()

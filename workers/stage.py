@@ -180,6 +180,13 @@ class Stage:
         args = ModelArgs(**spec.args)
         self.weights = weights_mode(spec.model, self.device.type, spec.weights, args)
         cpu_decode = spec.decode_weights if spec.decode_weights != "none" and self.device.type == "cpu" else None
+        if cpu_decode == "blocks":
+            from strata.cpu_decode import BuildError, library
+            try:
+                library()  # built once per machine; a machine without a C compiler decodes as before
+            except BuildError as e:
+                self.log.warning("decode_weights=blocks: %s; decoding with the dense weights", e)
+                cpu_decode = None
         model = load_stage(spec.model, args, spec.start, spec.end, device=self.device, dtype=self.dtype,
                            seed=spec.seed, weights=self.weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len,
                            decode_weights=cpu_decode)
