@@ -7,6 +7,7 @@ layer (its 4 launches) eager and replayed from a CUDA graph, and what that makes
 
     python bench/gemv.py                       # IQ3_S and Q8_0 at llama-3-70b shapes, M=1 and 4 (CUDA)
     python bench/gemv.py --types IQ3_S --iq3s float,dp4a,dp4a-table   # IQ3_S's kernels side by side
+    python bench/gemv.py --types Q6_K --q6k bytes,words,dp4a   # Q6_K's kernels side by side
     python bench/gemv.py --sweep               # also try launch shapes per matrix (pick CONFIGS from it)
     TRITON_INTERPRET=1 python bench/gemv.py --smoke    # tiny shapes on the CPU, through the interpreter
 """
@@ -30,6 +31,9 @@ from strata.quant import gemv  # noqa: E402
 SWEEP = [gemv.Config(bn, sb, w) for bn in (4, 8, 16, 32) for sb in (1, 2, 4) for w in (4, 8)]  # ~1 s to compile each
 # the dp4a IQ3_S kernel: 8 * sb sub-blocks of a row side by side, block_n raised to fill the warps
 DP4A_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 4, 16) for sb in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
+# Q6_K's word kernels (--q6k words, dp4a): [block_n rows, sb block pairs, 32 words] tiles
+Q6K_SWEEP = [gemv.Config(bn, sb, w) for bn, sb, w in ((1, 4, 4), (2, 2, 4), (2, 4, 8), (4, 1, 4), (4, 2, 8), (8, 1, 8),
+                                                      (4, 4, 8), (16, 1, 8), (8, 2, 8), (16, 1, 4), (32, 1, 8))]
 
 
 def mats(preset: str, smoke: bool) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -69,6 +73,12 @@ class Timer:
         return statistics.median(out)
 
 
+def set_mode(qtype: str, mode: str | None) -> None:
+    """Pick IQ3_S's (gemv.IQ3S_KERNEL) or Q6_K's (gemv.Q6K_KERNEL) kernel; None: the type has one."""
+    if mode is not None:
+        setattr(gemv, "IQ3S_KERNEL" if qtype == "IQ3_S" else "Q6K_KERNEL", mode)
+
+
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm())
 
@@ -101,19 +111,23 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
             want = x.double() @ w.double().T
             tc = timer(lambda: current(x)) if m == 1 else float("nan")
             for mode in modes:
-                if mode is not None:
-                    gemv.IQ3S_KERNEL = mode
+                set_mode(qtype, mode)
                 y = gemv.quant_matmul_parts(x, packed, cols)
                 t = timer(lambda: gemv.quant_matmul_parts(x, packed, cols))
                 err = rel(y, want)
                 name = qtype if mode is None else f"{qtype}/{mode}"
-                if mode is not None and gemv.IQ3S_KERNEL != mode:
+                if qtype == "IQ3_S" and gemv.IQ3S_KERNEL != mode:
                     name += "->" + gemv.IQ3S_KERNEL  # it failed and fell back (see the warning)
                 print(f"{name:16s} {label:8s} {rows:>6d}x{cols:<6d} M={m}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s"
                       f"  current {tc * 1e6:9.1f} us  x{tc / t:6.1f}  rel err {err:.1e}")
                 if sweep and m == ms[0]:
                     best = None
-                    for cfg in (DP4A_SWEEP if mode is not None and mode.startswith("dp4a") else SWEEP):
+                    sweep_cfgs = SWEEP
+                    if qtype == "IQ3_S" and mode.startswith("dp4a"):
+                        sweep_cfgs = DP4A_SWEEP
+                    elif qtype == "Q6_K" and mode != "bytes":
+                        sweep_cfgs = Q6K_SWEEP
+                    for cfg in sweep_cfgs:
                         ts = timer(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg))
                         if best is None or ts < best[0]:
                             best = (ts, cfg)
@@ -157,6 +171,7 @@ def main() -> int:
     ap.add_argument("--m", default="1,4", help="x rows, comma-separated")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--iq3s", default=",".join(gemv.IQ3S_KERNELS), help="IQ3_S kernels to compare (gemv.IQ3S_KERNELS)")
+    ap.add_argument("--q6k", default="bytes", help="Q6_K kernels to compare (gemv.Q6K_KERNELS)")
     ap.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (dp4a: DP4A_SWEEP)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
     a = ap.parse_args()
@@ -177,11 +192,10 @@ def main() -> int:
             print(f"--iq3s: {mode!r} is not one of {', '.join(gemv.IQ3S_KERNELS)}", file=sys.stderr)
             return 2
     for qtype in a.types.split(","):
-        modes = iq3s if qtype == "IQ3_S" else [None]
+        modes = iq3s if qtype == "IQ3_S" else a.q6k.split(",") if qtype == "Q6_K" else [None]
         layer = bench_type(qtype, shapes, ms, timer, device, a.sweep, dtype, modes)
         for mode in modes:
-            if mode is not None:
-                gemv.IQ3S_KERNEL = mode
+            set_mode(qtype, mode)
             bench_layer(qtype if mode is None else f"{qtype}/{mode}", layer, None, timer, device, n_layers, dtype)
     return 0
 

@@ -36,6 +36,17 @@ def test_decode_gemv_kernels_compile_for_sm90(qtype, m):
     assert ".target sm_90" in code and "ld.global" in code
 
 
+@pytest.mark.parametrize("dp4a", [False, True])
+@pytest.mark.parametrize("m", [1, 4])
+def test_q6_k_words_kernel_compiles_for_sm90(dp4a, m):
+    """Q6_K read in int32 words (STRATA_GEMV_Q6K=words, float x; =dp4a, int8 x and PTX dp4a)."""
+    from strata.quant import gemv
+    sig = {"x_ptr": "*bf16", "xq_ptr": "*i32", "xs_ptr": "*fp32", **{k: v for k, v in GEMV_SIG.items() if k not in (
+        "x_ptr", "grid_ptr")}, "DP4A": "constexpr", "PTX": "constexpr"}
+    code = ptx(gemv._q6_k_words, sig, {"M": m, "BLOCK_N": 4, "SB": 2, "DP4A": dp4a, "PTX": True})
+    assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
+
+
 @pytest.mark.parametrize("name,extra", [("_q8_0_into", {}), ("_k45_into", {"FIVE": False}),
                                         ("_k45_into", {"FIVE": True}), ("_q6_k_into", {}),
                                         ("_legacy_into", {"MIN": False, "FIVE": False}),

@@ -105,7 +105,7 @@ def check_parts_side_by_side():
     want = torch.cat([reference(x, b, q) for b, q in parts], dim=1)
     for mode, tol in (("float", 1e-5),) + tuple((m, DP4A_TOL) for m in IQ3S_DP4A):
         out = torch.full((3, 62), float("nan"))
-        with iq3s_kernel(mode):
+        with iq3s_kernel(mode), q6k_kernel("words" if mode == "float" else "dp4a"):
             gemv.quant_matmul_parts(x, parts, cols, out=out)
         assert rel(out, want) < tol, (mode, rel(out, want))
         # the other types' columns are exact either way
@@ -138,6 +138,49 @@ def check_iq3s_dp4a_matches_reference():
                 assert errs[-1] < DP4A_TOL, (mode, rows, m, dtype, errs[-1])
                 assert yx.dtype == dtype and rel(yx, want) < DP4A_TOL + (8e-3 if dtype == torch.bfloat16 else 0)
     print(f"dp4a rel err vs float64 x: max {max(errs):.2e}, mean {sum(errs) / len(errs):.2e}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def q6k_kernel(mode: str):
+    """Run with gemv.Q6K_KERNEL = mode (read per call)."""
+    from strata.quant import gemv
+    old, gemv.Q6K_KERNEL = gemv.Q6K_KERNEL, mode
+    try:
+        yield
+    finally:
+        gemv.Q6K_KERNEL = old
+
+
+def check_q6_k_words_matches_reference():
+    """Q6_K's int32-word kernel (two blocks a step; the odd block's words from two aligned loads): float x
+    within float32 accumulation, int8 x (dp4a) to float32 accumulation of the product with x's int8
+    rounding and within DP4A_TOL of x's; odd row counts, M = 1, 3 and 6, both launch shapes (BIG_ROWS),
+    bf16 x, and an odd block count (the byte kernel runs)."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator().manual_seed(13)
+    big = gemv.BIG_ROWS
+    try:
+        for big_rows in (big, 1):
+            gemv.BIG_ROWS = big_rows
+            for rows, cols, m in ((37, 512, 1), (21, 1024, 3), (5, 2048, 6), (9, 768, 1)):
+                blocks = random_blocks("Q6_K", rows, cols, g)
+                x = torch.randn(m, cols, generator=g)
+                want = reference(x, blocks, "Q6_K")
+                with q6k_kernel("words"):
+                    y = gemv.quant_matmul(x, blocks, "Q6_K", cols)
+                    assert rel(y, want) < 1e-5, ("words", rows, cols, m, rel(y, want))
+                    xb = x.bfloat16()
+                    yb = gemv.quant_matmul(xb, blocks, "Q6_K", cols)
+                    assert yb.dtype == torch.bfloat16 and rel(yb, reference(xb, blocks, "Q6_K")) < 8e-3
+                with q6k_kernel("dp4a"):
+                    y = gemv.quant_matmul(x, blocks, "Q6_K", cols)
+                    tol = 1e-5 if cols == 768 else DP4A_TOL  # 3 blocks a row: the byte kernel, float x
+                    assert rel(y, want) < tol, ("dp4a", rows, cols, m, rel(y, want))
+                    if cols != 768:
+                        xq = gemv.int8_x(*gemv.quantize_x(x))
+                        assert rel(y, reference(xq, blocks, "Q6_K")) < 1e-5
+    finally:
+        gemv.BIG_ROWS = big
 
 
 def check_quantize_x():
@@ -232,11 +275,16 @@ def check_model_decode_fused_q4_k_m():
     try:
         ids = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
         assert rel(fused(ids[:, :8], 0), dense(ids[:, :8], 0)) < 1e-6  # prefill: the scratch path
-        for p, t in ((8, 1), (9, 3)):
-            a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
-            assert rel(a, b) < 1e-5, (p, rel(a, b))
-            assert rel(fused.logits(a[0]), dense.logits(b[0])) < 1e-5
-        assert len(calls) == 2 * (2 * 4 + 1), len(calls)  # 4 products per layer and the head, per step
+        # each Q6_K kernel (dp4a: int8 x, the residual stream's error; its T=3 step only)
+        for mode, tol, steps in (("bytes", 1e-5, ((8, 1), (9, 3))), ("words", 1e-5, ((8, 1),)),
+                                 ("dp4a", DP4A_TOL, ((9, 3),))):
+            with q6k_kernel(mode):
+                for p, t in steps:
+                    a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
+                    assert rel(a, b) < tol, (mode, p, rel(a, b))
+                    assert rel(fused.logits(a[0]), dense.logits(b[0])) < tol, mode
+            assert len(calls) == len(steps) * (2 * 4 + 1), len(calls)  # 4 products per layer and the head, per step
+            calls.clear()
     finally:
         gemv.quant_matmul_parts = real
 
@@ -273,7 +321,7 @@ def check_dequantize_into():
     assert not into.takes("Q2_K", torch.empty(1)) and not into.takes("Q4_K", torch.empty(4, 4).t())
 
 
-CHECKS = [check_kernel_matches_reference, check_parts_side_by_side, check_model_decode_fused,
+CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, check_parts_side_by_side, check_model_decode_fused,
           check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_quantize_x,
           check_dequantize_into]
 
@@ -352,9 +400,11 @@ def test_bad_blocks_refused():
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
     """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64
-    (IQ3_S: the float kernel; the dp4a ones in test_gpu_iq3s_dp4a_70b_shapes)."""
+    (IQ3_S: the float kernel, Q6_K: the byte kernel; the others in test_gpu_iq3s_dp4a_70b_shapes and
+    test_gpu_q6_k_words_shapes)."""
     from strata.quant import dequantize, gemv, random_blocks
     monkeypatch.setattr(gemv, "IQ3S_KERNEL", "float")
+    monkeypatch.setattr(gemv, "Q6K_KERNEL", "bytes")  # the word kernels: test_gpu_q6_k_words_shapes
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
     blocks = random_blocks(qtype, rows, cols, g, device="cuda")
@@ -366,6 +416,54 @@ def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
     assert rel(y, want) < 8e-3 and rel(y, current) < 1.2e-2, (rel(y, want), rel(current, want))
     y32 = gemv.quant_matmul(x.float(), blocks, qtype, cols)
     assert rel(y32, want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(1024, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (8192, 28672)])
+@pytest.mark.parametrize("mode", ["words", "dp4a"])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_gpu_q6_k_words_shapes(shape, mode, m, monkeypatch):
+    """Q6_K's int32-word kernels at 8B / 70B shapes, bf16 x: words within bf16 of float64 and with float32 x
+    within float32 accumulation; dp4a to float32 accumulation of the product with x's int8 rounding and within
+    DP4A_TOL of x's."""
+    from strata.quant import dequantize, gemv, random_blocks
+    monkeypatch.setattr(gemv, "Q6K_KERNEL", mode)
+    rows, cols = shape
+    g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
+    blocks = random_blocks("Q6_K", rows, cols, g, device="cuda")
+    x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
+    w = dequantize(blocks, "Q6_K").double()
+    want = x.double() @ w.T
+    y = gemv.quant_matmul(x, blocks, "Q6_K", cols, out=torch.empty(m, rows, device="cuda"))
+    if mode == "words":
+        assert rel(y, want) < 1e-5
+        assert rel(gemv.quant_matmul(x.float(), blocks, "Q6_K", cols), want) < 1e-5
+    else:
+        assert rel(y, gemv.int8_x(*gemv.quantize_x(x)) @ w.T) < 1e-5
+        assert rel(y, want) < DP4A_TOL, rel(y, want)
+    assert rel(gemv.quant_matmul(x, blocks, "Q6_K", cols), want) < (DP4A_TOL if mode == "dp4a" else 0) + 8e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["words", "dp4a"])
+def test_gpu_q6_k_graph_capture(mode, monkeypatch):
+    """Q4_K + Q6_K parts (q/k and v of a Q4_K_M layer), M=2, captured in a CUDA graph: a replay with new x gives
+    what an eager call gives (dp4a: x's quantization captured too)."""
+    from strata.quant import gemv, random_blocks
+    monkeypatch.setattr(gemv, "Q6K_KERNEL", mode)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    cols = 1024
+    parts = [(random_blocks(q, r, cols, g, device="cuda"), q) for q, r in (("Q4_K", 1024), ("Q4_K", 256), ("Q6_K", 256))]
+    x = torch.randn(2, cols, generator=g, device="cuda").bfloat16()
+    gemv.quant_matmul_parts(x, parts, cols)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv.quant_matmul_parts(x, parts, cols)
+    x.copy_(torch.randn(2, cols, generator=g, device="cuda"))
+    graph.replay()
+    assert torch.equal(y, gemv.quant_matmul_parts(x, parts, cols))
 
 
 @pytest.mark.gpu

@@ -50,6 +50,14 @@ XQ_GROUP = 32  # x values per int8 scale
 # 143 vs 202 us (Q4_K) and 184 vs 297 us (Q5_K) in a graph. (A Q6_K kernel reading 16-bit words was slower than
 # _q6_k_gemv, 330 vs 265 us, and was dropped: BENCHMARKS.md fifth round.)
 KQUANT = os.environ.get("STRATA_GEMV_KQUANT", "words")
+# Q6_K (Q6K_KERNEL, env STRATA_GEMV_Q6K, read per call): "bytes" (_q6_k_gemv, a byte a lane), "words"
+# (_q6_k_words: int32 words, two blocks a step, float x, exact to float32 accumulation like bytes) or "dp4a"
+# (_q6_k_words with int8 x from `quantize_x` and a dp4a per 4 weights: ~5e-3 relative error, as IQ3_S's; the
+# default). words and dp4a need an even number of blocks a row and 4-byte aligned blocks, else bytes runs.
+# On an H200 at 8B shapes (M=1, BENCHMARKS.md): ffn_down 4096x14336 91.2 / 62.4 / 51.5 us (bytes / words /
+# dp4a), the head 426.8 / 407.8 / 303.5 us; 8B Q4_K_M decode on one GPU 125.6 / 152.2 / 158.9 tok/s.
+Q6K_KERNELS = ("bytes", "words", "dp4a")
+Q6K_KERNEL = os.environ.get("STRATA_GEMV_Q6K", "dp4a")
 log = logging.getLogger("strata.quant")
 
 
@@ -75,6 +83,10 @@ BIG_CONFIGS: dict[str, Config] = {"Q4_K": Config(32, 2, 4), "Q6_K": Config(32, 2
 # the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
 # divides the row's blocks, block_n raised to give each thread an element when sb is smaller
 DP4A_CONFIG = Config(4, 4, 4)
+# _q6_k_words (Q6K_KERNEL words and dp4a): a [block_n rows, sb block pairs, 32] tile (sb a power of two <= sb
+# that divides the row's pairs); per kernel, the first for launches under BIG_ROWS rows, the second for the
+# others (bench/gemv.py --q6k words,dp4a --sweep on an H200 at 8B shapes)
+Q6K_WORDS_CONFIGS = {"words": (Config(4, 4, 8), Config(16, 1, 4)), "dp4a": (Config(2, 2, 4), Config(16, 1, 4))}
 
 
 def supports(qtype) -> bool:
@@ -596,6 +608,113 @@ if triton is not None:
                 acc3 += s3.to(tl.float32) * (db * tl.load(xs + 3 * srow))
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
+    @triton.jit
+    def _w32(wp, word, ODD: tl.constexpr):
+        """The little-endian int32 at byte 4 * word from int32 pointer wp, or (ODD) at byte 4 * word + 2: the
+        high half of that word and the low half of the next (both aligned loads)."""
+        if ODD:
+            return ((tl.load(wp + word) >> 16) & 0xFFFF) | (tl.load(wp + word + 1) << 16)
+        else:
+            return tl.load(wp + word)
+
+    @triton.jit
+    def _q6_k_fdot(xr, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3):
+        """(low-group dot, high-group dot): weights wl at x columns xo + c, wh at xo + 64 + c, x row pointer xr."""
+        lo = (wl0 * tl.load(xr + xo).to(tl.float32) + wl1 * tl.load(xr + xo + 1).to(tl.float32)
+              + wl2 * tl.load(xr + xo + 2).to(tl.float32) + wl3 * tl.load(xr + xo + 3).to(tl.float32))
+        hi = (wh0 * tl.load(xr + xo + 64).to(tl.float32) + wh1 * tl.load(xr + xo + 65).to(tl.float32)
+              + wh2 * tl.load(xr + xo + 66).to(tl.float32) + wh3 * tl.load(xr + xo + 67).to(tl.float32))
+        return lo, hi
+
+    @triton.jit
+    def _q6_k_byte(ql, qh, c: tl.constexpr, nib: tl.constexpr, jo):
+        """Byte c of the ql word's low (nib 0) or high (4) nibbles with its 2 high bits from the qh word (bit
+        8c + 2j, j = jo + nib / 2,
+        so bit 8c + 2jo + nib), minus 32, as float32 (exact: 2^23 + v as float bits, less 2^23 + 32)."""
+        v = ((ql >> (8 * c + nib)) & 15) | (((qh >> (8 * c + 2 * jo + nib)) & 3) << 4)
+        return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
+
+    @triton.jit
+    def _q6_k_idot(xw, xsr, xi, g, qlo, qhi, sc_lo, sc_hi, PTX: tl.constexpr):
+        """One x row (int32 words xw, float32 scales xsr): x's scale times the int32 dot of 4 signed weights
+        with x's 4 int8 values, times the weights' int8 scale, for the low group (g) and the high one (g + 2)."""
+        il = _dp4a(qlo, tl.load(xw + xi), 0, PTX) * sc_lo
+        ih = _dp4a(qhi, tl.load(xw + xi + 4), 0, PTX) * sc_hi
+        return il.to(tl.float32) * tl.load(xsr + g) + ih.to(tl.float32) * tl.load(xsr + g + 2)
+
+    @triton.jit
+    def _q6_k_words(x_ptr, xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                    M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, DP4A: tl.constexpr,
+                    PTX: tl.constexpr):
+        """Q6_K (the layout of _q6_k_gemv) read in int32 words, two blocks (420 bytes, 105 words) at a time: the
+        even block's words are aligned, the odd one's start 2 bytes into a word (each of its words from two
+        aligned loads). Tile [BLOCK_N rows, SB block pairs, 32 lanes]; lane t takes ql word t (bytes 4t..4t+3:
+        half h = t // 16, group jo = t // 8 % 2 in its low nibbles and jo + 2 in its high ones, lane u = t % 8,
+        weights 128h + 32j + 4u + c), the qh word 8h + u (2 bits per weight at 2j), the scale bytes 8h + 2j +
+        u // 4 and d. DP4A: int8 x (`quantize_x`: xq_ptr, xs_ptr) and a dp4a per 4 weights (the weights
+        made signed bytes), else float x (x_ptr) and float32 products. Needs an even block count per row and
+        4-byte aligned blocks (the caller checks)."""
+        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
+        wrow = ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(rows, n - 1).to(tl.int64)[:, None, None] * (nb // 2 * 105)
+        kp = tl.arange(0, SB)[None, :, None]
+        t = tl.arange(0, 32)[None, None, :]
+        h = t // 16
+        jo = (t // 8) % 2
+        u = t % 8
+        sh = 24 - 8 * (2 * jo + u // 4)  # the scale's byte moved to the top (then >> 24, sign-extended)
+        acc0 = tl.zeros((BLOCK_N, SB, 32), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, SB, 32), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, SB, 32), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, SB, 32), tl.float32)
+        xrow = cols // 4  # int32 words of int8 x per row
+        srow = cols // 32
+        for k in range(0, nb // 2, SB):
+            pw = wrow + (k + kp) * 105  # (BLOCK_N, SB, 1): the pair's first word
+            for e in tl.static_range(2):
+                bw = pw + 52 * e
+                ql = _w32(bw, t, e)
+                qh = _w32(bw, 32 + 8 * h + u, e)
+                sc_lo = (_w32(bw, 48 + 2 * h, e) << sh) >> 24  # scale of group jo (low nibbles)
+                sc_hi = (_w32(bw, 49 + 2 * h, e) << sh) >> 24  # of group jo + 2
+                d = ((tl.load(pw + 52 + 52 * e) >> (16 * e)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+                d = d.to(tl.float32)
+                b = 2 * (k + kp) + e  # (1, SB, 1)
+                if DP4A:
+                    qlo = ((ql & 0x0F0F0F0F) | (((qh >> (2 * jo)) & 0x03030303) << 4)) ^ 0x20202020
+                    qhi = (((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * jo + 4)) & 0x03030303) << 4)) ^ 0x20202020
+                    # 6-bit v ^ 32 is v - 32 in 6 bits: copy its sign (bit 5) to bits 6 and 7 of each byte
+                    qlo = qlo | ((qlo & 0x20202020) * 6)
+                    qhi = qhi | ((qhi & 0x20202020) * 6)
+                    g = b * 8 + 4 * h + jo  # x's group of the low weights (the high ones: g + 2)
+                    xi = (u // 2) * (cols // 16) + 2 * g + u % 2  # their int32 word in quantize_x's planes
+                    acc0 += d * _q6_k_idot(xq_ptr, xs_ptr, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
+                    if M > 1:
+                        acc1 += d * _q6_k_idot(xq_ptr + xrow, xs_ptr + srow, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
+                    if M > 2:
+                        acc2 += d * _q6_k_idot(xq_ptr + 2 * xrow, xs_ptr + 2 * srow, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
+                    if M > 3:
+                        acc3 += d * _q6_k_idot(xq_ptr + 3 * xrow, xs_ptr + 3 * srow, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
+                else:
+                    wl0, wl1 = _q6_k_byte(ql, qh, 0, 0, jo), _q6_k_byte(ql, qh, 1, 0, jo)
+                    wl2, wl3 = _q6_k_byte(ql, qh, 2, 0, jo), _q6_k_byte(ql, qh, 3, 0, jo)
+                    wh0, wh1 = _q6_k_byte(ql, qh, 0, 4, jo), _q6_k_byte(ql, qh, 1, 4, jo)
+                    wh2, wh3 = _q6_k_byte(ql, qh, 2, 4, jo), _q6_k_byte(ql, qh, 3, 4, jo)
+                    dl, dh = d * sc_lo.to(tl.float32), d * sc_hi.to(tl.float32)
+                    xo = b * 256 + 128 * h + 32 * jo + 4 * u
+                    lo, hi = _q6_k_fdot(x_ptr, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
+                    acc0 += dl * lo + dh * hi
+                    if M > 1:
+                        lo, hi = _q6_k_fdot(x_ptr + cols, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
+                        acc1 += dl * lo + dh * hi
+                    if M > 2:
+                        lo, hi = _q6_k_fdot(x_ptr + 2 * cols, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
+                        acc2 += dl * lo + dh * hi
+                    if M > 3:
+                        lo, hi = _q6_k_fdot(x_ptr + 3 * cols, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
+                        acc3 += dl * lo + dh * hi
+        _store_rows(out_ptr, tl.sum(acc0, 2), tl.sum(acc1, 2), tl.sum(acc2, 2), tl.sum(acc3, 2), M, out_stride,
+                    col + rows, live)
+
     # type -> (kernel, the constexprs that pick the type within its family)
     _KERNELS = {"IQ3_S": (_iq3_s_gemv, {}), "Q8_0": (_q8_0_gemv, {}), "Q6_K": (_q6_k_gemv, {}),
                 "Q4_K": (_k45_words_gemv, {"FIVE": False}), "Q5_K": (_k45_words_gemv, {"FIVE": True}),
@@ -679,7 +798,26 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
     cfg = config or (BIG_CONFIGS.get(name) if sum(rows) >= BIG_ROWS else None) or CONFIGS[name]
     nb = cols // block_size(name)
-    if xq is not None:  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
+    if name == "Q6_K" and Q6K_KERNEL != "bytes" and nb % 2 == 0 and not any(m.data_ptr() % 4 for m in mats):
+        if Q6K_KERNEL not in Q6K_KERNELS:
+            raise ValueError(f"STRATA_GEMV_Q6K={Q6K_KERNEL!r}: one of {', '.join(Q6K_KERNELS)}")
+        dp4a = Q6K_KERNEL == "dp4a"
+        if dp4a and xq is None:
+            xq = quantize_x(x)
+        cfg = config or Q6K_WORDS_CONFIGS[Q6K_KERNEL][sum(rows) >= BIG_ROWS]
+        sb = next(k for k in (8, 4, 2, 1) if k <= cfg.sb and (nb // 2) % k == 0)
+        ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
+        progs = [triton.cdiv(r, cfg.block_n) for r in rows]
+        dst = out[:, col0:]
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            for r0 in range(0, x.shape[0], MAX_M):
+                xs = x[r0:r0 + MAX_M]
+                xqp, xsp = (xq[0][r0:].view(torch.int32), xq[1][r0:]) if dp4a else (_dummy(x.device), x)
+                _q6_k_words[(sum(progs),)](xs, xqp, xsp, dst[r0:], *ptrs, *rows, progs[0], progs[0] + progs[1], nb,
+                                           cols, out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb,
+                                           DP4A=dp4a, PTX=not INTERPRET, num_warps=cfg.num_warps)
+        return
+    if xq is not None and name == "IQ3_S":  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
         cfg = config or DP4A_CONFIG
         ptrs = [m.view(torch.uint16) for m in mats]
         ptrs += [ptrs[0]] * (MAX_PARTS - len(mats))
@@ -741,7 +879,9 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
     mode = IQ3S_KERNEL
     if mode not in IQ3S_KERNELS:
         raise ValueError(f"STRATA_GEMV_IQ3S={mode!r}: one of {', '.join(IQ3S_KERNELS)}")
-    xq = quantize_x(x) if mode != "float" and "IQ3_S" in names else None  # once for all the parts
+    xq = None  # x as int8 for the dp4a kernels, once for all the parts
+    if (mode != "float" and "IQ3_S" in names) or (Q6K_KERNEL == "dp4a" and "Q6_K" in names):
+        xq = quantize_x(x)
     i, col = 0, 0
     while i < len(parts):
         j = i + 1
@@ -758,7 +898,7 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
                 IQ3S_KERNEL = "float"
                 _launch(x, mats, names[i], cols, out, col, config)
         else:
-            _launch(x, mats, names[i], cols, out, col, config)
+            _launch(x, mats, names[i], cols, out, col, config, xq if names[i] == "Q6_K" else None)
         col += sum(m.shape[0] for m in mats)
         i = j
     return out
