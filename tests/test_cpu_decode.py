@@ -68,22 +68,10 @@ def test_gguf_blocks_are_read_as_stored(qtype):
 
 # -- whole decode steps ------------------------------------------------------------------------------------
 def _tiny_hf(tmp_path, arch):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(2)
-    common = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
-    if arch == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_theta=5000.0, **common))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(rope_theta=10000.0, **common))
-    model = model.float().eval()
-    with torch.no_grad():  # non-trivial norms and biases
-        for n, prm in model.named_parameters():
-            if n.endswith("norm.weight") or n.endswith(".bias"):
-                prm.add_(torch.randn_like(prm) * 0.1)
-    path = tmp_path / arch
-    model.save_pretrained(path, safe_serialization=True)
-    return model, str(path)
+    pytest.importorskip("transformers")
+    from test_model_hf import make_tiny
+    return make_tiny(tmp_path, arch, seed=2, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                     num_attention_heads=4, max_position_embeddings=512)
 
 
 @pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("qwen2", "auto"), ("llama", "bfloat16")])

@@ -12,11 +12,11 @@ from strata.model import Transformer
 from strata.weights import ModelError, model_args, slice_tensors
 
 
-def make_tiny(tmp_path, arch: str, **extra):
-    torch.manual_seed(1)
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=6,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, **extra)
+def make_tiny(tmp_path, arch: str, seed: int = 1, **extra):
+    torch.manual_seed(seed)
+    common = {**dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=6,
+                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False), **extra}
     if arch == "llama":
         cfg = transformers.LlamaConfig(rope_theta=5000.0, **common)
         model = transformers.LlamaForCausalLM(cfg)
