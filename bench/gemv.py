@@ -1,13 +1,15 @@
 """Time the fused dequantize + matrix-vector kernels (strata.quant.gemv) against the current decode path.
 
 Per type (IQ3_S: per kernel of --iq3s, gemv.IQ3S_KERNEL) at a preset's layer shapes (q/k/v and gate/up as the one launch decode makes): the kernel's
-median time (CUDA events, L2 flushed before each rep), the GB/s of blocks it reads, the current path
+median time (CUDA events, L2 flushed before each rep; on CUDA each call replayed from a CUDA graph, as decode runs
+it, so the host's launch time is not in it), the GB/s of blocks it reads, the current path
 (dequantize into a bf16 buffer + F.linear) and the relative error against float64. Then one whole
 layer (its 4 launches) eager and replayed from a CUDA graph, and what that makes per token.
 
     python bench/gemv.py                       # IQ3_S and Q8_0 at llama-3-70b shapes, M=1 and 4 (CUDA)
     python bench/gemv.py --types IQ3_S --iq3s float,dp4a,dp4a-table   # IQ3_S's kernels side by side
     python bench/gemv.py --types Q6_K --q6k bytes,words,dp4a   # Q6_K's kernels side by side
+    python bench/gemv.py --types Q4_K,Q5_K --kquant bytes,words,dp4a   # Q4_K/Q5_K's kernels side by side
     python bench/gemv.py --sweep               # also try launch shapes per matrix (pick CONFIGS from it)
     TRITON_INTERPRET=1 python bench/gemv.py --smoke    # tiny shapes on the CPU, through the interpreter
 """
@@ -32,8 +34,10 @@ SWEEP = [gemv.Config(bn, sb, w) for bn in (4, 8, 16, 32) for sb in (1, 2, 4) for
 # the dp4a IQ3_S kernel: 8 * sb sub-blocks of a row side by side, block_n raised to fill the warps
 DP4A_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 4, 16) for sb in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
 # Q6_K's word kernels (--q6k words, dp4a): [block_n rows, sb block pairs, 32 words] tiles
-Q6K_SWEEP = [gemv.Config(bn, sb, w) for bn, sb, w in ((1, 4, 4), (2, 2, 4), (2, 4, 8), (4, 1, 4), (4, 2, 8), (8, 1, 8),
-                                                      (4, 4, 8), (16, 1, 8), (8, 2, 8), (16, 1, 4), (32, 1, 8))]
+Q6K_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 2, 4, 8, 16) for sb in (1, 2, 4, 8) for w in (4, 8)]
+
+# Q4_K/Q5_K's word kernels (--kquant words, dp4a): [block_n rows, sb blocks, 4 quarters, 8 words] tiles
+KQ_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 2, 4, 8, 16) for sb in (2, 4, 8, 16) for w in (4, 8)]
 
 
 def mats(preset: str, smoke: bool) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -72,11 +76,30 @@ class Timer:
                 out.append(time.perf_counter() - t0)
         return statistics.median(out)
 
+    def graphed(self, fn):
+        """fn captured in a CUDA graph (after one eager call: compiles, allocates), as a replay; fn on the CPU."""
+        if not self.cuda:
+            return fn
+        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+
+MODE_ATTR = {"IQ3_S": "IQ3S_KERNEL", "Q6_K": "Q6K_KERNEL", "Q4_K": "KQUANT", "Q5_K": "KQUANT"}
+
 
 def set_mode(qtype: str, mode: str | None) -> None:
-    """Pick IQ3_S's (gemv.IQ3S_KERNEL) or Q6_K's (gemv.Q6K_KERNEL) kernel; None: the type has one."""
+    """Pick IQ3_S's (gemv.IQ3S_KERNEL), Q6_K's (gemv.Q6K_KERNEL) or Q4_K/Q5_K's (gemv.KQUANT) kernel; None: the
+    type has one."""
     if mode is not None:
-        setattr(gemv, "IQ3S_KERNEL" if qtype == "IQ3_S" else "Q6K_KERNEL", mode)
+        setattr(gemv, MODE_ATTR[qtype], mode)
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -113,7 +136,7 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
             for mode in modes:
                 set_mode(qtype, mode)
                 y = gemv.quant_matmul_parts(x, packed, cols)
-                t = timer(lambda: gemv.quant_matmul_parts(x, packed, cols))
+                t = timer(timer.graphed(lambda: gemv.quant_matmul_parts(x, packed, cols)))
                 err = rel(y, want)
                 name = qtype if mode is None else f"{qtype}/{mode}"
                 if qtype == "IQ3_S" and gemv.IQ3S_KERNEL != mode:
@@ -127,8 +150,10 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
                         sweep_cfgs = DP4A_SWEEP
                     elif qtype == "Q6_K" and mode != "bytes":
                         sweep_cfgs = Q6K_SWEEP
+                    elif qtype in ("Q4_K", "Q5_K") and mode != "bytes":
+                        sweep_cfgs = KQ_SWEEP
                     for cfg in sweep_cfgs:
-                        ts = timer(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg))
+                        ts = timer(timer.graphed(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg)))
                         if best is None or ts < best[0]:
                             best = (ts, cfg)
                     print(f"{'':26s} best launch shape {best[1]}: {best[0] * 1e6:.1f} us, {nbytes / best[0] / 1e9:.0f} GB/s")
@@ -171,7 +196,8 @@ def main() -> int:
     ap.add_argument("--m", default="1,4", help="x rows, comma-separated")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--iq3s", default=",".join(gemv.IQ3S_KERNELS), help="IQ3_S kernels to compare (gemv.IQ3S_KERNELS)")
-    ap.add_argument("--q6k", default="bytes", help="Q6_K kernels to compare (gemv.Q6K_KERNELS)")
+    ap.add_argument("--q6k", default=gemv.Q6K_KERNEL, help="Q6_K kernels to compare (gemv.Q6K_KERNELS)")
+    ap.add_argument("--kquant", default=gemv.KQUANT, help="Q4_K/Q5_K kernels to compare (gemv.KQUANTS)")
     ap.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (dp4a: DP4A_SWEEP)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
     a = ap.parse_args()
@@ -192,7 +218,8 @@ def main() -> int:
             print(f"--iq3s: {mode!r} is not one of {', '.join(gemv.IQ3S_KERNELS)}", file=sys.stderr)
             return 2
     for qtype in a.types.split(","):
-        modes = iq3s if qtype == "IQ3_S" else a.q6k.split(",") if qtype == "Q6_K" else [None]
+        modes = {"IQ3_S": iq3s, "Q6_K": a.q6k.split(","), "Q4_K": a.kquant.split(","),
+                 "Q5_K": a.kquant.split(",")}.get(qtype, [None])
         layer = bench_type(qtype, shapes, ms, timer, device, a.sweep, dtype, modes)
         for mode in modes:
             set_mode(qtype, mode)

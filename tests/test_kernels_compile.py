@@ -23,8 +23,7 @@ def ptx(fn, signature: dict, constexprs: dict, **options) -> str:
         pytest.skip(f"no CUDA toolchain in this Triton: {e}")
 
 
-@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                                   "Q4_K/bytes", "Q5_K/bytes"])
+@pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K/bytes", "Q5_K/bytes"])
 @pytest.mark.parametrize("m", [1, 4])
 def test_decode_gemv_kernels_compile_for_sm90(qtype, m):
     from strata.quant import gemv
@@ -36,14 +35,27 @@ def test_decode_gemv_kernels_compile_for_sm90(qtype, m):
     assert ".target sm_90" in code and "ld.global" in code
 
 
+WORDS_SIG = {"x_ptr": "*bf16", "xq_ptr": "*i32", "xs_ptr": "*fp32", **{k: v for k, v in GEMV_SIG.items() if k not in (
+    "x_ptr", "grid_ptr")}, "DP4A": "constexpr", "PTX": "constexpr"}
+
+
+@pytest.mark.parametrize("five", [False, True])
+@pytest.mark.parametrize("dp4a", [False, True])
+@pytest.mark.parametrize("m", [1, 4])
+def test_k45_words_kernel_compiles_for_sm90(five, dp4a, m):
+    """Q4_K / Q5_K read in int32 words (STRATA_GEMV_KQUANT=words, float x; =dp4a, int8 x and PTX dp4a)."""
+    from strata.quant import gemv
+    code = ptx(gemv._k45_words_gemv, {**WORDS_SIG, "FIVE": "constexpr"},
+               {"M": m, "BLOCK_N": 8, "SB": 2, "FIVE": five, "DP4A": dp4a, "PTX": True})
+    assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
+
+
 @pytest.mark.parametrize("dp4a", [False, True])
 @pytest.mark.parametrize("m", [1, 4])
 def test_q6_k_words_kernel_compiles_for_sm90(dp4a, m):
     """Q6_K read in int32 words (STRATA_GEMV_Q6K=words, float x; =dp4a, int8 x and PTX dp4a)."""
     from strata.quant import gemv
-    sig = {"x_ptr": "*bf16", "xq_ptr": "*i32", "xs_ptr": "*fp32", **{k: v for k, v in GEMV_SIG.items() if k not in (
-        "x_ptr", "grid_ptr")}, "DP4A": "constexpr", "PTX": "constexpr"}
-    code = ptx(gemv._q6_k_words, sig, {"M": m, "BLOCK_N": 4, "SB": 2, "DP4A": dp4a, "PTX": True})
+    code = ptx(gemv._q6_k_words, WORDS_SIG, {"M": m, "BLOCK_N": 4, "SB": 2, "DP4A": dp4a, "PTX": True})
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
 
 

@@ -50,14 +50,28 @@ def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def iq3s_kernel(mode: str):
-    """Run with gemv.IQ3S_KERNEL = mode (read per call)."""
+def kernel_mode(attr: str, mode: str):
+    """Run with gemv.<attr> = mode (IQ3S_KERNEL, Q6K_KERNEL, KQUANT: read per call)."""
     from strata.quant import gemv
-    old, gemv.IQ3S_KERNEL = gemv.IQ3S_KERNEL, mode
+    old = getattr(gemv, attr)
+    setattr(gemv, attr, mode)
     try:
         yield
     finally:
-        gemv.IQ3S_KERNEL = old
+        setattr(gemv, attr, old)
+
+
+def iq3s_kernel(mode: str):
+    return kernel_mode("IQ3S_KERNEL", mode)
+
+
+def q6k_kernel(mode: str):
+    return kernel_mode("Q6K_KERNEL", mode)
+
+
+def kquant_kernel(mode: str):
+    """Q4_K / Q5_K's kernel (gemv.KQUANT: bytes, words, dp4a)."""
+    return kernel_mode("KQUANT", mode)
 
 
 # -- the checks run under the interpreter (in the subprocess) -----------------------------------------
@@ -66,12 +80,13 @@ def check_kernel_matches_reference():
     (two launches); fp32 x within fp32 accumulation, bf16 x (result rounded to bf16) within bf16."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(7)
-    with iq3s_kernel("float"):
+    with iq3s_kernel("float"), kquant_kernel("words"):
         _check_float_kernels(gemv, random_blocks, g)
     big = gemv.BIG_ROWS
     try:  # the big launches' shapes (gate/up, the head) on these small matrices: every launch counts as big
         gemv.BIG_ROWS = 1
-        _check_float_kernels(gemv, random_blocks, g, types=tuple(gemv.BIG_CONFIGS))
+        with kquant_kernel("words"):
+            _check_float_kernels(gemv, random_blocks, g, types=tuple(gemv.BIG_CONFIGS))
     finally:
         gemv.BIG_ROWS = big
 
@@ -105,7 +120,8 @@ def check_parts_side_by_side():
     want = torch.cat([reference(x, b, q) for b, q in parts], dim=1)
     for mode, tol in (("float", 1e-5),) + tuple((m, DP4A_TOL) for m in IQ3S_DP4A):
         out = torch.full((3, 62), float("nan"))
-        with iq3s_kernel(mode), q6k_kernel("words" if mode == "float" else "dp4a"):
+        int8 = "words" if mode == "float" else "dp4a"
+        with iq3s_kernel(mode), q6k_kernel(int8), kquant_kernel(int8):
             gemv.quant_matmul_parts(x, parts, cols, out=out)
         assert rel(out, want) < tol, (mode, rel(out, want))
         # the other types' columns are exact either way
@@ -140,17 +156,6 @@ def check_iq3s_dp4a_matches_reference():
     print(f"dp4a rel err vs float64 x: max {max(errs):.2e}, mean {sum(errs) / len(errs):.2e}", file=sys.stderr)
 
 
-@contextlib.contextmanager
-def q6k_kernel(mode: str):
-    """Run with gemv.Q6K_KERNEL = mode (read per call)."""
-    from strata.quant import gemv
-    old, gemv.Q6K_KERNEL = gemv.Q6K_KERNEL, mode
-    try:
-        yield
-    finally:
-        gemv.Q6K_KERNEL = old
-
-
 def check_q6_k_words_matches_reference():
     """Q6_K's int32-word kernel (two blocks a step; the odd block's words from two aligned loads): float x
     within float32 accumulation, int8 x (dp4a) to float32 accumulation of the product with x's int8
@@ -174,11 +179,43 @@ def check_q6_k_words_matches_reference():
                     assert yb.dtype == torch.bfloat16 and rel(yb, reference(xb, blocks, "Q6_K")) < 8e-3
                 with q6k_kernel("dp4a"):
                     y = gemv.quant_matmul(x, blocks, "Q6_K", cols)
-                    tol = 1e-5 if cols == 768 else DP4A_TOL  # 3 blocks a row: the byte kernel, float x
-                    assert rel(y, want) < tol, ("dp4a", rows, cols, m, rel(y, want))
-                    if cols != 768:
-                        xq = gemv.int8_x(*gemv.quantize_x(x))
-                        assert rel(y, reference(xq, blocks, "Q6_K")) < 1e-5
+                    if cols == 768:  # 3 blocks a row: the byte kernel, float x
+                        assert rel(y, want) < 1e-5, ("dp4a", rows, cols, m, rel(y, want))
+                    else:
+                        _check_int8_x(gemv, x, blocks, "Q6_K", y, want)
+    finally:
+        gemv.BIG_ROWS = big
+
+
+def _check_int8_x(gemv, x, blocks, qtype, y, want):
+    """A dp4a kernel's y: to float32 accumulation of the product with x's int8 rounding (`quantize_x`), and
+    within DP4A_TOL of the product with x itself (`want`)."""
+    assert rel(y, reference(gemv.int8_x(*gemv.quantize_x(x)), blocks, qtype)) < 1e-5, qtype
+    assert rel(y, want) < DP4A_TOL, (qtype, rel(y, want))
+
+
+def check_k45_dp4a_matches_reference():
+    """Q4_K and Q5_K with int8 x (KQUANT dp4a: two dp4a per word, one more for the min's sum of x) against
+    the int8 x they multiply and x itself; odd row counts, M = 1, 3 and 6, both launch shapes (BIG_ROWS),
+    bf16 x; and blocks not 4-byte aligned (the byte kernel runs, float x)."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator().manual_seed(14)
+    big = gemv.BIG_ROWS
+    try:
+        with kquant_kernel("dp4a"):
+            for big_rows in (big, 1):
+                gemv.BIG_ROWS = big_rows
+                for qtype in ("Q4_K", "Q5_K"):
+                    for rows, cols, m in ((37, 512, 1), (21, 768, 3), (5, 256, 6), (9, 2048, 2)):
+                        blocks = random_blocks(qtype, rows, cols, g)
+                        for x in (torch.randn(m, cols, generator=g), torch.randn(m, cols, generator=g).bfloat16()):
+                            y = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, rows))
+                            _check_int8_x(gemv, x, blocks, qtype, y, reference(x, blocks, qtype))
+            size = blocks.shape[1]
+            odd = torch.empty(rows * size + 1, dtype=torch.uint8)[1:].view(rows, size)
+            odd.copy_(blocks)
+            x = torch.randn(m, cols, generator=g)
+            assert rel(gemv.quant_matmul(x, odd, qtype, cols), reference(x, blocks, qtype)) < 1e-5
     finally:
         gemv.BIG_ROWS = big
 
@@ -275,10 +312,10 @@ def check_model_decode_fused_q4_k_m():
     try:
         ids = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
         assert rel(fused(ids[:, :8], 0), dense(ids[:, :8], 0)) < 1e-6  # prefill: the scratch path
-        # each Q6_K kernel (dp4a: int8 x, the residual stream's error; its T=3 step only)
+        # each Q6_K and Q4_K kernel (dp4a: int8 x, the residual stream's error; its T=3 step only)
         for mode, tol, steps in (("bytes", 1e-5, ((8, 1), (9, 3))), ("words", 1e-5, ((8, 1),)),
                                  ("dp4a", DP4A_TOL, ((9, 3),))):
-            with q6k_kernel(mode):
+            with q6k_kernel(mode), kquant_kernel(mode):
                 for p, t in steps:
                     a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
                     assert rel(a, b) < tol, (mode, p, rel(a, b))
@@ -321,7 +358,8 @@ def check_dequantize_into():
     assert not into.takes("Q2_K", torch.empty(1)) and not into.takes("Q4_K", torch.empty(4, 4).t())
 
 
-CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, check_parts_side_by_side, check_model_decode_fused,
+CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, check_k45_dp4a_matches_reference,
+          check_parts_side_by_side, check_model_decode_fused,
           check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_quantize_x,
           check_dequantize_into]
 
@@ -400,11 +438,12 @@ def test_bad_blocks_refused():
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
     """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64
-    (IQ3_S: the float kernel, Q6_K: the byte kernel; the others in test_gpu_iq3s_dp4a_70b_shapes and
-    test_gpu_q6_k_words_shapes)."""
+    (IQ3_S: the float kernel, Q6_K: the byte kernel, Q4_K and Q5_K: words; the others in
+    test_gpu_iq3s_dp4a_70b_shapes and test_gpu_word_kernels_shapes)."""
     from strata.quant import dequantize, gemv, random_blocks
     monkeypatch.setattr(gemv, "IQ3S_KERNEL", "float")
-    monkeypatch.setattr(gemv, "Q6K_KERNEL", "bytes")  # the word kernels: test_gpu_q6_k_words_shapes
+    monkeypatch.setattr(gemv, "Q6K_KERNEL", "bytes")  # the word kernels: test_gpu_word_kernels_shapes
+    monkeypatch.setattr(gemv, "KQUANT", "words")
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
     blocks = random_blocks(qtype, rows, cols, g, device="cuda")
@@ -421,28 +460,29 @@ def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(1024, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (8192, 28672)])
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("mode", ["words", "dp4a"])
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_gpu_q6_k_words_shapes(shape, mode, m, monkeypatch):
-    """Q6_K's int32-word kernels at 8B / 70B shapes, bf16 x: words within bf16 of float64 and with float32 x
-    within float32 accumulation; dp4a to float32 accumulation of the product with x's int8 rounding and within
-    DP4A_TOL of x's."""
+def test_gpu_word_kernels_shapes(shape, qtype, mode, m, monkeypatch):
+    """The K-quants' int32-word kernels at 8B / 70B shapes, bf16 x: words within bf16 of float64 and with
+    float32 x within float32 accumulation; dp4a to float32 accumulation of the product with x's int8 rounding
+    and within DP4A_TOL of x's."""
     from strata.quant import dequantize, gemv, random_blocks
-    monkeypatch.setattr(gemv, "Q6K_KERNEL", mode)
+    monkeypatch.setattr(gemv, "Q6K_KERNEL" if qtype == "Q6_K" else "KQUANT", mode)
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
-    blocks = random_blocks("Q6_K", rows, cols, g, device="cuda")
+    blocks = random_blocks(qtype, rows, cols, g, device="cuda")
     x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
-    w = dequantize(blocks, "Q6_K").double()
+    w = dequantize(blocks, qtype).double()
     want = x.double() @ w.T
-    y = gemv.quant_matmul(x, blocks, "Q6_K", cols, out=torch.empty(m, rows, device="cuda"))
+    y = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, rows, device="cuda"))
     if mode == "words":
         assert rel(y, want) < 1e-5
-        assert rel(gemv.quant_matmul(x.float(), blocks, "Q6_K", cols), want) < 1e-5
+        assert rel(gemv.quant_matmul(x.float(), blocks, qtype, cols), want) < 1e-5
     else:
         assert rel(y, gemv.int8_x(*gemv.quantize_x(x)) @ w.T) < 1e-5
         assert rel(y, want) < DP4A_TOL, rel(y, want)
-    assert rel(gemv.quant_matmul(x, blocks, "Q6_K", cols), want) < (DP4A_TOL if mode == "dp4a" else 0) + 8e-3
+    assert rel(gemv.quant_matmul(x, blocks, qtype, cols), want) < (DP4A_TOL if mode == "dp4a" else 0) + 8e-3
 
 
 @pytest.mark.gpu
@@ -453,6 +493,7 @@ def test_gpu_q6_k_graph_capture(mode, monkeypatch):
     what an eager call gives (dp4a: x's quantization captured too)."""
     from strata.quant import gemv, random_blocks
     monkeypatch.setattr(gemv, "Q6K_KERNEL", mode)
+    monkeypatch.setattr(gemv, "KQUANT", mode)
     g = torch.Generator(device="cuda").manual_seed(2)
     cols = 1024
     parts = [(random_blocks(q, r, cols, g, device="cuda"), q) for q, r in (("Q4_K", 1024), ("Q4_K", 256), ("Q6_K", 256))]

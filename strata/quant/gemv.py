@@ -45,11 +45,14 @@ _IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the
 # 1,475 GB/s; dp4a 177, dp4a-table 215, dp4a-smem 240, float 679: bench/pick_iq3s.py, BENCHMARKS.md)
 IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a-u16")
 XQ_GROUP = 32  # x values per int8 scale
-# Q4_K/Q5_K: "words" (the default: each block read in int32 words, _k45_words_gemv) or "bytes" (_k45_gemv: a
-# byte a lane and the scales byte by byte, the A/B arm). On an H200 at 8B shapes one layer's four launches took
-# 143 vs 202 us (Q4_K) and 184 vs 297 us (Q5_K) in a graph. (A Q6_K kernel reading 16-bit words was slower than
-# _q6_k_gemv, 330 vs 265 us, and was dropped: BENCHMARKS.md fifth round.)
-KQUANT = os.environ.get("STRATA_GEMV_KQUANT", "words")
+# Q4_K/Q5_K (KQUANT, env STRATA_GEMV_KQUANT): "words" (each block read in int32 words, _k45_words_gemv, float x),
+# "dp4a" (the default: the same loads, int8 x from `quantize_x` and dp4a products, as Q6_K's dp4a and llama.cpp's
+# q8_1 x: ~5e-3 relative error) or "bytes" (_k45_gemv: a byte a lane and the scales byte by byte). On an H200 at
+# 8B shapes, one layer's four Q4_K launches in a graph: 202 us (bytes), 143 (words, one block a step), 97.8 (dp4a,
+# 4 blocks a step side by side); 8B Q4_K_M decode on one GPU after 2,048 tokens 151.9 (words, one block a step)
+# -> 241.0 tok/s (BENCHMARKS.md seventh round).
+KQUANTS = ("bytes", "words", "dp4a")
+KQUANT = os.environ.get("STRATA_GEMV_KQUANT", "dp4a")  # read per call: bench/gemv.py --kquant switches it
 # Q6_K (Q6K_KERNEL, env STRATA_GEMV_Q6K, read per call): "bytes" (_q6_k_gemv, a byte a lane), "words"
 # (_q6_k_words: int32 words, two blocks a step, float x, exact to float32 accumulation like bytes) or "dp4a"
 # (_q6_k_words with int8 x from `quantize_x` and a dp4a per 4 weights: ~5e-3 relative error, as IQ3_S's; the
@@ -80,13 +83,22 @@ CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K
 # (8B gate/up: Q4_K 84 -> 61 us, Q6_K 146 -> 108 us; the head 311 -> 220 and 524 -> 428 us)
 BIG_ROWS = 16384
 BIG_CONFIGS: dict[str, Config] = {"Q4_K": Config(32, 2, 4), "Q6_K": Config(32, 2, 4)}
+# (their Q4_K and Q5_K entries: the byte-wise kernel, KQUANT bytes)
 # the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
 # divides the row's blocks, block_n raised to give each thread an element when sb is smaller
 DP4A_CONFIG = Config(4, 4, 4)
+# _k45_words_gemv (KQUANT words and dp4a): a [block_n rows, sb blocks, 4, 8] tile (sb a power of two <= sb that
+# divides the row's blocks); KQ_BIG for launches of at least BIG_ROWS rows. From bench/gemv.py --sweep on an H200
+# at 8B shapes (graph-timed, M=1, dp4a): q/k/v 16.1 us, wo ~14, gate/up 46.8, ffn_down 4096x14336 ~31-37, head
+# 159.1 (a tile of one block a step, the earlier kernel: 21.4, -, 46.3, 56.0, 159.7)
+KQ_WORDS = Config(8, 4, 8)
+KQ_BIG = Config(16, 4, 8)
 # _q6_k_words (Q6K_KERNEL words and dp4a): a [block_n rows, sb block pairs, 32] tile (sb a power of two <= sb
 # that divides the row's pairs); per kernel, the first for launches under BIG_ROWS rows, the second for the
-# others (bench/gemv.py --q6k words,dp4a --sweep on an H200 at 8B shapes)
-Q6K_WORDS_CONFIGS = {"words": (Config(4, 4, 8), Config(16, 1, 4)), "dp4a": (Config(2, 2, 4), Config(16, 1, 4))}
+# others (bench/gemv.py --q6k words,dp4a --sweep on an H200 at 8B shapes; dp4a re-swept with graph-timed launches,
+# which the host's launch time no longer blurs: ffn_down 4096x14336 52.0 -> 37.3 us, wo 19.5 -> 15.3, head 223.9
+# -> 203.0)
+Q6K_WORDS_CONFIGS = {"words": (Config(4, 4, 8), Config(16, 1, 4)), "dp4a": (Config(16, 4, 8), Config(16, 2, 4))}
 
 
 def supports(qtype) -> bool:
@@ -362,40 +374,63 @@ if triton is not None:
         return acc + dl * dot_lo - ml * sum_lo + dh * dot_hi - mh * sum_hi
 
     @triton.jit
-    def _k45_words_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                        M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, FIVE: tl.constexpr):
-        """Q4_K and Q5_K (the layout of _k45_gemv) read in int32 words: a block's 128 quantized bytes as one
-        [BLOCK_N rows, 4 quarters, 8 words] load (word w of quarter p: weights 64p + 4w + t in its low nibbles,
-        64p + 32 + 4w + t in its high ones), its header as 4 words per row (d and dmin, then the 12 scale bytes),
-        Q5_K's 32 fifth-bit bytes as 8 words. Blocks must start 4-byte aligned (the caller checks)."""
+    def _k45_words_gemv(x_ptr, xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                        M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, FIVE: tl.constexpr,
+                        DP4A: tl.constexpr, PTX: tl.constexpr):
+        """Q4_K and Q5_K (the layout of _k45_gemv) read in int32 words, SB blocks of a row side by side: a step
+        loads a [BLOCK_N rows, SB blocks, 4 quarters, 8 words] tile of quantized bytes at once (word w of quarter
+        p: weights 64p + 4w + t in its low nibbles, 64p + 32 + 4w + t in its high ones), so a row's short loop
+        has all its loads in flight; each block's header as 4 words (d and dmin, then the 12 scale bytes),
+        Q5_K's 32 fifth-bit bytes as 8 words. SB a power of two dividing the row's blocks; blocks 4-byte aligned
+        (the caller checks). DP4A: int8 x (`quantize_x`: xq_ptr as int32 words, xs_ptr its scales; a sub-block
+        of 32 weights is one of x's groups) and per word two dp4a (its low and high nibbles as 4 bytes each)
+        plus one per x word for the min's sum of x, llama.cpp's q8_1 product; else float x (x_ptr) and float32
+        products per weight."""
         if FIVE:
             size, qs_at = 176, 48
         else:
             size, qs_at = 144, 16
         row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N)
-        wbase = row_base.to(tl.pointer_type(tl.int32))[:, :, None]  # (BLOCK_N, 1, 1)
-        p = tl.arange(0, 4)[None, :, None]
-        w = tl.arange(0, 8)[None, None, :]
-        acc0 = tl.zeros((BLOCK_N, 4, 8), tl.float32)
-        acc1 = tl.zeros((BLOCK_N, 4, 8), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, 4, 8), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, 4, 8), tl.float32)
+        wbase = row_base.to(tl.pointer_type(tl.int32))[:, :, None, None]  # (BLOCK_N, 1, 1, 1)
+        kb = tl.arange(0, SB)[None, :, None, None]
+        p = tl.arange(0, 4)[None, None, :, None]
+        w = tl.arange(0, 8)[None, None, None, :]
+        acc0 = tl.zeros((BLOCK_N, SB, 4, 8), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, SB, 4, 8), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, SB, 4, 8), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, SB, 4, 8), tl.float32)
         for k in range(0, nb, SB):
-            for s in tl.static_range(SB):
-                b = k + s
-                base = wbase + b * (size // 4)
-                q = tl.load(base + qs_at // 4 + 8 * p + w)  # (BLOCK_N, 4, 8)
-                h0 = tl.load(base)
-                d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                dmin = ((h0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                w0, w1, w2 = tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)
-                scl, mnl = _k4_words_scales(w0, w1, w2, 2 * p)
-                sch, mnh = _k4_words_scales(w0, w1, w2, 2 * p + 1)
-                dl, ml, dh, mh = d * scl, dmin * mnl, d * sch, dmin * mnh  # (BLOCK_N, 4, 1)
-                fifth = q
+            b = k + kb  # (1, SB, 1, 1)
+            base = wbase + b * (size // 4)
+            q = tl.load(base + qs_at // 4 + 8 * p + w)  # (BLOCK_N, SB, 4, 8)
+            h0 = tl.load(base)
+            d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = ((h0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            w0, w1, w2 = tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)
+            scl, mnl = _k4_words_scales(w0, w1, w2, 2 * p)
+            sch, mnh = _k4_words_scales(w0, w1, w2, 2 * p + 1)
+            dl, ml, dh, mh = d * scl, dmin * mnl, d * sch, dmin * mnh  # (BLOCK_N, SB, 4, 1)
+            fifth = q
+            if FIVE:
+                fifth = tl.load(base + 4 + w)  # (BLOCK_N, SB, 1, 8): byte 4w + t holds weight 32g + 4w + t's bit g
+            if DP4A:
+                lo = q & 0x0F0F0F0F  # 4 weights of sub-block 2p as 4 bytes
+                hi = (q >> 4) & 0x0F0F0F0F  # and of sub-block 2p + 1
                 if FIVE:
-                    fifth = tl.load(base + 4 + w)  # (BLOCK_N, 1, 8): byte 4w + t holds weight 32g + 4w + t's bit g
-                xo = b * 256 + 64 * p + 4 * w  # (1, 4, 8)
+                    lo = lo | (((fifth >> (2 * p)) & 0x01010101) << 4)
+                    hi = hi | (((fifth >> (2 * p + 1)) & 0x01010101) << 4)
+                g = b * 8 + 2 * p  # x's group of the low sub-block (1, SB, 4, 1); the high one's: g + 1
+                xi = (w // 2) * (cols // 16) + 2 * g + w % 2  # their int32 word in quantize_x's planes
+                acc0 += _k4_idot(xq_ptr, xs_ptr, xi, g, lo, hi, dl, ml, dh, mh, PTX)
+                if M > 1:
+                    acc1 += _k4_idot(xq_ptr + cols // 4, xs_ptr + cols // 32, xi, g, lo, hi, dl, ml, dh, mh, PTX)
+                if M > 2:
+                    acc2 += _k4_idot(xq_ptr + cols // 2, xs_ptr + cols // 16, xi, g, lo, hi, dl, ml, dh, mh, PTX)
+                if M > 3:
+                    acc3 += _k4_idot(xq_ptr + 3 * (cols // 4), xs_ptr + 3 * (cols // 32), xi, g, lo, hi,
+                                     dl, ml, dh, mh, PTX)
+            else:
+                xo = b * 256 + 64 * p + 4 * w  # (1, SB, 4, 8)
                 acc0 = _acc_k4_words(acc0, x_ptr, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
                 if M > 1:
                     acc1 = _acc_k4_words(acc1, x_ptr + cols, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
@@ -403,8 +438,8 @@ if triton is not None:
                     acc2 = _acc_k4_words(acc2, x_ptr + 2 * cols, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
                 if M > 3:
                     acc3 = _acc_k4_words(acc3, x_ptr + 3 * cols, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
-        _store_rows(out_ptr, tl.sum(acc0, 2), tl.sum(acc1, 2), tl.sum(acc2, 2), tl.sum(acc3, 2), M, out_stride,
-                    col + rows, live)
+        _store_rows(out_ptr, tl.sum(tl.sum(acc0, 3), 2), tl.sum(tl.sum(acc1, 3), 2), tl.sum(tl.sum(acc2, 3), 2),
+                    tl.sum(tl.sum(acc3, 3), 2), M, out_stride, col + rows, live)
 
     @triton.jit
     def _q6_k_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
@@ -643,6 +678,20 @@ if triton is not None:
         return il.to(tl.float32) * tl.load(xsr + g) + ih.to(tl.float32) * tl.load(xsr + g + 2)
 
     @triton.jit
+    def _k4_idot(xw, xsr, xi, g, lo, hi, dl, ml, dh, mh, PTX: tl.constexpr):
+        """One x row (int32 words xw, float32 scales xsr) against a word's 4 low-sub-block weights `lo` (x group
+        g) and 4 high ones `hi` (group g + 1), each sub-block's d * scale and dmin * min applied:
+        x_s * (dl * (lo . xq) - ml * sum(xq)), and the same for hi."""
+        xl = tl.load(xw + xi)
+        xh = tl.load(xw + xi + 2)
+        il = _dp4a(lo, xl, 0, PTX).to(tl.float32)
+        ih = _dp4a(hi, xh, 0, PTX).to(tl.float32)
+        ones = tl.full(xl.shape, 0x01010101, tl.int32)
+        sl = _dp4a(xl, ones, 0, PTX).to(tl.float32)
+        sh = _dp4a(xh, ones, 0, PTX).to(tl.float32)
+        return tl.load(xsr + g) * (dl * il - ml * sl) + tl.load(xsr + g + 1) * (dh * ih - mh * sh)
+
+    @triton.jit
     def _q6_k_words(x_ptr, xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                     M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, DP4A: tl.constexpr,
                     PTX: tl.constexpr):
@@ -839,7 +888,25 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     sb = next(k for k in range(cfg.sb, 0, -1) if nb % k == 0)  # whole steps: the kernels mask no load
     dst = out[:, col0:]
     kernel, family = _KERNELS[name]
-    if kernel is _k45_words_gemv and (KQUANT == "bytes" or any(m.data_ptr() % 4 for m in mats)):
+    if name in ("Q4_K", "Q5_K"):
+        if KQUANT not in KQUANTS:
+            raise ValueError(f"STRATA_GEMV_KQUANT={KQUANT!r}: one of {', '.join(KQUANTS)}")
+        if KQUANT != "bytes" and not any(m.data_ptr() % 4 for m in mats):
+            dp4a = KQUANT == "dp4a"
+            cfg = config or (KQ_BIG if sum(rows) >= BIG_ROWS else KQ_WORDS)
+            progs = [triton.cdiv(r, cfg.block_n) for r in rows]
+            sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)  # a power of two: a tile dim
+            if dp4a and xq is None:
+                xq = quantize_x(x)
+            with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+                for r0 in range(0, x.shape[0], MAX_M):
+                    xs = x[r0:r0 + MAX_M]
+                    xqp, xsp = (xq[0][r0:].view(torch.int32), xq[1][r0:]) if dp4a else (_dummy(x.device), x)
+                    _k45_words_gemv[(sum(progs),)](xs, xqp, xsp, dst[r0:], *ptrs, *rows, progs[0],
+                                                   progs[0] + progs[1], nb, cols, out.stride(0), M=xs.shape[0],
+                                                   BLOCK_N=cfg.block_n, SB=sb, DP4A=dp4a, PTX=not INTERPRET,
+                                                   num_warps=cfg.num_warps, **family)
+            return
         kernel = _k45_gemv  # the byte-wise loads: the A/B arm, or blocks not 4-byte aligned
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         for r0 in range(0, x.shape[0], MAX_M):  # the weights are read once per MAX_M rows of x
@@ -880,7 +947,8 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
     if mode not in IQ3S_KERNELS:
         raise ValueError(f"STRATA_GEMV_IQ3S={mode!r}: one of {', '.join(IQ3S_KERNELS)}")
     xq = None  # x as int8 for the dp4a kernels, once for all the parts
-    if (mode != "float" and "IQ3_S" in names) or (Q6K_KERNEL == "dp4a" and "Q6_K" in names):
+    if ((mode != "float" and "IQ3_S" in names) or (Q6K_KERNEL == "dp4a" and "Q6_K" in names)
+            or (KQUANT == "dp4a" and ("Q4_K" in names or "Q5_K" in names))):
         xq = quantize_x(x)
     i, col = 0, 0
     while i < len(parts):
@@ -898,7 +966,7 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
                 IQ3S_KERNEL = "float"
                 _launch(x, mats, names[i], cols, out, col, config)
         else:
-            _launch(x, mats, names[i], cols, out, col, config, xq if names[i] == "Q6_K" else None)
+            _launch(x, mats, names[i], cols, out, col, config, xq if names[i] in ("Q6_K", "Q4_K", "Q5_K") else None)
         col += sum(m.shape[0] for m in mats)
         i = j
     return out
