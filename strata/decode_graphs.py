@@ -7,7 +7,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .model import (Block, Packed, Products, QuantEmbedding, ResidentMatrices, RMSNorm, Transformer, _dense_products,
+from .model import (Block, Packed, Products, ResidentMatrices, RMSNorm, Transformer, _dense_products,
                     _rope_rows, _to_cache, rope_tables)
 
 GRAPH_MIN_BUCKET = 256
@@ -38,9 +38,9 @@ class DecodeGraphs:
         self.m = m
         self.device, self.dtype = m._compute()
         dev = self.device
-        # a resident embedding's row is gathered (dequantized) before the replay: the graph takes the residual row
-        self.eager_embed = m.has_embed and isinstance(m.embed, QuantEmbedding)
-        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev) if m.has_embed and not self.eager_embed else None
+        # the token id in, its embedding row gathered in the graph (a resident embedding's row dequantized there too:
+        # eager, its ~30 small launches sat between a launch-ahead step's bell and its replay)
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev) if m.has_embed else None
         self.res = None if self.ids is not None else torch.zeros(1, 1, m.args.dim, dtype=self.dtype, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
@@ -82,8 +82,6 @@ class DecodeGraphs:
             raise ValueError(f"position {pos} is outside the KV cache ({self.cache_len})")
         with torch.cuda.device(self.device):
             static = self.ids if self.ids is not None else self.res
-            if self.eager_embed:
-                x = self.m.embed(x.reshape(1, 1))
             static.copy_(x.reshape(static.shape))
             self.pos.fill_(pos)
             b = self.bucket(pos)
@@ -112,9 +110,6 @@ class DecodeGraphs:
             self.pos.copy_(pos_src.view(1), non_blocking=True)
             if self.ids is not None:
                 self.ids.view(1).copy_(token_src.view(1), non_blocking=True)
-            elif self.eager_embed:
-                tok = token_src.to(self.device, non_blocking=True).view(1, 1)
-                self.res.copy_(self.m.embed(tok).view(self.res.shape))
             else:
                 self.res.view(-1).copy_(row_src.reshape(-1), non_blocking=True)
             entry[0].replay()

@@ -159,7 +159,7 @@ def test_cuda_graph_step_is_faster():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_cuda_graph_resident_quantized_matches_eager():
     """Resident IQ3_S layers, head and embedding: the graph step (fused kernels on the blocks, the embedding
-    row gathered before the replay) gives the eager decode path's residual, logits and argmax."""
+    row gathered and dequantized inside the replay) gives the eager decode path's residual, logits and argmax."""
     from strata.checkpoint import load_stage
     model = "synthetic:smoke-wide@IQ3_S"
     args = model_args(model)
@@ -181,3 +181,4 @@ def test_cuda_graph_resident_quantized_matches_eager():
         b, lb, ib = graph.decode_token(ids[:, p:p + 1], p)
         assert _rel(b, a) < tol and _rel(lb, la) < tol, (p, _rel(b, a), _rel(lb, la))
     assert graph._graphs is not None and sorted(graph._graphs.graphs) == [512, 700]
+    assert graph._graphs.ids is not None  # the token id goes in, not an embedding row made before the replay
