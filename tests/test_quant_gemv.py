@@ -98,15 +98,20 @@ def _check_float_kernels(gemv, random_blocks, g, types=None):
             continue
         for rows, m in ((37, 1), (21, 3), (5, 6)):
             blocks = random_blocks(qtype, rows, cols, g)
-            x = torch.randn(m, cols, generator=g)
-            want = reference(x, blocks, qtype)
-            y = gemv.quant_matmul(x, blocks, qtype, cols)
-            assert y.shape == (m, rows) and y.dtype == torch.float32
-            assert rel(y, want) < 1e-5, (qtype, rows, m, rel(y, want))
-            xb = x.bfloat16()
-            yb = gemv.quant_matmul(xb, blocks, qtype, cols)
-            assert yb.dtype == torch.bfloat16
-            assert rel(yb, reference(xb, blocks, qtype)) < 8e-3, (qtype, rows, m, rel(yb, want))
+            _check_float_x(gemv, torch.randn(m, cols, generator=g), blocks, qtype)
+
+
+def _check_float_x(gemv, x, blocks, qtype):
+    """A float-x kernel: float32 x within float32 accumulation of the float64 product, bf16 x (the result in
+    bf16) within bf16."""
+    (m, cols), rows = x.shape, blocks.shape[0]
+    y = gemv.quant_matmul(x, blocks, qtype, cols)
+    assert y.shape == (m, rows) and y.dtype == torch.float32
+    assert rel(y, reference(x, blocks, qtype)) < 1e-5, (qtype, rows, cols, m)
+    xb = x.bfloat16()
+    yb = gemv.quant_matmul(xb, blocks, qtype, cols)
+    assert yb.dtype == torch.bfloat16
+    assert rel(yb, reference(xb, blocks, qtype)) < 8e-3, (qtype, rows, cols, m)
 
 
 def check_parts_side_by_side():
@@ -172,11 +177,7 @@ def check_q6_k_words_matches_reference():
                 x = torch.randn(m, cols, generator=g)
                 want = reference(x, blocks, "Q6_K")
                 with q6k_kernel("words"):
-                    y = gemv.quant_matmul(x, blocks, "Q6_K", cols)
-                    assert rel(y, want) < 1e-5, ("words", rows, cols, m, rel(y, want))
-                    xb = x.bfloat16()
-                    yb = gemv.quant_matmul(xb, blocks, "Q6_K", cols)
-                    assert yb.dtype == torch.bfloat16 and rel(yb, reference(xb, blocks, "Q6_K")) < 8e-3
+                    _check_float_x(gemv, x, blocks, "Q6_K")
                 with q6k_kernel("dp4a"):
                     y = gemv.quant_matmul(x, blocks, "Q6_K", cols)
                     if cols == 768:  # 3 blocks a row: the byte kernel, float x
@@ -194,10 +195,11 @@ def _check_int8_x(gemv, x, blocks, qtype, y, want):
     assert rel(y, want) < DP4A_TOL, (qtype, rel(y, want))
 
 
-def check_k45_dp4a_matches_reference():
-    """Q4_K and Q5_K with int8 x (KQUANT dp4a: two dp4a per word, one more for the min's sum of x) against
-    the int8 x they multiply and x itself; odd row counts, M = 1, 3 and 6, both launch shapes (BIG_ROWS),
-    bf16 x; and blocks not 4-byte aligned (the byte kernel runs, float x)."""
+def check_k45_words_matches_reference():
+    """Q4_K and Q5_K's word kernel (1, 2 and 4 blocks of a row side by side a step) with float x (KQUANT words)
+    and with int8 x (dp4a: two dp4a per word, one more for the min's sum of x) against the int8 x it
+    multiplies and x itself; odd row counts, M = 1, 3 and 6, both launch shapes (BIG_ROWS), bf16 x; and
+    blocks not 4-byte aligned (the byte kernel runs, float x)."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(14)
     big = gemv.BIG_ROWS
@@ -211,6 +213,9 @@ def check_k45_dp4a_matches_reference():
                         for x in (torch.randn(m, cols, generator=g), torch.randn(m, cols, generator=g).bfloat16()):
                             y = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, rows))
                             _check_int8_x(gemv, x, blocks, qtype, y, reference(x, blocks, qtype))
+                        if cols == 2048:
+                            with kquant_kernel("words"):
+                                _check_float_x(gemv, torch.randn(m, cols, generator=g), blocks, qtype)
             size = blocks.shape[1]
             odd = torch.empty(rows * size + 1, dtype=torch.uint8)[1:].view(rows, size)
             odd.copy_(blocks)
@@ -358,7 +363,7 @@ def check_dequantize_into():
     assert not into.takes("Q2_K", torch.empty(1)) and not into.takes("Q4_K", torch.empty(4, 4).t())
 
 
-CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, check_k45_dp4a_matches_reference,
+CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, check_k45_words_matches_reference,
           check_parts_side_by_side, check_model_decode_fused,
           check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_quantize_x,
           check_dequantize_into]
