@@ -54,13 +54,13 @@ def test_stages_sharing_one_gpu(tmp_path, n_stages):
 
 
 # -- the one-token decode step on CUDA: eager decode path and CUDA graphs ------------------------------
-def _dense(dtype, max_len, start=0, end=None):
+def _dense(dtype, max_len, start=0, end=None, kv_dtype="auto"):
     args = model_args(MODEL)
     end = args.n_layers if end is None else end
     with torch.device("meta"):
         t = Transformer(args, start, end)
     t.load_weights(slice_tensors(MODEL, args, start, end, device="cuda:0", dtype=dtype), "cuda:0", dtype)
-    t.setup_cache(max_len)
+    t.setup_cache(max_len, kv_dtype)
     return t.eval()
 
 
@@ -114,6 +114,24 @@ def test_cuda_graph_decode_matches_eager():
     top2 = la.topk(2).values
     if float(top2[0] - top2[1]) > 2 * float((la - lb).abs().max()):
         assert int(la.argmax()) == int(lb.argmax())
+
+
+def test_cuda_graph_float32_with_bfloat16_cache():
+    """configs/rig.yaml's setting on a GPU (float32 compute, kv_dtype bfloat16): the prefill widens the cached
+    prefix, graph steps (split-K over the bfloat16 keys) give eager steps' residuals within float32 rounding,
+    and both stay within bfloat16 rounding of a float32 cache."""
+    ref = _dense(torch.float32, 700)
+    eager, graph = (_dense(torch.float32, 700, kv_dtype="bfloat16") for _ in range(2))
+    assert graph.layers["0"].attn.k_cache.dtype == torch.bfloat16
+    ids = torch.randint(0, 2048, (1, 560), generator=torch.Generator().manual_seed(4)).cuda()
+    h = ref(ids[:, :500], 0)
+    ha, hb = eager(ids[:, :500], 0), graph(ids[:, :500], 0)
+    assert torch.equal(ha, hb) and _rel(ha, h) < 2e-2
+    worst = _graph_vs_eager(eager, graph, ids, 500, 560, lambda p: ids[:, p:p + 1])
+    assert worst < 1e-4, worst
+    for p in range(500, 560):
+        ref(ids[:, p:p + 1], p, decode=True)
+    assert _rel(graph.decode_step(ids[:, 559:560], 559), ref(ids[:, 559:560], 559, decode=True)) < 2e-2
 
 
 def test_cuda_graph_middle_slice_and_forward_flag():
