@@ -91,6 +91,8 @@ def library(portable: bool = False) -> ctypes.CDLL:
         lib.strata_work_floats.restype = ctypes.c_long
         lib.strata_work_floats.argtypes = [ctypes.POINTER(Model)]
         lib.strata_matvec.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 3
+        lib.strata_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.strata_layers.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p]
         lib.strata_head.restype = ctypes.c_int
@@ -165,6 +167,20 @@ def matvec(p: Packed, x: torch.Tensor, portable: bool = False) -> torch.Tensor:
 
 
 # -- a stage's decode step ---------------------------------------------------------------------------
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, portable: bool = False) -> torch.Tensor:
+    """One kv head's decode attention as a step computes it (tests): q (G, hd) float32 against cached rows
+    k, v (L, hd) float32 or bfloat16 -> (G, hd) float32."""
+    if q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype:
+        raise ValueError("attend takes float32 q and a float32 or bfloat16 cache")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    (g, hd), n = q.shape, k.shape[0]
+    out = torch.empty(g, hd)
+    sc = torch.empty(g * n)
+    library(portable).strata_attend(q.data_ptr(), g, k.data_ptr(), v.data_ptr(), 8 * k.element_size(), n, hd,
+                                    sc.data_ptr(), out.data_ptr())
+    return out
+
+
 def supported(model) -> str | None:
     """Why `model` (a strata.model.Transformer slice) cannot decode here, or None."""
     a = model.args

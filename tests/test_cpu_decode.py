@@ -67,10 +67,31 @@ def test_gguf_blocks_are_read_as_stored(qtype):
 
 
 # -- whole decode steps ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [32, 16])
+def test_attention_against_float64(bits):
+    """One kv head's decode attention (strata_attend): the grouped kernels (G query heads of 64 or 128 values,
+    each cached row loaded once for the group; a bfloat16 row split into its even and odd values) and the
+    general path (other shapes), both builds, against a float64 softmax(q k^T / sqrt(hd)) v over the same
+    cache; lengths below one step of 4 and with a ragged tail."""
+    g = torch.Generator().manual_seed(9)
+    dtype = torch.float32 if bits == 32 else torch.bfloat16
+    for G, hd in ((1, 64), (2, 64), (3, 64), (4, 64), (8, 64), (1, 128), (2, 128), (4, 128), (3, 128), (5, 64), (2, 32)):
+        for n in (1, 3, 7, 130):
+            q = torch.randn(G, hd, generator=g) * 2
+            k = (torch.randn(n, hd, generator=g) * 2).to(dtype)
+            v = torch.randn(n, hd, generator=g).to(dtype)
+            w = torch.softmax(q.double() @ k.double().T / hd ** 0.5, dim=-1)
+            want = w @ v.double()
+            for portable in (False, True):
+                got = cd.attend(q, k, v, portable)
+                assert rel(got, want) < 1e-5, (G, hd, n, portable, rel(got, want))
+
+
 def _tiny_hf(tmp_path, arch):
     pytest.importorskip("transformers")
     from test_model_hf import make_tiny
-    return make_tiny(tmp_path, arch, seed=2, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    # head_dim 64, 2 query heads a kv head: the decode attention's grouped kernel
+    return make_tiny(tmp_path, arch, seed=2, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
                      num_attention_heads=4, max_position_embeddings=512)
 
 

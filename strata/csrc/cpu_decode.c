@@ -270,12 +270,139 @@ static inline __m512 kv_load16(const void *c, int bits, size_t i) {
 
 #define TILE 32 /* cached positions per pass: a tile of K or V stays in L1 while each query head of the group reads it */
 
+#if SIMD
+/* The 16 lanes of a, b, c, d summed: [sum a, sum b, sum c, sum d] (halves, then quarters, then hadd). */
+static inline __m128 sum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define Q4(v) _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))), \
+                         _mm256_extractf128_ps(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)), 1))
+    __m128 qa = Q4(a), qb = Q4(b), qc = Q4(c), qd = Q4(d);
+#undef Q4
+    return _mm_hadd_ps(_mm_hadd_ps(qa, qb), _mm_hadd_ps(qc, qd));
+}
+
+#define UNROLL _Pragma("GCC unroll 8")
+
+/* A cached row at element i as C vectors. A bfloat16 row gives each 32 values as their even-indexed then their
+ * odd-indexed ones: the 16 words of a lane pair shifted up, and masked (no shuffle, no widening load); q and
+ * the output are put in that order too (perm). A float32 row loads as is. */
+static inline __attribute__((always_inline)) void row_load(const void *c, const int bits, size_t i, const int C,
+                                                          __m512 *r) {
+    if (bits == 32) {
+        UNROLL for (int k = 0; k < C; k++) r[k] = _mm512_loadu_ps((const float *)c + i + 16 * k);
+    } else {
+        UNROLL for (int k = 0; k < C / 2; k++) {
+            __m512i w = _mm512_loadu_si512((const uint16_t *)c + i + 32 * k);
+            r[2 * k] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            r[2 * k + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000)));
+        }
+    }
+}
+
+/* attend() for G query heads, hd = 16 C and the cache's bits, all compile-time after inlining: each cached row
+ * is loaded once for the whole group, scores are summed across lanes four positions at a time, the softmax's
+ * maximum is kept while scoring and its normalization is applied to the output. */
+static inline __attribute__((always_inline)) void attend_gc(const float *q, const int G, const void *kc,
+                                                           const void *vc, const int bits, int L, const int C,
+                                                           float *sc, float *out) {
+    const int hd = 16 * C;
+    const __m512 scale = _mm512_set1_ps(1.f / sqrtf((float)hd));
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    __m512 qv[8][8];
+    UNROLL for (int h = 0; h < G; h++) {
+        UNROLL for (int k = 0; k < C; k++) qv[h][k] = _mm512_mul_ps(_mm512_loadu_ps(q + h * hd + 16 * k), scale);
+        if (bits == 16) {
+            UNROLL for (int k = 0; k < C; k += 2) {
+                __m512 lo = qv[h][k], hi = qv[h][k + 1];
+                qv[h][k] = _mm512_permutex2var_ps(lo, even, hi);
+                qv[h][k + 1] = _mm512_permutex2var_ps(lo, odd, hi);
+            }
+        }
+    }
+    __m128 mx4[8]; /* each head's running maximum score, 4 lanes */
+    UNROLL for (int h = 0; h < G; h++) mx4[h] = _mm_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 4 <= L; t += 4) {
+        __m512 a[8][4];
+        UNROLL for (int h = 0; h < G; h++) UNROLL for (int j = 0; j < 4; j++) a[h][j] = _mm512_setzero_ps();
+        UNROLL for (int j = 0; j < 4; j++) {
+            __m512 k[8];
+            row_load(kc, bits, (size_t)(t + j) * hd, C, k);
+            UNROLL for (int c = 0; c < C; c++) UNROLL for (int h = 0; h < G; h++) a[h][j] = _mm512_fmadd_ps(qv[h][c], k[c], a[h][j]);
+        }
+        UNROLL for (int h = 0; h < G; h++) {
+            __m128 s4 = sum4x16(a[h][0], a[h][1], a[h][2], a[h][3]);
+            _mm_storeu_ps(sc + h * L + t, s4);
+            mx4[h] = _mm_max_ps(mx4[h], s4);
+        }
+    }
+    for (; t < L; t++) {
+        __m512 k[8];
+        row_load(kc, bits, (size_t)t * hd, C, k);
+        UNROLL for (int h = 0; h < G; h++) {
+            __m512 a = _mm512_setzero_ps();
+            UNROLL for (int c = 0; c < C; c++) a = _mm512_fmadd_ps(qv[h][c], k[c], a);
+            sc[h * L + t] = _mm512_reduce_add_ps(a);
+        }
+    }
+    float inv[8]; /* 1 / each head's sum of exp: applied to its output, not to every weight */
+    UNROLL for (int h = 0; h < G; h++) {
+        float *s = sc + h * L;
+        __m128 m2 = _mm_max_ps(mx4[h], _mm_movehl_ps(mx4[h], mx4[h]));
+        float mx = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+        for (int i = L & ~3; i < L; i++) mx = fmaxf(mx, s[i]);
+        __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+        int i = 0;
+        for (; i + 16 <= L; i += 16) {
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmx));
+            _mm512_storeu_ps(s + i, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        float total = _mm512_reduce_add_ps(sum);
+        for (; i < L; i++) {
+            s[i] = expf(s[i] - mx);
+            total += s[i];
+        }
+        inv[h] = 1.f / total;
+    }
+    __m512 o[8][8];
+    UNROLL for (int h = 0; h < G; h++) UNROLL for (int c = 0; c < C; c++) o[h][c] = _mm512_setzero_ps();
+    for (t = 0; t < L; t++) {
+        __m512 v[8];
+        row_load(vc, bits, (size_t)t * hd, C, v);
+        UNROLL for (int h = 0; h < G; h++) {
+            __m512 p = _mm512_set1_ps(sc[h * L + t]);
+            UNROLL for (int c = 0; c < C; c++) o[h][c] = _mm512_fmadd_ps(p, v[c], o[h][c]);
+        }
+    }
+    const __m512i lo16 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi16 = _mm512_add_epi32(lo16, _mm512_set1_epi32(8));
+    UNROLL for (int h = 0; h < G; h++) {
+        const __m512 w = _mm512_set1_ps(inv[h]);
+        UNROLL for (int c = 0; c < C; c++) o[h][c] = _mm512_mul_ps(o[h][c], w);
+        if (bits == 16) {
+            UNROLL for (int c = 0; c < C; c += 2) {
+                __m512 e = o[h][c], d = o[h][c + 1];
+                o[h][c] = _mm512_permutex2var_ps(e, lo16, d);
+                o[h][c + 1] = _mm512_permutex2var_ps(e, hi16, d);
+            }
+        }
+        UNROLL for (int c = 0; c < C; c++) _mm512_storeu_ps(out + h * hd + 16 * c, o[h][c]);
+    }
+}
+#undef UNROLL
+#endif
+
 /* The G query heads q (G x hd) of one kv head against its first L cached rows -> out (G x hd); sc: G * L floats.
  * Tiles of positions outside, heads inside: each cached row comes from memory once for the whole group. */
 static void attend(const float *q, int G, const void *kc, const void *vc, int bits, int L, int hd, float *sc,
                    float *out) {
     const float scale = 1.f / sqrtf((float)hd);
 #if SIMD
+#define GC(g, c) if (G == g && hd == 16 * c) \
+        return bits == 16 ? attend_gc(q, g, kc, vc, 16, L, c, sc, out) : attend_gc(q, g, kc, vc, 32, L, c, sc, out);
+    GC(1, 4) GC(2, 4) GC(3, 4) GC(4, 4) GC(1, 8) GC(2, 8) GC(4, 8) GC(8, 4)
+#undef GC
     if (hd % 16 == 0) {
         const int C = hd / 16;
         for (int t0 = 0; t0 < L; t0 += TILE) {
@@ -380,6 +507,13 @@ static void product(const mat_t *W, const float *x, int n, int8_t *xq, float *dx
 }
 
 /* y = W x for one row x (cols floats): the kernel on its own, for tests and benchmarks */
+/* One kv head's attention, for tests: G query heads q (G x hd) against the first L rows of caches kc, vc
+ * (float32 or bfloat16 by bits, hd values a row) -> out (G x hd); sc: G * L floats of scratch. */
+void strata_attend(const float *q, int G, const void *kc, const void *vc, int bits, int L, int hd, float *sc,
+                   float *out) {
+    attend(q, G, kc, vc, bits, L, hd, sc, out);
+}
+
 void strata_matvec(const mat_t *W, const float *x, float *y, float *work) {
     int8_t *xq = (int8_t *)work;
     float *dx = work + W->cols / 4, *sx = dx + W->cols / 32;
