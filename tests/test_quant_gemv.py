@@ -225,6 +225,24 @@ def check_k45_words_matches_reference():
         gemv.BIG_ROWS = big
 
 
+def check_dp4a_failure_falls_back_to_words():
+    """Where a K-quant dp4a kernel cannot run (here: inline PTX under the interpreter), the product still comes,
+    from the word kernel on float x, and later calls take that kernel."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator().manual_seed(15)
+    parts = [(random_blocks(q, r, 512, g), q) for q, r in (("Q4_K", 9), ("Q6_K", 5))]
+    x = torch.randn(2, 512, generator=g)
+    want = torch.cat([reference(x, b, q) for b, q in parts], dim=1)
+    interp = gemv.INTERPRET
+    try:
+        with kquant_kernel("dp4a"), q6k_kernel("dp4a"):
+            gemv.INTERPRET = False  # the kernels get PTX=True: the interpreter cannot run inline assembly
+            assert rel(gemv.quant_matmul_parts(x, parts, 512), want) < 1e-5
+            assert gemv.KQUANT == "words" and gemv.Q6K_KERNEL == "words"
+    finally:
+        gemv.INTERPRET = interp
+
+
 def check_quantize_x():
     """gemv.quantize_x against its float64 reference: float32 and bfloat16 x with an all-zero group, an
     outlier and a row past one program's groups; scales to float32 rounding, q exact but at ties."""
@@ -364,6 +382,7 @@ def check_dequantize_into():
 
 
 CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, check_k45_words_matches_reference,
+          check_dp4a_failure_falls_back_to_words,
           check_parts_side_by_side, check_model_decode_fused,
           check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_quantize_x,
           check_dequantize_into]

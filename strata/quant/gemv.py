@@ -965,11 +965,33 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
                 log.warning("IQ3_S %s kernel failed (%s: %s); using the float kernel", mode, type(e).__name__, e)
                 IQ3S_KERNEL = "float"
                 _launch(x, mats, names[i], cols, out, col, config)
+        elif names[i] in ("Q6_K", "Q4_K", "Q5_K"):
+            _launch_k(x, mats, names[i], cols, out, col, config, xq)
         else:
-            _launch(x, mats, names[i], cols, out, col, config, xq if names[i] in ("Q6_K", "Q4_K", "Q5_K") else None)
+            _launch(x, mats, names[i], cols, out, col, config)
         col += sum(m.shape[0] for m in mats)
         i = j
     return out
+
+
+def _launch_k(x, mats, name, cols, out, col, config, xq) -> None:
+    """A K-quant launch; where its dp4a kernel fails (e.g. a Triton that cannot build the inline PTX), the word
+    kernel on float x from then on, as IQ3_S falls back to its float kernel."""
+    global KQUANT, Q6K_KERNEL
+    attr = "Q6K_KERNEL" if name == "Q6_K" else "KQUANT"
+    if globals()[attr] != "dp4a":
+        return _launch(x, mats, name, cols, out, col, config)
+    try:
+        _launch(x, mats, name, cols, out, col, config, xq)
+    except Exception as e:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        log.warning("%s dp4a kernel failed (%s: %s); using the word kernel on float x", name, type(e).__name__, e)
+        if name == "Q6_K":
+            Q6K_KERNEL = "words"
+        else:
+            KQUANT = "words"
+        _launch(x, mats, name, cols, out, col, config)
 
 
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype, cols: int, out: torch.Tensor | None = None,
