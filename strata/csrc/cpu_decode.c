@@ -431,10 +431,13 @@ static void attend(const float *q, int G, const void *kc, const void *vc, int bi
             }
         }
         for (int h = 0; h < G; h++) {
-            float *s = sc + h * L, mx = -INFINITY;
-            for (int t = 0; t < L; t++) mx = fmaxf(mx, s[t]);
-            __m512 sum = _mm512_setzero_ps();
+            float *s = sc + h * L, mx;
+            __m512 vm = _mm512_set1_ps(-INFINITY);
             int t = 0;
+            for (; t + 16 <= L; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
+            for (mx = _mm512_reduce_max_ps(vm); t < L; t++) mx = fmaxf(mx, s[t]);
+            __m512 sum = _mm512_setzero_ps();
+            t = 0;
             for (; t + 16 <= L; t += 16) {
                 __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(mx)));
                 _mm512_storeu_ps(s + t, e);
@@ -446,7 +449,8 @@ static void attend(const float *q, int G, const void *kc, const void *vc, int bi
                 total += s[t];
             }
             float inv = 1.f / total;
-            for (t = 0; t < L; t++) s[t] *= inv;
+            for (t = 0; t + 16 <= L; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(inv)));
+            for (; t < L; t++) s[t] *= inv;
         }
         memset(out, 0, sizeof(float) * G * hd);
         for (int t0 = 0; t0 < L; t0 += TILE) {
