@@ -845,27 +845,24 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices
     (IQ3_S with xq, x's `quantize_x`: the dp4a kernel, `table` its grid table, iq3_s_words)."""
     rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
-    cfg = config or (BIG_CONFIGS.get(name) if sum(rows) >= BIG_ROWS else None) or CONFIGS[name]
+    big = sum(rows) >= BIG_ROWS
     nb = cols // block_size(name)
-    if name == "Q6_K" and Q6K_KERNEL != "bytes" and nb % 2 == 0 and not any(m.data_ptr() % 4 for m in mats):
+    aligned = not any(m.data_ptr() % 4 for m in mats)
+    if name == "Q6_K" and Q6K_KERNEL != "bytes" and nb % 2 == 0 and aligned:
         if Q6K_KERNEL not in Q6K_KERNELS:
             raise ValueError(f"STRATA_GEMV_Q6K={Q6K_KERNEL!r}: one of {', '.join(Q6K_KERNELS)}")
-        dp4a = Q6K_KERNEL == "dp4a"
-        if dp4a and xq is None:
-            xq = quantize_x(x)
-        cfg = config or Q6K_WORDS_CONFIGS[Q6K_KERNEL][sum(rows) >= BIG_ROWS]
+        cfg = config or Q6K_WORDS_CONFIGS[Q6K_KERNEL][big]
         sb = next(k for k in (8, 4, 2, 1) if k <= cfg.sb and (nb // 2) % k == 0)
-        ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
-        progs = [triton.cdiv(r, cfg.block_n) for r in rows]
-        dst = out[:, col0:]
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            for r0 in range(0, x.shape[0], MAX_M):
-                xs = x[r0:r0 + MAX_M]
-                xqp, xsp = (xq[0][r0:].view(torch.int32), xq[1][r0:]) if dp4a else (_dummy(x.device), x)
-                _q6_k_words[(sum(progs),)](xs, xqp, xsp, dst[r0:], *ptrs, *rows, progs[0], progs[0] + progs[1], nb,
-                                           cols, out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb,
-                                           DP4A=dp4a, PTX=not INTERPRET, num_warps=cfg.num_warps)
-        return
+        return _launch_words(_q6_k_words, x, mats, rows, nb, cols, out, col0, cfg, sb, Q6K_KERNEL == "dp4a", xq)
+    if name in ("Q4_K", "Q5_K"):
+        if KQUANT not in KQUANTS:
+            raise ValueError(f"STRATA_GEMV_KQUANT={KQUANT!r}: one of {', '.join(KQUANTS)}")
+        if KQUANT != "bytes" and aligned:
+            cfg = config or (KQ_BIG if big else KQ_WORDS)
+            sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)  # a power of two: a tile dim
+            return _launch_words(_k45_words_gemv, x, mats, rows, nb, cols, out, col0, cfg, sb, KQUANT == "dp4a", xq,
+                                 **_KERNELS[name][1])
+    cfg = config or (BIG_CONFIGS.get(name) if big else None) or CONFIGS[name]
     if xq is not None and name == "IQ3_S":  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
         cfg = config or DP4A_CONFIG
         ptrs = [m.view(torch.uint16) for m in mats]
@@ -889,24 +886,6 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     dst = out[:, col0:]
     kernel, family = _KERNELS[name]
     if name in ("Q4_K", "Q5_K"):
-        if KQUANT not in KQUANTS:
-            raise ValueError(f"STRATA_GEMV_KQUANT={KQUANT!r}: one of {', '.join(KQUANTS)}")
-        if KQUANT != "bytes" and not any(m.data_ptr() % 4 for m in mats):
-            dp4a = KQUANT == "dp4a"
-            cfg = config or (KQ_BIG if sum(rows) >= BIG_ROWS else KQ_WORDS)
-            progs = [triton.cdiv(r, cfg.block_n) for r in rows]
-            sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)  # a power of two: a tile dim
-            if dp4a and xq is None:
-                xq = quantize_x(x)
-            with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-                for r0 in range(0, x.shape[0], MAX_M):
-                    xs = x[r0:r0 + MAX_M]
-                    xqp, xsp = (xq[0][r0:].view(torch.int32), xq[1][r0:]) if dp4a else (_dummy(x.device), x)
-                    _k45_words_gemv[(sum(progs),)](xs, xqp, xsp, dst[r0:], *ptrs, *rows, progs[0],
-                                                   progs[0] + progs[1], nb, cols, out.stride(0), M=xs.shape[0],
-                                                   BLOCK_N=cfg.block_n, SB=sb, DP4A=dp4a, PTX=not INTERPRET,
-                                                   num_warps=cfg.num_warps, **family)
-            return
         kernel = _k45_gemv  # the byte-wise loads: the A/B arm, or blocks not 4-byte aligned
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         for r0 in range(0, x.shape[0], MAX_M):  # the weights are read once per MAX_M rows of x
@@ -914,6 +893,23 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
             kernel[(sum(progs),)](xs, dst[r0:], _grid(name, x.device), *ptrs, *rows, progs[0], progs[0] + progs[1],
                                   nb, cols, out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb,
                                   num_warps=cfg.num_warps, **family)
+
+
+def _launch_words(kernel, x, mats, rows, nb, cols, out, col0, cfg: Config, sb: int, dp4a: bool, xq, **family) -> None:
+    """A K-quant word kernel (_q6_k_words, _k45_words_gemv), once per MAX_M rows of x: with dp4a on x's int8
+    rounding (xq, `quantize_x`'s, made here if None), else on float x."""
+    if dp4a and xq is None:
+        xq = quantize_x(x)
+    ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
+    progs = [triton.cdiv(r, cfg.block_n) for r in rows]
+    dst = out[:, col0:]
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        for r0 in range(0, x.shape[0], MAX_M):
+            xs = x[r0:r0 + MAX_M]
+            xqp, xsp = (xq[0][r0:].view(torch.int32), xq[1][r0:]) if dp4a else (_dummy(x.device), x)
+            kernel[(sum(progs),)](xs, xqp, xsp, dst[r0:], *ptrs, *rows, progs[0], progs[0] + progs[1], nb, cols,
+                                  out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb, DP4A=dp4a,
+                                  PTX=not INTERPRET, num_warps=cfg.num_warps, **family)
 
 
 def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
@@ -978,8 +974,7 @@ def _launch_k(x, mats, name, cols, out, col, config, xq) -> None:
     """A K-quant launch; where its dp4a kernel fails (e.g. a Triton that cannot build the inline PTX), the word
     kernel on float x from then on, as IQ3_S falls back to its float kernel."""
     global KQUANT, Q6K_KERNEL
-    attr = "Q6K_KERNEL" if name == "Q6_K" else "KQUANT"
-    if globals()[attr] != "dp4a":
+    if (Q6K_KERNEL if name == "Q6_K" else KQUANT) != "dp4a":
         return _launch(x, mats, name, cols, out, col, config)
     try:
         _launch(x, mats, name, cols, out, col, config, xq)
