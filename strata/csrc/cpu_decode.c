@@ -280,6 +280,23 @@ static inline __m128 sum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_hadd_ps(_mm_hadd_ps(qa, qb), _mm_hadd_ps(qc, qd));
 }
 
+/* s[i] = exp(s[i] - mx) for L scores in place; returns their sum (softmax's denominator) */
+static float exp_sum(float *s, int L, float mx) {
+    __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+    int i = 0;
+    for (; i + 16 <= L; i += 16) {
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmx));
+        _mm512_storeu_ps(s + i, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float total = _mm512_reduce_add_ps(sum);
+    for (; i < L; i++) {
+        s[i] = expf(s[i] - mx);
+        total += s[i];
+    }
+    return total;
+}
+
 #define UNROLL _Pragma("GCC unroll 8")
 
 /* A cached row at element i as C vectors. A bfloat16 row gives each 32 values as their even-indexed then their
@@ -351,19 +368,7 @@ static inline __attribute__((always_inline)) void attend_gc(const float *q, cons
         __m128 m2 = _mm_max_ps(mx4[h], _mm_movehl_ps(mx4[h], mx4[h]));
         float mx = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
         for (int i = L & ~3; i < L; i++) mx = fmaxf(mx, s[i]);
-        __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
-        int i = 0;
-        for (; i + 16 <= L; i += 16) {
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmx));
-            _mm512_storeu_ps(s + i, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        float total = _mm512_reduce_add_ps(sum);
-        for (; i < L; i++) {
-            s[i] = expf(s[i] - mx);
-            total += s[i];
-        }
-        inv[h] = 1.f / total;
+        inv[h] = 1.f / exp_sum(s, L, mx);
     }
     __m512 o[8][8];
     UNROLL for (int h = 0; h < G; h++) UNROLL for (int c = 0; c < C; c++) o[h][c] = _mm512_setzero_ps();
@@ -436,19 +441,7 @@ static void attend(const float *q, int G, const void *kc, const void *vc, int bi
             int t = 0;
             for (; t + 16 <= L; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
             for (mx = _mm512_reduce_max_ps(vm); t < L; t++) mx = fmaxf(mx, s[t]);
-            __m512 sum = _mm512_setzero_ps();
-            t = 0;
-            for (; t + 16 <= L; t += 16) {
-                __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(mx)));
-                _mm512_storeu_ps(s + t, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            float total = _mm512_reduce_add_ps(sum);
-            for (; t < L; t++) {
-                s[t] = expf(s[t] - mx);
-                total += s[t];
-            }
-            float inv = 1.f / total;
+            float inv = 1.f / exp_sum(s, L, mx);
             for (t = 0; t + 16 <= L; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(inv)));
             for (; t < L; t++) s[t] *= inv;
         }
@@ -523,7 +516,6 @@ static void product(const mat_t *W, const float *x, int n, int8_t *xq, float *dx
     matvec(W, xq, dx, sx, y);
 }
 
-/* y = W x for one row x (cols floats): the kernel on its own, for tests and benchmarks */
 /* One kv head's attention, for tests: G query heads q (G x hd) against the first L rows of caches kc, vc
  * (float32 or bfloat16 by bits, hd values a row) -> out (G x hd); sc: G * L floats of scratch. */
 void strata_attend(const float *q, int G, const void *kc, const void *vc, int bits, int L, int hd, float *sc,
@@ -531,6 +523,7 @@ void strata_attend(const float *q, int G, const void *kc, const void *vc, int bi
     attend(q, G, kc, vc, bits, L, hd, sc, out);
 }
 
+/* y = W x for one row x (cols floats): the kernel on its own, for tests and benchmarks */
 void strata_matvec(const mat_t *W, const float *x, float *y, float *work) {
     int8_t *xq = (int8_t *)work;
     float *dx = work + W->cols / 4, *sx = dx + W->cols / 32;
