@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from strata.model import PRESETS  # noqa: E402
+from strata.args import PRESETS  # noqa: E402
 from strata.weights import hf_name, synthetic_tensors  # noqa: E402
 
 from engine import llama_config  # noqa: E402  (bench/ is on sys.path when run as a script)

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.checkpoint import load_stage, model_args  # noqa: E402
-from strata.model import WEIGHT_ONLY  # noqa: E402
+from strata.weight_only import WEIGHT_ONLY  # noqa: E402
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a screw press adapted from wine making. Within decades, print "

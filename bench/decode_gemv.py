@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata import decode_gemv as dg  # noqa: E402
 from strata.cuda_timing import median_ms  # noqa: E402
-from strata.model import PRESETS  # noqa: E402
+from strata.args import PRESETS  # noqa: E402
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata import quant  # noqa: E402
 from strata.quant import into  # noqa: E402
-from strata.model import PRESETS  # noqa: E402
+from strata.args import PRESETS  # noqa: E402
 
 
 def layer_shapes(preset: str) -> list[tuple[int, int]]:

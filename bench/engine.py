@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import strata.model as sm  # noqa: E402
-from strata.model import PRESETS, Transformer  # noqa: E402
+import strata.attention as sm  # noqa: E402
+from strata.args import PRESETS  # noqa: E402
+from strata.model import Transformer  # noqa: E402
 from strata.weights import hf_name, synthetic_tensors  # noqa: E402
 
 
@@ -167,7 +168,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=10240)
     ap.add_argument("--attn", default="flash,cudnn-split")
     ap.add_argument("--kernels", default="triton",
-                    help="strata.model.CUDA_KERNELS (STRATA_CUDA_KERNELS): triton (fused LSE merge, RoPE, "
+                    help="strata.attention.CUDA_KERNELS (STRATA_CUDA_KERNELS): triton (fused LSE merge, RoPE, "
                          "SiLU*up), torch, or triton,torch (A/B in one run)")
     ap.add_argument("--warm", default="stage", choices=("stage", "small"), help="warm-up before the timed runs")
     ap.add_argument("--runs", type=int, default=1, help="timed prefills per variant (the first is the cold one)")

@@ -25,7 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.model import PRESETS, ModelArgs, rope_frequencies  # noqa: E402
+from strata.args import PRESETS, ModelArgs  # noqa: E402
+
+from strata.model import rope_frequencies  # noqa: E402
 from strata.quant import MIXES, block_size, mix_type, qtype_of, random_blocks, type_size  # noqa: E402
 
 

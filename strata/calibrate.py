@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .model import ModelArgs
+from .args import ModelArgs
 from .planner import Speed
 from .schedule import chunk_flops
 
@@ -172,7 +172,9 @@ def time_layer(args: ModelArgs, device: str, dtype, chunk: int, tokens: int) -> 
     import torch
     from types import SimpleNamespace
 
-    from .model import Block, Transformer, rope_frequencies, rope_tables
+    from .attention import rope_tables
+
+    from .model import Block, Transformer, rope_frequencies
 
     cpu = device == "cpu"
     T = max(1, min(chunk, tokens))

@@ -14,7 +14,10 @@ from pathlib import Path
 import torch
 
 from .errors import ModelError
-from .model import PRESETS, ModelArgs, Quantized, Transformer, dequant_piece_bytes, kv_dtype_of, scratch_layout
+from .args import PRESETS, ModelArgs
+from .attention import kv_dtype_of
+from .model import Transformer
+from .resident import Quantized, dequant_piece_bytes, scratch_layout
 from .names import hf_name, shapes, short, wanted_names
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

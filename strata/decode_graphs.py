@@ -7,8 +7,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .model import (Block, Packed, Products, ResidentMatrices, RMSNorm, Transformer, _dense_products,
-                    _rope_rows, _to_cache, rope_tables)
+from .attention import _rope_rows, _to_cache, rope_tables
+from .model import Block, RMSNorm, Transformer
+from .resident import Packed, ResidentMatrices
+from .weight_only import Products, _dense_products
 
 GRAPH_MIN_BUCKET = 256
 # the graphs' attention: "split-k" (strata/decode_attention.py, Triton; reads only the live keys) or "masked"

@@ -9,7 +9,9 @@ import numpy as np
 import torch
 
 from .errors import ModelError
-from .model import ModelArgs, Quantized, rope_frequencies
+from .args import ModelArgs
+from .model import rope_frequencies
+from .resident import Quantized
 from .names import gguf_name, shapes, short, wanted_names
 
 SUPPORTED = ("llama", "qwen2")

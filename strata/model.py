@@ -1,83 +1,29 @@
-"""Llama-family decoder (llama, qwen2) in plain PyTorch, sliceable by layer range.
+"""The decoder core in plain PyTorch, sliceable by layer range: norms, attention and MLP blocks, `Transformer`.
 
 The model knows nothing about stages, processes or transports. A `Transformer` holds layers
 [start, end) of a model, plus the embedding when start == 0 and the final norm and head when
-end == n_layers. Prefill is chunked: `forward(x, pos)` runs T tokens at absolute position
-`pos`, appending their keys/values to a cache allocated once for the whole prompt. Up to
-DECODE_T rows take a decode path (one unmasked attention call for T=1, fewer ops), optionally
-with narrower CPU weights (`set_decode_weights`) or CUDA graphs (`decode_step`, `cuda_graphs`).
+end == n_layers. What a family varies (q/k norms, norm placement, windows, activation, ...) comes
+from its `ModelArgs` (strata.args; the families and their files: strata.families). Prefill is chunked:
+`forward(x, pos)` runs T tokens at absolute position `pos`, appending their keys/values to a cache
+allocated once for the whole prompt. Up to DECODE_T rows take a decode path (one unmasked attention call
+for T=1, fewer ops), optionally with narrower CPU weights (`set_decode_weights`) or CUDA graphs
+(`decode_step`, `cuda_graphs`).
 """
 from __future__ import annotations
 
-import functools
 import math
-import os
-import time
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ARCHITECTURES = ("llama", "qwen2")
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    arch: str = "llama"
-    vocab_size: int = 32000
-    dim: int = 4096                  # hidden size (residual width)
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int = 8              # < n_heads: grouped-query attention
-    head_dim: int = 128
-    ffn_dim: int = 14336             # SwiGLU inner width
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # Llama-3 style: factor, low/high_freq_factor, original_max_position_embeddings
-    tie_embeddings: bool = False
-    qkv_bias: bool = False           # qwen2 has q/k/v biases
-    max_seq_len: int = 8192
-    bos_id: int | None = None
-    eos_id: int | None = None
-
-    def __post_init__(self):
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.arch!r} (supported: {', '.join(ARCHITECTURES)})")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-
-    def layer_param_count(self) -> int:
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
-
-    def param_count(self, start: int, end: int) -> int:
-        """Parameters held by the slice [start, end) (embedding on the first, head on the last)."""
-        n = (end - start) * self.layer_param_count()
-        if start == 0:
-            n += self.vocab_size * self.dim
-        if end == self.n_layers:
-            n += self.dim + (0 if self.tie_embeddings and start == 0 else self.vocab_size * self.dim)
-        return n
-
-
-# Shape presets for synthetic (random-weight) models: benchmarks and smoke tests.
-PRESETS: dict[str, ModelArgs] = {
-    "llama-3-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                            head_dim=128, ffn_dim=14336, rope_theta=500000.0, max_seq_len=131072,
-                            rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                              original_max_position_embeddings=8192)),
-    "llama-3-70b": ModelArgs(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                             head_dim=128, ffn_dim=28672, rope_theta=500000.0, max_seq_len=131072,
-                             rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                               original_max_position_embeddings=8192)),
-    "smoke": ModelArgs(vocab_size=512, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=32,
-                       ffn_dim=256, max_seq_len=65536),
-    "smoke-wide": ModelArgs(vocab_size=2048, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
-                            head_dim=64, ffn_dim=2816, max_seq_len=131072),
-}
-
+from . import attention
+from .args import ModelArgs
+from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, _rope_rows, _to_cache, apply_rope,
+                        chunk_attention, decode_attention, kv_dtype_of, rope_tables)
+from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentMatrices,
+                       Scratch, _dequantize, _fused_ok, head_rows)
+from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, _dense_products
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,), with Llama-3 wavelength-dependent scaling if configured."""
@@ -96,149 +42,6 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     return inv.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout; GGUF q/k rows are un-permuted on load): one Triton kernel on CUDA
-    (strata.kernels.rope), else 3 torch ops instead of the textbook 5.
-
-    x: (1, T, heads, hd), any strides; cos, ssin: (T, 1, hd), ssin from `_signed_sin`. cat((-x2, x1)) * sin
-    is cat((x2, x1)) * cat((-sin1, sin2)), the same products; the swap is a cat (not a roll, which copies a
-    strided x first). Returns a new contiguous (1, T, heads, hd) tensor."""
-    if x.is_cuda and CUDA_KERNELS == "triton":
-        from .kernels import rope
-        y = rope(x, cos, ssin)  # one pass instead of three
-        if y is not None:
-            return y
-    half = x.shape[-1] // 2
-    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), ssin)
-
-
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
-    """Queries of one chunk at `pos` against keys [0, pos + T): causal, bottom-right aligned.
-
-    q: (1, nh, T, hd); k, v: (1, nkv, pos + T, hd). Never builds a dense (T, pos + T) mask.
-    """
-    T, S = q.shape[2], k.shape[2]
-    if pos == 0:  # square: top-left and bottom-right alignment coincide
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if q.is_cuda:
-        if CUDA_ATTENTION == "cudnn-split" and q.dtype != torch.float32:
-            return _split_attention(q, k, v, pos, _cudnn_with_lse)
-        # flash (memory-efficient for fp32) handles the lower-right alignment natively.
-        # Imported here: torch.nn.attention.bias pulls in dynamo, ~1 s at every process start.
-        from torch.nn.attention.bias import causal_lower_right
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True)
-    # CPU: the lower-right bias would materialise a mask; split instead
-    return _split_attention(q, k, v, pos, _cpu_with_lse)
-
-
-# "flash": one lower-right causal call. "cudnn-split": the cached prefix unmasked plus the
-# chunk's own keys causal and square, both through cuDNN (its fast cases; performance.md).
-CUDA_ATTENTION = os.environ.get("STRATA_CUDA_ATTENTION", "cudnn-split")
-
-
-# The CUDA prefill path's fused kernels: "triton" (strata/kernels.py: the split path's LSE merge in one pass
-# instead of ~8 float32 kernels, RoPE in one instead of three, SiLU*up in one instead of two; the torch
-# formulas where Triton is missing) or "torch" (those formulas). STRATA_CUDA_KERNELS=torch: the A/B.
-CUDA_KERNELS = os.environ.get("STRATA_CUDA_KERNELS", "triton")
-
-
-def _split_attention(q, k, v, pos, attend):
-    """Attention over [prefix | own chunk] as two calls merged by their log-sum-exp."""
-    out_p, lse_p = attend(q, k[:, :, :pos], v[:, :, :pos], False)
-    out_s, lse_s = attend(q, k[:, :, pos:], v[:, :, pos:], True)
-    if q.is_cuda and CUDA_KERNELS == "triton":
-        from .kernels import lse_merge
-        out = lse_merge(out_p, lse_p, out_s, lse_s)
-        if out is not None:
-            return out
-    return merge_lse(out_p, lse_p, out_s, lse_s)
-
-
-def merge_lse(out_p, lse_p, out_s, lse_s):
-    """Two attention parts over disjoint keys, (1, nh, T, hd) each with its log-sum-exp (1, nh, T), as
-    one: each weighted by its share of the softmax, in float32, rounded once to the parts' dtype."""
-    lse = torch.logaddexp(lse_p, lse_s)
-    w_p = torch.exp(lse_p - lse).unsqueeze(-1)
-    w_s = torch.exp(lse_s - lse).unsqueeze(-1)
-    return (out_p.float() * w_p + out_s.float() * w_s).to(out_p.dtype)
-
-
-def _cpu_with_lse(q, k, v, causal):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    return out, lse
-
-
-def _cudnn_with_lse(q, k, v, causal):
-    # grouped-query attention natively: fewer key/value heads than query heads, no expansion
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
-    return out, lse.view(q.shape[:3])
-
-
-DECODE_T = 4  # forward() with at most this many rows takes the decode path (Block.decode)
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query row at the last position against all keys k, v (1, nkv, S, hd): nothing masked.
-
-    q: (1, nh, 1, hd) or already (1, nkv, g, hd). Grouped-query attention runs as plain multi-head
-    attention: a kv head's g query heads are g query rows against it, so no backend needs GQA
-    support and each key is read once. One call, no split; on CUDA flash (efficient for fp32),
-    whose kernels do not depend on the key length (cuDNN builds a graph per length)."""
-    nkv, hd = k.shape[1], k.shape[3]
-    qg = q.reshape(1, nkv, -1, hd)
-    if q.is_cuda:
-        try:
-            if q.dtype in (torch.float16, torch.bfloat16):
-                out = torch.ops.aten._scaled_dot_product_flash_attention(qg, k, v)[0]
-            else:
-                out = torch.ops.aten._scaled_dot_product_efficient_attention(qg, k, v, None, False)[0]
-        except RuntimeError:  # a shape or GPU those kernels refuse: the generic dispatcher
-            out = F.scaled_dot_product_attention(qg, k, v)
-    else:
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False)[0]
-    return out.reshape(q.shape)
-
-
-# From this many cached positions a CPU decode step attends over a bfloat16 cache as is (below, widening the
-# prefix and the float32 flash kernel were faster on SmolLM2: 512 positions, 7.9 vs 11.7 ms a stage)
-BF16_ATTENTION_FROM = 2048
-
-
-def _bf16_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query row (1, nh, hd) against a bfloat16 CPU cache k, v (1, nkv, S, hd) -> (1, nh * hd) bfloat16.
-
-    Per kv head two bfloat16 GEMMs and a float32 softmax: at long contexts a decode step streams the cache
-    from memory, and this reads it in half the bytes. Per head, because a batched GEMM over the narrowed
-    cache (heads max_len apart) is slower than the float32 flash kernel; the flash kernel on bfloat16
-    is slower still. The scores are rounded to bfloat16 before the softmax (relative 4e-3), as the cache is."""
-    nkv, hd = k.shape[1], k.shape[3]
-    qg = (q * hd ** -0.5).to(torch.bfloat16).view(nkv, -1, hd)  # a kv head's query rows
-    out = torch.empty(qg.shape, dtype=torch.bfloat16)
-    for j in range(nkv):
-        p = torch.mm(qg[j], k[0, j].t()).softmax(-1, dtype=torch.float32).to(torch.bfloat16)
-        torch.mm(p, v[0, j], out=out[j])
-    return out.view(1, -1)
-
-
-def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Transformer.rope's (T, hd) rows as every layer reads them: cos and signed sin (T, 1, hd), made once per
-    chunk or step, not once per layer."""
-    return cos[:, None], _signed_sin(sin[:, None])
-
-
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin with its first half negated, once per step: rotate_half(x) * sin == roll(x) * signed_sin, bit for bit."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def _rope_rows(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
-    # x: (T, heads, hd); cos, ssin: (T, 1, hd), ssin from _signed_sin. The rotate-half form of apply_rope on all
-    # heads at once, in 3 ops instead of 5 (a decode step is bound by per-op dispatch): cat((-x2, x1)) * sin is
-    # cat((x2, x1)) * cat((-sin1, sin2)), the same products, and cat((x2, x1)) is a roll by half
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), ssin)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -253,205 +56,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-# -- weights as a Block asks for them ---------------------------------------------------------
-@dataclass
-class Quantized:
-    """A matrix in its GGUF block format: `blocks` uint8 (rows, bytes_per_row), `cols` weights per row."""
-    blocks: torch.Tensor
-    qtype: str
-    cols: int
-
-
-class Mats(NamedTuple):
-    """One layer's matrices in the compute dtype, fused: q/k/v in one GEMM, gate/up in one."""
-    wqkv: torch.Tensor
-    bqkv: torch.Tensor | None
-    wo: torch.Tensor
-    w13: torch.Tensor
-    w2: torch.Tensor
-
-
-# strata.quant.dequantize returns float32; at most this many values at once bounds that transient (32 MiB)
-DEQUANT_PIECE = 1 << 23
-_ALIGN = 64  # scratch regions start on 256-byte (fp32) boundaries: GEMMs see the same alignment as a fresh tensor
-
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
-
-
-def _matrix_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
-    hd = args.head_dim
-    return {"wq": (args.n_heads * hd, args.dim), "wk": (args.n_kv_heads * hd, args.dim),
-            "wv": (args.n_kv_heads * hd, args.dim), "wo": (args.dim, args.n_heads * hd),
-            "w_gate": (args.ffn_dim, args.dim), "w_up": (args.ffn_dim, args.dim), "w_down": (args.dim, args.ffn_dim)}
-
-
-def scratch_layout(args: ModelArgs) -> tuple[dict[str, tuple[int, int, int]], int]:
-    """Where each matrix of a layer lands in the scratch: name -> (offset, rows, cols); and the total elements.
-
-    q, k, v are adjacent (one wqkv view), as are gate and up (one w13 view)."""
-    sh = _matrix_shapes(args)
-    out, off = {}, 0
-    for group in (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",)):
-        off = -(-off // _ALIGN) * _ALIGN
-        for n in group:
-            r, c = sh[n]
-            out[n] = (off, r, c)
-            off += r * c
-    return out, off
-
-
-def head_rows(args: ModelArgs) -> int:
-    """Vocabulary rows per head slice, in both load modes (the same slicing gives the same logits bits)."""
-    _, total = scratch_layout(args)
-    return max(1, min(args.vocab_size, total // args.dim))
-
-
-def dequant_piece_bytes(args: ModelArgs) -> int:
-    """Largest float32 transient strata.quant.dequantize returns while a resident slice runs."""
-    sh = dict(_matrix_shapes(args), head=(args.vocab_size, args.dim))
-    return max(min(r, max(1, DEQUANT_PIECE // c)) * c * 4 for r, c in sh.values())
-
-
-def kv_dtype_of(kv_dtype, compute: torch.dtype) -> torch.dtype:
-    if isinstance(kv_dtype, torch.dtype):
-        return kv_dtype
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown kv_dtype {kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
-    return compute if kv_dtype == "auto" else getattr(torch, kv_dtype)
-
-
-def _dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    from .quant import dequantize
-    return dequantize(blocks, qtype)
-
-
-class Scratch:
-    """ONE buffer in the compute dtype that each resident layer is dequantized into just before it runs.
-
-    Every layer (and the head, slice by slice) reuses it, so a stage holds its weights as stored plus
-    one layer dense. A prefill chunk of thousands of tokens amortizes the dequantization."""
-
-    def __init__(self, args: ModelArgs, device, dtype: torch.dtype):
-        self.layout, total = scratch_layout(args)
-        self.buf = torch.empty(total, device=device, dtype=dtype)
-        self.piece_bytes = dequant_piece_bytes(args)
-
-    def view(self, name: str) -> torch.Tensor:
-        off, r, c = self.layout[name]
-        return self.buf[off:off + r * c].view(r, c)
-
-    def span(self, first: str, last: str) -> torch.Tensor:
-        """Adjacent matrices first..last as one (rows, cols) view (wqkv, w13)."""
-        off, _, c = self.layout[first]
-        o2, r2, _ = self.layout[last]
-        return self.buf[off:o2 + r2 * c].view(-1, c)
-
-    def rows(self, n: int, cols: int) -> torch.Tensor:
-        return self.buf[:n * cols].view(n, cols)
-
-    @property
-    def nbytes(self) -> int:
-        """The buffer plus the bounded float32 transient of the dequantizer."""
-        return self.buf.numel() * self.buf.element_size() + self.piece_bytes
-
-
-class Packed(nn.Module):
-    """One matrix as stored: GGUF blocks (uint8, rows of whole blocks) or, for F32/F16 tensors, dense in the compute dtype."""
-
-    def __init__(self, data: torch.Tensor, qtype: str | None, cols: int, dtype: torch.dtype):
-        super().__init__()
-        self.register_buffer("data", data)
-        self.qtype, self.cols, self.out_dtype = qtype, cols, dtype
-
-    @property
-    def n_rows(self) -> int:
-        return self.data.shape[0]
-
-    def into(self, out: torch.Tensor, r0: int = 0, r1: int | None = None) -> torch.Tensor:
-        """Rows [r0, r1) dequantized into `out` (r1 - r0, cols), in pieces that bound the float32 transient."""
-        r1 = self.n_rows if r1 is None else r1
-        if self.qtype is None:
-            return out.copy_(self.data[r0:r1])
-        if out.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":  # Triton imported only where it can run
-            from .quant import into  # the usual K-quants and Q8_0: one kernel, straight into out's dtype
-            if into.takes(self.qtype, out) and into.dequantize_into(out, self.data[r0:r1], self.qtype):
-                return out
-        step = max(1, DEQUANT_PIECE // self.cols)
-        for a in range(r0, r1, step):
-            b = min(r1, a + step)
-            out[a - r0:b - r0].copy_(_dequantize(self.data[a:b], self.qtype))
-        return out
-
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (any shape) only: the embedding never dequantizes its whole table."""
-        if self.qtype is None:
-            return F.embedding(ids, self.data)
-        rows = _dequantize(self.data[ids.reshape(-1)], self.qtype)
-        return rows.to(self.out_dtype).view(*ids.shape, self.cols)
-
-
-class _Linear(nn.Linear):
-    """nn.Linear without its random initialisation: every weight comes from a checkpoint (or the synthetic
-    generator), and initialising on the meta device imports torch's compiler for the random ops (~1 s of each
-    stage's start-up on a 2-core box)."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class DenseMatrices(nn.Module):
-    """A layer's matrices held dense in the compute dtype (q/k/v and gate/up fused at load)."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        hd = args.head_dim
-        self.wqkv = _Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
-        self.wo = _Linear(args.n_heads * hd, args.dim, bias=False)
-        self.w13 = _Linear(args.dim, 2 * args.ffn_dim, bias=False)
-        self.w2 = _Linear(args.ffn_dim, args.dim, bias=False)
-
-    def get(self) -> Mats:
-        return Mats(self.wqkv.weight, self.wqkv.bias, self.wo.weight, self.w13.weight, self.w2.weight)
-
-
-class ResidentMatrices(nn.Module):
-    """A layer's matrices as stored; `get` dequantizes them all into the shared scratch (valid until the next layer's get)."""
-
-    def __init__(self, parts: dict[str, Packed], bqkv: torch.Tensor | None, scratch: Scratch):
-        super().__init__()
-        self.parts = nn.ModuleDict(parts)
-        self.bqkv = None if bqkv is None else nn.Parameter(bqkv, requires_grad=False)
-        self.scratch = scratch
-        self._fused: dict[torch.device, bool] = {}
-
-    def get(self) -> Mats:
-        s = self.scratch
-        for name, p in self.parts.items():
-            p.into(s.view(name))
-        return Mats(s.span("wq", "wv"), self.bqkv, s.view("wo"), s.span("w_gate", "w_up"), s.view("w_down"))
-
-    def fused_decode_ok(self, device) -> bool:
-        """Whether decode can multiply on the blocks themselves (strata.quant.gemv) on `device`: every
-        part quantized in a type the fused kernel takes. Then `products` replaces `get` for few rows."""
-        device = torch.device(device)
-        if device not in self._fused:  # asked once per layer per token: answered once per device
-            self._fused[device] = all(_fused_ok(p, device) for p in self.parts.values())
-        return self._fused[device]
-
-    def products(self) -> Products:
-        """The layer's four products computed on the blocks (fused_decode_ok must hold): no scratch."""
-        return Products(functools.partial(self._matmul, ("wq", "wk", "wv"), bias=self.bqkv),
-                        functools.partial(self._matmul, ("wo",)), functools.partial(self._matmul, ("w_gate", "w_up")),
-                        functools.partial(self._matmul, ("w_down",)))
-
-    def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from .quant.gemv import quant_matmul_parts
-        parts = [self.parts[n] for n in names]
-        y = quant_matmul_parts(x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts], parts[0].cols)
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        return y if bias is None else y + bias
 
 
 class Attention(nn.Module):
@@ -490,54 +94,6 @@ class Attention(nn.Module):
         return keys, vals
 
 
-# cuDNN builds (and caches, process-wide) an execution graph per attention shape, and each chunk of a prompt
-# meets a new cached-prefix length (and, with dynamic chunks, a new own-chunk length), so a cold prefill pays one
-# set-up per chunk (8B, 122,880 tokens: 14.2 s cold vs 10.2 s warm, performance.md). Bounded: at most
-# WARM_CHUNKS chunk shapes and WARM_BUDGET_S seconds of host time are spent building them ahead.
-WARM_CHUNKS = 48
-WARM_BUDGET_S = 30.0
-
-
-@torch.inference_mode()
-def warm_chunk_attention(model: "Transformer", shapes, attend=None) -> int:
-    """Build cuDNN's graphs for the attention of chunks (pos, n) ahead of a prefill: one layer's unmasked call
-    against its cache's first `pos` keys, and the causal call on the chunk's own n keys (once per shape), with a
-    zero q of the chunk's shape and layout (the same strides as Attention.forward, which the graph is keyed on).
-    Only where chunk_attention takes the cuDNN split (CUDA, half precision); returns how many chunk shapes were
-    built (0 elsewhere). Reads the cache, writes nothing. `attend`: the call to make instead (tests)."""
-    device, dtype = model._compute()
-    if attend is None:
-        if device.type != "cuda" or CUDA_ATTENTION != "cudnn-split" or dtype == torch.float32:
-            return 0
-        attend = _cudnn_with_lse
-    attn = next(iter(model.layers.values())).attn
-    t0, built, own = time.perf_counter(), 0, set()
-    for pos, n in list(shapes)[:WARM_CHUNKS]:
-        if pos <= 0 or n <= 0 or pos + n > attn.k_cache.shape[2]:
-            continue
-        q = torch.zeros(1, n, attn.nh, attn.hd, device=device, dtype=dtype).transpose(1, 2)
-        keys, vals = attn.cached(pos + n, dtype)
-        attend(q, keys[:, :, :pos], vals[:, :, :pos], False)
-        if (n, keys.stride()) not in own:  # a widened cache's strides move with pos: part of the key
-            attend(q, keys[:, :, pos:], vals[:, :, pos:], True)
-            own.add((n, keys.stride()))
-        built += 1
-        if time.perf_counter() - t0 > WARM_BUDGET_S:
-            break
-    return built
-
-
-_FP8 = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
-
-
-def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # fp8 keys/values carry no per-tensor scale: values beyond +-448 are clamped on store (a cast would
-    # make them NaN); K and V of Llama-family models sit well inside that range
-    if dtype in _FP8:
-        return x.clamp(-_FP8[dtype], _FP8[dtype]).to(dtype)
-    return x.to(dtype)
-
-
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -545,106 +101,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, w: Mats) -> torch.Tensor:
         gate, up = F.linear(x, w.w13).split(self.ffn, dim=-1)
-        if x.is_cuda and CUDA_KERNELS == "triton":
+        if x.is_cuda and attention.CUDA_KERNELS == "triton":
             from .kernels import silu_mul
             y = silu_mul(gate, up)
             if y is not None:
                 return F.linear(y, w.w2)
         return F.linear(F.silu(gate) * up, w.w2)
-
-
-# -- weight-only kernels for decode (CPU) -------------------------------------------------------
-WEIGHT_ONLY = ("int4", "int8", "float16")
-DECODE_KINDS = WEIGHT_ONLY + ("blocks",)  # blocks: strata.cpu_decode (C on 4/8-bit blocks)
-INT4_GROUP = 32
-
-
-class WeightOnly:
-    """A dense matrix in fewer bytes for CPU decode, which is bound by reading the weights.
-
-    int8 / int4: torch's weight-only GEMM kernels, whose fast paths take bfloat16 activations (x is
-    rounded to bfloat16). int8: one scale per row, symmetric. int4: groups of 32 along a row,
-    w = (q - 8) * scale + zero (GGUF Q4_1's w = d*q + m is that with scale d, zero m + 8d).
-    float16: the matrix and x in float16 (oneDNN's half GEMM). The product comes back in x's dtype."""
-
-    def __init__(self, w: torch.Tensor, kind: str):
-        if kind not in WEIGHT_ONLY:
-            raise ValueError(f"unknown decode_weights {kind!r} (known: {', '.join(WEIGHT_ONLY)})")
-        n, k = w.shape
-        self.kind, self.rows = kind, n
-        wf = w.detach().float()
-        if kind == "float16":
-            self.q, self.scales = wf.half(), torch.empty(0)
-            return
-        if kind == "int8":
-            scale = (wf.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).bfloat16()
-            self.q = torch.round(wf / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-            self.scales = scale
-            return
-        if k % INT4_GROUP:
-            raise ValueError(f"int4 decode weights need rows of whole {INT4_GROUP}-groups, got {k}")
-        g = wf.view(n, k // INT4_GROUP, INT4_GROUP)
-        lo, hi = g.amin(-1), g.amax(-1)
-        d = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        # round the scale and zero to bfloat16 first, then pick q against the rounded ones
-        d_b, z_b = d.bfloat16(), (lo + 8 * d).bfloat16()
-        q = torch.round((g - z_b.float()[..., None]) / d_b.float()[..., None]) + 8
-        q = q.clamp(0, 15).to(torch.int32).view(n, k)
-        self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        self.scales = torch.stack([d_b, z_b], -1).transpose(0, 1).contiguous()  # (k/32, n, 2)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "float16":
-            return F.linear(x.to(torch.float16), self.q).to(x.dtype)
-        xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        if self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.q, INT4_GROUP, self.scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scales)
-        return y.to(x.dtype).view(*x.shape[:-1], self.rows)
-
-    def native(self, x: torch.Tensor) -> torch.Tensor:
-        """x (rows, k) -> (rows, n) in the kernel's own dtype (bfloat16 for int4 / int8, which take x as
-        bfloat16 anyway): the decode path adds it to a float32 residual (type promotion, one op) or feeds it to
-        the next kernel, so the casts back and forth of __call__ are skipped."""
-        if self.kind == "int4":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q, INT4_GROUP, self.scales)
-        if self.kind == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
-        return self(x)
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() * self.q.element_size() + self.scales.numel() * self.scales.element_size()
-
-
-class LayerWeightOnly(NamedTuple):
-    wqkv: WeightOnly
-    wo: WeightOnly
-    w13: WeightOnly
-    w2: WeightOnly
-
-
-def _mm_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wo: WeightOnly | None) -> torch.Tensor:
-    # x (rows, k); a weight-only product comes back in its kernel's dtype (see WeightOnly.native)
-    if wo is None:
-        return F.linear(x, w, b)
-    y = wo.native(x)
-    return y if b is None else y + b
-
-
-class Products(NamedTuple):
-    """A layer's four products for the decode path, each x (..., in) -> (..., out)."""
-    qkv: Callable[[torch.Tensor], torch.Tensor]
-    wo: Callable[[torch.Tensor], torch.Tensor]
-    w13: Callable[[torch.Tensor], torch.Tensor]
-    w2: Callable[[torch.Tensor], torch.Tensor]
-
-
-def _dense_products(w: Mats, wo: LayerWeightOnly | None) -> Products:
-    p = functools.partial
-    return Products(p(_mm_rows, w=w.wqkv, b=w.bqkv, wo=wo and wo.wqkv), p(_mm_rows, w=w.wo, b=None, wo=wo and wo.wo),
-                    p(_mm_rows, w=w.w13, b=None, wo=wo and wo.w13), p(_mm_rows, w=w.w2, b=None, wo=wo and wo.w2))
 
 
 class Block(nn.Module):
@@ -717,51 +179,6 @@ class Block(nn.Module):
         x = F.rms_norm(h, (h.shape[-1],), self.mlp_norm.weight, self.mlp_norm.eps)
         gate, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
         return h + mm.w2(F.silu(gate) * up)
-
-
-class QuantEmbedding(nn.Module):
-    """Token embedding kept as stored: a chunk's rows are gathered from their blocks and dequantized."""
-
-    def __init__(self, table: Packed):
-        super().__init__()
-        self.table = table
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.gather(ids)
-
-
-def _fused_ok(p: Packed, device) -> bool:
-    from .quant import gemv
-    return p.qtype is not None and gemv.supports(p.qtype) and gemv.available(device)
-
-
-class Head(nn.Module):
-    """Output projection to float32 logits, computed in vocabulary slices of `rows`.
-
-    Dense: slices of the weight. Resident: each slice dequantized into the scratch in turn, so the
-    whole head never exists dense. Both modes slice alike, so their logits are the same bits."""
-
-    def __init__(self, weight: nn.Parameter | Packed, rows: int, scratch: Scratch | None = None):
-        super().__init__()
-        self.weight = weight
-        self.rows, self.scratch = rows, scratch
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        vocab = w.n_rows if isinstance(w, Packed) else w.shape[0]
-        out = torch.empty(*x.shape[:-1], vocab, device=x.device, dtype=torch.float32)
-        if isinstance(w, Packed) and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T and _fused_ok(w, x.device):
-            from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
-            quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab))
-            return out
-        for s in range(0, vocab, self.rows):
-            e = min(vocab, s + self.rows)
-            if isinstance(w, Packed):
-                ws = w.into(self.scratch.rows(e - s, w.cols), s, e)
-            else:
-                ws = w[s:e]
-            out[..., s:e] = F.linear(x, ws)
-        return out
 
 
 class Transformer(nn.Module):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ConfigError, RigConfig, StageSpec, check_device
-from .model import ModelArgs
+from .args import ModelArgs
 from .schedule import chunk_schedule
 from .planner import (DTYPE_BYTES, PlanError, Speed, check_split, even_split, plan_split, predicted_times,
                       stage_needs)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import PlanError
-from .model import ModelArgs
+from .args import ModelArgs
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GiB = 2**30
@@ -142,8 +142,8 @@ def cuda_attention(choice: str = "auto") -> str:
     """The CUDA attention path a stage will take: the rig's `attention`, or for auto the model's default."""
     if choice != "auto":
         return choice
-    from . import model
-    return getattr(model, "CUDA_ATTENTION", "flash")
+    from . import attention
+    return attention.CUDA_ATTENTION
 
 
 def stage_need(args: ModelArgs, start: int, end: int, tokens: int, chunk: int, dtype: str,

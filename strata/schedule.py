@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .model import ModelArgs
+from .args import ModelArgs
 
 
 def chunk_flops(args: ModelArgs, pos: int, n: int) -> tuple[float, float]:

@@ -16,7 +16,8 @@ except cd.BuildError as e:  # no C compiler: the option reports it at load (test
     pytest.skip(str(e), allow_module_level=True)
 
 from strata.checkpoint import load_stage, model_args  # noqa: E402
-from strata.model import ModelArgs, Transformer  # noqa: E402
+from strata.args import ModelArgs  # noqa: E402
+from strata.model import Transformer  # noqa: E402
 
 
 def rel(a, b):

@@ -175,7 +175,7 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 import torch.nn.functional as F
 from strata.decode_kernels import add_rms_norm, rms_norm, rope_store
-from strata.model import _rope_rows, _signed_sin
+from strata.attention import _rope_rows, _signed_sin
 g = torch.Generator().manual_seed(11)
 nh, nkv, hd, S, pos = 6, 2, 32, 40, 17
 qkv = torch.randn(nh + 2 * nkv, hd, generator=g)

@@ -8,7 +8,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from strata.checkpoint import synthetic_tensors
-from strata.model import (DECODE_T, PRESETS, ModelArgs, Transformer, WeightOnly, decode_attention)
+from strata.args import PRESETS, ModelArgs
+from strata.attention import decode_attention
+from strata.model import Transformer
+from strata.resident import DECODE_T
+from strata.weight_only import WeightOnly
 
 SMALL = ModelArgs(vocab_size=300, dim=128, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=192,
                   max_seq_len=4096)
@@ -278,7 +282,7 @@ def test_densify_resident_layers_same_bits():
 
 def test_decode_rope_table_same_bits_as_rope():
     """The CPU decode path's rope rows come from a table grown by doubling: the bits rope(pos, T) makes."""
-    from strata.model import _signed_sin
+    from strata.attention import _signed_sin
     m = build(SMALL, 8)
     for dtype in (torch.float32, torch.bfloat16):
         for pos in (0, 1, 255, 256, 300, 4095, 70000):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from strata.model import PRESETS
+from strata.args import PRESETS
 from strata.pipeline import Pipeline
 from strata.schedule import chunk_cost, chunk_schedule, pipeline_time, predicted_speedup
 

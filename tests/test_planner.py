@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from strata.config import ConfigError, from_dict
-from strata.model import PRESETS, ModelArgs
+from strata.args import PRESETS, ModelArgs
 from strata.plan import build_plan
 from strata.planner import (CPU_RUNTIME_BYTES, CUDA_RUNTIME_BYTES, DTYPE_BYTES, GiB, PlanError, Speed, check_split,
                             max_layers, plan_split, predicted_times, stage_need, stage_time)
@@ -27,10 +27,10 @@ SEED_TOKENS = 120 * 1024  # the seed's 120k-token prompt
 
 @pytest.fixture(autouse=True)
 def flash_attention(monkeypatch):
-    """CUDA stages' activations depend on the attention path (strata.model.CUDA_ATTENTION, from
+    """CUDA stages' activations depend on the attention path (strata.attention.CUDA_ATTENTION, from
     STRATA_CUDA_ATTENTION): pin flash here; test_cudnn_split_needs_the_repeated_kv covers the other."""
-    import strata.model
-    monkeypatch.setattr(strata.model, "CUDA_ATTENTION", "flash")
+    import strata.attention
+    monkeypatch.setattr(strata.attention, "CUDA_ATTENTION", "flash")
 
 
 # -- brute force ---------------------------------------------------------------------------------
@@ -264,9 +264,9 @@ def test_kv_activations_handoff_runtime():
 
 
 def test_cudnn_split_keeps_grouped_kv(monkeypatch):
-    import strata.model
+    import strata.attention
     flash = stage_need(LLAMA8, 4, 12, SEED_TOKENS, 2048, "bfloat16")
-    monkeypatch.setattr(strata.model, "CUDA_ATTENTION", "cudnn-split")
+    monkeypatch.setattr(strata.attention, "CUDA_ATTENTION", "cudnn-split")
     split = stage_need(LLAMA8, 4, 12, SEED_TOKENS, 2048, "bfloat16")
     # cuDNN takes the 8 key/value heads as they are: no copy of the context per query head
     assert split.activations - flash.activations < 2 * 32 * 128 * SEED_TOKENS * 2 // 10

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import strata.model as sm
+import strata.attention as sm
 from strata.checkpoint import synthetic_tensors
-from strata.model import ModelArgs, RMSNorm, Transformer
+from strata.args import ModelArgs
+from strata.model import RMSNorm, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelArgs(vocab_size=300, dim=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=192,
@@ -45,7 +46,7 @@ def test_merge_lse_torch_formula(dtype, tol):
 
 _KERNEL_SCRIPT = r"""
 import torch
-import strata.model as sm
+import strata.attention as sm
 from strata import kernels as K
 from tests.test_prefill_ops import merge64, parts
 # float32 and float16 round to nearest in the interpreter; its bfloat16 cast truncates (a GPU rounds to nearest)

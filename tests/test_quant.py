@@ -209,7 +209,7 @@ def _make_gguf():
                                                   ("smoke-wide", "Q4_K", 1), ("smoke-wide", "Q4_K_M", 1)])
 def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
     import dataclasses
-    from strata.model import PRESETS
+    from strata.args import PRESETS
     from strata.weights import model_args, slice_tensors
     mg = _make_gguf()
     out = tmp_path / "m.gguf"
@@ -259,7 +259,7 @@ def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
 def test_make_gguf_llama3_rope_freqs(tmp_path):
     """A preset with Llama-3 rope scaling gets llama.cpp's rope_freqs tensor, which Strata decodes back."""
     import dataclasses
-    from strata.model import PRESETS
+    from strata.args import PRESETS
     from strata.weights import model_args
     mg = _make_gguf()
     scaling = PRESETS["llama-3-8b"].rope_scaling
@@ -271,7 +271,7 @@ def test_make_gguf_llama3_rope_freqs(tmp_path):
 
 def test_make_gguf_70b_plan_size():
     """The 70B plan: 80 layers of the right widths, about 3.4 bits per weight in IQ3_S (~28 GiB)."""
-    from strata.model import PRESETS
+    from strata.args import PRESETS
     mg = _make_gguf()
     args = PRESETS["llama-3-70b"]
     planned = mg.plan(args, "IQ3_S")

@@ -285,7 +285,7 @@ def check_model_decode_fused():
     """A tiny IQ3_S resident model (q/k/v bias, untied IQ3_S head; wo's 128-wide rows fall back to Q8_0)
     decodes through the kernels, and its residuals and logits match the same weights dequantized
     (dense F.linear) at T=1 and T=3."""
-    from strata.model import ModelArgs
+    from strata.args import ModelArgs
     from strata.quant import gemv
     args = ModelArgs(arch="qwen2", qkv_bias=True, vocab_size=40, dim=256, n_layers=2, n_heads=2, n_kv_heads=1,
                      head_dim=64, ffn_dim=256, max_seq_len=64)
@@ -320,7 +320,7 @@ def check_model_decode_fused_q4_k_m():
     """A tiny Llama of the Q4_K_M mix (Q4_K matrices; Q6_K attn_v, ffn_down and head; wo's 128-wide rows in
     Q8_0) decodes every product through the kernels (a layer with one unfused part would dequantize the whole
     layer per token), and matches the same weights dequantized at T=1 and T=3."""
-    from strata.model import ModelArgs
+    from strata.args import ModelArgs
     from strata.quant import gemv
     args = ModelArgs(vocab_size=40, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=256,
                      max_seq_len=64)
@@ -354,7 +354,7 @@ def check_dequantize_into():
     the torch path bit for bit (same float32 operations, contraction off); bfloat16 out within one bfloat16
     step of it (the interpreter truncates where the GPU rounds to nearest even: test_quant.py checks the GPU
     bit for bit); Packed.into takes it for these types, odd row counts and a row range included."""
-    from strata.model import Packed
+    from strata.resident import Packed
     from strata.quant import dequantize, into, random_blocks
     g = torch.Generator().manual_seed(12)
     for qtype, cols in (("Q8_0", 96), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 512), ("IQ3_S", 256), ("Q4_0", 64),

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from conftest import chained_prefill
-from strata import checkpoint, model as M, quant
+from strata import checkpoint, model as M, quant, resident
+from strata.args import PRESETS
+from strata.attention import _to_cache
 from strata.checkpoint import check_model_files, load_stage, model_args, stage_bytes, weights_mode
 from strata.errors import ModelError
 from strata.tokenizer import Tokenizer
@@ -92,18 +94,18 @@ def test_resident_equals_dequantized_on_cpu(args, typing_ids):
 def test_embedding_and_head_never_dequantized_whole(args, monkeypatch):
     s = load_stage("smollm2", args, 0, 30, device="cpu", dtype=torch.float32, weights="resident", max_len=16)
     rows = []
-    real = M._dequantize
+    real = resident._dequantize
 
     def spy(blocks, qtype):
         rows.append(blocks.shape[0])
         return real(blocks, qtype)
-    monkeypatch.setattr(M, "_dequantize", spy)
+    monkeypatch.setattr(resident, "_dequantize", spy)
     ids = torch.tensor([[1, 2, 3, 4, 5, 1]])
     s.embed(ids)
     assert rows == [6]  # exactly the prompt's rows
     rows.clear()
     s.logits(torch.randn(3, args.dim))
-    assert max(rows) <= M.head_rows(args) < args.vocab_size and sum(rows) == args.vocab_size
+    assert max(rows) <= resident.head_rows(args) < args.vocab_size and sum(rows) == args.vocab_size
 
 
 @pytest.mark.parametrize("mode,kv,bounds", [("resident", "auto", [(0, 30)]), ("dequantized", "float8_e4m3fn", [(0, 30)]),
@@ -140,7 +142,7 @@ def test_fp8_kv_cache_perplexity(args, typing_ids):
 
 def test_fp8_store_clamps():
     x = torch.tensor([1e4, -1e4, 1.0])
-    assert M._to_cache(x, torch.float8_e4m3fn).float().tolist() == [448.0, -448.0, 1.0]
+    assert _to_cache(x, torch.float8_e4m3fn).float().tolist() == [448.0, -448.0, 1.0]
 
 
 # -- quantized synthetic models ------------------------------------------------------------------
@@ -153,7 +155,7 @@ def test_synthetic_spec_refusals():
         with pytest.raises(ModelError):
             checkpoint.resolve(bad)
     assert checkpoint.resolve("synthetic:smoke@q4_k") == ("synthetic", "smoke@Q4_K")
-    assert model_args("synthetic:smoke@Q4_K") == M.PRESETS["smoke"]
+    assert model_args("synthetic:smoke@Q4_K") == PRESETS["smoke"]
 
 
 @needs_random_blocks
@@ -211,7 +213,7 @@ def test_synthetic_70b_bytes(qtype, bytes_per_256):
 
 
 def scratch_elems(a):
-    return M.scratch_layout(a)[1]
+    return resident.scratch_layout(a)[1]
 
 
 # -- bad GGUFs, refused by check_model_files before any stage starts -----------------------------

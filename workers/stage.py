@@ -28,10 +28,11 @@ import numpy as np
 import torch
 import zmq
 
-import strata.model
+import strata.attention
 from strata import messages as M
 from strata import net as N
-from strata.model import ModelArgs, Transformer
+from strata.args import ModelArgs
+from strata.model import Transformer
 from strata import bells as bells_mod
 from strata.bells import Bells
 from strata.schedule import chunk_schedule
@@ -152,7 +153,7 @@ class Stage:
             if spec.cores:
                 os.sched_setaffinity(0, spec.cores)
         if spec.attention != "auto":  # the rig's choice (the planner sized activations for the same path)
-            strata.model.CUDA_ATTENTION = spec.attention
+            strata.attention.CUDA_ATTENTION = spec.attention
 
     def _near_gpu(self) -> None:
         """Run on the CPU cores of the GPU's own NUMA node (sysfs `local_cpulist`), kept within this process's
@@ -225,13 +226,13 @@ class Stage:
         # every later chunk meets a new cached-prefix length (and with dynamic chunks a new length of its own), and
         # cuDNN builds a graph per shape: build those of the schedule's chunks (the configured prompt's first, then
         # any prompt's up to max_len) now, not one per chunk in the first prefill; bounded by
-        # strata.model.WARM_CHUNKS shapes and WARM_BUDGET_S seconds
+        # strata.attention.WARM_CHUNKS shapes and WARM_BUDGET_S seconds
         shapes = []
         for tokens in (spec.tokens, spec.max_len):
             shapes += [c for c in chunk_schedule(tokens, n, spec.dynamic_chunks, self.args)
                        if c[0] > 0 and c not in shapes]
         mem.append(torch.cuda.memory_allocated(self.device))
-        built = strata.model.warm_chunk_attention(self.model, shapes)
+        built = strata.attention.warm_chunk_attention(self.model, shapes)
         mem.append(torch.cuda.memory_allocated(self.device))
         if built:
             self.log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d)", built, len(shapes), n)

@@ -1,0 +1,209 @@
+"""Attention of a chunk after a cached prefix (prefill) and of one decode row, RoPE on q/k rows, and the KV cache's dtype.
+
+Knows nothing of layers or stages: tensors in, tensors out. The CUDA kernel switches live here (module globals,
+set from the rig by the stage)."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout; GGUF q/k rows are un-permuted on load): one Triton kernel on CUDA
+    (strata.kernels.rope), else 3 torch ops instead of the textbook 5.
+
+    x: (1, T, heads, hd), any strides; cos, ssin: (T, 1, hd), ssin from `_signed_sin`. cat((-x2, x1)) * sin
+    is cat((x2, x1)) * cat((-sin1, sin2)), the same products; the swap is a cat (not a roll, which copies a
+    strided x first). Returns a new contiguous (1, T, heads, hd) tensor."""
+    if x.is_cuda and CUDA_KERNELS == "triton":
+        from .kernels import rope
+        y = rope(x, cos, ssin)  # one pass instead of three
+        if y is not None:
+            return y
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), ssin)
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+    """Queries of one chunk at `pos` against keys [0, pos + T): causal, bottom-right aligned.
+
+    q: (1, nh, T, hd); k, v: (1, nkv, pos + T, hd). Never builds a dense (T, pos + T) mask.
+    """
+    T, S = q.shape[2], k.shape[2]
+    if pos == 0:  # square: top-left and bottom-right alignment coincide
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if q.is_cuda:
+        if CUDA_ATTENTION == "cudnn-split" and q.dtype != torch.float32:
+            return _split_attention(q, k, v, pos, _cudnn_with_lse)
+        # flash (memory-efficient for fp32) handles the lower-right alignment natively.
+        # Imported here: torch.nn.attention.bias pulls in dynamo, ~1 s at every process start.
+        from torch.nn.attention.bias import causal_lower_right
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True)
+    # CPU: the lower-right bias would materialise a mask; split instead
+    return _split_attention(q, k, v, pos, _cpu_with_lse)
+
+
+# "flash": one lower-right causal call. "cudnn-split": the cached prefix unmasked plus the
+# chunk's own keys causal and square, both through cuDNN (its fast cases; performance.md).
+CUDA_ATTENTION = os.environ.get("STRATA_CUDA_ATTENTION", "cudnn-split")
+
+
+# The CUDA prefill path's fused kernels: "triton" (strata/kernels.py: the split path's LSE merge in one pass
+# instead of ~8 float32 kernels, RoPE in one instead of three, SiLU*up in one instead of two; the torch
+# formulas where Triton is missing) or "torch" (those formulas). STRATA_CUDA_KERNELS=torch: the A/B.
+CUDA_KERNELS = os.environ.get("STRATA_CUDA_KERNELS", "triton")
+
+
+def _split_attention(q, k, v, pos, attend):
+    """Attention over [prefix | own chunk] as two calls merged by their log-sum-exp."""
+    out_p, lse_p = attend(q, k[:, :, :pos], v[:, :, :pos], False)
+    out_s, lse_s = attend(q, k[:, :, pos:], v[:, :, pos:], True)
+    if q.is_cuda and CUDA_KERNELS == "triton":
+        from .kernels import lse_merge
+        out = lse_merge(out_p, lse_p, out_s, lse_s)
+        if out is not None:
+            return out
+    return merge_lse(out_p, lse_p, out_s, lse_s)
+
+
+def merge_lse(out_p, lse_p, out_s, lse_s):
+    """Two attention parts over disjoint keys, (1, nh, T, hd) each with its log-sum-exp (1, nh, T), as
+    one: each weighted by its share of the softmax, in float32, rounded once to the parts' dtype."""
+    lse = torch.logaddexp(lse_p, lse_s)
+    w_p = torch.exp(lse_p - lse).unsqueeze(-1)
+    w_s = torch.exp(lse_s - lse).unsqueeze(-1)
+    return (out_p.float() * w_p + out_s.float() * w_s).to(out_p.dtype)
+
+
+def _cpu_with_lse(q, k, v, causal):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out, lse
+
+
+def _cudnn_with_lse(q, k, v, causal):
+    # grouped-query attention natively: fewer key/value heads than query heads, no expansion
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
+    return out, lse.view(q.shape[:3])
+
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query row at the last position against all keys k, v (1, nkv, S, hd): nothing masked.
+
+    q: (1, nh, 1, hd) or already (1, nkv, g, hd). Grouped-query attention runs as plain multi-head
+    attention: a kv head's g query heads are g query rows against it, so no backend needs GQA
+    support and each key is read once. One call, no split; on CUDA flash (efficient for fp32),
+    whose kernels do not depend on the key length (cuDNN builds a graph per length)."""
+    nkv, hd = k.shape[1], k.shape[3]
+    qg = q.reshape(1, nkv, -1, hd)
+    if q.is_cuda:
+        try:
+            if q.dtype in (torch.float16, torch.bfloat16):
+                out = torch.ops.aten._scaled_dot_product_flash_attention(qg, k, v)[0]
+            else:
+                out = torch.ops.aten._scaled_dot_product_efficient_attention(qg, k, v, None, False)[0]
+        except RuntimeError:  # a shape or GPU those kernels refuse: the generic dispatcher
+            out = F.scaled_dot_product_attention(qg, k, v)
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False)[0]
+    return out.reshape(q.shape)
+
+
+# From this many cached positions a CPU decode step attends over a bfloat16 cache as is (below, widening the
+# prefix and the float32 flash kernel were faster on SmolLM2: 512 positions, 7.9 vs 11.7 ms a stage)
+BF16_ATTENTION_FROM = 2048
+
+
+def _bf16_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query row (1, nh, hd) against a bfloat16 CPU cache k, v (1, nkv, S, hd) -> (1, nh * hd) bfloat16.
+
+    Per kv head two bfloat16 GEMMs and a float32 softmax: at long contexts a decode step streams the cache
+    from memory, and this reads it in half the bytes. Per head, because a batched GEMM over the narrowed
+    cache (heads max_len apart) is slower than the float32 flash kernel; the flash kernel on bfloat16
+    is slower still. The scores are rounded to bfloat16 before the softmax (relative 4e-3), as the cache is."""
+    nkv, hd = k.shape[1], k.shape[3]
+    qg = (q * hd ** -0.5).to(torch.bfloat16).view(nkv, -1, hd)  # a kv head's query rows
+    out = torch.empty(qg.shape, dtype=torch.bfloat16)
+    for j in range(nkv):
+        p = torch.mm(qg[j], k[0, j].t()).softmax(-1, dtype=torch.float32).to(torch.bfloat16)
+        torch.mm(p, v[0, j], out=out[j])
+    return out.view(1, -1)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transformer.rope's (T, hd) rows as every layer reads them: cos and signed sin (T, 1, hd), made once per
+    chunk or step, not once per layer."""
+    return cos[:, None], _signed_sin(sin[:, None])
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, once per step: rotate_half(x) * sin == roll(x) * signed_sin, bit for bit."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope_rows(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
+    # x: (T, heads, hd); cos, ssin: (T, 1, hd), ssin from _signed_sin. The rotate-half form of apply_rope on all
+    # heads at once, in 3 ops instead of 5 (a decode step is bound by per-op dispatch): cat((-x2, x1)) * sin is
+    # cat((x2, x1)) * cat((-sin1, sin2)), the same products, and cat((x2, x1)) is a roll by half
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), ssin)
+
+
+# cuDNN builds (and caches, process-wide) an execution graph per attention shape, and each chunk of a prompt
+# meets a new cached-prefix length (and, with dynamic chunks, a new own-chunk length), so a cold prefill pays one
+# set-up per chunk (8B, 122,880 tokens: 14.2 s cold vs 10.2 s warm, performance.md). Bounded: at most
+# WARM_CHUNKS chunk shapes and WARM_BUDGET_S seconds of host time are spent building them ahead.
+WARM_CHUNKS = 48
+WARM_BUDGET_S = 30.0
+
+
+@torch.inference_mode()
+def warm_chunk_attention(model, shapes, attend=None) -> int:
+    """Build cuDNN's graphs for the attention of chunks (pos, n) ahead of a prefill: one layer's unmasked call
+    against its cache's first `pos` keys, and the causal call on the chunk's own n keys (once per shape), with a
+    zero q of the chunk's shape and layout (the same strides as Attention.forward, which the graph is keyed on).
+    Only where chunk_attention takes the cuDNN split (CUDA, half precision); returns how many chunk shapes were
+    built (0 elsewhere). Reads the cache, writes nothing. `attend`: the call to make instead (tests)."""
+    device, dtype = model._compute()
+    if attend is None:
+        if device.type != "cuda" or CUDA_ATTENTION != "cudnn-split" or dtype == torch.float32:
+            return 0
+        attend = _cudnn_with_lse
+    attn = next(iter(model.layers.values())).attn
+    t0, built, own = time.perf_counter(), 0, set()
+    for pos, n in list(shapes)[:WARM_CHUNKS]:
+        if pos <= 0 or n <= 0 or pos + n > attn.k_cache.shape[2]:
+            continue
+        q = torch.zeros(1, n, attn.nh, attn.hd, device=device, dtype=dtype).transpose(1, 2)
+        keys, vals = attn.cached(pos + n, dtype)
+        attend(q, keys[:, :, :pos], vals[:, :, :pos], False)
+        if (n, keys.stride()) not in own:  # a widened cache's strides move with pos: part of the key
+            attend(q, keys[:, :, pos:], vals[:, :, pos:], True)
+            own.add((n, keys.stride()))
+        built += 1
+        if time.perf_counter() - t0 > WARM_BUDGET_S:
+            break
+    return built
+
+
+_FP8 = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # fp8 keys/values carry no per-tensor scale: values beyond +-448 are clamped on store (a cast would
+    # make them NaN); K and V of Llama-family models sit well inside that range
+    if dtype in _FP8:
+        return x.clamp(-_FP8[dtype], _FP8[dtype]).to(dtype)
+    return x.to(dtype)
+
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
+
+def kv_dtype_of(kv_dtype, compute: torch.dtype) -> torch.dtype:
+    if isinstance(kv_dtype, torch.dtype):
+        return kv_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
+    return compute if kv_dtype == "auto" else getattr(torch, kv_dtype)

@@ -1,0 +1,251 @@
+"""Weights as a layer asks for them: dense matrices, or GGUF blocks held as stored and dequantized into one shared
+scratch just before their layer runs; the quantized embedding and the sliced head."""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelArgs
+from .weight_only import Products
+
+DECODE_T = 4  # forward() with at most this many rows takes the decode path (Block.decode)
+
+# -- weights as a Block asks for them ---------------------------------------------------------
+@dataclass
+class Quantized:
+    """A matrix in its GGUF block format: `blocks` uint8 (rows, bytes_per_row), `cols` weights per row."""
+    blocks: torch.Tensor
+    qtype: str
+    cols: int
+
+
+class Mats(NamedTuple):
+    """One layer's matrices in the compute dtype, fused: q/k/v in one GEMM, gate/up in one."""
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+# strata.quant.dequantize returns float32; at most this many values at once bounds that transient (32 MiB)
+DEQUANT_PIECE = 1 << 23
+_ALIGN = 64  # scratch regions start on 256-byte (fp32) boundaries: GEMMs see the same alignment as a fresh tensor
+
+def _matrix_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    hd = args.head_dim
+    return {"wq": (args.n_heads * hd, args.dim), "wk": (args.n_kv_heads * hd, args.dim),
+            "wv": (args.n_kv_heads * hd, args.dim), "wo": (args.dim, args.n_heads * hd),
+            "w_gate": (args.ffn_dim, args.dim), "w_up": (args.ffn_dim, args.dim), "w_down": (args.dim, args.ffn_dim)}
+
+
+def scratch_layout(args: ModelArgs) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """Where each matrix of a layer lands in the scratch: name -> (offset, rows, cols); and the total elements.
+
+    q, k, v are adjacent (one wqkv view), as are gate and up (one w13 view)."""
+    sh = _matrix_shapes(args)
+    out, off = {}, 0
+    for group in (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",)):
+        off = -(-off // _ALIGN) * _ALIGN
+        for n in group:
+            r, c = sh[n]
+            out[n] = (off, r, c)
+            off += r * c
+    return out, off
+
+
+def head_rows(args: ModelArgs) -> int:
+    """Vocabulary rows per head slice, in both load modes (the same slicing gives the same logits bits)."""
+    _, total = scratch_layout(args)
+    return max(1, min(args.vocab_size, total // args.dim))
+
+
+def dequant_piece_bytes(args: ModelArgs) -> int:
+    """Largest float32 transient strata.quant.dequantize returns while a resident slice runs."""
+    sh = dict(_matrix_shapes(args), head=(args.vocab_size, args.dim))
+    return max(min(r, max(1, DEQUANT_PIECE // c)) * c * 4 for r, c in sh.values())
+
+
+
+def _dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    from .quant import dequantize
+    return dequantize(blocks, qtype)
+
+
+class Scratch:
+    """ONE buffer in the compute dtype that each resident layer is dequantized into just before it runs.
+
+    Every layer (and the head, slice by slice) reuses it, so a stage holds its weights as stored plus
+    one layer dense. A prefill chunk of thousands of tokens amortizes the dequantization."""
+
+    def __init__(self, args: ModelArgs, device, dtype: torch.dtype):
+        self.layout, total = scratch_layout(args)
+        self.buf = torch.empty(total, device=device, dtype=dtype)
+        self.piece_bytes = dequant_piece_bytes(args)
+
+    def view(self, name: str) -> torch.Tensor:
+        off, r, c = self.layout[name]
+        return self.buf[off:off + r * c].view(r, c)
+
+    def span(self, first: str, last: str) -> torch.Tensor:
+        """Adjacent matrices first..last as one (rows, cols) view (wqkv, w13)."""
+        off, _, c = self.layout[first]
+        o2, r2, _ = self.layout[last]
+        return self.buf[off:o2 + r2 * c].view(-1, c)
+
+    def rows(self, n: int, cols: int) -> torch.Tensor:
+        return self.buf[:n * cols].view(n, cols)
+
+    @property
+    def nbytes(self) -> int:
+        """The buffer plus the bounded float32 transient of the dequantizer."""
+        return self.buf.numel() * self.buf.element_size() + self.piece_bytes
+
+
+class Packed(nn.Module):
+    """One matrix as stored: GGUF blocks (uint8, rows of whole blocks) or, for F32/F16 tensors, dense in the compute dtype."""
+
+    def __init__(self, data: torch.Tensor, qtype: str | None, cols: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("data", data)
+        self.qtype, self.cols, self.out_dtype = qtype, cols, dtype
+
+    @property
+    def n_rows(self) -> int:
+        return self.data.shape[0]
+
+    def into(self, out: torch.Tensor, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Rows [r0, r1) dequantized into `out` (r1 - r0, cols), in pieces that bound the float32 transient."""
+        r1 = self.n_rows if r1 is None else r1
+        if self.qtype is None:
+            return out.copy_(self.data[r0:r1])
+        if out.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":  # Triton imported only where it can run
+            from .quant import into  # the usual K-quants and Q8_0: one kernel, straight into out's dtype
+            if into.takes(self.qtype, out) and into.dequantize_into(out, self.data[r0:r1], self.qtype):
+                return out
+        step = max(1, DEQUANT_PIECE // self.cols)
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            out[a - r0:b - r0].copy_(_dequantize(self.data[a:b], self.qtype))
+        return out
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) only: the embedding never dequantizes its whole table."""
+        if self.qtype is None:
+            return F.embedding(ids, self.data)
+        rows = _dequantize(self.data[ids.reshape(-1)], self.qtype)
+        return rows.to(self.out_dtype).view(*ids.shape, self.cols)
+
+
+class _Linear(nn.Linear):
+    """nn.Linear without its random initialisation: every weight comes from a checkpoint (or the synthetic
+    generator), and initialising on the meta device imports torch's compiler for the random ops (~1 s of each
+    stage's start-up on a 2-core box)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class DenseMatrices(nn.Module):
+    """A layer's matrices held dense in the compute dtype (q/k/v and gate/up fused at load)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hd = args.head_dim
+        self.wqkv = _Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
+        self.wo = _Linear(args.n_heads * hd, args.dim, bias=False)
+        self.w13 = _Linear(args.dim, 2 * args.ffn_dim, bias=False)
+        self.w2 = _Linear(args.ffn_dim, args.dim, bias=False)
+
+    def get(self) -> Mats:
+        return Mats(self.wqkv.weight, self.wqkv.bias, self.wo.weight, self.w13.weight, self.w2.weight)
+
+
+class ResidentMatrices(nn.Module):
+    """A layer's matrices as stored; `get` dequantizes them all into the shared scratch (valid until the next layer's get)."""
+
+    def __init__(self, parts: dict[str, Packed], bqkv: torch.Tensor | None, scratch: Scratch):
+        super().__init__()
+        self.parts = nn.ModuleDict(parts)
+        self.bqkv = None if bqkv is None else nn.Parameter(bqkv, requires_grad=False)
+        self.scratch = scratch
+        self._fused: dict[torch.device, bool] = {}
+
+    def get(self) -> Mats:
+        s = self.scratch
+        for name, p in self.parts.items():
+            p.into(s.view(name))
+        return Mats(s.span("wq", "wv"), self.bqkv, s.view("wo"), s.span("w_gate", "w_up"), s.view("w_down"))
+
+    def fused_decode_ok(self, device) -> bool:
+        """Whether decode can multiply on the blocks themselves (strata.quant.gemv) on `device`: every
+        part quantized in a type the fused kernel takes. Then `products` replaces `get` for few rows."""
+        device = torch.device(device)
+        if device not in self._fused:  # asked once per layer per token: answered once per device
+            self._fused[device] = all(_fused_ok(p, device) for p in self.parts.values())
+        return self._fused[device]
+
+    def products(self) -> Products:
+        """The layer's four products computed on the blocks (fused_decode_ok must hold): no scratch."""
+        return Products(functools.partial(self._matmul, ("wq", "wk", "wv"), bias=self.bqkv),
+                        functools.partial(self._matmul, ("wo",)), functools.partial(self._matmul, ("w_gate", "w_up")),
+                        functools.partial(self._matmul, ("w_down",)))
+
+    def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from .quant.gemv import quant_matmul_parts
+        parts = [self.parts[n] for n in names]
+        y = quant_matmul_parts(x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts], parts[0].cols)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding kept as stored: a chunk's rows are gathered from their blocks and dequantized."""
+
+    def __init__(self, table: Packed):
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.gather(ids)
+
+
+def _fused_ok(p: Packed, device) -> bool:
+    from .quant import gemv
+    return p.qtype is not None and gemv.supports(p.qtype) and gemv.available(device)
+
+
+class Head(nn.Module):
+    """Output projection to float32 logits, computed in vocabulary slices of `rows`.
+
+    Dense: slices of the weight. Resident: each slice dequantized into the scratch in turn, so the
+    whole head never exists dense. Both modes slice alike, so their logits are the same bits."""
+
+    def __init__(self, weight: nn.Parameter | Packed, rows: int, scratch: Scratch | None = None):
+        super().__init__()
+        self.weight = weight
+        self.rows, self.scratch = rows, scratch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        vocab = w.n_rows if isinstance(w, Packed) else w.shape[0]
+        out = torch.empty(*x.shape[:-1], vocab, device=x.device, dtype=torch.float32)
+        if isinstance(w, Packed) and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T and _fused_ok(w, x.device):
+            from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
+            quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab))
+            return out
+        for s in range(0, vocab, self.rows):
+            e = min(vocab, s + self.rows)
+            if isinstance(w, Packed):
+                ws = w.into(self.scratch.rows(e - s, w.cols), s, e)
+            else:
+                ws = w[s:e]
+            out[..., s:e] = F.linear(x, ws)
+        return out
