@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "qwen2")
+# the families whose arithmetic the decoder core implements (strata.families declares each: its files' names and keys)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (tanh-approximated GELU)
 
 
 @dataclass(frozen=True)
@@ -18,22 +20,67 @@ class ModelArgs:
     ffn_dim: int = 14336             # SwiGLU inner width
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # Llama-3 style: factor, low/high_freq_factor, original_max_position_embeddings
+    rope_scaling: dict | None = None  # strata.rope's normalized form: rope_type (llama3, yarn, linear) + its parameters
     tie_embeddings: bool = False
     qkv_bias: bool = False           # qwen2 has q/k/v biases
     max_seq_len: int = 8192
     bos_id: int | None = None
     eos_id: int | None = None
+    # -- what a family varies beyond the Llama core (each default is Llama's) --
+    qk_norm: bool = False            # an RMSNorm over each head's q and k before RoPE (qwen3, gemma3)
+    norm_offset: bool = False        # norms scale by (1 + w), computed in float32 (gemma)
+    post_norms: bool = False         # a norm on the attention's and the MLP's outputs before each residual add (gemma3)
+    activation: str = "silu"         # ACTIVATIONS
+    embed_scale: float = 1.0         # embeddings times this, rounded to the compute dtype (gemma: sqrt(dim))
+    attn_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5 (gemma: query_pre_attn_scalar ** -0.5)
+    sliding_window: int | None = None  # a window layer's query sees the last `sliding_window` positions, itself included
+    window_layers: tuple | None = None  # per layer True where windowed; None with a sliding_window: every layer
+    window_rope_theta: float | None = None  # RoPE base of the window layers, unscaled (gemma3); None: as the others
+    final_softcap: float | None = None  # logits -> c * tanh(logits / c) (gemma 2/3 style)
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.arch!r} (supported: {', '.join(ARCHITECTURES)})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.activation!r} (supported: {', '.join(ACTIVATIONS)})")
+        if self.window_layers is not None:  # a list after msgpack: kept hashable
+            object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
+            if len(self.window_layers) != self.n_layers:
+                raise ValueError(f"window_layers lists {len(self.window_layers)} layers, the model has {self.n_layers}")
+            if self.sliding_window is None and any(self.window_layers):
+                raise ValueError("window_layers without a sliding_window")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window {self.sliding_window} is not a positive length")
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (None: it sees every earlier position)."""
+        if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def extras(self) -> tuple[str, ...]:
+        """The variations beyond the Llama core this model uses: the fast decode paths that implement only that
+        core (CUDA decode graphs, the C decoder) decline a model that lists any."""
+        out = [n for n in ("qk_norm", "norm_offset", "post_norms", "final_softcap", "window_rope_theta")
+               if getattr(self, n)]
+        if self.sliding_window is not None:
+            out.append("sliding_window")
+        if self.activation != "silu":
+            out.append(f"activation {self.activation}")
+        if self.embed_scale != 1.0:
+            out.append("embed_scale")
+        if self.attn_scale is not None:
+            out.append("attn_scale")
+        if self.rope_scaling and self.rope_scaling.get("rope_type", "llama3") != "llama3":
+            out.append(f"rope {self.rope_scaling['rope_type']}")
+        return tuple(out)
 
     def layer_param_count(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        norms = (4 if self.post_norms else 2) * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        return attn + 3 * self.dim * self.ffn_dim + norms
 
     def param_count(self, start: int, end: int) -> int:
         """Parameters held by the slice [start, end) (embedding on the first, head on the last)."""
@@ -49,11 +96,11 @@ class ModelArgs:
 PRESETS: dict[str, ModelArgs] = {
     "llama-3-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                             head_dim=128, ffn_dim=14336, rope_theta=500000.0, max_seq_len=131072,
-                            rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                               original_max_position_embeddings=8192)),
     "llama-3-70b": ModelArgs(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                              head_dim=128, ffn_dim=28672, rope_theta=500000.0, max_seq_len=131072,
-                             rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                original_max_position_embeddings=8192)),
     "smoke": ModelArgs(vocab_size=512, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=32,
                        ffn_dim=256, max_seq_len=65536),

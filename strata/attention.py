@@ -26,23 +26,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.
     return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), ssin)
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
+                    scale: float | None = None) -> torch.Tensor:
     """Queries of one chunk at `pos` against keys [0, pos + T): causal, bottom-right aligned.
 
-    q: (1, nh, T, hd); k, v: (1, nkv, pos + T, hd). Never builds a dense (T, pos + T) mask.
+    q: (1, nh, T, hd); k, v: (1, nkv, pos + T, hd); scale: of q.k (None: hd ** -0.5). Never builds a dense
+    (T, pos + T) mask.
     """
     T, S = q.shape[2], k.shape[2]
     if pos == 0:  # square: top-left and bottom-right alignment coincide
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     if q.is_cuda:
         if CUDA_ATTENTION == "cudnn-split" and q.dtype != torch.float32:
-            return _split_attention(q, k, v, pos, _cudnn_with_lse)
+            return _split_attention(q, k, v, pos, _cudnn_with_lse, scale)
         # flash (memory-efficient for fp32) handles the lower-right alignment natively.
         # Imported here: torch.nn.attention.bias pulls in dynamo, ~1 s at every process start.
         from torch.nn.attention.bias import causal_lower_right
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True,
+                                              scale=scale)
     # CPU: the lower-right bias would materialise a mask; split instead
-    return _split_attention(q, k, v, pos, _cpu_with_lse)
+    return _split_attention(q, k, v, pos, _cpu_with_lse, scale)
+
+
+# queries per call of window_attention: its mask and scores are (rows, rows + window - 1) a head
+WINDOW_ROWS = 1024
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, lo: int, window: int,
+                     scale: float | None = None) -> torch.Tensor:
+    """Queries at [pos, pos + T) of a sliding-window layer: the query at p sees keys (p - window, p].
+
+    q: (1, nh, T, hd); k, v: (1, nkv, pos + T - lo, hd), the keys from position `lo` (at most
+    pos + 1 - window, so the first query's window is there). In blocks of WINDOW_ROWS queries, each against
+    its band of keys only with a boolean band mask: memory and work grow with the window, not the prefix."""
+    T = q.shape[2]
+    out = torch.empty_like(q)
+    for a in range(0, T, WINDOW_ROWS):
+        b = min(T, a + WINDOW_ROWS)
+        k0 = max(lo, pos + a + 1 - window)  # the block's first query's first key
+        qp = torch.arange(pos + a, pos + b, device=q.device)[:, None]
+        kp = torch.arange(k0, pos + b, device=q.device)[None]
+        band = (kp <= qp) & (kp > qp - window)
+        ks, vs = k[:, :, k0 - lo:pos + b - lo], v[:, :, k0 - lo:pos + b - lo]
+        out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], ks, vs, attn_mask=band, enable_gqa=True,
+                                                         scale=scale)
+    return out
 
 
 # "flash": one lower-right causal call. "cudnn-split": the cached prefix unmasked plus the
@@ -56,10 +84,10 @@ CUDA_ATTENTION = os.environ.get("STRATA_CUDA_ATTENTION", "cudnn-split")
 CUDA_KERNELS = os.environ.get("STRATA_CUDA_KERNELS", "triton")
 
 
-def _split_attention(q, k, v, pos, attend):
+def _split_attention(q, k, v, pos, attend, scale=None):
     """Attention over [prefix | own chunk] as two calls merged by their log-sum-exp."""
-    out_p, lse_p = attend(q, k[:, :, :pos], v[:, :, :pos], False)
-    out_s, lse_s = attend(q, k[:, :, pos:], v[:, :, pos:], True)
+    out_p, lse_p = attend(q, k[:, :, :pos], v[:, :, :pos], False, scale)
+    out_s, lse_s = attend(q, k[:, :, pos:], v[:, :, pos:], True, scale)
     if q.is_cuda and CUDA_KERNELS == "triton":
         from .kernels import lse_merge
         out = lse_merge(out_p, lse_p, out_s, lse_s)
@@ -77,19 +105,20 @@ def merge_lse(out_p, lse_p, out_s, lse_s):
     return (out_p.float() * w_p + out_s.float() * w_s).to(out_p.dtype)
 
 
-def _cpu_with_lse(q, k, v, causal):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+def _cpu_with_lse(q, k, v, causal, scale=None):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse
 
 
-def _cudnn_with_lse(q, k, v, causal):
+def _cudnn_with_lse(q, k, v, causal, scale=None):
     # grouped-query attention natively: fewer key/value heads than query heads, no expansion
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                  scale=scale)[:2]
     return out, lse.view(q.shape[:3])
 
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """One query row at the last position against all keys k, v (1, nkv, S, hd): nothing masked.
 
     q: (1, nh, 1, hd) or already (1, nkv, g, hd). Grouped-query attention runs as plain multi-head
@@ -101,13 +130,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if q.is_cuda:
         try:
             if q.dtype in (torch.float16, torch.bfloat16):
-                out = torch.ops.aten._scaled_dot_product_flash_attention(qg, k, v)[0]
+                out = torch.ops.aten._scaled_dot_product_flash_attention(qg, k, v, scale=scale)[0]
             else:
-                out = torch.ops.aten._scaled_dot_product_efficient_attention(qg, k, v, None, False)[0]
+                out = torch.ops.aten._scaled_dot_product_efficient_attention(qg, k, v, None, False, scale=scale)[0]
         except RuntimeError:  # a shape or GPU those kernels refuse: the generic dispatcher
-            out = F.scaled_dot_product_attention(qg, k, v)
+            out = F.scaled_dot_product_attention(qg, k, v, scale=scale)
     else:
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False)[0]
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False, scale=scale)[0]
     return out.reshape(q.shape)
 
 
@@ -116,7 +145,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 BF16_ATTENTION_FROM = 2048
 
 
-def _bf16_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _bf16_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """One query row (1, nh, hd) against a bfloat16 CPU cache k, v (1, nkv, S, hd) -> (1, nh * hd) bfloat16.
 
     Per kv head two bfloat16 GEMMs and a float32 softmax: at long contexts a decode step streams the cache
@@ -124,7 +153,7 @@ def _bf16_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     cache (heads max_len apart) is slower than the float32 flash kernel; the flash kernel on bfloat16
     is slower still. The scores are rounded to bfloat16 before the softmax (relative 4e-3), as the cache is."""
     nkv, hd = k.shape[1], k.shape[3]
-    qg = (q * hd ** -0.5).to(torch.bfloat16).view(nkv, -1, hd)  # a kv head's query rows
+    qg = (q * (hd ** -0.5 if scale is None else scale)).to(torch.bfloat16).view(nkv, -1, hd)  # a kv head's query rows
     out = torch.empty(qg.shape, dtype=torch.bfloat16)
     for j in range(nkv):
         p = torch.mm(qg[j], k[0, j].t()).softmax(-1, dtype=torch.float32).to(torch.bfloat16)
@@ -171,16 +200,19 @@ def warm_chunk_attention(model, shapes, attend=None) -> int:
         if device.type != "cuda" or CUDA_ATTENTION != "cudnn-split" or dtype == torch.float32:
             return 0
         attend = _cudnn_with_lse
-    attn = next(iter(model.layers.values())).attn
+    # a global layer's calls (a window layer's attention takes another path)
+    attn = next((b.attn for b in model.layers.values() if b.attn.window is None), None)
+    if attn is None:
+        return 0
     t0, built, own = time.perf_counter(), 0, set()
     for pos, n in list(shapes)[:WARM_CHUNKS]:
         if pos <= 0 or n <= 0 or pos + n > attn.k_cache.shape[2]:
             continue
         q = torch.zeros(1, n, attn.nh, attn.hd, device=device, dtype=dtype).transpose(1, 2)
         keys, vals = attn.cached(pos + n, dtype)
-        attend(q, keys[:, :, :pos], vals[:, :, :pos], False)
+        attend(q, keys[:, :, :pos], vals[:, :, :pos], False, attn.scale)
         if (n, keys.stride()) not in own:  # a widened cache's strides move with pos: part of the key
-            attend(q, keys[:, :, pos:], vals[:, :, pos:], True)
+            attend(q, keys[:, :, pos:], vals[:, :, pos:], True, attn.scale)
             own.add((n, keys.stride()))
         built += 1
         if time.perf_counter() - t0 > WARM_BUDGET_S:

@@ -18,7 +18,7 @@ from .args import PRESETS, ModelArgs
 from .attention import kv_dtype_of
 from .model import Transformer
 from .resident import Quantized, dequant_piece_bytes, scratch_layout
-from .names import hf_name, shapes, short, wanted_names
+from .names import fused_rows, hf_name, shapes, short, wanted_names
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_MODES = ("auto", "resident", "dequantized")
@@ -169,9 +169,10 @@ def _stored_types(model: str, args: ModelArgs, names: list[str]) -> dict[str, tu
         from .names import gguf_name
         facts = tensor_facts(Path(loc))
         for n in names:
-            f = facts.get(gguf_name(n))
+            f = facts.get(gguf_name(n, args))
             if f is not None and f.quantized and len(f.shape) == 2:
-                out[n] = (f.qtype, f.needed())
+                rows = fused_rows(n, args, gguf=True)  # a part of a fused tensor: its rows' share
+                out[n] = (f.qtype, f.needed() if rows is None else f.needed() * (rows[1] - rows[0]) // rows[2])
     elif kind == "synthetic" and "@" in loc:
         import gguf
         sh = shapes(args)
@@ -257,45 +258,19 @@ def check_model_files(model: str) -> None:
         return
     d = Path(loc)
     where = _hf_index(d)
-    missing = [h for h in (hf_name(c) for c in wanted_names(args, 0, args.n_layers)) if h not in where]
+    missing = [h for h in (hf_name(c, args) for c in wanted_names(args, 0, args.n_layers)) if h not in where]
     if missing:
         raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
 
 
 # -- HF directory: config.json + *.safetensors ---------------------------------------------------
-_HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-
-
 def hf_model_args(d: Path) -> ModelArgs:
     try:
         cfg = json.loads((d / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelError(f"{d / 'config.json'}: cannot read ({e})") from None
-    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-    arch = _HF_ARCH.get(archs[0]) or {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}.get(cfg.get("model_type"))
-    if arch is None:
-        raise ModelError(f"{d}: unsupported architecture {archs[0]!r} (supported: llama, mistral, qwen2)")
-    rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None)
-    rope_theta = cfg.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0
-    scaling = None
-    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
-        scaling = {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-    elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
-        raise ModelError(f"{d}: unsupported rope scaling {rs.get('rope_type', rs.get('type'))!r} (supported: llama3)")
-    if cfg.get("mlp_bias") or (arch == "llama" and cfg.get("attention_bias")):
-        raise ModelError(f"{d}: unsupported: biases on {'the MLP' if cfg.get('mlp_bias') else 'attention'} projections")
-    nh = cfg["num_attention_heads"]
-    eos = cfg.get("eos_token_id")
-    return ModelArgs(arch=arch, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"],
-                     n_layers=cfg["num_hidden_layers"], n_heads=nh,
-                     n_kv_heads=cfg.get("num_key_value_heads", nh),
-                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // nh,
-                     ffn_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
-                     rope_theta=float(rope_theta), rope_scaling=scaling,
-                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                     qkv_bias=(arch == "qwen2"),
-                     max_seq_len=cfg.get("max_position_embeddings", 8192),
-                     bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos)
+    from .families import hf_args
+    return hf_args(cfg, str(d / "config.json"))
 
 
 def _hf_index(d: Path) -> dict[str, Path]:
@@ -319,7 +294,9 @@ def _hf_index(d: Path) -> dict[str, Path]:
 def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
     where = _hf_index(d)
-    wanted = {hf_name(c): c for c in wanted_names(args, start, end)}
+    wanted: dict[str, list[str]] = {}  # HF name -> the canonical tensors it holds (several where fused)
+    for c in wanted_names(args, start, end):
+        wanted.setdefault(hf_name(c, args), []).append(c)
     missing = [hf for hf in wanted if hf not in where]
     if missing:
         raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
@@ -331,7 +308,12 @@ def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for hf in names:
-                    out[wanted[hf]] = sf.get_tensor(hf)
+                    t = sf.get_tensor(hf)
+                    for c in wanted[hf]:
+                        rows = fused_rows(c, args, gguf=False)
+                        if rows is not None and t.shape[0] != rows[2]:
+                            raise ModelError(f"{f}: tensor {hf} has {t.shape[0]} rows, the config implies {rows[2]}")
+                        out[c] = t if rows is None else t[rows[0]:rows[1]].contiguous()
         except (SafetensorError, OSError) as e:
             raise ModelError(f"{f}: corrupt or truncated safetensors file ({e})") from None
     return out

@@ -184,6 +184,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, portable: bool = F
 def supported(model) -> str | None:
     """Why `model` (a strata.model.Transformer slice) cannot decode here, or None."""
     a = model.args
+    if a.extras():
+        return f"implements the Llama core only (this model also has: {', '.join(a.extras())})"
     device, dtype = model._compute()
     if device.type != "cpu" or dtype != torch.float32:
         return f"needs float32 weights on the CPU (this slice: {dtype} on {device})"

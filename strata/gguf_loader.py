@@ -1,4 +1,5 @@
-"""GGUF model files (llama, qwen2): metadata to `ModelArgs`, and one layer range's tensors, dequantized or as stored blocks."""
+"""GGUF model files (the families of strata.families): metadata to `ModelArgs`, and one layer range's tensors,
+dequantized or as stored blocks."""
 from __future__ import annotations
 
 import functools
@@ -12,9 +13,9 @@ from .errors import ModelError
 from .args import ModelArgs
 from .model import rope_frequencies
 from .resident import Quantized
-from .names import gguf_name, shapes, short, wanted_names
+from .families import _BY_GGUF, family, gguf_args_extra, supported_gguf
+from .names import fused_rows, gguf_name, shapes, short, wanted_names
 
-SUPPORTED = ("llama", "qwen2")
 FLOAT_TYPES = ("F32", "F16", "BF16")  # held dense in the compute dtype in either load mode
 
 
@@ -97,8 +98,9 @@ def _tensor_index(reader) -> dict:
 def gguf_model_args(path: Path) -> ModelArgs:
     reader = open_gguf(path)
     arch = field_value(reader, "general.architecture")
-    if arch not in SUPPORTED:
-        raise ModelError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED)})")
+    fam = _BY_GGUF.get(arch)
+    if fam is None:
+        raise ModelError(f"{path}: unsupported architecture {arch!r} (supported: {supported_gguf()})")
     tensors = _tensor_index(reader)
 
     def need(key):
@@ -129,16 +131,18 @@ def gguf_model_args(path: Path) -> ModelArgs:
         raise ModelError(f"{path}: cannot tell the vocabulary size")
 
     theta = float(get("rope.freq_base", 10000.0))
-    scaling = _rope_scaling(path, reader, arch, tensors, theta, head_dim)
+    n_layers = int(need("block_count"))
+    extra = gguf_args_extra(fam, get, n_layers, int(dim), int(n_heads), int(head_dim), str(path))
+    scaling = extra.pop("rope_scaling", None) or _rope_scaling(path, reader, arch, tensors, theta, head_dim)
     try:
         args = ModelArgs(
-            arch=arch, vocab_size=int(vocab), dim=int(dim), n_layers=int(need("block_count")),
+            arch=fam.name, vocab_size=int(vocab), dim=int(dim), n_layers=n_layers,
             n_heads=int(n_heads), n_kv_heads=int(n_kv), head_dim=int(head_dim),
             ffn_dim=int(need("feed_forward_length")),
             norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=theta, rope_scaling=scaling,
             tie_embeddings="output.weight" not in tensors,
-            qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+            qkv_bias=fam.qkv_bias or "blk.0.attn_q.bias" in tensors, qk_norm=fam.qk_norm, **extra,
             max_seq_len=int(get("context_length", 8192)),
             bos_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
             eos_id=field_value(reader, "tokenizer.ggml.eos_token_id"))
@@ -161,7 +165,7 @@ def _rope_scaling(path, reader, arch, tensors, theta, head_dim) -> dict | None:
     if kind == "llama3" or (lo is not None and hi is not None):
         if None in (factor, lo, hi, orig):
             raise ModelError(f"{path}: llama3 rope scaling lacks factor/low/high/original_context_length")
-        return dict(factor=float(factor), low_freq_factor=float(lo), high_freq_factor=float(hi),
+        return dict(rope_type="llama3", factor=float(factor), low_freq_factor=float(lo), high_freq_factor=float(hi),
                     original_max_position_embeddings=int(orig))
     if "rope_freqs.weight" not in tensors:
         return None
@@ -177,7 +181,7 @@ def _rope_scaling(path, reader, arch, tensors, theta, head_dim) -> dict | None:
     origs = [int(orig)] if orig else [8192, 4096, 16384, 32768]
     for o in origs:
         for lo_, hi_ in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
-            cand = dict(factor=fmax, low_freq_factor=lo_, high_freq_factor=hi_, original_max_position_embeddings=o)
+            cand = dict(rope_type="llama3", factor=fmax, low_freq_factor=lo_, high_freq_factor=hi_, original_max_position_embeddings=o)
             base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
             trial = ModelArgs(head_dim=head_dim, rope_theta=theta, rope_scaling=cand, n_heads=1, n_kv_heads=1)
             got = base / rope_frequencies(trial).double()
@@ -295,14 +299,15 @@ def check_tensors(path: Path, args: ModelArgs, start: int, end: int) -> None:
     facts = tensor_facts(path)
     want = shapes(args)
     for canon in wanted_names(args, start, end):
-        name = gguf_name(canon)
+        name = gguf_name(canon, args)
         f = facts.get(name)
         if f is None:
             raise ModelError(f"{path}: tensor {name} missing from the file")
         if not quant_supported(f.qtype):
             raise ModelError(f"{path}: tensor {name} has type {f.qtype}, which strata.quant cannot dequantize")
-        if f.shape != want[short(canon)]:
-            raise ModelError(f"{path}: tensor {name} ({f.qtype}) has shape {f.shape}, the metadata implies {want[short(canon)]}")
+        expect = _file_shape(canon, args, want)
+        if f.shape != expect:
+            raise ModelError(f"{path}: tensor {name} ({f.qtype}) has shape {f.shape}, the metadata implies {expect}")
         import gguf
         bs = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.qtype]][0]
         if f.shape[-1] % bs:
@@ -316,13 +321,22 @@ def check_tensors(path: Path, args: ModelArgs, start: int, end: int) -> None:
 def has_quantized(path: Path, args: ModelArgs, start: int = 0, end: int | None = None) -> bool:
     facts = tensor_facts(path)
     names = wanted_names(args, start, args.n_layers if end is None else end)
-    return any(facts[gguf_name(c)].quantized for c in names if gguf_name(c) in facts)
+    return any(facts[gguf_name(c, args)].quantized for c in names if gguf_name(c, args) in facts)
+
+
+def _file_shape(canon: str, args: ModelArgs, want: dict) -> tuple[int, ...]:
+    """The shape the file's tensor for `canon` has: its own, or the fused tensor's that holds it."""
+    rows = fused_rows(canon, args, gguf=True)
+    s = want[short(canon)]
+    return s if rows is None else (rows[2], *s[1:])
 
 
 def _unpermute_for(args: ModelArgs, s: str, w: torch.Tensor) -> torch.Tensor:
-    if args.arch == "llama" and s in ("wq", "bq"):
+    if not family(args.arch).gguf_permute_qk:
+        return w
+    if s in ("wq", "bq"):
         return _unpermute(w, args.n_heads)
-    if args.arch == "llama" and s in ("wk", "bk"):
+    if s in ("wk", "bk"):
         return _unpermute(w, args.n_kv_heads)
     return w
 
@@ -338,26 +352,39 @@ def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, reside
     tensors = _tensor_index(reader)
     expect = shapes(args)
     out: dict = {}
+    decoded: dict = {}  # a fused tensor's decoding, shared by its parts
     for canon in wanted_names(args, start, end):
-        name = gguf_name(canon)
+        name = gguf_name(canon, args)
         t = tensors.get(name)
         if t is None:
             raise ModelError(f"{path}: tensor {name} missing from the file")
         s = short(canon)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        want = _file_shape(canon, args, expect)
+        rows = fused_rows(canon, args, gguf=True)
         if resident and t.tensor_type.name not in FLOAT_TYPES and len(shape) == 2:
-            if shape != expect[s]:
-                raise ModelError(f"{path}: tensor {name} has shape {shape}, the metadata implies {expect[s]}")
+            if shape != want:
+                raise ModelError(f"{path}: tensor {name} has shape {shape}, the metadata implies {want}")
             if not quant_supported(t.tensor_type.name):
                 raise ModelError(f"{path}: tensor {name} has type {t.tensor_type.name}, which strata.quant cannot dequantize")
             blocks = np.asarray(t.data)
             if blocks.dtype != np.uint8 or blocks.shape[0] != shape[0]:
                 raise ModelError(f"{path}: tensor {name} ({t.tensor_type.name}): unexpected block layout {blocks.shape}")
+            if rows is not None:  # whole rows of blocks: a part of a fused tensor is a row range
+                blocks = blocks[rows[0]:rows[1]]
             b = torch.from_numpy(np.array(blocks))  # copied out of the memory map
-            out[canon] = Quantized(_unpermute_for(args, s, b).contiguous(), t.tensor_type.name, shape[1])
+            out[canon] = Quantized(_unpermute_for(args, s, b).contiguous(), t.tensor_type.name, expect[s][1])
             continue
-        w = _decode(path, t)
-        if tuple(w.shape) != expect[s]:
-            raise ModelError(f"{path}: tensor {name} has shape {tuple(w.shape)}, the metadata implies {expect[s]}")
+        w = decoded.get(name)
+        if w is None:
+            w = _decode(path, t)
+            if tuple(w.shape) != want:
+                raise ModelError(f"{path}: tensor {name} has shape {tuple(w.shape)}, the metadata implies {want}")
+            if rows is not None:
+                decoded[name] = w  # its other parts read the same decoding
+        if rows is not None:
+            if rows[1] == rows[2]:
+                del decoded[name]  # the last part
+            w = w[rows[0]:rows[1]]
         out[canon] = _unpermute_for(args, s, w).contiguous()
     return out

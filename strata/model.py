@@ -11,7 +11,6 @@ for T=1, fewer ops), optionally with narrower CPU weights (`set_decode_weights`)
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -20,35 +19,46 @@ from torch import nn
 from . import attention
 from .args import ModelArgs
 from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, _rope_rows, _to_cache, apply_rope,
-                        chunk_attention, decode_attention, kv_dtype_of, rope_tables)
+                        chunk_attention, decode_attention, kv_dtype_of, rope_tables, window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentMatrices,
                        Scratch, _dequantize, _fused_ok, head_rows)
 from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, _dense_products
 
-def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), with Llama-3 wavelength-dependent scaling if configured."""
-    # on the CPU, also inside a `torch.device("meta")` build: meta arange goes through torch's compiler (~1 s import)
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64, device="cpu")
-                                     / args.head_dim))
-    sc = args.rope_scaling
-    if sc:
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = ((old / wavelen) - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+def rope_frequencies(args: ModelArgs, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) float32 for base `theta` (default the model's), with its scaling if
+    `scaled` (strata.rope: llama3, yarn, linear). Computed on the CPU, also inside a `torch.device("meta")` build:
+    meta arange goes through torch's compiler (~1 s import)."""
+    from .rope import inv_frequencies
+    inv, _ = inv_frequencies(args.head_dim, args.rope_theta if theta is None else theta,
+                             _scaling(args) if scaled else None)
     return inv.float()
 
 
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; 1.0 otherwise)."""
+    from .rope import inv_frequencies
+    return inv_frequencies(args.head_dim, args.rope_theta, _scaling(args))[1]
+
+
+def _scaling(args: ModelArgs) -> dict | None:
+    sc = args.rope_scaling
+    if sc and "rope_type" not in sc:  # the Llama-3 form, as older presets and callers spell it
+        sc = {"rope_type": "llama3", **sc}
+    return sc
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * w. upcast (gemma): w is held in float32 as (1 + w) of the file, and the product is rounded
+    once, from float32, to x's dtype."""
+
+    def __init__(self, dim: int, eps: float, upcast: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.upcast = eps, upcast
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast:
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
         if x.dtype == self.weight.dtype:
             # one fused kernel on CUDA (float32 inside, the weight applied before the one rounding) instead of
             # ~8 over a float32 copy; below, transformers' formula (normalized rows rounded, then the weight)
@@ -57,11 +67,25 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for decode rows: one fused op when the dtypes agree (a decode step is bound by dispatch)."""
+        if self.upcast or x.dtype != self.weight.dtype:
+            return self(x)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.nh, self.nkv, self.hd = args.n_heads, args.n_kv_heads, args.head_dim
+        self.window = args.window(layer)
+        self.scale = args.attn_scale  # None: head_dim ** -0.5, every backend's default
+        self.rope_kind = "window" if self.window is not None and args.window_rope_theta is not None else "global"
+        if args.qk_norm:  # over each head's hd values, before RoPE
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, upcast=args.norm_offset)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, upcast=args.norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
         self.k_cache: torch.Tensor | None = None  # (1, nkv, max_len, hd), in the KV dtype
         self.v_cache: torch.Tensor | None = None
 
@@ -70,10 +94,13 @@ class Attention(nn.Module):
         T = x.shape[1]
         qkv = F.linear(x, w.wqkv, w.bqkv)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q, k = q.view(1, T, self.nh, self.hd), k.view(1, T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # rope on the (1, T, heads, hd) rows, then (1, heads, T, hd) views: q's layout is what
         # warm_chunk_attention builds cuDNN's graphs for
-        q = apply_rope(q.view(1, T, self.nh, self.hd), cos, sin).transpose(1, 2)    # (1, nh, T, hd)
-        k = apply_rope(k.view(1, T, self.nkv, self.hd), cos, sin).transpose(1, 2)   # (1, nkv, T, hd)
+        q = apply_rope(q, cos, sin).transpose(1, 2)    # (1, nh, T, hd)
+        k = apply_rope(k, cos, sin).transpose(1, 2)    # (1, nkv, T, hd)
         v = v.view(1, T, self.nkv, self.hd).transpose(1, 2)
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
@@ -81,47 +108,68 @@ class Attention(nn.Module):
             raise ValueError(f"positions {pos}..{pos + T} exceed the KV cache ({self.k_cache.shape[2]})")
         self.k_cache[:, :, pos:pos + T] = _to_cache(k, self.k_cache.dtype)
         self.v_cache[:, :, pos:pos + T] = _to_cache(v, self.v_cache.dtype)
-        keys, vals = self.cached(pos + T, q.dtype)
-        y = chunk_attention(q, keys, vals, pos)
+        y = self.attend(q, pos, T)
         return F.linear(y.transpose(1, 2).reshape(1, T, self.nh * self.hd), w.wo)
 
-    def cached(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [0, end) as attention reads them: views of the cache, or a narrower cache's
+    def attend(self, q: torch.Tensor, pos: int, T: int) -> torch.Tensor:
+        """q (1, nh, T, hd) at positions [pos, pos + T), whose keys are cached, against what it may see."""
+        if self.window is not None and pos + T > self.window:
+            lo = max(0, pos + 1 - self.window)  # the first key the chunk's first query sees
+            keys, vals = self.cached(pos + T, q.dtype, lo)
+            return window_attention(q, keys, vals, pos, lo, self.window, self.scale)
+        keys, vals = self.cached(pos + T, q.dtype)
+        return chunk_attention(q, keys, vals, pos, self.scale)
+
+    def cached(self, end: int, dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [start, end) as attention reads them: views of the cache, or a narrower cache's
         prefix widened to `dtype` for this layer's attention only."""
-        keys, vals = self.k_cache[:, :, :end], self.v_cache[:, :, :end]
+        keys, vals = self.k_cache[:, :, start:end], self.v_cache[:, :, start:end]
         if keys.dtype != dtype:
             keys, vals = keys.to(dtype), vals.to(dtype)
         return keys, vals
 
 
+def gate(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up: SwiGLU (one Triton kernel on CUDA) or GeGLU with the tanh-approximated GELU."""
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    if gate.is_cuda and attention.CUDA_KERNELS == "triton":
+        from .kernels import silu_mul
+        y = silu_mul(gate, up)
+        if y is not None:
+            return y
+    return F.silu(gate) * up
+
+
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.ffn = args.ffn_dim
+        self.ffn, self.activation = args.ffn_dim, args.activation
 
     def forward(self, x: torch.Tensor, w: Mats) -> torch.Tensor:
-        gate, up = F.linear(x, w.w13).split(self.ffn, dim=-1)
-        if x.is_cuda and attention.CUDA_KERNELS == "triton":
-            from .kernels import silu_mul
-            y = silu_mul(gate, up)
-            if y is not None:
-                return F.linear(y, w.w2)
-        return F.linear(F.silu(gate) * up, w.w2)
+        g, up = F.linear(x, w.w13).split(self.ffn, dim=-1)
+        return F.linear(gate(g, up, self.activation), w.w2)
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = Attention(args)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        up = args.norm_offset
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, up)
+        self.attn = Attention(args, layer)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps, up)
         self.mlp = FeedForward(args)
+        # gemma3's sandwich: the attention's and the MLP's outputs are normed before each residual add
+        self.attn_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
+        self.mlp_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
         self.weights: DenseMatrices | ResidentMatrices = DenseMatrices(args)
 
     def forward(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         w = self.weights.get()
-        h = h + self.attn(self.attn_norm(h), w, pos, cos, sin)
-        return h + self.mlp(self.mlp_norm(h), w)
+        y = self.attn(self.attn_norm(h), w, pos, cos, sin)
+        h = h + (y if self.attn_post_norm is None else self.attn_post_norm(y))
+        y = self.mlp(self.mlp_norm(h), w)
+        return h + (y if self.mlp_post_norm is None else self.mlp_post_norm(y))
 
     def decode(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                wo: LayerWeightOnly | None = None) -> torch.Tensor:
@@ -150,35 +198,46 @@ class Block(nn.Module):
             mm = r.products()  # multiply on the blocks: no per-token dequantization into the scratch
         else:
             mm = _dense_products(r.get(), wo)
-        x = F.rms_norm(h, (h.shape[-1],), self.attn_norm.weight, self.attn_norm.eps)
+        x = self.attn_norm.rows(h)
         qkv = mm.qkv(x).view(T, nh + 2 * nkv, hd)
-        qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)  # in h's dtype (a bfloat16 qkv is promoted)
+        if a.q_norm is not None:
+            qk = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv])), 1)
+            qk = _rope_rows(qk, cos, sin)
+        else:
+            qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)  # in h's dtype (a bfloat16 qkv is promoted)
         kc, vc = a.k_cache, a.v_cache
         k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + nkv:].transpose(0, 1)  # (nkv, T, hd)
         if kc.dtype in _FP8:
             k_new, v_new = _to_cache(k_new, kc.dtype), _to_cache(v_new, vc.dtype)
         kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
         vc.narrow(2, pos, T).copy_(v_new)
-        keys, vals = kc.narrow(2, 0, pos + T), vc.narrow(2, 0, pos + T)
+        lo = 0 if a.window is None else max(0, pos + 1 - a.window)  # the first key the first row sees
+        keys, vals = kc.narrow(2, lo, pos + T - lo), vc.narrow(2, lo, pos + T - lo)
         if (T == 1 and keys.dtype == torch.bfloat16 != qk.dtype and keys.device.type == "cpu"
                 and pos + 1 >= BF16_ATTENTION_FROM):
-            y = _bf16_cache_attention(qk[:, :nh], keys, vals)  # the prefix is never widened
-            h = h + mm.wo(y if wo is not None else y.to(h.dtype))
-            return self._mlp_rows(h, mm)
+            y = _bf16_cache_attention(qk[:, :nh], keys, vals, a.scale)  # the prefix is never widened
+            return self._mlp_rows(self._add_attn(h, mm.wo(y if wo is not None else y.to(h.dtype))), mm)
         if keys.dtype != qk.dtype:
             keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
         if T == 1:
-            y = decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals).view(1, nh * hd)
+            y = decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals, a.scale).view(1, nh * hd)
         else:
             q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-            y = chunk_attention(q, keys, vals, pos).transpose(1, 2).reshape(T, nh * hd)
-        h = h + mm.wo(y)
-        return self._mlp_rows(h, mm)
+            if a.window is not None and pos + T > a.window:
+                y = window_attention(q, keys, vals, pos, lo, a.window, a.scale)
+            else:
+                y = chunk_attention(q, keys, vals, pos, a.scale)
+            y = y.transpose(1, 2).reshape(T, nh * hd)
+        return self._mlp_rows(self._add_attn(h, mm.wo(y)), mm)
+
+    def _add_attn(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return h + (y if self.attn_post_norm is None else self.attn_post_norm.rows(y))
 
     def _mlp_rows(self, h: torch.Tensor, mm: Products) -> torch.Tensor:
-        x = F.rms_norm(h, (h.shape[-1],), self.mlp_norm.weight, self.mlp_norm.eps)
-        gate, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
-        return h + mm.w2(F.silu(gate) * up)
+        x = self.mlp_norm.rows(h)
+        g, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
+        y = mm.w2(F.silu(g) * up if self.mlp.activation == "silu" else gate(g, up, self.mlp.activation))
+        return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
 
 
 class Transformer(nn.Module):
@@ -195,12 +254,17 @@ class Transformer(nn.Module):
         # _weight: no random initialisation (see _Linear)
         self.embed = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)) \
             if self.has_embed else None
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(start, end)})
-        self.norm = RMSNorm(args.dim, args.norm_eps) if self.has_head else None
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(start, end)})
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset) if self.has_head else None
         self.head = (Head(nn.Parameter(torch.empty(args.vocab_size, args.dim), requires_grad=False), head_rows(args))
                      if self.has_head else None)
         self.scratch: Scratch | None = None
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
+        self.rope_factor = rope_attention_factor(args)  # cos and sin times this (YaRN)
+        # gemma3: window layers rotate with their own base, unscaled
+        self.inv_freq_window = (None if args.window_rope_theta is None
+                                else rope_frequencies(args, args.window_rope_theta, scaled=False))
+        self._device_dtype: tuple[torch.device, torch.dtype] | None = None
         self.decode_weights: str | None = None
         self._weight_only: dict[str, LayerWeightOnly] = {}
         self._head_weight_only: WeightOnly | None = None
@@ -219,6 +283,7 @@ class Transformer(nn.Module):
         """
         from .names import shapes
         args, want = self.args, shapes(self.args)
+        self._device_dtype = (torch.device(device), dtype)
         if any(isinstance(t, Quantized) for t in tensors.values()):
             self.scratch = Scratch(args, device, dtype)
 
@@ -242,6 +307,11 @@ class Transformer(nn.Module):
         def param(t):
             return nn.Parameter(dense(t), requires_grad=False)
 
+        def norm(t):  # gemma's (1 + w), held in float32: its products are taken there
+            if not args.norm_offset:
+                return param(t)
+            return nn.Parameter(t.to(device=device, dtype=torch.float32) + 1.0, requires_grad=False)
+
         def packed(t):
             if isinstance(t, Quantized):
                 return Packed(t.blocks.to(device), t.qtype, t.cols, dtype)
@@ -251,7 +321,7 @@ class Transformer(nn.Module):
         if self.has_head:  # before the embedding: a tied head on the first slice shares it
             src = take("head") if "head" in tensors else take("embed", keep=True)
             head_w = packed(src) if isinstance(src, Quantized) else param(src)
-            self.norm.weight = param(take("norm"))
+            self.norm.weight = norm(take("norm"))
             self.head = Head(head_w, head_rows(args), self.scratch)
         if self.has_embed:
             src = take("embed")
@@ -266,8 +336,14 @@ class Transformer(nn.Module):
                 self.embed.weight = table  # the very Parameter the tied head holds: one copy
         for i in range(self.start, self.end):
             p, blk = f"layers.{i}.", self.layers[str(i)]
-            blk.attn_norm.weight = param(take(p + "attn_norm"))
-            blk.mlp_norm.weight = param(take(p + "mlp_norm"))
+            blk.attn_norm.weight = norm(take(p + "attn_norm"))
+            blk.mlp_norm.weight = norm(take(p + "mlp_norm"))
+            if args.post_norms:
+                blk.attn_post_norm.weight = norm(take(p + "attn_post_norm"))
+                blk.mlp_post_norm.weight = norm(take(p + "mlp_post_norm"))
+            if args.qk_norm:
+                blk.attn.q_norm.weight = norm(take(p + "q_norm"))
+                blk.attn.k_norm.weight = norm(take(p + "k_norm"))
             parts = {n: take(p + n) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
             bias = torch.cat([dense(take(p + n)) for n in ("bq", "bk", "bv")]) if args.qkv_bias else None
             if any(isinstance(t, Quantized) for t in parts.values()):
@@ -285,12 +361,16 @@ class Transformer(nn.Module):
         if meta:
             raise ValueError(f"weights missing: {meta[:4]}")
         self.inv_freq = rope_frequencies(self.args).to(device)  # also when built on the meta device
+        if self.inv_freq_window is not None:
+            self.inv_freq_window = self.inv_freq_window.to(device)
         self._graphs = None
         if self.decode_weights:
             self.set_decode_weights(self.decode_weights)
 
     def _compute(self) -> tuple[torch.device, torch.dtype]:
-        w = next(iter(self.layers.values())).attn_norm.weight  # norms are held in the compute dtype
+        if self._device_dtype is not None:
+            return self._device_dtype
+        w = next(iter(self.layers.values())).attn_norm.weight  # before loading: the norms' (the compute dtype)
         return w.device, w.dtype
 
     def setup_cache(self, max_len: int, kv_dtype="auto") -> int:
@@ -331,11 +411,24 @@ class Transformer(nn.Module):
                    for c in (blk.attn.k_cache, blk.attn.v_cache) if c is not None)
 
     # -- compute ---------------------------------------------------------------------------
-    def rope(self, pos: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.arange(pos, pos + T, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq)
+    def rope(self, pos: int, T: int, dtype: torch.dtype, kind: str = "global") -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, hd) of positions [pos, pos + T); kind "window": the window layers' own base (gemma3)."""
+        inv = self.inv_freq_window if kind == "window" else self.inv_freq
+        t = torch.arange(pos, pos + T, device=inv.device, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        f = 1.0 if kind == "window" else getattr(self, "rope_factor", 1.0)  # a stand-in (calibrate) has none
+        if f != 1.0:
+            return (emb.cos() * f).to(dtype), (emb.sin() * f).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _tables(self, pos: int, T: int, dtype: torch.dtype, decode: bool, device) -> dict:
+        """Each rope kind's (cos, signed sin) the slice's layers read, made once per chunk or step."""
+        out = {"global": (self._decode_rope(pos, T, dtype, device) if decode
+                          else rope_tables(*self.rope(pos, T, dtype)))}
+        if self.inv_freq_window is not None:
+            out["window"] = rope_tables(*self.rope(pos, T, dtype, "window"))
+        return out
 
     def _decode_rope(self, pos: int, T: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (T, 1, hd) for a decode step. On CPU, rows of a table made once (grown by
@@ -365,20 +458,21 @@ class Transformer(nn.Module):
     def _run(self, x: torch.Tensor, pos: int, decode: bool) -> torch.Tensor:
         T = x.shape[1]
         h = self.embed(x) if self.has_embed else x
+        if self.has_embed and self.args.embed_scale != 1.0:
+            h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)  # the scale rounded to the dtype, as gemma
+        tabs = self._tables(pos, T, h.dtype, decode, h.device)
         if decode:
-            cos, sin = self._decode_rope(pos, T, h.dtype, h.device)
             dim = h.shape[-1]
             if self._blocks is not None and T == 1:
                 h = h.reshape(dim) if self.has_embed else h.reshape(dim).clone()  # in place: never the caller's
-                self._blocks.layers(h, pos, cos, sin)
+                self._blocks.layers(h, pos, *tabs["global"])
                 return h.view(1, 1, dim)
             h = h.view(T, dim)
             for i, blk in self.layers.items():
-                h = blk.decode_rows(h, pos, cos, sin, self._weight_only.get(i))
+                h = blk.decode_rows(h, pos, *tabs[blk.attn.rope_kind], self._weight_only.get(i))
             return h.view(1, T, dim)
-        cos, sin = rope_tables(*self.rope(pos, T, h.dtype))
         for blk in self.layers.values():
-            h = blk(h, pos, cos, sin)
+            h = blk(h, pos, *tabs[blk.attn.rope_kind])
         return h
 
     @torch.inference_mode()
@@ -388,9 +482,11 @@ class Transformer(nn.Module):
             return self._blocks.logits(h.reshape(-1))[0].view(*h.shape[:-1], -1)
         hw = self._head_weight_only
         if hw is not None and h.numel() <= DECODE_T * h.shape[-1]:  # decode rows: one fused norm op
-            return hw(F.rms_norm(h, (h.shape[-1],), self.norm.weight, self.norm.eps).float()).float()
-        x = self.norm(h)
-        return self.head(x).float()
+            out = hw(self.norm.rows(h).float()).float()
+        else:
+            out = self.head(self.norm(h)).float()
+        c = self.args.final_softcap
+        return out if c is None else torch.tanh(out / c) * c
 
     # -- decode options --------------------------------------------------------------------------
     def set_decode_weights(self, kind: str | None, stored: dict | None = None) -> int:
@@ -431,8 +527,8 @@ class Transformer(nn.Module):
     def _graphable(self, x: torch.Tensor) -> bool:
         """Dense layers, or resident ones the fused kernels multiply on their blocks (strata.quant.gemv); a
         resident head likewise. A resident embedding is gathered outside the graph."""
-        if not x.is_cuda or self._weight_only:
-            return False
+        if not x.is_cuda or self._weight_only or self.args.extras():
+            return False  # the graphs implement the Llama core only
         if self.has_head and isinstance(self.head.weight, Packed) and not _fused_ok(self.head.weight, x.device):
             return False
         return all(isinstance(b.weights, DenseMatrices) or b.weights.fused_decode_ok(x.device)

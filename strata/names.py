@@ -1,28 +1,18 @@
-"""Canonical tensor names of a Llama-family slice and their HF and GGUF spellings (a leaf: imports nothing of Strata's).
+"""Canonical tensor names of a slice and their spellings in HF and GGUF files (each family's: strata.families).
 
 Canonical names (HF layout): embed (vocab, dim); layers.{i}.{attn_norm, wq, wk, wv, [bq, bk, bv], wo,
-mlp_norm, w_gate, w_up, w_down}; norm (dim,); head (vocab, dim), absent when tied to the embedding.
+mlp_norm, w_gate, w_up, w_down, [q_norm, k_norm], [attn_post_norm, mlp_post_norm]}; norm (dim,); head (vocab, dim),
+absent when tied to the embedding.
 """
 from __future__ import annotations
 
+from .families import GGUF_GLOBAL, HF_GLOBAL, family
+
 PER_LAYER = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIASES = ("bq", "bk", "bv")
+QK_NORMS = ("q_norm", "k_norm")
+POST_NORMS = ("attn_post_norm", "mlp_post_norm")
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-# canonical per-layer short name -> HF per-layer name (model.layers.N.<name>)
-HF_LAYER = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
-            "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
-            "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
-            "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
-            "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
-HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
-
-# canonical per-layer short name -> GGUF per-layer name (blk.N.<name>)
-GGUF_LAYER = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
-              "wv": "attn_v.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
-              "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight",
-              "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
-GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
 
 
 def short(canon: str) -> str:
@@ -37,7 +27,8 @@ def layer_of(canon: str) -> int | None:
 def wanted_names(args, start: int, end: int) -> list[str]:
     """Canonical names the slice [start, end) of a model with `args` (a ModelArgs) needs."""
     names = ["embed"] if start == 0 else []
-    per_layer = list(PER_LAYER) + (list(BIASES) if args.qkv_bias else [])
+    per_layer = (list(PER_LAYER) + (list(BIASES) if args.qkv_bias else []) + (list(QK_NORMS) if args.qk_norm else [])
+                 + (list(POST_NORMS) if args.post_norms else []))
     names += [f"layers.{i}.{n}" for i in range(start, end) for n in per_layer]
     if end == args.n_layers:
         names += ["norm"] + ([] if args.tie_embeddings else ["head"])
@@ -54,7 +45,8 @@ def shapes(args) -> dict[str, tuple[int, ...]]:
             "wk": (args.n_kv_heads * hd, d), "wv": (args.n_kv_heads * hd, d),
             "wo": (d, args.n_heads * hd), "w_gate": (args.ffn_dim, d),
             "w_up": (args.ffn_dim, d), "w_down": (d, args.ffn_dim),
-            "bq": (args.n_heads * hd,), "bk": (args.n_kv_heads * hd,), "bv": (args.n_kv_heads * hd,)}
+            "bq": (args.n_heads * hd,), "bk": (args.n_kv_heads * hd,), "bv": (args.n_kv_heads * hd,),
+            "q_norm": (hd,), "k_norm": (hd,), "attn_post_norm": (d,), "mlp_post_norm": (d,)}
 
 
 def _split(canon: str) -> tuple[str, str]:
@@ -62,43 +54,41 @@ def _split(canon: str) -> tuple[str, str]:
     return i, s
 
 
-def hf_name(canon: str) -> str:
-    """Canonical tensor name -> its name in an HF Llama/Qwen2 checkpoint."""
+def hf_name(canon: str, args=None) -> str:
+    """Canonical tensor name -> its name in an HF checkpoint of `args`' family (default llama). A tensor the
+    family keeps fused with others: the fused tensor's name (see `fused_rows`)."""
     if canon in HF_GLOBAL:
         return HF_GLOBAL[canon]
     i, s = _split(canon)
-    return f"model.layers.{i}.{HF_LAYER[s]}"
+    fam = family(args.arch if args is not None else "llama")
+    for fused, parts in fam.hf_fused.items():
+        if s in parts:
+            return f"model.layers.{i}.{fused}"
+    return f"model.layers.{i}.{fam.hf_layer[s]}"
 
 
-def gguf_name(canon: str) -> str:
-    """Canonical tensor name -> the name llama.cpp gives it in a GGUF file."""
+def gguf_name(canon: str, args=None) -> str:
+    """Canonical tensor name -> the name llama.cpp gives it in a GGUF file of `args`' family (default llama)."""
     if canon in GGUF_GLOBAL:
         return GGUF_GLOBAL[canon]
     i, s = _split(canon)
-    return f"blk.{i}.{GGUF_LAYER[s]}"
+    fam = family(args.arch if args is not None else "llama")
+    for fused, parts in fam.gguf_fused.items():
+        if s in parts:
+            return f"blk.{i}.{fused}"
+    return f"blk.{i}.{fam.gguf_layer[s]}"
 
 
-_HF_BACK = {v: k for k, v in HF_LAYER.items()}
-_GGUF_BACK = {v: k for k, v in GGUF_LAYER.items()}
-
-
-def from_hf(name: str) -> str | None:
-    """HF name -> canonical (None for tensors Strata does not use)."""
-    for c, h in HF_GLOBAL.items():
-        if h == name:
-            return c
-    parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_BACK:
-        return f"layers.{parts[2]}.{_HF_BACK[parts[3]]}"
-    return None
-
-
-def from_gguf(name: str) -> str | None:
-    """GGUF name -> canonical (None for tensors Strata does not use)."""
-    for c, g in GGUF_GLOBAL.items():
-        if g == name:
-            return c
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_BACK:
-        return f"layers.{parts[1]}.{_GGUF_BACK[parts[2]]}"
+def fused_rows(canon: str, args, gguf: bool) -> tuple[int, int, int] | None:
+    """For a tensor its family stores fused with others (phi3's qkv, gate_up): (first row, last row + 1, the fused
+    tensor's rows); None for a tensor stored alone."""
+    if canon in HF_GLOBAL:
+        return None
+    s = short(canon)
+    fam = family(args.arch)
+    sh = shapes(args)
+    for parts in (fam.gguf_fused if gguf else fam.hf_fused).values():
+        if s in parts:
+            r0 = sum(sh[p][0] for p in parts[:parts.index(s)])
+            return r0, r0 + sh[s][0], sum(sh[p][0] for p in parts)
     return None

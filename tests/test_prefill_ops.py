@@ -150,9 +150,9 @@ def test_warm_up_calls_match_the_forward(monkeypatch, kv_dtype):
     n, m = 32, build(200, kv_dtype)
     calls, real = [], sm._cpu_with_lse
 
-    def record(q, k, v, causal):
-        calls.append((tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), causal))
-        return real(q, k, v, causal)
+    def record(q, k, v, causal, scale=None):
+        calls.append((tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), causal, scale))
+        return real(q, k, v, causal, scale)
 
     monkeypatch.setattr(sm, "_cpu_with_lse", record)
     ids = torch.randint(0, SMALL.vocab_size, (1, 4 * n), generator=torch.Generator().manual_seed(4))

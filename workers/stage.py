@@ -188,6 +188,10 @@ class Stage:
             except BuildError as e:
                 self.log.warning("decode_weights=blocks: %s; decoding with the dense weights", e)
                 cpu_decode = None
+            if cpu_decode and args.extras():  # the C decoder implements the Llama core only
+                self.log.warning("decode_weights=blocks: not for %s (%s); decoding with the dense weights",
+                                 args.arch, ", ".join(args.extras()))
+                cpu_decode = None
         model = load_stage(spec.model, args, spec.start, spec.end, device=self.device, dtype=self.dtype,
                            seed=spec.seed, weights=self.weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len,
                            decode_weights=cpu_decode)

@@ -1,0 +1,216 @@
+"""The model families, each declared in one place: its tensor names in HF and GGUF files, and how its config
+keys become `ModelArgs` (what the decoder core varies for it). A key that would change the arithmetic and is not
+implemented is refused in one line naming the file, the key and the value; nothing is ignored silently."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .args import ModelArgs
+from .errors import ModelError
+from .rope import scaling_from_gguf, scaling_from_hf
+
+# canonical per-layer short name -> HF per-layer name (model.layers.N.<name>), the Llama layout
+_HF_LLAMA = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
+             "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+             "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+             "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
+             "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+             "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+# canonical per-layer short name -> GGUF per-layer name (blk.N.<name>), as llama.cpp's llama-arch.cpp names them
+_GGUF_LLAMA = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
+               "wv": "attn_v.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+               "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight",
+               "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+               "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
+GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
+
+ACTIVATION_OF = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                                 # ModelArgs.arch
+    hf_architectures: tuple[str, ...]         # config.json "architectures"
+    gguf_arch: str                            # general.architecture
+    hf_layer: dict = field(default_factory=lambda: dict(_HF_LLAMA))
+    gguf_layer: dict = field(default_factory=lambda: dict(_GGUF_LLAMA))
+    # one file tensor holding several canonical ones, stacked by rows in this order (phi3's qkv, gate_up)
+    hf_fused: dict = field(default_factory=dict)
+    gguf_fused: dict = field(default_factory=dict)
+    gguf_permute_qk: bool = False             # llama.cpp's converter interleaves q/k rows of arch llama only
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    gemma: bool = False                       # (1 + w) norms, sandwich norms, sqrt(dim) embedding scale, GeGLU
+    window_keys: bool = False                 # sliding_window applies to every layer (mistral, phi3)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "llama", gguf_permute_qk=True, window_keys=True),
+    Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True),
+    Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True),
+    Family("gemma3", ("Gemma3ForCausalLM",), "gemma3", qk_norm=True, gemma=True,
+           hf_layer={**_HF_LLAMA, "attn_post_norm": "post_attention_layernorm.weight",
+                     "mlp_norm": "pre_feedforward_layernorm.weight",
+                     "mlp_post_norm": "post_feedforward_layernorm.weight"},
+           gguf_layer={**_GGUF_LLAMA, "attn_post_norm": "post_attention_norm.weight",
+                       "mlp_post_norm": "post_ffw_norm.weight"}),
+    Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
+           hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
+           gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),
+)}
+_BY_HF = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
+_BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values()}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                "phi3": "phi3"}
+
+
+def family(arch: str) -> Family:
+    return FAMILIES[arch]
+
+
+def supported_hf() -> str:
+    return ", ".join(sorted(_BY_HF))
+
+
+def supported_gguf() -> str:
+    return ", ".join(sorted(_BY_GGUF))
+
+
+# -- HF config.json ------------------------------------------------------------------------------------------
+def hf_args(cfg: dict, where: str) -> ModelArgs:
+    """config.json -> ModelArgs, or ModelError naming the key and value that cannot be honoured."""
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    fam = _BY_HF.get(archs[0]) or FAMILIES.get(_MODEL_TYPES.get(cfg.get("model_type"), ""))
+    if fam is None:
+        raise ModelError(f"{where}: unsupported architecture {archs[0]!r} (supported: {supported_hf()})")
+
+    def refuse(key, why="is not implemented"):
+        raise ModelError(f"{where}: {key} = {cfg.get(key)!r} {why}")
+
+    # keys that change the arithmetic, accepted only at the value the core implements
+    act_key = "hidden_activation" if fam.gemma else "hidden_act"
+    act = ACTIVATION_OF.get(cfg.get(act_key) or ("gelu_pytorch_tanh" if fam.gemma else "silu"))
+    if act is None or (act == "gelu_tanh") != fam.gemma:
+        refuse(act_key)
+    if cfg.get("mlp_bias"):
+        refuse("mlp_bias")
+    if cfg.get("attention_bias"):
+        refuse("attention_bias", "is not implemented (biases on q/k/v/o)")
+    if cfg.get("attn_logit_softcapping") is not None:
+        refuse("attn_logit_softcapping")
+    if cfg.get("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention")
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        refuse("partial_rotary_factor")
+    for key in ("attention_chunk_size", "no_rope_layers", "moe_intermediate_size", "num_experts", "num_local_experts"):
+        if cfg.get(key):
+            refuse(key, "is not implemented (this family's dense core only)")
+
+    nh = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // nh
+    rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
+    window_theta = None
+    if fam.gemma and rp is not None and "full_attention" in rp:  # per layer type (transformers 5)
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelError(f"{where}: rope_parameters.sliding_attention.rope_type = {local.get('rope_type')!r} "
+                             "is not implemented")
+        window_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+        rp = full
+    elif fam.gemma:
+        window_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+    rs = cfg.get("rope_scaling") or rp
+    theta = float((rp or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    scaling = scaling_from_hf(rs, where, max_position_embeddings=cfg.get("max_position_embeddings"),
+                              original_max_position_embeddings=cfg.get("original_max_position_embeddings"))
+
+    window, window_layers = _hf_window(cfg, fam, where)
+    extra = {}
+    if fam.gemma:
+        extra = dict(norm_offset=True, post_norms=True, activation="gelu_tanh",
+                     embed_scale=float(cfg["hidden_size"]) ** 0.5,
+                     attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+                     final_softcap=cfg.get("final_logit_softcapping"),
+                     window_rope_theta=window_theta if window is not None else None)
+    elif cfg.get("final_logit_softcapping") is not None:
+        refuse("final_logit_softcapping")
+    eos = cfg.get("eos_token_id")
+    try:
+        return ModelArgs(arch=fam.name, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"],
+                         n_layers=cfg["num_hidden_layers"], n_heads=nh, n_kv_heads=cfg.get("num_key_value_heads") or nh,
+                         head_dim=head_dim, ffn_dim=cfg["intermediate_size"],
+                         norm_eps=cfg.get("rms_norm_eps", 1e-6 if fam.gemma else 1e-5),
+                         rope_theta=theta, rope_scaling=scaling,
+                         tie_embeddings=bool(cfg.get("tie_word_embeddings", fam.gemma)),
+                         qkv_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
+                         max_seq_len=cfg.get("max_position_embeddings", 8192),
+                         sliding_window=window, window_layers=window_layers,
+                         bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos, **extra)
+    except KeyError as e:
+        raise ModelError(f"{where}: config lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{where}: {e}") from None
+
+
+def _hf_window(cfg: dict, fam: Family, where: str) -> tuple[int | None, tuple | None]:
+    """(sliding_window, window_layers) as transformers applies them: per `layer_types` where the config lists
+    them, else every layer for mistral/phi3, and qwen's only with use_sliding_window (from max_window_layers)."""
+    w = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    n = cfg["num_hidden_layers"]
+    if fam.name in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        w = None
+    if types is not None and (fam.gemma or fam.name in ("qwen2", "qwen3")):
+        bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ModelError(f"{where}: layer_types {bad[0]!r} is not implemented")
+        if len(types) != n:
+            raise ModelError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is {n}")
+        flags = tuple(t == "sliding_attention" for t in types)
+        if not any(flags) or w is None:
+            return None, None
+        return int(w), flags
+    if fam.name in ("qwen2", "qwen3") and w is not None:
+        first = cfg.get("max_window_layers", n)
+        flags = tuple(i >= first for i in range(n))
+        return (int(w), flags) if any(flags) else (None, None)
+    if fam.gemma:
+        raise ModelError(f"{where}: gemma3 config without layer_types")
+    if w is None or not fam.window_keys:
+        return None, None
+    return int(w), None
+
+
+# -- GGUF metadata --------------------------------------------------------------------------------------------
+def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, head_dim: int, where: str) -> dict:
+    """The ModelArgs fields a GGUF family sets beyond the common keys, read with get(key) (arch prefix implied)."""
+    scaling = scaling_from_gguf(get, fam.gguf_arch, where)
+    extra: dict = {"rope_scaling": scaling} if scaling is not None else {}
+    window = get("attention.sliding_window")
+    if get("attn_logit_softcapping") is not None:
+        raise ModelError(f"{where}: {fam.gguf_arch}.attn_logit_softcapping = {get('attn_logit_softcapping')} "
+                         "is not implemented")
+    if fam.gemma:
+        # llama.cpp's gemma3: every 6th layer global, the others windowed with base 10000 unless the file says;
+        # its norms are stored as (1 + w) already; the 27B (62 layers) scales by dim / heads, others by head_dim
+        pattern = get("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            flags = tuple(bool(p) for p in pattern)
+        else:
+            flags = tuple((i + 1) % int(pattern) != 0 for i in range(n_layers))
+        scale = (dim / n_heads) ** -0.5 if n_layers == 62 else head_dim ** -0.5
+        extra.update(post_norms=True, activation="gelu_tanh", embed_scale=float(dim) ** 0.5, attn_scale=scale,
+                     final_softcap=get("final_logit_softcapping"))
+        if window is not None and any(flags):
+            extra.update(sliding_window=int(window), window_layers=flags,
+                         window_rope_theta=float(get("rope.freq_base_swa", 10000.0)))
+        return extra
+    if get("final_logit_softcapping") is not None:
+        raise ModelError(f"{where}: {fam.gguf_arch}.final_logit_softcapping is not implemented for this family")
+    if window is not None and fam.window_keys:
+        extra["sliding_window"] = int(window)
+    elif window is not None:
+        raise ModelError(f"{where}: {fam.gguf_arch}.attention.sliding_window = {window} is not implemented "
+                         "for this architecture")
+    return extra
