@@ -1,6 +1,7 @@
 """A model's shape and the variations its family chooses (`ModelArgs`), and named shape presets for synthetic models."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # the families whose arithmetic the decoder core implements (strata.families declares each: its files' names and keys)
@@ -102,6 +103,26 @@ PRESETS: dict[str, ModelArgs] = {
                              head_dim=128, ffn_dim=28672, rope_theta=500000.0, max_seq_len=131072,
                              rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                original_max_position_embeddings=8192)),
+    # the dense families people split across cards now (shapes from their config.json files)
+    "qwen3-8b": ModelArgs(arch="qwen3", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+                          head_dim=128, ffn_dim=12288, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=40960),
+    # Qwen's own long-context recipe: YaRN x4 over its 32,768 native positions
+    "qwen3-8b-yarn": ModelArgs(arch="qwen3", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+                               head_dim=128, ffn_dim=12288, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+                               max_seq_len=131072, rope_scaling=dict(
+                                   rope_type="yarn", factor=4.0, original_max_position_embeddings=32768,
+                                   beta_fast=32.0, beta_slow=1.0, mscale=None, mscale_all_dim=None,
+                                   attention_factor=0.1 * math.log(4.0) + 1.0, truncate=True)),
+    "qwen3-32b": ModelArgs(arch="qwen3", vocab_size=151936, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8,
+                           head_dim=128, ffn_dim=25600, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=40960),
+    "gemma-3-27b": ModelArgs(arch="gemma3", vocab_size=262208, dim=5376, n_layers=62, n_heads=32, n_kv_heads=16,
+                             head_dim=128, ffn_dim=21504, norm_eps=1e-6, rope_theta=1e6, max_seq_len=131072,
+                             rope_scaling=dict(rope_type="linear", factor=8.0), tie_embeddings=True, qk_norm=True,
+                             post_norms=True, activation="gelu_tanh", embed_scale=5376 ** 0.5, attn_scale=168 ** -0.5,
+                             sliding_window=1024, window_layers=tuple((i + 1) % 6 != 0 for i in range(62)),
+                             window_rope_theta=10000.0),
+    "mistral-small-24b": ModelArgs(vocab_size=131072, dim=5120, n_layers=40, n_heads=32, n_kv_heads=8, head_dim=128,
+                                   ffn_dim=32768, rope_theta=1e8, max_seq_len=32768),
     "smoke": ModelArgs(vocab_size=512, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=32,
                        ffn_dim=256, max_seq_len=65536),
     "smoke-wide": ModelArgs(vocab_size=2048, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,

@@ -147,7 +147,9 @@ class DecodeGraphs:
         h = m.embed(self.ids) if self.ids is not None else self.res
         freqs = self.pos.to(torch.float32)[:, None] * m.inv_freq[None]  # as Transformer.rope, one row
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = rope_tables(emb.cos().to(dt), emb.sin().to(dt))  # (1, 1, hd)
+        f = m.rope_factor  # YaRN's attention factor, as Transformer.rope
+        cos, sin = (emb.cos(), emb.sin()) if f == 1.0 else (emb.cos() * f, emb.sin() * f)
+        cos, sin = rope_tables(cos.to(dt), sin.to(dt))  # (1, 1, hd)
         if self.use_split_k:
             mask = self.pos + 1  # the live keys, read on the device by the split-K kernel
         else:
@@ -184,6 +186,10 @@ class DecodeGraphs:
         mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
         h, x = self._add_norm(h, pend, blk.attn_norm)
         qkv = mm.qkv(x).view(1, nh + 2 * nkv, hd)
+        if a.q_norm is not None:  # qwen3: each head's q and k normed before RoPE
+            qkv = torch.cat((F.rms_norm(qkv[:, :nh], (hd,), a.q_norm.weight, a.q_norm.eps),
+                             F.rms_norm(qkv[:, nh:nh + nkv], (hd,), a.k_norm.weight, a.k_norm.eps),
+                             qkv[:, nh + nkv:]), 1)
         if self.fused:  # one launch: q rotated, k rotated and v written at pos
             from strata.decode_kernels import rope_store
             q = rope_store(qkv[0], cos.view(hd), sin.view(hd), self.pos, nh, nkv, a.k_cache[0], a.v_cache[0])

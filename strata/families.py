@@ -187,7 +187,7 @@ def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, hea
     """The ModelArgs fields a GGUF family sets beyond the common keys, read with get(key) (arch prefix implied)."""
     scaling = scaling_from_gguf(get, fam.gguf_arch, where)
     extra: dict = {"rope_scaling": scaling} if scaling is not None else {}
-    window = get("attention.sliding_window")
+    window = get("attention.sliding_window") or None  # phi3's converter writes 0 for none
     if get("attn_logit_softcapping") is not None:
         raise ModelError(f"{where}: {fam.gguf_arch}.attn_logit_softcapping = {get('attn_logit_softcapping')} "
                          "is not implemented")

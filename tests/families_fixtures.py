@@ -2,24 +2,27 @@
 
 A plain helper module for the tests (not collected by pytest):
 
-    model, hf_dir = make_hf(tmp_path, "gemma3")                 # vocab 300, converts with the tiny SP tokenizer
-    gguf_path = convert_to_gguf(hf_dir, tmp_path / "m.gguf")    # raises ConversionError with stderr's tail
-    conv = llamacpp_converter()                                 # None: tests skip (see converter_skip_reason())
+    model, hf_dir = make_hf(tmp_path, "gemma3")                 # vocab 300: converts with the tiny SP tokenizer
+    path = convert_to_gguf(hf_dir, tmp_path / "m.gguf")         # raises ConversionError with the log's tail
+    paths = convert_many([(hf_dir, out), ...])                  # one converter process for them all
+    s = gguf_summary(path); w = gguf_tensor(path, "blk.0.attn_q.weight")
+    converter_skip_reason()                                     # None, or why tests must skip
 
 What conversion needs, found by running it (llama-cpp-python 0.3.36's vendored llama.cpp):
 
-* a tokenizer next to config.json.  Two are on offer, chosen by `convert_to_gguf(tokenizer=...)`:
-  - "sp" (the default for vocab_size != 49152): a sentencepiece `tokenizer.model` of SP_VOCAB (300)
-    pieces trained here on a synthetic text (tiny_sp_model()).  Every family here reads it
-    (llama/mistral: LlamaModel tries sentencepiece first; qwen2/qwen3: likewise; gemma3: takes it when
-    tokenizer.model exists; phi3: *requires* it).  The converter pads the vocab with "[PADi]" tokens up
-    to config.vocab_size, so vocab_size >= SP_VOCAB works; vocab_size == SP_VOCAB is the natural choice.
-  - "smollm2" (the default for vocab_size == 49152): SmolLM2's GPT-2 style BPE tokenizer
-    (smollm2_tokenizer_dir()); the model's vocab_size must be >= 49152 (the converter asserts every
-    token id < vocab_size), i.e. make_hf(..., vocab_size=SMOLLM2_VOCAB).  Not for phi3 (the Phi-3
-    converter insists on tokenizer.model unless tokenizer_class is GPT2Tokenizer).
-* `sentencepiece` in the venv (the converter imports it for every sentencepiece tokenizer).
-* gguf-py from the same llama.cpp tree on PYTHONPATH (convert_hf_to_gguf.py puts it on sys.path itself).
+* a tokenizer next to config.json (convert_many copies one in, chosen by `tokenizer=`):
+  - "sp" (the default unless vocab_size >= 49152): a sentencepiece `tokenizer.model` of SP_VOCAB (300)
+    pieces trained here on a synthetic text (tiny_sp_model()).  Every family here takes it
+    (llama/mistral and qwen2/qwen3 try sentencepiece first, gemma3 uses it when present, phi3 needs
+    it).  The converter pads the token list with "[PADi]" up to config.vocab_size, so any
+    vocab_size >= SP_VOCAB converts; the default vocab_size is SP_VOCAB.
+  - "smollm2" (the default for vocab_size >= 49152): SmolLM2's GPT-2 style BPE tokenizer
+    (smollm2_tokenizer_dir()).  The model's vocab_size must be >= 49152 (the converter asserts every
+    token id < vocab_size): make_hf(..., vocab_size=SMOLLM2_VOCAB).  Not for phi3 nor qwen2 (see
+    SMOLLM2_UNSUPPORTED).
+* `sentencepiece` in the venv (the converter imports it for sentencepiece tokenizers and for Phi-3).
+* the converter's own gguf-py (convert_hf_to_gguf.py puts <llama.cpp>/gguf-py on sys.path itself;
+  PYTHONPATH is set too).  Read the result with that gguf-py as well (import_gguf()).
 """
 from __future__ import annotations
 
@@ -80,8 +83,8 @@ def _family_spec(family: str):
     if family == "gemma3":
         # llama.cpp's GEMMA3 loader has no per-layer pattern from the converter: it assumes every 6th
         # layer (il % 6 == 5) is global.  The HF default pattern (sliding_window_pattern 6) matches it,
-        # so 6 layers: 0-4 sliding, 5 full.  Pass layer_types=... to test other patterns (the GGUF
-        # will then not say so: see the report).
+        # so 6 layers: 0-4 sliding, 5 full.  Other layer_types=... build and convert, but the GGUF does
+        # not record them (no gemma3.attention.sliding_window_pattern is written).
         n = 6
         return tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(
             num_hidden_layers=n, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
@@ -251,17 +254,13 @@ def gguf_py_dir() -> Path | None:
 
 
 def import_gguf():
-    """The converter's own gguf-py (newer than the PyPI gguf in the venv, which may lack its keys)."""
+    """gguf-py for reading the GGUFs: the module already imported if there is one (never swapped under
+    other tests' feet; in this venv `gguf` 0.19.0 *is* the peer tree's gguf-py), else the converter's."""
+    if "gguf" in sys.modules:
+        return sys.modules["gguf"]
     d = gguf_py_dir()
-    if d is None:
-        raise RuntimeError(converter_skip_reason())
-    mod = sys.modules.get("gguf")
-    if mod is not None and Path(mod.__file__).resolve().is_relative_to(d.resolve()):
-        return mod
-    if str(d) not in sys.path:
+    if d is not None and str(d) not in sys.path:
         sys.path.insert(0, str(d))
-    for k in [k for k in sys.modules if k == "gguf" or k.startswith("gguf.")]:
-        del sys.modules[k]
     import gguf
     return gguf
 
@@ -344,6 +343,9 @@ def convert_many(jobs, outtype: str = "f32", tokenizer: str | None = None,
         hf_dir, out_path = Path(hf_dir), Path(out_path)
         try:
             cfg = json.loads((hf_dir / "config.json").read_text())
+            if not any(hf_dir.glob("*.safetensors")) and not any(hf_dir.glob("*.bin")):
+                # the converter would write a GGUF of metadata and no tensors, and exit 0
+                raise ConversionError(f"no weights (*.safetensors, *.bin) in {hf_dir}")
             _install_tokenizer(hf_dir, _pick_tokenizer(cfg, tokenizer))
         except ConversionError as e:
             results[i] = e

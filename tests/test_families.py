@@ -45,7 +45,7 @@ def strata_greedy(slices, ids, new: int) -> list[int]:
     tok = int(slices[-1].logits(h[0, -1]).argmax())
     out, pos = [tok], ids.shape[1]
     for _ in range(new - 1):
-        x = torch.tensor([[tok]])
+        x = torch.tensor([[tok]], device=ids.device)
         for s in slices:
             x = s(x, pos)
         tok = int(slices[-1].logits(x[0, -1]).argmax())
@@ -91,3 +91,96 @@ def test_hf_family_matches_transformers(tmp_path, fam):
     if fam in ("mistral", "gemma3", "phi3"):
         assert args.sliding_window is not None and args.sliding_window < PROMPT
     check_against(ref, d, ids, args.n_layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fam", ["qwen3", "llama-yarn", "gemma3", "mistral"])
+def test_gpu_family_prefill_and_graph_decode(tmp_path, fam):
+    """On CUDA (float32): prefill logits against transformers, and decode steps through the CUDA graphs where
+    they cover the family (qwen3's q/k norms, YaRN), the eager path elsewhere: the same greedy tokens."""
+    ref, d = make_hf(tmp_path, fam, **HF_OVERRIDES.get(fam, {}))
+    ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    want = reference_greedy(ref, ids, NEW)
+    args = model_args(d)
+    slices = []
+    for a, b in three_way(args.n_layers):
+        t = Transformer(args, a, b)
+        t.load_weights(slice_tensors(d, args, a, b), "cuda", torch.float32)
+        t.setup_cache(PROMPT + NEW)
+        t.cuda_graphs = True
+        slices.append(t)
+    x = ids.cuda()
+    assert all(s._graphable(x if s.has_embed else torch.zeros(1, 1, args.dim, device="cuda")) ==
+               (fam in ("qwen3", "llama-yarn")) for s in slices)
+    assert strata_greedy(slices, x, NEW) == want
+
+
+# -- the same models through llama.cpp's own GGUF writer ------------------------------------------------------
+GGUF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "llama-yarn")  # gemma3: its own test below
+
+
+def args_diff(hf, gg, skip=()) -> dict:
+    """Fields of two ModelArgs that differ (floats as the file's float32 holds them)."""
+    import math
+    out = {}
+    for k in hf.__dataclass_fields__:
+        a, b = getattr(hf, k), getattr(gg, k)
+        if k in skip or a == b or (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-6)):
+            continue
+        out[k] = (a, b)
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Each family's fixture and its GGUF from convert_hf_to_gguf.py at F32, converted in one process."""
+    from families_fixtures import ConversionError, convert_many, converter_skip_reason
+    why = converter_skip_reason()
+    if why:
+        pytest.skip(why)
+    base = tmp_path_factory.mktemp("gguf")
+    made = {f: make_hf(base, f, **HF_OVERRIDES.get(f, {})) for f in GGUF_FAMILIES}
+    files = convert_many([(d, base / f"{f}.gguf") for f, (_, d) in made.items()])
+    out = {}
+    for (f, (ref, d)), g in zip(made.items(), files):
+        if isinstance(g, ConversionError):
+            raise g
+        out[f] = (ref, d, str(g))
+    return out
+
+
+@pytest.mark.parametrize("fam", GGUF_FAMILIES)
+def test_gguf_from_llamacpp_converter_matches_transformers(converted, fam):
+    """The converter's file read by Strata: the args of the HF directory, and transformers' results. mistral: the
+    converter writes no sliding_window (its llama arch has none), so the file is a Llama, compared with the
+    transformers model with its window removed."""
+    ref, d, g = converted[fam]
+    hf, gg = model_args(d), model_args(g)
+    skip = {"bos_id", "eos_id", "max_seq_len"}
+    if fam == "mistral":
+        assert hf.sliding_window is not None and gg.sliding_window is None
+        skip.add("sliding_window")
+        ref.config.sliding_window = None
+    diff = args_diff(hf, gg, skip)
+    assert not diff, diff
+    ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    check_against(ref, g, ids, gg.n_layers)
+
+
+def test_gguf_gemma3_from_llamacpp_converter(tmp_path):
+    """gemma3 through the GGUF. The converter writes neither query_pre_attn_scalar (llama.cpp takes head_dim, or
+    dim / heads at 62 layers) nor the layer pattern (llama.cpp: every 6th layer global), so the fixture keeps
+    both at what the file implies; its norms are stored as (1 + w), so the file's args have no offset."""
+    from families_fixtures import convert_to_gguf, converter_skip_reason
+    why = converter_skip_reason()
+    if why:
+        pytest.skip(why)
+    ref, d = make_hf(tmp_path, "gemma3", final_logit_softcapping=1.5)
+    g = str(convert_to_gguf(d, tmp_path / "g.gguf"))
+    hf, gg = model_args(d), model_args(g)
+    assert hf.norm_offset and not gg.norm_offset
+    diff = args_diff(hf, gg, {"bos_id", "eos_id", "max_seq_len", "norm_offset"})
+    assert not diff, diff
+    ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    check_against(ref, g, ids, gg.n_layers)

@@ -1,0 +1,84 @@
+"""Every HF config key the decoder core does not implement, at a value that would change the arithmetic: refused
+through the launcher in one line naming the file, the key and the value, before any process starts. The keys a
+reader honours (head_dim, tie_word_embeddings, the window keys, rope types) are checked for being read."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers")
+
+from conftest import make_rig  # noqa: E402
+from families_fixtures import make_hf  # noqa: E402
+from strata.checkpoint import model_args  # noqa: E402
+from test_bad_input import refuse  # noqa: E402
+
+# (family of the fixture, config.json changes, what the one line must say)
+REFUSED = [
+    ("llama", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture 'GPT2LMHeadModel'"),
+    ("llama", {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
+     "unsupported architecture 'Gemma2ForCausalLM'"),
+    ("llama", {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
+     "unsupported architecture 'MixtralForCausalLM'"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     "'dynamic'"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                  "long_factor": [1.0] * 8}}, "'longrope'"),
+    ("llama", {"rope_parameters": {"rope_type": "su", "rope_theta": 10000.0}}, "'su'"),
+    ("llama", {"attention_bias": True}, "attention_bias = True"),
+    ("llama", {"mlp_bias": True}, "mlp_bias = True"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+    ("gemma3", {"hidden_activation": "silu"}, "hidden_activation = 'silu'"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping = 50.0"),
+    ("llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention = True"),
+    ("qwen3", {"layer_types": ["full_attention", "chunked_attention", "full_attention", "full_attention"],
+               "use_sliding_window": True}, "layer_types 'chunked_attention'"),
+    ("llama", {"num_local_experts": 8}, "num_local_experts = 8"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "mystery": 3}},
+     "'mystery'"),
+]
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """Each fixture family's saved model, made once: a refusal needs only its config.json changed."""
+    base = tmp_path_factory.mktemp("families")
+    return {f: make_hf(base, f)[1] for f in sorted({r[0] for r in REFUSED})}
+
+
+def mutated(configs, tmp_path: Path, fam: str, change: dict) -> Path:
+    src = Path(configs[fam])
+    d = tmp_path / "model"
+    d.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            (d / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("fam, change, expect", REFUSED, ids=[f"{r[0]}-{next(iter(r[1]))}" for r in REFUSED])
+def test_refused_in_one_line_before_any_process(tmp_path, capsys, configs, fam, change, expect):
+    d = mutated(configs, tmp_path, fam, change)
+    line = refuse(tmp_path, capsys, make_rig(model=str(d), tokens=32, chunk=16))
+    assert str(d / "config.json") in line or str(d) in line, line
+    assert expect in line, line
+
+
+def test_honoured_keys_are_read(tmp_path, configs):
+    """head_dim, tie_word_embeddings and the window keys change ModelArgs (a reader that dropped one would pass
+    the refusal table silently)."""
+    d = mutated(configs, tmp_path, "llama", {"head_dim": 8, "tie_word_embeddings": True, "sliding_window": 7,
+                                             "architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+    a = model_args(str(d))
+    assert (a.head_dim, a.tie_embeddings, a.sliding_window) == (8, True, 7)
+    q = model_args(configs["qwen3"])
+    assert q.qk_norm and q.sliding_window is None  # use_sliding_window is false by default
