@@ -64,6 +64,8 @@ def resolve(model: str) -> tuple[str, str]:
             raise ModelError(f"unknown synthetic preset {preset!r} (known: {', '.join(sorted(PRESETS))})")
         return "synthetic", preset + ("@" + _synthetic_qtype(qtype) if qtype else "")
     p = Path(model).expanduser()
+    if not p.exists() and _looks_like_repo_id(model):
+        p = hf_cache_snapshot(model)
     if not p.exists():
         raise ModelError(f"model {model!r} not found")
     if p.is_dir():
@@ -75,6 +77,31 @@ def resolve(model: str) -> tuple[str, str]:
     if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
         raise ModelError(f"model {model!r}: pickled checkpoints are refused (they can execute code); use safetensors or GGUF")
     raise ModelError(f"model {model!r}: expected an HF directory, a .gguf file, 'smollm2' or 'synthetic:PRESET[@QTYPE]'")
+
+
+def _looks_like_repo_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and not model.endswith(".gguf")
+
+
+def hf_cache_snapshot(repo_id: str) -> Path:
+    """An HF repo id ('Qwen/Qwen3-8B') -> its snapshot in the local Hugging Face cache (HF_HUB_CACHE, or HF_HOME's
+    hub/, or ~/.cache/huggingface/hub): the one `refs/main` names, else the only one there. Never downloads."""
+    import os
+    if os.environ.get("HF_HUB_CACHE"):
+        hub = Path(os.environ["HF_HUB_CACHE"])
+    else:
+        hub = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    snaps = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file() and (snaps / ref.read_text().strip()).is_dir():
+        return snaps / ref.read_text().strip()
+    found = sorted(snaps.iterdir()) if snaps.is_dir() else []
+    if len(found) == 1:
+        return found[0]
+    where = f"{snaps} holds {len(found)} snapshots and no refs/main" if found else f"not in the local cache ({repo})"
+    raise ModelError(f"model {repo_id!r}: {where}; Strata never downloads (huggingface-cli download {repo_id})")
 
 
 def model_args(model: str) -> ModelArgs:

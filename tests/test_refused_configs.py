@@ -82,3 +82,19 @@ def test_honoured_keys_are_read(tmp_path, configs):
     assert (a.head_dim, a.tie_embeddings, a.sliding_window) == (8, True, 7)
     q = model_args(configs["qwen3"])
     assert q.qk_norm and q.sliding_window is None  # use_sliding_window is false by default
+
+
+def test_hf_repo_id_from_the_local_cache(tmp_path, monkeypatch, configs):
+    """'Org/Name' resolves to its snapshot in the local HF cache (refs/main), never downloaded; absent: one line
+    naming where it looked."""
+    from strata.checkpoint import ModelError, resolve
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelError, match=r"'Org/Tiny': not in the local cache .*models--Org--Tiny"):
+        resolve("Org/Tiny")
+    snap = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / "abc123"
+    snap.parent.mkdir(parents=True)
+    snap.symlink_to(Path(configs["qwen3"]))
+    (tmp_path / "hub" / "models--Org--Tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--Org--Tiny" / "refs" / "main").write_text("abc123")
+    assert resolve("Org/Tiny") == ("hf", str(snap))
+    assert model_args("Org/Tiny").arch == "qwen3"
