@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 # the families whose arithmetic the decoder core implements (strata.families declares each: its files' names and keys)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+DECODE_T = 4  # forward() with at most this many rows takes the decode path (Block.decode): also a "chunk"
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (tanh-approximated GELU)
 
 
@@ -60,6 +61,15 @@ class ModelArgs:
         if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[layer]):
             return None
         return self.sliding_window
+
+    def kv_positions(self, layer: int, max_len: int, max_chunk: int | None = None) -> int:
+        """Rows of layer `layer`'s KV cache: every position up to max_len, or for a window layer (with the
+        largest chunk known) a ring of window + chunk - 1 rows: a chunk's queries see at most window - 1 earlier
+        positions, and its own rows must not overwrite any of those."""
+        w = self.window(layer)
+        if w is None or max_chunk is None:
+            return max_len
+        return min(max_len, w + max(max_chunk, DECODE_T) - 1)
 
     def extras(self) -> tuple[str, ...]:
         """The variations beyond the Llama core this model uses: the fast decode paths that implement only that

@@ -52,25 +52,47 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
 WINDOW_ROWS = 1024
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, lo: int, window: int,
+def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: int,
                      scale: float | None = None) -> torch.Tensor:
-    """Queries at [pos, pos + T) of a sliding-window layer: the query at p sees keys (p - window, p].
+    """Queries at [pos, pos + T) of a sliding-window layer, whose keys are cached: the query at p sees keys
+    (p - window, p].
 
-    q: (1, nh, T, hd); k, v: (1, nkv, pos + T - lo, hd), the keys from position `lo` (at most
-    pos + 1 - window, so the first query's window is there). In blocks of WINDOW_ROWS queries, each against
-    its band of keys only with a boolean band mask: memory and work grow with the window, not the prefix."""
-    T = q.shape[2]
+    q: (1, nh, T, hd); k_cache, v_cache: (1, nkv, S, hd), position p in row p % S (a ring when S is shorter than
+    the prompt; S >= window + T - 1, so the chunk's rows overwrote none it reads). In blocks of WINDOW_ROWS
+    queries, each against its band of keys only (a view, or gathered where the band wraps round the ring),
+    widened to q's dtype, with a boolean band mask: memory and work grow with the window, not the prefix."""
+    T, S = q.shape[2], k_cache.shape[2]
     out = torch.empty_like(q)
     for a in range(0, T, WINDOW_ROWS):
         b = min(T, a + WINDOW_ROWS)
-        k0 = max(lo, pos + a + 1 - window)  # the block's first query's first key
+        k0 = max(0, pos + a + 1 - window)  # the block's first query's first key
+        n, s = pos + b - k0, k0 % S
+        if s + n <= S:
+            ks, vs = k_cache[:, :, s:s + n], v_cache[:, :, s:s + n]
+        else:
+            rows = torch.arange(k0, pos + b, device=q.device) % S
+            ks, vs = k_cache.index_select(2, rows), v_cache.index_select(2, rows)
+        if ks.dtype != q.dtype:
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
         qp = torch.arange(pos + a, pos + b, device=q.device)[:, None]
         kp = torch.arange(k0, pos + b, device=q.device)[None]
         band = (kp <= qp) & (kp > qp - window)
-        ks, vs = k[:, :, k0 - lo:pos + b - lo], v[:, :, k0 - lo:pos + b - lo]
         out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], ks, vs, attn_mask=band, enable_gqa=True,
                                                          scale=scale)
     return out
+
+
+def store_rows(cache: torch.Tensor, x: torch.Tensor, pos: int) -> None:
+    """x (1 or none, heads, T, hd) into the cache's rows for positions [pos, pos + T): row p % S, in one or two
+    slices (a window layer's ring wraps). Casts (fp8: clamped first, see _to_cache)."""
+    S, T = cache.shape[2], x.shape[-2]
+    if cache.dtype in _FP8:
+        x = _to_cache(x, cache.dtype)
+    s = pos % S
+    first = min(T, S - s)
+    cache.narrow(2, s, first).copy_(x.narrow(-2, 0, first))
+    if first < T:
+        cache.narrow(2, 0, T - first).copy_(x.narrow(-2, first, T - first))
 
 
 # "flash": one lower-right causal call. "cudnn-split": the cached prefix unmasked plus the

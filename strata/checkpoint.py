@@ -162,7 +162,8 @@ def slice_tensors(model: str, args: ModelArgs, start: int, end: int, device="cpu
 
 
 def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dtype, seed: int = 0,
-               weights: str = "auto", kv_dtype="auto", max_len: int, decode_weights: str | None = None) -> Transformer:
+               weights: str = "auto", kv_dtype="auto", max_len: int, decode_weights: str | None = None,
+               max_chunk: int | None = None) -> Transformer:
     """The stage process's one entry point: layers [start, end) built on the meta device, filled with
     just this slice's weights (as stored or dequantized), KV cache allocated for `max_len` positions.
 
@@ -176,7 +177,7 @@ def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dty
     tensors = slice_tensors(model, args, start, end, device=device, dtype=dtype, seed=seed, weights=mode)
     m.load_weights(tensors, device, dtype)
     del tensors
-    m.setup_cache(max_len, kv_dtype)
+    m.setup_cache(max_len, kv_dtype, max_chunk)  # max_chunk: window layers keep a ring (ModelArgs.kv_positions)
     if decode_weights == "blocks" and mode == "dequantized" and _has_quantized(model, args):
         stored = {n: t for n, t in slice_tensors(model, args, start, end, device=device, dtype=dtype, seed=seed,
                                                  weights="resident").items() if isinstance(t, Quantized)}
@@ -213,7 +214,8 @@ def _stored_types(model: str, args: ModelArgs, names: list[str]) -> dict[str, tu
 
 
 def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, weights_mode: str = "auto",
-                kv_dtype="auto", max_len: int = 0, device_type: str = "cpu") -> tuple[int, int, int]:
+                kv_dtype="auto", max_len: int = 0, device_type: str = "cpu",
+                max_chunk: int | None = None) -> tuple[int, int, int]:
     """(weight_bytes, scratch_bytes, kv_bytes) a stage of layers [start, end) will hold, from headers only.
 
     Weights as stored: block bytes for resident quantized tensors, dtype bytes otherwise; scratch:
@@ -233,7 +235,8 @@ def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, w
     if any(v is not None for v in stored.values()):
         scratch = scratch_layout(args)[1] * esize + dequant_piece_bytes(args)
     kv_size = torch.empty((), dtype=kv_dtype_of(kv_dtype, dtype)).element_size()
-    kv = 2 * (end - start) * args.n_kv_heads * max_len * args.head_dim * kv_size
+    rows = sum(args.kv_positions(i, max_len, max_chunk) for i in range(start, end))
+    kv = 2 * args.n_kv_heads * rows * args.head_dim * kv_size
     return weight, scratch, kv
 
 

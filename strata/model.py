@@ -19,7 +19,7 @@ from torch import nn
 from . import attention
 from .args import ModelArgs
 from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, _rope_rows, _to_cache, apply_rope,
-                        chunk_attention, decode_attention, kv_dtype_of, rope_tables, window_attention)
+                        chunk_attention, decode_attention, kv_dtype_of, rope_tables, store_rows, window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentMatrices,
                        Scratch, _dequantize, _fused_ok, head_rows)
 from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, _dense_products
@@ -86,8 +86,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps, upcast=args.norm_offset)
         else:
             self.q_norm = self.k_norm = None
-        self.k_cache: torch.Tensor | None = None  # (1, nkv, max_len, hd), in the KV dtype
+        self.k_cache: torch.Tensor | None = None  # (1, nkv, rows, hd), in the KV dtype; position p in row p % rows
         self.v_cache: torch.Tensor | None = None
+        self.max_len = 0  # positions the cache serves (a window layer's ring has fewer rows)
 
     def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (1, T, dim); cos, sin: (T, 1, hd), sin signed (`rope_tables`)."""
@@ -102,28 +103,31 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin).transpose(1, 2)    # (1, nh, T, hd)
         k = apply_rope(k, cos, sin).transpose(1, 2)    # (1, nkv, T, hd)
         v = v.view(1, T, self.nkv, self.hd).transpose(1, 2)
-        if self.k_cache is None:
-            raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
-        if pos + T > self.k_cache.shape[2]:
-            raise ValueError(f"positions {pos}..{pos + T} exceed the KV cache ({self.k_cache.shape[2]})")
-        self.k_cache[:, :, pos:pos + T] = _to_cache(k, self.k_cache.dtype)
-        self.v_cache[:, :, pos:pos + T] = _to_cache(v, self.v_cache.dtype)
+        self.check(pos, T)
+        store_rows(self.k_cache, k, pos)
+        store_rows(self.v_cache, v, pos)
         y = self.attend(q, pos, T)
         return F.linear(y.transpose(1, 2).reshape(1, T, self.nh * self.hd), w.wo)
+
+    def check(self, pos: int, T: int) -> None:
+        if self.k_cache is None:
+            raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
+        if pos + T > self.max_len:
+            raise ValueError(f"positions {pos}..{pos + T} exceed the KV cache ({self.max_len})")
+        if self.k_cache.shape[2] < min(pos + T, self.window + T - 1 if self.window else pos + T):
+            raise ValueError(f"{T} rows at {pos} exceed the window ring ({self.k_cache.shape[2]} rows)")
 
     def attend(self, q: torch.Tensor, pos: int, T: int) -> torch.Tensor:
         """q (1, nh, T, hd) at positions [pos, pos + T), whose keys are cached, against what it may see."""
         if self.window is not None and pos + T > self.window:
-            lo = max(0, pos + 1 - self.window)  # the first key the chunk's first query sees
-            keys, vals = self.cached(pos + T, q.dtype, lo)
-            return window_attention(q, keys, vals, pos, lo, self.window, self.scale)
+            return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale)
         keys, vals = self.cached(pos + T, q.dtype)
         return chunk_attention(q, keys, vals, pos, self.scale)
 
-    def cached(self, end: int, dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [start, end) as attention reads them: views of the cache, or a narrower cache's
-        prefix widened to `dtype` for this layer's attention only."""
-        keys, vals = self.k_cache[:, :, start:end], self.v_cache[:, :, start:end]
+    def cached(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [0, end) as attention reads them (a global layer's, or a window layer's before its ring
+        wraps): views of the cache, or a narrower cache's prefix widened to `dtype` for this layer's attention."""
+        keys, vals = self.k_cache[:, :, :end], self.v_cache[:, :, :end]
         if keys.dtype != dtype:
             keys, vals = keys.to(dtype), vals.to(dtype)
         return keys, vals
@@ -189,10 +193,7 @@ class Block(nn.Module):
         rounds its input to anyway)."""
         a, T = self.attn, h.shape[0]
         nh, nkv, hd = a.nh, a.nkv, a.hd
-        if a.k_cache is None:
-            raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
-        if pos + T > a.k_cache.shape[2]:
-            raise ValueError(f"positions {pos}..{pos + T} exceed the KV cache ({a.k_cache.shape[2]})")
+        a.check(pos, T)
         r = self.weights
         if wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device):
             mm = r.products()  # multiply on the blocks: no per-token dequantization into the scratch
@@ -209,10 +210,17 @@ class Block(nn.Module):
         k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + nkv:].transpose(0, 1)  # (nkv, T, hd)
         if kc.dtype in _FP8:
             k_new, v_new = _to_cache(k_new, kc.dtype), _to_cache(v_new, vc.dtype)
-        kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
-        vc.narrow(2, pos, T).copy_(v_new)
-        lo = 0 if a.window is None else max(0, pos + 1 - a.window)  # the first key the first row sees
-        keys, vals = kc.narrow(2, lo, pos + T - lo), vc.narrow(2, lo, pos + T - lo)
+        if a.window is not None:  # its cache may be a ring
+            store_rows(kc, k_new, pos)
+            store_rows(vc, v_new, pos)
+            if pos + T > a.window:
+                q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
+                y = window_attention(q, kc, vc, pos, a.window, a.scale).transpose(1, 2).reshape(T, nh * hd)
+                return self._mlp_rows(self._add_attn(h, mm.wo(y)), mm)
+        else:
+            kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
+            vc.narrow(2, pos, T).copy_(v_new)
+        keys, vals = kc.narrow(2, 0, pos + T), vc.narrow(2, 0, pos + T)
         if (T == 1 and keys.dtype == torch.bfloat16 != qk.dtype and keys.device.type == "cpu"
                 and pos + 1 >= BF16_ATTENTION_FROM):
             y = _bf16_cache_attention(qk[:, :nh], keys, vals, a.scale)  # the prefix is never widened
@@ -223,11 +231,7 @@ class Block(nn.Module):
             y = decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals, a.scale).view(1, nh * hd)
         else:
             q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-            if a.window is not None and pos + T > a.window:
-                y = window_attention(q, keys, vals, pos, lo, a.window, a.scale)
-            else:
-                y = chunk_attention(q, keys, vals, pos, a.scale)
-            y = y.transpose(1, 2).reshape(T, nh * hd)
+            y = chunk_attention(q, keys, vals, pos, a.scale).transpose(1, 2).reshape(T, nh * hd)
         return self._mlp_rows(self._add_attn(h, mm.wo(y)), mm)
 
     def _add_attn(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -377,19 +381,22 @@ class Transformer(nn.Module):
         w = next(iter(self.layers.values())).attn_norm.weight  # before loading: the norms' (the compute dtype)
         return w.device, w.dtype
 
-    def setup_cache(self, max_len: int, kv_dtype="auto") -> int:
+    def setup_cache(self, max_len: int, kv_dtype="auto", max_chunk: int | None = None) -> int:
         """Allocate the KV cache for `max_len` positions once; returns its size in bytes.
 
         kv_dtype: "auto" (the compute dtype), "bfloat16", "float16", "float8_e4m3fn" (8-bit K and V;
-        each layer's cached prefix is widened to the compute dtype for its attention)."""
+        each layer's cached prefix is widened to the compute dtype for its attention). max_chunk: the most rows
+        a forward call takes; given, a window layer keeps a ring of window + max_chunk - 1 rows
+        (ModelArgs.kv_positions) instead of every position."""
         device, dtype = self._compute()
         kv = kv_dtype_of(kv_dtype, dtype)
-        shape = (1, self.args.n_kv_heads, max_len, self.args.head_dim)
         self._graphs = None  # captured graphs address the old cache
-        for blk in self.layers.values():
+        for i, blk in self.layers.items():
+            shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk), self.args.head_dim)
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
             blk.attn.k_cache = torch.zeros(shape, device=device, dtype=kv)
             blk.attn.v_cache = torch.zeros(shape, device=device, dtype=kv)
+            blk.attn.max_len = max_len
         if self._blocks is not None:
             self._blocks.bind_cache()
         return self.kv_bytes

@@ -480,7 +480,12 @@ class Pipeline:
         m = min(self._kept_n, ids.size)
         diff = np.flatnonzero(self._kept[:m] != ids[:m])
         common = int(diff[0]) if diff.size else m
-        return min(common, ids.size - 1)
+        a = self.plan.args
+        rings = [a.kv_positions(i, self.plan.max_len, self.plan.max_chunk) for i in range(a.n_layers) if a.window(i)]
+        start = min(common, ids.size - 1)
+        if rings and self._kept_n > min(rings) and start + 1 - a.sliding_window < self._kept_n - min(rings):
+            return 0  # a window layer's ring no longer holds the keys a restart at `start` would read
+        return start
 
     def _put_ids(self, ids: np.ndarray, start: int) -> None:
         self._buffers.ids[start:ids.size] = torch.from_numpy(ids[start:])

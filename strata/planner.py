@@ -79,13 +79,27 @@ class Storage:
     mode: str = "dequantized"  # "resident" or "dequantized"
 
 
-def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b: int, st: Storage | None):
+def kv_rows(args: ModelArgs, n: int, tokens: int, chunk: int, start: int | None = None) -> int:
+    """KV cache rows n layers hold for `tokens` positions: layers [start, start + n) exactly, or (start None, while
+    a split is searched) the most that any n consecutive layers hold. A window layer keeps a ring of its window
+    plus a chunk (ModelArgs.kv_positions), a global layer every position."""
+    if args.sliding_window is None:
+        return n * tokens
+    rows = [args.kv_positions(i, tokens, chunk) for i in range(args.n_layers)]
+    if start is not None:
+        return sum(rows[start:start + n])
+    return max(sum(rows[s:s + n]) for s in range(args.n_layers - n + 1))
+
+
+def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b: int, st: Storage | None,
+                chunk: int = 1, start: int | None = None):
     kvw = args.n_kv_heads * args.head_dim
+    rows = kv_rows(args, n, tokens, chunk, start)
     if st is not None:
         weights = int(n * st.layer) + st.scratch + (st.embed if first else 0)
         if last:
             weights += st.norm + (0 if args.tie_embeddings and first else st.head)
-        return weights, 2 * n * kvw * tokens * st.kv_elem
+        return weights, 2 * kvw * rows * st.kv_elem
     # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
     weights = n * (args.layer_param_count() + (qkv if args.qkv_bias else 0))
@@ -93,11 +107,12 @@ def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b
         weights += args.vocab_size * args.dim
     if last:
         weights += args.dim + (args.vocab_size * args.dim if not (args.tie_embeddings and first) else 0)
-    return weights * b, 2 * n * kvw * tokens * b
+    return weights * b, 2 * kvw * rows * b
 
 
 def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: int, dtype: str,
-          on_cpu: bool, with_head: bool, attention: str = "auto", storage: Storage | None = None) -> StageNeed:
+          on_cpu: bool, with_head: bool, attention: str = "auto", storage: Storage | None = None,
+          start: int | None = None) -> StageNeed:
     b = DTYPE_BYTES[dtype]
     f4 = 4
     dim, hd, nh, nkv, ffn, V = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size
@@ -106,7 +121,7 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
 
     # -- weights: layers (+ q/k/v biases), embedding on the first stage, norm and head on the last,
     # as stored; KV cache: allocated once for every position (prompt + continuation), every layer held
-    weights, kv = _weights_kv(args, n, first, last, tokens, b, storage)
+    weights, kv = _weights_kv(args, n, first, last, tokens, b, storage, chunk, start)
 
     # -- one chunk's activations at their peak, in bytes per row. Alive through a block: the
     # stage's input rows and the block's input (2 rows of dim). Then the largest of the phases:
@@ -153,7 +168,7 @@ def stage_need(args: ModelArgs, start: int, end: int, tokens: int, chunk: int, d
     chunks of at most `chunk` rows. `host_handoff`: a CPU stage (its hand-off buffers are host memory
     it maps; its activations take the CPU attention path). `with_head`: the perplexity's blocked logits."""
     return _need(args, end - start, start == 0, end == args.n_layers, tokens, chunk, dtype, host_handoff, with_head,
-                 attention, storage)
+                 attention, storage, start)
 
 
 # -- speed and cost ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch import nn
 from .args import ModelArgs
 from .weight_only import Products
 
-DECODE_T = 4  # forward() with at most this many rows takes the decode path (Block.decode)
+from .args import DECODE_T  # noqa: F401  (the decode path's row bound, also read from here)
 
 # -- weights as a Block asks for them ---------------------------------------------------------
 @dataclass

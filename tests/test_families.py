@@ -24,13 +24,14 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def load_slices(model: str, bounds, max_len: int):
+def load_slices(model: str, bounds, max_len: int, device="cpu"):
+    """The slices as a stage holds them: a window layer's KV a ring of window + CHUNK - 1 rows."""
     args = model_args(model)
     out = []
     for a, b in bounds:
         t = Transformer(args, a, b)
-        t.load_weights(slice_tensors(model, args, a, b), "cpu", torch.float32)
-        t.setup_cache(max_len)
+        t.load_weights(slice_tensors(model, args, a, b), device, torch.float32)
+        t.setup_cache(max_len, max_chunk=CHUNK)
         out.append(t)
     return out
 
@@ -66,8 +67,13 @@ def check_against(ref, model: str, ids, n_layers: int):
     nll = torch.nn.functional.cross_entropy(got[:-1], ids[0, 1:])
     nll_ref = torch.nn.functional.cross_entropy(want[:-1], ids[0, 1:])
     assert abs(nll.item() - nll_ref.item()) / nll_ref.item() < 1e-4
+    args = slices[0].args
+    if args.sliding_window is not None:  # the rings wrap several times over this prompt
+        rows = {int(i): b.attn.k_cache.shape[2] for s in slices for i, b in s.layers.items()}
+        assert all(rows[i] == (args.sliding_window + CHUNK - 1 if args.window(i) else ids.shape[1] + NEW)
+                   for i in rows)
     for s in slices:
-        s.setup_cache(ids.shape[1] + NEW)
+        s.setup_cache(ids.shape[1] + NEW, max_chunk=CHUNK)
     assert strata_greedy(slices, ids, NEW) == reference_greedy(ref, ids, NEW)
 
 
@@ -103,13 +109,9 @@ def test_gpu_family_prefill_and_graph_decode(tmp_path, fam):
     ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
     want = reference_greedy(ref, ids, NEW)
     args = model_args(d)
-    slices = []
-    for a, b in three_way(args.n_layers):
-        t = Transformer(args, a, b)
-        t.load_weights(slice_tensors(d, args, a, b), "cuda", torch.float32)
-        t.setup_cache(PROMPT + NEW)
+    slices = load_slices(d, three_way(args.n_layers), PROMPT + NEW, "cuda")
+    for t in slices:
         t.cuda_graphs = True
-        slices.append(t)
     x = ids.cuda()
     assert all(s._graphable(x if s.has_embed else torch.zeros(1, 1, args.dim, device="cuda")) ==
                (fam in ("qwen3", "llama-yarn")) for s in slices)
@@ -184,3 +186,47 @@ def test_gguf_gemma3_from_llamacpp_converter(tmp_path):
     assert not diff, diff
     ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
     check_against(ref, g, ids, gg.n_layers)
+
+
+# -- through the real stage processes -------------------------------------------------------------------------
+def test_window_family_through_the_pipeline(tmp_path):
+    """mistral (every layer windowed) on 3 CPU stage processes: its window layers hold a ring (report.json's
+    kv_bytes are the ring's, not the prompt's); depth 0 and 1 give the same residual bits; the logits equal
+    transformers'; a second prompt sharing a prefix the rings no longer hold is recomputed, not misread."""
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    import numpy as np
+    ref, d = make_hf(tmp_path, "mistral")
+    args = model_args(d)
+    ids = np.random.default_rng(3).integers(0, args.vocab_size, size=150).astype(np.int32)
+    stages = [{"device": "cpu", "threads": 1}] * 3
+    md5 = {}
+    for depth in (0, 1):
+        rig = dict(model=d, stages=stages, layer_split=[1, 2, 1], chunk=CHUNK, depth=depth, dtype="float32",
+                   progress=False, dump_residual=True, max_context=200, prompt={"random": {"tokens": 8, "seed": 0}})
+        with Pipeline(rig, out=tmp_path / f"d{depth}", console=False) as p:
+            r = p.prefill(ids)
+            md5[depth] = r.report["residual_md5"]
+            ring = args.sliding_window + CHUNK - 1
+            kv = [s["kv_bytes"] for s in r.report["stages"]]
+            assert kv == [2 * n * args.n_kv_heads * ring * args.head_dim * 4 for n in (1, 2, 1)], kv
+            with torch.no_grad():
+                want = ref(torch.from_numpy(ids).long()[None]).logits[0, -1]
+            assert rel(torch.from_numpy(r.last_logits), want) < 1e-4
+    assert md5[0] == md5[1]
+    rig = dict(model=d, stages=stages, chunk=CHUNK, dtype="float32", progress=False, max_context=200,
+               prompt={"random": {"tokens": 8, "seed": 0}})
+    with Pipeline(rig, out=tmp_path / "reuse", console=False) as p:
+        p.generate(ids, SamplingParams(max_tokens=4))
+        near = np.concatenate([ids[:60], ids[:40]])  # shares 60 positions; the rings moved 90 past them
+        r = p.generate(near, SamplingParams(max_tokens=1))
+        assert r.report["reused_tokens"] == 0
+        with torch.no_grad():
+            want = ref(torch.from_numpy(near).long()[None]).logits[0, -1]
+        assert rel(torch.from_numpy(r.last_logits), want) < 1e-4
+        again = np.concatenate([near, ids[:5]])  # shares all of `near`: the rings still hold its window
+        r = p.generate(again, SamplingParams(max_tokens=1))
+        assert r.report["reused_tokens"] > 0
+        with torch.no_grad():
+            want = ref(torch.from_numpy(again).long()[None]).logits[0, -1]
+        assert rel(torch.from_numpy(r.last_logits), want) < 1e-4

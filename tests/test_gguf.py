@@ -441,7 +441,7 @@ def _meta_only_gguf(path, arch="llama", kv=None, tensors=None):
 def test_llama3_rope_scaling_recognised_from_rope_freqs(tmp_path):
     div = _llama3_divisors(500000.0, 128, 8.0, 1.0, 4.0, 8192)
     p = _meta_only_gguf(tmp_path / "l3.gguf", tensors={"rope_freqs.weight": div})
-    assert gguf_model_args(p).rope_scaling == dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    assert gguf_model_args(p).rope_scaling == dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                   original_max_position_embeddings=8192)
     p = _meta_only_gguf(tmp_path / "odd.gguf", tensors={"rope_freqs.weight": np.linspace(1, 3, 64, dtype=np.float32)})
     with pytest.raises(ModelError, match="unsupported rope scaling"):

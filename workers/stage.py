@@ -194,7 +194,7 @@ class Stage:
                 cpu_decode = None
         model = load_stage(spec.model, args, spec.start, spec.end, device=self.device, dtype=self.dtype,
                            seed=spec.seed, weights=self.weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len,
-                           decode_weights=cpu_decode)
+                           decode_weights=cpu_decode, max_chunk=spec.max_chunk)
         # decode options: weight-only copies are a CPU kernel path, graphs a CUDA one
         if cpu_decode == "blocks":
             b = model._blocks
