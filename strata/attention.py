@@ -74,6 +74,11 @@ def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             ks, vs = k_cache.index_select(2, rows), v_cache.index_select(2, rows)
         if ks.dtype != q.dtype:
             ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+        if q.is_cuda and ks.shape[1] != q.shape[1]:
+            # CUDA's masked kernel (memory-efficient) has no grouped-query path: without this the band would go to
+            # the math backend, which materializes the scores. The band's keys are few: repeating them is cheap
+            g = q.shape[1] // ks.shape[1]
+            ks, vs = ks.repeat_interleave(g, 1), vs.repeat_interleave(g, 1)
         qp = torch.arange(pos + a, pos + b, device=q.device)[:, None]
         kp = torch.arange(k0, pos + b, device=q.device)[None]
         band = (kp <= qp) & (kp > qp - window)

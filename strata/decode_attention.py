@@ -35,15 +35,18 @@ def n_splits(keys: int, target: int = 64) -> int:
 if triton is not None:
     @triton.jit
     def _partial(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
-                 sk_h, sk_s, sv_h, sv_s, span, scale,
+                 sk_h, sk_s, sv_h, sv_s, span, scale, window, ring,
                  G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                  PREC: tl.constexpr):
         h = tl.program_id(0)
         s = tl.program_id(1)
         n_split = tl.num_programs(1)
         n_keys = tl.load(len_ptr).to(tl.int32)
+        # positions [n_keys - window, n_keys) (window 2**30: all), position p in row p % ring; the ranges split
+        # that span (offsets from `first`)
+        first = tl.maximum(n_keys - window, 0)
         lo = s * span
-        hi = tl.minimum(lo + span, n_keys)
+        hi = tl.minimum(lo + span, n_keys - first)
         rows = tl.arange(0, GP)
         dims = tl.arange(0, HD)
         q = tl.load(q_ptr + (h * G + rows)[:, None] * HD + dims[None, :], mask=(rows < G)[:, None], other=0.0)
@@ -54,8 +57,9 @@ if triton is not None:
         for start in range(lo, hi, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             live = cols < hi
-            k = tl.load(k_ptr + h * sk_h + cols[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(v_ptr + h * sv_h + cols[:, None] * sv_s + dims[None, :], mask=live[:, None], other=0.0)
+            rows_k = (first + cols) % ring  # the identity for a cache that is not a ring (ring >= n_keys)
+            k = tl.load(k_ptr + h * sk_h + rows_k[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_ptr + h * sv_h + rows_k[:, None] * sv_s + dims[None, :], mask=live[:, None], other=0.0)
             sc = tl.dot(q, tl.trans(k.to(dt)), input_precision=PREC) * scale        # (GP, BLOCK)
             sc = tl.where(live[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -83,7 +87,7 @@ if triton is not None:
         base = (h * n_split + sp) * GP + r
         m = tl.load(m_ptr + base, mask=ok, other=float("-inf"))
         l = tl.load(l_ptr + base, mask=ok, other=0.0)
-        m_all = tl.max(m, 0)  # finite: the first range always holds position 0
+        m_all = tl.max(m, 0)  # finite: the first range always holds the first live position
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
         a = tl.load(acc_ptr + base[:, None] * HD + dims[None, :], mask=ok[:, None], other=0.0)
         out = tl.sum(w[:, None] * a, 0) / tl.sum(w * l, 0)
@@ -113,7 +117,9 @@ class SplitKAttention:
         self.acc = torch.empty(*shape, hd, dtype=torch.float32, device=device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
+        """window > 0: a sliding-window layer, k and v its whole ring (position p in row p % S); the instance
+        was made for keys = min(bucket, window). scale: of q.k (None: hd ** -0.5)."""
         nkv, g, hd = self.nkv, self.g, self.hd
         if q.shape != (nkv, g, hd) or k.shape[0] != nkv or k.shape[2] != hd or v.shape != k.shape:
             raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
@@ -124,7 +130,9 @@ class SplitKAttention:
         out = torch.empty_like(q) if out is None else out
         _partial[(nkv, self.splits)](q, k, v, n_keys, self.m, self.l, self.acc,
                                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), self.span,
-                                     1.0 / math.sqrt(hd), G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
+                                     1.0 / math.sqrt(hd) if scale is None else scale, window if window > 0 else 1 << 30,
+                                     k.shape[1],
+                                     G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32")
         _merge[(nkv, g)](self.m, self.l, self.acc, out, self.splits, G=g, GP=self.gp, HD=hd,
                        SP=max(2, 1 << (self.splits - 1).bit_length()))

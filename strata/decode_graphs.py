@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import _rope_rows, _to_cache, rope_tables
-from .model import Block, RMSNorm, Transformer
+from .model import Block, RMSNorm, Transformer, gate
 from .resident import Packed, ResidentMatrices
 from .weight_only import Products, _dense_products
 
@@ -21,6 +21,23 @@ if GRAPH_ATTENTION not in ("split-k", "masked"):
 GRAPH_KERNELS = os.environ.get("STRATA_GRAPH_KERNELS", "triton")  # "torch": norms and rope by torch ops (A/B)
 if GRAPH_KERNELS not in ("triton", "torch"):
     raise ValueError(f"STRATA_GRAPH_KERNELS={GRAPH_KERNELS!r}: use triton or torch")
+
+
+# what the graphs implement beyond the Llama core (ModelArgs.extras); windows need the split-K kernel
+GRAPH_EXTRAS = {"qk_norm", "rope yarn", "rope linear", "sliding_window", "window_rope_theta", "post_norms",
+                "activation gelu_tanh", "embed_scale", "attn_scale", "final_softcap", "norm_offset"}
+
+
+def covers(args) -> bool:
+    """Whether a model's one-token step can be captured: its variations are implemented here, and a window
+    layer's ring is read by the split-K kernel (the masked path reads a contiguous prefix only)."""
+    if set(args.extras()) - GRAPH_EXTRAS:
+        return False
+    if args.sliding_window is not None:
+        from strata import decode_attention
+        hd = args.head_dim
+        return decode_attention.available() and GRAPH_ATTENTION == "split-k" and hd & (hd - 1) == 0
+    return True
 
 
 class DecodeGraphs:
@@ -45,7 +62,7 @@ class DecodeGraphs:
         self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev) if m.has_embed else None
         self.res = None if self.ids is not None else torch.zeros(1, 1, m.args.dim, dtype=self.dtype, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.cache_len = next(iter(m.layers.values())).attn.k_cache.shape[2]
+        self.cache_len = max(b.attn.max_len for b in m.layers.values())  # positions (a window layer's ring is shorter)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # bucket -> (graph, its static outputs)
         # one warm-up stream and one memory pool for every bucket's capture: cuBLAS keeps a workspace (32 MiB on
         # Hopper) per stream it meets, and each graph would keep a pool of its own; a stream and a pool per bucket
@@ -55,6 +72,7 @@ class DecodeGraphs:
         self._pool = None
         from strata import decode_attention  # imports Triton
         a = next(iter(m.layers.values())).attn
+        self.rings = sorted({b.attn.k_cache.shape[2] for b in m.layers.values() if b.attn.window is not None})
         # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter);
         # the split-K kernel takes power-of-two head dims only: other models take the masked path
         self.use_split_k = (decode_attention.available() and GRAPH_ATTENTION == "split-k" and a.hd & (a.hd - 1) == 0
@@ -135,7 +153,8 @@ class DecodeGraphs:
         return g, out
 
     def _attention(self, b: int):
-        """The bucket's split-K attention (its partial-result buffers serve every layer: they run in turn)."""
+        """The bucket's split-K attention (its partial-result buffers serve every layer: they run in turn); for a
+        window layer, b is the keys it reads: min(bucket, window)."""
         if b not in self.split_k:
             a = next(iter(self.m.layers.values())).attn
             from strata.decode_attention import SplitKAttention
@@ -145,11 +164,12 @@ class DecodeGraphs:
     def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         m, dt = self.m, self.dtype
         h = m.embed(self.ids) if self.ids is not None else self.res
-        freqs = self.pos.to(torch.float32)[:, None] * m.inv_freq[None]  # as Transformer.rope, one row
-        emb = torch.cat((freqs, freqs), dim=-1)
-        f = m.rope_factor  # YaRN's attention factor, as Transformer.rope
-        cos, sin = (emb.cos(), emb.sin()) if f == 1.0 else (emb.cos() * f, emb.sin() * f)
-        cos, sin = rope_tables(cos.to(dt), sin.to(dt))  # (1, 1, hd)
+        if self.ids is not None and m.args.embed_scale != 1.0:
+            h = h * torch.tensor(m.args.embed_scale, dtype=h.dtype)  # as Transformer._run
+        tabs = {"global": self._rope(m.inv_freq, m.rope_factor)}
+        if m.inv_freq_window is not None:
+            tabs["window"] = self._rope(m.inv_freq_window, 1.0)
+        ring_pos = {S: self.pos % S for S in self.rings}  # a window layer's row for pos
         if self.use_split_k:
             mask = self.pos + 1  # the live keys, read on the device by the split-K kernel
         else:
@@ -157,7 +177,8 @@ class DecodeGraphs:
             mask = mask.view(1, 1, 1, b)
         pend = None  # each layer's last product, added to the residual by the next norm's kernel (fused: one launch)
         for blk in m.layers.values():
-            h, pend = self._layer(blk, h, pend, cos, sin, mask, b)
+            cos, sin = tabs[blk.attn.rope_kind]
+            h, pend = self._layer(blk, h, pend, cos, sin, mask, b, ring_pos)
         h = h + pend
         if not m.has_head:
             return h, None, None
@@ -167,45 +188,59 @@ class DecodeGraphs:
             return h, logits, argmax(logits)
         return h, logits, logits.argmax()
 
+    def _rope(self, inv: torch.Tensor, f: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (1, 1, hd) of pos, as Transformer.rope (f: YaRN's attention factor)."""
+        freqs = self.pos.to(torch.float32)[:, None] * inv[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = (emb.cos(), emb.sin()) if f == 1.0 else (emb.cos() * f, emb.sin() * f)
+        return rope_tables(cos.to(self.dtype), sin.to(self.dtype))
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and head of one row; a dense head by strata.decode_gemv like the layers' products."""
         m = self.m
         w = m.head.weight
-        if not self.fused or isinstance(w, Packed) or m._head_weight_only is not None:
-            return m.logits(h)
+        if not self.fused or isinstance(w, Packed) or m._head_weight_only is not None or m.norm.upcast:
+            return m.logits(h)  # (its final softcap included)
         from strata.decode_gemv import matvec
         from strata.decode_kernels import rms_norm
-        return matvec(rms_norm(h, m.norm.weight, m.norm.eps), w).float()
+        out = matvec(rms_norm(h, m.norm.weight, m.norm.eps), w).float()
+        c = m.args.final_softcap
+        return out if c is None else torch.tanh(out / c) * c
 
-    def _layer(self, blk: Block, h, pend, cos, sin, mask, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(self, blk: Block, h, pend, cos, sin, mask, b: int, ring_pos: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the residual h plus the previous layer's pending product -> (residual, this layer's
-        MLP product, not yet added)."""
+        MLP product, not yet added). A window layer (split-K only) stores at pos's row of its ring and reads the
+        last `window` positions from the whole ring."""
         a = blk.attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
         r = blk.weights  # resident: the fused kernels read the blocks (_graphable checked they can)
         mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
         h, x = self._add_norm(h, pend, blk.attn_norm)
         qkv = mm.qkv(x).view(1, nh + 2 * nkv, hd)
-        if a.q_norm is not None:  # qwen3: each head's q and k normed before RoPE
-            qkv = torch.cat((F.rms_norm(qkv[:, :nh], (hd,), a.q_norm.weight, a.q_norm.eps),
-                             F.rms_norm(qkv[:, nh:nh + nkv], (hd,), a.k_norm.weight, a.k_norm.eps),
-                             qkv[:, nh + nkv:]), 1)
+        if a.q_norm is not None:  # qwen3, gemma3: each head's q and k normed before RoPE
+            qkv = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv]), qkv[:, nh + nkv:]), 1)
+        if a.window is not None:
+            row, kc, vc = ring_pos[a.k_cache.shape[2]], a.k_cache[0], a.v_cache[0]
+            att, win = self._attention(min(b, a.window)), a.window
+        else:
+            row, kc, vc = self.pos, a.k_cache[0, :, :b], a.v_cache[0, :, :b]
+            att, win = (self._attention(b) if self.use_split_k else None), 0
         if self.fused:  # one launch: q rotated, k rotated and v written at pos
             from strata.decode_kernels import rope_store
-            q = rope_store(qkv[0], cos.view(hd), sin.view(hd), self.pos, nh, nkv, a.k_cache[0], a.v_cache[0])
-            y = self._attention(b)(q.view(nkv, nh // nkv, hd), a.k_cache[0, :, :b], a.v_cache[0, :, :b], mask)
+            q = rope_store(qkv[0], cos.view(hd), sin.view(hd), row, nh, nkv, a.k_cache[0], a.v_cache[0])
+            y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win)
             return self._rest(blk, mm, h, y)
         qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
-        a.k_cache.index_copy_(2, self.pos, _to_cache(qk[:, nh:].transpose(0, 1).unsqueeze(0), a.k_cache.dtype))
-        a.v_cache.index_copy_(2, self.pos, _to_cache(qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0), a.v_cache.dtype))
+        a.k_cache.index_copy_(2, row, _to_cache(qk[:, nh:].transpose(0, 1).unsqueeze(0), a.k_cache.dtype))
+        a.v_cache.index_copy_(2, row, _to_cache(qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0), a.v_cache.dtype))
         if self.use_split_k:  # reads only the live keys, in the cache's own dtype
-            y = self._attention(b)(qk[0, :nh].view(nkv, nh // nkv, hd), a.k_cache[0, :, :b], a.v_cache[0, :, :b], mask)
+            y = att(qk[0, :nh].view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win)
         else:
             keys, vals = a.k_cache[:, :, :b], a.v_cache[:, :, :b]
             if keys.dtype != qk.dtype:
                 keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
             q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
-            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=a.scale)
         return self._rest(blk, mm, h, y)
 
     def _dense(self, w) -> Products:
@@ -219,16 +254,31 @@ class DecodeGraphs:
 
     def _rest(self, blk: Block, mm: Products, h, y) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention: o-projection, residual, MLP (its product left for the next norm to add)."""
-        h, x = self._add_norm(h, mm.wo(y.reshape(1, 1, -1)), blk.mlp_norm)
-        gate, up = mm.w13(x).split(blk.mlp.ffn, dim=-1)
+        o = mm.wo(y.reshape(1, 1, -1))
+        if blk.attn_post_norm is not None:  # gemma3: the output normed before its residual add
+            o = self._norm(o, blk.attn_post_norm)
+        h, x = self._add_norm(h, o, blk.mlp_norm)
+        g, up = mm.w13(x).split(blk.mlp.ffn, dim=-1)
         z = None
-        if self.fused:
+        if self.fused and blk.mlp.activation == "silu":
             from strata.kernels import silu_mul
-            z = silu_mul(gate, up)  # one launch instead of two, rounded once (None: the torch formula)
-        return h, mm.w2(z if z is not None else F.silu(gate) * up)
+            z = silu_mul(g, up)  # one launch instead of two, rounded once (None: the torch formula)
+        if z is None:
+            z = F.silu(g) * up if blk.mlp.activation == "silu" else gate(g, up, blk.mlp.activation)
+        p = mm.w2(z)
+        return h, (p if blk.mlp_post_norm is None else self._norm(p, blk.mlp_post_norm))
+
+    def _norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        if self.fused and not norm.upcast and x.dtype == norm.weight.dtype and x.is_contiguous():
+            from strata.decode_kernels import rms_norm
+            return rms_norm(x, norm.weight, norm.eps)
+        return norm.rows(x)
 
     def _add_norm(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + y, norm(h + y)); y None: (h, norm(h))."""
+        if norm.upcast:  # gemma's float32 (1 + w): the torch formula
+            h = h if y is None else h + y
+            return h, norm.rows(h)
         if self.fused:
             from strata.decode_kernels import add_rms_norm, rms_norm
             if y is None:

@@ -244,10 +244,6 @@ class Block(nn.Module):
         return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
 
 
-# what strata.decode_graphs implements beyond the Llama core
-GRAPH_EXTRAS = {"qk_norm", "rope yarn", "rope linear"}
-
-
 class Transformer(nn.Module):
     """Layers [start, end) of a model; the embedding if start == 0, norm and head if end == n_layers."""
 
@@ -538,8 +534,11 @@ class Transformer(nn.Module):
     def _graphable(self, x: torch.Tensor) -> bool:
         """Dense layers, or resident ones the fused kernels multiply on their blocks (strata.quant.gemv); a
         resident head likewise. A resident embedding is gathered outside the graph."""
-        if not x.is_cuda or self._weight_only or set(self.args.extras()) - GRAPH_EXTRAS:
-            return False  # the graphs implement the Llama core and GRAPH_EXTRAS only
+        if not x.is_cuda or self._weight_only:
+            return False
+        from .decode_graphs import covers  # imports Triton: CUDA only
+        if not covers(self.args):
+            return False
         if self.has_head and isinstance(self.head.weight, Packed) and not _fused_ok(self.head.weight, x.device):
             return False
         return all(isinstance(b.weights, DenseMatrices) or b.weights.fused_decode_ok(x.device)

@@ -47,6 +47,37 @@ for nkv, grp, hd, S, n in [(2, 4, 64, 700, 517), (3, 3, 32, 300, 1), (2, 4, 64, 
 """
 
 
+WINDOW_RING = r"""
+import torch, sys
+sys.path.insert(0, sys.argv[1])
+from strata.decode_attention import SplitKAttention
+from tests.test_decode_attention import rel
+g = torch.Generator().manual_seed(3)
+# (nkv, group, hd, ring rows, window, live positions): before the window fills, wrapped once, wrapped many times
+for nkv, grp, hd, S, W, n in [(2, 4, 64, 90, 40, 30), (2, 4, 64, 90, 40, 117), (1, 2, 32, 70, 64, 1000)]:
+    q, k, v = (torch.randn(*s, generator=g) for s in ((nkv, grp, hd), (nkv, S, hd), (nkv, S, hd)))
+    att = SplitKAttention(nkv, grp, hd, min(W, 256), "cpu")
+    out = torch.full_like(q, float("nan"))
+    att(q, k, v, torch.tensor([n]), out=out, scale=0.3, window=W)
+    rows = torch.arange(max(0, n - W), n) % S
+    ks, vs = k[:, rows].double(), v[:, rows].double()
+    want = torch.softmax(q.double() @ ks.transpose(1, 2) * 0.3, -1) @ vs
+    err = rel(out.double(), want)
+    print(n, err)
+    assert err < 1e-5, err
+"""
+
+
+@needs_triton
+def test_split_k_window_over_a_ring_interpreted():
+    """A window layer's decode attention: the last `window` positions read from a ring (row p % S), any scale."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", WINDOW_RING, str(ROOT)], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(r.stdout.splitlines()) == 3
+
+
 @needs_triton
 def test_split_k_interpreted_matches_reference():
     env = dict(os.environ, TRITON_INTERPRET="1")
