@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 # the families whose arithmetic the decoder core implements (strata.families declares each: its files' names and keys)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe")
 DECODE_T = 4  # forward() with at most this many rows takes the decode path (Block.decode): also a "chunk"
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (tanh-approximated GELU)
 
@@ -39,6 +39,11 @@ class ModelArgs:
     window_layers: tuple | None = None  # per layer True where windowed; None with a sliding_window: every layer
     window_rope_theta: float | None = None  # RoPE base of the window layers, unscaled (gemma3); None: as the others
     final_softcap: float | None = None  # logits -> c * tanh(logits / c) (gemma 2/3 style)
+    # -- a mixture of experts in place of the MLP (strata.moe): mixtral, qwen3_moe --
+    n_experts: int = 0               # 0: a dense MLP
+    n_experts_used: int = 0          # experts a token goes to (top k of a softmax over all)
+    expert_ffn_dim: int = 0          # one expert's SwiGLU inner width
+    router_renorm: bool = False      # the chosen experts' weights renormalized to sum 1
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -55,6 +60,8 @@ class ModelArgs:
                 raise ValueError("window_layers without a sliding_window")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window {self.sliding_window} is not a positive length")
+        if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.expert_ffn_dim > 0):
+            raise ValueError(f"{self.n_experts_used} of {self.n_experts} experts of width {self.expert_ffn_dim}")
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: it sees every earlier position)."""
@@ -84,6 +91,8 @@ class ModelArgs:
             out.append("embed_scale")
         if self.attn_scale is not None:
             out.append("attn_scale")
+        if self.n_experts:
+            out.append("experts")
         if self.rope_scaling and self.rope_scaling.get("rope_type", "llama3") != "llama3":
             out.append(f"rope {self.rope_scaling['rope_type']}")
         return tuple(out)
@@ -91,7 +100,9 @@ class ModelArgs:
     def layer_param_count(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         norms = (4 if self.post_norms else 2) * self.dim + (2 * self.head_dim if self.qk_norm else 0)
-        return attn + 3 * self.dim * self.ffn_dim + norms
+        mlp = (self.n_experts * (3 * self.dim * self.expert_ffn_dim + self.dim) if self.n_experts
+               else 3 * self.dim * self.ffn_dim)
+        return attn + mlp + norms
 
     def param_count(self, start: int, end: int) -> int:
         """Parameters held by the slice [start, end) (embedding on the first, head on the last)."""

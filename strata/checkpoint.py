@@ -18,7 +18,7 @@ from .args import PRESETS, ModelArgs
 from .attention import kv_dtype_of
 from .model import Transformer
 from .resident import Quantized, dequant_piece_bytes, scratch_layout
-from .names import fused_rows, hf_name, shapes, short, wanted_names
+from .names import fused_rows, hf_name, hf_names, shapes, short, wanted_names
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_MODES = ("auto", "resident", "dequantized")
@@ -133,6 +133,10 @@ def weights_mode(model: str, device_type: str, weights: str = "auto", args: Mode
     while host RAM (the resource resident saves) is the cheap one there: so dequantized."""
     if weights not in WEIGHT_MODES:
         raise ModelError(f"unknown weights mode {weights!r} (known: {', '.join(WEIGHT_MODES)})")
+    if args is not None and args.n_experts:  # experts are held dense (their resident blocks: not yet)
+        if weights == "resident":
+            raise ModelError("weights: resident is not implemented for experts (use dequantized or auto)")
+        return "dequantized"
     if weights != "auto":
         return weights
     if device_type != "cuda":
@@ -288,7 +292,7 @@ def check_model_files(model: str) -> None:
         return
     d = Path(loc)
     where = _hf_index(d)
-    missing = [h for h in (hf_name(c, args) for c in wanted_names(args, 0, args.n_layers)) if h not in where]
+    missing = [h for c in wanted_names(args, 0, args.n_layers) for h in hf_names(c, args) if h not in where]
     if missing:
         raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
 
@@ -325,8 +329,13 @@ def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str
     from safetensors import SafetensorError, safe_open
     where = _hf_index(d)
     wanted: dict[str, list[str]] = {}  # HF name -> the canonical tensors it holds (several where fused)
+    stacks: dict[str, list[str]] = {}  # an expert stack's canonical name -> its HF tensors, one per expert
     for c in wanted_names(args, start, end):
-        wanted.setdefault(hf_name(c, args), []).append(c)
+        names = hf_names(c, args)
+        if len(names) > 1 or "{e}" in hf_name(c, args):
+            stacks[c] = names
+        for h in names:
+            wanted.setdefault(h, []).append(c)
     missing = [hf for hf in wanted if hf not in where]
     if missing:
         raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
@@ -340,12 +349,17 @@ def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str
                 for hf in names:
                     t = sf.get_tensor(hf)
                     for c in wanted[hf]:
+                        if c in stacks:
+                            out.setdefault(c, {})[hf] = t
+                            continue
                         rows = fused_rows(c, args, gguf=False)
                         if rows is not None and t.shape[0] != rows[2]:
                             raise ModelError(f"{f}: tensor {hf} has {t.shape[0]} rows, the config implies {rows[2]}")
                         out[c] = t if rows is None else t[rows[0]:rows[1]].contiguous()
         except (SafetensorError, OSError) as e:
             raise ModelError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+    for c, names in stacks.items():  # the experts' matrices as one (E, rows, cols) tensor
+        out[c] = torch.stack([out[c][h] for h in names])
     return out
 
 

@@ -15,13 +15,18 @@ _HF_LLAMA = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weig
              "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
              "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
              "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
-             "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+             "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+             # Mixtral's experts (the llama family with experts)
+             "router": "block_sparse_moe.gate.weight", "e_gate": "block_sparse_moe.experts.{e}.w1.weight",
+             "e_up": "block_sparse_moe.experts.{e}.w3.weight", "e_down": "block_sparse_moe.experts.{e}.w2.weight"}
 # canonical per-layer short name -> GGUF per-layer name (blk.N.<name>), as llama.cpp's llama-arch.cpp names them
 _GGUF_LLAMA = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
                "wv": "attn_v.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
                "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight",
                "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
-               "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+               "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+               "router": "ffn_gate_inp.weight", "e_gate": "ffn_gate_exps.weight", "e_up": "ffn_up_exps.weight",
+               "e_down": "ffn_down_exps.weight"}
 HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
 GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
 
@@ -46,7 +51,8 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "llama", gguf_permute_qk=True, window_keys=True),
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"), "llama", gguf_permute_qk=True,
+           window_keys=True),
     Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True),
     Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True),
     Family("gemma3", ("Gemma3ForCausalLM",), "gemma3", qk_norm=True, gemma=True,
@@ -55,14 +61,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                      "mlp_post_norm": "post_feedforward_layernorm.weight"},
            gguf_layer={**_GGUF_LLAMA, "attn_post_norm": "post_attention_norm.weight",
                        "mlp_post_norm": "post_ffw_norm.weight"}),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True,
+           hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "e_gate": "mlp.experts.{e}.gate_proj.weight",
+                     "e_up": "mlp.experts.{e}.up_proj.weight", "e_down": "mlp.experts.{e}.down_proj.weight"}),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
            gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),
 )}
 _BY_HF = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
 _BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values()}
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-                "phi3": "phi3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe"}
 
 
 def family(arch: str) -> Family:
@@ -103,9 +112,10 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
         refuse("use_bidirectional_attention")
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         refuse("partial_rotary_factor")
-    for key in ("attention_chunk_size", "no_rope_layers", "moe_intermediate_size", "num_experts", "num_local_experts"):
+    experts = _hf_experts(cfg, archs[0], where, refuse)
+    for key in ("attention_chunk_size", "no_rope_layers"):
         if cfg.get(key):
-            refuse(key, "is not implemented (this family's dense core only)")
+            refuse(key)
 
     nh = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // nh
@@ -146,11 +156,33 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
                          qkv_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
                          max_seq_len=cfg.get("max_position_embeddings", 8192),
                          sliding_window=window, window_layers=window_layers,
-                         bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos, **extra)
+                         bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
+                         **experts, **extra)
     except KeyError as e:
         raise ModelError(f"{where}: config lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ModelError(f"{where}: {e}") from None
+
+
+def _hf_experts(cfg: dict, arch: str, where: str, refuse) -> dict:
+    """ModelArgs' expert fields from config.json: Mixtral (renormalized top k) and Qwen3-MoE (norm_topk_prob);
+    experts anywhere else, or in a layout the core does not implement, refused."""
+    n = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        if n:
+            refuse("num_local_experts" if cfg.get("num_local_experts") else "num_experts",
+                   "is not implemented for this architecture")
+        return {}
+    if cfg.get("mlp_only_layers"):
+        refuse("mlp_only_layers")
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        refuse("decoder_sparse_step")
+    if cfg.get("shared_expert_intermediate_size"):
+        refuse("shared_expert_intermediate_size")
+    mixtral = arch == "MixtralForCausalLM"
+    return dict(n_experts=int(n), n_experts_used=int(cfg["num_experts_per_tok"]),
+                expert_ffn_dim=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+                router_renorm=True if mixtral else bool(cfg.get("norm_topk_prob", False)))
 
 
 def _hf_window(cfg: dict, fam: Family, where: str) -> tuple[int | None, tuple | None]:
@@ -187,6 +219,20 @@ def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, hea
     """The ModelArgs fields a GGUF family sets beyond the common keys, read with get(key) (arch prefix implied)."""
     scaling = scaling_from_gguf(get, fam.gguf_arch, where)
     extra: dict = {"rope_scaling": scaling} if scaling is not None else {}
+    n = get("expert_count") or 0
+    if n:
+        if fam.name not in ("llama", "qwen3_moe"):
+            raise ModelError(f"{where}: {fam.gguf_arch}.expert_count = {n}: experts are not implemented for this "
+                             "architecture")
+        for key, neutral in (("expert_shared_count", 0), ("expert_weights_scale", 1.0), ("expert_gating_func", 1),
+                             ("expert_group_count", 0)):
+            v = get(key)
+            if v not in (None, neutral):
+                raise ModelError(f"{where}: {fam.gguf_arch}.{key} = {v} is not implemented")
+        # llama.cpp renormalizes the chosen experts' weights for both (llama: Mixtral; qwen3moe)
+        extra.update(n_experts=int(n), n_experts_used=int(get("expert_used_count")),
+                     expert_ffn_dim=int(get("expert_feed_forward_length") or get("feed_forward_length")),
+                     router_renorm=bool(get("expert_weights_norm", True)))
     window = get("attention.sliding_window") or None  # phi3's converter writes 0 for none
     if get("attn_logit_softcapping") is not None:
         raise ModelError(f"{where}: {fam.gguf_arch}.attn_logit_softcapping = {get('attn_logit_softcapping')} "

@@ -22,6 +22,7 @@ from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, _rope_
                         chunk_attention, decode_attention, kv_dtype_of, rope_tables, store_rows, window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentMatrices,
                        Scratch, _dequantize, _fused_ok, head_rows)
+from .moe import MoE
 from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, _dense_products
 
 def rope_frequencies(args: ModelArgs, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
@@ -162,7 +163,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, up)
         self.attn = Attention(args, layer)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, up)
-        self.mlp = FeedForward(args)
+        self.moe = bool(args.n_experts)
+        self.mlp = MoE(args) if self.moe else FeedForward(args)
         # gemma3's sandwich: the attention's and the MLP's outputs are normed before each residual add
         self.attn_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
         self.mlp_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
@@ -172,7 +174,8 @@ class Block(nn.Module):
         w = self.weights.get()
         y = self.attn(self.attn_norm(h), w, pos, cos, sin)
         h = h + (y if self.attn_post_norm is None else self.attn_post_norm(y))
-        y = self.mlp(self.mlp_norm(h), w)
+        x = self.mlp_norm(h)
+        y = self.mlp(x) if self.moe else self.mlp(x, w)
         return h + (y if self.mlp_post_norm is None else self.mlp_post_norm(y))
 
     def decode(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -239,6 +242,8 @@ class Block(nn.Module):
 
     def _mlp_rows(self, h: torch.Tensor, mm: Products) -> torch.Tensor:
         x = self.mlp_norm.rows(h)
+        if self.moe:  # only the chosen experts' matrices are read (strata.moe)
+            return h + self.mlp(x).to(h.dtype)
         g, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
         y = mm.w2(F.silu(g) * up if self.mlp.activation == "silu" else gate(g, up, self.mlp.activation))
         return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
@@ -348,7 +353,13 @@ class Transformer(nn.Module):
             if args.qk_norm:
                 blk.attn.q_norm.weight = norm(take(p + "q_norm"))
                 blk.attn.k_norm.weight = norm(take(p + "k_norm"))
-            parts = {n: take(p + n) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+            if args.n_experts:
+                e = blk.mlp
+                e.router = param(take(p + "router"))
+                e.w13 = param(torch.cat([dense(take(p + "e_gate")), dense(take(p + "e_up"))], 1))
+                e.w2 = param(take(p + "e_down"))
+            mats = ("wq", "wk", "wv", "wo") + (() if args.n_experts else ("w_gate", "w_up", "w_down"))
+            parts = {n: take(p + n) for n in mats}
             bias = torch.cat([dense(take(p + n)) for n in ("bq", "bk", "bv")]) if args.qkv_bias else None
             if any(isinstance(t, Quantized) for t in parts.values()):
                 blk.weights = ResidentMatrices({n: packed(t) for n, t in parts.items()}, bias, self.scratch)
@@ -358,8 +369,9 @@ class Transformer(nn.Module):
             m.wqkv.weight = param(torch.cat([dense(parts.pop(n)) for n in ("wq", "wk", "wv")]))
             m.wqkv.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             m.wo.weight = param(parts.pop("wo"))
-            m.w13.weight = param(torch.cat([dense(parts.pop(n)) for n in ("w_gate", "w_up")]))
-            m.w2.weight = param(parts.pop("w_down"))
+            if not args.n_experts:
+                m.w13.weight = param(torch.cat([dense(parts.pop(n)) for n in ("w_gate", "w_up")]))
+                m.w2.weight = param(parts.pop("w_down"))
             blk.weights = m
         meta = [n for n, t in list(self.named_parameters()) + list(self.named_buffers()) if t.is_meta and n != "inv_freq"]
         if meta:
@@ -512,6 +524,8 @@ class Transformer(nn.Module):
         device, _ = self._compute()
         if device.type != "cpu":
             raise ValueError(f"decode_weights={kind!r} uses CPU kernels; this slice is on {device}")
+        if self.args.n_experts:
+            raise ValueError(f"decode_weights={kind!r} is not implemented for experts (decode reads the chosen ones)")
         if kind == "blocks":
             from .cpu_decode import Decoder
             self._blocks, self.decode_weights = Decoder(self, stored), kind

@@ -13,6 +13,8 @@ BIASES = ("bq", "bk", "bv")
 QK_NORMS = ("q_norm", "k_norm")
 POST_NORMS = ("attn_post_norm", "mlp_post_norm")
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+MLP = ("w_gate", "w_up", "w_down")
+EXPERTS = ("router", "e_gate", "e_up", "e_down")  # an MoE layer's, in place of MLP: stacked over the experts
 
 
 def short(canon: str) -> str:
@@ -29,6 +31,8 @@ def wanted_names(args, start: int, end: int) -> list[str]:
     names = ["embed"] if start == 0 else []
     per_layer = (list(PER_LAYER) + (list(BIASES) if args.qkv_bias else []) + (list(QK_NORMS) if args.qk_norm else [])
                  + (list(POST_NORMS) if args.post_norms else []))
+    if getattr(args, "n_experts", 0):
+        per_layer = [n for n in per_layer if n not in MLP] + list(EXPERTS)
     names += [f"layers.{i}.{n}" for i in range(start, end) for n in per_layer]
     if end == args.n_layers:
         names += ["norm"] + ([] if args.tie_embeddings else ["head"])
@@ -46,7 +50,9 @@ def shapes(args) -> dict[str, tuple[int, ...]]:
             "wo": (d, args.n_heads * hd), "w_gate": (args.ffn_dim, d),
             "w_up": (args.ffn_dim, d), "w_down": (d, args.ffn_dim),
             "bq": (args.n_heads * hd,), "bk": (args.n_kv_heads * hd,), "bv": (args.n_kv_heads * hd,),
-            "q_norm": (hd,), "k_norm": (hd,), "attn_post_norm": (d,), "mlp_post_norm": (d,)}
+            "q_norm": (hd,), "k_norm": (hd,), "attn_post_norm": (d,), "mlp_post_norm": (d,),
+            "router": (args.n_experts, d), "e_gate": (args.n_experts, args.expert_ffn_dim, d),
+            "e_up": (args.n_experts, args.expert_ffn_dim, d), "e_down": (args.n_experts, d, args.expert_ffn_dim)}
 
 
 def _split(canon: str) -> tuple[str, str]:
@@ -54,9 +60,18 @@ def _split(canon: str) -> tuple[str, str]:
     return i, s
 
 
+def hf_names(canon: str, args) -> list[str]:
+    """The HF tensors that hold `canon`: one, or an expert stack's one per expert (stacked in order)."""
+    name = hf_name(canon, args)
+    if "{e}" not in name:
+        return [name]
+    return [name.format(e=e) for e in range(args.n_experts)]
+
+
 def hf_name(canon: str, args=None) -> str:
     """Canonical tensor name -> its name in an HF checkpoint of `args`' family (default llama). A tensor the
-    family keeps fused with others: the fused tensor's name (see `fused_rows`)."""
+    family keeps fused with others: the fused tensor's name (see `fused_rows`); an expert stack: a template
+    with {e} for the expert (see `hf_names`)."""
     if canon in HF_GLOBAL:
         return HF_GLOBAL[canon]
     i, s = _split(canon)

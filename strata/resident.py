@@ -160,11 +160,13 @@ class DenseMatrices(nn.Module):
         hd = args.head_dim
         self.wqkv = _Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
         self.wo = _Linear(args.n_heads * hd, args.dim, bias=False)
-        self.w13 = _Linear(args.dim, 2 * args.ffn_dim, bias=False)
-        self.w2 = _Linear(args.ffn_dim, args.dim, bias=False)
+        # an MoE layer's experts live in its strata.moe.MoE
+        self.w13 = None if args.n_experts else _Linear(args.dim, 2 * args.ffn_dim, bias=False)
+        self.w2 = None if args.n_experts else _Linear(args.ffn_dim, args.dim, bias=False)
 
     def get(self) -> Mats:
-        return Mats(self.wqkv.weight, self.wqkv.bias, self.wo.weight, self.w13.weight, self.w2.weight)
+        return Mats(self.wqkv.weight, self.wqkv.bias, self.wo.weight, self.w13 and self.w13.weight,
+                    self.w2 and self.w2.weight)
 
 
 class ResidentMatrices(nn.Module):

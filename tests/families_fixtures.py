@@ -42,7 +42,7 @@ LLAMA_CPP_PY_VERSION = "0.3.36"
 CACHE = Path(os.environ.get("STRATA_TEST_CACHE", Path.home() / ".cache" / "strata-tests"))
 PEER_LLAMA_CPP = REPO / ".peer" / "src" / f"llama_cpp_python-{LLAMA_CPP_PY_VERSION}" / "vendor" / "llama.cpp"
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn", "qwen3_moe", "mixtral")
 SP_VOCAB = 300            # pieces of the tiny sentencepiece tokenizer (tiny_sp_model)
 SMOLLM2_VOCAB = 49152     # SmolLM2's tokenizer
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,6 +93,14 @@ def _family_spec(family: str):
                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
             final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0,
             hidden_activation="gelu_pytorch_tanh")
+    if family == "qwen3_moe":  # q/k norms and 8 experts, top 2 renormalized (as the released models)
+        return tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+            head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if family == "mixtral":  # 8 experts, top 2 renormalized, a window
+        return tf.MixtralConfig, tf.MixtralForCausalLM, dict(
+            num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     if family == "phi3":    # fused qkv_proj and gate_up_proj
         return tf.Phi3Config, tf.Phi3ForCausalLM, dict(
             pad_token_id=0, original_max_position_embeddings=1024,

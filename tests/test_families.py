@@ -14,10 +14,11 @@ from strata.checkpoint import model_args, slice_tensors  # noqa: E402
 from strata.model import Transformer  # noqa: E402
 
 PROMPT, CHUNK, NEW = 71, 13, 16  # 5 chunks of 13 and one of 6 (> DECODE_T: all prefill); windows are 16-24
-HF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn")
+HF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn", "qwen3_moe", "mixtral")
 # what the fixtures leave at a value that would hide a mistake here: gemma3's softmax scale at head_dim ** -0.5 and
 # a logit softcap far above these logits; phi3 without a window
-HF_OVERRIDES = {"gemma3": dict(query_pre_attn_scalar=24, final_logit_softcapping=1.5), "phi3": dict(sliding_window=20)}
+HF_OVERRIDES = {"gemma3": dict(query_pre_attn_scalar=24, final_logit_softcapping=1.5), "phi3": dict(sliding_window=20),
+                "qwen3_moe": dict(norm_topk_prob=False), "mixtral": dict(sliding_window=24)}
 
 
 def rel(a, b):
@@ -119,7 +120,7 @@ def test_gpu_family_prefill_and_graph_decode(tmp_path, fam):
 
 
 # -- the same models through llama.cpp's own GGUF writer ------------------------------------------------------
-GGUF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "llama-yarn")  # gemma3: its own test below
+GGUF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "llama-yarn", "qwen3_moe", "mixtral")  # gemma3: below
 
 
 def args_diff(hf, gg, skip=()) -> dict:
@@ -142,7 +143,11 @@ def converted(tmp_path_factory):
     if why:
         pytest.skip(why)
     base = tmp_path_factory.mktemp("gguf")
-    made = {f: make_hf(base, f, **HF_OVERRIDES.get(f, {})) for f in GGUF_FAMILIES}
+    # qwen3_moe at its fixture's norm_topk_prob (true): llama.cpp renormalizes the chosen experts' weights always;
+    # with SmolLM2's tokenizer (its converter class reads a sentencepiece one through tiktoken, not installed)
+    from families_fixtures import SMOLLM2_VOCAB
+    over = {**HF_OVERRIDES, "qwen3_moe": dict(vocab_size=SMOLLM2_VOCAB)}
+    made = {f: make_hf(base, f, **over.get(f, {})) for f in GGUF_FAMILIES}
     files = convert_many([(d, base / f"{f}.gguf") for f, (_, d) in made.items()])
     out = {}
     for (f, (ref, d)), g in zip(made.items(), files):
@@ -154,13 +159,13 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("fam", GGUF_FAMILIES)
 def test_gguf_from_llamacpp_converter_matches_transformers(converted, fam):
-    """The converter's file read by Strata: the args of the HF directory, and transformers' results. mistral: the
-    converter writes no sliding_window (its llama arch has none), so the file is a Llama, compared with the
+    """The converter's file read by Strata: the args of the HF directory, and transformers' results. mistral and
+    mixtral: the converter writes no sliding_window (its llama arch has none), so the file is compared with the
     transformers model with its window removed."""
     ref, d, g = converted[fam]
     hf, gg = model_args(d), model_args(g)
     skip = {"bos_id", "eos_id", "max_seq_len"}
-    if fam == "mistral":
+    if fam in ("mistral", "mixtral"):
         assert hf.sliding_window is not None and gg.sliding_window is None
         skip.add("sliding_window")
         ref.config.sliding_window = None

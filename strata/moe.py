@@ -1,0 +1,91 @@
+"""A mixture-of-experts MLP: a softmax top-k router and SwiGLU experts, tokens grouped by expert.
+
+Prefill: the (token, choice) pairs are sorted by expert and each expert's rows multiplied at once: one grouped GEMM
+on CUDA (torch._grouped_mm, where this torch has it and the shapes suit it), else one batched GEMM over the experts
+with their rows padded to the busiest expert's count; no Python loop over experts or tokens. A few rows (decode):
+only the chosen experts' matrices are gathered and multiplied, so a step reads k experts, not all of them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# at most this many (token, choice) pairs take the gather path (each reads its expert's matrices)
+GATHER_PAIRS = 16
+
+
+class MoE(nn.Module):
+    """router (E, dim); w13 (E, 2 * effn, dim): each expert's gate rows then up rows; w2 (E, dim, effn)."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.n, self.k, self.effn = args.n_experts, args.n_experts_used, args.expert_ffn_dim
+        self.renorm = args.router_renorm
+        self.router = nn.Parameter(torch.empty(self.n, args.dim), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(self.n, 2 * self.effn, args.dim), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.n, args.dim, self.effn), requires_grad=False)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (N, dim) -> (weights (N, k) in float32, expert ids (N, k)): softmax over every expert's logit, the
+        top k, renormalized to sum 1 where the family says so (Mixtral, Qwen3-MoE's norm_topk_prob)."""
+        probs = F.linear(h, self.router).softmax(-1, dtype=torch.float32)
+        w, idx = probs.topk(self.k, -1)
+        if self.renorm:
+            w = w / w.sum(-1, keepdim=True)
+        return w, idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., dim) -> (..., dim)."""
+        h = x.reshape(-1, x.shape[-1])
+        w, idx = self.route(h)
+        if h.shape[0] * self.k <= GATHER_PAIRS:
+            y = self._gathered(h, w, idx)
+        else:
+            y = self._grouped(h, w, idx)
+        return y.view(x.shape)
+
+    def _gathered(self, h, w, idx) -> torch.Tensor:
+        """Few rows: each (row, choice) multiplies its expert's matrices, read for it alone."""
+        n, k = idx.shape
+        e = idx.reshape(-1)
+        xs = h.repeat_interleave(k, 0).unsqueeze(-1)                     # (n*k, dim, 1)
+        gu = torch.bmm(self.w13[e], xs).squeeze(-1)                      # (n*k, 2 effn)
+        z = F.silu(gu[:, :self.effn]) * gu[:, self.effn:]
+        y = torch.bmm(self.w2[e], z.unsqueeze(-1)).squeeze(-1)           # (n*k, dim)
+        return (y.float() * w.reshape(-1, 1)).view(n, k, -1).sum(1).to(h.dtype)
+
+    def _grouped(self, h, w, idx) -> torch.Tensor:
+        n, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)                                # pairs by expert
+        tok = order // k
+        counts = torch.bincount(flat, minlength=self.n)
+        xs = h[tok]                                                      # (n*k, dim), expert-sorted
+        ys = _grouped_swiglu(xs, counts, self.w13, self.w2, self.effn)
+        ys = ys.float() * w.reshape(-1)[order, None]
+        out = torch.zeros(n, h.shape[1], dtype=torch.float32, device=h.device)
+        return out.index_add_(0, tok, ys).to(h.dtype)
+
+
+def _grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    effn: int) -> torch.Tensor:
+    """Rows xs (N, dim) sorted by expert, counts[e] of them each -> each row's expert SwiGLU (N, dim)."""
+    if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        try:
+            offs = counts.cumsum(0).to(torch.int32)
+            gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+            z = F.silu(gu[:, :effn]) * gu[:, effn:]
+            return torch._grouped_mm(z.contiguous(), w2.transpose(1, 2), offs=offs)
+        except (RuntimeError, TypeError):  # shapes or alignment it refuses: the padded batch below
+            pass
+    E, N = counts.shape[0], xs.shape[0]
+    m = int(counts.max())
+    start = counts.cumsum(0) - counts
+    e_of = torch.repeat_interleave(torch.arange(E, device=xs.device), counts, output_size=N)
+    slot = torch.arange(N, device=xs.device) - start[e_of]               # each row's place in its expert's batch
+    buf = xs.new_zeros(E, m, xs.shape[1])
+    buf[e_of, slot] = xs
+    gu = torch.bmm(buf, w13.transpose(1, 2))                             # (E, m, 2 effn)
+    z = F.silu(gu[..., :effn]) * gu[..., effn:]
+    return torch.bmm(z, w2.transpose(1, 2))[e_of, slot]                  # (N, dim)
