@@ -307,3 +307,31 @@ def test_gpu_graphs_bfloat16_match_eager(tmp_path, fam):
         b = ms[1].decode_token(ids[:, p:p + 1], p)[1]
         assert rel(b, a) < 2e-2, (p, rel(b, a))
     assert ms[1]._graphs is not None and ms[1]._graphs.graphs
+
+
+def test_experts_through_the_pipeline(tmp_path):
+    """qwen3_moe on 3 CPU stage processes, experts on every stage: depth 0 and 1 give the same residual bits, the
+    last logits and the perplexity are transformers', and generate's greedy tokens too."""
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    import numpy as np
+    ref, d = make_hf(tmp_path, "qwen3_moe")
+    args = model_args(d)
+    ids = np.random.default_rng(4).integers(0, args.vocab_size, size=90).astype(np.int32)
+    with torch.no_grad():
+        logits = ref(torch.from_numpy(ids).long()[None]).logits[0]
+    ppl = float(torch.nn.functional.cross_entropy(logits[:-1], torch.from_numpy(ids[1:]).long()).exp())
+    md5 = {}
+    for depth in (0, 1):
+        rig = dict(model=d, stages=[{"device": "cpu", "threads": 1}] * 3, layer_split=[1, 2, 1], chunk=CHUNK,
+                   depth=depth, dtype="float32", progress=False, dump_residual=True, max_context=128,
+                   prompt={"random": {"tokens": 8, "seed": 0}})
+        with Pipeline(rig, out=tmp_path / f"d{depth}", console=False) as p:
+            r = p.prefill(ids)
+            md5[depth] = r.report["residual_md5"]
+            assert rel(torch.from_numpy(r.last_logits), logits[-1]) < 1e-4
+            assert abs(r.perplexity - ppl) / ppl < 1e-4
+            if depth == 1:
+                g = p.generate(ids, SamplingParams(max_tokens=NEW, temperature=0.0))
+                assert g.continuation_ids == reference_greedy(ref, torch.from_numpy(ids).long()[None], NEW)
+    assert md5[0] == md5[1]
