@@ -98,7 +98,7 @@ def _kernel_cases():
                  {"H": 32, "D": 128, "ROWS": k.ROPE_ROWS}),
         "split_k_partial": (da._partial, {"q_ptr": B16, "k_ptr": B16, "v_ptr": B16, "len_ptr": I64, "m_ptr": F32,
                                           "l_ptr": F32, "acc_ptr": F32, **ints("sk_h", "sk_s", "sv_h", "sv_s", "span"),
-                                          "scale": "fp32"},
+                                          "scale": "fp32", **ints("window", "ring")},
                             {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32"}),
         "split_k_merge": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16, "n_split": I32},
                           {"G": 4, "GP": 16, "HD": 128, "SP": 64}),
