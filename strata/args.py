@@ -5,7 +5,8 @@ import math
 from dataclasses import dataclass
 
 # the families whose arithmetic the decoder core implements (strata.families declares each: its files' names and keys)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4_moe")
+ROUTERS = ("softmax", "sigmoid")  # strata.moe: softmax over all, top k; sigmoid scores chosen with a bias (glm4_moe)
 DECODE_T = 4  # forward() with at most this many rows takes the decode path (Block.decode): also a "chunk"
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (tanh-approximated GELU)
 
@@ -44,6 +45,13 @@ class ModelArgs:
     n_experts_used: int = 0          # experts a token goes to (top k of a softmax over all)
     expert_ffn_dim: int = 0          # one expert's SwiGLU inner width
     router_renorm: bool = False      # the chosen experts' weights renormalized to sum 1
+    router: str = "softmax"          # ROUTERS
+    router_groups: int = 1           # sigmoid: experts in this many groups, the best `router_groups_used` kept
+    router_groups_used: int = 1
+    routed_scale: float = 1.0        # the chosen experts' weights times this
+    shared_ffn_dim: int = 0          # > 0: a shared SwiGLU of this width beside the routed experts (glm4_moe)
+    first_dense_layers: int = 0      # layers [0, k) keep a dense MLP of ffn_dim (glm4_moe's first_k_dense_replace)
+    rotary_dim: int | None = None    # RoPE over the first rotary_dim values of each head; None: all (partial: glm4)
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -62,6 +70,16 @@ class ModelArgs:
             raise ValueError(f"sliding_window {self.sliding_window} is not a positive length")
         if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.expert_ffn_dim > 0):
             raise ValueError(f"{self.n_experts_used} of {self.n_experts} experts of width {self.expert_ffn_dim}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unsupported router {self.router!r} (supported: {', '.join(ROUTERS)})")
+        if self.n_experts % self.router_groups or not 0 < self.router_groups_used <= self.router_groups:
+            raise ValueError(f"{self.router_groups_used} of {self.router_groups} expert groups over {self.n_experts}")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim {self.rotary_dim} is not an even part of head_dim {self.head_dim}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return self.n_experts > 0 and layer >= self.first_dense_layers
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: it sees every earlier position)."""
@@ -93,6 +111,8 @@ class ModelArgs:
             out.append("attn_scale")
         if self.n_experts:
             out.append("experts")
+        if self.rotary_dim not in (None, self.head_dim):
+            out.append("partial rotary")
         if self.rope_scaling and self.rope_scaling.get("rope_type", "llama3") != "llama3":
             out.append(f"rope {self.rope_scaling['rope_type']}")
         return tuple(out)
@@ -100,8 +120,8 @@ class ModelArgs:
     def layer_param_count(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         norms = (4 if self.post_norms else 2) * self.dim + (2 * self.head_dim if self.qk_norm else 0)
-        mlp = (self.n_experts * (3 * self.dim * self.expert_ffn_dim + self.dim) if self.n_experts
-               else 3 * self.dim * self.ffn_dim)
+        mlp = (self.n_experts * (3 * self.dim * self.expert_ffn_dim + self.dim) + 3 * self.dim * self.shared_ffn_dim
+               if self.n_experts else 3 * self.dim * self.ffn_dim)  # the MoE layers' (the most of a layer's)
         return attn + mlp + norms
 
     def param_count(self, start: int, end: int) -> int:

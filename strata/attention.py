@@ -16,7 +16,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.
 
     x: (1, T, heads, hd), any strides; cos, ssin: (T, 1, hd), ssin from `_signed_sin`. cat((-x2, x1)) * sin
     is cat((x2, x1)) * cat((-sin1, sin2)), the same products; the swap is a cat (not a roll, which copies a
-    strided x first). Returns a new contiguous (1, T, heads, hd) tensor."""
+    strided x first). Returns a new contiguous (1, T, heads, hd) tensor. cos narrower than hd: partial rotary,
+    the first cos.shape[-1] values of each head rotate, the rest pass."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :r], cos, ssin), x[..., r:]), -1)
     if x.is_cuda and CUDA_KERNELS == "triton":
         from .kernels import rope
         y = rope(x, cos, ssin)  # one pass instead of three
@@ -204,6 +208,9 @@ def _rope_rows(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.
     # x: (T, heads, hd); cos, ssin: (T, 1, hd), ssin from _signed_sin. The rotate-half form of apply_rope on all
     # heads at once, in 3 ops instead of 5 (a decode step is bound by per-op dispatch): cat((-x2, x1)) * sin is
     # cat((x2, x1)) * cat((-sin1, sin2)), the same products, and cat((x2, x1)) is a roll by half
+    if cos.shape[-1] < x.shape[-1]:  # partial rotary: the rest of each head passes
+        r = cos.shape[-1]
+        return torch.cat((_rope_rows(x[..., :r], cos, ssin), x[..., r:]), -1)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), ssin)
 
 

@@ -64,6 +64,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True,
            hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "e_gate": "mlp.experts.{e}.gate_proj.weight",
                      "e_up": "mlp.experts.{e}.up_proj.weight", "e_down": "mlp.experts.{e}.down_proj.weight"}),
+    Family("glm4_moe", ("Glm4MoeForCausalLM",), "glm4moe",
+           hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "router_bias": "mlp.gate.e_score_correction_bias",
+                     "e_gate": "mlp.experts.{e}.gate_proj.weight", "e_up": "mlp.experts.{e}.up_proj.weight",
+                     "e_down": "mlp.experts.{e}.down_proj.weight", "s_gate": "mlp.shared_experts.gate_proj.weight",
+                     "s_up": "mlp.shared_experts.up_proj.weight", "s_down": "mlp.shared_experts.down_proj.weight"}),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
            gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),
@@ -71,7 +76,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 _BY_HF = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
 _BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values()}
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe"}
+                "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe"}
 
 
 def family(arch: str) -> Family:
@@ -104,13 +109,16 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
         refuse(act_key)
     if cfg.get("mlp_bias"):
         refuse("mlp_bias")
-    if cfg.get("attention_bias"):
+    glm = fam.name == "glm4_moe"  # its attention_bias is q/k/v's only, and it may norm q and k
+    if cfg.get("attention_bias") and not glm:
         refuse("attention_bias", "is not implemented (biases on q/k/v/o)")
     if cfg.get("attn_logit_softcapping") is not None:
         refuse("attn_logit_softcapping")
     if cfg.get("use_bidirectional_attention"):
         refuse("use_bidirectional_attention")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+    rp0 = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    prf = float(cfg.get("partial_rotary_factor") or rp0.get("partial_rotary_factor") or 1.0)
+    if prf != 1.0 and not glm:  # (transformers' Llama-style families ignore it at the default rope, Phi honours it)
         refuse("partial_rotary_factor")
     experts = _hf_experts(cfg, archs[0], where, refuse)
     for key in ("attention_chunk_size", "no_rope_layers"):
@@ -131,6 +139,8 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     elif fam.gemma:
         window_theta = float(cfg.get("rope_local_base_freq", 10000.0))
     rs = cfg.get("rope_scaling") or rp
+    if rs and "partial_rotary_factor" in rs:  # read above, as rotary_dim
+        rs = {k: v for k, v in rs.items() if k != "partial_rotary_factor"}
     theta = float((rp or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     scaling = scaling_from_hf(rs, where, max_position_embeddings=cfg.get("max_position_embeddings"),
                               original_max_position_embeddings=cfg.get("original_max_position_embeddings"))
@@ -153,7 +163,9 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
                          norm_eps=cfg.get("rms_norm_eps", 1e-6 if fam.gemma else 1e-5),
                          rope_theta=theta, rope_scaling=scaling,
                          tie_embeddings=bool(cfg.get("tie_word_embeddings", fam.gemma)),
-                         qkv_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
+                         qkv_bias=fam.qkv_bias or (glm and bool(cfg.get("attention_bias"))),
+                         qk_norm=fam.qk_norm or (glm and bool(cfg.get("use_qk_norm"))),
+                         rotary_dim=int(head_dim * prf) if prf != 1.0 else None,
                          max_seq_len=cfg.get("max_position_embeddings", 8192),
                          sliding_window=window, window_layers=window_layers,
                          bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
@@ -167,7 +179,15 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
 def _hf_experts(cfg: dict, arch: str, where: str, refuse) -> dict:
     """ModelArgs' expert fields from config.json: Mixtral (renormalized top k) and Qwen3-MoE (norm_topk_prob);
     experts anywhere else, or in a layout the core does not implement, refused."""
-    n = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    n = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    if arch == "Glm4MoeForCausalLM":
+        return dict(n_experts=int(n), n_experts_used=int(cfg["num_experts_per_tok"]),
+                    expert_ffn_dim=int(cfg["moe_intermediate_size"]), router="sigmoid",
+                    router_renorm=bool(cfg.get("norm_topk_prob", True)), router_groups=int(cfg.get("n_group", 1)),
+                    router_groups_used=int(cfg.get("topk_group", 1)),
+                    routed_scale=float(cfg.get("routed_scaling_factor", 1.0)),
+                    shared_ffn_dim=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+                    first_dense_layers=int(cfg.get("first_k_dense_replace", 0)))
     if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         if n:
             refuse("num_local_experts" if cfg.get("num_local_experts") else "num_experts",

@@ -31,14 +31,14 @@ def rope_frequencies(args: ModelArgs, theta: float | None = None, scaled: bool =
     meta arange goes through torch's compiler (~1 s import)."""
     from .rope import inv_frequencies
     inv, _ = inv_frequencies(args.head_dim, args.rope_theta if theta is None else theta,
-                             _scaling(args) if scaled else None)
+                             _scaling(args) if scaled else None, args.rotary_dim)
     return inv.float()
 
 
 def rope_attention_factor(args: ModelArgs) -> float:
     """What cos and sin are multiplied by (YaRN's attention factor; 1.0 otherwise)."""
     from .rope import inv_frequencies
-    return inv_frequencies(args.head_dim, args.rope_theta, _scaling(args))[1]
+    return inv_frequencies(args.head_dim, args.rope_theta, _scaling(args), args.rotary_dim)[1]
 
 
 def _scaling(args: ModelArgs) -> dict | None:
@@ -163,12 +163,12 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, up)
         self.attn = Attention(args, layer)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, up)
-        self.moe = bool(args.n_experts)
+        self.moe = args.is_moe(layer)
         self.mlp = MoE(args) if self.moe else FeedForward(args)
         # gemma3's sandwich: the attention's and the MLP's outputs are normed before each residual add
         self.attn_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
         self.mlp_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
-        self.weights: DenseMatrices | ResidentMatrices = DenseMatrices(args)
+        self.weights: DenseMatrices | ResidentMatrices = DenseMatrices(args, mlp=not self.moe)
 
     def forward(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         w = self.weights.get()
@@ -353,23 +353,30 @@ class Transformer(nn.Module):
             if args.qk_norm:
                 blk.attn.q_norm.weight = norm(take(p + "q_norm"))
                 blk.attn.k_norm.weight = norm(take(p + "k_norm"))
-            if args.n_experts:
+            if blk.moe:
                 e = blk.mlp
-                e.router = param(take(p + "router"))
+                # a sigmoid router's logits and bias are taken in float32 (as GLM's)
+                f32 = (lambda t: nn.Parameter(dense(t).float(), requires_grad=False)) if e.kind == "sigmoid" else param
+                e.router = f32(take(p + "router"))
+                if e.router_bias is not None:
+                    e.router_bias = f32(take(p + "router_bias"))
                 e.w13 = param(torch.cat([dense(take(p + "e_gate")), dense(take(p + "e_up"))], 1))
                 e.w2 = param(take(p + "e_down"))
-            mats = ("wq", "wk", "wv", "wo") + (() if args.n_experts else ("w_gate", "w_up", "w_down"))
+                if e.sffn:
+                    e.s13 = param(torch.cat([dense(take(p + "s_gate")), dense(take(p + "s_up"))]))
+                    e.s2 = param(take(p + "s_down"))
+            mats = ("wq", "wk", "wv", "wo") + (() if blk.moe else ("w_gate", "w_up", "w_down"))
             parts = {n: take(p + n) for n in mats}
             bias = torch.cat([dense(take(p + n)) for n in ("bq", "bk", "bv")]) if args.qkv_bias else None
             if any(isinstance(t, Quantized) for t in parts.values()):
                 blk.weights = ResidentMatrices({n: packed(t) for n, t in parts.items()}, bias, self.scratch)
                 continue
             with torch.device("meta"):
-                m = DenseMatrices(args)
+                m = DenseMatrices(args, mlp=not blk.moe)
             m.wqkv.weight = param(torch.cat([dense(parts.pop(n)) for n in ("wq", "wk", "wv")]))
             m.wqkv.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             m.wo.weight = param(parts.pop("wo"))
-            if not args.n_experts:
+            if not blk.moe:
                 m.w13.weight = param(torch.cat([dense(parts.pop(n)) for n in ("w_gate", "w_up")]))
                 m.w2.weight = param(parts.pop("w_down"))
             blk.weights = m

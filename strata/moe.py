@@ -1,4 +1,5 @@
-"""A mixture-of-experts MLP: a softmax top-k router and SwiGLU experts, tokens grouped by expert.
+"""A mixture-of-experts MLP: a router (softmax top k, or sigmoid scores chosen with a bias in groups) and SwiGLU
+experts, tokens grouped by expert, and a shared expert beside them where the family has one.
 
 Prefill: the (token, choice) pairs are sorted by expert and each expert's rows multiplied at once: one grouped GEMM
 on CUDA (torch._grouped_mm, where this torch has it and the shapes suit it), else one batched GEMM over the experts
@@ -21,19 +22,38 @@ class MoE(nn.Module):
     def __init__(self, args):
         super().__init__()
         self.n, self.k, self.effn = args.n_experts, args.n_experts_used, args.expert_ffn_dim
-        self.renorm = args.router_renorm
-        self.router = nn.Parameter(torch.empty(self.n, args.dim), requires_grad=False)
+        self.renorm, self.kind, self.scale = args.router_renorm, args.router, args.routed_scale
+        self.groups, self.groups_used = args.router_groups, args.router_groups_used
+        self.router = nn.Parameter(torch.empty(self.n, args.dim), requires_grad=False)  # float32 for sigmoid
+        self.router_bias = (nn.Parameter(torch.empty(self.n), requires_grad=False) if args.router == "sigmoid"
+                            else None)  # added to the scores to choose, not to weigh
         self.w13 = nn.Parameter(torch.empty(self.n, 2 * self.effn, args.dim), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.n, args.dim, self.effn), requires_grad=False)
+        self.sffn = args.shared_ffn_dim
+        if self.sffn:
+            self.s13 = nn.Parameter(torch.empty(2 * self.sffn, args.dim), requires_grad=False)
+            self.s2 = nn.Parameter(torch.empty(args.dim, self.sffn), requires_grad=False)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h (N, dim) -> (weights (N, k) in float32, expert ids (N, k)): softmax over every expert's logit, the
-        top k, renormalized to sum 1 where the family says so (Mixtral, Qwen3-MoE's norm_topk_prob)."""
-        probs = F.linear(h, self.router).softmax(-1, dtype=torch.float32)
-        w, idx = probs.topk(self.k, -1)
+        """h (N, dim) -> (weights (N, k) in float32, expert ids (N, k)). softmax: over every expert's logit, the
+        top k, renormalized to sum 1 where the family says so (Mixtral, Qwen3-MoE's norm_topk_prob). sigmoid
+        (GLM-4.5): float32 scores; the choice by score + bias, within the best groups (a group's worth: its two
+        best); the weights the chosen scores, renormalized, times the routed scale."""
+        if self.kind == "softmax":
+            w, idx = F.linear(h, self.router).softmax(-1, dtype=torch.float32).topk(self.k, -1)
+        else:
+            scores = F.linear(h.float(), self.router.float()).sigmoid()
+            choice = scores + self.router_bias.float()
+            if self.groups > 1:
+                per = choice.view(-1, self.groups, self.n // self.groups)
+                best = per.topk(2, -1)[0].sum(-1).topk(self.groups_used, -1)[1]
+                keep = torch.zeros_like(per[..., 0]).scatter_(1, best, 1.0).bool()
+                choice = per.masked_fill(~keep[..., None], float("-inf")).view(-1, self.n)
+            idx = choice.topk(self.k, -1)[1]
+            w = scores.gather(1, idx)
         if self.renorm:
-            w = w / w.sum(-1, keepdim=True)
-        return w, idx
+            w = w / (w.sum(-1, keepdim=True) + (1e-20 if self.kind == "sigmoid" else 0.0))
+        return (w * self.scale if self.scale != 1.0 else w), idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., dim) -> (..., dim)."""
@@ -43,6 +63,9 @@ class MoE(nn.Module):
             y = self._gathered(h, w, idx)
         else:
             y = self._grouped(h, w, idx)
+        if self.sffn:
+            gu = F.linear(h, self.s13)
+            y = y + F.linear(F.silu(gu[:, :self.sffn]) * gu[:, self.sffn:], self.s2)
         return y.view(x.shape)
 
     def _gathered(self, h, w, idx) -> torch.Tensor:

@@ -15,6 +15,7 @@ POST_NORMS = ("attn_post_norm", "mlp_post_norm")
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 MLP = ("w_gate", "w_up", "w_down")
 EXPERTS = ("router", "e_gate", "e_up", "e_down")  # an MoE layer's, in place of MLP: stacked over the experts
+SHARED = ("s_gate", "s_up", "s_down")            # its shared expert (glm4_moe)
 
 
 def short(canon: str) -> str:
@@ -31,9 +32,9 @@ def wanted_names(args, start: int, end: int) -> list[str]:
     names = ["embed"] if start == 0 else []
     per_layer = (list(PER_LAYER) + (list(BIASES) if args.qkv_bias else []) + (list(QK_NORMS) if args.qk_norm else [])
                  + (list(POST_NORMS) if args.post_norms else []))
-    if getattr(args, "n_experts", 0):
-        per_layer = [n for n in per_layer if n not in MLP] + list(EXPERTS)
-    names += [f"layers.{i}.{n}" for i in range(start, end) for n in per_layer]
+    moe = ([n for n in per_layer if n not in MLP] + list(EXPERTS) + (["router_bias"] if args.router == "sigmoid" else [])
+           + (list(SHARED) if args.shared_ffn_dim else []))
+    names += [f"layers.{i}.{n}" for i in range(start, end) for n in (moe if args.is_moe(i) else per_layer)]
     if end == args.n_layers:
         names += ["norm"] + ([] if args.tie_embeddings else ["head"])
     if end == args.n_layers and args.tie_embeddings and start != 0:
@@ -52,7 +53,9 @@ def shapes(args) -> dict[str, tuple[int, ...]]:
             "bq": (args.n_heads * hd,), "bk": (args.n_kv_heads * hd,), "bv": (args.n_kv_heads * hd,),
             "q_norm": (hd,), "k_norm": (hd,), "attn_post_norm": (d,), "mlp_post_norm": (d,),
             "router": (args.n_experts, d), "e_gate": (args.n_experts, args.expert_ffn_dim, d),
-            "e_up": (args.n_experts, args.expert_ffn_dim, d), "e_down": (args.n_experts, d, args.expert_ffn_dim)}
+            "e_up": (args.n_experts, args.expert_ffn_dim, d), "e_down": (args.n_experts, d, args.expert_ffn_dim),
+            "router_bias": (args.n_experts,), "s_gate": (args.shared_ffn_dim, d), "s_up": (args.shared_ffn_dim, d),
+            "s_down": (d, args.shared_ffn_dim)}
 
 
 def _split(canon: str) -> tuple[str, str]:

@@ -155,14 +155,14 @@ class _Linear(nn.Linear):
 class DenseMatrices(nn.Module):
     """A layer's matrices held dense in the compute dtype (q/k/v and gate/up fused at load)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, mlp: bool = True):
         super().__init__()
         hd = args.head_dim
         self.wqkv = _Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
         self.wo = _Linear(args.n_heads * hd, args.dim, bias=False)
         # an MoE layer's experts live in its strata.moe.MoE
-        self.w13 = None if args.n_experts else _Linear(args.dim, 2 * args.ffn_dim, bias=False)
-        self.w2 = None if args.n_experts else _Linear(args.ffn_dim, args.dim, bias=False)
+        self.w13 = _Linear(args.dim, 2 * args.ffn_dim, bias=False) if mlp else None
+        self.w2 = _Linear(args.ffn_dim, args.dim, bias=False) if mlp else None
 
     def get(self) -> Mats:
         return Mats(self.wqkv.weight, self.wqkv.bias, self.wo.weight, self.w13 and self.w13.weight,
