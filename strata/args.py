@@ -5,8 +5,11 @@ import math
 from dataclasses import dataclass
 
 # the families whose arithmetic the decoder core implements (strata.families declares each: its files' names and keys)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4_moe")
-ROUTERS = ("softmax", "sigmoid")  # strata.moe: softmax over all, top k; sigmoid scores chosen with a bias (glm4_moe)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss")
+# strata.moe: softmax over all, top k; sigmoid scores chosen with a bias (glm4_moe); top k logits (with a bias), then
+# a softmax over those (gpt_oss)
+ROUTERS = ("softmax", "sigmoid", "topk_softmax")
+EXPERT_ACTS = ("silu", "clamped")  # SwiGLU, or gpt-oss's clamped gate * sigmoid(alpha * gate) * (up + 1)
 DECODE_T = 4  # forward() with at most this many rows takes the decode path (Block.decode): also a "chunk"
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (tanh-approximated GELU)
 
@@ -52,6 +55,12 @@ class ModelArgs:
     shared_ffn_dim: int = 0          # > 0: a shared SwiGLU of this width beside the routed experts (glm4_moe)
     first_dense_layers: int = 0      # layers [0, k) keep a dense MLP of ffn_dim (glm4_moe's first_k_dense_replace)
     rotary_dim: int | None = None    # RoPE over the first rotary_dim values of each head; None: all (partial: glm4)
+    attn_sinks: bool = False         # a learned logit per head in each softmax's denominator, with no value (gpt-oss)
+    o_bias: bool = False             # a bias on the attention's output projection (gpt-oss)
+    expert_bias: bool = False        # biases on the experts' gate/up and down products (gpt-oss)
+    expert_act: str = "silu"         # EXPERT_ACTS
+    swiglu_alpha: float = 1.702      # clamped: the sigmoid's slope
+    swiglu_limit: float = 7.0        # clamped: gate <= limit, |up| <= limit
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -70,6 +79,8 @@ class ModelArgs:
             raise ValueError(f"sliding_window {self.sliding_window} is not a positive length")
         if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.expert_ffn_dim > 0):
             raise ValueError(f"{self.n_experts_used} of {self.n_experts} experts of width {self.expert_ffn_dim}")
+        if self.expert_act not in EXPERT_ACTS:
+            raise ValueError(f"unsupported expert activation {self.expert_act!r} (supported: {', '.join(EXPERT_ACTS)})")
         if self.router not in ROUTERS:
             raise ValueError(f"unsupported router {self.router!r} (supported: {', '.join(ROUTERS)})")
         if self.n_experts % self.router_groups or not 0 < self.router_groups_used <= self.router_groups:
@@ -113,6 +124,10 @@ class ModelArgs:
             out.append("experts")
         if self.rotary_dim not in (None, self.head_dim):
             out.append("partial rotary")
+        if self.attn_sinks:
+            out.append("sinks")
+        if self.o_bias:
+            out.append("o_bias")
         if self.rope_scaling and self.rope_scaling.get("rope_type", "llama3") != "llama3":
             out.append(f"rope {self.rope_scaling['rope_type']}")
         return tuple(out)

@@ -57,14 +57,17 @@ WINDOW_ROWS = 1024
 
 
 def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: int,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Queries at [pos, pos + T) of a sliding-window layer, whose keys are cached: the query at p sees keys
     (p - window, p].
 
     q: (1, nh, T, hd); k_cache, v_cache: (1, nkv, S, hd), position p in row p % S (a ring when S is shorter than
     the prompt; S >= window + T - 1, so the chunk's rows overwrote none it reads). In blocks of WINDOW_ROWS
     queries, each against its band of keys only (a view, or gathered where the band wraps round the ring),
-    widened to q's dtype, with a boolean band mask: memory and work grow with the window, not the prefix."""
+    widened to q's dtype, with a boolean band mask: memory and work grow with the window, not the prefix.
+    sinks (nh,): gpt-oss's per-head logit in every softmax's denominator with no value: each output row is
+    scaled by sigmoid(lse - sink), from the attention's log-sum-exp (a layer without a window passes
+    window = pos + T)."""
     T, S = q.shape[2], k_cache.shape[2]
     out = torch.empty_like(q)
     for a in range(0, T, WINDOW_ROWS):
@@ -86,9 +89,26 @@ def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         qp = torch.arange(pos + a, pos + b, device=q.device)[:, None]
         kp = torch.arange(k0, pos + b, device=q.device)[None]
         band = (kp <= qp) & (kp > qp - window)
-        out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], ks, vs, attn_mask=band, enable_gqa=True,
-                                                         scale=scale)
+        if sinks is None:
+            out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], ks, vs, attn_mask=band, enable_gqa=True,
+                                                             scale=scale)
+            continue
+        y, lse = _masked_with_lse(q[:, :, a:b], ks, vs, band, scale)
+        out[:, :, a:b] = (y.float() * torch.sigmoid(lse.float() - sinks.float()[:, None])[None, :, :, None]).to(q.dtype)
     return out
+
+
+def _masked_with_lse(q, k, v, band, scale):
+    """Attention of q (1, nh, T, hd) over k, v (1, nh or nkv, S, hd) where band (T, S) is true -> (out, lse
+    (nh, T) float32)."""
+    bias = torch.zeros(band.shape, dtype=q.dtype, device=q.device).masked_fill(~band, float("-inf"))
+    if q.is_cuda:  # memory-efficient attention returns its log-sum-exp (padded past T)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias.expand(1, q.shape[1], *band.shape), True, 0.0, False, scale=scale)[:2]
+        return out, lse[0, :, :q.shape[2]]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                           scale=scale)
+    return out, lse.view(q.shape[1], q.shape[2])
 
 
 def store_rows(cache: torch.Tensor, x: torch.Tensor, pos: int) -> None:

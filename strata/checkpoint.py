@@ -18,6 +18,7 @@ from .args import PRESETS, ModelArgs
 from .attention import kv_dtype_of
 from .model import Transformer
 from .resident import Quantized, dequant_piece_bytes, scratch_layout
+from .families import family
 from .names import fused_rows, hf_name, hf_names, shapes, short, wanted_names
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -351,6 +352,10 @@ def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str
                     for c in wanted[hf]:
                         if c in stacks:
                             out.setdefault(c, {})[hf] = t
+                            continue
+                        derive = family(args.arch).hf_derived.get(short(c))
+                        if derive is not None:  # a layout of its own (gpt-oss's experts)
+                            out[c] = derive[1](t).contiguous()
                             continue
                         rows = fused_rows(c, args, gguf=False)
                         if rows is not None and t.shape[0] != rows[2]:

@@ -43,6 +43,8 @@ class Family:
     # one file tensor holding several canonical ones, stacked by rows in this order (phi3's qkv, gate_up)
     hf_fused: dict = field(default_factory=dict)
     gguf_fused: dict = field(default_factory=dict)
+    # canonical short name -> (HF per-layer name, how the canonical tensor comes from it): gpt-oss's experts
+    hf_derived: dict = field(default_factory=dict)
     gguf_permute_qk: bool = False             # llama.cpp's converter interleaves q/k rows of arch llama only
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -69,6 +71,20 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                      "e_gate": "mlp.experts.{e}.gate_proj.weight", "e_up": "mlp.experts.{e}.up_proj.weight",
                      "e_down": "mlp.experts.{e}.down_proj.weight", "s_gate": "mlp.shared_experts.gate_proj.weight",
                      "s_up": "mlp.shared_experts.up_proj.weight", "s_down": "mlp.shared_experts.down_proj.weight"}),
+    Family("gpt_oss", ("GptOssForCausalLM",), "gpt-oss", qkv_bias=True,
+           hf_layer={**_HF_LLAMA, "bo": "self_attn.o_proj.bias", "sinks": "self_attn.sinks",
+                     "router": "mlp.router.weight", "router_bias": "mlp.router.bias"},
+           # its experts: gate_up (E, dim, 2 effn) with gate and up interleaved by column, down (E, effn, dim)
+           hf_derived={"e_gate": ("mlp.experts.gate_up_proj", lambda t: t[..., ::2].transpose(1, 2)),
+                       "e_up": ("mlp.experts.gate_up_proj", lambda t: t[..., 1::2].transpose(1, 2)),
+                       "e_down": ("mlp.experts.down_proj", lambda t: t.transpose(1, 2)),
+                       "e_gate_b": ("mlp.experts.gate_up_proj_bias", lambda t: t[..., ::2]),
+                       "e_up_b": ("mlp.experts.gate_up_proj_bias", lambda t: t[..., 1::2]),
+                       "e_down_b": ("mlp.experts.down_proj_bias", lambda t: t)},
+           gguf_layer={**_GGUF_LLAMA, "bo": "attn_output.bias", "sinks": "attn_sinks.weight",
+                       "mlp_norm": "post_attention_norm.weight", "router_bias": "ffn_gate_inp.bias",
+                       "e_gate_b": "ffn_gate_exps.bias", "e_up_b": "ffn_up_exps.bias",
+                       "e_down_b": "ffn_down_exps.bias"}),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
            gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),
@@ -76,7 +92,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 _BY_HF = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
 _BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values()}
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe"}
+                "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
+                "gpt_oss": "gpt_oss"}
 
 
 def family(arch: str) -> Family:
@@ -110,8 +127,11 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     if cfg.get("mlp_bias"):
         refuse("mlp_bias")
     glm = fam.name == "glm4_moe"  # its attention_bias is q/k/v's only, and it may norm q and k
-    if cfg.get("attention_bias") and not glm:
+    oss = fam.name == "gpt_oss"   # biases on q/k/v/o, sinks
+    if cfg.get("attention_bias") and not (glm or oss):
         refuse("attention_bias", "is not implemented (biases on q/k/v/o)")
+    if oss and not cfg.get("attention_bias", True):
+        refuse("attention_bias", "is not implemented for gpt_oss (its checkpoints have them)")
     if cfg.get("attn_logit_softcapping") is not None:
         refuse("attn_logit_softcapping")
     if cfg.get("use_bidirectional_attention"):
@@ -180,6 +200,11 @@ def _hf_experts(cfg: dict, arch: str, where: str, refuse) -> dict:
     """ModelArgs' expert fields from config.json: Mixtral (renormalized top k) and Qwen3-MoE (norm_topk_prob);
     experts anywhere else, or in a layout the core does not implement, refused."""
     n = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    if arch == "GptOssForCausalLM":
+        return dict(n_experts=int(n), n_experts_used=int(cfg["num_experts_per_tok"]),
+                    expert_ffn_dim=int(cfg["intermediate_size"]), router="topk_softmax", expert_bias=True,
+                    expert_act="clamped", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), attn_sinks=True, o_bias=True)
     if arch == "Glm4MoeForCausalLM":
         return dict(n_experts=int(n), n_experts_used=int(cfg["num_experts_per_tok"]),
                     expert_ffn_dim=int(cfg["moe_intermediate_size"]), router="sigmoid",
@@ -213,7 +238,7 @@ def _hf_window(cfg: dict, fam: Family, where: str) -> tuple[int | None, tuple | 
     n = cfg["num_hidden_layers"]
     if fam.name in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         w = None
-    if types is not None and (fam.gemma or fam.name in ("qwen2", "qwen3")):
+    if types is not None and (fam.gemma or fam.name in ("qwen2", "qwen3", "gpt_oss")):
         bad = sorted(set(types) - {"full_attention", "sliding_attention"})
         if bad:
             raise ModelError(f"{where}: layer_types {bad[0]!r} is not implemented")

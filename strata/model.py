@@ -87,6 +87,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps, upcast=args.norm_offset)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.empty(args.n_heads), requires_grad=False) if args.attn_sinks else None
         self.k_cache: torch.Tensor | None = None  # (1, nkv, rows, hd), in the KV dtype; position p in row p % rows
         self.v_cache: torch.Tensor | None = None
         self.max_len = 0  # positions the cache serves (a window layer's ring has fewer rows)
@@ -108,7 +109,7 @@ class Attention(nn.Module):
         store_rows(self.k_cache, k, pos)
         store_rows(self.v_cache, v, pos)
         y = self.attend(q, pos, T)
-        return F.linear(y.transpose(1, 2).reshape(1, T, self.nh * self.hd), w.wo)
+        return F.linear(y.transpose(1, 2).reshape(1, T, self.nh * self.hd), w.wo, w.bo)
 
     def check(self, pos: int, T: int) -> None:
         if self.k_cache is None:
@@ -120,6 +121,9 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, pos: int, T: int) -> torch.Tensor:
         """q (1, nh, T, hd) at positions [pos, pos + T), whose keys are cached, against what it may see."""
+        if self.sinks is not None:  # the log-sum-exp is needed: the banded path, a global layer's band all of it
+            w = self.window if self.window is not None else pos + T
+            return window_attention(q, self.k_cache, self.v_cache, pos, w, self.scale, self.sinks)
         if self.window is not None and pos + T > self.window:
             return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale)
         keys, vals = self.cached(pos + T, q.dtype)
@@ -213,12 +217,13 @@ class Block(nn.Module):
         k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + nkv:].transpose(0, 1)  # (nkv, T, hd)
         if kc.dtype in _FP8:
             k_new, v_new = _to_cache(k_new, kc.dtype), _to_cache(v_new, vc.dtype)
-        if a.window is not None:  # its cache may be a ring
+        if a.window is not None or a.sinks is not None:  # a window layer's cache may be a ring
             store_rows(kc, k_new, pos)
             store_rows(vc, v_new, pos)
-            if pos + T > a.window:
+            w = a.window if a.window is not None else pos + T
+            if pos + T > w or a.sinks is not None:
                 q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-                y = window_attention(q, kc, vc, pos, a.window, a.scale).transpose(1, 2).reshape(T, nh * hd)
+                y = window_attention(q, kc, vc, pos, w, a.scale, a.sinks).transpose(1, 2).reshape(T, nh * hd)
                 return self._mlp_rows(self._add_attn(h, mm.wo(y)), mm)
         else:
             kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
@@ -353,6 +358,8 @@ class Transformer(nn.Module):
             if args.qk_norm:
                 blk.attn.q_norm.weight = norm(take(p + "q_norm"))
                 blk.attn.k_norm.weight = norm(take(p + "k_norm"))
+            if args.attn_sinks:
+                blk.attn.sinks = nn.Parameter(dense(take(p + "sinks")).float(), requires_grad=False)
             if blk.moe:
                 e = blk.mlp
                 # a sigmoid router's logits and bias are taken in float32 (as GLM's)
@@ -360,6 +367,9 @@ class Transformer(nn.Module):
                 e.router = f32(take(p + "router"))
                 if e.router_bias is not None:
                     e.router_bias = f32(take(p + "router_bias"))
+                if e.bias:
+                    e.b13 = param(torch.cat([dense(take(p + "e_gate_b")), dense(take(p + "e_up_b"))], 1))
+                    e.b2 = param(take(p + "e_down_b"))
                 e.w13 = param(torch.cat([dense(take(p + "e_gate")), dense(take(p + "e_up"))], 1))
                 e.w2 = param(take(p + "e_down"))
                 if e.sffn:
@@ -376,6 +386,8 @@ class Transformer(nn.Module):
             m.wqkv.weight = param(torch.cat([dense(parts.pop(n)) for n in ("wq", "wk", "wv")]))
             m.wqkv.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             m.wo.weight = param(parts.pop("wo"))
+            if args.o_bias:
+                m.wo.bias = param(take(p + "bo"))
             if not blk.moe:
                 m.w13.weight = param(torch.cat([dense(parts.pop(n)) for n in ("w_gate", "w_up")]))
                 m.w2.weight = param(parts.pop("w_down"))

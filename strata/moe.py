@@ -25,8 +25,14 @@ class MoE(nn.Module):
         self.renorm, self.kind, self.scale = args.router_renorm, args.router, args.routed_scale
         self.groups, self.groups_used = args.router_groups, args.router_groups_used
         self.router = nn.Parameter(torch.empty(self.n, args.dim), requires_grad=False)  # float32 for sigmoid
-        self.router_bias = (nn.Parameter(torch.empty(self.n), requires_grad=False) if args.router == "sigmoid"
-                            else None)  # added to the scores to choose, not to weigh
+        # sigmoid: added to the scores to choose, not to weigh; topk_softmax: added to the logits
+        self.router_bias = (nn.Parameter(torch.empty(self.n), requires_grad=False) if args.router != "softmax"
+                            else None)
+        self.act, self.alpha, self.limit = args.expert_act, args.swiglu_alpha, args.swiglu_limit
+        self.bias = args.expert_bias  # b13 (E, 2 effn): gate then up; b2 (E, dim)
+        if self.bias:
+            self.b13 = nn.Parameter(torch.empty(self.n, 2 * self.effn), requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(self.n, args.dim), requires_grad=False)
         self.w13 = nn.Parameter(torch.empty(self.n, 2 * self.effn, args.dim), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.n, args.dim, self.effn), requires_grad=False)
         self.sffn = args.shared_ffn_dim
@@ -41,6 +47,9 @@ class MoE(nn.Module):
         best); the weights the chosen scores, renormalized, times the routed scale."""
         if self.kind == "softmax":
             w, idx = F.linear(h, self.router).softmax(-1, dtype=torch.float32).topk(self.k, -1)
+        elif self.kind == "topk_softmax":
+            top, idx = F.linear(h, self.router, self.router_bias).topk(self.k, -1)
+            w = top.softmax(-1).float()
         else:
             scores = F.linear(h.float(), self.router.float()).sigmoid()
             choice = scores + self.router_bias.float()
@@ -74,8 +83,11 @@ class MoE(nn.Module):
         e = idx.reshape(-1)
         xs = h.repeat_interleave(k, 0).unsqueeze(-1)                     # (n*k, dim, 1)
         gu = torch.bmm(self.w13[e], xs).squeeze(-1)                      # (n*k, 2 effn)
-        z = F.silu(gu[:, :self.effn]) * gu[:, self.effn:]
-        y = torch.bmm(self.w2[e], z.unsqueeze(-1)).squeeze(-1)           # (n*k, dim)
+        if self.bias:
+            gu = gu + self.b13[e]
+        y = torch.bmm(self.w2[e], self.gate(gu).unsqueeze(-1)).squeeze(-1)  # (n*k, dim)
+        if self.bias:
+            y = y + self.b2[e]
         return (y.float() * w.reshape(-1, 1)).view(n, k, -1).sum(1).to(h.dtype)
 
     def _grouped(self, h, w, idx) -> torch.Tensor:
@@ -85,30 +97,46 @@ class MoE(nn.Module):
         tok = order // k
         counts = torch.bincount(flat, minlength=self.n)
         xs = h[tok]                                                      # (n*k, dim), expert-sorted
-        ys = _grouped_swiglu(xs, counts, self.w13, self.w2, self.effn)
+        ys = _grouped_experts(xs, counts, self.w13, self.w2, self.gate, self.b13 if self.bias else None,
+                              self.b2 if self.bias else None)
         ys = ys.float() * w.reshape(-1)[order, None]
         out = torch.zeros(n, h.shape[1], dtype=torch.float32, device=h.device)
         return out.index_add_(0, tok, ys).to(h.dtype)
 
 
-def _grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    effn: int) -> torch.Tensor:
-    """Rows xs (N, dim) sorted by expert, counts[e] of them each -> each row's expert SwiGLU (N, dim)."""
+    def gate(self, gu: torch.Tensor) -> torch.Tensor:
+        """(..., 2 effn) gate then up -> (..., effn): silu(gate) * up, or gpt-oss's clamped form."""
+        g, up = gu[..., :self.effn], gu[..., self.effn:]
+        if self.act == "silu":
+            return F.silu(g) * up
+        g = g.clamp(max=self.limit)
+        return g * torch.sigmoid(g * self.alpha) * (up.clamp(-self.limit, self.limit) + 1)
+
+
+def _grouped_experts(xs: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate,
+                     b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
+    """Rows xs (N, dim) sorted by expert, counts[e] of them each -> each row's expert output (N, dim)."""
+    E, N = counts.shape[0], xs.shape[0]
+    e_of = torch.repeat_interleave(torch.arange(E, device=xs.device), counts, output_size=N)
     if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         try:
             offs = counts.cumsum(0).to(torch.int32)
             gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
-            z = F.silu(gu[:, :effn]) * gu[:, effn:]
-            return torch._grouped_mm(z.contiguous(), w2.transpose(1, 2), offs=offs)
+            if b13 is not None:
+                gu = gu + b13[e_of]
+            y = torch._grouped_mm(gate(gu).contiguous(), w2.transpose(1, 2), offs=offs)
+            return y if b2 is None else y + b2[e_of]
         except (RuntimeError, TypeError):  # shapes or alignment it refuses: the padded batch below
             pass
-    E, N = counts.shape[0], xs.shape[0]
     m = int(counts.max())
     start = counts.cumsum(0) - counts
-    e_of = torch.repeat_interleave(torch.arange(E, device=xs.device), counts, output_size=N)
     slot = torch.arange(N, device=xs.device) - start[e_of]               # each row's place in its expert's batch
     buf = xs.new_zeros(E, m, xs.shape[1])
     buf[e_of, slot] = xs
     gu = torch.bmm(buf, w13.transpose(1, 2))                             # (E, m, 2 effn)
-    z = F.silu(gu[..., :effn]) * gu[..., effn:]
-    return torch.bmm(z, w2.transpose(1, 2))[e_of, slot]                  # (N, dim)
+    if b13 is not None:
+        gu = gu + b13[:, None]
+    y = torch.bmm(gate(gu), w2.transpose(1, 2))                          # (E, m, dim)
+    if b2 is not None:
+        y = y + b2[:, None]
+    return y[e_of, slot]

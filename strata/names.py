@@ -16,6 +16,7 @@ MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 MLP = ("w_gate", "w_up", "w_down")
 EXPERTS = ("router", "e_gate", "e_up", "e_down")  # an MoE layer's, in place of MLP: stacked over the experts
 SHARED = ("s_gate", "s_up", "s_down")            # its shared expert (glm4_moe)
+EXPERT_BIASES = ("e_gate_b", "e_up_b", "e_down_b")  # gpt-oss
 
 
 def short(canon: str) -> str:
@@ -31,9 +32,10 @@ def wanted_names(args, start: int, end: int) -> list[str]:
     """Canonical names the slice [start, end) of a model with `args` (a ModelArgs) needs."""
     names = ["embed"] if start == 0 else []
     per_layer = (list(PER_LAYER) + (list(BIASES) if args.qkv_bias else []) + (list(QK_NORMS) if args.qk_norm else [])
-                 + (list(POST_NORMS) if args.post_norms else []))
-    moe = ([n for n in per_layer if n not in MLP] + list(EXPERTS) + (["router_bias"] if args.router == "sigmoid" else [])
-           + (list(SHARED) if args.shared_ffn_dim else []))
+                 + (list(POST_NORMS) if args.post_norms else []) + (["bo"] if args.o_bias else [])
+                 + (["sinks"] if args.attn_sinks else []))
+    moe = ([n for n in per_layer if n not in MLP] + list(EXPERTS) + (["router_bias"] if args.router != "softmax" else [])
+           + (list(SHARED) if args.shared_ffn_dim else []) + (list(EXPERT_BIASES) if args.expert_bias else []))
     names += [f"layers.{i}.{n}" for i in range(start, end) for n in (moe if args.is_moe(i) else per_layer)]
     if end == args.n_layers:
         names += ["norm"] + ([] if args.tie_embeddings else ["head"])
@@ -55,7 +57,9 @@ def shapes(args) -> dict[str, tuple[int, ...]]:
             "router": (args.n_experts, d), "e_gate": (args.n_experts, args.expert_ffn_dim, d),
             "e_up": (args.n_experts, args.expert_ffn_dim, d), "e_down": (args.n_experts, d, args.expert_ffn_dim),
             "router_bias": (args.n_experts,), "s_gate": (args.shared_ffn_dim, d), "s_up": (args.shared_ffn_dim, d),
-            "s_down": (d, args.shared_ffn_dim)}
+            "s_down": (d, args.shared_ffn_dim), "bo": (d,), "sinks": (args.n_heads,),
+            "e_gate_b": (args.n_experts, args.expert_ffn_dim), "e_up_b": (args.n_experts, args.expert_ffn_dim),
+            "e_down_b": (args.n_experts, d)}
 
 
 def _split(canon: str) -> tuple[str, str]:
@@ -82,6 +86,8 @@ def hf_name(canon: str, args=None) -> str:
     for fused, parts in fam.hf_fused.items():
         if s in parts:
             return f"model.layers.{i}.{fused}"
+    if s in fam.hf_derived:
+        return f"model.layers.{i}.{fam.hf_derived[s][0]}"
     return f"model.layers.{i}.{fam.hf_layer[s]}"
 
 

@@ -32,6 +32,7 @@ class Mats(NamedTuple):
     wo: torch.Tensor
     w13: torch.Tensor
     w2: torch.Tensor
+    bo: torch.Tensor | None = None  # gpt-oss's output projection bias
 
 
 # strata.quant.dequantize returns float32; at most this many values at once bounds that transient (32 MiB)
@@ -159,14 +160,14 @@ class DenseMatrices(nn.Module):
         super().__init__()
         hd = args.head_dim
         self.wqkv = _Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
-        self.wo = _Linear(args.n_heads * hd, args.dim, bias=False)
+        self.wo = _Linear(args.n_heads * hd, args.dim, bias=args.o_bias)
         # an MoE layer's experts live in its strata.moe.MoE
         self.w13 = _Linear(args.dim, 2 * args.ffn_dim, bias=False) if mlp else None
         self.w2 = _Linear(args.ffn_dim, args.dim, bias=False) if mlp else None
 
     def get(self) -> Mats:
         return Mats(self.wqkv.weight, self.wqkv.bias, self.wo.weight, self.w13 and self.w13.weight,
-                    self.w2 and self.w2.weight)
+                    self.w2 and self.w2.weight, self.wo.bias)
 
 
 class ResidentMatrices(nn.Module):

@@ -97,5 +97,5 @@ class Products(NamedTuple):
 
 def _dense_products(w, wo: LayerWeightOnly | None) -> Products:
     p = functools.partial
-    return Products(p(_mm_rows, w=w.wqkv, b=w.bqkv, wo=wo and wo.wqkv), p(_mm_rows, w=w.wo, b=None, wo=wo and wo.wo),
+    return Products(p(_mm_rows, w=w.wqkv, b=w.bqkv, wo=wo and wo.wqkv), p(_mm_rows, w=w.wo, b=w.bo, wo=wo and wo.wo),
                     p(_mm_rows, w=w.w13, b=None, wo=wo and wo.w13), p(_mm_rows, w=w.w2, b=None, wo=wo and wo.w2))

@@ -42,7 +42,8 @@ LLAMA_CPP_PY_VERSION = "0.3.36"
 CACHE = Path(os.environ.get("STRATA_TEST_CACHE", Path.home() / ".cache" / "strata-tests"))
 PEER_LLAMA_CPP = REPO / ".peer" / "src" / f"llama_cpp_python-{LLAMA_CPP_PY_VERSION}" / "vendor" / "llama.cpp"
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn", "qwen3_moe", "mixtral", "glm4_moe")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn", "qwen3_moe", "mixtral", "glm4_moe",
+            "gpt_oss")
 SP_VOCAB = 300            # pieces of the tiny sentencepiece tokenizer (tiny_sp_model)
 SMOLLM2_VOCAB = 49152     # SmolLM2's tokenizer
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -108,6 +109,13 @@ def _family_spec(family: str):
             first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.7, attention_bias=True,
             use_qk_norm=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                "partial_rotary_factor": 0.5})
+    if family == "gpt_oss":  # sinks, window layers between full ones, q/k/v/o biases, clamped SwiGLU experts with
+        # biases, a router with a bias (softmax over the top k), YaRN
+        return tf.GptOssConfig, tf.GptOssForCausalLM, dict(
+            head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "original_max_position_embeddings": 256, "truncate": False})
     if family == "phi3":    # fused qkv_proj and gate_up_proj
         return tf.Phi3Config, tf.Phi3ForCausalLM, dict(
             pad_token_id=0, original_max_position_embeddings=1024,
@@ -141,7 +149,8 @@ def make_hf(tmp_path, family: str, seed: int = 1, noise: float = 0.1, **override
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias") or name.endswith("mlp.gate.weight"):
+            if ("norm" in name or name.endswith(".bias") or name.endswith("mlp.gate.weight") or name.endswith("sinks")
+                    or name.endswith("_bias")):
                 p.add_(torch.randn(p.shape, generator=gen) * noise)  # routers too: no near-ties among experts
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # glm4_moe's choosing bias, a buffer
