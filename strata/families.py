@@ -265,6 +265,16 @@ def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, hea
     scaling = scaling_from_gguf(get, fam.gguf_arch, where)
     extra: dict = {"rope_scaling": scaling} if scaling is not None else {}
     n = get("expert_count") or 0
+    window = get("attention.sliding_window") or None  # phi3's converter writes 0 for none
+    if fam.name == "gpt_oss":
+        # llama.cpp's gpt-oss: its clamped SwiGLU's alpha and limit, the router's softmax over the top k and the
+        # window on every other layer (the first windowed) are the architecture's, not keys of the file
+        extra.update(n_experts=int(n), n_experts_used=int(get("expert_used_count")),
+                     expert_ffn_dim=int(get("expert_feed_forward_length")), router="topk_softmax", expert_bias=True,
+                     expert_act="clamped", attn_sinks=True, o_bias=True)
+        if window is not None:
+            extra.update(sliding_window=int(window), window_layers=tuple(i % 2 == 0 for i in range(n_layers)))
+        return extra
     if n:
         if fam.name not in ("llama", "qwen3_moe"):
             raise ModelError(f"{where}: {fam.gguf_arch}.expert_count = {n}: experts are not implemented for this "
@@ -278,7 +288,6 @@ def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, hea
         extra.update(n_experts=int(n), n_experts_used=int(get("expert_used_count")),
                      expert_ffn_dim=int(get("expert_feed_forward_length") or get("feed_forward_length")),
                      router_renorm=bool(get("expert_weights_norm", True)))
-    window = get("attention.sliding_window") or None  # phi3's converter writes 0 for none
     if get("attn_logit_softcapping") is not None:
         raise ModelError(f"{where}: {fam.gguf_arch}.attn_logit_softcapping = {get('attn_logit_softcapping')} "
                          "is not implemented")

@@ -122,7 +122,8 @@ def test_gpu_family_prefill_and_graph_decode(tmp_path, fam):
 
 
 # -- the same models through llama.cpp's own GGUF writer ------------------------------------------------------
-GGUF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "llama-yarn", "qwen3_moe", "mixtral")  # gemma3: below
+GGUF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "llama-yarn", "qwen3_moe", "mixtral",
+                 "gpt_oss")  # gemma3: below
 
 
 def args_diff(hf, gg, skip=()) -> dict:
@@ -148,7 +149,11 @@ def converted(tmp_path_factory):
     # qwen3_moe at its fixture's norm_topk_prob (true): llama.cpp renormalizes the chosen experts' weights always;
     # with SmolLM2's tokenizer (its converter class reads a sentencepiece one through tiktoken, not installed)
     from families_fixtures import SMOLLM2_VOCAB
-    over = {**HF_OVERRIDES, "qwen3_moe": dict(vocab_size=SMOLLM2_VOCAB)}
+    # gpt_oss: the file keeps neither its swiglu limit (llama.cpp: 7) nor YaRN's truncate (llama.cpp truncates)
+    over = {**HF_OVERRIDES, "qwen3_moe": dict(vocab_size=SMOLLM2_VOCAB),
+            "gpt_oss": dict(vocab_size=SMOLLM2_VOCAB, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": 256, "truncate": True})}
     made = {f: make_hf(base, f, **over.get(f, {})) for f in GGUF_FAMILIES}
     files = convert_many([(d, base / f"{f}.gguf") for f, (_, d) in made.items()])
     out = {}
