@@ -128,7 +128,7 @@ def test_errors():
 
 
 # -- random_blocks ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", sorted(qrandom._FIELDS) + ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("name", sorted(qrandom._FIELDS) + ["F32", "F16", "BF16", "MXFP4"])
 def test_random_blocks_valid(name):
     bs = Q.block_size(name)
     rows, cols = 16, 4 * max(bs, 32)
@@ -280,3 +280,15 @@ def test_make_gguf_70b_plan_size():
     assert 70.4e9 < weights < 70.7e9  # Llama-3-70B: 70.6 B parameters
     size = sum(mg.nbytes(p) for p in planned)
     assert 26 * 2**30 < size < 30 * 2**30, size / 2**30
+
+
+def test_mxfp4_bit_exact_against_gguf_py():
+    """gpt-oss's MXFP4 blocks: random nibbles under every exponent byte (0 and 1: ggml's subnormal halves; 255),
+    in one call and cut in row batches: gguf-py's bits."""
+    g = torch.Generator().manual_seed(17)
+    b = torch.randint(0, 256, (512, 17), generator=g, dtype=torch.uint8)
+    b[:256, 0] = torch.arange(256, dtype=torch.uint8)
+    ref = gguf_ref(b.view(8, -1), "MXFP4")
+    assert_bits_equal(Q.dequantize(b.view(8, -1), "MXFP4"), ref)
+    ref3 = gguf_ref(b.view(2, 4, -1), "MXFP4")  # an expert stack: (experts, rows, bytes)
+    assert_bits_equal(Q.dequantize(b.view(2, 4, -1), "MXFP4"), ref3)

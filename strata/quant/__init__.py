@@ -10,14 +10,14 @@ from __future__ import annotations
 import gguf
 import torch
 
-from . import blocks as blocks_mod, iq
+from . import blocks as blocks_mod, iq, mxfp4
 from .random import random_blocks
 
 __all__ = ["DEQUANT", "MIXES", "SUPPORTED", "block_size", "dequantize", "mix_type", "qtype_of", "random_blocks",
            "type_size"]
 
 _PLAIN = ("F32", "F16", "BF16")  # viewed from bytes, no blocks
-DEQUANT: dict = {**blocks_mod.DEQUANT, **iq.DEQUANT}
+DEQUANT: dict = {**blocks_mod.DEQUANT, **iq.DEQUANT, **mxfp4.DEQUANT}
 SUPPORTED: tuple[str, ...] = _PLAIN + tuple(DEQUANT)
 
 # llama.cpp's "_M" file types mix two block types: the base one for most matrices, a wider one for the head,

@@ -50,9 +50,13 @@ def random_blocks(qtype, rows: int, cols: int, generator: torch.Generator, devic
     if name in _PLAIN:
         w = torch.randn((rows, cols), generator=generator, device=device) * 0.02
         return w.to(_PLAIN[name]).view(torch.uint8)
+    n = rows * (cols // bs)
+    if name == "MXFP4":  # an e8m0 exponent byte, not an fp16 d: 2^(e - 127) / 2 near 0.0036 gives std ~0.02
+        b = torch.randint(0, 256, (n, ts), generator=generator, device=device, dtype=torch.uint8)
+        b[:, 0] = torch.randint(119, 122, (n,), generator=generator, device=device, dtype=torch.uint8)
+        return b.view(rows, -1)
     if name not in _FIELDS:
         raise ValueError(f"random_blocks: GGUF quantization type {name} is not supported")
-    n = rows * (cols // bs)
     b = torch.randint(0, 256, (n, ts), generator=generator, device=device, dtype=torch.uint8)
     # per-block d in [0.5, 1.5) times the type's mean: scales vary as in a real file
     d = (torch.rand(n, generator=generator, device=device) + 0.5) * _D[name]
