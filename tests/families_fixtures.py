@@ -42,8 +42,8 @@ LLAMA_CPP_PY_VERSION = "0.3.36"
 CACHE = Path(os.environ.get("STRATA_TEST_CACHE", Path.home() / ".cache" / "strata-tests"))
 PEER_LLAMA_CPP = REPO / ".peer" / "src" / f"llama_cpp_python-{LLAMA_CPP_PY_VERSION}" / "vendor" / "llama.cpp"
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn", "qwen3_moe", "mixtral", "glm4_moe",
-            "gpt_oss")
+DENSE_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn")
+FAMILIES = DENSE_FAMILIES + ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")  # the experts' (test_families converts them)
 SP_VOCAB = 300            # pieces of the tiny sentencepiece tokenizer (tiny_sp_model)
 SMOLLM2_VOCAB = 49152     # SmolLM2's tokenizer
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -17,7 +17,7 @@ ARCH = {"llama": "llama", "mistral": "llama", "llama-yarn": "llama", "qwen2": "q
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {fam: ff.make_hf(root, fam) for fam in ff.FAMILIES}
+    return {fam: ff.make_hf(root, fam) for fam in ff.DENSE_FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def _hf(model, name):
     return model.state_dict()[name].detach().numpy()
 
 
-@pytest.mark.parametrize("family", ff.FAMILIES)
+@pytest.mark.parametrize("family", ff.DENSE_FAMILIES)
 def test_builds(built, family):
     model, d = built[family]
     assert (Path(d) / "model.safetensors").is_file() and (Path(d) / "config.json").is_file()
@@ -76,7 +76,7 @@ def test_smollm2_refused_where_it_cannot_work(tmp_path):
         ff.convert_to_gguf(d, tmp_path / "x.gguf", tokenizer="smollm2")
 
 
-@pytest.mark.parametrize("family", ff.FAMILIES + ("llama-smollm2",))
+@pytest.mark.parametrize("family", ff.DENSE_FAMILIES + ("llama-smollm2",))
 def test_converts(converted, built, family):
     res = converted[family]
     if isinstance(res, Exception):
