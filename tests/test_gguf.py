@@ -448,8 +448,14 @@ def test_llama3_rope_scaling_recognised_from_rope_freqs(tmp_path):
         gguf_model_args(p)
     p = _meta_only_gguf(tmp_path / "yarn.gguf", kv={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
                                                     "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32)})
-    with pytest.raises(ModelError, match="unsupported rope scaling 'yarn'"):
-        gguf_model_args(p)
+    with pytest.raises(ModelError, match="yarn rope scaling lacks GGUF key llama.rope.scaling.original_context_length"):
+        gguf_model_args(p)  # YaRN is read (strata.rope), but not without the length it scales from
+    p = _meta_only_gguf(tmp_path / "yarn2.gguf", kv={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+                                                     "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32),
+                                                     "llama.rope.scaling.original_context_length":
+                                                         (2048, gguf.GGUFValueType.UINT32)})
+    sc = gguf_model_args(p).rope_scaling
+    assert (sc["rope_type"], sc["factor"], sc["original_max_position_embeddings"]) == ("yarn", 4.0, 2048)
 
 
 # -- bad inputs ----------------------------------------------------------------------------------
