@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 # the families whose arithmetic the decoder core implements (strata.families declares each: its files' names and keys)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_5")
 # strata.moe: softmax over all, top k; sigmoid scores chosen with a bias (glm4_moe); top k logits (with a bias), then
 # a softmax over those (gpt_oss)
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")
@@ -61,6 +61,14 @@ class ModelArgs:
     expert_act: str = "silu"         # EXPERT_ACTS
     swiglu_alpha: float = 1.702      # clamped: the sigmoid's slope
     swiglu_limit: float = 7.0        # clamped: gate <= limit, |up| <= limit
+    # -- hybrid linear attention (qwen3_5): Gated DeltaNet layers between gated full-attention ones --
+    linear_layers: tuple | None = None  # per layer True where linear attention (a fixed-size state, no KV cache)
+    lin_k_heads: int = 0             # its q/k heads, and their width
+    lin_k_dim: int = 0
+    lin_v_heads: int = 0             # its value heads (a multiple of the q/k heads), and their width
+    lin_v_dim: int = 0
+    lin_conv: int = 4                # the causal depthwise convolution's kernel over q, k, v
+    attn_gate: bool = False          # full attention's output times sigmoid(a gate from q_proj's other half)
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -85,8 +93,19 @@ class ModelArgs:
             raise ValueError(f"unsupported router {self.router!r} (supported: {', '.join(ROUTERS)})")
         if self.n_experts % self.router_groups or not 0 < self.router_groups_used <= self.router_groups:
             raise ValueError(f"{self.router_groups_used} of {self.router_groups} expert groups over {self.n_experts}")
+        if self.linear_layers is not None:
+            object.__setattr__(self, "linear_layers", tuple(bool(x) for x in self.linear_layers))
+            if len(self.linear_layers) != self.n_layers:
+                raise ValueError(f"linear_layers lists {len(self.linear_layers)} layers, the model has {self.n_layers}")
+            if any(self.linear_layers) and not (self.lin_k_heads and self.lin_v_heads % self.lin_k_heads == 0
+                                                and self.lin_k_dim and self.lin_v_dim):
+                raise ValueError("linear attention layers without their head counts and widths")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim} is not an even part of head_dim {self.head_dim}")
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a linear-attention (Gated DeltaNet) layer: a state, not a KV cache."""
+        return self.linear_layers is not None and self.linear_layers[layer]
 
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture of experts."""
@@ -102,6 +121,8 @@ class ModelArgs:
         """Rows of layer `layer`'s KV cache: every position up to max_len, or for a window layer (with the
         largest chunk known) a ring of window + chunk - 1 rows: a chunk's queries see at most window - 1 earlier
         positions, and its own rows must not overwrite any of those."""
+        if self.is_linear(layer):
+            return 0
         w = self.window(layer)
         if w is None or max_chunk is None:
             return max_len
@@ -126,6 +147,10 @@ class ModelArgs:
             out.append("partial rotary")
         if self.attn_sinks:
             out.append("sinks")
+        if self.linear_layers is not None and any(self.linear_layers):
+            out.append("linear attention")
+        if self.attn_gate:
+            out.append("attention gate")
         if self.o_bias:
             out.append("o_bias")
         if self.rope_scaling and self.rope_scaling.get("rope_type", "llama3") != "llama3":

@@ -255,7 +255,7 @@ def warm_chunk_attention(model, shapes, attend=None) -> int:
             return 0
         attend = _cudnn_with_lse
     # a global layer's calls (a window layer's attention takes another path)
-    attn = next((b.attn for b in model.layers.values() if b.attn.window is None), None)
+    attn = next((b.attn for b in model.layers.values() if b.attn.window is None and b.attn.k_cache is not None), None)
     if attn is None:
         return 0
     t0, built, own = time.perf_counter(), 0, set()

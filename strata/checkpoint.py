@@ -355,7 +355,7 @@ def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str
                             continue
                         derive = family(args.arch).hf_derived.get(short(c))
                         if derive is not None:  # a layout of its own (gpt-oss's experts)
-                            out[c] = derive[1](t).contiguous()
+                            out[c] = derive[1](t, args).contiguous()
                             continue
                         rows = fused_rows(c, args, gguf=False)
                         if rows is not None and t.shape[0] != rows[2]:

@@ -75,16 +75,25 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            hf_layer={**_HF_LLAMA, "bo": "self_attn.o_proj.bias", "sinks": "self_attn.sinks",
                      "router": "mlp.router.weight", "router_bias": "mlp.router.bias"},
            # its experts: gate_up (E, dim, 2 effn) with gate and up interleaved by column, down (E, effn, dim)
-           hf_derived={"e_gate": ("mlp.experts.gate_up_proj", lambda t: t[..., ::2].transpose(1, 2)),
-                       "e_up": ("mlp.experts.gate_up_proj", lambda t: t[..., 1::2].transpose(1, 2)),
-                       "e_down": ("mlp.experts.down_proj", lambda t: t.transpose(1, 2)),
-                       "e_gate_b": ("mlp.experts.gate_up_proj_bias", lambda t: t[..., ::2]),
-                       "e_up_b": ("mlp.experts.gate_up_proj_bias", lambda t: t[..., 1::2]),
-                       "e_down_b": ("mlp.experts.down_proj_bias", lambda t: t)},
+           hf_derived={"e_gate": ("mlp.experts.gate_up_proj", lambda t, a: t[..., ::2].transpose(1, 2)),
+                       "e_up": ("mlp.experts.gate_up_proj", lambda t, a: t[..., 1::2].transpose(1, 2)),
+                       "e_down": ("mlp.experts.down_proj", lambda t, a: t.transpose(1, 2)),
+                       "e_gate_b": ("mlp.experts.gate_up_proj_bias", lambda t, a: t[..., ::2]),
+                       "e_up_b": ("mlp.experts.gate_up_proj_bias", lambda t, a: t[..., 1::2]),
+                       "e_down_b": ("mlp.experts.down_proj_bias", lambda t, a: t)},
            gguf_layer={**_GGUF_LLAMA, "bo": "attn_output.bias", "sinks": "attn_sinks.weight",
                        "mlp_norm": "post_attention_norm.weight", "router_bias": "ffn_gate_inp.bias",
                        "e_gate_b": "ffn_gate_exps.bias", "e_up_b": "ffn_up_exps.bias",
                        "e_down_b": "ffn_down_exps.bias"}),
+    Family("qwen3_5", ("Qwen3_5ForCausalLM",), "qwen35", qk_norm=True,
+           hf_layer={**_HF_LLAMA, "lin_qkv": "linear_attn.in_proj_qkv.weight", "lin_z": "linear_attn.in_proj_z.weight",
+                     "lin_b": "linear_attn.in_proj_b.weight", "lin_a": "linear_attn.in_proj_a.weight",
+                     "lin_dt": "linear_attn.dt_bias", "lin_alog": "linear_attn.A_log",
+                     "lin_norm": "linear_attn.norm.weight", "lin_out": "linear_attn.out_proj.weight"},
+           # q_proj holds each head's query then its output gate; conv1d's weight is (channels, 1, kernel)
+           hf_derived={"wq": ("self_attn.q_proj.weight", lambda t, a: _per_head(t, a, 0)),
+                       "wg": ("self_attn.q_proj.weight", lambda t, a: _per_head(t, a, 1)),
+                       "lin_conv": ("linear_attn.conv1d.weight", lambda t, a: t[:, 0])}),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
            gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),
@@ -93,7 +102,12 @@ _BY_HF = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
 _BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values()}
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                 "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
-                "gpt_oss": "gpt_oss"}
+                "gpt_oss": "gpt_oss", "qwen3_5_text": "qwen3_5"}
+
+
+def _per_head(t, a, part: int):
+    """Rows (heads * 2 * hd, dim) holding each head's [query | gate] -> the `part` rows of every head."""
+    return t.view(a.n_heads, 2, a.head_dim, -1)[:, part].reshape(a.n_heads * a.head_dim, -1)
 
 
 def family(arch: str) -> Family:
@@ -128,6 +142,7 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
         refuse("mlp_bias")
     glm = fam.name == "glm4_moe"  # its attention_bias is q/k/v's only, and it may norm q and k
     oss = fam.name == "gpt_oss"   # biases on q/k/v/o, sinks
+    q35 = fam.name == "qwen3_5"   # linear-attention layers, gated full attention, partial rotary
     if cfg.get("attention_bias") and not (glm or oss):
         refuse("attention_bias", "is not implemented (biases on q/k/v/o)")
     if oss and not cfg.get("attention_bias", True):
@@ -138,7 +153,7 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
         refuse("use_bidirectional_attention")
     rp0 = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     prf = float(cfg.get("partial_rotary_factor") or rp0.get("partial_rotary_factor") or 1.0)
-    if prf != 1.0 and not glm:  # (transformers' Llama-style families ignore it at the default rope, Phi honours it)
+    if prf != 1.0 and not (glm or q35):  # (transformers' Llama-style families ignore it at the default rope, Phi honours it)
         refuse("partial_rotary_factor")
     experts = _hf_experts(cfg, archs[0], where, refuse)
     for key in ("attention_chunk_size", "no_rope_layers"):
@@ -166,7 +181,7 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
                               original_max_position_embeddings=cfg.get("original_max_position_embeddings"))
 
     window, window_layers = _hf_window(cfg, fam, where)
-    extra = {}
+    extra = _hf_linear(cfg, where) if q35 else {}
     if fam.gemma:
         extra = dict(norm_offset=True, post_norms=True, activation="gelu_tanh",
                      embed_scale=float(cfg["hidden_size"]) ** 0.5,
@@ -194,6 +209,20 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
         raise ModelError(f"{where}: config lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ModelError(f"{where}: {e}") from None
+
+
+def _hf_linear(cfg: dict, where: str) -> dict:
+    """qwen3_5's hybrid: which layers are Gated DeltaNet, their widths; (1 + w) norms; the gated full attention."""
+    types = cfg.get("layer_types") or []
+    bad = sorted(set(types) - {"linear_attention", "full_attention"})
+    if bad or len(types) != cfg["num_hidden_layers"]:
+        raise ModelError(f"{where}: layer_types {bad[0] if bad else types!r} is not implemented")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelError(f"{where}: hidden_act = {cfg.get('hidden_act')!r} is not implemented")
+    return dict(linear_layers=tuple(t == "linear_attention" for t in types), lin_k_heads=int(cfg["linear_num_key_heads"]),
+                lin_k_dim=int(cfg["linear_key_head_dim"]), lin_v_heads=int(cfg["linear_num_value_heads"]),
+                lin_v_dim=int(cfg["linear_value_head_dim"]), lin_conv=int(cfg.get("linear_conv_kernel_dim", 4)),
+                attn_gate=True, norm_offset=True)
 
 
 def _hf_experts(cfg: dict, arch: str, where: str, refuse) -> dict:

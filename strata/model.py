@@ -22,6 +22,7 @@ from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, _rope_
                         chunk_attention, decode_attention, kv_dtype_of, rope_tables, store_rows, window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentMatrices,
                        Scratch, _dequantize, _fused_ok, head_rows)
+from .linear_attention import GatedDeltaNet
 from .moe import MoE
 from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, _dense_products
 
@@ -88,6 +89,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.empty(args.n_heads), requires_grad=False) if args.attn_sinks else None
+        self.gated = args.attn_gate  # wqkv's last nh * hd rows: the output gate (qwen3_5)
         self.k_cache: torch.Tensor | None = None  # (1, nkv, rows, hd), in the KV dtype; position p in row p % rows
         self.v_cache: torch.Tensor | None = None
         self.max_len = 0  # positions the cache serves (a window layer's ring has fewer rows)
@@ -96,6 +98,9 @@ class Attention(nn.Module):
         """x: (1, T, dim); cos, sin: (T, 1, hd), sin signed (`rope_tables`)."""
         T = x.shape[1]
         qkv = F.linear(x, w.wqkv, w.bqkv)
+        gate = None
+        if self.gated:
+            qkv, gate = qkv.split([qkv.shape[-1] - self.nh * self.hd, self.nh * self.hd], dim=-1)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q, k = q.view(1, T, self.nh, self.hd), k.view(1, T, self.nkv, self.hd)
         if self.q_norm is not None:
@@ -108,8 +113,10 @@ class Attention(nn.Module):
         self.check(pos, T)
         store_rows(self.k_cache, k, pos)
         store_rows(self.v_cache, v, pos)
-        y = self.attend(q, pos, T)
-        return F.linear(y.transpose(1, 2).reshape(1, T, self.nh * self.hd), w.wo, w.bo)
+        y = self.attend(q, pos, T).transpose(1, 2).reshape(1, T, self.nh * self.hd)
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
+        return F.linear(y, w.wo, w.bo)
 
     def check(self, pos: int, T: int) -> None:
         if self.k_cache is None:
@@ -165,14 +172,15 @@ class Block(nn.Module):
         super().__init__()
         up = args.norm_offset
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, up)
-        self.attn = Attention(args, layer)
+        self.linear = args.is_linear(layer)  # Gated DeltaNet in place of attention (qwen3_5)
+        self.attn = GatedDeltaNet(args) if self.linear else Attention(args, layer)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, up)
         self.moe = args.is_moe(layer)
         self.mlp = MoE(args) if self.moe else FeedForward(args)
         # gemma3's sandwich: the attention's and the MLP's outputs are normed before each residual add
         self.attn_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
         self.mlp_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
-        self.weights: DenseMatrices | ResidentMatrices = DenseMatrices(args, mlp=not self.moe)
+        self.weights: DenseMatrices | ResidentMatrices = DenseMatrices(args, mlp=not self.moe, attn=not self.linear)
 
     def forward(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         w = self.weights.get()
@@ -199,6 +207,10 @@ class Block(nn.Module):
         bfloat16 until added to the float32 residual; silu(gate) * up in bfloat16, which the next kernel
         rounds its input to anyway)."""
         a, T = self.attn, h.shape[0]
+        if self.linear:
+            mm = _dense_products(self.weights.get(), wo)
+            y = a(self.attn_norm.rows(h)[None], None, pos)[0]
+            return self._mlp_rows(self._add_attn(h, y.to(h.dtype)), mm)
         nh, nkv, hd = a.nh, a.nkv, a.hd
         a.check(pos, T)
         r = self.weights
@@ -207,7 +219,11 @@ class Block(nn.Module):
         else:
             mm = _dense_products(r.get(), wo)
         x = self.attn_norm.rows(h)
-        qkv = mm.qkv(x).view(T, nh + 2 * nkv, hd)
+        qkv = mm.qkv(x)
+        gate = None
+        if a.gated:
+            qkv, gate = qkv[:, :(nh + 2 * nkv) * hd], qkv[:, (nh + 2 * nkv) * hd:]
+        qkv = qkv.reshape(T, nh + 2 * nkv, hd)
         if a.q_norm is not None:
             qk = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv])), 1)
             qk = _rope_rows(qk, cos, sin)
@@ -224,7 +240,7 @@ class Block(nn.Module):
             if pos + T > w or a.sinks is not None:
                 q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
                 y = window_attention(q, kc, vc, pos, w, a.scale, a.sinks).transpose(1, 2).reshape(T, nh * hd)
-                return self._mlp_rows(self._add_attn(h, mm.wo(y)), mm)
+                return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
         else:
             kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
             vc.narrow(2, pos, T).copy_(v_new)
@@ -232,7 +248,8 @@ class Block(nn.Module):
         if (T == 1 and keys.dtype == torch.bfloat16 != qk.dtype and keys.device.type == "cpu"
                 and pos + 1 >= BF16_ATTENTION_FROM):
             y = _bf16_cache_attention(qk[:, :nh], keys, vals, a.scale)  # the prefix is never widened
-            return self._mlp_rows(self._add_attn(h, mm.wo(y if wo is not None else y.to(h.dtype))), mm)
+            y = y if wo is not None else y.to(h.dtype)
+            return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
         if keys.dtype != qk.dtype:
             keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
         if T == 1:
@@ -240,7 +257,7 @@ class Block(nn.Module):
         else:
             q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
             y = chunk_attention(q, keys, vals, pos, a.scale).transpose(1, 2).reshape(T, nh * hd)
-        return self._mlp_rows(self._add_attn(h, mm.wo(y)), mm)
+        return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
 
     def _add_attn(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return h + (y if self.attn_post_norm is None else self.attn_post_norm.rows(y))
@@ -252,6 +269,10 @@ class Block(nn.Module):
         g, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
         y = mm.w2(F.silu(g) * up if self.mlp.activation == "silu" else gate(g, up, self.mlp.activation))
         return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
+
+
+def _gated(y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return y if gate is None else y * torch.sigmoid(gate.to(y.dtype))
 
 
 class Transformer(nn.Module):
@@ -355,7 +376,13 @@ class Transformer(nn.Module):
             if args.post_norms:
                 blk.attn_post_norm.weight = norm(take(p + "attn_post_norm"))
                 blk.mlp_post_norm.weight = norm(take(p + "mlp_post_norm"))
-            if args.qk_norm:
+            if blk.linear:
+                la = blk.attn
+                for attr, n in (("wqkv", "lin_qkv"), ("wz", "lin_z"), ("wb", "lin_b"), ("wa", "lin_a"),
+                                ("conv", "lin_conv"), ("dt_bias", "lin_dt"), ("a_log", "lin_alog"),
+                                ("norm", "lin_norm"), ("wo", "lin_out")):
+                    setattr(la, attr, param(take(p + n)))
+            elif args.qk_norm:
                 blk.attn.q_norm.weight = norm(take(p + "q_norm"))
                 blk.attn.k_norm.weight = norm(take(p + "k_norm"))
             if args.attn_sinks:
@@ -375,19 +402,23 @@ class Transformer(nn.Module):
                 if e.sffn:
                     e.s13 = param(torch.cat([dense(take(p + "s_gate")), dense(take(p + "s_up"))]))
                     e.s2 = param(take(p + "s_down"))
-            mats = ("wq", "wk", "wv", "wo") + (() if blk.moe else ("w_gate", "w_up", "w_down"))
+            mats = ((() if blk.linear else ("wq", "wk", "wv", "wo") + (("wg",) if args.attn_gate else ()))
+                    + (() if blk.moe else ("w_gate", "w_up", "w_down")))
             parts = {n: take(p + n) for n in mats}
-            bias = torch.cat([dense(take(p + n)) for n in ("bq", "bk", "bv")]) if args.qkv_bias else None
+            bias = (torch.cat([dense(take(p + n)) for n in ("bq", "bk", "bv")])
+                    if args.qkv_bias and not blk.linear else None)
             if any(isinstance(t, Quantized) for t in parts.values()):
                 blk.weights = ResidentMatrices({n: packed(t) for n, t in parts.items()}, bias, self.scratch)
                 continue
             with torch.device("meta"):
-                m = DenseMatrices(args, mlp=not blk.moe)
-            m.wqkv.weight = param(torch.cat([dense(parts.pop(n)) for n in ("wq", "wk", "wv")]))
-            m.wqkv.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-            m.wo.weight = param(parts.pop("wo"))
-            if args.o_bias:
-                m.wo.bias = param(take(p + "bo"))
+                m = DenseMatrices(args, mlp=not blk.moe, attn=not blk.linear)
+            if not blk.linear:
+                qkv = ("wq", "wk", "wv") + (("wg",) if args.attn_gate else ())
+                m.wqkv.weight = param(torch.cat([dense(parts.pop(n)) for n in qkv]))
+                m.wqkv.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+                m.wo.weight = param(parts.pop("wo"))
+                if args.o_bias:
+                    m.wo.bias = param(take(p + "bo"))
             if not blk.moe:
                 m.w13.weight = param(torch.cat([dense(parts.pop(n)) for n in ("w_gate", "w_up")]))
                 m.w2.weight = param(parts.pop("w_down"))
@@ -419,6 +450,9 @@ class Transformer(nn.Module):
         kv = kv_dtype_of(kv_dtype, dtype)
         self._graphs = None  # captured graphs address the old cache
         for i, blk in self.layers.items():
+            if blk.linear:  # a state of fixed size, not a cache
+                blk.attn.setup_state(device)
+                continue
             shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk), self.args.head_dim)
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
             blk.attn.k_cache = torch.zeros(shape, device=device, dtype=kv)
@@ -442,6 +476,11 @@ class Transformer(nn.Module):
     @property
     def scratch_bytes(self) -> int:
         return 0 if self.scratch is None else self.scratch.nbytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the linear-attention layers' states (their memory does not grow with the prompt)."""
+        return sum(blk.attn.state_bytes for blk in self.layers.values() if blk.linear)
 
     @property
     def kv_bytes(self) -> int:
@@ -545,6 +584,8 @@ class Transformer(nn.Module):
             raise ValueError(f"decode_weights={kind!r} uses CPU kernels; this slice is on {device}")
         if self.args.n_experts:
             raise ValueError(f"decode_weights={kind!r} is not implemented for experts (decode reads the chosen ones)")
+        if self.args.linear_layers is not None:
+            raise ValueError(f"decode_weights={kind!r} is not implemented for linear-attention layers")
         if kind == "blocks":
             from .cpu_decode import Decoder
             self._blocks, self.decode_weights = Decoder(self, stored), kind

@@ -17,6 +17,8 @@ MLP = ("w_gate", "w_up", "w_down")
 EXPERTS = ("router", "e_gate", "e_up", "e_down")  # an MoE layer's, in place of MLP: stacked over the experts
 SHARED = ("s_gate", "s_up", "s_down")            # its shared expert (glm4_moe)
 EXPERT_BIASES = ("e_gate_b", "e_up_b", "e_down_b")  # gpt-oss
+ATTENTION = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "bo", "sinks", "wg")
+LINEAR = ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt", "lin_alog", "lin_norm", "lin_out")  # qwen3_5
 
 
 def short(canon: str) -> str:
@@ -33,10 +35,14 @@ def wanted_names(args, start: int, end: int) -> list[str]:
     names = ["embed"] if start == 0 else []
     per_layer = (list(PER_LAYER) + (list(BIASES) if args.qkv_bias else []) + (list(QK_NORMS) if args.qk_norm else [])
                  + (list(POST_NORMS) if args.post_norms else []) + (["bo"] if args.o_bias else [])
-                 + (["sinks"] if args.attn_sinks else []))
+                 + (["sinks"] if args.attn_sinks else []) + (["wg"] if args.attn_gate else []))
     moe = ([n for n in per_layer if n not in MLP] + list(EXPERTS) + (["router_bias"] if args.router != "softmax" else [])
            + (list(SHARED) if args.shared_ffn_dim else []) + (list(EXPERT_BIASES) if args.expert_bias else []))
-    names += [f"layers.{i}.{n}" for i in range(start, end) for n in (moe if args.is_moe(i) else per_layer)]
+    for i in range(start, end):
+        layer = moe if args.is_moe(i) else per_layer
+        if args.is_linear(i):  # Gated DeltaNet in place of attention
+            layer = [n for n in layer if n not in ATTENTION] + list(LINEAR)
+        names += [f"layers.{i}.{n}" for n in layer]
     if end == args.n_layers:
         names += ["norm"] + ([] if args.tie_embeddings else ["head"])
     if end == args.n_layers and args.tie_embeddings and start != 0:
@@ -59,7 +65,16 @@ def shapes(args) -> dict[str, tuple[int, ...]]:
             "router_bias": (args.n_experts,), "s_gate": (args.shared_ffn_dim, d), "s_up": (args.shared_ffn_dim, d),
             "s_down": (d, args.shared_ffn_dim), "bo": (d,), "sinks": (args.n_heads,),
             "e_gate_b": (args.n_experts, args.expert_ffn_dim), "e_up_b": (args.n_experts, args.expert_ffn_dim),
-            "e_down_b": (args.n_experts, d)}
+            "e_down_b": (args.n_experts, d), "wg": (args.n_heads * hd, d),
+            **_linear_shapes(args)}
+
+
+def _linear_shapes(args) -> dict[str, tuple[int, ...]]:
+    kdim, vdim, nv = args.lin_k_heads * args.lin_k_dim, args.lin_v_heads * args.lin_v_dim, args.lin_v_heads
+    conv = 2 * kdim + vdim
+    return {"lin_qkv": (conv, args.dim), "lin_z": (vdim, args.dim), "lin_b": (nv, args.dim), "lin_a": (nv, args.dim),
+            "lin_conv": (conv, args.lin_conv), "lin_dt": (nv,), "lin_alog": (nv,), "lin_norm": (args.lin_v_dim,),
+            "lin_out": (args.dim, vdim)}
 
 
 def _split(canon: str) -> tuple[str, str]:

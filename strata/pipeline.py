@@ -483,6 +483,8 @@ class Pipeline:
         a = self.plan.args
         rings = [a.kv_positions(i, self.plan.max_len, self.plan.max_chunk) for i in range(a.n_layers) if a.window(i)]
         start = min(common, ids.size - 1)
+        if a.linear_layers is not None and any(a.linear_layers) and start != self._kept_n:
+            return 0  # a linear-attention state serves only the position it stands at: the end of what is kept
         if rings and self._kept_n > min(rings) and start + 1 - a.sliding_window < self._kept_n - min(rings):
             return 0  # a window layer's ring no longer holds the keys a restart at `start` would read
         return start

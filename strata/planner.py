@@ -83,7 +83,7 @@ def kv_rows(args: ModelArgs, n: int, tokens: int, chunk: int, start: int | None 
     """KV cache rows n layers hold for `tokens` positions: layers [start, start + n) exactly, or (start None, while
     a split is searched) the most that any n consecutive layers hold. A window layer keeps a ring of its window
     plus a chunk (ModelArgs.kv_positions), a global layer every position."""
-    if args.sliding_window is None:
+    if args.sliding_window is None and args.linear_layers is None:
         return n * tokens
     rows = [args.kv_positions(i, tokens, chunk) for i in range(args.n_layers)]
     if start is not None:

@@ -156,16 +156,20 @@ class _Linear(nn.Linear):
 class DenseMatrices(nn.Module):
     """A layer's matrices held dense in the compute dtype (q/k/v and gate/up fused at load)."""
 
-    def __init__(self, args: ModelArgs, mlp: bool = True):
+    def __init__(self, args: ModelArgs, mlp: bool = True, attn: bool = True):
         super().__init__()
         hd = args.head_dim
-        self.wqkv = _Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
-        self.wo = _Linear(args.n_heads * hd, args.dim, bias=args.o_bias)
+        # q, k, v (and the output gate's rows, attn_gate) in one GEMM; a linear-attention layer holds its own
+        rows = (2 * args.n_heads + 2 * args.n_kv_heads if args.attn_gate else args.n_heads + 2 * args.n_kv_heads) * hd
+        self.wqkv = _Linear(args.dim, rows, bias=args.qkv_bias) if attn else None
+        self.wo = _Linear(args.n_heads * hd, args.dim, bias=args.o_bias) if attn else None
         # an MoE layer's experts live in its strata.moe.MoE
         self.w13 = _Linear(args.dim, 2 * args.ffn_dim, bias=False) if mlp else None
         self.w2 = _Linear(args.ffn_dim, args.dim, bias=False) if mlp else None
 
     def get(self) -> Mats:
+        if self.wqkv is None:
+            return Mats(None, None, None, self.w13 and self.w13.weight, self.w2 and self.w2.weight)
         return Mats(self.wqkv.weight, self.wqkv.bias, self.wo.weight, self.w13 and self.w13.weight,
                     self.w2 and self.w2.weight, self.wo.bias)
 

@@ -43,7 +43,7 @@ CACHE = Path(os.environ.get("STRATA_TEST_CACHE", Path.home() / ".cache" / "strat
 PEER_LLAMA_CPP = REPO / ".peer" / "src" / f"llama_cpp_python-{LLAMA_CPP_PY_VERSION}" / "vendor" / "llama.cpp"
 
 DENSE_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn")
-FAMILIES = DENSE_FAMILIES + ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")  # the experts' (test_families converts them)
+FAMILIES = DENSE_FAMILIES + ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_5")  # the experts' (test_families converts them)
 SP_VOCAB = 300            # pieces of the tiny sentencepiece tokenizer (tiny_sp_model)
 SMOLLM2_VOCAB = 49152     # SmolLM2's tokenizer
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -116,6 +116,12 @@ def _family_spec(family: str):
             layer_types=["sliding_attention", "full_attention"] * 2,
             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "original_max_position_embeddings": 256, "truncate": False})
+    if family == "qwen3_5":  # three Gated DeltaNet layers to one gated full-attention layer, partial rotary
+        return tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
     if family == "phi3":    # fused qkv_proj and gate_up_proj
         return tf.Phi3Config, tf.Phi3ForCausalLM, dict(
             pad_token_id=0, original_max_position_embeddings=1024,
@@ -150,7 +156,7 @@ def make_hf(tmp_path, family: str, seed: int = 1, noise: float = 0.1, **override
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ("norm" in name or name.endswith(".bias") or name.endswith("mlp.gate.weight") or name.endswith("sinks")
-                    or name.endswith("_bias")):
+                    or name.endswith("_bias") or name.endswith("A_log")):
                 p.add_(torch.randn(p.shape, generator=gen) * noise)  # routers too: no near-ties among experts
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # glm4_moe's choosing bias, a buffer
