@@ -342,3 +342,42 @@ def test_experts_through_the_pipeline(tmp_path):
                 g = p.generate(ids, SamplingParams(max_tokens=NEW, temperature=0.0))
                 assert g.continuation_ids == reference_greedy(ref, torch.from_numpy(ids).long()[None], NEW)
     assert md5[0] == md5[1]
+
+
+def test_hybrid_through_the_pipeline(tmp_path):
+    """qwen3_5 on 3 CPU stage processes, linear layers on every stage: depth 0 and 1 give the same bits and
+    transformers' logits; a second prompt that shares a prefix is recomputed (a state serves only where it stands),
+    one that extends what the stages hold reuses it; decode continues from the state."""
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    import numpy as np
+    ref, d = make_hf(tmp_path, "qwen3_5")
+    args = model_args(d)
+    ids = np.random.default_rng(5).integers(0, args.vocab_size, size=80).astype(np.int32)
+
+    def want(x):
+        with torch.no_grad():
+            return ref(torch.from_numpy(x).long()[None]).logits[0, -1]
+    md5 = {}
+    for depth in (0, 1):
+        rig = dict(model=d, stages=[{"device": "cpu", "threads": 1}] * 3, layer_split=[1, 2, 1], chunk=CHUNK,
+                   depth=depth, dtype="float32", progress=False, dump_residual=True, max_context=160,
+                   prompt={"random": {"tokens": 8, "seed": 0}})
+        with Pipeline(rig, out=tmp_path / f"d{depth}", console=False) as p:
+            r = p.prefill(ids)
+            md5[depth] = r.report["residual_md5"]
+            assert rel(torch.from_numpy(r.last_logits), want(ids)) < 1e-4
+    assert md5[0] == md5[1]
+    rig = dict(model=d, stages=[{"device": "cpu", "threads": 1}] * 3, chunk=CHUNK, dtype="float32", progress=False,
+               max_context=160, prompt={"random": {"tokens": 8, "seed": 0}})
+    with Pipeline(rig, out=tmp_path / "reuse", console=False) as p:
+        g = p.generate(ids, SamplingParams(max_tokens=NEW))
+        assert g.continuation_ids == reference_greedy(ref, torch.from_numpy(ids).long()[None], NEW)
+        near = ids[:50]
+        r = p.generate(near, SamplingParams(max_tokens=1))
+        assert r.report["reused_tokens"] == 0
+        assert rel(torch.from_numpy(r.last_logits), want(near)) < 1e-4
+        more = np.concatenate([near, ids[:9]])  # extends exactly what the stages hold (the one token sampled from
+        r = p.generate(more, SamplingParams(max_tokens=1))  # the prefill's logits never ran through them)
+        assert r.report["reused_tokens"] == near.size
+        assert rel(torch.from_numpy(r.last_logits), want(more)) < 1e-4
