@@ -186,10 +186,13 @@ def time_layer(args: ModelArgs, device: str, dtype, chunk: int, tokens: int) -> 
     torch.set_default_dtype(dtype)  # built in the run's dtype: no float32 copy of the layer first
     try:
         with torch.device(device):
-            blk = Block(args).eval()
+            # a layer attending to every position (the costly kind, and the one a cache of hi + T rows serves)
+            layer = next((i for i in range(args.n_layers) if args.window(i) is None and not args.is_linear(i)), 0)
+            blk = Block(args, layer).eval()
             kv = (1, args.n_kv_heads, hi + T, args.head_dim)
             blk.attn.k_cache = torch.randn(kv, dtype=dtype)
             blk.attn.v_cache = torch.randn(kv, dtype=dtype)
+            blk.attn.max_len = hi + T
             h = torch.randn(1, T, args.dim, dtype=dtype)
     finally:
         torch.set_default_dtype(old)
