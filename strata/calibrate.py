@@ -242,6 +242,7 @@ def time_head(args: ModelArgs, device: str, dtype, chunk: int) -> dict:
 
         def __init__(self):
             super().__init__()
+            self.args = args  # (Transformer.logits reads its final softcap)
             self.norm = RMSNorm(args.dim, args.norm_eps)
             self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
