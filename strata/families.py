@@ -37,7 +37,7 @@ ACTIVATION_OF = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tan
 class Family:
     name: str                                 # ModelArgs.arch
     hf_architectures: tuple[str, ...]         # config.json "architectures"
-    gguf_arch: str                            # general.architecture
+    gguf_arch: str                            # general.architecture ("": its GGUF files are not read yet)
     hf_layer: dict = field(default_factory=lambda: dict(_HF_LLAMA))
     gguf_layer: dict = field(default_factory=lambda: dict(_GGUF_LLAMA))
     # one file tensor holding several canonical ones, stacked by rows in this order (phi3's qkv, gate_up)
@@ -66,7 +66,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True,
            hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "e_gate": "mlp.experts.{e}.gate_proj.weight",
                      "e_up": "mlp.experts.{e}.up_proj.weight", "e_down": "mlp.experts.{e}.down_proj.weight"}),
-    Family("glm4_moe", ("Glm4MoeForCausalLM",), "glm4moe",
+    Family("glm4_moe", ("Glm4MoeForCausalLM",), "",  # (llama.cpp's glm4moe: names and keys not mapped yet)
            hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "router_bias": "mlp.gate.e_score_correction_bias",
                      "e_gate": "mlp.experts.{e}.gate_proj.weight", "e_up": "mlp.experts.{e}.up_proj.weight",
                      "e_down": "mlp.experts.{e}.down_proj.weight", "s_gate": "mlp.shared_experts.gate_proj.weight",
@@ -85,7 +85,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "mlp_norm": "post_attention_norm.weight", "router_bias": "ffn_gate_inp.bias",
                        "e_gate_b": "ffn_gate_exps.bias", "e_up_b": "ffn_up_exps.bias",
                        "e_down_b": "ffn_down_exps.bias"}),
-    Family("qwen3_5", ("Qwen3_5ForCausalLM",), "qwen35", qk_norm=True,
+    # (llama.cpp's qwen35 reorders and rescales the linear layers' tensors: its GGUF is not read yet)
+    Family("qwen3_5", ("Qwen3_5ForCausalLM",), "", qk_norm=True,
            hf_layer={**_HF_LLAMA, "lin_qkv": "linear_attn.in_proj_qkv.weight", "lin_z": "linear_attn.in_proj_z.weight",
                      "lin_b": "linear_attn.in_proj_b.weight", "lin_a": "linear_attn.in_proj_a.weight",
                      "lin_dt": "linear_attn.dt_bias", "lin_alog": "linear_attn.A_log",
@@ -99,7 +100,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),
 )}
 _BY_HF = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
-_BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values()}
+_BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch}
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                 "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
                 "gpt_oss": "gpt_oss", "qwen3_5_text": "qwen3_5"}
