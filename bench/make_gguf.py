@@ -1,14 +1,31 @@
-"""Write a random-weight Llama GGUF of a preset's shape in one quantization type, streaming.
+"""Write a random-weight GGUF of a preset's shape in one quantization type, streaming.
 
 For benchmarks (llama.cpp's llama-bench, Strata) where only shapes and types matter: every
 quantized tensor is `strata.quant.random_blocks` (random bytes, finite scales, weights ~0.02),
-norms are F32 near 1. No vocabulary: `tokenizer.ggml.model = "none"` and `llama.vocab_size`
+norms are F32 near 1. No vocabulary: `tokenizer.ggml.model = "none"` and `{arch}.vocab_size`
 make llama.cpp add dummy tokens; Strata runs it with random-id prompts. Tensors are generated
 and written one at a time, so a 28 GB file needs about one tensor's worth of memory.
+
+Architectures (the preset's `arch`), with llama.cpp's tensor names (src/llama-arch.cpp) and the keys its
+loader reads (src/llama-model.cpp, src/models/<arch>.cpp):
+  llama   attn_norm, attn_q/k/v/output, ffn_norm, ffn_gate/up/down; Llama-3 rope scaling as `rope_freqs`.
+  qwen3   the same plus attn_q_norm / attn_k_norm (F32, head_dim) per layer; rope yarn as
+          `qwen3.rope.scaling.{type,factor,original_context_length}` (what llama.cpp's converter writes for
+          Qwen's HF `rope_scaling`; the yarn betas and attention factor are left to their defaults).
+  gemma3  attn_norm, post_attention_norm, ffn_norm, post_ffw_norm, attn_q_norm, attn_k_norm (all F32 near 1,
+          which is (1 + w) as llama.cpp's converter stores gemma norms); `gemma3.attention.sliding_window`,
+          key/value_length, rope linear scaling (`rope.scaling.type` + `factor`); no sliding_window_pattern
+          key when the preset's window layers are llama.cpp's default (every 6th layer global), no
+          rope.freq_base_swa key when the window layers' base is its default 10000; tied embeddings (no
+          output.weight). With --layers the preset's window pattern is kept (every 6th layer global).
+A tied token_embd takes the head's type in a mix (Q6_K in Q4_K_M), as llama.cpp's quantizer does when a
+model has no output.weight.
 
     python bench/make_gguf.py --preset llama-3-70b --qtype IQ3_S --out /data/l70-iq3s.gguf
     python bench/make_gguf.py --preset smoke --qtype Q4_K --out /tmp/smoke.gguf --layers 2
     python bench/make_gguf.py --preset llama-3-8b --qtype Q4_K_M --out /tmp/8b-q4km.gguf --device cuda
+    python bench/make_gguf.py --preset gemma-3-27b --qtype Q4_K_M --out /tmp/g27-q4km.gguf --device cuda
+    python bench/make_gguf.py --preset qwen3-32b --qtype Q4_K_M --out /tmp/q32-q4km.gguf --layers 2
 """
 from __future__ import annotations
 
@@ -46,30 +63,121 @@ def tensor_type(qtype: str, cols: int) -> str:
     return "Q8_0" if cols % 32 == 0 else "F16"
 
 
+ARCHS = ("llama", "qwen3", "gemma3")  # what this writer knows llama.cpp's names and keys for
+
+
+def _llama3_rope(args: ModelArgs) -> bool:
+    return bool(args.rope_scaling) and args.rope_scaling.get("rope_type", "llama3") == "llama3"
+
+
 def plan(args: ModelArgs, qtype: str) -> list[Planned]:
-    """Every tensor of a llama GGUF, in llama.cpp's order and names."""
+    """Every tensor of the preset's architecture's GGUF, in llama.cpp's order and names."""
+    if args.arch not in ARCHS:
+        raise ValueError(f"bench/make_gguf.py writes {', '.join(ARCHS)} files, not {args.arch!r}")
     dim, hd, ffn = args.dim, args.head_dim, args.ffn_dim
     role = {"attn_v": "wv", "ffn_down": "w_down", "output": "head"}  # what a mix widens (strata.quant.MIXES)
+    if args.tie_embeddings:  # llama.cpp's quantizer gives a tied token_embd the head's type
+        role["token_embd"] = "head"
     mat = lambda name, rows, cols: Planned(  # noqa: E731
         name, (rows, cols), tensor_type(mix_type(qtype, role.get(name.split(".")[-2], "")), cols))
+    norm = lambda name, n: Planned(name, (n,), "F32")  # noqa: E731
     out = [mat("token_embd.weight", args.vocab_size, dim)]
-    if args.rope_scaling:  # llama.cpp keeps Llama-3 rope scaling as per-frequency divisors
+    if _llama3_rope(args):  # llama.cpp keeps Llama-3 rope scaling as per-frequency divisors
         out.append(Planned("rope_freqs.weight", (hd // 2,), "F32"))
     for i in range(args.n_layers):
         p = f"blk.{i}."
-        out += [Planned(p + "attn_norm.weight", (dim,), "F32"),
-                mat(p + "attn_q.weight", args.n_heads * hd, dim),
+        attn = [mat(p + "attn_q.weight", args.n_heads * hd, dim),
                 mat(p + "attn_k.weight", args.n_kv_heads * hd, dim),
-                mat(p + "attn_v.weight", args.n_kv_heads * hd, dim),
-                mat(p + "attn_output.weight", dim, args.n_heads * hd),
-                Planned(p + "ffn_norm.weight", (dim,), "F32"),
-                mat(p + "ffn_gate.weight", ffn, dim),
-                mat(p + "ffn_up.weight", ffn, dim),
-                mat(p + "ffn_down.weight", dim, ffn)]
+                mat(p + "attn_v.weight", args.n_kv_heads * hd, dim)]
+        if args.arch in ("qwen3", "gemma3"):
+            attn += [norm(p + "attn_q_norm.weight", hd), norm(p + "attn_k_norm.weight", hd)]
+        attn.append(mat(p + "attn_output.weight", dim, args.n_heads * hd))
+        mlp = [mat(p + "ffn_gate.weight", ffn, dim), mat(p + "ffn_up.weight", ffn, dim),
+               mat(p + "ffn_down.weight", dim, ffn)]
+        if args.arch == "gemma3":  # sandwich norms around both blocks
+            out += [norm(p + "attn_norm.weight", dim), *attn, norm(p + "post_attention_norm.weight", dim),
+                    norm(p + "ffn_norm.weight", dim), *mlp, norm(p + "post_ffw_norm.weight", dim)]
+        else:
+            out += [norm(p + "attn_norm.weight", dim), *attn, norm(p + "ffn_norm.weight", dim), *mlp]
     out.append(Planned("output_norm.weight", (dim,), "F32"))
     if not args.tie_embeddings:
         out.append(mat("output.weight", args.vocab_size, dim))
     return out
+
+
+def _window_period(args: ModelArgs) -> int | None:
+    """p where the preset's window layers are llama.cpp's `set_swa_pattern(p)` (layer i windowed unless
+    (i + 1) % p == 0; a p past the last layer: every layer windowed), 6 (its gemma3 default) where that fits,
+    else None. (p = 0, llama.cpp's other spelling of "every layer", is never written: Strata reads p as a
+    modulus.)"""
+    flags = args.window_layers or (True,) * args.n_layers
+    for p in (6, *range(1, args.n_layers + 2)):
+        if flags == tuple((i + 1) % p != 0 for i in range(args.n_layers)):
+            return p
+    return None
+
+
+def with_layers(args: ModelArgs, n: int) -> ModelArgs:
+    """The preset with n layers; a per-layer window pattern is kept as its period (gemma3: every 6th global)."""
+    if args.window_layers is None:
+        return dataclasses.replace(args, n_layers=n)
+    p = _window_period(args)
+    if p is None:
+        raise ValueError("the preset's window layers are not every p-th layer global: cannot shorten it")
+    return dataclasses.replace(args, n_layers=n, window_layers=tuple((i + 1) % p != 0 for i in range(n)))
+
+
+def add_metadata(w, args: ModelArgs) -> None:
+    """The hyperparameter keys of `args.arch` that llama.cpp reads (and Strata's strata/families.py)."""
+    w.add_block_count(args.n_layers)
+    w.add_context_length(args.max_seq_len)
+    w.add_embedding_length(args.dim)
+    w.add_feed_forward_length(args.ffn_dim)
+    w.add_head_count(args.n_heads)
+    w.add_head_count_kv(args.n_kv_heads)
+    w.add_rope_dimension_count(args.head_dim)
+    if args.head_dim != args.dim // args.n_heads or args.arch != "llama":  # the converter writes head_dim's
+        w.add_key_length(args.head_dim)
+        w.add_value_length(args.head_dim)
+    w.add_rope_freq_base(args.rope_theta)
+    w.add_layer_norm_rms_eps(args.norm_eps)
+    w.add_vocab_size(args.vocab_size)
+    rs = args.rope_scaling or {}
+    kind = rs.get("rope_type", "llama3") if rs else None
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rs["factor"])
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rs["factor"])
+        w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+        # HF's defaults (betas 32 / 1, attention factor 0.1 ln(factor) + 1) are llama.cpp's too: written only
+        # where the preset differs from them
+        if rs.get("beta_fast", 32.0) != 32.0:
+            w.add_rope_scaling_yarn_beta_fast(rs["beta_fast"])
+        if rs.get("beta_slow", 1.0) != 1.0:
+            w.add_rope_scaling_yarn_beta_slow(rs["beta_slow"])
+        from strata.rope import yarn_attention_factor
+        att = rs.get("attention_factor")
+        if rs.get("mscale") or rs.get("mscale_all_dim") or not rs.get("truncate", True):
+            raise ValueError(f"yarn parameters GGUF cannot carry: {rs}")
+        if att is not None and abs(att - yarn_attention_factor(rs["factor"], None, None)) > 1e-12:
+            w.add_rope_scaling_yarn_attn_factor(att)
+    elif kind not in (None, "llama3"):
+        raise ValueError(f"rope scaling {kind!r}: no GGUF form here")
+    if args.sliding_window is not None:
+        if args.arch != "gemma3":
+            raise ValueError(f"{args.arch}: sliding windows are written for gemma3 only")
+        w.add_sliding_window(args.sliding_window)
+        p = _window_period(args)
+        if p is None:
+            w.add_sliding_window_pattern([bool(x) for x in args.window_layers])
+        elif p != 6:  # llama.cpp's (and Strata's) gemma3 default
+            w.add_sliding_window_pattern(p)
+        if args.window_rope_theta is not None and args.window_rope_theta != 10000.0:
+            w.add_rope_freq_base_swa(args.window_rope_theta)
+    if args.final_softcap is not None:
+        w.add_final_logit_softcapping(args.final_softcap)
 
 
 def nbytes(t: Planned) -> int:
@@ -103,25 +211,13 @@ def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "r
     file in the time the disk takes; the bytes differ from the CPU's, each device is reproducible)."""
     qtype = qtype.upper() if qtype.upper() in MIXES else qtype_of(qtype).name
     tensors = plan(args, qtype)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), args.arch)
     w.add_name(f"strata random {name} {qtype}")
     ft = _file_type(qtype)
     if ft is not None:
         w.add_file_type(ft)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_block_count(args.n_layers)
-    w.add_context_length(args.max_seq_len)
-    w.add_embedding_length(args.dim)
-    w.add_feed_forward_length(args.ffn_dim)
-    w.add_head_count(args.n_heads)
-    w.add_head_count_kv(args.n_kv_heads)
-    w.add_rope_dimension_count(args.head_dim)
-    if args.head_dim != args.dim // args.n_heads:
-        w.add_key_length(args.head_dim)
-        w.add_value_length(args.head_dim)
-    w.add_rope_freq_base(args.rope_theta)
-    w.add_layer_norm_rms_eps(args.norm_eps)
-    w.add_vocab_size(args.vocab_size)
+    add_metadata(w, args)
     w.add_tokenizer_model("none")
     for t in tensors:
         raw = gguf.GGMLQuantizationType[t.qtype]
@@ -159,7 +255,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     args = PRESETS[a.preset]
     if a.layers:
-        args = dataclasses.replace(args, n_layers=a.layers)
+        try:
+            args = with_layers(args, a.layers)
+        except ValueError as e:
+            ap.error(str(e))
     try:
         q = a.qtype.upper() if a.qtype.upper() in MIXES else qtype_of(a.qtype).name
         for t in MIXES.get(q, (q,)):

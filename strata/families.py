@@ -327,6 +327,8 @@ def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, hea
         pattern = get("attention.sliding_window_pattern", 6)
         if isinstance(pattern, list):
             flags = tuple(bool(p) for p in pattern)
+        elif int(pattern) == 0:  # llama.cpp: every layer windowed
+            flags = (True,) * n_layers
         else:
             flags = tuple((i + 1) % int(pattern) != 0 for i in range(n_layers))
         scale = (dim / n_heads) ** -0.5 if n_layers == 62 else head_dim ** -0.5
