@@ -248,6 +248,9 @@ class Stage:
         if self.model.cuda_graphs and self.model._graphable(x1):
             g = self.model.decode_graphs()  # the set the steps below capture into
             positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
+            self.log.info("decode: CUDA graphs, %d buckets", len({g.bucket(p) for p in positions}))
+        elif self.model.cuda_graphs:
+            self.log.info("decode: eager (the graphs do not cover %s)", ", ".join(self.args.extras()) or "these weights")
         for pos in positions:
             self.model.decode_token(x1, pos)
         mem.append(torch.cuda.memory_allocated(self.device))
