@@ -101,11 +101,15 @@ def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _masked_with_lse(q, k, v, band, scale):
     """Attention of q (1, nh, T, hd) over k, v (1, nh or nkv, S, hd) where band (T, S) is true -> (out, lse
     (nh, T) float32)."""
-    bias = torch.zeros(band.shape, dtype=q.dtype, device=q.device).masked_fill(~band, float("-inf"))
-    if q.is_cuda:  # memory-efficient attention returns its log-sum-exp (padded past T)
+    if q.is_cuda:  # memory-efficient attention returns its log-sum-exp (padded past T); its bias rows must start
+        # 16-byte aligned: a view of rows padded to a multiple of 8 keys
+        S = band.shape[1]
+        full = torch.zeros(band.shape[0], -(-S // 8) * 8, dtype=q.dtype, device=q.device)
+        bias = full[:, :S].masked_fill_(~band, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, bias.expand(1, q.shape[1], *band.shape), True, 0.0, False, scale=scale)[:2]
         return out, lse[0, :, :q.shape[2]]
+    bias = torch.zeros(band.shape, dtype=q.dtype, device=q.device).masked_fill(~band, float("-inf"))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
                                                                            scale=scale)
     return out, lse.view(q.shape[1], q.shape[2])

@@ -387,19 +387,21 @@ def test_hybrid_through_the_pipeline(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_5", "phi3"])
 def test_gpu_experts_and_hybrid(tmp_path, fam):
-    """On CUDA: float32 logits and greedy tokens against transformers (the experts' grouped GEMMs, sinks, the
-    delta rule's state on the device); bfloat16 (torch._grouped_mm where this torch has it) within 2e-2 of them."""
+    """On CUDA (the experts' grouped GEMMs, sinks, the delta rule's state on the device): float32 logits and greedy
+    tokens against the CPU path's, which test_hf_family_matches_transformers holds to transformers (the lent GPU
+    machine's own transformers, 5.17, puts the gpt_oss fixture 3% away from 5.24's and from Strata's: its
+    transformers is not the reference); bfloat16 (torch._grouped_mm where this torch has it) within 2e-2."""
     ref, d = make_hf(tmp_path, fam, **HF_OVERRIDES.get(fam, {}))
     args = model_args(d)
     ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        want = ref(ids).logits[0]
+    cpu = load_slices(d, three_way(args.n_layers), PROMPT + NEW)
+    want = cpu[-1].logits(chained_prefill(cpu, ids, CHUNK)[0])
     f32 = load_slices(d, three_way(args.n_layers), PROMPT + NEW, "cuda")
     got = f32[-1].logits(chained_prefill(f32, ids.cuda(), CHUNK)[0]).cpu()
-    assert rel(got, want) < 1e-4
-    for s in f32:
+    assert rel(got, want) < 1e-5
+    for s in cpu + f32:
         s.setup_cache(PROMPT + NEW, max_chunk=CHUNK)
-    assert strata_greedy(f32, ids.cuda(), NEW) == reference_greedy(ref, ids, NEW)
+    assert strata_greedy(f32, ids.cuda(), NEW) == strata_greedy(cpu, ids, NEW)
     bf = []
     for a, b in three_way(args.n_layers):
         t = Transformer(args, a, b)
