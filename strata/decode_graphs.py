@@ -40,6 +40,16 @@ def covers(args) -> bool:
     return True
 
 
+def _store_row(cache: torch.Tensor, row: torch.Tensor, x: torch.Tensor) -> None:
+    """x (1, nkv, 1, hd) into cache row `row` (a device tensor). An 8-bit cache through its bytes: CUDA's index_copy_
+    has no float8 kernel (it failed at load with kv_dtype float8_e4m3fn)."""
+    x = _to_cache(x, cache.dtype)
+    if cache.element_size() == 1 and cache.dtype != torch.uint8:
+        cache.view(torch.uint8).index_copy_(2, row, x.view(torch.uint8))
+    else:
+        cache.index_copy_(2, row, x)
+
+
 class DecodeGraphs:
     """CUDA graphs of a Transformer slice's one-token step (dense layers, or resident ones multiplied on their
     blocks by strata.quant.gemv), one per bucket of cache positions.
@@ -231,8 +241,8 @@ class DecodeGraphs:
             y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win)
             return self._rest(blk, mm, h, y)
         qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
-        a.k_cache.index_copy_(2, row, _to_cache(qk[:, nh:].transpose(0, 1).unsqueeze(0), a.k_cache.dtype))
-        a.v_cache.index_copy_(2, row, _to_cache(qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0), a.v_cache.dtype))
+        _store_row(a.k_cache, row, qk[:, nh:].transpose(0, 1).unsqueeze(0))
+        _store_row(a.v_cache, row, qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0))
         if self.use_split_k:  # reads only the live keys, in the cache's own dtype
             y = att(qk[0, :nh].view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win)
         else:
