@@ -134,9 +134,10 @@ def weights_mode(model: str, device_type: str, weights: str = "auto", args: Mode
     while host RAM (the resource resident saves) is the cheap one there: so dequantized."""
     if weights not in WEIGHT_MODES:
         raise ModelError(f"unknown weights mode {weights!r} (known: {', '.join(WEIGHT_MODES)})")
-    if args is not None and args.n_experts:  # experts are held dense (their resident blocks: not yet)
+    if args is not None and (args.n_experts or args.linear_layers is not None):  # held dense (no resident blocks yet)
         if weights == "resident":
-            raise ModelError("weights: resident is not implemented for experts (use dequantized or auto)")
+            raise ModelError("weights: resident is not implemented for experts or linear-attention layers "
+                             "(use dequantized or auto)")
         return "dequantized"
     if weights != "auto":
         return weights

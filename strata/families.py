@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .args import ModelArgs
 from .errors import ModelError
 from .rope import scaling_from_gguf, scaling_from_hf
@@ -45,6 +47,7 @@ class Family:
     gguf_fused: dict = field(default_factory=dict)
     # canonical short name -> (HF per-layer name, how the canonical tensor comes from it): gpt-oss's experts
     hf_derived: dict = field(default_factory=dict)
+    gguf_derived: dict = field(default_factory=dict)  # the same for a GGUF's per-layer names (qwen35)
     gguf_permute_qk: bool = False             # llama.cpp's converter interleaves q/k rows of arch llama only
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -85,8 +88,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "mlp_norm": "post_attention_norm.weight", "router_bias": "ffn_gate_inp.bias",
                        "e_gate_b": "ffn_gate_exps.bias", "e_up_b": "ffn_up_exps.bias",
                        "e_down_b": "ffn_down_exps.bias"}),
-    # (llama.cpp's qwen35 reorders and rescales the linear layers' tensors: its GGUF is not read yet)
-    Family("qwen3_5", ("Qwen3_5ForCausalLM",), "", qk_norm=True,
+    Family("qwen3_5", ("Qwen3_5ForCausalLM",), "qwen35", qk_norm=True,
            hf_layer={**_HF_LLAMA, "lin_qkv": "linear_attn.in_proj_qkv.weight", "lin_z": "linear_attn.in_proj_z.weight",
                      "lin_b": "linear_attn.in_proj_b.weight", "lin_a": "linear_attn.in_proj_a.weight",
                      "lin_dt": "linear_attn.dt_bias", "lin_alog": "linear_attn.A_log",
@@ -94,7 +96,21 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            # q_proj holds each head's query then its output gate; conv1d's weight is (channels, 1, kernel)
            hf_derived={"wq": ("self_attn.q_proj.weight", lambda t, a: _per_head(t, a, 0)),
                        "wg": ("self_attn.q_proj.weight", lambda t, a: _per_head(t, a, 1)),
-                       "lin_conv": ("linear_attn.conv1d.weight", lambda t, a: t[:, 0])}),
+                       "lin_conv": ("linear_attn.conv1d.weight", lambda t, a: t[:, 0])},
+           # llama.cpp's converter stores the value heads tiled (value head r of every k head, then r + 1) where
+           # HF groups them by k head, A as -exp(A_log), and the (1 + w) norms as 1 + w: undone here
+           gguf_layer={**_GGUF_LLAMA, "mlp_norm": "post_attention_norm.weight", "lin_norm": "ssm_norm.weight"},
+           gguf_derived={"wq": ("attn_q.weight", lambda t, a: _per_head(t, a, 0)),
+                         "wg": ("attn_q.weight", lambda t, a: _per_head(t, a, 1)),
+                         "lin_qkv": ("attn_qkv.weight", lambda t, a: _untile_after(t, a, 2 * a.lin_k_heads * a.lin_k_dim)),
+                         "lin_conv": ("ssm_conv1d.weight",
+                                      lambda t, a: _untile_after(t, a, 2 * a.lin_k_heads * a.lin_k_dim)),
+                         "lin_z": ("attn_gate.weight", lambda t, a: _untile(t, a, 0, a.lin_v_dim)),
+                         "lin_b": ("ssm_beta.weight", lambda t, a: _untile(t, a, 0, 1)),
+                         "lin_a": ("ssm_alpha.weight", lambda t, a: _untile(t, a, 0, 1)),
+                         "lin_dt": ("ssm_dt.bias", lambda t, a: _untile(t, a, 0, 1)),
+                         "lin_alog": ("ssm_a", lambda t, a: _untile((-t).log(), a, 0, 1)),
+                         "lin_out": ("ssm_out.weight", lambda t, a: _untile(t, a, 1, a.lin_v_dim))}),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
            gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),
@@ -109,6 +125,21 @@ _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2
 def _per_head(t, a, part: int):
     """Rows (heads * 2 * hd, dim) holding each head's [query | gate] -> the `part` rows of every head."""
     return t.view(a.n_heads, 2, a.head_dim, -1)[:, part].reshape(a.n_heads * a.head_dim, -1)
+
+
+def _untile(t, a, dim: int, hd: int):
+    """Value heads along `dim` from llama.cpp's tiled order (r, k head, hd) back to HF's grouped (k head, r, hd)."""
+    nk, rep = a.lin_k_heads, a.lin_v_heads // a.lin_k_heads
+    if rep == 1:
+        return t
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], rep, nk, hd, *shape[dim + 1:]).transpose(dim, dim + 1)
+    return t.reshape(shape)
+
+
+def _untile_after(t, a, first: int):
+    """Rows [first:) (the value part of a q/k/v stack) untiled, the rows before as they are."""
+    return torch.cat((t[:first], _untile(t[first:], a, 0, a.lin_v_dim)))
 
 
 def family(arch: str) -> Family:
@@ -296,6 +327,15 @@ def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, hea
     extra: dict = {"rope_scaling": scaling} if scaling is not None else {}
     n = get("expert_count") or 0
     window = get("attention.sliding_window") or None  # phi3's converter writes 0 for none
+    if fam.name == "qwen3_5":  # its hybrid as llama.cpp's converter writes it (norms stored as 1 + w)
+        flags = get("attention.recurrent_layers")
+        inner, nv = get("ssm.inner_size"), get("ssm.time_step_rank")
+        if flags is None or None in (inner, nv, get("ssm.group_count"), get("ssm.state_size")):
+            raise ModelError(f"{where}: qwen35 GGUF lacks its ssm.* or attention.recurrent_layers keys")
+        extra.update(linear_layers=tuple(bool(f) for f in flags), lin_k_heads=int(get("ssm.group_count")),
+                     lin_k_dim=int(get("ssm.state_size")), lin_v_heads=int(nv), lin_v_dim=int(inner) // int(nv),
+                     lin_conv=int(get("ssm.conv_kernel", 4)), attn_gate=True, rotary_dim=get("rope.dimension_count"))
+        return extra
     if fam.name == "gpt_oss":
         # llama.cpp's gpt-oss: its clamped SwiGLU's alpha and limit, the router's softmax over the top k and the
         # window on every other layer (the first windowed) are the architecture's, not keys of the file

@@ -118,7 +118,7 @@ def gguf_model_args(path: Path) -> ModelArgs:
         raise ModelError(f"{path}: per-layer head counts are unsupported")
     head_dim = get("attention.key_length") or get("rope.dimension_count") or dim // n_heads
     rot = get("rope.dimension_count")
-    if rot is not None and rot != head_dim:
+    if rot is not None and rot != head_dim and fam.name != "qwen3_5":  # (qwen35: partial rotary, read below)
         raise ModelError(f"{path}: unsupported partial rotary embedding ({rot} of {head_dim} head dims)")
     if get("attention.value_length", head_dim) != head_dim:
         raise ModelError(f"{path}: unsupported attention with value length != key length")
@@ -306,7 +306,7 @@ def check_tensors(path: Path, args: ModelArgs, start: int, end: int) -> None:
         if not quant_supported(f.qtype):
             raise ModelError(f"{path}: tensor {name} has type {f.qtype}, which strata.quant cannot dequantize")
         expect = _file_shape(canon, args, want)
-        if f.shape != expect:
+        if f.shape != expect and short(canon) not in family(args.arch).gguf_derived:  # (those: checked at load)
             raise ModelError(f"{path}: tensor {name} ({f.qtype}) has shape {f.shape}, the metadata implies {expect}")
         import gguf
         bs = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.qtype]][0]
@@ -374,6 +374,13 @@ def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, reside
                 blocks = blocks[rows[0]:rows[1]]
             b = torch.from_numpy(np.array(blocks))  # copied out of the memory map
             out[canon] = Quantized(_unpermute_for(args, s, b).contiguous(), t.tensor_type.name, expect[s][1])
+            continue
+        derive = family(args.arch).gguf_derived.get(s)
+        if derive is not None:  # a layout of the converter's own (qwen35), undone; checked after
+            w = derive[1](_decode(path, t), args).contiguous()
+            if tuple(w.shape) != expect[s]:
+                raise ModelError(f"{path}: tensor {name} gives {tuple(w.shape)}, the metadata implies {expect[s]}")
+            out[canon] = w
             continue
         w = decoded.get(name)
         if w is None:

@@ -115,6 +115,8 @@ def gguf_name(canon: str, args=None) -> str:
     for fused, parts in fam.gguf_fused.items():
         if s in parts:
             return f"blk.{i}.{fused}"
+    if s in fam.gguf_derived:
+        return f"blk.{i}.{fam.gguf_derived[s][0]}"
     return f"blk.{i}.{fam.gguf_layer[s]}"
 
 

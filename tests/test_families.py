@@ -123,7 +123,7 @@ def test_gpu_family_prefill_and_graph_decode(tmp_path, fam):
 
 # -- the same models through llama.cpp's own GGUF writer ------------------------------------------------------
 GGUF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "llama-yarn", "qwen3_moe", "mixtral",
-                 "gpt_oss")  # gemma3: below
+                 "gpt_oss", "qwen3_5")  # gemma3: below
 
 
 def args_diff(hf, gg, skip=()) -> dict:
@@ -150,12 +150,16 @@ def converted(tmp_path_factory):
     # with SmolLM2's tokenizer (its converter class reads a sentencepiece one through tiktoken, not installed)
     from families_fixtures import SMOLLM2_VOCAB
     # gpt_oss: the file keeps neither its swiglu limit (llama.cpp: 7) nor YaRN's truncate (llama.cpp truncates)
-    over = {**HF_OVERRIDES, "qwen3_moe": dict(vocab_size=SMOLLM2_VOCAB),
+    over = {**HF_OVERRIDES, "qwen3_moe": dict(vocab_size=SMOLLM2_VOCAB), "qwen3_5": dict(vocab_size=SMOLLM2_VOCAB),
             "gpt_oss": dict(vocab_size=SMOLLM2_VOCAB, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "original_max_position_embeddings": 256, "truncate": True})}
     made = {f: make_hf(base, f, **over.get(f, {})) for f in GGUF_FAMILIES}
-    files = convert_many([(d, base / f"{f}.gguf") for f, (_, d) in made.items()])
+    mtp = [f for f in made if f == "qwen3_5"]  # converted with --no-mtp (the fixture has no MTP block)
+    rest = [f for f in made if f not in mtp]
+    got = dict(zip(rest, convert_many([(made[f][1], base / f"{f}.gguf") for f in rest])))
+    got.update(zip(mtp, convert_many([(made[f][1], base / f"{f}.gguf") for f in mtp], extra_args=("--no-mtp",))))
+    files = [got[f] for f in made]
     out = {}
     for (f, (ref, d)), g in zip(made.items(), files):
         if isinstance(g, ConversionError):
@@ -172,6 +176,9 @@ def test_gguf_from_llamacpp_converter_matches_transformers(converted, fam):
     ref, d, g = converted[fam]
     hf, gg = model_args(d), model_args(g)
     skip = {"bos_id", "eos_id", "max_seq_len"}
+    if fam == "qwen3_5":  # its file holds the (1 + w) norms as 1 + w
+        assert hf.norm_offset and not gg.norm_offset
+        skip.add("norm_offset")
     if fam in ("mistral", "mixtral"):
         assert hf.sliding_window is not None and gg.sliding_window is None
         skip.add("sliding_window")
