@@ -53,6 +53,7 @@ class ModelArgs:
     router_groups_used: int = 1
     routed_scale: float = 1.0        # the chosen experts' weights times this
     shared_ffn_dim: int = 0          # > 0: a shared SwiGLU of this width beside the routed experts (glm4_moe)
+    shared_gate: bool = False        # the shared expert's output times sigmoid(x . w) (qwen3_5 with experts)
     first_dense_layers: int = 0      # layers [0, k) keep a dense MLP of ffn_dim (glm4_moe's first_k_dense_replace)
     rotary_dim: int | None = None    # RoPE over the first rotary_dim values of each head; None: all (partial: glm4)
     attn_sinks: bool = False         # a learned logit per head in each softmax's denominator, with no value (gpt-oss)

@@ -88,8 +88,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "mlp_norm": "post_attention_norm.weight", "router_bias": "ffn_gate_inp.bias",
                        "e_gate_b": "ffn_gate_exps.bias", "e_up_b": "ffn_up_exps.bias",
                        "e_down_b": "ffn_down_exps.bias"}),
-    Family("qwen3_5", ("Qwen3_5ForCausalLM",), "qwen35", qk_norm=True,
-           hf_layer={**_HF_LLAMA, "lin_qkv": "linear_attn.in_proj_qkv.weight", "lin_z": "linear_attn.in_proj_z.weight",
+    Family("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"), "qwen35", qk_norm=True,
+           hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "e_gate": "mlp.experts.{e}.gate_proj.weight",
+                     "e_up": "mlp.experts.{e}.up_proj.weight", "e_down": "mlp.experts.{e}.down_proj.weight",
+                     "s_gate": "mlp.shared_expert.gate_proj.weight", "s_up": "mlp.shared_expert.up_proj.weight",
+                     "s_down": "mlp.shared_expert.down_proj.weight", "s_sig": "mlp.shared_expert_gate.weight",
+                     "lin_qkv": "linear_attn.in_proj_qkv.weight", "lin_z": "linear_attn.in_proj_z.weight",
                      "lin_b": "linear_attn.in_proj_b.weight", "lin_a": "linear_attn.in_proj_a.weight",
                      "lin_dt": "linear_attn.dt_bias", "lin_alog": "linear_attn.A_log",
                      "lin_norm": "linear_attn.norm.weight", "lin_out": "linear_attn.out_proj.weight"},
@@ -119,7 +123,7 @@ _BY_HF = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
 _BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch}
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                 "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
-                "gpt_oss": "gpt_oss", "qwen3_5_text": "qwen3_5"}
+                "gpt_oss": "gpt_oss", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"}
 
 
 def _per_head(t, a, part: int):
@@ -226,7 +230,7 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     try:
         return ModelArgs(arch=fam.name, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"],
                          n_layers=cfg["num_hidden_layers"], n_heads=nh, n_kv_heads=cfg.get("num_key_value_heads") or nh,
-                         head_dim=head_dim, ffn_dim=cfg["intermediate_size"],
+                         head_dim=head_dim, ffn_dim=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
                          norm_eps=cfg.get("rms_norm_eps", 1e-6 if fam.gemma else 1e-5),
                          rope_theta=theta, rope_scaling=scaling,
                          tie_embeddings=bool(cfg.get("tie_word_embeddings", fam.gemma)),
@@ -261,6 +265,11 @@ def _hf_experts(cfg: dict, arch: str, where: str, refuse) -> dict:
     """ModelArgs' expert fields from config.json: Mixtral (renormalized top k) and Qwen3-MoE (norm_topk_prob);
     experts anywhere else, or in a layout the core does not implement, refused."""
     n = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    if arch == "Qwen3_5MoeForCausalLM":  # every layer's MLP: experts (renormalized top k) and a gated shared one
+        return dict(n_experts=int(n), n_experts_used=int(cfg["num_experts_per_tok"]),
+                    expert_ffn_dim=int(cfg["moe_intermediate_size"]), router_renorm=True,
+                    shared_ffn_dim=int(cfg.get("shared_expert_intermediate_size") or 0),
+                    shared_gate=bool(cfg.get("shared_expert_intermediate_size")))
     if arch == "GptOssForCausalLM":
         return dict(n_experts=int(n), n_experts_used=int(cfg["num_experts_per_tok"]),
                     expert_ffn_dim=int(cfg["intermediate_size"]), router="topk_softmax", expert_bias=True,

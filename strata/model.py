@@ -402,6 +402,8 @@ class Transformer(nn.Module):
                 if e.sffn:
                     e.s13 = param(torch.cat([dense(take(p + "s_gate")), dense(take(p + "s_up"))]))
                     e.s2 = param(take(p + "s_down"))
+                if e.s_sig is not None:
+                    e.s_sig = param(take(p + "s_sig"))
             mats = ((() if blk.linear else ("wq", "wk", "wv", "wo") + (("wg",) if args.attn_gate else ()))
                     + (() if blk.moe else ("w_gate", "w_up", "w_down")))
             parts = {n: take(p + n) for n in mats}

@@ -39,6 +39,7 @@ class MoE(nn.Module):
         if self.sffn:
             self.s13 = nn.Parameter(torch.empty(2 * self.sffn, args.dim), requires_grad=False)
             self.s2 = nn.Parameter(torch.empty(args.dim, self.sffn), requires_grad=False)
+        self.s_sig = nn.Parameter(torch.empty(1, args.dim), requires_grad=False) if args.shared_gate else None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h (N, dim) -> (weights (N, k) in float32, expert ids (N, k)). softmax: over every expert's logit, the
@@ -74,7 +75,8 @@ class MoE(nn.Module):
             y = self._grouped(h, w, idx)
         if self.sffn:
             gu = F.linear(h, self.s13)
-            y = y + F.linear(F.silu(gu[:, :self.sffn]) * gu[:, self.sffn:], self.s2)
+            s = F.linear(F.silu(gu[:, :self.sffn]) * gu[:, self.sffn:], self.s2)
+            y = y + (s if self.s_sig is None else torch.sigmoid(F.linear(h, self.s_sig)) * s)
         return y.view(x.shape)
 
     def _gathered(self, h, w, idx) -> torch.Tensor:

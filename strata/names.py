@@ -37,7 +37,8 @@ def wanted_names(args, start: int, end: int) -> list[str]:
                  + (list(POST_NORMS) if args.post_norms else []) + (["bo"] if args.o_bias else [])
                  + (["sinks"] if args.attn_sinks else []) + (["wg"] if args.attn_gate else []))
     moe = ([n for n in per_layer if n not in MLP] + list(EXPERTS) + (["router_bias"] if args.router != "softmax" else [])
-           + (list(SHARED) if args.shared_ffn_dim else []) + (list(EXPERT_BIASES) if args.expert_bias else []))
+           + (list(SHARED) if args.shared_ffn_dim else []) + (["s_sig"] if args.shared_gate else [])
+           + (list(EXPERT_BIASES) if args.expert_bias else []))
     for i in range(start, end):
         layer = moe if args.is_moe(i) else per_layer
         if args.is_linear(i):  # Gated DeltaNet in place of attention
@@ -63,7 +64,7 @@ def shapes(args) -> dict[str, tuple[int, ...]]:
             "router": (args.n_experts, d), "e_gate": (args.n_experts, args.expert_ffn_dim, d),
             "e_up": (args.n_experts, args.expert_ffn_dim, d), "e_down": (args.n_experts, d, args.expert_ffn_dim),
             "router_bias": (args.n_experts,), "s_gate": (args.shared_ffn_dim, d), "s_up": (args.shared_ffn_dim, d),
-            "s_down": (d, args.shared_ffn_dim), "bo": (d,), "sinks": (args.n_heads,),
+            "s_down": (d, args.shared_ffn_dim), "s_sig": (1, d), "bo": (d,), "sinks": (args.n_heads,),
             "e_gate_b": (args.n_experts, args.expert_ffn_dim), "e_up_b": (args.n_experts, args.expert_ffn_dim),
             "e_down_b": (args.n_experts, d), "wg": (args.n_heads * hd, d),
             **_linear_shapes(args)}

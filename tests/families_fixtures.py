@@ -43,7 +43,7 @@ CACHE = Path(os.environ.get("STRATA_TEST_CACHE", Path.home() / ".cache" / "strat
 PEER_LLAMA_CPP = REPO / ".peer" / "src" / f"llama_cpp_python-{LLAMA_CPP_PY_VERSION}" / "vendor" / "llama.cpp"
 
 DENSE_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn")
-FAMILIES = DENSE_FAMILIES + ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_5")  # the experts' (test_families converts them)
+FAMILIES = DENSE_FAMILIES + ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe")  # the experts' (test_families converts them)
 SP_VOCAB = 300            # pieces of the tiny sentencepiece tokenizer (tiny_sp_model)
 SMOLLM2_VOCAB = 49152     # SmolLM2's tokenizer
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,6 +120,13 @@ def _family_spec(family: str):
         return tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(
             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    if family == "qwen3_5_moe":  # the hybrid with experts and a gated shared expert on every layer
+        return tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
             layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
     if family == "phi3":    # fused qkv_proj and gate_up_proj
