@@ -117,6 +117,7 @@ class Ready(Message):
     weight_bytes: int          # weights as stored on the device
     scratch_bytes: int         # the one-layer dequantization scratch (0 when dequantized)
     warm_s: float              # of load_s: running the schedule's chunk shape once (CUDA kernel set-up)
+    state_bytes: int = 0       # linear-attention layers' states (fixed size; not KV)
 
 
 @_message("fail")    # stage -> head: a typed failure, sent before the stage exits

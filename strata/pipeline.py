@@ -67,6 +67,7 @@ class StageInfo:
     pid: int = 0
     mem_bytes: int = 0
     kv_bytes: int = 0
+    state_bytes: int = 0         # linear-attention states
     weight_bytes: int = 0
     scratch_bytes: int = 0
     weights: str = ""
@@ -312,7 +313,7 @@ class Pipeline:
         st = self.stages[msg.stage]
         st.mem_bytes, st.kv_bytes, st.pinned, st.load_s = msg.mem_bytes, msg.kv_bytes, msg.pinned, msg.load_s
         st.weights, st.weight_bytes, st.scratch_bytes = msg.weights, msg.weight_bytes, msg.scratch_bytes
-        st.warm_s = msg.warm_s
+        st.warm_s, st.state_bytes = msg.warm_s, msg.state_bytes
         self._ready.add(msg.stage)
 
     def _on_bound(self, msg: M.Bound, data) -> None:

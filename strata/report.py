@@ -91,7 +91,8 @@ def build_report(p, seconds: float, ppl, cont, text, ids=None, schedule=None, re
                        "layers": list(st.layers), "pid": st.pid,
                        "wall_s": s.wall_s, "work_s": s.work_s, "handoff_wait_s": s.handoff_wait_s,
                        "input_wait_s": s.input_wait_s, "copy_s": s.copy_s, "chunks": s.chunks, "mem_bytes": st.mem_bytes,
-                       "kv_bytes": st.kv_bytes, "weights": st.weights, "weight_bytes": st.weight_bytes,
+                       "kv_bytes": st.kv_bytes, "state_bytes": st.state_bytes, "weights": st.weights,
+                       "weight_bytes": st.weight_bytes,
                        "scratch_bytes": st.scratch_bytes, "pinned": st.pinned, "load_s": st.load_s,
                        "warm_s": st.warm_s,
                        "bad_frames": s.bad_frames})

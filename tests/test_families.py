@@ -374,6 +374,10 @@ def test_hybrid_through_the_pipeline(tmp_path):
             r = p.prefill(ids)
             md5[depth] = r.report["residual_md5"]
             assert rel(torch.from_numpy(r.last_logits), want(ids)) < 1e-4
+            # layers [0, 1) and [1, 3) are linear (a state each, no KV), layer 3 full attention (KV, no state)
+            st = r.report["stages"]
+            assert [s["kv_bytes"] > 0 for s in st] == [False, False, True]
+            assert [s["state_bytes"] > 0 for s in st] == [True, True, False]
     assert md5[0] == md5[1]
     rig = dict(model=d, stages=[{"device": "cpu", "threads": 1}] * 3, chunk=CHUNK, dtype="float32", progress=False,
                max_context=160, prompt={"random": {"tokens": 8, "seed": 0}})

@@ -729,7 +729,7 @@ class Stage:
                          layers=[self.spec.start, self.spec.end], mem_bytes=self._mem_bytes(),
                          kv_bytes=self.kv_bytes, pinned=self.pinned, load_s=self.load_s, weights=self.weights,
                          weight_bytes=self.model.weight_bytes, scratch_bytes=self.model.scratch_bytes,
-                         warm_s=self.warm_s))
+                         warm_s=self.warm_s, state_bytes=self.model.state_bytes))
         if not self.linked:  # neighbours on other hosts: the head says where they listen once all are ready
             self.wait_until(lambda: self.linked)
         while True:
