@@ -91,15 +91,29 @@ def kv_rows(args: ModelArgs, n: int, tokens: int, chunk: int, start: int | None 
     return max(sum(rows[s:s + n]) for s in range(args.n_layers - n + 1))
 
 
+def state_bytes(args: ModelArgs, n: int, b: int, start: int | None = None) -> int:
+    """The linear-attention states n layers hold (exactly for [start, start + n), else the most any n consecutive
+    layers hold): the convolution's last inputs in the compute dtype, the delta rule's float32 state."""
+    if args.linear_layers is None:
+        return 0
+    conv = 2 * args.lin_k_heads * args.lin_k_dim + args.lin_v_heads * args.lin_v_dim
+    one = conv * (args.lin_conv - 1) * b + args.lin_v_heads * args.lin_k_dim * args.lin_v_dim * 4
+    flags = [int(args.is_linear(i)) for i in range(args.n_layers)]
+    if start is not None:
+        return one * sum(flags[start:start + n])
+    return one * max(sum(flags[s:s + n]) for s in range(args.n_layers - n + 1))
+
+
 def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b: int, st: Storage | None,
                 chunk: int = 1, start: int | None = None):
     kvw = args.n_kv_heads * args.head_dim
     rows = kv_rows(args, n, tokens, chunk, start)
+    states = state_bytes(args, n, b, start)  # counted with the KV: what the stage holds for the prompt's positions
     if st is not None:
         weights = int(n * st.layer) + st.scratch + (st.embed if first else 0)
         if last:
             weights += st.norm + (0 if args.tie_embeddings and first else st.head)
-        return weights, 2 * kvw * rows * st.kv_elem
+        return weights, 2 * kvw * rows * st.kv_elem + states
     # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
     weights = n * (args.layer_param_count() + (qkv if args.qkv_bias else 0))
@@ -107,7 +121,7 @@ def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b
         weights += args.vocab_size * args.dim
     if last:
         weights += args.dim + (args.vocab_size * args.dim if not (args.tie_embeddings and first) else 0)
-    return weights * b, 2 * kvw * rows * b
+    return weights * b, 2 * kvw * rows * b + states
 
 
 def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: int, dtype: str,

@@ -421,3 +421,15 @@ def test_gpu_experts_and_hybrid(tmp_path, fam):
         bf.append(t)
     got16 = bf[-1].logits(chained_prefill(bf, ids.cuda(), CHUNK)[0]).cpu()
     assert rel(got16, want) < 2e-2
+
+
+@pytest.mark.parametrize("fam", ["qwen3_5", "mistral", "gemma3"])
+def test_planner_counts_what_a_stage_holds(tmp_path, fam):
+    """The planner's KV for a stage (window rings, linear-attention states) is what the loaded slice holds."""
+    from strata.checkpoint import load_stage
+    from strata.planner import stage_need
+    _, d = make_hf(tmp_path, fam)
+    a = model_args(d)
+    for lo, hi in three_way(a.n_layers):
+        m = load_stage(d, a, lo, hi, device="cpu", dtype=torch.float32, max_len=200, max_chunk=CHUNK)
+        assert stage_need(a, lo, hi, 200, CHUNK, "float32").kv_cache == m.kv_bytes + m.state_bytes
