@@ -79,7 +79,7 @@ def _serve(a) -> int:
     from strata.engine import pipeline_engine
     from strata.errors import PipelineError
     from strata.server import run_server
-    from strata.weights import ModelError
+    from strata.checkpoint import ModelError
     try:
         cfg = load(a.config, a.overrides)
         _fork_cpu_stages(cfg)  # CPU stages (and their restarts after a failure) forked ready-made, as in a run

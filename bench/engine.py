@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import strata.attention as sm  # noqa: E402
 from strata.args import PRESETS  # noqa: E402
 from strata.model import Transformer  # noqa: E402
-from strata.weights import hf_name, synthetic_tensors  # noqa: E402
+from strata.checkpoint import hf_name, synthetic_tensors  # noqa: E402
 
 
 def llama_config(args, dtype):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from strata import calibrate  # noqa: E402
 from strata.pipeline import Pipeline  # noqa: E402
 from strata.planner import even_split  # noqa: E402
-from strata.weights import model_args  # noqa: E402
+from strata.checkpoint import model_args  # noqa: E402
 
 
 # SmolLM2-135M's shape (its public config.json)

@@ -65,7 +65,7 @@ class ChatTemplate:
 
     @classmethod
     def for_model(cls, model_spec: str) -> "ChatTemplate | None":
-        from .weights import resolve
+        from .checkpoint import resolve
         kind, loc = resolve(model_spec)
         if kind == "gguf":
             return cls.from_gguf(loc)

@@ -127,7 +127,7 @@ class LocalEngine(_ModelText):
 
     def __init__(self, model: str, max_context: int | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, prefill_chunk: int = 512, name: str | None = None):
-        from .weights import model_args
+        from .checkpoint import model_args
         self.model, self.device, self.dtype, self.prefill_chunk = model, torch.device(device), dtype, prefill_chunk
         self.args = model_args(model)
         self.max_context = min(max_context or self.args.max_seq_len, self.args.max_seq_len)
@@ -190,7 +190,7 @@ class LocalEngine(_ModelText):
 
     def restart(self) -> None:
         from .model import Transformer
-        from .weights import slice_tensors
+        from .checkpoint import slice_tensors
         self.close()
         with torch.device("meta"):
             net = Transformer(self.args)

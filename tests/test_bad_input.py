@@ -223,7 +223,7 @@ def test_safetensors_missing_tensor_or_only_pickles(tmp_path, capsys):
 def test_truncated_gguf(tmp_path, capsys):
     """GGUF truncation is covered in depth by test_gguf.py; this is the launcher-level check."""
     pytest.importorskip("gguf")
-    from strata.weights import ModelError, smollm2_path
+    from strata.checkpoint import ModelError, smollm2_path
     try:
         src = smollm2_path()
     except ModelError:

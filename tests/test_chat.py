@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from strata.chat import ChatError, ChatTemplate, validate_messages
-from strata.weights import smollm2_path
+from strata.checkpoint import smollm2_path
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

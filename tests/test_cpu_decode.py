@@ -125,7 +125,7 @@ def test_decode_steps_match_transformers(tmp_path, arch, kv_dtype):
 @pytest.fixture(scope="module")
 def smol_path():
     pytest.importorskip("gguf")
-    from strata.weights import smollm2_path
+    from strata.checkpoint import smollm2_path
     try:
         return str(smollm2_path())
     except Exception as e:  # noqa: BLE001

@@ -106,7 +106,7 @@ def test_sliced_decode_matches_whole():
 
 def test_greedy_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from strata.weights import model_args, slice_tensors
+    from strata.checkpoint import model_args, slice_tensors
     torch.manual_seed(1)
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
@@ -201,7 +201,7 @@ def test_gguf_tensors_bit_exact_with_gguf_py():
     import numpy as np
 
     from strata.gguf_loader import _decode, open_gguf
-    from strata.weights import smollm2_path
+    from strata.checkpoint import smollm2_path
     path = smollm2_path()
     reader = open_gguf(path)
     types = set()

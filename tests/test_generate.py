@@ -68,7 +68,7 @@ def test_rig_key_max_context_is_checked_before_anything_starts(tmp_path):
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     pytest.importorskip("gguf")
-    from strata.weights import smollm2_path
+    from strata.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from strata import weights
+from strata import checkpoint
 from strata.gguf_loader import gguf_model_args, gguf_slice_tensors
 from strata.model import Transformer
 from strata.tokenizer import Tokenizer
-from strata.weights import ModelError
+from strata.checkpoint import ModelError
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,7 +46,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def gguf_path():
     try:
-        return weights.smollm2_path()
+        return checkpoint.smollm2_path()
     except ModelError as e:
         pytest.skip(str(e))
 
@@ -76,13 +76,13 @@ def ref_model(gguf_path):
 
 @pytest.fixture(scope="module")
 def args(gguf_path):
-    return weights.model_args("smollm2")
+    return checkpoint.model_args("smollm2")
 
 
 @pytest.fixture(scope="module")
 def engine(args):
     m = Transformer(args)
-    m.load_weights(weights.slice_tensors("smollm2", args, 0, args.n_layers), "cpu", torch.float32)
+    m.load_weights(checkpoint.slice_tensors("smollm2", args, 0, args.n_layers), "cpu", torch.float32)
     return m
 
 
@@ -249,13 +249,13 @@ def test_model_args(args):
 
 
 def test_weights_equal_transformers_dequantization(args, ref_model):
-    t = weights.slice_tensors("smollm2", args, 7, 8)
+    t = checkpoint.slice_tensors("smollm2", args, 7, 8)
     layer = ref_model.model.layers[7]
     for ours, theirs in [("wq", layer.self_attn.q_proj), ("wk", layer.self_attn.k_proj),
                          ("wv", layer.self_attn.v_proj), ("wo", layer.self_attn.o_proj),
                          ("w_gate", layer.mlp.gate_proj), ("w_up", layer.mlp.up_proj), ("w_down", layer.mlp.down_proj)]:
         assert torch.equal(t[f"layers.7.{ours}"], theirs.weight.detach()), ours
-    assert set(t) == set(weights.wanted_names(args, 7, 8))
+    assert set(t) == set(checkpoint.wanted_names(args, 7, 8))
 
 
 def test_prefill_logits_match_transformers(engine_logits, ref_logits, prompt):
@@ -304,11 +304,11 @@ def test_three_slices_equal_single_slice_bitwise(args, engine_logits, engine_gre
     stages = []
     for a, b in SLICES:
         s = Transformer(args, a, b)
-        t = weights.slice_tensors("smollm2", args, a, b)
-        assert set(t) == set(weights.wanted_names(args, a, b))
+        t = checkpoint.slice_tensors("smollm2", args, a, b)
+        assert set(t) == set(checkpoint.wanted_names(args, a, b))
         s.load_weights(t, "cpu", torch.float32)
         stages.append(s)
-    assert "embed" in weights.wanted_names(args, 20, 30)  # tied head on a last slice that is not first
+    assert "embed" in checkpoint.wanted_names(args, 20, 30)  # tied head on a last slice that is not first
     logits = stages[-1].logits(prefill(stages, prompt))[0]
     assert torch.equal(logits, engine_logits)
     assert greedy(stages, prompt, N_GEN) == engine_greedy
@@ -467,7 +467,7 @@ def test_truncated_gguf(gguf_path, tmp_path, cut):
     with open(gguf_path, "rb") as src, open(bad, "wb") as dst:
         dst.write(src.read(keep))
     with pytest.raises(ModelError, match=str(bad.name)) as e:
-        weights.model_args(str(bad))
+        checkpoint.model_args(str(bad))
     assert "\n" not in str(e.value)
 
 
@@ -476,7 +476,7 @@ def test_garbage_gguf(tmp_path, head):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(head + bytes(random.Random(0).randrange(256) for _ in range(100000)))
     with pytest.raises(ModelError, match="x.gguf") as e:
-        weights.model_args(str(bad))
+        checkpoint.model_args(str(bad))
     assert "\n" not in str(e.value)
     with pytest.raises(ModelError, match="x.gguf"):
         Tokenizer.from_gguf(bad)
@@ -491,7 +491,7 @@ def test_unsupported_architecture(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelError, match="unsupported architecture 'gpt2'"):
-        weights.model_args(str(tmp_path / "gpt2.gguf"))
+        checkpoint.model_args(str(tmp_path / "gpt2.gguf"))
 
 
 def test_unsupported_tensor_type(tmp_path):
@@ -519,7 +519,7 @@ def test_unsupported_tensor_type(tmp_path):
 def test_layer_range_outside_model(args, gguf_path):
     for a, b in [(25, 31), (-1, 3), (5, 5), (30, 31)]:
         with pytest.raises((ModelError, ValueError)):
-            weights.slice_tensors("smollm2", args, a, b)
+            checkpoint.slice_tensors("smollm2", args, a, b)
         with pytest.raises((ModelError, ValueError)):
             gguf_slice_tensors(gguf_path, args, a, b)
 

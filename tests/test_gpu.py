@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from strata.model import Transformer  # noqa: E402
 from strata.pipeline import Pipeline  # noqa: E402
-from strata.weights import model_args, slice_tensors  # noqa: E402
+from strata.checkpoint import model_args, slice_tensors  # noqa: E402
 
 MODEL = "synthetic:smoke-wide"
 

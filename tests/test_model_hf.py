@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import chained_prefill
 from strata.model import Transformer
-from strata.weights import ModelError, model_args, slice_tensors
+from strata.checkpoint import ModelError, model_args, slice_tensors
 
 
 def make_tiny(tmp_path, arch: str, seed: int = 1, **extra):

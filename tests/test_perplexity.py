@@ -13,7 +13,7 @@ pytest.importorskip("gguf")
 from strata.pipeline import Pipeline  # noqa: E402
 from strata.plan import stdlib_source  # noqa: E402
 from strata.tokenizer import Tokenizer  # noqa: E402
-from strata.weights import smollm2_path  # noqa: E402
+from strata.checkpoint import smollm2_path  # noqa: E402
 
 
 def test_perplexity_and_continuation_match_transformers(tmp_path):

@@ -12,7 +12,7 @@ from strata.config import ConfigError, from_dict
 from strata.model import Transformer
 from strata.pipeline import Pipeline, PipelineError
 from strata.shm import SHM_DIR
-from strata.weights import model_args, slice_tensors
+from strata.checkpoint import model_args, slice_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def reference(model: str, ids: np.ndarray, chunk: int):
 @pytest.fixture(scope="module")
 def smollm2_ids():
     pytest.importorskip("gguf")
-    from strata.weights import smollm2_path
+    from strata.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001

@@ -205,7 +205,7 @@ def test_cuda_kernels_match_float64():
 def test_cuda_kernel_paths_agree_and_warm_up_builds(monkeypatch):
     """cudnn-split on smoke-wide bf16: the Triton kernels (merge, RoPE, SiLU*up) and the torch formulas give the
     same chunks up to bf16 rounding; warm_chunk_attention builds the later chunks' shapes."""
-    from strata.weights import model_args, slice_tensors
+    from strata.checkpoint import model_args, slice_tensors
     monkeypatch.setattr(sm, "CUDA_ATTENTION", "cudnn-split")
     name = "synthetic:smoke-wide"
     args = model_args(name)

@@ -80,7 +80,7 @@ def test_plain_types_pass_through(name):
 
 
 def test_smollm2_every_tensor_bit_exact():
-    from strata.weights import smollm2_path
+    from strata.checkpoint import smollm2_path
     reader = gguf.GGUFReader(smollm2_path())
     kinds = set()
     prev = torch.get_num_threads()
@@ -210,7 +210,7 @@ def _make_gguf():
 def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
     import dataclasses
     from strata.args import PRESETS
-    from strata.weights import model_args, slice_tensors
+    from strata.checkpoint import model_args, slice_tensors
     mg = _make_gguf()
     out = tmp_path / "m.gguf"
     argv = ["--preset", preset, "--qtype", qtype, "--out", str(out), "--seed", "7"]
@@ -260,7 +260,7 @@ def test_make_gguf_llama3_rope_freqs(tmp_path):
     """A preset with Llama-3 rope scaling gets llama.cpp's rope_freqs tensor, which Strata decodes back."""
     import dataclasses
     from strata.args import PRESETS
-    from strata.weights import model_args
+    from strata.checkpoint import model_args
     mg = _make_gguf()
     scaling = PRESETS["llama-3-8b"].rope_scaling
     want = dataclasses.replace(PRESETS["smoke"], n_layers=1, rope_theta=500000.0, rope_scaling=scaling)

@@ -150,7 +150,7 @@ def test_detokenizer_holds_split_utf8_characters():
 
 def test_detokenizer_increments_add_up_on_a_real_tokenizer():
     from strata.tokenizer import Tokenizer
-    from strata.weights import smollm2_path
+    from strata.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:

@@ -822,7 +822,7 @@ def test_local_engine_stops_when_told_and_at_eos(tiny_llama):
 @pytest.fixture(scope="module")
 def smollm2_server():
     from strata.engine import LocalEngine
-    from strata.weights import smollm2_path
+    from strata.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:
@@ -859,7 +859,7 @@ PIPE_RIG = dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, c
 @pytest.fixture(scope="module")
 def pipeline_server(tmp_path_factory):
     from strata.engine import PipelineEngine
-    from strata.weights import smollm2_path
+    from strata.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -944,7 +944,7 @@ def test_cli_serve_answers_and_sigterm_leaves_nothing(tmp_path):
     from pathlib import Path
     import yaml
     from strata.leftovers import Proc, segments, wait_gone
-    from strata.weights import smollm2_path
+    from strata.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
