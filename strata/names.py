@@ -95,30 +95,30 @@ def hf_name(canon: str, args=None) -> str:
     """Canonical tensor name -> its name in an HF checkpoint of `args`' family (default llama). A tensor the
     family keeps fused with others: the fused tensor's name (see `fused_rows`); an expert stack: a template
     with {e} for the expert (see `hf_names`)."""
-    if canon in HF_GLOBAL:
-        return HF_GLOBAL[canon]
-    i, s = _split(canon)
-    fam = family(args.arch if args is not None else "llama")
-    for fused, parts in fam.hf_fused.items():
-        if s in parts:
-            return f"model.layers.{i}.{fused}"
-    if s in fam.hf_derived:
-        return f"model.layers.{i}.{fam.hf_derived[s][0]}"
-    return f"model.layers.{i}.{fam.hf_layer[s]}"
+    return _file_name(canon, args, gguf=False)
 
 
 def gguf_name(canon: str, args=None) -> str:
     """Canonical tensor name -> the name llama.cpp gives it in a GGUF file of `args`' family (default llama)."""
-    if canon in GGUF_GLOBAL:
-        return GGUF_GLOBAL[canon]
+    return _file_name(canon, args, gguf=True)
+
+
+def _file_name(canon: str, args, gguf: bool) -> str:
+    """hf_name / gguf_name: a global name, or the layer's name in the family's map (fused, derived, or its own)."""
+    glob = GGUF_GLOBAL if gguf else HF_GLOBAL
+    if canon in glob:
+        return glob[canon]
     i, s = _split(canon)
     fam = family(args.arch if args is not None else "llama")
-    for fused, parts in fam.gguf_fused.items():
+    fused, derived, layer = ((fam.gguf_fused, fam.gguf_derived, fam.gguf_layer) if gguf
+                             else (fam.hf_fused, fam.hf_derived, fam.hf_layer))
+    prefix = f"blk.{i}." if gguf else f"model.layers.{i}."
+    for name, parts in fused.items():
         if s in parts:
-            return f"blk.{i}.{fused}"
-    if s in fam.gguf_derived:
-        return f"blk.{i}.{fam.gguf_derived[s][0]}"
-    return f"blk.{i}.{fam.gguf_layer[s]}"
+            return prefix + name
+    if s in derived:
+        return prefix + derived[s][0]
+    return prefix + layer[s]
 
 
 def fused_rows(canon: str, args, gguf: bool) -> tuple[int, int, int] | None:

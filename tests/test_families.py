@@ -323,6 +323,13 @@ def test_gpu_graphs_bfloat16_match_eager(tmp_path, fam):
     assert ms[1]._graphs is not None and ms[1]._graphs.graphs
 
 
+def split_rig(model: str, depth: int, max_context: int) -> dict:
+    """3 CPU stages split [1, 2, 1], chunks of CHUNK, the residual dumped (for depth 0 / 1 bit equality)."""
+    return dict(model=model, stages=[{"device": "cpu", "threads": 1}] * 3, layer_split=[1, 2, 1], chunk=CHUNK,
+                depth=depth, dtype="float32", progress=False, dump_residual=True, max_context=max_context,
+                prompt={"random": {"tokens": 8, "seed": 0}})
+
+
 def test_experts_through_the_pipeline(tmp_path):
     """qwen3_moe on 3 CPU stage processes, experts on every stage: depth 0 and 1 give the same residual bits, the
     last logits and the perplexity are transformers', and generate's greedy tokens too."""
@@ -337,10 +344,7 @@ def test_experts_through_the_pipeline(tmp_path):
     ppl = float(torch.nn.functional.cross_entropy(logits[:-1], torch.from_numpy(ids[1:]).long()).exp())
     md5 = {}
     for depth in (0, 1):
-        rig = dict(model=d, stages=[{"device": "cpu", "threads": 1}] * 3, layer_split=[1, 2, 1], chunk=CHUNK,
-                   depth=depth, dtype="float32", progress=False, dump_residual=True, max_context=128,
-                   prompt={"random": {"tokens": 8, "seed": 0}})
-        with Pipeline(rig, out=tmp_path / f"d{depth}", console=False) as p:
+        with Pipeline(split_rig(d, depth, 128), out=tmp_path / f"d{depth}", console=False) as p:
             r = p.prefill(ids)
             md5[depth] = r.report["residual_md5"]
             assert rel(torch.from_numpy(r.last_logits), logits[-1]) < 1e-4
@@ -367,10 +371,7 @@ def test_hybrid_through_the_pipeline(tmp_path):
             return ref(torch.from_numpy(x).long()[None]).logits[0, -1]
     md5 = {}
     for depth in (0, 1):
-        rig = dict(model=d, stages=[{"device": "cpu", "threads": 1}] * 3, layer_split=[1, 2, 1], chunk=CHUNK,
-                   depth=depth, dtype="float32", progress=False, dump_residual=True, max_context=160,
-                   prompt={"random": {"tokens": 8, "seed": 0}})
-        with Pipeline(rig, out=tmp_path / f"d{depth}", console=False) as p:
+        with Pipeline(split_rig(d, depth, 160), out=tmp_path / f"d{depth}", console=False) as p:
             r = p.prefill(ids)
             md5[depth] = r.report["residual_md5"]
             assert rel(torch.from_numpy(r.last_logits), want(ids)) < 1e-4
