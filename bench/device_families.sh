@@ -12,6 +12,10 @@
 #           kv_bytes from the report) and decode (gemma-decode)
 #   yarn    synthetic:qwen3-8b-yarn bf16: launcher.py prefill of 131,072 tokens, then decode after 130,944
 #           (prompt + generated tokens must fit the model's 131,072 positions)
+#   moe-tests  pytest -m gpu tests/test_moe_resident.py tests/test_families.py -k "moe or mixtral or oss"
+#   moe-gguf   qwen3-30b-a3b Q4_K_M and gpt-oss-20b MXFP4_MOE random-block GGUFs
+#   q30     (q30-prefill, q30-decode) qwen3-30b-a3b: prefill of 122,880 tokens, decode after 2,048 and 32,768
+#   oss     (oss-prefill, oss-decode) the same for gpt-oss-20b
 # Run from the repo root on the GPU machine, carrying .peer/llama.tgz and .whl:
 #   bash bench/device_families.sh setup build tests gguf qwen32-prefill   # first call (~450 s: the build ~330)
 #   bash bench/device_families.sh setup qwen32-decode gemma               # second call, at once (the build and
@@ -22,7 +26,8 @@
 # Logs and the peer JSONs go to $OUT (the device's returned folder) or /tmp/fam-logs.
 set -o pipefail
 LL=${LL:-/tmp/ll}; LB=$LL/build/bin/llama-bench
-Q32=${Q32:-/tmp/q32-q4km.gguf}; G27=${G27:-/tmp/g27-q4km.gguf}
+Q32=${Q32:-/tmp/q32-q4km.gguf}; G27=${G27:-/tmp/g27-q4km.gguf}; Q30=${Q30:-/tmp/q30a3-q4km.gguf}
+OSS=${OSS:-/tmp/oss20-mxfp4.gguf}
 LOG=${OUT:-/tmp/fam-logs}; mkdir -p "$LOG"
 DEADLINE=${DEADLINE:-570}
 export PYTHONUNBUFFERED=1
@@ -71,21 +76,29 @@ tests() {
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_families.py 2>&1 | tee "$LOG/tests.log" | tail -25
 }
 
-gguf1() {  # PRESET FILE
+gguf1() {  # PRESET FILE [QTYPE]
   if [ -s "$2" ]; then el "gguf: $2 exists"; return; fi
   fits "gguf $1" 100 || return 1
-  el "gguf: $1 Q4_K_M -> $2"
-  timeout 300 python3 bench/make_gguf.py --preset "$1" --qtype Q4_K_M --out "$2.part" --device cuda 2>&1 | tail -1 \
-    && mv "$2.part" "$2"
+  el "gguf: $1 ${3:-Q4_K_M} -> $2"
+  timeout 300 python3 bench/make_gguf.py --preset "$1" --qtype "${3:-Q4_K_M}" --out "$2.part" --device cuda 2>&1 \
+    | tail -1 && mv "$2.part" "$2"
 }
 
 gguf() { gguf1 qwen3-32b "$Q32"; gguf1 gemma-3-27b "$G27"; ls -la "$Q32" "$G27" 2>&1; df -h /tmp | tail -1; }
+moe_gguf() { gguf1 qwen3-30b-a3b "$Q30"; gguf1 gpt-oss-20b "$OSS" MXFP4_MOE; ls -la "$Q30" "$OSS" 2>&1; df -h /tmp | tail -1; }
 
-peer_prefill() {  # NAME PRESET FILE TOKENS EST_S
+moe_tests() {
+  fits moe-tests 150 || return
+  el "moe-tests: pytest -m gpu tests/test_moe_resident.py tests/test_families.py -k 'moe or mixtral or oss'"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_resident.py tests/test_families.py \
+    -k "moe or mixtral or oss" 2>&1 | tee "$LOG/moe-tests.log" | tail -25
+}
+
+peer_prefill() {  # NAME PRESET FILE TOKENS EST_S [QTYPE]
   fits "$1 prefill" "$5" || return
   el "$1: prefill $4 tokens, Strata beside llama.cpp (bench/peer.py)"
   local lb=(); build_wait && lb=(--llama-bench "$LB")
-  timeout $(( $(left) + 20 )) python3 bench/peer.py --preset "$2" --qtype Q4_K_M --devices cuda:0 --tokens "$4" \
+  timeout $(( $(left) + 20 )) python3 bench/peer.py --preset "$2" --qtype "${6:-Q4_K_M}" --devices cuda:0 --tokens "$4" \
     --chunk 10240 --gguf "$3" "${lb[@]}" --arms llama,d1 --no-dump --json "$LOG/$1-peer.json" 2>&1 \
     | tee "$LOG/$1-prefill.log" | grep -v "^\s*$" | tail -8
 }
@@ -142,9 +155,17 @@ EOF
     --tokens 127 --chunk 10240 2>&1 | tee "$LOG/yarn-decode.log" | tail -4
 }
 
-STEPS="setup build tests gguf qwen32 qwen32-prefill qwen32-decode gemma gemma-prefill gemma-decode yarn"
+q30_prefill() { peer_prefill q30 qwen3-30b-a3b "$Q30" 122880 150; }
+q30_decode() { decode q30 "$Q30" 120; }
+q30() { q30_prefill; q30_decode; }
+oss_prefill() { peer_prefill oss20 gpt-oss-20b "$OSS" 122880 150 MXFP4_MOE; }
+oss_decode() { decode oss20 "$OSS" 150; }
+oss() { oss_prefill; oss_decode; }
+
+STEPS="setup build tests gguf qwen32 qwen32-prefill qwen32-decode gemma gemma-prefill gemma-decode yarn moe-tests
+moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode"
 for step in ${@:-setup build tests gguf qwen32 gemma yarn}; do
-  case " $STEPS " in
+  case " ${STEPS//$'\n'/ } " in
     *" $step "*) ${step//-/_} ;;
     *) echo "unknown step $step ($STEPS)"; exit 2 ;;
   esac

@@ -18,6 +18,13 @@ loader reads (src/llama-model.cpp, src/models/<arch>.cpp):
           key when the preset's window layers are llama.cpp's default (every 6th layer global), no
           rope.freq_base_swa key when the window layers' base is its default 10000; tied embeddings (no
           output.weight). With --layers the preset's window pattern is kept (every 6th layer global).
+  qwen3moe  qwen3's attention; ffn_gate_inp (the router, F32 as llama.cpp's quantizer keeps it) and the expert
+          stacks ffn_gate_exps / ffn_up_exps / ffn_down_exps (E, rows, cols); `expert_count`, `expert_used_count`,
+          `expert_feed_forward_length`.
+  gpt-oss q/k/v/output with biases, attn_sinks, post_attention_norm (its pre-MLP norm), the router with its bias,
+          the expert stacks with theirs; `attention.sliding_window` (llama.cpp windows every other layer, the
+          first one), YaRN as factor + original context. --qtype MXFP4_MOE (llama.cpp's file type of that name):
+          the experts MXFP4, the other matrices Q8_0.
 A tied token_embd takes the head's type in a mix (Q6_K in Q4_K_M), as llama.cpp's quantizer does when a
 model has no output.weight.
 
@@ -26,6 +33,8 @@ model has no output.weight.
     python bench/make_gguf.py --preset llama-3-8b --qtype Q4_K_M --out /tmp/8b-q4km.gguf --device cuda
     python bench/make_gguf.py --preset gemma-3-27b --qtype Q4_K_M --out /tmp/g27-q4km.gguf --device cuda
     python bench/make_gguf.py --preset qwen3-32b --qtype Q4_K_M --out /tmp/q32-q4km.gguf --layers 2
+    python bench/make_gguf.py --preset qwen3-30b-a3b --qtype Q4_K_M --out /tmp/q30a3.gguf --device cuda
+    python bench/make_gguf.py --preset gpt-oss-20b --qtype MXFP4_MOE --out /tmp/oss20.gguf --device cuda
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.args import PRESETS, ModelArgs  # noqa: E402
+from strata.families import family  # noqa: E402
 
 from strata.model import rope_frequencies  # noqa: E402
 from strata.quant import MIXES, block_size, mix_type, qtype_of, random_blocks, type_size  # noqa: E402
@@ -63,7 +73,8 @@ def tensor_type(qtype: str, cols: int) -> str:
     return "Q8_0" if cols % 32 == 0 else "F16"
 
 
-ARCHS = ("llama", "qwen3", "gemma3")  # what this writer knows llama.cpp's names and keys for
+ARCHS = ("llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss")  # what this writer knows llama.cpp's names and keys for
+MXFP4_MOE = "MXFP4_MOE"  # experts MXFP4, other matrices Q8_0 (gpt-oss)
 
 
 def _llama3_rope(args: ModelArgs) -> bool:
@@ -75,26 +86,46 @@ def plan(args: ModelArgs, qtype: str) -> list[Planned]:
     if args.arch not in ARCHS:
         raise ValueError(f"bench/make_gguf.py writes {', '.join(ARCHS)} files, not {args.arch!r}")
     dim, hd, ffn = args.dim, args.head_dim, args.ffn_dim
-    role = {"attn_v": "wv", "ffn_down": "w_down", "output": "head"}  # what a mix widens (strata.quant.MIXES)
+    # what a mix widens (strata.quant.MIXES)
+    role = {"attn_v": "wv", "ffn_down": "w_down", "output": "head", "ffn_down_exps": "e_down"}
     if args.tie_embeddings:  # llama.cpp's quantizer gives a tied token_embd the head's type
         role["token_embd"] = "head"
+    base = "Q8_0" if qtype == MXFP4_MOE else qtype
     mat = lambda name, rows, cols: Planned(  # noqa: E731
-        name, (rows, cols), tensor_type(mix_type(qtype, role.get(name.split(".")[-2], "")), cols))
+        name, (rows, cols), tensor_type(mix_type(base, role.get(name.split(".")[-2], "")), cols))
     norm = lambda name, n: Planned(name, (n,), "F32")  # noqa: E731
+    bias = lambda name, *shape: Planned(name, shape, "F32")  # noqa: E731
+
+    def stack(name, rows, cols):  # an expert stack (E, rows, cols)
+        t = "MXFP4" if qtype == MXFP4_MOE else tensor_type(mix_type(base, role.get(name.split(".")[-2], "")), cols)
+        return Planned(name, (args.n_experts, rows, cols), t)
+    oss = args.arch == "gpt_oss"
     out = [mat("token_embd.weight", args.vocab_size, dim)]
     if _llama3_rope(args):  # llama.cpp keeps Llama-3 rope scaling as per-frequency divisors
         out.append(Planned("rope_freqs.weight", (hd // 2,), "F32"))
     for i in range(args.n_layers):
         p = f"blk.{i}."
-        attn = [mat(p + "attn_q.weight", args.n_heads * hd, dim),
-                mat(p + "attn_k.weight", args.n_kv_heads * hd, dim),
-                mat(p + "attn_v.weight", args.n_kv_heads * hd, dim)]
-        if args.arch in ("qwen3", "gemma3"):
+        attn = []
+        for n, rows in (("q", args.n_heads * hd), ("k", args.n_kv_heads * hd), ("v", args.n_kv_heads * hd)):
+            attn += [mat(p + f"attn_{n}.weight", rows, dim)] + ([bias(p + f"attn_{n}.bias", rows)] if oss else [])
+        if args.qk_norm:
             attn += [norm(p + "attn_q_norm.weight", hd), norm(p + "attn_k_norm.weight", hd)]
         attn.append(mat(p + "attn_output.weight", dim, args.n_heads * hd))
-        mlp = [mat(p + "ffn_gate.weight", ffn, dim), mat(p + "ffn_up.weight", ffn, dim),
-               mat(p + "ffn_down.weight", dim, ffn)]
-        if args.arch == "gemma3":  # sandwich norms around both blocks
+        if oss:
+            attn += [bias(p + "attn_output.bias", dim), bias(p + "attn_sinks.weight", args.n_heads)]
+        if args.n_experts:
+            eff = args.expert_ffn_dim
+            mlp = [Planned(p + "ffn_gate_inp.weight", (args.n_experts, dim), "F32")]
+            mlp += [bias(p + "ffn_gate_inp.bias", args.n_experts)] if oss else []
+            for n, rows, cols in (("gate", eff, dim), ("up", eff, dim), ("down", dim, eff)):
+                mlp += [stack(p + f"ffn_{n}_exps.weight", rows, cols)]
+                mlp += [bias(p + f"ffn_{n}_exps.bias", args.n_experts, rows)] if oss else []
+        else:
+            mlp = [mat(p + "ffn_gate.weight", ffn, dim), mat(p + "ffn_up.weight", ffn, dim),
+                   mat(p + "ffn_down.weight", dim, ffn)]
+        if oss:  # llama.cpp names its pre-MLP norm post_attention_norm
+            out += [norm(p + "attn_norm.weight", dim), *attn, norm(p + "post_attention_norm.weight", dim), *mlp]
+        elif args.arch == "gemma3":  # sandwich norms around both blocks
             out += [norm(p + "attn_norm.weight", dim), *attn, norm(p + "post_attention_norm.weight", dim),
                     norm(p + "ffn_norm.weight", dim), *mlp, norm(p + "post_ffw_norm.weight", dim)]
         else:
@@ -136,6 +167,10 @@ def add_metadata(w, args: ModelArgs) -> None:
     w.add_head_count(args.n_heads)
     w.add_head_count_kv(args.n_kv_heads)
     w.add_rope_dimension_count(args.head_dim)
+    if args.n_experts:
+        w.add_expert_count(args.n_experts)
+        w.add_expert_used_count(args.n_experts_used)
+        w.add_expert_feed_forward_length(args.expert_ffn_dim)
     if args.head_dim != args.dim // args.n_heads or args.arch != "llama":  # the converter writes head_dim's
         w.add_key_length(args.head_dim)
         w.add_value_length(args.head_dim)
@@ -159,15 +194,20 @@ def add_metadata(w, args: ModelArgs) -> None:
             w.add_rope_scaling_yarn_beta_slow(rs["beta_slow"])
         from strata.rope import yarn_attention_factor
         att = rs.get("attention_factor")
-        if rs.get("mscale") or rs.get("mscale_all_dim") or not rs.get("truncate", True):
+        # (gpt-oss's YaRN does not truncate: llama.cpp's gpt-oss knows that, the file does not say it)
+        if rs.get("mscale") or rs.get("mscale_all_dim") or (not rs.get("truncate", True) and args.arch != "gpt_oss"):
             raise ValueError(f"yarn parameters GGUF cannot carry: {rs}")
         if att is not None and abs(att - yarn_attention_factor(rs["factor"], None, None)) > 1e-12:
             w.add_rope_scaling_yarn_attn_factor(att)
     elif kind not in (None, "llama3"):
         raise ValueError(f"rope scaling {kind!r}: no GGUF form here")
-    if args.sliding_window is not None:
+    if args.sliding_window is not None and args.arch == "gpt_oss":
+        if args.window_layers != tuple(i % 2 == 0 for i in range(args.n_layers)):
+            raise ValueError("gpt-oss: llama.cpp windows every other layer, the first one")
+        w.add_sliding_window(args.sliding_window)
+    elif args.sliding_window is not None:
         if args.arch != "gemma3":
-            raise ValueError(f"{args.arch}: sliding windows are written for gemma3 only")
+            raise ValueError(f"{args.arch}: sliding windows are written for gemma3 and gpt-oss only")
         w.add_sliding_window(args.sliding_window)
         p = _window_period(args)
         if p is None:
@@ -181,9 +221,9 @@ def add_metadata(w, args: ModelArgs) -> None:
 
 
 def nbytes(t: Planned) -> int:
-    if len(t.shape) == 1:
-        return t.shape[0] * type_size(t.qtype)
-    rows, cols = t.shape
+    if t.qtype == "F32":
+        return int(np.prod(t.shape)) * 4
+    rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]
     return rows * (cols // block_size(t.qtype)) * type_size(t.qtype)
 
 
@@ -192,9 +232,12 @@ def tensor_data(t: Planned, args: ModelArgs, g: torch.Generator, device: str = "
     if t.name == "rope_freqs.weight":
         base = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
         return (base / rope_frequencies(args).double()).float().numpy().view(np.uint8)
-    if len(t.shape) == 1:  # a norm: near 1, as in a trained model
+    if t.qtype == "F32" and ("norm" in t.name):  # a norm: near 1, as in a trained model
         return (1.0 + 0.02 * torch.randn(t.shape, generator=g)).numpy().view(np.uint8)
-    return random_blocks(t.qtype, *t.shape, generator=g, device=device).cpu().numpy()
+    if t.qtype == "F32":  # a bias, a router, the sinks: small
+        return (0.02 * torch.randn(t.shape, generator=g)).numpy().view(np.uint8).reshape(-1)
+    rows = int(np.prod(t.shape[:-1]))
+    return random_blocks(t.qtype, rows, t.shape[-1], generator=g, device=device).cpu().numpy()
 
 
 def _file_type(qtype: str) -> int | None:
@@ -209,9 +252,9 @@ def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "r
           device: str = "cpu") -> int:
     """Write the file; returns its size in bytes. `device` makes the random blocks there (a GPU makes a 28 GiB
     file in the time the disk takes; the bytes differ from the CPU's, each device is reproducible)."""
-    qtype = qtype.upper() if qtype.upper() in MIXES else qtype_of(qtype).name
+    qtype = qtype.upper() if qtype.upper() in (*MIXES, MXFP4_MOE) else qtype_of(qtype).name
     tensors = plan(args, qtype)
-    w = gguf.GGUFWriter(str(path), args.arch)
+    w = gguf.GGUFWriter(str(path), family(args.arch).gguf_arch)
     w.add_name(f"strata random {name} {qtype}")
     ft = _file_type(qtype)
     if ft is not None:
@@ -229,7 +272,7 @@ def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "r
     total, t0 = sum(nbytes(t) for t in tensors), time.monotonic()
     done = 0
     for i, t in enumerate(tensors):
-        g = torch.Generator(device if len(t.shape) == 2 else "cpu").manual_seed(seed * 1_000_003 + i)  # per tensor
+        g = torch.Generator(device if t.qtype != "F32" else "cpu").manual_seed(seed * 1_000_003 + i)  # per tensor
         data = tensor_data(t, args, g, device)
         assert data.nbytes == nbytes(t), (t.name, data.nbytes, nbytes(t))
         w.write_tensor_data(data)
@@ -260,8 +303,8 @@ def main(argv=None) -> int:
         except ValueError as e:
             ap.error(str(e))
     try:
-        q = a.qtype.upper() if a.qtype.upper() in MIXES else qtype_of(a.qtype).name
-        for t in MIXES.get(q, (q,)):
+        q = a.qtype.upper() if a.qtype.upper() in (*MIXES, MXFP4_MOE) else qtype_of(a.qtype).name
+        for t in MIXES.get(q, ("MXFP4", "Q8_0") if q == MXFP4_MOE else (q,)):
             block_size(t)
     except (ValueError, KeyError) as e:
         ap.error(str(e))

@@ -134,10 +134,9 @@ def weights_mode(model: str, device_type: str, weights: str = "auto", args: Mode
     while host RAM (the resource resident saves) is the cheap one there: so dequantized."""
     if weights not in WEIGHT_MODES:
         raise ModelError(f"unknown weights mode {weights!r} (known: {', '.join(WEIGHT_MODES)})")
-    if args is not None and (args.n_experts or args.linear_layers is not None):  # held dense (no resident blocks yet)
+    if args is not None and args.linear_layers is not None:  # held dense (no resident blocks for them yet)
         if weights == "resident":
-            raise ModelError("weights: resident is not implemented for experts or linear-attention layers "
-                             "(use dequantized or auto)")
+            raise ModelError("weights: resident is not implemented for linear-attention layers (use dequantized or auto)")
         return "dequantized"
     if weights != "auto":
         return weights
@@ -204,7 +203,7 @@ def _stored_types(model: str, args: ModelArgs, names: list[str]) -> dict[str, tu
         facts = tensor_facts(Path(loc))
         for n in names:
             f = facts.get(gguf_name(n, args))
-            if f is not None and f.quantized and len(f.shape) == 2:
+            if f is not None and f.quantized and len(f.shape) in (2, 3):
                 rows = fused_rows(n, args, gguf=True)  # a part of a fused tensor: its rows' share
                 out[n] = (f.qtype, f.needed() if rows is None else f.needed() * (rows[1] - rows[0]) // rows[2])
     elif kind == "synthetic" and "@" in loc:
@@ -215,7 +214,7 @@ def _stored_types(model: str, args: ModelArgs, names: list[str]) -> dict[str, tu
             q = _synthetic_tensor_qtype(loc.partition("@")[2], s, short(n))
             if q is not None:
                 bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]]
-                out[n] = (q, s[0] * (s[1] // bs) * ts)
+                out[n] = (q, _numel(s[:-1]) * (s[-1] // bs) * ts)
     return out
 
 
@@ -377,7 +376,7 @@ def _synthetic_tensor_qtype(qtype: str, shape: tuple[int, ...], short_name: str)
     import gguf
 
     from .quant import mix_type
-    if len(shape) != 2:
+    if len(shape) not in (2, 3) or short_name in ("router", "s_sig"):  # routers stay float, as llama.cpp keeps them
         return None
     for q in (mix_type(qtype, short_name), "Q8_0"):
         if shape[1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]][0] == 0:
@@ -387,7 +386,9 @@ def _synthetic_tensor_qtype(qtype: str, shape: tuple[int, ...], short_name: str)
 
 def _synthetic_generator(args: ModelArgs, name: str, device, seed: int) -> torch.Generator:
     order = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
-             "bq", "bk", "bv", "embed", "norm", "head"]
+             "bq", "bk", "bv", "embed", "norm", "head",  # (appended below only: earlier seeds stay as they were)
+             "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm", "router", "e_gate", "e_up", "e_down",
+             "router_bias", "s_gate", "s_up", "s_down", "s_sig", "bo", "sinks", "e_gate_b", "e_up_b", "e_down_b", "wg"]
     layer = int(name.split(".")[1]) if name.startswith("layers.") else -1
     g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + (layer + 2) * 101 + order.index(short(name))) % (2**63))
@@ -413,11 +414,12 @@ def synthetic_tensors(args: ModelArgs, start: int, end: int, device, dtype, seed
         q = _synthetic_tensor_qtype(qtype, shape, s) if qtype else None
         if q is not None:
             from .quant import dequantize, random_blocks
-            blocks = random_blocks(q, shape[0], shape[1], g, device)
-            out[name] = Quantized(blocks, q, shape[1]) if resident else dequantize(blocks, q).to(dtype)
+            rows = shape[0] * (shape[1] if len(shape) == 3 else 1)  # an expert stack: its experts' rows in turn
+            blocks = random_blocks(q, rows, shape[-1], g, device).view(*shape[:-1], -1)
+            out[name] = Quantized(blocks, q, shape[-1]) if resident else dequantize(blocks, q).to(dtype)
             continue
         std = 1.0 if s == "embed" else 1.0 / (shape[-1] ** 0.5)
-        if s in ("wo", "w_down"):
+        if s in ("wo", "w_down", "e_down", "s_down"):
             std /= (2 * args.n_layers) ** 0.5  # keep the residual stream bounded over many layers
         out[name] = torch.randn(shape, generator=g, device=device, dtype=dtype) * std
     return out

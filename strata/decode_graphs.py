@@ -25,7 +25,7 @@ if GRAPH_KERNELS not in ("triton", "torch"):
 
 # what the graphs implement beyond the Llama core (ModelArgs.extras); windows need the split-K kernel
 GRAPH_EXTRAS = {"qk_norm", "rope yarn", "rope linear", "sliding_window", "window_rope_theta", "post_norms",
-                "activation gelu_tanh", "embed_scale", "attn_scale", "final_softcap", "norm_offset"}
+                "activation gelu_tanh", "embed_scale", "attn_scale", "final_softcap", "norm_offset", "experts"}
 
 
 def covers(args) -> bool:
@@ -268,6 +268,9 @@ class DecodeGraphs:
         if blk.attn_post_norm is not None:  # gemma3: the output normed before its residual add
             o = self._norm(o, blk.attn_post_norm)
         h, x = self._add_norm(h, o, blk.mlp_norm)
+        if blk.moe:  # routing and the chosen experts' products, all on the device (strata.moe's few-rows path)
+            p = blk.mlp(x.view(1, -1)).view(x.shape)
+            return h, (p if blk.mlp_post_norm is None else self._norm(p, blk.mlp_post_norm))
         g, up = mm.w13(x).split(blk.mlp.ffn, dim=-1)
         z = None
         if self.fused and blk.mlp.activation == "silu":

@@ -362,18 +362,19 @@ def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, reside
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         want = _file_shape(canon, args, expect)
         rows = fused_rows(canon, args, gguf=True)
-        if resident and t.tensor_type.name not in FLOAT_TYPES and len(shape) == 2:
+        # an expert stack (E, rows, cols) stays as stored too; a router stays float, as llama.cpp keeps it
+        if resident and t.tensor_type.name not in FLOAT_TYPES and (len(shape) == 2 or s in ("e_gate", "e_up", "e_down")):
             if shape != want:
                 raise ModelError(f"{path}: tensor {name} has shape {shape}, the metadata implies {want}")
             if not quant_supported(t.tensor_type.name):
                 raise ModelError(f"{path}: tensor {name} has type {t.tensor_type.name}, which strata.quant cannot dequantize")
             blocks = np.asarray(t.data)
-            if blocks.dtype != np.uint8 or blocks.shape[0] != shape[0]:
+            if blocks.dtype != np.uint8 or tuple(blocks.shape[:-1]) != shape[:-1]:
                 raise ModelError(f"{path}: tensor {name} ({t.tensor_type.name}): unexpected block layout {blocks.shape}")
             if rows is not None:  # whole rows of blocks: a part of a fused tensor is a row range
                 blocks = blocks[rows[0]:rows[1]]
             b = torch.from_numpy(np.array(blocks))  # copied out of the memory map
-            out[canon] = Quantized(_unpermute_for(args, s, b).contiguous(), t.tensor_type.name, expect[s][1])
+            out[canon] = Quantized(_unpermute_for(args, s, b).contiguous(), t.tensor_type.name, expect[s][-1])
             continue
         derive = family(args.arch).gguf_derived.get(s)
         if derive is not None:  # a layout of the converter's own (qwen35), undone; checked after

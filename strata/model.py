@@ -20,8 +20,8 @@ from . import attention
 from .args import ModelArgs
 from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, _rope_rows, _to_cache, apply_rope,
                         chunk_attention, decode_attention, kv_dtype_of, rope_tables, store_rows, window_attention)
-from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentMatrices,
-                       Scratch, _dequantize, _fused_ok, head_rows)
+from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentExperts,
+                       ResidentMatrices, Scratch, _dequantize, _fused_ok, head_rows)
 from .linear_attention import GatedDeltaNet
 from .moe import MoE
 from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, _dense_products
@@ -265,7 +265,8 @@ class Block(nn.Module):
     def _mlp_rows(self, h: torch.Tensor, mm: Products) -> torch.Tensor:
         x = self.mlp_norm.rows(h)
         if self.moe:  # only the chosen experts' matrices are read (strata.moe)
-            return h + self.mlp(x).to(h.dtype)
+            y = self.mlp(x).to(h.dtype)
+            return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
         g, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
         y = mm.w2(F.silu(g) * up if self.mlp.activation == "silu" else gate(g, up, self.mlp.activation))
         return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
@@ -324,7 +325,7 @@ class Transformer(nn.Module):
 
         def check(name, t):
             s = name.rsplit(".", 1)[-1]
-            got = (t.blocks.shape[0], t.cols) if isinstance(t, Quantized) else tuple(t.shape)
+            got = (*t.blocks.shape[:-1], t.cols) if isinstance(t, Quantized) else tuple(t.shape)
             if tuple(got) != want[s]:
                 raise ValueError(f"weight {name} has shape {tuple(got)}, the config expects {want[s]}")
             return t
@@ -397,8 +398,15 @@ class Transformer(nn.Module):
                 if e.bias:
                     e.b13 = param(torch.cat([dense(take(p + "e_gate_b")), dense(take(p + "e_up_b"))], 1))
                     e.b2 = param(take(p + "e_down_b"))
-                e.w13 = param(torch.cat([dense(take(p + "e_gate")), dense(take(p + "e_up"))], 1))
-                e.w2 = param(take(p + "e_down"))
+                g, u, d = take(p + "e_gate"), take(p + "e_up"), take(p + "e_down")
+                if isinstance(g, Quantized) and isinstance(u, Quantized) and g.qtype == u.qtype \
+                        and isinstance(d, Quantized):  # as stored: a row of blocks is a row of weights
+                    e.resident = ResidentExperts(packed(Quantized(torch.cat([g.blocks, u.blocks], 1), g.qtype, g.cols)),
+                                                 packed(d), self.scratch)
+                    e.w13 = e.w2 = None
+                else:
+                    e.w13 = param(torch.cat([dense(g), dense(u)], 1))
+                    e.w2 = param(d)
                 if e.sffn:
                     e.s13 = param(torch.cat([dense(take(p + "s_gate")), dense(take(p + "s_up"))]))
                     e.s2 = param(take(p + "s_down"))
@@ -410,7 +418,8 @@ class Transformer(nn.Module):
             bias = (torch.cat([dense(take(p + n)) for n in ("bq", "bk", "bv")])
                     if args.qkv_bias and not blk.linear else None)
             if any(isinstance(t, Quantized) for t in parts.values()):
-                blk.weights = ResidentMatrices({n: packed(t) for n, t in parts.items()}, bias, self.scratch)
+                bo = dense(take(p + "bo")) if args.o_bias and not blk.linear else None
+                blk.weights = ResidentMatrices({n: packed(t) for n, t in parts.items()}, bias, self.scratch, bo)
                 continue
             with torch.device("meta"):
                 m = DenseMatrices(args, mlp=not blk.moe, attn=not blk.linear)
@@ -425,6 +434,9 @@ class Transformer(nn.Module):
                 m.w13.weight = param(torch.cat([dense(parts.pop(n)) for n in ("w_gate", "w_up")]))
                 m.w2.weight = param(parts.pop("w_down"))
             blk.weights = m
+        unused = sorted(n for n in tensors if n != "embed")  # (a tied head's source, read in place)
+        if unused:  # a tensor given and not held would be a variation computed without it: silently wrong
+            raise ValueError(f"weights given but not used: {unused[:4]}")
         meta = [n for n, t in list(self.named_parameters()) + list(self.named_buffers()) if t.is_meta and n != "inv_freq"]
         if meta:
             raise ValueError(f"weights missing: {meta[:4]}")
@@ -617,7 +629,8 @@ class Transformer(nn.Module):
             return False
         if self.has_head and isinstance(self.head.weight, Packed) and not _fused_ok(self.head.weight, x.device):
             return False
-        return all(isinstance(b.weights, DenseMatrices) or b.weights.fused_decode_ok(x.device)
+        return all((isinstance(b.weights, DenseMatrices) or b.weights.fused_decode_ok(x.device))
+                   and (not b.moe or b.mlp.resident is None or b.mlp.resident.fused_ok(x.device))
                    for b in self.layers.values())
 
     def densify(self, max_bytes: int) -> int:

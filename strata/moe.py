@@ -5,6 +5,11 @@ Prefill: the (token, choice) pairs are sorted by expert and each expert's rows m
 on CUDA (torch._grouped_mm, where this torch has it and the shapes suit it), else one batched GEMM over the experts
 with their rows padded to the busiest expert's count; no Python loop over experts or tokens. A few rows (decode):
 only the chosen experts' matrices are gathered and multiplied, so a step reads k experts, not all of them.
+
+Resident experts (GGUF blocks as stored, strata.resident.ResidentExperts): prefill dequantizes a group of whole
+experts at a time into the scratch and multiplies that group's rows with one grouped GEMM (a few groups a
+layer, not a loop over experts); decode multiplies on the chosen experts' blocks (strata.quant.gemv) where it
+takes their type, else dequantizes only those.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ class MoE(nn.Module):
             self.s13 = nn.Parameter(torch.empty(2 * self.sffn, args.dim), requires_grad=False)
             self.s2 = nn.Parameter(torch.empty(args.dim, self.sffn), requires_grad=False)
         self.s_sig = nn.Parameter(torch.empty(1, args.dim), requires_grad=False) if args.shared_gate else None
+        self.resident = None  # a ResidentExperts in place of w13 / w2 (strata.model.Transformer.load_weights)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h (N, dim) -> (weights (N, k) in float32, expert ids (N, k)). softmax: over every expert's logit, the
@@ -83,11 +89,32 @@ class MoE(nn.Module):
         """Few rows: each (row, choice) multiplies its expert's matrices, read for it alone."""
         n, k = idx.shape
         e = idx.reshape(-1)
+        r = self.resident
+        if r is not None and r.fused_ok(h.device):
+            return self._on_blocks(h, w, e, k)
+        w13, w2 = r.chosen(e) if r is not None else (self.w13[e], self.w2[e])
         xs = h.repeat_interleave(k, 0).unsqueeze(-1)                     # (n*k, dim, 1)
-        gu = torch.bmm(self.w13[e], xs).squeeze(-1)                      # (n*k, 2 effn)
+        gu = torch.bmm(w13, xs).squeeze(-1)                              # (n*k, 2 effn)
         if self.bias:
             gu = gu + self.b13[e]
-        y = torch.bmm(self.w2[e], self.gate(gu).unsqueeze(-1)).squeeze(-1)  # (n*k, dim)
+        y = torch.bmm(w2, self.gate(gu).unsqueeze(-1)).squeeze(-1)       # (n*k, dim)
+        if self.bias:
+            y = y + self.b2[e]
+        return (y.float() * w.reshape(-1, 1)).view(n, k, -1).sum(1).to(h.dtype)
+
+    def _on_blocks(self, h, w, e, k: int) -> torch.Tensor:
+        """_gathered on the chosen experts' blocks: a row's k gate/up matrices in one fused launch, each
+        (row, choice)'s down in one; no dense copy of any expert."""
+        from .quant.gemv import quant_matmul
+        p13, p2 = self.resident.w13, self.resident.w2
+        b13, b2 = p13.data.index_select(0, e), p2.data.index_select(0, e)  # (n*k, rows, bytes): k experts' bytes
+        n = h.shape[0]
+        gu = torch.cat([quant_matmul(h[i:i + 1], b13[i * k:(i + 1) * k].view(-1, b13.shape[-1]), p13.qtype, p13.cols)
+                        for i in range(n)]).view(n * k, -1)              # (n*k, 2 effn)
+        if self.bias:
+            gu = gu + self.b13[e]
+        z = self.gate(gu)
+        y = torch.cat([quant_matmul(z[j:j + 1], b2[j], p2.qtype, p2.cols) for j in range(n * k)])  # (n*k, dim)
         if self.bias:
             y = y + self.b2[e]
         return (y.float() * w.reshape(-1, 1)).view(n, k, -1).sum(1).to(h.dtype)
@@ -99,8 +126,21 @@ class MoE(nn.Module):
         tok = order // k
         counts = torch.bincount(flat, minlength=self.n)
         xs = h[tok]                                                      # (n*k, dim), expert-sorted
-        ys = _grouped_experts(xs, counts, self.w13, self.w2, self.gate, self.b13 if self.bias else None,
-                              self.b2 if self.bias else None)
+        b13, b2 = (self.b13, self.b2) if self.bias else (None, None)
+        if self.resident is None:
+            ys = _grouped_experts(xs, counts, self.w13, self.w2, self.gate, b13, b2)
+        else:  # a group of experts at a time, dequantized into the scratch: their rows are adjacent in xs
+            g, ends = self.resident.per_group, counts.cumsum(0).tolist()
+            parts = []
+            for g0 in range(0, self.n, g):
+                g1 = min(self.n, g0 + g)
+                a, b = (ends[g0 - 1] if g0 else 0), ends[g1 - 1]
+                if a == b:
+                    continue
+                w13, w2 = self.resident.group(g0, g1)
+                parts.append(_grouped_experts(xs[a:b], counts[g0:g1], w13, w2, self.gate,
+                                              None if b13 is None else b13[g0:g1], None if b2 is None else b2[g0:g1]))
+            ys = torch.cat(parts)
         ys = ys.float() * w.reshape(-1)[order, None]
         out = torch.zeros(n, h.shape[1], dtype=torch.float32, device=h.device)
         return out.index_add_(0, tok, ys).to(h.dtype)

@@ -46,13 +46,31 @@ def _matrix_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
             "w_gate": (args.ffn_dim, args.dim), "w_up": (args.ffn_dim, args.dim), "w_down": (args.dim, args.ffn_dim)}
 
 
+# a resident MoE layer's prefill dequantizes its experts this many weights at a time (a group of whole experts,
+# each group one grouped GEMM): 256 MiB of bfloat16, so the scratch does not hold a whole layer of experts
+EXPERT_GROUP_ELEMS = 1 << 27
+
+
+def expert_group(args: ModelArgs) -> int:
+    """Experts per prefill group of a resident MoE layer (see EXPERT_GROUP_ELEMS)."""
+    return min(args.n_experts, max(1, EXPERT_GROUP_ELEMS // (3 * args.dim * args.expert_ffn_dim)))
+
+
 def scratch_layout(args: ModelArgs) -> tuple[dict[str, tuple[int, int, int]], int]:
     """Where each matrix of a layer lands in the scratch: name -> (offset, rows, cols); and the total elements.
 
-    q, k, v are adjacent (one wqkv view), as are gate and up (one w13 view)."""
+    q, k, v are adjacent (one wqkv view), as are gate and up (one w13 view). A dense MLP only where some layer
+    has one; a group of experts' gate/up ("e13") and down ("e2") where layers have experts."""
     sh = _matrix_shapes(args)
+    groups = [("wq", "wk", "wv"), ("wo",)]
+    if not all(args.is_moe(i) for i in range(args.n_layers)):
+        groups += [("w_gate", "w_up"), ("w_down",)]
+    if args.n_experts:
+        g = expert_group(args)
+        sh = dict(sh, e13=(g * 2 * args.expert_ffn_dim, args.dim), e2=(g * args.dim, args.expert_ffn_dim))
+        groups += [("e13",), ("e2",)]
     out, off = {}, 0
-    for group in (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",)):
+    for group in groups:
         off = -(-off // _ALIGN) * _ALIGN
         for n in group:
             r, c = sh[n]
@@ -70,6 +88,8 @@ def head_rows(args: ModelArgs) -> int:
 def dequant_piece_bytes(args: ModelArgs) -> int:
     """Largest float32 transient strata.quant.dequantize returns while a resident slice runs."""
     sh = dict(_matrix_shapes(args), head=(args.vocab_size, args.dim))
+    if args.n_experts:
+        sh.update(e13=(2 * args.expert_ffn_dim, args.dim), e2=(args.dim, args.expert_ffn_dim))
     return max(min(r, max(1, DEQUANT_PIECE // c)) * c * 4 for r, c in sh.values())
 
 
@@ -77,6 +97,20 @@ def dequant_piece_bytes(args: ModelArgs) -> int:
 def _dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     from .quant import dequantize
     return dequantize(blocks, qtype)
+
+
+def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
+    """GGUF blocks (..., bytes a row) dequantized into `out` (rows, cols), in pieces that bound the float32
+    transient; on CUDA one Triton kernel per type straight into out's dtype where strata.quant.into has one."""
+    blocks = blocks.reshape(-1, blocks.shape[-1])
+    if out.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":  # Triton imported only where it can run
+        from .quant import into
+        if into.takes(qtype, out) and into.dequantize_into(out, blocks, qtype):
+            return out
+    step = max(1, DEQUANT_PIECE // cols)
+    for a in range(0, blocks.shape[0], step):
+        out[a:a + step].copy_(_dequantize(blocks[a:a + step], qtype))
+    return out
 
 
 class Scratch:
@@ -126,15 +160,7 @@ class Packed(nn.Module):
         r1 = self.n_rows if r1 is None else r1
         if self.qtype is None:
             return out.copy_(self.data[r0:r1])
-        if out.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":  # Triton imported only where it can run
-            from .quant import into  # the usual K-quants and Q8_0: one kernel, straight into out's dtype
-            if into.takes(self.qtype, out) and into.dequantize_into(out, self.data[r0:r1], self.qtype):
-                return out
-        step = max(1, DEQUANT_PIECE // self.cols)
-        for a in range(r0, r1, step):
-            b = min(r1, a + step)
-            out[a - r0:b - r0].copy_(_dequantize(self.data[a:b], self.qtype))
-        return out
+        return dequantize_into(out, self.data[r0:r1], self.qtype, self.cols)
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) only: the embedding never dequantizes its whole table."""
@@ -177,10 +203,12 @@ class DenseMatrices(nn.Module):
 class ResidentMatrices(nn.Module):
     """A layer's matrices as stored; `get` dequantizes them all into the shared scratch (valid until the next layer's get)."""
 
-    def __init__(self, parts: dict[str, Packed], bqkv: torch.Tensor | None, scratch: Scratch):
+    def __init__(self, parts: dict[str, Packed], bqkv: torch.Tensor | None, scratch: Scratch,
+                 bo: torch.Tensor | None = None):
         super().__init__()
         self.parts = nn.ModuleDict(parts)
         self.bqkv = None if bqkv is None else nn.Parameter(bqkv, requires_grad=False)
+        self.bo = None if bo is None else nn.Parameter(bo, requires_grad=False)  # gpt-oss's output bias
         self.scratch = scratch
         self._fused: dict[torch.device, bool] = {}
 
@@ -188,7 +216,9 @@ class ResidentMatrices(nn.Module):
         s = self.scratch
         for name, p in self.parts.items():
             p.into(s.view(name))
-        return Mats(s.span("wq", "wv"), self.bqkv, s.view("wo"), s.span("w_gate", "w_up"), s.view("w_down"))
+        mlp = "w_gate" in self.parts  # an MoE layer's experts are not among its parts
+        return Mats(s.span("wq", "wv"), self.bqkv, s.view("wo"), s.span("w_gate", "w_up") if mlp else None,
+                    s.view("w_down") if mlp else None, self.bo)
 
     def fused_decode_ok(self, device) -> bool:
         """Whether decode can multiply on the blocks themselves (strata.quant.gemv) on `device`: every
@@ -201,7 +231,8 @@ class ResidentMatrices(nn.Module):
     def products(self) -> Products:
         """The layer's four products computed on the blocks (fused_decode_ok must hold): no scratch."""
         return Products(functools.partial(self._matmul, ("wq", "wk", "wv"), bias=self.bqkv),
-                        functools.partial(self._matmul, ("wo",)), functools.partial(self._matmul, ("w_gate", "w_up")),
+                        functools.partial(self._matmul, ("wo",), bias=self.bo),
+                        functools.partial(self._matmul, ("w_gate", "w_up")),
                         functools.partial(self._matmul, ("w_down",)))
 
     def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,6 +242,46 @@ class ResidentMatrices(nn.Module):
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
+
+
+class ResidentExperts(nn.Module):
+    """An MoE layer's experts as stored: each expert's gate then up blocks in one (E, 2 effn, bytes) tensor, down
+    in (E, dim, bytes). Prefill dequantizes them a group of whole experts at a time into the shared scratch;
+    decode reads only the chosen experts' blocks (strata.moe multiplies on them where strata.quant.gemv can)."""
+
+    def __init__(self, w13: Packed, w2: Packed, scratch: Scratch):
+        super().__init__()
+        self.w13, self.w2, self.scratch = w13, w2, scratch
+        self.per_group = scratch.layout["e13"][1] // w13.data.shape[1]
+        self._fused: dict[torch.device, bool] = {}
+
+    def group(self, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts [g0, g1) (at most per_group) dense in the scratch: (w13 (G, 2 effn, dim), w2 (G, dim, effn)),
+        valid until the scratch is written again."""
+        s, n = self.scratch, g1 - g0
+        r13, r2 = self.w13.data.shape[1], self.w2.data.shape[1]
+        w13 = s.view("e13")[:n * r13]
+        w2 = s.view("e2")[:n * r2]
+        self.w13.into(w13, g0, g1)
+        self.w2.into(w2, g0, g1)
+        return w13.view(n, r13, -1), w2.view(n, r2, -1)
+
+    def chosen(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts `e` (n,) dense in the compute dtype, fresh tensors (a decode step's few)."""
+        out = []
+        for p in (self.w13, self.w2):
+            b = p.data.index_select(0, e)
+            w = torch.empty(*b.shape[:-1], p.cols, device=b.device, dtype=p.out_dtype)
+            dequantize_into(w.view(-1, p.cols), b, p.qtype, p.cols)
+            out.append(w)
+        return out[0], out[1]
+
+    def fused_ok(self, device) -> bool:
+        """Whether decode multiplies on the chosen experts' blocks (strata.quant.gemv) on `device`."""
+        device = torch.device(device)
+        if device not in self._fused:
+            self._fused[device] = _fused_ok(self.w13, device) and _fused_ok(self.w2, device)
+        return self._fused[device]
 
 
 class QuantEmbedding(nn.Module):

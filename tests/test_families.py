@@ -104,7 +104,7 @@ def test_hf_family_matches_transformers(tmp_path, fam):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fam", ["qwen3", "llama-yarn", "gemma3", "mistral"])
+@pytest.mark.parametrize("fam", ["qwen3", "llama-yarn", "gemma3", "mistral", "qwen3_moe", "mixtral"])
 def test_gpu_family_prefill_and_graph_decode(tmp_path, fam):
     """On CUDA (float32): decode steps through the CUDA graphs (qwen3's q/k norms, YaRN, gemma3's norms and
     window rings, mistral's window) give transformers' greedy tokens; in bfloat16, the graphs' logits stay within
@@ -283,7 +283,7 @@ print("ok", dg.rings)
 """
 
 
-@pytest.mark.parametrize("fam", ["gemma3", "mistral", "qwen3"])
+@pytest.mark.parametrize("fam", ["gemma3", "mistral", "qwen3", "qwen3_moe"])
 def test_graph_body_interpreted_matches_eager(fam):
     """The CUDA decode graphs' step body for the families (split-K over a window ring, q/k norms, gemma3's norms,
     GeGLU, scales), run eagerly on CPU under Triton's interpreter == the eager decode path."""
@@ -300,7 +300,7 @@ def test_graph_body_interpreted_matches_eager(fam):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fam", ["qwen3", "gemma3", "mistral"])
+@pytest.mark.parametrize("fam", ["qwen3", "gemma3", "mistral", "qwen3_moe"])
 def test_gpu_graphs_bfloat16_match_eager(tmp_path, fam):
     """bfloat16 on CUDA: graph steps against the eager decode path, token for token (teacher-forced), past the
     windows' ring wrap: logits within bf16's 2e-2."""

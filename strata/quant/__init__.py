@@ -24,7 +24,7 @@ SUPPORTED: tuple[str, ...] = _PLAIN + tuple(DEQUANT)
 # attn_v and ffn_down. (llama.cpp widens attn_v / ffn_down in about half of the layers; the synthetic models and
 # bench/make_gguf.py widen them in all, a slightly larger file of the same kinds of tensors.)
 MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
-_WIDE_IN_MIX = ("head", "wv", "w_down")  # canonical short names (strata.names)
+_WIDE_IN_MIX = ("head", "wv", "w_down", "e_down")  # canonical short names (strata.names)
 
 
 def mix_type(qtype: str, short_name: str) -> str:

@@ -1,0 +1,173 @@
+"""Experts kept as stored (GGUF blocks, strata.resident.ResidentExperts): the same results as the same blocks
+dequantized at load, in prefill (a few groups of experts, each one grouped GEMM) and decode (only the chosen
+experts' blocks); the planner's bytes are the loaded stage's."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata.args import PRESETS
+from strata.checkpoint import load_stage, model_args, slice_tensors, stage_bytes
+from strata.model import Transformer
+from strata import resident
+
+from test_families import CHUNK, HF_OVERRIDES, chained_prefill, make_hf, rel, three_way
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(m_slices, ids, new: int = 6):
+    """Chunked prefill through the slices, the last logits, and `new` greedy tokens."""
+    with torch.no_grad():
+        h = chained_prefill(m_slices, ids, CHUNK)
+        last = m_slices[-1].logits(h[0, -1])
+        tok, pos, out = int(last.argmax()), ids.shape[1], []
+        for _ in range(new):
+            out.append(tok)
+            x = torch.tensor([[tok]])
+            for s in m_slices:
+                x = s(x, pos)
+            tok, pos = int(m_slices[-1].logits(x[0, -1]).argmax()), pos + 1
+    return last, out
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_resident_experts_equal_dequantized(monkeypatch, qtype):
+    """smoke-moe's random blocks held as stored, in groups of 3 of its 8 experts (3 groups a layer), against the
+    same blocks dequantized at load: prefill logits and greedy tokens; stage_bytes counts what the stage holds."""
+    monkeypatch.setattr(resident, "EXPERT_GROUP_ELEMS", 3 * 3 * 256 * 256)
+    args, spec = PRESETS["smoke-moe"], f"synthetic:smoke-moe@{qtype}"
+    ids = torch.randint(0, args.vocab_size, (1, 45), generator=torch.Generator().manual_seed(3))
+    got = {}
+    for mode in ("dequantized", "resident"):
+        ms = [load_stage(spec, args, a, b, device="cpu", dtype=torch.float32, weights=mode, max_len=64)
+              for a, b in three_way(args.n_layers)]
+        for m, (a, b) in zip(ms, three_way(args.n_layers)):
+            assert (m.weight_bytes, m.scratch_bytes) == stage_bytes(spec, args, a, b, torch.float32, mode,
+                                                                    max_len=64)[:2]
+        if mode == "resident":
+            blk = ms[1].layers["1"]
+            assert blk.mlp.resident is not None and blk.mlp.w13 is None and blk.mlp.resident.per_group == 3
+        got[mode] = _run(ms, ids)
+    (a, ta), (b, tb) = got["dequantized"], got["resident"]
+    assert rel(b, a) < 1e-6 and ta == tb
+
+
+@pytest.fixture(scope="module")
+def converted_q8(tmp_path_factory):
+    """qwen3_moe, mixtral and gpt_oss fixtures (expert widths in whole Q8_0 blocks) through llama.cpp's converter
+    at Q8_0: the expert stacks quantized."""
+    from families_fixtures import SMOLLM2_VOCAB, ConversionError, convert_many, converter_skip_reason
+    why = converter_skip_reason()
+    if why:
+        pytest.skip(why)
+    base = tmp_path_factory.mktemp("gguf_q8")
+    over = {"qwen3_moe": dict(vocab_size=SMOLLM2_VOCAB, moe_intermediate_size=64),
+            "mixtral": dict(HF_OVERRIDES.get("mixtral", {}), intermediate_size=64),
+            "gpt_oss": dict(vocab_size=SMOLLM2_VOCAB, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": 256, "truncate": True})}
+    made = {f: make_hf(base, f, **o)[1] for f, o in over.items()}
+    files = convert_many([(d, base / f"{f}.gguf") for f, d in made.items()], outtype="q8_0")
+    for g in files:
+        if isinstance(g, ConversionError):
+            raise g
+    return {f: str(g) for f, g in zip(made, files)}
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_converted_q8_0_experts_resident(converted_q8, fam):
+    """The converter's Q8_0 file on 3 CPU stages, resident against dequantized at load: prefill logits within
+    float32 rounding and the same greedy tokens (gpt_oss: its q/k/v/o biases and sinks on a resident layer)."""
+    g = converted_q8[fam]
+    args = model_args(g)
+    ids = torch.randint(0, args.vocab_size, (1, 45), generator=torch.Generator().manual_seed(4))
+    got = {}
+    for mode in ("dequantized", "resident"):
+        ms = []
+        for a, b in three_way(args.n_layers):
+            t = Transformer(args, a, b)
+            t.load_weights(slice_tensors(g, args, a, b, weights=mode), "cpu", torch.float32)
+            t.setup_cache(64, max_chunk=CHUNK)
+            ms.append(t)
+        if mode == "resident":
+            assert all(blk.mlp.resident is not None for blk in ms[1].layers.values() if blk.moe)
+        got[mode] = _run(ms, ids)
+    (a, ta), (b, tb) = got["dequantized"], got["resident"]
+    assert rel(b, a) < 1e-5 and ta == tb
+
+
+FUSED = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.args import PRESETS
+from strata.checkpoint import load_stage
+from strata.decode_graphs import DecodeGraphs, covers
+args = PRESETS["smoke-moe"]
+# one layer (with the embedding): the interpreter takes ~15 s a fused launch over two experts
+load = lambda: load_stage("synthetic:smoke-moe@" + sys.argv[2], args, 0, 1, device="cpu", dtype=torch.float32,
+                          weights="resident", max_len=64)
+m, eager = load(), load()
+moe = m.layers["0"].mlp
+assert moe.resident.fused_ok("cpu") and m._graphable.__func__ is not None and covers(args)
+x = torch.randn(1, args.dim, generator=torch.Generator().manual_seed(0))
+w, idx = moe.route(x)
+a = moe._on_blocks(x, w, idx.reshape(-1), moe.k)
+w13, w2 = moe.resident.chosen(idx.reshape(-1))
+xs = x.repeat_interleave(moe.k, 0).unsqueeze(-1)
+y = torch.bmm(w2, moe.gate(torch.bmm(w13, xs).squeeze(-1)).unsqueeze(-1)).squeeze(-1)
+b = (y * w.reshape(-1, 1)).view(1, moe.k, -1).sum(1)
+err = ((a - b).norm() / b.norm()).item()
+assert err < 2e-2, err  # the fused kernels take x in int8 (dp4a): ~5e-3 of a product
+ids = torch.randint(0, args.vocab_size, (1, 18), generator=torch.Generator().manual_seed(1))
+with torch.inference_mode():
+    eager(ids[:, :16], 0), m(ids[:, :16], 0)
+    dg = DecodeGraphs(m)
+    for p in (16, 17):
+        ref = eager(ids[:, p:p + 1], p)
+        dg.ids.copy_(ids[:, p:p + 1].reshape(-1))
+        dg.pos.fill_(p)
+        h, _, _ = dg._body(dg.bucket(p))
+        e = ((h.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert e < 1e-5, (p, e)  # the same fused products in both
+print("ok", err)
+"""
+
+
+def test_fused_expert_products_interpreted():
+    """Decode on the chosen experts' Q4_K blocks (strata.quant.gemv, under Triton's interpreter on CPU) against
+    their dequantized matrices; and the decode graphs' body for a resident MoE slice == the eager decode step."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", FUSED, str(ROOT), "Q4_K"], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0"])
+def test_gpu_resident_experts_graphs(qtype):
+    """CUDA, bfloat16: resident experts against the same blocks dequantized at load (prefill logits, within
+    bf16's 2e-2), and decode through the CUDA graphs (on the chosen experts' blocks) against eager steps."""
+    args, spec = PRESETS["smoke-moe"], f"synthetic:smoke-moe@{qtype}"
+    ids = torch.randint(0, args.vocab_size, (1, 300), generator=torch.Generator().manual_seed(5)).cuda()
+    ms = {}
+    for name, mode, graphs in (("dense", "dequantized", False), ("eager", "resident", False),
+                               ("graphs", "resident", True)):
+        m = load_stage(spec, args, 0, args.n_layers, device="cuda", dtype=torch.bfloat16, weights=mode, max_len=512)
+        m.cuda_graphs = graphs
+        ms[name] = m
+    with torch.inference_mode():
+        h = {k: m(ids[:, :256], 0) for k, m in ms.items()}
+        la, lb = ms["dense"].logits(h["dense"][0, -1]), ms["eager"].logits(h["eager"][0, -1])
+        assert rel(lb.float(), la.float()) < 2e-2
+        assert ms["graphs"]._graphable(ids[:, :1])
+        for p in range(256, 300):
+            a = ms["eager"].decode_token(ids[:, p:p + 1], p)[1]
+            b = ms["graphs"].decode_token(ids[:, p:p + 1], p)[1]
+            assert rel(b.float(), a.float()) < 2e-2, p
+    assert ms["graphs"]._graphs is not None and ms["graphs"]._graphs.graphs
