@@ -16,6 +16,7 @@
 #   moe-gguf   qwen3-30b-a3b Q4_K_M and gpt-oss-20b MXFP4_MOE random-block GGUFs
 #   q30     (q30-prefill, q30-decode) qwen3-30b-a3b: prefill of 122,880 tokens, decode after 2,048 and 32,768
 #   oss     (oss-prefill, oss-decode) the same for gpt-oss-20b
+#   moe-profile  bench/moe_profile.py on both files: where the 122,880-token prefill's time goes
 # Run from the repo root on the GPU machine, carrying .peer/llama.tgz and .whl:
 #   bash bench/device_families.sh setup build tests gguf qwen32-prefill   # first call (~450 s: the build ~330)
 #   bash bench/device_families.sh setup qwen32-decode gemma               # second call, at once (the build and
@@ -162,8 +163,18 @@ oss_prefill() { peer_prefill oss20 gpt-oss-20b "$OSS" 122880 150 MXFP4_MOE; }
 oss_decode() { decode oss20 "$OSS" 150; }
 oss() { oss_prefill; oss_decode; }
 
+moe_profile() {
+  local f
+  for f in "$Q30" "$OSS"; do
+    fits "moe-profile $f" 90 || return
+    el "moe-profile: $f"
+    timeout $(( $(left) + 20 )) python3 bench/moe_profile.py --model "$f" --tokens 122880 --chunk 10240 2>&1 \
+      | tee "$LOG/profile-$(basename "$f" .gguf).log" | tail -12
+  done
+}
+
 STEPS="setup build tests gguf qwen32 qwen32-prefill qwen32-decode gemma gemma-prefill gemma-decode yarn moe-tests
-moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode"
+moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode moe-profile"
 for step in ${@:-setup build tests gguf qwen32 gemma yarn}; do
   case " ${STEPS//$'\n'/ } " in
     *" $step "*) ${step//-/_} ;;
