@@ -16,7 +16,8 @@
 #   moe-gguf   qwen3-30b-a3b Q4_K_M and gpt-oss-20b MXFP4_MOE random-block GGUFs
 #   q30     (q30-prefill, q30-decode) qwen3-30b-a3b: prefill of 122,880 tokens, decode after 2,048 and 32,768
 #   oss     (oss-prefill, oss-decode) the same for gpt-oss-20b
-#   moe-profile  bench/moe_profile.py on both files: where the 122,880-token prefill's time goes
+#   moe-profile  bench/moe_profile.py on both files: where the 122,880-token prefill's time goes (oss-profile:
+#           gpt-oss-20b's only)
 # Run from the repo root on the GPU machine, carrying .peer/llama.tgz and .whl:
 #   bash bench/device_families.sh setup build tests gguf qwen32-prefill   # first call (~450 s: the build ~330)
 #   bash bench/device_families.sh setup qwen32-decode gemma               # second call, at once (the build and
@@ -163,9 +164,11 @@ oss_prefill() { peer_prefill oss20 gpt-oss-20b "$OSS" 122880 150 MXFP4_MOE; }
 oss_decode() { decode oss20 "$OSS" 150; }
 oss() { oss_prefill; oss_decode; }
 
-moe_profile() {
+moe_profile() { profile "$Q30" "$OSS"; }
+oss_profile() { profile "$OSS"; }
+profile() {
   local f
-  for f in "$Q30" "$OSS"; do
+  for f in "$@"; do
     fits "moe-profile $f" 90 || return
     el "moe-profile: $f"
     timeout $(( $(left) + 20 )) python3 bench/moe_profile.py --model "$f" --tokens 122880 --chunk 10240 2>&1 \
@@ -174,7 +177,7 @@ moe_profile() {
 }
 
 STEPS="setup build tests gguf qwen32 qwen32-prefill qwen32-decode gemma gemma-prefill gemma-decode yarn moe-tests
-moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode moe-profile"
+moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode moe-profile oss-profile"
 for step in ${@:-setup build tests gguf qwen32 gemma yarn}; do
   case " ${STEPS//$'\n'/ } " in
     *" $step "*) ${step//-/_} ;;

@@ -52,6 +52,42 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
     return _split_attention(q, k, v, pos, _cpu_with_lse, scale)
 
 
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sinks: torch.Tensor,
+                   scale: float | None = None) -> torch.Tensor:
+    """chunk_attention with gpt-oss's sinks: a per-head logit (nh,) in every softmax's denominator with no
+    value, so each output row is scaled by sigmoid(lse - sink). The prefix and the chunk's own keys as two
+    flash-type calls (causal only in the second) merged by their log-sum-exps, as _split_attention: no mask
+    over the prefix, work and memory as a plain chunk's."""
+    if pos == 0:
+        out, lse = _with_lse(q, k, v, True, scale)
+    else:
+        out_p, lse_p = _with_lse(q, k[:, :, :pos], v[:, :, :pos], False, scale)
+        out_s, lse_s = _with_lse(q, k[:, :, pos:], v[:, :, pos:], True, scale)
+        lse = torch.logaddexp(lse_p.float(), lse_s.float())
+        out = out_p.float() * torch.exp(lse_p - lse).unsqueeze(-1) + out_s.float() * torch.exp(lse_s - lse).unsqueeze(-1)
+    lse = lse.float().view(1, q.shape[1], q.shape[2])
+    return (out.float() * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1)).to(q.dtype)
+
+
+def _with_lse(q, k, v, causal: bool, scale=None):
+    """(out, lse (1, nh, T)) of q against k, v (causal: top-left aligned, q and k the same length): cuDNN on CUDA
+    in 16 bits (grouped-query natively), else the memory-efficient kernel with the kv heads repeated; the CPU's
+    flash kernel."""
+    if not q.is_cuda:
+        return _cpu_with_lse(q, k, v, causal, scale)
+    if q.dtype != torch.float32:
+        try:
+            return _cudnn_with_lse(q, k, v, causal, scale)
+        except RuntimeError:  # a shape or build cuDNN refuses: the kernel below
+            pass
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                     scale=scale)[:2]
+    return out, lse[:, :, :q.shape[2]]
+
+
 # queries per call of window_attention: its mask and scores are (rows, rows + window - 1) a head
 WINDOW_ROWS = 1024
 

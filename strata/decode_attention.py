@@ -76,9 +76,10 @@ if triton is not None:
         tl.store(acc_ptr + base[:, None] * HD + dims[None, :], acc, mask=real[:, None])
 
     @triton.jit
-    def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, n_split,
-               G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr):
-        # one program per (kv head, query row): its ranges' partial results weighed by their log-sum-exp
+    def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, n_split,
+               G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr, SINKS: tl.constexpr):
+        # one program per (kv head, query row): its ranges' partial results weighed by their log-sum-exp; SINKS:
+        # the query head's sink logit joins the denominator (with no value), gpt-oss's attention
         h = tl.program_id(0)
         r = tl.program_id(1)
         sp = tl.arange(0, SP)
@@ -88,9 +89,15 @@ if triton is not None:
         m = tl.load(m_ptr + base, mask=ok, other=float("-inf"))
         l = tl.load(l_ptr + base, mask=ok, other=0.0)
         m_all = tl.max(m, 0)  # finite: the first range always holds the first live position
+        if SINKS:
+            sink = tl.load(sink_ptr + h * G + r).to(tl.float32)
+            m_all = tl.maximum(m_all, sink)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
         a = tl.load(acc_ptr + base[:, None] * HD + dims[None, :], mask=ok[:, None], other=0.0)
-        out = tl.sum(w[:, None] * a, 0) / tl.sum(w * l, 0)
+        den = tl.sum(w * l, 0)
+        if SINKS:
+            den += tl.exp(sink - m_all)
+        out = tl.sum(w[:, None] * a, 0) / den
         tl.store(o_ptr + (h * G + r) * HD + dims, out.to(o_ptr.dtype.element_ty))
 
 
@@ -117,9 +124,11 @@ class SplitKAttention:
         self.acc = torch.empty(*shape, hd, dtype=torch.float32, device=device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: torch.Tensor,
-                 out: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
+                 out: torch.Tensor | None = None, scale: float | None = None, window: int = 0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """window > 0: a sliding-window layer, k and v its whole ring (position p in row p % S); the instance
-        was made for keys = min(bucket, window). scale: of q.k (None: hd ** -0.5)."""
+        was made for keys = min(bucket, window). scale: of q.k (None: hd ** -0.5). sinks (nkv * g,): a logit
+        per query head in the softmax's denominator (gpt-oss)."""
         nkv, g, hd = self.nkv, self.g, self.hd
         if q.shape != (nkv, g, hd) or k.shape[0] != nkv or k.shape[2] != hd or v.shape != k.shape:
             raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
@@ -134,6 +143,6 @@ class SplitKAttention:
                                      k.shape[1],
                                      G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32")
-        _merge[(nkv, g)](self.m, self.l, self.acc, out, self.splits, G=g, GP=self.gp, HD=hd,
-                       SP=max(2, 1 << (self.splits - 1).bit_length()))
+        _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
+                         GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None)
         return out

@@ -25,7 +25,8 @@ if GRAPH_KERNELS not in ("triton", "torch"):
 
 # what the graphs implement beyond the Llama core (ModelArgs.extras); windows need the split-K kernel
 GRAPH_EXTRAS = {"qk_norm", "rope yarn", "rope linear", "sliding_window", "window_rope_theta", "post_norms",
-                "activation gelu_tanh", "embed_scale", "attn_scale", "final_softcap", "norm_offset", "experts"}
+                "activation gelu_tanh", "embed_scale", "attn_scale", "final_softcap", "norm_offset", "experts",
+                "sinks", "o_bias"}
 
 
 def covers(args) -> bool:
@@ -33,7 +34,7 @@ def covers(args) -> bool:
     layer's ring is read by the split-K kernel (the masked path reads a contiguous prefix only)."""
     if set(args.extras()) - GRAPH_EXTRAS:
         return False
-    if args.sliding_window is not None:
+    if args.sliding_window is not None or args.attn_sinks:  # (sinks: the split-K kernel's merge takes them)
         from strata import decode_attention
         hd = args.head_dim
         return decode_attention.available() and GRAPH_ATTENTION == "split-k" and hd & (hd - 1) == 0
@@ -238,13 +239,13 @@ class DecodeGraphs:
         if self.fused:  # one launch: q rotated, k rotated and v written at pos
             from strata.decode_kernels import rope_store
             q = rope_store(qkv[0], cos.view(hd), sin.view(hd), row, nh, nkv, a.k_cache[0], a.v_cache[0])
-            y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win)
+            y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks)
             return self._rest(blk, mm, h, y)
         qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
         _store_row(a.k_cache, row, qk[:, nh:].transpose(0, 1).unsqueeze(0))
         _store_row(a.v_cache, row, qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0))
         if self.use_split_k:  # reads only the live keys, in the cache's own dtype
-            y = att(qk[0, :nh].view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win)
+            y = att(qk[0, :nh].view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks)
         else:
             keys, vals = a.k_cache[:, :, :b], a.v_cache[:, :, :b]
             if keys.dtype != qk.dtype:
@@ -260,7 +261,8 @@ class DecodeGraphs:
             return _dense_products(w, None)
         from strata.decode_gemv import matvec
         p = functools.partial
-        return Products(p(matvec, w=w.wqkv, b=w.bqkv), p(matvec, w=w.wo), p(matvec, w=w.w13), p(matvec, w=w.w2))
+        return Products(p(matvec, w=w.wqkv, b=w.bqkv), p(matvec, w=w.wo, b=w.bo), p(matvec, w=w.w13),
+                        p(matvec, w=w.w2))
 
     def _rest(self, blk: Block, mm: Products, h, y) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention: o-projection, residual, MLP (its product left for the next norm to add)."""

@@ -19,7 +19,8 @@ from torch import nn
 from . import attention
 from .args import ModelArgs
 from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, _rope_rows, _to_cache, apply_rope,
-                        chunk_attention, decode_attention, kv_dtype_of, rope_tables, store_rows, window_attention)
+                        chunk_attention, decode_attention, kv_dtype_of, rope_tables, sink_attention, store_rows,
+                        window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentExperts,
                        ResidentMatrices, Scratch, _dequantize, _fused_ok, head_rows)
 from .linear_attention import GatedDeltaNet
@@ -128,9 +129,11 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, pos: int, T: int) -> torch.Tensor:
         """q (1, nh, T, hd) at positions [pos, pos + T), whose keys are cached, against what it may see."""
-        if self.sinks is not None:  # the log-sum-exp is needed: the banded path, a global layer's band all of it
-            w = self.window if self.window is not None else pos + T
-            return window_attention(q, self.k_cache, self.v_cache, pos, w, self.scale, self.sinks)
+        if self.sinks is not None and self.window is None:  # a global layer with sinks: flash with its log-sum-exp
+            keys, vals = self.cached(pos + T, q.dtype)
+            return sink_attention(q, keys, vals, pos, self.sinks, self.scale)
+        if self.sinks is not None:  # a window layer with sinks: the banded path, whose log-sum-exp it takes
+            return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale, self.sinks)
         if self.window is not None and pos + T > self.window:
             return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale)
         keys, vals = self.cached(pos + T, q.dtype)
@@ -239,7 +242,12 @@ class Block(nn.Module):
             w = a.window if a.window is not None else pos + T
             if pos + T > w or a.sinks is not None:
                 q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-                y = window_attention(q, kc, vc, pos, w, a.scale, a.sinks).transpose(1, 2).reshape(T, nh * hd)
+                if a.window is None:  # a global layer with sinks
+                    keys, vals = a.cached(pos + T, q.dtype)
+                    y = sink_attention(q, keys, vals, pos, a.sinks, a.scale)
+                else:
+                    y = window_attention(q, kc, vc, pos, w, a.scale, a.sinks)
+                y = y.transpose(1, 2).reshape(T, nh * hd)
                 return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
         else:
             kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
@@ -630,7 +638,7 @@ class Transformer(nn.Module):
         if self.has_head and isinstance(self.head.weight, Packed) and not _fused_ok(self.head.weight, x.device):
             return False
         return all((isinstance(b.weights, DenseMatrices) or b.weights.fused_decode_ok(x.device))
-                   and (not b.moe or b.mlp.resident is None or b.mlp.resident.fused_ok(x.device))
+                   and (not b.moe or b.mlp.resident is None or b.mlp.resident.graphable(x.device))
                    for b in self.layers.values())
 
     def densify(self, max_bytes: int) -> int:

@@ -103,21 +103,32 @@ class MoE(nn.Module):
         return (y.float() * w.reshape(-1, 1)).view(n, k, -1).sum(1).to(h.dtype)
 
     def _on_blocks(self, h, w, e, k: int) -> torch.Tensor:
-        """_gathered on the chosen experts' blocks: a row's k gate/up matrices in one fused launch, each
-        (row, choice)'s down in one; no dense copy of any expert."""
-        from .quant.gemv import quant_matmul
+        """_gathered on the chosen experts' blocks, no dense copy of any expert. Where strata.quant.gemv has an
+        experts kernel for both stacks' types: a row's k gate/up products in one launch and all its down
+        products in another, the expert ids read on the device (only their blocks are read). Else each
+        expert's blocks are gathered first: a row's gate/up in one launch, each (row, choice)'s down in one."""
+        from .quant import gemv
         p13, p2 = self.resident.w13, self.resident.w2
-        b13, b2 = p13.data.index_select(0, e), p2.data.index_select(0, e)  # (n*k, rows, bytes): k experts' bytes
         n = h.shape[0]
-        gu = torch.cat([quant_matmul(h[i:i + 1], b13[i * k:(i + 1) * k].view(-1, b13.shape[-1]), p13.qtype, p13.cols)
-                        for i in range(n)]).view(n * k, -1)              # (n*k, 2 effn)
+        direct = gemv.experts_ok(p13.qtype, p13.cols) and gemv.experts_ok(p2.qtype, p2.cols)
+        if direct:
+            gu = torch.cat([gemv.quant_matmul_experts(h[i:i + 1], p13.data, e[i * k:(i + 1) * k], p13.qtype, p13.cols)
+                            for i in range(n)]) if n > 1 else gemv.quant_matmul_experts(h, p13.data, e, p13.qtype,
+                                                                                         p13.cols)
+        else:
+            b13, b2 = p13.data.index_select(0, e), p2.data.index_select(0, e)  # (n*k, rows, bytes)
+            gu = torch.cat([gemv.quant_matmul(h[i:i + 1], b13[i * k:(i + 1) * k].view(-1, b13.shape[-1]), p13.qtype,
+                                              p13.cols) for i in range(n)]).view(n * k, -1)  # (n*k, 2 effn)
         if self.bias:
             gu = gu + self.b13[e]
         z = self.gate(gu)
-        y = torch.cat([quant_matmul(z[j:j + 1], b2[j], p2.qtype, p2.cols) for j in range(n * k)])  # (n*k, dim)
+        if direct:
+            y = gemv.quant_matmul_experts(z, p2.data, e, p2.qtype, p2.cols)  # (n*k, dim)
+        else:
+            y = torch.cat([gemv.quant_matmul(z[j:j + 1], b2[j], p2.qtype, p2.cols) for j in range(n * k)])
         if self.bias:
             y = y + self.b2[e]
-        return (y.float() * w.reshape(-1, 1)).view(n, k, -1).sum(1).to(h.dtype)
+        return torch.bmm(w.view(n, 1, k), y.float().view(n, k, -1)).view(n, -1).to(h.dtype)
 
     def _grouped(self, h, w, idx) -> torch.Tensor:
         n, k = idx.shape
@@ -150,6 +161,11 @@ class MoE(nn.Module):
         """(..., 2 effn) gate then up -> (..., effn): silu(gate) * up, or gpt-oss's clamped form."""
         g, up = gu[..., :self.effn], gu[..., self.effn:]
         if self.act == "silu":
+            if gu.is_cuda and gu.dim() == 2:  # one launch, rounded once (the dense MLP's kernel)
+                from .kernels import silu_mul
+                y = silu_mul(g[None], up[None])
+                if y is not None:
+                    return y[0]
             return F.silu(g) * up
         g = g.clamp(max=self.limit)
         return g * torch.sigmoid(g * self.alpha) * (up.clamp(-self.limit, self.limit) + 1)

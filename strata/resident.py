@@ -280,8 +280,21 @@ class ResidentExperts(nn.Module):
         """Whether decode multiplies on the chosen experts' blocks (strata.quant.gemv) on `device`."""
         device = torch.device(device)
         if device not in self._fused:
-            self._fused[device] = _fused_ok(self.w13, device) and _fused_ok(self.w2, device)
+            from .quant import gemv
+            direct = all(gemv.experts_ok(p.qtype, p.cols) for p in (self.w13, self.w2)) and gemv.available(device)
+            self._fused[device] = direct or (_fused_ok(self.w13, device) and _fused_ok(self.w2, device))
         return self._fused[device]
+
+    def graphable(self, device) -> bool:
+        """Whether a decode step's expert products can be captured in a CUDA graph: on the blocks, or the chosen
+        experts dequantized by strata.quant.into's kernels (no host sync; MXFP4's way)."""
+        if self.fused_ok(device):
+            return True
+        if torch.device(device).type != "cuda":
+            return False
+        from .quant import into
+        probe = torch.empty(0, device=device, dtype=self.w13.out_dtype)
+        return into.takes(self.w13.qtype, probe) and into.takes(self.w2.qtype, probe)
 
 
 class QuantEmbedding(nn.Module):

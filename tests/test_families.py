@@ -283,7 +283,7 @@ print("ok", dg.rings)
 """
 
 
-@pytest.mark.parametrize("fam", ["gemma3", "mistral", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("fam", ["gemma3", "mistral", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_graph_body_interpreted_matches_eager(fam):
     """The CUDA decode graphs' step body for the families (split-K over a window ring, q/k norms, gemma3's norms,
     GeGLU, scales), run eagerly on CPU under Triton's interpreter == the eager decode path."""
@@ -300,7 +300,7 @@ def test_graph_body_interpreted_matches_eager(fam):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fam", ["qwen3", "gemma3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("fam", ["qwen3", "gemma3", "mistral", "qwen3_moe", "gpt_oss"])
 def test_gpu_graphs_bfloat16_match_eager(tmp_path, fam):
     """bfloat16 on CUDA: graph steps against the eager decode path, token for token (teacher-forced), past the
     windows' ring wrap: logits within bf16's 2e-2."""

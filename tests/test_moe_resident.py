@@ -151,23 +151,66 @@ def test_fused_expert_products_interpreted():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0"])
 def test_gpu_resident_experts_graphs(qtype):
-    """CUDA, bfloat16: resident experts against the same blocks dequantized at load (prefill logits, within
-    bf16's 2e-2), and decode through the CUDA graphs (on the chosen experts' blocks) against eager steps."""
+    """CUDA: resident experts against the same blocks dequantized at load (bfloat16 prefill logits, within
+    bf16's 2e-2), and decode through the CUDA graphs (on the chosen experts' blocks) against eager steps, in
+    float32 (in bfloat16 the graphs' fused norms round differently, and a near tie of two experts' router logits
+    then picks another expert: a measured 0.45 difference of one step's logits)."""
     args, spec = PRESETS["smoke-moe"], f"synthetic:smoke-moe@{qtype}"
     ids = torch.randint(0, args.vocab_size, (1, 300), generator=torch.Generator().manual_seed(5)).cuda()
     ms = {}
-    for name, mode, graphs in (("dense", "dequantized", False), ("eager", "resident", False),
-                               ("graphs", "resident", True)):
-        m = load_stage(spec, args, 0, args.n_layers, device="cuda", dtype=torch.bfloat16, weights=mode, max_len=512)
+    for name, mode, graphs, dt in (("dense", "dequantized", False, torch.bfloat16),
+                                   ("prefill", "resident", False, torch.bfloat16),
+                                   ("eager", "resident", False, torch.float32),
+                                   ("graphs", "resident", True, torch.float32)):
+        m = load_stage(spec, args, 0, args.n_layers, device="cuda", dtype=dt, weights=mode, max_len=512)
         m.cuda_graphs = graphs
         ms[name] = m
     with torch.inference_mode():
         h = {k: m(ids[:, :256], 0) for k, m in ms.items()}
-        la, lb = ms["dense"].logits(h["dense"][0, -1]), ms["eager"].logits(h["eager"][0, -1])
+        la, lb = ms["dense"].logits(h["dense"][0, -1]), ms["prefill"].logits(h["prefill"][0, -1])
         assert rel(lb.float(), la.float()) < 2e-2
         assert ms["graphs"]._graphable(ids[:, :1])
         for p in range(256, 300):
             a = ms["eager"].decode_token(ids[:, p:p + 1], p)[1]
             b = ms["graphs"].decode_token(ids[:, p:p + 1], p)[1]
-            assert rel(b.float(), a.float()) < 2e-2, p
+            assert rel(b, a) < 1e-4, p  # the same fused products; norms and RoPE by other kernels
     assert ms["graphs"]._graphs is not None and ms["graphs"]._graphs.graphs
+
+
+EXPERTS_KERNEL = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.quant import dequantize, gemv, random_blocks
+dev = sys.argv[2]
+for q, rows, cols, tol in (("Q4_K", 48, 512, 2e-2), ("Q6_K", 32, 512, 2e-2), ("MXFP4", 40, 256, 1e-6)):
+    E = 5
+    st = random_blocks(q, E * rows, cols, torch.Generator().manual_seed(1), "cpu").view(E, rows, -1).contiguous()
+    W = dequantize(st.view(E * rows, -1), q).view(E, rows, cols).double()
+    ids = torch.tensor([3, 0, 4, 3])
+    for xr in (1, 4):  # one row for every slot (gate/up), or a row a slot (down)
+        x = torch.randn(xr, cols, generator=torch.Generator().manual_seed(xr))
+        got = gemv.quant_matmul_experts(x.to(dev), st.to(dev), ids.to(dev), q, cols).cpu().double()
+        want = torch.stack([W[e] @ x[min(j, xr - 1)].double() for j, e in enumerate(ids.tolist())])
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < tol, (q, xr, err)  # K-quants: x in int8 (dp4a), ~5e-3; MXFP4: float x, float32 sums
+print("ok")
+"""
+
+
+def test_experts_kernel_interpreted():
+    """strata.quant.gemv's experts kernels (the chosen experts of a stack, ids read on the device) under
+    Triton's interpreter: Q4_K, Q6_K and MXFP4 against the dequantized matrices."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", EXPERTS_KERNEL, str(ROOT), "cpu"], env=env, capture_output=True,
+                       text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_experts_kernel():
+    """The experts kernels on CUDA against the dequantized matrices (as the interpreted test)."""
+    r = subprocess.run([sys.executable, "-c", EXPERTS_KERNEL, str(ROOT), "cuda"], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]

@@ -179,7 +179,7 @@ def test_cuda_matches_cpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"])
 def test_cuda_dequantize_into_matches_cpu(name):
     """The resident prefill's Triton dequantization (strata.quant.into) gives the CPU torch path's bits: float32
     (same operations, no contraction) and bfloat16 (one round to nearest even), at a 70B layer's width."""
@@ -292,3 +292,33 @@ def test_mxfp4_bit_exact_against_gguf_py():
     assert_bits_equal(Q.dequantize(b.view(8, -1), "MXFP4"), ref)
     ref3 = gguf_ref(b.view(2, 4, -1), "MXFP4")  # an expert stack: (experts, rows, bytes)
     assert_bits_equal(Q.dequantize(b.view(2, 4, -1), "MXFP4"), ref3)
+
+
+INTO_MXFP4 = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import strata.quant as Q
+from strata.quant import into
+b = Q.random_blocks("MXFP4", 6, 256, torch.Generator().manual_seed(6), "cpu")
+b[0, 0] = 0  # the subnormal exponents
+b[1, 17] = 1
+cpu = Q.dequantize(b, "MXFP4")
+out = torch.empty(6, 256, dtype=torch.float32)  # (the interpreter truncates to bfloat16: that is the GPU test's)
+assert into.takes("MXFP4", out) and into.dequantize_into(out, b, "MXFP4")
+assert out.view(torch.int32).equal(cpu.view(torch.int32))
+print("ok")
+"""
+
+
+def test_mxfp4_into_kernel_interpreted():
+    """The Triton MXFP4 dequantization (gpt-oss's experts into the scratch), under Triton's interpreter on CPU:
+    the torch path's float32 bits (which are gguf-py's), subnormal exponents included."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", INTO_MXFP4, str(root)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]

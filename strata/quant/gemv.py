@@ -130,19 +130,37 @@ if triton is not None:
         return ptr, n, col, local
 
     @triton.jit
-    def _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N: tl.constexpr):
-        """This program's tile: (blocks pointer, the matrix's rows, its first output column, the tile's BLOCK_N
+    def _rows_at(pid, p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N: tl.constexpr):
+        """Program `pid`'s tile: (blocks pointer, the matrix's rows, its first output column, the tile's BLOCK_N
         row indices, which of them exist)."""
-        ptr, n, col, local = _part(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2)
+        ptr, n, col, local = _part(pid, p0, p1, a0, a1, a2, n0, n1, n2)
         rows = local * BLOCK_N + tl.arange(0, BLOCK_N)
         return ptr, n, col, rows, rows < n
 
     @triton.jit
-    def _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N: tl.constexpr):
-        """_rows, with each row's first block (`size` bytes a block, nb blocks a row) in place of the blocks
+    def _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N: tl.constexpr):
+        return _rows_at(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
+
+    @triton.jit
+    def _expert(ids_ptr, estride, xstep, p0, a0, n0, x_ptr, xq_ptr, xs_ptr, out_ptr):
+        """Experts mode: the program's slot (p0 programs each) reads expert ids[slot]'s blocks (a0 + its byte
+        offset), x row slot (xstep = cols) or row 0 (xstep = 0), and writes output columns slot * n0 on.
+        Returns (pid within the slot, the blocks pointer, x, xq, xs, out)."""
+        slot = tl.program_id(0) // p0
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+        return (tl.program_id(0) - slot * p0, a0 + e * estride, x_ptr + slot * xstep,
+                xq_ptr + slot * (xstep // 4), xs_ptr + slot * (xstep // 32), out_ptr + slot * n0)
+
+    @triton.jit
+    def _tile_at(pid, p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N: tl.constexpr):
+        """_rows_at, with each row's first block (`size` bytes a block, nb blocks a row) in place of the blocks
         pointer: rows past the matrix read its last row, so the loads stay in bounds unmasked (not stored)."""
-        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
+        ptr, n, col, rows, live = _rows_at(pid, p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
         return ptr + tl.minimum(rows, n - 1).to(tl.int64)[:, None] * (nb * size), col, rows, live
+
+    @triton.jit
+    def _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N: tl.constexpr):
+        return _tile_at(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N)
 
     @triton.jit
     def _zeros4(BLOCK_N: tl.constexpr, W: tl.constexpr):
@@ -375,8 +393,9 @@ if triton is not None:
 
     @triton.jit
     def _k45_words_gemv(x_ptr, xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                        ids_ptr, estride, xstep,
                         M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, FIVE: tl.constexpr,
-                        DP4A: tl.constexpr, PTX: tl.constexpr):
+                        DP4A: tl.constexpr, PTX: tl.constexpr, EXPERTS: tl.constexpr):
         """Q4_K and Q5_K (the layout of _k45_gemv) read in int32 words, SB blocks of a row side by side: a step
         loads a [BLOCK_N rows, SB blocks, 4 quarters, 8 words] tile of quantized bytes at once (word w of quarter
         p: weights 64p + 4w + t in its low nibbles, 64p + 32 + 4w + t in its high ones), so a row's short loop
@@ -385,12 +404,17 @@ if triton is not None:
         (the caller checks). DP4A: int8 x (`quantize_x`: xq_ptr as int32 words, xs_ptr its scales; a sub-block
         of 32 weights is one of x's groups) and per word two dp4a (its low and high nibbles as 4 bytes each)
         plus one per x word for the min's sum of x, llama.cpp's q8_1 product; else float x (x_ptr) and float32
-        products per weight."""
+        products per weight. EXPERTS: one matrix a slot of p0 programs, the expert ids[slot] of a stack
+        (`_expert`; M = 1)."""
         if FIVE:
             size, qs_at = 176, 48
         else:
             size, qs_at = 144, 16
-        row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N)
+        pid = tl.program_id(0)
+        if EXPERTS:
+            pid, a0, x_ptr, xq_ptr, xs_ptr, out_ptr = _expert(ids_ptr, estride, xstep, p0, a0, n0, x_ptr, xq_ptr,
+                                                              xs_ptr, out_ptr)
+        row_base, col, rows, live = _tile_at(pid, p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N)
         wbase = row_base.to(tl.pointer_type(tl.int32))[:, :, None, None]  # (BLOCK_N, 1, 1, 1)
         kb = tl.arange(0, SB)[None, :, None, None]
         p = tl.arange(0, 4)[None, None, :, None]
@@ -693,8 +717,9 @@ if triton is not None:
 
     @triton.jit
     def _q6_k_words(x_ptr, xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                    ids_ptr, estride, xstep,
                     M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, DP4A: tl.constexpr,
-                    PTX: tl.constexpr):
+                    PTX: tl.constexpr, EXPERTS: tl.constexpr):
         """Q6_K (the layout of _q6_k_gemv) read in int32 words, two blocks (420 bytes, 105 words) at a time: the
         even block's words are aligned, the odd one's start 2 bytes into a word (each of its words from two
         aligned loads). Tile [BLOCK_N rows, SB block pairs, 32 lanes]; lane t takes ql word t (bytes 4t..4t+3:
@@ -702,8 +727,12 @@ if triton is not None:
         weights 128h + 32j + 4u + c), the qh word 8h + u (2 bits per weight at 2j), the scale bytes 8h + 2j +
         u // 4 and d. DP4A: int8 x (`quantize_x`: xq_ptr, xs_ptr) and a dp4a per 4 weights (the weights
         made signed bytes), else float x (x_ptr) and float32 products. Needs an even block count per row and
-        4-byte aligned blocks (the caller checks)."""
-        ptr, n, col, rows, live = _rows(p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
+        4-byte aligned blocks (the caller checks). EXPERTS: as _k45_words_gemv's."""
+        pid = tl.program_id(0)
+        if EXPERTS:
+            pid, a0, x_ptr, xq_ptr, xs_ptr, out_ptr = _expert(ids_ptr, estride, xstep, p0, a0, n0, x_ptr, xq_ptr,
+                                                              xs_ptr, out_ptr)
+        ptr, n, col, rows, live = _rows_at(pid, p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
         wrow = ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(rows, n - 1).to(tl.int64)[:, None, None] * (nb // 2 * 105)
         kp = tl.arange(0, SB)[None, :, None]
         t = tl.arange(0, 32)[None, None, :]
@@ -908,8 +937,8 @@ def _launch_words(kernel, x, mats, rows, nb, cols, out, col0, cfg: Config, sb: i
             xs = x[r0:r0 + MAX_M]
             xqp, xsp = (xq[0][r0:].view(torch.int32), xq[1][r0:]) if dp4a else (_dummy(x.device), x)
             kernel[(sum(progs),)](xs, xqp, xsp, dst[r0:], *ptrs, *rows, progs[0], progs[0] + progs[1], nb, cols,
-                                  out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb, DP4A=dp4a,
-                                  PTX=not INTERPRET, num_warps=cfg.num_warps, **family)
+                                  out.stride(0), xqp, 0, 0, M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb, DP4A=dp4a,
+                                  PTX=not INTERPRET, num_warps=cfg.num_warps, EXPERTS=False, **family)
 
 
 def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
@@ -993,3 +1022,111 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype, cols: int, out: t
                  config: Config | None = None) -> torch.Tensor:
     """x (M, cols) @ W.T -> (M, rows) for W's GGUF `blocks` uint8 (rows, bytes per row); float32 accumulation."""
     return quant_matmul_parts(x, [(blocks, qtype)], cols, out, config)
+
+
+# -- experts: the chosen matrices of a stack, read in place -------------------------------------------------------
+def experts_ok(qtype, cols: int) -> bool:
+    """Whether quant_matmul_experts takes a stack of this type and width: the K-quant word kernels'."""
+    try:
+        name = qtype_of(qtype).name
+    except ValueError:
+        return False
+    if name == "MXFP4":
+        return triton is not None and cols % 32 == 0
+    nb = cols // block_size(name) if name in CONFIGS else 0
+    return triton is not None and (name in ("Q4_K", "Q5_K") or (name == "Q6_K" and nb % 2 == 0)) and nb > 0 \
+        and cols % block_size(name) == 0
+
+
+def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, qtype, cols: int) -> torch.Tensor:
+    """Slot j: expert ids[j]'s matrix of the stack (E, rows, bytes a row) times x's row j, or x's one row for
+    every slot (x (1, cols): gate/up of a token's experts) -> (n, rows), n = ids' length, in x's dtype. One
+    launch; the ids are read on the device, so it captures in a CUDA graph and reads only the chosen experts."""
+    name = qtype_of(qtype).name
+    if name == "MXFP4":
+        return mxfp4_experts(x, stack, ids, cols)
+    if not experts_ok(name, cols):
+        raise ValueError(f"no experts kernel for {name} at {cols} columns")
+    E, rows, rb = stack.shape
+    n = ids.numel()
+    bs, ts = block_size(name), type_size(name)
+    if stack.dtype != torch.uint8 or rb != cols // bs * ts or not stack.is_contiguous() or stack.data_ptr() % 4:
+        raise ValueError(f"{name}: a contiguous, 4-byte aligned uint8 (E, rows, {cols // bs * ts}) stack, got "
+                         f"{stack.dtype} {tuple(stack.shape)}")
+    if x.dim() != 2 or x.shape[1] != cols or x.shape[0] not in (1, n):
+        raise ValueError(f"x must be (1 or {n}, {cols}), got {tuple(x.shape)}")
+    x = x.contiguous()
+    nb = cols // bs
+    if name == "Q6_K":
+        kernel, family, dp4a = _q6_k_words, {}, Q6K_KERNEL == "dp4a"
+        cfg = Q6K_WORDS_CONFIGS["dp4a" if dp4a else "words"][False]
+        sb = next(k for k in (8, 4, 2, 1) if k <= cfg.sb and (nb // 2) % k == 0)
+    else:
+        kernel, family, dp4a = _k45_words_gemv, _KERNELS[name][1], KQUANT == "dp4a"
+        cfg = KQ_WORDS
+        sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)
+    out = torch.empty((n, rows), device=x.device, dtype=x.dtype)
+    per = triton.cdiv(rows, cfg.block_n)
+    if dp4a:
+        q, s = quantize_x(x)
+        xqp, xsp = q.view(torch.int32), s
+    else:
+        xqp, xsp = _dummy(x.device), x
+    ids = ids.reshape(-1)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        kernel[(n * per,)](x, xqp, xsp, out, stack, stack, stack, rows, 0, 0, per, per, nb, cols, out.stride(0),
+                           ids, rows * rb, 0 if x.shape[0] == 1 else cols, M=1, BLOCK_N=cfg.block_n, SB=sb,
+                           DP4A=dp4a, PTX=not INTERPRET, num_warps=cfg.num_warps, EXPERTS=True, **family)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _mxfp4_experts(x_ptr, out_ptr, stack_ptr, ids_ptr, estride, xstep, rows, nb, per,
+                       BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        """MXFP4 experts (gpt-oss): slot pid // per multiplies expert ids[slot]'s matrix by x's row slot (xstep =
+        cols) or row 0 (xstep = 0). Tile [BLOCK_N rows, SB blocks, 32 values]; a block is the e8m0 byte then 16
+        bytes of nibble pairs (strata.quant.into's _mxfp4_into: the same values), float x, float32 products."""
+        pid = tl.program_id(0)
+        slot = pid // per
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+        x = x_ptr + slot * xstep
+        r = (pid - slot * per) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = r < rows
+        base = stack_ptr + e * estride + tl.minimum(r, rows - 1).to(tl.int64)[:, None, None] * (nb * 17)
+        kb = tl.arange(0, SB)[None, :, None]
+        j = tl.arange(0, 32)[None, None, :]
+        acc = tl.zeros((BLOCK_N, SB, 32), tl.float32)
+        for k in range(0, nb, SB):
+            b = k + kb  # (1, SB, 1)
+            bp = base + b * 17
+            ex = tl.load(bp).to(tl.int32)
+            d = tl.where(ex < 2, 0x00200000 << ex, (ex - 1) << 23).to(tl.float32, bitcast=True)
+            q = (tl.load(bp + 1 + j % 16).to(tl.int32) >> (4 * (j // 16))) & 15
+            m = q & 7
+            mag = tl.where(m < 4, m.to(tl.float32), (1 << (m // 2)).to(tl.float32) * (1.0 + 0.5 * (m % 2).to(tl.float32)))
+            v = tl.where(q >= 8, 0.0 - mag, mag)
+            acc += d * v * tl.load(x + b * 32 + j).to(tl.float32)
+        tl.store(out_ptr + slot * rows + r, tl.sum(tl.sum(acc, 2), 1).to(out_ptr.dtype.element_ty), mask=live)
+
+
+MXFP4_EXPERTS = Config(4, 4, 4)  # untuned: rows a program, blocks a step, warps
+
+
+def mxfp4_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, cols: int) -> torch.Tensor:
+    """quant_matmul_experts for MXFP4 stacks (E, rows, cols / 32 * 17): (n, rows) in x's dtype, one launch."""
+    E, rows, rb = stack.shape
+    n = ids.numel()
+    if cols % 32 or rb != cols // 32 * 17 or stack.dtype != torch.uint8 or not stack.is_contiguous():
+        raise ValueError(f"MXFP4: a contiguous uint8 (E, rows, {cols // 32 * 17}) stack, got {tuple(stack.shape)}")
+    if x.dim() != 2 or x.shape[1] != cols or x.shape[0] not in (1, n):
+        raise ValueError(f"x must be (1 or {n}, {cols}), got {tuple(x.shape)}")
+    x = x.contiguous()
+    cfg, nb = MXFP4_EXPERTS, cols // 32
+    sb = next(k for k in (cfg.sb, 4, 2, 1) if k <= cfg.sb and nb % k == 0)
+    out = torch.empty((n, rows), device=x.device, dtype=x.dtype)
+    per = triton.cdiv(rows, cfg.block_n)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _mxfp4_experts[(n * per,)](x, out, stack, ids.reshape(-1), rows * rb, 0 if x.shape[0] == 1 else cols, rows,
+                                   nb, per, BLOCK_N=cfg.block_n, SB=sb, num_warps=cfg.num_warps)
+    return out

@@ -1,5 +1,5 @@
 """Resident prefill's dequantization on CUDA for the usual GGUF types: Q8_0, Q4_K, Q5_K, Q6_K (Q4_K_M and Q5_K_M
-files), the legacy Q4_0, Q4_1, Q5_0, Q5_1, and IQ3_S through strata.quant.iq's kernel. One Triton kernel per type
+files), the legacy Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 (gpt-oss's experts), and IQ3_S through strata.quant.iq's kernel. One Triton kernel per type
 reads each block once and writes the compute dtype straight into the layer's scratch. The torch path
 (strata.quant.blocks) makes float32 pieces first (~10 integer and float ops over the weights, then a cast), ~15 ms
 for a 70B layer of Q4_K on an H200, paid again for every chunk.
@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 log = logging.getLogger("strata.quant")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCKS = 4  # quant blocks per program
-_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", *LEGACY_FLAGS)
+_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "MXFP4", *LEGACY_FLAGS)
 _USE = {"on": triton is not None}  # off for good once a kernel fails to build: the torch path still works
 
 if triton is not None:
@@ -109,6 +109,26 @@ if triton is not None:
         tl.store(out_ptr + nb.to(tl.int64) * 256 + j, w.to(out_ptr.dtype.element_ty), mask=live)
 
 
+    @triton.jit
+    def _mxfp4_into(b_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
+        """MXFP4: byte 0 the e8m0 exponent e (the scale 2^(e - 127), halved to match the doubled values: bits
+        0x00200000 << e below e = 2, else (e - 1) << 23 as float32); value j the low nibble of byte 1 + j (j < 16)
+        or the high one of byte 1 + j - 16: e2m1 doubled, sign bit 8, magnitude m -> m below 4, else
+        2^(m // 2) * (1 + (m % 2) / 2); their product, exact in float32 (as strata.quant.mxfp4)."""
+        nb = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+        j = tl.arange(0, 32)[None, :]
+        live = nb < n_blocks
+        base = b_ptr + nb.to(tl.int64) * 17
+        e = tl.load(base, mask=live, other=0).to(tl.int32)
+        bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+        d = bits.to(tl.float32, bitcast=True)
+        q = (tl.load(base + 1 + j % 16, mask=live, other=0).to(tl.int32) >> (4 * (j // 16))) & 15
+        m = q & 7
+        mag = tl.where(m < 4, m.to(tl.float32), (1 << (m // 2)).to(tl.float32) * (1.0 + 0.5 * (m % 2).to(tl.float32)))
+        v = tl.where(q >= 8, 0.0 - mag, mag)  # (+0 for the nibble 8, as the table has it, not -0)
+        tl.store(out_ptr + nb.to(tl.int64) * 32 + j, (d * v).to(out_ptr.dtype.element_ty), mask=live)
+
+
 def takes(qtype: str | None, out: torch.Tensor) -> bool:
     """Whether `dequantize_into` handles this type into this tensor (CUDA, or the CPU under Triton's interpreter)."""
     return (_USE["on"] and qtype in _TYPES and out.is_contiguous() and out.dtype.is_floating_point
@@ -132,6 +152,8 @@ def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str) -> bool
                 _q8_0_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype == "Q6_K":
                 _q6_k_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
+            elif qtype == "MXFP4":
+                _mxfp4_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype in LEGACY_FLAGS:
                 _legacy_into[grid](flat, out, n, **LEGACY_FLAGS[qtype], BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype == "IQ3_S":  # its float32 products (no add to contract) stored in out's dtype
