@@ -217,3 +217,43 @@ def test_gpu_experts_kernel():
     r = subprocess.run([sys.executable, "-c", EXPERTS_KERNEL, str(ROOT), "cuda"], capture_output=True, text=True,
                        timeout=600, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
+
+
+def _make_gguf():
+    import importlib.util
+    path = ROOT / "bench" / "make_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_gguf", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["make_gguf"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("preset,qtype", [("smoke-moe", "Q4_K_M"), ("gpt-oss-20b", "MXFP4_MOE")])
+def test_make_gguf_experts_read_back(tmp_path, preset, qtype):
+    """bench/make_gguf.py's qwen3moe and gpt-oss files (gpt-oss at small widths, 2 layers) read by Strata: the
+    preset's args back from the metadata, and the file resident on CPU (Q4_K/Q6_K or MXFP4 expert stacks, Q8_0
+    attention with gpt-oss's biases and sinks) against it dequantized at load."""
+    import dataclasses
+    mg = _make_gguf()
+    args = PRESETS[preset]
+    if preset == "gpt-oss-20b":
+        args = dataclasses.replace(args, vocab_size=512, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256,
+                                   expert_ffn_dim=256, n_experts=4, n_experts_used=2, sliding_window=16)
+    args = mg.with_layers(args, 2)
+    out = tmp_path / "m.gguf"
+    mg.write(out, args, qtype, seed=3)
+    got = model_args(str(out))
+    for k in ("arch", "dim", "n_layers", "n_experts", "n_experts_used", "expert_ffn_dim", "router", "expert_bias",
+              "attn_sinks", "o_bias", "sliding_window", "window_layers", "qk_norm"):
+        assert getattr(got, k) == getattr(args, k), k
+    ids = torch.randint(0, args.vocab_size, (1, 45), generator=torch.Generator().manual_seed(4))
+    res = {}
+    for mode in ("dequantized", "resident"):
+        ms = [load_stage(str(out), got, a, b, device="cpu", dtype=torch.float32, weights=mode, max_len=64,
+                         max_chunk=CHUNK) for a, b in ((0, 1), (1, 2))]
+        if mode == "resident":
+            assert ms[1].layers["1"].mlp.resident is not None
+        res[mode] = _run(ms, ids)
+    (a, ta), (b, tb) = res["dequantized"], res["resident"]
+    assert rel(b, a) < 1e-5 and ta == tb
