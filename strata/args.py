@@ -158,16 +158,18 @@ class ModelArgs:
             out.append(f"rope {self.rope_scaling['rope_type']}")
         return tuple(out)
 
-    def layer_param_count(self) -> int:
+    def layer_param_count(self, layer: int | None = None) -> int:
+        """Parameters of layer `layer` (None: an MoE layer's where the model has experts, the most of a layer's)."""
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         norms = (4 if self.post_norms else 2) * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        moe = self.n_experts and (layer is None or self.is_moe(layer))
         mlp = (self.n_experts * (3 * self.dim * self.expert_ffn_dim + self.dim) + 3 * self.dim * self.shared_ffn_dim
-               if self.n_experts else 3 * self.dim * self.ffn_dim)  # the MoE layers' (the most of a layer's)
+               if moe else 3 * self.dim * self.ffn_dim)
         return attn + mlp + norms
 
     def param_count(self, start: int, end: int) -> int:
         """Parameters held by the slice [start, end) (embedding on the first, head on the last)."""
-        n = (end - start) * self.layer_param_count()
+        n = sum(self.layer_param_count(i) for i in range(start, end))
         if start == 0:
             n += self.vocab_size * self.dim
         if end == self.n_layers:

@@ -261,14 +261,18 @@ def storage(model_spec: str, args: ModelArgs, dtype, weights_mode: str = "auto",
     def size(n):
         s = stored.get(n)
         return s[1] if s is not None else _numel(sh[short(n)]) * esize
-    layers = sum(size(n) for n in names if n.startswith("layers."))
+    per = [0] * args.n_layers
+    for n in names:
+        if n.startswith("layers."):
+            per[int(n.split(".")[1])] += size(n)
+    layers = sum(per)
     scratch = 0
     if any(v is not None for v in stored.values()):
         scratch = scratch_layout(args)[1] * esize + dequant_piece_bytes(args)
     kv_size = torch.empty((), dtype=kv_dtype_of(kv_dtype, dtype)).element_size()
     head = size("head") if "head" in stored else size("embed")
     return Storage(layer=layers / args.n_layers, embed=size("embed"), head=head, norm=size("norm"), scratch=scratch,
-                   kv_elem=kv_size, mode=mode)
+                   kv_elem=kv_size, mode=mode, per_layer=tuple(per) if len(set(per)) > 1 else ())
 
 
 def _numel(shape) -> int:

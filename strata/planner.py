@@ -77,6 +77,7 @@ class Storage:
     scratch: int               # resident: one layer dense in dtype + the dequantizer's transient
     kv_elem: int               # bytes per cached K or V element
     mode: str = "dequantized"  # "resident" or "dequantized"
+    per_layer: tuple = ()      # each layer's weights, where they differ (GLM's first dense layers, experts)
 
 
 def kv_rows(args: ModelArgs, n: int, tokens: int, chunk: int, start: int | None = None) -> int:
@@ -104,19 +105,32 @@ def state_bytes(args: ModelArgs, n: int, b: int, start: int | None = None) -> in
     return one * max(sum(flags[s:s + n]) for s in range(args.n_layers - n + 1))
 
 
+def _window(values, n: int, start: int | None):
+    """The sum of values[start:start + n], or (start None, while a split is searched) the most any n consecutive
+    values sum to."""
+    if start is not None:
+        return sum(values[start:start + n])
+    return max(sum(values[s:s + n]) for s in range(len(values) - n + 1))
+
+
 def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b: int, st: Storage | None,
                 chunk: int = 1, start: int | None = None):
     kvw = args.n_kv_heads * args.head_dim
     rows = kv_rows(args, n, tokens, chunk, start)
     states = state_bytes(args, n, b, start)  # counted with the KV: what the stage holds for the prompt's positions
     if st is not None:
-        weights = int(n * st.layer) + st.scratch + (st.embed if first else 0)
+        layers = _window(st.per_layer, n, start) if st.per_layer else n * st.layer
+        weights = int(layers) + st.scratch + (st.embed if first else 0)
         if last:
             weights += st.norm + (0 if args.tie_embeddings and first else st.head)
         return weights, 2 * kvw * rows * st.kv_elem + states
     # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-    weights = n * (args.layer_param_count() + (qkv if args.qkv_bias else 0))
+    if args.first_dense_layers:  # layers differ: GLM's first ones keep a dense MLP
+        per = [args.layer_param_count(i) for i in range(args.n_layers)]
+        weights = _window(per, n, start) + n * (qkv if args.qkv_bias else 0)
+    else:
+        weights = n * (args.layer_param_count() + (qkv if args.qkv_bias else 0))
     if first:
         weights += args.vocab_size * args.dim
     if last:

@@ -555,3 +555,29 @@ def test_gpu_memory_cap_refused_before_loading():
     msg = str(ei.value)
     assert "no layer split fits" in msg and "stages[].memory 3.00 GiB less 0.50 GiB for the CUDA context" in msg
     assert f"but has {3 * GiB - 2**29:,} bytes" in msg
+
+
+def test_expert_layers_counted_per_layer():
+    """A model whose first layers keep a dense MLP (GLM-4.5's first_k_dense_replace): each stage's weights are its
+    own layers' (dense ones smaller), exactly for a split and at most any n layers' while one is searched; and the
+    stored bytes (checkpoint.storage) per layer of a resident MoE file equal the loaded stage's."""
+    glm = ModelArgs(arch="glm4_moe", vocab_size=512, dim=256, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=64,
+                    ffn_dim=512, n_experts=8, n_experts_used=2, expert_ffn_dim=256, router="sigmoid",
+                    router_renorm=True, first_dense_layers=2)
+    dense, moe = glm.layer_param_count(0), glm.layer_param_count(3)
+    assert moe > dense
+    split = [2, 2, 2]
+    w, a = [], 0
+    for n in split:
+        w.append(stage_need(glm, a, a + n, 1024, 256, "float32").weights)
+        a += n
+    assert w[0] - 512 * 256 * 4 == 2 * dense * 4 and w[1] == 2 * moe * 4  # (the first stage's embedding)
+    assert sum(w) == glm.param_count(0, 6) * 4
+    from strata.checkpoint import load_stage, stage_bytes, storage
+    args = PRESETS["smoke-moe"]
+    st = storage("synthetic:smoke-moe@Q4_K_M", args, "float32", "resident", device_type="cpu")
+    m = load_stage("synthetic:smoke-moe@Q4_K_M", args, 1, 3, device="cpu", dtype="float32", weights="resident",
+                   max_len=64)
+    assert m.weight_bytes == stage_bytes("synthetic:smoke-moe@Q4_K_M", args, 1, 3, "float32", "resident",
+                                         max_len=64)[0]
+    assert not st.per_layer and st.layer * 2 == m.weight_bytes  # equal layers: their mean, the blocks as stored
