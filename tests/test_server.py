@@ -627,10 +627,6 @@ def test_shutdown_finishes_the_running_request_refuses_the_waiting_and_closes(en
     assert not s.thread.is_alive() and engine.closed == 1
 
 
-def test_fake_engine_satisfies_the_protocol():
-    assert isinstance(FakeEngine(), Engine)
-
-
 # -- the real openai client ----------------------------------------------------------------------------
 
 def test_openai_client_streaming_and_not(server, engine):
