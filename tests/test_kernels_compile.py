@@ -36,33 +36,46 @@ def test_decode_gemv_kernels_compile_for_sm90(qtype, m):
 
 
 WORDS_SIG = {"x_ptr": "*bf16", "xq_ptr": "*i32", "xs_ptr": "*fp32", **{k: v for k, v in GEMV_SIG.items() if k not in (
-    "x_ptr", "grid_ptr")}, "DP4A": "constexpr", "PTX": "constexpr"}
+    "x_ptr", "grid_ptr")}, "ids_ptr": "*i64", "estride": "i64", "xstep": "i32", "DP4A": "constexpr",
+    "PTX": "constexpr", "EXPERTS": "constexpr"}
+# (m, experts): the experts mode (strata.quant.gemv.quant_matmul_experts) takes one x row
+WORD_CASES = [(1, False), (4, False), (1, True)]
 
 
 @pytest.mark.parametrize("five", [False, True])
 @pytest.mark.parametrize("dp4a", [False, True])
-@pytest.mark.parametrize("m", [1, 4])
-def test_k45_words_kernel_compiles_for_sm90(five, dp4a, m):
-    """Q4_K / Q5_K read in int32 words (STRATA_GEMV_KQUANT=words, float x; =dp4a, int8 x and PTX dp4a)."""
+@pytest.mark.parametrize("m,experts", WORD_CASES)
+def test_k45_words_kernel_compiles_for_sm90(five, dp4a, m, experts):
+    """Q4_K / Q5_K read in int32 words (STRATA_GEMV_KQUANT=words, float x; =dp4a, int8 x and PTX dp4a), also in
+    the experts mode (the expert ids read on the device)."""
     from strata.quant import gemv
     code = ptx(gemv._k45_words_gemv, {**WORDS_SIG, "FIVE": "constexpr"},
-               {"M": m, "BLOCK_N": 8, "SB": 2, "FIVE": five, "DP4A": dp4a, "PTX": True})
+               {"M": m, "BLOCK_N": 8, "SB": 2, "FIVE": five, "DP4A": dp4a, "PTX": True, "EXPERTS": experts})
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
 
 
 @pytest.mark.parametrize("dp4a", [False, True])
-@pytest.mark.parametrize("m", [1, 4])
-def test_q6_k_words_kernel_compiles_for_sm90(dp4a, m):
-    """Q6_K read in int32 words (STRATA_GEMV_Q6K=words, float x; =dp4a, int8 x and PTX dp4a)."""
+@pytest.mark.parametrize("m,experts", WORD_CASES)
+def test_q6_k_words_kernel_compiles_for_sm90(dp4a, m, experts):
+    """Q6_K read in int32 words (STRATA_GEMV_Q6K=words, float x; =dp4a, int8 x and PTX dp4a), and as experts."""
     from strata.quant import gemv
-    code = ptx(gemv._q6_k_words, WORDS_SIG, {"M": m, "BLOCK_N": 4, "SB": 2, "DP4A": dp4a, "PTX": True})
+    code = ptx(gemv._q6_k_words, WORDS_SIG, {"M": m, "BLOCK_N": 4, "SB": 2, "DP4A": dp4a, "PTX": True,
+                                             "EXPERTS": experts})
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
+
+
+def test_mxfp4_experts_kernel_compiles_for_sm90():
+    from strata.quant import gemv
+    sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stack_ptr": "*u8", "ids_ptr": "*i64", "estride": "i64",
+           "xstep": "i32", "rows": "i32", "nb": "i32", "per": "i32", "BLOCK_N": "constexpr", "SB": "constexpr"}
+    code = ptx(gemv._mxfp4_experts, sig, {"BLOCK_N": 4, "SB": 4})
+    assert ".target sm_90" in code and "ld.global" in code
 
 
 @pytest.mark.parametrize("name,extra", [("_q8_0_into", {}), ("_k45_into", {"FIVE": False}),
                                         ("_k45_into", {"FIVE": True}), ("_q6_k_into", {}),
                                         ("_legacy_into", {"MIN": False, "FIVE": False}),
-                                        ("_legacy_into", {"MIN": True, "FIVE": True})])
+                                        ("_legacy_into", {"MIN": True, "FIVE": True}), ("_mxfp4_into", {})])
 @pytest.mark.parametrize("out", ["*bf16", "*fp32"])
 def test_prefill_dequant_kernels_compile_round_to_nearest_without_fma(name, extra, out):
     from strata.quant import into
@@ -100,8 +113,11 @@ def _kernel_cases():
                                           "l_ptr": F32, "acc_ptr": F32, **ints("sk_h", "sk_s", "sv_h", "sv_s", "span"),
                                           "scale": "fp32", **ints("window", "ring")},
                             {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32"}),
-        "split_k_merge": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16, "n_split": I32},
-                          {"G": 4, "GP": 16, "HD": 128, "SP": 64}),
+        "split_k_merge": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16, "sink_ptr": F32,
+                                      "n_split": I32}, {"G": 4, "GP": 16, "HD": 128, "SP": 64, "SINKS": False}),
+        "split_k_merge_sinks": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16,
+                                            "sink_ptr": F32, "n_split": I32},
+                                {"G": 4, "GP": 16, "HD": 128, "SP": 64, "SINKS": True}),
         "rms_norm": (dk._rms_norm, {"x_ptr": B16, "w_ptr": B16, "out_ptr": B16, "n": I32, "eps": "fp32"},
                      {"BLOCK": 4096}),
         "add_rms_norm": (dk._add_rms_norm, {"h_ptr": B16, "y_ptr": B16, "w_ptr": B16, "hout_ptr": B16,
@@ -118,7 +134,8 @@ def _kernel_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["lse_merge", "silu_mul", "rope", "split_k_partial", "split_k_merge", "rms_norm",
+@pytest.mark.parametrize("name", ["lse_merge", "silu_mul", "rope", "split_k_partial", "split_k_merge",
+                                  "split_k_merge_sinks", "rms_norm",
                                   "add_rms_norm", "rope_store", "argmax_blocks", "argmax_final",
                                   "dense_gemv"])
 def test_prefill_and_decode_kernels_compile_for_sm90(name):
