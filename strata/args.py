@@ -167,6 +167,15 @@ class ModelArgs:
                if moe else 3 * self.dim * self.ffn_dim)
         return attn + mlp + norms
 
+    def layer_active_params(self) -> int:
+        """Parameters a token multiplies by in an MoE layer (attention, the router, its k experts and the shared
+        one): what its compute scales with. A dense model's layer_param_count."""
+        if not self.n_experts:
+            return self.layer_param_count()
+        k, E = self.n_experts_used, self.n_experts
+        experts = self.n_experts * 3 * self.dim * self.expert_ffn_dim
+        return self.layer_param_count() - experts + experts * k // E
+
     def param_count(self, start: int, end: int) -> int:
         """Parameters held by the slice [start, end) (embedding on the first, head on the last)."""
         n = sum(self.layer_param_count(i) for i in range(start, end))

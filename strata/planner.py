@@ -217,7 +217,7 @@ class Speed:
 
 def layer_flops(args: ModelArgs, tokens: int) -> tuple[float, float]:
     """(linear, attention) FLOPs of one layer over a prompt of `tokens`."""
-    return 2.0 * args.layer_param_count() * tokens, 2.0 * args.n_heads * args.head_dim * tokens * tokens
+    return 2.0 * args.layer_active_params() * tokens, 2.0 * args.n_heads * args.head_dim * tokens * tokens
 
 
 def head_flops(args: ModelArgs, tokens: int) -> float:

@@ -14,7 +14,7 @@ from .args import ModelArgs
 
 def chunk_flops(args: ModelArgs, pos: int, n: int) -> tuple[float, float]:
     """(linear, attention) FLOPs of one layer on a chunk of n rows at position pos."""
-    return 2.0 * args.layer_param_count() * n, 4.0 * args.n_heads * args.head_dim * n * (pos + n / 2)
+    return 2.0 * args.layer_active_params() * n, 4.0 * args.n_heads * args.head_dim * n * (pos + n / 2)
 
 
 def chunk_cost(args: ModelArgs, pos: int, n: int) -> float:
@@ -26,7 +26,7 @@ def chunk_schedule(tokens: int, chunk: int, dynamic: bool, args: ModelArgs) -> l
     """(pos, length) of each chunk; dynamic chunks never exceed `chunk` (the buffers' size)."""
     if not dynamic:
         return [(p, min(chunk, tokens - p)) for p in range(0, tokens, chunk)]
-    lin = 2 * args.layer_param_count()
+    lin = 2 * args.layer_active_params()
     att = 4 * args.n_heads * args.head_dim
     budget = chunk_cost(args, 0, min(chunk, tokens))
     out, p = [], 0

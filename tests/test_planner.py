@@ -581,3 +581,15 @@ def test_expert_layers_counted_per_layer():
     assert m.weight_bytes == stage_bytes("synthetic:smoke-moe@Q4_K_M", args, 1, 3, "float32", "resident",
                                          max_len=64)[0]
     assert not st.per_layer and st.layer * 2 == m.weight_bytes  # equal layers: their mean, the blocks as stored
+
+
+def test_moe_compute_counts_the_active_experts():
+    """An MoE layer's FLOPs (the planner's time model, the dynamic chunks' budget) scale with the k experts a
+    token goes to, not all of them: Qwen3-30B-A3B's ~3.3B active parameters, not its 30B."""
+    from strata.planner import layer_flops
+    from strata.schedule import chunk_flops
+    q = PRESETS["qwen3-30b-a3b"]
+    active = q.layer_active_params() * q.n_layers + 2 * q.vocab_size * q.dim
+    assert 3.0e9 < active < 3.6e9 and q.layer_param_count() > 10 * q.layer_active_params()
+    assert layer_flops(q, 10)[0] == 2.0 * q.layer_active_params() * 10 == chunk_flops(q, 0, 10)[0]
+    assert LLAMA8.layer_active_params() == LLAMA8.layer_param_count()
