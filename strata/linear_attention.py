@@ -3,14 +3,25 @@ rule over a fixed-size state per value head. A chunk starts from the state the p
 convolution from its last kernel - 1 inputs), so chunked prefill equals one pass over the prompt; a state serves
 only the position it was taken at.
 
-CPU reference: the delta rule token by token in float32, batched over heads (correct; its time grows with the
-tokens, one small step each). The CUDA path of the issue (a chunked kernel library) is not here yet.
+The delta rule, per value head, with a_t = exp(g_t) and S (dk, dv) float32:
+    S_t = a_t S_{t-1} + k_t d_t^T,   d_t = beta_t (v_t - a_t S_{t-1}^T k_t),   o_t = S_t^T q_t.
+Three forms of it, all from and into the same state (nv, dk, dv) float32 (fla's [HV, K, V] too):
+- `delta_rule_tokens`: token by token (the reference; its time is T small steps).
+- `delta_rule_chunked`: chunks of 64 tokens: each chunk's corrections d solved at once from a unit lower-triangular
+  system, then one state update per chunk (the prefill on CPU, and on CUDA where fla-core is absent).
+- `delta_rule_fla`: fla-core's Triton kernel of the same chunked form (prefill on CUDA in bfloat16/float16).
+One-token steps (`delta_step`) are the recurrence's body on the state in place: no host sync, graph-capturable.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger("strata.linear_attention")
+CHUNK = 64  # tokens per block of the chunked form (fla's too)
 
 
 class GatedDeltaNet(nn.Module):
@@ -66,7 +77,7 @@ class GatedDeltaNet(nn.Module):
         v = qkv[:, 2 * kdim:].reshape(T, self.nv, self.dv)
         beta = F.linear(h, self.wb).sigmoid().float()                         # (T, nv)
         g = -self.a_log.float().exp() * F.softplus(F.linear(h, self.wa).float() + self.dt_bias.float())
-        y = self._delta_rule(q, k, v, g, beta)                                # (T, nv, dv) float32
+        y = gated_delta_rule(self.state, q, k, v, g, beta)                    # (T, nv, dv) float32
         z = F.linear(h, self.wz).reshape(T, self.nv, self.dv)
         # a gated RMSNorm over each head's values: normed, the weight, times silu(z)
         yn = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -74,21 +85,122 @@ class GatedDeltaNet(nn.Module):
         self.state_pos = pos + T
         return F.linear(yn.to(x.dtype).reshape(T, -1), self.wo).view(x.shape)
 
-    def _delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
-        """The gated delta rule from the state, token by token in float32; leaves the state at the last token."""
-        rep = self.nv // self.nk  # each q/k head serves rep consecutive value heads
-        q, k = _l2norm(q.float()), _l2norm(k.float())
-        q, k = q.repeat_interleave(rep, 1) * self.dk ** -0.5, k.repeat_interleave(rep, 1)  # (T, nv, dk)
-        v = v.float()
-        S = self.state
-        out = torch.empty(q.shape[0], self.nv, self.dv, dtype=torch.float32, device=q.device)
-        for t in range(q.shape[0]):
-            S.mul_(g[t].exp()[:, None, None])
-            mem = torch.einsum("hkv,hk->hv", S, k[t])
-            delta = (v[t] - mem) * beta[t][:, None]
-            S.add_(k[t][:, :, None] * delta[:, None, :])
-            out[t] = torch.einsum("hkv,hk->hv", S, q[t])
-        return out
+
+def gated_delta_rule(S, q, k, v, g, beta, impl: str | None = None) -> torch.Tensor:
+    """The gated delta rule over T tokens from the state S (nv, dk, dv) float32, left at the last token.
+    q, k (T, nk, dk) before their L2 norm; v (T, nv, dv); g (log decay), beta (T, nv) float32 -> (T, nv, dv) float32.
+    Value head h reads q/k head h // (nv // nk) (transformers' and fla's grouping). `impl` forces one form
+    ("tokens", "chunked", "fla", "step"); by default a step for one token, else fla where it serves, else chunked."""
+    if impl is None:
+        impl = "step" if q.shape[0] == 1 else "fla" if _fla_serves(q) else "chunked"
+    if impl == "fla":
+        return delta_rule_fla(S, q, k, v, g, beta)
+    forms = {"tokens": delta_rule_tokens, "chunked": delta_rule_chunked, "step": delta_step}
+    if impl not in forms:
+        raise ValueError(f"unknown delta rule form {impl!r} (tokens, chunked, fla, step)")
+    return forms[impl](S, *_heads(q, k, v), g, beta)
+
+
+def _heads(q, k, v):
+    """q, k L2-normed (q also scaled by dk^-0.5), all float32; q/k heads stay shared (each form groups them)."""
+    q, k = _l2norm(q.float()), _l2norm(k.float())
+    return q * q.shape[-1] ** -0.5, k, v.float()
+
+
+def delta_step(S, q, k, v, g, beta) -> torch.Tensor:
+    """One token (T = 1) on S in place: q, k (1, nk, dk) as `_heads` makes them, v (1, nv, dv). Only device ops on
+    the state and the inputs (no host sync, nothing sized by data), so a CUDA graph can capture it."""
+    nk, dk = k.shape[1:]
+    rep = S.shape[0] // nk  # (an expand, not repeat_interleave: nothing that could read a size back from the device)
+    q, k = (x[0, :, None].expand(nk, rep, dk).reshape(-1, dk) for x in (q, k))  # (nv, dk)
+    S.mul_(g[0].exp()[:, None, None])
+    delta = (v[0] - torch.einsum("hkv,hk->hv", S, k)) * beta[0][:, None]
+    S.add_(k[:, :, None] * delta[:, None, :])
+    return torch.einsum("hkv,hk->hv", S, q)[None]
+
+
+def delta_rule_tokens(S, q, k, v, g, beta) -> torch.Tensor:
+    """The reference: one step per token (q, k, v as `_heads` makes them)."""
+    out = torch.empty(q.shape[0], *v.shape[1:], dtype=torch.float32, device=q.device)
+    for t in range(q.shape[0]):
+        out[t] = delta_step(S, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1])[0]
+    return out
+
+
+def delta_rule_chunked(S, q, k, v, g, beta, C: int = CHUNK) -> torch.Tensor:
+    """The same recurrence, C tokens at a time (q, k, v as `_heads` makes them).
+
+    In a chunk starting from state S0, with G_t the cumulative log decay from the chunk's start (t = 1..C), the
+    unrolled recurrence is S_t = e^{G_t} S0 + sum_{i<=t} e^{G_t - G_i} k_i d_i^T. Putting it into d_t's definition:
+        d_t + beta_t sum_{i<t} e^{G_t - G_i} (k_t . k_i) d_i = beta_t v_t - beta_t e^{G_t} S0^T k_t,
+    a unit lower-triangular system (I + A) d = U' - W' S0, so d = U - W S0 with U, W solved once per chunk,
+    independent of S0 (all chunks at once). Then per chunk, in order:
+        o_t = e^{G_t} S0^T q_t + sum_{i<=t} e^{G_t - G_i} (q_t . k_i) d_i,
+        S_C = e^{G_C} S0 + sum_i e^{G_C - G_i} k_i d_i^T.
+    Decays appear only as differences G_t - G_i with i <= t (<= 1, no overflow). The tail is padded with
+    k = v = q = beta = g = 0: d = 0 there, and the state passes through unchanged. The products q.k and k.k are
+    per q/k head, shared by its nv // nk value heads (broadcast, not repeated)."""
+    T, nk, dk = k.shape
+    nv, dv = v.shape[1:]
+    n, pad = -(-T // C), -T % C
+    blk = lambda x: F.pad(x, (0, 0, 0, 0, 0, pad)).view(n, C, x.shape[1], -1).transpose(1, 2)  # noqa: E731
+    q, k, v = blk(q), blk(k), blk(v)                                     # (n, heads, C, d): a chunk's contiguous
+    G = F.pad(g, (0, 0, 0, pad)).view(n, C, nv).transpose(1, 2).cumsum(-1)  # (n, nv, C)
+    b = F.pad(beta, (0, 0, 0, pad)).view(n, C, nv).transpose(1, 2)[..., None]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (n, nv, C, C), 0 above
+    group = lambda x: x.view(n, nk, -1, *x.shape[2:])                   # noqa: E731 value heads by their q/k head
+    shared = lambda x: x[:, :, None]                                     # noqa: E731 a q/k head's, to its group
+    kk, qk = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)           # (n, nk, C, C)
+    A = (group(b * decay) * shared(kk)).view(n, nv, C, C).tril(-1)
+    A.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    bk = (group(b * G.exp()[..., None]) * shared(k)).view(n, nv, C, dk)
+    UW = torch.linalg.solve_triangular(A, torch.cat((b * v, bk), -1), upper=False, unitriangular=True)
+    U, W = UW[..., :dv], UW[..., dv:]                                    # (n, nv, C, dv), (n, nv, C, dk)
+    P = (group(decay) * shared(qk)).view(n, nv, C, C)                   # q_t . k_i, i <= t, decayed
+    qg = (group(G.exp()[..., None]) * shared(q)).view(n, nv, C, dk)
+    kd = (group((G[..., -1:] - G).exp()[..., None]) * shared(k)).view(n, nv, C, dk)  # k_i decayed to the end
+    gC = G[..., -1].exp()                                                # (n, nv)
+    out = torch.empty(n, nv, C, dv, dtype=torch.float32, device=q.device)
+    for j in range(n):
+        d = U[j] - W[j] @ S                                              # (nv, C, dv)
+        torch.baddbmm(qg[j] @ S, P[j], d, out=out[j])
+        S.mul_(gC[j, :, None, None]).add_(kd[j].transpose(-1, -2) @ d)
+    return out.transpose(1, 2).reshape(n * C, nv, dv)[:T]
+
+
+def delta_rule_fla(S, q, k, v, g, beta) -> torch.Tensor:
+    """fla-core's chunked kernel, q, k, v in their own dtype (L2 norms in the kernel, q/k heads shared by value
+    heads there), from S and back into S in place. Its dots run in TF32 for float32 inputs (~1e-3)."""
+    kernel = _fla_kernel()
+    if kernel is None:
+        raise RuntimeError("the delta rule's fla form needs fla-core (pip install 'strata[cuda]')")
+    o, final = kernel(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
+                      initial_state=S[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    S.copy_(final[0])
+    return o[0].float()
+
+
+_FLA: object = None  # fla's chunk_gated_delta_rule once looked up; False where it does not import
+
+
+def _fla_kernel():
+    global _FLA
+    if _FLA is None:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+            _FLA = chunk_gated_delta_rule
+        except ImportError as e:
+            log.warning("fla-core not importable (%s): the delta rule's CUDA prefill runs the chunked torch form "
+                        "(pip install 'strata[cuda]')", e)
+            _FLA = False
+    return _FLA or None
+
+
+def _fla_serves(q: torch.Tensor) -> bool:
+    """fla on CUDA for 16-bit inputs. A float32 model stays on the torch form: fla's TF32 dots (~1e-3) would
+    hide what the float32 checks (1e-5 against the CPU path) are for."""
+    return q.is_cuda and q.dtype != torch.float32 and _fla_kernel() is not None
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

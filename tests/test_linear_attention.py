@@ -1,0 +1,132 @@
+"""The gated delta rule's forms against its token-by-token reference (strata.linear_attention): the chunked form at
+odd lengths around its 64-token blocks, from a nonzero state, value heads sharing q/k heads; prefill split at odd
+boundaries equals one pass; on CUDA, fla-core's kernel against the chunked torch form."""
+import pytest
+import torch
+
+from strata.linear_attention import gated_delta_rule
+
+LENGTHS = (1, 5, 63, 64, 65, 130, 200)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def inputs(T: int, nk: int, rep: int, dk: int = 16, dv: int = 24, seed: int = 0, device="cpu"):
+    """q, k, v, g, beta as GatedDeltaNet.forward hands them over, and a nonzero initial state (nv, dk, dv)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    nv = nk * rep
+    q, k, v = r(T, nk, dk), r(T, nk, dk), r(T, nv, dv)
+    g = -torch.rand(T, nv, generator=gen) * 2           # log decays in (-2, 0]: down to e^-128 over a block
+    beta = torch.rand(T, nv, generator=gen)
+    S0 = r(nv, dk, dv) * 0.5
+    return [t.to(device) for t in (q, k, v, g, beta, S0)]
+
+
+@pytest.mark.parametrize("T", LENGTHS)
+@pytest.mark.parametrize("nk,rep", [(1, 1), (2, 2), (3, 2)])
+def test_chunked_equals_tokens(T, nk, rep):
+    q, k, v, g, beta, S0 = inputs(T, nk, rep, seed=T)
+    S_ref, S = S0.clone(), S0.clone()
+    want = gated_delta_rule(S_ref, q, k, v, g, beta, impl="tokens")
+    got = gated_delta_rule(S, q, k, v, g, beta, impl="chunked")
+    assert got.shape == want.shape == (T, nk * rep, 24) and got.dtype == torch.float32
+    assert rel(got, want) < 1e-5
+    assert rel(S, S_ref) < 1e-5
+
+
+def test_step_is_one_token():
+    """The default for one token is the step; it equals the reference's first token."""
+    q, k, v, g, beta, S0 = inputs(1, 2, 2)
+    S_ref, S = S0.clone(), S0.clone()
+    want = gated_delta_rule(S_ref, q, k, v, g, beta, impl="tokens")
+    assert torch.equal(gated_delta_rule(S, q, k, v, g, beta), want) and torch.equal(S, S_ref)
+
+
+def test_chunked_split_at_odd_boundaries_equals_one_pass():
+    """The state carries across calls: 200 tokens as 1 + 62 + 65 + 3 + 69 equal one pass (and the reference)."""
+    q, k, v, g, beta, S0 = inputs(200, 2, 2, seed=3)
+    S_one, S_ref, S = S0.clone(), S0.clone(), S0.clone()
+    one = gated_delta_rule(S_one, q, k, v, g, beta, impl="chunked")
+    ref = gated_delta_rule(S_ref, q, k, v, g, beta, impl="tokens")
+    parts, pos = [], 0
+    for n in (1, 62, 65, 3, 69):
+        sl = slice(pos, pos + n)
+        parts.append(gated_delta_rule(S, q[sl], k[sl], v[sl], g[sl], beta[sl]))  # the default forms
+        pos += n
+    got = torch.cat(parts)
+    assert rel(got, one) < 1e-5 and rel(S, S_one) < 1e-5
+    assert rel(got, ref) < 1e-5 and rel(S, S_ref) < 1e-5
+
+
+def test_strong_decay_and_zero_state():
+    """Log decays far below a float32 exp's range inside one block (e^{G} underflows to 0) stay finite."""
+    q, k, v, g, beta, _ = inputs(130, 2, 2, seed=4)
+    g = g * 40
+    S_ref, S = torch.zeros(4, 16, 24), torch.zeros(4, 16, 24)
+    want = gated_delta_rule(S_ref, q, k, v, g, beta, impl="tokens")
+    got = gated_delta_rule(S, q, k, v, g, beta, impl="chunked")
+    assert torch.isfinite(got).all() and rel(got, want) < 1e-5 and rel(S, S_ref) < 1e-5
+
+
+def test_unknown_form_refused():
+    q, k, v, g, beta, S0 = inputs(5, 1, 1)
+    with pytest.raises(ValueError, match="unknown delta rule form"):
+        gated_delta_rule(S0, q, k, v, g, beta, impl="loop")
+
+
+# -- CUDA: fla-core's kernel -------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", (1, 2, 5, 63, 64, 65, 130, 1000))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
+def test_gpu_fla_matches_chunked(T, dtype, tol):
+    """fla's chunk_gated_delta_rule (q, k, v in `dtype`; TF32 dots for float32) against the torch chunked form on
+    the same inputs in float32, from a nonzero state: outputs and the final state written back in place."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    q, k, v, g, beta, S0 = inputs(T, 4, 2, dk=128, dv=128, seed=T, device="cuda")
+    q16, k16, v16 = q.to(dtype), k.to(dtype), v.to(dtype)
+    S_ref, S = S0.clone(), S0.clone()
+    want = gated_delta_rule(S_ref, q16.float(), k16.float(), v16.float(), g, beta, impl="chunked")
+    got = gated_delta_rule(S, q16, k16, v16, g, beta, impl="fla")
+    assert got.dtype == torch.float32 and S.dtype == torch.float32 and S.data_ptr() != S_ref.data_ptr()
+    assert rel(got, want) < tol
+    assert rel(S, S_ref) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_default_form_is_fla_for_16_bit():
+    """With fla importable, a bfloat16 prefill takes it; float32 stays on the torch form (TF32 would not do)."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    from strata.linear_attention import _fla_serves
+    q = torch.zeros(3, 1, 8, device="cuda")
+    assert _fla_serves(q.bfloat16()) and not _fla_serves(q) and not _fla_serves(q.cpu().bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_step_captured_in_a_graph():
+    """The one-token step runs inside a CUDA graph: replays on static tensors equal eager steps."""
+    q, k, v, g, beta, S0 = inputs(4, 2, 2, device="cuda")
+    S_eager, S = S0.clone(), S0.clone()
+    static = [t[:1].clone() for t in (q, k, v, g, beta)]
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up off the default stream, as capture wants
+        gated_delta_rule(S.clone(), *static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gated_delta_rule(S, *static)
+    S.copy_(S0)
+    for t in range(4):
+        for dst, src in zip(static, (q, k, v, g, beta)):
+            dst.copy_(src[t:t + 1])
+        graph.replay()
+        want = gated_delta_rule(S_eager, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1])
+        assert rel(out, want) < 1e-6
+    assert rel(S, S_eager) < 1e-6
