@@ -130,3 +130,64 @@ def test_gpu_step_captured_in_a_graph():
         want = gated_delta_rule(S_eager, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1])
         assert rel(out, want) < 1e-6
     assert rel(S, S_eager) < 1e-6
+
+
+# -- a tiny random Qwen3.5 through Strata's slices ----------------------------------------------------------------
+PROMPT, ODD = 300, 97  # chunks of 97, 97, 97, 9: each crosses the delta rule's 64-token blocks at another offset
+
+
+def qwen3_5_model(tmp_path) -> str:
+    """The families test's tiny qwen3_5 (3 linear layers, 1 full), saved: its directory."""
+    pytest.importorskip("transformers")
+    from families_fixtures import make_hf
+    return make_hf(tmp_path, "qwen3_5")[1]
+
+
+def qwen3_5_slices(d: str, device: str, dtype=torch.float32):
+    """The model as 3 slices, and a prompt on `device`."""
+    from strata.checkpoint import model_args, slice_tensors
+    from strata.model import Transformer
+    args = model_args(d)
+    slices = []
+    for a, b in [(0, 1), (1, args.n_layers - 1), (args.n_layers - 1, args.n_layers)]:
+        t = Transformer(args, a, b)
+        t.load_weights(slice_tensors(d, args, a, b), device, dtype)
+        t.setup_cache(PROMPT, max_chunk=PROMPT)
+        slices.append(t)
+    ids = torch.randint(0, args.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(9))
+    return slices, ids.to(device)
+
+
+def prefill_logits(slices, ids, chunk: int):
+    from conftest import chained_prefill
+    return slices[-1].logits(chained_prefill(slices, ids, chunk)[0]).float().cpu()
+
+
+def test_model_chunked_prefill_equals_token_loop(tmp_path, monkeypatch):
+    """On CPU, prefill in odd chunks by the chunked form gives the token loop's one-pass logits."""
+    import strata.linear_attention as la
+    slices, ids = qwen3_5_slices(qwen3_5_model(tmp_path), "cpu")
+    got = prefill_logits(slices, ids, ODD)
+    loop = la.gated_delta_rule
+    monkeypatch.setattr(la, "gated_delta_rule", lambda *a: loop(*a, impl="tokens"))
+    want = prefill_logits(slices, ids, PROMPT)
+    assert rel(got, want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_model_prefill_against_cpu(tmp_path, monkeypatch):
+    """On CUDA, prefill in odd chunks: float32 (the torch chunked form) within 1e-5 of the CPU path; bfloat16
+    (fla's kernel) within 2e-2, and within bf16's reach of the same bfloat16 model on the torch form."""
+    import strata.linear_attention as la
+    d = qwen3_5_model(tmp_path)
+    cpu, ids = qwen3_5_slices(d, "cpu")
+    want = prefill_logits(cpu, ids, PROMPT)
+    f32, x = qwen3_5_slices(d, "cuda")
+    assert rel(prefill_logits(f32, x, ODD), want) < 1e-5
+    bf, x = qwen3_5_slices(d, "cuda", torch.bfloat16)
+    fla = prefill_logits(bf, x, ODD)
+    assert rel(fla, want) < 2e-2
+    if la._fla_kernel() is not None:
+        monkeypatch.setattr(la, "_fla_serves", lambda q: False)
+        assert rel(fla, prefill_logits(bf, x, ODD)) < 2e-2
