@@ -25,6 +25,16 @@ loader reads (src/llama-model.cpp, src/models/<arch>.cpp):
           the expert stacks with theirs; `attention.sliding_window` (llama.cpp windows every other layer, the
           first one), YaRN as factor + original context. --qtype MXFP4_MOE (llama.cpp's file type of that name):
           the experts MXFP4, the other matrices Q8_0.
+  qwen35  (Qwen3.5, dense) per layer attn_norm and post_attention_norm (its pre-MLP norm), the SwiGLU; a full-attention
+          layer attn_q holding each head's query then its output gate (2 n_heads head_dim rows), attn_k/v, q/k norms,
+          attn_output; a Gated DeltaNet layer attn_qkv, attn_gate (z), ssm_conv1d (F32, as llama.cpp's quantizer
+          keeps it), ssm_dt.bias, ssm_a (= -exp(A_log) < 0), ssm_beta, ssm_alpha, ssm_norm, ssm_out. Keys:
+          `ssm.{conv_kernel,inner_size,state_size,time_step_rank,group_count}`, `attention.recurrent_layers` (and
+          `full_attention_interval` where the pattern is every n-th), `rope.dimension_count` the rotary width and
+          `rope.dimension_sections` (llama.cpp's loader requires them; the converter writes Qwen3.5's [11, 11, 10, 0] at any
+          width; text positions make MRoPE plain RoPE).
+          llama.cpp's qwen35 reads value heads as wide as key heads: lin_v_dim != lin_k_dim is refused. (llama.cpp's
+          Q4_K_M widens attn_qkv to Q5_K; here it takes the base type.)
 A tied token_embd takes the head's type in a mix (Q6_K in Q4_K_M), as llama.cpp's quantizer does when a
 model has no output.weight.
 
@@ -35,6 +45,7 @@ model has no output.weight.
     python bench/make_gguf.py --preset qwen3-32b --qtype Q4_K_M --out /tmp/q32-q4km.gguf --layers 2
     python bench/make_gguf.py --preset qwen3-30b-a3b --qtype Q4_K_M --out /tmp/q30a3.gguf --device cuda
     python bench/make_gguf.py --preset gpt-oss-20b --qtype MXFP4_MOE --out /tmp/oss20.gguf --device cuda
+    python bench/make_gguf.py --preset qwen3.5-27b --qtype Q4_K_M --out /tmp/q35-27b.gguf --device cuda
 """
 from __future__ import annotations
 
@@ -73,7 +84,7 @@ def tensor_type(qtype: str, cols: int) -> str:
     return "Q8_0" if cols % 32 == 0 else "F16"
 
 
-ARCHS = ("llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss")  # what this writer knows llama.cpp's names and keys for
+ARCHS = ("llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "qwen3_5")  # what this writer knows llama.cpp's names and keys for
 MXFP4_MOE = "MXFP4_MOE"  # experts MXFP4, other matrices Q8_0 (gpt-oss)
 
 
@@ -100,11 +111,19 @@ def plan(args: ModelArgs, qtype: str) -> list[Planned]:
         t = "MXFP4" if qtype == MXFP4_MOE else tensor_type(mix_type(base, role.get(name.split(".")[-2], "")), cols)
         return Planned(name, (args.n_experts, rows, cols), t)
     oss = args.arch == "gpt_oss"
+    if args.arch == "qwen3_5" and args.n_experts:
+        raise ValueError("bench/make_gguf.py writes dense qwen35 files, not qwen35moe")
+    if args.arch == "qwen3_5" and args.lin_v_dim != args.lin_k_dim:
+        raise ValueError(f"qwen35: llama.cpp reads value heads of the key heads' width ({args.lin_k_dim}), "
+                         f"not {args.lin_v_dim}")
     out = [mat("token_embd.weight", args.vocab_size, dim)]
     if _llama3_rope(args):  # llama.cpp keeps Llama-3 rope scaling as per-frequency divisors
         out.append(Planned("rope_freqs.weight", (hd // 2,), "F32"))
     for i in range(args.n_layers):
         p = f"blk.{i}."
+        if args.arch == "qwen3_5":
+            out += _qwen35_layer(args, p, i, mat, norm)
+            continue
         attn = []
         for n, rows in (("q", args.n_heads * hd), ("k", args.n_kv_heads * hd), ("v", args.n_kv_heads * hd)):
             attn += [mat(p + f"attn_{n}.weight", rows, dim)] + ([bias(p + f"attn_{n}.bias", rows)] if oss else [])
@@ -136,6 +155,42 @@ def plan(args: ModelArgs, qtype: str) -> list[Planned]:
     return out
 
 
+def _qwen35_layer(args: ModelArgs, p: str, i: int, mat, norm) -> list[Planned]:
+    """A Qwen3.5 layer as llama.cpp's converter writes it: Gated DeltaNet or gated full attention, then the MLP."""
+    dim, hd = args.dim, args.head_dim
+    if args.is_linear(i):
+        kdim, vdim, nv = args.lin_k_heads * args.lin_k_dim, args.lin_v_heads * args.lin_v_dim, args.lin_v_heads
+        mixer = [mat(p + "attn_qkv.weight", 2 * kdim + vdim, dim), mat(p + "attn_gate.weight", vdim, dim),
+                 Planned(p + "ssm_conv1d.weight", (2 * kdim + vdim, args.lin_conv), "F32"),
+                 Planned(p + "ssm_dt.bias", (nv,), "F32"), Planned(p + "ssm_a", (nv,), "F32"),
+                 mat(p + "ssm_beta.weight", nv, dim), mat(p + "ssm_alpha.weight", nv, dim),
+                 norm(p + "ssm_norm.weight", args.lin_v_dim), mat(p + "ssm_out.weight", dim, vdim)]
+    else:
+        mixer = [mat(p + "attn_q.weight", 2 * args.n_heads * hd, dim), mat(p + "attn_k.weight", args.n_kv_heads * hd, dim),
+                 mat(p + "attn_v.weight", args.n_kv_heads * hd, dim), norm(p + "attn_q_norm.weight", hd),
+                 norm(p + "attn_k_norm.weight", hd), mat(p + "attn_output.weight", dim, args.n_heads * hd)]
+    mlp = [mat(p + "ffn_gate.weight", args.ffn_dim, dim), mat(p + "ffn_up.weight", args.ffn_dim, dim),
+           mat(p + "ffn_down.weight", dim, args.ffn_dim)]
+    return [norm(p + "attn_norm.weight", dim), *mixer, norm(p + "post_attention_norm.weight", dim), *mlp]
+
+
+def _qwen35_metadata(w, args: ModelArgs) -> None:
+    """The hybrid's keys (llama.cpp's qwen35 loader, strata/families.py's gguf_args_extra)."""
+    arch = w.arch
+    w.add_ssm_conv_kernel(args.lin_conv)
+    w.add_ssm_inner_size(args.lin_v_heads * args.lin_v_dim)
+    w.add_ssm_state_size(args.lin_k_dim)
+    w.add_ssm_time_step_rank(args.lin_v_heads)
+    w.add_ssm_group_count(args.lin_k_heads)
+    flags = [bool(args.is_linear(i)) for i in range(args.n_layers)]
+    w.add_array(f"{arch}.attention.recurrent_layers", flags)  # (gguf 0.19 has no add_recurrent_layers)
+    for n in range(2, args.n_layers + 1):
+        if flags == [(i + 1) % n != 0 for i in range(args.n_layers)]:
+            w.add_full_attention_interval(n)
+            break
+    w.add_rope_dimension_sections([11, 11, 10, 0])  # Qwen3.5's MRoPE sections, as the converter writes at any width
+
+
 def _window_period(args: ModelArgs) -> int | None:
     """p where the preset's window layers are llama.cpp's `set_swa_pattern(p)` (layer i windowed unless
     (i + 1) % p == 0; a p past the last layer: every layer windowed), 6 (its gemma3 default) where that fits,
@@ -149,7 +204,14 @@ def _window_period(args: ModelArgs) -> int | None:
 
 
 def with_layers(args: ModelArgs, n: int) -> ModelArgs:
-    """The preset with n layers; a per-layer window pattern is kept as its period (gemma3: every 6th global)."""
+    """The preset with n layers; a per-layer window pattern is kept as its period (gemma3: every 6th global), and so
+    is a hybrid's pattern of linear layers (qwen3.5: every 4th full attention)."""
+    if args.linear_layers is not None:
+        p = next((p for p in range(2, args.n_layers + 1)
+                  if args.linear_layers == tuple((i + 1) % p != 0 for i in range(args.n_layers))), None)
+        if p is None:
+            raise ValueError("the preset's linear layers are not every p-th layer full attention: cannot shorten it")
+        args = dataclasses.replace(args, n_layers=n, linear_layers=tuple((i + 1) % p != 0 for i in range(n)))
     if args.window_layers is None:
         return dataclasses.replace(args, n_layers=n)
     p = _window_period(args)
@@ -166,7 +228,7 @@ def add_metadata(w, args: ModelArgs) -> None:
     w.add_feed_forward_length(args.ffn_dim)
     w.add_head_count(args.n_heads)
     w.add_head_count_kv(args.n_kv_heads)
-    w.add_rope_dimension_count(args.head_dim)
+    w.add_rope_dimension_count(args.rotary_dim or args.head_dim)
     if args.n_experts:
         w.add_expert_count(args.n_experts)
         w.add_expert_used_count(args.n_experts_used)
@@ -218,6 +280,8 @@ def add_metadata(w, args: ModelArgs) -> None:
             w.add_rope_freq_base_swa(args.window_rope_theta)
     if args.final_softcap is not None:
         w.add_final_logit_softcapping(args.final_softcap)
+    if args.arch == "qwen3_5":
+        _qwen35_metadata(w, args)
 
 
 def nbytes(t: Planned) -> int:
@@ -232,6 +296,10 @@ def tensor_data(t: Planned, args: ModelArgs, g: torch.Generator, device: str = "
     if t.name == "rope_freqs.weight":
         base = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
         return (base / rope_frequencies(args).double()).float().numpy().view(np.uint8)
+    if t.name.endswith(".ssm_a"):  # -exp(A_log): negative (Strata takes its log back), decays like Qwen3.5's init
+        return (-torch.empty(t.shape).uniform_(1.0, 16.0, generator=g)).numpy().view(np.uint8)
+    if t.name.endswith(".ssm_dt.bias"):  # HF's init: ones
+        return (1.0 + 0.02 * torch.randn(t.shape, generator=g)).numpy().view(np.uint8)
     if t.qtype == "F32" and ("norm" in t.name):  # a norm: near 1, as in a trained model
         return (1.0 + 0.02 * torch.randn(t.shape, generator=g)).numpy().view(np.uint8)
     if t.qtype == "F32":  # a bias, a router, the sinks: small

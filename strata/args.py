@@ -230,6 +230,15 @@ PRESETS: dict[str, ModelArgs] = {
                              sliding_window=128, window_layers=tuple(i % 2 == 0 for i in range(24)),
                              n_experts=32, n_experts_used=4, expert_ffn_dim=2880, router="topk_softmax",
                              expert_bias=True, expert_act="clamped", attn_sinks=True, o_bias=True),
+    # hybrid: Qwen3.5-27B (dense; Qwen/Qwen3.5-27B's config.json text_config: 64 layers, three Gated DeltaNet layers
+    # to one gated full-attention layer (full_attention_interval 4), 24 q / 4 kv heads of 256 with a quarter rotary,
+    # linear 16 q/k heads and 48 value heads of 128, conv 4, rope_theta 1e7, 262,144 positions; 15.8 GiB as
+    # bench/make_gguf.py writes it in Q4_K_M)
+    "qwen3.5-27b": ModelArgs(arch="qwen3_5", vocab_size=248320, dim=5120, n_layers=64, n_heads=24, n_kv_heads=4,
+                             head_dim=256, ffn_dim=17408, norm_eps=1e-6, rope_theta=1e7, qk_norm=True, norm_offset=True,
+                             max_seq_len=262144, rotary_dim=64, attn_gate=True,
+                             linear_layers=tuple((i + 1) % 4 != 0 for i in range(64)), lin_k_heads=16, lin_k_dim=128,
+                             lin_v_heads=48, lin_v_dim=128, lin_conv=4),
     "smoke": ModelArgs(vocab_size=512, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=32,
                        ffn_dim=256, max_seq_len=65536),
     "smoke-moe": ModelArgs(arch="qwen3_moe", vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2,

@@ -392,7 +392,8 @@ def _synthetic_generator(args: ModelArgs, name: str, device, seed: int) -> torch
     order = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
              "bq", "bk", "bv", "embed", "norm", "head",  # (appended below only: earlier seeds stay as they were)
              "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm", "router", "e_gate", "e_up", "e_down",
-             "router_bias", "s_gate", "s_up", "s_down", "s_sig", "bo", "sinks", "e_gate_b", "e_up_b", "e_down_b", "wg"]
+             "router_bias", "s_gate", "s_up", "s_down", "s_sig", "bo", "sinks", "e_gate_b", "e_up_b", "e_down_b", "wg",
+             "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt", "lin_alog", "lin_out"]
     layer = int(name.split(".")[1]) if name.startswith("layers.") else -1
     g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + (layer + 2) * 101 + order.index(short(name))) % (2**63))
@@ -422,8 +423,12 @@ def synthetic_tensors(args: ModelArgs, start: int, end: int, device, dtype, seed
             blocks = random_blocks(q, rows, shape[-1], g, device).view(*shape[:-1], -1)
             out[name] = Quantized(blocks, q, shape[-1]) if resident else dequantize(blocks, q).to(dtype)
             continue
+        if s in ("lin_alog", "lin_dt"):  # Gated DeltaNet's decay: A_log = log U(1, 16) and dt_bias 1, as HF inits them
+            u = torch.rand(shape, generator=g, device=device, dtype=torch.float32)
+            out[name] = ((1 + 15 * u).log() if s == "lin_alog" else torch.ones_like(u)).to(dtype)
+            continue
         std = 1.0 if s == "embed" else 1.0 / (shape[-1] ** 0.5)
-        if s in ("wo", "w_down", "e_down", "s_down"):
+        if s in ("wo", "w_down", "e_down", "s_down", "lin_out"):
             std /= (2 * args.n_layers) ** 0.5  # keep the residual stream bounded over many layers
         out[name] = torch.randn(shape, generator=g, device=device, dtype=dtype) * std
     return out
