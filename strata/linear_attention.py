@@ -143,23 +143,24 @@ def delta_rule_chunked(S, q, k, v, g, beta, C: int = CHUNK) -> torch.Tensor:
     T, nk, dk = k.shape
     nv, dv = v.shape[1:]
     n, pad = -(-T // C), -T % C
-    blk = lambda x: F.pad(x, (0, 0, 0, 0, 0, pad)).view(n, C, x.shape[1], -1).transpose(1, 2)  # noqa: E731
-    q, k, v = blk(q), blk(k), blk(v)                                     # (n, heads, C, d): a chunk's contiguous
-    G = F.pad(g, (0, 0, 0, pad)).view(n, C, nv).transpose(1, 2).cumsum(-1)  # (n, nv, C)
-    b = F.pad(beta, (0, 0, 0, pad)).view(n, C, nv).transpose(1, 2)[..., None]
+    # (reshape, not view: with no padding F.pad may hand back v itself, a strided view of the convolution's output)
+    blk = lambda x: F.pad(x, (0, 0, 0, 0, 0, pad)).reshape(n, C, x.shape[1], -1).transpose(1, 2).contiguous()  # noqa
+    q, k, v = blk(q), blk(k), blk(v)                                     # (n, heads, C, d)
+    G = F.pad(g, (0, 0, 0, pad)).reshape(n, C, nv).transpose(1, 2).cumsum(-1).contiguous()  # (n, nv, C)
+    b = F.pad(beta, (0, 0, 0, pad)).reshape(n, C, nv).transpose(1, 2).contiguous()[..., None]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (n, nv, C, C), 0 above
-    group = lambda x: x.view(n, nk, -1, *x.shape[2:])                   # noqa: E731 value heads by their q/k head
+    group = lambda x: x.reshape(n, nk, -1, *x.shape[2:])                # noqa: E731 value heads by their q/k head
     shared = lambda x: x[:, :, None]                                     # noqa: E731 a q/k head's, to its group
     kk, qk = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)           # (n, nk, C, C)
-    A = (group(b * decay) * shared(kk)).view(n, nv, C, C).tril(-1)
+    A = (group(b * decay) * shared(kk)).reshape(n, nv, C, C).tril(-1)
     A.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-    bk = (group(b * G.exp()[..., None]) * shared(k)).view(n, nv, C, dk)
+    bk = (group(b * G.exp()[..., None]) * shared(k)).reshape(n, nv, C, dk)
     UW = torch.linalg.solve_triangular(A, torch.cat((b * v, bk), -1), upper=False, unitriangular=True)
     U, W = UW[..., :dv], UW[..., dv:]                                    # (n, nv, C, dv), (n, nv, C, dk)
-    P = (group(decay) * shared(qk)).view(n, nv, C, C)                   # q_t . k_i, i <= t, decayed
-    qg = (group(G.exp()[..., None]) * shared(q)).view(n, nv, C, dk)
-    kd = (group((G[..., -1:] - G).exp()[..., None]) * shared(k)).view(n, nv, C, dk)  # k_i decayed to the end
+    P = (group(decay) * shared(qk)).reshape(n, nv, C, C)                # q_t . k_i, i <= t, decayed
+    qg = (group(G.exp()[..., None]) * shared(q)).reshape(n, nv, C, dk)
+    kd = (group((G[..., -1:] - G).exp()[..., None]) * shared(k)).reshape(n, nv, C, dk)  # k_i decayed to the end
     gC = G[..., -1].exp()                                                # (n, nv)
     out = torch.empty(n, nv, C, dv, dtype=torch.float32, device=q.device)
     for j in range(n):
