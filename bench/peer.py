@@ -73,6 +73,12 @@ def strata_run(model: str, devices: list[str], tokens: int, chunk: int, depth: i
     return rep
 
 
+def stage_facts(rep: dict) -> list[dict]:
+    """Each stage's place, work and memory from a report (state_bytes: linear-attention layers' states)."""
+    keys = ("device", "layers", "work_s", "weight_bytes", "kv_bytes", "state_bytes", "scratch_bytes", "mem_bytes")
+    return [{k: s.get(k) for k in keys} for s in rep["stages"]]
+
+
 def hf_run(preset: str, devices: list[str], tokens: int, chunk: int) -> dict:
     """bench/accelerate_baseline.py in a process of its own, seeing only these GPUs."""
     import os
@@ -129,13 +135,13 @@ def main() -> int:
             rep = strata_run(str(gguf), devices, a.tokens, a.chunk, int(arm[1]), a.weights, root / arm, a.decode,
                              a.dynamic, not a.no_dump)
             res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "residual_md5", "load_wall_s", "decode_tok_s")}
-            res[arm]["stages"] = [{k: s.get(k) for k in ("device", "layers", "work_s", "weight_bytes", "kv_bytes",
-                                                          "scratch_bytes", "mem_bytes")} for s in rep["stages"]]
+            res[arm]["stages"] = stage_facts(rep)
     for arm, depth in (("bf16", 1), ("bf16d0", 0)):
         if arm in arms:
             rep = strata_run(f"synthetic:{a.preset}", devices, a.tokens, a.chunk, depth, "", root / arm, a.decode,
                              a.dynamic, not a.no_dump)
             res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "load_wall_s", "decode_tok_s", "residual_md5")}
+            res[arm]["stages"] = stage_facts(rep)
             res[arm]["warm_s"] = [s.get("warm_s") for s in rep["stages"]]
             res[arm]["chunk_s"] = [[round(e[2] - e[1], 3) for e in ev] for ev in rep.get("events", [])]
             res[arm]["events"] = rep.get("events", [])  # [k, work start, work end, hand-off] per stage

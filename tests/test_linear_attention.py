@@ -93,7 +93,7 @@ def test_unknown_form_refused():
 # -- CUDA: fla-core's kernel -------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", (1, 2, 5, 63, 64, 65, 130, 1000))
+@pytest.mark.parametrize("T", (1, 5, 64, 65, 1000))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
 def test_gpu_fla_matches_chunked(T, dtype, tol):
     """fla's chunk_gated_delta_rule (q, k, v in `dtype`; TF32 dots for float32) against the torch chunked form on

@@ -108,3 +108,19 @@ def test_synthetic_hybrid_runs():
     with torch.no_grad():
         h = chained_prefill([t], ids, 97)
     assert torch.isfinite(t.logits(h[0, -1]).float()).all()
+
+
+def test_device_script_steps(tmp_path):
+    """bench/device_qwen35.sh: an unknown step is refused (rc 2, naming the steps); steps past DEADLINE are skipped
+    by name; prefill and decode without the GGUF say so. (No step here touches a GPU.)"""
+    import os
+    import subprocess
+    env = dict(os.environ, OUT=str(tmp_path), Q35=str(tmp_path / "none.gguf"))
+    run = lambda *steps, **e: subprocess.run(["bash", "bench/device_qwen35.sh", *steps], cwd=ROOT, text=True,  # noqa
+                                             capture_output=True, env={**env, **e}, timeout=60)
+    r = run("bogus")
+    assert r.returncode == 2 and "unknown step bogus (setup build tests gguf prefill decode)" in r.stdout
+    r = run("tests", "gguf", DEADLINE="0")
+    assert r.returncode == 0 and "SKIPPED tests" in r.stdout and "SKIPPED gguf qwen3.5-27b" in r.stdout
+    r = run("prefill", "decode")
+    assert r.stdout.count("(run the gguf step first)") == 2

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Qwen3.5 (hybrid: Gated DeltaNet + gated full attention) on one H200 beside llama.cpp (issue 28's GPU acceptance):
+#   setup    the carried wheels (.whl: pyzmq, gguf, fla-core, einops) into /tmp/site; checks fla's gated delta rule
+#            imports (every call: PYTHONPATH is per call)
+#   build    llama.cpp (llama-bench, CUDA sm_90) from the carried .peer/llama.tgz into /tmp/ll, in the background at
+#            nice 19 while the tests and the GGUF write run; waited for before any timed step
+#   tests    pytest -m gpu tests/test_linear_attention.py (fla against the torch chunked form, the step in a CUDA
+#            graph, a tiny Qwen3.5 on CUDA against the CPU path), then tests/test_families.py -k qwen3_5
+#   gguf     a random-block Q4_K_M GGUF of qwen3.5-27b (bench/make_gguf.py --device cuda; 15.8 GiB)
+#   prefill  bench/peer.py prefill of 262,144 tokens (the preset's whole context), chunk 10,240: llama-bench on the
+#            file, and Strata on synthetic:qwen3.5-27b in bfloat16 (the same shapes; Strata holds linear-attention
+#            models dense, and loading the file dequantizes all of it on the host first: ~100 GB of float32 for this
+#            shape, so the file arm is left out); prints each stage's kv_bytes and state_bytes from the report
+#   decode   bench/generate.py decode after 2,048 and 32,768 tokens, 128 each: Strata on synthetic:qwen3.5-27b
+#            bfloat16 (eager: the decode graphs decline linear attention), llama-bench -d on the file
+# Run from the repo root on the GPU machine, carrying .peer/llama.tgz and .whl:
+#   bash bench/device_qwen35.sh setup build tests gguf        # first call (~450 s: the build ~330 in the background)
+#   bash bench/device_qwen35.sh setup prefill                 # second call, at once (the build and the file in /tmp
+#   bash bench/device_qwen35.sh setup decode                  # survive on a warm machine, ~30 s after a call)
+# Steps already done (llama-bench built, the GGUF written) are skipped. DEADLINE (seconds since the start, default
+# 570) skips a step whose usual time would pass it: the call ends inside the device's 600 s and names what it left.
+# Logs and the peer JSON go to $OUT (the device's returned folder) or /tmp/q35-logs.
+set -o pipefail
+LL=${LL:-/tmp/ll}; LB=$LL/build/bin/llama-bench
+Q35=${Q35:-/tmp/q35-27b-q4km.gguf}
+PRESET=qwen3.5-27b
+LOG=${OUT:-/tmp/q35-logs}; mkdir -p "$LOG"
+DEADLINE=${DEADLINE:-570}
+export PYTHONUNBUFFERED=1
+t0=$(date +%s); el() { echo "=== [+$(( $(date +%s) - t0 )) s] $*"; }
+left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
+# fits NAME SECONDS: true when the step's usual time still fits before DEADLINE, else says it was skipped
+fits() { if [ "$(left)" -ge "$2" ]; then return 0; fi; el "SKIPPED $1: needs ~$2 s, $(left) s left before the deadline"; return 1; }
+BUILD_PID=
+
+setup() {
+  local d
+  for d in zmq gguf fla einops; do
+    if [ ! -d "/tmp/site/$d" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+      break
+    fi
+  done
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  el "setup: $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))')"
+  python3 -c 'import fla; from fla.ops.gated_delta_rule import chunk_gated_delta_rule; print("fla", fla.__version__)' 2>&1 \
+    | tail -1
+  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+  df -h /tmp | tail -1
+}
+
+build() {
+  if [ -x "$LB" ]; then el "build: llama-bench already built"; return; fi
+  el "build: llama.cpp CUDA (background, nice 19)"
+  rm -rf "$LL" && mkdir -p "$LL" && tar xzf .peer/llama.tgz -C "$LL" || { echo "untar failed"; return 1; }
+  cmake -S "$LL" -B "$LL/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_BUILD_APP=OFF > "$LOG/build.log" 2>&1 || { tail -20 "$LOG/build.log"; return 1; }
+  ( nice -n 19 timeout 480 cmake --build "$LL/build" -j "$(nproc)" --target llama-bench >> "$LOG/build.log" 2>&1
+    echo $? > "$LL/build.rc" ) &
+  BUILD_PID=$!
+}
+
+build_wait() {
+  if [ -n "$BUILD_PID" ]; then
+    el "waiting for the llama.cpp build"
+    wait "$BUILD_PID"
+    BUILD_PID=
+    el "build finished, rc $(cat "$LL/build.rc" 2>/dev/null)"; tail -2 "$LOG/build.log"
+  fi
+  [ -x "$LB" ] || { el "no llama-bench: the llama.cpp arms are left out"; return 1; }
+}
+
+tests() {
+  fits tests 150 || return
+  el "tests: pytest -m gpu tests/test_linear_attention.py; tests/test_families.py -k qwen3_5"
+  timeout $(( $(left) - 60 )) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_attention.py 2>&1 \
+    | tee "$LOG/tests-linear.log" | tail -20
+  fits "tests (families)" 60 || return
+  timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_families.py -k qwen3_5 2>&1 \
+    | tee "$LOG/tests-families.log" | tail -12
+}
+
+gguf() {
+  if [ -s "$Q35" ]; then el "gguf: $Q35 exists"; return; fi
+  fits "gguf $PRESET" 120 || return 1
+  el "gguf: $PRESET Q4_K_M -> $Q35"
+  timeout 300 python3 bench/make_gguf.py --preset "$PRESET" --qtype Q4_K_M --out "$Q35.part" --device cuda 2>&1 \
+    | tail -1 && mv "$Q35.part" "$Q35"
+  ls -la "$Q35" 2>&1; df -h /tmp | tail -1
+}
+
+prefill() {
+  [ -s "$Q35" ] || { el "prefill: no $Q35 (run the gguf step first)"; return 1; }
+  fits prefill 300 || return
+  el "prefill: 262,144 tokens, llama-bench on the file beside Strata bf16 on the same shape (bench/peer.py)"
+  local lb=(); build_wait && lb=(--llama-bench "$LB")
+  # (--llama-no-warmup: llama-bench's warm-up is a whole 262,144-token run, which would double its time)
+  timeout $(( $(left) + 20 )) python3 bench/peer.py --preset "$PRESET" --qtype Q4_K_M --devices cuda:0 --tokens 262144 \
+    --chunk 10240 --gguf "$Q35" "${lb[@]}" --llama-no-warmup --arms llama,bf16 --no-dump --json "$LOG/q35-peer.json" \
+    2>&1 | tee "$LOG/q35-prefill.log" | grep -v "^\s*$" | tail -8
+  python3 - "$LOG/q35-peer.json" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no peer JSON: {e}")
+full = 64 * 2 * 4 * 256 * 262144 * 2  # K and V of all 64 layers over the whole context in bf16
+for s in r.get("bf16", {}).get("stages", []):
+    print(f"qwen3.5-27b stage {s['device']} layers {s['layers']}: kv_bytes {s['kv_bytes']:,} "
+          f"({s['kv_bytes'] / 2**30:.2f} GiB; every layer's bf16 KV would be {full / 2**30:.2f} GiB), "
+          f"state_bytes {s['state_bytes']:,} ({s['state_bytes'] / 2**20:.1f} MiB); "
+          f"weights {s['weight_bytes'] / 2**30:.2f} GiB; mem {s['mem_bytes'] / 2**30:.2f} GiB")
+EOF
+}
+
+decode() {
+  [ -s "$Q35" ] || { el "decode: no $Q35 (run the gguf step first)"; return 1; }
+  fits decode 200 || return
+  el "decode: after 2,048 and 32,768 tokens, 128 each (bench/generate.py; llama-bench on the file)"
+  local lb=(); build_wait && lb=(--llama-bench "$LB" --llama-gguf "$Q35")
+  timeout $(( $(left) + 20 )) python3 bench/generate.py --model "synthetic:$PRESET" --dtype bfloat16 --devices cuda:0 \
+    --contexts 2048,32768 --tokens 128 --chunk 10240 "${lb[@]}" 2>&1 | tee "$LOG/q35-decode.log" | tail -8
+}
+
+STEPS="setup build tests gguf prefill decode"
+for step in ${@:-setup build tests gguf}; do
+  case " $STEPS " in
+    *" $step "*) $step ;;
+    *) echo "unknown step $step ($STEPS)"; exit 2 ;;
+  esac
+done
+[ -n "$BUILD_PID" ] && build_wait
+el end
