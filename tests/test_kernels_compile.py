@@ -54,13 +54,15 @@ def test_k45_words_kernel_compiles_for_sm90(five, dp4a, m, experts):
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
 
 
+@pytest.mark.parametrize("pairs", [True, False])
 @pytest.mark.parametrize("dp4a", [False, True])
 @pytest.mark.parametrize("m,experts", WORD_CASES)
-def test_q6_k_words_kernel_compiles_for_sm90(dp4a, m, experts):
-    """Q6_K read in int32 words (STRATA_GEMV_Q6K=words, float x; =dp4a, int8 x and PTX dp4a), and as experts."""
+def test_q6_k_words_kernel_compiles_for_sm90(dp4a, m, experts, pairs):
+    """Q6_K read in int32 words (STRATA_GEMV_Q6K=words, float x; =dp4a, int8 x and PTX dp4a), and as experts;
+    two blocks a step (an even count a row) or one, its parity per row (an odd count)."""
     from strata.quant import gemv
-    code = ptx(gemv._q6_k_words, WORDS_SIG, {"M": m, "BLOCK_N": 4, "SB": 2, "DP4A": dp4a, "PTX": True,
-                                             "EXPERTS": experts})
+    code = ptx(gemv._q6_k_words, {**WORDS_SIG, "PAIRS": "constexpr"},
+               {"M": m, "BLOCK_N": 4, "SB": 2, "DP4A": dp4a, "PTX": True, "EXPERTS": experts, "PAIRS": pairs})
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
 
 

@@ -162,17 +162,19 @@ def check_iq3s_dp4a_matches_reference():
 
 
 def check_q6_k_words_matches_reference():
-    """Q6_K's int32-word kernel (two blocks a step; the odd block's words from two aligned loads): float x
-    within float32 accumulation, int8 x (dp4a) to float32 accumulation of the product with x's int8
-    rounding and within DP4A_TOL of x's; odd row counts, M = 1, 3 and 6, both launch shapes (BIG_ROWS),
-    bf16 x, and an odd block count (the byte kernel runs)."""
+    """Q6_K's int32-word kernel (two blocks a step; the odd block's words from two aligned loads; an odd block
+    count a row one block a step, its parity per row): float x within float32 accumulation, int8 x (dp4a) to
+    float32 accumulation of the product with x's int8 rounding and within DP4A_TOL of x's; odd row counts,
+    M = 1, 3 and 6, both launch shapes (BIG_ROWS), bf16 x; odd block counts (3 and 5 a row, weighed-0 tail
+    loads) on an even row count, and on an odd one (the matrix ends 2 bytes into a word: the byte kernel runs)."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(13)
     big = gemv.BIG_ROWS
     try:
         for big_rows in (big, 1):
             gemv.BIG_ROWS = big_rows
-            for rows, cols, m in ((37, 512, 1), (21, 1024, 3), (5, 2048, 6), (9, 768, 1)):
+            for rows, cols, m in ((37, 512, 1), (21, 1024, 3), (5, 2048, 6), (9, 768, 1), (10, 768, 1),
+                                  (6, 1280, 2)):
                 blocks = random_blocks("Q6_K", rows, cols, g)
                 x = torch.randn(m, cols, generator=g)
                 want = reference(x, blocks, "Q6_K")
@@ -180,7 +182,7 @@ def check_q6_k_words_matches_reference():
                     _check_float_x(gemv, x, blocks, "Q6_K")
                 with q6k_kernel("dp4a"):
                     y = gemv.quant_matmul(x, blocks, "Q6_K", cols)
-                    if cols == 768:  # 3 blocks a row: the byte kernel, float x
+                    if rows * cols // 256 % 2:  # an odd block count in all: the byte kernel, float x
                         assert rel(y, want) < 1e-5, ("dp4a", rows, cols, m, rel(y, want))
                     else:
                         _check_int8_x(gemv, x, blocks, "Q6_K", y, want)

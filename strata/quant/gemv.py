@@ -716,24 +716,80 @@ if triton is not None:
         return tl.load(xsr + g) * (dl * il - ml * sl) + tl.load(xsr + g + 1) * (dh * ih - mh * sh)
 
     @triton.jit
+    def _w32r(wp, word, odd):
+        """_w32 with a run-time ODD (a tensor): a block whose parity varies by row."""
+        lo = tl.load(wp + word)
+        hi = tl.load(wp + word + 1)
+        return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+
+    @triton.jit
+    def _q6_k_block(acc0, acc1, acc2, acc3, ql, qh, sc_lo, sc_hi, d, b, t, x_ptr, xq_ptr, xs_ptr, cols,
+                    M: tl.constexpr, DP4A: tl.constexpr, PTX: tl.constexpr):
+        """One block's products added to the M accumulators: its lane words (ql, qh, the two scales, d) at
+        block column index b (1, SB, 1) of x."""
+        h = t // 16
+        jo = (t // 8) % 2
+        u = t % 8
+        if DP4A:
+            xrow = cols // 4  # int32 words of int8 x per row
+            srow = cols // 32
+            qlo = ((ql & 0x0F0F0F0F) | (((qh >> (2 * jo)) & 0x03030303) << 4)) ^ 0x20202020
+            qhi = (((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * jo + 4)) & 0x03030303) << 4)) ^ 0x20202020
+            # 6-bit v ^ 32 is v - 32 in 6 bits: copy its sign (bit 5) to bits 6 and 7 of each byte
+            qlo = qlo | ((qlo & 0x20202020) * 6)
+            qhi = qhi | ((qhi & 0x20202020) * 6)
+            g = b * 8 + 4 * h + jo  # x's group of the low weights (the high ones: g + 2)
+            xi = (u // 2) * (cols // 16) + 2 * g + u % 2  # their int32 word in quantize_x's planes
+            acc0 += d * _q6_k_idot(xq_ptr, xs_ptr, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
+            if M > 1:
+                acc1 += d * _q6_k_idot(xq_ptr + xrow, xs_ptr + srow, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
+            if M > 2:
+                acc2 += d * _q6_k_idot(xq_ptr + 2 * xrow, xs_ptr + 2 * srow, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
+            if M > 3:
+                acc3 += d * _q6_k_idot(xq_ptr + 3 * xrow, xs_ptr + 3 * srow, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
+        else:
+            wl0, wl1 = _q6_k_byte(ql, qh, 0, 0, jo), _q6_k_byte(ql, qh, 1, 0, jo)
+            wl2, wl3 = _q6_k_byte(ql, qh, 2, 0, jo), _q6_k_byte(ql, qh, 3, 0, jo)
+            wh0, wh1 = _q6_k_byte(ql, qh, 0, 4, jo), _q6_k_byte(ql, qh, 1, 4, jo)
+            wh2, wh3 = _q6_k_byte(ql, qh, 2, 4, jo), _q6_k_byte(ql, qh, 3, 4, jo)
+            dl, dh = d * sc_lo.to(tl.float32), d * sc_hi.to(tl.float32)
+            xo = b * 256 + 128 * h + 32 * jo + 4 * u
+            lo, hi = _q6_k_fdot(x_ptr, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
+            acc0 += dl * lo + dh * hi
+            if M > 1:
+                lo, hi = _q6_k_fdot(x_ptr + cols, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
+                acc1 += dl * lo + dh * hi
+            if M > 2:
+                lo, hi = _q6_k_fdot(x_ptr + 2 * cols, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
+                acc2 += dl * lo + dh * hi
+            if M > 3:
+                lo, hi = _q6_k_fdot(x_ptr + 3 * cols, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
+                acc3 += dl * lo + dh * hi
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
     def _q6_k_words(x_ptr, xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                     ids_ptr, estride, xstep,
                     M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, DP4A: tl.constexpr,
-                    PTX: tl.constexpr, EXPERTS: tl.constexpr):
-        """Q6_K (the layout of _q6_k_gemv) read in int32 words, two blocks (420 bytes, 105 words) at a time: the
-        even block's words are aligned, the odd one's start 2 bytes into a word (each of its words from two
-        aligned loads). Tile [BLOCK_N rows, SB block pairs, 32 lanes]; lane t takes ql word t (bytes 4t..4t+3:
-        half h = t // 16, group jo = t // 8 % 2 in its low nibbles and jo + 2 in its high ones, lane u = t % 8,
-        weights 128h + 32j + 4u + c), the qh word 8h + u (2 bits per weight at 2j), the scale bytes 8h + 2j +
-        u // 4 and d. DP4A: int8 x (`quantize_x`: xq_ptr, xs_ptr) and a dp4a per 4 weights (the weights
-        made signed bytes), else float x (x_ptr) and float32 products. Needs an even block count per row and
-        4-byte aligned blocks (the caller checks). EXPERTS: as _k45_words_gemv's."""
+                    PTX: tl.constexpr, EXPERTS: tl.constexpr, PAIRS: tl.constexpr = True):
+        """Q6_K (the layout of _q6_k_gemv) read in int32 words. PAIRS (an even block count a row): two blocks
+        (420 bytes, 105 words) at a time, the even block's words aligned, the odd one's 2 bytes into a word (each
+        of its words from two aligned loads); tile [BLOCK_N rows, SB block pairs, 32 lanes]. Else (an odd count,
+        e.g. 768 or 5,376 columns: 3 or 21 blocks) one block at a time, its parity read per row (a row starts 2
+        bytes into a word every other row); tile [BLOCK_N rows, SB blocks, 32 lanes], the blocks past the row's
+        end read its last one and weighed 0. Lane t takes ql word t (bytes 4t..4t+3: half h = t // 16, group
+        jo = t // 8 % 2 in its low nibbles and jo + 2 in its high ones, lane u = t % 8, weights 128h + 32j + 4u +
+        c), the qh word 8h + u (2 bits per weight at 2j), the scale bytes 8h + 2j + u // 4 and d. DP4A: int8 x
+        (`quantize_x`: xq_ptr, xs_ptr) and a dp4a per 4 weights (the weights made signed bytes), else float x
+        (x_ptr) and float32 products. Needs 4-byte aligned matrices of an even block count (the caller checks).
+        EXPERTS: as _k45_words_gemv's."""
         pid = tl.program_id(0)
         if EXPERTS:
             pid, a0, x_ptr, xq_ptr, xs_ptr, out_ptr = _expert(ids_ptr, estride, xstep, p0, a0, n0, x_ptr, xq_ptr,
                                                               xs_ptr, out_ptr)
         ptr, n, col, rows, live = _rows_at(pid, p0, p1, a0, a1, a2, n0, n1, n2, BLOCK_N)
-        wrow = ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(rows, n - 1).to(tl.int64)[:, None, None] * (nb // 2 * 105)
+        row = tl.minimum(rows, n - 1).to(tl.int64)[:, None, None]
+        wp = ptr.to(tl.pointer_type(tl.int32))
         kp = tl.arange(0, SB)[None, :, None]
         t = tl.arange(0, 32)[None, None, :]
         h = t // 16
@@ -744,52 +800,35 @@ if triton is not None:
         acc1 = tl.zeros((BLOCK_N, SB, 32), tl.float32)
         acc2 = tl.zeros((BLOCK_N, SB, 32), tl.float32)
         acc3 = tl.zeros((BLOCK_N, SB, 32), tl.float32)
-        xrow = cols // 4  # int32 words of int8 x per row
-        srow = cols // 32
-        for k in range(0, nb // 2, SB):
-            pw = wrow + (k + kp) * 105  # (BLOCK_N, SB, 1): the pair's first word
-            for e in tl.static_range(2):
-                bw = pw + 52 * e
-                ql = _w32(bw, t, e)
-                qh = _w32(bw, 32 + 8 * h + u, e)
-                sc_lo = (_w32(bw, 48 + 2 * h, e) << sh) >> 24  # scale of group jo (low nibbles)
-                sc_hi = (_w32(bw, 49 + 2 * h, e) << sh) >> 24  # of group jo + 2
-                d = ((tl.load(pw + 52 + 52 * e) >> (16 * e)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-                d = d.to(tl.float32)
-                b = 2 * (k + kp) + e  # (1, SB, 1)
-                if DP4A:
-                    qlo = ((ql & 0x0F0F0F0F) | (((qh >> (2 * jo)) & 0x03030303) << 4)) ^ 0x20202020
-                    qhi = (((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * jo + 4)) & 0x03030303) << 4)) ^ 0x20202020
-                    # 6-bit v ^ 32 is v - 32 in 6 bits: copy its sign (bit 5) to bits 6 and 7 of each byte
-                    qlo = qlo | ((qlo & 0x20202020) * 6)
-                    qhi = qhi | ((qhi & 0x20202020) * 6)
-                    g = b * 8 + 4 * h + jo  # x's group of the low weights (the high ones: g + 2)
-                    xi = (u // 2) * (cols // 16) + 2 * g + u % 2  # their int32 word in quantize_x's planes
-                    acc0 += d * _q6_k_idot(xq_ptr, xs_ptr, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
-                    if M > 1:
-                        acc1 += d * _q6_k_idot(xq_ptr + xrow, xs_ptr + srow, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
-                    if M > 2:
-                        acc2 += d * _q6_k_idot(xq_ptr + 2 * xrow, xs_ptr + 2 * srow, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
-                    if M > 3:
-                        acc3 += d * _q6_k_idot(xq_ptr + 3 * xrow, xs_ptr + 3 * srow, xi, g, qlo, qhi, sc_lo, sc_hi, PTX)
-                else:
-                    wl0, wl1 = _q6_k_byte(ql, qh, 0, 0, jo), _q6_k_byte(ql, qh, 1, 0, jo)
-                    wl2, wl3 = _q6_k_byte(ql, qh, 2, 0, jo), _q6_k_byte(ql, qh, 3, 0, jo)
-                    wh0, wh1 = _q6_k_byte(ql, qh, 0, 4, jo), _q6_k_byte(ql, qh, 1, 4, jo)
-                    wh2, wh3 = _q6_k_byte(ql, qh, 2, 4, jo), _q6_k_byte(ql, qh, 3, 4, jo)
-                    dl, dh = d * sc_lo.to(tl.float32), d * sc_hi.to(tl.float32)
-                    xo = b * 256 + 128 * h + 32 * jo + 4 * u
-                    lo, hi = _q6_k_fdot(x_ptr, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
-                    acc0 += dl * lo + dh * hi
-                    if M > 1:
-                        lo, hi = _q6_k_fdot(x_ptr + cols, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
-                        acc1 += dl * lo + dh * hi
-                    if M > 2:
-                        lo, hi = _q6_k_fdot(x_ptr + 2 * cols, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
-                        acc2 += dl * lo + dh * hi
-                    if M > 3:
-                        lo, hi = _q6_k_fdot(x_ptr + 3 * cols, xo, wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3)
-                        acc3 += dl * lo + dh * hi
+        if PAIRS:
+            wrow = wp + row * (nb // 2 * 105)
+            for k in range(0, nb // 2, SB):
+                pw = wrow + (k + kp) * 105  # (BLOCK_N, SB, 1): the pair's first word
+                for e in tl.static_range(2):
+                    bw = pw + 52 * e
+                    ql = _w32(bw, t, e)
+                    qh = _w32(bw, 32 + 8 * h + u, e)
+                    sc_lo = (_w32(bw, 48 + 2 * h, e) << sh) >> 24  # scale of group jo (low nibbles)
+                    sc_hi = (_w32(bw, 49 + 2 * h, e) << sh) >> 24  # of group jo + 2
+                    d = ((tl.load(pw + 52 + 52 * e) >> (16 * e)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+                    acc0, acc1, acc2, acc3 = _q6_k_block(acc0, acc1, acc2, acc3, ql, qh, sc_lo, sc_hi,
+                                                         d.to(tl.float32), 2 * (k + kp) + e, t, x_ptr, xq_ptr,
+                                                         xs_ptr, cols, M, DP4A, PTX)
+        else:
+            for k in range(0, nb, SB):
+                b = tl.minimum(k + kp, nb - 1)  # (1, SB, 1); past the end: the last block again, weighed 0
+                gb = row * nb + b                # the block's index from the matrix's start
+                bw = wp + gb * 52 + gb // 2      # byte 210 gb = word 52 gb + gb // 2, plus 2 when gb is odd
+                odd = (gb % 2) == 1
+                ql = _w32r(bw, t, odd)
+                qh = _w32r(bw, 32 + 8 * h + u, odd)
+                sc_lo = (_w32r(bw, 48 + 2 * h, odd) << sh) >> 24
+                sc_hi = (_w32r(bw, 49 + 2 * h, odd) << sh) >> 24
+                d = ((tl.load(bw + 52) >> (16 * odd.to(tl.int32))) & 0xFFFF).to(tl.int16).to(tl.float16,
+                                                                                           bitcast=True)
+                d = tl.where(k + kp < nb, d.to(tl.float32), 0.0)
+                acc0, acc1, acc2, acc3 = _q6_k_block(acc0, acc1, acc2, acc3, ql, qh, sc_lo, sc_hi, d, b, t,
+                                                     x_ptr, xq_ptr, xs_ptr, cols, M, DP4A, PTX)
         _store_rows(out_ptr, tl.sum(acc0, 2), tl.sum(acc1, 2), tl.sum(acc2, 2), tl.sum(acc3, 2), M, out_stride,
                     col + rows, live)
 
@@ -877,12 +916,12 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     big = sum(rows) >= BIG_ROWS
     nb = cols // block_size(name)
     aligned = not any(m.data_ptr() % 4 for m in mats)
-    if name == "Q6_K" and Q6K_KERNEL != "bytes" and nb % 2 == 0 and aligned:
+    if name == "Q6_K" and Q6K_KERNEL != "bytes" and aligned and not any(m.shape[0] * nb % 2 for m in mats):
         if Q6K_KERNEL not in Q6K_KERNELS:
             raise ValueError(f"STRATA_GEMV_Q6K={Q6K_KERNEL!r}: one of {', '.join(Q6K_KERNELS)}")
         cfg = config or Q6K_WORDS_CONFIGS[Q6K_KERNEL][big]
-        sb = next(k for k in (8, 4, 2, 1) if k <= cfg.sb and (nb // 2) % k == 0)
-        return _launch_words(_q6_k_words, x, mats, rows, nb, cols, out, col0, cfg, sb, Q6K_KERNEL == "dp4a", xq)
+        return _launch_words(_q6_k_words, x, mats, rows, nb, cols, out, col0, cfg, _q6_k_sb(nb, cfg),
+                             Q6K_KERNEL == "dp4a", xq, PAIRS=nb % 2 == 0)
     if name in ("Q4_K", "Q5_K"):
         if KQUANT not in KQUANTS:
             raise ValueError(f"STRATA_GEMV_KQUANT={KQUANT!r}: one of {', '.join(KQUANTS)}")
@@ -922,6 +961,14 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
             kernel[(sum(progs),)](xs, dst[r0:], _grid(name, x.device), *ptrs, *rows, progs[0], progs[0] + progs[1],
                                   nb, cols, out.stride(0), M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb,
                                   num_warps=cfg.num_warps, **family)
+
+
+def _q6_k_sb(nb: int, cfg: Config) -> int:
+    """_q6_k_words' SB: block pairs a step dividing the row's (an even count), else single blocks a step (as many
+    as cfg's pairs hold, at most the row's rounded up to a power of two: the tail's loads are weighed 0)."""
+    if nb % 2 == 0:
+        return next(k for k in (8, 4, 2, 1) if k <= cfg.sb and (nb // 2) % k == 0)
+    return min(2 * cfg.sb, triton.next_power_of_2(nb))
 
 
 def _launch_words(kernel, x, mats, rows, nb, cols, out, col0, cfg: Config, sb: int, dp4a: bool, xq, **family) -> None:
@@ -1025,8 +1072,9 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype, cols: int, out: t
 
 
 # -- experts: the chosen matrices of a stack, read in place -------------------------------------------------------
-def experts_ok(qtype, cols: int) -> bool:
-    """Whether quant_matmul_experts takes a stack of this type and width: the K-quant word kernels'."""
+def experts_ok(qtype, cols: int, rows: int = 2) -> bool:
+    """Whether quant_matmul_experts takes a stack of this type and matrix shape: the K-quant word kernels' (whose
+    experts start on 4-byte words: Q6_K's 210-byte blocks need an even count a matrix) or MXFP4's."""
     try:
         name = qtype_of(qtype).name
     except ValueError:
@@ -1034,8 +1082,8 @@ def experts_ok(qtype, cols: int) -> bool:
     if name == "MXFP4":
         return triton is not None and cols % 32 == 0
     nb = cols // block_size(name) if name in CONFIGS else 0
-    return triton is not None and (name in ("Q4_K", "Q5_K") or (name == "Q6_K" and nb % 2 == 0)) and nb > 0 \
-        and cols % block_size(name) == 0
+    return triton is not None and name in ("Q4_K", "Q5_K", "Q6_K") and nb > 0 and cols % block_size(name) == 0 \
+        and rows * nb * type_size(name) % 4 == 0
 
 
 def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, qtype, cols: int) -> torch.Tensor:
@@ -1045,9 +1093,9 @@ def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
     name = qtype_of(qtype).name
     if name == "MXFP4":
         return mxfp4_experts(x, stack, ids, cols)
-    if not experts_ok(name, cols):
-        raise ValueError(f"no experts kernel for {name} at {cols} columns")
     E, rows, rb = stack.shape
+    if not experts_ok(name, cols, rows):
+        raise ValueError(f"no experts kernel for {name} at {rows} x {cols}")
     n = ids.numel()
     bs, ts = block_size(name), type_size(name)
     if stack.dtype != torch.uint8 or rb != cols // bs * ts or not stack.is_contiguous() or stack.data_ptr() % 4:
@@ -1058,12 +1106,12 @@ def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
     x = x.contiguous()
     nb = cols // bs
     if name == "Q6_K":
-        kernel, family, dp4a = _q6_k_words, {}, Q6K_KERNEL == "dp4a"
-        cfg = Q6K_WORDS_CONFIGS["dp4a" if dp4a else "words"][False]
-        sb = next(k for k in (8, 4, 2, 1) if k <= cfg.sb and (nb // 2) % k == 0)
+        kernel, family, dp4a = _q6_k_words, {"PAIRS": nb % 2 == 0}, Q6K_KERNEL == "dp4a"
+        cfg = EXPERTS_CONFIGS[name]
+        sb = _q6_k_sb(nb, cfg)
     else:
         kernel, family, dp4a = _k45_words_gemv, _KERNELS[name][1], KQUANT == "dp4a"
-        cfg = KQ_WORDS
+        cfg = EXPERTS_CONFIGS[name]
         sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)
     out = torch.empty((n, rows), device=x.device, dtype=x.dtype)
     per = triton.cdiv(rows, cfg.block_n)
@@ -1085,8 +1133,10 @@ if triton is not None:
     def _mxfp4_experts(x_ptr, out_ptr, stack_ptr, ids_ptr, estride, xstep, rows, nb, per,
                        BLOCK_N: tl.constexpr, SB: tl.constexpr):
         """MXFP4 experts (gpt-oss): slot pid // per multiplies expert ids[slot]'s matrix by x's row slot (xstep =
-        cols) or row 0 (xstep = 0). Tile [BLOCK_N rows, SB blocks, 32 values]; a block is the e8m0 byte then 16
-        bytes of nibble pairs (strata.quant.into's _mxfp4_into: the same values), float x, float32 products."""
+        cols) or row 0 (xstep = 0). Tile [BLOCK_N rows, SB blocks, 16 bytes]; a block is the e8m0 byte then 16
+        bytes of nibble pairs, byte i holding values i (low nibble) and i + 16 (high) (strata.quant.into's
+        _mxfp4_into: the same values); blocks past the row's end read its last one, weighed 0. Float x, float32
+        products."""
         pid = tl.program_id(0)
         slot = pid // per
         e = tl.load(ids_ptr + slot).to(tl.int64)
@@ -1095,22 +1145,36 @@ if triton is not None:
         live = r < rows
         base = stack_ptr + e * estride + tl.minimum(r, rows - 1).to(tl.int64)[:, None, None] * (nb * 17)
         kb = tl.arange(0, SB)[None, :, None]
-        j = tl.arange(0, 32)[None, None, :]
-        acc = tl.zeros((BLOCK_N, SB, 32), tl.float32)
+        j = tl.arange(0, 16)[None, None, :]
+        acc = tl.zeros((BLOCK_N, SB, 16), tl.float32)
         for k in range(0, nb, SB):
-            b = k + kb  # (1, SB, 1)
+            b = tl.minimum(k + kb, nb - 1)  # (1, SB, 1)
             bp = base + b * 17
             ex = tl.load(bp).to(tl.int32)
             d = tl.where(ex < 2, 0x00200000 << ex, (ex - 1) << 23).to(tl.float32, bitcast=True)
-            q = (tl.load(bp + 1 + j % 16).to(tl.int32) >> (4 * (j // 16))) & 15
-            m = q & 7
-            mag = tl.where(m < 4, m.to(tl.float32), (1 << (m // 2)).to(tl.float32) * (1.0 + 0.5 * (m % 2).to(tl.float32)))
-            v = tl.where(q >= 8, 0.0 - mag, mag)
-            acc += d * v * tl.load(x + b * 32 + j).to(tl.float32)
+            d = tl.where(k + kb < nb, d, 0.0)
+            q = tl.load(bp + 1 + j).to(tl.int32)
+            acc += d * (_fp4(q & 15) * tl.load(x + b * 32 + j).to(tl.float32)
+                        + _fp4(q >> 4) * tl.load(x + b * 32 + 16 + j).to(tl.float32))
         tl.store(out_ptr + slot * rows + r, tl.sum(tl.sum(acc, 2), 1).to(out_ptr.dtype.element_ty), mask=live)
 
+    @triton.jit
+    def _fp4(q):
+        """An e2m1 nibble (sign, 2 exponent bits, 1 mantissa bit) as float32, twice its value (0, 1, 2, 3, 4, 6,
+        8, 12; the block's scale carries the half), built as float bits: no int-to-float conversion, which runs
+        at a quarter of the integer rate."""
+        e = (q >> 1) & 3
+        m = q & 1
+        bits = tl.where(e == 0, m * 0x3F800000, ((e + 127) << 23) | (m << 22)) | ((q & 8) << 28)
+        return bits.to(tl.float32, bitcast=True)
 
-MXFP4_EXPERTS = Config(4, 4, 4)  # untuned: rows a program, blocks a step, warps
+
+# experts launches (quant_matmul_experts), from bench/experts_sweep.py on an H200 (graph-timed): gpt-oss-20b's
+# MXFP4 gate/up (4 of 32 experts, 5760 x 2880) 101.1 -> 80.9 us at 32 rows a program (every shape 340-440 GB/s:
+# the value decode, not the loads, bounds it); Qwen3-30B-A3B's Q6_K down (8 of 128, 2048 x 768) 12.4 -> 10.6 us,
+# Q4_K gate/up (1536 x 2048) 12.9 -> 11.1 us
+MXFP4_EXPERTS = Config(32, 4, 4)
+EXPERTS_CONFIGS = {"Q4_K": Config(16, 2, 4), "Q5_K": Config(16, 2, 4), "Q6_K": Config(16, 1, 4)}
 
 
 def mxfp4_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, cols: int) -> torch.Tensor:
@@ -1123,7 +1187,7 @@ def mxfp4_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, cols:
         raise ValueError(f"x must be (1 or {n}, {cols}), got {tuple(x.shape)}")
     x = x.contiguous()
     cfg, nb = MXFP4_EXPERTS, cols // 32
-    sb = next(k for k in (cfg.sb, 4, 2, 1) if k <= cfg.sb and nb % k == 0)
+    sb = min(cfg.sb, triton.next_power_of_2(nb))  # the tail's blocks weighed 0
     out = torch.empty((n, rows), device=x.device, dtype=x.dtype)
     per = triton.cdiv(rows, cfg.block_n)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
