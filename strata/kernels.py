@@ -67,6 +67,56 @@ if triton is not None:
         s = tl.load(ssin + t[:, None] * sc_t + d[None, :], mask=live, other=0.0).to(tl.float32)
         tl.store(out + t[:, None] * (H * D) + h * D + d[None, :], (a * c + b * s).to(out.dtype.element_ty), mask=live)
 
+    @triton.jit
+    def _route_kernel(logits, w_out, i_out, n, stride, K: tl.constexpr, KP: tl.constexpr,
+                      BLOCK: tl.constexpr, CHOSEN: tl.constexpr, RENORM: tl.constexpr):
+        """One row's router: softmax over all n logits then the top K (CHOSEN: the top K logits, then the softmax
+        over those K: gpt-oss), renormalized to sum 1 (RENORM), float32 inside. Ties go to the
+        lower expert, picked one at a time as a running maximum."""
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        live = c < n
+        x = tl.load(logits + r * stride + c, mask=live, other=float("-inf")).to(tl.float32)
+        if not CHOSEN:
+            e = tl.exp(x - tl.max(x, 0))
+            x = tl.where(live, e / tl.sum(e, 0), float("-inf"))
+        j = tl.arange(0, KP)
+        vals = tl.full((KP,), float("-inf"), tl.float32)
+        ids = tl.zeros((KP,), tl.int64)
+        for i in tl.static_range(K):
+            best = tl.max(x, 0)
+            at = tl.min(tl.where(x == best, c, BLOCK), 0)
+            vals = tl.where(j == i, best, vals)
+            ids = tl.where(j == i, at.to(tl.int64), ids)
+            x = tl.where(c == at, float("-inf"), x)
+        if CHOSEN:
+            e = tl.exp(vals - tl.max(vals, 0))  # the pads' -inf give 0
+            vals = (e / tl.sum(e, 0)).to(logits.dtype.element_ty).to(tl.float32)  # as the torch path's softmax
+        elif RENORM:
+            vals = vals / tl.sum(tl.where(j < K, vals, 0.0), 0)
+        tl.store(w_out + r * K + j, vals, mask=j < K)
+        tl.store(i_out + r * K + j, ids, mask=j < K)
+
+
+def route(logits: torch.Tensor, k: int, chosen: bool, renorm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """strata.moe.MoE.route's softmax routers in one launch: logits (N, n) -> (weights (N, k) float32, ids (N, k)
+    int64). chosen: the top k logits (the router's bias already in them), softmax over those (topk_softmax); else softmax over all, the top
+    k, renormalized where `renorm`. A decode step's five or so small launches become one (Qwen3-30B-A3B: topk
+    alone was 9 us of a layer's ~105). None where Triton is missing or failed (the caller's torch ops)."""
+    if not USE_TRITON or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] > 4096:
+        return None
+    N, n = logits.shape
+    w = torch.empty(N, k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(N, k, device=logits.device, dtype=torch.int64)
+    try:
+        with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
+            _route_kernel[(N,)](logits, w, ids, n, logits.stride(0), K=k, KP=triton.next_power_of_2(k),
+                                BLOCK=triton.next_power_of_2(n), CHOSEN=chosen, RENORM=renorm)
+    except Exception as e:
+        _failed("router", e)
+        return None
+    return w, ids
+
 
 def _failed(what: str, e: Exception) -> None:
     global USE_TRITON

@@ -52,6 +52,13 @@ class MoE(nn.Module):
         top k, renormalized to sum 1 where the family says so (Mixtral, Qwen3-MoE's norm_topk_prob). sigmoid
         (GLM-4.5): float32 scores; the choice by score + bias, within the best groups (a group's worth: its two
         best); the weights the chosen scores, renormalized, times the routed scale."""
+        if self.kind != "sigmoid" and h.is_cuda and h.shape[0] * self.k <= GATHER_PAIRS:  # decode: one launch
+            from .kernels import route
+            fused = route(F.linear(h, self.router, self.router_bias), self.k, self.kind == "topk_softmax",
+                          self.renorm and self.kind == "softmax")
+            if fused is not None:
+                w, idx = fused
+                return (w * self.scale if self.scale != 1.0 else w), idx
         if self.kind == "softmax":
             w, idx = F.linear(h, self.router).softmax(-1, dtype=torch.float32).topk(self.k, -1)
         elif self.kind == "topk_softmax":
@@ -104,17 +111,16 @@ class MoE(nn.Module):
 
     def _on_blocks(self, h, w, e, k: int) -> torch.Tensor:
         """_gathered on the chosen experts' blocks, no dense copy of any expert. Where strata.quant.gemv has an
-        experts kernel for both stacks' types: a row's k gate/up products in one launch and all its down
+        experts kernel for both stacks' types: all (row, choice) gate/up products in one launch and all down
         products in another, the expert ids read on the device (only their blocks are read). Else each
         expert's blocks are gathered first: a row's gate/up in one launch, each (row, choice)'s down in one."""
         from .quant import gemv
         p13, p2 = self.resident.w13, self.resident.w2
         n = h.shape[0]
-        direct = gemv.experts_ok(p13.qtype, p13.cols) and gemv.experts_ok(p2.qtype, p2.cols)
-        if direct:
-            gu = torch.cat([gemv.quant_matmul_experts(h[i:i + 1], p13.data, e[i * k:(i + 1) * k], p13.qtype, p13.cols)
-                            for i in range(n)]) if n > 1 else gemv.quant_matmul_experts(h, p13.data, e, p13.qtype,
-                                                                                         p13.cols)
+        direct = self.resident.direct(h.device)
+        if direct:  # x one row for all k slots of a token, else a row per slot
+            gu = gemv.quant_matmul_experts(h if n == 1 else h.repeat_interleave(k, 0), p13.data, e, p13.qtype,
+                                           p13.cols)
         else:
             b13, b2 = p13.data.index_select(0, e), p2.data.index_select(0, e)  # (n*k, rows, bytes)
             gu = torch.cat([gemv.quant_matmul(h[i:i + 1], b13[i * k:(i + 1) * k].view(-1, b13.shape[-1]), p13.qtype,

@@ -243,7 +243,6 @@ class ResidentMatrices(nn.Module):
         return y if bias is None else y + bias
 
 
-
 class ResidentExperts(nn.Module):
     """An MoE layer's experts as stored: each expert's gate then up blocks in one (E, 2 effn, bytes) tensor, down
     in (E, dim, bytes). Prefill dequantizes them a group of whole experts at a time into the shared scratch;
@@ -254,6 +253,7 @@ class ResidentExperts(nn.Module):
         self.w13, self.w2, self.scratch = w13, w2, scratch
         self.per_group = scratch.layout["e13"][1] // w13.data.shape[1]
         self._fused: dict[torch.device, bool] = {}
+        self._direct: dict[torch.device, bool] = {}
 
     def group(self, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts [g0, g1) (at most per_group) dense in the scratch: (w13 (G, 2 effn, dim), w2 (G, dim, effn)),
@@ -276,13 +276,22 @@ class ResidentExperts(nn.Module):
             out.append(w)
         return out[0], out[1]
 
+    def direct(self, device) -> bool:
+        """Whether strata.quant.gemv's experts kernels take both stacks on `device` (ids read on the device)."""
+        device = torch.device(device)
+        if device not in self._direct:
+            from .quant import gemv
+            self._direct[device] = gemv.available(device) and all(
+                gemv.experts_ok(p.qtype, p.cols, p.data.shape[1]) and p.data.data_ptr() % 4 == 0
+                for p in (self.w13, self.w2))
+        return self._direct[device]
+
     def fused_ok(self, device) -> bool:
-        """Whether decode multiplies on the chosen experts' blocks (strata.quant.gemv) on `device`."""
+        """Whether decode multiplies on the chosen experts' blocks (strata.quant.gemv) on `device`: the experts
+        kernels, or each expert's blocks gathered for the matrix-vector kernel."""
         device = torch.device(device)
         if device not in self._fused:
-            from .quant import gemv
-            direct = all(gemv.experts_ok(p.qtype, p.cols) for p in (self.w13, self.w2)) and gemv.available(device)
-            self._fused[device] = direct or (_fused_ok(self.w13, device) and _fused_ok(self.w2, device))
+            self._fused[device] = self.direct(device) or (_fused_ok(self.w13, device) and _fused_ok(self.w2, device))
         return self._fused[device]
 
     def graphable(self, device) -> bool:

@@ -185,7 +185,8 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 from strata.quant import dequantize, gemv, random_blocks
 dev = sys.argv[2]
-for q, rows, cols, tol in (("Q4_K", 48, 512, 2e-2), ("Q6_K", 32, 512, 2e-2), ("MXFP4", 40, 256, 1e-6)):
+for q, rows, cols, tol in (("Q4_K", 48, 512, 2e-2), ("Q6_K", 32, 512, 2e-2), ("Q6_K", 6, 768, 2e-2),
+                          ("MXFP4", 40, 256, 1e-6)):  # Q6_K 768: 3 blocks a row (one a step, parity per row)
     E = 5
     st = random_blocks(q, E * rows, cols, torch.Generator().manual_seed(1), "cpu").view(E, rows, -1).contiguous()
     W = dequantize(st.view(E * rows, -1), q).view(E, rows, cols).double()
@@ -202,7 +203,8 @@ print("ok")
 
 def test_experts_kernel_interpreted():
     """strata.quant.gemv's experts kernels (the chosen experts of a stack, ids read on the device) under
-    Triton's interpreter: Q4_K, Q6_K and MXFP4 against the dequantized matrices."""
+    Triton's interpreter: Q4_K, Q6_K (an even and an odd block count a row) and MXFP4 against the dequantized
+    matrices."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", EXPERTS_KERNEL, str(ROOT), "cpu"], env=env, capture_output=True,
@@ -216,6 +218,38 @@ def test_gpu_experts_kernel():
     """The experts kernels on CUDA against the dequantized matrices (as the interpreted test)."""
     r = subprocess.run([sys.executable, "-c", EXPERTS_KERNEL, str(ROOT), "cuda"], capture_output=True, text=True,
                        timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
+
+
+ROUTER = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata import kernels
+g = torch.Generator().manual_seed(0)
+for n, k, chosen, renorm in ((128, 8, False, True), (128, 8, False, False), (32, 4, True, False), (60, 3, False, True)):
+    logits = torch.randn(3, n, generator=g).to(torch.bfloat16)
+    w, ids = kernels.route(logits, k, chosen, renorm)
+    if chosen:
+        top, ri = logits.topk(k, -1)
+        rw = top.softmax(-1).float()
+    else:
+        rw, ri = logits.softmax(-1, dtype=torch.float32).topk(k, -1)
+        if renorm:
+            rw = rw / rw.sum(-1, keepdim=True)
+    assert torch.equal(ids, ri), (n, k, ids, ri)
+    assert torch.allclose(w, rw, rtol=8e-3 if chosen else 1e-6, atol=1e-7), (n, k, (w - rw).abs().max())
+print("ok")
+"""
+
+
+def test_router_kernel_interpreted():
+    """strata.kernels.route (a decode step's softmax router in one launch) under Triton's interpreter against the
+    torch path's ops: the same experts, the same weights (Qwen3-MoE's renormalized top 8 of 128, Mixtral-like
+    without renormalization, gpt-oss's softmax over its chosen 4, which rounds like the torch path's bf16)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", ROUTER, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
 
 
