@@ -1,5 +1,5 @@
 """One stage's decode step on a GGUF, looked at: whether the CUDA graphs take it, graph and eager step times,
-and the eager step's top CUDA kernels (torch.profiler).
+the kernels of five graph replays and the eager step's top CUDA kernels (torch.profiler).
 
     python bench/decode_probe.py --model /tmp/q30a3-q4km.gguf --context 2048
 """
@@ -44,9 +44,15 @@ def main() -> int:
         m.cuda_graphs = True
         print("graphable", m._graphable(x), "extras", args.extras())
         print(f"graphs: {step_ms(m, x, a.context):.2f} ms/token")
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:  # the kernels inside the replays (CUPTI)
+            for i in range(5):
+                m.decode_token(x, a.context + 30 + i)
+            torch.cuda.synchronize()
+        print("graph replays, 5 steps:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
         m.cuda_graphs = False
         print(f"eager: {step_ms(m, x, a.context + 40):.2f} ms/token")
-        from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             m.decode_token(x, a.context + 100)
             torch.cuda.synchronize()

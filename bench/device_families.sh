@@ -16,6 +16,8 @@
 #   moe-gguf   qwen3-30b-a3b Q4_K_M and gpt-oss-20b MXFP4_MOE random-block GGUFs
 #   q30     (q30-prefill, q30-decode) qwen3-30b-a3b: prefill of 122,880 tokens, decode after 2,048 and 32,768
 #   oss     (oss-prefill, oss-decode) the same for gpt-oss-20b
+#   probe   bench/decode_probe.py on both files: whether the decode graphs take the step, its graph and eager
+#           times, the eager step's top CUDA kernels
 #   moe-profile  bench/moe_profile.py on both files: where the 122,880-token prefill's time goes (oss-profile:
 #           gpt-oss-20b's only)
 # Run from the repo root on the GPU machine, carrying .peer/llama.tgz and .whl:
@@ -165,6 +167,15 @@ oss_decode() { decode oss20 "$OSS" 150; }
 oss() { oss_prefill; oss_decode; }
 
 moe_profile() { profile "$Q30" "$OSS"; }
+probe() {  # one stage's decode step: graphs taken or not, graph and eager times, the eager step's top kernels
+  local f
+  for f in "$Q30" "$OSS"; do
+    fits "probe $f" 60 || return
+    el "probe: $f (bench/decode_probe.py, context 2,048)"
+    timeout $(( $(left) + 20 )) python3 bench/decode_probe.py --model "$f" --context 2048 2>&1 \
+      | tee "$LOG/probe-$(basename "$f" .gguf).log" | tail -30
+  done
+}
 oss_profile() { profile "$OSS"; }
 profile() {
   local f
@@ -177,7 +188,7 @@ profile() {
 }
 
 STEPS="setup build tests gguf qwen32 qwen32-prefill qwen32-decode gemma gemma-prefill gemma-decode yarn moe-tests
-moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode moe-profile oss-profile"
+moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode moe-profile oss-profile probe"
 for step in ${@:-setup build tests gguf qwen32 gemma yarn}; do
   case " ${STEPS//$'\n'/ } " in
     *" $step "*) ${step//-/_} ;;
