@@ -97,6 +97,34 @@ if triton is not None:
         tl.store(w_out + r * K + j, vals, mask=j < K)
         tl.store(i_out + r * K + j, ids, mask=j < K)
 
+    @triton.jit
+    def _weigh_kernel(y, w, out, cols, K: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = c < cols
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for j in tl.static_range(K):
+            acc += tl.load(w + r * K + j) * tl.load(y + (r * K + j) * cols + c, mask=live, other=0.0).to(tl.float32)
+        tl.store(out + r * cols + c, acc.to(out.dtype.element_ty), mask=live)
+
+
+def weigh(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """The experts' outputs y (n * k, cols) summed per token with float32 weights w (n, k), float32 inside, rounded
+    once to y's dtype -> (n, cols): one launch for a decode step's upcast, weighted sum and downcast. None where
+    Triton is missing or failed."""
+    if not USE_TRITON or y.dim() != 2 or not y.is_contiguous() or w.dtype != torch.float32:
+        return None
+    n, k = w.shape
+    cols = y.shape[1]
+    out = torch.empty(n, cols, device=y.device, dtype=y.dtype)
+    try:
+        with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():
+            _weigh_kernel[(n, triton.cdiv(cols, SILU_COLS))](y, w.contiguous(), out, cols, K=k, BLOCK=SILU_COLS)
+    except Exception as e:
+        _failed("experts' weighted sum", e)
+        return None
+    return out
+
 
 def route(logits: torch.Tensor, k: int, chosen: bool, renorm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     """strata.moe.MoE.route's softmax routers in one launch: logits (N, n) -> (weights (N, k) float32, ids (N, k)

@@ -54,8 +54,12 @@ class MoE(nn.Module):
         best); the weights the chosen scores, renormalized, times the routed scale."""
         if self.kind != "sigmoid" and h.is_cuda and h.shape[0] * self.k <= GATHER_PAIRS:  # decode: one launch
             from .kernels import route
-            fused = route(F.linear(h, self.router, self.router_bias), self.k, self.kind == "topk_softmax",
-                          self.renorm and self.kind == "softmax")
+            if h.shape[0] == 1:  # a matrix-vector product (cuBLAS gemv, ~2 us; F.linear's GEMM took 5)
+                b = self.router_bias
+                logits = (torch.mv(self.router, h[0]) if b is None else torch.addmv(b, self.router, h[0]))[None]
+            else:
+                logits = F.linear(h, self.router, self.router_bias)
+            fused = route(logits, self.k, self.kind == "topk_softmax", self.renorm and self.kind == "softmax")
             if fused is not None:
                 w, idx = fused
                 return (w * self.scale if self.scale != 1.0 else w), idx
@@ -134,6 +138,11 @@ class MoE(nn.Module):
             y = torch.cat([gemv.quant_matmul(z[j:j + 1], b2[j], p2.qtype, p2.cols) for j in range(n * k)])
         if self.bias:
             y = y + self.b2[e]
+        if y.is_cuda:
+            from .kernels import weigh
+            out = weigh(y, w)
+            if out is not None:
+                return out
         return torch.bmm(w.view(n, 1, k), y.float().view(n, k, -1)).view(n, -1).to(h.dtype)
 
     def _grouped(self, h, w, idx) -> torch.Tensor:

@@ -239,13 +239,21 @@ for n, k, chosen, renorm in ((128, 8, False, True), (128, 8, False, False), (32,
     assert torch.equal(ids, ri), (n, k, ids, ri)
     assert torch.allclose(w, rw, rtol=8e-3 if chosen else 1e-6, atol=1e-7), (n, k, (w - rw).abs().max())
 print("ok")
+for n, k, cols, dt in ((1, 8, 2048, torch.bfloat16), (3, 4, 2880, torch.float32)):
+    y = torch.randn(n * k, cols, generator=g).to(dt)
+    w = torch.rand(n, k, generator=g)
+    got = kernels.weigh(y, w)
+    want = torch.bmm(w.view(n, 1, k), y.float().view(n, k, -1)).view(n, -1)
+    assert got.dtype == dt and torch.allclose(got.float(), want, rtol=8e-3 if dt == torch.bfloat16 else 1e-6, atol=1e-5), (n, k)
+print("ok")
 """
 
 
 def test_router_kernel_interpreted():
     """strata.kernels.route (a decode step's softmax router in one launch) under Triton's interpreter against the
     torch path's ops: the same experts, the same weights (Qwen3-MoE's renormalized top 8 of 128, Mixtral-like
-    without renormalization, gpt-oss's softmax over its chosen 4, which rounds like the torch path's bf16)."""
+    without renormalization, gpt-oss's softmax over its chosen 4, which rounds like the torch path's bf16); and
+    strata.kernels.weigh (the experts' weighted sum) against the float32 bmm it replaces."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", ROUTER, str(ROOT)], env=env, capture_output=True, text=True,
