@@ -111,7 +111,7 @@ decode() {  # NAME FILE EST_S
   fits "$1 decode" "$3" || return
   el "$1: decode after 2,048 and 32,768 tokens, 128 each (bench/generate.py)"
   local lb=(); build_wait && lb=(--llama-bench "$LB")
-  timeout $(( $(left) + 20 )) python3 bench/generate.py --model "$2" --devices cuda:0 --contexts 2048,32768 --tokens 128 \
+  timeout $(( $(left) + 20 )) python3 bench/generate.py --model "$2" --devices cuda:0 --contexts "${CONTEXTS:-2048,32768}" --tokens 128 \
     "${lb[@]}" 2>&1 | tee "$LOG/$1-decode.log" | tail -8
 }
 
