@@ -94,7 +94,9 @@ def test_unknown_form_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", (1, 5, 64, 65, 1000))
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
+# float32: fla's dots run in TF32 (10-bit mantissas): 1.47e-3 measured on the H200 at T = 64, 65 and 1,000, hence
+# 3e-3 (float32 models take the torch chunked form, not fla, for that reason)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 3e-3), (torch.bfloat16, 2e-2)])
 def test_gpu_fla_matches_chunked(T, dtype, tol):
     """fla's chunk_gated_delta_rule (q, k, v in `dtype`; TF32 dots for float32) against the torch chunked form on
     the same inputs in float32, from a nonzero state: outputs and the final state written back in place."""
