@@ -159,12 +159,32 @@ class ModelArgs:
         return tuple(out)
 
     def layer_param_count(self, layer: int | None = None) -> int:
-        """Parameters of layer `layer` (None: an MoE layer's where the model has experts, the most of a layer's)."""
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        norms = (4 if self.post_norms else 2) * self.dim + (2 * self.head_dim if self.qk_norm else 0)
-        moe = self.n_experts and (layer is None or self.is_moe(layer))
-        mlp = (self.n_experts * (3 * self.dim * self.expert_ffn_dim + self.dim) + 3 * self.dim * self.shared_ffn_dim
-               if moe else 3 * self.dim * self.ffn_dim)
+        """Parameters of layer `layer` (None: the most of any layer's: an MoE layer's where the model has experts,
+        else the largest of its attention and linear-attention layers'). tests/test_planner.py holds it to the
+        parameters of each preset's layers built on the meta device."""
+        if layer is None:
+            kinds = {(self.is_linear(i), self.is_moe(i)): i for i in range(self.n_layers)}
+            return max(self.layer_param_count(i) for i in kinds.values())
+        hd, d = self.head_dim, self.dim
+        if self.is_linear(layer):  # Gated DeltaNet: q, k, v (convolved), the output gate z, beta and decay, out
+            kdim, vdim = self.lin_k_heads * self.lin_k_dim, self.lin_v_heads * self.lin_v_dim
+            conv = 2 * kdim + vdim
+            attn = d * (conv + vdim + 2 * self.lin_v_heads) + conv * self.lin_conv + 2 * self.lin_v_heads \
+                + self.lin_v_dim + d * vdim
+        else:
+            q = self.n_heads * hd * (2 if self.attn_gate else 1)
+            attn = d * (q + 2 * self.n_kv_heads * hd) + d * self.n_heads * hd \
+                + (self.n_heads * hd + 2 * self.n_kv_heads * hd if self.qkv_bias else 0) \
+                + (d if self.o_bias else 0) + (self.n_heads if self.attn_sinks else 0) \
+                + (2 * hd if self.qk_norm else 0)
+        norms = (4 if self.post_norms else 2) * d
+        if self.n_experts and self.is_moe(layer):
+            E, effn = self.n_experts, self.expert_ffn_dim
+            mlp = E * (3 * d * effn + d) + 3 * d * self.shared_ffn_dim \
+                + (E if self.router != "softmax" else 0) + (E * (2 * effn + d) if self.expert_bias else 0) \
+                + (d if self.shared_gate else 0)
+        else:
+            mlp = 3 * d * self.ffn_dim
         return attn + mlp + norms
 
     def layer_active_params(self) -> int:

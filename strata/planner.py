@@ -125,12 +125,12 @@ def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b
             weights += st.norm + (0 if args.tie_embeddings and first else st.head)
         return weights, 2 * kvw * rows * st.kv_elem + states
     # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
-    qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-    if args.first_dense_layers:  # layers differ: GLM's first ones keep a dense MLP
+    if args.first_dense_layers or args.linear_layers is not None:
+        # layers differ: GLM's first ones keep a dense MLP; Qwen3.5's linear-attention layers are not its full ones
         per = [args.layer_param_count(i) for i in range(args.n_layers)]
-        weights = _window(per, n, start) + n * (qkv if args.qkv_bias else 0)
+        weights = _window(per, n, start)
     else:
-        weights = n * (args.layer_param_count() + (qkv if args.qkv_bias else 0))
+        weights = n * args.layer_param_count()
     if first:
         weights += args.vocab_size * args.dim
     if last:

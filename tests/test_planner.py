@@ -593,3 +593,37 @@ def test_moe_compute_counts_the_active_experts():
     assert 3.0e9 < active < 3.6e9 and q.layer_param_count() > 10 * q.layer_active_params()
     assert layer_flops(q, 10)[0] == 2.0 * q.layer_active_params() * 10 == chunk_flops(q, 0, 10)[0]
     assert LLAMA8.layer_active_params() == LLAMA8.layer_param_count()
+
+
+def _variants():
+    """Every preset, and the variations no preset has: Qwen2's q/k/v biases, GLM-4.5's sigmoid router with its
+    bias, shared expert and first dense layers, Qwen3.5-MoE's sigmoid-gated shared expert on hybrid layers."""
+    import dataclasses
+    out = dict(PRESETS)
+    out["qwen2-like"] = dataclasses.replace(PRESETS["smoke"], arch="qwen2", qkv_bias=True)
+    sm = PRESETS["smoke-moe"]
+    out["glm-like"] = dataclasses.replace(sm, arch="glm4_moe", router="sigmoid", shared_ffn_dim=64,
+                                          first_dense_layers=1, qkv_bias=True)
+    q35 = PRESETS["qwen3.5-27b"]
+    out["qwen3.5-moe-like"] = dataclasses.replace(q35, n_layers=4, linear_layers=q35.linear_layers[:4],
+                                                  n_experts=8, n_experts_used=2, expert_ffn_dim=128,
+                                                  shared_ffn_dim=128, shared_gate=True)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_variants()))
+def test_layer_param_count_is_the_built_layers(name):
+    """The planner's weights per layer (ModelArgs.layer_param_count) are the parameters of the layer as built, for
+    each kind of layer a model has (attention or linear, dense or experts): it missed Qwen3.5's linear layers and
+    gated q (2B parameters short for the 27B: a plan could pass that did not fit), and gpt-oss's biases and sinks."""
+    import torch
+    from strata.model import Block
+    args = _variants()[name]
+    kinds = {(args.is_linear(i), args.is_moe(i)): i for i in range(args.n_layers)}
+    counts = []
+    for i in kinds.values():
+        with torch.device("meta"):
+            b = Block(args, i)
+        counts.append(sum(p.numel() for p in b.parameters()))
+        assert args.layer_param_count(i) == counts[-1], (name, i)
+    assert args.layer_param_count() == max(counts)
