@@ -116,13 +116,14 @@ def model_args(model: str) -> ModelArgs:
 
 
 # -- load mode -----------------------------------------------------------------------------------
-def _has_quantized(model: str, args: ModelArgs) -> bool:
+def has_quantized(model: str, args: ModelArgs) -> bool:
+    """Whether the model holds quantized tensors (a GGUF of blocks, or a synthetic model "@" a quant type)."""
     kind, loc = resolve(model)
     if kind == "synthetic":
         return "@" in loc
     if kind == "gguf":
-        from .gguf_loader import has_quantized
-        return has_quantized(Path(loc), args)
+        from .gguf_loader import has_quantized as gguf_has_quantized
+        return gguf_has_quantized(Path(loc), args)
     return False
 
 
@@ -142,7 +143,7 @@ def weights_mode(model: str, device_type: str, weights: str = "auto", args: Mode
         return weights
     if device_type != "cuda":
         return "dequantized"
-    return "resident" if _has_quantized(model, args or model_args(model)) else "dequantized"
+    return "resident" if has_quantized(model, args or model_args(model)) else "dequantized"
 
 
 _mode_of = weights_mode  # stage_bytes' parameter of that name shadows it
@@ -183,7 +184,7 @@ def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dty
     m.load_weights(tensors, device, dtype)
     del tensors
     m.setup_cache(max_len, kv_dtype, max_chunk)  # max_chunk: window layers keep a ring (ModelArgs.kv_positions)
-    if decode_weights == "blocks" and mode == "dequantized" and _has_quantized(model, args):
+    if decode_weights == "blocks" and mode == "dequantized" and has_quantized(model, args):
         stored = {n: t for n, t in slice_tensors(model, args, start, end, device=device, dtype=dtype, seed=seed,
                                                  weights="resident").items() if isinstance(t, Quantized)}
         m.set_decode_weights(decode_weights, stored)

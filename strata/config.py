@@ -20,7 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/model.py); auto = the model's default
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn")  # the KV cache's dtype (issue 12); auto = dtype
-DECODE_WEIGHTS = ("none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
+DECODE_WEIGHTS = ("auto", "none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
 REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.stage --join {join} --key {key}"
 REMOTE_FIELDS = ("host", "python", "cwd", "join", "key", "stage")
@@ -81,8 +81,10 @@ class RigConfig:
     max_context: int | None = None          # prompt + generated tokens any prefill / generate may use: the ids
                                             # buffer and every stage's KV cache are sized for it once (default:
                                             # the model's context, halved until each stage's memory holds it)
-    decode_weights: str = field(default="none", metadata={"choices": DECODE_WEIGHTS})  # CPU stages: narrower
-                                            # weight-only copies for decode steps (prefill keeps the dense ones)
+    decode_weights: str = field(default="auto", metadata={"choices": DECODE_WEIGHTS})  # CPU stages: narrower
+                                            # weight-only copies for decode steps (prefill keeps the dense ones);
+                                            # auto: blocks for a quantized Llama-core file where a C compiler is
+                                            # found, else none (strata.cpu_decode.auto_kind; the log says which)
     cuda_graphs: bool = True                # CUDA stages: replay a captured graph for each one-token step
     perplexity: bool = True                 # mean NLL of the prompt, computed on the last stage
     dump_residual: bool = False             # write residual.npy (after the last layer) and its md5

@@ -183,6 +183,33 @@ def test_two_stage_pipeline_gives_the_single_process_tokens(smol_path, tmp_path)
     assert len(stored) == 2 and sum(stored) == 7 * 30 + 1 and sorted(n % 7 for n in stored) == [0, 1]
 
 
+def test_default_rig_decodes_on_the_blocks(smol_path, tmp_path):
+    """A rig that does not name decode_weights (auto) takes the C steps on a quantized Llama-core file: the blocks
+    rig's tokens, the stage logs saying so; auto_kind names each reason it declines (a float model, resident
+    weights, a family beyond the Llama core)."""
+    import re
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    args = model_args(smol_path)
+    stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
+    with Pipeline(dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False),
+                  out=tmp_path / "p", console=False) as p:
+        ids = p.prompt_ids(TEXT)
+        got = p.generate(ids, SamplingParams(max_tokens=12))
+    one = load_stage(smol_path, args, 0, args.n_layers, device="cpu", dtype=torch.float32, max_len=256,
+                     decode_weights="blocks")
+    assert got.continuation_ids == _greedy(one, torch.tensor([ids.tolist()]), 12)
+    logs = "".join(f.read_text() for f in (tmp_path / "p").rglob("*.log"))
+    assert len(re.findall(r"decode_weights=auto: blocks \(the file's blocks in C\)", logs)) == 2
+    assert len(re.findall(r"decode_weights=blocks: \d+ matrices as stored", logs)) == 2
+    assert cd.auto_kind(args, False, "dequantized") == ("none", "float weights (blocks would round them to 8 bits)")
+    assert cd.auto_kind(args, True, "resident")[0] == "none"
+    gemma = ModelArgs(arch="gemma3", vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32,
+                      ffn_dim=64, norm_offset=1.0)
+    kind, why = cd.auto_kind(gemma, True, "dequantized")
+    assert kind == "none" and why.startswith("the C decoder implements the Llama core; gemma3 uses")
+
+
 def test_refusals_are_one_line(monkeypatch):
     args = ModelArgs(vocab_size=64, dim=48, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=24, ffn_dim=64)
     with torch.device("meta"):

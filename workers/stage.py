@@ -181,6 +181,12 @@ class Stage:
         args = ModelArgs(**spec.args)
         self.weights = weights_mode(spec.model, self.device.type, spec.weights, args)
         cpu_decode = spec.decode_weights if spec.decode_weights != "none" and self.device.type == "cpu" else None
+        if cpu_decode == "auto":
+            from strata.checkpoint import has_quantized
+            from strata.cpu_decode import auto_kind
+            kind, why = auto_kind(args, has_quantized(spec.model, args), self.weights)
+            self.log.info("decode_weights=auto: %s (%s)", kind, why)
+            cpu_decode = None if kind == "none" else kind
         if cpu_decode == "blocks":
             from strata.cpu_decode import BuildError, library
             try:
@@ -200,7 +206,7 @@ class Stage:
             b = model._blocks
             self.log.info("decode_weights=blocks: %d matrices as stored, %d quantized to 8 bits, %.1f MB, %s build",
                           b.exact, b.requantized, b.nbytes / 1e6, "AVX-512 VNNI" if b.lib.strata_simd() else "portable")
-        elif spec.decode_weights != "none" and self.device.type != "cpu":
+        elif spec.decode_weights not in ("none", "auto") and self.device.type != "cpu":
             self.log.info("decode_weights=%s: CPU stages only; %s decodes with its own weights",
                           spec.decode_weights, self.device)
         model.cuda_graphs = bool(spec.cuda_graphs and self.device.type == "cuda")
