@@ -12,6 +12,7 @@ prompt: max relative logit difference (teacher-forced) and whether --steps greed
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.decode_graphs import GraphedDecode  # noqa: E402
 from strata.weight_only import WEIGHT_ONLY  # noqa: E402
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -34,17 +36,22 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+@functools.cache
+def graphed(m) -> GraphedDecode:
+    """The slice's CUDA graphs, one set for every run of it (the warm-up's captures serve the timed steps)."""
+    return GraphedDecode(m)
+
+
 def run_steps(m, dev, pos: int, steps: int, first, greedy: bool, mode: str) -> tuple[list[float], list[int], list]:
     """steps one-token calls from pos; returns (seconds of each step, greedy ids, logits rows)."""
     x, ids, logits, times = first, [], [], []
     decode = mode != "prefill-path"
-    m.cuda_graphs = mode == "graphs"
+    step = graphed(m) if mode in ("graphs", "token") else m  # what runs the steps
     sync(dev)
     for i in range(steps):
         t0 = time.perf_counter()
         if mode == "token":  # what a stage runs: one replay gives residual, logits and argmax
-            m.cuda_graphs = True
-            h, lg, am = m.decode_token(x, pos + i, fresh=False)
+            h, lg, am = step.decode_token(x, pos + i, fresh=False)
             if m.has_head:
                 ids.append(int(am))
                 logits.append(lg)
@@ -53,7 +60,7 @@ def run_steps(m, dev, pos: int, steps: int, first, greedy: bool, mode: str) -> t
             sync(dev)
             times.append(time.perf_counter() - t0)
             continue
-        h = m(x, pos + i, decode=decode)
+        h = step(x, pos + i, decode=decode)
         if m.has_head:
             lg = m.logits(h[0, -1])
             tok = int(lg.argmax())
@@ -67,7 +74,6 @@ def run_steps(m, dev, pos: int, steps: int, first, greedy: bool, mode: str) -> t
             x = h
         sync(dev)
         times.append(time.perf_counter() - t0)
-    m.cuda_graphs = False
     return times, ids, logits
 
 

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.decode_graphs import GraphedDecode  # noqa: E402
 
 
 def step_ms(m, x, pos, n=20) -> float:
@@ -41,17 +42,16 @@ def main() -> int:
         for p in range(0, a.context, 2048):
             m(ids[:, p:p + 2048], p)
         x = ids[:, :1]
-        m.cuda_graphs = True
-        print("graphable", m._graphable(x), "extras", args.extras())
-        print(f"graphs: {step_ms(m, x, a.context):.2f} ms/token")
+        g = GraphedDecode(m)
+        print("graphable", g.graphable(x), "extras", args.extras())
+        print(f"graphs: {step_ms(g, x, a.context):.2f} ms/token")
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:  # the kernels inside the replays (CUPTI)
             for i in range(5):
-                m.decode_token(x, a.context + 30 + i)
+                g.decode_token(x, a.context + 30 + i)
             torch.cuda.synchronize()
         print("graph replays, 5 steps:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-        m.cuda_graphs = False
         print(f"eager: {step_ms(m, x, a.context + 40):.2f} ms/token")
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             m.decode_token(x, a.context + 100)

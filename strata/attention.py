@@ -153,10 +153,10 @@ def _masked_with_lse(q, k, v, band, scale):
 
 def store_rows(cache: torch.Tensor, x: torch.Tensor, pos: int) -> None:
     """x (1 or none, heads, T, hd) into the cache's rows for positions [pos, pos + T): row p % S, in one or two
-    slices (a window layer's ring wraps). Casts (fp8: clamped first, see _to_cache)."""
+    slices (a window layer's ring wraps). Casts (fp8: clamped first, see to_cache)."""
     S, T = cache.shape[2], x.shape[-2]
     if cache.dtype in _FP8:
-        x = _to_cache(x, cache.dtype)
+        x = to_cache(x, cache.dtype)
     s = pos % S
     first = min(T, S - s)
     cache.narrow(2, s, first).copy_(x.narrow(-2, 0, first))
@@ -264,13 +264,13 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _rope_rows(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
     # x: (T, heads, hd); cos, ssin: (T, 1, hd), ssin from _signed_sin. The rotate-half form of apply_rope on all
     # heads at once, in 3 ops instead of 5 (a decode step is bound by per-op dispatch): cat((-x2, x1)) * sin is
     # cat((x2, x1)) * cat((-sin1, sin2)), the same products, and cat((x2, x1)) is a roll by half
     if cos.shape[-1] < x.shape[-1]:  # partial rotary: the rest of each head passes
         r = cos.shape[-1]
-        return torch.cat((_rope_rows(x[..., :r], cos, ssin), x[..., r:]), -1)
+        return torch.cat((rope_rows(x[..., :r], cos, ssin), x[..., r:]), -1)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), ssin)
 
 
@@ -289,7 +289,7 @@ def warm_chunk_attention(model, shapes, attend=None) -> int:
     zero q of the chunk's shape and layout (the same strides as Attention.forward, which the graph is keyed on).
     Only where chunk_attention takes the cuDNN split (CUDA, half precision); returns how many chunk shapes were
     built (0 elsewhere). Reads the cache, writes nothing. `attend`: the call to make instead (tests)."""
-    device, dtype = model._compute()
+    device, dtype = model.device_dtype()
     if attend is None:
         if device.type != "cuda" or CUDA_ATTENTION != "cudnn-split" or dtype == torch.float32:
             return 0
@@ -317,7 +317,7 @@ def warm_chunk_attention(model, shapes, attend=None) -> int:
 _FP8 = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
 
 
-def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # fp8 keys/values carry no per-tensor scale: values beyond +-448 are clamped on store (a cast would
     # make them NaN); K and V of Llama-family models sit well inside that range
     if dtype in _FP8:

@@ -204,7 +204,7 @@ def supported(model) -> str | None:
     a = model.args
     if a.extras():
         return f"implements the Llama core only (this model also has: {', '.join(a.extras())})"
-    device, dtype = model._compute()
+    device, dtype = model.device_dtype()
     if device.type != "cpu" or dtype != torch.float32:
         return f"needs float32 weights on the CPU (this slice: {dtype} on {device})"
     if a.dim % BLOCK or a.ffn_dim % BLOCK or (a.n_heads * a.head_dim) % BLOCK:

@@ -1,4 +1,10 @@
-"""CUDA graphs of a Transformer slice's one-token decode step (`Transformer.decode_token` with cuda_graphs)."""
+"""CUDA graphs of a Transformer slice's one-token decode step, built from outside the model.
+
+`GraphedDecode(model)` is what a stage (or a bench, or a test) holds beside its slice: its `decode_token` and
+`decode_step` replay a graph where `graphable` says the slice can be captured, else run the slice's eager decode
+path. The model knows nothing of graphs: this module reads it through its public names, and notices a replaced
+cache or weights by `Transformer.storage_version`.
+"""
 from __future__ import annotations
 
 import functools
@@ -7,10 +13,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .attention import _rope_rows, _to_cache, rope_tables
+from .attention import rope_rows, rope_tables, to_cache
 from .model import Block, RMSNorm, Transformer, gate
-from .resident import Packed, ResidentMatrices
-from .weight_only import Products, _dense_products
+from .resident import DECODE_T, DenseMatrices, Packed, ResidentMatrices, fused_ok
+from .weight_only import Products, dense_products
 
 GRAPH_MIN_BUCKET = 256
 # the graphs' attention: "split-k" (strata/decode_attention.py, Triton; reads only the live keys) or "masked"
@@ -41,10 +47,76 @@ def covers(args) -> bool:
     return True
 
 
+def graphable(m: Transformer, x: torch.Tensor) -> bool:
+    """Whether m's one-token step on x can be captured: x on CUDA, no weight-only decode copies, the model's
+    variations covered (`covers`), dense layers or resident ones the fused kernels multiply on their blocks
+    (strata.quant.gemv), a resident head likewise. A resident embedding is gathered outside the graph."""
+    if not x.is_cuda or m.decode_weights is not None:
+        return False
+    if not covers(m.args):
+        return False
+    if m.has_head and isinstance(m.head.weight, Packed) and not fused_ok(m.head.weight, x.device):
+        return False
+    return all((isinstance(b.weights, DenseMatrices) or b.weights.fused_decode_ok(x.device))
+               and (not b.moe or b.mlp.resident is None or b.mlp.resident.graphable(x.device))
+               for b in m.layers.values())
+
+
+class GraphedDecode:
+    """A slice's one-token decode steps, replayed from CUDA graphs where `graphable`, else by the slice's eager
+    decode path. The graphs (a `DecodeGraphs`) are made on the first graph step and made anew after the slice's
+    cache or weights were replaced (they address the old ones)."""
+
+    def __init__(self, m: Transformer):
+        self.m = m
+        self._graphs: DecodeGraphs | None = None
+        self._version = -1  # the slice's storage_version the graphs were made for
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The current graphs: None before the first graph step, or after the cache or weights changed."""
+        return self._graphs if self._version == self.m.storage_version else None
+
+    def decode_graphs(self) -> DecodeGraphs:
+        """The current graphs, made (nothing captured yet) if there are none."""
+        if self.graphs is None:
+            self._graphs, self._version = DecodeGraphs(self.m), self.m.storage_version
+        return self._graphs
+
+    def graphable(self, x: torch.Tensor) -> bool:
+        return graphable(self.m, x)
+
+    @torch.inference_mode()
+    def __call__(self, x: torch.Tensor, pos: int, decode: bool | None = None) -> torch.Tensor:
+        """The slice's forward, with one-token decode steps replayed from the graphs."""
+        T = x.shape[1]
+        if (T <= DECODE_T if decode is None else decode) and T == 1 and self.graphable(x):
+            return self.decode_graphs().step(x, pos)
+        return self.m(x, pos, decode)
+
+    @torch.inference_mode()
+    def decode_step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """One token at `pos` -> residual (1, 1, dim): a replay of the graph of the bucket of cache positions that
+        holds pos (captured on its first use), or Transformer.decode_step."""
+        if x.shape[1] == 1 and self.graphable(x):
+            return self.decode_graphs().step(x, pos)
+        return self.m.decode_step(x, pos)
+
+    @torch.inference_mode()
+    def decode_token(self, x: torch.Tensor, pos: int,
+                     fresh: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Transformer.decode_token's (residual, logits, argmax), all three from one replay where graphable.
+        fresh=False returns the graph's own output tensors, valid until the next step (a caller that copies them
+        out at once: three kernels fewer per token)."""
+        if self.graphable(x):
+            return self.decode_graphs().step_all(x, pos, fresh)
+        return self.m.decode_token(x, pos)
+
+
 def _store_row(cache: torch.Tensor, row: torch.Tensor, x: torch.Tensor) -> None:
     """x (1, nkv, 1, hd) into cache row `row` (a device tensor). An 8-bit cache through its bytes: CUDA's index_copy_
     has no float8 kernel (it failed at load with kv_dtype float8_e4m3fn)."""
-    x = _to_cache(x, cache.dtype)
+    x = to_cache(x, cache.dtype)
     if cache.element_size() == 1 and cache.dtype != torch.uint8:
         cache.view(torch.uint8).index_copy_(2, row, x.view(torch.uint8))
     else:
@@ -62,11 +134,11 @@ class DecodeGraphs:
     costs in proportion to the bucket: buckets then grow by a quarter past 4 * GRAPH_MIN_BUCKET. The token
     (ids or residual row) and pos are copied into static inputs before a replay; rope, mask and cache
     write read pos on the device. Captured lazily on a bucket's first use (the stage captures all at
-    load); the Transformer drops them when its cache or weights change."""
+    load); GraphedDecode makes them anew when the slice's cache or weights change."""
 
     def __init__(self, m: Transformer):
         self.m = m
-        self.device, self.dtype = m._compute()
+        self.device, self.dtype = m.device_dtype()
         dev = self.device
         # the token id in, its embedding row gathered in the graph (a resident embedding's row dequantized there too:
         # eager, its ~30 small launches sat between a launch-ahead step's bell and its replay)
@@ -210,7 +282,7 @@ class DecodeGraphs:
         """The final norm and head of one row; a dense head by strata.decode_gemv like the layers' products."""
         m = self.m
         w = m.head.weight
-        if not self.fused or isinstance(w, Packed) or m._head_weight_only is not None or m.norm.upcast:
+        if not self.fused or isinstance(w, Packed) or m.decode_weights is not None or m.norm.upcast:
             return m.logits(h)  # (its final softcap included)
         from strata.decode_gemv import matvec
         from strata.decode_kernels import rms_norm
@@ -224,7 +296,7 @@ class DecodeGraphs:
         last `window` positions from the whole ring."""
         a = blk.attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
-        r = blk.weights  # resident: the fused kernels read the blocks (_graphable checked they can)
+        r = blk.weights  # resident: the fused kernels read the blocks (graphable checked they can)
         mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
         h, x = self._add_norm(h, pend, blk.attn_norm)
         qkv = mm.qkv(x).view(1, nh + 2 * nkv, hd)
@@ -241,7 +313,7 @@ class DecodeGraphs:
             q = rope_store(qkv[0], cos.view(hd), sin.view(hd), row, nh, nkv, a.k_cache[0], a.v_cache[0])
             y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks)
             return self._rest(blk, mm, h, y)
-        qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)
+        qk = rope_rows(qkv[:, :nh + nkv], cos, sin)
         _store_row(a.k_cache, row, qk[:, nh:].transpose(0, 1).unsqueeze(0))
         _store_row(a.v_cache, row, qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0))
         if self.use_split_k:  # reads only the live keys, in the cache's own dtype
@@ -258,7 +330,7 @@ class DecodeGraphs:
         """A dense layer's products: with the fused kernels, strata.decode_gemv's (Triton or cuBLAS, whichever
         it measured faster for the shape); else the eager path's."""
         if not self.fused:
-            return _dense_products(w, None)
+            return dense_products(w, None)
         from strata.decode_gemv import matvec
         p = functools.partial
         return Products(p(matvec, w=w.wqkv, b=w.bqkv), p(matvec, w=w.wo, b=w.bo), p(matvec, w=w.w13),

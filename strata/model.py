@@ -6,8 +6,8 @@ end == n_layers. What a family varies (q/k norms, norm placement, windows, activ
 from its `ModelArgs` (strata.args; the families and their files: strata.families). Prefill is chunked:
 `forward(x, pos)` runs T tokens at absolute position `pos`, appending their keys/values to a cache
 allocated once for the whole prompt. Up to DECODE_T rows take a decode path (one unmasked attention call
-for T=1, fewer ops), optionally with narrower CPU weights (`set_decode_weights`) or CUDA graphs
-(`decode_step`, `cuda_graphs`).
+for T=1, fewer ops), optionally with narrower CPU weights (`set_decode_weights`). CUDA graphs of the one-token
+step are built from outside (strata.decode_graphs); `storage_version` tells them when cache or weights changed.
 """
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from torch import nn
 
 from . import attention
 from .args import ModelArgs
-from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, _rope_rows, _to_cache, apply_rope,
-                        chunk_attention, decode_attention, kv_dtype_of, rope_tables, sink_attention, store_rows,
+from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, apply_rope, chunk_attention,
+                        decode_attention, kv_dtype_of, rope_rows, rope_tables, sink_attention, store_rows, to_cache,
                         window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentExperts,
-                       ResidentMatrices, Scratch, _dequantize, _fused_ok, head_rows)
+                       ResidentMatrices, Scratch, _dequantize, head_rows)
 from .linear_attention import GatedDeltaNet
 from .moe import MoE
-from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, _dense_products
+from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, dense_products
 
 def rope_frequencies(args: ModelArgs, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,) float32 for base `theta` (default the model's), with its scaling if
@@ -211,7 +211,7 @@ class Block(nn.Module):
         rounds its input to anyway)."""
         a, T = self.attn, h.shape[0]
         if self.linear:
-            mm = _dense_products(self.weights.get(), wo)
+            mm = dense_products(self.weights.get(), wo)
             y = a(self.attn_norm.rows(h)[None], None, pos)[0]
             return self._mlp_rows(self._add_attn(h, y.to(h.dtype)), mm)
         nh, nkv, hd = a.nh, a.nkv, a.hd
@@ -220,7 +220,7 @@ class Block(nn.Module):
         if wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device):
             mm = r.products()  # multiply on the blocks: no per-token dequantization into the scratch
         else:
-            mm = _dense_products(r.get(), wo)
+            mm = dense_products(r.get(), wo)
         x = self.attn_norm.rows(h)
         qkv = mm.qkv(x)
         gate = None
@@ -229,13 +229,13 @@ class Block(nn.Module):
         qkv = qkv.reshape(T, nh + 2 * nkv, hd)
         if a.q_norm is not None:
             qk = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv])), 1)
-            qk = _rope_rows(qk, cos, sin)
+            qk = rope_rows(qk, cos, sin)
         else:
-            qk = _rope_rows(qkv[:, :nh + nkv], cos, sin)  # in h's dtype (a bfloat16 qkv is promoted)
+            qk = rope_rows(qkv[:, :nh + nkv], cos, sin)  # in h's dtype (a bfloat16 qkv is promoted)
         kc, vc = a.k_cache, a.v_cache
         k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + nkv:].transpose(0, 1)  # (nkv, T, hd)
         if kc.dtype in _FP8:
-            k_new, v_new = _to_cache(k_new, kc.dtype), _to_cache(v_new, vc.dtype)
+            k_new, v_new = to_cache(k_new, kc.dtype), to_cache(v_new, vc.dtype)
         if a.window is not None or a.sinks is not None:  # a window layer's cache may be a ring
             store_rows(kc, k_new, pos)
             store_rows(vc, v_new, pos)
@@ -313,8 +313,9 @@ class Transformer(nn.Module):
         self._weight_only: dict[str, LayerWeightOnly] = {}
         self._head_weight_only: WeightOnly | None = None
         self._blocks = None  # strata.cpu_decode.Decoder (decode_weights="blocks")
-        self.cuda_graphs = False  # opt-in: forward's one-token steps replay CUDA graphs (decode_step)
-        self._graphs = None  # strata.decode_graphs.DecodeGraphs, made on the first graph step
+        # bumped whenever the weights or the KV cache are replaced: what holds their addresses (the CUDA graphs of
+        # strata.decode_graphs) is stale
+        self.storage_version = 0
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU decode: cos, signed sin by position
 
     # -- weights ---------------------------------------------------------------------------
@@ -451,11 +452,11 @@ class Transformer(nn.Module):
         self.inv_freq = rope_frequencies(self.args).to(device)  # also when built on the meta device
         if self.inv_freq_window is not None:
             self.inv_freq_window = self.inv_freq_window.to(device)
-        self._graphs = None
+        self.storage_version += 1
         if self.decode_weights:
             self.set_decode_weights(self.decode_weights)
 
-    def _compute(self) -> tuple[torch.device, torch.dtype]:
+    def device_dtype(self) -> tuple[torch.device, torch.dtype]:
         if self._device_dtype is not None:
             return self._device_dtype
         w = next(iter(self.layers.values())).attn_norm.weight  # before loading: the norms' (the compute dtype)
@@ -468,9 +469,9 @@ class Transformer(nn.Module):
         each layer's cached prefix is widened to the compute dtype for its attention). max_chunk: the most rows
         a forward call takes; given, a window layer keeps a ring of window + max_chunk - 1 rows
         (ModelArgs.kv_positions) instead of every position."""
-        device, dtype = self._compute()
+        device, dtype = self.device_dtype()
         kv = kv_dtype_of(kv_dtype, dtype)
-        self._graphs = None  # captured graphs address the old cache
+        self.storage_version += 1  # captured graphs address the old cache
         for i, blk in self.layers.items():
             if blk.linear:  # a state of fixed size, not a cache
                 blk.attn.setup_state(device)
@@ -544,14 +545,12 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, pos: int, decode: bool | None = None) -> torch.Tensor:
         """x: token ids (1, T) on the first slice, else the residual (1, T, dim). Returns the residual.
 
-        decode: None picks the decode path (Block.decode, weight-only kernels if set, CUDA graphs if
-        enabled) for T <= DECODE_T rows, the prefill path above; True / False force one. The prefill
-        path's arithmetic is the same for every T; the two paths agree up to rounding."""
+        decode: None picks the decode path (Block.decode, weight-only kernels if set) for T <= DECODE_T rows,
+        the prefill path above; True / False force one. The prefill path's arithmetic is the same for every T;
+        the two paths agree up to rounding. (One-token steps through CUDA graphs: strata.decode_graphs.)"""
         T = x.shape[1]
         if decode is None:
             decode = T <= DECODE_T
-        if decode and T == 1 and self.cuda_graphs and self._graphable(x):
-            return self._graph_step(x, pos)
         return self._run(x, pos, decode)
 
     def _run(self, x: torch.Tensor, pos: int, decode: bool) -> torch.Tensor:
@@ -601,7 +600,7 @@ class Transformer(nn.Module):
             return 0
         if kind not in DECODE_KINDS:
             raise ValueError(f"unknown decode_weights {kind!r} (known: {', '.join(DECODE_KINDS)}, or None)")
-        device, _ = self._compute()
+        device, _ = self.device_dtype()
         if device.type != "cpu":
             raise ValueError(f"decode_weights={kind!r} uses CPU kernels; this slice is on {device}")
         if self.args.n_experts:
@@ -627,26 +626,12 @@ class Transformer(nn.Module):
         self._weight_only, self.decode_weights = packs, kind
         return n
 
-    def _graphable(self, x: torch.Tensor) -> bool:
-        """Dense layers, or resident ones the fused kernels multiply on their blocks (strata.quant.gemv); a
-        resident head likewise. A resident embedding is gathered outside the graph."""
-        if not x.is_cuda or self._weight_only:
-            return False
-        from .decode_graphs import covers  # imports Triton: CUDA only
-        if not covers(self.args):
-            return False
-        if self.has_head and isinstance(self.head.weight, Packed) and not _fused_ok(self.head.weight, x.device):
-            return False
-        return all((isinstance(b.weights, DenseMatrices) or b.weights.fused_decode_ok(x.device))
-                   and (not b.moe or b.mlp.resident is None or b.mlp.resident.graphable(x.device))
-                   for b in self.layers.values())
-
     def densify(self, max_bytes: int) -> int:
         """Dequantize resident layers, first to last, into dense matrices of their own while their
         dense bytes fit in `max_bytes`: decode steps (and prefill chunks) skip those layers'
         per-call dequantization, and they become eligible for CUDA graphs once all are dense. The
         weights are the bits the scratch would get, so results do not change. Returns layers densified."""
-        device, dtype = self._compute()
+        device, dtype = self.device_dtype()
         n, left = 0, max_bytes
         for blk in self.layers.values():
             r = blk.weights
@@ -672,43 +657,28 @@ class Transformer(nn.Module):
             left -= need
             n += 1
         if n:
-            self._graphs = None
+            self.storage_version += 1
         return n
 
     @torch.inference_mode()
     def decode_step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """One token at `pos` (x: ids (1, 1) or residual (1, 1, dim)) -> residual (1, 1, dim).
-
-        On CUDA with dense weights: replays a CUDA graph captured (lazily) for the
-        bucket of cache positions that holds pos; elsewhere the eager decode path."""
+        """One token at `pos` (x: ids (1, 1) or residual (1, 1, dim)) -> residual (1, 1, dim), by the eager
+        decode path (replayed from CUDA graphs: strata.decode_graphs.GraphedDecode.decode_step)."""
         if x.shape[1] != 1:
             raise ValueError(f"decode_step takes one token, got {x.shape[1]}")
-        return self._graph_step(x, pos) if self._graphable(x) else self._run(x, pos, True)
+        return self._run(x, pos, True)
 
     @torch.inference_mode()
     def decode_token(self, x: torch.Tensor, pos: int,
                      fresh: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One token at `pos` -> (residual (1, 1, dim), float32 logits (vocab,), argmax); the last two only on
-        the slice with the head. With cuda_graphs on a graphable slice all three come from one replay; fresh=False
-        returns the graph's own output tensors, valid until the next step (a caller that copies them out at once:
-        three kernels fewer per token)."""
-        if self.cuda_graphs and self._graphable(x):
-            return self.decode_graphs().step_all(x, pos, fresh)
+        the slice with the head. By the eager decode path; strata.decode_graphs.GraphedDecode.decode_token gives
+        all three from one replay of a CUDA graph, and takes `fresh` (here the outputs are always fresh)."""
         h = self._run(x, pos, True)
         if not self.has_head:
             return h, None, None
         logits = self.logits(h[0, -1])
         return h, logits, logits.argmax()
-
-    def decode_graphs(self):
-        """This slice's strata.decode_graphs.DecodeGraphs (made on first use; dropped when cache or weights change)."""
-        if self._graphs is None:
-            from .decode_graphs import DecodeGraphs  # imports Triton: only where graphs are built
-            self._graphs = DecodeGraphs(self)
-        return self._graphs
-
-    def _graph_step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        return self.decode_graphs().step(x, pos)
 
     @torch.inference_mode()
     def nll(self, h: torch.Tensor, targets: torch.Tensor, block: int = 1024) -> tuple[float, int]:

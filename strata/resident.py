@@ -225,7 +225,7 @@ class ResidentMatrices(nn.Module):
         part quantized in a type the fused kernel takes. Then `products` replaces `get` for few rows."""
         device = torch.device(device)
         if device not in self._fused:  # asked once per layer per token: answered once per device
-            self._fused[device] = all(_fused_ok(p, device) for p in self.parts.values())
+            self._fused[device] = all(fused_ok(p, device) for p in self.parts.values())
         return self._fused[device]
 
     def products(self) -> Products:
@@ -291,7 +291,7 @@ class ResidentExperts(nn.Module):
         kernels, or each expert's blocks gathered for the matrix-vector kernel."""
         device = torch.device(device)
         if device not in self._fused:
-            self._fused[device] = self.direct(device) or (_fused_ok(self.w13, device) and _fused_ok(self.w2, device))
+            self._fused[device] = self.direct(device) or (fused_ok(self.w13, device) and fused_ok(self.w2, device))
         return self._fused[device]
 
     def graphable(self, device) -> bool:
@@ -317,7 +317,7 @@ class QuantEmbedding(nn.Module):
         return self.table.gather(ids)
 
 
-def _fused_ok(p: Packed, device) -> bool:
+def fused_ok(p: Packed, device) -> bool:
     from .quant import gemv
     return p.qtype is not None and gemv.supports(p.qtype) and gemv.available(device)
 
@@ -337,7 +337,7 @@ class Head(nn.Module):
         w = self.weight
         vocab = w.n_rows if isinstance(w, Packed) else w.shape[0]
         out = torch.empty(*x.shape[:-1], vocab, device=x.device, dtype=torch.float32)
-        if isinstance(w, Packed) and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T and _fused_ok(w, x.device):
+        if isinstance(w, Packed) and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T and fused_ok(w, x.device):
             from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
             quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab))
             return out

@@ -95,7 +95,7 @@ class Products(NamedTuple):
     w2: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _dense_products(w, wo: LayerWeightOnly | None) -> Products:
+def dense_products(w, wo: LayerWeightOnly | None) -> Products:
     p = functools.partial
     return Products(p(_mm_rows, w=w.wqkv, b=w.bqkv, wo=wo and wo.wqkv), p(_mm_rows, w=w.wo, b=w.bo, wo=wo and wo.wo),
                     p(_mm_rows, w=w.w13, b=None, wo=wo and wo.w13), p(_mm_rows, w=w.w2, b=None, wo=wo and wo.w2))

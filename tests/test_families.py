@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import chained_prefill  # noqa: E402
 from families_fixtures import make_hf  # noqa: E402
 from strata.checkpoint import model_args, slice_tensors  # noqa: E402
+from strata.decode_graphs import GraphedDecode  # noqa: E402
 from strata.model import Transformer  # noqa: E402
 
 PROMPT, CHUNK, NEW = 71, 13, 16  # 5 chunks of 13 and one of 6 (> DECODE_T: all prefill); windows are 16-24
@@ -43,14 +44,16 @@ def three_way(n_layers: int):
     return [(0, 1), (1, n_layers - 1), (n_layers - 1, n_layers)]
 
 
-def strata_greedy(slices, ids, new: int) -> list[int]:
-    """Prefill in CHUNK pieces, then `new` one-token decode steps through the chained slices."""
-    h = chained_prefill(slices, ids, CHUNK)
+def strata_greedy(slices, ids, new: int, steps=None) -> list[int]:
+    """Prefill in CHUNK pieces, then `new` one-token decode steps through the chained slices (or `steps`, what
+    runs each slice's forward: e.g. its GraphedDecode)."""
+    steps = steps or slices
+    h = chained_prefill(steps, ids, CHUNK)
     tok = int(slices[-1].logits(h[0, -1]).argmax())
     out, pos = [tok], ids.shape[1]
     for _ in range(new - 1):
         x = torch.tensor([[tok]], device=ids.device)
-        for s in slices:
+        for s in steps:
             x = s(x, pos)
         tok = int(slices[-1].logits(x[0, -1]).argmax())
         out.append(tok)
@@ -114,11 +117,10 @@ def test_gpu_family_prefill_and_graph_decode(tmp_path, fam):
     want = reference_greedy(ref, ids, NEW)
     args = model_args(d)
     slices = load_slices(d, three_way(args.n_layers), PROMPT + NEW, "cuda")
-    for t in slices:
-        t.cuda_graphs = True
+    steps = [GraphedDecode(t) for t in slices]
     x = ids.cuda()
-    assert all(s._graphable(x if s.has_embed else torch.zeros(1, 1, args.dim, device="cuda")) for s in slices)
-    assert strata_greedy(slices, x, NEW) == want
+    assert all(s.graphable(x if s.m.has_embed else torch.zeros(1, 1, args.dim, device="cuda")) for s in steps)
+    assert strata_greedy(slices, x, NEW, steps) == want
 
 
 # -- the same models through llama.cpp's own GGUF writer ------------------------------------------------------
@@ -313,8 +315,7 @@ def test_gpu_graphs_bfloat16_match_eager(tmp_path, fam):
         t = Transformer(args, 0, args.n_layers)
         t.load_weights(slice_tensors(d, args, 0, args.n_layers), "cuda", torch.bfloat16)
         t.setup_cache(PROMPT + NEW, max_chunk=CHUNK)
-        t.cuda_graphs = graphs
-        ms.append(t)
+        ms.append(GraphedDecode(t) if graphs else t)
     ids = torch.randint(0, args.vocab_size, (1, PROMPT + NEW), generator=torch.Generator().manual_seed(5)).cuda()
     for m in ms:
         chained_prefill([m], ids[:, :PROMPT], CHUNK)
@@ -322,7 +323,7 @@ def test_gpu_graphs_bfloat16_match_eager(tmp_path, fam):
         a = ms[0].decode_token(ids[:, p:p + 1], p)[1]
         b = ms[1].decode_token(ids[:, p:p + 1], p)[1]
         assert rel(b, a) < 2e-2, (p, rel(b, a))
-    assert ms[1]._graphs is not None and ms[1]._graphs.graphs
+    assert ms[1].graphs is not None and ms[1].graphs.graphs
 
 
 def split_rig(model: str, depth: int, max_context: int) -> dict:

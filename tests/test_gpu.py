@@ -6,6 +6,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from strata.decode_graphs import GraphedDecode  # noqa: E402
 from strata.model import Transformer  # noqa: E402
 from strata.pipeline import Pipeline  # noqa: E402
 from strata.checkpoint import model_args, slice_tensors  # noqa: E402
@@ -93,21 +94,22 @@ def test_cuda_graph_decode_matches_eager():
     """Graph steps == eager decode steps (bf16 2e-2) across bucket boundaries (256, 512, 1024 and the
     cache's own 1200), then again after a second prompt rewrites the cache."""
     eager, graph = _dense(torch.bfloat16, 1200), _dense(torch.bfloat16, 1200)
+    steps = GraphedDecode(graph)
     g = torch.Generator().manual_seed(2)
     for prompt_len, stop in ((200, 1100), (100, 300)):
         ids = torch.randint(0, 2048, (1, stop), generator=g).cuda()
         ha, hb = eager(ids[:, :prompt_len], 0), graph(ids[:, :prompt_len], 0)
         assert torch.equal(ha, hb)
-        worst = _graph_vs_eager(eager, graph, ids, prompt_len, stop, lambda p: ids[:, p:p + 1])
-        print(f"prompt {prompt_len}: graph vs eager worst rel {worst:.2e}, buckets {sorted(graph._graphs.graphs)}")
+        worst = _graph_vs_eager(eager, steps, ids, prompt_len, stop, lambda p: ids[:, p:p + 1])
+        print(f"prompt {prompt_len}: graph vs eager worst rel {worst:.2e}, buckets {sorted(steps.graphs.graphs)}")
         assert worst < 2e-2
-    assert sorted(graph._graphs.graphs) == [256, 512, 1024, 1200]
+    assert sorted(steps.graphs.graphs) == [256, 512, 1024, 1200]
     # logits through the graph's residual: within bf16's tolerance of eager's, and the same greedy token unless
     # eager's top two are closer than the two paths differ (a random model's logits are nearly flat: call 16
     # saw 684 vs 946 on a near-tie)
     p = 300
     x = ids[:, p - 1:p]
-    a, b = eager(x, p - 1, decode=True), graph.decode_step(x, p - 1)
+    a, b = eager(x, p - 1, decode=True), steps.decode_step(x, p - 1)
     la, lb = eager.logits(a[0, -1]).float(), graph.logits(b[0, -1]).float()
     assert _rel(lb, la) < 2e-2
     top2 = la.topk(2).values
@@ -126,11 +128,12 @@ def test_cuda_graph_float32_with_bfloat16_cache():
     h = ref(ids[:, :500], 0)
     ha, hb = eager(ids[:, :500], 0), graph(ids[:, :500], 0)
     assert torch.equal(ha, hb) and _rel(ha, h) < 2e-2
-    worst = _graph_vs_eager(eager, graph, ids, 500, 560, lambda p: ids[:, p:p + 1])
+    steps = GraphedDecode(graph)
+    worst = _graph_vs_eager(eager, steps, ids, 500, 560, lambda p: ids[:, p:p + 1])
     assert worst < 1e-4, worst
     for p in range(500, 560):
         ref(ids[:, p:p + 1], p, decode=True)
-    assert _rel(graph.decode_step(ids[:, 559:560], 559), ref(ids[:, 559:560], 559, decode=True)) < 2e-2
+    assert _rel(steps.decode_step(ids[:, 559:560], 559), ref(ids[:, 559:560], 559, decode=True)) < 2e-2
 
 
 def test_cuda_graph_with_float8_cache():
@@ -142,31 +145,32 @@ def test_cuda_graph_with_float8_cache():
     assert graph.layers["0"].attn.k_cache.dtype == torch.float8_e4m3fn
     ids = torch.randint(0, 2048, (1, 560), generator=torch.Generator().manual_seed(4)).cuda()
     ref(ids[:, :500], 0), eager(ids[:, :500], 0), graph(ids[:, :500], 0)
-    worst = _graph_vs_eager(eager, graph, ids, 500, 560, lambda p: ids[:, p:p + 1])
+    steps = GraphedDecode(graph)
+    worst = _graph_vs_eager(eager, steps, ids, 500, 560, lambda p: ids[:, p:p + 1])
     assert worst < 2e-2, worst
     for p in range(500, 560):
         ref(ids[:, p:p + 1], p, decode=True)
-    assert _rel(graph.decode_step(ids[:, 559:560], 559), ref(ids[:, 559:560], 559, decode=True)) < 5e-2
-    assert graph._graphs is not None and graph._graphs.graphs
+    assert _rel(steps.decode_step(ids[:, 559:560], 559), ref(ids[:, 559:560], 559, decode=True)) < 5e-2
+    assert steps.graphs is not None and steps.graphs.graphs
 
 
-def test_cuda_graph_middle_slice_and_forward_flag():
-    """A slice without embedding takes the residual row; cuda_graphs=True routes forward's T=1 steps
-    through the graphs; setup_cache drops them (they address the old cache)."""
+def test_cuda_graph_middle_slice_and_forward():
+    """A slice without embedding takes the residual row; GraphedDecode's forward routes T=1 steps through the
+    graphs; after setup_cache it holds none (they address the old cache)."""
     eager, graph = _dense(torch.bfloat16, 700, 2, 6), _dense(torch.bfloat16, 700, 2, 6)
     g = torch.Generator().manual_seed(3)
     rows = (torch.randn(1, 600, 1024, generator=g) * 0.5).to("cuda", torch.bfloat16)
     eager(rows[:, :300], 0), graph(rows[:, :300], 0)
-    graph.cuda_graphs = True
+    steps = GraphedDecode(graph)
     worst = 0.0
     for p in range(300, 600):
         a = eager(rows[:, p:p + 1], p)
-        b = graph(rows[:, p:p + 1], p)
+        b = steps(rows[:, p:p + 1], p)
         worst = max(worst, _rel(b, a))
     assert worst < 2e-2, worst
-    assert sorted(graph._graphs.graphs) == [512, 700]  # 1024 is clipped to the cache
+    assert sorted(steps.graphs.graphs) == [512, 700]  # 1024 is clipped to the cache
     graph.setup_cache(700)
-    assert graph._graphs is None
+    assert steps.graphs is None
 
 
 def test_cuda_graph_step_is_faster():
@@ -175,9 +179,9 @@ def test_cuda_graph_step_is_faster():
     eager = _dense(torch.bfloat16, 2100)
     x = torch.tensor([[5]], device="cuda")
     eager(torch.randint(0, 2048, (1, 2000), device="cuda"), 0)
-    times = {}
+    times, steps = {}, GraphedDecode(eager)
     for mode in ("eager", "graph"):
-        step = (lambda p: eager(x, p, decode=True)) if mode == "eager" else (lambda p: eager.decode_step(x, p))
+        step = (lambda p: eager(x, p, decode=True)) if mode == "eager" else (lambda p: steps.decode_step(x, p))
         for p in range(2000, 2005):
             step(p)
         torch.cuda.synchronize()
@@ -200,11 +204,11 @@ def test_cuda_graph_resident_quantized_matches_eager():
     ms = [load_stage(model, args, 0, args.n_layers, device="cuda:0", dtype=torch.bfloat16, weights="resident",
                      max_len=700) for _ in range(2)]
     eager, graph = ms
-    graph.cuda_graphs = True
+    steps = GraphedDecode(graph)
     ids = torch.randint(0, args.vocab_size, (1, 560), generator=torch.Generator().manual_seed(5)).cuda()
     eager(ids[:, :500], 0), graph(ids[:, :500], 0)
     x = ids[:, :1]
-    assert graph._graphable(x)
+    assert steps.graphable(x)
     # the dp4a kernels round each product's x to int8 (per 32 values): a bf16 rounding difference between the
     # graph's and eager's inputs (split-K vs flash attention) can move an int8 step, so the two paths differ
     # more than bf16 alone (H200: 2.2e-2 max-relative at p=500 with dp4a-u16; 2e-2 holds with the float kernel)
@@ -212,7 +216,7 @@ def test_cuda_graph_resident_quantized_matches_eager():
     tol = 4e-2 if gemv.IQ3S_KERNEL.startswith("dp4a") else 2e-2
     for p in range(500, 560):
         a, la, ia = eager.decode_token(ids[:, p:p + 1], p)
-        b, lb, ib = graph.decode_token(ids[:, p:p + 1], p)
+        b, lb, ib = steps.decode_token(ids[:, p:p + 1], p)
         assert _rel(b, a) < tol and _rel(lb, la) < tol, (p, _rel(b, a), _rel(lb, la))
-    assert graph._graphs is not None and sorted(graph._graphs.graphs) == [512, 700]
-    assert graph._graphs.ids is not None  # the token id goes in, not an embedding row made before the replay
+    assert steps.graphs is not None and sorted(steps.graphs.graphs) == [512, 700]
+    assert steps.graphs.ids is not None  # the token id goes in, not an embedding row made before the replay

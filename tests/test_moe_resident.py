@@ -11,6 +11,7 @@ import torch
 
 from strata.args import PRESETS
 from strata.checkpoint import load_stage, model_args, slice_tensors, stage_bytes
+from strata.decode_graphs import GraphedDecode
 from strata.model import Transformer
 from strata import resident
 
@@ -112,7 +113,7 @@ load = lambda: load_stage("synthetic:smoke-moe@" + sys.argv[2], args, 0, 1, devi
                           weights="resident", max_len=64)
 m, eager = load(), load()
 moe = m.layers["0"].mlp
-assert moe.resident.fused_ok("cpu") and m._graphable.__func__ is not None and covers(args)
+assert moe.resident.fused_ok("cpu") and covers(args)
 x = torch.randn(1, args.dim, generator=torch.Generator().manual_seed(0))
 w, idx = moe.route(x)
 a = moe._on_blocks(x, w, idx.reshape(-1), moe.k)
@@ -163,13 +164,12 @@ def test_gpu_resident_experts_graphs(qtype):
                                    ("eager", "resident", False, torch.float32),
                                    ("graphs", "resident", True, torch.float32)):
         m = load_stage(spec, args, 0, args.n_layers, device="cuda", dtype=dt, weights=mode, max_len=512)
-        m.cuda_graphs = graphs
-        ms[name] = m
+        ms[name] = GraphedDecode(m) if graphs else m
     with torch.inference_mode():
         h = {k: m(ids[:, :256], 0) for k, m in ms.items()}
         la, lb = ms["dense"].logits(h["dense"][0, -1]), ms["prefill"].logits(h["prefill"][0, -1])
         assert rel(lb.float(), la.float()) < 2e-2
-        assert ms["graphs"]._graphable(ids[:, :1])
+        assert ms["graphs"].graphable(ids[:, :1])
         for p in range(256, 300):
             a = ms["eager"].decode_token(ids[:, p:p + 1], p)[1]
             b = ms["graphs"].decode_token(ids[:, p:p + 1], p)[1]
@@ -177,7 +177,7 @@ def test_gpu_resident_experts_graphs(qtype):
             # steps agree to float32 rounding. The K-quant kernels round x to int8 first (dp4a, ~5e-3 of a product,
             # strata/quant/gemv.py), so a last-bit change of x can move a rounding: measured 5.3e-3 at one step
             assert rel(b, a) < (1e-4 if qtype == "Q8_0" else 2e-2), p
-    assert ms["graphs"]._graphs is not None and ms["graphs"]._graphs.graphs
+    assert ms["graphs"].graphs is not None and ms["graphs"].graphs.graphs
 
 
 EXPERTS_KERNEL = r"""

@@ -585,7 +585,7 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
     def run(fused: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
         if not fused:  # the layers and the head take the scratch path
-            monkeypatch.setattr(M, "_fused_ok", lambda p, device: False)
+            monkeypatch.setattr(M, "fused_ok", lambda p, device: False)
         m = load_stage(model, args, 0, args.n_layers, device="cuda", dtype=dtype, weights="resident", max_len=64)
         blk = next(iter(m.layers.values()))
         assert isinstance(blk.weights, M.ResidentMatrices) and blk.weights.fused_decode_ok("cuda") == fused

@@ -12,7 +12,7 @@ import torch
 from conftest import chained_prefill
 from strata import checkpoint, model as M, quant, resident
 from strata.args import PRESETS
-from strata.attention import _to_cache
+from strata.attention import to_cache
 from strata.checkpoint import check_model_files, load_stage, model_args, stage_bytes, weights_mode
 from strata.errors import ModelError
 from strata.tokenizer import Tokenizer
@@ -142,7 +142,7 @@ def test_fp8_kv_cache_perplexity(args, typing_ids):
 
 def test_fp8_store_clamps():
     x = torch.tensor([1e4, -1e4, 1.0])
-    assert _to_cache(x, torch.float8_e4m3fn).float().tolist() == [448.0, -448.0, 1.0]
+    assert to_cache(x, torch.float8_e4m3fn).float().tolist() == [448.0, -448.0, 1.0]
 
 
 # -- quantized synthetic models ------------------------------------------------------------------

@@ -32,6 +32,7 @@ import strata.attention
 from strata import messages as M
 from strata import net as N
 from strata.args import ModelArgs
+from strata.decode_graphs import GraphedDecode
 from strata.model import Transformer
 from strata import bells as bells_mod
 from strata.bells import Bells
@@ -119,6 +120,9 @@ class Stage:
         self._use_device(spec)
         self.model, self.kv_bytes = self._load_model(spec)
         self.args = self.model.args
+        # one-token decode steps: replayed from CUDA graphs where the rig asks for them on a GPU
+        self.graphs = GraphedDecode(self.model) if spec.cuda_graphs and self.device.type == "cuda" else None
+        self.decoder = self.graphs if self.graphs is not None else self.model  # what decode_token is asked of
         self.warm_s = self._warm_up(spec)
         self._map_buffers(spec, ids)
         self._open_sockets(spec)
@@ -209,7 +213,6 @@ class Stage:
         elif spec.decode_weights not in ("none", "auto") and self.device.type != "cpu":
             self.log.info("decode_weights=%s: CPU stages only; %s decodes with its own weights",
                           spec.decode_weights, self.device)
-        model.cuda_graphs = bool(spec.cuda_graphs and self.device.type == "cuda")
         return model, model.kv_bytes
 
     def _warm_up(self, spec: M.StageJob) -> float:
@@ -251,14 +254,14 @@ class Stage:
         x1 = (torch.zeros(1, 1, dtype=torch.long, device=self.device) if self.first
               else torch.zeros(1, 1, self.args.dim, dtype=self.dtype, device=self.device))
         positions = [0]
-        if self.model.cuda_graphs and self.model._graphable(x1):
-            g = self.model.decode_graphs()  # the set the steps below capture into
+        if self.graphs is not None and self.graphs.graphable(x1):
+            g = self.graphs.decode_graphs()  # the set the steps below capture into
             positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
             self.log.info("decode: CUDA graphs, %d buckets", len({g.bucket(p) for p in positions}))
-        elif self.model.cuda_graphs:
+        elif self.graphs is not None:
             self.log.info("decode: eager (the graphs do not cover %s)", ", ".join(self.args.extras()) or "these weights")
         for pos in positions:
-            self.model.decode_token(x1, pos)
+            self.decoder.decode_token(x1, pos)
         mem.append(torch.cuda.memory_allocated(self.device))
         self.log.info("warm-up: GPU memory allocated %s bytes (loaded; after the chunks; after cuDNN's shapes; "
                       "after the decode steps)", " -> ".join(f"{m:,}" for m in mem))
@@ -312,7 +315,7 @@ class Stage:
         self._argmax_host = torch.empty((), dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.ahead = None  # (k, pos) of the decode step queued behind a GPU wait on this stage's bell
         self.ahead_seq = None  # the device address of this stage's bell seq word, when it queues steps ahead
-        graphs = self.model._graphs  # captured by the warm-up on a slice whose decode steps replay graphs
+        graphs = self.graphs and self.graphs.graphs  # captured by the warm-up on a slice whose steps replay graphs
         if spec.decode_ahead and self.bells is not None and self.pinned and graphs is not None and graphs.graphs:
             from strata import stream_wait
             word = self.bell_words[self.i, bells_mod.SEQ]
@@ -638,7 +641,7 @@ class Stage:
         self.copy_s += work_start - t_in
         self._inject(k)
         if n == 1:  # with cuda_graphs: layers, head and argmax in one replay
-            h, logits, am = self.model.decode_token(x, pos, fresh=False)  # copied out below, before the next step
+            h, logits, am = self.decoder.decode_token(x, pos, fresh=False)  # copied out below, before the next step
         else:
             h = self.model(x, pos, decode=True)
             logits = self.model.logits(h[0, -1]) if self.last else None
@@ -684,7 +687,7 @@ class Stage:
         bell and buffer and replays the step, and copies the output out, with no host step between the ring and
         the kernels. The host sees the same bell, checks it announces (k, pos), waits for the step and rings on.
         A step that does not come (the phase ends) is released by `_release_ahead`."""
-        graphs = self.model.decode_graphs()
+        graphs = self.graphs.decode_graphs()
         if pos >= min(self.spec.max_len, graphs.cache_len) or not graphs.captured(pos):
             return
         from strata import stream_wait
