@@ -172,7 +172,7 @@ def in_namespaces(a) -> int:
     argv = [x for x in sys.argv[1:] if x != "--netns"]
     with Netns(n) as ns:
         argv += ["--hosts", ",".join(["local"] + ns.names[1:]), "--listen", ns.addr(0), "--remote-command",
-                 "ip netns exec {host} {python} -m workers.stage --join {join} --key {key}"]
+                 "ip netns exec {host} {python} -m workers.join --join {join} --key {key}"]
         print(f"namespaces {ns.names} on one bridge ({ns.addr(0)} .. {ns.addr(n - 1)}): head and stage 0 in "
               f"{ns.names[0]}", flush=True)
         return subprocess.run(ns.exec(0) + [sys.executable, os.path.abspath(__file__), *argv]).returncode

@@ -22,7 +22,7 @@ WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized we
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn")  # the KV cache's dtype (issue 12); auto = dtype
 DECODE_WEIGHTS = ("auto", "none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
-REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.stage --join {join} --key {key}"
+REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.join --join {join} --key {key}"
 REMOTE_FIELDS = ("host", "python", "cwd", "join", "key", "stage")
 
 
@@ -396,7 +396,7 @@ def _check_remote(cfg: RigConfig) -> None:
                               + " ".join("{" + f + "}" for f in REMOTE_FIELDS) + ")")
         if not {"join", "key"} <= names:
             raise ConfigError("remote_command: must pass {join} and {key} to the stage, e.g. "
-                              "'ssh {host} {python} -m workers.stage --join {join} --key {key}' (or use: print)")
+                              "'ssh {host} {python} -m workers.join --join {join} --key {key}' (or use: print)")
     for i in remote:
         s = cfg.stages[i]
         if s.device != "cpu" and s.memory is None:

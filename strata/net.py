@@ -10,7 +10,7 @@ a wrong key, a wrong server key) fails the handshake and never gets a frame thro
 handshakes are counted from each socket's monitor and logged. The head binds only on the rig's
 `listen` address; a remote stage binds on its address that routes to the head.
 
-Joining. A remote stage is started as `python -m workers.stage --join tcp://HEAD:PORT --key KEY`
+Joining. A remote stage is started as `python -m workers.join --join tcp://HEAD:PORT --key KEY`
 (KEY: the head's public key and the stage's keypair, hex; `-` reads it from stdin). It connects a
 DEALER to the head's control ROUTER, says `join`, and gets its spec (msgpack, validated) and the
 prompt's token ids; the head knows which stage it is by the CURVE key it authenticated with.
@@ -446,4 +446,4 @@ def remote_argv(template: str, fields: dict) -> list[str]:
 def stage_command(python: str, join_endpoint: str, key: str) -> str:
     """The exact command that starts a remote stage by hand."""
     import shlex
-    return shlex.join([python, "-m", "workers.stage", "--join", join_endpoint, "--key", key])
+    return shlex.join([python, "-m", "workers.join", "--join", join_endpoint, "--key", key])

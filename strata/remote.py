@@ -18,7 +18,7 @@ from .config import RigConfig, split_listen
 from .errors import PipelineError
 from .net import HeadNet, PrintedStage, RemoteProc, curve_client, join_key, keypair, remote_argv, stage_command
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: a remote stage runs `-m workers.stage` from here
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: a remote stage runs `-m workers.join` from here
 log = logging.getLogger("strata.pipeline")
 
 

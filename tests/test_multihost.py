@@ -31,7 +31,7 @@ from strata import netns as NS
 
 HEARTBEAT = dict(heartbeat_s=0.5, heartbeat_timeout_s=3.0)
 EXIT_WITHIN = 10.0
-REMOTE = "ip netns exec {host} {python} -m workers.stage --join {join} --key {key}"
+REMOTE = "ip netns exec {host} {python} -m workers.join --join {join} --key {key}"
 
 
 # -- fixtures -------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def test_remote_command_print(tmp_path, ns):
     m = _wait_stderr(run, r"start it there.*\n  (.+)\n", 60)
     assert m, run.early_stderr
     argv = shlex.split(m[1])
-    assert argv[:4] == [sys.executable, "-m", "workers.stage", "--join"] and argv[5] == "--key", m[1]
+    assert argv[:4] == [sys.executable, "-m", "workers.join", "--join"] and argv[5] == "--key", m[1]
     by_hand = subprocess.Popen(ns.exec(1) + argv, cwd=str(REPO), stdout=subprocess.DEVNULL,
                                stderr=open(tmp_path / "by-hand.log", "w"))
     try:
@@ -349,7 +349,7 @@ def test_remote_stage_over_loopback(tmp_path):
     fails fails the run naming the stage and its host."""
     from strata.pipeline import Pipeline, PipelineError
     rig = make_rig(2, dump_residual=True, listen="127.0.0.1", **HEARTBEAT,
-                   remote_command="{python} -m workers.stage --join {join} --key {key}")
+                   remote_command="{python} -m workers.join --join {join} --key {key}")
     rig["stages"][1]["host"] = "loopback"
     want = _reference_md5(tmp_path, rig, "local")
     with Pipeline(rig, out=tmp_path / "lo", console=False) as p:
@@ -371,7 +371,7 @@ def test_remote_stage_needs_listen(tmp_path):
                                           r"'gpu-box-2'\)"):
         from_dict(rig)
     with pytest.raises(ConfigError, match=r"remote_command: must pass \{join\} and \{key\}"):
-        from_dict(dict(rig, listen="10.0.0.5", remote_command="ssh {host} python -m workers.stage"))
+        from_dict(dict(rig, listen="10.0.0.5", remote_command="ssh {host} python -m workers.join"))
     with pytest.raises(ConfigError, match=r"remote_command: unknown field \{hots\}"):
         from_dict(dict(rig, listen="10.0.0.5", remote_command="ssh {hots} {join} {key}"))
     assert from_dict(dict(rig, listen="10.0.0.5:7777")).stages[1].remote
@@ -382,6 +382,13 @@ def test_remote_stage_needs_listen(tmp_path):
 
 
 def test_stage_join_refuses_a_bad_key():
-    r = subprocess.run([PYTHON, "-m", "workers.stage", "--join", "tcp://127.0.0.1:9", "--key", "abc"],
+    r = subprocess.run([PYTHON, "-m", "workers.join", "--join", "tcp://127.0.0.1:9", "--key", "abc"],
                        capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert r.returncode == 2 and "--key" in r.stderr
+
+
+def test_the_old_remote_entry_says_where_it_moved():
+    """`-m workers.stage` (a rig's remote_command from before the move) exits with an error, not silently."""
+    r = subprocess.run([PYTHON, "-m", "workers.stage", "--join", "tcp://127.0.0.1:9", "--key", "abc"],
+                       capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert r.returncode == 1 and "python -m workers.join" in r.stderr

@@ -1,6 +1,9 @@
 """A stage on another host: join the head over tcp (CurveZMQ), get the spec, then run as a stage process.
 
-    python -m workers.stage --join tcp://HEAD:PORT --key KEY      (KEY: 192 hex digits, or - for stdin)
+    python -m workers.join --join tcp://HEAD:PORT --key KEY      (KEY: 192 hex digits, or - for stdin)
+
+The entry point lives here, not in workers/stage.py: the stage process (workers/bootstrap.py) imports the
+stage, and a stage that imported this module would close a circle.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from strata import net as N
 
 def main(argv: list[str] | None = None) -> int:
     """Join the head, get the spec, load the slice, serve (the process exits from run_stage_process)."""
-    ap = argparse.ArgumentParser(prog="python -m workers.stage", description="A Strata stage on another host: "
+    ap = argparse.ArgumentParser(prog="python -m workers.join", description="A Strata stage on another host: "
                                  "joins the head (CurveZMQ), gets its spec, loads its layers and serves chunks.")
     ap.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's join endpoint")
     ap.add_argument("--key", required=True, metavar="KEY", help="the run's key for this stage (printed by the head, "
@@ -49,3 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from .bootstrap import run_stage_process  # torch loads here, after the join: a bad key fails fast
     run_stage_process(spec, None, {"ids": ids, "clock_offset": offset, "watch": watch})
     return 0  # not reached: run_stage_process exits the process
+
+
+if __name__ == "__main__":
+    sys.exit(main())

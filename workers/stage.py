@@ -9,7 +9,7 @@ of the pipeline (the old join) before it takes its next input.
 Sockets are touched only here, in one thread; the model knows nothing of them. (A remote stage
 also has a heartbeat thread with a socket of its own: strata/net.py.) The process around a Stage
 (lifelines, logging, the failure report) is workers/bootstrap.py; a stage on another host joins
-the head through workers/join.py, started as `python -m workers.stage --join tcp://HEAD:PORT --key KEY`.
+the head through workers/join.py, started as `python -m workers.join --join tcp://HEAD:PORT --key KEY`.
 
 Across hosts the path is the same: a boundary whose ends are on different hosts is a `TcpLink`
 instead of a `ShmLink` (strata/transport.py), the rows travelling with the note.
@@ -820,6 +820,5 @@ def head_push(ctx, spec: M.StageJob):
     return s
 
 
-if __name__ == "__main__":  # a stage on another host: python -m workers.stage --join ... --key ...
-    from workers.join import main
-    sys.exit(main())
+if __name__ == "__main__":  # the remote entry point was here: an old remote_command fails loudly, not silently
+    sys.exit("error: a stage on another host starts with: python -m workers.join --join tcp://HEAD:PORT --key KEY")
