@@ -183,8 +183,8 @@ def test_two_stage_pipeline_gives_the_single_process_tokens(smol_path, tmp_path)
     assert len(stored) == 2 and sum(stored) == 7 * 30 + 1 and sorted(n % 7 for n in stored) == [0, 1]
 
 
-def test_default_rig_decodes_on_the_blocks(smol_path, tmp_path):
-    """A rig that does not name decode_weights (auto) takes the C steps on a quantized Llama-core file: the blocks
+def test_auto_decodes_on_the_blocks(smol_path, tmp_path):
+    """decode_weights: auto takes the C steps on a quantized Llama-core file: the blocks
     rig's tokens, the stage logs saying so; auto_kind names each reason it declines (a float model, resident
     weights, a family beyond the Llama core)."""
     import re
@@ -192,8 +192,8 @@ def test_default_rig_decodes_on_the_blocks(smol_path, tmp_path):
     from strata.sampling import SamplingParams
     args = model_args(smol_path)
     stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
-    with Pipeline(dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False),
-                  out=tmp_path / "p", console=False) as p:
+    with Pipeline(dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False,
+                       decode_weights="auto"), out=tmp_path / "p", console=False) as p:
         ids = p.prompt_ids(TEXT)
         got = p.generate(ids, SamplingParams(max_tokens=12))
     one = load_stage(smol_path, args, 0, args.n_layers, device="cpu", dtype=torch.float32, max_len=256,
