@@ -7,11 +7,11 @@ type name ("IQ3_S", any case) or `gguf.GGMLQuantizationType`; the result is floa
 """
 from __future__ import annotations
 
-import gguf
 import torch
 
 from . import blocks as blocks_mod, iq, mxfp4
 from .random import random_blocks
+from .types import block_size, qtype_of, type_size
 
 __all__ = ["DEQUANT", "MIXES", "SUPPORTED", "block_size", "dequantize", "mix_type", "qtype_of", "random_blocks",
            "type_size"]
@@ -42,31 +42,6 @@ LEGACY_FLAGS: dict[str, dict[str, bool]] = {"Q4_0": {"MIN": False, "FIVE": False
 
 # Blocks per kernel call: bounds the intermediates (a few bytes per weight) on big tensors.
 _CHUNK_WEIGHTS = {"cpu": 1 << 20, "cuda": 1 << 26}
-
-
-def qtype_of(qtype) -> gguf.GGMLQuantizationType:
-    """A type name (any case) or enum value -> `gguf.GGMLQuantizationType`; ValueError if unknown."""
-    if isinstance(qtype, gguf.GGMLQuantizationType):
-        return qtype
-    if isinstance(qtype, str):
-        try:
-            return gguf.GGMLQuantizationType[qtype.upper()]
-        except KeyError:
-            raise ValueError(f"unknown GGUF quantization type {qtype!r}") from None
-    try:
-        return gguf.GGMLQuantizationType(qtype)
-    except ValueError:
-        raise ValueError(f"unknown GGUF quantization type {qtype!r}") from None
-
-
-def block_size(qtype) -> int:
-    """Weights per block."""
-    return gguf.constants.GGML_QUANT_SIZES[qtype_of(qtype)][0]
-
-
-def type_size(qtype) -> int:
-    """Bytes per block."""
-    return gguf.constants.GGML_QUANT_SIZES[qtype_of(qtype)][1]
 
 
 def _supported(qtype) -> str:

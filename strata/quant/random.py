@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .types import block_size, qtype_of, type_size
+
 # Per type: the fp16 scale fields as (byte offset, multiple of the block's d). d sits first in
 # most blocks, last in Q2_K / Q3_K / Q6_K. A min field gets the multiple that centres the
 # block's weights near 0 (Q4_1/Q5_1 store -min; Q2_K/Q4_K/Q5_K subtract dmin * m).
@@ -42,7 +44,6 @@ def _iq1_m_d(b: torch.Tensor, d: torch.Tensor) -> None:
 
 def random_blocks(qtype, rows: int, cols: int, generator: torch.Generator, device="cpu") -> torch.Tensor:
     """uint8 `(rows, cols // block_size * type_size)`: random valid blocks, weights roughly N(0, 0.02)-sized."""
-    from . import block_size, qtype_of, type_size
     name = qtype_of(qtype).name
     bs, ts = block_size(name), type_size(name)
     if cols % bs:
