@@ -20,56 +20,18 @@
 # Steps already done (llama-bench built, the GGUF written) are skipped. DEADLINE (seconds since the start, default
 # 570) skips a step whose usual time would pass it: the call ends inside the device's 600 s and names what it left.
 # Logs and the peer JSON go to $OUT (the device's returned folder) or /tmp/q35-logs.
-set -o pipefail
-LL=${LL:-/tmp/ll}; LB=$LL/build/bin/llama-bench
 Q35=${Q35:-/tmp/q35-27b-q4km.gguf}
 PRESET=qwen3.5-27b
 LOG=${OUT:-/tmp/q35-logs}; mkdir -p "$LOG"
-DEADLINE=${DEADLINE:-570}
-export PYTHONUNBUFFERED=1
-t0=$(date +%s); el() { echo "=== [+$(( $(date +%s) - t0 )) s] $*"; }
-left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-# fits NAME SECONDS: true when the step's usual time still fits before DEADLINE, else says it was skipped
-fits() { if [ "$(left)" -ge "$2" ]; then return 0; fi; el "SKIPPED $1: needs ~$2 s, $(left) s left before the deadline"; return 1; }
-BUILD_PID=
+. "$(dirname "$0")/device_common.sh"  # el, left, fits, wheels, build, build_wait
 
 setup() {
-  local d
-  for d in zmq gguf fla einops; do
-    if [ ! -d "/tmp/site/$d" ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "wheel install failed"; exit 1; }
-      break
-    fi
-  done
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  wheels zmq gguf fla einops
   el "setup: $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))')"
   python3 -c 'import fla; from fla.ops.gated_delta_rule import chunk_gated_delta_rule; print("fla", fla.__version__)' 2>&1 \
     | tail -1
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
   df -h /tmp | tail -1
-}
-
-build() {
-  if [ -x "$LB" ]; then el "build: llama-bench already built"; return; fi
-  el "build: llama.cpp CUDA (background, nice 19)"
-  rm -rf "$LL" && mkdir -p "$LL" && tar xzf .peer/llama.tgz -C "$LL" || { echo "untar failed"; return 1; }
-  cmake -S "$LL" -B "$LL/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-    -DLLAMA_BUILD_APP=OFF > "$LOG/build.log" 2>&1 || { tail -20 "$LOG/build.log"; return 1; }
-  ( nice -n 19 timeout 480 cmake --build "$LL/build" -j "$(nproc)" --target llama-bench >> "$LOG/build.log" 2>&1
-    echo $? > "$LL/build.rc" ) &
-  BUILD_PID=$!
-}
-
-build_wait() {
-  if [ -n "$BUILD_PID" ]; then
-    el "waiting for the llama.cpp build"
-    wait "$BUILD_PID"
-    BUILD_PID=
-    el "build finished, rc $(cat "$LL/build.rc" 2>/dev/null)"; tail -2 "$LOG/build.log"
-  fi
-  [ -x "$LB" ] || { el "no llama-bench: the llama.cpp arms are left out"; return 1; }
 }
 
 tests() {
