@@ -162,23 +162,30 @@ def test_smollm2_uses_the_file_blocks_and_keeps_the_float32_answer(smol_path):
     assert _greedy(fast, ids, 24) == want
 
 
-def test_two_stage_pipeline_gives_the_single_process_tokens(smol_path, tmp_path):
-    """Stages hand the residual row between processes; the C steps on either side give one process's tokens."""
+def _two_stages_and_one(smol_path, tmp_path, decode_weights: str, n: int):
+    """SmolLM2 greedy on two CPU stages with `decode_weights` -> (their Result, one process's tokens with the C
+    steps, the stages' logs)."""
     from strata.pipeline import Pipeline
     from strata.sampling import SamplingParams
     args = model_args(smol_path)
     stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
     with Pipeline(dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False,
-                       decode_weights="blocks"), out=tmp_path / "p", console=False) as p:
+                       decode_weights=decode_weights), out=tmp_path / "p", console=False) as p:
         ids = p.prompt_ids(TEXT)
-        got = p.generate(ids, SamplingParams(max_tokens=16))
+        got = p.generate(ids, SamplingParams(max_tokens=n))
     one = load_stage(smol_path, args, 0, args.n_layers, device="cpu", dtype=torch.float32, max_len=256,
                      decode_weights="blocks")
-    assert got.continuation_ids == _greedy(one, torch.tensor([ids.tolist()]), 16)
-    assert got.report["decode_weights"] == "blocks"
+    logs = "".join(f.read_text() for f in (tmp_path / "p").rglob("*.log"))
+    return got, _greedy(one, torch.tensor([ids.tolist()]), n), logs
+
+
+def test_two_stage_pipeline_gives_the_single_process_tokens(smol_path, tmp_path):
+    """Stages hand the residual row between processes; the C steps on either side give one process's tokens."""
     import re
-    stored = [int(n) for f in (tmp_path / "p").rglob("*.log")
-              for n in re.findall(r"decode_weights=blocks: (\d+) matrices as stored, 0 quantized", f.read_text())]
+    got, want, logs = _two_stages_and_one(smol_path, tmp_path, "blocks", 16)
+    assert got.continuation_ids == want
+    assert got.report["decode_weights"] == "blocks"
+    stored = [int(n) for n in re.findall(r"decode_weights=blocks: (\d+) matrices as stored, 0 quantized", logs)]
     # each stage its layers' matrices (the planner's split), the last one the head too
     assert len(stored) == 2 and sum(stored) == 7 * 30 + 1 and sorted(n % 7 for n in stored) == [0, 1]
 
@@ -188,20 +195,11 @@ def test_auto_decodes_on_the_blocks(smol_path, tmp_path):
     rig's tokens, the stage logs saying so; auto_kind names each reason it declines (a float model, resident
     weights, a family beyond the Llama core)."""
     import re
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
-    args = model_args(smol_path)
-    stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
-    with Pipeline(dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False,
-                       decode_weights="auto"), out=tmp_path / "p", console=False) as p:
-        ids = p.prompt_ids(TEXT)
-        got = p.generate(ids, SamplingParams(max_tokens=12))
-    one = load_stage(smol_path, args, 0, args.n_layers, device="cpu", dtype=torch.float32, max_len=256,
-                     decode_weights="blocks")
-    assert got.continuation_ids == _greedy(one, torch.tensor([ids.tolist()]), 12)
-    logs = "".join(f.read_text() for f in (tmp_path / "p").rglob("*.log"))
+    got, want, logs = _two_stages_and_one(smol_path, tmp_path, "auto", 12)
+    assert got.continuation_ids == want
     assert len(re.findall(r"decode_weights=auto: blocks \(the file's blocks in C\)", logs)) == 2
     assert len(re.findall(r"decode_weights=blocks: \d+ matrices as stored", logs)) == 2
+    args = model_args(smol_path)
     assert cd.auto_kind(args, False, "dequantized") == ("none", "float weights (blocks would round them to 8 bits)")
     assert cd.auto_kind(args, True, "resident")[0] == "none"
     gemma = ModelArgs(arch="gemma3", vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32,
