@@ -62,7 +62,7 @@ def run_steps(m, dev, pos: int, steps: int, first, greedy: bool, mode: str) -> t
             continue
         h = step(x, pos + i, decode=decode)
         if m.has_head:
-            lg = m.logits(h[0, -1])
+            lg = m.logits(h[0, -1], decode=True)
             tok = int(lg.argmax())
             ids.append(tok)
             logits.append(lg)
@@ -186,7 +186,7 @@ def check(m, a, dev) -> None:
         m.set_decode_weights(kind)
         worst = 0.0
         for i, tok in enumerate(ref[:-1]):
-            lg = m.logits(m(torch.tensor([[tok]], device=dev), n + i)[0, -1])
+            lg = m.logits(m(torch.tensor([[tok]], device=dev), n + i)[0, -1], decode=True)
             worst = max(worst, float((lg - ref_lg[i]).abs().max() / ref_lg[i].abs().max()))
         same = next((i for i, (x, y) in enumerate(zip(ref, toks)) if x != y), None)
         print(f"  {kind}: max relative logit difference {worst:.2e}; greedy {len(ref)} tokens "

@@ -81,12 +81,11 @@ class RigConfig:
     max_context: int | None = None          # prompt + generated tokens any prefill / generate may use: the ids
                                             # buffer and every stage's KV cache are sized for it once (default:
                                             # the model's context, halved until each stage's memory holds it)
-    decode_weights: str = field(default="none", metadata={"choices": DECODE_WEIGHTS})  # CPU stages: narrower
-                                            # weight-only copies for decode steps (prefill keeps the dense ones);
-                                            # auto: blocks for a quantized Llama-core file where a C compiler is
-                                            # found, else none (strata.cpu_decode.auto_kind; the log says which).
-                                            # Not the default yet: the C head also makes a prefill's last logits
-                                            # (Transformer.logits on one row), which then leave the dense bits
+    decode_weights: str = field(default="auto", metadata={"choices": DECODE_WEIGHTS})  # CPU stages: narrower
+                                            # weight-only copies for decode steps (a prefill, its last logits
+                                            # included, keeps the dense ones); auto: blocks for a quantized
+                                            # Llama-core file where a C compiler is found, else none
+                                            # (strata.cpu_decode.auto_kind; the log says which)
     cuda_graphs: bool = True                # CUDA stages: replay a captured graph for each one-token step
     perplexity: bool = True                 # mean NLL of the prompt, computed on the last stage
     dump_residual: bool = False             # write residual.npy (after the last layer) and its md5

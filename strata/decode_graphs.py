@@ -283,7 +283,7 @@ class DecodeGraphs:
         m = self.m
         w = m.head.weight
         if not self.fused or isinstance(w, Packed) or m.decode_weights is not None or m.norm.upcast:
-            return m.logits(h)  # (its final softcap included)
+            return m.logits(h, decode=True)  # (its final softcap included)
         from strata.decode_gemv import matvec
         from strata.decode_kernels import rms_norm
         out = matvec(rms_norm(h, m.norm.weight, m.norm.eps), w).float()

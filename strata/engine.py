@@ -179,7 +179,8 @@ class LocalEngine(_ModelText):
                 if count == limit:
                     break
                 # the generated token joins the cache: a follow-up prompt that contains it reuses it
-                logits = self.net.logits(self.net(torch.tensor([[tok]], device=self.device), len(self.kept))[0, -1])
+                logits = self.net.logits(self.net(torch.tensor([[tok]], device=self.device), len(self.kept))[0, -1],
+                                          decode=True)
                 self.kept.append(tok)
             t2 = time.perf_counter()
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:

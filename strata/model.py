@@ -574,12 +574,16 @@ class Transformer(nn.Module):
         return h
 
     @torch.inference_mode()
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and head over residual rows (..., dim) -> float32 logits (..., vocab)."""
-        if self._blocks is not None and h.numel() == h.shape[-1]:
+    def logits(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """Final norm and head over residual rows (..., dim) -> float32 logits (..., vocab).
+
+        decode: the rows come from decode steps, so the narrower head of `set_decode_weights` may make them. A
+        prefill's logits (its last row, the perplexity's rows) always take the dense head: decode weights never
+        move a prefill's bits."""
+        if decode and self._blocks is not None and h.numel() == h.shape[-1]:
             return self._blocks.logits(h.reshape(-1))[0].view(*h.shape[:-1], -1)
         hw = self._head_weight_only
-        if hw is not None and h.numel() <= DECODE_T * h.shape[-1]:  # decode rows: one fused norm op
+        if decode and hw is not None and h.numel() <= DECODE_T * h.shape[-1]:  # one fused norm op
             out = hw(self.norm.rows(h).float()).float()
         else:
             out = self.head(self.norm(h)).float()
@@ -677,7 +681,7 @@ class Transformer(nn.Module):
         h = self._run(x, pos, True)
         if not self.has_head:
             return h, None, None
-        logits = self.logits(h[0, -1])
+        logits = self.logits(h[0, -1], decode=True)
         return h, logits, logits.argmax()
 
     @torch.inference_mode()

@@ -162,15 +162,17 @@ def test_smollm2_uses_the_file_blocks_and_keeps_the_float32_answer(smol_path):
     assert _greedy(fast, ids, 24) == want
 
 
-def _two_stages_and_one(smol_path, tmp_path, decode_weights: str, n: int):
-    """SmolLM2 greedy on two CPU stages with `decode_weights` -> (their Result, one process's tokens with the C
-    steps, the stages' logs)."""
+def _two_stages_and_one(smol_path, tmp_path, decode_weights: str | None, n: int):
+    """SmolLM2 greedy on two CPU stages with `decode_weights` (None: the rig does not name it) -> (their Result,
+    one process's tokens with the C steps, the stages' logs)."""
     from strata.pipeline import Pipeline
     from strata.sampling import SamplingParams
     args = model_args(smol_path)
     stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
-    with Pipeline(dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False,
-                       decode_weights=decode_weights), out=tmp_path / "p", console=False) as p:
+    rig = dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False)
+    if decode_weights is not None:
+        rig["decode_weights"] = decode_weights
+    with Pipeline(rig, out=tmp_path / "p", console=False) as p:
         ids = p.prompt_ids(TEXT)
         got = p.generate(ids, SamplingParams(max_tokens=n))
     one = load_stage(smol_path, args, 0, args.n_layers, device="cpu", dtype=torch.float32, max_len=256,
@@ -190,12 +192,12 @@ def test_two_stage_pipeline_gives_the_single_process_tokens(smol_path, tmp_path)
     assert len(stored) == 2 and sum(stored) == 7 * 30 + 1 and sorted(n % 7 for n in stored) == [0, 1]
 
 
-def test_auto_decodes_on_the_blocks(smol_path, tmp_path):
-    """decode_weights: auto takes the C steps on a quantized Llama-core file: the blocks
+def test_default_rig_decodes_on_the_blocks(smol_path, tmp_path):
+    """A rig that does not name decode_weights (auto) takes the C steps on a quantized Llama-core file: the blocks
     rig's tokens, the stage logs saying so; auto_kind names each reason it declines (a float model, resident
     weights, a family beyond the Llama core)."""
     import re
-    got, want, logs = _two_stages_and_one(smol_path, tmp_path, "auto", 12)
+    got, want, logs = _two_stages_and_one(smol_path, tmp_path, None, 12)
     assert got.continuation_ids == want
     assert len(re.findall(r"decode_weights=auto: blocks \(the file's blocks in C\)", logs)) == 2
     assert len(re.findall(r"decode_weights=blocks: \d+ matrices as stored", logs)) == 2

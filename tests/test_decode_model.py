@@ -176,7 +176,7 @@ def test_weight_only_decode_leaves_prefill_alone():
     assert torch.equal(plain(ids[:, :140], 0), wq(ids[:, :140], 0))  # prefill: the dense path, same bits
     for p in range(140, 150):
         a, b = plain(ids[:, p:p + 1], p), wq(ids[:, p:p + 1], p)
-        la, lb = plain.logits(a[0, -1]), wq.logits(b[0, -1])
+        la, lb = plain.logits(a[0, -1]), wq.logits(b[0, -1], decode=True)
         assert 0 < rel(lb, la) < 0.1  # different kernels (not silently the dense path), close logits
     assert wq.set_decode_weights(None) == 0 and wq.decode_weights is None
     with pytest.raises(ValueError, match="unknown decode_weights"):

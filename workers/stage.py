@@ -644,7 +644,7 @@ class Stage:
             h, logits, am = self.decoder.decode_token(x, pos, fresh=False)  # copied out below, before the next step
         else:
             h = self.model(x, pos, decode=True)
-            logits = self.model.logits(h[0, -1]) if self.last else None
+            logits = self.model.logits(h[0, -1], decode=True) if self.last else None
             am = logits.argmax() if self.last else None
         if self.last:
             out = logits
