@@ -56,7 +56,10 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def auto_kind(args, quantized: bool, weights: str) -> tuple[str, str]:
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes the C attention reads
+
+
+def auto_kind(args, quantized: bool, weights: str, kv_dtype: torch.dtype = torch.float32) -> tuple[str, str]:
     """`decode_weights: auto` on a CPU stage -> ("blocks" or "none", why): the C decoder where it multiplies the
     file's own blocks (a quantized file, dequantized for the prefill, a Llama-core model, a C compiler found;
     SmolLM2 on 2 stages: 13.7 -> 112.5 tok/s), else the dense weights. A float model stays dense: blocks would
@@ -67,6 +70,8 @@ def auto_kind(args, quantized: bool, weights: str) -> tuple[str, str]:
         return "none", f"weights {weights} (the C decoder reads a dequantized slice's blocks beside it)"
     if args.extras():
         return "none", f"the C decoder implements the Llama core; {args.arch} uses {', '.join(args.extras())}"
+    if kv_dtype not in KV_DTYPES:
+        return "none", f"kv_dtype {str(kv_dtype).removeprefix('torch.')} (the C decoder reads a float32 or bfloat16 cache)"
     try:
         library()
     except BuildError as e:
@@ -260,7 +265,7 @@ class Decoder:
             kc, vc = blk.attn.k_cache, blk.attn.v_cache
             if kc is None:
                 raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
-            if kc.dtype not in (torch.float32, torch.bfloat16) or not (kc.is_contiguous() and vc.is_contiguous()):
+            if kc.dtype not in KV_DTYPES or not (kc.is_contiguous() and vc.is_contiguous()):
                 raise ValueError(f"decode_weights=blocks reads a contiguous float32 or bfloat16 KV cache, not {kc.dtype}")
             layer.k_cache, layer.v_cache = kc.data_ptr(), vc.data_ptr()
             max_len, bits = kc.shape[2], 16 if kc.dtype == torch.bfloat16 else 32

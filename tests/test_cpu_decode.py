@@ -204,10 +204,27 @@ def test_default_rig_decodes_on_the_blocks(smol_path, tmp_path):
     args = model_args(smol_path)
     assert cd.auto_kind(args, False, "dequantized") == ("none", "float weights (blocks would round them to 8 bits)")
     assert cd.auto_kind(args, True, "resident")[0] == "none"
+    assert cd.auto_kind(args, True, "dequantized", torch.float8_e4m3fn) == (
+        "none", "kv_dtype float8_e4m3fn (the C decoder reads a float32 or bfloat16 cache)")
+    assert cd.auto_kind(args, True, "dequantized", torch.bfloat16)[0] == "blocks"
     gemma = ModelArgs(arch="gemma3", vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32,
                       ffn_dim=64, norm_offset=1.0)
     kind, why = cd.auto_kind(gemma, True, "dequantized")
     assert kind == "none" and why.startswith("the C decoder implements the Llama core; gemma3 uses")
+
+
+def test_default_rig_with_an_8_bit_cache_decodes_dense(smol_path, tmp_path):
+    """The C decoder reads float32 / bfloat16 caches only: with kv_dtype float8_e4m3fn and no decode_weights key the
+    stages decode densely (they failed at load while auto picked the blocks), the stage log naming why."""
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
+    with Pipeline(dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False,
+                       kv_dtype="float8_e4m3fn"), out=tmp_path / "p", console=False) as p:
+        got = p.generate(p.prompt_ids(TEXT), SamplingParams(max_tokens=4))
+    assert len(got.continuation_ids) == 4
+    logs = "".join(f.read_text() for f in (tmp_path / "p").rglob("*.log"))
+    assert logs.count("decode_weights=auto: none (kv_dtype float8_e4m3fn (the C decoder reads") == 2
 
 
 def test_refusals_are_one_line(monkeypatch):

@@ -186,9 +186,11 @@ class Stage:
         self.weights = weights_mode(spec.model, self.device.type, spec.weights, args)
         cpu_decode = spec.decode_weights if spec.decode_weights != "none" and self.device.type == "cpu" else None
         if cpu_decode == "auto":
+            from strata.attention import kv_dtype_of
             from strata.checkpoint import has_quantized
             from strata.cpu_decode import auto_kind
-            kind, why = auto_kind(args, has_quantized(spec.model, args), self.weights)
+            kind, why = auto_kind(args, has_quantized(spec.model, args), self.weights,
+                                  kv_dtype_of(spec.kv_dtype, self.dtype))
             self.log.info("decode_weights=auto: %s (%s)", kind, why)
             cpu_decode = None if kind == "none" else kind
         if cpu_decode == "blocks":
