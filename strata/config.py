@@ -73,7 +73,9 @@ class RigConfig:
     kv_dtype: str = field(default="auto", metadata={"choices": KV_DTYPES})   # KV cache dtype (see issue 12)
     stages: tuple[StageSpec, ...] | str = "auto"   # list of stages, or "auto"
     layer_split: tuple[int, ...] | str = "auto"     # layer counts per stage, or "auto"
-    chunk: int = 512                        # tokens per chunk (the largest, with dynamic chunks)
+    chunk: int | str = "auto"               # tokens per chunk (the largest, with dynamic chunks); auto: the
+                                            # planner's, the largest that fits every stage's memory up to what
+                                            # keeps the pipeline full (strata.plan.preferred_chunk)
     dynamic_chunks: bool = False            # size later chunks so each costs what the first does
     depth: int = 1                          # chunks in flight below a stage: 1 overlap, 0 the old join
     prompt: PromptSpec = field(default_factory=lambda: PromptSpec(text="The capital of France is"))
@@ -205,6 +207,12 @@ def _stages(name: str, s):
     raise ConfigError(f"stages: expected 'auto' or a non-empty list of {{device, threads?}}, got {s!r}")
 
 
+def _chunk(name: str, c):
+    if c == "auto" or (isinstance(c, int) and not isinstance(c, bool)):
+        return c
+    raise ConfigError(f"chunk: expected 'auto' or a number of tokens, got {c!r}")
+
+
 def _layer_split(name: str, ls):
     if ls == "auto":
         return "auto"
@@ -217,8 +225,8 @@ def _layer_split(name: str, ls):
 
 # fields whose type is not a plain scalar: every one of them has its parser here
 _PARSERS = {
-    RigConfig: {"stages": _stages, "layer_split": _layer_split, "prompt": _sub(PromptSpec, {"random": _random}),
-                "debug": _sub(DebugSpec)},
+    RigConfig: {"stages": _stages, "layer_split": _layer_split, "chunk": _chunk,
+                "prompt": _sub(PromptSpec, {"random": _random}), "debug": _sub(DebugSpec)},
     PromptSpec: {"random": _random},
     StageSpec: {},
     DebugSpec: {},
@@ -327,7 +335,7 @@ def _check_values(cfg: RigConfig) -> None:
         raise ConfigError(
             f"depth {cfg.depth} refused: a stage owns one set of chunk buffers, so at most one chunk may be "
             "in flight below it (1 = overlap, 0 = the old full join)")
-    if cfg.chunk <= 0:
+    if cfg.chunk != "auto" and cfg.chunk <= 0:
         raise ConfigError(f"chunk: must be a positive number of tokens, got {cfg.chunk}")
     if cfg.generate < 0:
         raise ConfigError(f"generate: must be >= 0, got {cfg.generate}")

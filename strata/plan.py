@@ -187,18 +187,24 @@ def build_plan(cfg: RigConfig) -> Plan:
         what = "max_context" if cfg.max_context else "the model's context"
         raise ConfigError(f"prompt: {ids.size} tokens + {cfg.generate} generated exceeds {what} "
                           f"of {limit} tokens (cut it with prompt.max_tokens)")
-    schedule = chunk_schedule(int(ids.size), cfg.chunk, cfg.dynamic_chunks, args)
     cores = assign_cores(stages)
     # the buffers and KV are sized once for max_context: a default one is halved until every stage holds it
     while True:
-        max_chunk = min(cfg.chunk, limit)  # any later prompt's largest chunk
+        if cfg.chunk == "auto":  # the preferred chunk, then smaller ones (before a default context is halved)
+            top = preferred_chunk(stages, int(ids.size))
+            chunks = chunk_ladder(top, 64 if cfg.max_context is not None else max(64, top // 8))
+        else:
+            chunks = [cfg.chunk]
+        chunks = list(dict.fromkeys(min(c, limit) for c in chunks))  # any later prompt's largest chunk
         try:
-            split, planner = choose_split(cfg, args, stages, cores, int(ids.size), limit, max_chunk)
+            split, planner = choose_split(cfg, args, stages, cores, int(ids.size), limit, chunks)
             break
         except ConfigError:
             if cfg.max_context is not None or limit <= total:
                 raise
             limit = max(limit // 2, int(total))
+    max_chunk = planner["chunk"]
+    schedule = chunk_schedule(int(ids.size), max_chunk, cfg.dynamic_chunks, args)
     plans, a = [], 0
     for i, (s, n) in enumerate(zip(stages, split)):
         plans.append(StagePlan(i, s.device, a, a + n, s.threads, cores[i], s.speed, s.memory, s.host))
@@ -207,9 +213,35 @@ def build_plan(cfg: RigConfig) -> Plan:
     return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner, limit, timings)
 
 
+CUDA_CHUNK = 8192  # a CUDA stage's preferred chunk: its GEMMs run near peak from a few thousand rows, and the
+                   # 8B's prefill on one H200 measured ~12k tok/s at 10,240 (BENCHMARKS.md)
+CPU_CHUNK = 512    # a CPU stage's: its time per token barely falls past a few hundred rows
+FILL_CHUNKS = 4    # chunks per stage that keep a pipeline of N stages busy: N*C / (C + N - 1) is 0.8 N at C = 4 N
+
+
+def preferred_chunk(stages, prompt_tokens: int) -> int:
+    """`chunk: auto` before memory: the device's preferred chunk, cut (in steps of 256) so the configured prompt
+    makes FILL_CHUNKS chunks per stage when there are several stages, since fewer leave stages idle."""
+    top = CPU_CHUNK if all(s.device == "cpu" for s in stages) else CUDA_CHUNK
+    if len(stages) > 1:
+        top = min(top, max(256, prompt_tokens // (FILL_CHUNKS * len(stages)) // 256 * 256))
+    return top
+
+
+def chunk_ladder(top: int, floor: int) -> list[int]:
+    """top, then halvings (multiples of 64) down to floor: the chunks `chunk: auto` tries, largest first."""
+    out, c = [top], top
+    while c // 2 >= floor:
+        c = max(64, c // 2 // 64 * 64)
+        out.append(c)
+    return list(dict.fromkeys(out))
+
+
 def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: int, kv_tokens: int,
-                 max_chunk: int) -> tuple[list[int], dict]:
-    """The layer split (auto: planned; else the rig's, checked) and how it was chosen, for the report.
+                 chunks: list[int]) -> tuple[list[int], dict]:
+    """The layer split (auto: planned; else the rig's, checked) at the first of `chunks` (largest first) that
+    fits every stage, and how it was chosen, for the report (its "chunk": the one taken). When none fits, the
+    refusal says what would: a smaller chunk, a shorter max_context, an 8-bit KV cache.
 
     Memory caps: the rig's `memory:`, else a CUDA device's free memory now, else none per CPU
     stage (all CPU stages together are checked against the host's available memory). Speeds: the
@@ -222,7 +254,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         raise ConfigError(f"stages: speed is given for stage(s) {given} but not for all {n}: give it for every "
                           "stage (relative speeds) or for none (then it is calibrated)")
     try:
-        facts = stage_facts(stages, cores, args, cfg.dtype, max_chunk, kv_tokens, prompt_tokens,
+        facts = stage_facts(stages, cores, args, cfg.dtype, chunks[0], kv_tokens, prompt_tokens,
                             want_speed=auto, with_head=cfg.perplexity)
     except CalibrationError as e:
         raise ConfigError(f"{e} (give every stage `speed:` and, on CUDA, `memory:` to skip the probes)") from None
@@ -233,23 +265,34 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     store = {kind: storage(cfg.model, args, cfg.dtype, cfg.weights, cfg.kv_dtype, kind) for kind in {
         "cpu" if h else "cuda" for h in host}}
     per_stage = [store["cpu" if h else "cuda"] for h in host]
-    kw = dict(with_head=cfg.perplexity, labels=labels, cap_notes=facts.cap_notes, attention=cfg.attention,
-              storage=per_stage)
-    if auto:
-        try:
-            split = plan_split(args, n, facts.speeds, facts.caps, kv_tokens, max_chunk, cfg.dtype, host,
-                               prompt_tokens=prompt_tokens, **kw)
-        except PlanError as e:
-            raise ConfigError(str(e)) from None
+    if not auto:
+        if len(cfg.layer_split) != n:
+            raise ConfigError(f"layer_split: {len(cfg.layer_split)} entries for {n} stages")
+        if sum(cfg.layer_split) != args.n_layers:
+            raise ConfigError(f"layer_split: {list(cfg.layer_split)} sums to {sum(cfg.layer_split)}, the model has "
+                              f"{args.n_layers} layers")
+
+    def fit(chunk: int, tokens: int = kv_tokens, st=per_stage) -> tuple[list[int] | None, str]:
+        """(the split, "") when every stage holds `tokens` KV positions at `chunk`, else (None, why not)."""
+        kw = dict(with_head=cfg.perplexity, labels=labels, cap_notes=facts.cap_notes, attention=cfg.attention,
+                  storage=st)
+        if auto:
+            try:
+                return plan_split(args, n, facts.speeds, facts.caps, tokens, chunk, cfg.dtype, host,
+                                  prompt_tokens=prompt_tokens, **kw), ""
+            except PlanError as e:
+                return None, str(e)
+        err = check_split(args, list(cfg.layer_split), facts.caps, tokens, chunk, cfg.dtype, host, **kw)
+        return (None, err) if err else (list(cfg.layer_split), "")
+
+    for max_chunk in chunks:
+        split, err = fit(max_chunk)
+        if split is not None:
+            break
     else:
-        split = list(cfg.layer_split)
-        if len(split) != n:
-            raise ConfigError(f"layer_split: {len(split)} entries for {n} stages")
-        if sum(split) != args.n_layers:
-            raise ConfigError(f"layer_split: {split} sums to {sum(split)}, the model has {args.n_layers} layers")
-        err = check_split(args, split, facts.caps, kv_tokens, max_chunk, cfg.dtype, host, **kw)
-        if err:
-            raise ConfigError(err)
+        raise ConfigError(err + would_fit(fit, chunks[-1], kv_tokens, cfg.kv_dtype,
+                                          lambda kv: [storage(cfg.model, args, cfg.dtype, cfg.weights, kv,
+                                                              "cpu" if h else "cuda") for h in host]))
     needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention,
                         storage=per_stage)
     cpu = [i for i in range(n) if host[i] and not stages[i].remote]
@@ -270,6 +313,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     total = sum(predicted) or 1.0
     planner = {
         "split": split, "mode": "auto" if auto else "given", "speeds_from": facts.source,
+        "chunk": max_chunk, "chunk_from": "auto" if cfg.chunk == "auto" else "rig",
         "unit": "s" if facts.source == "calibrated" else "relative",
         "predicted": predicted, "predicted_share": [t / total for t in predicted],
         "speeds": [Speed.of(s).as_dict() for s in facts.speeds],
@@ -280,4 +324,24 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     return split, planner
 
 
-__all__ = ["Plan", "StagePlan", "build_plan", "chunk_schedule", "even_split", "load_prompt"]
+def would_fit(fit, chunk: int, tokens: int, kv_dtype: str, storage_at) -> str:
+    """A refusal's suggestion: "; would fit: ..." naming the largest smaller chunk that fits, the longest
+    max_context at `chunk`, and an 8-bit KV cache if that alone fits ("" when nothing does). fit(chunk, tokens,
+    storage) -> (split or None, why); storage_at(kv_dtype) -> each stage's storage at that KV dtype."""
+    out = []
+    smaller = next((c for c in chunk_ladder(chunk, 64)[1:] if fit(c)[0] is not None), None)
+    if smaller is not None:
+        out.append(f"chunk {smaller}")
+    lo, hi = 0, tokens - 1  # the longest context that fits at this chunk, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if mid >= chunk and fit(chunk, mid)[0] is not None else (lo, mid - 1)
+    if lo >= chunk:
+        out.append(f"max_context {lo} at chunk {chunk}")
+    if kv_dtype != "float8_e4m3fn" and fit(chunk, tokens, storage_at("float8_e4m3fn"))[0] is not None:
+        out.append("kv_dtype float8_e4m3fn")
+    return f"; would fit: {', or '.join(out)}" if out else ""
+
+
+__all__ = ["Plan", "StagePlan", "build_plan", "chunk_ladder", "chunk_schedule", "even_split", "load_prompt",
+           "preferred_chunk"]

@@ -118,7 +118,7 @@ def build_report(p, seconds: float, ppl, cont, text, ids=None, schedule=None, re
         "tokens": tokens, "reused_tokens": reused, "prefilled_tokens": computed, "max_context": plan.max_len,
         "seconds": seconds, "tok_s": computed / seconds if seconds else 0.0,
         "timing": cfg.timing,  # the console shows the timing table and busy histogram only when set
-        "depth": cfg.depth, "chunk": cfg.chunk, "chunks": len(schedule),
+        "depth": cfg.depth, "chunk": plan.max_chunk, "chunks": len(schedule),
         "dynamic_chunks": cfg.dynamic_chunks, "schedule": [list(x) for x in schedule],
         "model": cfg.model, "dtype": cfg.dtype, "stages": stages,
         "split": [s.end - s.start for s in plan.stages], "planner": planner,

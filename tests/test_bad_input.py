@@ -77,8 +77,8 @@ def test_unknown_key_suggests_nearest(tmp_path, capsys, rig_over, sets, expect):
 
 
 @pytest.mark.parametrize("rig_over, expect", [
-    ({"chunk": "big"}, "chunk: expected an integer, got 'big'"),
-    ({"chunk": 64.5}, "chunk: expected an integer, got 64.5"),
+    ({"chunk": "big"}, "chunk: expected 'auto' or a number of tokens, got 'big'"),
+    ({"chunk": 64.5}, "chunk: expected 'auto' or a number of tokens, got 64.5"),
     ({"timing": 3}, "timing: expected true or false, got 3"),
     ({"stages": 3}, "stages: expected 'auto' or a non-empty list of {device, threads?}, got 3"),
     ({"stages": [{"device": "cpu", "threads": "two"}]}, "stages[0].threads: expected an integer, got 'two'"),

@@ -324,6 +324,44 @@ def test_build_plan_memory_cap_moves_layers():
     assert pl["probes"] == [] and pl["calibration_s"] == 0.0
 
 
+def test_chunk_auto_takes_the_largest_chunk_that_fits():
+    """chunk: auto starts at the preferred chunk (CPU stages 512, cut to 4 chunks a stage for this 512-token
+    prompt: 256) and takes the largest of its halvings that every stage holds."""
+    from strata.plan import chunk_ladder, preferred_chunk
+    from strata.config import StageSpec
+    cpu2, gpu = [StageSpec("cpu"), StageSpec("cpu")], [StageSpec("cuda:0")]
+    assert preferred_chunk(cpu2, 512) == 256 and preferred_chunk(cpu2, 100_000) == 512
+    assert preferred_chunk(gpu, 100) == 8192 and preferred_chunk(gpu * 4, 122_880) == 7680
+    assert chunk_ladder(8192, 1024) == [8192, 4096, 2048, 1024] and chunk_ladder(256, 64) == [256, 128, 64]
+    stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
+    free = build_plan(from_dict(rig(chunk="auto", max_context=512, layer_split=[4, 4], stages=stages)))
+    assert free.max_chunk == 256 and free.planner["chunk"] == 256 and free.planner["chunk_from"] == "auto"
+    assert [n for _, n in free.schedule] == [256, 256]
+    cap = stage_need(PRESETS["smoke"], 4, 8, 512, 128, "float32", True).total  # 128 fits stage 1, 256 does not
+    assert stage_need(PRESETS["smoke"], 4, 8, 512, 256, "float32", True).total > cap
+    capped = [stages[0], {**stages[1], "memory": cap}]
+    plan = build_plan(from_dict(rig(chunk="auto", max_context=512, layer_split=[4, 4], stages=capped)))
+    assert plan.max_chunk == 128 and [n for _, n in plan.schedule] == [128] * 4
+    assert plan.planner["needs"][1]["total"] == cap
+
+
+def test_refusal_says_what_would_fit():
+    """A given chunk over a stage's cap: the refusal names the largest smaller chunk that fits, the longest
+    max_context at the given chunk (by bisection: one more position would not fit), and the 8-bit cache."""
+    args = PRESETS["smoke"]
+    cap = stage_need(args, 4, 8, 384, 256, "float32", True).total  # 384 positions at chunk 256, not 512
+    stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "memory": cap}]
+    with pytest.raises(ConfigError) as ei:
+        build_plan(from_dict(rig(chunk=256, max_context=512, layer_split=[4, 4], stages=stages)))
+    msg = str(ei.value)
+    assert msg.startswith("stage 1 (cpu, 1 thread) (layers 4-7) needs"), msg
+    longest = int(msg.split("or max_context ")[1].split(" ")[0])
+    assert 384 <= longest < 512
+    assert stage_need(args, 4, 8, longest, 256, "float32", True).total <= cap
+    assert stage_need(args, 4, 8, longest + 1, 256, "float32", True).total > cap
+    assert msg.endswith(f"; would fit: chunk 128, or max_context {longest} at chunk 256, or kv_dtype float8_e4m3fn")
+
+
 def test_build_plan_rig_speeds():
     plan = build_plan(from_dict(rig(perplexity=False, stages=[{"device": "cpu", "threads": 1, "speed": 3.0},
                                                               {"device": "cpu", "threads": 1, "speed": 1.0}])))
