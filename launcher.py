@@ -22,7 +22,8 @@ _EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 class Stopped(BaseException):
-    """SIGINT or SIGTERM while no stage runs (before the pipeline exists, or after it closed)."""
+    """SIGINT or SIGTERM while no stage runs (before the pipeline exists, or after it closed); with --serve,
+    also while the stages load, and once uvicorn has drained and raised the signal again."""
 
     def __init__(self, signum):
         super().__init__(signum)
@@ -74,17 +75,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(a) -> int:
-    """The stages stay up; uvicorn owns SIGINT / SIGTERM (drain, close the stages, exit)."""
+    """The stages stay up; uvicorn owns SIGINT / SIGTERM while it serves (drain, close the stages), then raises
+    the signal again, into this process's own handler: the head ends its helper processes (the fork server, the
+    resource tracker) before it exits 130 / 143. Dying of the re-raised signal left those to a supervisor for a
+    second or two. Before uvicorn runs (loading), the handler stops the start as a run's does."""
     from strata.config import ConfigError, load
     from strata.engine import pipeline_engine
     from strata.errors import PipelineError
     from strata.server import run_server
     from strata.checkpoint import ModelError
+    loaded = []
+
+    def on_signal(signum, frame):
+        raise Stopped(signum)
+
+    def engine(c):
+        e = pipeline_engine(c, out=a.out)
+        loaded.append(True)
+        return e
+    old = {s: signal.signal(s, on_signal) for s in _EXIT}
     try:
         cfg = load(a.config, a.overrides)
         _fork_cpu_stages(cfg)  # CPU stages (and their restarts after a failure) forked ready-made, as in a run
-        return run_server(cfg, engine_factory=lambda c: pipeline_engine(c, out=a.out), host=a.host, port=a.port,
-                          api_key=a.api_key)
+        return run_server(cfg, engine_factory=engine, host=a.host, port=a.port, api_key=a.api_key)
+    except Stopped as e:
+        if not loaded:
+            print(f"error: stopped by {signal.Signals(e.signum).name} while the stages were loading", file=sys.stderr)
+        return _EXIT[e.signum]
     except (ConfigError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -92,6 +109,8 @@ def _serve(a) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
+        for s, h in old.items():
+            signal.signal(s, h)
         if "strata.stage_procs" in sys.modules:
             sys.modules["strata.stage_procs"].stop_forkserver()
 

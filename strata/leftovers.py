@@ -1,5 +1,6 @@
 """What a run leaves behind, looked up without psutil: its processes (/proc, pinned by start time),
-the pids and times its stage logs record, its /dev/shm segments. Shared by the tests and bench/soak.py.
+the pids and times its stage logs record, its /dev/shm segments. Shared by the tests, bench/soak.py and
+the launcher's exit (strata.stage_procs.stop_forkserver).
 
 A zombie counts as gone: it holds no memory and no device, and a SIGKILLed head's orphans may be
 reaped late by the container's init.
@@ -39,6 +40,24 @@ class Proc:
 
     def __repr__(self) -> str:
         return f"<{self.what} pid {self.pid}>"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of pid (children, their children, ...), from the parent pids in /proc."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                raw = (d / "stat").read_text()
+            except OSError:
+                continue
+            kids.setdefault(int(raw[raw.rindex(")") + 2:].split()[1]), []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
 
 
 def wait_gone(procs, timeout: float) -> list:

@@ -160,25 +160,41 @@ def start_forkserver() -> None:
     _forkserver["started"] = True
 
 
-def stop_forkserver() -> None:
-    """End the fork server (the launcher, on its way out, when every stage has exited): one still importing
-    PRELOAD would otherwise outlive a refused run by seconds."""
-    if not _forkserver["started"]:
-        return
+def stop_forkserver(grace_s: float = 2.0) -> None:
+    """End multiprocessing's helpers, the fork server (with any stage still forked from it) and the resource
+    tracker, and reap them: the launcher, on its way out, once every stage has exited. A head that exits first
+    leaves them running for a second or two (the fork server imports or tears down torch), and a supervisor
+    sees those as leftovers; one still importing PRELOAD would also outlive a refused run by seconds."""
     import signal
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
+
+    from .leftovers import Proc, descendants, wait_gone
     fs = forkserver._forkserver
-    pid = getattr(fs, "_forkserver_pid", None)
+    pid = getattr(fs, "_forkserver_pid", None) if _forkserver["started"] else None
     if pid:
+        forked = [Proc(c) for c in descendants(pid)]  # stages a failed start left behind: they die with it (PDEATHSIG)
         try:
             os.kill(pid, signal.SIGKILL)  # closing its pipe alone would wait for its imports to finish
         except ProcessLookupError:
             pass
-    try:
-        fs._stop()  # reaps it, removes its socket
-    except (AttributeError, OSError):
-        pass
+        try:
+            fs._stop()  # reaps it, removes its socket
+        except (AttributeError, OSError):
+            pass
+        for p in wait_gone(forked, grace_s):
+            os.kill(p.pid, signal.SIGKILL)
     _forkserver["started"] = False
+    # the tracker exits when its pipe closes; it holds nothing of ours (strata.shm tracks its own segments)
+    rt = resource_tracker._resource_tracker
+    rpid, fd = getattr(rt, "_pid", None), getattr(rt, "_fd", None)
+    if rpid is None or fd is None:
+        return
+    tracker = Proc(rpid)
+    os.close(fd)
+    rt._fd = rt._pid = None
+    if wait_gone([tracker], grace_s):
+        os.kill(rpid, signal.SIGKILL)
+    os.waitpid(rpid, 0)
 
 
 def start_method(device: str) -> str:

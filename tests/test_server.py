@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import re
 import signal
@@ -913,33 +914,14 @@ def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
 
 
-def _children(pid: int) -> list[int]:
-    """Every descendant of pid (from /proc), e.g. the fork server and the stages forked from it."""
-    import os
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                raw = open(f"/proc/{d}/stat").read()
-            except OSError:
-                continue
-            kids.setdefault(int(raw[raw.rindex(")") + 2:].split()[1]), []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def test_cli_serve_answers_and_sigterm_leaves_nothing(tmp_path):
-    """`launcher.py --serve` on the default model's two CPU stages: answers, then SIGTERM ends the server, its
-    fork server and stages, with no segment left."""
+@contextlib.contextmanager
+def _served_launcher(tmp_path):
+    """`launcher.py --serve` on the default model's two CPU stages, answering /health: (process, url). Killed
+    at the end if still up."""
     import subprocess
     import sys
     from pathlib import Path
     import yaml
-    from strata.leftovers import Proc, segments, wait_gone
     from strata.checkpoint import smollm2_path
     try:
         smollm2_path()
@@ -960,20 +942,43 @@ def test_cli_serve_answers_and_sigterm_leaves_nothing(tmp_path):
         while proc.poll() is None and not _health_ok(url) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert proc.poll() is None, proc.stdout.read()
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4},
-                       timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        kids = [Proc(p) for p in _children(proc.pid)]
-        assert len(kids) >= 2  # two stages (and, on a host without GPUs, the fork server they were forked from)
-        proc.send_signal(signal.SIGTERM)
-        # uvicorn drains, closes the stages, then re-raises the signal: the shell sees SIGTERM's 143
-        assert proc.wait(30) in (-signal.SIGTERM, 128 + signal.SIGTERM)
-        assert wait_gone(kids, 10) == []
-        assert segments(owner_pid=proc.pid) == []
+        yield proc, url
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_serve_answers_and_sigterm_leaves_nothing(tmp_path):
+    """`launcher.py --serve`: answers, then SIGTERM ends the server, its fork server and stages, with no segment
+    left."""
+    from strata.leftovers import Proc, descendants, segments, wait_gone
+    with _served_launcher(tmp_path) as (proc, url):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        kids = [Proc(p) for p in descendants(proc.pid)]
+        assert len(kids) >= 2  # two stages (and, on a host without GPUs, the fork server they were forked from)
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn drains and closes the stages, then raises the signal again; the launcher exits 143
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        assert wait_gone(kids, 10) == []
+        assert segments(owner_pid=proc.pid) == []
+
+
+def test_cli_serve_sigterm_exits_after_every_child(tmp_path):
+    """When a supervisor sees `launcher.py --serve` exit after SIGTERM, nothing it started is alive: not the
+    stages, nor multiprocessing's fork server and resource tracker. A head that died of the signal uvicorn
+    raises again left those two running for 0.5-2 s after it."""
+    from strata.leftovers import Proc, descendants
+    with _served_launcher(tmp_path) as (proc, _):
+        kids = [Proc(p, open(f"/proc/{p}/cmdline").read().replace("\0", " ")) for p in descendants(proc.pid)]
+        assert any("forkserver" in k.what for k in kids), kids  # on this host the CPU stages are its forks
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+        alive = [k for k in kids if k.alive()]  # at once: the moment the head's exit is seen
+    assert alive == []
+    assert rc == 128 + signal.SIGTERM
 
 
 def _health_ok(url: str) -> bool:
