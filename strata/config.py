@@ -109,6 +109,10 @@ class RigConfig:
     heartbeat_s: float = field(default=1.0, metadata={"positive": True})                # head and remote stages tell each other they are alive this often
     heartbeat_timeout_s: float = field(default=10.0, metadata={"positive": True})       # a remote stage silent this long fails the run (naming host and
                                             # stage); a remote stage exits when the head is silent this long
+    server_max_body_bytes: int | None = field(default=None, metadata={"positive": True})  # --serve: a request
+                                            # body over this is refused (413) before it is read whole, parsed or
+                                            # tokenized (default: max_context * 16 + 1 MiB, what max_context
+                                            # tokens could take as JSON with room to spare)
     debug: DebugSpec = field(default_factory=DebugSpec)
 
 

@@ -5,6 +5,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import difflib
 import hmac
 import json
 import logging
@@ -13,8 +14,9 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -23,15 +25,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .engine import Engine, EngineError, GenerationStats
-from .sampling import Detokenizer, SamplingParams, StopMatcher
+from .engine import _STAGE, Engine, EngineError, GenerationStats, LocalEngine, PipelineEngine
+from .sampling import MAX_SEED, Detokenizer, SamplingParams, StopMatcher
 
 log = logging.getLogger("strata.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_QUEUE = 8
-DEFAULT_MAX_BODY = 64 << 20  # a long document as JSON, with room to spare
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
@@ -127,17 +128,150 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
+# -- scoring: per-position log-probabilities ---------------------------------------------------------
+
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's own limit for chat's top_logprobs)
+MAX_N = 16  # choices per prompt: each is one more generation in a row on the one engine
+
+
+@dataclass
+class Scored:
+    """One token of an answer's logprobs: its text, log p(token | the tokens before it) (None for a prompt's
+    first token), and the `top` most likely tokens there as (text, logprob), most likely first."""
+
+    text: str
+    logprob: float | None
+    top: list[tuple[str, float]]
+
+
+def _pieces(detokenize: Callable[[list[int]], str], ids: list[int], context: list[int] = ()) -> list[str]:
+    """Each token's text, as the streamed answer gives it: they join to the decoded text (a token ending
+    inside a UTF-8 character has "" and the next one carries the character)."""
+    d = Detokenizer(detokenize, context=context)
+    out = [d.add(t) for t in ids]
+    if out:
+        out[-1] += d.flush()
+    return out
+
+
+def _detokenized(engine: Engine, ids: list[int]) -> str:
+    return "".join(_pieces(engine.detokenize, ids))
+
+
+def can_score(engine: Engine) -> bool:
+    return callable(getattr(engine, "logprob_rows", None)) or isinstance(engine, (LocalEngine, PipelineEngine))
+
+
+def logprob_rows(engine: Engine, ids: list[int], start: int) -> Iterator[torch.Tensor]:
+    """Float32 log-softmax rows, in order, a block (k, vocab) at a time: the distributions of ids[start:],
+    each given the ids before it (start >= 1). An engine may provide `logprob_rows(ids, start)` itself;
+    for the two engines of strata.engine it is done here, on their own paths."""
+    if not 1 <= start <= len(ids):
+        raise ValueError(f"start {start} outside 1..{len(ids)}")
+    hook = getattr(engine, "logprob_rows", None)
+    if callable(hook):
+        return hook(ids, start)
+    if isinstance(engine, LocalEngine):
+        return _local_rows(engine, ids, start)
+    if isinstance(engine, PipelineEngine):
+        return _pipeline_rows(engine, ids, start)
+    raise TypeError(f"{type(engine).__name__} cannot score tokens")
+
+
+def _local_rows(eng: LocalEngine, ids: list[int], start: int) -> Iterator[torch.Tensor]:
+    """The whole model in this process: the positions [start - 1, len - 1) through the model in chunks after
+    the prefix whose KV it already holds, each chunk's rows through the head (the rows of Transformer.nll)."""
+    net = eng.net
+    if net is None:
+        raise EngineError("local", "the engine is closed or failed: restart() it")
+    n, chunk = len(ids), eng.prefill_chunk
+    reused = 0
+    for a, b in zip(ids, eng.kept):
+        if a != b:
+            break
+        reused += 1
+    reused = min(reused, start - 1)  # the row before `start` is needed: its position is computed again
+    eng.kept = list(ids[:reused])  # past `reused` the cache is about to be overwritten
+    try:
+        for pos in range(reused, n - 1, chunk):  # the last position's row predicts nothing inside ids
+            end = min(pos + chunk, n - 1)
+            h = net(torch.tensor([ids[pos:end]], device=eng.device), pos)
+            eng.kept = list(ids[:end])
+            first = max(start - 1, pos)
+            if first < end:
+                yield torch.log_softmax(net.logits(h[0, first - pos:]).float(), dim=-1).cpu()
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+        eng.net = None
+        raise EngineError(f"local ({eng.device})", f"{type(e).__name__}: {e}") from e
+
+
+def _pipeline_rows(eng: PipelineEngine, ids: list[int], start: int) -> Iterator[torch.Tensor]:
+    """The stages: a prefill hands back the last position's logits row (the last stage's head, as for the
+    perplexity's rows), so position i is the prefill of ids[:i + 1], which with prefix reuse computes that
+    one position. A round trip per token (~80 ms on two CPU stages): a last stage that returned every
+    row's log-probabilities would score a chunk at a time."""
+    from .errors import ConfigError, PipelineError
+    for i in range(start, len(ids)):
+        if eng.pipe is None:
+            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
+        try:
+            r = eng.pipe.prefill(ids[:i])
+        except ConfigError as e:  # a prompt the pipeline refuses (ids out of range)
+            raise ValueError(str(e)) from None
+        except PipelineError as e:
+            where = _STAGE.search(str(e))
+            eng.close()
+            raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
+        yield torch.log_softmax(torch.from_numpy(r.last_logits).float(), dim=-1)[None]
+
+
+def score_tokens(engine: Engine, ids: list[int], start: int, top: int) -> list[Scored]:
+    """log p(ids[i] | ids[:i]) and the `top` likeliest tokens there, for i in [start, len(ids)); the texts
+    of the tokens themselves are left "" for the caller (they depend on the tokens around them)."""
+    out: list[Scored] = []
+    i = start
+    for rows in logprob_rows(engine, ids, start):
+        k = rows.shape[0]
+        want = torch.tensor(ids[i:i + k], dtype=torch.long)
+        chosen = rows.gather(1, want[:, None])[:, 0].tolist()
+        if top:
+            values, which = rows.topk(top, dim=1)
+            alts = [[(engine.detokenize([t]), v) for t, v in zip(w, x)]
+                    for w, x in zip(which.tolist(), values.tolist())]
+        else:
+            alts = [[] for _ in range(k)]
+        out += [Scored("", lp, alt) for lp, alt in zip(chosen, alts)]
+        i += k
+    if i != len(ids):
+        raise RuntimeError(f"the scoring gave {i - start} rows for {len(ids) - start} tokens")
+    return out
+
+
 # -- the worker that owns the engine ----------------------------------------------------------------
 
 @dataclass
-class Job:
-    """One generation request, handed from the event loop to the worker thread. The worker answers through
-    `events` (on the loop): ('text', str), ('done', GenerationStats, finish_reason) or ('error', RequestError);
-    ('cancelled',) arrives when the job is cancelled."""
+class Seq:
+    """One choice of a request: a prompt's ids and how to sample them (n > 1: several share a prompt)."""
 
+    index: int   # the choice's `index` in the answer
+    prompt: int  # which of the request's prompts
     ids: list[int]
     params: SamplingParams
+
+
+@dataclass
+class Job:
+    """One request, handed from the event loop to the worker thread, which serves its choices one after
+    another. The worker answers through `events` (on the loop): ('start', index, echoed prompt text),
+    ('text', index, str), ('done', index, GenerationStats, finish_reason, logprobs), then ('end',) after the
+    last choice; or ('error', RequestError). ('cancelled',) arrives when the job is cancelled.
+    logprobs: None, or {'prompt': [...] | None, 'completion': [...]}, each a list of `Scored` (the prompt's
+    first token has no logprob: nothing comes before it)."""
+
+    seqs: list[Seq]
     loop: asyncio.AbstractEventLoop
+    echo: bool = False
+    top: int | None = None  # logprobs asked: the alternatives per token (0..MAX_LOGPROBS); None: no logprobs
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -248,43 +382,96 @@ class Worker:
             if self.broken is not None:
                 job.emit(("error", RequestError(503, f"the engine is down: {self.broken}", type="engine_error")))
                 return
-        detok = Detokenizer(self.engine.detokenize, context=job.ids)
-        stop = StopMatcher(job.params.stop)
-        first: list[float] = []
+        scored: dict[int, list[Scored]] = {}  # prompt -> its tokens' scores (n > 1: scored once)
+        for seq in job.seqs:
+            if job.cancelled.is_set() or not self._serve_seq(job, seq, scored):
+                return
+        job.emit(("end",))
 
-        def on_token(token: int) -> bool:
-            if not first:
-                first.append(time.perf_counter() - t0)
-            if job.cancelled.is_set():
-                return False
-            piece = detok.add(token)
-            text = stop.feed(piece) if piece else ""
-            if text:
-                job.emit(("text", text))
-            return not stop.stopped
-
-        t0 = time.perf_counter()
+    def _serve_seq(self, job: Job, seq: Seq, scored: dict[int, list[Scored]]) -> bool:
+        """One choice: generate, then score what was asked; False when it failed (the error is sent)."""
         try:
-            stats = self.engine.generate(job.ids, job.params, on_token)
+            job.emit(("start", seq.index, _detokenized(self.engine, seq.ids) if job.echo else ""))
+            if job.echo and job.top is not None and seq.params.max_tokens == 0:
+                # scoring only (e.g. a harness's loglikelihood): no prefill that the scoring would repeat
+                made, text, finish = [], "", "length"
+                stats = GenerationStats(prompt_tokens=len(seq.ids), reused_tokens=0, completion_tokens=0,
+                                        prefill_s=0.0, decode_s=0.0, finish_reason="length")
+                first = None
+            else:
+                made, text, stats, finish, first = self._generate(job, seq)
+            logprobs = None
+            if job.top is not None:
+                logprobs = self._logprobs(job, seq, made, text, scored)
+        except ValueError as e:  # the engine refused the prompt (ids out of range, too long): nothing ran
+            job.emit(("error", _bad(str(e), param="prompt")))
+            return False
         except EngineError as e:
             with self.metrics.lock:
                 self.metrics.engine_errors += 1
             log.error("engine failed: %s", e)
             job.emit(("error", RequestError(503, f"the engine failed: {e}", type="engine_error", stage=e.stage)))
             self._restart()
-            return
+            return False
         except Exception as e:
             with self.metrics.lock:
                 self.metrics.engine_errors += 1
             log.exception("generation failed")
             job.emit(("error", RequestError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")))
             self._restart()
-            return
-        tail = stop.feed(detok.flush()) + stop.flush()
-        if tail:
-            job.emit(("text", tail))
-        self.metrics.record(stats, first[0] if first else None)
-        job.emit(("done", stats, "stop" if stop.stopped else stats.finish_reason))
+            return False
+        self.metrics.record(stats, first)
+        job.emit(("done", seq.index, stats, finish, logprobs))
+        return True
+
+    def _generate(self, job: Job, seq: Seq) -> tuple[list[int], str, GenerationStats, str, float | None]:
+        """(generated ids, their text as sent (cut at a stop string), stats, finish_reason, time to first token)."""
+        detok = Detokenizer(self.engine.detokenize, context=seq.ids)
+        stop = StopMatcher(seq.params.stop)
+        first: list[float] = []
+        made: list[int] = []
+        sent: list[str] = []
+
+        def emit(text: str) -> None:
+            if text:
+                sent.append(text)
+                job.emit(("text", seq.index, text))
+
+        def on_token(token: int) -> bool:
+            if not first:
+                first.append(time.perf_counter() - t0)
+            if job.cancelled.is_set():
+                return False
+            made.append(token)
+            piece = detok.add(token)
+            emit(stop.feed(piece) if piece else "")
+            return not stop.stopped
+
+        t0 = time.perf_counter()
+        stats = self.engine.generate(seq.ids, seq.params, on_token)
+        emit(stop.feed(detok.flush()) + stop.flush())
+        return made, "".join(sent), stats, "stop" if stop.stopped else stats.finish_reason, \
+            first[0] if first else None
+
+    def _logprobs(self, job: Job, seq: Seq, made: list[int], text: str, scored: dict) -> dict:
+        """The prompt's token scores (with echo) and the generated tokens' (those whose text was sent)."""
+        want_prompt = job.echo and seq.prompt not in scored
+        start = 1 if want_prompt else len(seq.ids)
+        full = seq.ids + made
+        scores = score_tokens(self.engine, full, start, job.top) if start < len(full) else []
+        if want_prompt:
+            pieces = _pieces(self.engine.detokenize, seq.ids)
+            scored[seq.prompt] = [Scored(pieces[0], None, [])] + [
+                dataclasses.replace(s, text=piece) for piece, s in zip(pieces[1:], scores)]
+        completion = scores[len(seq.ids) - start:]
+        pieces = _pieces(self.engine.detokenize, made, context=seq.ids)
+        kept, offset = [], 0
+        for piece, s in zip(pieces, completion):
+            if offset >= len(text):  # cut by a stop string: its tokens are not part of the answer
+                break
+            kept.append(dataclasses.replace(s, text=piece))
+            offset += len(piece)
+        return {"prompt": scored[seq.prompt] if job.echo else None, "completion": kept}
 
     def _restart(self) -> None:
         try:
@@ -300,13 +487,49 @@ class Worker:
 
 # -- request parsing --------------------------------------------------------------------------------
 
+def default_max_body(max_context: int) -> int:
+    """The body limit when the rig sets no `server_max_body_bytes`: what max_context tokens could take as
+    JSON with room to spare (a token is ~4 bytes of text, up to 12 JSON-escaped; an id is at most 8 as
+    "151935, "), plus 1 MiB for the rest of the request (chat messages' framing, options)."""
+    return max_context * 16 + (1 << 20)
+
+
+def _vocab_size(engine: Engine) -> int | None:
+    """The engine's vocabulary size, where it tells (token-id prompts are checked against it)."""
+    for path in (("vocab_size",), ("args", "vocab_size"), ("pipe", "plan", "args", "vocab_size")):
+        v = engine
+        for name in path:
+            v = getattr(v, name, None)
+        if _is_id(v):
+            return v
+    return None
+
+
+def _firsts(seqs: list[Seq]) -> list[Seq]:
+    """Each prompt's first choice (usage counts a prompt once, however many choices it has)."""
+    seen, out = set(), []
+    for s in seqs:
+        if s.prompt not in seen:
+            seen.add(s.prompt)
+            out.append(s)
+    return out
+
+
 async def _json_body(request: Request, max_body: int) -> dict:
+    """The body as a JSON object, refused with 413 before it is read whole when it is over `max_body`: by its
+    Content-Length, else (chunked) as soon as the bytes streamed in pass the limit."""
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > max_body:
-        raise RequestError(413, f"the request body is {int(size)} bytes, over the limit of {max_body}")
-    raw = await request.body()
-    if len(raw) > max_body:
-        raise RequestError(413, f"the request body is {len(raw)} bytes, over the limit of {max_body}")
+    if size is not None and size.strip().isdigit() and int(size) > max_body:
+        raise RequestError(413, f"the request body is {int(size)} bytes, over the limit of {max_body} "
+                           "(server_max_body_bytes)", type="request_too_large")
+    parts, got = [], 0
+    async for part in request.stream():
+        got += len(part)
+        if got > max_body:  # uvicorn stops reading the socket while nobody consumes: nothing more comes in
+            raise RequestError(413, f"the request body is over the limit of {max_body} bytes "
+                               "(server_max_body_bytes)", type="request_too_large")
+        parts.append(part)
+    raw = b"".join(parts)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -316,16 +539,48 @@ async def _json_body(request: Request, max_body: int) -> dict:
     return body
 
 
-def _unsupported(body: dict) -> None:
-    """Refuse, rather than silently ignore, options that would change the answer."""
-    checks = [("n", lambda v: v in (None, 1)), ("best_of", lambda v: v in (None, 1)),
-              ("echo", lambda v: v in (None, False)), ("logprobs", lambda v: v in (None, False)),
-              ("top_logprobs", lambda v: v is None), ("suffix", lambda v: v is None),
-              ("logit_bias", lambda v: not v), ("tools", lambda v: not v),
-              ("presence_penalty", lambda v: v in (None, 0)), ("frequency_penalty", lambda v: v in (None, 0))]
+# Every field a request may carry. A field outside these is refused, not ignored: it might change the answer.
+_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "n",
+           "logit_bias", "presence_penalty", "frequency_penalty", "response_format", "logprobs"}
+_FIELDS = {"completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
+           "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                              "functions", "function_call", "modalities", "audio", "reasoning_effort",
+                              "web_search_options", "verbosity", "prediction"}}
+_BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                "parallel_tool_calls"}  # accepted and ignored: none of them changes the tokens
+
+
+def _check_fields(body: dict, endpoint: str) -> None:
+    """Refuse, rather than silently ignore, fields that would change the answer and that this server does not
+    implement (a field given as null is the default, whatever it is)."""
+    known = _FIELDS[endpoint]
+    for key, value in body.items():
+        if value is None or key in _BOOKKEEPING:
+            continue
+        if key not in known:
+            m = difflib.get_close_matches(key, sorted(known | _BOOKKEEPING), n=1)
+            hint = f" (did you mean {m[0]!r}?)" if m else ""
+            raise _bad(f"unknown field {key!r}{hint}: refused rather than ignored, since it could change the "
+                       "answer", param=key)
+    checks = [("best_of", lambda v: v == 1), ("suffix", lambda v: v == ""),
+              ("logit_bias", lambda v: not v), ("tools", lambda v: not v), ("functions", lambda v: not v),
+              ("function_call", lambda v: v == "none"), ("tool_choice", lambda v: v in ("none", "auto")),
+              ("modalities", lambda v: v == ["text"]), ("audio", lambda v: False), ("prediction", lambda v: False),
+              ("reasoning_effort", lambda v: False), ("web_search_options", lambda v: False),
+              ("verbosity", lambda v: False),
+              ("presence_penalty", lambda v: v == 0), ("frequency_penalty", lambda v: v == 0)]
     for key, ok in checks:
-        if key in body and not ok(body[key]):
+        if body.get(key) is not None and not ok(body[key]):
             raise _bad(f"{key}={body[key]!r} is not supported by this server", param=key)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind in ("json_object", "json_schema"):
+            # constrained decoding needs a grammar library (xgrammar, llguidance); without one, an honest 400
+            raise _bad(f"response_format {kind} is not supported by this server (no grammar library to "
+                       "constrain the output)", param="response_format")
+        if kind != "text":
+            raise _bad(f"response_format must be {{\"type\": \"text\"}}, got {fmt!r}", param="response_format")
 
 
 def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | None) -> tuple[SamplingParams, int | None]:
@@ -360,10 +615,89 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, usage
 
 
-def _usage(s: GenerationStats) -> dict:
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "total_tokens": s.prompt_tokens + s.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.reused_tokens}}
+def _usage(first: list[GenerationStats], all_: list[GenerationStats]) -> dict:
+    """Prompt tokens once per prompt (`first`: each prompt's first choice), completion tokens of every choice."""
+    prompt, completion = sum(s.prompt_tokens for s in first), sum(s.completion_tokens for s in all_)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.reused_tokens for s in first)}}
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a string, a list of token ids, a list of strings, a list of lists of ids."""
+    forms = "a string, a list of token ids, a list of strings or a list of lists of token ids"
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise _bad(f"prompt must be {forms}", param="prompt")
+    if not prompt:
+        raise _bad("prompt is an empty list", param="prompt")
+    if all(_is_id(x) for x in prompt):
+        return [list(prompt)]
+    if all(isinstance(x, str) for x in prompt):
+        return list(prompt)
+    if all(isinstance(x, list) for x in prompt):
+        for i, x in enumerate(prompt):
+            if not x:
+                raise _bad(f"prompt[{i}] is an empty list of token ids", param="prompt")
+            bad = next((t for t in x if not _is_id(t)), None)
+            if bad is not None:
+                raise _bad(f"prompt[{i}] holds {bad!r}: token ids are integers", param="prompt")
+        return [list(x) for x in prompt]
+    bad = next((x for x in prompt if not (_is_id(x) or isinstance(x, (str, list)))), None)
+    what = f"holds {bad!r}" if bad is not None else "mixes forms"
+    raise _bad(f"prompt {what}: it must be {forms}", param="prompt")
+
+
+def _top(value: Any, name: str) -> int:
+    if not _is_id(value) or not 0 <= value <= MAX_LOGPROBS:
+        raise _bad(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}", param=name)
+    return value
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(f"{name} must be true or false, got {v!r}", param=name)
+    return v
+
+
+def _choices(body: dict) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_id(n) or not 1 <= n <= MAX_N:
+        raise _bad(f"n must be an integer from 1 to {MAX_N}, got {n!r}", param="n")
+    return n
+
+
+def _legacy_logprobs(scored: list[Scored]) -> dict:
+    """OpenAI's completions logprobs: parallel lists; a top_logprobs entry also holds the token itself."""
+    tokens, lps, tops, offsets, at = [], [], [], [], 0
+    for s in scored:
+        tokens.append(s.text)
+        lps.append(s.logprob)
+        offsets.append(at)
+        at += len(s.text)
+        if s.logprob is None:
+            tops.append(None)
+        else:
+            top = dict(s.top)
+            top.setdefault(s.text, s.logprob)
+            tops.append(top)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(scored: list[Scored]) -> dict:
+    def entry(text, lp):
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(s.text, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top]}
+                        for s in scored], "refusal": None}
 
 
 # -- the app ----------------------------------------------------------------------------------------
@@ -421,8 +755,10 @@ class _Middleware:
 class Server:
     """The HTTP handlers over one Worker."""
 
-    def __init__(self, engine: Engine, queue_size: int = DEFAULT_QUEUE, max_body: int = DEFAULT_MAX_BODY):
-        self.engine, self.max_body = engine, max_body
+    def __init__(self, engine: Engine, queue_size: int = DEFAULT_QUEUE, max_body: int | None = None):
+        self.engine = engine
+        self.max_body = max_body if max_body is not None else default_max_body(engine.max_context)
+        self.vocab_size = _vocab_size(engine)
         self.metrics = Metrics()
         self.worker = Worker(engine, queue_size, self.metrics)
         self.created = int(time.time())
@@ -430,46 +766,73 @@ class Server:
     # -- the two generation endpoints share everything but the prompt and the shapes
     async def completions(self, request: Request) -> Response:
         body = await _json_body(request, self.max_body)
-        _unsupported(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise _bad("prompt must be a string (one prompt per request)", param="prompt")
+        if body.get("prompt") is None:
+            raise _bad("prompt is required", param="prompt")
+        _check_fields(body, "completions")
+        prompts = _prompts(body["prompt"])
         params, max_tokens = _sampling(body, ("max_tokens",), COMPLETIONS_MAX_TOKENS)
-        return await self._generate(request, body, prompt, params, max_tokens, chat=False)
+        top = None if body.get("logprobs") is None else _top(body["logprobs"], "logprobs")
+        return await self._generate(request, body, prompts, params, max_tokens, chat=False,
+                                    echo=_bool(body, "echo"), top=top)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _json_body(request, self.max_body)
-        _unsupported(body)
         if "messages" not in body:
             raise _bad("messages is required", param="messages")
+        _check_fields(body, "chat")
         params, max_tokens = _sampling(body, ("max_completion_tokens", "max_tokens"), None)
+        top = None
+        if _bool(body, "logprobs"):
+            top = 0 if body.get("top_logprobs") is None else _top(body["top_logprobs"], "top_logprobs")
+        elif body.get("top_logprobs") is not None:
+            raise _bad("top_logprobs needs logprobs: true", param="top_logprobs")
         try:
             prompt = await run_in_threadpool(self.engine.chat_prompt, body["messages"])
         except ValueError as e:  # strata.chat.ChatError, or a model without a template
             raise _bad(str(e), param="messages") from None
-        return await self._generate(request, body, prompt, params, max_tokens, chat=True)
+        return await self._generate(request, body, [prompt], params, max_tokens, chat=True, echo=False, top=top)
 
-    async def _generate(self, request: Request, body: dict, prompt: str, params: SamplingParams,
-                        max_tokens: int | None, chat: bool) -> Response:
+    async def _generate(self, request: Request, body: dict, prompts: list[str | list[int]], params: SamplingParams,
+                        max_tokens: int | None, chat: bool, echo: bool, top: int | None) -> Response:
         stream, include_usage = _stream_flags(body)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _bad("model must be a string", param="model")
-        try:
-            ids = await run_in_threadpool(self.engine.tokenize, prompt)
-        except ValueError as e:  # e.g. strata's ModelError: a model without a tokenizer
-            raise _bad(str(e), param="prompt") from None
+        n = _choices(body)
+        if top is not None and stream:
+            raise _bad("logprobs with stream: true is not supported (the logprobs are computed once the answer "
+                       "is complete)", param="logprobs")
+        if top is not None and not can_score(self.engine):
+            raise _bad(f"logprobs are not supported by this engine ({type(self.engine).__name__})", param="logprobs")
+        param = "messages" if chat else "prompt"
         limit = self.engine.max_context
-        if not ids:
-            raise _bad("the prompt is empty", param="messages" if chat else "prompt")
-        if len(ids) > limit:
-            raise _bad(f"the prompt is {len(ids)} tokens, over the model's context of {limit} tokens "
-                       "(max_context)", param="messages" if chat else "prompt")
-        room = limit - len(ids)
-        params = dataclasses.replace(params, max_tokens=room if max_tokens is None else min(max_tokens, room))
-        job = Job(ids, params, asyncio.get_running_loop())
+        batch = len(prompts) > 1
+        seqs: list[Seq] = []
+        for p, prompt in enumerate(prompts):
+            where = f"prompt[{p}]" if batch else "the prompt"
+            if isinstance(prompt, str):
+                try:
+                    ids = await run_in_threadpool(self.engine.tokenize, prompt)
+                except ValueError as e:  # e.g. strata's ModelError: a model without a tokenizer
+                    raise _bad(str(e), param=param) from None
+            else:
+                ids = prompt
+                vocab = self.vocab_size
+                bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+                if bad is not None:
+                    raise _bad(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab})", param=param)
+            if not ids:
+                raise _bad(f"{where} is empty", param=param)
+            if len(ids) > limit:
+                raise _bad(f"{where} is {len(ids)} tokens, over the model's context of {limit} tokens "
+                           "(max_context)", param=param)
+            room = limit - len(ids)
+            for j in range(n):
+                # n > 1: distinct seeds, reproducible when the request gave one
+                seed = params.seed if params.seed is None or n == 1 else (params.seed + j) % (MAX_SEED + 1)
+                seqs.append(Seq(index=p * n + j, prompt=p, ids=list(ids), params=dataclasses.replace(
+                    params, seed=seed, max_tokens=room if max_tokens is None else min(max_tokens, room))))
+        job = Job(seqs, asyncio.get_running_loop(), echo=echo, top=top)
         self.worker.submit(job)  # 429 / 503 from here
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, name = int(time.time()), self.engine.model_name
@@ -483,32 +846,43 @@ class Server:
                 pass
             job.cancel()
         watcher = asyncio.create_task(watch_disconnect())
-        pieces = []
+        texts: dict[int, list[str]] = collections.defaultdict(list)
+        done: dict[int, tuple] = {}
         try:
             while True:
                 ev = await job.events.get()
-                if ev[0] == "text":
-                    pieces.append(ev[1])
+                if ev[0] in ("start", "text"):
+                    texts[ev[1]].append(ev[2])
+                elif ev[0] == "done":
+                    done[ev[1]] = ev[2:]
                 elif ev[0] == "error":
                     return ev[1].response()
                 elif ev[0] == "cancelled":
                     return Response(status_code=499)  # nobody reads it: the client has gone
                 else:
-                    stats, finish = ev[1], ev[2]
                     break
         finally:
             watcher.cancel()
             job.cancel()
-        text = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                  else {"index": 0, "text": text})
-        choice.update(logprobs=None, finish_reason=finish)
+        choices = []
+        for seq in job.seqs:
+            stats, finish, lp = done[seq.index]
+            text = "".join(texts[seq.index])
+            if chat:
+                choice = {"index": seq.index, "message": {"role": "assistant", "content": text},
+                          "logprobs": _chat_logprobs(lp["completion"]) if lp else None}
+            else:
+                choice = {"index": seq.index, "text": text,
+                          "logprobs": _legacy_logprobs((lp["prompt"] or []) + lp["completion"]) if lp else None}
+            choices.append({**choice, "finish_reason": finish})
+        stats = [done[s.index][0] for s in job.seqs]
+        first = [done[s.index][0] for s in _firsts(job.seqs)]
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": model, "choices": [choice], "usage": _usage(stats)})
+                             "created": created, "model": model, "choices": choices, "usage": _usage(first, stats)})
 
     async def _stream(self, job: Job, rid, created, model, chat, include_usage):
-        def chunk(delta_or_text, finish=None) -> dict:
-            c = ({"index": 0, "delta": delta_or_text} if chat else {"index": 0, "text": delta_or_text})
+        def chunk(index, delta_or_text, finish=None) -> dict:
+            c = ({"index": index, "delta": delta_or_text} if chat else {"index": index, "text": delta_or_text})
             c.update(logprobs=None, finish_reason=finish)
             out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                    "created": created, "model": model, "choices": [c]}
@@ -516,23 +890,29 @@ class Server:
                 out["usage"] = None
             return out
 
-        if chat:
-            yield _sse(chunk({"role": "assistant", "content": ""}))
+        done: dict[int, GenerationStats] = {}
         while True:
             ev = await job.events.get()
-            if ev[0] == "text":
-                yield _sse(chunk({"content": ev[1]} if chat else ev[1]))
+            if ev[0] == "start":
+                if chat:
+                    yield _sse(chunk(ev[1], {"role": "assistant", "content": ""}))
+                elif ev[2]:  # echo: the prompt's text first
+                    yield _sse(chunk(ev[1], ev[2]))
+            elif ev[0] == "text":
+                yield _sse(chunk(ev[1], {"content": ev[2]} if chat else ev[2]))
+            elif ev[0] == "done":
+                done[ev[1]] = ev[2]
+                yield _sse(chunk(ev[1], {} if chat else "", ev[3]))
             elif ev[0] == "error":
                 yield _sse(ev[1].body(), event="error")
                 return
             elif ev[0] == "cancelled":
                 return
             else:
-                stats, finish = ev[1], ev[2]
-                yield _sse(chunk({} if chat else "", finish))
                 if include_usage:
-                    last = chunk({} if chat else "")
-                    last["choices"], last["usage"] = [], _usage(stats)
+                    last = chunk(0, {} if chat else "")
+                    last["choices"] = []
+                    last["usage"] = _usage([done[s.index] for s in _firsts(job.seqs)], list(done.values()))
                     yield _sse(last)
                 yield _sse("[DONE]")
                 return
@@ -575,7 +955,7 @@ def _errors(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: Engine, api_key: str | None = None, queue_size: int = DEFAULT_QUEUE,
-               max_body: int = DEFAULT_MAX_BODY) -> Starlette:
+               max_body: int | None = None) -> Starlette:
     """The ASGI app; `app.state.server` holds the Server (its worker starts with the app's lifespan)."""
     s = Server(engine, queue_size, max_body)
     app = Starlette(routes=[
@@ -614,10 +994,12 @@ def make_uvicorn(engine: Engine, host: str = DEFAULT_HOST, port: int = DEFAULT_P
 
 
 def serve(engine: Engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
-          queue_size: int = DEFAULT_QUEUE, log_level: str = "info", sock: socket.socket | None = None) -> None:
+          queue_size: int = DEFAULT_QUEUE, log_level: str = "info", sock: socket.socket | None = None,
+          max_body: int | None = None) -> None:
     """Serve until SIGTERM / SIGINT: then take no new requests, finish the running one, answer the waiting
-    ones 503, close the engine and return (uvicorn then re-raises the signal for the usual exit status)."""
-    server, app = make_uvicorn(engine, host, port, api_key, queue_size, log_level)
+    ones 503, close the engine and return (uvicorn then re-raises the signal for the usual exit status).
+    max_body: the request body limit in bytes (None: default_max_body of the engine's context)."""
+    server, app = make_uvicorn(engine, host, port, api_key, queue_size, log_level, max_body=max_body)
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
@@ -633,5 +1015,6 @@ def run_server(cfg, engine_factory: Callable[[Any], Engine] | None = None, host:
         from .engine import local_engine as engine_factory
     engine = engine_factory(cfg)
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
-    serve(engine, host=host, port=port, api_key=api_key, queue_size=queue_size, log_level=log_level)
+    serve(engine, host=host, port=port, api_key=api_key, queue_size=queue_size, log_level=log_level,
+          max_body=getattr(cfg, "server_max_body_bytes", None))
     return 0

@@ -1,9 +1,11 @@
 """The OpenAI-compatible server, through a real uvicorn on a loopback port, over a deterministic fake engine."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import json
+import math
 import re
 import signal
 import socket
@@ -34,6 +36,7 @@ class FakeEngine:
     fail_next (raise EngineError naming that stage after `fail_after` tokens), eos_after."""
 
     model_name = "fake-model"
+    vocab_size = EOS + 1
 
     def __init__(self, max_context: int = 256):
         self.max_context = max_context
@@ -53,6 +56,7 @@ class FakeEngine:
         self.restart_failures = 0  # how many restarts raise before one works
         self.broken = False
         self.closed = 0
+        self.scored: list[tuple[list[int], int]] = []  # logprob_rows calls: (ids, start)
         self.inside = threading.Lock()  # held during generate: a second, overlapping call fails
 
     def tokenize(self, text: str) -> list[int]:
@@ -114,6 +118,18 @@ class FakeEngine:
                 break
         return GenerationStats(prompt_tokens=len(ids), reused_tokens=reused, completion_tokens=n,
                                prefill_s=0.001, decode_s=max(time.perf_counter() - t0, 1e-6), finish_reason=finish)
+
+    @staticmethod
+    def logits_after(prev: int) -> torch.Tensor:
+        """The fake model's logits over the whole vocabulary after `prev`: peaked at next_letter(prev)."""
+        x = torch.full((EOS + 1,), -30.0)
+        x[ord("a"):ord("a") + 26] = -torch.abs(torch.arange(26, dtype=torch.float32) - (next_letter(prev) - ord("a")))
+        return x
+
+    def logprob_rows(self, ids, start):  # the optional scoring hook
+        self.scored.append((list(ids), start))
+        for i in range(start, len(ids)):
+            yield torch.log_softmax(self.logits_after(ids[i - 1]), dim=-1)[None]
 
     def metrics_text(self) -> str:  # the optional hook: an engine's own series on /metrics
         return "# HELP strata_fake_generations Generate calls.\n# TYPE strata_fake_generations counter\n" \
@@ -300,6 +316,141 @@ def test_streaming_chat_deltas(server, engine):
     assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
 
 
+def test_prompt_as_token_ids_and_batches(server, engine):
+    with server.client() as c:
+        text = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5}).json()
+        ids = c.post("/v1/completions", json={"prompt": list(b"Hello"), "max_tokens": 5}).json()
+        batch = c.post("/v1/completions", json={"prompt": ["ab", "cde", "f"], "max_tokens": 4}).json()
+        id_batch = c.post("/v1/completions", json={"prompt": [list(b"ab"), list(b"xyz")], "max_tokens": 3}).json()
+    assert ids["choices"] == text["choices"] and ids["usage"]["prompt_tokens"] == 5
+    assert [ch["index"] for ch in batch["choices"]] == [0, 1, 2]
+    assert [ch["text"] for ch in batch["choices"]] == [bytes(engine.continuation(list(p), 4)).decode()
+                                                       for p in (b"ab", b"cde", b"f")]
+    assert batch["usage"]["prompt_tokens"] == 6 and batch["usage"]["completion_tokens"] == 12
+    assert [ch["text"] for ch in id_batch["choices"]] == [bytes(engine.continuation(list(p), 3)).decode()
+                                                          for p in (b"ab", b"xyz")]
+    assert engine.produced[-2:] == [3, 3]  # one generation per prompt, one after another
+
+
+def test_n_choices_are_sampled_with_distinct_seeds(server, engine):
+    req = {"prompt": ["p", "q"], "max_tokens": 24, "temperature": 1.0, "seed": 11, "n": 3}
+    with server.client() as c:
+        a = c.post("/v1/completions", json=req).json()
+        b = c.post("/v1/completions", json=req).json()
+        alone = [c.post("/v1/completions", json={**req, "prompt": p, "n": 1, "seed": 11 + j}).json()
+                 for p in ("p", "q") for j in range(3)]
+    texts = [ch["text"] for ch in a["choices"]]
+    assert [ch["index"] for ch in a["choices"]] == list(range(6))  # prompt i's choices at i * n + j
+    assert texts == [ch["text"] for ch in b["choices"]]  # seeded: repeatable
+    assert len(set(texts[:3])) == 3 and len(set(texts[3:])) == 3  # distinct seeds per choice
+    assert texts == [r["choices"][0]["text"] for r in alone]  # choice j is the request alone with seed + j
+    assert a["usage"]["prompt_tokens"] == 2 and a["usage"]["completion_tokens"] == 6 * 24
+
+
+def _fake_scores(engine, ids: list[int], start: int, top: int) -> tuple[list[float], list[list[int]]]:
+    """The fake model's log p(ids[i] | ids[:i]) and top ids for i >= start, computed here, not by the server."""
+    lps, tops = [], []
+    for i in range(start, len(ids)):
+        row = torch.log_softmax(engine.logits_after(ids[i - 1]), dim=-1)
+        lps.append(row[ids[i]].item())
+        tops.append(row.topk(top).indices.tolist() if top else [])
+    return lps, tops
+
+
+def test_echo_logprobs_score_the_prompt_and_the_answer(server, engine):
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "Hello", "echo": True, "logprobs": 2, "max_tokens": 3}).json()
+    made = engine.continuation(list(b"Hello"), 3)
+    ch = r["choices"][0]
+    assert ch["text"] == "Hello" + bytes(made).decode() and ch["finish_reason"] == "length"
+    lp = ch["logprobs"]
+    full = list(b"Hello") + made
+    assert lp["tokens"] == [chr(t) for t in full]
+    assert lp["text_offset"] == list(range(len(full)))
+    want, tops = _fake_scores(engine, full, 1, 2)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
+    for i, (top, ids) in enumerate(zip(lp["top_logprobs"][1:], tops), start=1):
+        assert set(top) == {chr(t) for t in ids} | {chr(full[i])}  # the 2 likeliest and the token itself
+        assert top[chr(full[i])] == pytest.approx(want[i - 1], abs=1e-5)
+    # the greedy answer's tokens are the likeliest ones
+    assert all(lp["top_logprobs"][i][lp["tokens"][i]] == max(lp["top_logprobs"][i].values()) for i in range(5, 8))
+
+
+def test_echo_with_max_tokens_0_only_scores_the_prompt(server, engine):
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": ["abc", "xy"], "echo": True, "logprobs": 0,
+                                            "max_tokens": 0}).json()
+        plain = c.post("/v1/completions", json={"prompt": "abc", "echo": True, "max_tokens": 0}).json()
+    assert engine.produced == [0]  # only the request without logprobs prefilled (generate with 0 tokens)
+    assert [ch["text"] for ch in r["choices"]] == ["abc", "xy"]
+    for ch, p in zip(r["choices"], (b"abc", b"xy")):
+        want, _ = _fake_scores(engine, list(p), 1, 0)
+        assert ch["logprobs"]["token_logprobs"][0] is None
+        assert ch["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
+        assert ch["logprobs"]["top_logprobs"][1:] == [{chr(t): pytest.approx(w, abs=1e-5)}
+                                                      for t, w in zip(p[1:], want)]
+        assert ch["finish_reason"] == "length"
+    assert r["usage"]["prompt_tokens"] == 5 and r["usage"]["completion_tokens"] == 0
+    assert plain["choices"][0]["text"] == "abc" and plain["choices"][0]["logprobs"] is None
+
+
+def test_logprobs_without_echo_cover_the_answer_cut_at_the_stop_string(server, engine):
+    full = engine.continuation(list(b"Q"), 40)
+    stop = bytes(full[6:8]).decode()
+    assert bytes(full).decode().find(stop) == 6
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "Q", "logprobs": 1, "max_tokens": 40, "stop": stop}).json()
+    ch = r["choices"][0]
+    assert ch["text"] == bytes(full[:6]).decode()
+    assert ch["logprobs"]["tokens"] == [chr(t) for t in full[:6]]  # not the stop string's tokens
+    want, _ = _fake_scores(engine, list(b"Q") + full[:6], 1, 0)
+    assert ch["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-5)
+    assert ch["logprobs"]["text_offset"] == list(range(6))
+    assert engine.scored[-1] == (list(b"Q") + full[:8], 1)  # the answer's tokens only, not the prompt's
+
+
+def test_chat_logprobs_and_top_logprobs(server, engine):
+    msgs = [{"role": "user", "content": "Hi"}]
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "logprobs": True,
+                                                 "top_logprobs": 3}).json()
+        off = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "logprobs": False}).json()
+    prompt = list(engine.chat_prompt(msgs).encode())
+    made = engine.continuation(prompt, 4)
+    content = r["choices"][0]["logprobs"]["content"]
+    want, tops = _fake_scores(engine, prompt + made, len(prompt), 3)
+    assert [e["token"] for e in content] == [chr(t) for t in made]
+    assert [e["bytes"] for e in content] == [[t] for t in made]
+    assert [e["logprob"] for e in content] == pytest.approx(want, abs=1e-5)
+    assert [[t["token"] for t in e["top_logprobs"]] for e in content] == [[chr(t) for t in ids] for ids in tops]
+    assert r["choices"][0]["logprobs"]["refusal"] is None and off["choices"][0]["logprobs"] is None
+
+
+def test_streaming_a_batch_with_echo(server, engine):
+    with server.client() as c, c.stream("POST", "/v1/completions", json={
+            "prompt": ["ab", "c"], "max_tokens": 3, "echo": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r.iter_lines())
+    chunks = [json.loads(d) for _, d in events[:-1]]
+    texts = collections.defaultdict(str)
+    for ch in chunks:
+        for choice in ch["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert dict(texts) == {0: "ab" + bytes(engine.continuation(list(b"ab"), 3)).decode(),
+                           1: "c" + bytes(engine.continuation(list(b"c"), 3)).decode()}
+    finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f["index"] for f in finals] == [0, 1]
+    assert chunks[-1]["usage"]["prompt_tokens"] == 3 and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_response_format_text_is_accepted(server, engine):
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                 "response_format": {"type": "text"}, "user": "u1"})
+    assert r.status_code == 200, r.text
+
+
 def test_models_and_health(server):
     with server.client() as c:
         m = c.get("/v1/models").json()
@@ -389,7 +540,27 @@ def test_queue_size_zero_serves_one_at_a_time():
     ("/v1/completions", b"[1, 2]", "JSON object"),
     ("/v1/completions", b"\xff\xfe", "malformed JSON"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
+    ("/v1/completions", {"prompt": []}, "empty list"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "mixes forms"),
+    ("/v1/completions", {"prompt": [1.5, 2]}, "holds 1.5"),
+    ("/v1/completions", {"prompt": [[65, 66], []]}, "prompt[1] is an empty list"),
+    ("/v1/completions", {"prompt": [[65, True]]}, "holds True"),
+    ("/v1/completions", {"prompt": [65, 257]}, "token id 257, outside the vocabulary [0, 257)"),
+    ("/v1/completions", {"prompt": [[65], [-1]]}, "prompt[1] holds token id -1"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt[1] is empty"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "json_object is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
+     "json_schema is not supported"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, "response_format must be"),
+    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, "unknown field 'min_p'"),
+    ("/v1/completions", {"prompt": "x", "max_token": 3}, "did you mean 'max_tokens'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "unknown field 'echo'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
+     "reasoning_effort"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
@@ -399,12 +570,20 @@ def test_queue_size_zero_serves_one_at_a_time():
     ("/v1/completions", {"prompt": 17}, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": 3}, "model"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": "y"}}, "include_usage"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "from 0 to 20"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs must be an integer"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo must be true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
     ("/v1/chat/completions", {"messages": "hello"}, "non-empty"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n=2"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, "n must be an integer from 1 to 16"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n must be"),
     ("/v1/completions", {"prompt": ""}, "empty"),
     ("/v1/chat/completions", {"prompt": "x"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "non-empty"),
@@ -519,6 +698,94 @@ def test_oversized_body_is_413():
             assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
     finally:
         s.stop()
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict, float]:
+    """(status, JSON body, seconds) of the answer on a raw socket, read until the server closes or the body ends."""
+    t0, data = time.monotonic(), b""
+    while b"\r\n\r\n" not in data:
+        part = sock.recv(65536)
+        if not part:
+            break
+        data += part
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+    while len(rest) < length:
+        part = sock.recv(65536)
+        if not part:
+            break
+        rest += part
+    return int(head.split()[1]), json.loads(rest[:length]), time.monotonic() - t0
+
+
+def test_body_limit_defaults_from_the_context_and_takes_the_rig_key(engine):
+    from strata.config import from_dict
+    from strata.errors import ConfigError
+    from strata.server import Server, default_max_body
+    assert Server(engine).max_body == 256 * 16 + (1 << 20) == default_max_body(256)
+    assert Server(FakeEngine(max_context=8192)).max_body == 8192 * 16 + (1 << 20)
+    assert from_dict({"server_max_body_bytes": 5000}).server_max_body_bytes == 5000
+    assert from_dict({}).server_max_body_bytes is None
+    with pytest.raises(ConfigError, match="server_max_body_bytes: must be > 0"):
+        from_dict({"server_max_body_bytes": 0})
+
+
+def test_huge_body_is_413_by_its_length_before_it_is_sent():
+    """A 60 MB Content-Length is refused from the headers: the answer comes with only 1 KB of the body sent."""
+    eng = FakeEngine()
+    s = Running(eng)
+    try:
+        limit = 256 * 16 + (1 << 20)
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=WAIT_S)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 60000000\r\n\r\n" + b'{"prompt": "' + b"x" * 1000)
+        status, body, seconds = _answer(sock)
+        sock.close()
+        assert status == 413 and body["error"]["code"] == 413, body
+        assert "60000000" in body["error"]["message"] and str(limit) in body["error"]["message"]
+        assert seconds < 2.0
+        # the real client with the whole 60 MB: still a 413 (or the server hangs up mid-upload), never a parse
+        try:
+            with s.client(timeout=30) as c:
+                t0 = time.monotonic()
+                r = c.post("/v1/completions", content=b'{"prompt": "' + b"x" * 60_000_000 + b'"}',
+                           headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and time.monotonic() - t0 < 10
+        except httpx.TransportError:
+            pass  # the server answered and closed while the client was still writing
+        with s.client() as c:
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    finally:
+        s.stop()
+    assert len(eng.produced) == 1  # only the last request reached the engine
+
+
+def test_chunked_body_over_the_limit_is_413_without_reading_the_rest():
+    """No Content-Length: the body is counted as it streams in; the server answers 413 once it passes the limit,
+    while the client has not finished (it never sends the last chunk)."""
+    eng = FakeEngine()
+    s = Running(eng, max_body=100_000)
+    try:
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=WAIT_S)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        piece = b"x" * 16384
+        for _ in range(8):  # 128 KiB, over the 100,000-byte limit; no terminating chunk
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        status, body, _ = _answer(sock)
+        sock.close()
+        assert status == 413 and "100000" in body["error"]["message"], body
+        # under the limit, chunked, it is read and served
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=WAIT_S)
+        payload = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
+        status, body, _ = _answer(sock)
+        sock.close()
+        assert status == 200 and body["choices"][0]["text"] == bytes(eng.continuation(list(b"hi"), 2)).decode()
+    finally:
+        s.stop()
+    assert len(eng.produced) == 1
 
 
 def test_engine_failure_mid_stream_is_an_sse_error_event(server, engine):
@@ -848,6 +1115,72 @@ def test_smollm2_through_the_openai_client(smollm2_server):
         client.completions.create(model="smollm2", prompt="word " * 600, max_tokens=1)
 
 
+SCORE_TEXT = ("The capital of France is Paris. It lies on the Seine, and about two million people live in the "
+              "city itself.")
+
+
+@pytest.fixture(scope="module")
+def cli_perplexity(tmp_path_factory):
+    """The CLI's perplexity of SCORE_TEXT (a fresh two-stage pipeline, the whole prompt in chunks: the last
+    stage's Transformer.nll) and its ids."""
+    from strata.pipeline import Pipeline
+    from strata.checkpoint import smollm2_path
+    try:
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    rig = {k: v for k, v in PIPE_RIG.items() if k != "debug"}
+    with Pipeline({**rig, "prompt": {"text": SCORE_TEXT}}, out=tmp_path_factory.mktemp("ppl"), console=False) as p:
+        r = p.prefill()
+        ids = p.prompt_ids(SCORE_TEXT).tolist()
+    assert r.report["perplexity_tokens"] == len(ids) - 1 and r.reused_tokens == 0
+    return r.perplexity, ids
+
+
+def _check_scored_text(client, ids, want_ppl):
+    """echo + logprobs=1 + max_tokens=0 through the openai client: exp(-mean) of the prompt's token logprobs is
+    the CLI's perplexity of the same ids; the tokens spell the text; the ids form scores the same."""
+    r = client.completions.create(model="smollm2", prompt=SCORE_TEXT, echo=True, logprobs=1, max_tokens=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == SCORE_TEXT and "".join(lp.tokens) == SCORE_TEXT and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    got = math.exp(-sum(lp.token_logprobs[1:]) / (len(ids) - 1))
+    assert abs(got / want_ppl - 1) < 1e-3, (got, want_ppl)
+    # the likeliest token's logprob is at least the token's own: the top entry is the row's maximum
+    assert all(max(top.values()) >= tl - 1e-6 for top, tl in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    by_ids = client.completions.create(model="smollm2", prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    assert by_ids.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
+def _check_greedy_logprobs(client):
+    """Greedy tokens are the scoring's likeliest: each generated token's logprob is its top alternative's."""
+    r = client.completions.create(model="smollm2", prompt="The capital of France is", logprobs=2, max_tokens=4,
+                                  temperature=0)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == r.usage.completion_tokens == 4
+    for token, tl, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert tl == pytest.approx(max(top.values()), abs=1e-5) and top[token] == tl
+
+
+def test_smollm2_scoring_and_chat_logprobs_in_process(smollm2_server, cli_perplexity):
+    openai = pytest.importorskip("openai")
+    s, eng = smollm2_server
+    want_ppl, ids = cli_perplexity
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    _check_scored_text(client, ids, want_ppl)
+    _check_greedy_logprobs(client)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content and len(content) == 5
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob and bytes(e.bytes).decode() == e.token
+
+
 # -- the pipeline engine: SmolLM2 on two CPU stages -------------------------------------------------
 PIPE_RIG = dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, chunk=64, max_context=256,
                 progress=False, debug={"delay_s": 0.01})  # a decode step of >= 10 ms: room to kill a stage
@@ -889,6 +1222,15 @@ def test_pipeline_engine_greedy_equals_the_cli_continuation(pipeline_server, tmp
         m = parse_prometheus(c.get("/metrics").text)
     busy = [m[("strata_last_prefill_busy_fraction", f'{{stages="{k}"}}')] for k in ("none", "one", "two", "three_plus")]
     assert abs(sum(busy) - 1) < 1e-6 and m[("strata_last_decode_overhead_ms_per_token", "")] > 0
+
+
+def test_pipeline_engine_scoring_gives_the_cli_perplexity(pipeline_server, cli_perplexity):
+    openai = pytest.importorskip("openai")
+    s, eng = pipeline_server
+    want_ppl, ids = cli_perplexity
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    _check_scored_text(client, ids, want_ppl)
+    _check_greedy_logprobs(client)
 
 
 def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_server):
