@@ -1,6 +1,7 @@
-"""Every error Strata raises on purpose, in one leaf module (it imports nothing of Strata's).
+"""The errors that reach the user from several modules, in one leaf module (it imports nothing of Strata's).
 
-Each is one clear line for the user: what is wrong, with what, and where.
+Each is one clear line for the user: what is wrong, with what, and where. An error of one module's own interface
+(the server's RequestError, the wire's BadMessage, ...) lives in that module: ARCHITECTURE.md lists them.
 """
 from __future__ import annotations
 
