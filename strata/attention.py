@@ -116,7 +116,7 @@ def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             rows = torch.arange(k0, pos + b, device=q.device) % S
             ks, vs = k_cache.index_select(2, rows), v_cache.index_select(2, rows)
         if ks.dtype != q.dtype:
-            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+            ks, vs = from_cache(ks, q.dtype), from_cache(vs, q.dtype)
         if q.is_cuda and ks.shape[1] != q.shape[1]:
             # CUDA's masked kernel (memory-efficient) has no grouped-query path: without this the band would go to
             # the math backend, which materializes the scores. The band's keys are few: repeating them is cheap
@@ -323,6 +323,19 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype in _FP8:
         return x.clamp(-_FP8[dtype], _FP8[dtype]).to(dtype)
     return x.to(dtype)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached keys or values widened to `dtype` for attention: x.to(dtype), the same bits. An e4m3 cache on CPU
+    goes by its bits, since torch's CPU cast converts one value at a time (a decode step widens the whole prefix:
+    SmolLM2, 2 stages, 8,000 cached positions: 2.5 tok/s against 49.4 with a bfloat16 cache). Its sign, 4
+    exponent and 3 mantissa bits, moved 7 places left, are the float16 of value / 256 (exponent bias 15 against
+    7; subnormals alike); no e4m3 value (at most 448) rounds on the way. NaN (S.1111.111) is never stored."""
+    if x.dtype != torch.float8_e4m3fn or x.is_cuda:
+        return x.to(dtype)
+    b = x.view(torch.uint8).to(torch.int16)
+    h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).view(torch.float16)
+    return h.to(dtype).mul_(256.0)
 
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")

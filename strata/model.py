@@ -19,8 +19,8 @@ from torch import nn
 from . import attention
 from .args import ModelArgs
 from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, apply_rope, chunk_attention,
-                        decode_attention, kv_dtype_of, rope_rows, rope_tables, sink_attention, store_rows, to_cache,
-                        window_attention)
+                        decode_attention, from_cache, kv_dtype_of, rope_rows, rope_tables, sink_attention, store_rows,
+                        to_cache, window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentExperts,
                        ResidentMatrices, Scratch, _dequantize, head_rows)
 from .linear_attention import GatedDeltaNet
@@ -144,7 +144,7 @@ class Attention(nn.Module):
         wraps): views of the cache, or a narrower cache's prefix widened to `dtype` for this layer's attention."""
         keys, vals = self.k_cache[:, :, :end], self.v_cache[:, :, :end]
         if keys.dtype != dtype:
-            keys, vals = keys.to(dtype), vals.to(dtype)
+            keys, vals = from_cache(keys, dtype), from_cache(vals, dtype)
         return keys, vals
 
 
@@ -259,7 +259,7 @@ class Block(nn.Module):
             y = y if wo is not None else y.to(h.dtype)
             return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
         if keys.dtype != qk.dtype:
-            keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
+            keys, vals = from_cache(keys, qk.dtype), from_cache(vals, qk.dtype)
         if T == 1:
             y = decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals, a.scale).view(1, nh * hd)
         else:

@@ -291,3 +291,18 @@ def test_decode_rope_table_same_bits_as_rope():
                 c2, s2 = m.rope(pos, T, dtype)
                 assert torch.equal(cos, c2[:, None]) and torch.equal(sin, _signed_sin(s2[:, None])), (pos, T)
     assert m._rope_table[0].shape[0] == 1 << 17  # 70,004 positions: the next power of two
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_cache_widens_by_its_bits_to_the_cast(dtype):
+    """strata.attention.from_cache on a CPU e4m3 cache: the bits of torch's cast for every code but NaN, on a
+    narrowed (non-contiguous) view as attention reads the prefix."""
+    from strata.attention import from_cache
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # S.1111.111 is e4m3fn's NaN, which to_cache never stores
+    cache = codes.repeat(13)[: 2 * 192 * 8].view(1, 2, 192, 8).view(torch.float8_e4m3fn)  # every code, repeated
+    view = cache[:, :, 5:150]
+    assert not view.is_contiguous()
+    got, want = from_cache(view, dtype), view.to(dtype)
+    assert got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                              want.view(torch.int16 if dtype != torch.float32 else torch.int32))
