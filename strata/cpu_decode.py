@@ -56,7 +56,7 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-KV_DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes the C attention reads
+KV_DTYPES = {torch.float32: 32, torch.bfloat16: 16, torch.float8_e4m3fn: 8}  # the caches the C attention reads
 
 
 def auto_kind(args, quantized: bool, weights: str, kv_dtype: torch.dtype = torch.float32) -> tuple[str, str]:
@@ -71,7 +71,8 @@ def auto_kind(args, quantized: bool, weights: str, kv_dtype: torch.dtype = torch
     if args.extras():
         return "none", f"the C decoder implements the Llama core; {args.arch} uses {', '.join(args.extras())}"
     if kv_dtype not in KV_DTYPES:
-        return "none", f"kv_dtype {str(kv_dtype).removeprefix('torch.')} (the C decoder reads a float32 or bfloat16 cache)"
+        return "none", (f"kv_dtype {str(kv_dtype).removeprefix('torch.')} (the C decoder reads a float32, bfloat16 or "
+                        "float8_e4m3fn cache)")
     try:
         library()
     except BuildError as e:
@@ -111,6 +112,8 @@ def library(portable: bool = False) -> ctypes.CDLL:
             os.replace(tmp, out)  # atomic: stages building at once each install a whole file
         lib = ctypes.CDLL(str(out))
         lib.strata_simd.restype = ctypes.c_int
+        lib.strata_to_e4m3.restype = ctypes.c_uint8
+        lib.strata_to_e4m3.argtypes = [ctypes.c_float]
         lib.strata_work_floats.restype = ctypes.c_long
         lib.strata_work_floats.argtypes = [ctypes.POINTER(Model)]
         lib.strata_matvec.argtypes = [ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 3
@@ -192,9 +195,9 @@ def matvec(p: Packed, x: torch.Tensor, portable: bool = False) -> torch.Tensor:
 # -- a stage's decode step ---------------------------------------------------------------------------
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, portable: bool = False) -> torch.Tensor:
     """One kv head's decode attention as a step computes it (tests): q (G, hd) float32 against cached rows
-    k, v (L, hd) float32 or bfloat16 -> (G, hd) float32."""
-    if q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype:
-        raise ValueError("attend takes float32 q and a float32 or bfloat16 cache")
+    k, v (L, hd) float32, bfloat16 or float8_e4m3fn -> (G, hd) float32."""
+    if q.dtype != torch.float32 or k.dtype not in KV_DTYPES or v.dtype != k.dtype:
+        raise ValueError("attend takes float32 q and a float32, bfloat16 or float8_e4m3fn cache")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     (g, hd), n = q.shape, k.shape[0]
     out = torch.empty(g, hd)
@@ -266,9 +269,10 @@ class Decoder:
             if kc is None:
                 raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
             if kc.dtype not in KV_DTYPES or not (kc.is_contiguous() and vc.is_contiguous()):
-                raise ValueError(f"decode_weights=blocks reads a contiguous float32 or bfloat16 KV cache, not {kc.dtype}")
+                raise ValueError(f"decode_weights=blocks reads a contiguous float32, bfloat16 or float8_e4m3fn KV "
+                                 f"cache, not {kc.dtype}")
             layer.k_cache, layer.v_cache = kc.data_ptr(), vc.data_ptr()
-            max_len, bits = kc.shape[2], 16 if kc.dtype == torch.bfloat16 else 32
+            max_len, bits = kc.shape[2], KV_DTYPES[kc.dtype]
         self.spec.max_len, self.spec.kv_bits = max_len, bits
         self.work = torch.empty(self.lib.strata_work_floats(ctypes.byref(self.spec)), dtype=torch.float32)
         self.spec.work = self.work.data_ptr()

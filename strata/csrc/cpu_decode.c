@@ -39,7 +39,7 @@ typedef struct {
     mat_t wq, wk, wv, wo, wg, wu, wd;
     const float *attn_norm, *mlp_norm;
     const float *bq, *bk, *bv;  /* NULL without q/k/v biases */
-    void *k_cache, *v_cache;    /* (n_kv, max_len, hd): float32 or bfloat16 (kv_bits) */
+    void *k_cache, *v_cache;    /* (n_kv, max_len, hd): float32, bfloat16 or e4m3 (kv_bits 32, 16, 8) */
 } layer_t;
 
 typedef struct {
@@ -249,20 +249,59 @@ static void rope(float *x, const float *cos, const float *ssin, int hd) {
     memcpy(x, t, sizeof(float) * hd);
 }
 
+/* e4m3 (torch.float8_e4m3fn: bias 7, no infinities, S.1111.111 NaN) as floats, by code: the portable path's
+ * reads (the vector path goes through float16 bits, e4m3_load16) */
+static float E4M3[256];
+
+__attribute__((constructor)) static void e4m3_table(void) {
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7;
+        float a = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
+        E4M3[b] = (b & 0x7F) == 0x7F ? NAN : (b & 0x80 ? -a : a);
+    }
+}
+
+/* float -> e4m3 as strata.attention.to_cache stores it: clamped to +-448, then rounded to nearest even */
+uint8_t strata_to_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint8_t s = (uint8_t)((u >> 24) & 0x80);
+    float a = fabsf(x);
+    if (a != a) return s | 0x7F;
+    if (a >= 448.0f) return s | 0x7E;
+    if (a < 0.015625f) return s | (uint8_t)nearbyintf(a * 512.0f); /* subnormal: steps of 2^-9 (8 steps: 2^-6) */
+    uint32_t ua = u & 0x7FFFFFFF;
+    ua += 0x7FFFF + ((ua >> 20) & 1); /* round the 23-bit mantissa to 3 bits, ties to even */
+    return s | (uint8_t)((((int)(ua >> 23) - 120) << 3) | ((ua >> 20) & 7));
+}
+
 static inline float kv_at(const void *c, int bits, size_t i) {
+    if (bits == 8) return E4M3[((const uint8_t *)c)[i]];
     return bits == 32 ? ((const float *)c)[i] : bf16_to_float(((const uint16_t *)c)[i]);
 }
 
 static void kv_put(void *c, int bits, size_t i, const float *x, int n) {
     if (bits == 32)
         memcpy((float *)c + i, x, sizeof(float) * n);
+    else if (bits == 8)
+        for (int k = 0; k < n; k++) ((uint8_t *)c)[i + k] = strata_to_e4m3(x[k]);
     else
         for (int k = 0; k < n; k++) ((uint16_t *)c)[i + k] = float_to_bf16(x[k]);
 }
 
 #if SIMD
+/* 16 e4m3 values as floats: sign, exponent and mantissa moved 7 places left are the float16 of value / 256
+ * (exponent bias 15 against 7, subnormals alike), which VCVTPH2PS widens exactly; then times 256 */
+static inline __m512 e4m3_load16(const uint8_t *p) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
 static inline __m512 kv_load16(const void *c, int bits, size_t i) {
     if (bits == 32) return _mm512_loadu_ps((const float *)c + i);
+    if (bits == 8) return e4m3_load16((const uint8_t *)c + i);
     __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)c + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
@@ -306,6 +345,8 @@ static inline __attribute__((always_inline)) void row_load(const void *c, const 
                                                           __m512 *r) {
     if (bits == 32) {
         UNROLL for (int k = 0; k < C; k++) r[k] = _mm512_loadu_ps((const float *)c + i + 16 * k);
+    } else if (bits == 8) {
+        UNROLL for (int k = 0; k < C; k++) r[k] = e4m3_load16((const uint8_t *)c + i + 16 * k);
     } else {
         UNROLL for (int k = 0; k < C / 2; k++) {
             __m512i w = _mm512_loadu_si512((const uint16_t *)c + i + 32 * k);
@@ -414,6 +455,7 @@ static void attend(const float *q, int G, const void *kc, const void *vc, int bi
             float *og = out + h0 * hd;
 #define GC(n, c) else if (g == n && hd == 16 * c) { \
                 if (bits == 16) attend_gc(qg, n, kc, vc, 16, L, c, sc, og); \
+                else if (bits == 8) attend_gc(qg, n, kc, vc, 8, L, c, sc, og); \
                 else attend_gc(qg, n, kc, vc, 32, L, c, sc, og); }
             if (0) {}
             GC(1, 4) GC(2, 4) GC(3, 4) GC(4, 4) GC(1, 8) GC(2, 8)
@@ -517,7 +559,7 @@ static void product(const mat_t *W, const float *x, int n, int8_t *xq, float *dx
 }
 
 /* One kv head's attention, for tests: G query heads q (G x hd) against the first L rows of caches kc, vc
- * (float32 or bfloat16 by bits, hd values a row) -> out (G x hd); sc: G * L floats of scratch. */
+ * (float32, bfloat16 or e4m3 by bits, hd values a row) -> out (G x hd); sc: G * L floats of scratch. */
 void strata_attend(const float *q, int G, const void *kc, const void *vc, int bits, int L, int hd, float *sc,
                    float *out) {
     attend(q, G, kc, vc, bits, L, hd, sc, out);
