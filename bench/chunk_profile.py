@@ -14,6 +14,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.config import from_dict  # noqa: E402
+
+# the rig's defaults with the environment's overrides (STRATA_CUDA_ATTENTION, the kernels' switches)
+ENV = from_dict({})
 
 
 def main() -> int:
@@ -31,7 +35,7 @@ def main() -> int:
     start, end = (int(x) for x in a.layers.split(":")) if a.layers else (0, args.n_layers)
     t = time.perf_counter()
     m = load_stage(a.model, args, start, end, device=a.device, dtype=a.dtype, weights=a.weights,
-                   max_len=a.chunk * a.chunks)
+                   max_len=a.chunk * a.chunks, kernels=ENV.kernels, attention=ENV.attention)
     dev = torch.device(a.device)
     print(f"{a.model} layers [{start}, {end}) {a.weights}: loaded in {time.perf_counter() - t:.1f} s, "
           f"weights {m.weight_bytes / 2**30:.2f} GiB, scratch {m.scratch_bytes / 2**30:.2f} GiB")

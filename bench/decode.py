@@ -23,8 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.config import from_dict  # noqa: E402
 from strata.decode_graphs import GraphedDecode  # noqa: E402
 from strata.weight_only import WEIGHT_ONLY  # noqa: E402
+
+# the rig's defaults with the environment's overrides (STRATA_CUDA_ATTENTION, the kernels' switches)
+ENV = from_dict({})
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a screw press adapted from wine making. Within decades, print "
@@ -100,7 +104,8 @@ def main() -> int:
     start, end = (int(v) for v in a.layers.split(":")) if a.layers else (0, args.n_layers)
     t = time.perf_counter()
     m = load_stage(a.model, args, start, end, device=dev, dtype=dtype, weights=a.weights,
-                   max_len=max(a.context, 400) + a.steps + 1, kv_dtype=a.kv_dtype)  # --check: a ~200-token prompt
+                   max_len=max(a.context, 400) + a.steps + 1, kv_dtype=a.kv_dtype,
+                   kernels=ENV.kernels, attention=ENV.attention)  # --check: a ~200-token prompt
     print(f"{a.model} layers [{start}, {end}) on {dev} {dtype}, {a.threads} thread(s): loaded in "
           f"{time.perf_counter() - t:.2f} s; context {a.context}, {a.steps} steps")
     g = torch.Generator().manual_seed(0)

@@ -15,7 +15,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.config import from_dict  # noqa: E402
 from strata.decode_graphs import GraphedDecode  # noqa: E402
+
+# the rig's defaults with the environment's overrides (STRATA_CUDA_ATTENTION, the kernels' switches)
+ENV = from_dict({})
 
 
 def step_ms(m, x, pos, n=20) -> float:
@@ -36,7 +40,7 @@ def main() -> int:
     a = ap.parse_args()
     args = model_args(a.model)
     m = load_stage(a.model, args, 0, args.n_layers, device="cuda", dtype=torch.bfloat16, max_len=a.context + 256,
-                   max_chunk=2048)
+                   max_chunk=2048, kernels=ENV.kernels, attention=ENV.attention)
     ids = torch.randint(0, args.vocab_size, (1, a.context), device="cuda")
     with torch.inference_mode():
         for p in range(0, a.context, 2048):

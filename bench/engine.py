@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 import strata.attention as sm  # noqa: E402
 from strata.args import PRESETS  # noqa: E402
+from strata.config import KernelSpec  # noqa: E402
 from strata.model import Transformer  # noqa: E402
 from strata.checkpoint import hf_name, synthetic_tensors  # noqa: E402
 
@@ -146,8 +147,8 @@ def correctness(device):
     want = ref(ids).logits[0].float()
     rows = []
     for mode, kernels in (("flash", "torch"), ("cudnn-split", "torch"), ("cudnn-split", "triton")):
-        sm.CUDA_ATTENTION, sm.CUDA_KERNELS = mode, kernels
         t = strata_model(args, dict(tensors), torch.bfloat16, device)  # load_weights consumes its dict
+        t.set_kernels(KernelSpec(prefill=kernels), attention=mode)
         t.setup_cache(ids.shape[1])
         h = torch.cat([t(ids[:, p:p + 256], p) for p in range(0, ids.shape[1], 256)], dim=1)
         got = t.logits(h[0])
@@ -168,7 +169,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=10240)
     ap.add_argument("--attn", default="flash,cudnn-split")
     ap.add_argument("--kernels", default="triton",
-                    help="strata.attention.CUDA_KERNELS (STRATA_CUDA_KERNELS): triton (fused LSE merge, RoPE, "
+                    help="the rig's kernels.prefill: triton (fused LSE merge, RoPE, "
                          "SiLU*up), torch, or triton,torch (A/B in one run)")
     ap.add_argument("--warm", default="stage", choices=("stage", "small"), help="warm-up before the timed runs")
     ap.add_argument("--runs", type=int, default=1, help="timed prefills per variant (the first is the cold one)")
@@ -195,7 +196,7 @@ def main():
     t = strata_model(args, tensors, dtype, device)
     del tensors
     for mode, kernels in variants(a):
-        sm.CUDA_ATTENTION, sm.CUDA_KERNELS = mode, kernels
+        t.set_kernels(KernelSpec(prefill=kernels), attention=mode)
         name = f"strata {mode} {kernels}"
         warm = warm_strata(t, ids, a.chunk, a.warm)
         for r in range(a.runs):
@@ -214,7 +215,7 @@ def main():
         p = a.tokens - a.chunk  # the cache still holds the timed run's real keys and values
         tables = []
         for mode, kernels in variants(a):
-            sm.CUDA_ATTENTION, sm.CUDA_KERNELS = mode, kernels
+            t.set_kernels(KernelSpec(prefill=kernels), attention=mode)
             t(ids[:, p:], p)  # unprofiled once: nothing left to set up
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -1,6 +1,6 @@
 """Time the fused dequantize + matrix-vector kernels (strata.quant.gemv) against the current decode path.
 
-Per type (IQ3_S: per kernel of --iq3s, gemv.IQ3S_KERNEL) at a preset's layer shapes (q/k/v and gate/up as the one launch decode makes): the kernel's
+Per type (IQ3_S: per kernel of --iq3s, GemvKernels.iq3s) at a preset's layer shapes (q/k/v and gate/up as the one launch decode makes): the kernel's
 median time (CUDA events, L2 flushed before each rep; on CUDA each call replayed from a CUDA graph, as decode runs
 it, so the host's launch time is not in it), the GB/s of blocks it reads, the current path
 (dequantize into a bf16 buffer + F.linear) and the relative error against float64. Then one whole
@@ -93,14 +93,13 @@ class Timer:
         return graph.replay
 
 
-MODE_ATTR = {"IQ3_S": "IQ3S_KERNEL", "Q6_K": "Q6K_KERNEL", "Q4_K": "KQUANT", "Q5_K": "KQUANT"}
+MODE_FIELD = {"IQ3_S": "iq3s", "Q6_K": "q6k", "Q4_K": "kquant", "Q5_K": "kquant"}
 
 
-def set_mode(qtype: str, mode: str | None) -> None:
-    """Pick IQ3_S's (gemv.IQ3S_KERNEL), Q6_K's (gemv.Q6K_KERNEL) or Q4_K/Q5_K's (gemv.KQUANT) kernel; None: the
-    type has one."""
-    if mode is not None:
-        setattr(gemv, MODE_ATTR[qtype], mode)
+def kernels_for(qtype: str, mode: str | None) -> gemv.GemvKernels:
+    """The kernels with IQ3_S's, Q6_K's or Q4_K/Q5_K's set to `mode` (passed to each call, as a model passes its
+    own); None: the type has one kernel."""
+    return gemv.GemvKernels(**({} if mode is None else {MODE_FIELD[qtype]: mode}))
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -109,7 +108,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: bool, dtype,
                modes: list[str | None]) -> dict:
-    """Per matrix and M, each kernel of `modes` (IQ3_S's gemv.IQ3S_KERNEL values; [None] for other types).
+    """Per matrix and M, each kernel of `modes` (IQ3_S's gemv.IQ3S_KERNELS; [None] for other types).
     Returns {mode: [(parts, cols) of one layer]}."""
     g = torch.Generator(device=device).manual_seed(0)
     layer = []
@@ -135,13 +134,13 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
             want = x.double() @ w.double().T
             tc = timer(lambda: current(x)) if m == 1 else float("nan")
             for mode in modes:
-                set_mode(qtype, mode)
-                y = gemv.quant_matmul_parts(x, packed, cols)
-                t = timer(timer.graphed(lambda: gemv.quant_matmul_parts(x, packed, cols)))
+                k = kernels_for(qtype, mode)
+                y = gemv.quant_matmul_parts(x, packed, cols, kernels=k)
+                t = timer(timer.graphed(lambda: gemv.quant_matmul_parts(x, packed, cols, kernels=k)))
                 err = rel(y, want)
                 name = qtype if mode is None else f"{qtype}/{mode}"
-                if qtype == "IQ3_S" and gemv.IQ3S_KERNEL != mode:
-                    name += "->" + gemv.IQ3S_KERNEL  # it failed and fell back (see the warning)
+                if qtype == "IQ3_S" and k.iq3s != mode:
+                    name += "->" + k.iq3s  # it failed and fell back (see the warning)
                 print(f"{name:16s} {label:8s} {rows:>6d}x{cols:<6d} M={m}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s"
                       f"  current {tc * 1e6:9.1f} us  x{tc / t:6.1f}  rel err {err:.1e}")
                 if sweep and m == ms[0]:
@@ -154,7 +153,8 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
                     elif qtype in ("Q4_K", "Q5_K") and mode != "bytes":
                         sweep_cfgs = KQ_SWEEP
                     for cfg in sweep_cfgs:
-                        ts = timer(timer.graphed(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg)))
+                        ts = timer(timer.graphed(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg,
+                                                                                  kernels=k)))
                         if best is None or ts < best[0]:
                             best = (ts, cfg)
                     print(f"{'':26s} best launch shape {best[1]}: {best[0] * 1e6:.1f} us, {nbytes / best[0] / 1e9:.0f} GB/s")
@@ -164,13 +164,14 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
     return layer
 
 
-def bench_layer(qtype: str, layer, head_s: float | None, timer: Timer, device, n_layers: int, dtype) -> None:
-    """One layer's 4 launches at M=1, eager and from a CUDA graph (no launch overhead)."""
+def bench_layer(qtype: str, layer, head_s: float | None, timer: Timer, device, n_layers: int, dtype,
+                kernels: gemv.GemvKernels) -> None:
+    """One layer's 4 launches at M=1 (with `kernels`), eager and from a CUDA graph (no launch overhead)."""
     xs = [torch.randn(1, cols, device=device).to(dtype) for _, cols in layer]
 
     def step():
         for (packed, cols), x in zip(layer, xs):
-            gemv.quant_matmul_parts(x, packed, cols)
+            gemv.quant_matmul_parts(x, packed, cols, kernels=kernels)
 
     eager = timer(step)
     line = f"{qtype:16s} one layer (4 launches) eager {eager * 1e6:8.1f} us"
@@ -197,8 +198,8 @@ def main() -> int:
     ap.add_argument("--m", default="1,4", help="x rows, comma-separated")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--iq3s", default=",".join(gemv.IQ3S_KERNELS), help="IQ3_S kernels to compare (gemv.IQ3S_KERNELS)")
-    ap.add_argument("--q6k", default=gemv.Q6K_KERNEL, help="Q6_K kernels to compare (gemv.Q6K_KERNELS)")
-    ap.add_argument("--kquant", default=gemv.KQUANT, help="Q4_K/Q5_K kernels to compare (gemv.KQUANTS)")
+    ap.add_argument("--q6k", default=gemv.GemvKernels.q6k, help="Q6_K kernels to compare (gemv.Q6K_KERNELS)")
+    ap.add_argument("--kquant", default=gemv.GemvKernels.kquant, help="Q4_K/Q5_K kernels to compare (gemv.KQUANTS)")
     ap.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (dp4a: DP4A_SWEEP)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
     a = ap.parse_args()
@@ -223,8 +224,8 @@ def main() -> int:
                  "Q5_K": a.kquant.split(",")}.get(qtype, [None])
         layer = bench_type(qtype, shapes, ms, timer, device, a.sweep, dtype, modes)
         for mode in modes:
-            set_mode(qtype, mode)
-            bench_layer(qtype if mode is None else f"{qtype}/{mode}", layer, None, timer, device, n_layers, dtype)
+            bench_layer(qtype if mode is None else f"{qtype}/{mode}", layer, None, timer, device, n_layers, dtype,
+                        kernels_for(qtype, mode))
     return 0
 
 

@@ -30,8 +30,8 @@ def main() -> int:
     ap.add_argument("--cuda-graphs", default="true", help="comma list of true/false (the rig's default: true)")
     ap.add_argument("--decode-weights", default="none", help="comma list (CPU stages)")
     ap.add_argument("--kv-dtype", default="auto", help="comma list: the KV cache dtype (auto: the compute dtype)")
-    ap.add_argument("--ahead", default="auto", help="comma list: STRATA_DECODE_AHEAD of each run (auto, 0: the A/B of "
-                    "decode steps queued ahead behind GPU waits on the bells)")
+    ap.add_argument("--ahead", default="auto", help="comma list: kernels.decode_ahead of each run (auto, 0: the A/B "
+                    "of decode steps queued ahead behind GPU waits on the bells)")
     ap.add_argument("--llama-bench", help="also time llama.cpp's decode on the model's GGUF file, same contexts")
     ap.add_argument("--llama-gguf", help="the file llama-bench decodes (default: the model's own GGUF; for a "
                     "synthetic model, e.g. bench/make_gguf.py's F16 file of the same shape)")
@@ -47,14 +47,13 @@ def main() -> int:
     print("| cuda_graphs | decode_weights | kv_dtype | ahead | context | decode tok/s | ms/token | outside the stages ms/token | ttft s |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|")
     import numpy as np
-    from strata import bells
     runs = [(g, d, k, ah) for g in a.cuda_graphs.split(",") for d in a.decode_weights.split(",")
             for k in a.kv_dtype.split(",") for ah in a.ahead.split(",")]
     for graphs, dw, kv, ahead in ([] if a.llama_only else runs):
-        bells.AHEAD = ahead  # the head decides it for the run's stages
         cfg = dict(kv_dtype=kv, model=a.model, dtype=dtype, stages=stages, chunk=a.chunk, progress=False, perplexity=False,
                    max_context=max(contexts) + a.tokens + 1, cuda_graphs=graphs == "true", decode_weights=dw,
-                   prompt={"random": {"tokens": 16, "seed": 0}})
+                   prompt={"random": {"tokens": 16, "seed": 0}},
+                   kernels={"decode_ahead": {"auto": "auto", "0": False}[ahead]})
         with Pipeline(cfg, console=False) as p:
             vocab = p.plan.args.vocab_size
             for n in contexts:

@@ -22,6 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata import model as model_mod, moe as moe_mod, resident  # noqa: E402
 from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.config import from_dict  # noqa: E402
+
+# the rig's defaults with the environment's overrides (STRATA_CUDA_ATTENTION, the kernels' switches)
+ENV = from_dict({})
 
 SPENT: collections.Counter = collections.Counter()
 
@@ -55,7 +59,7 @@ def main() -> int:
     args = model_args(a.model)
     t = time.perf_counter()
     m = load_stage(a.model, args, 0, args.n_layers, device=a.device, dtype=torch.bfloat16, max_len=a.tokens,
-                   max_chunk=a.chunk)
+                   max_chunk=a.chunk, kernels=ENV.kernels, attention=ENV.attention)
     print(f"loaded {a.model} in {time.perf_counter() - t:.1f} s: weights {m.weight_bytes / 2**30:.2f} GiB, scratch "
           f"{m.scratch_bytes / 2**30:.2f} GiB, kv {m.kv_bytes / 2**30:.2f} GiB", flush=True)
     patches = [(model_mod.Attention, "forward", "attention"), (moe_mod.MoE, "route", "router"),

@@ -1,27 +1,32 @@
 """Attention of a chunk after a cached prefix (prefill) and of one decode row, RoPE on q/k rows, and the KV cache's dtype.
 
-Knows nothing of layers or stages: tensors in, tensors out. The CUDA kernel switches live here (module globals,
-set from the rig by the stage)."""
+Knows nothing of layers or stages: tensors in, tensors out. The CUDA paths are arguments (`cuda_path`, `fused`),
+which the model's layers take from the rig's `attention` and `kernels.prefill`."""
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
+# The CUDA prefill attention of `attention: auto`. "flash": one lower-right causal call. "cudnn-split": the cached
+# prefix unmasked plus the chunk's own keys causal and square, both through cuDNN (its fast cases; performance.md).
+CUDA_ATTENTION_DEFAULT = "cudnn-split"
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """Rotate-half RoPE (HF layout; GGUF q/k rows are un-permuted on load): one Triton kernel on CUDA
     (strata.kernels.rope), else 3 torch ops instead of the textbook 5.
 
     x: (1, T, heads, hd), any strides; cos, ssin: (T, 1, hd), ssin from `_signed_sin`. cat((-x2, x1)) * sin
     is cat((x2, x1)) * cat((-sin1, sin2)), the same products; the swap is a cat (not a roll, which copies a
     strided x first). Returns a new contiguous (1, T, heads, hd) tensor. cos narrower than hd: partial rotary,
-    the first cos.shape[-1] values of each head rotate, the rest pass."""
+    the first cos.shape[-1] values of each head rotate, the rest pass. fused=False: the torch formula on CUDA too
+    (kernels.prefill: torch, the A/B)."""
     if cos.shape[-1] < x.shape[-1]:
         r = cos.shape[-1]
-        return torch.cat((apply_rope(x[..., :r], cos, ssin), x[..., r:]), -1)
-    if x.is_cuda and CUDA_KERNELS == "triton":
+        return torch.cat((apply_rope(x[..., :r], cos, ssin, fused), x[..., r:]), -1)
+    if x.is_cuda and fused:
         from .kernels import rope
         y = rope(x, cos, ssin)  # one pass instead of three
         if y is not None:
@@ -30,26 +35,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.
     return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), ssin)
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
-                    scale: float | None = None) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float | None = None,
+                    cuda_path: str = CUDA_ATTENTION_DEFAULT, fused: bool = True) -> torch.Tensor:
     """Queries of one chunk at `pos` against keys [0, pos + T): causal, bottom-right aligned.
 
     q: (1, nh, T, hd); k, v: (1, nkv, pos + T, hd); scale: of q.k (None: hd ** -0.5). Never builds a dense
-    (T, pos + T) mask.
+    (T, pos + T) mask. cuda_path: "flash" or "cudnn-split" on CUDA (the rig's `attention`); fused: the split's
+    log-sum-exp merge as one Triton kernel (kernels.prefill).
     """
     T, S = q.shape[2], k.shape[2]
     if pos == 0:  # square: top-left and bottom-right alignment coincide
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     if q.is_cuda:
-        if CUDA_ATTENTION == "cudnn-split" and q.dtype != torch.float32:
-            return _split_attention(q, k, v, pos, _cudnn_with_lse, scale)
+        if cuda_path == "cudnn-split" and q.dtype != torch.float32:
+            return _split_attention(q, k, v, pos, _cudnn_with_lse, scale, fused)
         # flash (memory-efficient for fp32) handles the lower-right alignment natively.
         # Imported here: torch.nn.attention.bias pulls in dynamo, ~1 s at every process start.
         from torch.nn.attention.bias import causal_lower_right
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True,
                                               scale=scale)
     # CPU: the lower-right bias would materialise a mask; split instead
-    return _split_attention(q, k, v, pos, _cpu_with_lse, scale)
+    return _split_attention(q, k, v, pos, _cpu_with_lse, scale, fused)
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sinks: torch.Tensor,
@@ -164,22 +170,12 @@ def store_rows(cache: torch.Tensor, x: torch.Tensor, pos: int) -> None:
         cache.narrow(2, 0, T - first).copy_(x.narrow(-2, first, T - first))
 
 
-# "flash": one lower-right causal call. "cudnn-split": the cached prefix unmasked plus the
-# chunk's own keys causal and square, both through cuDNN (its fast cases; performance.md).
-CUDA_ATTENTION = os.environ.get("STRATA_CUDA_ATTENTION", "cudnn-split")
-
-
-# The CUDA prefill path's fused kernels: "triton" (strata/kernels.py: the split path's LSE merge in one pass
-# instead of ~8 float32 kernels, RoPE in one instead of three, SiLU*up in one instead of two; the torch
-# formulas where Triton is missing) or "torch" (those formulas). STRATA_CUDA_KERNELS=torch: the A/B.
-CUDA_KERNELS = os.environ.get("STRATA_CUDA_KERNELS", "triton")
-
-
-def _split_attention(q, k, v, pos, attend, scale=None):
-    """Attention over [prefix | own chunk] as two calls merged by their log-sum-exp."""
+def _split_attention(q, k, v, pos, attend, scale=None, fused=True):
+    """Attention over [prefix | own chunk] as two calls merged by their log-sum-exp. fused: on CUDA the merge in
+    one Triton pass (strata/kernels.py) instead of ~8 float32 kernels; the torch formula where Triton is missing."""
     out_p, lse_p = attend(q, k[:, :, :pos], v[:, :, :pos], False, scale)
     out_s, lse_s = attend(q, k[:, :, pos:], v[:, :, pos:], True, scale)
-    if q.is_cuda and CUDA_KERNELS == "triton":
+    if q.is_cuda and fused:
         from .kernels import lse_merge
         out = lse_merge(out_p, lse_p, out_s, lse_s)
         if out is not None:
@@ -291,7 +287,7 @@ def warm_chunk_attention(model, shapes, attend=None) -> int:
     built (0 elsewhere). Reads the cache, writes nothing. `attend`: the call to make instead (tests)."""
     device, dtype = model.device_dtype()
     if attend is None:
-        if device.type != "cuda" or CUDA_ATTENTION != "cudnn-split" or dtype == torch.float32:
+        if device.type != "cuda" or model.cuda_attention != "cudnn-split" or dtype == torch.float32:
             return 0
         attend = _cudnn_with_lse
     # a global layer's calls (a window layer's attention takes another path)

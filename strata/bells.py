@@ -14,39 +14,34 @@ each phase's first step: a receiver that is not yet spinning wakes on its socket
 """
 from __future__ import annotations
 
-import os
 import platform
 
 import numpy as np
 
 ROW = 8  # int64 words per bell: one 64-byte cache line (seq, k, pos, argmax, t0 as float64, 3 spare)
 SEQ, K, POS, ARGMAX, T0 = range(5)
-# STRATA_DECODE_BELLS: "auto" (the default: when every stage is a local CUDA one; on 2 H200s, 8B, they took a
-# token from 5.67 to 5.16 ms, BENCHMARKS.md), "0" (ZeroMQ only, the A/B arm), "1" (any local stages: tests)
-MODE = os.environ.get("STRATA_DECODE_BELLS", "auto")
-
-
-# STRATA_DECODE_AHEAD: "auto" (the default: with bells, when every stage has a GPU of its own, each stage queues
-# its next step behind a GPU-side wait on its bell, strata/stream_wait.py) or "0" (the host launches each step
-# once its note is in: the A/B arm). Stages sharing a GPU never queue ahead: a stream parked on a wait would
-# hold the GPU's time slices from the others.
-AHEAD = os.environ.get("STRATA_DECODE_AHEAD", "auto")
 
 
 def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def wanted(devices: list[str], any_remote: bool) -> bool:
-    """Whether a run with stages on these devices rings bells for its decode steps."""
-    if MODE == "0" or any_remote or not supported():
+def wanted(devices: list[str], any_remote: bool, mode: bool | str = "auto") -> bool:
+    """Whether a run with stages on these devices rings bells for its decode steps. mode (the rig's
+    kernels.decode_bells): "auto" when every stage is a local CUDA one (on 2 H200s, 8B, they took a token from 5.67
+    to 5.16 ms, BENCHMARKS.md), False for ZeroMQ only (the A/B arm), True for any local stages (tests)."""
+    if mode is False or any_remote or not supported():
         return False
-    return MODE == "1" or all(d.startswith("cuda") for d in devices)
+    return mode is True or all(d.startswith("cuda") for d in devices)
 
 
-def ahead_wanted(devices: list[str]) -> bool:
-    """Whether stages on these devices (a run that rings bells) queue their next decode step ahead."""
-    return AHEAD != "0" and all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices)
+def ahead_wanted(devices: list[str], mode: bool | str = "auto") -> bool:
+    """Whether stages on these devices (a run that rings bells) queue their next decode step ahead. mode (the rig's
+    kernels.decode_ahead): "auto" when every stage has a GPU of its own (each queues its next step behind a GPU-side
+    wait on its bell, strata/stream_wait.py), False to have the host launch each step once its note is in (the A/B
+    arm). Stages sharing a GPU never queue ahead: a stream parked on a wait would hold the GPU's time slices from
+    the others."""
+    return mode is not False and all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices)
 
 
 def nbytes(n_stages: int) -> int:

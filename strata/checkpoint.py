@@ -169,9 +169,10 @@ def slice_tensors(model: str, args: ModelArgs, start: int, end: int, device="cpu
 
 def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dtype, seed: int = 0,
                weights: str = "auto", kv_dtype="auto", max_len: int, decode_weights: str | None = None,
-               max_chunk: int | None = None) -> Transformer:
+               max_chunk: int | None = None, kernels=None, attention: str = "auto") -> Transformer:
     """The stage process's one entry point: layers [start, end) built on the meta device, filled with
     just this slice's weights (as stored or dequantized), KV cache allocated for `max_len` positions.
+    kernels, attention: the rig's KernelSpec and CUDA attention path (Transformer.set_kernels; None: defaults).
 
     decode_weights: None, or "int4" / "int8" / "float16" / "blocks" for CPU decode steps
     (Transformer.set_decode_weights; "blocks" reads the slice's quantized tensors as stored a second time)."""
@@ -179,7 +180,7 @@ def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dty
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     mode = weights_mode(model, device.type, weights, args)
     with torch.device("meta"):
-        m = Transformer(args, start, end)
+        m = Transformer(args, start, end, kernels, attention)
     tensors = slice_tensors(model, args, start, end, device=device, dtype=dtype, seed=seed, weights=mode)
     m.load_weights(tensors, device, dtype)
     del tensors

@@ -24,6 +24,13 @@ DECODE_WEIGHTS = ("auto", "none", "float16", "int8", "int4", "blocks")  # CPU st
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
 REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.join --join {join} --key {key}"
 REMOTE_FIELDS = ("host", "python", "cwd", "join", "key", "stage")
+# the kernels' A/B arms (`kernels`)
+PREFILL_KERNELS = ("triton", "torch")
+GRAPH_ATTENTION = ("split-k", "masked")
+GRAPH_KERNELS = ("triton", "torch")
+DECODE_GEMV = ("auto", "cublas")
+IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
+KQUANT_KERNELS = ("bytes", "words", "dp4a")   # Q4_K / Q5_K, and Q6_K
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,46 @@ class DebugSpec:
     fail_chunk: int | None = None  # ... at this chunk ...
     fail_mode: str = "raise"       # ... raises, exits ("exit"), stops moving ("hang") or SIGKILLs itself ("kill")
     fail_phase: str = "prefill"    # ... in this phase: "prefill", "decode", or "load" (before ready; no chunk)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Which kernel or decode path each step takes (`kernels`): the defaults are the fast paths, the others the
+    arms they were measured against. Carried to every stage in its job (a remote stage computes as the head's rig
+    says, whatever its own host's environment) and handed to the model and kernels as arguments. Each field has an
+    environment override (ENV_KERNELS), read here only."""
+    prefill: str = field(default="triton", metadata={"choices": PREFILL_KERNELS})  # CUDA prefill: strata/kernels.py's
+                                   # fused LSE merge, RoPE and SiLU*up (torch's formulas where Triton is missing),
+                                   # or "torch": those formulas
+    graph_attention: str = field(default="split-k", metadata={"choices": GRAPH_ATTENTION})  # decode graphs: the
+                                   # split-K Triton kernel over the live keys, or efficient attention masked over
+                                   # the whole bucket
+    graph_kernels: str = field(default="triton", metadata={"choices": GRAPH_KERNELS})  # decode graphs' RMSNorm and
+                                   # RoPE-with-cache-write: Triton kernels (strata/decode_kernels.py) or torch ops
+    decode_gemv: str = field(default="auto", metadata={"choices": DECODE_GEMV})  # decode graphs' dense one-row
+                                   # products: the Triton kernel by a fixed rule of the shape, or cuBLAS
+    gemv_iq3s: str = field(default="dp4a-u16", metadata={"choices": IQ3S_KERNELS})  # resident IQ3_S decode products
+    gemv_kquant: str = field(default="dp4a", metadata={"choices": KQUANT_KERNELS})  # resident Q4_K / Q5_K: int32
+                                   # words with int8 x by dp4a, words with float x, or byte by byte
+    gemv_q6k: str = field(default="dp4a", metadata={"choices": KQUANT_KERNELS})     # resident Q6_K, the same arms
+    decode_bells: bool | str = "auto"  # decode notes as shared-memory doorbells: auto (every stage a local GPU
+                                   # one), true (any local stages), false (ZeroMQ only)
+    decode_ahead: bool | str = "auto"  # with bells and a GPU per stage, queue the next decode step behind a
+                                   # GPU-side wait on the bell: auto, or false (the host launches each step)
+
+
+# STRATA_<...> -> (the `kernels` field it overrides, {value as written: the field's value})
+ENV_KERNELS = {
+    "STRATA_CUDA_KERNELS": ("prefill", {v: v for v in PREFILL_KERNELS}),
+    "STRATA_GRAPH_ATTENTION": ("graph_attention", {v: v for v in GRAPH_ATTENTION}),
+    "STRATA_GRAPH_KERNELS": ("graph_kernels", {v: v for v in GRAPH_KERNELS}),
+    "STRATA_DECODE_GEMV": ("decode_gemv", {v: v for v in DECODE_GEMV}),
+    "STRATA_GEMV_IQ3S": ("gemv_iq3s", {v: v for v in IQ3S_KERNELS}),
+    "STRATA_GEMV_KQUANT": ("gemv_kquant", {v: v for v in KQUANT_KERNELS}),
+    "STRATA_GEMV_Q6K": ("gemv_q6k", {v: v for v in KQUANT_KERNELS}),
+    "STRATA_DECODE_BELLS": ("decode_bells", {"auto": "auto", "0": False, "1": True}),
+    "STRATA_DECODE_AHEAD": ("decode_ahead", {"auto": "auto", "0": False}),
+}
 
 
 @dataclass(frozen=True)
@@ -113,6 +160,7 @@ class RigConfig:
                                             # body over this is refused (413) before it is read whole, parsed or
                                             # tokenized (default: max_context * 16 + 1 MiB, what max_context
                                             # tokens could take as JSON with room to spare)
+    kernels: KernelSpec = field(default_factory=KernelSpec)  # the kernels' A/B switches (KernelSpec)
     debug: DebugSpec = field(default_factory=DebugSpec)
 
 
@@ -217,6 +265,23 @@ def _chunk(name: str, c):
     raise ConfigError(f"chunk: expected 'auto' or a number of tokens, got {c!r}")
 
 
+def _auto_or(*flags: bool):
+    """A switch that is `auto` or one of these YAML booleans (YAML reads a bare `off` as false anyway)."""
+    def parse(name: str, v):
+        if v == "auto" or (isinstance(v, bool) and v in flags):
+            return v
+        raise ConfigError(f"{name}: expected auto or {' or '.join(str(f).lower() for f in flags)}, got {v!r}")
+    return parse
+
+
+_KERNEL_PARSERS = {"decode_bells": _auto_or(True, False), "decode_ahead": _auto_or(False)}
+
+
+def kernel_spec(raw: dict) -> KernelSpec:
+    """A `kernels` mapping (the rig's, or a stage job's) -> KernelSpec, checked as the rig's keys are."""
+    return _sub(KernelSpec, _KERNEL_PARSERS)("kernels", raw)
+
+
 def _layer_split(name: str, ls):
     if ls == "auto":
         return "auto"
@@ -230,9 +295,11 @@ def _layer_split(name: str, ls):
 # fields whose type is not a plain scalar: every one of them has its parser here
 _PARSERS = {
     RigConfig: {"stages": _stages, "layer_split": _layer_split, "chunk": _chunk,
-                "prompt": _sub(PromptSpec, {"random": _random}), "debug": _sub(DebugSpec)},
+                "prompt": _sub(PromptSpec, {"random": _random}), "debug": _sub(DebugSpec),
+                "kernels": _sub(KernelSpec, _KERNEL_PARSERS)},
     PromptSpec: {"random": _random},
     StageSpec: {},
+    KernelSpec: _KERNEL_PARSERS,
     DebugSpec: {},
 }
 
@@ -288,8 +355,8 @@ def load_raw(path: str | os.PathLike) -> dict:
 def from_dict(raw: dict, env: dict | None = None) -> RigConfig:
     """Validate a raw mapping (from YAML, --set, or the Python API) into a RigConfig.
 
-    STRATA_PF_DEPTH, STRATA_PREFILL_TIMING and STRATA_CUDA_ATTENTION in `env` (default os.environ) override
-    the rig.
+    STRATA_PF_DEPTH, STRATA_PREFILL_TIMING, STRATA_CUDA_ATTENTION and the `kernels` switches (ENV_KERNELS) in
+    `env` (default os.environ) override the rig.
     """
     env = os.environ if env is None else env
     _check_keys(raw, _TOP, "")
@@ -313,6 +380,12 @@ def _apply_env(raw: dict, env) -> dict:
             raise ConfigError(f"STRATA_CUDA_ATTENTION={env['STRATA_CUDA_ATTENTION']!r}: expected one of "
                               f"{', '.join(ATTENTION)}")
         raw["attention"] = env["STRATA_CUDA_ATTENTION"]
+    for var, (key, values) in ENV_KERNELS.items():  # each overrides its `kernels` key (--set overrides it again)
+        if env.get(var, "") == "":
+            continue
+        if env[var] not in values:
+            raise ConfigError(f"{var}={env[var]!r}: expected one of {', '.join(values)} (it overrides kernels.{key})")
+        raw["kernels"] = {**(raw.get("kernels") or {}), key: values[env[var]]}
     return raw
 
 
@@ -454,7 +527,8 @@ def check_device(dev: str, name: str) -> None:
 
 
 def load(path: str | os.PathLike, overrides: list[str] = (), env: dict | None = None) -> RigConfig:
-    """Rig file, then the environment (STRATA_PF_DEPTH, STRATA_PREFILL_TIMING, STRATA_CUDA_ATTENTION), then --set."""
+    """Rig file, then the environment (STRATA_PF_DEPTH, STRATA_PREFILL_TIMING, STRATA_CUDA_ATTENTION, ENV_KERNELS),
+    then --set."""
     env = os.environ if env is None else env
     raw = load_raw(path)
     _check_keys(raw, _TOP, "")

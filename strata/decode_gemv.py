@@ -7,12 +7,10 @@ program with 2 warps and 1,024 columns a step read the weights at 4.1 TB/s, cuBL
 
 The launch shape is a fixed rule of the matrix's shape (the first of CONFIGS that fits), never a timing: a
 shape's reduction order decides the product's rounding, and a choice timed at load could differ from run to run
-(it did: two pipelines of one rig picked different shapes and greedy decoding gave different tokens). Env
-STRATA_DECODE_GEMV: "auto" (that rule) or "cublas" (the A/B).
+(it did: two pipelines of one rig picked different shapes and greedy decoding gave different tokens). `mode`
+(the rig's kernels.decode_gemv): "auto" (that rule) or "cublas" (the A/B).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -23,14 +21,11 @@ try:
 except ImportError:
     triton = None
 
-MODE = os.environ.get("STRATA_DECODE_GEMV", "auto")
-if MODE not in ("auto", "cublas"):
-    raise ValueError(f"STRATA_DECODE_GEMV={MODE!r}: use auto or cublas")
 # (BLOCK_N rows per program, BLOCK_K columns per step, warps), in order of preference; from the sweep of 52
 # launch shapes above: (4, 1024, 2) was within 3% of the fastest shape on each of the 8B's matrices; (4, 512, 2)
 # and (4, 256, 4) were the fastest with those column steps
 CONFIGS = ((4, 1024, 2), (4, 512, 2), (4, 256, 4))
-_choice: dict[tuple, tuple | None] = {}  # (rows, cols) -> the launch shape, or None for cuBLAS: for the stage log
+_choice: dict[tuple, tuple | None] = {}  # (rows, cols, mode) -> the launch shape, or None for cuBLAS: for the stage log
 
 if triton is not None:
     @triton.jit
@@ -62,23 +57,26 @@ def _launch(cfg: tuple, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
 
 def describe() -> str:
     """The shapes met so far, for the stage's log: "6144x4096 Triton (4, 1024, 2), 4096x14336 Triton (4, 1024, 2)"."""
-    return ", ".join(f"{n}x{k} " + (f"Triton {c}" if c else "cuBLAS") for (n, k), c in _choice.items())
+    return ", ".join(f"{n}x{k} " + (f"Triton {c}" if c else "cuBLAS") for (n, k, _), c in _choice.items())
 
 
-def pick(n: int, k: int) -> tuple | None:
+def pick(n: int, k: int, mode: str = "auto") -> tuple | None:
     """The launch shape of an n x k matrix, or None (cuBLAS)."""
-    if MODE == "cublas" or triton is None:
+    if mode not in ("auto", "cublas"):
+        raise ValueError(f"decode_gemv mode {mode!r}: auto or cublas")
+    if mode == "cublas" or triton is None:
         return None
     return next((c for c in CONFIGS if _fits(c, n, k)), None)
 
 
-def matvec(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., cols) holding ONE row, w (rows, cols) -> x @ w.T + b, shaped (..., rows), in x's dtype."""
+def matvec(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, mode: str = "auto") -> torch.Tensor:
+    """x (..., cols) holding ONE row, w (rows, cols) -> x @ w.T + b, shaped (..., rows), in x's dtype; mode: the
+    launch rule, or "cublas" (kernels.decode_gemv)."""
     n, k = w.shape
     if (triton is None or not x.is_cuda or x.numel() != k or x.dtype != w.dtype or w.stride(1) != 1
             or (b is not None and not b.is_contiguous())):
         return F.linear(x, w, b)
-    cfg = _choice.setdefault((n, k), pick(n, k))
+    cfg = _choice.setdefault((n, k, mode), pick(n, k, mode))
     if cfg is None:
         return F.linear(x, w, b)
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)

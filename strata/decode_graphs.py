@@ -2,8 +2,8 @@
 
 `GraphedDecode(model)` is what a stage (or a bench, or a test) holds beside its slice: its `decode_token` and
 `decode_step` replay a graph where `graphable` says the slice can be captured, else run the slice's eager decode
-path. The model knows nothing of graphs: this module reads it through its public names, and notices a replaced
-cache or weights by `Transformer.storage_version`.
+path. The model knows nothing of graphs: this module reads it through its public names (the graphs' kernels from
+`Transformer.kernels`, the rig's), and notices a replaced cache or weights by `Transformer.storage_version`.
 """
 from __future__ import annotations
 
@@ -19,14 +19,9 @@ from .resident import DECODE_T, DenseMatrices, Packed, ResidentMatrices, fused_o
 from .weight_only import Products, dense_products
 
 GRAPH_MIN_BUCKET = 256
-# the graphs' attention: "split-k" (strata/decode_attention.py, Triton; reads only the live keys) or "masked"
-# (efficient attention over the whole bucket with an additive mask: no split over keys, slow past a few thousand)
-GRAPH_ATTENTION = os.environ.get("STRATA_GRAPH_ATTENTION", "split-k")
-if GRAPH_ATTENTION not in ("split-k", "masked"):
-    raise ValueError(f"STRATA_GRAPH_ATTENTION={GRAPH_ATTENTION!r}: use split-k or masked")
-GRAPH_KERNELS = os.environ.get("STRATA_GRAPH_KERNELS", "triton")  # "torch": norms and rope by torch ops (A/B)
-if GRAPH_KERNELS not in ("triton", "torch"):
-    raise ValueError(f"STRATA_GRAPH_KERNELS={GRAPH_KERNELS!r}: use triton or torch")
+# the graphs' attention (kernels.graph_attention): "split-k" (strata/decode_attention.py, Triton; reads only the live
+# keys) or "masked" (efficient attention over the whole bucket with an additive mask: no split over keys, slow past a
+# few thousand); their norms and rope (kernels.graph_kernels): "triton" or "torch" ops (the A/B)
 
 
 # what the graphs implement beyond the Llama core (ModelArgs.extras); windows need the split-K kernel
@@ -35,15 +30,16 @@ GRAPH_EXTRAS = {"qk_norm", "rope yarn", "rope linear", "sliding_window", "window
                 "sinks", "o_bias"}
 
 
-def covers(args) -> bool:
+def covers(args, graph_attention: str = "split-k") -> bool:
     """Whether a model's one-token step can be captured: its variations are implemented here, and a window
-    layer's ring is read by the split-K kernel (the masked path reads a contiguous prefix only)."""
+    layer's ring is read by the split-K kernel (the masked path reads a contiguous prefix only). graph_attention:
+    the rig's kernels.graph_attention."""
     if set(args.extras()) - GRAPH_EXTRAS:
         return False
     if args.sliding_window is not None or args.attn_sinks:  # (sinks: the split-K kernel's merge takes them)
         from strata import decode_attention
         hd = args.head_dim
-        return decode_attention.available() and GRAPH_ATTENTION == "split-k" and hd & (hd - 1) == 0
+        return decode_attention.available() and graph_attention == "split-k" and hd & (hd - 1) == 0
     return True
 
 
@@ -53,7 +49,7 @@ def graphable(m: Transformer, x: torch.Tensor) -> bool:
     (strata.quant.gemv), a resident head likewise. A resident embedding is gathered outside the graph."""
     if not x.is_cuda or m.decode_weights is not None:
         return False
-    if not covers(m.args):
+    if not covers(m.args, m.kernels.graph_attention):
         return False
     if m.has_head and isinstance(m.head.weight, Packed) and not fused_ok(m.head.weight, x.device):
         return False
@@ -153,19 +149,21 @@ class DecodeGraphs:
         # safe because replays run one at a time on one stream and a step's outputs are read before the next one.
         self._side: torch.cuda.Stream | None = None
         self._pool = None
+        self.kernels = m.kernels  # the rig's: the graphs' attention, norm / rope kernels and dense products
         from strata import decode_attention  # imports Triton
         a = next(iter(m.layers.values())).attn
         self.rings = sorted({b.attn.k_cache.shape[2] for b in m.layers.values() if b.attn.window is not None})
         # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter);
         # the split-K kernel takes power-of-two head dims only: other models take the masked path
-        self.use_split_k = (decode_attention.available() and GRAPH_ATTENTION == "split-k" and a.hd & (a.hd - 1) == 0
+        self.use_split_k = (decode_attention.available() and self.kernels.graph_attention == "split-k"
+                            and a.hd & (a.hd - 1) == 0
                             and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
         self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
         # the masked path's positions, compared with pos on the device (split-K reads the live count instead)
         self.ar = None if self.use_split_k else torch.arange(self.cache_len, device=dev)
         # with split-K, also the Triton norm and rope-and-store kernels (strata/decode_kernels.py); not for a
         # float8 cache (its stores clamp first)
-        self.fused = (self.use_split_k and GRAPH_KERNELS == "triton"
+        self.fused = (self.use_split_k and self.kernels.graph_kernels == "triton"
                       and a.k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
     def bucket(self, pos: int) -> int:
@@ -286,7 +284,7 @@ class DecodeGraphs:
             return m.logits(h, decode=True)  # (its final softcap included)
         from strata.decode_gemv import matvec
         from strata.decode_kernels import rms_norm
-        out = matvec(rms_norm(h, m.norm.weight, m.norm.eps), w).float()
+        out = matvec(rms_norm(h, m.norm.weight, m.norm.eps), w, mode=self.kernels.decode_gemv).float()
         c = m.args.final_softcap
         return out if c is None else torch.tanh(out / c) * c
 
@@ -332,9 +330,9 @@ class DecodeGraphs:
         if not self.fused:
             return dense_products(w, None)
         from strata.decode_gemv import matvec
-        p = functools.partial
-        return Products(p(matvec, w=w.wqkv, b=w.bqkv), p(matvec, w=w.wo, b=w.bo), p(matvec, w=w.w13),
-                        p(matvec, w=w.w2))
+        p, mode = functools.partial, self.kernels.decode_gemv
+        return Products(p(matvec, w=w.wqkv, b=w.bqkv, mode=mode), p(matvec, w=w.wo, b=w.bo, mode=mode),
+                        p(matvec, w=w.w13, mode=mode), p(matvec, w=w.w2, mode=mode))
 
     def _rest(self, blk: Block, mm: Products, h, y) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention: o-projection, residual, MLP (its product left for the next norm to add)."""

@@ -309,7 +309,8 @@ class StageJob:
     dump_residual: str         # the path of residual.npy, or ""
     decode_weights: str        # the rig's `decode_weights` (CPU: weight-only copies for decode steps)
     cuda_graphs: bool          # the rig's `cuda_graphs`
-    decode_ahead: bool         # queue the next decode step behind a GPU wait on the bell (strata/bells.py AHEAD)
+    decode_ahead: bool         # queue the next decode step behind a GPU wait on the bell (kernels.decode_ahead)
+    kernels: dict              # KernelSpec fields: the head's, not this host's environment
     debug: dict                # DebugSpec fields
     net: StageNet | None = None  # None: every stage of the run is on this host
 
@@ -381,6 +382,13 @@ def validate_spec(spec) -> dict:
         raise BadMessage("spec.net: heartbeat_s must be > 0 and below heartbeat_timeout_s")
     for name in ("args", "debug"):
         _plain(f"spec.{name}", s[name])
+    from .config import ConfigError, KernelSpec, kernel_spec
+    if set(s["kernels"]) != {f.name for f in fields(KernelSpec)}:
+        raise BadMessage(f"spec.kernels: fields {sorted(map(str, s['kernels']))}, expected KernelSpec's")
+    try:
+        kernel_spec(s["kernels"])
+    except ConfigError as e:
+        raise BadMessage(f"spec.{e}") from None
     missing = [k for k in SPEC_DEBUG if k not in s["debug"]]
     if missing:
         raise BadMessage(f"spec.debug: missing {missing}")

@@ -16,13 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attention
 from .args import ModelArgs
-from .attention import (_FP8, BF16_ATTENTION_FROM, _bf16_cache_attention, apply_rope, chunk_attention,
+from .attention import (_FP8, BF16_ATTENTION_FROM, CUDA_ATTENTION_DEFAULT, _bf16_cache_attention, apply_rope,
+                        chunk_attention,
                         decode_attention, from_cache, kv_dtype_of, rope_rows, rope_tables, sink_attention, store_rows,
                         to_cache, window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentExperts,
                        ResidentMatrices, Scratch, _dequantize, head_rows)
+from .config import KernelSpec
 from .linear_attention import GatedDeltaNet
 from .moe import MoE
 from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, dense_products
@@ -94,6 +95,8 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # (1, nkv, rows, hd), in the KV dtype; position p in row p % rows
         self.v_cache: torch.Tensor | None = None
         self.max_len = 0  # positions the cache serves (a window layer's ring has fewer rows)
+        # CUDA prefill: the attention path and the fused RoPE / LSE-merge kernels (Transformer.set_kernels)
+        self.cuda_attention, self.fused = CUDA_ATTENTION_DEFAULT, True
 
     def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (1, T, dim); cos, sin: (T, 1, hd), sin signed (`rope_tables`)."""
@@ -108,8 +111,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # rope on the (1, T, heads, hd) rows, then (1, heads, T, hd) views: q's layout is what
         # warm_chunk_attention builds cuDNN's graphs for
-        q = apply_rope(q, cos, sin).transpose(1, 2)    # (1, nh, T, hd)
-        k = apply_rope(k, cos, sin).transpose(1, 2)    # (1, nkv, T, hd)
+        q = apply_rope(q, cos, sin, self.fused).transpose(1, 2)    # (1, nh, T, hd)
+        k = apply_rope(k, cos, sin, self.fused).transpose(1, 2)    # (1, nkv, T, hd)
         v = v.view(1, T, self.nkv, self.hd).transpose(1, 2)
         self.check(pos, T)
         store_rows(self.k_cache, k, pos)
@@ -137,7 +140,7 @@ class Attention(nn.Module):
         if self.window is not None and pos + T > self.window:
             return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale)
         keys, vals = self.cached(pos + T, q.dtype)
-        return chunk_attention(q, keys, vals, pos, self.scale)
+        return chunk_attention(q, keys, vals, pos, self.scale, self.cuda_attention, self.fused)
 
     def cached(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [0, end) as attention reads them (a global layer's, or a window layer's before its ring
@@ -148,11 +151,11 @@ class Attention(nn.Module):
         return keys, vals
 
 
-def gate(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up: SwiGLU (one Triton kernel on CUDA) or GeGLU with the tanh-approximated GELU."""
+def gate(gate: torch.Tensor, up: torch.Tensor, activation: str, fused: bool = True) -> torch.Tensor:
+    """act(gate) * up: SwiGLU (one Triton kernel on CUDA unless not fused) or GeGLU with the tanh-approximated GELU."""
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
-    if gate.is_cuda and attention.CUDA_KERNELS == "triton":
+    if gate.is_cuda and fused:
         from .kernels import silu_mul
         y = silu_mul(gate, up)
         if y is not None:
@@ -164,10 +167,11 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.ffn, self.activation = args.ffn_dim, args.activation
+        self.fused = True  # SiLU*up as one Triton kernel on CUDA (Transformer.set_kernels)
 
     def forward(self, x: torch.Tensor, w: Mats) -> torch.Tensor:
         g, up = F.linear(x, w.w13).split(self.ffn, dim=-1)
-        return F.linear(gate(g, up, self.activation), w.w2)
+        return F.linear(gate(g, up, self.activation, self.fused), w.w2)
 
 
 class Block(nn.Module):
@@ -264,7 +268,8 @@ class Block(nn.Module):
             y = decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals, a.scale).view(1, nh * hd)
         else:
             q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-            y = chunk_attention(q, keys, vals, pos, a.scale).transpose(1, 2).reshape(T, nh * hd)
+            y = chunk_attention(q, keys, vals, pos, a.scale, a.cuda_attention, a.fused).transpose(1, 2).reshape(
+                T, nh * hd)
         return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
 
     def _add_attn(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -276,7 +281,8 @@ class Block(nn.Module):
             y = self.mlp(x).to(h.dtype)
             return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
         g, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
-        y = mm.w2(F.silu(g) * up if self.mlp.activation == "silu" else gate(g, up, self.mlp.activation))
+        y = mm.w2(F.silu(g) * up if self.mlp.activation == "silu" else gate(g, up, self.mlp.activation,
+                                                                             self.mlp.fused))
         return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
 
 
@@ -287,7 +293,8 @@ def _gated(y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
 class Transformer(nn.Module):
     """Layers [start, end) of a model; the embedding if start == 0, norm and head if end == n_layers."""
 
-    def __init__(self, args: ModelArgs, start: int = 0, end: int | None = None):
+    def __init__(self, args: ModelArgs, start: int = 0, end: int | None = None, kernels: KernelSpec | None = None,
+                 attention: str = "auto"):
         super().__init__()
         end = args.n_layers if end is None else end
         if not 0 <= start < end <= args.n_layers:
@@ -310,6 +317,8 @@ class Transformer(nn.Module):
                                 else rope_frequencies(args, args.window_rope_theta, scaled=False))
         self._device_dtype: tuple[torch.device, torch.dtype] | None = None
         self.decode_weights: str | None = None
+        self._gemv = None  # strata.quant.gemv.GemvKernels, made with the first resident matrix (`gemv`)
+        self.set_kernels(kernels or KernelSpec(), attention)
         self._weight_only: dict[str, LayerWeightOnly] = {}
         self._head_weight_only: WeightOnly | None = None
         self._blocks = None  # strata.cpu_decode.Decoder (decode_weights="blocks")
@@ -367,7 +376,7 @@ class Transformer(nn.Module):
             src = take("head") if "head" in tensors else take("embed", keep=True)
             head_w = packed(src) if isinstance(src, Quantized) else param(src)
             self.norm.weight = norm(take("norm"))
-            self.head = Head(head_w, head_rows(args), self.scratch)
+            self.head = Head(head_w, head_rows(args), self.scratch, self.gemv if isinstance(head_w, Packed) else None)
         if self.has_embed:
             src = take("embed")
             if head_w is not None and args.tie_embeddings:
@@ -411,7 +420,7 @@ class Transformer(nn.Module):
                 if isinstance(g, Quantized) and isinstance(u, Quantized) and g.qtype == u.qtype \
                         and isinstance(d, Quantized):  # as stored: a row of blocks is a row of weights
                     e.resident = ResidentExperts(packed(Quantized(torch.cat([g.blocks, u.blocks], 1), g.qtype, g.cols)),
-                                                 packed(d), self.scratch)
+                                                 packed(d), self.scratch, self.gemv)
                     e.w13 = e.w2 = None
                 else:
                     e.w13 = param(torch.cat([dense(g), dense(u)], 1))
@@ -428,7 +437,8 @@ class Transformer(nn.Module):
                     if args.qkv_bias and not blk.linear else None)
             if any(isinstance(t, Quantized) for t in parts.values()):
                 bo = dense(take(p + "bo")) if args.o_bias and not blk.linear else None
-                blk.weights = ResidentMatrices({n: packed(t) for n, t in parts.items()}, bias, self.scratch, bo)
+                blk.weights = ResidentMatrices({n: packed(t) for n, t in parts.items()}, bias, self.scratch, bo,
+                                               self.gemv)
                 continue
             with torch.device("meta"):
                 m = DenseMatrices(args, mlp=not blk.moe, attn=not blk.linear)
@@ -455,6 +465,31 @@ class Transformer(nn.Module):
         self.storage_version += 1
         if self.decode_weights:
             self.set_decode_weights(self.decode_weights)
+
+    def set_kernels(self, kernels: KernelSpec, attention: str = "auto") -> None:
+        """The kernels this slice computes with: the rig's `kernels` (read here by strata.decode_graphs too) and its
+        `attention`, the CUDA prefill path (auto: CUDA_ATTENTION_DEFAULT). Arguments, not module globals, so a
+        remote stage computes as the head's rig says."""
+        self.kernels = kernels
+        self.cuda_attention = CUDA_ATTENTION_DEFAULT if attention == "auto" else attention
+        fused = kernels.prefill == "triton"
+        for blk in self.layers.values():
+            if isinstance(blk.attn, Attention):
+                blk.attn.cuda_attention, blk.attn.fused = self.cuda_attention, fused
+            if isinstance(blk.mlp, FeedForward):
+                blk.mlp.fused = fused
+        if self._gemv is not None:
+            self._gemv.choose(kernels)
+
+    @property
+    def gemv(self):
+        """The resident decode products' kernels (strata.quant.gemv.GemvKernels, from `kernels`), one object for the
+        slice's matrices, head and experts: a dp4a kernel that fails to build falls back on it, once for them all."""
+        if self._gemv is None:
+            from .quant.gemv import GemvKernels  # Triton: imported only by a slice with resident matrices
+            self._gemv = GemvKernels()
+            self._gemv.choose(self.kernels)
+        return self._gemv
 
     def device_dtype(self) -> tuple[torch.device, torch.dtype]:
         if self._device_dtype is not None:

@@ -120,22 +120,23 @@ class MoE(nn.Module):
         expert's blocks are gathered first: a row's gate/up in one launch, each (row, choice)'s down in one."""
         from .quant import gemv
         p13, p2 = self.resident.w13, self.resident.w2
+        kern = self.resident.kernels  # the slice's GemvKernels: which K-quant kernel, and its fallback
         n = h.shape[0]
         direct = self.resident.direct(h.device)
         if direct:  # x one row for all k slots of a token, else a row per slot
             gu = gemv.quant_matmul_experts(h if n == 1 else h.repeat_interleave(k, 0), p13.data, e, p13.qtype,
-                                           p13.cols)
+                                           p13.cols, kern)
         else:
             b13, b2 = p13.data.index_select(0, e), p2.data.index_select(0, e)  # (n*k, rows, bytes)
             gu = torch.cat([gemv.quant_matmul(h[i:i + 1], b13[i * k:(i + 1) * k].view(-1, b13.shape[-1]), p13.qtype,
-                                              p13.cols) for i in range(n)]).view(n * k, -1)  # (n*k, 2 effn)
+                                              p13.cols, kernels=kern) for i in range(n)]).view(n * k, -1)  # (n*k, 2 effn)
         if self.bias:
             gu = gu + self.b13[e]
         z = self.gate(gu)
         if direct:
-            y = gemv.quant_matmul_experts(z, p2.data, e, p2.qtype, p2.cols)  # (n*k, dim)
+            y = gemv.quant_matmul_experts(z, p2.data, e, p2.qtype, p2.cols, kern)  # (n*k, dim)
         else:
-            y = torch.cat([gemv.quant_matmul(z[j:j + 1], b2[j], p2.qtype, p2.cols) for j in range(n * k)])
+            y = torch.cat([gemv.quant_matmul(z[j:j + 1], b2[j], p2.qtype, p2.cols, kernels=kern) for j in range(n * k)])
         if self.bias:
             y = y + self.b2[e]
         if y.is_cuda:

@@ -151,7 +151,7 @@ class Pipeline:
         remote = [sp.host is not None for sp in self.plan.stages]
         across = [remote[i] or remote[i + 1] for i in range(len(remote) - 1)]  # boundary i leaves this host
         self.boundaries = ["tcp" if a else "shm" for a in across]
-        self._buffers = Buffers(self._res, self.run_id, self.plan, remote, across)
+        self._buffers = Buffers(self._res, self.run_id, self.plan, remote, across, self.cfg.kernels.decode_bells)
         self._buffers.ids[: self.plan.ids.size] = torch.from_numpy(self.plan.ids.astype(np.int32))
         self.out.mkdir(parents=True, exist_ok=True)
         self._res.make_ipc_dir()
@@ -197,7 +197,9 @@ class Pipeline:
             log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
             dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
             decode_weights=cfg.decode_weights, cuda_graphs=cfg.cuda_graphs,
-            decode_ahead="bells" in self._buffers.names and bells.ahead_wanted([s.device for s in plan.stages]),
+            decode_ahead="bells" in self._buffers.names and bells.ahead_wanted([s.device for s in plan.stages],
+                                                                               cfg.kernels.decode_ahead),
+            kernels={f: getattr(cfg.kernels, f) for f in cfg.kernels.__dataclass_fields__},
             debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
             net=self._remote.stage_net(sp.index) if self._remote else None)
 

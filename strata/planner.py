@@ -185,8 +185,8 @@ def cuda_attention(choice: str = "auto") -> str:
     """The CUDA attention path a stage will take: the rig's `attention`, or for auto the model's default."""
     if choice != "auto":
         return choice
-    from . import attention
-    return attention.CUDA_ATTENTION
+    from .attention import CUDA_ATTENTION_DEFAULT
+    return CUDA_ATTENTION_DEFAULT
 
 
 def stage_need(args: ModelArgs, start: int, end: int, tokens: int, chunk: int, dtype: str,

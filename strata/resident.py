@@ -204,9 +204,10 @@ class ResidentMatrices(nn.Module):
     """A layer's matrices as stored; `get` dequantizes them all into the shared scratch (valid until the next layer's get)."""
 
     def __init__(self, parts: dict[str, Packed], bqkv: torch.Tensor | None, scratch: Scratch,
-                 bo: torch.Tensor | None = None):
+                 bo: torch.Tensor | None = None, kernels=None):
         super().__init__()
         self.parts = nn.ModuleDict(parts)
+        self.kernels = kernels  # strata.quant.gemv.GemvKernels of the decode products (None: the defaults)
         self.bqkv = None if bqkv is None else nn.Parameter(bqkv, requires_grad=False)
         self.bo = None if bo is None else nn.Parameter(bo, requires_grad=False)  # gpt-oss's output bias
         self.scratch = scratch
@@ -238,7 +239,8 @@ class ResidentMatrices(nn.Module):
     def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         from .quant.gemv import quant_matmul_parts
         parts = [self.parts[n] for n in names]
-        y = quant_matmul_parts(x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts], parts[0].cols)
+        y = quant_matmul_parts(x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts], parts[0].cols,
+                               kernels=self.kernels)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
@@ -248,9 +250,10 @@ class ResidentExperts(nn.Module):
     in (E, dim, bytes). Prefill dequantizes them a group of whole experts at a time into the shared scratch;
     decode reads only the chosen experts' blocks (strata.moe multiplies on them where strata.quant.gemv can)."""
 
-    def __init__(self, w13: Packed, w2: Packed, scratch: Scratch):
+    def __init__(self, w13: Packed, w2: Packed, scratch: Scratch, kernels=None):
         super().__init__()
         self.w13, self.w2, self.scratch = w13, w2, scratch
+        self.kernels = kernels  # strata.quant.gemv.GemvKernels of the decode products (None: the defaults)
         self.per_group = scratch.layout["e13"][1] // w13.data.shape[1]
         self._fused: dict[torch.device, bool] = {}
         self._direct: dict[torch.device, bool] = {}
@@ -328,10 +331,11 @@ class Head(nn.Module):
     Dense: slices of the weight. Resident: each slice dequantized into the scratch in turn, so the
     whole head never exists dense. Both modes slice alike, so their logits are the same bits."""
 
-    def __init__(self, weight: nn.Parameter | Packed, rows: int, scratch: Scratch | None = None):
+    def __init__(self, weight: nn.Parameter | Packed, rows: int, scratch: Scratch | None = None, kernels=None):
         super().__init__()
         self.weight = weight
         self.rows, self.scratch = rows, scratch
+        self.kernels = kernels  # strata.quant.gemv.GemvKernels of a resident head's decode rows (None: the defaults)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -339,7 +343,7 @@ class Head(nn.Module):
         out = torch.empty(*x.shape[:-1], vocab, device=x.device, dtype=torch.float32)
         if isinstance(w, Packed) and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T and fused_ok(w, x.device):
             from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
-            quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab))
+            quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab), kernels=self.kernels)
             return out
         for s in range(0, vocab, self.rows):
             e = min(vocab, s + self.rows)

@@ -102,7 +102,8 @@ class Buffers:
     inside this host (a boundary across hosts has none: its rows travel with the note), and the decode
     doorbells when they are on (strata/bells.py)."""
 
-    def __init__(self, res: Resources, run_id: str, plan, remote: list[bool], across: list[bool]):
+    def __init__(self, res: Resources, run_id: str, plan, remote: list[bool], across: list[bool],
+                 bells_mode: bool | str = "auto"):
         import torch  # here, not at the top: the launcher imports this module before torch (start_forkserver)
 
         from . import shm
@@ -111,7 +112,7 @@ class Buffers:
         if remote[-1]:
             del sizes["result"]  # the last stage's logits come over tcp
         from . import bells
-        if bells.wanted([sp.device for sp in plan.stages], any(remote)):
+        if bells.wanted([sp.device for sp in plan.stages], any(remote), bells_mode):  # the rig's kernels.decode_bells
             sizes["bells"] = _page(bells.nbytes(len(remote)))  # decode steps' notes (strata/bells.py)
         for i in range(len(remote) - 1):
             if not across[i]:

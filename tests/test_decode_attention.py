@@ -283,17 +283,17 @@ def test_decode_gemv_interpreted_matches_linear():
 @cuda
 @pytest.mark.parametrize("mode", ["auto", "cublas"])
 def test_decode_gemv_cuda_8b_shapes(monkeypatch, mode):
-    """matvec at the 8B decode shapes in bf16, Triton (the default rule) and cuBLAS, against float64."""
+    """matvec at the 8B decode shapes in bf16, Triton (the default rule) and cuBLAS (kernels.decode_gemv), against
+    float64."""
     from strata import decode_gemv
     if decode_gemv.triton is None:
         pytest.skip("triton is not installed")
-    monkeypatch.setattr(decode_gemv, "MODE", mode)
     monkeypatch.setattr(decode_gemv, "_choice", {})
     g = torch.Generator(device="cuda").manual_seed(3)
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
         x = torch.randn(1, 1, k, device="cuda", generator=g).bfloat16()
-        y = decode_gemv.matvec(x, w)
+        y = decode_gemv.matvec(x, w, mode=mode)
         ref = x.double().reshape(k) @ w.double().T
         assert y.shape == (1, 1, n) and float((y.double().reshape(n) - ref).norm() / ref.norm()) < 1e-2
-        assert (decode_gemv._choice[(n, k)] is not None) == (mode == "auto")
+        assert (decode_gemv._choice[(n, k, mode)] is not None) == (mode == "auto")

@@ -107,15 +107,13 @@ def test_stage_fails_during_decode(tmp_path, guard, mode):
 
 
 @pytest.mark.parametrize("mode", ["raise", "kill", "hang"])
-def test_stage_fails_on_a_decode_step_that_came_by_bell(tmp_path, guard, monkeypatch, mode):
+def test_stage_fails_on_a_decode_step_that_came_by_bell(tmp_path, guard, mode):
     """With decode doorbells (strata/bells.py, forced on these CPU stages) the notes of steps after the first
     never touch a socket: a stage failing on one (step 2) still fails the run naming it, within the same
     bound, and leaves nothing; a stage that hangs on it trips the stall watchdog."""
-    from strata import bells
-    monkeypatch.setattr(bells, "MODE", "1")
     over = dict(stall_timeout_s=3.0) if mode == "hang" else {}
     rig = make_rig(2, generate=6, debug=dict(fail_stage=1, fail_phase="decode", fail_chunk=2, fail_mode=mode),
-                   **over)
+                   kernels={"decode_bells": True}, **over)
     p = _pipeline(tmp_path, rig, guard)
     err, t_exit, t_fault = _prefill_fails(p, guard, 1)
     assert p._buffers.bells is not None

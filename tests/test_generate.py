@@ -184,36 +184,32 @@ def test_default_max_context_is_what_every_stage_can_hold():
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=16),
                                     SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=16)])
-def test_decode_bells_give_the_notes_tokens(tmp_path, monkeypatch, params):
+def test_decode_bells_give_the_notes_tokens(tmp_path, params):
     """Decode steps announced on shared-memory bells (strata/bells.py; forced here on CPU stages, where they are
     off by default) give the tokens ZeroMQ notes give, greedy and sampled; every step after a phase's first
     went by bell, and a second generation on the same pipeline does too."""
-    from strata import bells
     ids = random_ids(40, 5)
     out = {}
-    for mode in ("0", "1"):
-        monkeypatch.setattr(bells, "MODE", mode)
-        with smoke(tmp_path, f"bells{mode}", dump_residual=False) as p:
+    for mode in (False, True):  # kernels.decode_bells
+        with smoke(tmp_path, f"bells{mode}", dump_residual=False, kernels={"decode_bells": mode}) as p:
             res = [p.generate(ids, params) for _ in range(2)]
             runs = [r.continuation_ids for r in res]
             b = p._buffers.bells
-            assert (b is None) == (mode == "0")
+            assert (b is None) == (not mode)
             if b is not None:  # the head's bell: one result per step but each generation's first
                 assert b.seen == 2 * (len(runs[0]) - 2)
             assert [r.report["decode_bell_steps"] for r in res] == [0 if b is None else len(runs[0]) - 2] * 2
         assert runs[0] == runs[1] and len(runs[0]) == 16
         out[mode] = runs[0]
-    assert out["0"] == out["1"]
+    assert out[False] == out[True]
 
 
-def test_decode_bells_stop_mid_answer_then_reuse(tmp_path, monkeypatch):
+def test_decode_bells_stop_mid_answer_then_reuse(tmp_path):
     """With bells (forced on CPU stages), an answer stopped by its caller mid-way (what the server does when a
     client leaves) leaves the stages ready: the next request on the same prompt reuses its KV, goes by bell
     again and gives the whole greedy answer, and one that continues the stopped answer reuses that too."""
-    from strata import bells
-    monkeypatch.setattr(bells, "MODE", "1")
     ids = random_ids(40, 9)
-    with smoke(tmp_path, "bellstop", dump_residual=False) as p:
+    with smoke(tmp_path, "bellstop", dump_residual=False, kernels={"decode_bells": True}) as p:
         full = p.generate(ids, SamplingParams(max_tokens=16)).continuation_ids
         assert p._buffers.bells is not None
         told = []
@@ -227,15 +223,13 @@ def test_decode_bells_stop_mid_answer_then_reuse(tmp_path, monkeypatch):
         assert more.reused_tokens == follow.size - 1 and more.continuation_ids == full[2:6]
 
 
-def test_decode_ahead_only_with_a_gpu_per_stage(monkeypatch):
+def test_decode_ahead_only_with_a_gpu_per_stage():
     """Launch-ahead (a stream parked on a bell) is asked for only when every stage has a GPU of its own: stages
-    sharing a GPU would hold its time slices from each other; `0` turns it off."""
+    sharing a GPU would hold its time slices from each other; kernels.decode_ahead false turns it off."""
     from strata import bells
-    monkeypatch.setattr(bells, "AHEAD", "auto")
-    assert bells.ahead_wanted(["cuda:0", "cuda:1"])
+    assert bells.ahead_wanted(["cuda:0", "cuda:1"], "auto")
     assert not bells.ahead_wanted(["cuda:0", "cuda:0"]) and not bells.ahead_wanted(["cuda:0", "cpu"])
-    monkeypatch.setattr(bells, "AHEAD", "0")
-    assert not bells.ahead_wanted(["cuda:0", "cuda:1"])
+    assert not bells.ahead_wanted(["cuda:0", "cuda:1"], False)
 
 
 def test_bell_release_reads_as_the_step_queued_ahead():

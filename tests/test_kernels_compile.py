@@ -28,7 +28,7 @@ def ptx(fn, signature: dict, constexprs: dict, **options) -> str:
 def test_decode_gemv_kernels_compile_for_sm90(qtype, m):
     from strata.quant import gemv
     kernel, family = gemv._KERNELS[qtype.split("/")[0]]
-    if qtype.endswith("/bytes"):  # the K-quants' byte-wise kernel (STRATA_GEMV_KQUANT=bytes, the A/B arm)
+    if qtype.endswith("/bytes"):  # the K-quants' byte-wise kernel (kernels.gemv_kquant: bytes, the A/B arm)
         kernel = gemv._k45_gemv
     sig = {**GEMV_SIG, **{k: "constexpr" for k in family}}
     code = ptx(kernel, sig, {"M": m, "BLOCK_N": 8, "SB": 2, **family})
@@ -46,7 +46,7 @@ WORD_CASES = [(1, False), (4, False), (1, True)]
 @pytest.mark.parametrize("dp4a", [False, True])
 @pytest.mark.parametrize("m,experts", WORD_CASES)
 def test_k45_words_kernel_compiles_for_sm90(five, dp4a, m, experts):
-    """Q4_K / Q5_K read in int32 words (STRATA_GEMV_KQUANT=words, float x; =dp4a, int8 x and PTX dp4a), also in
+    """Q4_K / Q5_K read in int32 words (kernels.gemv_kquant: words, float x; dp4a, int8 x and PTX dp4a), also in
     the experts mode (the expert ids read on the device)."""
     from strata.quant import gemv
     code = ptx(gemv._k45_words_gemv, {**WORDS_SIG, "FIVE": "constexpr"},
@@ -58,7 +58,7 @@ def test_k45_words_kernel_compiles_for_sm90(five, dp4a, m, experts):
 @pytest.mark.parametrize("dp4a", [False, True])
 @pytest.mark.parametrize("m,experts", WORD_CASES)
 def test_q6_k_words_kernel_compiles_for_sm90(dp4a, m, experts, pairs):
-    """Q6_K read in int32 words (STRATA_GEMV_Q6K=words, float x; =dp4a, int8 x and PTX dp4a), and as experts;
+    """Q6_K read in int32 words (kernels.gemv_q6k: words, float x; dp4a, int8 x and PTX dp4a), and as experts;
     two blocks a step (an even count a row) or one, its parity per row (an odd count)."""
     from strata.quant import gemv
     code = ptx(gemv._q6_k_words, {**WORDS_SIG, "PAIRS": "constexpr"},

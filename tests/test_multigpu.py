@@ -114,20 +114,19 @@ def test_sigkill_of_a_cuda_stage(tmp_path):
     assert segments(run_id=run_id) == []
 
 
-def test_decode_launch_ahead_gives_the_host_launched_tokens(tmp_path, monkeypatch):
+def test_decode_launch_ahead_gives_the_host_launched_tokens(tmp_path):
     """Decode steps queued ahead behind a GPU-side wait on each stage's bell (strata/stream_wait.py, on by default
-    with a GPU per stage) give the tokens of steps the host launches (STRATA_DECODE_AHEAD=0), bit for bit:
+    with a GPU per stage) give the tokens of steps the host launches (kernels.decode_ahead: false), bit for bit:
     greedy, an answer stopped mid-way (its queued steps released), sampled, the same prompt again on the reused
     KV, and a prompt that continues the answer."""
-    from strata import bells
     from strata.pipeline import Pipeline
     from strata.sampling import SamplingParams
     ids = np.random.default_rng(21).integers(0, 512, size=700).astype(np.int32)
     runs = {}
-    for ahead in ("auto", "0"):
-        monkeypatch.setattr(bells, "AHEAD", ahead)
+    for ahead in ("auto", False):
         out = tmp_path / f"ahead-{ahead}"
-        rig = _rig(dump_residual=False, max_context=2048, prompt={"random": {"tokens": ids.size, "seed": 3}})
+        rig = _rig(dump_residual=False, max_context=2048, prompt={"random": {"tokens": ids.size, "seed": 3}},
+                   kernels={"decode_ahead": ahead})
         with Pipeline(rig, out=out, console=False) as p:
             greedy = p.generate(ids, SamplingParams(max_tokens=40))
             told = []

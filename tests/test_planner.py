@@ -27,10 +27,11 @@ SEED_TOKENS = 120 * 1024  # the seed's 120k-token prompt
 
 @pytest.fixture(autouse=True)
 def flash_attention(monkeypatch):
-    """CUDA stages' activations depend on the attention path (strata.attention.CUDA_ATTENTION, from
-    STRATA_CUDA_ATTENTION): pin flash here; test_cudnn_split_needs_the_repeated_kv covers the other."""
+    """CUDA stages' activations depend on the attention path (`attention: auto` is
+    strata.attention.CUDA_ATTENTION_DEFAULT): pin flash here; test_cudnn_split_needs_the_repeated_kv covers the
+    other."""
     import strata.attention
-    monkeypatch.setattr(strata.attention, "CUDA_ATTENTION", "flash")
+    monkeypatch.setattr(strata.attention, "CUDA_ATTENTION_DEFAULT", "flash")
 
 
 # -- brute force ---------------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def test_kv_activations_handoff_runtime():
 def test_cudnn_split_keeps_grouped_kv(monkeypatch):
     import strata.attention
     flash = stage_need(LLAMA8, 4, 12, SEED_TOKENS, 2048, "bfloat16")
-    monkeypatch.setattr(strata.attention, "CUDA_ATTENTION", "cudnn-split")
+    monkeypatch.setattr(strata.attention, "CUDA_ATTENTION_DEFAULT", "cudnn-split")
     split = stage_need(LLAMA8, 4, 12, SEED_TOKENS, 2048, "bfloat16")
     # cuDNN takes the 8 key/value heads as they are: no copy of the context per query head
     assert split.activations - flash.activations < 2 * 32 * 128 * SEED_TOKENS * 2 // 10

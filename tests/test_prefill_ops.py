@@ -202,19 +202,18 @@ def test_cuda_kernels_match_float64():
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_kernel_paths_agree_and_warm_up_builds(monkeypatch):
+def test_cuda_kernel_paths_agree_and_warm_up_builds():
     """cudnn-split on smoke-wide bf16: the Triton kernels (merge, RoPE, SiLU*up) and the torch formulas give the
     same chunks up to bf16 rounding; warm_chunk_attention builds the later chunks' shapes."""
     from strata.checkpoint import model_args, slice_tensors
-    monkeypatch.setattr(sm, "CUDA_ATTENTION", "cudnn-split")
+    from strata.config import KernelSpec
     name = "synthetic:smoke-wide"
     args = model_args(name)
     ids = torch.randint(0, args.vocab_size, (1, 2048), generator=torch.Generator().manual_seed(6)).cuda()
     out = {}
-    for kernels in ("torch", "triton"):
-        monkeypatch.setattr(sm, "CUDA_KERNELS", kernels)
+    for kernels in ("torch", "triton"):  # kernels.prefill's two arms
         with torch.device("meta"):
-            m = Transformer(args)
+            m = Transformer(args, kernels=KernelSpec(prefill=kernels), attention="cudnn-split")
         m.load_weights(slice_tensors(name, args, 0, args.n_layers, device="cuda:0", dtype=torch.bfloat16),
                        "cuda:0", torch.bfloat16)
         m.setup_cache(ids.shape[1])

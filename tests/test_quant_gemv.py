@@ -9,7 +9,6 @@ x itself they are held to DP4A_TOL (x's rounding error, at most s/2 per value wi
 ~0.5% of x's norm for Gaussian x, and the product's relative error follows it: ~5e-3 measured on the
 CPU, see check_iq3s_dp4a_matches_reference), and against the int8 x they multiply (q * s exactly in
 float64) to float32 accumulation: that checks the integer data flow bit for bit up to the final sums."""
-import contextlib
 import json
 import os
 import subprocess
@@ -49,29 +48,11 @@ def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape), (amax / 127).reshape(x.shape[0], -1)
 
 
-@contextlib.contextmanager
-def kernel_mode(attr: str, mode: str):
-    """Run with gemv.<attr> = mode (IQ3S_KERNEL, Q6K_KERNEL, KQUANT: read per call)."""
+def kernels(**modes):
+    """The kernels a call takes (strata.quant.gemv.GemvKernels: iq3s, kquant for Q4_K / Q5_K, q6k; the others the
+    defaults), passed to it: nothing global to set or restore."""
     from strata.quant import gemv
-    old = getattr(gemv, attr)
-    setattr(gemv, attr, mode)
-    try:
-        yield
-    finally:
-        setattr(gemv, attr, old)
-
-
-def iq3s_kernel(mode: str):
-    return kernel_mode("IQ3S_KERNEL", mode)
-
-
-def q6k_kernel(mode: str):
-    return kernel_mode("Q6K_KERNEL", mode)
-
-
-def kquant_kernel(mode: str):
-    """Q4_K / Q5_K's kernel (gemv.KQUANT: bytes, words, dp4a)."""
-    return kernel_mode("KQUANT", mode)
+    return gemv.GemvKernels(**modes)
 
 
 # -- the checks run under the interpreter (in the subprocess) -----------------------------------------
@@ -80,36 +61,34 @@ def check_kernel_matches_reference():
     (two launches); fp32 x within fp32 accumulation, bf16 x (result rounded to bf16) within bf16."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(7)
-    with iq3s_kernel("float"), kquant_kernel("words"):
-        _check_float_kernels(gemv, random_blocks, g)
+    _check_float_kernels(gemv, random_blocks, g, kernels(iq3s="float", kquant="words"))
     big = gemv.BIG_ROWS
     try:  # the big launches' shapes (gate/up, the head) on these small matrices: every launch counts as big
         gemv.BIG_ROWS = 1
-        with kquant_kernel("words"):
-            _check_float_kernels(gemv, random_blocks, g, types=tuple(gemv.BIG_CONFIGS))
+        _check_float_kernels(gemv, random_blocks, g, kernels(kquant="words"), types=tuple(gemv.BIG_CONFIGS))
     finally:
         gemv.BIG_ROWS = big
 
 
-def _check_float_kernels(gemv, random_blocks, g, types=None):
+def _check_float_kernels(gemv, random_blocks, g, k, types=None):
     for qtype, cols in (("IQ3_S", 256 * 3), ("Q8_0", 32 * 11), ("Q4_K", 256 * 3), ("Q5_K", 256 * 2), ("Q6_K", 256 * 3),
                         ("Q4_0", 32 * 5), ("Q4_1", 32 * 3), ("Q5_0", 32 * 5), ("Q5_1", 32 * 3)):
         if types is not None and qtype not in types:
             continue
         for rows, m in ((37, 1), (21, 3), (5, 6)):
             blocks = random_blocks(qtype, rows, cols, g)
-            _check_float_x(gemv, torch.randn(m, cols, generator=g), blocks, qtype)
+            _check_float_x(gemv, torch.randn(m, cols, generator=g), blocks, qtype, k)
 
 
-def _check_float_x(gemv, x, blocks, qtype):
-    """A float-x kernel: float32 x within float32 accumulation of the float64 product, bf16 x (the result in
-    bf16) within bf16."""
+def _check_float_x(gemv, x, blocks, qtype, k):
+    """A float-x kernel (of the kernels k): float32 x within float32 accumulation of the float64 product, bf16 x
+    (the result in bf16) within bf16."""
     (m, cols), rows = x.shape, blocks.shape[0]
-    y = gemv.quant_matmul(x, blocks, qtype, cols)
+    y = gemv.quant_matmul(x, blocks, qtype, cols, kernels=k)
     assert y.shape == (m, rows) and y.dtype == torch.float32
     assert rel(y, reference(x, blocks, qtype)) < 1e-5, (qtype, rows, cols, m)
     xb = x.bfloat16()
-    yb = gemv.quant_matmul(xb, blocks, qtype, cols)
+    yb = gemv.quant_matmul(xb, blocks, qtype, cols, kernels=k)
     assert yb.dtype == torch.bfloat16
     assert rel(yb, reference(xb, blocks, qtype)) < 8e-3, (qtype, rows, cols, m)
 
@@ -126,8 +105,7 @@ def check_parts_side_by_side():
     for mode, tol in (("float", 1e-5),) + tuple((m, DP4A_TOL) for m in IQ3S_DP4A):
         out = torch.full((3, 62), float("nan"))
         int8 = "words" if mode == "float" else "dp4a"
-        with iq3s_kernel(mode), q6k_kernel(int8), kquant_kernel(int8):
-            gemv.quant_matmul_parts(x, parts, cols, out=out)
+        gemv.quant_matmul_parts(x, parts, cols, out=out, kernels=kernels(iq3s=mode, q6k=int8, kquant=int8))
         assert rel(out, want) < tol, (mode, rel(out, want))
         # the other types' columns are exact either way
         q8 = slice(25, 36)
@@ -149,9 +127,10 @@ def check_iq3s_dp4a_matches_reference():
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(m, cols, generator=g).to(dtype)
                 xq = gemv.int8_x(*gemv.quantize_x(x))  # what it multiplies (quantize_x: check_quantize_x)
-                with iq3s_kernel(mode):
-                    y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows))
-                    yx = gemv.quant_matmul(x, blocks, "IQ3_S", cols) if dtype != torch.float32 else y
+                k = kernels(iq3s=mode)
+                y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows), kernels=k)
+                yx = gemv.quant_matmul(x, blocks, "IQ3_S", cols, kernels=k) if dtype != torch.float32 else y
+                assert k.iq3s == mode  # no fallback to the float kernel
                 want = reference(x, blocks, "IQ3_S")
                 assert float(want.norm()) > 0 and float(y.norm()) > 0
                 assert rel(y, reference(xq, blocks, "IQ3_S")) < 1e-5, (mode, rows, m, dtype)
@@ -178,14 +157,12 @@ def check_q6_k_words_matches_reference():
                 blocks = random_blocks("Q6_K", rows, cols, g)
                 x = torch.randn(m, cols, generator=g)
                 want = reference(x, blocks, "Q6_K")
-                with q6k_kernel("words"):
-                    _check_float_x(gemv, x, blocks, "Q6_K")
-                with q6k_kernel("dp4a"):
-                    y = gemv.quant_matmul(x, blocks, "Q6_K", cols)
-                    if rows * cols // 256 % 2:  # an odd block count in all: the byte kernel, float x
-                        assert rel(y, want) < 1e-5, ("dp4a", rows, cols, m, rel(y, want))
-                    else:
-                        _check_int8_x(gemv, x, blocks, "Q6_K", y, want)
+                _check_float_x(gemv, x, blocks, "Q6_K", kernels(q6k="words"))
+                y = gemv.quant_matmul(x, blocks, "Q6_K", cols, kernels=kernels(q6k="dp4a"))
+                if rows * cols // 256 % 2:  # an odd block count in all: the byte kernel, float x
+                    assert rel(y, want) < 1e-5, ("dp4a", rows, cols, m, rel(y, want))
+                else:
+                    _check_int8_x(gemv, x, blocks, "Q6_K", y, want)
     finally:
         gemv.BIG_ROWS = big
 
@@ -198,38 +175,38 @@ def _check_int8_x(gemv, x, blocks, qtype, y, want):
 
 
 def check_k45_words_matches_reference():
-    """Q4_K and Q5_K's word kernel (1, 2 and 4 blocks of a row side by side a step) with float x (KQUANT words)
+    """Q4_K and Q5_K's word kernel (1, 2 and 4 blocks of a row side by side a step) with float x (kquant words)
     and with int8 x (dp4a: two dp4a per word, one more for the min's sum of x) against the int8 x it
     multiplies and x itself; odd row counts, M = 1, 3 and 6, both launch shapes (BIG_ROWS), bf16 x; and
     blocks not 4-byte aligned (the byte kernel runs, float x)."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(14)
     big = gemv.BIG_ROWS
+    k = kernels(kquant="dp4a")
     try:
-        with kquant_kernel("dp4a"):
-            for big_rows in (big, 1):
-                gemv.BIG_ROWS = big_rows
-                for qtype in ("Q4_K", "Q5_K"):
-                    for rows, cols, m in ((37, 512, 1), (21, 768, 3), (5, 256, 6), (9, 2048, 2)):
-                        blocks = random_blocks(qtype, rows, cols, g)
-                        for x in (torch.randn(m, cols, generator=g), torch.randn(m, cols, generator=g).bfloat16()):
-                            y = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, rows))
-                            _check_int8_x(gemv, x, blocks, qtype, y, reference(x, blocks, qtype))
-                        if cols == 2048:
-                            with kquant_kernel("words"):
-                                _check_float_x(gemv, torch.randn(m, cols, generator=g), blocks, qtype)
-            size = blocks.shape[1]
-            odd = torch.empty(rows * size + 1, dtype=torch.uint8)[1:].view(rows, size)
-            odd.copy_(blocks)
-            x = torch.randn(m, cols, generator=g)
-            assert rel(gemv.quant_matmul(x, odd, qtype, cols), reference(x, blocks, qtype)) < 1e-5
+        for big_rows in (big, 1):
+            gemv.BIG_ROWS = big_rows
+            for qtype in ("Q4_K", "Q5_K"):
+                for rows, cols, m in ((37, 512, 1), (21, 768, 3), (5, 256, 6), (9, 2048, 2)):
+                    blocks = random_blocks(qtype, rows, cols, g)
+                    for x in (torch.randn(m, cols, generator=g), torch.randn(m, cols, generator=g).bfloat16()):
+                        y = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, rows), kernels=k)
+                        _check_int8_x(gemv, x, blocks, qtype, y, reference(x, blocks, qtype))
+                    if cols == 2048:
+                        _check_float_x(gemv, torch.randn(m, cols, generator=g), blocks, qtype, kernels(kquant="words"))
+        size = blocks.shape[1]
+        odd = torch.empty(rows * size + 1, dtype=torch.uint8)[1:].view(rows, size)
+        odd.copy_(blocks)
+        x = torch.randn(m, cols, generator=g)
+        assert rel(gemv.quant_matmul(x, odd, qtype, cols, kernels=k), reference(x, blocks, qtype)) < 1e-5
     finally:
         gemv.BIG_ROWS = big
 
 
 def check_dp4a_failure_falls_back_to_words():
     """Where a K-quant dp4a kernel cannot run (here: inline PTX under the interpreter), the product still comes,
-    from the word kernel on float x, and later calls take that kernel."""
+    from the word kernel on float x, and later calls with the same kernels object take that kernel; the
+    fallback is that object's, not the process's."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(15)
     parts = [(random_blocks(q, r, 512, g), q) for q, r in (("Q4_K", 9), ("Q6_K", 5))]
@@ -237,10 +214,11 @@ def check_dp4a_failure_falls_back_to_words():
     want = torch.cat([reference(x, b, q) for b, q in parts], dim=1)
     interp = gemv.INTERPRET
     try:
-        with kquant_kernel("dp4a"), q6k_kernel("dp4a"):
-            gemv.INTERPRET = False  # the kernels get PTX=True: the interpreter cannot run inline assembly
-            assert rel(gemv.quant_matmul_parts(x, parts, 512), want) < 1e-5
-            assert gemv.KQUANT == "words" and gemv.Q6K_KERNEL == "words"
+        k = kernels(kquant="dp4a", q6k="dp4a")
+        gemv.INTERPRET = False  # the kernels get PTX=True: the interpreter cannot run inline assembly
+        assert rel(gemv.quant_matmul_parts(x, parts, 512, kernels=k), want) < 1e-5
+        assert k.kquant == "words" and k.q6k == "words"
+        assert gemv.GemvKernels().kquant == "dp4a" and gemv.GemvKernels().q6k == "dp4a"
     finally:
         gemv.INTERPRET = interp
 
@@ -288,6 +266,7 @@ def check_model_decode_fused():
     decodes through the kernels, and its residuals and logits match the same weights dequantized
     (dense F.linear) at T=1 and T=3."""
     from strata.args import ModelArgs
+    from strata.config import KernelSpec
     from strata.quant import gemv
     args = ModelArgs(arch="qwen2", qkv_bias=True, vocab_size=40, dim=256, n_layers=2, n_heads=2, n_kv_heads=1,
                      head_dim=64, ffn_dim=256, max_seq_len=64)
@@ -303,15 +282,16 @@ def check_model_decode_fused():
         ids = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
         # the dp4a kernel (int8 x: the residual stream's error) for the T=3 step only, the slow one interpreted
         for mode, tol, steps in (("float", 1e-5, ((8, 1), (9, 3))), ("dp4a", DP4A_TOL, ((9, 3),))):
-            with iq3s_kernel(mode):
-                n = steps[0][0]
-                assert rel(fused(ids[:, :n], 0), dense(ids[:, :n], 0)) < 1e-6  # prefill: the scratch path
-                assert not calls
-                for p, t in steps:
-                    a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
-                    assert rel(a, b) < tol, (mode, p, rel(a, b))
-                    la, lb = fused.logits(a[0]), dense.logits(b[0])
-                    assert la.dtype == torch.float32 and rel(la, lb) < tol, (mode, p, rel(la, lb))
+            fused.set_kernels(KernelSpec(gemv_iq3s=mode))  # the rig's kernels.gemv_iq3s, as a stage passes it
+            n = steps[0][0]
+            assert rel(fused(ids[:, :n], 0), dense(ids[:, :n], 0)) < 1e-6  # prefill: the scratch path
+            assert not calls
+            for p, t in steps:
+                a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
+                assert rel(a, b) < tol, (mode, p, rel(a, b))
+                la, lb = fused.logits(a[0]), dense.logits(b[0])
+                assert la.dtype == torch.float32 and rel(la, lb) < tol, (mode, p, rel(la, lb))
+            assert fused.gemv.iq3s == mode
             assert len(calls) == len(steps) * (2 * 4 + 1), len(calls)  # 4 products per layer, the head, per step
             calls.clear()
     finally:
@@ -323,6 +303,7 @@ def check_model_decode_fused_q4_k_m():
     Q8_0) decodes every product through the kernels (a layer with one unfused part would dequantize the whole
     layer per token), and matches the same weights dequantized at T=1 and T=3."""
     from strata.args import ModelArgs
+    from strata.config import KernelSpec
     from strata.quant import gemv
     args = ModelArgs(vocab_size=40, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=256,
                      max_seq_len=64)
@@ -340,11 +321,11 @@ def check_model_decode_fused_q4_k_m():
         # each Q6_K and Q4_K kernel (dp4a: int8 x, the residual stream's error; its T=3 step only)
         for mode, tol, steps in (("bytes", 1e-5, ((8, 1), (9, 3))), ("words", 1e-5, ((8, 1),)),
                                  ("dp4a", DP4A_TOL, ((9, 3),))):
-            with q6k_kernel(mode), kquant_kernel(mode):
-                for p, t in steps:
-                    a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
-                    assert rel(a, b) < tol, (mode, p, rel(a, b))
-                    assert rel(fused.logits(a[0]), dense.logits(b[0])) < tol, mode
+            fused.set_kernels(KernelSpec(gemv_q6k=mode, gemv_kquant=mode))
+            for p, t in steps:
+                a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
+                assert rel(a, b) < tol, (mode, p, rel(a, b))
+                assert rel(fused.logits(a[0]), dense.logits(b[0])) < tol, mode
             assert len(calls) == len(steps) * (2 * 4 + 1), len(calls)  # 4 products per layer and the head, per step
             calls.clear()
     finally:
@@ -462,24 +443,22 @@ def test_bad_blocks_refused():
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
 @pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_1"])
 @pytest.mark.parametrize("m", [1, 3])
-def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
+def test_gpu_70b_shapes(shape, qtype, m):
     """At a 70B layer's shapes, bf16 x: the kernel agrees with dequantize + F.linear (bf16) and with float64
     (IQ3_S: the float kernel, Q6_K: the byte kernel, Q4_K and Q5_K: words; the others in
     test_gpu_iq3s_dp4a_70b_shapes and test_gpu_word_kernels_shapes)."""
     from strata.quant import dequantize, gemv, random_blocks
-    monkeypatch.setattr(gemv, "IQ3S_KERNEL", "float")
-    monkeypatch.setattr(gemv, "Q6K_KERNEL", "bytes")  # the word kernels: test_gpu_word_kernels_shapes
-    monkeypatch.setattr(gemv, "KQUANT", "words")
+    k = kernels(iq3s="float", q6k="bytes", kquant="words")  # the word kernels: test_gpu_word_kernels_shapes
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
     blocks = random_blocks(qtype, rows, cols, g, device="cuda")
     x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
-    y = gemv.quant_matmul(x, blocks, qtype, cols)
+    y = gemv.quant_matmul(x, blocks, qtype, cols, kernels=k)
     w = dequantize(blocks, qtype)
     want = x.double() @ w.double().T
     current = torch.nn.functional.linear(x, w.bfloat16())
     assert rel(y, want) < 8e-3 and rel(y, current) < 1.2e-2, (rel(y, want), rel(current, want))
-    y32 = gemv.quant_matmul(x.float(), blocks, qtype, cols)
+    y32 = gemv.quant_matmul(x.float(), blocks, qtype, cols, kernels=k)
     assert rel(y32, want) < 1e-5
 
 
@@ -489,55 +468,53 @@ def test_gpu_70b_shapes(shape, qtype, m, monkeypatch):
 @pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("mode", ["words", "dp4a"])
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_gpu_word_kernels_shapes(shape, qtype, mode, m, monkeypatch):
+def test_gpu_word_kernels_shapes(shape, qtype, mode, m):
     """The K-quants' int32-word kernels at 8B / 70B shapes, bf16 x: words within bf16 of float64 and with
     float32 x within float32 accumulation; dp4a to float32 accumulation of the product with x's int8 rounding
     and within DP4A_TOL of x's."""
     from strata.quant import dequantize, gemv, random_blocks
-    monkeypatch.setattr(gemv, "Q6K_KERNEL" if qtype == "Q6_K" else "KQUANT", mode)
+    k = kernels(**{"q6k" if qtype == "Q6_K" else "kquant": mode})
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
     blocks = random_blocks(qtype, rows, cols, g, device="cuda")
     x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
     w = dequantize(blocks, qtype).double()
     want = x.double() @ w.T
-    y = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, rows, device="cuda"))
+    y = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, rows, device="cuda"), kernels=k)
     if mode == "words":
         assert rel(y, want) < 1e-5
-        assert rel(gemv.quant_matmul(x.float(), blocks, qtype, cols), want) < 1e-5
+        assert rel(gemv.quant_matmul(x.float(), blocks, qtype, cols, kernels=k), want) < 1e-5
     else:
         assert rel(y, gemv.int8_x(*gemv.quantize_x(x)) @ w.T) < 1e-5
         assert rel(y, want) < DP4A_TOL, rel(y, want)
-    assert rel(gemv.quant_matmul(x, blocks, qtype, cols), want) < (DP4A_TOL if mode == "dp4a" else 0) + 8e-3
+    assert rel(gemv.quant_matmul(x, blocks, qtype, cols, kernels=k), want) < (DP4A_TOL if mode == "dp4a" else 0) + 8e-3
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["words", "dp4a"])
-def test_gpu_q6_k_graph_capture(mode, monkeypatch):
+def test_gpu_q6_k_graph_capture(mode):
     """Q4_K + Q6_K parts (q/k and v of a Q4_K_M layer), M=2, captured in a CUDA graph: a replay with new x gives
     what an eager call gives (dp4a: x's quantization captured too)."""
     from strata.quant import gemv, random_blocks
-    monkeypatch.setattr(gemv, "Q6K_KERNEL", mode)
-    monkeypatch.setattr(gemv, "KQUANT", mode)
     g = torch.Generator(device="cuda").manual_seed(2)
     cols = 1024
     parts = [(random_blocks(q, r, cols, g, device="cuda"), q) for q, r in (("Q4_K", 1024), ("Q4_K", 256), ("Q6_K", 256))]
-    _check_graph_replay(gemv, parts, cols, g)
+    _check_graph_replay(gemv, parts, cols, g, kernels(q6k=mode, kquant=mode))
 
 
-def _check_graph_replay(gemv, parts, cols, g, after_first=lambda: None):
-    """quant_matmul_parts with M=2 captured in a CUDA graph: a replay on new x gives an eager call's bits.
-    after_first: a check once the first (eager) call has compiled and made the tables."""
+def _check_graph_replay(gemv, parts, cols, g, k, after_first=lambda: None):
+    """quant_matmul_parts with M=2 (the kernels k) captured in a CUDA graph: a replay on new x gives an eager
+    call's bits. after_first: a check once the first (eager) call has compiled and made the tables."""
     x = torch.randn(2, cols, generator=g, device="cuda").bfloat16()
-    gemv.quant_matmul_parts(x, parts, cols)
+    gemv.quant_matmul_parts(x, parts, cols, kernels=k)
     after_first()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = gemv.quant_matmul_parts(x, parts, cols)
+        y = gemv.quant_matmul_parts(x, parts, cols, kernels=k)
     x.copy_(torch.randn(2, cols, generator=g, device="cuda"))
     graph.replay()
-    assert torch.equal(y, gemv.quant_matmul_parts(x, parts, cols))
+    assert torch.equal(y, gemv.quant_matmul_parts(x, parts, cols, kernels=k))
 
 
 @pytest.mark.gpu
@@ -545,12 +522,12 @@ def _check_graph_replay(gemv, parts, cols, g, after_first=lambda: None):
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672), (128256, 8192)])
 @pytest.mark.parametrize("mode", IQ3S_DP4A)
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_gpu_iq3s_dp4a_70b_shapes(shape, mode, m, monkeypatch):
+def test_gpu_iq3s_dp4a_70b_shapes(shape, mode, m):
     """The dp4a IQ3_S kernels at a 70B model's shapes (head included), bf16 x: to float32 accumulation of
     the float64 product with x's int8 rounding (the PTX dp4a path, exact integer sums), within DP4A_TOL of
     the one with x, and the bf16 result within DP4A_TOL + bf16 rounding."""
     from strata.quant import dequantize, gemv, random_blocks
-    monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
+    k = kernels(iq3s=mode)
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
     blocks = random_blocks("IQ3_S", rows, cols, g, device="cuda")
@@ -561,12 +538,12 @@ def test_gpu_iq3s_dp4a_70b_shapes(shape, mode, m, monkeypatch):
     q = gemv.int8_x(q, torch.ones_like(s)).cpu()
     assert rel(s.cpu(), sr) < 1e-7 and float((q - qr).abs().max()) <= 1  # ties may round either way
     w = dequantize(blocks, "IQ3_S").double()
-    y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows, device="cuda"))
-    assert gemv.IQ3S_KERNEL == mode  # no fallback to the float kernel
+    y = gemv.quant_matmul(x, blocks, "IQ3_S", cols, out=torch.empty(m, rows, device="cuda"), kernels=k)
+    assert k.iq3s == mode  # no fallback to the float kernel
     assert rel(y, xq @ w.T) < 1e-5
     want = x.double() @ w.T
     assert rel(y, want) < DP4A_TOL, rel(y, want)
-    assert rel(gemv.quant_matmul(x, blocks, "IQ3_S", cols), want) < DP4A_TOL + 8e-3
+    assert rel(gemv.quant_matmul(x, blocks, "IQ3_S", cols, kernels=k), want) < DP4A_TOL + 8e-3
 
 
 @pytest.mark.gpu
@@ -578,15 +555,15 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
     scratch path (dequantize + F.linear), and the fused path is the one taken."""
     from strata import model as M
     from strata.checkpoint import load_stage, model_args
-    from strata.quant import gemv
+    from strata.config import KernelSpec
     model = "synthetic:smoke-wide@IQ3_S"
     args = model_args(model)
 
     def run(fused: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
         if not fused:  # the layers and the head take the scratch path
             monkeypatch.setattr(M, "fused_ok", lambda p, device: False)
-        m = load_stage(model, args, 0, args.n_layers, device="cuda", dtype=dtype, weights="resident", max_len=64)
+        m = load_stage(model, args, 0, args.n_layers, device="cuda", dtype=dtype, weights="resident", max_len=64,
+                       kernels=KernelSpec(gemv_iq3s=mode))
         blk = next(iter(m.layers.values()))
         assert isinstance(blk.weights, M.ResidentMatrices) and blk.weights.fused_decode_ok("cuda") == fused
         ids = torch.randint(0, args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0)).cuda()
@@ -605,15 +582,15 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ("float",) + IQ3S_DP4A)
-def test_gpu_graph_capture(mode, monkeypatch):
+def test_gpu_graph_capture(mode):
     """quant_matmul_parts (q/k/v-like parts, M=2) captured in a CUDA graph: a replay with new x gives
     what an eager call gives (dp4a: x's quantization captured too)."""
     from strata.quant import gemv, random_blocks
-    monkeypatch.setattr(gemv, "IQ3S_KERNEL", mode)
+    k = kernels(iq3s=mode)
     g = torch.Generator(device="cuda").manual_seed(1)
     cols = 1024
     parts = [(random_blocks("IQ3_S", r, cols, g, device="cuda"), "IQ3_S") for r in (1024, 256, 256)]
 
     def no_fallback():
-        assert gemv.IQ3S_KERNEL == mode  # the dp4a kernels did not fall back to the float one
-    _check_graph_replay(gemv, parts, cols, g, no_fallback)
+        assert k.iq3s == mode  # the dp4a kernels did not fall back to the float one
+    _check_graph_replay(gemv, parts, cols, g, k, no_fallback)

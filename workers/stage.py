@@ -40,6 +40,7 @@ from strata.schedule import chunk_schedule
 from strata.shm import Segment
 from strata.transport import ShmLink, TcpLink
 from strata.checkpoint import load_stage, weights_mode
+from strata.config import kernel_spec
 
 # A CUDA stage between decode steps polls its inbox without sleeping for this long (then sleeps in poll as
 # always): a token comes back within a few ms, and a core that slept wakes late (a scheduler hop, a cold or
@@ -156,8 +157,6 @@ class Stage:
                 torch.set_num_threads(spec.threads)
             if spec.cores:
                 os.sched_setaffinity(0, spec.cores)
-        if spec.attention != "auto":  # the rig's choice (the planner sized activations for the same path)
-            strata.attention.CUDA_ATTENTION = spec.attention
 
     def _near_gpu(self) -> None:
         """Run on the CPU cores of the GPU's own NUMA node (sysfs `local_cpulist`), kept within this process's
@@ -206,7 +205,9 @@ class Stage:
                 cpu_decode = None
         model = load_stage(spec.model, args, spec.start, spec.end, device=self.device, dtype=self.dtype,
                            seed=spec.seed, weights=self.weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len,
-                           decode_weights=cpu_decode, max_chunk=spec.max_chunk)
+                           decode_weights=cpu_decode, max_chunk=spec.max_chunk,
+                           # the head's choices (the planner sized activations for the same attention path)
+                           kernels=kernel_spec(spec.kernels), attention=spec.attention)
         # decode options: weight-only copies are a CPU kernel path, graphs a CUDA one
         if cpu_decode == "blocks":
             b = model._blocks

@@ -4,11 +4,12 @@
 blocks `blocks` (uint8, rows x bytes) hold, for the few rows of a decode step (M <= MAX_M per launch;
 more rows take several launches). float32 accumulation; the result in x's dtype (or `out`'s).
 `quant_matmul_parts` multiplies one x by several matrices of equal width (q/k/v, gate/up) into one
-output, one launch per run of parts of the same type. No host sync and no data-dependent allocation:
+output, one launch per run of parts of the same type. Which kernel a type takes is the caller's `GemvKernels`
+(the rig's kernels.gemv_*; the defaults without one). No host sync and no data-dependent allocation:
 CUDA-graph capturable once the per-device tables exist (any call before capture makes them).
 Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
 
-IQ3_S has two kernels (IQ3S_KERNEL, env STRATA_GEMV_IQ3S, read per call): "dp4a" quantizes x
+IQ3_S has two kernels (GemvKernels.iq3s, the rig's kernels.gemv_iq3s): "dp4a" quantizes x
 once per call to int8 with a float32 scale per 32 values (`quantize_x`) and takes per 4 weights one
 packed-byte grid lookup, the 4 signs applied on the packed word, and a 4-way int8 dot (PTX dp4a) into
 int32, scaled per 32 weights in float32. Its variants differ in the grid table (`iq3_s_words`):
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import IQ3S_KERNELS, KQUANT_KERNELS, KernelSpec
 from . import LEGACY_FLAGS, block_size, qtype_of, type_size
 
 try:
@@ -39,29 +41,48 @@ except ImportError:  # CPU-only torch without triton: supports() is False everyw
 MAX_M = 4  # x rows per launch (the decode path's DECODE_T); the weights are read once for all of them
 MAX_PARTS = 3  # matrices per launch (q, k, v)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
 _IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the dp4a kernel's TABLE: which grid table
-# read per call: bench/gemv.py switches it. dp4a-u16 was the fastest on an H200 (70B gate/up, M=1: 137 us,
+# IQ3_S (GemvKernels.iq3s): dp4a-u16 was the fastest on an H200 (70B gate/up, M=1: 137 us,
 # 1,475 GB/s; dp4a 177, dp4a-table 215, dp4a-smem 240, float 679: bench/pick_iq3s.py, BENCHMARKS.md)
-IQ3S_KERNEL = os.environ.get("STRATA_GEMV_IQ3S", "dp4a-u16")
 XQ_GROUP = 32  # x values per int8 scale
-# Q4_K/Q5_K (KQUANT, env STRATA_GEMV_KQUANT): "words" (each block read in int32 words, _k45_words_gemv, float x),
+# Q4_K/Q5_K (GemvKernels.kquant): "words" (each block read in int32 words, _k45_words_gemv, float x),
 # "dp4a" (the default: the same loads, int8 x from `quantize_x` and dp4a products, as Q6_K's dp4a and llama.cpp's
 # q8_1 x: ~5e-3 relative error) or "bytes" (_k45_gemv: a byte a lane and the scales byte by byte). On an H200 at
 # 8B shapes, one layer's four Q4_K launches in a graph: 202 us (bytes), 143 (words, one block a step), 97.8 (dp4a,
 # 4 blocks a step side by side); 8B Q4_K_M decode on one GPU after 2,048 tokens 151.9 (words, one block a step)
 # -> 241.0 tok/s (BENCHMARKS.md seventh round).
-KQUANTS = ("bytes", "words", "dp4a")
-KQUANT = os.environ.get("STRATA_GEMV_KQUANT", "dp4a")  # read per call: bench/gemv.py --kquant switches it
-# Q6_K (Q6K_KERNEL, env STRATA_GEMV_Q6K, read per call): "bytes" (_q6_k_gemv, a byte a lane), "words"
+KQUANTS = KQUANT_KERNELS
+# Q6_K (GemvKernels.q6k): "bytes" (_q6_k_gemv, a byte a lane), "words"
 # (_q6_k_words: int32 words, two blocks a step, float x, exact to float32 accumulation like bytes) or "dp4a"
 # (_q6_k_words with int8 x from `quantize_x` and a dp4a per 4 weights: ~5e-3 relative error, as IQ3_S's; the
 # default). words and dp4a need an even number of blocks a row and 4-byte aligned blocks, else bytes runs.
 # On an H200 at 8B shapes (M=1, BENCHMARKS.md): ffn_down 4096x14336 91.2 / 62.4 / 51.5 us (bytes / words /
 # dp4a), the head 426.8 / 407.8 / 303.5 us; 8B Q4_K_M decode on one GPU 125.6 / 152.2 / 158.9 tok/s.
-Q6K_KERNELS = ("bytes", "words", "dp4a")
-Q6K_KERNEL = os.environ.get("STRATA_GEMV_Q6K", "dp4a")
+Q6K_KERNELS = KQUANT_KERNELS
 log = logging.getLogger("strata.quant")
+
+
+@dataclass
+class GemvKernels:
+    """Which kernel each resident decode product takes: IQ3_S's, Q4_K/Q5_K's and Q6_K's (the rig's
+    kernels.gemv_iq3s / gemv_kquant / gemv_q6k; KernelSpec's defaults). A model holds one for all its matrices
+    (Transformer.gemv). Mutable on purpose: where a dp4a kernel fails (a Triton that cannot build the inline
+    PTX), it falls back on this object, IQ3_S to the float kernel and the K-quants to the word kernel on float x,
+    for this holder's later calls; another holder, or a call without one, is not affected."""
+    iq3s: str = KernelSpec.gemv_iq3s
+    kquant: str = KernelSpec.gemv_kquant
+    q6k: str = KernelSpec.gemv_q6k
+
+    def __post_init__(self):
+        for name, v, choices in (("iq3s", self.iq3s, IQ3S_KERNELS), ("kquant", self.kquant, KQUANTS),
+                                 ("q6k", self.q6k, Q6K_KERNELS)):
+            if v not in choices:
+                raise ValueError(f"GemvKernels.{name}={v!r}: one of {', '.join(choices)}")
+
+    def choose(self, spec: KernelSpec) -> None:
+        """Take the rig's choices again (a fallback made earlier is forgotten)."""
+        self.iq3s, self.kquant, self.q6k = spec.gemv_iq3s, spec.gemv_kquant, spec.gemv_q6k
+        self.__post_init__()
 
 
 @dataclass(frozen=True)
@@ -83,17 +104,17 @@ CONFIGS: dict[str, Config] = {"IQ3_S": Config(8, 2), "Q8_0": Config(8, 4), "Q4_K
 # (8B gate/up: Q4_K 84 -> 61 us, Q6_K 146 -> 108 us; the head 311 -> 220 and 524 -> 428 us)
 BIG_ROWS = 16384
 BIG_CONFIGS: dict[str, Config] = {"Q4_K": Config(32, 2, 4), "Q6_K": Config(32, 2, 4)}
-# (their Q4_K and Q5_K entries: the byte-wise kernel, KQUANT bytes)
+# (their Q4_K and Q5_K entries: the byte-wise kernel, kquant bytes)
 # the dp4a IQ3_S kernel: a [block_n rows, 8 * sb sub-blocks] tile, sb the largest power of two <= sb that
 # divides the row's blocks, block_n raised to give each thread an element when sb is smaller
 DP4A_CONFIG = Config(4, 4, 4)
-# _k45_words_gemv (KQUANT words and dp4a): a [block_n rows, sb blocks, 4, 8] tile (sb a power of two <= sb that
+# _k45_words_gemv (kquant words and dp4a): a [block_n rows, sb blocks, 4, 8] tile (sb a power of two <= sb that
 # divides the row's blocks); KQ_BIG for launches of at least BIG_ROWS rows. From bench/gemv.py --sweep on an H200
 # at 8B shapes (graph-timed, M=1, dp4a): q/k/v 16.1 us, wo ~14, gate/up 46.8, ffn_down 4096x14336 ~31-37, head
 # 159.1 (a tile of one block a step, the earlier kernel: 21.4, -, 46.3, 56.0, 159.7)
 KQ_WORDS = Config(8, 4, 8)
 KQ_BIG = Config(16, 4, 8)
-# _q6_k_words (Q6K_KERNEL words and dp4a): a [block_n rows, sb block pairs, 32] tile (sb a power of two <= sb
+# _q6_k_words (q6k words and dp4a): a [block_n rows, sb block pairs, 32] tile (sb a power of two <= sb
 # that divides the row's pairs); per kernel, the first for launches under BIG_ROWS rows, the second for the
 # others (bench/gemv.py --q6k words,dp4a --sweep on an H200 at 8B shapes; dp4a re-swept with graph-timed launches,
 # which the host's launch time no longer blurs: ffn_down 4096x14336 52.0 -> 37.3 us, wo 19.5 -> 15.3, head 223.9
@@ -909,26 +930,25 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out: torch.Tensor, col0: int,
-            config: Config | None, xq: tuple[torch.Tensor, torch.Tensor] | None = None, table: int = 0) -> None:
+            config: Config | None, kernels: GemvKernels, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+            table: int = 0) -> None:
     """out[:, col0 : col0 + sum(rows)] = x @ concat(mats).T for up to MAX_PARTS same-type matrices
-    (IQ3_S with xq, x's `quantize_x`: the dp4a kernel, `table` its grid table, iq3_s_words)."""
+    (IQ3_S with xq, x's `quantize_x`: the dp4a kernel, `table` its grid table, iq3_s_words; the K-quants: the
+    kernel `kernels` names)."""
     rows = [m.shape[0] for m in mats] + [0] * (MAX_PARTS - len(mats))
     big = sum(rows) >= BIG_ROWS
     nb = cols // block_size(name)
     aligned = not any(m.data_ptr() % 4 for m in mats)
-    if name == "Q6_K" and Q6K_KERNEL != "bytes" and aligned and not any(m.shape[0] * nb % 2 for m in mats):
-        if Q6K_KERNEL not in Q6K_KERNELS:
-            raise ValueError(f"STRATA_GEMV_Q6K={Q6K_KERNEL!r}: one of {', '.join(Q6K_KERNELS)}")
-        cfg = config or Q6K_WORDS_CONFIGS[Q6K_KERNEL][big]
+    q6k, kquant = kernels.q6k, kernels.kquant
+    if name == "Q6_K" and q6k != "bytes" and aligned and not any(m.shape[0] * nb % 2 for m in mats):
+        cfg = config or Q6K_WORDS_CONFIGS[q6k][big]
         return _launch_words(_q6_k_words, x, mats, rows, nb, cols, out, col0, cfg, _q6_k_sb(nb, cfg),
-                             Q6K_KERNEL == "dp4a", xq, PAIRS=nb % 2 == 0)
+                             q6k == "dp4a", xq, PAIRS=nb % 2 == 0)
     if name in ("Q4_K", "Q5_K"):
-        if KQUANT not in KQUANTS:
-            raise ValueError(f"STRATA_GEMV_KQUANT={KQUANT!r}: one of {', '.join(KQUANTS)}")
-        if KQUANT != "bytes" and aligned:
+        if kquant != "bytes" and aligned:
             cfg = config or (KQ_BIG if big else KQ_WORDS)
             sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)  # a power of two: a tile dim
-            return _launch_words(_k45_words_gemv, x, mats, rows, nb, cols, out, col0, cfg, sb, KQUANT == "dp4a", xq,
+            return _launch_words(_k45_words_gemv, x, mats, rows, nb, cols, out, col0, cfg, sb, kquant == "dp4a", xq,
                                  **_KERNELS[name][1])
     cfg = config or (BIG_CONFIGS.get(name) if big else None) or CONFIGS[name]
     if xq is not None and name == "IQ3_S":  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
@@ -989,11 +1009,13 @@ def _launch_words(kernel, x, mats, rows, nb, cols, out, col0, cfg: Config, sb: i
 
 
 def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
-                       out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, config: Config | None = None,
+                       kernels: GemvKernels | None = None) -> torch.Tensor:
     """x (M, cols) times each matrix (blocks, qtype) of `parts`, side by side: (M, sum of their rows).
 
     Consecutive parts of one type share a launch (up to MAX_PARTS). `out`: a contiguous (M, total rows)
-    tensor to write into (any float dtype, e.g. float32 logits); default a new one in x's dtype."""
+    tensor to write into (any float dtype, e.g. float32 logits); default a new one in x's dtype. `kernels`: the
+    holder's choices, where a failed dp4a kernel's fallback is kept (None: the defaults, for this call only)."""
     if triton is None:
         raise RuntimeError("strata.quant.gemv needs triton")
     if x.dim() != 2 or x.shape[1] != cols:
@@ -1014,13 +1036,11 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
         out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
     elif tuple(out.shape) != (x.shape[0], total) or out.stride(1) != 1:
         raise ValueError(f"out must be a row-major ({x.shape[0]}, {total}), got {tuple(out.shape)}")
-    global IQ3S_KERNEL  # set to "float" where a dp4a kernel fails
-    mode = IQ3S_KERNEL
-    if mode not in IQ3S_KERNELS:
-        raise ValueError(f"STRATA_GEMV_IQ3S={mode!r}: one of {', '.join(IQ3S_KERNELS)}")
+    kernels = GemvKernels() if kernels is None else kernels
+    mode = kernels.iq3s
     xq = None  # x as int8 for the dp4a kernels, once for all the parts
-    if ((mode != "float" and "IQ3_S" in names) or (Q6K_KERNEL == "dp4a" and "Q6_K" in names)
-            or (KQUANT == "dp4a" and ("Q4_K" in names or "Q5_K" in names))):
+    if ((mode != "float" and "IQ3_S" in names) or (kernels.q6k == "dp4a" and "Q6_K" in names)
+            or (kernels.kquant == "dp4a" and ("Q4_K" in names or "Q5_K" in names))):
         xq = quantize_x(x)
     i, col = 0, 0
     while i < len(parts):
@@ -1030,45 +1050,44 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
         mats = [b for b, _ in parts[i:j]]
         if names[i] == "IQ3_S" and xq is not None:
             try:
-                _launch(x, mats, names[i], cols, out, col, config, xq, table=_IQ3S_TABLE[mode])
+                _launch(x, mats, names[i], cols, out, col, config, kernels, xq, table=_IQ3S_TABLE[mode])
             except Exception as e:  # e.g. a Triton that cannot build the inline PTX: the float kernel still works
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     raise
                 log.warning("IQ3_S %s kernel failed (%s: %s); using the float kernel", mode, type(e).__name__, e)
-                IQ3S_KERNEL = "float"
-                _launch(x, mats, names[i], cols, out, col, config)
+                kernels.iq3s = "float"
+                _launch(x, mats, names[i], cols, out, col, config, kernels)
         elif names[i] in ("Q6_K", "Q4_K", "Q5_K"):
-            _launch_k(x, mats, names[i], cols, out, col, config, xq)
+            _launch_k(x, mats, names[i], cols, out, col, config, xq, kernels)
         else:
-            _launch(x, mats, names[i], cols, out, col, config)
+            _launch(x, mats, names[i], cols, out, col, config, kernels)
         col += sum(m.shape[0] for m in mats)
         i = j
     return out
 
 
-def _launch_k(x, mats, name, cols, out, col, config, xq) -> None:
+def _launch_k(x, mats, name, cols, out, col, config, xq, kernels: GemvKernels) -> None:
     """A K-quant launch; where its dp4a kernel fails (e.g. a Triton that cannot build the inline PTX), the word
-    kernel on float x from then on, as IQ3_S falls back to its float kernel."""
-    global KQUANT, Q6K_KERNEL
-    if (Q6K_KERNEL if name == "Q6_K" else KQUANT) != "dp4a":
-        return _launch(x, mats, name, cols, out, col, config)
+    kernel on float x from then on for this `kernels` holder, as IQ3_S falls back to its float kernel."""
+    if (kernels.q6k if name == "Q6_K" else kernels.kquant) != "dp4a":
+        return _launch(x, mats, name, cols, out, col, config, kernels)
     try:
-        _launch(x, mats, name, cols, out, col, config, xq)
+        _launch(x, mats, name, cols, out, col, config, kernels, xq)
     except Exception as e:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise
         log.warning("%s dp4a kernel failed (%s: %s); using the word kernel on float x", name, type(e).__name__, e)
         if name == "Q6_K":
-            Q6K_KERNEL = "words"
+            kernels.q6k = "words"
         else:
-            KQUANT = "words"
-        _launch(x, mats, name, cols, out, col, config)
+            kernels.kquant = "words"
+        _launch(x, mats, name, cols, out, col, config, kernels)
 
 
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype, cols: int, out: torch.Tensor | None = None,
-                 config: Config | None = None) -> torch.Tensor:
+                 config: Config | None = None, kernels: GemvKernels | None = None) -> torch.Tensor:
     """x (M, cols) @ W.T -> (M, rows) for W's GGUF `blocks` uint8 (rows, bytes per row); float32 accumulation."""
-    return quant_matmul_parts(x, [(blocks, qtype)], cols, out, config)
+    return quant_matmul_parts(x, [(blocks, qtype)], cols, out, config, kernels)
 
 
 # -- experts: the chosen matrices of a stack, read in place -------------------------------------------------------
@@ -1086,10 +1105,12 @@ def experts_ok(qtype, cols: int, rows: int = 2) -> bool:
         and rows * nb * type_size(name) % 4 == 0
 
 
-def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, qtype, cols: int) -> torch.Tensor:
+def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, qtype, cols: int,
+                         kernels: GemvKernels | None = None) -> torch.Tensor:
     """Slot j: expert ids[j]'s matrix of the stack (E, rows, bytes a row) times x's row j, or x's one row for
     every slot (x (1, cols): gate/up of a token's experts) -> (n, rows), n = ids' length, in x's dtype. One
-    launch; the ids are read on the device, so it captures in a CUDA graph and reads only the chosen experts."""
+    launch; the ids are read on the device, so it captures in a CUDA graph and reads only the chosen experts.
+    `kernels`: dp4a (int8 x) where its K-quant says so, else the word kernel on float x (None: the defaults)."""
     name = qtype_of(qtype).name
     if name == "MXFP4":
         return mxfp4_experts(x, stack, ids, cols)
@@ -1105,12 +1126,13 @@ def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
         raise ValueError(f"x must be (1 or {n}, {cols}), got {tuple(x.shape)}")
     x = x.contiguous()
     nb = cols // bs
+    kernels = GemvKernels() if kernels is None else kernels
     if name == "Q6_K":
-        kernel, family, dp4a = _q6_k_words, {"PAIRS": nb % 2 == 0}, Q6K_KERNEL == "dp4a"
+        kernel, family, dp4a = _q6_k_words, {"PAIRS": nb % 2 == 0}, kernels.q6k == "dp4a"
         cfg = EXPERTS_CONFIGS[name]
         sb = _q6_k_sb(nb, cfg)
     else:
-        kernel, family, dp4a = _k45_words_gemv, _KERNELS[name][1], KQUANT == "dp4a"
+        kernel, family, dp4a = _k45_words_gemv, _KERNELS[name][1], kernels.kquant == "dp4a"
         cfg = EXPERTS_CONFIGS[name]
         sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)
     out = torch.empty((n, rows), device=x.device, dtype=x.dtype)
