@@ -554,6 +554,7 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
     """synthetic:smoke-wide@IQ3_S resident on CUDA: decode steps with the kernels give the logits of the
     scratch path (dequantize + F.linear), and the fused path is the one taken."""
     from strata import model as M
+    from strata import resident as R
     from strata.checkpoint import load_stage, model_args
     from strata.config import KernelSpec
     model = "synthetic:smoke-wide@IQ3_S"
@@ -561,7 +562,7 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
 
     def run(fused: bool) -> list[torch.Tensor]:
         if not fused:  # the layers and the head take the scratch path
-            monkeypatch.setattr(M, "fused_ok", lambda p, device: False)
+            monkeypatch.setattr(R, "fused_ok", lambda p, device: False)  # (strata.model has no fused_ok)
         m = load_stage(model, args, 0, args.n_layers, device="cuda", dtype=dtype, weights="resident", max_len=64,
                        kernels=KernelSpec(gemv_iq3s=mode))
         blk = next(iter(m.layers.values()))
