@@ -23,6 +23,8 @@ import msgpack
 
 VERSION = 1
 MAX_FRAME = 1 << 20  # notes are small; anything larger is not ours
+MAX_SCORED_TOP = 20  # a scored chunk's alternatives per target (OpenAI's limit)
+SCORED_BYTES = MAX_FRAME // 2  # a scored chunk's rows stay under this in its result (the head cuts the chunks)
 
 
 class BadMessage(ValueError):
@@ -58,6 +60,7 @@ class Chunk(Message):
     phase: str
     t0: float
     tokens: int      # the prompt's length (prefill: the last stage's perplexity targets end there)
+    score: int       # prefill: -1, or the last stage scores each target and sends its `score` likeliest tokens
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -76,6 +79,8 @@ class ChunkResult(Message):
     nll: float
     count: int
     argmax: int
+    scores: bytes    # a scored chunk (Chunk.score >= 0): its targets' log-probabilities (float32), then the top
+                     # tokens' ids (int32) and log-probabilities (float32), `score` a target; else empty
 
 
 @_message("working")  # stage -> head: started work on chunk k (progress display)
@@ -186,7 +191,7 @@ class Rejected(Message):
 MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Chunk, Taken, Done, ChunkResult, Working, End, Stats, Ready,
                                                         Fail, Stop, Join, Heartbeat, Bound, Peers, Token, Ids,
                                                         Rejected)}
-_KINDS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), list: (list,)}
+_KINDS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), list: (list,), bytes: (bytes,)}
 # type -> {field: allowed python types}, derived from the dataclasses. Every field is required; extra ones refused.
 SCHEMA: dict[str, dict[str, tuple]] = {t: {f.name: _KINDS[get_type_hints(c)[f.name]] for f in fields(c)}
                                        for t, c in MESSAGES.items()}
@@ -233,6 +238,8 @@ def validate(msg) -> dict:
         raise BadMessage(f"{t}: negative chunk index {msg['k']}")
     if t == "chunk" and not 0 < msg["tokens"]:
         raise BadMessage(f"chunk: prompt length {msg['tokens']}")
+    if t == "chunk" and not -1 <= msg["score"] <= MAX_SCORED_TOP:
+        raise BadMessage(f"chunk: score {msg['score']} outside -1..{MAX_SCORED_TOP}")
     if t in ("chunk", "end", "stats") and msg["phase"] not in PHASES:
         raise BadMessage(f"{t}: unknown phase {msg['phase']!r}")
     return msg

@@ -720,6 +720,23 @@ class Transformer(nn.Module):
         return h, logits, logits.argmax()
 
     @torch.inference_mode()
+    def score(self, h: torch.Tensor, targets: torch.Tensor, top: int, block: int = 1024) -> bytes:
+        """Each target's log-probability given residual rows h (1, T, dim), and the `top` likeliest tokens at each
+        row, as bytes: float32 log-probabilities, then int32 ids and float32 log-probabilities of the top (rows
+        by the head of `nll`, in blocks of `block` rows)."""
+        rows = h[0, : targets.numel()]
+        lps, ids, tops = [], [], []
+        for s in range(0, rows.shape[0], block):
+            lg = torch.log_softmax(self.logits(rows[s:s + block]), dim=-1)
+            lps.append(lg.gather(1, targets[s:s + block].to(lg.device)[:, None])[:, 0].float().cpu())
+            if top:
+                v, i = lg.topk(top, dim=1)
+                tops.append(v.float().cpu().reshape(-1))
+                ids.append(i.to(torch.int32).cpu().reshape(-1))
+        parts = [torch.cat(lps)] + ([torch.cat(ids), torch.cat(tops)] if top and lps else [])
+        return b"".join(p.numpy().tobytes() for p in parts) if lps else b""
+
+    @torch.inference_mode()
     def nll(self, h: torch.Tensor, targets: torch.Tensor, block: int = 1024) -> tuple[float, int]:
         """Summed negative log-likelihood of `targets` given residual rows h (1, T, dim).
 

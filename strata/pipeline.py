@@ -369,7 +369,7 @@ class Pipeline:
             return False
         self._bell_results += 1
         try:
-            self._on_result(M.ChunkResult(k=note[0], nll=0.0, count=0, argmax=note[2]), None)
+            self._on_result(M.ChunkResult(k=note[0], nll=0.0, count=0, argmax=note[2], scores=b""), None)
         except M.BadMessage as e:  # checked as a frame is: counted and dropped, never acted on
             self._wire.bad_frames += 1
             log.warning("head rejected a decode bell: %s", e)
@@ -407,9 +407,9 @@ class Pipeline:
         poll_until(lambda: all(phase in st.stats for st in self.stages), self.cfg.stall_timeout_s,
                    what=self._stalled, step=lambda: self._receive(100))
 
-    def _run_phase(self, phase: str, schedule, tokens: int, on_progress=None) -> float:
+    def _run_phase(self, phase: str, schedule, tokens: int, on_progress=None, score: int = -1) -> float:
         """Feed `schedule` [(pos, n)] of a `tokens`-long prompt to stage 0 through a bounded window, with the
-        finish guard."""
+        finish guard. score >= 0: the last stage scores every target with its `score` likeliest tokens."""
         n = len(self.stages)
         self._new_phase(phase)
         t0 = time.perf_counter()
@@ -418,7 +418,8 @@ class Pipeline:
         def step():
             while self._sent < len(schedule) and self._sent - self._got < window:
                 pos, m = schedule[self._sent]
-                self._wire.send(0, M.Chunk(k=self._sent, pos=pos, n=m, phase=phase, t0=t0, tokens=tokens))
+                self._wire.send(0, M.Chunk(k=self._sent, pos=pos, n=m, phase=phase, t0=t0, tokens=tokens,
+                                           score=score))
                 self._sent += 1
                 if self.startup is None:
                     self._startup_done()
@@ -500,16 +501,22 @@ class Pipeline:
                 self._wire.send(0, M.Ids(pos=a, ids=ids[a:a + step].tolist()))
 
     # -- prefill and generate ------------------------------------------------------------------
-    def _prefill(self, ids: np.ndarray) -> dict:
-        """Prefill ids [reused, n) on the running stages; the facts the report and the caller need."""
+    def _prefill(self, ids: np.ndarray, score: int = -1, start: int | None = None) -> dict:
+        """Prefill ids [reused, n) on the running stages; the facts the report and the caller need. score >= 0:
+        every position from `start - 1` on is computed and scored (see `score`)."""
         n = ids.size
         reused = self._reusable(ids)
+        if score >= 0:
+            reused = min(reused, start - 1)
         self._kept_n = reused  # past `reused` the stages' KV is about to be overwritten
         self._put_ids(ids, reused)
         schedule = self.plan.schedule_for(reused, n)
+        if score >= 0:  # a scored chunk's rows travel in its result note: chunks cut to fit it
+            rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * score)))
+            schedule = [(p + a, min(rows, m - a)) for p, m in schedule for a in range(0, m, rows)]
         update, bar = self._progress_bar(n - reused, schedule)
         try:
-            seconds = self._run_phase("prefill", schedule, n, update)
+            seconds = self._run_phase("prefill", schedule, n, update, score)
         finally:
             if bar:
                 bar.close()
@@ -520,6 +527,37 @@ class Pipeline:
         count = sum(r.count for r in self._results.values())
         return {"ids": ids, "reused": reused, "schedule": schedule, "seconds": seconds, "argmax": last.argmax,
                 "logits": self._result_row.numpy().copy(), "nll": nll, "count": count}
+
+    def score(self, prompt: str | list[int] | np.ndarray, start: int = 1,
+              top: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """log p(ids[i] | ids[:i]) for i in [start, n), by the last stage's head in each prefill chunk (the rows of
+        the perplexity), and the `top` (<= 20) likeliest tokens there -> (log-probabilities (n - start,) float32,
+        top ids (n - start, top) int32, their log-probabilities (n - start, top) float32). A prefix the stages
+        hold is reused up to start - 1; the prompt stays cached for what follows (a generate after it)."""
+        if not 0 <= top <= M.MAX_SCORED_TOP:
+            raise ConfigError(f"score: top must be in 0..{M.MAX_SCORED_TOP}, got {top}")
+        self._refuse_if_closed()
+        ids = self.prompt_ids(prompt)
+        if not 1 <= start <= ids.size:
+            raise ConfigError(f"score: start {start} outside 1..{ids.size}")
+        self.start()
+        pre = self._prefill(ids, score=top, start=start)
+        first = pre["reused"] + 1  # the position the first scored row predicts
+        lp, ti, tl = [], [], []
+        for k in range(len(pre["schedule"])):
+            raw = self._results[k].scores
+            rows = len(raw) // (4 * (1 + 2 * top))
+            lp.append(np.frombuffer(raw, np.float32, rows))
+            if top:
+                ti.append(np.frombuffer(raw, np.int32, rows * top, 4 * rows).reshape(rows, top))
+                tl.append(np.frombuffer(raw, np.float32, rows * top, 4 * rows * (1 + top)).reshape(rows, top))
+        lp = np.concatenate(lp)
+        ti = np.concatenate(ti) if top else np.zeros((lp.size, 0), np.int32)
+        tl = np.concatenate(tl) if top else np.zeros((lp.size, 0), np.float32)
+        if lp.size != ids.size - first:
+            raise RuntimeError(f"scoring gave {lp.size} rows for positions {first}..{ids.size - 1}")
+        cut = start - first
+        return lp[cut:], ti[cut:], tl[cut:]
 
     def prefill(self, prompt: str | list[int] | np.ndarray | None = None) -> Result:
         """Prefill the prompt (None: the rig's; text or ids, up to max_context, any number of times: a prefix
@@ -616,7 +654,7 @@ class Pipeline:
         if bells is not None and k > 0:  # a phase's first step goes by ZeroMQ: it wakes a stage not yet spinning
             bells.ring(0, k, pos, argmax=tok, t0=t0)  # the id too: a step queued ahead copies it from the bell
         else:
-            self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1))
+            self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1, score=-1))
         self._sent += 1
         t_wait = time.perf_counter()
         deadline = time.monotonic() + self.cfg.stall_timeout_s

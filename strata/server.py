@@ -173,8 +173,6 @@ def logprob_rows(engine: Engine, ids: list[int], start: int) -> Iterator[torch.T
         return hook(ids, start)
     if isinstance(engine, LocalEngine):
         return _local_rows(engine, ids, start)
-    if isinstance(engine, PipelineEngine):
-        return _pipeline_rows(engine, ids, start)
     raise TypeError(f"{type(engine).__name__} cannot score tokens")
 
 
@@ -205,29 +203,30 @@ def _local_rows(eng: LocalEngine, ids: list[int], start: int) -> Iterator[torch.
         raise EngineError(f"local ({eng.device})", f"{type(e).__name__}: {e}") from e
 
 
-def _pipeline_rows(eng: PipelineEngine, ids: list[int], start: int) -> Iterator[torch.Tensor]:
-    """The stages: a prefill hands back the last position's logits row (the last stage's head, as for the
-    perplexity's rows), so position i is the prefill of ids[:i + 1], which with prefix reuse computes that
-    one position. A round trip per token (~80 ms on two CPU stages): a last stage that returned every
-    row's log-probabilities would score a chunk at a time."""
+def _pipeline_scores(eng: PipelineEngine, ids: list[int], start: int, top: int):
+    """The stages: one prefill whose last stage scores each chunk's targets by the perplexity's head rows and
+    sends them with its result (Pipeline.score) -> (log-probabilities, top ids, their log-probabilities)."""
     from .errors import ConfigError, PipelineError
-    for i in range(start, len(ids)):
-        if eng.pipe is None:
-            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
-        try:
-            r = eng.pipe.prefill(ids[:i])
-        except ConfigError as e:  # a prompt the pipeline refuses (ids out of range)
-            raise ValueError(str(e)) from None
-        except PipelineError as e:
-            where = _STAGE.search(str(e))
-            eng.close()
-            raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
-        yield torch.log_softmax(torch.from_numpy(r.last_logits).float(), dim=-1)[None]
+    if eng.pipe is None:
+        raise EngineError("pipeline", "the engine is closed or failed: restart() it")
+    try:
+        lp, ti, tl = eng.pipe.score(ids, start, top)
+    except ConfigError as e:  # a prompt the pipeline refuses (ids out of range)
+        raise ValueError(str(e)) from None
+    except PipelineError as e:
+        where = _STAGE.search(str(e))
+        eng.close()
+        raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
+    return lp.tolist(), ti.tolist(), tl.tolist()
 
 
 def score_tokens(engine: Engine, ids: list[int], start: int, top: int) -> list[Scored]:
     """log p(ids[i] | ids[:i]) and the `top` likeliest tokens there, for i in [start, len(ids)); the texts
     of the tokens themselves are left "" for the caller (they depend on the tokens around them)."""
+    if isinstance(engine, PipelineEngine) and not callable(getattr(engine, "logprob_rows", None)):
+        lps, which, values = _pipeline_scores(engine, ids, start, top)
+        return [Scored("", lp, [(engine.detokenize([t]), v) for t, v in zip(w, x)])
+                for lp, w, x in zip(lps, which, values)]
     out: list[Scored] = []
     i = start
     for rows in logprob_rows(engine, ids, start):

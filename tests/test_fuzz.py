@@ -30,12 +30,12 @@ def _pack(obj) -> bytes:
 def _valid(t: str) -> dict:
     """A well-formed message of type t with plausible values (built from the schema, so it keeps up)."""
     named = {"phase": "prefill", "k": 1, "pos": 0, "n": 16, "stage": 0, "device": "cpu", "chunk": 1}
-    by_type = {bool: False, int: 1, float: 0.5, str: "x", list: []}
+    by_type = {bool: False, int: 1, float: 0.5, str: "x", list: [], bytes: b""}
 
     def value(f, kinds):
         if f in named:
             return named[f]
-        return next(by_type[k] for k in (bool, int, float, str, list) if k in kinds)
+        return next(by_type[k] for k in (bool, int, float, str, list, bytes) if k in kinds)
     return {"v": M.VERSION, "t": t, **{f: value(f, kinds) for f, kinds in M.SCHEMA[t].items()}}
 
 

@@ -246,3 +246,33 @@ def test_console_script_is_the_launcher():
     with pytest.raises(SystemExit) as e:
         launcher.main(["--help"])
     assert e.value.code == 0
+
+
+def test_score_rows_are_the_single_process_head_rows(tmp_path, monkeypatch):
+    """Pipeline.score: each target's log-probability and the top tokens from the last stage's head rows in the
+    prefill itself (one pass, chunks cut so a chunk's rows fit its result note), against one process's rows;
+    the same ids' perplexity from them; a later start reuses the cached prefix and scores only its tail."""
+    import strata.messages as M
+    monkeypatch.setattr(M, "SCORED_BYTES", 4 * (1 + 2 * 5) * 24)  # 24 rows a result: 64-token chunks cut in 3
+    model = "synthetic:smoke"
+    ids = np.random.default_rng(3).integers(0, model_args(model).vocab_size, size=150).astype(np.int32)
+    h, _ = reference(model, ids, 64)
+    args = model_args(model)
+    t = Transformer(args)
+    t.load_weights(slice_tensors(model, args, 0, args.n_layers), "cpu", torch.float32)
+    want = torch.log_softmax(t.logits(torch.from_numpy(h[:-1])), dim=-1)  # row i predicts ids[i + 1]
+    want_lp = want.gather(1, torch.from_numpy(ids[1:].astype(np.int64))[:, None])[:, 0].numpy()
+    cfg = {"model": model, "stages": cpu_stages(2), "chunk": 64, "progress": False, "dtype": "float32",
+           "prompt": {"random": {"tokens": 150, "seed": 0}}}
+    with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
+        ppl = p.prefill(ids).perplexity  # the CLI's figure; the score below recomputes every position
+        lp, top_ids, top_lp = p.score(ids, 1, 5)
+        assert lp.shape == (149,) and top_ids.shape == (149, 5) and top_lp.shape == (149, 5)
+        assert np.abs(lp - want_lp).max() < 1e-4, np.abs(lp - want_lp).max()
+        v, i = want.topk(5, dim=1)
+        assert (top_ids == i.numpy()).mean() > 0.99 and np.abs(top_lp - v.numpy()).max() < 1e-4
+        assert abs(float(np.exp(-lp.mean())) - ppl) < 1e-4 * ppl
+        tail, _, _ = p.score(ids, 140, 0)  # the stages hold these ids: only positions 139.. are computed
+        assert tail.shape == (10,) and np.abs(tail - lp[139:]).max() < 1e-5
+        with pytest.raises(ConfigError, match="top must be in 0..20"):
+            p.score(ids, 1, 21)

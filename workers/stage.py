@@ -509,7 +509,7 @@ class Stage:
             return False
         k, pos, _, t0 = note
         try:
-            self.on_chunk(M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1), None)
+            self.on_chunk(M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1, score=-1), None)
             self.bell_key = (k, t0)
         except M.BadMessage as e:
             self.bad_frames += 1
@@ -555,12 +555,15 @@ class Stage:
         work_start = time.perf_counter()
         self._inject(k)
         h = self.model(x, pos, decode=False)  # a prefill chunk never takes the decode path
-        nll, count, argmax = 0.0, 0, -1
+        nll, count, argmax, scores = 0.0, 0, -1, b""
         if self.last:
             if msg.phase == "prefill" and self.spec.perplexity:
                 targets = self.ids[pos + 1: min(pos + n + 1, msg.tokens)].to(torch.long)
                 if targets.numel():
                     nll, count = self.model.nll(h, targets)
+            if msg.phase == "prefill" and msg.score >= 0:
+                targets = self.ids[pos + 1: min(pos + n + 1, msg.tokens)].to(torch.long)
+                scores = self.model.score(h, targets, msg.score)
             logits = self.model.logits(h[0, -1])
             argmax = int(logits.argmax())
             if self.dump is not None:
@@ -576,10 +579,10 @@ class Stage:
         # 4. hand off
         copy_start = time.perf_counter()
         if self.last:
-            self.outlink.put(logits, M.ChunkResult(k=k, nll=float(nll), count=count, argmax=argmax))
+            self.outlink.put(logits, M.ChunkResult(k=k, nll=float(nll), count=count, argmax=argmax, scores=scores))
         else:
             self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0,
-                                                               tokens=msg.tokens))
+                                                               tokens=msg.tokens, score=msg.score))
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
@@ -675,9 +678,9 @@ class Stage:
         if self.bell_key == (k, msg.t0):  # it came by bell: the next hop's bell (its rows are in the buffer)
             self.bells.ring(self.i + 1, k, pos, argmax=int(am) if self.last else -1, t0=msg.t0)
         elif self.last:
-            self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=int(am)))
+            self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=int(am), scores=b""))
         else:
-            self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens))
+            self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens, score=-1))
         self.copy_s += time.perf_counter() - work_end
         self.last_handoff = time.perf_counter()
         self.nchunks += 1
