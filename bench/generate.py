@@ -28,7 +28,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--cuda-graphs", default="true", help="comma list of true/false (the rig's default: true)")
-    ap.add_argument("--decode-weights", default="none", help="comma list (CPU stages)")
+    ap.add_argument("--decode-weights", default="auto", help="comma list (CPU stages; auto: the rig's default)")
     ap.add_argument("--kv-dtype", default="auto", help="comma list: the KV cache dtype (auto: the compute dtype)")
     ap.add_argument("--ahead", default="auto", help="comma list: kernels.decode_ahead of each run (auto, 0: the A/B "
                     "of decode steps queued ahead behind GPU waits on the bells)")
@@ -38,6 +38,8 @@ def main() -> int:
     ap.add_argument("--llama-only", action="store_true", help="only the llama.cpp rows (Strata's came earlier in the "
                     "same device call)")
     ap.add_argument("--llama-threads", type=int, default=0, help="llama-bench -t (CPU; default: one per stage)")
+    ap.add_argument("--llama-kv", default="f16", help="comma list: llama-bench's -ctk / -ctv of each llama.cpp row "
+                    "(f16: its default; q8_0: its 8-bit cache, beside an 8-bit --kv-dtype)")
     a = ap.parse_args()
     stages = ([{"device": d} for d in a.devices.split(",")] if a.devices
               else [{"device": "cpu", "threads": 1}] * a.cpu_stages)
@@ -82,10 +84,12 @@ def llama_decode(a, stages, contexts) -> None:
     if kind != "gguf":
         print(f"llama.cpp: needs a GGUF model, {a.model} is {kind}")
         return
-    for n in contexts:
+    for kv, n in ((kv, n) for kv in a.llama_kv.split(",") for n in contexts):
         cmd = [a.llama_bench, "-m", path, "-p", "0", "-n", str(a.tokens), "-d", str(n), "-r", "1", "-o", "json"]
         cmd += ["-ngl", "99", "-fa", "1"] + (["-sm", "layer"] if len(stages) > 1 else []) if a.devices else \
             ["-t", str(a.llama_threads or len(stages))]
+        # a quantized V cache needs llama.cpp's flash attention (the CUDA rows have it already)
+        cmd += ["-ctk", kv, "-ctv", kv] + (["-fa", "1"] if kv != "f16" and not a.devices else [])
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             print(f"llama.cpp failed ({out.returncode}): {out.stderr[-500:]}")
