@@ -1164,13 +1164,20 @@ def _check_greedy_logprobs(client):
         assert tl == pytest.approx(max(top.values()), abs=1e-5) and top[token] == tl
 
 
-def test_smollm2_scoring_and_chat_logprobs_in_process(smollm2_server, cli_perplexity):
+def _scored_by_openai(s, cli_perplexity):
+    """The real openai client on server s: a text's echo logprobs give the CLI's perplexity, greedy tokens'
+    logprobs their top alternative's. Returns the client."""
     openai = pytest.importorskip("openai")
-    s, eng = smollm2_server
     want_ppl, ids = cli_perplexity
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     _check_scored_text(client, ids, want_ppl)
     _check_greedy_logprobs(client)
+    return client
+
+
+def test_smollm2_scoring_and_chat_logprobs_in_process(smollm2_server, cli_perplexity):
+    s, eng = smollm2_server
+    client = _scored_by_openai(s, cli_perplexity)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
                                        top_logprobs=2)
@@ -1225,12 +1232,8 @@ def test_pipeline_engine_greedy_equals_the_cli_continuation(pipeline_server, tmp
 
 
 def test_pipeline_engine_scoring_gives_the_cli_perplexity(pipeline_server, cli_perplexity):
-    openai = pytest.importorskip("openai")
     s, eng = pipeline_server
-    want_ppl, ids = cli_perplexity
-    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    _check_scored_text(client, ids, want_ppl)
-    _check_greedy_logprobs(client)
+    _scored_by_openai(s, cli_perplexity)
 
 
 def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_server):

@@ -557,13 +557,12 @@ class Stage:
         h = self.model(x, pos, decode=False)  # a prefill chunk never takes the decode path
         nll, count, argmax, scores = 0.0, 0, -1, b""
         if self.last:
-            if msg.phase == "prefill" and self.spec.perplexity:
+            if msg.phase == "prefill" and (self.spec.perplexity or msg.score >= 0):
                 targets = self.ids[pos + 1: min(pos + n + 1, msg.tokens)].to(torch.long)
-                if targets.numel():
+                if self.spec.perplexity and targets.numel():
                     nll, count = self.model.nll(h, targets)
-            if msg.phase == "prefill" and msg.score >= 0:
-                targets = self.ids[pos + 1: min(pos + n + 1, msg.tokens)].to(torch.long)
-                scores = self.model.score(h, targets, msg.score)
+                if msg.score >= 0:
+                    scores = self.model.score(h, targets, msg.score)
             logits = self.model.logits(h[0, -1])
             argmax = int(logits.argmax())
             if self.dump is not None:
