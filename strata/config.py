@@ -160,6 +160,9 @@ class RigConfig:
                                             # body over this is refused (413) before it is read whole, parsed or
                                             # tokenized (default: max_context * 16 + 1 MiB, what max_context
                                             # tokens could take as JSON with room to spare)
+    prefix_cache_bytes: int = 2 << 30       # each stage's host memory (pinned on CUDA) for snapshots of earlier
+                                            # prompts' KV by block of 256 tokens, LRU (strata/prefix_cache.py);
+                                            # 0: off, only the last prompt's live KV is reused
     kernels: KernelSpec = field(default_factory=KernelSpec)  # the kernels' A/B switches (KernelSpec)
     debug: DebugSpec = field(default_factory=DebugSpec)
 
@@ -418,6 +421,8 @@ def _check_values(cfg: RigConfig) -> None:
         raise ConfigError(f"generate: must be >= 0, got {cfg.generate}")
     if cfg.max_context is not None and cfg.max_context < 1:
         raise ConfigError(f"max_context: must be a positive number of tokens, got {cfg.max_context}")
+    if cfg.prefix_cache_bytes < 0:
+        raise ConfigError(f"prefix_cache_bytes: must be >= 0 (0 turns the prefix cache off), got {cfg.prefix_cache_bytes}")
     p = cfg.prompt
     given = [n for n in ("text", "file", "stdlib", "ids_file", "random") if getattr(p, n) is not None]
     if len(given) != 1:

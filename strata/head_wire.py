@@ -12,7 +12,7 @@ import zmq
 
 from . import messages as M
 
-HEAD_ACCEPTS = (M.Ready, M.Working, M.ChunkResult, M.Stats, M.Fail)
+HEAD_ACCEPTS = (M.Ready, M.Working, M.ChunkResult, M.Stats, M.Fail, M.KvDone)
 NET_ACCEPTS = (M.Bound, M.Rejected)  # only while a stage is remote
 log = logging.getLogger("strata.pipeline")
 

@@ -188,9 +188,33 @@ class Rejected(Message):
     detail: str
 
 
+# -- the prefix cache and KV files (strata/prefix_cache.py, strata/kv_file.py); only between prompts ------------
+KV_OPS = ("snap", "restore", "drop", "save", "load")
+KEY_BYTES = 16  # a block key (strata.prefix_cache.KEY_BYTES)
+
+
+@_message("kv")      # head -> stage: snapshot / restore / drop blocks of the live KV, or write / read a KV file
+class KvOp(Message):
+    op: str          # one of KV_OPS
+    keys: list       # snap, restore, drop: block keys (16 bytes each)
+    blocks: list     # snap, restore: the block index of each key (rows [j * block, (j + 1) * block))
+    block: int       # tokens a block
+    path: str        # save, load: the file
+    offset: int      # save, load: where this stage's first layer's rows start in it
+    tokens: int      # save, load: rows [0, tokens)
+
+
+@_message("kv_done")  # stage -> head: a KvOp is done ("" = done, else the one-line error)
+class KvDone(Message):
+    stage: int
+    op: str
+    error: str
+    held_bytes: int  # the stage's snapshots, after the op
+
+
 MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Chunk, Taken, Done, ChunkResult, Working, End, Stats, Ready,
                                                         Fail, Stop, Join, Heartbeat, Bound, Peers, Token, Ids,
-                                                        Rejected)}
+                                                        Rejected, KvOp, KvDone)}
 _KINDS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), list: (list,), bytes: (bytes,)}
 # type -> {field: allowed python types}, derived from the dataclasses. Every field is required; extra ones refused.
 SCHEMA: dict[str, dict[str, tuple]] = {t: {f.name: _KINDS[get_type_hints(c)[f.name]] for f in fields(c)}
@@ -242,6 +266,17 @@ def validate(msg) -> dict:
         raise BadMessage(f"chunk: score {msg['score']} outside -1..{MAX_SCORED_TOP}")
     if t in ("chunk", "end", "stats") and msg["phase"] not in PHASES:
         raise BadMessage(f"{t}: unknown phase {msg['phase']!r}")
+    if t in ("kv", "kv_done") and msg["op"] not in KV_OPS:
+        raise BadMessage(f"{t}: unknown op {msg['op']!r}")
+    if t == "kv":
+        if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in msg["keys"]):
+            raise BadMessage(f"kv: keys must be {KEY_BYTES} bytes each")
+        if not all(type(j) is int and 0 <= j for j in msg["blocks"]) or msg["block"] < 1:
+            raise BadMessage("kv: bad block indices or block size")
+        if msg["op"] in ("snap", "restore") and len(msg["blocks"]) != len(msg["keys"]):
+            raise BadMessage("kv: one block index a key")
+        if msg["offset"] < 0 or msg["tokens"] < 0:
+            raise BadMessage("kv: negative offset or tokens")
     return msg
 
 

@@ -29,7 +29,7 @@ def _pack(obj) -> bytes:
 
 def _valid(t: str) -> dict:
     """A well-formed message of type t with plausible values (built from the schema, so it keeps up)."""
-    named = {"phase": "prefill", "k": 1, "pos": 0, "n": 16, "stage": 0, "device": "cpu", "chunk": 1}
+    named = {"phase": "prefill", "k": 1, "pos": 0, "n": 16, "stage": 0, "device": "cpu", "chunk": 1, "op": "drop"}
     by_type = {bool: False, int: 1, float: 0.5, str: "x", list: [], bytes: b""}
 
     def value(f, kinds):

@@ -1,0 +1,169 @@
+"""The prefix cache's parts without stages: block keys, the head's LRU index, a stage's snapshots, the KV file
+format and its refusals, the notes."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from strata import kv_file
+from strata import messages as M
+from strata.prefix_cache import KEY_BYTES, PrefixIndex, Snapshots, block_keys, layer_caches, row_bytes, supported
+
+
+def test_block_keys_name_the_whole_prefix():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 1000, 1000).astype(np.int32)
+    b = a.copy()
+    b[300] += 1  # differs in block 1 (of 256)
+    ka, kb = block_keys(a), block_keys(b)
+    assert len(ka) == 3 and all(len(k) == KEY_BYTES for k in ka)  # 1000 // 256 full blocks; the tail has none
+    assert ka[0] == kb[0] and ka[1] != kb[1] and ka[2] != kb[2]  # a key names everything before its block's end
+    assert block_keys(a[:767]) == ka[:2] and block_keys(a[:255]) == []
+    # the same block of ids after another prefix is another key
+    c = np.concatenate([a[256:512], a[256:512]])
+    assert block_keys(c)[1] != ka[1]
+    assert block_keys(a, 64)[:4] != ka[:1]  # the block size is part of what a key means
+
+
+def test_index_lru_evicts_the_deepest_blocks_of_the_oldest_prompt():
+    idx = PrefixIndex(5)
+    ka = [bytes([1, j]) * 8 for j in range(3)]
+    kb = [bytes([2, j]) * 8 for j in range(3)]
+    assert idx.add(ka) == ([0, 1, 2], [])
+    assert idx.longest(ka) == 3 and idx.longest(kb) == 0
+    new, evicted = idx.add(kb)
+    assert new == [0, 1, 2] and evicted == [ka[2]]  # A's deepest block goes first, its head stays
+    assert idx.longest(ka) == 2 and len(idx) == 5
+    idx.touch(ka[:2])  # A used again: B is now the oldest
+    new, evicted = idx.add([bytes([3, 0]) * 8])
+    assert new == [0] and evicted == [kb[2]]
+    assert idx.add(ka[:2]) == ([], [])  # held: nothing to copy
+    # a prompt longer than the whole budget keeps its first blocks
+    small = PrefixIndex(2)
+    assert small.add(ka) == ([0, 1], []) and small.longest(ka) == 2
+    small.discard([ka[0]])
+    assert small.longest(ka) == 0
+
+
+class _Attn:
+    def __init__(self, shape, dtype):
+        self.k_cache = torch.zeros(shape, dtype=dtype)
+        self.v_cache = torch.zeros(shape, dtype=dtype)
+
+
+def _model(dtype, last=16, rows=64, layers=3):
+    return SimpleNamespace(layers={str(i): SimpleNamespace(attn=_Attn((1, 2, rows, last), dtype), linear=False)
+                                   for i in range(layers)})
+
+
+def _fill(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    for c in layer_caches(model):
+        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype,last", [(torch.float32, 16), (torch.bfloat16, 16), (torch.uint8, 34),
+                                        (torch.float8_e4m3fn, 16)], ids=["f32", "bf16", "packed-u8", "e4m3"])
+def test_snapshots_restore_the_rows_byte_for_byte(dtype, last):
+    m = _model(dtype, last)
+    _fill(m, 1)
+    before = [c.view(torch.uint8).clone() for c in layer_caches(m)]
+    s = Snapshots(m, torch.device("cpu"))
+    s.snap([b"a" * 16, b"b" * 16], [0, 2], 16)  # rows [0, 16) and [32, 48)
+    assert s.nbytes == 2 * 16 * row_bytes(layer_caches(m))
+    _fill(m, 2)
+    s.restore([b"b" * 16], [2], 16)
+    for c, b in zip(layer_caches(m), before):
+        assert torch.equal(c.view(torch.uint8)[:, :, 32:48], b[:, :, 32:48])
+        assert not torch.equal(c.view(torch.uint8)[:, :, 0:16], b[:, :, 0:16])
+    s.restore([b"a" * 16], [0], 16)
+    for c, b in zip(layer_caches(m), before):
+        assert torch.equal(c.view(torch.uint8)[:, :, 0:16], b[:, :, 0:16])
+    with pytest.raises(KeyError, match="no snapshot"):
+        s.restore([b"c" * 16], [1], 16)
+    s.drop([b"a" * 16])
+    assert list(s.blocks) == [b"b" * 16]
+
+
+def test_supported_refuses_window_and_linear_layers():
+    from strata.checkpoint import model_args
+    assert supported(model_args("synthetic:smoke")) is None
+    assert "window" in supported(model_args("synthetic:gemma-3-27b"))
+
+
+FP = {"model": "gguf m.gguf:10:abc", "shape": "s", "n_layers": 3, "dtype": "float32", "kv_dtype": "bfloat16",
+      "max_context": 64}
+
+
+def _saved(tmp_path, model, ids):
+    lrb = row_bytes(layer_caches(model)) // 3
+    path = tmp_path / "a.kv"
+    data_at = kv_file.create(path, FP, ids, lrb, [[0, 3]])
+    kv_file.write_rows(str(path), data_at, ids.size, layer_caches(model))
+    return path, lrb
+
+
+def test_kv_file_round_trip_and_per_layer_offsets(tmp_path):
+    m = _model(torch.bfloat16)
+    _fill(m, 3)
+    ids = np.arange(40, dtype=np.int32)
+    path, lrb = _saved(tmp_path, m, ids)
+    h, got_ids, data_at = kv_file.read_header(path)
+    assert np.array_equal(got_ids, ids) and h["tokens"] == 40 and data_at % kv_file.ALIGN == 0
+    kv_file.check(path, h, FP, lrb, 64, 100, got_ids)
+    # two "stages" (layers [0, 1) and [1, 3)) read their own ranges at the head's offsets
+    fresh = _model(torch.bfloat16)
+    caches = layer_caches(fresh)
+    kv_file.read_rows(str(path), data_at, 40, caches[:2])
+    kv_file.read_rows(str(path), data_at + 40 * lrb * 1, 40, caches[2:])
+    for a, b in zip(layer_caches(m), caches):
+        assert torch.equal(a.view(torch.uint8)[:, :, :40], b.view(torch.uint8)[:, :, :40])
+        assert not b.view(torch.uint8)[:, :, 40:].any()
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({"kv_dtype": "float32"}, "was saved with kv_dtype 'bfloat16', this rig has 'float32'"),
+    ({"model": "gguf other.gguf:1:x"}, "was saved with model 'gguf m.gguf:10:abc', this rig has 'gguf other.gguf:1:x'"),
+    ({"max_context": 128}, "was saved with max_context 64, this rig has 128"),
+    ({"dtype": "bfloat16"}, "was saved with dtype 'float32', this rig has 'bfloat16'"),
+])
+def test_kv_file_mismatch_refused_in_one_line(tmp_path, change, msg):
+    m = _model(torch.bfloat16)
+    path, lrb = _saved(tmp_path, m, np.arange(10, dtype=np.int32))
+    h, ids, _ = kv_file.read_header(path)
+    with pytest.raises(kv_file.KvFileError) as e:
+        kv_file.check(path, h, {**FP, **change}, lrb, 128, 100, ids)
+    assert str(e.value) == f"kv_load: {path} {msg}" and "\n" not in str(e.value)
+
+
+def test_kv_file_garbage_and_truncation_refused(tmp_path):
+    m = _model(torch.float32)
+    path, _ = _saved(tmp_path, m, np.arange(10, dtype=np.int32))
+    raw = path.read_bytes()
+    (tmp_path / "short.kv").write_bytes(raw[:-5])
+    with pytest.raises(kv_file.KvFileError, match=r"short.kv holds \d+ bytes, its header says \d+ \(truncated\?\)"):
+        kv_file.read_header(tmp_path / "short.kv")
+    (tmp_path / "pickle.kv").write_bytes(b"\x80\x04\x95" + raw[3:])
+    with pytest.raises(kv_file.KvFileError, match="is not a Strata KV file"):
+        kv_file.read_header(tmp_path / "pickle.kv")
+    (tmp_path / "bad.kv").write_bytes(raw[:16] + b"{not json" + raw[25:])
+    with pytest.raises(kv_file.KvFileError, match="the header is not JSON"):
+        kv_file.read_header(tmp_path / "bad.kv")
+    with pytest.raises(kv_file.KvFileError, match="cannot read"):
+        kv_file.read_header(tmp_path / "missing.kv")
+    with pytest.raises(kv_file.KvFileError, match="kv_save: cannot write"):
+        kv_file.create(tmp_path / "no" / "dir.kv", FP, np.arange(3, dtype=np.int32), 8, [[0, 3]])
+
+
+def test_kv_notes_validated():
+    op = M.KvOp(op="snap", keys=[b"k" * 16], blocks=[3], block=256, path="", offset=0, tokens=0)
+    assert M.decode(M.encode(op)) == op
+    done = M.KvDone(stage=1, op="load", error="", held_bytes=5)
+    assert M.decode(M.encode(done)) == done
+    for bad, why in ((dict(op="exec"), "unknown op"), (dict(keys=[b"short"]), "16 bytes"),
+                     (dict(blocks=[-1]), "bad block"), (dict(blocks=[]), "one block index a key"),
+                     (dict(offset=-1), "negative")):
+        m = {**M.as_map(op), **bad}
+        with pytest.raises(M.BadMessage, match=why):
+            M.validate(m)
