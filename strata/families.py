@@ -32,6 +32,14 @@ _GGUF_LLAMA = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "at
 HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
 GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
 
+# {arch}.* keys every GGUF family's reader takes (strata.gguf_loader.gguf_model_args), and strata.rope's
+_GGUF_COMMON_KEYS = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+                               "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                               "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base"})
+_GGUF_ROPE_SCALING_KEYS = frozenset({"rope.scale_linear"} | {"rope.scaling." + k for k in (
+    "type", "factor", "original_context_length", "attn_factor", "alpha", "yarn_log_multiplier", "yarn_ext_factor",
+    "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "low_freq_factor", "high_freq_factor")})
+
 ACTIVATION_OF = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -53,6 +61,10 @@ class Family:
     qk_norm: bool = False
     gemma: bool = False                       # (1 + w) norms, sandwich norms, sqrt(dim) embedding scale, GeGLU
     window_keys: bool = False                 # sliding_window applies to every layer (mistral, phi3)
+    # the {arch}.* GGUF keys this family reads: any other is refused, and so is any tensor the file holds that a
+    # slice would not read (None: neither is checked, the older families)
+    gguf_keys: frozenset | None = None
+    gguf_nextn: bool = False                  # the last {arch}.nextn_predict_layers blocks are MTP layers, skipped
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -69,11 +81,21 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True,
            hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "e_gate": "mlp.experts.{e}.gate_proj.weight",
                      "e_up": "mlp.experts.{e}.up_proj.weight", "e_down": "mlp.experts.{e}.down_proj.weight"}),
-    Family("glm4_moe", ("Glm4MoeForCausalLM",), "",  # (llama.cpp's glm4moe: names and keys not mapped yet)
+    Family("glm4_moe", ("Glm4MoeForCausalLM",), "glm4moe",
            hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "router_bias": "mlp.gate.e_score_correction_bias",
                      "e_gate": "mlp.experts.{e}.gate_proj.weight", "e_up": "mlp.experts.{e}.up_proj.weight",
                      "e_down": "mlp.experts.{e}.down_proj.weight", "s_gate": "mlp.shared_experts.gate_proj.weight",
-                     "s_up": "mlp.shared_experts.up_proj.weight", "s_down": "mlp.shared_experts.down_proj.weight"}),
+                     "s_up": "mlp.shared_experts.up_proj.weight", "s_down": "mlp.shared_experts.down_proj.weight"},
+           # llama.cpp's glm4moe (gguf.constants MODEL_ARCH.GLM4_MOE): the MLP's norm is post_attention_norm, the
+           # choosing bias exp_probs_b; q/k rows as HF's (its RoPE is NeoX: rotate-half, no permutation)
+           gguf_layer={**_GGUF_LLAMA, "mlp_norm": "post_attention_norm.weight", "router_bias": "exp_probs_b.bias",
+                       "s_gate": "ffn_gate_shexp.weight", "s_up": "ffn_up_shexp.weight",
+                       "s_down": "ffn_down_shexp.weight"},
+           gguf_keys=frozenset(_GGUF_COMMON_KEYS | _GGUF_ROPE_SCALING_KEYS | {
+               "rope.dimension_count", "expert_count", "expert_used_count", "expert_feed_forward_length",
+               "expert_shared_count", "expert_group_count", "expert_group_used_count", "expert_gating_func",
+               "expert_weights_scale", "expert_weights_norm", "leading_dense_block_count", "nextn_predict_layers"}),
+           gguf_nextn=True),
     Family("gpt_oss", ("GptOssForCausalLM",), "gpt-oss", qkv_bias=True,
            hf_layer={**_HF_LLAMA, "bo": "self_attn.o_proj.bias", "sinks": "self_attn.sinks",
                      "router": "mlp.router.weight", "router_bias": "mlp.router.bias"},
@@ -330,10 +352,75 @@ def _hf_window(cfg: dict, fam: Family, where: str) -> tuple[int | None, tuple | 
 
 
 # -- GGUF metadata --------------------------------------------------------------------------------------------
-def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, head_dim: int, where: str) -> dict:
-    """The ModelArgs fields a GGUF family sets beyond the common keys, read with get(key) (arch prefix implied)."""
+def check_gguf_keys(fam: Family, keys, get, where: str) -> None:
+    """Refuse, in one line, an {arch}.* key that a family listing its keys (Family.gguf_keys) does not read: a key
+    llama.cpp honours and Strata ignored would be a variation computed without it."""
+    if fam.gguf_keys is None:
+        return
+    pre = fam.gguf_arch + "."
+    bad = sorted(k for k in keys if k.startswith(pre) and k[len(pre):] not in fam.gguf_keys)
+    if bad:
+        raise ModelError(f"{where}: GGUF key {bad[0]} = {get(bad[0][len(pre):])!r} is not implemented for "
+                         f"{fam.gguf_arch}")
+
+
+def gguf_trunk_layers(fam: Family, get, block_count: int, where: str) -> int:
+    """The model's own layers: block_count less the multi-token-prediction (nextn) blocks llama.cpp's converter
+    appends to a family that has them (glm4moe: {arch}.nextn_predict_layers, counted in block_count). Those
+    blocks draft tokens for speculative decoding; llama.cpp skips them for inference (its loader marks them
+    TENSOR_SKIP unless asked to load the MTP head), and so does Strata: no slice reads them."""
+    if not fam.gguf_nextn:
+        return block_count
+    nextn = get("nextn_predict_layers") or 0
+    if isinstance(nextn, list) or not 0 <= int(nextn) < block_count:
+        raise ModelError(f"{where}: GGUF key {fam.gguf_arch}.nextn_predict_layers = {nextn!r} does not fit "
+                         f"block_count {block_count}")
+    return block_count - int(nextn)
+
+
+def _gguf_glm4moe(get, head_dim: int, names, where: str) -> dict:
+    """GLM-4.5's MoE as llama.cpp's converter writes it and llama.cpp's glm4moe loader reads it: sigmoid scores
+    chosen by score + exp_probs_b (within the best expert_group_used_count of expert_group_count groups, which
+    llama.cpp applies to any arch), the chosen scores renormalized where expert_weights_norm says, times
+    expert_weights_scale; a shared expert of expert_shared_count widths; the first leading_dense_block_count layers
+    dense; RoPE over the first rope.dimension_count values of a head; q/k norms where the file has them."""
+    def refuse(key, why="is not implemented"):
+        raise ModelError(f"{where}: GGUF key glm4moe.{key} = {get(key)!r} {why}")
+
+    for key in ("feed_forward_length", "expert_feed_forward_length", "expert_used_count", "expert_shared_count",
+                "leading_dense_block_count", "rope.dimension_count"):
+        if isinstance(get(key), list):
+            refuse(key, "(a value per layer) is not implemented")
+    n, used = int(get("expert_count") or 0), int(get("expert_used_count") or 0)
+    if not n or not used:
+        refuse("expert_count" if not n else "expert_used_count", "is not a glm4moe model (llama.cpp asserts experts)")
+    if get("expert_gating_func") not in (None, 0, 2):  # llama.cpp: absent or none (0) is sigmoid (2)
+        refuse("expert_gating_func", "is not implemented (glm4moe: 2, sigmoid)")
+    if get("expert_shared_count") is None:  # (llama.cpp requires the key)
+        raise ModelError(f"{where}: GGUF metadata lacks glm4moe.expert_shared_count")
+    effn = int(get("expert_feed_forward_length") or 0) or int(get("feed_forward_length")) // used  # llama.cpp's fallback
+    groups = int(get("expert_group_count") or 0)
+    scale = get("expert_weights_scale")
+    rot = get("rope.dimension_count")
+    return dict(n_experts=n, n_experts_used=used, expert_ffn_dim=effn, router="sigmoid",
+                router_renorm=bool(get("expert_weights_norm", False)),  # llama.cpp's default for the key: false
+                router_groups=groups if groups > 1 else 1,
+                router_groups_used=int(get("expert_group_used_count") or 0) if groups > 1 else 1,
+                routed_scale=1.0 if not scale else float(scale),  # llama.cpp: 0 (unset) scales by 1
+                shared_ffn_dim=effn * int(get("expert_shared_count")),
+                first_dense_layers=int(get("leading_dense_block_count") or 0),
+                rotary_dim=None if rot is None or int(rot) == head_dim else int(rot),
+                qk_norm="blk.0.attn_q_norm.weight" in names)
+
+
+def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, head_dim: int, where: str,
+                    names=frozenset()) -> dict:
+    """The ModelArgs fields a GGUF family sets beyond the common keys, read with get(key) (arch prefix implied);
+    names: the file's tensor names (glm4moe's optional q/k norms)."""
     scaling = scaling_from_gguf(get, fam.gguf_arch, where)
     extra: dict = {"rope_scaling": scaling} if scaling is not None else {}
+    if fam.name == "glm4_moe":
+        return {**extra, **_gguf_glm4moe(get, head_dim, names, where)}
     n = get("expert_count") or 0
     window = get("attention.sliding_window") or None  # phi3's converter writes 0 for none
     if fam.name == "qwen3_5":  # its hybrid as llama.cpp's converter writes it (norms stored as 1 + w)

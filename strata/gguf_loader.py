@@ -3,6 +3,7 @@ dequantized or as stored blocks."""
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from .errors import ModelError
 from .args import ModelArgs
 from .model import rope_frequencies
 from .resident import Quantized
-from .families import _BY_GGUF, family, gguf_args_extra, supported_gguf
+from .families import _BY_GGUF, check_gguf_keys, family, gguf_args_extra, gguf_trunk_layers, supported_gguf
 from .names import fused_rows, gguf_name, shapes, short, wanted_names
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # held dense in the compute dtype in either load mode
@@ -94,6 +95,11 @@ def _tensor_index(reader) -> dict:
     return {t.name: t for t in reader.tensors}
 
 
+def _keys(reader) -> list[str]:
+    from .gguf_fast import GGUFIndex
+    return list(reader.values if isinstance(reader, GGUFIndex) else reader.fields)
+
+
 # -- metadata -------------------------------------------------------------------------------------
 def gguf_model_args(path: Path) -> ModelArgs:
     reader = open_gguf(path)
@@ -112,13 +118,16 @@ def gguf_model_args(path: Path) -> ModelArgs:
     def get(key, default=None):
         return field_value(reader, f"{arch}.{key}", default)
 
+    check_gguf_keys(fam, _keys(reader), get, str(path))
     dim, n_heads = need("embedding_length"), need("attention.head_count")
     n_kv = get("attention.head_count_kv", n_heads)
     if isinstance(n_heads, list) or isinstance(n_kv, list):
         raise ModelError(f"{path}: per-layer head counts are unsupported")
-    head_dim = get("attention.key_length") or get("rope.dimension_count") or dim // n_heads
+    partial = fam.name in ("qwen3_5", "glm4_moe")  # partial rotary: rope.dimension_count read below
+    head_dim = get("attention.key_length") or (None if fam.name == "glm4_moe" else get("rope.dimension_count")) \
+        or dim // n_heads
     rot = get("rope.dimension_count")
-    if rot is not None and rot != head_dim and fam.name != "qwen3_5":  # (qwen35: partial rotary, read below)
+    if rot is not None and rot != head_dim and not partial:
         raise ModelError(f"{path}: unsupported partial rotary embedding ({rot} of {head_dim} head dims)")
     if get("attention.value_length", head_dim) != head_dim:
         raise ModelError(f"{path}: unsupported attention with value length != key length")
@@ -131,8 +140,10 @@ def gguf_model_args(path: Path) -> ModelArgs:
         raise ModelError(f"{path}: cannot tell the vocabulary size")
 
     theta = float(get("rope.freq_base", 10000.0))
-    n_layers = int(need("block_count"))
-    extra = gguf_args_extra(fam, get, n_layers, int(dim), int(n_heads), int(head_dim), str(path))
+    blocks = int(need("block_count"))
+    n_layers = gguf_trunk_layers(fam, get, blocks, str(path))
+    extra = gguf_args_extra(fam, get, n_layers, int(dim), int(n_heads), int(head_dim), str(path),
+                            names=frozenset(tensors))
     scaling = extra.pop("rope_scaling", None) or _rope_scaling(path, reader, arch, tensors, theta, head_dim)
     try:
         args = ModelArgs(
@@ -142,7 +153,8 @@ def gguf_model_args(path: Path) -> ModelArgs:
             norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=theta, rope_scaling=scaling,
             tie_embeddings="output.weight" not in tensors,
-            qkv_bias=fam.qkv_bias or "blk.0.attn_q.bias" in tensors, qk_norm=fam.qk_norm, **extra,
+            qkv_bias=fam.qkv_bias or "blk.0.attn_q.bias" in tensors, qk_norm=extra.pop("qk_norm", fam.qk_norm),
+            **extra,
             max_seq_len=int(get("context_length", 8192)),
             bos_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
             eos_id=field_value(reader, "tokenizer.ggml.eos_token_id"))
@@ -150,7 +162,23 @@ def gguf_model_args(path: Path) -> ModelArgs:
         raise ModelError(f"{path}: inconsistent GGUF metadata ({_one_line(e)})") from None
     if args.qkv_bias and arch == "qwen2" and "blk.0.attn_q.bias" not in tensors:
         raise ModelError(f"{path}: qwen2 model without q/k/v biases is unsupported")
+    if fam.gguf_keys is not None:
+        _refuse_unread(path, args, tensors, blocks)
     return args
+
+
+def _refuse_unread(path, args: ModelArgs, tensors: dict, blocks: int) -> None:
+    """Refuse, in one line, a tensor the file holds that no slice reads (a family listing its keys): a tensor
+    llama.cpp uses and Strata left aside would be a variation computed without it. The blocks past the trunk
+    (args.n_layers .. block_count, the nextn MTP layers: families.gguf_trunk_layers) are skipped whole, as
+    llama.cpp skips them for inference."""
+    read = {gguf_name(c, args) for c in wanted_names(args, 0, args.n_layers)}
+    for name in tensors:
+        m = re.match(r"blk\.(\d+)\.", name)
+        if name in read or (m is not None and args.n_layers <= int(m.group(1)) < blocks):
+            continue
+        raise ModelError(f"{path}: tensor {name} is not implemented for {family(args.arch).gguf_arch} "
+                         "(no layer reads it)")
 
 
 def _rope_scaling(path, reader, arch, tensors, theta, head_dim) -> dict | None:
