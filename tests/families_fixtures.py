@@ -20,6 +20,9 @@ What conversion needs, found by running it (llama-cpp-python 0.3.36's vendored l
     (smollm2_tokenizer_dir()).  The model's vocab_size must be >= 49152 (the converter asserts every
     token id < vocab_size): make_hf(..., vocab_size=SMOLLM2_VOCAB).  Not for phi3 nor qwen2 (see
     SMOLLM2_UNSUPPORTED).
+  - "smollm2-glm" (what "smollm2" becomes for glm4_moe): SmolLM2's tokenizer with the special tokens GLM's
+    converter looks up (GLM_SPECIAL, ids 49152.. after SmolLM2's; <|endoftext|> is SmolLM2's own 0):
+    vocab_size >= SMOLLM2_GLM_VOCAB.  The GLM-4.5 converter takes no sentencepiece tokenizer.
 * `sentencepiece` in the venv (the converter imports it for sentencepiece tokenizers and for Phi-3).
 * the converter's own gguf-py (convert_hf_to_gguf.py puts <llama.cpp>/gguf-py on sys.path itself;
   PYTHONPATH is set too).  Read the result with that gguf-py as well (import_gguf()).
@@ -47,6 +50,9 @@ FAMILIES = DENSE_FAMILIES + ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwe
 SP_VOCAB = 300            # pieces of the tiny sentencepiece tokenizer (tiny_sp_model)
 SMOLLM2_VOCAB = 49152     # SmolLM2's tokenizer
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the added tokens GLM-4.5's converter (_set_vocab_glm) reads as bos / eot / eom, beside <|endoftext|> (SmolLM2's 0)
+GLM_SPECIAL = ("[gMASK]", "<|user|>", "<|observation|>")
+SMOLLM2_GLM_VOCAB = SMOLLM2_VOCAB + len(GLM_SPECIAL)
 # model types whose conversion cannot take the SmolLM2 tokenizer, and why
 SMOLLM2_UNSUPPORTED = {
     "phi3": "the Phi-3 converter reads only a sentencepiece tokenizer.model",
@@ -231,6 +237,52 @@ def smollm2_tokenizer_dir(cache_dir: Path | None = None) -> Path:
     return out
 
 
+def smollm2_glm_tokenizer_dir(cache_dir: Path | None = None) -> Path:
+    """SmolLM2's tokenizer with GLM_SPECIAL added after its 49152 tokens (what GLM-4.5's converter looks up),
+    saved to a cached folder."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else CACHE
+    out = cache_dir / "smollm2-glm-tokenizer"
+    if (out / "tokenizer.json").is_file():
+        return out
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir(cache_dir)))
+    tok.add_special_tokens({"additional_special_tokens": list(GLM_SPECIAL)})
+    assert [tok.convert_tokens_to_ids(t) for t in GLM_SPECIAL] == list(range(SMOLLM2_VOCAB, SMOLLM2_GLM_VOCAB))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="smollm2-glm-", dir=str(out.parent)))
+    tok.save_pretrained(str(tmp))
+    try:
+        os.replace(tmp, out)
+    except OSError:            # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def add_mtp_block(hf_dir, seed: int = 5, noise: float = 0.1) -> list[str]:
+    """Append to a glm4_moe fixture's safetensors the multi-token-prediction block a released GLM-4.5 checkpoint
+    holds after its layers (model.layers.{n}: a copy of the last layer's tensors, plus eh_proj, enorm, hnorm and
+    shared_head.norm), random; transformers does not read it, llama.cpp's converter writes it as blk.{n}.*.
+    Returns the names added."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    hf_dir = Path(hf_dir)
+    f = hf_dir / "model.safetensors"
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
+    if cfg.get("num_nextn_predict_layers", 0) != 1:
+        raise ValueError("the fixture's config does not count one MTP layer")
+    w = load_file(str(f))
+    gen = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n - 1}."
+    new = {f"model.layers.{n}." + k[len(last):]: v + torch.randn(v.shape, generator=gen) * noise
+           for k, v in w.items() if k.startswith(last)}
+    new.update({f"model.layers.{n}.eh_proj.weight": torch.randn(d, 2 * d, generator=gen) * 0.02,
+                **{f"model.layers.{n}.{k}.weight": 1 + torch.randn(d, generator=gen) * noise
+                   for k in ("enorm", "hnorm", "shared_head.norm")}})
+    save_file({**w, **new}, str(f), metadata={"format": "pt"})
+    return sorted(new)
+
+
 # -- the converter -------------------------------------------------------------------------------
 _skip_reason: str | None = None
 
@@ -315,12 +367,12 @@ def _install_tokenizer(hf_dir: Path, tokenizer: str) -> None:
         (hf_dir / stale).unlink(missing_ok=True)
     if tokenizer == "sp":
         shutil.copy(tiny_sp_model(), hf_dir / "tokenizer.model")
-    elif tokenizer == "smollm2":
-        for f in smollm2_tokenizer_dir().iterdir():
+    elif tokenizer in ("smollm2", "smollm2-glm"):
+        for f in (smollm2_tokenizer_dir() if tokenizer == "smollm2" else smollm2_glm_tokenizer_dir()).iterdir():
             if f.is_file():
                 shutil.copy(f, hf_dir / f.name)
     else:
-        raise ValueError(f"tokenizer must be 'sp' or 'smollm2', not {tokenizer!r}")
+        raise ValueError(f"tokenizer must be 'sp', 'smollm2' or 'smollm2-glm', not {tokenizer!r}")
 
 
 # One process converts several models: the converter's imports (torch, transformers, its ~100
@@ -362,6 +414,14 @@ def _pick_tokenizer(cfg: dict, tokenizer: str | None) -> str:
         tokenizer = "smollm2" if cfg.get("vocab_size", 0) >= SMOLLM2_VOCAB and mt not in SMOLLM2_UNSUPPORTED else "sp"
     if tokenizer == "smollm2" and mt in SMOLLM2_UNSUPPORTED:
         raise ConversionError(f"{mt}: {SMOLLM2_UNSUPPORTED[mt]}")
+    if mt == "glm4_moe":  # its converter looks up GLM's special tokens in a BPE tokenizer
+        if tokenizer == "sp":
+            raise ConversionError("glm4_moe: the GLM-4.5 converter reads a BPE tokenizer with GLM's special tokens, "
+                                  f"not sentencepiece: vocab_size >= {SMOLLM2_GLM_VOCAB} takes SmolLM2's plus them")
+        tokenizer = "smollm2-glm"
+        if cfg.get("vocab_size", 0) < SMOLLM2_GLM_VOCAB:
+            raise ConversionError(f"SmolLM2's tokenizer with GLM's special tokens needs vocab_size >= "
+                                  f"{SMOLLM2_GLM_VOCAB}, not {cfg.get('vocab_size')}")
     if tokenizer == "smollm2" and cfg.get("vocab_size", 0) < SMOLLM2_VOCAB:
         raise ConversionError(f"the SmolLM2 tokenizer needs vocab_size >= {SMOLLM2_VOCAB}, not {cfg.get('vocab_size')}")
     if tokenizer == "sp" and cfg.get("vocab_size", 0) < SP_VOCAB:
