@@ -61,11 +61,12 @@ def strata_greedy(slices, ids, new: int, steps=None) -> list[int]:
     return out
 
 
-def check_against(ref, model: str, ids, n_layers: int):
-    """Strata's logits, NLL and greedy tokens for `model` against the transformers model `ref`."""
+def check_against(ref, model: str, ids, n_layers: int, bounds=None):
+    """Strata's logits, NLL and greedy tokens for `model` against the transformers model `ref` (slices: `bounds`,
+    else three_way)."""
     with torch.no_grad():
         want = ref(ids).logits[0]
-    slices = load_slices(model, three_way(n_layers), ids.shape[1] + NEW)
+    slices = load_slices(model, bounds or three_way(n_layers), ids.shape[1] + NEW)
     h = chained_prefill(slices, ids, CHUNK)
     got = slices[-1].logits(h[0])
     assert rel(got[-1], want[-1]) < 1e-4
@@ -125,7 +126,9 @@ def test_gpu_family_prefill_and_graph_decode(tmp_path, fam):
 
 # -- the same models through llama.cpp's own GGUF writer ------------------------------------------------------
 GGUF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "llama-yarn", "qwen3_moe", "mixtral",
-                 "gpt_oss", "qwen3_5")  # gemma3: below
+                 "gpt_oss", "qwen3_5", "glm4_moe")  # gemma3: below
+# glm4_moe's first layer is dense: the first slice takes it and the first expert layer, so experts are on every slice
+GGUF_BOUNDS = {"glm4_moe": [(0, 2), (2, 3), (3, 4)]}
 
 
 def args_diff(hf, gg, skip=()) -> dict:
@@ -150,13 +153,17 @@ def converted(tmp_path_factory):
     base = tmp_path_factory.mktemp("gguf")
     # qwen3_moe at its fixture's norm_topk_prob (true): llama.cpp renormalizes the chosen experts' weights always;
     # with SmolLM2's tokenizer (its converter class reads a sentencepiece one through tiktoken, not installed)
-    from families_fixtures import SMOLLM2_VOCAB
+    from families_fixtures import SMOLLM2_GLM_VOCAB, SMOLLM2_VOCAB, add_mtp_block
     # gpt_oss: the file keeps neither its swiglu limit (llama.cpp: 7) nor YaRN's truncate (llama.cpp truncates)
     over = {**HF_OVERRIDES, "qwen3_moe": dict(vocab_size=SMOLLM2_VOCAB), "qwen3_5": dict(vocab_size=SMOLLM2_VOCAB),
             "gpt_oss": dict(vocab_size=SMOLLM2_VOCAB, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                "original_max_position_embeddings": 256, "truncate": True})}
+                "original_max_position_embeddings": 256, "truncate": True}),
+            # glm4_moe: SmolLM2's tokenizer plus GLM's special tokens; its groups (2, the best 1 kept) are written
+            # as expert_group_count / expert_group_used_count, which llama.cpp applies
+            "glm4_moe": dict(vocab_size=SMOLLM2_GLM_VOCAB)}
     made = {f: make_hf(base, f, **over.get(f, {})) for f in GGUF_FAMILIES}
+    add_mtp_block(made["glm4_moe"][1])  # as GLM-4.5's checkpoints: the converter writes it as blk.4.*, Strata skips it
     mtp = [f for f in made if f == "qwen3_5"]  # converted with --no-mtp (the fixture has no MTP block)
     rest = [f for f in made if f not in mtp]
     got = dict(zip(rest, convert_many([(made[f][1], base / f"{f}.gguf") for f in rest])))
@@ -188,7 +195,7 @@ def test_gguf_from_llamacpp_converter_matches_transformers(converted, fam):
     diff = args_diff(hf, gg, skip)
     assert not diff, diff
     ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
-    check_against(ref, g, ids, gg.n_layers)
+    check_against(ref, g, ids, gg.n_layers, GGUF_BOUNDS.get(fam))
 
 
 def test_gguf_gemma3_from_llamacpp_converter(tmp_path):
@@ -207,6 +214,75 @@ def test_gguf_gemma3_from_llamacpp_converter(tmp_path):
     assert not diff, diff
     ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
     check_against(ref, g, ids, gg.n_layers)
+
+
+def gguf_parts(src):
+    """An F32 GGUF's architecture, metadata (without the tokenizer's: ids need none) and tensors, read once."""
+    import numpy as np
+    from families_fixtures import import_gguf
+    gguf = import_gguf()
+    T = gguf.GGUFValueType
+    r = gguf.GGUFReader(str(src))
+    meta = [(k, f.contents(), f.types[0], f.types[1] if f.types[0] == T.ARRAY else None) for k, f in r.fields.items()
+            if not k.startswith(("GGUF.", "tokenizer.")) and k != "general.architecture"]
+    return r.fields["general.architecture"].contents(), meta, [(t.name, np.array(t.data)) for t in r.tensors]
+
+
+def write_gguf(dst, parts, keys=(), tensors=()) -> str:
+    """gguf_parts' file written to dst with metadata keys set ({name: (value, GGUFValueType[, item type])}) and
+    tensors added ({name: numpy array, rows first})."""
+    from families_fixtures import import_gguf
+    arch, meta, ts = parts
+    keys = dict(keys)
+    w = import_gguf().GGUFWriter(str(dst), arch)
+    for k, v, t, sub in meta:
+        if k not in keys:
+            w.add_key_value(k, v, t, sub)
+    for k, v in keys.items():
+        w.add_key_value(k, *v)
+    for name, a in [*ts, *dict(tensors).items()]:
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(dst)
+
+
+def test_gguf_glm4moe_mtp_block_skipped_and_what_is_refused(converted, tmp_path, capsys):
+    """The converter's glm4moe file: its multi-token-prediction block (blk.4, counted in block_count and
+    nextn_predict_layers) is skipped as llama.cpp skips it for inference: 4 layers, the test above matches
+    transformers with it there. A key or a tensor Strata does not implement is refused through the launcher in one
+    line before any process starts."""
+    import numpy as np
+    from conftest import make_rig
+    from families_fixtures import gguf_summary, import_gguf
+    from test_bad_input import refuse
+    T = import_gguf().GGUFValueType
+    ref, d, g = converted["glm4_moe"]
+    s = gguf_summary(g)
+    assert s["meta"]["glm4moe.block_count"] == 5 and s["meta"]["glm4moe.nextn_predict_layers"] == 1
+    assert {"blk.4.nextn.eh_proj.weight", "blk.4.ffn_gate_exps.weight"} <= set(s["tensors"])
+    a = model_args(g)
+    assert (a.n_layers, a.first_dense_layers, a.router_groups, a.router_groups_used, a.rotary_dim) == (4, 1, 2, 1, 8)
+    cases = [  # (keys to set, tensors to add, what the line says)
+        ({"glm4moe.expert_gating_func": (1, T.UINT32)}, {}, "glm4moe.expert_gating_func = 1 is not implemented"),
+        ({"glm4moe.rope.dimension_sections": ([8, 0, 0, 0], T.ARRAY, T.INT32)}, {},
+         "GGUF key glm4moe.rope.dimension_sections = [8, 0, 0, 0] is not implemented for glm4moe"),
+        ({"glm4moe.attention.sliding_window": (16, T.UINT32)}, {}, "glm4moe.attention.sliding_window = 16"),
+        ({"glm4moe.nextn_predict_layers": (5, T.UINT32)}, {}, "nextn_predict_layers = 5 does not fit block_count 5"),
+        ({}, {"blk.2.attn_output.bias": np.zeros(64, np.float32)},
+         "tensor blk.2.attn_output.bias is not implemented for glm4moe"),
+        ({}, {"blk.7.attn_norm.weight": np.ones(64, np.float32)}, "tensor blk.7.attn_norm.weight is not implemented"),
+    ]
+    parts = gguf_parts(g)
+    same = model_args(write_gguf(tmp_path / "same.gguf", parts))
+    assert not args_diff(a, same, {"bos_id", "eos_id"})  # the copy without a tokenizer reads the same
+    for i, (keys, tensors, expect) in enumerate(cases):
+        bad = write_gguf(tmp_path / f"bad{i}.gguf", parts, keys=keys, tensors=tensors)
+        (tmp_path / f"r{i}").mkdir()
+        line = refuse(tmp_path / f"r{i}", capsys, make_rig(model=bad, tokens=32, chunk=16))
+        assert bad in line and expect in line, line
 
 
 # -- through the real stage processes -------------------------------------------------------------------------
@@ -356,6 +432,25 @@ def test_experts_through_the_pipeline(tmp_path):
                 g = p.generate(ids, SamplingParams(max_tokens=NEW, temperature=0.0))
                 assert g.continuation_ids == reference_greedy(ref, torch.from_numpy(ids).long()[None], NEW)
     assert md5[0] == md5[1]
+
+
+def test_gguf_experts_through_the_pipeline(converted, tmp_path):
+    """The converter's glm4moe file on 3 CPU stage processes split [2, 1, 1] (its first layer dense: experts on every
+    stage), an odd chunk: the last logits and the perplexity are transformers', and generate's greedy tokens too."""
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    import numpy as np
+    ref, _, g = converted["glm4_moe"]
+    ids = np.random.default_rng(4).integers(0, ref.config.vocab_size, size=90).astype(np.int32)
+    with torch.no_grad():
+        logits = ref(torch.from_numpy(ids).long()[None]).logits[0]
+    ppl = float(torch.nn.functional.cross_entropy(logits[:-1], torch.from_numpy(ids[1:]).long()).exp())
+    with Pipeline({**split_rig(g, 1, 128), "layer_split": [2, 1, 1]}, out=tmp_path / "run", console=False) as p:
+        r = p.prefill(ids)
+        assert rel(torch.from_numpy(r.last_logits), logits[-1]) < 1e-4
+        assert abs(r.perplexity - ppl) / ppl < 1e-4
+        got = p.generate(ids, SamplingParams(max_tokens=NEW, temperature=0.0))
+        assert got.continuation_ids == reference_greedy(ref, torch.from_numpy(ids).long()[None], NEW)
 
 
 def test_hybrid_through_the_pipeline(tmp_path):
