@@ -1,6 +1,6 @@
 """A CUDA stream that waits for a word of page-locked host memory (the driver's cuStreamWaitValue32).
 
-Decode's launch-ahead (workers/stage.py) queues a stage's next step behind such a wait on the seq word of the
+Decode's launch-ahead (workers/decode_ring.py) queues a stage's next step behind such a wait on the seq word of the
 stage's doorbell (strata/bells.py): when the hop above rings, the GPU starts the step by itself, with no host
 step (take the note, copy in, launch) between the ring and the kernels. The comparison is the driver's cyclic
 ">=" on 32 bits, so the bells' 64-bit sequence numbers can be compared by their low word (little-endian).

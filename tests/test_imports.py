@@ -80,7 +80,7 @@ def test_the_graph_sees_both_kinds_of_import():
     g = import_graph()
     assert "strata.model" in g["strata.decode_graphs"]  # top level, relative
     assert "workers.bootstrap" in g["workers.join"]  # inside main(), relative
-    assert "strata.attention" in g["workers.stage"]  # `import strata.attention`
+    assert "strata.attention" in g["workers.load"]  # `import strata.attention`
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

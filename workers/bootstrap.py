@@ -17,7 +17,8 @@ import zmq
 
 from strata import messages as M
 
-from .stage import Stage, head_push
+from .sockets import head_push
+from .stage import Stage
 
 
 def _die_with_parent() -> None:

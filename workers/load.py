@@ -1,0 +1,116 @@
+"""A stage's slice of the model: loaded with the decode weights its device can use, then warmed up before ready."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+
+import strata.attention
+from strata import messages as M
+from strata.args import ModelArgs
+from strata.checkpoint import load_stage, weights_mode
+from strata.config import kernel_spec
+from strata.decode_graphs import GraphedDecode
+from strata.model import Transformer
+from strata.schedule import chunk_schedule
+
+
+def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
+               log: logging.Logger) -> tuple[Transformer, str]:
+    """This stage's slice (weights resident as GGUF blocks or dequantized) and its KV cache; with the weights
+    mode taken (`weights_mode`)."""
+    args = ModelArgs(**spec.args)
+    weights = weights_mode(spec.model, device.type, spec.weights, args)
+    cpu_decode = spec.decode_weights if spec.decode_weights != "none" and device.type == "cpu" else None
+    if cpu_decode == "auto":
+        from strata.attention import kv_dtype_of
+        from strata.checkpoint import has_quantized
+        from strata.cpu_decode import auto_kind
+        kind, why = auto_kind(args, has_quantized(spec.model, args), weights, kv_dtype_of(spec.kv_dtype, dtype))
+        log.info("decode_weights=auto: %s (%s)", kind, why)
+        cpu_decode = None if kind == "none" else kind
+    if cpu_decode == "blocks":
+        from strata.cpu_decode import BuildError, library
+        try:
+            library()  # built once per machine; a machine without a C compiler decodes as before
+        except BuildError as e:
+            log.warning("decode_weights=blocks: %s; decoding with the dense weights", e)
+            cpu_decode = None
+        if cpu_decode and args.extras():  # the C decoder implements the Llama core only
+            log.warning("decode_weights=blocks: not for %s (%s); decoding with the dense weights",
+                        args.arch, ", ".join(args.extras()))
+            cpu_decode = None
+    model = load_stage(spec.model, args, spec.start, spec.end, device=device, dtype=dtype,
+                       seed=spec.seed, weights=weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len,
+                       decode_weights=cpu_decode, max_chunk=spec.max_chunk,
+                       # the head's choices (the planner sized activations for the same attention path)
+                       kernels=kernel_spec(spec.kernels), attention=spec.attention)
+    # decode options: weight-only copies are a CPU kernel path, graphs a CUDA one
+    if cpu_decode == "blocks":
+        b = model._blocks
+        log.info("decode_weights=blocks: %d matrices as stored, %d quantized to 8 bits, %.1f MB, %s build",
+                 b.exact, b.requantized, b.nbytes / 1e6, "AVX-512 VNNI" if b.lib.strata_simd() else "portable")
+    elif spec.decode_weights not in ("none", "auto") and device.type != "cpu":
+        log.info("decode_weights=%s: CPU stages only; %s decodes with its own weights", spec.decode_weights, device)
+    return model, weights
+
+
+def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, log: logging.Logger) -> float:
+    """CUDA: run the schedule's largest chunk twice (at position 0, then after a prefix: both attention
+    branches) and build cuDNN's graphs of the later chunks' prefix lengths before saying ready, so one-time
+    kernel set-up (cuDNN graphs, Triton compiles, cuBLAS workspaces) is paid at load and reported there
+    (`warm_s`, inside `load_s`), never inside a timed prefill. The KV rows it writes are overwritten by the
+    prefill. CPU kernels need no set-up. Returns the seconds it took."""
+    device = torch.device(spec.device)
+    if device.type != "cuda":
+        return 0.0
+    dtype, args = getattr(torch, spec.dtype), model.args
+    first, last = spec.index == 0, spec.index == spec.n_stages - 1
+    decoder = graphs if graphs is not None else model
+    t = time.perf_counter()
+    mem = [torch.cuda.memory_allocated(device)]  # what each part of the warm-up leaves allocated
+    n = max(1, min(spec.max_chunk, spec.max_len // 2))
+    for pos in (0, n) if 2 * n <= spec.max_len else (0,):
+        if first:
+            x = torch.zeros(1, n, dtype=torch.long, device=device)
+        else:
+            x = torch.zeros(1, n, args.dim, dtype=dtype, device=device)
+        h = model(x, pos, decode=False)
+        if last:
+            model.logits(h[0, -1])
+            if spec.perplexity:
+                model.nll(h, torch.zeros(n, dtype=torch.long, device=device))
+    # every later chunk meets a new cached-prefix length (and with dynamic chunks a new length of its own), and
+    # cuDNN builds a graph per shape: build those of the schedule's chunks (the configured prompt's first, then
+    # any prompt's up to max_len) now, not one per chunk in the first prefill; bounded by
+    # strata.attention.WARM_CHUNKS shapes and WARM_BUDGET_S seconds
+    shapes = []
+    for tokens in (spec.tokens, spec.max_len):
+        shapes += [c for c in chunk_schedule(tokens, n, spec.dynamic_chunks, args) if c[0] > 0 and c not in shapes]
+    mem.append(torch.cuda.memory_allocated(device))
+    built = strata.attention.warm_chunk_attention(model, shapes)
+    mem.append(torch.cuda.memory_allocated(device))
+    if built:
+        log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d)", built, len(shapes), n)
+    # the decode step too (its kernels, cuBLAS's one-row GEMM set-up, the head's argmax), else the first
+    # answer pays it; with cuda_graphs, every bucket of cache positions is captured now, not mid-answer
+    x1 = (torch.zeros(1, 1, dtype=torch.long, device=device) if first
+          else torch.zeros(1, 1, args.dim, dtype=dtype, device=device))
+    positions = [0]
+    if graphs is not None and graphs.graphable(x1):
+        g = graphs.decode_graphs()  # the set the steps below capture into
+        positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
+        log.info("decode: CUDA graphs, %d buckets", len({g.bucket(p) for p in positions}))
+    elif graphs is not None:
+        log.info("decode: eager (the graphs do not cover %s)", ", ".join(args.extras()) or "these weights")
+    for pos in positions:
+        decoder.decode_token(x1, pos)
+    mem.append(torch.cuda.memory_allocated(device))
+    log.info("warm-up: GPU memory allocated %s bytes (loaded; after the chunks; after cuDNN's shapes; "
+             "after the decode steps)", " -> ".join(f"{m:,}" for m in mem))
+    if "strata.decode_gemv" in sys.modules:  # the graphs' dense products: which kernel each shape measured faster
+        log.info("decode GEMV: %s", sys.modules["strata.decode_gemv"].describe())
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t
