@@ -24,18 +24,18 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from strata import messages as M  # noqa: E402
-from strata import net as N  # noqa: E402
+from strata import curve  # noqa: E402
 from strata.transport import TcpLink  # noqa: E402
 
 
 def receive(a, keys: dict) -> None:
     """The receiving stage: a CURVE server that lets in the sender's key only."""
     ctx = zmq.Context()
-    gate = N.Gate(ctx, [keys["send"][0]], N.log)
-    inbox = N.curve_server(ctx.socket(zmq.PULL), *keys["recv"])
+    gate = curve.Gate(ctx, [keys["send"][0]], curve.log)
+    inbox = curve.curve_server(ctx.socket(zmq.PULL), *keys["recv"])
     inbox.setsockopt(zmq.MAXMSGSIZE, -1)
-    print(N.bind_tcp(inbox, a.recv_addr), flush=True)
-    back = N.curve_client(ctx.socket(zmq.PUSH), *keys["recv"], keys["send"][0])
+    print(curve.bind_tcp(inbox, a.recv_addr), flush=True)
+    back = curve.curve_client(ctx.socket(zmq.PUSH), *keys["recv"], keys["send"][0])
     back.connect(sys.stdin.readline().strip())
     link = TcpLink(torch.float32, (max(a.rows), a.dim))
     while True:
@@ -54,10 +54,10 @@ def receive(a, keys: dict) -> None:
 
 def send(a, keys: dict, receiver: subprocess.Popen) -> list[str]:
     ctx = zmq.Context()
-    gate = N.Gate(ctx, [keys["recv"][0]], N.log)
-    back = N.curve_server(ctx.socket(zmq.PULL), *keys["send"])
-    back_ep = N.bind_tcp(back, a.send_addr)
-    out = N.curve_client(ctx.socket(zmq.PUSH), *keys["send"], keys["recv"][0])
+    gate = curve.Gate(ctx, [keys["recv"][0]], curve.log)
+    back = curve.curve_server(ctx.socket(zmq.PULL), *keys["send"])
+    back_ep = curve.bind_tcp(back, a.send_addr)
+    out = curve.curve_client(ctx.socket(zmq.PUSH), *keys["send"], keys["recv"][0])
     out.connect(receiver.stdout.readline().strip())
     receiver.stdin.write(back_ep + "\n")
     receiver.stdin.flush()
@@ -109,7 +109,7 @@ def main() -> int:
             argv = [x for x in sys.argv[1:] if x != "--netns"]
             argv += ["--send-addr", ns.addr(0), "--recv-addr", ns.addr(1), "--recv-prefix", " ".join(ns.exec(1))]
             return subprocess.run(ns.exec(0) + [sys.executable, os.path.abspath(__file__), *argv]).returncode
-    keys = {"send": N.keypair(), "recv": N.keypair()}
+    keys = {"send": curve.keypair(), "recv": curve.keypair()}
     me = [sys.executable, os.path.abspath(__file__), "--keys", json.dumps(keys), "--dim", str(a.dim),
           "--rows", ",".join(map(str, a.rows)), "--recv-addr", a.recv_addr]
     receiver = subprocess.Popen(a.recv_prefix.split() + me, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -8,7 +8,7 @@ Nothing is unpickled. A frame that does not decode to a known, well-formed messa
 Validation is about shape, not authenticity: a well-formed message of a type the receiver
 accepts is acted on. Who may send is decided by where the endpoints live: ipc sockets in a
 per-run directory of mode 0700, so only this user reaches them; across hosts, tcp sockets that
-only a peer holding one of the run's CurveZMQ keys can connect to (strata/net.py).
+only a peer holding one of the run's CurveZMQ keys can connect to (strata/curve.py).
 
 The stage's spec is a dataclass too (`StageJob`, with `StageNet`): a local stage gets it as its
 process argument; a remote stage from the head as one msgpack frame (`encode_spec` / `decode_spec`),
@@ -141,7 +141,7 @@ class Stop(Message):
     pass
 
 
-# -- across hosts (strata/net.py); only a run with a remote stage sends or accepts these ------------
+# -- across hosts (strata/head_net.py, workers/join.py); only a run with a remote stage sends or accepts these --
 @_message("join")    # remote stage -> head (control socket): give me my spec; `clock`: its perf_counter when sent
 class Join(Message):
     pid: int

@@ -1,7 +1,7 @@
 """The head's side of stages on other hosts: keys, the tcp listener, launching, linking, watching.
 
 Only a run with a remote stage (`stages[i].host`) makes a `RemoteStages`; everything here is what
-the head does for it on top of a local run (strata/net.py holds the sockets and the protocol).
+the head does for it on top of a local run (strata/head_net.py holds the sockets and the protocol).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import zmq
 from . import messages as M
 from .config import RigConfig, split_listen
 from .errors import PipelineError
-from .net import HeadNet, PrintedStage, RemoteProc, curve_client, join_key, keypair, remote_argv, stage_command
+from .curve import curve_client, join_key, keypair
+from .head_net import HeadNet, PrintedStage, RemoteProc, remote_argv, stage_command
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: a remote stage runs `-m workers.join` from here
 log = logging.getLogger("strata.pipeline")

@@ -59,7 +59,7 @@ class Resources:
         self.socks: list = []
         self.ctx = None
         self.ipc_dir: str | None = None
-        self.net = None            # strata.net.HeadNet when a stage is remote
+        self.net = None            # strata.head_net.HeadNet when a stage is remote
 
     def release(self, grace_s: float = 5.0) -> None:
         # ask (stop message, sent by the caller), wait, terminate, kill

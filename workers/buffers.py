@@ -32,7 +32,8 @@ class StageBuffers:
             return seg
 
         # decode doorbells (strata/bells.py): every stage local and on a GPU (or forced for tests)
-        self.bell_words = attach("bells").tensor(torch.int64, (spec.n_stages + 1, bells_mod.ROW)) if "bells" in segs else None
+        self.bell_words = (attach("bells").tensor(torch.int64, (spec.n_stages + 1, bells_mod.ROW))
+                           if "bells" in segs else None)
         self.bells = Bells(self.bell_words.numpy()) if self.bell_words is not None else None
         if ids is None:
             self.ids = attach("ids").tensor(torch.int32, (spec.max_len + 1,))

@@ -6,7 +6,7 @@ import logging
 import zmq
 
 from strata import messages as M
-from strata import net as N
+from strata.curve import Gate, bind_tcp, curve_client, curve_server, route_address
 
 
 class StageSockets:
@@ -29,13 +29,13 @@ class StageSockets:
             self.inbox_sock.bind(spec.endpoints[i])
             self.inboxes.append(self.inbox_sock)
         if net and net.tcp_inbox:
-            self.gate = N.Gate(ctx, net.allow, log)
-            self.tcp_inbox = N.curve_server(ctx.socket(zmq.PULL), net.public, net.secret)
+            self.gate = Gate(ctx, net.allow, log)
+            self.tcp_inbox = curve_server(ctx.socket(zmq.PULL), net.public, net.secret)
             self.tcp_inbox.setsockopt(zmq.LINGER, 0)
             self.tcp_inbox.setsockopt(zmq.MAXMSGSIZE, max(M.MAX_FRAME, spec.max_chunk * inlink.row_bytes
                                                           if self.tcp_in else 0))
             self.gate.watch(self.tcp_inbox, f"stage {i} inbox")
-            self.tcp_endpoint = N.bind_tcp(self.tcp_inbox, net.bind or N.route_address(spec.head_endpoint))
+            self.tcp_endpoint = bind_tcp(self.tcp_inbox, net.bind or route_address(spec.head_endpoint))
             self.inboxes.append(self.tcp_inbox)
 
         def push(ep):
@@ -93,6 +93,6 @@ def head_push(ctx, spec: M.StageJob):
     s.setsockopt(zmq.LINGER, 2000)  # long enough for a final "fail" to leave
     net = spec.net
     if net and net.remote:
-        N.curve_client(s, net.public, net.secret, net.head_public)
+        curve_client(s, net.public, net.secret, net.head_public)
     s.connect(spec.head_endpoint)
     return s

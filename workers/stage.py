@@ -8,7 +8,7 @@ of the pipeline (the old join) before it takes its next input. A decode step tak
 instead (workers/decode_ring.py).
 
 Sockets are touched only from this one thread; the model knows nothing of them. (A remote stage
-also has a heartbeat thread with a socket of its own: strata/net.py.) The process around a Stage
+also has a heartbeat thread with a socket of its own: workers/join.py.) The process around a Stage
 (lifelines, logging, the failure report) is workers/bootstrap.py; a stage on another host joins
 the head through workers/join.py, started as `python -m workers.join --join tcp://HEAD:PORT --key KEY`.
 What a Stage is built from: workers/placement.py (device, cores), workers/load.py (the slice, its
