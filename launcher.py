@@ -14,6 +14,7 @@ import time
 _T_IMPORTED = time.perf_counter()  # this module's first line: the start-up clock's fallback
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
                          "repeatable")
     ap.add_argument("--json", action="store_true", help="print report.json to stdout instead of the table")
     ap.add_argument("--no-timeline", action="store_true", help="do not draw timeline.png")
+    ap.add_argument("--kv-load", metavar="PATH", help="before the prefill, load a KV file (kv_save's) into the stages: "
+                    "a prompt that begins with its ids prefills only the rest; refused unless saved for this model "
+                    "and rig")
+    ap.add_argument("--kv-save", metavar="PATH", help="after the prefill (and the continuation), write the stages' KV "
+                    "of the prompt with its ids to PATH (strata/kv_file.py)")
     ap.add_argument("--serve", action="store_true", help="load the stages once and serve an OpenAI-compatible "
                     "API (/v1/completions, /v1/chat/completions) until SIGTERM / SIGINT")
     ap.add_argument("--host", default="127.0.0.1", help="--serve: address to bind (default 127.0.0.1)")
@@ -139,6 +145,9 @@ def _run(a, head: dict) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     _fork_cpu_stages(cfg)  # before this process imports torch: the two imports overlap
+    # one prompt and out: no later prompt would be served from the prefix cache's snapshots, so none are taken
+    # (a snapshot copies up to prefix_cache_bytes of KV out of every stage after the run)
+    cfg = dataclasses.replace(cfg, prefix_cache_bytes=0)
     from strata.pipeline import Interrupted, Pipeline, PipelineError
     try:
         pipe = Pipeline(cfg, out=a.out, marks={"process": t_process, "imports": time.perf_counter()})
@@ -151,7 +160,16 @@ def _run(a, head: dict) -> int:
         return f" (logs: {pipe.out})" if pipe.out.is_dir() else ""
     try:
         with pipe:
+            kv = {}
+            if a.kv_load:
+                loaded = pipe.kv_load(a.kv_load)
+                kv["kv_load"] = {"path": a.kv_load, **{k: loaded[k] for k in ("tokens", "bytes", "seconds")}}
             result = pipe.prefill()
+            if a.kv_save:
+                kv["kv_save"] = pipe.kv_save(a.kv_save)
+            if kv:
+                result.report.update(kv)
+                (pipe.out / "report.json").write_text(json.dumps(result.report, indent=1))
     except PipelineError as e:
         print(f"error: {e}{logs()}", file=sys.stderr)
         return 1

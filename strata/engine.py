@@ -1,12 +1,14 @@
 """The interface between the server and whatever runs the model: the Engine protocol and its errors."""
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from .errors import ModelError, PipelineError
@@ -136,6 +138,7 @@ class LocalEngine(_ModelText):
         self._init_text(model, name)
         self.net = None
         self.kept: list[int] = []
+        self._loaded = False
         self.restart()
 
     # -- compute -------------------------------------------------------------------------------
@@ -155,6 +158,9 @@ class LocalEngine(_ModelText):
                 break
             reused += 1
         reused = min(reused, n - 1)  # the last prompt token is always run: its logits give the first token
+        if self._loaded:  # a kv_load's rows: the rest in a cold prefill's own chunks (its bits, its answer)
+            reused -= reused % self.prefill_chunk
+            self._loaded = False
         self.kept = list(ids[:reused])  # past `reused` the cache is about to be overwritten
         try:
             t0 = time.perf_counter()
@@ -201,6 +207,53 @@ class LocalEngine(_ModelText):
 
     def close(self) -> None:
         self.net, self.kept = None, []
+
+    # -- KV files (strata/kv_file.py; the pipeline's format: a file from either loads into the other) -------------
+    def _fingerprint(self) -> dict:
+        from .kv_file import fingerprint
+        return fingerprint(self.model, 0, self.args, str(self.dtype).removeprefix("torch."), "auto", self.max_context)
+
+    def kv_save(self, path) -> dict:
+        """The kept prompt's (and answer's) KV and ids into `path`, as Pipeline.kv_save writes it."""
+        from .kv_file import KvFileError, create, write_rows
+        from .prefix_cache import layer_caches, row_bytes, supported
+        if self.net is None or not self.kept:
+            raise KvFileError("kv_save: nothing to save: no prompt has been prefilled on this engine")
+        if supported(self.args):
+            raise KvFileError(f"kv_save: not for this model: {supported(self.args)}")
+        caches, n, path = layer_caches(self.net), len(self.kept), Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            data_at = create(tmp, self._fingerprint(), np.asarray(self.kept), row_bytes(caches) // self.args.n_layers,
+                             [[0, self.args.n_layers]])
+            write_rows(str(tmp), data_at, n, caches)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise KvFileError(f"kv_save: cannot write {path}: {e.strerror or e}") from None
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return {"path": str(path), "tokens": n, "bytes": path.stat().st_size}
+
+    def kv_load(self, path) -> dict:
+        """A KV file (this engine's or a pipeline's, for the same model and rig) into the cache: its ids are kept."""
+        from .kv_file import KvFileError, check, read_header, read_rows
+        from .prefix_cache import layer_caches, row_bytes, supported
+        if self.net is None:
+            raise EngineError("local", "the engine is closed or failed: restart() it")
+        if supported(self.args):
+            raise KvFileError(f"kv_load: not for this model: {supported(self.args)}")
+        h, ids, data_at = read_header(path)
+        caches = layer_caches(self.net)
+        check(path, h, self._fingerprint(), row_bytes(caches) // self.args.n_layers, self.max_context,
+              self.args.vocab_size, ids)
+        self.kept = []
+        try:
+            read_rows(str(path), data_at, ids.size, caches)
+        except OSError as e:
+            raise KvFileError(f"kv_load: cannot read {path}: {e.strerror or e}") from None
+        self.kept, self._loaded = ids.tolist(), True
+        return {"ids": ids, "tokens": int(ids.size), "bytes": os.path.getsize(path)}
 
 
 def local_engine(cfg) -> LocalEngine:
@@ -254,6 +307,18 @@ class PipelineEngine(_ModelText):
         return GenerationStats(prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
                                completion_tokens=len(r.continuation_ids), prefill_s=r.prefill_s,
                                decode_s=r.decode_s, finish_reason=r.finish_reason)
+
+    def kv_save(self, path) -> dict:
+        """The stages' KV of the last prompt (and answer) into a KV file (Pipeline.kv_save)."""
+        if self.pipe is None:
+            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
+        return self.pipe.kv_save(path)
+
+    def kv_load(self, path) -> dict:
+        """A KV file into the stages (Pipeline.kv_load): the next prompt that begins with its ids skips them."""
+        if self.pipe is None:
+            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
+        return self.pipe.kv_load(path)
 
     def metrics_text(self) -> str:
         """Prometheus lines for /metrics: the last prefill's busy histogram and the last decode's split."""

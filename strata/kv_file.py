@@ -27,14 +27,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .errors import ConfigError
+
 MAGIC = b"STRATAKV"
 VERSION = 1
 ALIGN = 4096
 MAX_HEADER = 1 << 20
 
 
-class KvFileError(ValueError):
-    """A KV file that cannot be written, read, or used with this rig (one line)."""
+class KvFileError(ConfigError):
+    """A KV file that cannot be written, read, or used with this rig (one line; bad input, as a bad rig is)."""
 
 
 def _file_id(p: Path) -> str:
@@ -62,13 +64,17 @@ def model_identity(model: str, seed: int) -> str:
     return "hf " + " ".join(_file_id(f) for f in files)
 
 
-def fingerprint(cfg, plan) -> dict:
-    """The rig facts a KV file's rows depend on (see the module docstring)."""
-    args = {f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__}
-    shape = hashlib.blake2b(json.dumps(args, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
-    kv = cfg.dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
-    return {"model": model_identity(cfg.model, cfg.seed), "shape": shape, "n_layers": plan.args.n_layers,
-            "dtype": cfg.dtype, "kv_dtype": kv, "max_context": plan.max_len}
+def fingerprint(model: str, seed: int, args, dtype: str, kv_dtype: str, max_context: int) -> dict:
+    """The facts a KV file's rows depend on (see the module docstring); kv_dtype "auto" is the compute dtype."""
+    fields = {f: getattr(args, f) for f in args.__dataclass_fields__}
+    shape = hashlib.blake2b(json.dumps(fields, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
+    return {"model": model_identity(model, seed), "shape": shape, "n_layers": args.n_layers, "dtype": dtype,
+            "kv_dtype": dtype if kv_dtype == "auto" else kv_dtype, "max_context": max_context}
+
+
+def rig_fingerprint(cfg, plan) -> dict:
+    """A pipeline's fingerprint: its rig's model, seed, dtype and kv_dtype, its plan's model shape and max_context."""
+    return fingerprint(cfg.model, cfg.seed, plan.args, cfg.dtype, cfg.kv_dtype, plan.max_len)
 
 
 def _align(n: int) -> int:

@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 from . import bells
+from . import kv_file
 from . import messages as M
+from . import prefix_cache
 from .checkpoint import check_model_files
 from .config import RigConfig, check_run_dir, from_dict
 from .errors import ConfigError, PipelineError
@@ -125,6 +127,13 @@ class Pipeline:
         # the ids whose KV every stage holds: positions [0, _kept_n) (a decoded token is one write, not a copy)
         self._kept = np.zeros(self.plan.max_len, dtype=np.int32)
         self._kept_n = 0
+        # the prefix cache (strata/prefix_cache.py): which blocks of earlier prompts every stage holds a snapshot of
+        self._index: prefix_cache.PrefixIndex | None = None
+        self._block = prefix_cache.BLOCK
+        self._kv_done: dict[int, M.KvDone] = {}   # the stages' answers to the KvOp in flight
+        self._restored = 0                         # this prefill's prompt positions restored from snapshots
+        self._loaded = False                       # the live KV is a kv_load's (no prefill since)
+        self.prefix_cache_off: str | None = None   # why the prefix cache is off (None: on)
         self._tokenizer = None
         self.steps = 0                 # decode steps of the current (or last) generate; then `generations` counts it
         self.generations = 0
@@ -162,7 +171,7 @@ class Pipeline:
         self._wire.connect(self._remote)
         self._wire.handlers = {M.Ready: self._on_ready, M.Bound: self._on_bound, M.Working: self._on_working,
                                M.ChunkResult: self._on_result, M.Stats: self._on_stats, M.Fail: self._on_fail,
-                               M.Rejected: self._on_rejected}
+                               M.Rejected: self._on_rejected, M.KvDone: self._on_kv_done}
         self._result_row = self._result_buffer(remote[-1])
         for sp in self.plan.stages:
             self.stages[sp.index].pid = self._launch(sp, self._spec(sp))
@@ -172,6 +181,7 @@ class Pipeline:
         if self._remote:
             self._link_remote()
         self._marks["ready"] = time.perf_counter()
+        self._start_prefix_cache()
         for seg in self._res.segments:  # every stage has mapped its buffers: unlink now, so even SIGKILL leaks nothing
             seg.unlink()
 
@@ -346,6 +356,11 @@ class Pipeline:
     def _on_rejected(self, msg: M.Rejected, data) -> None:
         self._remote.on_rejected(msg.stage, msg.count, msg.detail)
 
+    def _on_kv_done(self, msg: M.KvDone, data) -> None:
+        if not 0 <= msg.stage < len(self.stages) or msg.stage in self._kv_done:
+            raise M.BadMessage(f"kv_done: stage {msg.stage} has no KV operation in flight")
+        self._kv_done[msg.stage] = msg
+
     # -- the run -----------------------------------------------------------------------------
     def finish(self) -> None:
         """Wait until every chunk sent has come out of the last stage, or a failure is known.
@@ -493,6 +508,153 @@ class Pipeline:
             return 0  # a window layer's ring no longer holds the keys a restart at `start` would read
         return start
 
+    # -- the prefix cache and KV files -----------------------------------------------------------
+    def _start_prefix_cache(self) -> None:
+        """Once every stage is ready: how many blocks each stage's `prefix_cache_bytes` holds (the head's index
+        decides for all of them, so the smallest budget in blocks is the index's capacity)."""
+        budget = self.cfg.prefix_cache_bytes
+        why = prefix_cache.supported(self.plan.args)
+        if not budget:
+            why = "prefix_cache_bytes is 0"
+        elif self.cfg.dump_residual:
+            why = "dump_residual prefills every prompt from position 0"
+        per_block = max(st.kv_bytes // self.plan.max_len for st in self.stages) * self._block
+        if why is None and budget < per_block:
+            why = f"prefix_cache_bytes {budget} holds no block of {self._block} tokens ({per_block} bytes a stage)"
+        self.prefix_cache_off = why
+        if why is None:
+            self._index = prefix_cache.PrefixIndex(budget // per_block)
+            log.info("prefix cache: %d blocks of %d tokens (%.1f MB a stage)", self._index.capacity, self._block,
+                     self._index.capacity * per_block / 1e6)
+        elif budget:
+            log.info("prefix cache off: %s; only the last prompt's KV is reused", why)
+
+    def _kv_round(self, what: str, msgs: dict[int, M.KvOp]) -> dict[int, M.KvDone]:
+        """Send each stage its KvOp and wait for every answer (a stage does one between prompts, in order)."""
+        self._kv_done = {}
+        for i, msg in msgs.items():
+            self._wire.send(i, msg)
+        poll_until(lambda: all(i in self._kv_done for i in msgs), self.cfg.stall_timeout_s, what=self._stalled,
+                   step=lambda: self._receive(100))
+        done, self._kv_done = self._kv_done, {}
+        return done
+
+    def _kv_all(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0):
+        msgs = {i: M.KvOp(op=op, keys=list(keys), blocks=list(blocks), block=self._block, path=path,
+                          offset=offsets[i] if offsets else 0, tokens=tokens) for i in range(len(self.stages))}
+        return self._kv_round(op, msgs)
+
+    def _from_snapshots(self, ids: np.ndarray, live: int, cap: int) -> int:
+        """The positions to reuse: `live` (what the live KV holds), or a longer prefix of snapshots, restored into
+        the live cache now. A restored prefix ends on a chunk boundary of the prompt's cold schedule, so the rest is
+        computed in the cold prefill's own chunks: the same bits as a cold prefill (when the snapshots were)."""
+        self._restored = 0
+        if self._index is None:
+            return live
+        keys = prefix_cache.block_keys(ids[:cap], self._block)
+        m = self._index.longest(keys)
+        p = max((q for q, _ in self.plan.schedule_for(0, ids.size) if q <= m * self._block), default=0)
+        self._index.touch(keys[:m])
+        if p <= live:
+            return live
+        blocks = list(range(live // self._block, -(-p // self._block)))
+        for i, d in self._kv_all("restore", [keys[j] for j in blocks], blocks).items():
+            if d.error:
+                self._fail(f"{self._who(i)} could not restore the prefix cache: {d.error}")
+        self._restored = p - live
+        return p
+
+    def _snapshot(self, ids: np.ndarray) -> None:
+        """After a prefill of ids: its full blocks into the prefix cache (the ones not held yet), LRU evicting."""
+        if self._index is None or self.failure:
+            return
+        keys = prefix_cache.block_keys(ids, self._block)
+        new, evicted = self._index.add(keys)
+        if evicted:
+            self._kv_all("drop", evicted)
+        if not new:
+            return
+        failed = [f"{self._who(i)}: {d.error}" for i, d in
+                  self._kv_all("snap", [keys[j] for j in new], new).items() if d.error]
+        if failed:  # e.g. no host memory left: those blocks are not cached, anywhere
+            log.warning("prefix cache: snapshot failed (%s); dropping its blocks", "; ".join(failed))
+            self._index.discard([keys[j] for j in new])
+            self._kv_all("drop", [keys[j] for j in new])
+
+    def _kv_file_refusals(self, what: str) -> None:
+        """What kv_save and kv_load refuse before anything runs."""
+        why = prefix_cache.supported(self.plan.args)
+        if why:
+            raise kv_file.KvFileError(f"{what}: not for this model: {why}")
+        remote = [st.index for st in self.stages if st.host is not None]
+        if remote:
+            raise kv_file.KvFileError(f"{what}: stage {remote[0]} runs on another host (KV files are read and written "
+                                      "by the stages, on this machine)")
+
+    def _kv_file_checks(self, what: str) -> int:
+        """Refusals common to kv_save and kv_load; -> bytes of one layer's position (k and v)."""
+        self._kv_file_refusals(what)
+        per_layer = {st.kv_bytes // self.plan.max_len // (st.layers[1] - st.layers[0]) for st in self.stages}
+        if len(per_layer) != 1:
+            raise kv_file.KvFileError(f"{what}: the layers' caches differ in width ({sorted(per_layer)} bytes a row)")
+        return per_layer.pop()
+
+    def _kv_offsets(self, data_at: int, tokens: int, layer_row_bytes: int) -> dict[int, int]:
+        return {st.index: data_at + tokens * layer_row_bytes * st.layers[0] for st in self.stages}
+
+    def kv_save(self, path: str | os.PathLike) -> dict:
+        """Write the KV the stages hold for the current prompt (and its answer so far) with its token ids to `path`
+        (strata/kv_file.py: a JSON header fingerprinting the model and rig, raw rows; no pickle). -> facts of it."""
+        self._refuse_if_closed()
+        n = self._kept_n
+        if not self.started or n == 0:
+            raise kv_file.KvFileError("kv_save: nothing to save: no prompt has been prefilled on this pipeline")
+        lrb = self._kv_file_checks("kv_save")
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        t0 = time.perf_counter()
+        split = [list(st.layers) for st in self.stages]
+        data_at = kv_file.create(tmp, kv_file.rig_fingerprint(self.cfg, self.plan), self._kept[:n], lrb, split)
+        try:
+            done = self._kv_all("save", path=str(tmp.resolve()), offsets=self._kv_offsets(data_at, n, lrb), tokens=n)
+            bad = [f"stage {i}: {d.error}" for i, d in done.items() if d.error]
+            if bad:
+                raise kv_file.KvFileError(f"kv_save: cannot write {path}: {bad[0]}")
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return {"path": str(path), "tokens": n, "bytes": path.stat().st_size, "seconds": time.perf_counter() - t0}
+
+    def kv_load(self, path: str | os.PathLike) -> dict:
+        """Load a KV file into the stages (refused in one line unless it was saved for this model and rig): its
+        ids become what the stages hold, so a prompt that begins with them prefills only the rest (up to a chunk
+        boundary of its cold schedule: see `_prefill`). -> {"ids", "tokens", "bytes", "seconds"} (seconds: the
+        stages' reads, not their start)."""
+        self._refuse_if_closed()
+        self._kv_file_refusals("kv_load")
+        h, ids, data_at = kv_file.read_header(path)
+        fp = kv_file.rig_fingerprint(self.cfg, self.plan)
+        kv_file.check(path, h, fp, h["layer_row_bytes"], self.max_context, self.plan.args.vocab_size, ids)
+        self.start()  # refused before any stage starts; the rows' width needs the stages' caches
+        lrb = self._kv_file_checks("kv_load")
+        kv_file.check(path, h, fp, lrb, self.max_context, self.plan.args.vocab_size, ids)
+        t0 = time.perf_counter()
+        n = ids.size
+        self._kept_n = 0  # the live KV is about to be overwritten
+        done = self._kv_all("load", path=str(Path(path).resolve()), offsets=self._kv_offsets(data_at, n, lrb),
+                            tokens=n)
+        bad = [f"stage {i}: {d.error}" for i, d in done.items() if d.error]
+        if bad:
+            raise kv_file.KvFileError(f"kv_load: cannot read {path}: {bad[0]}")
+        self._kept[:n] = ids
+        self._kept_n = n
+        self._loaded = True
+        self._buffers.ids[:n] = torch.from_numpy(ids)
+        seconds = time.perf_counter() - t0
+        self._snapshot(ids)  # and into the prefix cache, which outlives the live KV
+        return {"ids": ids, "tokens": n, "bytes": os.path.getsize(path), "seconds": seconds}
+
     def _put_ids(self, ids: np.ndarray, start: int) -> None:
         self._buffers.ids[start:ids.size] = torch.from_numpy(ids[start:])
         if self.stages[0].host is not None:  # a remote stage 0 has its own copy of the ids
@@ -505,11 +667,15 @@ class Pipeline:
         """Prefill ids [reused, n) on the running stages; the facts the report and the caller need. score >= 0:
         every position from `start - 1` on is computed and scored (see `score`)."""
         n = ids.size
-        reused = self._reusable(ids)
-        if score >= 0:
-            reused = min(reused, start - 1)
+        cap = n - 1 if score < 0 else min(n - 1, start - 1)  # the positions that may come from held KV
+        live = min(self._reusable(ids), cap)
+        if self._loaded and live:  # rows from kv_load: reuse them up to a chunk boundary of the prompt's cold
+            # schedule, so the rest is computed in the cold prefill's own chunks (the saved rows' bits, the same answer)
+            live = max(q for q, _ in self.plan.schedule_for(0, n) if q <= live)
+        self._loaded = False
+        reused = self._from_snapshots(ids, live, cap)
         self._kept_n = reused  # past `reused` the stages' KV is about to be overwritten
-        self._put_ids(ids, reused)
+        self._put_ids(ids, live)  # the ids segment already holds [0, live); a restored prefix's ids are not read
         schedule = self.plan.schedule_for(reused, n)
         if score >= 0:  # a scored chunk's rows travel in its result note: chunks cut to fit it
             rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * score)))
@@ -525,7 +691,7 @@ class Pipeline:
         last = self._results[len(schedule) - 1]
         nll = sum(r.nll for r in self._results.values())
         count = sum(r.count for r in self._results.values())
-        return {"ids": ids, "reused": reused, "schedule": schedule, "seconds": seconds, "argmax": last.argmax,
+        return {"ids": ids, "reused": reused, "restored": self._restored, "schedule": schedule, "seconds": seconds, "argmax": last.argmax,
                 "logits": self._result_row.numpy().copy(), "nll": nll, "count": count}
 
     def score(self, prompt: str | list[int] | np.ndarray, start: int = 1,
@@ -542,6 +708,7 @@ class Pipeline:
             raise ConfigError(f"score: start {start} outside 1..{ids.size}")
         self.start()
         pre = self._prefill(ids, score=top, start=start)
+        self._snapshot(ids)
         first = pre["reused"] + 1  # the position the first scored row predicts
         lp, ti, tl = [], [], []
         for k in range(len(pre["schedule"])):
@@ -570,6 +737,7 @@ class Pipeline:
         ids = self.prompt_ids(prompt)
         self.start()
         pre = self._prefill(ids)
+        self._snapshot(ids)
         return self._result(pre, [], None, "length", 0.0, 0, None)
 
     def generate(self, prompt: str | list[int] | np.ndarray | None = None, params=None,
@@ -642,6 +810,7 @@ class Pipeline:
                 text = self.tokenizer.decode(out)
             except Exception:  # noqa: BLE001 - synthetic models have no tokenizer
                 text = None
+        self._snapshot(ids)  # after the answer: the prompt's blocks are not on the way to its first token
         return self._result(pre, out, text, finish, decode_s, steps, ttft)
 
     def _decode_step(self, pos: int, tok: int, t0: float) -> M.ChunkResult:
@@ -686,7 +855,11 @@ class Pipeline:
                   "decode_head_s": decode_s - getattr(self, "_decode_wait_s", 0.0) if steps else 0.0,
                   "decode_bell_steps": self._bell_results,
                   "decode_tok_s": steps / decode_s if decode_s > 0 and steps else 0.0,
-                  "ttft_s": ttft, "finish_reason": finish}
+                  "ttft_s": ttft, "finish_reason": finish,
+                  # restored_tokens: of reused_tokens, those copied back from snapshots (the rest: the live KV)
+                  "prefix_cache": {"restored_tokens": pre["restored"], "blocks": len(self._index or ()),
+                                   "capacity_blocks": self._index.capacity if self._index else 0,
+                                   "block_tokens": self._block, "off": self.prefix_cache_off}}
         report = build_report(self, pre["seconds"], ppl, out, text, ids=pre["ids"], schedule=pre["schedule"],
                               reused=pre["reused"], perplexity_tokens=pre["count"], decode=decode)
         return Result(report, out, text, ppl, pre["logits"], finish_reason=finish, prompt_tokens=int(pre["ids"].size),

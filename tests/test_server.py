@@ -1259,6 +1259,44 @@ def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
 
 
+def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tmp_path):
+    """Two documents asked about in turn (A, B, A, B) through the real openai client on two CPU stages: the third
+    and fourth requests come from the stages' snapshots (cached_tokens covers the document), with the first two's
+    answers (their times are printed: speed is the benchmarks' to judge)."""
+    openai = pytest.importorskip("openai")
+    import inspect
+    import typing
+    from strata.engine import PipelineEngine
+    from strata.checkpoint import smollm2_path
+    try:
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    rig = {k: v for k, v in PIPE_RIG.items() if k != "debug"}
+    eng = PipelineEngine({**rig, "chunk": 256, "max_context": 1024}, out=tmp_path / "serve")
+    s = Running(eng)
+    try:
+        src = inspect.getsource(typing)
+        docs = [src[:2600], src[20000:22600]]
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = []
+        for doc in docs + docs:
+            t = time.perf_counter()
+            r = client.completions.create(model="smollm2", prompt=doc + "\nQ: What does this code define?\nA:",
+                                          max_tokens=4, temperature=0)
+            got.append((r.choices[0].text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens,
+                        time.perf_counter() - t))
+    finally:
+        s.stop()
+    (a1, na, ca1, ta1), (b1, nb, cb1, tb1), (a2, _, ca2, ta2), (b2, _, cb2, tb2) = got
+    assert ca1 == 0 and cb1 < 256  # cold: A and B share at most their first tokens
+    for n, cached in ((na, ca2), (nb, cb2)):
+        # whole blocks of 256 up to the cold prefill's last chunk: the document's (~700 tokens) but its tail
+        assert cached == (n - 1) // 256 * 256 >= 512, (n, cached)
+    assert (a2, b2) == (a1, b1)
+    print(f"\ncold {ta1:.2f} s / {tb1:.2f} s; from the prefix cache {ta2:.2f} s / {tb2:.2f} s")
+
+
 @contextlib.contextmanager
 def _served_launcher(tmp_path):
     """`launcher.py --serve` on the default model's two CPU stages, answering /health: (process, url). Killed

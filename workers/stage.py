@@ -37,6 +37,7 @@ from .decode_ring import DecodeRing
 from .faults import Faults
 from .load import load_slice, warm_up
 from .placement import use_device
+from .kv_ops import StageKv
 from .residual_dump import ResidualDump
 from .sockets import StageSockets
 
@@ -78,6 +79,7 @@ class Stage(DecodeRing):
         self.bells, self.bell_words, self.argmax_host = b.bells, b.bell_words, b.argmax_host
         self._init_ring(spec)
         self.dump = None  # opened per prefill (each prompt has its own length): `_open_dump`
+        self.kv = StageKv(self.model, self.device, spec.max_len, log)  # prefix-cache snapshots, KV files
         self.wire = StageSockets(spec, self.inlink, log)
         self.to_head, self.to_up = self.wire.to_head, self.wire.to_up
         self.outlink.sock = self.wire.to_down
@@ -90,7 +92,8 @@ class Stage(DecodeRing):
         self.phase_t0: float | None = None  # head's clock at the start of the phase being served
         self.stopping = False
         self.handlers = {M.Chunk: self.on_chunk, M.Taken: self.on_taken, M.Done: self.on_done, M.End: self.on_end,
-                         M.Stop: self.on_stop, M.Peers: self.on_peers, M.Token: self.on_token, M.Ids: self.on_ids}
+                         M.Stop: self.on_stop, M.Peers: self.on_peers, M.Token: self.on_token, M.Ids: self.on_ids,
+                         M.KvOp: self.on_kv}
         self.load_s = time.perf_counter() - t_load
         self._reset_stats("prefill", time.perf_counter())
         self.faults.at_load()
@@ -240,6 +243,10 @@ class Stage(DecodeRing):
             raise M.BadMessage(f"ids: {len(ids)} ids at {msg.pos} out of range")
         self.ids[msg.pos:msg.pos + len(ids)] = torch.tensor(ids, dtype=torch.int32)
 
+    def on_kv(self, msg: M.KvOp, data) -> None:
+        """Between prompts (the head sends none with chunks in flight): a prefix-cache or KV-file operation."""
+        self.send(self.to_head, self.kv.handle(msg, self.i))
+
     def on_peers(self, msg: M.Peers, data) -> None:
         """The head says where this stage's neighbours across hosts listen: connect to them."""
         if self.wire.linked:
@@ -248,6 +255,7 @@ class Stage(DecodeRing):
 
     # -- the chunk path ---------------------------------------------------------------------------
     def run_chunk(self, msg: M.Chunk) -> None:
+        self.kv.before_write()  # a snapshot's copies out of the live cache go first (CUDA: on the device)
         if msg.phase == "decode":
             return self.decode_step(msg)
         k, pos, n = msg.k, msg.pos, msg.n

@@ -1,0 +1,56 @@
+"""The stage's KV operations between prompts: prefix-cache snapshots (strata/prefix_cache.py) and KV files
+(strata/kv_file.py), one `KvOp` note from the head each, answered by one `KvDone`.
+
+The head decides what to snapshot, restore, drop, save and load; the stage only checks that the rows asked for
+are inside its cache and does it. Chunks are not in flight while one runs (the head sends them between prompts
+and waits for every answer), and on CUDA a chunk waits on the device for the snapshots' copies out first
+(`before_write`).
+"""
+from __future__ import annotations
+
+import os
+
+from strata import kv_file
+from strata import messages as M
+from strata.prefix_cache import Snapshots, layer_caches
+
+
+class StageKv:
+    def __init__(self, model, device, max_len: int, log):
+        self.model, self.max_len, self.log = model, max_len, log
+        self.snapshots = Snapshots(model, device)
+
+    def before_write(self) -> None:
+        """Call before a chunk writes the live cache."""
+        self.snapshots.before_write()
+
+    def handle(self, msg: M.KvOp, stage: int) -> M.KvDone:
+        """Do msg; an error is the answer's one line (the head decides what it means), never this stage's end."""
+        try:
+            self._check(msg)
+            if msg.op == "snap":
+                self.snapshots.snap(msg.keys, msg.blocks, msg.block)
+            elif msg.op == "restore":
+                self.snapshots.restore(msg.keys, msg.blocks, msg.block)
+            elif msg.op == "drop":
+                self.snapshots.drop(msg.keys)
+            elif msg.op == "save":
+                self.snapshots.before_write()  # not needed for a read, but a save must see the rows as of now
+                kv_file.write_rows(msg.path, msg.offset, msg.tokens, layer_caches(self.model))
+            else:
+                self.snapshots.before_write()
+                kv_file.read_rows(msg.path, msg.offset, msg.tokens, layer_caches(self.model))
+            error = ""
+        except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: torch (no pinned memory left)
+            error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+            self.log.warning("kv %s: %s", msg.op, error)
+        return M.KvDone(stage=stage, op=msg.op, error=error, held_bytes=self.snapshots.nbytes)
+
+    def _check(self, msg: M.KvOp) -> None:
+        if msg.op in ("snap", "restore") and any((j + 1) * msg.block > self.max_len for j in msg.blocks):
+            raise ValueError(f"{msg.op}: a block past the cache's {self.max_len} positions")
+        if msg.op in ("save", "load"):
+            if not (1 <= msg.tokens <= self.max_len):
+                raise ValueError(f"{msg.op}: {msg.tokens} rows for a cache of {self.max_len}")
+            if not os.path.isabs(msg.path):
+                raise ValueError(f"{msg.op}: not an absolute path: {msg.path!r}")
