@@ -159,9 +159,9 @@ def _masked_with_lse(q, k, v, band, scale):
 
 def store_rows(cache: torch.Tensor, x: torch.Tensor, pos: int) -> None:
     """x (1 or none, heads, T, hd) into the cache's rows for positions [pos, pos + T): row p % S, in one or two
-    slices (a window layer's ring wraps). Casts (fp8: clamped first, see to_cache)."""
+    slices (a window layer's ring wraps). Casts (fp8: clamped first; q8_0: quantized; see to_cache)."""
     S, T = cache.shape[2], x.shape[-2]
-    if cache.dtype in _FP8:
+    if cache.dtype != x.dtype:
         x = to_cache(x, cache.dtype)
     s = pos % S
     first = min(T, S - s)
@@ -312,21 +312,83 @@ def warm_chunk_attention(model, shapes, attend=None) -> int:
 
 _FP8 = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
 
+# kv_dtype "q8_0": llama.cpp's q8_0 blocks, a float16 scale then 32 int8 values (34 bytes), hd / 32 blocks a cached
+# row, held in a uint8 cache of (1, nkv, rows, hd / 32 * 34). e4m3 without a scale cost SmolLM2 1.79 % perplexity
+# on the rig's text; a scale per 32 values keeps each block's own range.
+Q8_0 = torch.uint8
+Q8_BLOCK, Q8_BYTES = 32, 34
+
+
+def q8_row_bytes(hd: int) -> int:
+    if hd % Q8_BLOCK:
+        raise ValueError(f"kv_dtype q8_0 needs a head dim that is a multiple of {Q8_BLOCK} (this model's is {hd})")
+    return hd // Q8_BLOCK * Q8_BYTES
+
+
+def cache_width(hd: int, kv: torch.dtype) -> int:
+    """The last dimension of a cache holding hd values a row at storage dtype kv."""
+    return q8_row_bytes(hd) if kv == Q8_0 else hd
+
+
+def kv_value_bytes(kv: torch.dtype) -> float:
+    """Bytes a cached value takes at storage dtype kv (q8_0: 34 / 32, its scales included)."""
+    return Q8_BYTES / Q8_BLOCK if kv == Q8_0 else torch.empty((), dtype=kv).element_size()
+
+
+def _roundf(y: torch.Tensor) -> torch.Tensor:
+    # C's roundf (halves away from zero), as llama.cpp's and gguf-py's q8_0 quantizers round; floor(a + 0.5)
+    # would round 0.49999997 up (the sum rounds to 1.0 in float32)
+    a = y.abs()
+    f = a.floor()
+    return (f + (2 * (a - f)).floor()).copysign(y)
+
+
+def to_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x (..., hd) -> its q8_0 blocks (..., hd / 32 * 34) uint8, the bytes llama.cpp's quantize_row_q8_0 (and
+    gguf-py's Q8_0) write: d = amax / 127 rounded to float16, values round(x / d) with the float32 d."""
+    hd = x.shape[-1]
+    nb = q8_row_bytes(hd) // Q8_BYTES
+    b = x.float().unflatten(-1, (nb, Q8_BLOCK))
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, 0.0, 1.0 / d)
+    out = torch.empty(*b.shape[:-1], Q8_BYTES, dtype=torch.uint8, device=x.device)
+    out[..., :2] = d.to(torch.float16).view(torch.uint8)
+    out[..., 2:] = _roundf(b * inv).to(torch.int8).view(torch.uint8)
+    return out.flatten(-2)
+
+
+def from_q8_0(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q8_0 rows (..., nb * 34) uint8 -> (..., nb * 32) values in dtype: each value times its block's scale in
+    float32, rounded once (a CUDA cache in one Triton pass, strata.kernels.q8_0_widen)."""
+    if x.is_cuda and dtype != torch.float32:
+        from .kernels import q8_0_widen
+        y = q8_0_widen(x, dtype)
+        if y is not None:
+            return y
+    b = x.unflatten(-1, (x.shape[-1] // Q8_BYTES, Q8_BYTES))
+    d = b[..., :2].view(torch.float16).float()
+    return b[..., 2:].view(torch.int8).float().mul_(d).flatten(-2).to(dtype)
+
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # fp8 keys/values carry no per-tensor scale: values beyond +-448 are clamped on store (a cast would
     # make them NaN); K and V of Llama-family models sit well inside that range
+    if dtype == Q8_0:
+        return to_q8_0(x)
     if dtype in _FP8:
         return x.clamp(-_FP8[dtype], _FP8[dtype]).to(dtype)
     return x.to(dtype)
 
 
 def from_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cached keys or values widened to `dtype` for attention: x.to(dtype), the same bits. An e4m3 cache on CPU
-    goes by its bits, since torch's CPU cast converts one value at a time (a decode step widens the whole prefix:
-    SmolLM2, 2 stages, 8,000 cached positions: 2.5 tok/s against 49.4 with a bfloat16 cache). Its sign, 4
-    exponent and 3 mantissa bits, moved 7 places left, are the float16 of value / 256 (exponent bias 15 against
-    7; subnormals alike); no e4m3 value (at most 448) rounds on the way. NaN (S.1111.111) is never stored."""
+    """Cached keys or values widened to `dtype` for attention: x.to(dtype), the same bits; q8_0 blocks times
+    their scales. An e4m3 cache on CPU goes by its bits, since torch's CPU cast converts one value at a time (a
+    decode step widens the whole prefix: SmolLM2, 2 stages, 8,000 cached positions: 2.5 tok/s against 49.4 with
+    a bfloat16 cache). Its sign, 4 exponent and 3 mantissa bits, moved 7 places left, are the float16 of
+    value / 256 (exponent bias 15 against 7; subnormals alike); no e4m3 value (at most 448) rounds on the way.
+    NaN (S.1111.111) is never stored."""
+    if x.dtype == Q8_0:
+        return from_q8_0(x, dtype)
     if x.dtype != torch.float8_e4m3fn or x.is_cuda:
         return x.to(dtype)
     b = x.view(torch.uint8).to(torch.int16)
@@ -334,11 +396,14 @@ def from_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return h.to(dtype).mul_(256.0)
 
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn", "q8_0")
 
 def kv_dtype_of(kv_dtype, compute: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype for the rig's kv_dtype (q8_0: uint8 blocks, Q8_0)."""
     if isinstance(kv_dtype, torch.dtype):
         return kv_dtype
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown kv_dtype {kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
+    if kv_dtype == "q8_0":
+        return Q8_0
     return compute if kv_dtype == "auto" else getattr(torch, kv_dtype)

@@ -15,7 +15,7 @@ import torch
 
 from .errors import ModelError
 from .args import PRESETS, ModelArgs
-from .attention import kv_dtype_of
+from .attention import kv_dtype_of, kv_value_bytes
 from .model import Transformer
 from .resident import Quantized, dequant_piece_bytes, scratch_layout
 from .families import family
@@ -241,9 +241,9 @@ def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, w
     scratch = 0
     if any(v is not None for v in stored.values()):
         scratch = scratch_layout(args)[1] * esize + dequant_piece_bytes(args)
-    kv_size = torch.empty((), dtype=kv_dtype_of(kv_dtype, dtype)).element_size()
+    kv_size = kv_value_bytes(kv_dtype_of(kv_dtype, dtype))
     rows = sum(args.kv_positions(i, max_len, max_chunk) for i in range(start, end))
-    kv = 2 * args.n_kv_heads * rows * args.head_dim * kv_size
+    kv = int(2 * args.n_kv_heads * rows * args.head_dim * kv_size)
     return weight, scratch, kv
 
 
@@ -271,7 +271,7 @@ def storage(model_spec: str, args: ModelArgs, dtype, weights_mode: str = "auto",
     scratch = 0
     if any(v is not None for v in stored.values()):
         scratch = scratch_layout(args)[1] * esize + dequant_piece_bytes(args)
-    kv_size = torch.empty((), dtype=kv_dtype_of(kv_dtype, dtype)).element_size()
+    kv_size = kv_value_bytes(kv_dtype_of(kv_dtype, dtype))
     head = size("head") if "head" in stored else size("embed")
     return Storage(layer=layers / args.n_layers, embed=size("embed"), head=head, norm=size("norm"), scratch=scratch,
                    kv_elem=kv_size, mode=mode, per_layer=tuple(per) if len(set(per)) > 1 else ())

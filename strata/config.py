@@ -19,7 +19,7 @@ from .errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/model.py); auto = the model's default
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
-KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn")  # the KV cache's dtype (issue 12); auto = dtype
+KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn", "q8_0")  # the KV cache's dtype (issue 12); auto = dtype
 DECODE_WEIGHTS = ("auto", "none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
 REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.join --join {join} --key {key}"
@@ -441,10 +441,11 @@ def _check_values(cfg: RigConfig) -> None:
         raise ConfigError(f"debug.fail_mode: expected raise, exit, hang or kill, got {cfg.debug.fail_mode!r}")
     if cfg.debug.fail_phase not in ("load", "prefill", "decode"):
         raise ConfigError(f"debug.fail_phase: expected load, prefill or decode, got {cfg.debug.fail_phase!r}")
-    if cfg.decode_weights == "blocks" and cfg.kv_dtype == "float16" and not (
+    if cfg.decode_weights == "blocks" and cfg.kv_dtype in ("float16", "q8_0") and not (
             isinstance(cfg.stages, tuple) and all(s.device.startswith("cuda") for s in cfg.stages)):
         raise ConfigError("decode_weights: blocks decodes CPU stages in C on a float32, bfloat16 or float8_e4m3fn KV "
-                          "cache, not kv_dtype float16: set kv_dtype bfloat16, or decode_weights auto (dense steps)")
+                          f"cache, not kv_dtype {cfg.kv_dtype}: set kv_dtype bfloat16 or float8_e4m3fn, or "
+                          "decode_weights auto (dense steps)")
     if isinstance(cfg.stages, tuple):
         for i, s in enumerate(cfg.stages):
             if not s.remote:  # a remote stage's device is checked on its host, when it loads

@@ -71,8 +71,8 @@ def auto_kind(args, quantized: bool, weights: str, kv_dtype: torch.dtype = torch
     if args.extras():
         return "none", f"the C decoder implements the Llama core; {args.arch} uses {', '.join(args.extras())}"
     if kv_dtype not in KV_DTYPES:
-        return "none", (f"kv_dtype {str(kv_dtype).removeprefix('torch.')} (the C decoder reads a float32, bfloat16 or "
-                        "float8_e4m3fn cache)")
+        name = "q8_0" if kv_dtype == torch.uint8 else str(kv_dtype).removeprefix("torch.")
+        return "none", f"kv_dtype {name} (the C decoder reads a float32, bfloat16 or float8_e4m3fn cache)"
     try:
         library()
     except BuildError as e:

@@ -34,10 +34,13 @@ def n_splits(keys: int, target: int = 64) -> int:
 
 if triton is not None:
     @triton.jit
-    def _partial(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
+    def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
                  sk_h, sk_s, sv_h, sv_s, span, scale, window, ring,
                  G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, Q8: tl.constexpr):
+        # Q8: a q8_0 cache (strata.attention.to_q8_0): k_ptr / v_ptr its bytes as int8, ks_ptr / vs_ptr the same
+        # bytes as float16 (strides in bytes); value d of a row is byte 34 (d // 32) + 2 + d % 32 times the float16
+        # at byte 34 (d // 32), widened as strata.attention.from_q8_0 widens it (float32 product, rounded once)
         h = tl.program_id(0)
         s = tl.program_id(1)
         n_split = tl.num_programs(1)
@@ -51,6 +54,9 @@ if triton is not None:
         dims = tl.arange(0, HD)
         q = tl.load(q_ptr + (h * G + rows)[:, None] * HD + dims[None, :], mask=(rows < G)[:, None], other=0.0)
         dt = q_ptr.dtype.element_ty  # scores from the query's dtype (exact bf16 products), sums in float32
+        if Q8:
+            cols_d = dims // 32 * 34 + 2 + dims % 32
+            scale_d = dims // 32 * 17  # in float16 units
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HD], tl.float32)
@@ -58,8 +64,16 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             live = cols < hi
             rows_k = (first + cols) % ring  # the identity for a cache that is not a ring (ring >= n_keys)
-            k = tl.load(k_ptr + h * sk_h + rows_k[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(v_ptr + h * sv_h + rows_k[:, None] * sv_s + dims[None, :], mask=live[:, None], other=0.0)
+            if Q8:
+                ko, vo = h * sk_h + rows_k[:, None] * sk_s, h * sv_h + rows_k[:, None] * sv_s
+                k = (tl.load(k_ptr + ko + cols_d[None, :], mask=live[:, None], other=0).to(tl.float32)
+                     * tl.load(ks_ptr + ko // 2 + scale_d[None, :], mask=live[:, None], other=0.0).to(tl.float32))
+                v = (tl.load(v_ptr + vo + cols_d[None, :], mask=live[:, None], other=0).to(tl.float32)
+                     * tl.load(vs_ptr + vo // 2 + scale_d[None, :], mask=live[:, None], other=0.0).to(tl.float32))
+                v = v.to(dt)  # the widened value in the compute dtype, as the eager path's from_cache gives it
+            else:
+                k = tl.load(k_ptr + h * sk_h + rows_k[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
+                v = tl.load(v_ptr + h * sv_h + rows_k[:, None] * sv_s + dims[None, :], mask=live[:, None], other=0.0)
             sc = tl.dot(q, tl.trans(k.to(dt)), input_precision=PREC) * scale        # (GP, BLOCK)
             sc = tl.where(live[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -105,7 +119,8 @@ class SplitKAttention:
     """Buffers and launches for one cache shape: call(q, k, v, n_keys) -> out, all on one device.
 
     q: (nkv, g, hd) query rows grouped by their kv head; k, v: (nkv, S, hd) views of the cache (last dim
-    contiguous, any dtype Triton loads); n_keys: a device int tensor (1,), the live positions (< S read).
+    contiguous, any dtype Triton loads; a q8_0 cache's uint8 rows of hd / 32 * 34 bytes); n_keys: a device int
+    tensor (1,), the live positions (< S read).
     The partial results live in buffers made once here, so the launches can be captured in a graph."""
 
     def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None):
@@ -130,19 +145,26 @@ class SplitKAttention:
         was made for keys = min(bucket, window). scale: of q.k (None: hd ** -0.5). sinks (nkv * g,): a logit
         per query head in the softmax's denominator (gpt-oss)."""
         nkv, g, hd = self.nkv, self.g, self.hd
-        if q.shape != (nkv, g, hd) or k.shape[0] != nkv or k.shape[2] != hd or v.shape != k.shape:
+        q8 = k.dtype == torch.uint8  # a q8_0 cache: rows of hd / 32 blocks of 34 bytes
+        width = hd // 32 * 34 if q8 else hd
+        if q.shape != (nkv, g, hd) or k.shape[0] != nkv or k.shape[2] != width or v.shape != k.shape:
             raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
                              f"({nkv}, {g}, {hd})")
         if k.stride(2) != 1 or v.stride(2) != 1:
             raise ValueError("keys and values need a contiguous last dimension")
+        if q8 and (hd % 32 or any(t.stride(i) % 2 or t.storage_offset() % 2 for t in (k, v) for i in (0, 1))):
+            raise ValueError("a q8_0 cache needs whole 32-value blocks and rows at even byte offsets")
         q = q.contiguous()
         out = torch.empty_like(q) if out is None else out
-        _partial[(nkv, self.splits)](q, k, v, n_keys, self.m, self.l, self.acc,
+        ks, vs = (k.view(torch.float16), v.view(torch.float16)) if q8 else (k, v)
+        if q8:
+            k, v = k.view(torch.int8), v.view(torch.int8)
+        _partial[(nkv, self.splits)](q, k, v, ks, vs, n_keys, self.m, self.l, self.acc,
                                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), self.span,
                                      1.0 / math.sqrt(hd) if scale is None else scale, window if window > 0 else 1 << 30,
                                      k.shape[1],
                                      G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
-                                     PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                                     PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8)
         _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
                          GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None)
         return out

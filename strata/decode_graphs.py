@@ -13,7 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .attention import rope_rows, rope_tables, to_cache
+from .attention import Q8_0, from_cache, rope_rows, rope_tables, to_cache
 from .model import Block, RMSNorm, Transformer, gate
 from .resident import DECODE_T, DenseMatrices, Packed, ResidentMatrices, fused_ok
 from .weight_only import Products, dense_products
@@ -162,9 +162,9 @@ class DecodeGraphs:
         # the masked path's positions, compared with pos on the device (split-K reads the live count instead)
         self.ar = None if self.use_split_k else torch.arange(self.cache_len, device=dev)
         # with split-K, also the Triton norm and rope-and-store kernels (strata/decode_kernels.py); not for a
-        # float8 cache (its stores clamp first)
+        # float8 cache (its stores clamp first); a q8_0 one's are quantized in the store
         self.fused = (self.use_split_k and self.kernels.graph_kernels == "triton"
-                      and a.k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32))
+                      and a.k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32, Q8_0))
 
     def bucket(self, pos: int) -> int:
         b, m = GRAPH_MIN_BUCKET, GRAPH_MIN_BUCKET
@@ -318,8 +318,8 @@ class DecodeGraphs:
             y = att(qk[0, :nh].view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks)
         else:
             keys, vals = a.k_cache[:, :, :b], a.v_cache[:, :, :b]
-            if keys.dtype != qk.dtype:
-                keys, vals = keys.to(qk.dtype), vals.to(qk.dtype)
+            if keys.dtype != qk.dtype:  # widened (a q8_0 cache's blocks times their scales)
+                keys, vals = from_cache(keys, qk.dtype), from_cache(vals, qk.dtype)
             q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=a.scale)
         return self._rest(blk, mm, h, y)

@@ -63,10 +63,29 @@ if triton is not None:
         tl.store(out_ptr, tl.load(idx_ptr + tl.where(b < parts, b, 0)))
 
     @triton.jit
-    def _rope_store(qkv_ptr, cos_ptr, ssin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, skh, sks, svh, svs,
-                    NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr):
+    def _q8_store(ptr, sptr, off, r, NB: tl.constexpr, COLS: tl.constexpr):
+        # r (HD / 32, 32) float32 -> the q8_0 blocks of one cached row at byte `off` (strata.attention.to_q8_0's
+        # bytes: d = amax / 127, stored as float16; values roundf(r * (1 / d)) with the float32 d, correctly rounded
+        # divisions as torch's)
+        b = tl.arange(0, NB)
+        d = tl.math.div_rn(tl.max(tl.abs(r), 1), tl.full(b.shape, 127.0, tl.float32))
+        inv = tl.where(d == 0, 0.0, tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), tl.where(d == 0, 1.0, d)))
+        y = r * inv[:, None]
+        a = tl.abs(y)
+        f = tl.floor(a)
+        q = f + tl.floor(2 * (a - f))  # C's roundf: halves away from zero
+        q = tl.where(y < 0, -q, q)
+        j = tl.arange(0, COLS)
+        tl.store(ptr + off + (b * 34 + 2)[:, None] + j[None, :], q.to(tl.int8))
+        tl.store(sptr + off // 2 + b * 17, d.to(tl.float16))
+
+    @triton.jit
+    def _rope_store(qkv_ptr, cos_ptr, ssin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, skh, sks, svh, svs,
+                    NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, COLS: tl.constexpr, Q8: tl.constexpr):
+        # a head's HD values as (HD / COLS, COLS): COLS = HD, or 32 with Q8 (a q8_0 cache: kc_ptr / vc_ptr its bytes
+        # as int8, ks_ptr / vs_ptr as float16, strides in bytes; each row of the tile one block)
         h = tl.program_id(0)
-        d = tl.arange(0, HD)
+        d = tl.arange(0, HD // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
         pos = tl.load(pos_ptr)
         x = tl.load(qkv_ptr + h * HD + d)
         if h < NH + NKV:  # q or k: rotate (rotate-half as a roll by HD/2 times the signed sin)
@@ -77,8 +96,13 @@ if triton is not None:
             r = a + xr * s
             if h < NH:
                 tl.store(q_ptr + h * HD + d, r.to(q_ptr.dtype.element_ty))
+            elif Q8:
+                k = r.to(x.dtype).to(tl.float32)
+                _q8_store(kc_ptr, ks_ptr, (h - NH) * skh + pos * sks, k, HD // COLS, COLS)
             else:
                 tl.store(kc_ptr + (h - NH) * skh + pos * sks + d, r.to(x.dtype).to(kc_ptr.dtype.element_ty))
+        elif Q8:
+            _q8_store(vc_ptr, vs_ptr, (h - NH - NKV) * svh + pos * svs, x.to(tl.float32), HD // COLS, COLS)
         else:
             tl.store(vc_ptr + (h - NH - NKV) * svh + pos * svs + d, x.to(vc_ptr.dtype.element_ty))
 
@@ -121,11 +145,18 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, pos: torch.Tensor, nh: int, nkv: int,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """qkv (nh + 2 nkv, hd) of one token -> rotated q (nh, hd); rotated k and v written at cache position pos
-    (a device tensor). k_cache, v_cache: (nkv, S, hd) views, last dim contiguous. cos, ssin: (hd,)."""
+    (a device tensor). k_cache, v_cache: (nkv, S, hd) views, last dim contiguous (a q8_0 cache: uint8 rows of
+    hd / 32 * 34 bytes, written as strata.attention.to_q8_0 writes them). cos, ssin: (hd,)."""
     hd = qkv.shape[-1]
     if not qkv.is_contiguous() or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("rope_store wants a contiguous qkv row and caches with a contiguous last dim")
+    q8 = k_cache.dtype == torch.uint8
     q = torch.empty(nh, hd, dtype=qkv.dtype, device=qkv.device)
-    _rope_store[(nh + 2 * nkv,)](qkv, cos, ssin, pos, q, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-                                 v_cache.stride(0), v_cache.stride(1), NH=nh, NKV=nkv, HD=hd)
+    kc, vc, ks, vs = k_cache, v_cache, k_cache, v_cache
+    if q8:
+        kc, vc, ks, vs = (k_cache.view(torch.int8), v_cache.view(torch.int8), k_cache.view(torch.float16),
+                          v_cache.view(torch.float16))
+    _rope_store[(nh + 2 * nkv,)](qkv, cos, ssin, pos, q, kc, vc, ks, vs, k_cache.stride(0), k_cache.stride(1),
+                                 v_cache.stride(0), v_cache.stride(1), NH=nh, NKV=nkv, HD=hd,
+                                 COLS=32 if q8 else hd, Q8=q8)
     return q

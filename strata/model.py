@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
-from .attention import (_FP8, BF16_ATTENTION_FROM, CUDA_ATTENTION_DEFAULT, _bf16_cache_attention, apply_rope,
-                        chunk_attention,
-                        decode_attention, from_cache, kv_dtype_of, rope_rows, rope_tables, sink_attention, store_rows,
-                        to_cache, window_attention)
+from .attention import (_FP8, BF16_ATTENTION_FROM, CUDA_ATTENTION_DEFAULT, Q8_0, _bf16_cache_attention, apply_rope,
+                        cache_width, chunk_attention, decode_attention, from_cache, kv_dtype_of, rope_rows,
+                        rope_tables, sink_attention, store_rows, to_cache, window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentExperts,
                        ResidentMatrices, Scratch, _dequantize, head_rows)
 from .config import KernelSpec
@@ -238,7 +237,7 @@ class Block(nn.Module):
             qk = rope_rows(qkv[:, :nh + nkv], cos, sin)  # in h's dtype (a bfloat16 qkv is promoted)
         kc, vc = a.k_cache, a.v_cache
         k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + nkv:].transpose(0, 1)  # (nkv, T, hd)
-        if kc.dtype in _FP8:
+        if kc.dtype in _FP8 or kc.dtype == Q8_0:  # clamped, or quantized in blocks (to_cache)
             k_new, v_new = to_cache(k_new, kc.dtype), to_cache(v_new, vc.dtype)
         if a.window is not None or a.sinks is not None:  # a window layer's cache may be a ring
             store_rows(kc, k_new, pos)
@@ -500,8 +499,9 @@ class Transformer(nn.Module):
     def setup_cache(self, max_len: int, kv_dtype="auto", max_chunk: int | None = None) -> int:
         """Allocate the KV cache for `max_len` positions once; returns its size in bytes.
 
-        kv_dtype: "auto" (the compute dtype), "bfloat16", "float16", "float8_e4m3fn" (8-bit K and V;
-        each layer's cached prefix is widened to the compute dtype for its attention). max_chunk: the most rows
+        kv_dtype: "auto" (the compute dtype), "bfloat16", "float16", "float8_e4m3fn" or "q8_0" (8-bit K and V,
+        q8_0 with a scale per 32 values; each layer's cached prefix is widened to the compute dtype for its
+        attention). max_chunk: the most rows
         a forward call takes; given, a window layer keeps a ring of window + max_chunk - 1 rows
         (ModelArgs.kv_positions) instead of every position."""
         device, dtype = self.device_dtype()
@@ -511,7 +511,8 @@ class Transformer(nn.Module):
             if blk.linear:  # a state of fixed size, not a cache
                 blk.attn.setup_state(device)
                 continue
-            shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk), self.args.head_dim)
+            shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
+                     cache_width(self.args.head_dim, kv))
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
             blk.attn.k_cache = torch.zeros(shape, device=device, dtype=kv)
             blk.attn.v_cache = torch.zeros(shape, device=device, dtype=kv)

@@ -178,6 +178,9 @@ def build_plan(cfg: RigConfig) -> Plan:
             check_device(s.device, f"stages[{i}].device")
     if len(stages) > args.n_layers:
         raise ConfigError(f"stages: {len(stages)} stages but the model has only {args.n_layers} layers")
+    if cfg.kv_dtype == "q8_0" and args.head_dim % 32:
+        raise ConfigError(f"kv_dtype: q8_0 caches blocks of 32 values; this model's head dim is {args.head_dim} "
+                          "(use float8_e4m3fn)")
     ids = load_prompt(cfg, args, timings)
     total = ids.size + cfg.generate
     if cfg.max_context is not None and cfg.max_context > args.max_seq_len:
@@ -338,8 +341,10 @@ def would_fit(fit, chunk: int, tokens: int, kv_dtype: str, storage_at) -> str:
         lo, hi = (mid, hi) if mid >= chunk and fit(chunk, mid)[0] is not None else (lo, mid - 1)
     if lo >= chunk:
         out.append(f"max_context {lo} at chunk {chunk}")
-    if kv_dtype != "float8_e4m3fn" and fit(chunk, tokens, storage_at("float8_e4m3fn"))[0] is not None:
-        out.append("kv_dtype float8_e4m3fn")
+    if kv_dtype not in ("q8_0", "float8_e4m3fn"):  # q8_0 first: its scales keep the perplexity (README)
+        eight = next((k for k in ("q8_0", "float8_e4m3fn") if fit(chunk, tokens, storage_at(k))[0] is not None), None)
+        if eight:
+            out.append(f"kv_dtype {eight}")
     return f"; would fit: {', or '.join(out)}" if out else ""
 
 

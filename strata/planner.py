@@ -75,7 +75,7 @@ class Storage:
     head: int                  # the head, or the tied embedding's copy on a stage without the embedding
     norm: int
     scratch: int               # resident: one layer dense in dtype + the dequantizer's transient
-    kv_elem: int               # bytes per cached K or V element
+    kv_elem: float             # bytes per cached K or V element (q8_0: 34 / 32, its scales included)
     mode: str = "dequantized"  # "resident" or "dequantized"
     per_layer: tuple = ()      # each layer's weights, where they differ (GLM's first dense layers, experts)
 
@@ -123,7 +123,7 @@ def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b
         weights = int(layers) + st.scratch + (st.embed if first else 0)
         if last:
             weights += st.norm + (0 if args.tie_embeddings and first else st.head)
-        return weights, 2 * kvw * rows * st.kv_elem + states
+        return weights, int(2 * kvw * rows * st.kv_elem) + states
     # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
     if args.first_dense_layers or args.linear_layers is not None:
         # layers differ: GLM's first ones keep a dense MLP; Qwen3.5's linear-attention layers are not its full ones

@@ -116,10 +116,12 @@ def test_chunk_not_positive(tmp_path, capsys, chunk):
     assert line == f"error: chunk: must be a positive number of tokens, got {chunk}", line
 
 
-def test_blocks_with_a_kv_cache_the_c_decoder_cannot_read(tmp_path, capsys):
-    line = refuse(tmp_path, capsys, make_rig(decode_weights="blocks", kv_dtype="float16"))
+@pytest.mark.parametrize("kv", ["float16", "q8_0"])
+def test_blocks_with_a_kv_cache_the_c_decoder_cannot_read(tmp_path, capsys, kv):
+    line = refuse(tmp_path, capsys, make_rig(decode_weights="blocks", kv_dtype=kv))
     assert line == ("error: decode_weights: blocks decodes CPU stages in C on a float32, bfloat16 or float8_e4m3fn KV "
-                    "cache, not kv_dtype float16: set kv_dtype bfloat16, or decode_weights auto (dense steps)"), line
+                    f"cache, not kv_dtype {kv}: set kv_dtype bfloat16 or float8_e4m3fn, or decode_weights auto "
+                    "(dense steps)"), line
 
 
 def test_split_does_not_sum_to_layers(tmp_path, capsys):

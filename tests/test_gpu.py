@@ -136,13 +136,14 @@ def test_cuda_graph_float32_with_bfloat16_cache():
     assert _rel(steps.decode_step(ids[:, 559:560], 559), ref(ids[:, 559:560], 559, decode=True)) < 2e-2
 
 
-def test_cuda_graph_with_float8_cache():
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "q8_0"])
+def test_cuda_graph_with_8bit_cache(kv):
     """kv_dtype float8_e4m3fn with CUDA graphs (it failed at load: CUDA's index_copy_ has no float8 kernel): graph
-    steps store through the cache's bytes and read the 8-bit keys in the split-K kernel; within fp8's rounding of a
-    bfloat16 cache's steps."""
+    steps store through the cache's bytes and read the 8-bit keys in the split-K kernel; q8_0: stored by the fused
+    rope kernel as blocks, read as blocks by split-K; within 8-bit rounding of a bfloat16 cache's steps."""
     ref = _dense(torch.bfloat16, 700)
-    eager, graph = (_dense(torch.bfloat16, 700, kv_dtype="float8_e4m3fn") for _ in range(2))
-    assert graph.layers["0"].attn.k_cache.dtype == torch.float8_e4m3fn
+    eager, graph = (_dense(torch.bfloat16, 700, kv_dtype=kv) for _ in range(2))
+    assert graph.layers["0"].attn.k_cache.dtype == (torch.uint8 if kv == "q8_0" else torch.float8_e4m3fn)
     ids = torch.randint(0, 2048, (1, 560), generator=torch.Generator().manual_seed(4)).cuda()
     ref(ids[:, :500], 0), eager(ids[:, :500], 0), graph(ids[:, :500], 0)
     steps = GraphedDecode(graph)

@@ -216,7 +216,7 @@ def test_every_rig_field_is_parsed():
     ({"attention": "flsh"}, {}, "attention: 'flsh' is not one of auto, flash, cudnn-split"),
     ({}, {"STRATA_CUDA_ATTENTION": "flsh"}, "STRATA_CUDA_ATTENTION='flsh': expected one of auto, flash, cudnn-split"),
     ({"weights": "int4"}, {}, "weights: 'int4' is not one of auto, resident, dequantized"),
-    ({"kv_dtype": "float8"}, {}, "kv_dtype: 'float8' is not one of auto, bfloat16, float16, float8_e4m3fn"),
+    ({"kv_dtype": "float8"}, {}, "kv_dtype: 'float8' is not one of auto, bfloat16, float16, float8_e4m3fn, q8_0"),
 ], ids=["attention", "env-attention", "weights", "kv_dtype"])
 def test_numerics_keys_refused(raw, env, expect):
     with pytest.raises(ConfigError) as e:

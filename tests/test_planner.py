@@ -360,7 +360,7 @@ def test_refusal_says_what_would_fit():
     assert 384 <= longest < 512
     assert stage_need(args, 4, 8, longest, 256, "float32", True).total <= cap
     assert stage_need(args, 4, 8, longest + 1, 256, "float32", True).total > cap
-    assert msg.endswith(f"; would fit: chunk 128, or max_context {longest} at chunk 256, or kv_dtype float8_e4m3fn")
+    assert msg.endswith(f"; would fit: chunk 128, or max_context {longest} at chunk 256, or kv_dtype q8_0")
 
 
 def test_build_plan_rig_speeds():

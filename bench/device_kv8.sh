@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# kv_dtype q8_0 on one H200 (issue 26 item 1): setup (wheels, llama.cpp's CUDA build in the background, the 8B Q4_K_M
+# random-block file) and the GPU tests of the 8-bit caches; then `time`: decode after 122,880 tokens with a bfloat16
+# and a q8_0 cache (CUDA graphs, the default), their prefill (ttft) of the same prompt, and llama.cpp's decode after
+# the same depth with its f16 and q8_0 caches, on the same file. Usage: bash bench/device_kv8.sh setup tests | time
+LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
+. bench/device_common.sh
+wheels zmq gguf
+for step in "$@"; do case $step in
+setup)
+  build
+  el "gguf 8B Q4_K_M"
+  [ -f /tmp/8b-q4km.gguf ] || timeout 120 python3 bench/make_gguf.py --preset llama-3-8b --qtype Q4_K_M \
+    --out /tmp/8b-q4km.gguf --device cuda 2>&1 | tail -1 ;;
+tests)
+  el "GPU tests: 8-bit caches, split-K, graphs"
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kv_q8.py tests/test_decode_attention.py \
+    tests/test_gpu.py -k "q8 or 8bit or split_k or graph" 2>&1 | tail -5
+  build_wait ;;
+time)
+  build_wait
+  el "Strata 8B Q4_K_M, 1 GPU: bf16 and q8_0 caches, decode after 122,880"
+  timeout 240 python3 bench/generate.py --model /tmp/8b-q4km.gguf --devices cuda:0 --contexts 122880 --tokens 128 \
+    --chunk 10240 --kv-dtype auto,q8_0 2>&1 | tail -4
+  el "llama.cpp, the same file: f16 and q8_0 caches"
+  [ -x "$LB" ] && timeout 240 python3 bench/generate.py --model /tmp/8b-q4km.gguf --devices cuda:0 --contexts 122880 \
+    --tokens 128 --llama-only --llama-bench "$LB" --llama-kv f16,q8_0 2>&1 | tail -3 ;;
+esac; done
+el end

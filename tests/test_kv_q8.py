@@ -1,0 +1,200 @@
+"""kv_dtype q8_0: llama.cpp's q8_0 blocks as the KV cache (strata.attention.to_q8_0 / from_q8_0) against gguf-py's
+own quantizer, the Triton kernels that write and read it (interpreted on CPU), a pipeline's depth arms on it, and
+its bytes in the planner."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from strata.attention import Q8_0, cache_width, from_cache, from_q8_0, kv_dtype_of, kv_value_bytes, to_cache, to_q8_0
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+
+def _values(n_rows: int, hd: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n_rows, hd, generator=g) * torch.logspace(-3, 2, n_rows).unsqueeze(1)
+    x[0] = 0                                  # a block of zeros: scale 0, values 0
+    x[1, :32] = torch.arange(32) - 15.5       # halves of the scale: x / d lands on .5 (C's roundf: away from 0)
+    x[2, :32] = 127 * 0.49999997              # just under a half: rounds down (floor(a + 0.5) would not)
+    x[2, 0] = 127.0
+    x[3] = -x[3].abs()                        # a block whose amax is negative
+    return x
+
+
+def test_q8_0_bytes_are_gguf_pys_and_widen_as_it_dequantizes():
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+    for hd in (32, 64, 128):
+        x = _values(40, hd)
+        ours = to_q8_0(x)
+        assert ours.dtype == torch.uint8 and ours.shape == (40, cache_width(hd, Q8_0)) == (40, hd // 32 * 34)
+        theirs = quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
+        assert np.array_equal(ours.numpy(), theirs), hd
+        want = dequantize(theirs, gguf.GGMLQuantizationType.Q8_0)
+        assert np.array_equal(from_q8_0(ours, torch.float32).numpy(), want)
+        # to a narrower dtype: the float32 product rounded once
+        assert torch.equal(from_q8_0(ours, torch.bfloat16), torch.from_numpy(want).bfloat16())
+
+
+def test_q8_0_cache_dispatch_and_sizes():
+    assert kv_dtype_of("q8_0", torch.float32) == Q8_0 and kv_value_bytes(Q8_0) == 34 / 32
+    x = _values(12, 64).view(1, 2, 6, 64)
+    c = to_cache(x, Q8_0)
+    assert c.shape == (1, 2, 6, 68)
+    view = torch.cat([c, c], 2)[:, :, 3:9]  # a narrowed cache, as attention reads a prefix
+    assert not view.is_contiguous()
+    assert torch.equal(from_cache(view, torch.float32), from_q8_0(view.contiguous(), torch.float32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cache_width(48, Q8_0)
+
+
+KERNELS = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.attention import _signed_sin, from_q8_0, rope_rows, to_q8_0
+from strata.decode_attention import SplitKAttention
+from strata.decode_kernels import rope_store
+from strata.kernels import q8_0_widen
+g = torch.Generator().manual_seed(11)
+for hd in (64, 128):
+    nh, nkv, S, pos = 4, 2, 40, 17
+    W = hd // 32 * 34
+    qkv = torch.randn(nh + 2 * nkv, hd, generator=g) * 3
+    qkv[nh + nkv, :32] = 0  # a value block of zeros
+    ang = torch.randn(hd // 2, generator=g)
+    cos, sin = torch.cat((ang, ang)).cos(), torch.cat((ang, ang)).sin()
+    kc, vc = (torch.full((nkv, S, W), 255, dtype=torch.uint8) for _ in range(2))
+    q = rope_store(qkv, cos, _signed_sin(sin), torch.tensor([pos]), nh, nkv, kc, vc)
+    ref = rope_rows(qkv[None, :nh + nkv], cos.view(1, 1, hd), _signed_sin(sin).view(1, 1, hd))[0]
+    assert torch.allclose(q, ref[:nh], rtol=1e-6, atol=1e-6)
+    # the stored row's bytes are to_q8_0's (the rotated k exactly torch's here: float32 throughout)
+    assert torch.equal(kc[:, pos], to_q8_0(ref[nh:])) and torch.equal(vc[:, pos], to_q8_0(qkv[nh + nkv:]))
+    assert (kc[:, :pos] == 255).all() and (kc[:, pos + 1:] == 255).all() and (vc[:, pos + 1:] == 255).all()
+    # split-K reading the blocks == split-K on the same cache widened by from_q8_0
+    k8, v8 = (to_q8_0(torch.randn(nkv, 300, hd, generator=g)) for _ in range(2))
+    qq = torch.randn(nkv, nh // nkv, hd, generator=g)
+    att = SplitKAttention(nkv, nh // nkv, hd, 300, "cpu")
+    for n in (1, 217, 300):
+        a = att(qq, k8, v8, torch.tensor([n]))
+        b = att(qq, from_q8_0(k8, torch.float32), from_q8_0(v8, torch.float32), torch.tensor([n]))
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (hd, n, float((a - b).abs().max()))
+    # the prefill's one-pass widening of a narrowed cache == from_q8_0's torch ops
+    view = k8[None, :, 5:100]
+    w = q8_0_widen(view, torch.float32)
+    assert w is not None and torch.equal(w, from_q8_0(view.contiguous(), torch.float32)), hd
+print("ok")
+"""
+
+
+@needs_triton
+def test_q8_0_kernels_interpreted():
+    """rope_store's q8_0 store (the bytes to_q8_0 writes, nothing else written), split-K attention over q8_0 blocks,
+    and the prefill's widening kernel, through Triton's interpreter."""
+    r = subprocess.run([sys.executable, "-c", KERNELS, str(ROOT)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+GRAPH_BODY = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.attention import Q8_0
+from strata.decode_graphs import DecodeGraphs
+from strata.args import ModelArgs
+from tests.test_decode_model import SMALL, build, rel
+args = ModelArgs(**{**SMALL.__dict__, "n_heads": 4, "head_dim": 32})  # q8_0: blocks of 32 values a row
+eager, body = build(args, 600, "q8_0"), build(args, 600, "q8_0")
+dg = DecodeGraphs(body)
+assert dg.use_split_k and dg.fused and body.layers["0"].attn.k_cache.dtype == Q8_0
+xs = torch.randint(0, args.vocab_size, (1, 530), generator=torch.Generator().manual_seed(9))
+eager(xs[:, :500], 0), body(xs[:, :500], 0)
+with torch.inference_mode():
+    for p in range(500, 530):
+        a = eager(xs[:, p:p + 1], p)
+        dg.ids.copy_(xs[:, p:p + 1].reshape(-1))
+        dg.pos.fill_(p)
+        h, logits, am = dg._body(dg.bucket(p))
+        assert rel(h, a) < 1e-5, (p, rel(h, a))
+print("ok")
+"""
+
+
+@needs_triton
+def test_q8_0_graph_body_interpreted_matches_eager():
+    """DecodeGraphs' step on a q8_0 cache (the fused rope-and-quantize store, split-K on the blocks) == the eager
+    decode path (to_cache, from_cache), float32."""
+    r = subprocess.run([sys.executable, "-c", GRAPH_BODY, str(ROOT)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_q8_0_pipeline_depth_arms_identical_and_close_to_float32(tmp_path):
+    from strata.pipeline import Pipeline
+    stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
+    got = {}
+    for kv, depth in (("auto", 1), ("q8_0", 0), ("q8_0", 1)):
+        cfg = dict(model="synthetic:smoke", stages=stages, chunk=64, depth=depth, kv_dtype=kv, dump_residual=True,
+                   progress=False, generate=4, prompt={"random": {"tokens": 300, "seed": 2}})
+        with Pipeline(cfg, out=tmp_path / f"{kv}{depth}", console=False) as p:
+            r = p.prefill()
+        got[kv, depth] = r
+    a, b = got["q8_0", 0], got["q8_0", 1]
+    assert a.report["residual_md5"] == b.report["residual_md5"] and a.continuation_ids == b.continuation_ids
+    ref = got["auto", 1]
+    assert a.report["residual_md5"] != ref.report["residual_md5"]  # the cache is 8-bit: not float32's bits
+    assert abs(a.perplexity / ref.perplexity - 1) < 1e-2
+
+
+def test_q8_0_refused_for_a_head_dim_not_of_whole_blocks(tmp_path, monkeypatch):
+    import dataclasses
+    import strata.plan
+    from strata.checkpoint import model_args
+    from strata.config import ConfigError
+    from strata.pipeline import Pipeline
+    narrow = dataclasses.replace(model_args("synthetic:smoke"), head_dim=16)
+    monkeypatch.setattr(strata.plan, "model_args", lambda spec: narrow)
+    cfg = dict(model="synthetic:smoke", kv_dtype="q8_0", progress=False, prompt={"random": {"tokens": 8, "seed": 0}})
+    with pytest.raises(ConfigError, match=r"^kv_dtype: q8_0 caches blocks of 32 values; this model's head dim is 16 "):
+        Pipeline(cfg, out=tmp_path / "o", console=False)
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
+
+
+def test_q8_0_bytes_in_the_planner():
+    from strata.checkpoint import model_args, stage_bytes
+    args = model_args("synthetic:smoke")
+    kv = {k: stage_bytes("synthetic:smoke", args, 0, 4, torch.float32, "auto", k, 1024)[2]
+          for k in ("q8_0", "float8_e4m3fn")}
+    assert kv["q8_0"] == kv["float8_e4m3fn"] * 34 // 32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_triton
+def test_q8_0_on_cuda_widen_and_split_k():
+    """On the GPU: the prefill's widening kernel gives from_q8_0's CPU values (bfloat16: the float32 product rounded
+    once), split-K on the blocks is close to float64 attention on the dequantized cache (8B shapes), and the fused
+    store writes to_q8_0's bytes for float32 rows."""
+    from strata.decode_attention import SplitKAttention
+    g = torch.Generator().manual_seed(8)
+    nkv, grp, hd = 8, 4, 128
+    for S, n in [(2048, 1500), (32768, 32768)]:
+        k8, v8 = (to_q8_0(torch.randn(nkv, S, hd, generator=g)).cuda() for _ in range(2))
+        view = k8[None, :, 3:n]
+        widened = from_cache(view, torch.bfloat16)
+        assert torch.equal(widened.cpu(), from_q8_0(view.cpu().contiguous(), torch.bfloat16))
+        q = torch.randn(nkv, grp, hd, generator=g).cuda().bfloat16()
+        out = SplitKAttention(nkv, grp, hd, S, "cuda")(q, k8, v8, torch.tensor([n], device="cuda"))
+        k, v = from_q8_0(k8, torch.float32).double(), from_q8_0(v8, torch.float32).double()
+        s = q.double() @ k[:, :n].transpose(1, 2) / hd ** 0.5
+        want = torch.softmax(s, -1) @ v[:, :n]
+        err = float((out.double() - want).norm() / want.norm())
+        assert err < 1e-2, (S, n, err)
