@@ -215,24 +215,20 @@ class LocalEngine(_ModelText):
 
     def kv_save(self, path) -> dict:
         """The kept prompt's (and answer's) KV and ids into `path`, as Pipeline.kv_save writes it."""
-        from .kv_file import KvFileError, create, write_rows
+        from .kv_file import KvFileError, create, replacing, write_rows
         from .prefix_cache import layer_caches, row_bytes, supported
         if self.net is None or not self.kept:
             raise KvFileError("kv_save: nothing to save: no prompt has been prefilled on this engine")
         if supported(self.args):
             raise KvFileError(f"kv_save: not for this model: {supported(self.args)}")
         caches, n, path = layer_caches(self.net), len(self.kept), Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            data_at = create(tmp, self._fingerprint(), np.asarray(self.kept), row_bytes(caches) // self.args.n_layers,
-                             [[0, self.args.n_layers]])
-            write_rows(str(tmp), data_at, n, caches)
-            os.replace(tmp, path)
+            with replacing(path) as tmp:
+                data_at = create(tmp, self._fingerprint(), np.asarray(self.kept),
+                                 row_bytes(caches) // self.args.n_layers, [[0, self.args.n_layers]])
+                write_rows(str(tmp), data_at, n, caches)
         except OSError as e:
             raise KvFileError(f"kv_save: cannot write {path}: {e.strerror or e}") from None
-        finally:
-            if tmp.exists():
-                tmp.unlink()
         return {"path": str(path), "tokens": n, "bytes": path.stat().st_size}
 
     def kv_load(self, path) -> dict:

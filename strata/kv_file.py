@@ -18,6 +18,7 @@ do not depend on it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -92,6 +93,19 @@ def _header(fp: dict, tokens: int, layer_row_bytes: int, split: list) -> bytes:
     h = {"format": "strata-kv", "version": VERSION, "fingerprint": fp, "tokens": tokens,
          "layer_row_bytes": layer_row_bytes, "split": split}
     return json.dumps(h, sort_keys=True).encode()
+
+
+@contextlib.contextmanager
+def replacing(path: Path):
+    """A temporary name beside `path` to write a KV file under: moved onto `path` when the block ends, removed if
+    it raised, so no half-written file is left under either name."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def create(path: str | os.PathLike, fp: dict, ids: np.ndarray, layer_row_bytes: int, split: list) -> int:

@@ -611,19 +611,14 @@ class Pipeline:
             raise kv_file.KvFileError("kv_save: nothing to save: no prompt has been prefilled on this pipeline")
         lrb = self._kv_file_checks("kv_save")
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         t0 = time.perf_counter()
         split = [list(st.layers) for st in self.stages]
-        data_at = kv_file.create(tmp, kv_file.rig_fingerprint(self.cfg, self.plan), self._kept[:n], lrb, split)
-        try:
+        with kv_file.replacing(path) as tmp:
+            data_at = kv_file.create(tmp, kv_file.rig_fingerprint(self.cfg, self.plan), self._kept[:n], lrb, split)
             done = self._kv_all("save", path=str(tmp.resolve()), offsets=self._kv_offsets(data_at, n, lrb), tokens=n)
             bad = [f"stage {i}: {d.error}" for i, d in done.items() if d.error]
             if bad:
                 raise kv_file.KvFileError(f"kv_save: cannot write {path}: {bad[0]}")
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
         return {"path": str(path), "tokens": n, "bytes": path.stat().st_size, "seconds": time.perf_counter() - t0}
 
     def kv_load(self, path: str | os.PathLike) -> dict:
