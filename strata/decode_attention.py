@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .attention import Q8_0, cache_width
+
 try:
     import triton
     import triton.language as tl
@@ -145,15 +147,15 @@ class SplitKAttention:
         was made for keys = min(bucket, window). scale: of q.k (None: hd ** -0.5). sinks (nkv * g,): a logit
         per query head in the softmax's denominator (gpt-oss)."""
         nkv, g, hd = self.nkv, self.g, self.hd
-        q8 = k.dtype == torch.uint8  # a q8_0 cache: rows of hd / 32 blocks of 34 bytes
-        width = hd // 32 * 34 if q8 else hd
+        q8 = k.dtype == Q8_0  # rows of hd / 32 blocks of 34 bytes
+        width = cache_width(hd, k.dtype)  # (a head dim not of whole q8_0 blocks raises here)
         if q.shape != (nkv, g, hd) or k.shape[0] != nkv or k.shape[2] != width or v.shape != k.shape:
             raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
                              f"({nkv}, {g}, {hd})")
         if k.stride(2) != 1 or v.stride(2) != 1:
             raise ValueError("keys and values need a contiguous last dimension")
-        if q8 and (hd % 32 or any(t.stride(i) % 2 or t.storage_offset() % 2 for t in (k, v) for i in (0, 1))):
-            raise ValueError("a q8_0 cache needs whole 32-value blocks and rows at even byte offsets")
+        if q8 and any(t.stride(i) % 2 or t.storage_offset() % 2 for t in (k, v) for i in (0, 1)):
+            raise ValueError("a q8_0 cache needs rows at even byte offsets")
         q = q.contiguous()
         out = torch.empty_like(q) if out is None else out
         ks, vs = (k.view(torch.float16), v.view(torch.float16)) if q8 else (k, v)
