@@ -96,7 +96,7 @@ def test_iq3s_dequant_kernel_stores_bf16_rounded_to_nearest():
 
 
 # -- the prefill and decode-graph kernels at the 8B shape (32 heads, 8 KV heads, head dim 128, dim 4096) ----------
-B16, F32, I32, I64 = "*bf16", "*fp32", "i32", "*i64"
+B16, F16, F32, I8, I32, I64 = "*bf16", "*fp16", "*fp32", "*i8", "i32", "*i64"
 
 
 def _kernel_cases():
@@ -111,10 +111,18 @@ def _kernel_cases():
                      {"BLOCK": k.SILU_COLS}),
         "rope": (k._rope_kernel, {"x": B16, "cos": B16, "ssin": B16, "out": B16, **ints("T", "sx_t", "sc_t")},
                  {"H": 32, "D": 128, "ROWS": k.ROPE_ROWS}),
-        "split_k_partial": (da._partial, {"q_ptr": B16, "k_ptr": B16, "v_ptr": B16, "len_ptr": I64, "m_ptr": F32,
+        "split_k_partial": (da._partial, {"q_ptr": B16, "k_ptr": B16, "v_ptr": B16, "ks_ptr": B16, "vs_ptr": B16,
+                                          "len_ptr": I64, "m_ptr": F32,
                                           "l_ptr": F32, "acc_ptr": F32, **ints("sk_h", "sk_s", "sv_h", "sv_s", "span"),
                                           "scale": "fp32", **ints("window", "ring")},
-                            {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32"}),
+                            {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32", "Q8": False}),
+        "split_k_partial_q8": (da._partial, {"q_ptr": B16, "k_ptr": I8, "v_ptr": I8, "ks_ptr": F16, "vs_ptr": F16,
+                                             "len_ptr": I64, "m_ptr": F32, "l_ptr": F32, "acc_ptr": F32,
+                                             **ints("sk_h", "sk_s", "sv_h", "sv_s", "span"), "scale": "fp32",
+                                             **ints("window", "ring")},
+                               {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32", "Q8": True}),
+        "q8_0_widen": (k._q8_0_widen_kernel, {"qs": I8, "ds": F16, "out": B16, **ints("T", "s_h", "s_t")},
+                       {"HD": 128, "ROWS": k.ROPE_ROWS}),
         "split_k_merge": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16, "sink_ptr": F32,
                                       "n_split": I32}, {"G": 4, "GP": 16, "HD": 128, "SP": 64, "SINKS": False}),
         "split_k_merge_sinks": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16,
@@ -125,8 +133,13 @@ def _kernel_cases():
         "add_rms_norm": (dk._add_rms_norm, {"h_ptr": B16, "y_ptr": B16, "w_ptr": B16, "hout_ptr": B16,
                                             "out_ptr": B16, "n": I32, "eps": "fp32"}, {"BLOCK": 4096}),
         "rope_store": (dk._rope_store, {"qkv_ptr": B16, "cos_ptr": B16, "ssin_ptr": B16, "pos_ptr": I64,
-                                        "q_ptr": B16, "kc_ptr": B16, "vc_ptr": B16, **ints("skh", "sks", "svh", "svs")},
-                       {"NH": 32, "NKV": 8, "HD": 128}),
+                                        "q_ptr": B16, "kc_ptr": B16, "vc_ptr": B16, "ks_ptr": B16, "vs_ptr": B16,
+                                        **ints("skh", "sks", "svh", "svs")},
+                       {"NH": 32, "NKV": 8, "HD": 128, "COLS": 128, "Q8": False}),
+        "rope_store_q8": (dk._rope_store, {"qkv_ptr": B16, "cos_ptr": B16, "ssin_ptr": B16, "pos_ptr": I64,
+                                           "q_ptr": B16, "kc_ptr": I8, "vc_ptr": I8, "ks_ptr": F16, "vs_ptr": F16,
+                                           **ints("skh", "sks", "svh", "svs")},
+                          {"NH": 32, "NKV": 8, "HD": 128, "COLS": 32, "Q8": True}),
         "argmax_blocks": (dk._argmax_blocks, {"x_ptr": F32, "n": I32, "vals_ptr": F32, "idx_ptr": I64},
                           {"BLOCK": dk.ARGMAX_BLOCK}),
         "argmax_final": (dk._argmax_final, {"vals_ptr": F32, "idx_ptr": I64, "parts": I32, "out_ptr": I64},
@@ -136,9 +149,9 @@ def _kernel_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["lse_merge", "silu_mul", "rope", "split_k_partial", "split_k_merge",
-                                  "split_k_merge_sinks", "rms_norm",
-                                  "add_rms_norm", "rope_store", "argmax_blocks", "argmax_final",
+@pytest.mark.parametrize("name", ["lse_merge", "silu_mul", "rope", "split_k_partial", "split_k_partial_q8",
+                                  "q8_0_widen", "split_k_merge", "split_k_merge_sinks", "rms_norm",
+                                  "add_rms_norm", "rope_store", "rope_store_q8", "argmax_blocks", "argmax_final",
                                   "dense_gemv"])
 def test_prefill_and_decode_kernels_compile_for_sm90(name):
     fn, sig, constexprs = _kernel_cases()[name]
