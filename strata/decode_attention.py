@@ -36,13 +36,22 @@ def n_splits(keys: int, target: int = 64) -> int:
 
 if triton is not None:
     @triton.jit
+    def _q8_rows(x_ptr, xs_ptr, off, live, dims, blocks, BLOCK: tl.constexpr, HD: tl.constexpr):
+        # BLOCK q8_0 rows at byte offsets off (BLOCK, 1) -> (BLOCK, HD) float32: the values in one load of
+        # contiguous bytes, each block's scale once, broadcast over its 32 values
+        x = tl.load(x_ptr + off + dims[None, :], mask=live[:, None], other=0).to(tl.float32)
+        d = tl.load(xs_ptr + (off + HD) // 2 + blocks[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        return tl.reshape(tl.reshape(x, (BLOCK, HD // 32, 32)) * d[:, :, None], (BLOCK, HD))
+
+    @triton.jit
     def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
                  sk_h, sk_s, sv_h, sv_s, span, scale, window, ring,
                  G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                  PREC: tl.constexpr, Q8: tl.constexpr):
         # Q8: a q8_0 cache (strata.attention.to_q8_0): k_ptr / v_ptr its bytes as int8, ks_ptr / vs_ptr the same
-        # bytes as float16 (strides in bytes); value d of a row is byte 34 (d // 32) + 2 + d % 32 times the float16
-        # at byte 34 (d // 32), widened as strata.attention.from_q8_0 widens it (float32 product, rounded once)
+        # bytes as float16 (strides in bytes); a row is HD int8 values then HD / 32 float16 scales, widened as
+        # strata.attention.from_q8_0 widens it (float32 product, rounded once). Rows start at multiples of HD / 16
+        # bytes (HD * 17 / 16 wide; the caller checks), which lets the values load in vectors of HD / 16 bytes.
         h = tl.program_id(0)
         s = tl.program_id(1)
         n_split = tl.num_programs(1)
@@ -57,8 +66,7 @@ if triton is not None:
         q = tl.load(q_ptr + (h * G + rows)[:, None] * HD + dims[None, :], mask=(rows < G)[:, None], other=0.0)
         dt = q_ptr.dtype.element_ty  # scores from the query's dtype (exact bf16 products), sums in float32
         if Q8:
-            cols_d = dims // 32 * 34 + 2 + dims % 32
-            scale_d = dims // 32 * 17  # in float16 units
+            blocks = tl.arange(0, HD // 32)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HD], tl.float32)
@@ -67,11 +75,10 @@ if triton is not None:
             live = cols < hi
             rows_k = (first + cols) % ring  # the identity for a cache that is not a ring (ring >= n_keys)
             if Q8:
-                ko, vo = h * sk_h + rows_k[:, None] * sk_s, h * sv_h + rows_k[:, None] * sv_s
-                k = (tl.load(k_ptr + ko + cols_d[None, :], mask=live[:, None], other=0).to(tl.float32)
-                     * tl.load(ks_ptr + ko // 2 + scale_d[None, :], mask=live[:, None], other=0.0).to(tl.float32))
-                v = (tl.load(v_ptr + vo + cols_d[None, :], mask=live[:, None], other=0).to(tl.float32)
-                     * tl.load(vs_ptr + vo // 2 + scale_d[None, :], mask=live[:, None], other=0.0).to(tl.float32))
+                ko = tl.multiple_of(h * sk_h + rows_k * sk_s, HD // 16)[:, None]
+                vo = tl.multiple_of(h * sv_h + rows_k * sv_s, HD // 16)[:, None]
+                k = _q8_rows(k_ptr, ks_ptr, ko, live, dims, blocks, BLOCK, HD)
+                v = _q8_rows(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD)
                 v = v.to(dt)  # the widened value in the compute dtype, as the eager path's from_cache gives it
             else:
                 k = tl.load(k_ptr + h * sk_h + rows_k[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
@@ -121,7 +128,7 @@ class SplitKAttention:
     """Buffers and launches for one cache shape: call(q, k, v, n_keys) -> out, all on one device.
 
     q: (nkv, g, hd) query rows grouped by their kv head; k, v: (nkv, S, hd) views of the cache (last dim
-    contiguous, any dtype Triton loads; a q8_0 cache's uint8 rows of hd / 32 * 34 bytes); n_keys: a device int
+    contiguous, any dtype Triton loads; a q8_0 cache's uint8 rows of hd * 17 / 16 bytes); n_keys: a device int
     tensor (1,), the live positions (< S read).
     The partial results live in buffers made once here, so the launches can be captured in a graph."""
 
@@ -147,15 +154,15 @@ class SplitKAttention:
         was made for keys = min(bucket, window). scale: of q.k (None: hd ** -0.5). sinks (nkv * g,): a logit
         per query head in the softmax's denominator (gpt-oss)."""
         nkv, g, hd = self.nkv, self.g, self.hd
-        q8 = k.dtype == Q8_0  # rows of hd / 32 blocks of 34 bytes
+        q8 = k.dtype == Q8_0  # rows of hd values then hd / 32 scales
         width = cache_width(hd, k.dtype)  # (a head dim not of whole q8_0 blocks raises here)
         if q.shape != (nkv, g, hd) or k.shape[0] != nkv or k.shape[2] != width or v.shape != k.shape:
             raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
                              f"({nkv}, {g}, {hd})")
         if k.stride(2) != 1 or v.stride(2) != 1:
             raise ValueError("keys and values need a contiguous last dimension")
-        if q8 and any(t.stride(i) % 2 or t.storage_offset() % 2 for t in (k, v) for i in (0, 1)):
-            raise ValueError("a q8_0 cache needs rows at even byte offsets")
+        if q8 and any(t.stride(i) % (hd // 16) or t.storage_offset() % (hd // 16) for t in (k, v) for i in (0, 1)):
+            raise ValueError(f"a q8_0 cache needs rows at multiples of {hd // 16} bytes (the kernel's vector loads)")
         q = q.contiguous()
         out = torch.empty_like(q) if out is None else out
         ks, vs = (k.view(torch.float16), v.view(torch.float16)) if q8 else (k, v)

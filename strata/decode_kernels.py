@@ -64,9 +64,9 @@ if triton is not None:
 
     @triton.jit
     def _q8_store(ptr, sptr, off, r, NB: tl.constexpr, COLS: tl.constexpr):
-        # r (HD / 32, 32) float32 -> the q8_0 blocks of one cached row at byte `off` (strata.attention.to_q8_0's
-        # bytes: d = amax / 127, stored as float16; values roundf(r * (1 / d)) with the float32 d, correctly rounded
-        # divisions as torch's)
+        # r (HD / 32, 32) float32 -> the q8_0 row of one cached position at byte `off` (strata.attention.to_q8_0's
+        # bytes: the values, then the scales d = amax / 127 as float16; values roundf(r * (1 / d)) with the float32
+        # d, correctly rounded divisions as torch's)
         b = tl.arange(0, NB)
         d = tl.math.div_rn(tl.max(tl.abs(r), 1), tl.full(b.shape, 127.0, tl.float32))
         inv = tl.where(d == 0, 0.0, tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), tl.where(d == 0, 1.0, d)))
@@ -76,8 +76,8 @@ if triton is not None:
         q = f + tl.floor(2 * (a - f))  # C's roundf: halves away from zero
         q = tl.where(y < 0, -q, q)
         j = tl.arange(0, COLS)
-        tl.store(ptr + off + (b * 34 + 2)[:, None] + j[None, :], q.to(tl.int8))
-        tl.store(sptr + off // 2 + b * 17, d.to(tl.float16))
+        tl.store(ptr + off + (b * COLS)[:, None] + j[None, :], q.to(tl.int8))
+        tl.store(sptr + (off + NB * COLS) // 2 + b, d.to(tl.float16))
 
     @triton.jit
     def _rope_store(qkv_ptr, cos_ptr, ssin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, skh, sks, svh, svs,
@@ -146,7 +146,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, pos: to
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """qkv (nh + 2 nkv, hd) of one token -> rotated q (nh, hd); rotated k and v written at cache position pos
     (a device tensor). k_cache, v_cache: (nkv, S, hd) views, last dim contiguous (a q8_0 cache: uint8 rows of
-    hd / 32 * 34 bytes, written as strata.attention.to_q8_0 writes them). cos, ssin: (hd,)."""
+    hd * 17 / 16 bytes, written as strata.attention.to_q8_0 writes them). cos, ssin: (hd,)."""
     hd = qkv.shape[-1]
     if not qkv.is_contiguous() or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("rope_store wants a contiguous qkv row and caches with a contiguous last dim")

@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from .attention import q8_head_dim
+
 try:  # ships with CUDA builds of torch; absent elsewhere (callers then take their torch formula)
     import triton
     import triton.language as tl
@@ -110,15 +112,15 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T", "s_h", "s_t"])
     def _q8_0_widen_kernel(qs, ds, out, T, s_h, s_t, HD: tl.constexpr, ROWS: tl.constexpr):
         # qs / ds: the same uint8 cache seen as int8 / float16 (s_h, s_t: its head and row strides in bytes);
-        # one program widens ROWS rows of one head: value d of a row is qs[34 (d // 32) + 2 + d % 32] times the
-        # float16 at byte 34 (d // 32)
+        # one program widens ROWS rows of one head: value d of a row is qs[d] times the float16 at byte HD + 2 (d // 32)
+        # (strata.attention.to_q8_0's row)
         h = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
         d = tl.arange(0, HD)
         live = (t < T)[:, None]
-        row = h * s_h + t.to(tl.int64)[:, None] * s_t
-        q = tl.load(qs + row + (d // 32 * 34 + 2 + d % 32)[None, :], mask=live, other=0).to(tl.float32)
-        sc = tl.load(ds + (row + (d // 32 * 34)[None, :]) // 2, mask=live, other=0.0).to(tl.float32)
+        row = tl.multiple_of(h * s_h + t.to(tl.int64) * s_t, HD // 16)[:, None]  # (q8_0_widen checks)
+        q = tl.load(qs + row + d[None, :], mask=live, other=0).to(tl.float32)
+        sc = tl.load(ds + (row + HD) // 2 + (d // 32)[None, :], mask=live, other=0.0).to(tl.float32)
         tl.store(out + (h * T + t.to(tl.int64)[:, None]) * HD + d[None, :], (q * sc).to(out.dtype.element_ty),
                  mask=live)
 
@@ -244,15 +246,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor
 
 
 def q8_0_widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """strata.attention.from_q8_0 of a cache's rows in one pass: x (1, heads, T, nb * 34) uint8 with the last two
-    dims' strides a row's bytes and 1 (a narrowed cache) -> (1, heads, T, nb * 32) in dtype, contiguous; None
+    """strata.attention.from_q8_0 of a cache's rows in one pass: x (1, heads, T, hd * 17 / 16) uint8 with the last
+    two dims' strides a row's bytes and 1 (a narrowed cache) -> (1, heads, T, hd) in dtype, contiguous; None
     where Triton is missing or failed, or for another layout (the caller falls back to torch ops)."""
     if not USE_TRITON or x.dim() != 4 or x.shape[0] != 1 or x.stride(3) != 1 or x.stride(2) != x.shape[3]:
         return None
     _, H, T, W = x.shape
-    hd = W // 34 * 32
-    if hd & (hd - 1) or x.storage_offset() % 2:
-        return None
+    hd = q8_head_dim(W)
+    if hd & (hd - 1) or any(a % (hd // 16) for a in (x.storage_offset(), x.stride(1), x.stride(2))):
+        return None  # (rows off the kernel's vector loads' alignment)
     out = torch.empty(1, H, T, hd, device=x.device, dtype=dtype)
     if T == 0 or H == 0:
         return out

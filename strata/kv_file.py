@@ -31,7 +31,7 @@ import torch
 from .errors import ConfigError
 
 MAGIC = b"STRATAKV"
-VERSION = 1
+VERSION = 2  # 2: a q8_0 row holds its values, then its scales (strata.attention.to_q8_0)
 ALIGN = 4096
 MAX_HEADER = 1 << 20
 

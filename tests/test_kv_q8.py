@@ -1,4 +1,4 @@
-"""kv_dtype q8_0: llama.cpp's q8_0 blocks as the KV cache (strata.attention.to_q8_0 / from_q8_0) against gguf-py's
+"""kv_dtype q8_0: llama.cpp's q8_0 quantization as the KV cache (strata.attention.to_q8_0 / from_q8_0) against gguf-py's
 own quantizer, the Triton kernels that write and read it (interpreted on CPU), a pipeline's depth arms on it, and
 its bytes in the planner."""
 from __future__ import annotations
@@ -38,7 +38,10 @@ def test_q8_0_bytes_are_gguf_pys_and_widen_as_it_dequantizes():
         ours = to_q8_0(x)
         assert ours.dtype == torch.uint8 and ours.shape == (40, cache_width(hd, Q8_0)) == (40, hd // 32 * 34)
         theirs = quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
-        assert np.array_equal(ours.numpy(), theirs), hd
+        # gguf-py's blocks (a float16 scale, then 32 values) regrouped as the cache holds a row: values, then scales
+        blocks = theirs.reshape(40, hd // 32, 34)
+        regrouped = np.concatenate([blocks[:, :, 2:].reshape(40, hd), blocks[:, :, :2].reshape(40, hd // 16)], 1)
+        assert np.array_equal(ours.numpy(), regrouped), hd
         want = dequantize(theirs, gguf.GGMLQuantizationType.Q8_0)
         assert np.array_equal(from_q8_0(ours, torch.float32).numpy(), want)
         # to a narrower dtype: the float32 product rounded once
@@ -67,7 +70,7 @@ from strata.kernels import q8_0_widen
 g = torch.Generator().manual_seed(11)
 for hd in (64, 128):
     nh, nkv, S, pos = 4, 2, 40, 17
-    W = hd // 32 * 34
+    W = hd * 17 // 16
     qkv = torch.randn(nh + 2 * nkv, hd, generator=g) * 3
     qkv[nh + nkv, :32] = 0  # a value block of zeros
     ang = torch.randn(hd // 2, generator=g)
@@ -87,6 +90,13 @@ for hd in (64, 128):
         a = att(qq, k8, v8, torch.tensor([n]))
         b = att(qq, from_q8_0(k8, torch.float32), from_q8_0(v8, torch.float32), torch.tensor([n]))
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (hd, n, float((a - b).abs().max()))
+    # rows off the vector loads' alignment (hd / 16 bytes) are refused, not misread
+    odd = torch.empty(nkv, 300 * W + 1, dtype=torch.uint8)[:, 1:].view(nkv, 300, W)
+    try:
+        att(qq, odd, odd, torch.tensor([1]))
+        raise AssertionError("a misaligned q8_0 cache was read")
+    except ValueError as e:
+        assert f"multiples of {hd // 16} bytes" in str(e), e
     # the prefill's one-pass widening of a narrowed cache == from_q8_0's torch ops
     view = k8[None, :, 5:100]
     w = q8_0_widen(view, torch.float32)
