@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from .errors import ModelError, PipelineError
+from .prefix_cache import PrefixCacheStats
 from .sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -57,7 +59,8 @@ class Engine(Protocol):
     """A loaded model that generates for one request at a time. The server calls generate and restart from
     one worker thread only (close after that thread has stopped), so those need no locking. tokenize,
     detokenize and chat_prompt are also called from other threads, during a generate: they must not touch
-    the stages. Optional: `metrics_text() -> str`, Prometheus lines appended to the server's /metrics."""
+    the stages. Optional: `metrics_text() -> str`, Prometheus lines appended to the server's /metrics, and
+    `prefix_cache_stats() -> PrefixCacheStats` (strata/prefix_cache.py), read by /metrics from another thread."""
 
     model_name: str
     max_context: int  # prompt + generated tokens must fit
@@ -281,6 +284,9 @@ class PipelineEngine(_ModelText):
         self.pipe = None
         self.starts = 0
         self.last_report: dict | None = None  # the last generation's report (metrics_text reads it)
+        # lookups and hits of the pipelines closed so far: /metrics' counters survive a restart, as the server's do
+        self._earlier = PrefixCacheStats()
+        self._stats_lock = threading.Lock()  # /metrics reads while the worker thread swaps pipelines
         self.restart()
         self.max_context = self.pipe.max_context
 
@@ -330,6 +336,12 @@ class PipelineEngine(_ModelText):
                       f"strata_last_decode_overhead_ms_per_token {rep['decode_overhead_ms_per_token']:g}"]
         return "\n".join(lines) + "\n"
 
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's figures now: the running pipeline's index, lookups and hits since the first start."""
+        with self._stats_lock:
+            now = self.pipe.prefix_cache_stats() if self.pipe is not None else PrefixCacheStats()
+            return replace(now, lookups=now.lookups + self._earlier.lookups, hits=now.hits + self._earlier.hits)
+
     def restart(self) -> None:
         """New stages (the kept KV is gone); the run directory of each start after the first is a subfolder."""
         from .pipeline import Pipeline
@@ -347,7 +359,11 @@ class PipelineEngine(_ModelText):
 
     def close(self) -> None:
         if self.pipe is not None:
-            pipe, self.pipe = self.pipe, None
+            with self._stats_lock:
+                pipe, self.pipe = self.pipe, None
+                done = pipe.prefix_cache_stats()
+                self._earlier = replace(self._earlier, lookups=self._earlier.lookups + done.lookups,
+                                        hits=self._earlier.hits + done.hits)
             pipe.close()
 
 

@@ -132,6 +132,7 @@ class Pipeline:
         self._block = prefix_cache.BLOCK
         self._kv_done: dict[int, M.KvDone] = {}   # the stages' answers to the KvOp in flight
         self._restored = 0                         # this prefill's prompt positions restored from snapshots
+        self._lookups = self._hits = 0             # prefix-cache lookups, and those that found a usable prefix
         self._loaded = False                       # the live KV is a kv_load's (no prefill since)
         self.prefix_cache_off: str | None = None   # why the prefix cache is off (None: on)
         self._tokenizer = None
@@ -529,6 +530,13 @@ class Pipeline:
         elif budget:
             log.info("prefix cache off: %s; only the last prompt's KV is reused", why)
 
+    def prefix_cache_stats(self) -> prefix_cache.PrefixCacheStats:
+        """Read-only figures of the head's index (safe from another thread: plain reads, no stage touched)."""
+        index = self._index
+        if index is None:
+            return prefix_cache.PrefixCacheStats(self._lookups, self._hits)
+        return prefix_cache.PrefixCacheStats(self._lookups, self._hits, len(index), index.capacity, self._block)
+
     def _kv_round(self, what: str, msgs: dict[int, M.KvOp]) -> dict[int, M.KvDone]:
         """Send each stage its KvOp and wait for every answer (a stage does one between prompts, in order)."""
         self._kv_done = {}
@@ -555,6 +563,9 @@ class Pipeline:
         m = self._index.longest(keys)
         p = max((q for q, _ in self.plan.schedule_for(0, ids.size) if q <= m * self._block), default=0)
         self._index.touch(keys[:m])
+        # a hit whether the live KV already holds those rows or they are restored: the cache would serve them
+        self._lookups += 1
+        self._hits += p > 0
         if p <= live:
             return live
         blocks = list(range(live // self._block, -(-p // self._block)))
@@ -846,15 +857,16 @@ class Pipeline:
     def _result(self, pre: dict, out: list[int], text, finish: str, decode_s: float, steps: int, ttft) -> Result:
         from .report import build_report
         ppl = math.exp(pre["nll"] / pre["count"]) if pre["count"] else None
+        cache = self.prefix_cache_stats()
         decode = {"decode_tokens": len(out), "decode_steps": steps, "decode_s": decode_s,
                   "decode_head_s": decode_s - getattr(self, "_decode_wait_s", 0.0) if steps else 0.0,
                   "decode_bell_steps": self._bell_results,
                   "decode_tok_s": steps / decode_s if decode_s > 0 and steps else 0.0,
                   "ttft_s": ttft, "finish_reason": finish,
                   # restored_tokens: of reused_tokens, those copied back from snapshots (the rest: the live KV)
-                  "prefix_cache": {"restored_tokens": pre["restored"], "blocks": len(self._index or ()),
-                                   "capacity_blocks": self._index.capacity if self._index else 0,
-                                   "block_tokens": self._block, "off": self.prefix_cache_off}}
+                  "prefix_cache": {"restored_tokens": pre["restored"], "blocks": cache.blocks,
+                                   "capacity_blocks": cache.capacity_blocks, "block_tokens": self._block,
+                                   "off": self.prefix_cache_off}}
         report = build_report(self, pre["seconds"], ppl, out, text, ids=pre["ids"], schedule=pre["schedule"],
                               reused=pre["reused"], perplexity_tokens=pre["count"], decode=decode)
         return Result(report, out, text, ppl, pre["logits"], finish_reason=finish, prompt_tokens=int(pre["ids"].size),

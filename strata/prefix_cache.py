@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,6 +47,17 @@ def block_keys(ids: np.ndarray, block: int = BLOCK) -> list[bytes]:
         prev = hashlib.blake2b(prev + ids[j * block:(j + 1) * block].tobytes(), digest_size=KEY_BYTES).digest()
         keys.append(prev)
     return keys
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """The prefix cache's figures for the server's /metrics (all 0: no prefix cache, or it is off)."""
+
+    lookups: int = 0          # prefills that looked their prompt up in the index
+    hits: int = 0             # of them, those it held a usable prefix of (whole blocks up to a chunk boundary)
+    blocks: int = 0           # blocks held now (the same ones on every stage)
+    capacity_blocks: int = 0  # the most it holds: each stage's prefix_cache_bytes in blocks, the smallest
+    block_tokens: int = 0     # tokens a block (BLOCK)
 
 
 class PrefixIndex:

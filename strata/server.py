@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .engine import _STAGE, Engine, EngineError, GenerationStats, LocalEngine, PipelineEngine
+from .prefix_cache import PrefixCacheStats
 from .sampling import MAX_SEED, Detokenizer, SamplingParams, StopMatcher
 
 log = logging.getLogger("strata.server")
@@ -92,7 +93,10 @@ class Metrics:
             self.last_prefill_tok_s, self.last_decode_tok_s = s.prefill_tok_s, s.decode_tok_s
             self.last_prefill_s, self.last_reused_tokens = s.prefill_s, s.reused_tokens
 
-    def render(self, queue_length: int, running: bool) -> str:
+    def render(self, queue_length: int, running: bool, running_sequences: int,
+               prefix: PrefixCacheStats | None) -> str:
+        """prefix: the engine's prefix-cache figures (None: it has no prefix cache, rendered as zeros)."""
+        prefix = prefix or PrefixCacheStats()
         def metric(name, kind, help_, samples):
             lines = [f"# HELP strata_{name} {help_}", f"# TYPE strata_{name} {kind}"]
             lines += [f"strata_{name}{labels} {value:g}" if isinstance(value, float) else
@@ -104,6 +108,8 @@ class Metrics:
                          [(f'{{path="{p}",code="{c}"}}', n) for (p, c), n in reqs])
             out += metric("queue_length", "gauge", "Requests waiting for the engine.", [("", queue_length)])
             out += metric("running", "gauge", "1 while a request runs on the engine.", [("", int(running))])
+            out += metric("running_sequences", "gauge", "Sequences (choices) being generated or scored now: at most 1, "
+                          "the engine runs one sequence at a time.", [("", running_sequences)])
             out += metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
                           [("", self.prompt_tokens)])
             out += metric("completion_tokens_total", "counter", "Generated tokens.", [("", self.completion_tokens)])
@@ -121,6 +127,16 @@ class Metrics:
                           [("", float(self.last_ttft_s))])
             out += metric("last_decode_tokens_per_second", "gauge", "Decode speed of the last generation.",
                           [("", float(self.last_decode_tok_s))])
+            out += metric("prefix_cache_lookups_total", "counter",
+                          "Prefills that looked their prompt up in the prefix cache.", [("", prefix.lookups)])
+            out += metric("prefix_cache_hits_total", "counter", "Prefix-cache lookups that found a usable prefix of "
+                          "the prompt held (whole blocks), whether still live or restored.", [("", prefix.hits)])
+            out += metric("prefix_cache_blocks", "gauge", "Blocks the prefix cache holds now (on every stage).",
+                          [("", prefix.blocks)])
+            out += metric("prefix_cache_capacity_blocks", "gauge", "Blocks the prefix cache can hold (0: no prefix "
+                          "cache, or off).", [("", prefix.capacity_blocks)])
+            out += metric("prefix_cache_block_tokens", "gauge", "Tokens a prefix-cache block.",
+                          [("", prefix.block_tokens)])
             out += metric("engine_errors_total", "counter", "Generations that failed in the engine.",
                           [("", self.engine_errors)])
             out += metric("engine_restarts_total", "counter", "Engine restarts after a failure.",
@@ -295,6 +311,7 @@ class Worker:
         self._pending: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._running: Job | None = None
+        self._seq: Seq | None = None  # the sequence of _running on the engine now (/metrics' running_sequences)
         self._draining = False
         self._stopping = False
         self.broken: str | None = None  # why the engine is down (a restart failed), else None
@@ -314,6 +331,11 @@ class Worker:
     @property
     def busy(self) -> bool:
         return self._running is not None
+
+    @property
+    def sequence(self) -> Seq | None:
+        """The sequence on the engine now (None between a job's sequences, and when idle)."""
+        return self._seq
 
     @property
     def current(self) -> Job | None:
@@ -383,8 +405,14 @@ class Worker:
                 return
         scored: dict[int, list[Scored]] = {}  # prompt -> its tokens' scores (n > 1: scored once)
         for seq in job.seqs:
-            if job.cancelled.is_set() or not self._serve_seq(job, seq, scored):
+            if job.cancelled.is_set():
                 return
+            self._seq = seq
+            try:
+                if not self._serve_seq(job, seq, scored):
+                    return
+            finally:
+                self._seq = None
         job.emit(("end",))
 
     def _serve_seq(self, job: Job, seq: Seq, scored: dict[int, list[Scored]]) -> bool:
@@ -929,7 +957,10 @@ class Server:
                             status_code=200 if status == "ok" else 503)
 
     async def prometheus(self, request: Request) -> Response:
-        text = self.metrics.render(self.worker.queue_length, self.worker.busy)
+        stats = getattr(self.engine, "prefix_cache_stats", None)  # optional, like metrics_text
+        w = self.worker
+        text = self.metrics.render(w.queue_length, w.busy, int(w.sequence is not None),
+                                   stats() if callable(stats) else None)
         extra = getattr(self.engine, "metrics_text", None)  # optional: an engine's own series (busy histogram)
         if callable(extra):
             text += extra()

@@ -477,8 +477,13 @@ def parse_prometheus(text: str) -> dict[tuple[str, str], float]:
     return samples
 
 
+IDLE_GAUGES = ("strata_queue_length", "strata_running", "strata_running_sequences", "strata_prefix_cache_blocks")
+PREFIX_COUNTERS = ("strata_prefix_cache_lookups_total", "strata_prefix_cache_hits_total")
+
+
 def test_metrics_text_parses_and_counts(server):
     with server.client() as c:
+        before = parse_prometheus(c.get("/metrics").text)
         c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3})
         c.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 3})
         c.post("/v1/completions", content=b"{nope")
@@ -495,6 +500,10 @@ def test_metrics_text_parses_and_counts(server):
     assert 0 < s[("strata_last_time_to_first_token_seconds", "")] < WAIT_S
     assert s[("strata_last_prefill_tokens_per_second", "")] == pytest.approx(1 / 0.001)
     assert s[("strata_fake_generations", "")] == 2
+    # an engine without prefix_cache_stats (the fake one): its figures are zeros, before and after requests
+    for m in (before, s):
+        assert all(m[(name, "")] == 0 for name in IDLE_GAUGES + PREFIX_COUNTERS)
+        assert m[("strata_prefix_cache_capacity_blocks", "")] == m[("strata_prefix_cache_block_tokens", "")] == 0
 
 
 def test_concurrent_clients_are_served_one_at_a_time_in_full(engine):
@@ -653,6 +662,7 @@ def test_full_queue_answers_429(server, engine):
             m = parse_prometheus(c.get("/metrics").text)
         assert r.status_code == 429 and "queue is full" in r.json()["error"]["message"]
         assert m[("strata_queue_length", "")] == 2 and m[("strata_running", "")] == 1
+        assert m[("strata_running_sequences", "")] == 1
         engine.gate.set()
         results = [f.result(WAIT_S) for f in [running, *waiting]]
     assert [x.status_code for x in results] == [200, 200, 200]
@@ -1242,6 +1252,7 @@ def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_
     pid = eng.pipe.stages[1].pid
     starts, calls = eng.starts, eng.pipe.generations
     with s.client(timeout=120) as c:
+        lookups = parse_prometheus(c.get("/metrics").text)[("strata_prefix_cache_lookups_total", "")]
         box = {}
         t = threading.Thread(target=lambda: box.update(r=c.post("/v1/completions", json={
             "prompt": "Once upon a time", "max_tokens": 150, "temperature": 0})))
@@ -1254,20 +1265,23 @@ def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_
         err = r.json()["error"]
         assert err["stage"].startswith(f"stage 1 (cpu, pid {pid}, chunk ") and "SIGKILL" in err["message"]
         ok = c.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4})
+        m = parse_prometheus(c.get("/metrics").text)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     assert eng.starts == starts + 1 and eng.pipe.stages[1].pid != pid
+    # a counter outlives the restart: the killed request's lookup (on the old stages) and the new one's
+    assert m[("strata_prefix_cache_lookups_total", "")] == lookups + 2
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
 
 
 def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tmp_path):
     """Two documents asked about in turn (A, B, A, B) through the real openai client on two CPU stages: the third
     and fourth requests come from the stages' snapshots (cached_tokens covers the document), with the first two's
-    answers (their times are printed: speed is the benchmarks' to judge)."""
+    answers (their times are printed: speed is the benchmarks' to judge); /metrics counts the hits and blocks."""
     openai = pytest.importorskip("openai")
     import inspect
     import typing
     from strata.engine import PipelineEngine
-    from strata.checkpoint import smollm2_path
+    from strata.checkpoint import model_args, smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -1279,13 +1293,15 @@ def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tm
         src = inspect.getsource(typing)
         docs = [src[:2600], src[20000:22600]]
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        got = []
+        got, metrics = [], [parse_prometheus(httpx.get(s.url + "/metrics").text)]
         for doc in docs + docs:
             t = time.perf_counter()
             r = client.completions.create(model="smollm2", prompt=doc + "\nQ: What does this code define?\nA:",
                                           max_tokens=4, temperature=0)
             got.append((r.choices[0].text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens,
                         time.perf_counter() - t))
+            metrics.append(parse_prometheus(httpx.get(s.url + "/metrics").text))
+        layers = max(b - a for a, b in (st.layers for st in eng.pipe.stages))
     finally:
         s.stop()
     (a1, na, ca1, ta1), (b1, nb, cb1, tb1), (a2, _, ca2, ta2), (b2, _, cb2, tb2) = got
@@ -1294,6 +1310,17 @@ def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tm
         # whole blocks of 256 up to the cold prefill's last chunk: the document's (~700 tokens) but its tail
         assert cached == (n - 1) // 256 * 256 >= 512, (n, cached)
     assert (a2, b2) == (a1, b1)
+    # each stage's 2 GiB in blocks of 256 positions of k and v (float32) of its layers, the most layered stage's
+    a = model_args("smollm2")
+    capacity = (2 << 30) // (layers * 2 * a.n_kv_heads * a.head_dim * 4 * 256)
+    assert all(m[("strata_prefix_cache_capacity_blocks", "")] == capacity for m in metrics)
+    assert all(m[("strata_prefix_cache_block_tokens", "")] == 256 for m in metrics)
+    assert all(metrics[0][(name, "")] == 0 for name in IDLE_GAUGES + PREFIX_COUNTERS)
+    # lookups, hits and blocks held after each request: A again is the first hit (B shares no block with A)
+    figures = [tuple(m[(name, "")] for name in (*PREFIX_COUNTERS, "strata_prefix_cache_blocks")) for m in metrics[1:]]
+    held = na // 256 + nb // 256
+    assert figures == [(1, 0, na // 256), (2, 0, held), (3, 1, held), (4, 2, held)], figures
+    assert metrics[-1][("strata_running_sequences", "")] == 0
     print(f"\ncold {ta1:.2f} s / {tb1:.2f} s; from the prefix cache {ta2:.2f} s / {tb2:.2f} s")
 
 
