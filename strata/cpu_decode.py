@@ -238,10 +238,14 @@ class Decoder:
         layers = []
         for i, blk in model.layers.items():
             w = blk.weights.get()
-            qkv = w.wqkv.split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim])
-            gu = w.w13.split([a.ffn_dim, a.ffn_dim])
-            dense = dict(zip(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), (*qkv, w.wo, *gu, w.w2)))
-            mats = [self._pack(stored.get(f"layers.{i}.{n}"), t) for n, t in dense.items()]
+            mats = []
+            # each group packed before the next is read: a resident layer's groups share one scratch (LazyMats)
+            qkv = [a.n_heads * a.head_dim] + [a.n_kv_heads * a.head_dim] * 2
+            for group, names, rows in (("wqkv", ("wq", "wk", "wv"), qkv), ("wo", ("wo",), None),
+                                       ("w13", ("w_gate", "w_up"), [a.ffn_dim] * 2), ("w2", ("w_down",), None)):
+                t = getattr(w, group)
+                parts = t.split(rows) if rows else (t,)
+                mats += [self._pack(stored.get(f"layers.{i}.{n}"), m) for n, m in zip(names, parts)]
             biases = (None, None, None)
             if w.bqkv is not None:
                 bias = [t.contiguous() for t in w.bqkv.float().split(

@@ -59,8 +59,11 @@ def expert_group(args: ModelArgs) -> int:
 def scratch_layout(args: ModelArgs) -> tuple[dict[str, tuple[int, int, int]], int]:
     """Where each matrix of a layer lands in the scratch: name -> (offset, rows, cols); and the total elements.
 
-    q, k, v are adjacent (one wqkv view), as are gate and up (one w13 view). A dense MLP only where some layer
-    has one; a group of experts' gate/up ("e13") and down ("e2") where layers have experts."""
+    A layer's products read their matrices one group at a time (LazyMats), so every group starts at 0 and the
+    scratch holds the largest group, not the layer (Qwen3-32B: gate and up, 0.49 of a layer's 0.91 GiB in
+    bfloat16). Within a group the matrices are adjacent: q, k, v (one wqkv view), gate and up (one w13 view), a
+    group of experts' gate/up ("e13") and down ("e2"), which one grouped GEMM after the other reads. A dense MLP
+    only where some layer has one; experts only where layers have them."""
     sh = _matrix_shapes(args)
     groups = [("wq", "wk", "wv"), ("wo",)]
     if not all(args.is_moe(i) for i in range(args.n_layers)):
@@ -68,15 +71,17 @@ def scratch_layout(args: ModelArgs) -> tuple[dict[str, tuple[int, int, int]], in
     if args.n_experts:
         g = expert_group(args)
         sh = dict(sh, e13=(g * 2 * args.expert_ffn_dim, args.dim), e2=(g * args.dim, args.expert_ffn_dim))
-        groups += [("e13",), ("e2",)]
-    out, off = {}, 0
+        groups += [("e13", "e2")]
+    out, total = {}, 0
     for group in groups:
-        off = -(-off // _ALIGN) * _ALIGN
+        off = 0
         for n in group:
+            off = -(-off // _ALIGN) * _ALIGN
             r, c = sh[n]
             out[n] = (off, r, c)
             off += r * c
-    return out, off
+        total = max(total, off)
+    return out, total
 
 
 def head_rows(args: ModelArgs) -> int:
@@ -200,8 +205,26 @@ class DenseMatrices(nn.Module):
                     self.w2 and self.w2.weight, self.wo.bias)
 
 
+class LazyMats:
+    """A resident layer's matrices by Mats' names, each group dequantized into the shared scratch when it is read
+    (wqkv, wo, w13, w2), valid until the scratch is next written (the next group's read, any layer's): read each
+    one just before its product, as the layers do. On CUDA the dequantization and the product are ordered on
+    one stream, so the next group's dequantization starts after the product that reads this one."""
+
+    def __init__(self, r: "ResidentMatrices"):
+        self._r = r
+
+    bqkv = property(lambda self: self._r.bqkv)
+    bo = property(lambda self: self._r.bo)
+    wqkv = property(lambda self: self._r.fetch(("wq", "wk", "wv")))
+    wo = property(lambda self: self._r.fetch(("wo",)))
+    w13 = property(lambda self: self._r.fetch(("w_gate", "w_up")))
+    w2 = property(lambda self: self._r.fetch(("w_down",)))
+
+
 class ResidentMatrices(nn.Module):
-    """A layer's matrices as stored; `get` dequantizes them all into the shared scratch (valid until the next layer's get)."""
+    """A layer's matrices as stored; `get` gives them as LazyMats, each group dequantized into the shared scratch
+    when it is read."""
 
     def __init__(self, parts: dict[str, Packed], bqkv: torch.Tensor | None, scratch: Scratch,
                  bo: torch.Tensor | None = None, kernels=None):
@@ -213,13 +236,18 @@ class ResidentMatrices(nn.Module):
         self.scratch = scratch
         self._fused: dict[torch.device, bool] = {}
 
-    def get(self) -> Mats:
+    def get(self) -> "LazyMats":
+        return LazyMats(self)
+
+    def fetch(self, names: tuple[str, ...]) -> torch.Tensor | None:
+        """The matrices `names` (adjacent in the scratch) dequantized into it, as one (rows, cols) view; None for
+        matrices the layer does not have (an MoE layer's dense MLP)."""
+        if names[0] not in self.parts:
+            return None
         s = self.scratch
-        for name, p in self.parts.items():
-            p.into(s.view(name))
-        mlp = "w_gate" in self.parts  # an MoE layer's experts are not among its parts
-        return Mats(s.span("wq", "wv"), self.bqkv, s.view("wo"), s.span("w_gate", "w_up") if mlp else None,
-                    s.view("w_down") if mlp else None, self.bo)
+        for n in names:
+            self.parts[n].into(s.view(n))
+        return s.span(names[0], names[-1]) if len(names) > 1 else s.view(names[0])
 
     def fused_decode_ok(self, device) -> bool:
         """Whether decode can multiply on the blocks themselves (strata.quant.gemv) on `device`: every

@@ -1,7 +1,6 @@
 """Narrower copies of dense matrices for CPU decode steps (int4 / int8 / float16), and a layer's four decode products."""
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -96,6 +95,9 @@ class Products(NamedTuple):
 
 
 def dense_products(w, wo: LayerWeightOnly | None) -> Products:
-    p = functools.partial
-    return Products(p(_mm_rows, w=w.wqkv, b=w.bqkv, wo=wo and wo.wqkv), p(_mm_rows, w=w.wo, b=w.bo, wo=wo and wo.wo),
-                    p(_mm_rows, w=w.w13, b=None, wo=wo and wo.w13), p(_mm_rows, w=w.w2, b=None, wo=wo and wo.w2))
+    # each matrix read when its product runs: a resident layer's (strata.resident.LazyMats) is dequantized then,
+    # into a scratch that holds one group at a time
+    return Products(lambda x: _mm_rows(x, w=w.wqkv, b=w.bqkv, wo=wo and wo.wqkv),
+                    lambda x: _mm_rows(x, w=w.wo, b=w.bo, wo=wo and wo.wo),
+                    lambda x: _mm_rows(x, w=w.w13, b=None, wo=wo and wo.w13),
+                    lambda x: _mm_rows(x, w=w.w2, b=None, wo=wo and wo.w2))

@@ -108,6 +108,29 @@ def test_embedding_and_head_never_dequantized_whole(args, monkeypatch):
     assert max(rows) <= resident.head_rows(args) < args.vocab_size and sum(rows) == args.vocab_size
 
 
+def test_scratch_holds_the_largest_group_not_the_layer(args, monkeypatch):
+    """A resident layer dequantizes one group (wqkv, wo, w13, w2) just before its product: the scratch is the
+    largest group's size, each group is written when read, and reading one group overwrites the one before."""
+    from strata.args import PRESETS
+    for name in ("qwen3-32b", "llama-3-8b"):
+        a = PRESETS[name]
+        groups = {"qkv": (a.n_heads + 2 * a.n_kv_heads) * a.head_dim * a.dim, "wo": a.dim * a.n_heads * a.head_dim,
+                  "w13": 2 * a.ffn_dim * a.dim, "w2": a.dim * a.ffn_dim}
+        assert resident.scratch_layout(a)[1] == max(groups.values()) < sum(groups.values()) * 0.6, name
+    s = load_stage("smollm2", args, 0, 2, device="cpu", dtype=torch.float32, weights="resident", max_len=16)
+    blk = s.layers["0"].weights
+    w = blk.get()
+    written = []
+    real = resident.dequantize_into
+    monkeypatch.setattr(resident, "dequantize_into", lambda out, *x: written.append(out.shape) or real(out, *x))
+    qkv = w.wqkv.clone()
+    assert len(written) == 3  # q, k, v, nothing else
+    w13 = w.w13
+    assert len(written) == 5 and w13.data_ptr() == s.scratch.buf.data_ptr()  # the same region as wqkv
+    assert not torch.equal(s.scratch.buf[:qkv.numel()].view_as(qkv), qkv)  # which it overwrote
+    assert torch.equal(w.wqkv, qkv)  # read again: dequantized again
+
+
 @pytest.mark.parametrize("mode,kv,bounds", [("resident", "auto", [(0, 30)]), ("dequantized", "float8_e4m3fn", [(0, 30)]),
                                             ("resident", "bfloat16", [(0, 10), (20, 30)]),
                                             ("dequantized", "float16", [(10, 20), (20, 30)])])
