@@ -193,9 +193,11 @@ def build_plan(cfg: RigConfig) -> Plan:
     cores = assign_cores(stages)
     # the buffers and KV are sized once for max_context: a default one is halved until every stage holds it
     while True:
-        if cfg.chunk == "auto":  # the preferred chunk, then smaller ones (before a default context is halved)
+        if cfg.chunk == "auto":  # the preferred chunk, then smaller ones (before a default context is halved;
+            # down to 64 once the context cannot shrink, the rig's or the prompt's own)
             top = preferred_chunk(stages, int(ids.size))
-            chunks = chunk_ladder(top, 64 if cfg.max_context is not None else max(64, top // 8))
+            fixed = cfg.max_context is not None or limit <= total
+            chunks = chunk_ladder(top, 64 if fixed else max(64, top // 8))
         else:
             chunks = [cfg.chunk]
         chunks = list(dict.fromkeys(min(c, limit) for c in chunks))  # any later prompt's largest chunk

@@ -346,6 +346,23 @@ def test_chunk_auto_takes_the_largest_chunk_that_fits():
     assert plan.planner["needs"][1]["total"] == cap
 
 
+def test_chunk_auto_goes_small_when_the_prompt_fills_the_context(monkeypatch):
+    """A prompt that needs the model's whole context leaves nothing to shrink but the chunk: chunk: auto goes on
+    down its ladder (to 64) past the floor it keeps while a default context could still be halved (the seed's
+    rig: 122,880 tokens of a 131,072 context on capped cards)."""
+    import strata.plan as plan_mod
+    monkeypatch.setattr(plan_mod, "CPU_CHUNK", 8192)  # a CUDA stage's preferred chunk, on CPU stages
+    args = PRESETS["smoke"]
+    n = args.max_seq_len
+    cap = stage_need(args, 4, 8, n, 128, "float32", True).total  # 128 fits stage 1 at the whole context, 256 not
+    assert stage_need(args, 4, 8, n, 256, "float32", True).total > cap
+    stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "memory": cap}]
+    r = rig(chunk="auto", layer_split=[4, 4], stages=stages, generate=0,
+            prompt={"random": {"tokens": n, "seed": 0}})
+    plan = build_plan(from_dict(r))
+    assert plan.max_chunk == 128 and plan.max_len == n  # not refused at the old floor, 8192 // 8
+
+
 def test_refusal_says_what_would_fit():
     """A given chunk over a stage's cap: the refusal names the largest smaller chunk that fits, the longest
     max_context at the given chunk (by bisection: one more position would not fit), and the 8-bit cache."""
