@@ -3,7 +3,7 @@
 # (configs/seed.yaml), a Qwen3-32B shape with YaRN x4 as a random-block IQ3_S GGUF, 122,880 tokens, the q8_0 KV
 # cache, layer_split and chunk auto; depth 1 then depth 0, each with its residual's md5 and each stage's bytes
 # against its cap. Then `big`: the 70B IQ3_S on four stages capped at 16 GB each, the same prompt (it completes,
-# or the planner's refusal says what would fit). Usage: bash bench/device_seed.sh [tests] seed big
+# or the planner's refusal says what would fit). Usage: bash bench/device_seed.sh [tests] [splitk] seed big
 LOG=${LOG:-/tmp/seed}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -37,6 +37,9 @@ tests)
   el "GPU tests: resident layers (one group of matrices at a time in the scratch), experts"
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_moe_resident.py \
     -k "resident or quant or gguf or expert" 2>&1 | tail -4 ;;
+splitk)
+  el "split-K alone: bf16 and q8_0 caches, 122,880 keys (bench/splitk.py)"
+  timeout 150 python3 bench/splitk.py --keys 122880 2>&1 | tail -40 ;;
 seed)
   el "gguf qwen3-32b-yarn IQ3_S"
   [ -f /tmp/q32y-iq3s.gguf ] || timeout 200 python3 bench/make_gguf.py --preset qwen3-32b-yarn --qtype IQ3_S \
