@@ -6,8 +6,6 @@ import logging
 
 import torch
 
-from .attention import q8_head_dim
-
 try:  # ships with CUDA builds of torch; absent elsewhere (callers then take their torch formula)
     import triton
     import triton.language as tl
@@ -252,7 +250,7 @@ def q8_0_widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     if not USE_TRITON or x.dim() != 4 or x.shape[0] != 1 or x.stride(3) != 1 or x.stride(2) != x.shape[3]:
         return None
     _, H, T, W = x.shape
-    hd = q8_head_dim(W)
+    hd = W // 34 * 32  # strata.attention.q8_head_dim (which imports this module)
     if hd & (hd - 1) or any(a % (hd // 16) for a in (x.storage_offset(), x.stride(1), x.stride(2))):
         return None  # (rows off the kernel's vector loads' alignment)
     out = torch.empty(1, H, T, hd, device=x.device, dtype=dtype)
