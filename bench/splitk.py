@@ -1,6 +1,6 @@
 """Split-K decode attention alone (strata.decode_attention) on one GPU: one layer's step for an 8B shape (8 kv heads
 of 4 query rows, head dim 128) over a cache of --keys positions, with a bfloat16 and a q8_0 cache, for a few
-split counts and warps per program, and (q8_0) the three ways a tile is widened (decode_attention.Q8_LOADS); the time a launch pair takes (CUDA events over --reps) and the cache bytes a
+split counts and warps per program; the time a launch pair takes (CUDA events over --reps) and the cache bytes a
 microsecond streams. Prints one row per setting.
 
     python bench/splitk.py --keys 122880
@@ -20,7 +20,7 @@ from strata.attention import Q8_0, to_q8_0  # noqa: E402
 from strata.decode_attention import BLOCK_N, SplitKAttention, _merge, _partial  # noqa: E402
 
 
-def launch(att: SplitKAttention, q, k, v, ks, vs, n, out, q8: int, warps: int):
+def launch(att: SplitKAttention, q, k, v, ks, vs, n, out, q8: bool, warps: int):
     _partial[(att.nkv, att.splits)](q, k, v, ks, vs, n, att.m, att.l, att.acc, k.stride(0), k.stride(1), v.stride(0),
                                     v.stride(1), att.span, 1.0 / math.sqrt(att.hd), 1 << 30, k.shape[1], G=att.g,
                                     GP=att.gp, HD=att.hd, BLOCK=BLOCK_N, PREC="tf32", Q8=q8, num_warps=warps)
@@ -40,35 +40,34 @@ def main() -> int:
     caches = {"bfloat16": (kf, vf), "q8_0": (to_q8_0(kf), to_q8_0(vf))}
     n = torch.tensor([S], device=dev)
     ref = None
-    print("| cache | widening (Q8) | splits | warps | us per layer | GB/s of cache | max abs diff to bf16 splits 64 |")
+    print("| cache | splits | warps | us per layer | GB/s of cache | max abs diff to bf16 splits 64 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, (k, v) in caches.items():
         q8 = k.dtype == Q8_0
         ks, vs = (k.view(torch.float16), v.view(torch.float16)) if q8 else (k, v)
         kk, vv = (k.view(torch.int8), v.view(torch.int8)) if q8 else (k, v)
-        for variant in ((1, 2, 3) if q8 else (0,)):
-            for splits in (64, 128, 256):
-                att = SplitKAttention(nkv, g, hd, S, dev, splits=splits)
-                for warps in (4, 8):
-                    out = torch.empty_like(q)
-                    try:
-                        launch(att, q, kk, vv, ks, vs, n, out, variant, warps)
-                        torch.cuda.synchronize()
-                    except Exception as e:  # a setting the compiler refuses
-                        print(f"| {name} | {variant} | {att.splits} | {warps} | failed: {type(e).__name__}: {e} | | |")
-                        continue
-                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t0.record()
-                    for _ in range(a.reps):
-                        launch(att, q, kk, vv, ks, vs, n, out, variant, warps)
-                    t1.record()
+        for splits in (64, 128, 256):
+            att = SplitKAttention(nkv, g, hd, S, dev, splits=splits)
+            for warps in (4, 8):
+                out = torch.empty_like(q)
+                try:
+                    launch(att, q, kk, vv, ks, vs, n, out, q8, warps)
                     torch.cuda.synchronize()
-                    us = t0.elapsed_time(t1) * 1000 / a.reps
-                    if ref is None:
-                        ref = out.float().clone()
-                    nbytes = k.numel() * k.element_size() * 2
-                    print(f"| {name} | {variant} | {att.splits} | {warps} | {us:.1f} | {nbytes / us / 1e3:,.0f} | "
-                          f"{float((out.float() - ref).abs().max()):.3g} |", flush=True)
+                except Exception as e:  # a setting the compiler refuses
+                    print(f"| {name} | {att.splits} | {warps} | failed: {type(e).__name__}: {e} | | |")
+                    continue
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(a.reps):
+                    launch(att, q, kk, vv, ks, vs, n, out, q8, warps)
+                t1.record()
+                torch.cuda.synchronize()
+                us = t0.elapsed_time(t1) * 1000 / a.reps
+                if ref is None:
+                    ref = out.float().clone()
+                nbytes = k.numel() * k.element_size() * 2
+                print(f"| {name} | {att.splits} | {warps} | {us:.1f} | {nbytes / us / 1e3:,.0f} | "
+                      f"{float((out.float() - ref).abs().max()):.3g} |", flush=True)
     return 0
 
 

@@ -22,7 +22,6 @@ except ImportError:  # CPU-only installs: the callers keep their torch path
     triton = None
 
 BLOCK_N = 64       # keys per tile
-Q8_LOADS = 1       # how a q8_0 tile is widened: 1 a reshape to blocks and back, 2 loaded as blocks, 3 scales gathered
 KEYS_PER_SPLIT = 128  # at least this many keys per range: fewer ranges for short caches
 
 
@@ -30,8 +29,9 @@ def available() -> bool:
     return triton is not None
 
 
-def n_splits(keys: int, target: int = 64) -> int:
-    """Ranges for a cache of `keys` positions: enough programs to fill the GPU at long lengths."""
+def n_splits(keys: int, target: int = 128) -> int:
+    """Ranges for a cache of `keys` positions: enough programs to fill the GPU at long lengths (an 8B layer over
+    122,880 positions, one H200, bench/splitk.py: 130 us with 128 ranges against 144 us with 64)."""
     return max(1, min(target, keys // KEYS_PER_SPLIT))
 
 
@@ -39,26 +39,11 @@ if triton is not None:
     @triton.jit
     def _q8_rows(x_ptr, xs_ptr, off, live, dims, blocks, BLOCK: tl.constexpr, HD: tl.constexpr):
         # BLOCK q8_0 rows at byte offsets off (BLOCK, 1) -> (BLOCK, HD) float32: the values in one load of
-        # contiguous bytes, each block's scale once, broadcast over its 32 values
+        # contiguous bytes, each block's scale once, broadcast over its 32 values (faster than loading the values
+        # as (BLOCK, HD / 32, 32), or a scale beside each value: bench/splitk.py, 2026-12-03)
         x = tl.load(x_ptr + off + dims[None, :], mask=live[:, None], other=0).to(tl.float32)
         d = tl.load(xs_ptr + (off + HD) // 2 + blocks[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         return tl.reshape(tl.reshape(x, (BLOCK, HD // 32, 32)) * d[:, :, None], (BLOCK, HD))
-
-    @triton.jit
-    def _q8_rows_3d(x_ptr, xs_ptr, off, live, BLOCK: tl.constexpr, HD: tl.constexpr):
-        # _q8_rows with the values loaded as (BLOCK, HD / 32, 32): one reshape, after the product
-        b = tl.arange(0, HD // 32)
-        j = tl.arange(0, 32)
-        x = tl.load(x_ptr + off[:, :, None] + (b * 32)[None, :, None] + j[None, None, :], mask=live[:, None, None],
-                    other=0).to(tl.float32)
-        d = tl.load(xs_ptr + (off + HD) // 2 + b[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        return tl.reshape(x * d[:, :, None], (BLOCK, HD))
-
-    @triton.jit
-    def _q8_rows_gather(x_ptr, xs_ptr, off, live, dims, HD: tl.constexpr):
-        # _q8_rows with each value's scale loaded beside it (no reshape; 32 loads of one address a block)
-        x = tl.load(x_ptr + off + dims[None, :], mask=live[:, None], other=0).to(tl.float32)
-        return x * tl.load(xs_ptr + (off + HD) // 2 + (dims // 32)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
 
     @triton.jit
     def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
@@ -94,15 +79,8 @@ if triton is not None:
             if Q8:
                 ko = tl.multiple_of(h * sk_h + rows_k * sk_s, HD // 16)[:, None]
                 vo = tl.multiple_of(h * sv_h + rows_k * sv_s, HD // 16)[:, None]
-                if Q8 == 1:
-                    k = _q8_rows(k_ptr, ks_ptr, ko, live, dims, blocks, BLOCK, HD)
-                    v = _q8_rows(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD)
-                elif Q8 == 2:
-                    k = _q8_rows_3d(k_ptr, ks_ptr, ko, live, BLOCK, HD)
-                    v = _q8_rows_3d(v_ptr, vs_ptr, vo, live, BLOCK, HD)
-                else:
-                    k = _q8_rows_gather(k_ptr, ks_ptr, ko, live, dims, HD)
-                    v = _q8_rows_gather(v_ptr, vs_ptr, vo, live, dims, HD)
+                k = _q8_rows(k_ptr, ks_ptr, ko, live, dims, blocks, BLOCK, HD)
+                v = _q8_rows(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD)
                 v = v.to(dt)  # the widened value in the compute dtype, as the eager path's from_cache gives it
             else:
                 k = tl.load(k_ptr + h * sk_h + rows_k[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
@@ -197,7 +175,7 @@ class SplitKAttention:
                                      1.0 / math.sqrt(hd) if scale is None else scale, window if window > 0 else 1 << 30,
                                      k.shape[1],
                                      G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
-                                     PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=Q8_LOADS if q8 else 0)
+                                     PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8)
         _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
                          GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None)
         return out
