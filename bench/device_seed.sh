@@ -3,7 +3,7 @@
 # (configs/seed.yaml), a Qwen3-32B shape with YaRN x4 as a random-block IQ3_S GGUF, 122,880 tokens, the q8_0 KV
 # cache, layer_split and chunk auto; depth 1 then depth 0, each with its residual's md5 and each stage's bytes
 # against its cap. Then `big`: the 70B IQ3_S on four stages capped at 16 GB each, the same prompt (it completes,
-# or the planner's refusal says what would fit). Usage: bash bench/device_seed.sh [tests] [splitk] seed big
+# or the planner's refusal says what would fit). Usage: bash bench/device_seed.sh [tests] [splitk] [measure] seed big
 LOG=${LOG:-/tmp/seed}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -13,7 +13,7 @@ run() {
   el "$1: depth $4"
   timeout $(( $(left) + 20 )) python3 launcher.py --config configs/seed.yaml --set model="$2" --set "stages=$3" \
     --set depth="$4" --set 'prompt={random: {tokens: 122880, seed: 0}}' --set generate=0 --set dump_residual=true \
-    --set progress=false --out "/tmp/$1-d$4" --json --no-timeline > "$LOG/$1-d$4.json" 2> "$LOG/$1-d$4.err"
+    --set progress=false $EXTRA --out "/tmp/$1-d$4" --json --no-timeline > "$LOG/$1-d$4.json" 2> "$LOG/$1-d$4.err"
   echo "launcher rc $?"; tail -2 "$LOG/$1-d$4.err"
   python3 - "$LOG/$1-d$4.json" <<'PY'
 import json, sys
@@ -24,12 +24,13 @@ except Exception as e:
 g = lambda b: f"{(b or 0) / 1e9:.2f}"
 print(f"{r['tokens']:,} tokens in {r['seconds']:.2f} s = {r['tok_s']:,.1f} tok/s; depth {r['depth']}; chunk {r['chunk']} "
       f"({r['chunks']} chunks); split {r['split']}; md5 {r.get('residual_md5')}")
-print("stage | layers | weights GB | kv GB | scratch GB | measured peak GB | planned GB | cap GB")
+print("stage | layers | weights GB | kv GB | scratch GB | at load GB | prefill peak GB | planned GB | cap GB")
 for s in r["stages"]:
     print(f"{s['index']} | {len(s['layers'])} | {g(s['weight_bytes'])} | {g(s['kv_bytes'])} | {g(s['scratch_bytes'])} | "
-          f"{g(s['mem_bytes'])} | {g(s.get('need_bytes'))} | {g(s.get('cap_bytes'))}")
+          f"{g(s['mem_bytes'])} | {g(s.get('peak_bytes'))} | {g(s.get('need_bytes'))} | {g(s.get('cap_bytes'))}")
 PY
   rm -f "/tmp/$1-d$4"/residual*.npy
+  [ -n "$OUT" ] && mkdir -p "$OUT/$1-d$4" && cp "/tmp/$1-d$4"/*.log "$LOG/$1-d$4.err" "$OUT/$1-d$4/" 2>/dev/null
 }
 
 for step in "$@"; do case $step in
@@ -47,6 +48,12 @@ seed)
   S='[{device: cuda:0, memory: 12000000000}, {device: cuda:0, memory: 12000000000}, {device: cuda:0, memory: 8000000000}, {device: cuda:0, memory: 8000000000}]'
   run seed /tmp/q32y-iq3s.gguf "$S" 1
   fits "seed depth 0" 150 && run seed /tmp/q32y-iq3s.gguf "$S" 0 ;;
+measure)  # the seed's split and chunk without the caps: each stage's prefill peak against the plan's need
+  [ -f /tmp/q32y-iq3s.gguf ] || timeout 200 python3 bench/make_gguf.py --preset qwen3-32b-yarn --qtype IQ3_S \
+    --out /tmp/q32y-iq3s.gguf --device cuda 2>&1 | tail -1
+  S='[{device: cuda:0, speed: 1}, {device: cuda:0, speed: 1}, {device: cuda:0, speed: 1}, {device: cuda:0, speed: 1}]'
+  SPLIT=${SPLIT:-[20,20,13,11]} CHUNK=${CHUNK:-448}
+  EXTRA="--set layer_split=$SPLIT --set chunk=$CHUNK" run measure /tmp/q32y-iq3s.gguf "$S" 1 ;;
 big)
   el "gguf llama-3-70b IQ3_S"
   [ -f /tmp/70b-iq3s.gguf ] || timeout 200 python3 bench/make_gguf.py --preset llama-3-70b --qtype IQ3_S \

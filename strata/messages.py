@@ -106,6 +106,7 @@ class Stats(Message):
     events: list
     chunks: int
     bad_frames: int
+    peak_bytes: int            # a CUDA stage's most allocated bytes in the phase (weights and KV included); 0 on CPU
 
 
 @_message("ready")   # stage -> head: loaded and mapped; ready to serve

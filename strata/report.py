@@ -94,7 +94,7 @@ def build_report(p, seconds: float, ppl, cont, text, ids=None, schedule=None, re
                        "kv_bytes": st.kv_bytes, "state_bytes": st.state_bytes, "weights": st.weights,
                        "weight_bytes": st.weight_bytes,
                        "scratch_bytes": st.scratch_bytes, "pinned": st.pinned, "load_s": st.load_s,
-                       "warm_s": st.warm_s,
+                       "warm_s": st.warm_s, "peak_bytes": s.peak_bytes,
                        "bad_frames": s.bad_frames})
         events.append([[e[0], e[1], e[2], e[3]] for e in ev])
     planner = getattr(plan, "planner", None) or {}  # absent on plans made without the planner

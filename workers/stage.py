@@ -339,6 +339,8 @@ class Stage(DecodeRing):
         self.events: list[list] = []  # [k, work_start, work_end, handoff_done]
         self.last_handoff = t0
         self.nchunks = 0
+        if self.device.type == "cuda":  # the phase's peak (Stats.peak_bytes), against the plan's need and the cap
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def report_stats(self) -> None:
         self.send(self.to_head, M.Stats(stage=self.i, phase=self.phase,
@@ -346,7 +348,9 @@ class Stage(DecodeRing):
                          handoff_wait_s=self.handoff_wait_s, input_wait_s=self.input_wait_s, copy_s=self.copy_s,
                          events=[[k, a + self.clock_offset, b + self.clock_offset, c + self.clock_offset]
                                  for k, a, b, c in self.events] if self.clock_offset else self.events,
-                         chunks=self.nchunks, bad_frames=self.bad_frames))
+                         chunks=self.nchunks, bad_frames=self.bad_frames,
+                         peak_bytes=int(torch.cuda.max_memory_allocated(self.device))
+                         if self.device.type == "cuda" else 0))
 
     # -- the dump, memory, teardown ---------------------------------------------------------------
     def _open_dump(self, tokens: int) -> None:
