@@ -264,6 +264,17 @@ def test_kv_activations_handoff_runtime():
     assert 1.9 < big / stage_need(SMOLLM2, 5, 10, t, c, "float32").activations < 2.1
 
 
+def test_an_8bit_cache_counts_one_layer_widened():
+    """A q8_0 or e4m3 cache is widened to the compute dtype for each layer's prefill attention: the activations
+    hold one layer's keys and values of the whole context (the seed's rig ran out of memory without it)."""
+    from strata.planner import Storage
+    args, t, c = PRESETS["llama-3-8b"], 131072, 448
+    st = {kv: Storage(layer=1e8, embed=0, head=0, norm=0, scratch=0, kv_elem=kv, mode="resident") for kv in (2, 34 / 32)}
+    wide, narrow = (stage_need(args, 4, 8, t, c, "bfloat16", False, storage=st[kv]) for kv in (2, 34 / 32))
+    assert narrow.activations - wide.activations == 2 * 8 * 128 * t * 2  # 0.5 GiB
+    assert narrow.kv_cache == wide.kv_cache * 34 // 64
+
+
 def test_cudnn_split_keeps_grouped_kv(monkeypatch):
     import strata.attention
     flash = stage_need(LLAMA8, 4, 12, SEED_TOKENS, 2048, "bfloat16")
