@@ -58,6 +58,34 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
     return _split_attention(q, k, v, pos, _cpu_with_lse, scale, fused)
 
 
+# cached positions of an 8-bit (or otherwise narrower) cache widened at once for a chunk's attention: the prefix goes
+# in blocks, so a stage holds one block's keys and values in the compute dtype, not the context's (a 32B-class
+# layer at 131,072 positions: 64 MiB against 0.5 GiB)
+PREFIX_BLOCK = 16384
+
+
+def narrow_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int,
+                           scale: float | None = None, fused: bool = True) -> torch.Tensor:
+    """chunk_attention of q (1, nh, T, hd) at `pos` against a cache narrower than q's dtype (global rows:
+    position p in row p), widening it PREFIX_BLOCK positions at a time: the chunk's own keys causal, then each
+    block of the prefix, merged by their log-sum-exps (on CUDA one Triton pass per merge)."""
+    T, dt = q.shape[2], q.dtype
+    out, lse = _with_lse(q, from_cache(k_cache[:, :, pos:pos + T], dt), from_cache(v_cache[:, :, pos:pos + T], dt),
+                         True, scale)
+    lse = lse.float()
+    for a in range(0, pos, PREFIX_BLOCK):
+        b = min(pos, a + PREFIX_BLOCK)
+        o, l = _with_lse(q, from_cache(k_cache[:, :, a:b], dt), from_cache(v_cache[:, :, a:b], dt), False, scale)
+        l = l.float()
+        merged = None
+        if q.is_cuda and fused:
+            from .kernels import lse_merge
+            merged = lse_merge(o, l, out, lse)
+        out = merge_lse(o, l, out, lse) if merged is None else merged
+        lse = torch.logaddexp(lse, l)
+    return out
+
+
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sinks: torch.Tensor,
                    scale: float | None = None) -> torch.Tensor:
     """chunk_attention with gpt-oss's sinks: a per-head logit (nh,) in every softmax's denominator with no

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
-from .attention import (_FP8, BF16_ATTENTION_FROM, CUDA_ATTENTION_DEFAULT, Q8_0, _bf16_cache_attention, apply_rope,
-                        cache_width, chunk_attention, decode_attention, from_cache, kv_dtype_of, rope_rows,
-                        rope_tables, sink_attention, store_rows, to_cache, window_attention)
+from .attention import (_FP8, BF16_ATTENTION_FROM, CUDA_ATTENTION_DEFAULT, PREFIX_BLOCK, Q8_0, _bf16_cache_attention,
+                        apply_rope, cache_width, chunk_attention, decode_attention, from_cache, kv_dtype_of,
+                        narrow_cache_attention, rope_rows, rope_tables, sink_attention, store_rows, to_cache,
+                        window_attention)
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentExperts,
                        ResidentMatrices, Scratch, _dequantize, head_rows)
 from .config import KernelSpec
@@ -138,6 +139,8 @@ class Attention(nn.Module):
             return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale, self.sinks)
         if self.window is not None and pos + T > self.window:
             return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale)
+        if self.k_cache.dtype != q.dtype and pos > PREFIX_BLOCK:  # an 8-bit cache: its prefix widened in blocks
+            return narrow_cache_attention(q, self.k_cache, self.v_cache, pos, self.scale, self.fused)
         keys, vals = self.cached(pos + T, q.dtype)
         return chunk_attention(q, keys, vals, pos, self.scale, self.cuda_attention, self.fused)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .attention import PREFIX_BLOCK
 from .errors import PlanError
 from .args import ModelArgs
 
@@ -165,9 +166,10 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
     per_row = 2 * dim * b + max(norm, rope + dim * b, attn, mlp)
     act = chunk * per_row + chunk * hd * (2 * b + 3 * f4)  # + rope cos/sin tables
     if storage is not None and storage.kv_elem < b:
-        # a cache narrower than the compute dtype (8-bit) is widened for each layer's attention: one layer's keys
-        # and values of the whole context by the last chunk (an 8B's 131,072 positions: 0.5 GiB in bfloat16)
-        act += 2 * kvw * tokens * b
+        # a cache narrower than the compute dtype (8-bit) is widened for each layer's attention, PREFIX_BLOCK
+        # positions of the prefix at a time beside the chunk's own (strata.attention.narrow_cache_attention), and
+        # each block's output and log-sum-exp wait for their merge
+        act += 2 * kvw * (min(tokens, PREFIX_BLOCK) + chunk) * b + chunk * (q * b + nh * f4)
     if last:
         # the final norm and head: blocked float32 logits for the NLL (logits in dtype, their
         # float32 copy, log-softmax), while the chunk's output rows stay alive

@@ -265,13 +265,15 @@ def test_kv_activations_handoff_runtime():
 
 
 def test_an_8bit_cache_counts_one_layer_widened():
-    """A q8_0 or e4m3 cache is widened to the compute dtype for each layer's prefill attention: the activations
-    hold one layer's keys and values of the whole context (the seed's rig ran out of memory without it)."""
+    """A q8_0 or e4m3 cache is widened to the compute dtype for each layer's prefill attention, a block of the
+    prefix at a time (strata.attention.narrow_cache_attention): the activations hold one block's keys and values."""
     from strata.planner import Storage
     args, t, c = PRESETS["llama-3-8b"], 131072, 448
     st = {kv: Storage(layer=1e8, embed=0, head=0, norm=0, scratch=0, kv_elem=kv, mode="resident") for kv in (2, 34 / 32)}
     wide, narrow = (stage_need(args, 4, 8, t, c, "bfloat16", False, storage=st[kv]) for kv in (2, 34 / 32))
-    assert narrow.activations - wide.activations == 2 * 8 * 128 * t * 2  # 0.5 GiB
+    from strata.attention import PREFIX_BLOCK
+    # a block of the prefix and the chunk's own keys widened, the block's output and log-sum-exp
+    assert narrow.activations - wide.activations == 2 * 8 * 128 * (PREFIX_BLOCK + c) * 2 + c * (32 * 128 * 2 + 32 * 4)
     assert narrow.kv_cache == wide.kv_cache * 34 // 64
 
 
@@ -378,17 +380,19 @@ def test_refusal_says_what_would_fit():
     """A given chunk over a stage's cap: the refusal names the largest smaller chunk that fits, the longest
     max_context at the given chunk (by bisection: one more position would not fit), and the 8-bit cache."""
     args = PRESETS["smoke"]
-    cap = stage_need(args, 4, 8, 384, 256, "float32", True).total  # 384 positions at chunk 256, not 512
+    # 1,536 positions at chunk 256, not 2,048 (a context long enough that an 8-bit cache's saving outweighs its
+    # widened block: strata.attention.narrow_cache_attention)
+    cap = stage_need(args, 4, 8, 1536, 256, "float32", True).total
     stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "memory": cap}]
     with pytest.raises(ConfigError) as ei:
-        build_plan(from_dict(rig(chunk=256, max_context=512, layer_split=[4, 4], stages=stages)))
+        build_plan(from_dict(rig(chunk=256, max_context=2048, layer_split=[4, 4], stages=stages)))
     msg = str(ei.value)
     assert msg.startswith("stage 1 (cpu, 1 thread) (layers 4-7) needs"), msg
     longest = int(msg.split("or max_context ")[1].split(" ")[0])
-    assert 384 <= longest < 512
+    assert 1536 <= longest < 2048
     assert stage_need(args, 4, 8, longest, 256, "float32", True).total <= cap
     assert stage_need(args, 4, 8, longest + 1, 256, "float32", True).total > cap
-    assert msg.endswith(f"; would fit: chunk 128, or max_context {longest} at chunk 256, or kv_dtype q8_0")
+    assert msg.endswith(f"; would fit: chunk 64, or max_context {longest} at chunk 256, or kv_dtype q8_0")
 
 
 def test_build_plan_rig_speeds():
