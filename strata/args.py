@@ -207,6 +207,9 @@ class ModelArgs:
 
 
 # Shape presets for synthetic (random-weight) models: benchmarks and smoke tests.
+# Qwen's own long-context recipe: YaRN x4 over its 32,768 native positions (Qwen3 model cards)
+QWEN_YARN4 = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768, beta_fast=32.0, beta_slow=1.0,
+                  mscale=None, mscale_all_dim=None, attention_factor=0.1 * math.log(4.0) + 1.0, truncate=True)
 PRESETS: dict[str, ModelArgs] = {
     "llama-3-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                             head_dim=128, ffn_dim=14336, rope_theta=500000.0, max_seq_len=131072,
@@ -222,19 +225,13 @@ PRESETS: dict[str, ModelArgs] = {
     # Qwen's own long-context recipe: YaRN x4 over its 32,768 native positions
     "qwen3-8b-yarn": ModelArgs(arch="qwen3", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8,
                                head_dim=128, ffn_dim=12288, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
-                               max_seq_len=131072, rope_scaling=dict(
-                                   rope_type="yarn", factor=4.0, original_max_position_embeddings=32768,
-                                   beta_fast=32.0, beta_slow=1.0, mscale=None, mscale_all_dim=None,
-                                   attention_factor=0.1 * math.log(4.0) + 1.0, truncate=True)),
+                               max_seq_len=131072, rope_scaling=dict(QWEN_YARN4)),
     "qwen3-32b": ModelArgs(arch="qwen3", vocab_size=151936, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8,
                            head_dim=128, ffn_dim=25600, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=40960),
     # the seed's model class (5,120 wide) at a long prompt: Qwen3-32B with its model card's YaRN x4
     "qwen3-32b-yarn": ModelArgs(arch="qwen3", vocab_size=151936, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8,
                                 head_dim=128, ffn_dim=25600, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
-                                max_seq_len=131072, rope_scaling=dict(
-                                    rope_type="yarn", factor=4.0, original_max_position_embeddings=32768,
-                                    beta_fast=32.0, beta_slow=1.0, mscale=None, mscale_all_dim=None,
-                                    attention_factor=0.1 * math.log(4.0) + 1.0, truncate=True)),
+                                max_seq_len=131072, rope_scaling=dict(QWEN_YARN4)),
     "gemma-3-27b": ModelArgs(arch="gemma3", vocab_size=262208, dim=5376, n_layers=62, n_heads=32, n_kv_heads=16,
                              head_dim=128, ffn_dim=21504, norm_eps=1e-6, rope_theta=1e6, max_seq_len=131072,
                              rope_scaling=dict(rope_type="linear", factor=8.0), tie_embeddings=True, qk_norm=True,
