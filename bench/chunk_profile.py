@@ -1,6 +1,7 @@
 """Where one prefill chunk's time goes in one stage slice: wall time per chunk and the top kernels.
 
     python bench/chunk_profile.py --model /tmp/8b.gguf --layers 0:16 --chunk 8192 --chunks 3 --weights resident
+    python bench/chunk_profile.py --model /tmp/q32y-l8.gguf --chunk 448 --kv q8_0 --at 110000 --profile
 """
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--chunks", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--kv", default="auto", help="kv_dtype (e.g. q8_0)")
+    ap.add_argument("--at", type=int, default=0, help="the first timed chunk's position (a cached prefix before it)")
     a = ap.parse_args()
     args = model_args(a.model)
     start, end = (int(x) for x in a.layers.split(":")) if a.layers else (0, args.n_layers)
     t = time.perf_counter()
     m = load_stage(a.model, args, start, end, device=a.device, dtype=a.dtype, weights=a.weights,
-                   max_len=a.chunk * a.chunks, kernels=ENV.kernels, attention=ENV.attention)
+                   max_len=a.at + a.chunk * a.chunks, kv_dtype=a.kv, max_chunk=a.chunk, kernels=ENV.kernels,
+                   attention=ENV.attention)
     dev = torch.device(a.device)
     print(f"{a.model} layers [{start}, {end}) {a.weights}: loaded in {time.perf_counter() - t:.1f} s, "
           f"weights {m.weight_bytes / 2**30:.2f} GiB, scratch {m.scratch_bytes / 2**30:.2f} GiB")
@@ -50,11 +54,11 @@ def main() -> int:
         if a.profile and k == a.chunks - 1:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                m(x, k * a.chunk, decode=False)
+                m(x, a.at + k * a.chunk, decode=False)
                 torch.cuda.synchronize(dev)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
         else:
-            m(x, k * a.chunk, decode=False)
+            m(x, a.at + k * a.chunk, decode=False)
         torch.cuda.synchronize(dev) if dev.type == "cuda" else None
         print(f"chunk {k}: {time.perf_counter() - t:.3f} s", flush=True)
     return 0

@@ -41,6 +41,22 @@ tests)
 splitk)
   el "split-K alone: bf16 and q8_0 caches, 122,880 keys (bench/splitk.py)"
   timeout 150 python3 bench/splitk.py --keys 122880 2>&1 | tail -40 ;;
+probe)  # the plan's gap at load (bench/load_memory.py) and the 8-bit prefix attention's per-chunk cost
+  [ -f /tmp/q32y-l8.gguf ] || timeout 120 python3 bench/make_gguf.py --preset qwen3-32b-yarn --qtype IQ3_S --layers 8 \
+    --out /tmp/q32y-l8.gguf --device cuda 2>&1 | tail -1
+  for L in 0:4 2:6 4:8; do timeout 120 python3 bench/load_memory.py --model /tmp/q32y-l8.gguf --layers $L 2>&1 | tail -16; done
+  timeout 120 python3 bench/narrow_prefill.py 2>&1 | tail -6 ;;
+profile)  # one 448-token chunk of 8 layers at position 110,000 with the q8_0 cache; the stage's memory at load
+  [ -f /tmp/q32y-l8.gguf ] || timeout 120 python3 bench/make_gguf.py --preset qwen3-32b-yarn --qtype IQ3_S --layers 8 \
+    --out /tmp/q32y-l8.gguf --device cuda 2>&1 | tail -1
+  timeout 150 python3 bench/chunk_profile.py --model /tmp/q32y-l8.gguf --chunk 448 --kv q8_0 --at 110000 --chunks 3 \
+    --profile 2>&1 | tail -24
+  S='[{device: cuda:0, speed: 1}, {device: cuda:0, speed: 1}, {device: cuda:0, speed: 1}, {device: cuda:0, speed: 1}]'
+  timeout 150 python3 launcher.py --config configs/seed.yaml --set model=/tmp/q32y-l8.gguf --set "stages=$S" \
+    --set 'layer_split=[2,2,2,2]' --set chunk=448 --set max_context=131072 --set generate=0 --set progress=false \
+    --set 'prompt={random: {tokens: 2048, seed: 0}}' --set 'debug={memory_trace: true}' --out /tmp/trace --json \
+    --no-timeline > /dev/null 2> "$LOG/trace.err"; echo "launcher rc $?"; tail -2 "$LOG/trace.err"
+  grep -h "GPU memory at load\|memory_trace" /tmp/trace/stage-*.log | cut -c 25- ;;
 seed)
   el "gguf qwen3-32b-yarn IQ3_S"
   [ -f /tmp/q32y-iq3s.gguf ] || timeout 200 python3 bench/make_gguf.py --preset qwen3-32b-yarn --qtype IQ3_S \

@@ -67,6 +67,7 @@ class DebugSpec:
     fail_chunk: int | None = None  # ... at this chunk ...
     fail_mode: str = "raise"       # ... raises, exits ("exit"), stops moving ("hang") or SIGKILLs itself ("kill")
     fail_phase: str = "prefill"    # ... in this phase: "prefill", "decode", or "load" (before ready; no chunk)
+    memory_trace: bool = False     # a CUDA stage logs where its allocated bytes at load came from (strata.memory_trace)
 
 
 @dataclass(frozen=True)

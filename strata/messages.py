@@ -372,7 +372,7 @@ def _spec_kinds(cls) -> dict[str, tuple]:
 
 SPEC: dict[str, tuple] = _spec_kinds(StageJob)   # on the wire `net` is required: only remote stages get a spec
 SPEC_NET: dict[str, tuple] = _spec_kinds(StageNet)
-SPEC_DEBUG = ("delay_s", "delay_step_s", "fail_stage", "fail_chunk", "fail_mode", "fail_phase")
+SPEC_DEBUG = ("delay_s", "delay_step_s", "fail_stage", "fail_chunk", "fail_mode", "fail_phase", "memory_trace")
 MAX_SPEC = 1 << 20
 
 

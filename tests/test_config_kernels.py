@@ -102,7 +102,7 @@ def _job(**over):
                cuda_graphs=True, decode_ahead=False,
                kernels=asdict(KernelSpec(prefill="torch", gemv_iq3s="float", decode_bells=False)),
                debug={f: None for f in ("delay_s", "delay_step_s", "fail_stage", "fail_chunk", "fail_mode",
-                                        "fail_phase")}, net=net)
+                                        "fail_phase", "memory_trace")}, net=net)
     job.update(over)
     return M.StageJob(**job)
 

@@ -239,3 +239,23 @@ def test_prefix_widened_in_blocks_equals_whole(kv, monkeypatch):
         with torch.inference_mode():
             outs[block] = torch.cat([m(ids[:, a:a + 64], a) for a in range(0, 320, 64)], 1)
     assert rel(outs[96], outs[1 << 20]) < 1e-4  # (a rounding apart can move a later layer's 8-bit value a step)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefix_blocks_on_cuda_flash_remainder(monkeypatch):
+    """On CUDA the last, partial block of a widened prefix goes to torch's flash kernel (its query heads packed as
+    rows of their kv head), the full blocks to cuDNN: both remainder kernels give the whole prefix's attention, in
+    bfloat16, to its rounding."""
+    import strata.attention as A
+    g = torch.Generator().manual_seed(6)
+    nh, nkv, hd, T = 16, 4, 128, 96
+    monkeypatch.setattr(A, "PREFIX_BLOCK", 1024)
+    for pos in (1500, 2048 + 333):
+        q = torch.randn(1, T, nh, hd, generator=g).cuda().bfloat16().transpose(1, 2)  # the model's strided view
+        kc, vc = (to_cache(torch.randn(1, nkv, pos + T, hd, generator=g).cuda().bfloat16(), Q8_0) for _ in range(2))
+        want = A.chunk_attention(q.float(), from_cache(kc, torch.float32), from_cache(vc, torch.float32), pos)
+        for rem in ("flash", "cudnn"):
+            got = A.narrow_cache_attention(q, kc, vc, pos, remainder=rem)
+            err = float((got.float() - want).norm() / want.norm())
+            assert got.dtype == torch.bfloat16 and err < 2e-2, (pos, rem, err)

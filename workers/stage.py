@@ -29,15 +29,16 @@ from collections import deque
 import torch
 import zmq
 
+from strata import memory_trace
 from strata import messages as M
 from strata.decode_graphs import GraphedDecode
 
 from .buffers import StageBuffers
 from .decode_ring import DecodeRing
 from .faults import Faults
+from .kv_ops import StageKv
 from .load import load_slice, warm_up
 from .placement import use_device
-from .kv_ops import StageKv
 from .residual_dump import ResidualDump
 from .sockets import StageSockets
 
@@ -67,8 +68,19 @@ class Stage(DecodeRing):
         self.bad_frames = self.bad_frames_logged = 0
         t_load = time.perf_counter()
         use_device(spec, self.device, log)
+        trace = bool(spec.debug.get("memory_trace")) and self.device.type == "cuda"
+        if trace:
+            memory_trace.start()
         self.model, self.weights = load_slice(spec, self.device, self.dtype, log)
         self.kv_bytes = self.model.kv_bytes
+        if self.device.type == "cuda":  # what the planner counted against what is held
+            m, held = self.model, torch.cuda.memory_allocated(self.device)
+            log.info("GPU memory at load: %s bytes allocated = weights %s + scratch %s + KV %s + other %s", f"{held:,}",
+                     f"{m.weight_bytes:,}", f"{m.scratch_bytes:,}", f"{m.kv_bytes:,}",
+                     f"{held - m.weight_bytes - m.scratch_bytes - m.kv_bytes:,}")
+        if trace:
+            for line in memory_trace.summary():
+                log.info("memory_trace: %s", line)
         self.args = self.model.args
         # one-token decode steps: replayed from CUDA graphs where the rig asks for them on a GPU
         self.graphs = GraphedDecode(self.model) if spec.cuda_graphs and self.device.type == "cuda" else None
