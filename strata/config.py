@@ -16,7 +16,7 @@ import yaml
 
 from .errors import ConfigError
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 when every stage is a GPU, else float32
 ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/model.py); auto = the model's default
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn", "q8_0")  # the KV cache's dtype (issue 12); auto = dtype
@@ -113,7 +113,7 @@ ENV_KERNELS = {
 @dataclass(frozen=True)
 class RigConfig:
     model: str = "smollm2"                  # HF dir, .gguf file, "smollm2", or "synthetic:PRESET"
-    dtype: str = field(default="float32", metadata={"choices": DTYPES})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES})  # compute dtype (auto: resolved in from_dict)
     attention: str = field(default="auto", metadata={"choices": ATTENTION})  # CUDA attention path (stages and
                                             # planner alike); STRATA_CUDA_ATTENTION overrides it
     weights: str = field(default="auto", metadata={"choices": WEIGHTS})      # quantized weights resident or
@@ -367,7 +367,19 @@ def from_dict(raw: dict, env: dict | None = None) -> RigConfig:
     raw = _apply_env(raw, env)
     cfg = _parse_fields(RigConfig, "", raw, _PARSERS[RigConfig])
     _check_values(cfg)
+    if cfg.dtype == "auto":
+        cfg = replace(cfg, dtype=auto_dtype(cfg.stages))
     return cfg
+
+
+def auto_dtype(stages) -> str:
+    """`dtype: auto`: bfloat16 when every stage is a GPU (the fast path: a float32 32B on four GPU stages
+    prefilled at a sixth of the speed and held the dequantization scratch twice), float32 with any CPU stage
+    (its kernels and the exact comparisons are float32's). `stages: auto` is the visible GPUs, else CPUs."""
+    if isinstance(stages, str):
+        import torch
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "float32"
+    return "bfloat16" if all(s.device.startswith("cuda") for s in stages) else "float32"
 
 
 def _apply_env(raw: dict, env) -> dict:

@@ -155,3 +155,16 @@ def test_decode_switches_are_arguments():
     windowed = PRESETS["gemma-3-27b"]  # window layers: the masked graphs cannot read a ring
     assert not covers(windowed, "masked")
     assert {f.name for f in fields(KernelSpec)} == {v[0] for v in ENV_KERNELS.values()}
+
+
+def test_dtype_auto_is_bfloat16_on_gpus_only():
+    """`dtype: auto` (the default): bfloat16 when every stage is a GPU, float32 when any is a CPU; a given dtype is
+    kept; the parsed rig holds the resolved one (the planner, the stages and report.json see no "auto")."""
+    from strata.config import StageSpec, auto_dtype, from_dict
+    gpu, cpu = StageSpec(device="cuda:0"), StageSpec(device="cpu")
+    assert auto_dtype((gpu, gpu)) == "bfloat16"
+    assert auto_dtype((gpu, cpu)) == "float32" and auto_dtype((cpu,)) == "float32"
+    rig = {"model": "synthetic:smoke", "stages": [{"device": "cpu"}, {"device": "cpu"}]}
+    assert from_dict(rig, env={}).dtype == "float32"
+    assert from_dict({**rig, "dtype": "bfloat16"}, env={}).dtype == "bfloat16"
+    assert from_dict({**rig, "dtype": "auto"}, env={}).dtype == "float32"
