@@ -26,7 +26,7 @@ print(f"{r['tokens']:,} tokens in {r['seconds']:.2f} s = {r['tok_s']:,.1f} tok/s
       f"({r['chunks']} chunks); split {r['split']}; md5 {r.get('residual_md5')}")
 print("stage | layers | weights GB | kv GB | scratch GB | at load GB | prefill peak GB | planned GB | cap GB")
 for s in r["stages"]:
-    print(f"{s['index']} | {len(s['layers'])} | {g(s['weight_bytes'])} | {g(s['kv_bytes'])} | {g(s['scratch_bytes'])} | "
+    print(f"{s['index']} | {s['layers'][1] - s['layers'][0]} | {g(s['weight_bytes'])} | {g(s['kv_bytes'])} | {g(s['scratch_bytes'])} | "
           f"{g(s['mem_bytes'])} | {g(s.get('peak_bytes'))} | {g(s.get('need_bytes'))} | {g(s.get('cap_bytes'))}")
 PY
   rm -f "/tmp/$1-d$4"/residual*.npy

@@ -134,12 +134,12 @@ class SplitKAttention:
     tensor (1,), the live positions (< S read).
     The partial results live in buffers made once here, so the launches can be captured in a graph."""
 
-    def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None):
+    def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None, num_warps: int = 4):
         if triton is None:
             raise RuntimeError("split-K decode attention needs Triton")
         if hd & (hd - 1):
             raise ValueError(f"head dim {hd} is not a power of two")
-        self.nkv, self.g, self.hd = nkv, g, hd
+        self.nkv, self.g, self.hd, self.num_warps = nkv, g, hd, num_warps
         self.gp = max(16, 1 << (g - 1).bit_length())  # tl.dot wants >= 16 rows; the padding rows are zeros
         self.splits = splits or n_splits(keys)
         self.span = BLOCK_N * math.ceil(keys / self.splits / BLOCK_N)
@@ -175,7 +175,8 @@ class SplitKAttention:
                                      1.0 / math.sqrt(hd) if scale is None else scale, window if window > 0 else 1 << 30,
                                      k.shape[1],
                                      G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
-                                     PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8)
+                                     PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
+                                     num_warps=self.num_warps)
         _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
                          GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None)
         return out
