@@ -196,9 +196,10 @@ def _assert_timeline_draws_both_stages(png: Path, rep: dict) -> None:
 
 
 def test_every_rig_field_is_parsed():
-    """from_dict reaches every field of RigConfig: each one, given its default, comes back unchanged."""
+    """from_dict reaches every field of RigConfig: each one, given its default, comes back unchanged (`dtype: auto`
+    comes back resolved, as the stages say)."""
     from dataclasses import asdict, fields
-    from strata.config import RigConfig
+    from strata.config import RigConfig, auto_dtype
     base = {"model": "synthetic:smoke", "prompt": {"random": {"tokens": 10}}}
     for f in fields(RigConfig):
         default = getattr(RigConfig(), f.name)
@@ -207,7 +208,8 @@ def test_every_rig_field_is_parsed():
         else:
             raw = default
         cfg = from_dict({**base, f.name: raw}, env={})
-        assert getattr(cfg, f.name) == default, f.name
+        want = auto_dtype(cfg.stages) if f.name == "dtype" else default
+        assert getattr(cfg, f.name) == want, f.name
     cfg = from_dict({**base, "attention": "flash", "weights": "resident", "kv_dtype": "float8_e4m3fn"}, env={})
     assert (cfg.attention, cfg.weights, cfg.kv_dtype) == ("flash", "resident", "float8_e4m3fn")
 
