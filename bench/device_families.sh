@@ -16,6 +16,7 @@
 #   moe-gguf   qwen3-30b-a3b Q4_K_M and gpt-oss-20b MXFP4_MOE random-block GGUFs
 #   q30     (q30-prefill, q30-decode) qwen3-30b-a3b: prefill of 122,880 tokens, decode after 2,048 and 32,768
 #   oss     (oss-prefill, oss-decode) the same for gpt-oss-20b
+#   dense-probe  the same on the qwen3-32b and gemma-3-27b files
 #   probe   bench/decode_probe.py on both files: whether the decode graphs take the step, its graph and eager
 #           times, the eager step's top CUDA kernels
 #   moe-profile  bench/moe_profile.py on both files: where the 122,880-token prefill's time goes (oss-profile:
@@ -133,9 +134,11 @@ oss_decode() { decode oss20 "$OSS" 150; }
 oss() { oss_prefill; oss_decode; }
 
 moe_profile() { profile "$Q30" "$OSS"; }
-probe() {  # one stage's decode step: graphs taken or not, graph and eager times, the eager step's top kernels
+probe() { probe_files "$Q30" "$OSS"; }
+dense_probe() { probe_files "$Q32" "$G27"; }
+probe_files() {  # one stage's decode step: graphs taken or not, graph and eager times, the eager step's top kernels
   local f
-  for f in "$Q30" "$OSS"; do
+  for f in "$@"; do
     fits "probe $f" 60 || return
     el "probe: $f (bench/decode_probe.py, context 2,048)"
     timeout $(( $(left) + 20 )) python3 bench/decode_probe.py --model "$f" --context 2048 2>&1 \
@@ -154,7 +157,7 @@ profile() {
 }
 
 STEPS="setup build tests gguf qwen32 qwen32-prefill qwen32-decode gemma gemma-prefill gemma-decode yarn moe-tests
-moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode moe-profile oss-profile probe"
+moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode moe-profile oss-profile probe dense-probe"
 for step in ${@:-setup build tests gguf qwen32 gemma yarn}; do
   case " ${STEPS//$'\n'/ } " in
     *" $step "*) ${step//-/_} ;;
