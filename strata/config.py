@@ -557,4 +557,13 @@ def load(path: str | os.PathLike, overrides: list[str] = (), env: dict | None = 
     return from_dict(raw, env={})
 
 
+def cache_dir(env: dict | None = None) -> Path:
+    """Where this host keeps what Strata builds (strata/cpu_decode.py's C library): STRATA_CACHE_DIR, else
+    $XDG_CACHE_HOME/strata, else ~/.cache/strata. Not a rig key: a path on the machine that builds, read there
+    when it builds (a remote stage's is its own host's, not the head's), and no switch of the computation."""
+    env = os.environ if env is None else env
+    return Path(env.get("STRATA_CACHE_DIR") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "strata"))
+
+
 _check_parsers()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .config import cache_dir
+
 SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.c"
 BLOCK = 32
 ROWS = 16  # rows interleaved per group (one AVX-512 register of int32 lanes)
@@ -50,12 +52,6 @@ _libs: dict[bool, ctypes.CDLL] = {}
 _lock = threading.Lock()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("STRATA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "strata")
-    return Path(root)
-
-
 KV_DTYPES = {torch.float32: 32, torch.bfloat16: 16, torch.float8_e4m3fn: 8}  # the caches the C attention reads
 
 
@@ -81,7 +77,7 @@ def auto_kind(args, quantized: bool, weights: str, kv_dtype: torch.dtype = torch
 
 
 def library(portable: bool = False) -> ctypes.CDLL:
-    """The compiled kernel, built on first use into the cache (`STRATA_CACHE_DIR`, else ~/.cache/strata) and
+    """The compiled kernel, built on first use into this host's cache (strata.config.cache_dir) and
     reused while the source, compiler and flags are the same. portable: without -march=native (the plain C
     path; tests compare it with the vector one). Raises BuildError naming what is missing."""
     with _lock:
@@ -98,7 +94,7 @@ def library(portable: bool = False) -> ctypes.CDLL:
             raise BuildError(f"{cc} --version failed: {e}") from None
         src = SOURCE.read_bytes()
         key = hashlib.sha256(src + " ".join([cc, version] + flags).encode()).hexdigest()[:16]
-        out = _cache_dir() / f"cpu_decode-{key}.so"
+        out = cache_dir() / f"cpu_decode-{key}.so"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)

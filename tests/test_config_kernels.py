@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from strata.config import ENV_KERNELS, ConfigError, KernelSpec, from_dict, load
+from strata.config import ENV_KERNELS, ConfigError, KernelSpec, cache_dir, from_dict, load
 
 ROOT = Path(__file__).resolve().parents[1]
-# STRATA_* variables read outside config.py on purpose: not switches of the computation
-NOT_SWITCHES = {"STRATA_CACHE_DIR": "where the C decoder's library is built (strata/cpu_decode.py): a path"}
 
 
 def strata_names(source: str) -> set[str]:
@@ -38,20 +36,28 @@ def test_the_scan_sees_a_read():
     assert strata_names('"""STRATA_Z is documented here."""\n# STRATA_W\n') == set()
 
 
-def test_strata_switches_are_read_in_config_only():
-    """Every STRATA_* variable in strata/ and workers/ is spelled in config.py only (which overrides the rig with
-    it), but for NOT_SWITCHES; and each switch config.py knows is one of its overrides."""
+def test_strata_variables_are_read_in_config_only():
+    """Every STRATA_* variable in strata/, workers/, launcher.py and bench/ is spelled in config.py only (which
+    overrides the rig with it, or for STRATA_CACHE_DIR gives the host's path), and each switch config.py knows is
+    one of its overrides."""
     found = {}
-    for pkg in ("strata", "workers"):
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            if path == ROOT / "strata" / "config.py":
-                continue
-            for name in strata_names(path.read_text()):
-                found.setdefault(name, []).append(str(path.relative_to(ROOT)))
-    stray = {n: where for n, where in found.items() if n not in NOT_SWITCHES}
-    assert not stray, f"STRATA_* read outside strata/config.py (make it a rig key with an override there): {stray}"
+    paths = [p for pkg in ("strata", "workers", "bench") for p in (ROOT / pkg).rglob("*.py")] + [ROOT / "launcher.py"]
+    for path in sorted(paths):
+        if path == ROOT / "strata" / "config.py":
+            continue
+        for name in strata_names(path.read_text()):
+            found.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert not found, f"STRATA_* read outside strata/config.py (make it a rig key with an override there): {found}"
     spelled = strata_names((ROOT / "strata" / "config.py").read_text())
-    assert set(ENV_KERNELS) <= spelled and {"STRATA_PF_DEPTH", "STRATA_PREFILL_TIMING", "STRATA_CUDA_ATTENTION"} <= spelled
+    assert set(ENV_KERNELS) <= spelled
+    assert {"STRATA_PF_DEPTH", "STRATA_PREFILL_TIMING", "STRATA_CUDA_ATTENTION", "STRATA_CACHE_DIR"} <= spelled
+
+
+def test_cache_dir_from_environment(tmp_path):
+    """The C decoder's cache: STRATA_CACHE_DIR, else $XDG_CACHE_HOME/strata, else ~/.cache/strata."""
+    assert cache_dir({"STRATA_CACHE_DIR": str(tmp_path / "c"), "XDG_CACHE_HOME": "/x"}) == tmp_path / "c"
+    assert cache_dir({"STRATA_CACHE_DIR": "", "XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "strata"
+    assert cache_dir({}) == Path.home() / ".cache" / "strata"
 
 
 def test_kernels_parse_refuse_and_default():
