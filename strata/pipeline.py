@@ -15,8 +15,8 @@ sockets, the ipc directory, shared memory) is released by `close()`, reached thr
 
 Stages on other hosts (`stages[i].host`): the head also listens on tcp (`listen`) with CurveZMQ,
 starts each remote stage through `remote_command` (or prints the command), serves its join and
-watches it by heartbeats as well as by its launcher process (strata/net.py); boundaries that cross
-hosts carry their rows over tcp (strata/transport.py).
+watches it by heartbeats as well as by its launcher process (strata/remote.py over strata/head_net.py);
+boundaries that cross hosts carry their rows over tcp (strata/transport.py).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ also has a heartbeat thread with a socket of its own: workers/join.py.) The proc
 the head through workers/join.py, started as `python -m workers.join --join tcp://HEAD:PORT --key KEY`.
 What a Stage is built from: workers/placement.py (device, cores), workers/load.py (the slice, its
 warm-up), workers/buffers.py (ids, hand-off links, bells), workers/sockets.py, workers/faults.py
-(the rig's `debug`), workers/residual_dump.py.
+(the rig's `debug`), workers/residual_dump.py, workers/kv_ops.py (prefix-cache snapshots, KV files).
 
 Across hosts the path is the same: a boundary whose ends are on different hosts is a `TcpLink`
 instead of a `ShmLink` (strata/transport.py), the rows travelling with the note.
@@ -202,7 +202,7 @@ class Stage(DecodeRing):
     def send(self, sock, msg: M.Message) -> None:
         sock.send(M.encode(msg))
 
-    def _dispatch(self, msg: dict, data=None) -> None:
+    def _dispatch(self, msg: M.Message, data=None) -> None:
         """One message (and, across hosts, the rows that came with a chunk note), by its type's handler."""
         handler = self.handlers.get(type(msg))
         if handler is None:
