@@ -305,6 +305,26 @@ def test_flex_is_refused_where_it_cannot_run():
     assert rows == [128, 128, 256, 384, 512, 2048, 3072, 3072, 4096]
 
 
+def test_warm_window_attention_compiles_each_bucket_once(monkeypatch):
+    """A CUDA stage's warm-up calls one window layer's flex attention once per query bucket of the schedule's chunk
+    lengths (the longest chunk of each, which the ring holds), past the window; nothing where flex is not taken."""
+    from types import SimpleNamespace
+    calls = []
+    attn = SimpleNamespace(window=16, k_cache=torch.zeros(1, 2, 16 + 512 - 1, 8), v_cache=torch.zeros(1, 2, 527, 8),
+                           nh=4, hd=8, scale=None, sinks=None, window_kernel="flex")
+    model = SimpleNamespace(device_dtype=lambda: (torch.device("cpu"), torch.bfloat16),
+                            layers={"0": SimpleNamespace(attn=SimpleNamespace(window=None, k_cache=None)),
+                                    "1": SimpleNamespace(attn=attn)})
+    assert sm.warm_window_attention(model, [512, 300]) == []  # CPU: the band, nothing to compile
+    monkeypatch.setattr(sm, "flex_unavailable", lambda device, dtype: None)
+    monkeypatch.setattr(sm, "window_attention", lambda q, kc, vc, pos, window, scale, sinks, kernel:
+                        calls.append((q.shape[2], pos, kernel)))
+    assert sm.warm_window_attention(model, [512, 512, 300, 100, 129, 257, 0]) == [128, 256, 384, 512]
+    assert calls == [(100, 16, "flex"), (129, 16, "flex"), (300, 16, "flex"), (512, 16, "flex")]
+    attn.window_kernel = "band"
+    assert sm.warm_window_attention(model, [512]) == []
+
+
 @pytest.mark.gpu
 @cuda
 @flex
