@@ -226,6 +226,7 @@ def _flex_fns():
     global _flex
     if _flex is None:
         # imported on first use: it pulls in dynamo (~1 s), which a CPU stage never needs
+        import torch._dynamo
         from torch.nn.attention import flex_attention as fa
         # dynamo keeps one compile per query bucket (and window) of flex_attention's one code object, 8 by default;
         # past that it would run flex eagerly, which materializes the scores: allow every bucket up to 2^17 rows
