@@ -4,6 +4,7 @@ Knows nothing of layers or stages: tensors in, tensors out. The CUDA paths are a
 which the model's layers take from the rig's `attention` and `kernels.prefill`."""
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -134,7 +135,8 @@ WINDOW_ROWS = 1024
 
 
 def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: int,
-                     scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float | None = None, sinks: torch.Tensor | None = None,
+                     kernel: str = "band") -> torch.Tensor:
     """Queries at [pos, pos + T) of a sliding-window layer, whose keys are cached: the query at p sees keys
     (p - window, p].
 
@@ -144,7 +146,15 @@ def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     widened to q's dtype, with a boolean band mask: memory and work grow with the window, not the prefix.
     sinks (nh,): gpt-oss's per-head logit in every softmax's denominator with no value: each output row is
     scaled by sigmoid(lse - sink), from the attention's log-sum-exp (a layer without a window passes
-    window = pos + T)."""
+    window = pos + T). kernel: "flex" (kernels.window_attention) takes FlexAttention where it runs (CUDA, 16 bits:
+    flex_unavailable), whose block mask skips the band's masked-out work; "band", or where flex cannot, the above."""
+    if kernel == "flex" and q.is_cuda and q.dtype in _FLEX_DTYPES and _flex_failed is None:
+        try:
+            return flex_window_attention(q, k_cache, v_cache, pos, window, scale, sinks)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the band would need more memory, not less
+        except Exception as e:  # noqa: BLE001 - a compile or launch this torch cannot do: the band from now on
+            _flex_fail(e)
     T, S = q.shape[2], k_cache.shape[2]
     out = torch.empty_like(q)
     for a in range(0, T, WINDOW_ROWS):
@@ -190,6 +200,139 @@ def _masked_with_lse(q, k, v, band, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
                                                                            scale=scale)
     return out, lse.view(q.shape[1], q.shape[2])
+
+
+# kernels.window_attention: "flex". FlexAttention runs compiled, once per process and query shape (dynamic=False):
+# a chunk's queries are padded to a bucket (flex_rows: FLEX_ROWS, its block size, then powers of two and 1.5 times
+# them), so a prompt's last, shorter chunk and dynamic chunks reuse a few compiled kernels; the padded rows are
+# computed and dropped (under a third of a chunk's window attention). The window's offsets are tensors the mask
+# reads, not constants the compile would specialize on.
+FLEX_ROWS = 128
+_FLEX_DTYPES = (torch.bfloat16, torch.float16)
+_flex = None  # (compiled flex_attention, eager flex_attention, create_block_mask, AuxRequest or None)
+_flex_failed: str | None = None  # set once a flex call failed: the process takes the band from then on
+_block_masks: dict = {}  # (device, query rows, window, rows before position 0) -> BlockMask
+BLOCK_MASKS = 64  # held at most (a long prompt uses one or two; the first chunks of a large window a few more)
+
+
+def flex_rows(T: int) -> int:
+    """The query rows a chunk of T rows is padded to for FlexAttention (one compile each): 128, 256, 384, 512, 768,
+    1024, 1536, ...: whole blocks, a few dozen buckets up to any chunk."""
+    p = max(FLEX_ROWS, 1 << (T - 1).bit_length())  # the power of two at or above T
+    return p * 3 // 4 if p >= 4 * FLEX_ROWS and p * 3 // 4 >= T else p
+
+
+def _flex_fns():
+    global _flex
+    if _flex is None:
+        # imported on first use: it pulls in dynamo (~1 s), which a CPU stage never needs
+        import torch._dynamo
+        from torch.nn.attention import flex_attention as fa
+        # dynamo keeps one compile per query bucket (and window) of flex_attention's one code object, 8 by default;
+        # past that it would run flex eagerly, which materializes the scores: allow every bucket up to 2^17 rows
+        cfg = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, limit, max(getattr(cfg, limit), 32))
+        _flex = (torch.compile(fa.flex_attention, dynamic=False), fa.flex_attention, fa.create_block_mask,
+                 getattr(fa, "AuxRequest", None))  # AuxRequest replaces return_lse (torch 2.9 on; both in 2.11-2.13)
+    return _flex
+
+
+def flex_unavailable(device, dtype: torch.dtype) -> str | None:
+    """Why kernels.window_attention=flex takes the band on this device and dtype (None: flex runs): it is compiled
+    for CUDA in 16 bits; CPU stages and float32 keep the band."""
+    if torch.device(device).type != "cuda":
+        return f"FlexAttention is taken on CUDA only, not {torch.device(device).type}"
+    if dtype not in _FLEX_DTYPES:
+        return f"FlexAttention is taken in bfloat16 or float16 only, not {str(dtype).removeprefix('torch.')}"
+    if _flex_failed is not None:
+        return _flex_failed
+    try:
+        _flex_fns()
+    except ImportError as e:
+        return f"torch.nn.attention.flex_attention is not importable ({e})"
+    return None
+
+
+def flex_failure() -> str | None:
+    """Why the flex path stopped in this process (a failed compile or launch), or None."""
+    return _flex_failed
+
+
+def _flex_fail(e: Exception) -> None:
+    global _flex_failed
+    _flex_failed = f"FlexAttention failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    logging.getLogger("strata.attention").warning("%s; window layers take the band path", _flex_failed)
+
+
+def flex_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: int,
+                          scale: float | None = None, sinks: torch.Tensor | None = None,
+                          compiled: bool = True) -> torch.Tensor:
+    """window_attention's queries by FlexAttention: the chunk's rows padded to a bucket of Tp rows, keys of
+    positions [pos + 1 - window, pos + Tp) in position order (_window_rows), and a block mask of causal-within-the-
+    window in those coordinates, so only blocks the band touches are computed. Grouped-query natively (enable_gqa);
+    sinks from the returned log-sum-exp (natural log: the wrapper converts its kernels' base-2 one in every torch
+    that has it), as the band does. compiled=False: flex_attention eager (CPU tests: torch compiles it for CPU
+    without the log-sum-exp only); it materializes the scores."""
+    compiled_fn, eager_fn, create_block_mask, aux = _flex_fns()
+    _, nh, T, hd = q.shape
+    Tp = flex_rows(T)
+    n = Tp + window - 1
+    keys, vals = _window_rows(k_cache, q.dtype, pos, T, window, n), _window_rows(v_cache, q.dtype, pos, T, window, n)
+    qp = q
+    if T != Tp or q.stride() != (T * nh * hd, hd, nh * hd, 1):
+        # padded in Attention.forward's layout (1, T, nh, hd): one layout, one compile per bucket
+        qp = q.new_zeros(1, Tp, nh, hd).transpose(1, 2)
+        qp[:, :, :T] = q
+    lead = max(0, window - 1 - pos)  # key rows before position 0 (zeros)
+    key = (q.device, Tp, window, lead)
+    bm = _block_masks.get(key)
+    if bm is None:
+        if len(_block_masks) >= BLOCK_MASKS:
+            _block_masks.clear()
+        w = torch.tensor(window, device=q.device)
+        first = torch.tensor(lead, device=q.device)
+
+        def band(b, h, qi, ki):
+            # query row qi is position pos + qi, key row ki position pos + 1 - window + ki: the query sees key rows
+            # [qi, qi + window), those at positions >= 0
+            return (ki >= qi) & (ki < qi + w) & (ki >= first)
+
+        bm = _block_masks[key] = create_block_mask(band, None, None, Tp, n, device=q.device)
+    fn = compiled_fn if compiled else eager_fn
+    kw = dict(block_mask=bm, scale=scale, enable_gqa=True)
+    if sinks is None:
+        return fn(qp, keys, vals, **kw)[:, :, :T]
+    if aux is not None:
+        out, lse = fn(qp, keys, vals, return_aux=aux(lse=True), **kw)
+        lse = lse.lse
+    else:
+        out, lse = fn(qp, keys, vals, return_lse=True, **kw)
+    out, lse = out[:, :, :T], lse[:, :, :T]
+    return (out.float() * torch.sigmoid(lse.float() - sinks.float()[None, :, None]).unsqueeze(-1)).to(q.dtype)
+
+
+def _window_rows(cache: torch.Tensor, dtype: torch.dtype, pos: int, T: int, window: int, n: int) -> torch.Tensor:
+    """(1, heads, n, hd) in dtype: the cached rows of positions [pos + 1 - window, pos + 1 - window + n) in position
+    order (a slice of the ring, or two where it wraps), zeros where no position is cached (before 0, and past the
+    chunk: the padded queries'). Always a new contiguous tensor, so the compiled kernel sees one layout; it is
+    (Tp + window) rows a kv head, small beside the attention."""
+    S = cache.shape[2]
+    start, end = pos + 1 - window, pos + T
+    k0 = max(0, start)
+    s = k0 % S
+    first = min(end - k0, S - s)
+    parts = [cache[:, :, s:s + first]]
+    if first < end - k0:  # the ring wraps inside [k0, end)
+        parts.append(cache[:, :, :end - k0 - first])
+    if cache.dtype != dtype:
+        parts = [from_cache(p, dtype) for p in parts]
+    hd = parts[0].shape[3]
+    if k0 > start:
+        parts.insert(0, torch.zeros(1, cache.shape[1], k0 - start, hd, dtype=dtype, device=cache.device))
+    if start + n > end:
+        parts.append(torch.zeros(1, cache.shape[1], start + n - end, hd, dtype=dtype, device=cache.device))
+    return torch.cat(parts, 2)
 
 
 def store_rows(cache: torch.Tensor, x: torch.Tensor, pos: int) -> None:
@@ -356,6 +499,33 @@ def warm_chunk_attention(model, shapes, attend=None) -> int:
         if time.perf_counter() - t0 > WARM_BUDGET_S:
             break
     return built
+
+
+@torch.inference_mode()
+def warm_window_attention(model, lengths) -> list[int]:
+    """Compile FlexAttention for the padded query rows (flex_window_attention's buckets) of chunks of these lengths
+    ahead of a prefill, with one window layer's call on a zero q at a position past its window (reads the ring,
+    writes nothing); a bucket is compiled once per process, so the rest are free. Only where its window layers
+    take flex (kernels.window_attention, CUDA, 16 bits). Returns the buckets compiled (tests: their rows)."""
+    device, dtype = model.device_dtype()
+    attn = next((b.attn for b in model.layers.values()
+                 if getattr(b.attn, "window", None) is not None and b.attn.k_cache is not None), None)
+    if attn is None or attn.window_kernel != "flex" or flex_unavailable(device, dtype) is not None:
+        return []
+    largest: dict[int, int] = {}  # bucket -> the longest chunk in it (every chunk fits the ring)
+    for n in lengths:
+        if n > 0:
+            largest[flex_rows(n)] = max(n, largest.get(flex_rows(n), 0))
+    t0, done = time.perf_counter(), []
+    for rows, T in sorted(largest.items()):
+        q = torch.zeros(1, T, attn.nh, attn.hd, device=device, dtype=dtype).transpose(1, 2)
+        window_attention(q, attn.k_cache, attn.v_cache, attn.window, attn.window, attn.scale, attn.sinks, "flex")
+        if flex_failure() is not None:
+            break
+        done.append(rows)
+        if time.perf_counter() - t0 > WARM_BUDGET_S:
+            break
+    return done
 
 
 _FP8 = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}

@@ -31,6 +31,7 @@ GRAPH_KERNELS = ("triton", "torch")
 DECODE_GEMV = ("auto", "cublas")
 IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
 KQUANT_KERNELS = ("bytes", "words", "dp4a")   # Q4_K / Q5_K, and Q6_K
+WINDOW_KERNELS = ("flex", "band")
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,10 @@ class KernelSpec:
     gemv_kquant: str = field(default="dp4a", metadata={"choices": KQUANT_KERNELS})  # resident Q4_K / Q5_K: int32
                                    # words with int8 x by dp4a, words with float x, or byte by byte
     gemv_q6k: str = field(default="dp4a", metadata={"choices": KQUANT_KERNELS})     # resident Q6_K, the same arms
+    window_attention: str = field(default="flex", metadata={"choices": WINDOW_KERNELS})  # window layers' chunk
+                                   # attention: FlexAttention with the window as its block mask (CUDA, 16-bit;
+                                   # elsewhere, or where it fails, the band) or the band: blocks of queries each
+                                   # against its band of keys under a dense mask (strata/attention.py)
     decode_bells: bool | str = "auto"  # decode notes as shared-memory doorbells: auto (every stage a local GPU
                                    # one), true (any local stages), false (ZeroMQ only)
     decode_ahead: bool | str = "auto"  # with bells and a GPU per stage, queue the next decode step behind a
@@ -105,6 +110,7 @@ ENV_KERNELS = {
     "STRATA_GEMV_IQ3S": ("gemv_iq3s", {v: v for v in IQ3S_KERNELS}),
     "STRATA_GEMV_KQUANT": ("gemv_kquant", {v: v for v in KQUANT_KERNELS}),
     "STRATA_GEMV_Q6K": ("gemv_q6k", {v: v for v in KQUANT_KERNELS}),
+    "STRATA_WINDOW_ATTENTION": ("window_attention", {v: v for v in WINDOW_KERNELS}),
     "STRATA_DECODE_BELLS": ("decode_bells", {"auto": "auto", "0": False, "1": True}),
     "STRATA_DECODE_AHEAD": ("decode_ahead", {"auto": "auto", "0": False}),
 }

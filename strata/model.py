@@ -97,6 +97,7 @@ class Attention(nn.Module):
         self.max_len = 0  # positions the cache serves (a window layer's ring has fewer rows)
         # CUDA prefill: the attention path and the fused RoPE / LSE-merge kernels (Transformer.set_kernels)
         self.cuda_attention, self.fused = CUDA_ATTENTION_DEFAULT, True
+        self.window_kernel = "flex"  # kernels.window_attention: a window layer's chunk attention (window_attention)
 
     def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (1, T, dim); cos, sin: (T, 1, hd), sin signed (`rope_tables`)."""
@@ -135,10 +136,12 @@ class Attention(nn.Module):
         if self.sinks is not None and self.window is None:  # a global layer with sinks: flash with its log-sum-exp
             keys, vals = self.cached(pos + T, q.dtype)
             return sink_attention(q, keys, vals, pos, self.sinks, self.scale)
-        if self.sinks is not None:  # a window layer with sinks: the banded path, whose log-sum-exp it takes
-            return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale, self.sinks)
+        if self.sinks is not None:  # a window layer with sinks: window_attention, whose log-sum-exp it takes
+            return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale, self.sinks,
+                                    self.window_kernel)
         if self.window is not None and pos + T > self.window:
-            return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale)
+            return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale,
+                                    kernel=self.window_kernel)
         if self.k_cache.dtype != q.dtype and pos > PREFIX_BLOCK:  # an 8-bit cache: its prefix widened in blocks
             return narrow_cache_attention(q, self.k_cache, self.v_cache, pos, self.scale, self.fused)
         keys, vals = self.cached(pos + T, q.dtype)
@@ -478,6 +481,7 @@ class Transformer(nn.Module):
         for blk in self.layers.values():
             if isinstance(blk.attn, Attention):
                 blk.attn.cuda_attention, blk.attn.fused = self.cuda_attention, fused
+                blk.attn.window_kernel = kernels.window_attention
             if isinstance(blk.mlp, FeedForward):
                 blk.mlp.fused = fused
         if self._gemv is not None:

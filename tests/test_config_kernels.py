@@ -83,17 +83,41 @@ def test_environment_overrides_the_rig_and_set_overrides_both(tmp_path):
     rig.write_text("kernels: {gemv_kquant: words, decode_bells: true}\n")
     env = {"STRATA_GEMV_KQUANT": "bytes", "STRATA_DECODE_BELLS": "0", "STRATA_DECODE_AHEAD": "0",
            "STRATA_CUDA_KERNELS": "torch", "STRATA_GRAPH_ATTENTION": "masked", "STRATA_GRAPH_KERNELS": "torch",
-           "STRATA_DECODE_GEMV": "cublas", "STRATA_GEMV_IQ3S": "dp4a-smem", "STRATA_GEMV_Q6K": "words"}
+           "STRATA_DECODE_GEMV": "cublas", "STRATA_GEMV_IQ3S": "dp4a-smem", "STRATA_GEMV_Q6K": "words",
+           "STRATA_WINDOW_ATTENTION": "band"}
     assert set(env) == set(ENV_KERNELS)
     k = load(rig, env=env).kernels
     assert asdict(k) == {"prefill": "torch", "graph_attention": "masked", "graph_kernels": "torch",
                          "decode_gemv": "cublas", "gemv_iq3s": "dp4a-smem", "gemv_kquant": "bytes", "gemv_q6k": "words",
-                         "decode_bells": False, "decode_ahead": False}
+                         "window_attention": "band", "decode_bells": False, "decode_ahead": False}
     assert load(rig, ["kernels.gemv_kquant=dp4a"], env=env).kernels.gemv_kquant == "dp4a"
     assert from_dict({}, env={"STRATA_DECODE_BELLS": "1"}).kernels.decode_bells is True
     with pytest.raises(ConfigError, match=r"STRATA_GEMV_Q6K='fast': expected one of bytes, words, dp4a \(it overrides "
                                           r"kernels.gemv_q6k\)"):
         from_dict({}, env={"STRATA_GEMV_Q6K": "fast"})
+
+
+def test_window_attention_key():
+    """kernels.window_attention: flex by default, band its A/B arm (and the fallback); anything else refused in one
+    line; STRATA_WINDOW_ATTENTION overrides it; a Transformer hands it to every attention layer."""
+    from strata.args import PRESETS
+    from strata.model import Attention, Transformer
+    assert KernelSpec().window_attention == "flex" and from_dict({}, env={}).kernels.window_attention == "flex"
+    assert from_dict({"kernels": {"window_attention": "band"}}, env={}).kernels.window_attention == "band"
+    assert from_dict({}, env={"STRATA_WINDOW_ATTENTION": "band"}).kernels.window_attention == "band"
+    for raw, msg in (("dense", "kernels.window_attention: 'dense' is not one of flex, band"),
+                     (True, "kernels.window_attention: expected a string, got True")):
+        with pytest.raises(ConfigError) as e:
+            from_dict({"kernels": {"window_attention": raw}}, env={})
+        assert str(e.value) == msg
+    with pytest.raises(ConfigError, match=r"^STRATA_WINDOW_ATTENTION='sdpa': expected one of flex, band \(it "
+                                          r"overrides kernels.window_attention\)$"):
+        from_dict({}, env={"STRATA_WINDOW_ATTENTION": "sdpa"})
+    m = Transformer(PRESETS["smoke"], kernels=KernelSpec(window_attention="band"))
+    attn = [b.attn for b in m.layers.values() if isinstance(b.attn, Attention)]
+    assert attn and all(a.window_kernel == "band" for a in attn)
+    m.set_kernels(KernelSpec())
+    assert all(a.window_kernel == "flex" for a in attn)
 
 
 def _job(**over):

@@ -289,7 +289,8 @@ def test_gguf_glm4moe_mtp_block_skipped_and_what_is_refused(converted, tmp_path,
 def test_window_family_through_the_pipeline(tmp_path):
     """mistral (every layer windowed) on 3 CPU stage processes: its window layers hold a ring (report.json's
     kv_bytes are the ring's, not the prompt's); depth 0 and 1 give the same residual bits; the logits equal
-    transformers'; a second prompt sharing a prefix the rings no longer hold is recomputed, not misread."""
+    transformers'; a second prompt sharing a prefix the rings no longer hold is recomputed, not misread; each
+    stage logs why its window layers take the band path."""
     from strata.pipeline import Pipeline
     from strata.sampling import SamplingParams
     import numpy as np
@@ -311,6 +312,10 @@ def test_window_family_through_the_pipeline(tmp_path):
                 want = ref(torch.from_numpy(ids).long()[None]).logits[0, -1]
             assert rel(torch.from_numpy(r.last_logits), want) < 1e-4
     assert md5[0] == md5[1]
+    for i in range(3):  # kernels.window_attention's default, flex, is for CUDA: each stage's log says why not here
+        log = (tmp_path / "d0" / f"stage-{i}.log").read_text()
+        assert "kernels.window_attention=flex: FlexAttention is taken on CUDA only, not cpu; window layers take " \
+               "the band path" in log
     rig = dict(model=d, stages=stages, chunk=CHUNK, dtype="float32", progress=False, max_context=200,
                prompt={"random": {"tokens": 8, "seed": 0}})
     with Pipeline(rig, out=tmp_path / "reuse", console=False) as p:

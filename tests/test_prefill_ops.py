@@ -222,3 +222,137 @@ def test_cuda_kernel_paths_agree_and_warm_up_builds():
         out[kernels] = torch.cat([m(ids[:, p:p + 512], p) for p in range(0, 2048, 512)], dim=1).float()
     rel = ((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item()
     assert rel < 1e-2, rel
+
+
+def _flex_importable() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+flex = pytest.mark.skipif(not _flex_importable(), reason="torch.nn.attention.flex_attention is not importable")
+
+# (heads, kv heads, window, chunk, prompt): windows shorter and longer than the chunk, GQA and plain multi-head; the
+# prompt's last chunk is shorter
+WINDOW_CASES = [(4, 2, 8, 13, 45), (4, 4, 24, 13, 45), (8, 1, 40, 16, 70)]
+
+
+def _window_chunks(nh, nkv, window, chunk, prompt, hd=16, dtype=torch.float32, device="cpu", seed=0):
+    """A window layer's prefill as Attention.forward makes it: each chunk's keys and values stored into a ring of
+    window + chunk - 1 rows (wrapping), then its queries (in the (1, T, nh, hd) layout) -> (pos, q, k ring, v ring)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = window + chunk - 1
+    kc = torch.zeros(1, nkv, rows, hd, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+    for pos in range(0, prompt, chunk):
+        T = min(chunk, prompt - pos)
+        k, v = (torch.randn(1, nkv, T, hd, generator=g).to(device, dtype) for _ in range(2))
+        sm.store_rows(kc, k, pos)
+        sm.store_rows(vc, v, pos)
+        q = torch.randn(1, T, nh, hd, generator=g).to(device, dtype).transpose(1, 2)
+        yield pos, q, kc, vc
+
+
+@flex
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("nh,nkv,window,chunk,prompt", WINDOW_CASES)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_flex_window_attention_equals_the_band(nh, nkv, window, chunk, prompt, sinks):
+    """kernels.window_attention's flex arm (FlexAttention eager: torch compiles it for CPU without the log-sum-exp
+    only) gives the band's rows within float32 rounding at every chunk of a prompt: the first (pos 0, keys before
+    position 0 masked), chunks whose keys wrap round the ring, the shorter last one (queries padded to the bucket),
+    with and without gpt-oss's sinks."""
+    s = torch.randn(nh, generator=torch.Generator().manual_seed(1)) if sinks else None
+    wrapped = False
+    with torch.inference_mode():
+        for pos, q, kc, vc in _window_chunks(nh, nkv, window, chunk, prompt):
+            wrapped |= (max(0, pos + 1 - window) % kc.shape[2]) + q.shape[2] + min(pos, window - 1) > kc.shape[2]
+            band = sm.window_attention(q, kc, vc, pos, window, 0.3, s)
+            got = sm.flex_window_attention(q, kc, vc, pos, window, 0.3, s, compiled=False)
+            assert got.shape == band.shape and got.dtype == band.dtype
+            assert (got - band).abs().max().item() <= 1e-5, pos
+            # on CPU the flex arm is refused for the band itself: the same bits
+            assert torch.equal(sm.window_attention(q, kc, vc, pos, window, 0.3, s, kernel="flex"), band)
+    assert wrapped
+
+
+def test_window_rows_gathers_the_ring_in_position_order():
+    """The keys flex reads: positions [pos + 1 - window, pos + 1 - window + n) from the ring (row p % rows), in one
+    slice or two where the ring wraps, zeros before position 0 and past the chunk; widened from an 8-bit cache."""
+    rows, hd = 7, 4
+    ring = torch.full((1, 2, rows, hd), -1.0)
+    for p in range(12):  # positions 0..11 stored as their own value; row p % 7 holds the latest
+        ring[:, :, p % rows] = p
+    got = sm._window_rows(ring, torch.float32, 9, 3, 4, 9)  # keys of 6..14: 6..11 cached, 12..14 padding
+    assert got.is_contiguous() and got.shape == (1, 2, 9, hd)
+    assert got[0, 1, :, 0].tolist() == [6, 7, 8, 9, 10, 11, 0, 0, 0]
+    first = torch.full((1, 2, rows, hd), -1.0)
+    first[:, :, :3] = torch.arange(3.0)[:, None]  # the first chunk, positions 0..2, stored
+    got = sm._window_rows(first, torch.float32, 1, 2, 4, 5)  # keys of -2..2: 0..2 cached
+    assert got[0, 0, :, 0].tolist() == [0, 0, 0, 1, 2]
+    ring8 = ring.to(torch.float8_e4m3fn)
+    assert torch.equal(sm._window_rows(ring8, torch.float32, 9, 3, 4, 9)[0, 1, :, 0],
+                       torch.tensor([6, 7, 8, 9, 10, 11, 0, 0, 0.0]))
+
+
+def test_flex_is_refused_where_it_cannot_run():
+    """flex_unavailable says why the flex arm takes the band (the stage log's line); the padded query buckets."""
+    assert "CUDA only" in sm.flex_unavailable("cpu", torch.bfloat16)
+    assert "not float32" in sm.flex_unavailable("cuda:0", torch.float32)
+    rows = [sm.flex_rows(T) for T in (1, 128, 129, 257, 448, 2048, 2049, 3000, 3073)]
+    assert rows == [128, 128, 256, 384, 512, 2048, 3072, 3072, 4096]
+
+
+def test_warm_window_attention_compiles_each_bucket_once(monkeypatch):
+    """A CUDA stage's warm-up calls one window layer's flex attention once per query bucket of the schedule's chunk
+    lengths (the longest chunk of each, which the ring holds), past the window; nothing where flex is not taken."""
+    from types import SimpleNamespace
+    calls = []
+    attn = SimpleNamespace(window=16, k_cache=torch.zeros(1, 2, 16 + 512 - 1, 8), v_cache=torch.zeros(1, 2, 527, 8),
+                           nh=4, hd=8, scale=None, sinks=None, window_kernel="flex")
+    model = SimpleNamespace(device_dtype=lambda: (torch.device("cpu"), torch.bfloat16),
+                            layers={"0": SimpleNamespace(attn=SimpleNamespace(window=None, k_cache=None)),
+                                    "1": SimpleNamespace(attn=attn)})
+    assert sm.warm_window_attention(model, [512, 300]) == []  # CPU: the band, nothing to compile
+    monkeypatch.setattr(sm, "flex_unavailable", lambda device, dtype: None)
+    monkeypatch.setattr(sm, "window_attention", lambda q, kc, vc, pos, window, scale, sinks, kernel:
+                        calls.append((q.shape[2], pos, kernel)))
+    assert sm.warm_window_attention(model, [512, 512, 300, 100, 129, 257, 0]) == [128, 256, 384, 512]
+    assert calls == [(100, 16, "flex"), (129, 16, "flex"), (300, 16, "flex"), (512, 16, "flex")]
+    attn.window_kernel = "band"
+    assert sm.warm_window_attention(model, [512]) == []
+
+
+@pytest.mark.gpu
+@cuda
+@flex
+def test_cuda_flex_window_attention_matches_the_band():
+    """On CUDA in bfloat16 the compiled flex arm gives the band's rows within bf16 rounding (2e-2 relative) at every
+    chunk of gpt-oss- and gemma-like window layers (sinks, GQA, ring wraps, a shorter last chunk), without falling
+    back; then both arms timed on one full chunk."""
+    import time
+    for nh, nkv, hd, window, chunk, prompt, sinks in ((64, 8, 64, 128, 1024, 3000, True),
+                                                      (32, 16, 128, 1024, 512, 2600, False)):
+        s = torch.randn(nh, device="cuda") if sinks else None
+        with torch.inference_mode():
+            for pos, q, kc, vc in _window_chunks(nh, nkv, window, chunk, prompt, hd, torch.bfloat16, "cuda"):
+                band = sm.window_attention(q, kc, vc, pos, window, None, s).float()
+                got = sm.window_attention(q, kc, vc, pos, window, None, s, kernel="flex").float()
+                assert sm.flex_failure() is None, sm.flex_failure()
+                rel = ((got - band).norm() / band.norm()).item()
+                assert rel < 2e-2, (window, pos, rel)
+            q = q.new_zeros(1, chunk, nh, hd).normal_().transpose(1, 2)
+            pos = 2 * chunk + window
+            times = {}
+            for kernel in ("band", "flex", "band", "flex"):
+                sm.window_attention(q, kc, vc, pos, window, None, s, kernel=kernel)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(20):
+                    sm.window_attention(q, kc, vc, pos, window, None, s, kernel=kernel)
+                torch.cuda.synchronize()
+                times[kernel] = (time.perf_counter() - t) / 20 * 1e3
+            print(f"window {window}, chunk {chunk}, {nh}/{nkv} heads x {hd}: band {times['band']:.3f} ms, "
+                  f"flex {times['flex']:.3f} ms a layer")

@@ -47,6 +47,11 @@ def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
                        decode_weights=cpu_decode, max_chunk=spec.max_chunk,
                        # the head's choices (the planner sized activations for the same attention path)
                        kernels=kernel_spec(spec.kernels), attention=spec.attention)
+    if model.kernels.window_attention == "flex" and any(getattr(b.attn, "window", None) is not None
+                                                       for b in model.layers.values()):
+        why = strata.attention.flex_unavailable(device, dtype)
+        log.info("kernels.window_attention=flex: %s", f"{why}; window layers take the band path" if why
+                 else "window layers through FlexAttention")
     # decode options: weight-only copies are a CPU kernel path, graphs a CUDA one
     if cpu_decode == "blocks":
         b = model._blocks
@@ -59,7 +64,8 @@ def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
 
 def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, log: logging.Logger) -> float:
     """CUDA: run the schedule's largest chunk twice (at position 0, then after a prefix: both attention
-    branches) and build cuDNN's graphs of the later chunks' prefix lengths before saying ready, so one-time
+    branches) and build cuDNN's graphs of the later chunks' prefix lengths (and FlexAttention's compiles of their
+    query buckets, for window layers) before saying ready, so one-time
     kernel set-up (cuDNN graphs, Triton compiles, cuBLAS workspaces) is paid at load and reported there
     (`warm_s`, inside `load_s`), never inside a timed prefill. The KV rows it writes are overwritten by the
     prefill. CPU kernels need no set-up. Returns the seconds it took."""
@@ -91,9 +97,15 @@ def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, 
         shapes += [c for c in chunk_schedule(tokens, n, spec.dynamic_chunks, args) if c[0] > 0 and c not in shapes]
     mem.append(torch.cuda.memory_allocated(device))
     built = strata.attention.warm_chunk_attention(model, shapes)
+    flex = strata.attention.warm_window_attention(model, [c[1] for c in shapes])
     mem.append(torch.cuda.memory_allocated(device))
     if built:
         log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d)", built, len(shapes), n)
+    if flex:
+        log.info("FlexAttention compiled for %d query buckets (rows %s)", len(flex), ", ".join(map(str, flex)))
+    if strata.attention.flex_failure():
+        log.warning("kernels.window_attention=flex: %s; window layers take the band path",
+                    strata.attention.flex_failure())
     # the decode step too (its kernels, cuBLAS's one-row GEMM set-up, the head's argmax), else the first
     # answer pays it; with cuda_graphs, every bucket of cache positions is captured now, not mid-answer
     x1 = (torch.zeros(1, 1, dtype=torch.long, device=device) if first
