@@ -4,6 +4,7 @@
 #   build   llama.cpp (llama-bench, CUDA sm_90) from the carried .peer/llama.tgz into /tmp/ll, in the background
 #           at nice 19 while the GPU tests and the GGUF writes run; waited for before any timed step
 #   tests   pytest -m gpu tests/test_families.py
+#   gpu-tests  pytest -m gpu $PYTEST (the test files and -k a change touched)
 #   gguf    random-block Q4_K_M GGUFs of qwen3-32b and gemma-3-27b (bench/make_gguf.py --device cuda)
 #   qwen32  bench/peer.py prefill of 40,960 tokens (the preset's whole context), chunk 10,240 (qwen32-prefill),
 #           then bench/generate.py decode after 2,048 and 32,768 tokens (qwen32-decode), each beside llama-bench
@@ -57,6 +58,12 @@ gguf1() {  # PRESET FILE [QTYPE]
 
 gguf() { gguf1 qwen3-32b "$Q32"; gguf1 gemma-3-27b "$G27"; ls -la "$Q32" "$G27" 2>&1; df -h /tmp | tail -1; }
 moe_gguf() { gguf1 qwen3-30b-a3b "$Q30"; gguf1 gpt-oss-20b "$OSS" MXFP4_MOE; ls -la "$Q30" "$OSS" 2>&1; df -h /tmp | tail -1; }
+
+gpu_tests() {  # PYTEST: the arguments after pytest -q -m gpu (the tests a change touched)
+  fits gpu-tests 120 || return
+  el "gpu-tests: pytest -q -m gpu $PYTEST"
+  eval "timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider $PYTEST" 2>&1 | tee "$LOG/gpu-tests.log" | tail -25
+}
 
 moe_tests() {
   fits moe-tests 150 || return
@@ -156,7 +163,7 @@ profile() {
   done
 }
 
-STEPS="setup build tests gguf qwen32 qwen32-prefill qwen32-decode gemma gemma-prefill gemma-decode yarn moe-tests
+STEPS="setup build tests gpu-tests gguf qwen32 qwen32-prefill qwen32-decode gemma gemma-prefill gemma-decode yarn moe-tests
 moe-gguf q30 q30-prefill q30-decode oss oss-prefill oss-decode moe-profile oss-profile probe dense-probe"
 for step in ${@:-setup build tests gguf qwen32 gemma yarn}; do
   case " ${STEPS//$'\n'/ } " in

@@ -175,7 +175,8 @@ def _check_int8_x(gemv, x, blocks, qtype, y, want):
 
 
 def check_k45_words_matches_reference():
-    """Q4_K and Q5_K's word kernel (1, 2 and 4 blocks of a row side by side a step) with float x (kquant words)
+    """Q4_K and Q5_K's word kernel (1, 2 and 4 blocks of a row side by side a step; an odd count, 3, in steps
+    of 4 whose tail is weighed 0) with float x (kquant words)
     and with int8 x (dp4a: two dp4a per word, one more for the min's sum of x) against the int8 x it
     multiplies and x itself; odd row counts, M = 1, 3 and 6, both launch shapes (BIG_ROWS), bf16 x; and
     blocks not 4-byte aligned (the byte kernel runs, float x)."""
@@ -192,7 +193,7 @@ def check_k45_words_matches_reference():
                     for x in (torch.randn(m, cols, generator=g), torch.randn(m, cols, generator=g).bfloat16()):
                         y = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, rows), kernels=k)
                         _check_int8_x(gemv, x, blocks, qtype, y, reference(x, blocks, qtype))
-                    if cols == 2048:
+                    if cols in (2048, 768):  # 768: 3 blocks a row, the tail of a 4-block step weighed 0
                         _check_float_x(gemv, torch.randn(m, cols, generator=g), blocks, qtype, kernels(kquant="words"))
         size = blocks.shape[1]
         odd = torch.empty(rows * size + 1, dtype=torch.uint8)[1:].view(rows, size)
@@ -464,7 +465,8 @@ def test_gpu_70b_shapes(shape, qtype, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shape", [(1024, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (8192, 28672)])
+@pytest.mark.parametrize("shape", [(1024, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (8192, 28672),
+                                   (6144, 5376), (43008, 5376)])  # Gemma-3-27B's 21 blocks a row: a weighed-0 tail
 @pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("mode", ["words", "dp4a"])
 @pytest.mark.parametrize("m", [1, 3, 4])

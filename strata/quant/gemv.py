@@ -118,8 +118,11 @@ KQ_BIG = Config(16, 4, 8)
 # that divides the row's pairs); per kernel, the first for launches under BIG_ROWS rows, the second for the
 # others (bench/gemv.py --q6k words,dp4a --sweep on an H200 at 8B shapes; dp4a re-swept with graph-timed launches,
 # which the host's launch time no longer blurs: ffn_down 4096x14336 52.0 -> 37.3 us, wo 19.5 -> 15.3, head 223.9
-# -> 203.0)
-Q6K_WORDS_CONFIGS = {"words": (Config(4, 4, 8), Config(16, 1, 4)), "dp4a": (Config(16, 4, 8), Config(16, 2, 4))}
+# -> 203.0). dp4a's first re-swept at 32B/27B shapes (bench/gemv.py --preset qwen3-32b / gemma-3-27b --types
+# Q6_K --m 1 --sweep, H200, 2026-12-04), the smaller launches' (16, 4, 8) -> (8, 2, 4): ffn_down 5120x25600 99.3
+# -> 74.2 us, 5376x21504 85.9 -> 69.3, wo 5120x8192 38.1 -> 31.6 (at 8B shapes the best and the old were within
+# the sweep's noise, ~5 %)
+Q6K_WORDS_CONFIGS = {"words": (Config(4, 4, 8), Config(16, 1, 4)), "dp4a": (Config(8, 2, 4), Config(16, 2, 4))}
 
 
 def supports(qtype) -> bool:
@@ -416,7 +419,7 @@ if triton is not None:
     def _k45_words_gemv(x_ptr, xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
                         ids_ptr, estride, xstep,
                         M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, FIVE: tl.constexpr,
-                        DP4A: tl.constexpr, PTX: tl.constexpr, EXPERTS: tl.constexpr):
+                        DP4A: tl.constexpr, PTX: tl.constexpr, EXPERTS: tl.constexpr, TAIL: tl.constexpr = False):
         """Q4_K and Q5_K (the layout of _k45_gemv) read in int32 words, SB blocks of a row side by side: a step
         loads a [BLOCK_N rows, SB blocks, 4 quarters, 8 words] tile of quantized bytes at once (word w of quarter
         p: weights 64p + 4w + t in its low nibbles, 64p + 32 + 4w + t in its high ones), so a row's short loop
@@ -426,7 +429,9 @@ if triton is not None:
         of 32 weights is one of x's groups) and per word two dp4a (its low and high nibbles as 4 bytes each)
         plus one per x word for the min's sum of x, llama.cpp's q8_1 product; else float x (x_ptr) and float32
         products per weight. EXPERTS: one matrix a slot of p0 programs, the expert ids[slot] of a stack
-        (`_expert`; M = 1)."""
+        (`_expert`; M = 1). TAIL: SB need not divide the row's blocks (an odd count: 5,376 columns are 21): a
+        step past the row's end reads its last block again (no masked loads, which would split the vectors)
+        and weighs it 0."""
         if FIVE:
             size, qs_at = 176, 48
         else:
@@ -446,6 +451,8 @@ if triton is not None:
         acc3 = tl.zeros((BLOCK_N, SB, 4, 8), tl.float32)
         for k in range(0, nb, SB):
             b = k + kb  # (1, SB, 1, 1)
+            if TAIL:
+                b = tl.minimum(b, nb - 1)
             base = wbase + b * (size // 4)
             q = tl.load(base + qs_at // 4 + 8 * p + w)  # (BLOCK_N, SB, 4, 8)
             h0 = tl.load(base)
@@ -454,6 +461,9 @@ if triton is not None:
             w0, w1, w2 = tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)
             scl, mnl = _k4_words_scales(w0, w1, w2, 2 * p)
             sch, mnh = _k4_words_scales(w0, w1, w2, 2 * p + 1)
+            if TAIL:  # a repeated last block weighs 0
+                d = tl.where(k + kb < nb, d, 0.0)
+                dmin = tl.where(k + kb < nb, dmin, 0.0)
             dl, ml, dh, mh = d * scl, dmin * mnl, d * sch, dmin * mnh  # (BLOCK_N, SB, 4, 1)
             fifth = q
             if FIVE:
@@ -942,14 +952,14 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
     q6k, kquant = kernels.q6k, kernels.kquant
     if name == "Q6_K" and q6k != "bytes" and aligned and not any(m.shape[0] * nb % 2 for m in mats):
         cfg = config or Q6K_WORDS_CONFIGS[q6k][big]
-        return _launch_words(_q6_k_words, x, mats, rows, nb, cols, out, col0, cfg, _q6_k_sb(nb, cfg),
+        return _launch_words(_q6_k_words, x, mats, rows, nb, cols, out, col0, cfg, _q6_k_sb(nb, cfg, 1),
                              q6k == "dp4a", xq, PAIRS=nb % 2 == 0)
     if name in ("Q4_K", "Q5_K"):
         if kquant != "bytes" and aligned:
             cfg = config or (KQ_BIG if big else KQ_WORDS)
-            sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)  # a power of two: a tile dim
+            sb, tail = _k45_sb(nb, cfg)
             return _launch_words(_k45_words_gemv, x, mats, rows, nb, cols, out, col0, cfg, sb, kquant == "dp4a", xq,
-                                 **_KERNELS[name][1])
+                                 TAIL=tail, **_KERNELS[name][1])
     cfg = config or (BIG_CONFIGS.get(name) if big else None) or CONFIGS[name]
     if xq is not None and name == "IQ3_S":  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
         cfg = config or DP4A_CONFIG
@@ -983,12 +993,24 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
                                   num_warps=cfg.num_warps, **family)
 
 
-def _q6_k_sb(nb: int, cfg: Config) -> int:
-    """_q6_k_words' SB: block pairs a step dividing the row's (an even count), else single blocks a step (as many
-    as cfg's pairs hold, at most the row's rounded up to a power of two: the tail's loads are weighed 0)."""
+def _k45_sb(nb: int, cfg: Config) -> tuple[int, bool]:
+    """_k45_words_gemv's (SB, TAIL): the largest power of two <= cfg.sb dividing the row's blocks (a tile dim),
+    or, where only 1 divides (an odd count), cfg.sb's blocks a step with the tail weighed 0: one block a step
+    left 5,376-column rows (21 blocks) with a quarter of the loads in flight (Gemma-3-27B's q/k/v/gate/up)."""
+    sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)
+    if sb == 1 and cfg.sb > 1:
+        return min(cfg.sb, triton.next_power_of_2(nb)), True
+    return sb, False
+
+
+def _q6_k_sb(nb: int, cfg: Config, odd_per_pair: int = 2) -> int:
+    """_q6_k_words' SB: block pairs a step dividing the row's (an even count), else single blocks a step
+    (odd_per_pair for each of cfg's pairs, at most the row's rounded up to a power of two: the tail's loads are
+    weighed 0). Dense launches take 1: Gemma-3-27B's head (262,208 x 5,376, 21 blocks) 929 -> 574 us with 2 blocks
+    a step instead of 4 (bench/gemv.py --sweep, H200); the experts' shapes keep 2 (bench/experts_sweep.py)."""
     if nb % 2 == 0:
         return next(k for k in (8, 4, 2, 1) if k <= cfg.sb and (nb // 2) % k == 0)
-    return min(2 * cfg.sb, triton.next_power_of_2(nb))
+    return min(odd_per_pair * cfg.sb, triton.next_power_of_2(nb))
 
 
 def _launch_words(kernel, x, mats, rows, nb, cols, out, col0, cfg: Config, sb: int, dp4a: bool, xq, **family) -> None:
@@ -1134,7 +1156,8 @@ def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
     else:
         kernel, family, dp4a = _k45_words_gemv, _KERNELS[name][1], kernels.kquant == "dp4a"
         cfg = EXPERTS_CONFIGS[name]
-        sb = next(k for k in (16, 8, 4, 2, 1) if k <= cfg.sb and nb % k == 0)
+        sb, tail = _k45_sb(nb, cfg)
+        family = {**family, "TAIL": tail}
     out = torch.empty((n, rows), device=x.device, dtype=x.dtype)
     per = triton.cdiv(rows, cfg.block_n)
     if dp4a:
