@@ -35,7 +35,10 @@ def rel(a, b):
 @pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "q8_0"])
 def test_decode_path_matches_prefill_path(qkv_bias, kv_dtype):
     """Two models, same weights and prompt: one token at a time through the chunk path (decode=False)
-    and through the decode path give the same residuals and logits within fp32 rounding."""
+    and through the decode path give the same residuals and logits within fp32 rounding. A q8_0 cache widens
+    that: the two paths' keys differ in float32's last bits, and now and then one of them rounds to the next int8
+    step (measured: one cached byte of 68 x 2 x 3 layers at positions 301 and 323, after which the residuals
+    differ by up to 2.1e-5 on this repository's box, under 1e-5 on CI's), so its bound is 1e-4."""
     args = ModelArgs(**{**SMALL.__dict__, "qkv_bias": qkv_bias, "arch": "qwen2" if qkv_bias else "llama"})
     if kv_dtype == "q8_0":  # blocks of 32 values a row
         args = ModelArgs(**{**args.__dict__, "n_heads": 4, "head_dim": 32})
@@ -43,11 +46,12 @@ def test_decode_path_matches_prefill_path(qkv_bias, kv_dtype):
     ids = torch.randint(0, args.vocab_size, (1, 330), generator=torch.Generator().manual_seed(1))
     h_old, h_new = old(ids[:, :300], 0), new(ids[:, :300], 0)
     assert torch.equal(h_old, h_new)  # prefill (T > DECODE_T) takes one path, the same bits
+    tol = 1e-4 if kv_dtype == "q8_0" else 1e-5
     for p in range(300, 330):
         a = old(ids[:, p:p + 1], p, decode=False)
         b = new(ids[:, p:p + 1], p)  # T == 1: the decode path by default
-        assert rel(b, a) < 1e-5, p
-        assert rel(new.logits(b[0, -1]), old.logits(a[0, -1])) < 1e-5, p
+        assert rel(b, a) < tol, p
+        assert rel(new.logits(b[0, -1]), old.logits(a[0, -1])) < tol, p
 
 
 def test_bf16_cache_attention_close_to_widened(monkeypatch):
