@@ -181,6 +181,11 @@ def supported_gguf() -> str:
 
 
 # -- HF config.json ------------------------------------------------------------------------------------------
+# the partial rotary factor transformers' config classes assume where config.json has none (Glm4MoeConfig 0.5, and
+# llama.cpp's converter too; Qwen3_5TextConfig and its MoE 0.25): RoPE over all of a head would be another model
+_PARTIAL_ROTARY_DEFAULT = {"glm4_moe": 0.5, "qwen3_5": 0.25}
+
+
 def hf_args(cfg: dict, where: str) -> ModelArgs:
     """config.json -> ModelArgs, or ModelError naming the key and value that cannot be honoured."""
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
@@ -210,7 +215,8 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     if cfg.get("use_bidirectional_attention"):
         refuse("use_bidirectional_attention")
     rp0 = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    prf = float(cfg.get("partial_rotary_factor") or rp0.get("partial_rotary_factor") or 1.0)
+    prf = float(cfg.get("partial_rotary_factor") or rp0.get("partial_rotary_factor")
+                or _PARTIAL_ROTARY_DEFAULT.get(fam.name, 1.0))
     if prf != 1.0 and not (glm or q35):  # (transformers' Llama-style families ignore it at the default rope, Phi honours it)
         refuse("partial_rotary_factor")
     experts = _hf_experts(cfg, archs[0], where, refuse)

@@ -86,6 +86,21 @@ def test_honoured_keys_are_read(tmp_path, configs):
     assert q.qk_norm and q.sliding_window is None  # use_sliding_window is false by default
 
 
+@pytest.mark.parametrize("fam", ["glm4_moe", "qwen3_5"])
+def test_partial_rotary_default_when_config_has_none(tmp_path, fam):
+    """A config.json without partial_rotary_factor: RoPE over the part of each head transformers' config class
+    assumes (GLM-4.5 0.5, as llama.cpp's converter writes it; Qwen3.5 0.25), not over all of it."""
+    import transformers
+    _, d = make_hf(tmp_path, fam)
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    cfg.pop("partial_rotary_factor", None)
+    cfg.get("rope_parameters", {}).pop("partial_rotary_factor", None)
+    (Path(d) / "config.json").write_text(json.dumps(cfg))
+    want = transformers.AutoConfig.from_pretrained(d).rope_parameters["partial_rotary_factor"]
+    a = model_args(str(d))
+    assert want < 1 and a.rotary_dim == int(a.head_dim * want), (a.rotary_dim, a.head_dim, want)
+
+
 def test_hf_repo_id_from_the_local_cache(tmp_path, monkeypatch, configs):
     """'Org/Name' resolves to its snapshot in the local HF cache (refs/main), never downloaded; absent: one line
     naming where it looked."""
