@@ -181,6 +181,15 @@ def supported_gguf() -> str:
 
 
 # -- HF config.json ------------------------------------------------------------------------------------------
+# the partial rotary factor transformers' config classes assume where config.json has none (Glm4MoeConfig 0.5, and
+# llama.cpp's converter too; Qwen3_5TextConfig and its MoE 0.25): RoPE over all of a head would be another model
+_PARTIAL_ROTARY_DEFAULT = {"glm4_moe": 0.5, "qwen3_5": 0.25}
+# Glm4MoeConfig's defaults for its router keys (transformers 5.25): a config.json without n_shared_experts has one
+# shared expert, without first_k_dense_replace one dense first layer
+_GLM4_MOE_DEFAULTS = {"n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                      "norm_topk_prob": True, "routed_scaling_factor": 1.0}
+
+
 def hf_args(cfg: dict, where: str) -> ModelArgs:
     """config.json -> ModelArgs, or ModelError naming the key and value that cannot be honoured."""
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
@@ -210,7 +219,8 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     if cfg.get("use_bidirectional_attention"):
         refuse("use_bidirectional_attention")
     rp0 = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    prf = float(cfg.get("partial_rotary_factor") or rp0.get("partial_rotary_factor") or 1.0)
+    prf = float(cfg.get("partial_rotary_factor") or rp0.get("partial_rotary_factor")
+                or _PARTIAL_ROTARY_DEFAULT.get(fam.name, 1.0))
     if prf != 1.0 and not (glm or q35):  # (transformers' Llama-style families ignore it at the default rope, Phi honours it)
         refuse("partial_rotary_factor")
     experts = _hf_experts(cfg, archs[0], where, refuse)
@@ -298,13 +308,14 @@ def _hf_experts(cfg: dict, arch: str, where: str, refuse) -> dict:
                     expert_act="clamped", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                     swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), attn_sinks=True, o_bias=True)
     if arch == "Glm4MoeForCausalLM":
+        def glm(key):  # a key config.json leaves out (or null) takes Glm4MoeConfig's default, as transformers does
+            return _GLM4_MOE_DEFAULTS[key] if cfg.get(key) is None else cfg[key]
         return dict(n_experts=int(n), n_experts_used=int(cfg["num_experts_per_tok"]),
                     expert_ffn_dim=int(cfg["moe_intermediate_size"]), router="sigmoid",
-                    router_renorm=bool(cfg.get("norm_topk_prob", True)), router_groups=int(cfg.get("n_group", 1)),
-                    router_groups_used=int(cfg.get("topk_group", 1)),
-                    routed_scale=float(cfg.get("routed_scaling_factor", 1.0)),
-                    shared_ffn_dim=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
-                    first_dense_layers=int(cfg.get("first_k_dense_replace", 0)))
+                    router_renorm=bool(glm("norm_topk_prob")), router_groups=int(glm("n_group")),
+                    router_groups_used=int(glm("topk_group")), routed_scale=float(glm("routed_scaling_factor")),
+                    shared_ffn_dim=int(cfg["moe_intermediate_size"]) * int(glm("n_shared_experts")),
+                    first_dense_layers=int(glm("first_k_dense_replace")))
     if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         if n:
             refuse("num_local_experts" if cfg.get("num_local_experts") else "num_experts",

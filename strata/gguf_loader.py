@@ -142,6 +142,13 @@ def gguf_model_args(path: Path) -> ModelArgs:
     theta = float(get("rope.freq_base", 10000.0))
     blocks = int(need("block_count"))
     n_layers = gguf_trunk_layers(fam, get, blocks, str(path))
+    if n_layers < blocks and not any(n.startswith("blk.0.") for n in tensors):
+        # llama.cpp's converter with --mtp writes the draft head alone (its loader: "mtp_only"), for speculative
+        # decoding beside the model's own file
+        mtp = f"blk.{n_layers}" + (f"-{blocks - 1}" if blocks - n_layers > 1 else "")
+        raise ModelError(f"{path}: holds only the multi-token-prediction draft block ({mtp}, "
+                         f"{arch}.nextn_predict_layers = {blocks - n_layers}, as convert_hf_to_gguf.py --mtp writes "
+                         f"it), none of the model's {n_layers} layers: load the model's own GGUF")
     extra = gguf_args_extra(fam, get, n_layers, int(dim), int(n_heads), int(head_dim), str(path),
                             names=frozenset(tensors))
     scaling = extra.pop("rope_scaling", None) or _rope_scaling(path, reader, arch, tensors, theta, head_dim)

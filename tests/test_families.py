@@ -252,8 +252,8 @@ def write_gguf(dst, parts, keys=(), tensors=()) -> str:
 def test_gguf_glm4moe_mtp_block_skipped_and_what_is_refused(converted, tmp_path, capsys):
     """The converter's glm4moe file: its multi-token-prediction block (blk.4, counted in block_count and
     nextn_predict_layers) is skipped as llama.cpp skips it for inference: 4 layers, the test above matches
-    transformers with it there. A key or a tensor Strata does not implement is refused through the launcher in one
-    line before any process starts."""
+    transformers with it there. A key or a tensor Strata does not implement, or a file of the draft block alone, is
+    refused through the launcher in one line before any process starts."""
     import numpy as np
     from conftest import make_rig
     from families_fixtures import gguf_summary, import_gguf
@@ -283,6 +283,14 @@ def test_gguf_glm4moe_mtp_block_skipped_and_what_is_refused(converted, tmp_path,
         (tmp_path / f"r{i}").mkdir()
         line = refuse(tmp_path / f"r{i}", capsys, make_rig(model=bad, tokens=32, chunk=16))
         assert bad in line and expect in line, line
+    # the draft head alone, as `convert_hf_to_gguf.py --mtp` writes it (blk.4 and the embedding, norm and head): not
+    # a model, said so rather than "blk.0.attn_norm.weight missing"
+    arch, meta, ts = parts
+    draft = write_gguf(tmp_path / "draft.gguf", (arch, meta, [(n, t) for n, t in ts if not n.startswith("blk.")
+                                                                or n.startswith("blk.4.")]))
+    (tmp_path / "rd").mkdir()
+    line = refuse(tmp_path / "rd", capsys, make_rig(model=draft, tokens=32, chunk=16))
+    assert draft in line and "holds only the multi-token-prediction draft block (blk.4" in line, line
 
 
 # -- through the real stage processes -------------------------------------------------------------------------

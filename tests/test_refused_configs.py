@@ -86,6 +86,39 @@ def test_honoured_keys_are_read(tmp_path, configs):
     assert q.qk_norm and q.sliding_window is None  # use_sliding_window is false by default
 
 
+@pytest.mark.parametrize("fam", ["glm4_moe", "qwen3_5"])
+def test_partial_rotary_default_when_config_has_none(tmp_path, fam):
+    """A config.json without partial_rotary_factor: RoPE over the part of each head transformers' config class
+    assumes (GLM-4.5 0.5, as llama.cpp's converter writes it; Qwen3.5 0.25), not over all of it."""
+    import transformers
+    _, d = make_hf(tmp_path, fam)
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    cfg.pop("partial_rotary_factor", None)
+    cfg.get("rope_parameters", {}).pop("partial_rotary_factor", None)
+    (Path(d) / "config.json").write_text(json.dumps(cfg))
+    want = transformers.AutoConfig.from_pretrained(d).rope_parameters["partial_rotary_factor"]
+    a = model_args(str(d))
+    assert want < 1 and a.rotary_dim == int(a.head_dim * want), (a.rotary_dim, a.head_dim, want)
+
+
+def test_glm4_moe_router_defaults_when_config_has_none(tmp_path):
+    """GLM-4.5's expert keys left out of config.json take Glm4MoeConfig's defaults, as transformers builds the model:
+    one shared expert (not none, silently), one dense first layer, no groups, renormalized, unscaled."""
+    import transformers
+    _, d = make_hf(tmp_path, "glm4_moe")
+    keys = ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "norm_topk_prob",
+            "routed_scaling_factor")
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    assert all(k in cfg for k in keys)
+    (Path(d) / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in keys}))
+    c = transformers.AutoConfig.from_pretrained(d)
+    a = model_args(str(d))
+    assert (a.shared_ffn_dim, a.first_dense_layers, a.router_groups, a.router_groups_used, a.router_renorm,
+            a.routed_scale) == (c.moe_intermediate_size * c.n_shared_experts, c.first_k_dense_replace, c.n_group,
+                                c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+    assert a.shared_ffn_dim > 0 and a.first_dense_layers == 1
+
+
 def test_hf_repo_id_from_the_local_cache(tmp_path, monkeypatch, configs):
     """'Org/Name' resolves to its snapshot in the local HF cache (refs/main), never downloaded; absent: one line
     naming where it looked."""
