@@ -374,7 +374,7 @@ class Transformer(nn.Module):
 
         def dense(t):
             if isinstance(t, Quantized):
-                t = _dequantize(t.blocks.to(device), t.qtype)
+                t = _dequantize(t.blocks.to(device), t.qtype, self.triton_state)
             return t.to(device=device, dtype=dtype)
 
         def param(t):
@@ -387,7 +387,7 @@ class Transformer(nn.Module):
 
         def packed(t):
             if isinstance(t, Quantized):
-                return Packed(t.blocks.to(device), t.qtype, t.cols, dtype)
+                return Packed(t.blocks.to(device), t.qtype, t.cols, dtype, self.triton_state)
             return Packed(dense(t), None, t.shape[1], dtype)
 
         head_w = None
