@@ -113,7 +113,7 @@ def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: i
     blocks = blocks.reshape(-1, blocks.shape[-1])
     if out.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":  # Triton imported only where it can run
         from .quant import into
-        if into.takes(qtype, out) and into.dequantize_into(out, blocks, qtype):
+        if into.takes(qtype, out, triton_state) and into.dequantize_into(out, blocks, qtype, triton_state):
             return out
     step = max(1, DEQUANT_PIECE // cols)
     for a in range(0, blocks.shape[0], step):
@@ -340,7 +340,8 @@ class ResidentExperts(nn.Module):
             return False
         from .quant import into
         probe = torch.empty(0, device=device, dtype=self.w13.out_dtype)
-        return into.takes(self.w13.qtype, probe) and into.takes(self.w2.qtype, probe)
+        return (into.takes(self.w13.qtype, probe, self.w13.triton_state)
+                and into.takes(self.w2.qtype, probe, self.w2.triton_state))
 
 
 class QuantEmbedding(nn.Module):
