@@ -197,7 +197,8 @@ def test_iq3_s_triton_kernel_matches_cpu():
 @cuda
 def test_cuda_iq3_s_failure_in_one_model_leaves_another_on_its_kernel(monkeypatch):
     """Two resident IQ3_S slices in one process on CUDA: the first's IQ3_S kernel fails as its embedding rows are
-    dequantized, and it takes the torch path (the same rows) from then on; the second still launches the kernel."""
+    dequantized, and it takes the torch path (the same rows, to rounding) from then on; the second still launches
+    the kernel."""
     if iq.triton is None:
         pytest.skip("triton is not installed")
     from strata.args import PRESETS
@@ -229,5 +230,5 @@ def test_cuda_iq3_s_failure_in_one_model_leaves_another_on_its_kernel(monkeypatc
     monkeypatch.setattr(iq, "_iq3_s_triton", counted)
     fine, again = models[1].embed(ids), models[0].embed(ids)
     assert calls == ["failed", "ran"] and models[1].triton_state.iq3s  # the first model no longer tries it
-    torch.testing.assert_close(broken, fine, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(again, fine, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(broken, fine, equal_nan=True)  # (bits: test_iq3_s_triton_kernel_matches_cpu)
+    torch.testing.assert_close(again, fine, equal_nan=True)
