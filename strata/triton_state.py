@@ -2,10 +2,11 @@
 
 strata.kernels (prefill's LSE merge, RoPE, SiLU*up, a q8_0 cache's widening; decode's router and the experts'
 weighted sum), strata.quant.iq (IQ3_S's dequantization) and strata.quant.into (resident dequantization into the
-scratch) try their Triton kernels and take their torch path where they cannot build or launch. A model holds one `TritonState` (Transformer.triton_state), shared by its layers and its
-resident matrices (strata.resident.Packed); a failure turns that module's field off on it, logged once, so this holder's later calls go straight to the torch path while another model in the same process, or
-a call without a holder, still tries the kernel. (strata.quant.gemv's decode products keep theirs with the rig's
-choices, on strata.quant.gemv.GemvKernels.)
+scratch) try their Triton kernels and take their torch path where they cannot build or launch. A model holds one
+`TritonState` (Transformer.triton_state), shared by its layers and its resident matrices (strata.resident.Packed); a
+failure turns that module's field off on it, logged once, so this holder's later calls go straight to the torch path
+while another model in the same process, or a call without a holder, still tries the kernel. (strata.quant.gemv's
+decode products keep theirs with the rig's choices, on strata.quant.gemv.GemvKernels.)
 
 Imports nothing heavy: a CPU stage makes one without importing Triton."""
 from __future__ import annotations

@@ -134,8 +134,8 @@ if triton is not None:
 def takes(qtype: str | None, out: torch.Tensor, state: TritonState | None = None) -> bool:
     """Whether `dequantize_into` handles this type into this tensor (CUDA, or the CPU under Triton's interpreter)
     for the holder of `state` (none of its kernels failed)."""
-    return (triton is not None and (state is None or state.into) and qtype in _TYPES and out.is_contiguous() and out.dtype.is_floating_point
-            and (out.is_cuda or INTERPRET))
+    return (triton is not None and (state is None or state.into) and qtype in _TYPES and out.is_contiguous()
+            and out.dtype.is_floating_point and (out.is_cuda or INTERPRET))
 
 
 def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, state: TritonState | None = None) -> bool:
