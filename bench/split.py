@@ -26,7 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata import calibrate  # noqa: E402
 from strata.pipeline import Pipeline  # noqa: E402
 from strata.planner import even_split  # noqa: E402
 from strata.checkpoint import model_args  # noqa: E402
@@ -88,7 +87,6 @@ def main() -> int:
     if sum(threads) > cores:
         print(f"warning: {sum(threads)} threads on {cores} cores: stages are not pinned, timings are shared",
               file=sys.stderr)
-    calibrate.ALWAYS = a.calibrate
     if a.random_hf:
         a.model = str(write_random_hf(Path(a.random_hf)))
     args = model_args(a.model)
@@ -100,7 +98,7 @@ def main() -> int:
     reports: dict[str, list[dict]] = {"even": [], "auto": []}
     for r in range(a.runs):
         for arm, cfg in arms.items():
-            with Pipeline(cfg, out=root / f"run{r}-{arm}", console=False) as p:
+            with Pipeline(cfg, out=root / f"run{r}-{arm}", console=False, always_calibrate=a.calibrate) as p:
                 rep = p.prefill().report
             rep["run"], rep["arm"] = r, arm
             reports[arm].append(rep)

@@ -1,7 +1,9 @@
 """Attention of a chunk after a cached prefix (prefill) and of one decode row, RoPE on q/k rows, and the KV cache's dtype.
 
 Knows nothing of layers or stages: tensors in, tensors out. The CUDA paths are arguments (`cuda_path`, `fused`),
-which the model's layers take from the rig's `attention` and `kernels.prefill`."""
+which the model's layers take from the rig's `attention` and `kernels.prefill`; so is `triton_state`, the caller's
+strata.triton_state.TritonState, on which a strata.kernels kernel that fails falls back (None: no holder, the kernel
+is tried on every call)."""
 from __future__ import annotations
 
 import logging
@@ -10,12 +12,15 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .triton_state import TritonState
+
 # The CUDA prefill attention of `attention: auto`. "flash": one lower-right causal call. "cudnn-split": the cached
 # prefix unmasked plus the chunk's own keys causal and square, both through cuDNN (its fast cases; performance.md).
 CUDA_ATTENTION_DEFAULT = "cudnn-split"
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, fused: bool = True) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, fused: bool = True,
+               triton_state: TritonState | None = None) -> torch.Tensor:
     """Rotate-half RoPE (HF layout; GGUF q/k rows are un-permuted on load): one Triton kernel on CUDA
     (strata.kernels.rope), else 3 torch ops instead of the textbook 5.
 
@@ -26,10 +31,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, fused: bo
     (kernels.prefill: torch, the A/B)."""
     if cos.shape[-1] < x.shape[-1]:
         r = cos.shape[-1]
-        return torch.cat((apply_rope(x[..., :r], cos, ssin, fused), x[..., r:]), -1)
+        return torch.cat((apply_rope(x[..., :r], cos, ssin, fused, triton_state), x[..., r:]), -1)
     if x.is_cuda and fused:
         from .kernels import rope
-        y = rope(x, cos, ssin)  # one pass instead of three
+        y = rope(x, cos, ssin, triton_state)  # one pass instead of three
         if y is not None:
             return y
     half = x.shape[-1] // 2
@@ -37,7 +42,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, fused: bo
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float | None = None,
-                    cuda_path: str = CUDA_ATTENTION_DEFAULT, fused: bool = True) -> torch.Tensor:
+                    cuda_path: str = CUDA_ATTENTION_DEFAULT, fused: bool = True,
+                    triton_state: TritonState | None = None) -> torch.Tensor:
     """Queries of one chunk at `pos` against keys [0, pos + T): causal, bottom-right aligned.
 
     q: (1, nh, T, hd); k, v: (1, nkv, pos + T, hd); scale: of q.k (None: hd ** -0.5). Never builds a dense
@@ -49,14 +55,14 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     if q.is_cuda:
         if cuda_path == "cudnn-split" and q.dtype != torch.float32:
-            return _split_attention(q, k, v, pos, _cudnn_with_lse, scale, fused)
+            return _split_attention(q, k, v, pos, _cudnn_with_lse, scale, fused, triton_state)
         # flash (memory-efficient for fp32) handles the lower-right alignment natively.
         # Imported here: torch.nn.attention.bias pulls in dynamo, ~1 s at every process start.
         from torch.nn.attention.bias import causal_lower_right
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True,
                                               scale=scale)
     # CPU: the lower-right bias would materialise a mask; split instead
-    return _split_attention(q, k, v, pos, _cpu_with_lse, scale, fused)
+    return _split_attention(q, k, v, pos, _cpu_with_lse, scale, fused, triton_state)
 
 
 # cached positions of an 8-bit (or otherwise narrower) cache widened at once for a chunk's attention: the prefix goes
@@ -66,7 +72,8 @@ PREFIX_BLOCK = 16384
 
 
 def narrow_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int,
-                           scale: float | None = None, fused: bool = True, remainder: str = "flash") -> torch.Tensor:
+                           scale: float | None = None, fused: bool = True, remainder: str = "flash",
+                           triton_state: TritonState | None = None) -> torch.Tensor:
     """chunk_attention of q (1, nh, T, hd) at `pos` against a cache narrower than q's dtype (global rows:
     position p in row p), widening it PREFIX_BLOCK positions at a time: the chunk's own keys causal, then each
     block of the prefix, merged by their log-sum-exps (on CUDA one Triton pass per merge).
@@ -74,12 +81,13 @@ def narrow_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     builds a graph per shape (32B widths, chunk 448: 55 ms a new shape against 1.1 ms warm, one H200); torch's
     flash kernel builds none (1.2 ms) and is what it takes ("flash"); "cudnn" was its arm."""
     T, dt = q.shape[2], q.dtype
-    out, lse = _with_lse(q, from_cache(k_cache[:, :, pos:pos + T], dt), from_cache(v_cache[:, :, pos:pos + T], dt),
-                         True, scale)
+    ts = triton_state
+    out, lse = _with_lse(q, from_cache(k_cache[:, :, pos:pos + T], dt, ts),
+                         from_cache(v_cache[:, :, pos:pos + T], dt, ts), True, scale)
     lse = lse.float()
     for a in range(0, pos, PREFIX_BLOCK):
         b = min(pos, a + PREFIX_BLOCK)
-        kb, vb = from_cache(k_cache[:, :, a:b], dt), from_cache(v_cache[:, :, a:b], dt)
+        kb, vb = from_cache(k_cache[:, :, a:b], dt, ts), from_cache(v_cache[:, :, a:b], dt, ts)
         if remainder == "flash" and q.is_cuda and b - a < PREFIX_BLOCK:
             o, l = _flash_packed_with_lse(q, kb, vb, scale)
         else:
@@ -88,7 +96,7 @@ def narrow_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         merged = None
         if q.is_cuda and fused:
             from .kernels import lse_merge
-            merged = lse_merge(o, l, out, lse)
+            merged = lse_merge(o, l, out, lse, ts)
         out = merge_lse(o, l, out, lse) if merged is None else merged
         lse = torch.logaddexp(lse, l)
     return out
@@ -136,7 +144,7 @@ WINDOW_ROWS = 1024
 
 def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: int,
                      scale: float | None = None, sinks: torch.Tensor | None = None,
-                     kernel: str = "band") -> torch.Tensor:
+                     kernel: str = "band", triton_state: TritonState | None = None) -> torch.Tensor:
     """Queries at [pos, pos + T) of a sliding-window layer, whose keys are cached: the query at p sees keys
     (p - window, p].
 
@@ -150,7 +158,7 @@ def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     flex_unavailable), whose block mask skips the band's masked-out work; "band", or where flex cannot, the above."""
     if kernel == "flex" and q.is_cuda and q.dtype in _FLEX_DTYPES and _flex_failed is None:
         try:
-            return flex_window_attention(q, k_cache, v_cache, pos, window, scale, sinks)
+            return flex_window_attention(q, k_cache, v_cache, pos, window, scale, sinks, triton_state=triton_state)
         except torch.cuda.OutOfMemoryError:
             raise  # the band would need more memory, not less
         except Exception as e:  # noqa: BLE001 - a compile or launch this torch cannot do: the band from now on
@@ -167,7 +175,7 @@ def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             rows = torch.arange(k0, pos + b, device=q.device) % S
             ks, vs = k_cache.index_select(2, rows), v_cache.index_select(2, rows)
         if ks.dtype != q.dtype:
-            ks, vs = from_cache(ks, q.dtype), from_cache(vs, q.dtype)
+            ks, vs = from_cache(ks, q.dtype, triton_state), from_cache(vs, q.dtype, triton_state)
         if q.is_cuda and ks.shape[1] != q.shape[1]:
             # CUDA's masked kernel (memory-efficient) has no grouped-query path: without this the band would go to
             # the math backend, which materializes the scores. The band's keys are few: repeating them is cheap
@@ -267,7 +275,7 @@ def _flex_fail(e: Exception) -> None:
 
 def flex_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: int,
                           scale: float | None = None, sinks: torch.Tensor | None = None,
-                          compiled: bool = True) -> torch.Tensor:
+                          compiled: bool = True, triton_state: TritonState | None = None) -> torch.Tensor:
     """window_attention's queries by FlexAttention: the chunk's rows padded to a bucket of Tp rows, keys of
     positions [pos + 1 - window, pos + Tp) in position order (_window_rows), and a block mask of causal-within-the-
     window in those coordinates, so only blocks the band touches are computed. Grouped-query natively (enable_gqa);
@@ -278,7 +286,7 @@ def flex_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _, nh, T, hd = q.shape
     Tp = flex_rows(T)
     n = Tp + window - 1
-    keys, vals = _window_rows(k_cache, q.dtype, pos, T, window, n), _window_rows(v_cache, q.dtype, pos, T, window, n)
+    keys, vals = (_window_rows(c, q.dtype, pos, T, window, n, triton_state) for c in (k_cache, v_cache))
     qp = q
     if T != Tp or q.stride() != (T * nh * hd, hd, nh * hd, 1):
         # padded in Attention.forward's layout (1, T, nh, hd): one layout, one compile per bucket
@@ -312,7 +320,8 @@ def flex_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return (out.float() * torch.sigmoid(lse.float() - sinks.float()[None, :, None]).unsqueeze(-1)).to(q.dtype)
 
 
-def _window_rows(cache: torch.Tensor, dtype: torch.dtype, pos: int, T: int, window: int, n: int) -> torch.Tensor:
+def _window_rows(cache: torch.Tensor, dtype: torch.dtype, pos: int, T: int, window: int, n: int,
+                 triton_state: TritonState | None = None) -> torch.Tensor:
     """(1, heads, n, hd) in dtype: the cached rows of positions [pos + 1 - window, pos + 1 - window + n) in position
     order (a slice of the ring, or two where it wraps), zeros where no position is cached (before 0, and past the
     chunk: the padded queries'). Always a new contiguous tensor, so the compiled kernel sees one layout; it is
@@ -326,7 +335,7 @@ def _window_rows(cache: torch.Tensor, dtype: torch.dtype, pos: int, T: int, wind
     if first < end - k0:  # the ring wraps inside [k0, end)
         parts.append(cache[:, :, :end - k0 - first])
     if cache.dtype != dtype:
-        parts = [from_cache(p, dtype) for p in parts]
+        parts = [from_cache(p, dtype, triton_state) for p in parts]
     hd = parts[0].shape[3]
     if k0 > start:
         parts.insert(0, torch.zeros(1, cache.shape[1], k0 - start, hd, dtype=dtype, device=cache.device))
@@ -348,14 +357,14 @@ def store_rows(cache: torch.Tensor, x: torch.Tensor, pos: int) -> None:
         cache.narrow(2, 0, T - first).copy_(x.narrow(-2, first, T - first))
 
 
-def _split_attention(q, k, v, pos, attend, scale=None, fused=True):
+def _split_attention(q, k, v, pos, attend, scale=None, fused=True, triton_state=None):
     """Attention over [prefix | own chunk] as two calls merged by their log-sum-exp. fused: on CUDA the merge in
     one Triton pass (strata/kernels.py) instead of ~8 float32 kernels; the torch formula where Triton is missing."""
     out_p, lse_p = attend(q, k[:, :, :pos], v[:, :, :pos], False, scale)
     out_s, lse_s = attend(q, k[:, :, pos:], v[:, :, pos:], True, scale)
     if q.is_cuda and fused:
         from .kernels import lse_merge
-        out = lse_merge(out_p, lse_p, out_s, lse_s)
+        out = lse_merge(out_p, lse_p, out_s, lse_s, triton_state)
         if out is not None:
             return out
     return merge_lse(out_p, lse_p, out_s, lse_s)
@@ -519,7 +528,8 @@ def warm_window_attention(model, lengths) -> list[int]:
     t0, done = time.perf_counter(), []
     for rows, T in sorted(largest.items()):
         q = torch.zeros(1, T, attn.nh, attn.hd, device=device, dtype=dtype).transpose(1, 2)
-        window_attention(q, attn.k_cache, attn.v_cache, attn.window, attn.window, attn.scale, attn.sinks, "flex")
+        window_attention(q, attn.k_cache, attn.v_cache, attn.window, attn.window, attn.scale, attn.sinks, "flex",
+                         triton_state=attn.triton_state)
         if flex_failure() is not None:
             break
         done.append(rows)
@@ -585,12 +595,12 @@ def to_q8_0(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def from_q8_0(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def from_q8_0(x: torch.Tensor, dtype: torch.dtype, triton_state: TritonState | None = None) -> torch.Tensor:
     """q8_0 rows (..., hd * 17 / 16) uint8 -> (..., hd) values in dtype: each value times its block's scale in
     float32, rounded once (a CUDA cache in one Triton pass, strata.kernels.q8_0_widen)."""
     if x.is_cuda and dtype != torch.float32:
         from .kernels import q8_0_widen
-        y = q8_0_widen(x, dtype)
+        y = q8_0_widen(x, dtype, triton_state)
         if y is not None:
             return y
     hd = q8_head_dim(x.shape[-1])
@@ -609,7 +619,7 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def from_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def from_cache(x: torch.Tensor, dtype: torch.dtype, triton_state: TritonState | None = None) -> torch.Tensor:
     """Cached keys or values widened to `dtype` for attention: x.to(dtype), the same bits; q8_0 blocks times
     their scales. An e4m3 cache on CPU goes by its bits, since torch's CPU cast converts one value at a time (a
     decode step widens the whole prefix: SmolLM2, 2 stages, 8,000 cached positions: 2.5 tok/s against 49.4 with
@@ -617,7 +627,7 @@ def from_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     value / 256 (exponent bias 15 against 7; subnormals alike); no e4m3 value (at most 448) rounds on the way.
     NaN (S.1111.111) is never stored."""
     if x.dtype == Q8_0:
-        return from_q8_0(x, dtype)
+        return from_q8_0(x, dtype, triton_state)
     if x.dtype != torch.float8_e4m3fn or x.is_cuda:
         return x.to(dtype)
     b = x.view(torch.uint8).to(torch.int16)

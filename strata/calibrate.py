@@ -25,7 +25,6 @@ from .args import ModelArgs
 from .planner import Speed
 from .schedule import chunk_flops
 
-ALWAYS = False           # calibrate even identical CPU stages (bench/split.py --calibrate)
 CPU_MAX_CONTEXT = 8192   # CPU probes time attention over at most this many cached positions
 CPU_HEAD_ROWS = 256      # and the head on at most this many rows
 TIMEOUT_S = 300.0
@@ -275,10 +274,12 @@ class StageFacts:
 
 
 def stage_facts(stages, cores: list[tuple[int, ...]], args: ModelArgs, dtype: str, chunk: int, kv_tokens: int,
-                prompt_tokens: int, want_speed: bool, with_head: bool) -> StageFacts:
+                prompt_tokens: int, want_speed: bool, with_head: bool,
+                always_calibrate: bool = False) -> StageFacts:
     """Caps and speeds for the planner. Probes run only for what the rig leaves open: free memory
     of a CUDA stage without `memory:`; speeds when `want_speed` (layer_split auto), there is more
-    than one stage, no stage gives `speed:`, and the stages differ or a probe runs anyway."""
+    than one stage, no stage gives `speed:`, and the stages differ, a probe runs anyway or `always_calibrate`
+    (identical stages timed too: bench/split.py --calibrate)."""
     from .planner import CUDA_CONTEXT_BYTES
     n = len(stages)
     keys = [stage_key(s.device, s.threads) for s in stages]
@@ -297,7 +298,7 @@ def stage_facts(stages, cores: list[tuple[int, ...]], args: ModelArgs, dtype: st
         speeds, source, calibrate = [g or 1.0 for g in given], ("rig" if all(given) else "equal"), False
     elif all(g is not None for g in given):
         speeds, source, calibrate = list(given), "rig", False
-    elif len(set(keys)) == 1 and not need_mem and not ALWAYS:
+    elif len(set(keys)) == 1 and not need_mem and not always_calibrate:
         # identical stages and no probe to run anyway: equal speeds by construction (the head's
         # share is then costed in FLOPs); keeps runs of identical CPU stages free of probes
         speeds, source, calibrate = [1.0] * n, "equal", False

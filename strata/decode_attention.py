@@ -25,7 +25,10 @@ BLOCK_N = 64       # keys per tile
 KEYS_PER_SPLIT = 128  # at least this many keys per range: fewer ranges for short caches
 # a q8_0 cache's tiles: False widens each row (its int8 values converted, times their block's scale, to the query's
 # dtype: as from_q8_0 widens it); True reads them as byte planes of int32 words made float by integer ops
-# (`_plane`), the products in tf32. Not yet timed on a GPU: bench/splitk.py's `q8_0 planes` rows
+# (`_plane`), the products in tf32. Not yet timed on a GPU: bench/splitk.py's `q8_0 planes` rows. An untimed A/B
+# arm, off: a module constant that is only the default of SplitKAttention(q8_planes=...), bound when the class is
+# defined; read nowhere else, never from the environment and not a rig key (bench/splitk.py and the tests pass
+# q8_planes themselves). Timed faster, it becomes the default here or a `kernels` key in strata/config.py
 Q8_PLANES = False
 
 

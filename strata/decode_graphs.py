@@ -319,7 +319,7 @@ class DecodeGraphs:
         else:
             keys, vals = a.k_cache[:, :, :b], a.v_cache[:, :, :b]
             if keys.dtype != qk.dtype:  # widened (a q8_0 cache's blocks times their scales)
-                keys, vals = from_cache(keys, qk.dtype), from_cache(vals, qk.dtype)
+                keys, vals = from_cache(keys, qk.dtype, a.triton_state), from_cache(vals, qk.dtype, a.triton_state)
             q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=a.scale)
         return self._rest(blk, mm, h, y)
@@ -347,7 +347,7 @@ class DecodeGraphs:
         z = None
         if self.fused and blk.mlp.activation == "silu":
             from strata.kernels import silu_mul
-            z = silu_mul(g, up)  # one launch instead of two, rounded once (None: the torch formula)
+            z = silu_mul(g, up, blk.mlp.triton_state)  # one launch instead of two, rounded once (None: torch's)
         if z is None:
             z = F.silu(g) * up if blk.mlp.activation == "silu" else gate(g, up, blk.mlp.activation)
         p = mm.w2(z)

@@ -1,10 +1,17 @@
-"""Triton kernels of the CUDA prefill path; strata.model imports this lazily and keeps a torch fallback for each."""
+"""Triton kernels of the CUDA prefill path; strata.model imports this lazily and keeps a torch fallback for each.
+
+Each function returns None where its caller should take the torch formula: Triton missing, a layout it does not
+take, or its holder's kernels off. `state` is the caller's strata.triton_state.TritonState (a model's, shared by its
+layers): a kernel that fails to build or launch turns `state.kernels` off, logged once, and that holder's later calls
+return None at once; another holder is not affected. Without a state, a call tries the kernel every time."""
 from __future__ import annotations
 
 import contextlib
 import logging
 
 import torch
+
+from .triton_state import TritonState
 
 try:  # ships with CUDA builds of torch; absent elsewhere (callers then take their torch formula)
     import triton
@@ -14,7 +21,6 @@ except ImportError:
 
 log = logging.getLogger("strata.kernels")
 
-USE_TRITON = triton is not None
 MERGE_ROWS = 32  # query rows per program: with head_dim 128, 4,096 values of each input
 SILU_COLS = 1024  # values of one row per program
 ROPE_ROWS = 16  # token rows of one head per program
@@ -123,11 +129,11 @@ if triton is not None:
                  mask=live)
 
 
-def weigh(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+def weigh(y: torch.Tensor, w: torch.Tensor, state: TritonState | None = None) -> torch.Tensor | None:
     """The experts' outputs y (n * k, cols) summed per token with float32 weights w (n, k), float32 inside, rounded
     once to y's dtype -> (n, cols): one launch for a decode step's upcast, weighted sum and downcast. None where
     Triton is missing or failed."""
-    if not USE_TRITON or y.dim() != 2 or not y.is_contiguous() or w.dtype != torch.float32:
+    if not _on(state) or y.dim() != 2 or not y.is_contiguous() or w.dtype != torch.float32:
         return None
     n, k = w.shape
     cols = y.shape[1]
@@ -136,17 +142,18 @@ def weigh(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():
             _weigh_kernel[(n, triton.cdiv(cols, SILU_COLS))](y, w.contiguous(), out, cols, K=k, BLOCK=SILU_COLS)
     except Exception as e:
-        _failed("experts' weighted sum", e)
+        _failed("experts' weighted sum", e, state)
         return None
     return out
 
 
-def route(logits: torch.Tensor, k: int, chosen: bool, renorm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+def route(logits: torch.Tensor, k: int, chosen: bool, renorm: bool,
+          state: TritonState | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """strata.moe.MoE.route's softmax routers in one launch: logits (N, n) -> (weights (N, k) float32, ids (N, k)
     int64). chosen: the top k logits (the router's bias already in them), softmax over those (topk_softmax); else softmax over all, the top
     k, renormalized where `renorm`. A decode step's five or so small launches become one (Qwen3-30B-A3B: topk
     alone was 9 us of a layer's ~105). None where Triton is missing or failed (the caller's torch ops)."""
-    if not USE_TRITON or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] > 4096:
+    if not _on(state) or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] > 4096:
         return None
     N, n = logits.shape
     w = torch.empty(N, k, device=logits.device, dtype=torch.float32)
@@ -156,25 +163,31 @@ def route(logits: torch.Tensor, k: int, chosen: bool, renorm: bool) -> tuple[tor
             _route_kernel[(N,)](logits, w, ids, n, logits.stride(0), K=k, KP=triton.next_power_of_2(k),
                                 BLOCK=triton.next_power_of_2(n), CHOSEN=chosen, RENORM=renorm)
     except Exception as e:
-        _failed("router", e)
+        _failed("router", e, state)
         return None
     return w, ids
 
 
-def _failed(what: str, e: Exception) -> None:
-    global USE_TRITON
+def _on(state: TritonState | None) -> bool:
+    """Whether this holder's calls take the kernels: Triton imported and none of them failed for it."""
+    return triton is not None and (state is None or state.kernels)
+
+
+def _failed(what: str, e: Exception, state: TritonState | None) -> None:
+    """A kernel failed: say so and turn the holder's kernels off (once: its later calls no longer try them)."""
     log.warning("%s Triton kernel failed (%s: %s); using the torch formulas", what, type(e).__name__, e)
-    USE_TRITON = False
+    if state is not None:
+        state.kernels = False
 
 
 def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor,
-              lse_s: torch.Tensor) -> torch.Tensor | None:
+              lse_s: torch.Tensor, state: TritonState | None = None) -> torch.Tensor | None:
     """Two attention parts over disjoint keys merged by their log-sum-exp, in one pass (float32 inside).
 
     out_p, out_s: (1, nh, T, hd), any strides with the last one 1; lse_p, lse_s: (1, nh, T) float32.
     Returns (1, nh, T, hd) in out_p's dtype, laid out (1, T, nh, hd) underneath (the o-projection
     reads it as rows without a copy); None where Triton is missing or failed (the caller falls back)."""
-    if not USE_TRITON:
+    if not _on(state):
         return None
     _, nh, T, hd = out_p.shape
     if out_p.shape[0] != 1 or out_p.stride(-1) != 1 or out_s.stride(-1) != 1 or out_s.shape != out_p.shape:
@@ -191,16 +204,16 @@ def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor,
                 lse_p.stride(1), lse_p.stride(2), lse_s.stride(1), lse_s.stride(2), out.stride(1), out.stride(2),
                 D=hd, ROWS=MERGE_ROWS, BLOCK_D=triton.next_power_of_2(hd))
     except Exception as e:  # a Triton that cannot build the kernel: the torch formula still works
-        _failed("LSE merge", e)
+        _failed("LSE merge", e, state)
         return None
     return out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, state: TritonState | None = None) -> torch.Tensor | None:
     """silu(gate) * up in one pass, float32 inside, rounded once: gate, up (1, T, ffn), rows of any stride
     (the two halves of the fused gate/up GEMM's output). Returns a new (1, T, ffn) tensor in gate's dtype;
     None where Triton is missing or failed (the caller falls back to F.silu(gate) * up)."""
-    if not USE_TRITON:
+    if not _on(state):
         return None
     if gate.dim() != 3 or gate.shape[0] != 1 or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
         return None
@@ -213,17 +226,18 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
             _silu_mul_kernel[(T, triton.cdiv(cols, SILU_COLS))](gate, up, out, cols, gate.stride(1), up.stride(1),
                                                                 out.stride(1), BLOCK=SILU_COLS)
     except Exception as e:
-        _failed("SiLU*up", e)
+        _failed("SiLU*up", e, state)
         return None
     return out
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor | None:
+def rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor,
+         state: TritonState | None = None) -> torch.Tensor | None:
     """strata.model.apply_rope in one pass, float32 inside, rounded once: x (1, T, heads, hd) with any row
     stride (a q or k view of the fused q/k/v GEMM's output), cos and ssin (T, 1, hd). Returns a new contiguous
     (1, T, heads, hd) tensor; None where Triton is missing or failed, or for a head_dim that is not a power
     of two (the caller falls back to the torch ops)."""
-    if not USE_TRITON:
+    if not _on(state):
         return None
     _, T, H, D = x.shape
     if (x.shape[0] != 1 or D & (D - 1) or x.stride(3) != 1 or x.stride(2) != D or cos.shape != (T, 1, D)
@@ -238,16 +252,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor
             _rope_kernel[(H, triton.cdiv(T, ROPE_ROWS))](x, cos, ssin, out, T, x.stride(1), cos.stride(0),
                                                           H=H, D=D, ROWS=ROPE_ROWS)
     except Exception as e:
-        _failed("RoPE", e)
+        _failed("RoPE", e, state)
         return None
     return out
 
 
-def q8_0_widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def q8_0_widen(x: torch.Tensor, dtype: torch.dtype, state: TritonState | None = None) -> torch.Tensor | None:
     """strata.attention.from_q8_0 of a cache's rows in one pass: x (1, heads, T, hd * 17 / 16) uint8 with the last
     two dims' strides a row's bytes and 1 (a narrowed cache) -> (1, heads, T, hd) in dtype, contiguous; None
     where Triton is missing or failed, or for another layout (the caller falls back to torch ops)."""
-    if not USE_TRITON or x.dim() != 4 or x.shape[0] != 1 or x.stride(3) != 1 or x.stride(2) != x.shape[3]:
+    if not _on(state) or x.dim() != 4 or x.shape[0] != 1 or x.stride(3) != 1 or x.stride(2) != x.shape[3]:
         return None
     _, H, T, W = x.shape
     hd = W // 34 * 32  # strata.attention.q8_head_dim (which imports this module)
@@ -261,6 +275,6 @@ def q8_0_widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
             _q8_0_widen_kernel[(H, triton.cdiv(T, ROPE_ROWS))](x.view(torch.int8), x.view(torch.float16), out, T,
                                                                 x.stride(1), x.stride(2), HD=hd, ROWS=ROPE_ROWS)
     except Exception as e:
-        _failed("q8_0 widening", e)
+        _failed("q8_0 widening", e, state)
         return None
     return out

@@ -24,6 +24,7 @@ from .attention import (_FP8, BF16_ATTENTION_FROM, CUDA_ATTENTION_DEFAULT, PREFI
 from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentExperts,
                        ResidentMatrices, Scratch, _dequantize, head_rows)
 from .config import KernelSpec
+from .triton_state import TritonState
 from .linear_attention import GatedDeltaNet
 from .moe import MoE
 from .weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, dense_products
@@ -97,6 +98,7 @@ class Attention(nn.Module):
         self.max_len = 0  # positions the cache serves (a window layer's ring has fewer rows)
         # CUDA prefill: the attention path and the fused RoPE / LSE-merge kernels (Transformer.set_kernels)
         self.cuda_attention, self.fused = CUDA_ATTENTION_DEFAULT, True
+        self.triton_state: TritonState | None = None  # the slice's, on which a failed kernel falls back (Transformer)
         self.window_kernel = "flex"  # kernels.window_attention: a window layer's chunk attention (window_attention)
 
     def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,8 +114,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # rope on the (1, T, heads, hd) rows, then (1, heads, T, hd) views: q's layout is what
         # warm_chunk_attention builds cuDNN's graphs for
-        q = apply_rope(q, cos, sin, self.fused).transpose(1, 2)    # (1, nh, T, hd)
-        k = apply_rope(k, cos, sin, self.fused).transpose(1, 2)    # (1, nkv, T, hd)
+        q = apply_rope(q, cos, sin, self.fused, self.triton_state).transpose(1, 2)    # (1, nh, T, hd)
+        k = apply_rope(k, cos, sin, self.fused, self.triton_state).transpose(1, 2)    # (1, nkv, T, hd)
         v = v.view(1, T, self.nkv, self.hd).transpose(1, 2)
         self.check(pos, T)
         store_rows(self.k_cache, k, pos)
@@ -138,31 +140,34 @@ class Attention(nn.Module):
             return sink_attention(q, keys, vals, pos, self.sinks, self.scale)
         if self.sinks is not None:  # a window layer with sinks: window_attention, whose log-sum-exp it takes
             return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale, self.sinks,
-                                    self.window_kernel)
+                                    self.window_kernel, self.triton_state)
         if self.window is not None and pos + T > self.window:
             return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale,
-                                    kernel=self.window_kernel)
+                                    kernel=self.window_kernel, triton_state=self.triton_state)
         if self.k_cache.dtype != q.dtype and pos > PREFIX_BLOCK:  # an 8-bit cache: its prefix widened in blocks
-            return narrow_cache_attention(q, self.k_cache, self.v_cache, pos, self.scale, self.fused)
+            return narrow_cache_attention(q, self.k_cache, self.v_cache, pos, self.scale, self.fused,
+                                          triton_state=self.triton_state)
         keys, vals = self.cached(pos + T, q.dtype)
-        return chunk_attention(q, keys, vals, pos, self.scale, self.cuda_attention, self.fused)
+        return chunk_attention(q, keys, vals, pos, self.scale, self.cuda_attention, self.fused, self.triton_state)
 
     def cached(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [0, end) as attention reads them (a global layer's, or a window layer's before its ring
         wraps): views of the cache, or a narrower cache's prefix widened to `dtype` for this layer's attention."""
         keys, vals = self.k_cache[:, :, :end], self.v_cache[:, :, :end]
         if keys.dtype != dtype:
-            keys, vals = from_cache(keys, dtype), from_cache(vals, dtype)
+            keys, vals = from_cache(keys, dtype, self.triton_state), from_cache(vals, dtype, self.triton_state)
         return keys, vals
 
 
-def gate(gate: torch.Tensor, up: torch.Tensor, activation: str, fused: bool = True) -> torch.Tensor:
-    """act(gate) * up: SwiGLU (one Triton kernel on CUDA unless not fused) or GeGLU with the tanh-approximated GELU."""
+def gate(gate: torch.Tensor, up: torch.Tensor, activation: str, fused: bool = True,
+         triton_state: TritonState | None = None) -> torch.Tensor:
+    """act(gate) * up: SwiGLU (one Triton kernel on CUDA unless not fused; it falls back on `triton_state`) or GeGLU
+    with the tanh-approximated GELU."""
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     if gate.is_cuda and fused:
         from .kernels import silu_mul
-        y = silu_mul(gate, up)
+        y = silu_mul(gate, up, triton_state)
         if y is not None:
             return y
     return F.silu(gate) * up
@@ -173,10 +178,11 @@ class FeedForward(nn.Module):
         super().__init__()
         self.ffn, self.activation = args.ffn_dim, args.activation
         self.fused = True  # SiLU*up as one Triton kernel on CUDA (Transformer.set_kernels)
+        self.triton_state: TritonState | None = None  # the slice's (Transformer)
 
     def forward(self, x: torch.Tensor, w: Mats) -> torch.Tensor:
         g, up = F.linear(x, w.w13).split(self.ffn, dim=-1)
-        return F.linear(gate(g, up, self.activation, self.fused), w.w2)
+        return F.linear(gate(g, up, self.activation, self.fused, self.triton_state), w.w2)
 
 
 class Block(nn.Module):
@@ -255,7 +261,7 @@ class Block(nn.Module):
                     keys, vals = a.cached(pos + T, q.dtype)
                     y = sink_attention(q, keys, vals, pos, a.sinks, a.scale)
                 else:
-                    y = window_attention(q, kc, vc, pos, w, a.scale, a.sinks)
+                    y = window_attention(q, kc, vc, pos, w, a.scale, a.sinks, triton_state=a.triton_state)
                 y = y.transpose(1, 2).reshape(T, nh * hd)
                 return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
         else:
@@ -268,13 +274,13 @@ class Block(nn.Module):
             y = y if wo is not None else y.to(h.dtype)
             return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
         if keys.dtype != qk.dtype:
-            keys, vals = from_cache(keys, qk.dtype), from_cache(vals, qk.dtype)
+            keys, vals = from_cache(keys, qk.dtype, a.triton_state), from_cache(vals, qk.dtype, a.triton_state)
         if T == 1:
             y = decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals, a.scale).view(1, nh * hd)
         else:
             q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-            y = chunk_attention(q, keys, vals, pos, a.scale, a.cuda_attention, a.fused).transpose(1, 2).reshape(
-                T, nh * hd)
+            y = chunk_attention(q, keys, vals, pos, a.scale, a.cuda_attention, a.fused,
+                                a.triton_state).transpose(1, 2).reshape(T, nh * hd)
         return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
 
     def _add_attn(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -287,7 +293,7 @@ class Block(nn.Module):
             return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
         g, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
         y = mm.w2(F.silu(g) * up if self.mlp.activation == "silu" else gate(g, up, self.mlp.activation,
-                                                                             self.mlp.fused))
+                                                                             self.mlp.fused, self.mlp.triton_state))
         return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
 
 
@@ -323,6 +329,14 @@ class Transformer(nn.Module):
         self._device_dtype: tuple[torch.device, torch.dtype] | None = None
         self.decode_weights: str | None = None
         self._gemv = None  # strata.quant.gemv.GemvKernels, made with the first resident matrix (`gemv`)
+        # the slice's Triton fallbacks (strata.kernels, IQ3_S and scratch dequantization): one object its layers and
+        # resident matrices share, so a kernel that fails here falls back for this slice only, once for them all
+        self.triton_state = TritonState()
+        for blk in self.layers.values():
+            if isinstance(blk.attn, Attention):
+                blk.attn.triton_state = self.triton_state
+            if isinstance(blk.mlp, (FeedForward, MoE)):
+                blk.mlp.triton_state = self.triton_state
         self.set_kernels(kernels or KernelSpec(), attention)
         self._weight_only: dict[str, LayerWeightOnly] = {}
         self._head_weight_only: WeightOnly | None = None
@@ -360,7 +374,7 @@ class Transformer(nn.Module):
 
         def dense(t):
             if isinstance(t, Quantized):
-                t = _dequantize(t.blocks.to(device), t.qtype)
+                t = _dequantize(t.blocks.to(device), t.qtype, self.triton_state)
             return t.to(device=device, dtype=dtype)
 
         def param(t):
@@ -373,7 +387,7 @@ class Transformer(nn.Module):
 
         def packed(t):
             if isinstance(t, Quantized):
-                return Packed(t.blocks.to(device), t.qtype, t.cols, dtype)
+                return Packed(t.blocks.to(device), t.qtype, t.cols, dtype, self.triton_state)
             return Packed(dense(t), None, t.shape[1], dtype)
 
         head_w = None
@@ -474,7 +488,8 @@ class Transformer(nn.Module):
     def set_kernels(self, kernels: KernelSpec, attention: str = "auto") -> None:
         """The kernels this slice computes with: the rig's `kernels` (read here by strata.decode_graphs too) and its
         `attention`, the CUDA prefill path (auto: CUDA_ATTENTION_DEFAULT). Arguments, not module globals, so a
-        remote stage computes as the head's rig says."""
+        remote stage computes as the head's rig says. A Triton fallback already on `triton_state` stays (a kernel
+        that failed to build would fail again); the GemvKernels' is forgotten with its choices."""
         self.kernels = kernels
         self.cuda_attention = CUDA_ATTENTION_DEFAULT if attention == "auto" else attention
         fused = kernels.prefill == "triton"

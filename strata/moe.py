@@ -46,6 +46,9 @@ class MoE(nn.Module):
             self.s2 = nn.Parameter(torch.empty(args.dim, self.sffn), requires_grad=False)
         self.s_sig = nn.Parameter(torch.empty(1, args.dim), requires_grad=False) if args.shared_gate else None
         self.resident = None  # a ResidentExperts in place of w13 / w2 (strata.model.Transformer.load_weights)
+        # strata.triton_state.TritonState: the slice's (Transformer), on which the router's, the weighted sum's and
+        # SiLU*up's Triton kernels fall back (None: tried on every call)
+        self.triton_state = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h (N, dim) -> (weights (N, k) in float32, expert ids (N, k)). softmax: over every expert's logit, the
@@ -59,7 +62,8 @@ class MoE(nn.Module):
                 logits = (torch.mv(self.router, h[0]) if b is None else torch.addmv(b, self.router, h[0]))[None]
             else:
                 logits = F.linear(h, self.router, self.router_bias)
-            fused = route(logits, self.k, self.kind == "topk_softmax", self.renorm and self.kind == "softmax")
+            fused = route(logits, self.k, self.kind == "topk_softmax", self.renorm and self.kind == "softmax",
+                          self.triton_state)
             if fused is not None:
                 w, idx = fused
                 return (w * self.scale if self.scale != 1.0 else w), idx
@@ -141,7 +145,7 @@ class MoE(nn.Module):
             y = y + self.b2[e]
         if y.is_cuda:
             from .kernels import weigh
-            out = weigh(y, w)
+            out = weigh(y, w, self.triton_state)
             if out is not None:
                 return out
         return torch.bmm(w.view(n, 1, k), y.float().view(n, k, -1)).view(n, -1).to(h.dtype)
@@ -179,7 +183,7 @@ class MoE(nn.Module):
         if self.act == "silu":
             if gu.is_cuda and gu.dim() == 2:  # one launch, rounded once (the dense MLP's kernel)
                 from .kernels import silu_mul
-                y = silu_mul(g[None], up[None])
+                y = silu_mul(g[None], up[None], self.triton_state)
                 if y is not None:
                     return y[0]
             return F.silu(g) * up

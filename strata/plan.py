@@ -165,7 +165,9 @@ def stdlib_source(module: str) -> str:
     raise ConfigError(f"prompt.stdlib: no source for module {module!r} under {base}")
 
 
-def build_plan(cfg: RigConfig) -> Plan:
+def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
+    """The run's plan from the rig. always_calibrate: time identical stages' speeds too (calibrate.stage_facts;
+    bench/split.py --calibrate), where the planner would take them as equal."""
     t0 = time.perf_counter()
     timings = {"tokenizer_s": 0.0}
     try:
@@ -202,7 +204,7 @@ def build_plan(cfg: RigConfig) -> Plan:
             chunks = [cfg.chunk]
         chunks = list(dict.fromkeys(min(c, limit) for c in chunks))  # any later prompt's largest chunk
         try:
-            split, planner = choose_split(cfg, args, stages, cores, int(ids.size), limit, chunks)
+            split, planner = choose_split(cfg, args, stages, cores, int(ids.size), limit, chunks, always_calibrate)
             break
         except ConfigError:
             if cfg.max_context is not None or limit <= total:
@@ -243,7 +245,7 @@ def chunk_ladder(top: int, floor: int) -> list[int]:
 
 
 def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: int, kv_tokens: int,
-                 chunks: list[int]) -> tuple[list[int], dict]:
+                 chunks: list[int], always_calibrate: bool = False) -> tuple[list[int], dict]:
     """The layer split (auto: planned; else the rig's, checked) at the first of `chunks` (largest first) that
     fits every stage, and how it was chosen, for the report (its "chunk": the one taken). When none fits, the
     refusal says what would: a smaller chunk, a shorter max_context, an 8-bit KV cache.
@@ -260,7 +262,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
                           "stage (relative speeds) or for none (then it is calibrated)")
     try:
         facts = stage_facts(stages, cores, args, cfg.dtype, chunks[0], kv_tokens, prompt_tokens,
-                            want_speed=auto, with_head=cfg.perplexity)
+                            want_speed=auto, with_head=cfg.perplexity, always_calibrate=always_calibrate)
     except CalibrationError as e:
         raise ConfigError(f"{e} (give every stage `speed:` and, on CUDA, `memory:` to skip the probes)") from None
     host = [s.device == "cpu" for s in stages]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
+from .triton_state import TritonState
 from .weight_only import Products
 
 from .args import DECODE_T  # noqa: F401  (the decode path's row bound, also read from here)
@@ -99,22 +100,24 @@ def dequant_piece_bytes(args: ModelArgs) -> int:
 
 
 
-def _dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+def _dequantize(blocks: torch.Tensor, qtype: str, triton_state: TritonState | None = None) -> torch.Tensor:
     from .quant import dequantize
-    return dequantize(blocks, qtype)
+    return dequantize(blocks, qtype, triton_state)
 
 
-def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
+def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: int,
+                    triton_state: TritonState | None = None) -> torch.Tensor:
     """GGUF blocks (..., bytes a row) dequantized into `out` (rows, cols), in pieces that bound the float32
-    transient; on CUDA one Triton kernel per type straight into out's dtype where strata.quant.into has one."""
+    transient; on CUDA one Triton kernel per type straight into out's dtype where strata.quant.into has one.
+    triton_state: the caller's (a Packed's), on which a Triton kernel that fails falls back."""
     blocks = blocks.reshape(-1, blocks.shape[-1])
     if out.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":  # Triton imported only where it can run
         from .quant import into
-        if into.takes(qtype, out) and into.dequantize_into(out, blocks, qtype):
+        if into.takes(qtype, out, triton_state) and into.dequantize_into(out, blocks, qtype, triton_state):
             return out
     step = max(1, DEQUANT_PIECE // cols)
     for a in range(0, blocks.shape[0], step):
-        out[a:a + step].copy_(_dequantize(blocks[a:a + step], qtype))
+        out[a:a + step].copy_(_dequantize(blocks[a:a + step], qtype, triton_state))
     return out
 
 
@@ -149,12 +152,15 @@ class Scratch:
 
 
 class Packed(nn.Module):
-    """One matrix as stored: GGUF blocks (uint8, rows of whole blocks) or, for F32/F16 tensors, dense in the compute dtype."""
+    """One matrix as stored: GGUF blocks (uint8, rows of whole blocks) or, for F32/F16 tensors, dense in the compute dtype.
+    triton_state: its slice's (Transformer.triton_state), on which its dequantization's Triton kernels fall back."""
 
-    def __init__(self, data: torch.Tensor, qtype: str | None, cols: int, dtype: torch.dtype):
+    def __init__(self, data: torch.Tensor, qtype: str | None, cols: int, dtype: torch.dtype,
+                 triton_state: TritonState | None = None):
         super().__init__()
         self.register_buffer("data", data)
         self.qtype, self.cols, self.out_dtype = qtype, cols, dtype
+        self.triton_state = triton_state
 
     @property
     def n_rows(self) -> int:
@@ -165,13 +171,13 @@ class Packed(nn.Module):
         r1 = self.n_rows if r1 is None else r1
         if self.qtype is None:
             return out.copy_(self.data[r0:r1])
-        return dequantize_into(out, self.data[r0:r1], self.qtype, self.cols)
+        return dequantize_into(out, self.data[r0:r1], self.qtype, self.cols, self.triton_state)
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) only: the embedding never dequantizes its whole table."""
         if self.qtype is None:
             return F.embedding(ids, self.data)
-        rows = _dequantize(self.data[ids.reshape(-1)], self.qtype)
+        rows = _dequantize(self.data[ids.reshape(-1)], self.qtype, self.triton_state)
         return rows.to(self.out_dtype).view(*ids.shape, self.cols)
 
 
@@ -303,7 +309,7 @@ class ResidentExperts(nn.Module):
         for p in (self.w13, self.w2):
             b = p.data.index_select(0, e)
             w = torch.empty(*b.shape[:-1], p.cols, device=b.device, dtype=p.out_dtype)
-            dequantize_into(w.view(-1, p.cols), b, p.qtype, p.cols)
+            dequantize_into(w.view(-1, p.cols), b, p.qtype, p.cols, p.triton_state)
             out.append(w)
         return out[0], out[1]
 
@@ -334,7 +340,8 @@ class ResidentExperts(nn.Module):
             return False
         from .quant import into
         probe = torch.empty(0, device=device, dtype=self.w13.out_dtype)
-        return into.takes(self.w13.qtype, probe) and into.takes(self.w2.qtype, probe)
+        return (into.takes(self.w13.qtype, probe, self.w13.triton_state)
+                and into.takes(self.w2.qtype, probe, self.w2.triton_state))
 
 
 class QuantEmbedding(nn.Module):

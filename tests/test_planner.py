@@ -505,20 +505,42 @@ def fake_probe(free=40 * GiB, speeds=None):
     return run, calls
 
 
-def facts(monkeypatch, stages, want_speed=True, with_head=True, **kw):
+def facts(monkeypatch, stages, want_speed=True, with_head=True, always_calibrate=None, **kw):
     from strata import calibrate
     from strata.config import StageSpec
     run, calls = fake_probe(**kw)
     monkeypatch.setattr(calibrate, "probe", run)
     specs = [StageSpec(**s) for s in stages]
+    more = {} if always_calibrate is None else {"always_calibrate": always_calibrate}
     f = calibrate.stage_facts(specs, [()] * len(specs), PRESETS["smoke"], "float32", 64, 512, 512,
-                              want_speed=want_speed, with_head=with_head)
+                              want_speed=want_speed, with_head=with_head, **more)
     return f, calls
 
 
 def test_facts_identical_cpu_stages_run_no_probe(monkeypatch):
     f, calls = facts(monkeypatch, [{"device": "cpu", "threads": 1}] * 2)
     assert calls == [] and f.source == "equal" and f.speeds == [1.0, 1.0] and f.caps == [None, None]
+
+
+def test_facts_always_calibrate_is_an_argument(monkeypatch):
+    """always_calibrate (bench/split.py --calibrate) times identical stages too, once for their kind; an argument
+    of stage_facts and build_plan, not a module switch: the call without it still runs no probe."""
+    import inspect
+    from strata import calibrate
+    from strata.pipeline import Pipeline
+    sp = {("cpu", 1): Speed(2e11, 2e11, 2e11)}
+    f, calls = facts(monkeypatch, [{"device": "cpu", "threads": 1}] * 2, always_calibrate=True, speeds=sp)
+    [jobs] = calls
+    assert [(j["threads"], j["speed"], j["head"]) for j in jobs] == [(1, True, True)]
+    assert f.source == "calibrated" and f.speeds[0].linear == 2e11 and f.speeds[1].head == 7e11
+    f, calls = facts(monkeypatch, [{"device": "cpu", "threads": 1}] * 2)
+    assert calls == [] and f.source == "equal"
+    assert not hasattr(calibrate, "ALWAYS")
+    for fn in (calibrate.stage_facts, build_plan, Pipeline.__init__):
+        assert inspect.signature(fn).parameters["always_calibrate"].default is False
+    monkeypatch.setattr(calibrate, "probe", fake_probe(speeds=sp)[0])
+    plan = build_plan(from_dict(rig(stages=[{"device": "cpu", "threads": 1}] * 2)), always_calibrate=True)
+    assert plan.planner["speeds_from"] == "calibrated"
 
 
 def test_facts_rig_speeds_and_memory(monkeypatch):

@@ -48,7 +48,9 @@ _KERNEL_SCRIPT = r"""
 import torch
 import strata.attention as sm
 from strata import kernels as K
+from strata.triton_state import TritonState
 from tests.test_prefill_ops import merge64, parts
+st = TritonState()  # the holder every call passes: a kernel that failed would have turned it off
 # float32 and float16 round to nearest in the interpreter; its bfloat16 cast truncates (a GPU rounds to nearest)
 TOL = {torch.float32: 2e-6, torch.float16: 2 ** -11, torch.bfloat16: 2 ** -7}
 checked = 0
@@ -56,8 +58,8 @@ for T, hd in ((37, 16), (1, 16), (70, 24)):
     for dtype, tol in TOL.items():
         out_p, lse_p, out_s, lse_s = parts(T, hd=hd, dtype=dtype, seed=T)
         lse_s = lse_s.transpose(1, 2).contiguous().transpose(1, 2)  # strided log-sum-exp too
-        got = K.lse_merge(out_p, lse_p, out_s, lse_s)
-        assert got is not None and K.USE_TRITON, "kernel did not run"
+        got = K.lse_merge(out_p, lse_p, out_s, lse_s, st)
+        assert got is not None and st.kernels, "kernel did not run"
         assert got.shape == out_p.shape and got.dtype == dtype
         assert got.transpose(1, 2).is_contiguous(), got.stride()  # rows for the o-projection, no copy
         want = merge64(out_p, lse_p, out_s, lse_s)
@@ -69,8 +71,8 @@ for T, cols in ((7, 50), (3, 1500)):
     for dtype, tol in TOL.items():
         gu = (torch.randn(1, T, 2 * cols, generator=torch.Generator().manual_seed(cols)) * 4).to(dtype)
         gate, up = gu.split(cols, dim=-1)  # strided halves, as the fused gate/up GEMM gives them
-        got = K.silu_mul(gate, up)
-        assert got is not None and K.USE_TRITON and got.shape == gate.shape and got.dtype == dtype
+        got = K.silu_mul(gate, up, st)
+        assert got is not None and st.kernels and got.shape == gate.shape and got.dtype == dtype
         g64, u64 = gate.double(), up.double()
         want = g64 * torch.sigmoid(g64) * u64
         err = (got.double() - want).abs()
@@ -83,15 +85,15 @@ for T, H, D in ((13, 3, 16), (1, 2, 32)):
         ang = torch.randn(T, D // 2, generator=g, dtype=torch.float64)
         cos64, sin64 = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
         cos, ssin = cos64.to(dtype)[:, None], sm._signed_sin(sin64.to(dtype)[:, None])
-        got = K.rope(x, cos, ssin)
-        assert got is not None and K.USE_TRITON and got.is_contiguous() and got.dtype == dtype
+        got = K.rope(x, cos, ssin, st)
+        assert got is not None and st.kernels and got.is_contiguous() and got.dtype == dtype
         x1, x2 = x.double().chunk(2, dim=-1)  # the textbook form with the tables as rounded
         want = x.double() * cos.double() + torch.cat((-x2, x1), -1) * sin64.to(dtype).double()[:, None]
         err = (got.double() - want).abs()
         assert (err <= tol * want.abs() + 1e-5).all(), (T, H, D, dtype, float(err.max()))
         checked += 1
 x = torch.randn(1, 4, 2, 24)  # head_dim not a power of two: declined, apply_rope's torch ops run instead
-assert K.rope(x, torch.ones(4, 1, 24), torch.ones(4, 1, 24)) is None and K.USE_TRITON
+assert K.rope(x, torch.ones(4, 1, 24), torch.ones(4, 1, 24), st) is None and st.kernels
 print("checked", checked)
 """
 
@@ -177,24 +179,26 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 def test_cuda_kernels_match_float64():
     from strata import kernels
+    from strata.triton_state import TritonState
     if kernels.triton is None:
         pytest.skip("triton is not installed")
+    st = TritonState()
     for T in (1, 1001):
         p = [t.cuda() for t in parts(T, nh=32, hd=128, dtype=torch.bfloat16, seed=T)]
-        got = kernels.lse_merge(*p)
-        assert got is not None and kernels.USE_TRITON
+        got = kernels.lse_merge(*p, st)
+        assert got is not None and st.kernels
         want = merge64(*p)
         assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()  # rounded to nearest on a GPU
     gate, up = (torch.randn(1, 1001, 2 * 14336, device="cuda") * 4).bfloat16().split(14336, dim=-1)
-    got = kernels.silu_mul(gate, up)
-    assert got is not None and kernels.USE_TRITON
+    got = kernels.silu_mul(gate, up, st)
+    assert got is not None and st.kernels
     want = gate.double() * torch.sigmoid(gate.double()) * up.double()
     assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()
     x = torch.randn(1, 1001, 48, 128, device="cuda").bfloat16()[:, :, :32]  # q rows of a q/k/v GEMM's output
     ang = torch.randn(1001, 64, device="cuda", dtype=torch.float64)
     cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
-    got = kernels.rope(x, cos[:, None], sm._signed_sin(sin[:, None]))
-    assert got is not None and kernels.USE_TRITON
+    got = kernels.rope(x, cos[:, None], sm._signed_sin(sin[:, None]), st)
+    assert got is not None and st.kernels
     x1, x2 = x.double().chunk(2, dim=-1)
     want = x.double() * cos.double()[:, None] + torch.cat((-x2, x1), -1) * sin.double()[:, None]
     assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-4).all()
@@ -221,6 +225,110 @@ def test_cuda_kernel_paths_agree_and_warm_up_builds():
             assert sm.warm_chunk_attention(m, [(p, 512) for p in range(512, 2048, 512)]) == 3
         out[kernels] = torch.cat([m(ids[:, p:p + 512], p) for p in range(0, 2048, 512)], dim=1).float()
     rel = ((out["triton"] - out["torch"]).norm() / out["torch"].norm()).item()
+    assert rel < 1e-2, rel
+
+
+class _Launch:
+    """Stands in for a jitted Triton kernel (`kernel[grid](*args)`): counts its launches, fails them where told."""
+
+    def __init__(self, fail: bool):
+        self.fail, self.launches = fail, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches += 1
+            if self.fail:
+                raise RuntimeError("this Triton cannot build it")
+        return launch
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_a_failed_kernel_falls_back_on_its_holder_only(monkeypatch, caplog):
+    """strata.kernels' fallback is state on the caller's TritonState: the holder whose kernel failed says so once and
+    takes the torch formulas from then on (no more launches); another holder, and a call without one, still launch."""
+    from strata import kernels as K
+    from strata.triton_state import TritonState
+    gate, up = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    x, cs = torch.randn(1, 3, 2, 16), torch.ones(3, 1, 16)
+    failing = _Launch(fail=True)
+    monkeypatch.setattr(K, "_silu_mul_kernel", failing)
+    a, b = TritonState(), TritonState()
+    with caplog.at_level("WARNING", logger="strata.kernels"):
+        assert K.silu_mul(gate, up, a) is None and failing.launches == 1
+        assert K.silu_mul(gate, up, a) is None and K.rope(x, cs, cs, a) is None  # not tried again, any kernel
+    assert failing.launches == 1 and not a.kernels
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["SiLU*up Triton kernel failed"]
+    assert b.kernels  # the other holder's kernels still run: its launch fails now too, on b alone
+    assert K.silu_mul(gate, up, b) is None and failing.launches == 2 and not b.kernels
+    working = _Launch(fail=False)
+    monkeypatch.setattr(K, "_silu_mul_kernel", working)
+    c = TritonState()
+    assert K.silu_mul(gate, up, c) is not None and working.launches == 1 and c.kernels
+    assert K.silu_mul(gate, up, a) is None and working.launches == 1  # a stays on the torch formulas
+    assert K.silu_mul(gate, up) is not None and working.launches == 2  # no holder: tried on every call
+
+
+def test_a_model_and_its_layers_share_one_triton_state():
+    """A slice's layers hold its TritonState (where strata.kernels' fallback lands), another slice its own: a kernel
+    failing in one model leaves the other on its kernels. set_kernels keeps a fallback already taken."""
+    from strata.config import KernelSpec
+    from strata.model import Attention, FeedForward
+    with torch.device("meta"):
+        m, other = Transformer(SMALL), Transformer(SMALL, 1)
+    held = [b.attn.triton_state for b in m.layers.values() if isinstance(b.attn, Attention)]
+    held += [b.mlp.triton_state for b in m.layers.values() if isinstance(b.mlp, FeedForward)]
+    assert len(held) == 2 * SMALL.n_layers and all(s is m.triton_state for s in held)
+    assert other.triton_state is not m.triton_state
+    assert all(b.attn.triton_state is other.triton_state for b in other.layers.values())
+    m.triton_state.kernels = False  # what a failed launch leaves
+    m.set_kernels(KernelSpec())
+    assert not m.triton_state.kernels and other.triton_state.kernels
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_kernel_failure_in_one_model_leaves_another_on_its_kernels(monkeypatch):
+    """Two slices in one process on CUDA: the first's SiLU*up kernel fails in its forward, and it computes on with
+    the torch formula (the same chunk as the kernel up to rounding); the second still launches the kernel."""
+    from strata import kernels as K
+    from strata.checkpoint import model_args, slice_tensors
+    if K.triton is None:
+        pytest.skip("triton is not installed")
+    name = "synthetic:smoke"
+    args = model_args(name)
+    ids = torch.randint(0, args.vocab_size, (1, 64), generator=torch.Generator().manual_seed(7)).cuda()
+    models = []
+    for _ in range(2):
+        with torch.device("meta"):
+            m = Transformer(args)
+        m.load_weights(slice_tensors(name, args, 0, args.n_layers, device="cuda:0", dtype=torch.bfloat16),
+                       "cuda:0", torch.bfloat16)
+        m.setup_cache(ids.shape[1])
+        models.append(m)
+    real, launches = K._silu_mul_kernel, []
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append(grid)
+                raise RuntimeError("this Triton cannot build it")
+            return launch
+
+    monkeypatch.setattr(K, "_silu_mul_kernel", Failing())
+    broken = models[0](ids, 0).float()
+    assert len(launches) == 1 and not models[0].triton_state.kernels  # tried once for all its layers
+    monkeypatch.setattr(K, "_silu_mul_kernel", real)
+    counted = []
+
+    class Counted:
+        def __getitem__(self, grid):
+            counted.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(K, "_silu_mul_kernel", Counted())
+    fine = models[1](ids, 0).float()
+    assert len(counted) == args.n_layers and models[1].triton_state.kernels
+    rel = ((broken - fine).norm() / fine.norm()).item()
     assert rel < 1e-2, rel
 
 
@@ -311,13 +419,13 @@ def test_warm_window_attention_compiles_each_bucket_once(monkeypatch):
     from types import SimpleNamespace
     calls = []
     attn = SimpleNamespace(window=16, k_cache=torch.zeros(1, 2, 16 + 512 - 1, 8), v_cache=torch.zeros(1, 2, 527, 8),
-                           nh=4, hd=8, scale=None, sinks=None, window_kernel="flex")
+                           nh=4, hd=8, scale=None, sinks=None, window_kernel="flex", triton_state=None)
     model = SimpleNamespace(device_dtype=lambda: (torch.device("cpu"), torch.bfloat16),
                             layers={"0": SimpleNamespace(attn=SimpleNamespace(window=None, k_cache=None)),
                                     "1": SimpleNamespace(attn=attn)})
     assert sm.warm_window_attention(model, [512, 300]) == []  # CPU: the band, nothing to compile
     monkeypatch.setattr(sm, "flex_unavailable", lambda device, dtype: None)
-    monkeypatch.setattr(sm, "window_attention", lambda q, kc, vc, pos, window, scale, sinks, kernel:
+    monkeypatch.setattr(sm, "window_attention", lambda q, kc, vc, pos, window, scale, sinks, kernel, triton_state:
                         calls.append((q.shape[2], pos, kernel)))
     assert sm.warm_window_attention(model, [512, 512, 300, 100, 129, 257, 0]) == [128, 256, 384, 512]
     assert calls == [(100, 16, "flex"), (129, 16, "flex"), (300, 16, "flex"), (512, 16, "flex")]

@@ -322,3 +322,53 @@ def test_mxfp4_into_kernel_interpreted():
     r = subprocess.run([sys.executable, "-c", INTO_MXFP4, str(root)], env=dict(os.environ, TRITON_INTERPRET="1"),
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
+
+
+class _Launch:
+    """Stands in for a jitted strata.quant.into kernel (`kernel[grid](blocks, out, n, ...)`): counts its launches,
+    fails them where told, else writes the torch path's values."""
+
+    def __init__(self, fail: bool, qtype: str):
+        self.fail, self.qtype, self.launches = fail, qtype, 0
+
+    def __getitem__(self, grid):
+        def launch(flat, out, n, **kw):
+            self.launches += 1
+            if self.fail:
+                raise RuntimeError("this Triton cannot build it")
+            out.view(-1).copy_(Q.dequantize(flat, self.qtype).view(-1))
+        return launch
+
+
+def test_a_failed_into_kernel_falls_back_on_its_holder_only(monkeypatch, caplog):
+    """strata.quant.into's fallback is state on the caller's TritonState: the holder whose kernel failed says so
+    once, its `takes` say no from then on and strata.resident.dequantize_into takes the torch path (the same
+    values); another holder, and a call without one, still launch. The kernels run on CPU tensors as under the
+    interpreter, stood in for."""
+    pytest.importorskip("triton")
+    from strata import resident
+    from strata.quant import into
+    from strata.triton_state import TritonState
+    monkeypatch.setattr(into, "INTERPRET", True)  # takes() accepts CPU tensors
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # and strata.resident asks it
+    b = Q.random_blocks("Q8_0", 6, 64, torch.Generator().manual_seed(8))
+    want = Q.dequantize(b, "Q8_0")
+    failing = _Launch(fail=True, qtype="Q8_0")
+    monkeypatch.setattr(into, "_q8_0_into", failing)
+    a, c = TritonState(), TritonState()
+    out = torch.full((6, 64), float("nan"))
+    with caplog.at_level("WARNING", logger="strata.quant"):
+        assert into.takes("Q8_0", out, a) and not into.dequantize_into(out, b, "Q8_0", a)
+        assert resident.dequantize_into(out, b, "Q8_0", 64, a) is out and torch.equal(out, want)  # not tried again
+    assert failing.launches == 1 and not a.into and a.kernels and a.iq3s
+    assert not into.takes("Q8_0", out, a) and not into.takes("Q4_K", out, a)  # every type, for this holder
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["Q8_0 dequantization kernel failed"]
+    working = _Launch(fail=False, qtype="Q8_0")
+    monkeypatch.setattr(into, "_q8_0_into", working)
+    for holder in (c, None):
+        out = torch.full((6, 64), float("nan"))
+        assert into.takes("Q8_0", out, holder) and resident.dequantize_into(out, b, "Q8_0", 64, holder) is out
+        assert torch.equal(out, want)
+    assert working.launches == 2 and c.into
+    resident.dequantize_into(torch.empty(6, 64), b, "Q8_0", 64, a)
+    assert working.launches == 2  # a stays on the torch path

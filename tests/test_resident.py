@@ -96,9 +96,10 @@ def test_embedding_and_head_never_dequantized_whole(args, monkeypatch):
     rows = []
     real = resident._dequantize
 
-    def spy(blocks, qtype):
+    def spy(blocks, qtype, triton_state=None):
         rows.append(blocks.shape[0])
-        return real(blocks, qtype)
+        assert triton_state is s.triton_state  # the slice's, where IQ3_S's kernel would fall back
+        return real(blocks, qtype, triton_state)
     monkeypatch.setattr(resident, "_dequantize", spy)
     ids = torch.tensor([[1, 2, 3, 4, 5, 1]])
     s.embed(ids)

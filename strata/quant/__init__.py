@@ -4,11 +4,16 @@
 type name ("IQ3_S", any case) or `gguf.GGMLQuantizationType`; the result is float32
 `(..., weights)` on the blocks' device. Per-type kernels live in submodules, each exporting
 `DEQUANT: dict[name, fn]` with fn mapping uint8 `(N, type_size)` -> float32 `(N, block_size)`.
+`triton_state`: the caller's strata.triton_state.TritonState, on which IQ3_S's CUDA kernel falls back where it fails
+(strata.quant.iq; None: no holder, the kernel is tried on every call).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ..triton_state import TritonState
 from . import blocks as blocks_mod, iq, mxfp4
 from .random import random_blocks
 from .types import block_size, qtype_of, type_size
@@ -51,7 +56,7 @@ def _supported(qtype) -> str:
     return name
 
 
-def dequantize(blocks: torch.Tensor, qtype) -> torch.Tensor:
+def dequantize(blocks: torch.Tensor, qtype, triton_state: TritonState | None = None) -> torch.Tensor:
     """uint8 `(..., n_blocks * type_size)` -> float32 `(..., n_blocks * block_size)`, same device."""
     name = _supported(qtype)
     if blocks.dtype != torch.uint8:
@@ -76,6 +81,8 @@ def dequantize(blocks: torch.Tensor, qtype) -> torch.Tensor:
     if name == "BF16":  # the top half of a float32
         return (b.view(torch.int16).to(torch.int32) << 16).view(torch.float32).reshape(out_shape)
     fn = DEQUANT[name]
+    if triton_state is not None and name in iq.DEQUANT:  # (only the IQ types take a state)
+        fn = functools.partial(fn, state=triton_state)
     n = b.shape[0]
     step = max(1, _CHUNK_WEIGHTS.get(b.device.type, 1 << 22) // bs)
     if n <= step:

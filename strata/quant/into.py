@@ -5,7 +5,9 @@ reads each block once and writes the compute dtype straight into the layer's scr
 for a 70B layer of Q4_K on an H200, paid again for every chunk.
 
 Same float32 operations in the same order as blocks.py (floating-point contraction off), then one rounding to
-the output dtype, so the scratch holds the bits the torch path gives (NaN payloads aside).
+the output dtype, so the scratch holds the bits the torch path gives (NaN payloads aside). Where a kernel fails to
+build or launch, the caller's strata.triton_state.TritonState (`state`, a slice's) takes the torch path from then on,
+not the process.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 
 import torch
 
+from ..triton_state import TritonState
 from . import LEGACY_FLAGS, block_size, type_size
 
 try:
@@ -27,7 +30,6 @@ log = logging.getLogger("strata.quant")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCKS = 4  # quant blocks per program
 _TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "MXFP4", *LEGACY_FLAGS)
-_USE = {"on": triton is not None}  # off for good once a kernel fails to build: the torch path still works
 
 if triton is not None:
     @triton.jit
@@ -129,15 +131,17 @@ if triton is not None:
         tl.store(out_ptr + nb.to(tl.int64) * 32 + j, (d * v).to(out_ptr.dtype.element_ty), mask=live)
 
 
-def takes(qtype: str | None, out: torch.Tensor) -> bool:
-    """Whether `dequantize_into` handles this type into this tensor (CUDA, or the CPU under Triton's interpreter)."""
-    return (_USE["on"] and qtype in _TYPES and out.is_contiguous() and out.dtype.is_floating_point
-            and (out.is_cuda or INTERPRET))
+def takes(qtype: str | None, out: torch.Tensor, state: TritonState | None = None) -> bool:
+    """Whether `dequantize_into` handles this type into this tensor (CUDA, or the CPU under Triton's interpreter)
+    for the holder of `state` (none of its kernels failed)."""
+    return (triton is not None and (state is None or state.into) and qtype in _TYPES and out.is_contiguous()
+            and out.dtype.is_floating_point and (out.is_cuda or INTERPRET))
 
 
-def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str) -> bool:
+def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, state: TritonState | None = None) -> bool:
     """out (rows, cols) <- the rows' GGUF blocks (rows, bytes) dequantized, in out's dtype; False (nothing
-    written) when the kernel cannot run, and the caller takes the torch path."""
+    written) when the kernel cannot run, and the caller takes the torch path (a failure turns `state.into` off:
+    that holder's later `takes` say no)."""
     bs, ts = block_size(qtype), type_size(qtype)
     flat = blocks.contiguous().view(-1, ts)
     n = flat.shape[0]
@@ -166,6 +170,7 @@ def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str) -> bool
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise
         log.warning("%s dequantization kernel failed (%s: %s); using the torch path", qtype, type(e).__name__, e)
-        _USE["on"] = False
+        if state is not None:
+            state.into = False
         return False
     return True

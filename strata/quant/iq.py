@@ -5,6 +5,8 @@ device, bit for bit what `gguf.quants.dequantize` gives on the CPU (NaN payloads
 float32 operations on the same values. Grids and sign tables come from the installed gguf package,
 are folded once per device into tables of signed (or delta-shifted) rows, and each 4 or 8 weights
 take one gather from them and one multiply by their scale. `python -m strata.quant.iq` times them.
+IQ3_S on CUDA takes one Triton kernel; where it fails, the caller's strata.triton_state.TritonState (`state`) takes
+the torch path from then on, not the process.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import logging
 from typing import Callable
 
 import torch
+
+from ..triton_state import TritonState
 
 try:  # ships with CUDA builds of torch; only IQ3_S on CUDA uses it
     import triton
@@ -211,8 +215,8 @@ def _iq1_m(b: torch.Tensor, t: dict, out: torch.Tensor) -> None:
     torch.mul(dl[:, :, None], _gather(t["IQ1"], idx).view(m, 16, 16), out=out.view(m, 16, 16))
 
 
-# -- IQ3_S on CUDA: one fused Triton kernel (reads 110 bytes, writes 1 KiB per block, no intermediates)
-USE_TRITON = triton is not None
+# -- IQ3_S on CUDA: one fused Triton kernel (reads 110 bytes, writes 1 KiB per block, no intermediates); where it
+# fails, the torch path for the caller's TritonState (its iq3s field)
 TRITON_BLOCKS = 4  # quant blocks per program: 1024 outputs
 
 if triton is not None:
@@ -255,7 +259,7 @@ _TYPES: dict[str, tuple[int, Callable]] = {
 def _dequantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     type_size, fn = _TYPES[name]
 
-    def dequant(blocks: torch.Tensor) -> torch.Tensor:
+    def dequant(blocks: torch.Tensor, state: TritonState | None = None) -> torch.Tensor:
         if blocks.dtype != torch.uint8:
             raise TypeError(f"{name} blocks must be uint8, got {blocks.dtype}")
         if blocks.ndim == 0 or blocks.shape[-1] % type_size:
@@ -263,14 +267,14 @@ def _dequantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         lead, k = blocks.shape[:-1], blocks.shape[-1] // type_size
         flat = blocks.reshape(-1, type_size)
         out = torch.empty(flat.shape[0], QK_K, dtype=torch.float32, device=blocks.device)
-        global USE_TRITON
-        if fn is _iq3_s and blocks.is_cuda and USE_TRITON:
+        if fn is _iq3_s and blocks.is_cuda and triton is not None and (state is None or state.iq3s):
             try:
                 _iq3_s_triton(flat, out)
                 return out.reshape(*lead, k * QK_K)
             except Exception as e:  # a Triton that cannot build the kernel: the torch path still works
                 log.warning("IQ3_S Triton kernel failed (%s: %s); using the torch path", type(e).__name__, e)
-                USE_TRITON = False
+                if state is not None:  # this holder's later calls take the torch path at once
+                    state.iq3s = False
         t = _tables(blocks.device)
         step = BATCH_BLOCKS * (CUDA_BATCH_FACTOR if blocks.is_cuda else 1)
         for i in range(0, flat.shape[0], step):
@@ -278,7 +282,8 @@ def _dequantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         return out.reshape(*lead, k * QK_K)
 
     dequant.__name__ = dequant.__qualname__ = f"dequant_{name.lower()}"
-    dequant.__doc__ = f"{name} blocks uint8 (..., k*{type_size}) -> float32 (..., k*{QK_K}) on the same device."
+    dequant.__doc__ = (f"{name} blocks uint8 (..., k*{type_size}) -> float32 (..., k*{QK_K}) on the same device "
+                       "(state: the caller's TritonState, where IQ3_S's kernel falls back).")
     return dequant
 
 
