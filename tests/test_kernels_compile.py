@@ -42,15 +42,16 @@ WORDS_SIG = {"x_ptr": "*bf16", "xq_ptr": "*i32", "xs_ptr": "*fp32", **{k: v for 
 WORD_CASES = [(1, False), (4, False), (1, True)]
 
 
-@pytest.mark.parametrize("five", [False, True])
+@pytest.mark.parametrize("five,tail", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dp4a", [False, True])
 @pytest.mark.parametrize("m,experts", WORD_CASES)
-def test_k45_words_kernel_compiles_for_sm90(five, dp4a, m, experts):
+def test_k45_words_kernel_compiles_for_sm90(five, tail, dp4a, m, experts):
     """Q4_K / Q5_K read in int32 words (kernels.gemv_kquant: words, float x; dp4a, int8 x and PTX dp4a), also in
-    the experts mode (the expert ids read on the device)."""
+    the experts mode (the expert ids read on the device), and with a weighed-0 tail (an odd block count a row)."""
     from strata.quant import gemv
-    code = ptx(gemv._k45_words_gemv, {**WORDS_SIG, "FIVE": "constexpr"},
-               {"M": m, "BLOCK_N": 8, "SB": 2, "FIVE": five, "DP4A": dp4a, "PTX": True, "EXPERTS": experts})
+    code = ptx(gemv._k45_words_gemv, {**WORDS_SIG, "FIVE": "constexpr", "TAIL": "constexpr"},
+               {"M": m, "BLOCK_N": 8, "SB": 2, "FIVE": five, "DP4A": dp4a, "PTX": True, "EXPERTS": experts,
+                "TAIL": tail})
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
 
 
