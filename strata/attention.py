@@ -116,7 +116,13 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, 
         lse = torch.logaddexp(lse_p.float(), lse_s.float())
         out = out_p.float() * torch.exp(lse_p - lse).unsqueeze(-1) + out_s.float() * torch.exp(lse_s - lse).unsqueeze(-1)
     lse = lse.float().view(1, q.shape[1], q.shape[2])
-    return (out.float() * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1)).to(q.dtype)
+    return _sink_scaled(out, lse, sinks, q.dtype)
+
+
+def _sink_scaled(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Attention rows out (.., nh, T, hd) with gpt-oss's sinks (nh,) in their softmax's denominator: each row scaled
+    by sigmoid(lse - sink), lse (.., nh, T) their log-sum-exp; float32 inside, rounded once to dtype."""
+    return (out.float() * torch.sigmoid(lse.float() - sinks.float()[:, None]).unsqueeze(-1)).to(dtype)
 
 
 def _with_lse(q, k, v, causal: bool, scale=None):
@@ -189,7 +195,7 @@ def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                              scale=scale)
             continue
         y, lse = _masked_with_lse(q[:, :, a:b], ks, vs, band, scale)
-        out[:, :, a:b] = (y.float() * torch.sigmoid(lse.float() - sinks.float()[:, None])[None, :, :, None]).to(q.dtype)
+        out[:, :, a:b] = _sink_scaled(y, lse, sinks, q.dtype)
     return out
 
 
@@ -317,7 +323,7 @@ def flex_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     else:
         out, lse = fn(qp, keys, vals, return_lse=True, **kw)
     out, lse = out[:, :, :T], lse[:, :, :T]
-    return (out.float() * torch.sigmoid(lse.float() - sinks.float()[None, :, None]).unsqueeze(-1)).to(q.dtype)
+    return _sink_scaled(out, lse, sinks, q.dtype)
 
 
 def _window_rows(cache: torch.Tensor, dtype: torch.dtype, pos: int, T: int, window: int, n: int,
