@@ -280,11 +280,17 @@ class DecodeGraphs:
         """The final norm and head of one row; a dense head by strata.decode_gemv like the layers' products."""
         m = self.m
         w = m.head.weight
-        if not self.fused or isinstance(w, Packed) or m.decode_weights is not None or m.norm.upcast:
+        if not self.fused or m.decode_weights is not None or not self._fusable(m.norm, h):
             return m.logits(h, decode=True)  # (its final softcap included)
-        from strata.decode_gemv import matvec
         from strata.decode_kernels import rms_norm
-        out = matvec(rms_norm(h, m.norm.weight, m.norm.eps), w, mode=self.kernels.decode_gemv).float()
+        if isinstance(w, Packed):  # on its blocks, with x's int8 rounding from the norm's launch where it reads that
+            if not m.head.int8_x(h.device):
+                return m.logits(h, decode=True)
+            x, xq = rms_norm(h, m.norm.weight, m.norm.eps, int8=True)
+            out = m.head(x.view(1, -1), xq=xq)[0]
+        else:
+            from strata.decode_gemv import matvec
+            out = matvec(rms_norm(h, m.norm.weight, m.norm.eps), w, mode=self.kernels.decode_gemv).float()
         c = m.args.final_softcap
         return out if c is None else torch.tanh(out / c) * c
 
@@ -296,9 +302,14 @@ class DecodeGraphs:
         nh, nkv, hd = a.nh, a.nkv, a.hd
         r = blk.weights  # resident: the fused kernels read the blocks (graphable checked they can)
         mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
-        h, x = self._add_norm(h, pend, blk.attn_norm)
-        qkv = mm.qkv(x).view(1, nh + 2 * nkv, hd)
-        if a.q_norm is not None:  # qwen3, gemma3: each head's q and k normed before RoPE
+        int8 = self._int8_inputs(r)
+        h, x, xq = self._add_norm(h, pend, blk.attn_norm, int8["qkv"])
+        qkv = mm.qkv(x, **xq).view(1, nh + 2 * nkv, hd)
+        # qwen3, gemma3: each head's q and k normed before RoPE (inside rope_store's launch where it can)
+        qk_norm = None
+        if a.q_norm is not None and self.fused and self._fusable(a.q_norm, qkv) and self._fusable(a.k_norm, qkv):
+            qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+        elif a.q_norm is not None:
             qkv = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv]), qkv[:, nh + nkv:]), 1)
         if a.window is not None:
             row, kc, vc = ring_pos[a.k_cache.shape[2]], a.k_cache[0], a.v_cache[0]
@@ -308,9 +319,9 @@ class DecodeGraphs:
             att, win = (self._attention(b) if self.use_split_k else None), 0
         if self.fused:  # one launch: q rotated, k rotated and v written at pos
             from strata.decode_kernels import rope_store
-            q = rope_store(qkv[0], cos.view(hd), sin.view(hd), row, nh, nkv, a.k_cache[0], a.v_cache[0])
+            q = rope_store(qkv[0], cos.view(hd), sin.view(hd), row, nh, nkv, a.k_cache[0], a.v_cache[0], qk_norm)
             y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks)
-            return self._rest(blk, mm, h, y)
+            return self._rest(blk, mm, h, y, int8)
         qk = rope_rows(qkv[:, :nh + nkv], cos, sin)
         _store_row(a.k_cache, row, qk[:, nh:].transpose(0, 1).unsqueeze(0))
         _store_row(a.v_cache, row, qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0))
@@ -322,7 +333,7 @@ class DecodeGraphs:
                 keys, vals = from_cache(keys, qk.dtype, a.triton_state), from_cache(vals, qk.dtype, a.triton_state)
             q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=a.scale)
-        return self._rest(blk, mm, h, y)
+        return self._rest(blk, mm, h, y, int8)
 
     def _dense(self, w) -> Products:
         """A dense layer's products: with the fused kernels, strata.decode_gemv's (Triton or cuBLAS, whichever
@@ -334,42 +345,57 @@ class DecodeGraphs:
         return Products(p(matvec, w=w.wqkv, b=w.bqkv, mode=mode), p(matvec, w=w.wo, b=w.bo, mode=mode),
                         p(matvec, w=w.w13, mode=mode), p(matvec, w=w.w2, mode=mode))
 
-    def _rest(self, blk: Block, mm: Products, h, y) -> tuple[torch.Tensor, torch.Tensor]:
+    def _int8_inputs(self, r) -> dict[str, bool]:
+        """Per product of the layer (qkv, wo, w13, w2): whether its kernel reads x rounded to int8, so the kernel
+        before it writes that rounding too (only a resident layer's dp4a products read it; fused steps only)."""
+        want = self.fused and isinstance(r, ResidentMatrices)
+        return {p: want and r.int8_x(p) for p in ("qkv", "wo", "w13", "w2")}
+
+    def _rest(self, blk: Block, mm: Products, h, y, int8: dict[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention: o-projection, residual, MLP (its product left for the next norm to add)."""
         o = mm.wo(y.reshape(1, 1, -1))
         if blk.attn_post_norm is not None:  # gemma3: the output normed before its residual add
             o = self._norm(o, blk.attn_post_norm)
-        h, x = self._add_norm(h, o, blk.mlp_norm)
+        h, x, xq = self._add_norm(h, o, blk.mlp_norm, int8["w13"] and not blk.moe)
         if blk.moe:  # routing and the chosen experts' products, all on the device (strata.moe's few-rows path)
             p = blk.mlp(x.view(1, -1)).view(x.shape)
             return h, (p if blk.mlp_post_norm is None else self._norm(p, blk.mlp_post_norm))
-        g, up = mm.w13(x).split(blk.mlp.ffn, dim=-1)
-        z = None
-        if self.fused and blk.mlp.activation == "silu":
-            from strata.kernels import silu_mul
-            z = silu_mul(g, up, blk.mlp.triton_state)  # one launch instead of two, rounded once (None: torch's)
-        if z is None:
-            z = F.silu(g) * up if blk.mlp.activation == "silu" else gate(g, up, blk.mlp.activation)
-        p = mm.w2(z)
+        g, up = mm.w13(x, **xq).split(blk.mlp.ffn, dim=-1)
+        zq = {}
+        if self.fused:  # one launch instead of two, rounded once, and x's int8 rounding for w2 if it reads that
+            from strata.decode_kernels import act_mul
+            z = act_mul(g, up, blk.mlp.activation, int8["w2"])
+            if int8["w2"]:
+                z, zq = z[0], {"xq": z[1]}
+        else:
+            z = gate(g, up, blk.mlp.activation, fused=False)
+        p = mm.w2(z, **zq)
         return h, (p if blk.mlp_post_norm is None else self._norm(p, blk.mlp_post_norm))
 
+    @staticmethod
+    def _fusable(norm: RMSNorm, x: torch.Tensor) -> bool:
+        """Whether strata.decode_kernels' norms compute `norm` on x: rounded once from float32, as torch's fused
+        rms_norm with the weight in x's dtype, or gemma's float32 (1 + w) on x widened (RMSNorm.forward)."""
+        return x.dtype in (torch.bfloat16, torch.float16, torch.float32) and (
+            norm.weight.dtype == x.dtype or (norm.upcast and norm.weight.dtype == torch.float32))
+
     def _norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        if self.fused and not norm.upcast and x.dtype == norm.weight.dtype and x.is_contiguous():
+        if self.fused and self._fusable(norm, x) and x.is_contiguous():
             from strata.decode_kernels import rms_norm
             return rms_norm(x, norm.weight, norm.eps)
         return norm.rows(x)
 
-    def _add_norm(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + y, norm(h + y)); y None: (h, norm(h))."""
-        if norm.upcast:  # gemma's float32 (1 + w): the torch formula
-            h = h if y is None else h + y
-            return h, norm.rows(h)
-        if self.fused:
+    def _add_norm(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm,
+                  int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(h + y, norm(h + y), {} or {"xq": quantize_x's rounding of the normed row} with int8); y None: h."""
+        if self.fused and self._fusable(norm, h) and h.is_contiguous():
             from strata.decode_kernels import add_rms_norm, rms_norm
             if y is None:
-                return h, rms_norm(h, norm.weight, norm.eps)
-            if y.dtype == h.dtype and y.is_contiguous() and h.is_contiguous():
-                return add_rms_norm(h, y, norm.weight, norm.eps)
+                out = rms_norm(h, norm.weight, norm.eps, int8)
+                return (h, out[0], {"xq": out[1]}) if int8 else (h, out, {})
+            if y.dtype == h.dtype and y.is_contiguous():
+                out = add_rms_norm(h, y, norm.weight, norm.eps, int8)
+                return (out[0], out[1], {"xq": out[2]}) if int8 else (out[0], out[1], {})
         if y is not None:
             h = h + y
-        return h, F.rms_norm(h, (h.shape[-1],), norm.weight, norm.eps)
+        return h, norm.rows(h), {}

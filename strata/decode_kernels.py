@@ -1,9 +1,11 @@
-"""Triton kernels of the CUDA-graph decode step besides attention and products: RMSNorm of one row, RoPE with the
-cache write, and the head's argmax.
+"""Triton kernels of the CUDA-graph decode step besides attention and products: RMSNorm of one row, the gated
+activation, RoPE with the q/k norms and the cache write, and the head's argmax.
 
 A graph step is ~15 kernels a layer on one token; each small one costs a few microseconds of launch-bound
 latency. One RMSNorm program replaces torch's row-norm kernel, and with the residual add before it, the add's
-kernel too; one RoPE-and-store launch replaces the rotation's three kernels and the two cache writes. Positions are read on the device (graph replays move them).
+kernel too; one RoPE-and-store launch replaces the q/k norms, the rotation's three kernels and the two cache
+writes; the norms and the gated activation also write the int8 rounding of x that a dp4a product after them reads
+(`strata.quant.gemv.quantize_x`'s bytes). Positions are read on the device (graph replays move them).
 Same arithmetic as the eager path's torch ops: rotations rounded as `x * cos` then `+ roll(x) * signed_sin`.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from strata.quant.gemv import int8_groups_store
 except ImportError:
     triton = None
 
@@ -23,26 +26,62 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _rms_norm(x_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        live = i < n
-        x = tl.load(x_ptr + i, mask=live, other=0.0).to(tl.float32)
+    def _norm_out(x, g, t, live, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, INT8: tl.constexpr):
+        # x (BLOCK / 32, 32) float32 at offsets 32 g + t: x * rstd * w rounded once to out's dtype (torch's fused
+        # rms_norm; gemma's float32 (1 + w) too: its weight is loaded as it is held), and with INT8 that rounded
+        # row's int8 groups for the dp4a product after it (quantize_x's bytes, without its launch)
+        i = g * 32 + t
         w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
-        tl.store(out_ptr + i, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=live)
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, 1), 0) / n + eps)
+        y = (x * rstd * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + i, y, mask=live)
+        if INT8:
+            int8_groups_store(y.to(tl.float32), g, t, live, q_ptr, s_ptr, n // 32)
 
     @triton.jit
-    def _add_rms_norm(h_ptr, y_ptr, w_ptr, hout_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
+    def _rms_norm(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, BLOCK: tl.constexpr, INT8: tl.constexpr):
+        g, t = tl.arange(0, BLOCK // 32)[:, None], tl.arange(0, 32)[None, :]
+        live = g * 32 + t < n
+        x = tl.load(x_ptr + g * 32 + t, mask=live, other=0.0).to(tl.float32)
+        _norm_out(x, g, t, live, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, INT8)
+
+    @triton.jit
+    def _add_rms_norm(h_ptr, y_ptr, w_ptr, hout_ptr, out_ptr, q_ptr, s_ptr, n, eps, BLOCK: tl.constexpr,
+                      INT8: tl.constexpr):
+        g, t = tl.arange(0, BLOCK // 32)[:, None], tl.arange(0, 32)[None, :]
+        i = g * 32 + t
         live = i < n
         h = tl.load(h_ptr + i, mask=live, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + i, mask=live, other=0.0).to(tl.float32)
         s = (h + y).to(hout_ptr.dtype.element_ty)  # the residual rounded as torch's h + y rounds it
         tl.store(hout_ptr + i, s, mask=live)
-        x = s.to(tl.float32)
-        w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
-        tl.store(out_ptr + i, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=live)
+        _norm_out(s.to(tl.float32), g, t, live, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, INT8)
+
+    @triton.jit
+    def _act(a, ACT: tl.constexpr):
+        # float32 a -> silu(a) (ACT 0) or the tanh-approximated GELU (ACT 1, torch's formula; tanh(z) as
+        # 1 - 2 / (exp(2z) + 1), which the interpreter also runs, saturating to +-1)
+        if ACT == 0:
+            return a / (1.0 + tl.exp(-a))
+        else:
+            z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+            return 0.5 * a * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+
+    @triton.jit
+    def _act_mul(g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                 INT8: tl.constexpr):
+        # act(gate) * up of one row, float32 inside and rounded once, BLOCK values a program; with INT8 the
+        # rounded values' int8 groups too (n a multiple of 32)
+        g = tl.program_id(0) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)[:, None]
+        t = tl.arange(0, 32)[None, :]
+        i = g * 32 + t
+        live = i < n
+        a = tl.load(g_ptr + i, mask=live, other=0.0).to(tl.float32)
+        b = tl.load(u_ptr + i, mask=live, other=0.0).to(tl.float32)
+        y = (_act(a, ACT) * b).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + i, y, mask=live)
+        if INT8:
+            int8_groups_store(y.to(tl.float32), g, t, live, q_ptr, s_ptr, n // 32)
 
     @triton.jit
     def _argmax_blocks(x_ptr, n, vals_ptr, idx_ptr, BLOCK: tl.constexpr):
@@ -80,16 +119,30 @@ if triton is not None:
         tl.store(sptr + (off + NB * COLS) // 2 + b, d.to(tl.float16))
 
     @triton.jit
-    def _rope_store(qkv_ptr, cos_ptr, ssin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, skh, sks, svh, svs,
-                    NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, COLS: tl.constexpr, Q8: tl.constexpr):
+    def _rope_store(qkv_ptr, cos_ptr, ssin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, eps,
+                    skh, sks, svh, svs, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, COLS: tl.constexpr,
+                    Q8: tl.constexpr, QK_NORM: tl.constexpr):
         # a head's HD values as (HD / COLS, COLS): COLS = HD, or 32 with Q8 (a q8_0 cache: kc_ptr / vc_ptr its bytes
-        # as int8, ks_ptr / vs_ptr as float16, strides in bytes; each row of the tile one block)
+        # as int8, ks_ptr / vs_ptr as float16, strides in bytes; each row of the tile one block). QK_NORM: q and k
+        # heads are first RMS-normed over their HD values with qw_ptr / kw_ptr (rounded once, as _norm_out)
         h = tl.program_id(0)
         d = tl.arange(0, HD // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
         pos = tl.load(pos_ptr)
         x = tl.load(qkv_ptr + h * HD + d)
         if h < NH + NKV:  # q or k: rotate (rotate-half as a roll by HD/2 times the signed sin)
-            xr = tl.load(qkv_ptr + h * HD + (d + HD // 2) % HD).to(tl.float32)
+            dr = (d + HD // 2) % HD
+            xr = tl.load(qkv_ptr + h * HD + dr).to(tl.float32)
+            if QK_NORM:  # the partner value xr is the same head's: one rstd for both
+                xf = x.to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, 1), 0) / HD + eps)
+                if h < NH:
+                    w = tl.load(qw_ptr + d).to(tl.float32)
+                    wr = tl.load(qw_ptr + dr).to(tl.float32)
+                else:
+                    w = tl.load(kw_ptr + d).to(tl.float32)
+                    wr = tl.load(kw_ptr + dr).to(tl.float32)
+                x = (xf * rstd * w).to(x.dtype)
+                xr = (xr * rstd * wr).to(x.dtype).to(tl.float32)
             c = tl.load(cos_ptr + d).to(tl.float32)
             s = tl.load(ssin_ptr + d).to(tl.float32)
             a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)  # x * cos, rounded as torch rounds it
@@ -123,30 +176,67 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """One row x (..., n) with n = x.numel(): x * rsqrt(mean(x^2) + eps) * weight, float32 inside."""
+def _int8_out(x: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_x's (q, s) buffers for one row of x (int8: the kernel fills them), else placeholders it ignores."""
+    n = x.numel()
+    if not int8:
+        return x, x
+    if n % 32:
+        raise ValueError(f"an int8 row takes a multiple of 32 values, got {n}")
+    return (torch.empty((1, n), dtype=torch.int8, device=x.device),
+            torch.empty((1, n // 32), dtype=torch.float32, device=x.device))
+
+
+def _row_block(n: int) -> int:
+    return max(32, triton.next_power_of_2(n))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False):
+    """One row x (..., n) with n = x.numel(): x * rsqrt(mean(x^2) + eps) * weight, float32 inside, rounded once
+    (weight in x's dtype, or gemma's float32 (1 + w)). int8: (out, (q, s)), the second quantize_x's of out."""
     n = x.numel()
     out = torch.empty_like(x)
-    _rms_norm[(1,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
-    return out
+    q, s = _int8_out(x, int8)
+    _rms_norm[(1,)](x, weight, out, q, s, n, eps, BLOCK=_row_block(n), INT8=int8)
+    return (out, (q, s)) if int8 else out
 
 
-def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False):
     """The residual add and the next norm of one row in one launch: (h + y, rms_norm(h + y) * weight), the sum
-    rounded to h's dtype first (what `h = h + y` then a norm compute)."""
+    rounded to h's dtype first (what `h = h + y` then a norm compute). int8: a third item, quantize_x's (q, s) of
+    the normed row."""
     n = h.numel()
     if y.numel() != n or not (h.is_contiguous() and y.is_contiguous()):
         raise ValueError("add_rms_norm wants two contiguous rows of one length")
     h_out, out = torch.empty_like(h), torch.empty_like(h)
-    _add_rms_norm[(1,)](h, y, weight, h_out, out, n, eps, BLOCK=triton.next_power_of_2(n))
-    return h_out, out
+    q, s = _int8_out(h, int8)
+    _add_rms_norm[(1,)](h, y, weight, h_out, out, q, s, n, eps, BLOCK=_row_block(n), INT8=int8)
+    return (h_out, out, (q, s)) if int8 else (h_out, out)
+
+
+ACT_COLS = 1024  # values of the gated row a program takes
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str, int8: bool = False):
+    """act(gate) * up of one row (any shapes of n values, last dims contiguous), float32 inside, rounded once:
+    SwiGLU's or GeGLU's one launch instead of two. int8: (out, quantize_x's (q, s) of out)."""
+    n = gate.numel()
+    if up.numel() != n or gate.stride(-1) != 1 or up.stride(-1) != 1 or activation not in ACTIVATIONS:
+        raise ValueError(f"act_mul wants two rows of one length, last dims contiguous, and one of {list(ACTIVATIONS)}")
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    q, s = _int8_out(out, int8)
+    _act_mul[(triton.cdiv(n, ACT_COLS),)](gate, up, out, q, s, n, ACT=ACTIVATIONS[activation], BLOCK=ACT_COLS,
+                                         INT8=int8)
+    return (out, (q, s)) if int8 else out
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, pos: torch.Tensor, nh: int, nkv: int,
-               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, qk_norm: tuple | None = None) -> torch.Tensor:
     """qkv (nh + 2 nkv, hd) of one token -> rotated q (nh, hd); rotated k and v written at cache position pos
     (a device tensor). k_cache, v_cache: (nkv, S, hd) views, last dim contiguous (a q8_0 cache: uint8 rows of
-    hd * 17 / 16 bytes, written as strata.attention.to_q8_0 writes them). cos, ssin: (hd,)."""
+    hd * 17 / 16 bytes, written as strata.attention.to_q8_0 writes them). cos, ssin: (hd,). qk_norm (q weight,
+    k weight, eps): each q and k head RMS-normed first (qwen3, gemma3), rounded once as rms_norm rounds."""
     hd = qkv.shape[-1]
     if not qkv.is_contiguous() or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("rope_store wants a contiguous qkv row and caches with a contiguous last dim")
@@ -156,7 +246,8 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, pos: to
     if q8:
         kc, vc, ks, vs = (k_cache.view(torch.int8), v_cache.view(torch.int8), k_cache.view(torch.float16),
                           v_cache.view(torch.float16))
-    _rope_store[(nh + 2 * nkv,)](qkv, cos, ssin, pos, q, kc, vc, ks, vs, k_cache.stride(0), k_cache.stride(1),
-                                 v_cache.stride(0), v_cache.stride(1), NH=nh, NKV=nkv, HD=hd,
-                                 COLS=32 if q8 else hd, Q8=q8)
+    qw, kw, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)
+    _rope_store[(nh + 2 * nkv,)](qkv, cos, ssin, pos, q, kc, vc, ks, vs, qw, kw, eps, k_cache.stride(0),
+                                 k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), NH=nh, NKV=nkv, HD=hd,
+                                 COLS=32 if q8 else hd, Q8=q8, QK_NORM=qk_norm is not None)
     return q

@@ -228,6 +228,9 @@ class LazyMats:
     w2 = property(lambda self: self._r.fetch(("w_down",)))
 
 
+PRODUCTS = {"qkv": ("wq", "wk", "wv"), "wo": ("wo",), "w13": ("w_gate", "w_up"), "w2": ("w_down",)}  # Products' parts
+
+
 class ResidentMatrices(nn.Module):
     """A layer's matrices as stored; `get` gives them as LazyMats, each group dequantized into the shared scratch
     when it is read."""
@@ -265,16 +268,24 @@ class ResidentMatrices(nn.Module):
 
     def products(self) -> Products:
         """The layer's four products computed on the blocks (fused_decode_ok must hold): no scratch."""
-        return Products(functools.partial(self._matmul, ("wq", "wk", "wv"), bias=self.bqkv),
-                        functools.partial(self._matmul, ("wo",), bias=self.bo),
-                        functools.partial(self._matmul, ("w_gate", "w_up")),
-                        functools.partial(self._matmul, ("w_down",)))
+        return Products(functools.partial(self._matmul, PRODUCTS["qkv"], bias=self.bqkv),
+                        functools.partial(self._matmul, PRODUCTS["wo"], bias=self.bo),
+                        functools.partial(self._matmul, PRODUCTS["w13"]),
+                        functools.partial(self._matmul, PRODUCTS["w2"]))
 
-    def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def int8_x(self, product: str) -> bool:
+        """Whether `products`' `product` (qkv, wo, w13, w2) reads x rounded to int8; then it takes the rounding
+        as xq, where a kernel before it wrote it."""
+        from .quant.gemv import wants_int8_x
+        names = PRODUCTS[product]
+        return names[0] in self.parts and wants_int8_x([self.parts[n].qtype for n in names], self.kernels)
+
+    def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None,
+                xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         from .quant.gemv import quant_matmul_parts
         parts = [self.parts[n] for n in names]
         y = quant_matmul_parts(x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts], parts[0].cols,
-                               kernels=self.kernels)
+                               kernels=self.kernels, xq=xq)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
@@ -372,13 +383,20 @@ class Head(nn.Module):
         self.rows, self.scratch = rows, scratch
         self.kernels = kernels  # strata.quant.gemv.GemvKernels of a resident head's decode rows (None: the defaults)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def int8_x(self, device) -> bool:
+        """Whether a decode row's product reads x rounded to int8 (then forward takes the rounding as xq)."""
+        from .quant.gemv import wants_int8_x
+        w = self.weight
+        return isinstance(w, Packed) and fused_ok(w, device) and wants_int8_x([w.qtype], self.kernels)
+
+    def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         w = self.weight
         vocab = w.n_rows if isinstance(w, Packed) else w.shape[0]
         out = torch.empty(*x.shape[:-1], vocab, device=x.device, dtype=torch.float32)
         if isinstance(w, Packed) and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T and fused_ok(w, x.device):
             from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
-            quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab), kernels=self.kernels)
+            quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab), kernels=self.kernels,
+                         xq=xq)
             return out
         for s in range(0, vocab, self.rows):
             e = min(vocab, s + self.rows)

@@ -254,6 +254,14 @@ ref = rope_rows(qkv[None, :nh + nkv], cos.view(1, 1, hd), ssin.view(1, 1, hd))[0
 assert torch.allclose(q, ref[:nh], rtol=1e-6, atol=1e-6)
 assert torch.allclose(kc[:, pos], ref[nh:], rtol=1e-6, atol=1e-6) and torch.equal(vc[:, pos], qkv[nh + nkv:])
 assert torch.isnan(kc[:, :pos]).all() and torch.isnan(vc[:, pos + 1:]).all()  # nothing else written
+qw, kw = torch.randn(hd, generator=g), torch.randn(hd, generator=g)  # q/k norms in the launch (qwen3, gemma3)
+kc2, vc2 = torch.full((nkv, S, hd), float("nan")), torch.full((nkv, S, hd), float("nan"))
+q2 = rope_store(qkv, cos, ssin, torch.tensor([pos]), nh, nkv, kc2, vc2, (qw, kw, 1e-6))
+normed = torch.cat((F.rms_norm(qkv[:nh], (hd,), qw, 1e-6), F.rms_norm(qkv[nh:nh + nkv], (hd,), kw, 1e-6)))
+ref2 = rope_rows(normed[None], cos.view(1, 1, hd), ssin.view(1, 1, hd))[0]
+assert torch.allclose(q2, ref2[:nh], rtol=1e-5, atol=1e-5)
+assert torch.allclose(kc2[:, pos], ref2[nh:], rtol=1e-5, atol=1e-5)
+assert torch.equal(vc2[:, pos], qkv[nh + nkv:]) and not torch.allclose(q2, q, atol=1e-2)
 x, w = torch.randn(1, 1, 300, generator=g), torch.randn(300, generator=g)
 y = rms_norm(x, w, 1e-5)
 assert torch.allclose(y, F.rms_norm(x, (300,), w, 1e-5), rtol=1e-5, atol=1e-6)
@@ -261,6 +269,26 @@ d, x0 = torch.randn(1, 1, 300, generator=g), x.clone()
 h2, y2 = add_rms_norm(x, d, w, 1e-5)
 assert torch.equal(h2, x0 + d) and torch.allclose(y2, F.rms_norm(x0 + d, (300,), w, 1e-5), rtol=1e-5, atol=1e-6)
 assert torch.equal(x, x0)  # a new residual, the old one untouched
+from strata.decode_kernels import act_mul
+from strata.quant.gemv import quantize_x
+x, d, w = torch.randn(1, 1, 320, generator=g), torch.randn(1, 1, 320, generator=g), torch.randn(320, generator=g)
+x[..., 32:64] = 0  # an all-zero group: q 0, scale 0
+y, (q, s) = rms_norm(x, w, 1e-5, int8=True)  # the normed row and its int8 rounding in one launch
+assert torch.equal(y, rms_norm(x, w, 1e-5))
+q0, s0 = quantize_x(y.view(1, -1))
+assert torch.equal(q, q0) and torch.equal(s, s0) and (s[0, 1] == 0).all()
+h3, y3, (q3, s3) = add_rms_norm(x, d, w, 1e-5, int8=True)
+assert torch.equal(h3, x + d) and torch.equal(y3, add_rms_norm(x, d, w, 1e-5)[1])
+q0, s0 = quantize_x(y3.view(1, -1))
+assert torch.equal(q3, q0) and torch.equal(s3, s0)
+gt, up = torch.randn(1, 1, 2 * 1100, generator=g).split(1100, -1)  # views of one row, as the w13 product's halves
+gt = gt * 4
+for act, ref in (("silu", F.silu(gt) * up), ("gelu_tanh", F.gelu(gt, approximate="tanh") * up)):
+    z = act_mul(gt, up, act)
+    assert z.shape == gt.shape and torch.allclose(z, ref, rtol=1e-5, atol=1e-6), act
+    z2, (q, s) = act_mul(gt[..., :1088], up[..., :1088], act, int8=True)
+    q0, s0 = quantize_x(z2.view(1, -1))
+    assert torch.equal(z2, z[..., :1088]) and torch.equal(q, q0) and torch.equal(s, s0), act
 from strata.decode_kernels import ARGMAX_BLOCK, argmax
 for n in (5, ARGMAX_BLOCK, 3 * ARGMAX_BLOCK + 17):
     r = torch.randn(n, generator=g)
@@ -274,8 +302,9 @@ print("ok")
 
 @needs_triton
 def test_decode_kernels_interpreted_match_torch():
-    """rope_store (q rotated; k rotated and v written at pos, nothing else), the one-row RMSNorm, the
-    residual add fused with it, and the two-pass argmax (ties go to the first index)."""
+    """rope_store (q rotated; k rotated and v written at pos, nothing else; with the q/k norms in its launch),
+    the one-row RMSNorm, the residual add fused with it, each with x's int8 rounding (quantize_x's bytes), the
+    gated activations (SwiGLU, GeGLU), and the two-pass argmax (ties go to the first index)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", KERNELS, str(ROOT)], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
@@ -328,3 +357,48 @@ def test_decode_gemv_cuda_8b_shapes(monkeypatch, mode):
         ref = x.double().reshape(k) @ w.double().T
         assert y.shape == (1, 1, n) and float((y.double().reshape(n) - ref).norm() / ref.norm()) < 1e-2
         assert (decode_gemv._choice[(n, k, mode)] is not None) == (mode == "auto")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("upcast", [False, True])
+def test_decode_norms_int8_cuda_32b_shapes(upcast):
+    """On CUDA at Qwen3-32B / Gemma-3-27B widths, bfloat16: the norms' and gated activation's int8 rounding equals
+    quantize_x's of their output bit for bit (the same helper, compiled into another kernel), the norm's output is
+    within one bfloat16 step of torch's (gemma's float32 (1 + w) too), GeGLU within one step of torch's two ops, and
+    rope_store's q/k norms match torch's norms then rotation."""
+    import torch.nn.functional as F
+    from strata.attention import _signed_sin, rope_rows
+    from strata.decode_kernels import act_mul, add_rms_norm, rms_norm, rope_store
+    from strata.quant.gemv import quantize_x
+    g = torch.Generator(device="cuda").manual_seed(4)
+    bf = torch.bfloat16
+    for n in (5120, 5376):
+        h, y = (torch.randn(1, 1, n, generator=g, device="cuda", dtype=bf) for _ in range(2))
+        w = torch.randn(n, generator=g, device="cuda", dtype=torch.float32 if upcast else bf)
+        h2, x, (q, s) = add_rms_norm(h, y, w, 1e-6, int8=True)
+        ref = F.rms_norm((h + y).float(), (n,), w.float(), 1e-6).to(bf)
+        assert torch.equal(h2, h + y) and ((x.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7).all()
+        q0, s0 = quantize_x(x.view(1, -1))
+        assert torch.equal(q, q0) and torch.equal(s, s0)
+        x1, (q, s) = rms_norm(h, w, 1e-6, int8=True)
+        q0, s0 = quantize_x(x1.view(1, -1))
+        assert torch.equal(q, q0) and torch.equal(s, s0)
+        gt, up = (3 * torch.randn(1, 1, 2 * 5 * n, generator=g, device="cuda", dtype=bf)).split(5 * n, -1)
+        for act, want in (("silu", F.silu(gt.float()) * up.float()),
+                          ("gelu_tanh", F.gelu(gt.float(), approximate="tanh") * up.float())):
+            z, (q, s) = act_mul(gt, up, act, int8=True)
+            assert ((z.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), act
+            q0, s0 = quantize_x(z.view(1, -1))
+            assert torch.equal(q, q0) and torch.equal(s, s0), act
+    nh, nkv, hd, S, pos = 64, 8, 128, 64, 37
+    qkv = torch.randn(nh + 2 * nkv, hd, generator=g, device="cuda", dtype=bf)
+    qw, kw = (torch.randn(hd, generator=g, device="cuda", dtype=torch.float32 if upcast else bf) for _ in range(2))
+    ang = torch.randn(hd // 2, generator=g, device="cuda")
+    cos, sin = torch.cat((ang, ang)).cos().to(bf), _signed_sin(torch.cat((ang, ang)).sin()).to(bf)
+    kc, vc = (torch.zeros(nkv, S, hd, device="cuda", dtype=bf) for _ in range(2))
+    qr = rope_store(qkv, cos, sin, torch.tensor([pos], device="cuda"), nh, nkv, kc, vc, (qw, kw, 1e-6))
+    normed = torch.cat((F.rms_norm(qkv[:nh].float(), (hd,), qw.float(), 1e-6),
+                        F.rms_norm(qkv[nh:nh + nkv].float(), (hd,), kw.float(), 1e-6))).to(bf)
+    ref = rope_rows(normed[None], cos.view(1, 1, hd), sin.view(1, 1, hd))[0]
+    assert rel(qr, ref[:nh]) < 1e-2 and rel(kc[:, pos], ref[nh:]) < 1e-2 and torch.equal(vc[:, pos], qkv[nh + nkv:])

@@ -333,6 +333,44 @@ def check_model_decode_fused_q4_k_m():
         gemv.quant_matmul_parts = real
 
 
+def check_graph_body_int8_x():
+    """The decode graphs' step body on a Q4_K_M resident model with dp4a products: the norms and the gated
+    activation write x's int8 rounding for the product after them, so x is rounded by a launch of its own only for
+    wo (one quantize_x a layer, not four), and the step equals the eager decode path, which rounds x in quantize_x
+    for every product (the same rounding: the residuals to 1e-6)."""
+    from strata.args import ModelArgs
+    from strata.config import KernelSpec
+    from strata.decode_graphs import DecodeGraphs
+    from strata.quant import gemv
+    args = ModelArgs(vocab_size=40, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256,
+                     max_seq_len=64)
+    eager, body = _resident_and_dense(args, "Q4_K_M")[0], _resident_and_dense(args, "Q4_K_M")[0]
+    for m in (eager, body):
+        m.set_kernels(KernelSpec(gemv_q6k="dp4a", gemv_kquant="dp4a"))
+    dg = DecodeGraphs(body)
+    assert dg.fused and all(dg._int8_inputs(b.weights) == {"qkv": True, "wo": True, "w13": True, "w2": True}
+                            for b in body.layers.values())
+    ids = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(eager(ids[:, :8], 0), body(ids[:, :8], 0))
+    rounded = []
+    real = gemv.quantize_x
+    gemv.quantize_x = lambda *a, **k: rounded.append(1) or real(*a, **k)
+    try:
+        with torch.inference_mode():
+            for p in (8,):
+                a = eager(ids[:, p:p + 1], p)
+                n = len(rounded)
+                dg.ids.copy_(ids[:, p:p + 1].reshape(-1))
+                dg.pos.fill_(p)
+                h, logits, _ = dg._body(dg.bucket(p))
+                assert len(rounded) == n + args.n_layers, len(rounded) - n  # wo's x (attention's output) only
+                assert rel(h, a) < 1e-6, (p, rel(h, a))
+                assert rel(logits, eager.logits(a[0, -1])) < 1e-6
+        assert rounded  # the eager path did
+    finally:
+        gemv.quantize_x = real
+
+
 def check_dequantize_into():
     """strata.quant.into (the resident prefill's dequantization straight into the scratch): float32 out equals
     the torch path bit for bit (same float32 operations, contraction off); bfloat16 out within one bfloat16
@@ -396,6 +434,14 @@ def interpreted() -> dict:
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
 def test_interpreted(interpreted, name):
     assert interpreted[name] == "ok", interpreted[name]
+
+
+def test_graph_body_int8_x_interpreted():
+    """check_graph_body_int8_x in a process of its own (the shared fixture's has no time left for it)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    code = "import tests.test_quant_gemv as t; t.check_graph_body_int8_x(); print('ok')"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-4000:]
 
 
 def test_supports():

@@ -532,24 +532,27 @@ if triton is not None:
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
 
     @triton.jit
-    def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, cols, groups, G: tl.constexpr):
-        """x row program_id(1), groups of 32 from G * program_id(0): int8 q = round(x * 127 / amax) (half away
-        from zero) and the float32 scale amax / 127 per group (q = 0, scale 0 for an all-zero group). q's
-        row is 4 planes of 8-byte words, word p of group g at plane p, word g (`quantize_x`)."""
-        m = tl.program_id(1)
-        g1 = tl.program_id(0) * G + tl.arange(0, G)
-        g = g1[:, None]
-        t = tl.arange(0, 32)[None, :]
-        live = g < groups
-        off = m.to(tl.int64) * cols + g * 32 + t
-        x = tl.load(x_ptr + off, mask=live, other=0.0).to(tl.float32)
+    def int8_groups_store(x, g, t, live, q_ptr, s_ptr, groups):
+        """x (G, 32) float32, groups g (G, 1) of one row, lanes t (1, 32) -> that row's int8 q = round(x * 127 /
+        amax) (half away from zero) and float32 scale amax / 127 per group (q = 0, scale 0 for an all-zero group);
+        q's row is 4 planes of 8-byte words, word p of group g at plane p, word g (`quantize_x`). q_ptr, s_ptr:
+        the row's. The decode step's norms and gated products call it too, so x's rounding costs no launch."""
         amax = tl.max(tl.abs(x), axis=1)
         inv = 127.0 / tl.where(amax > 0, amax, 1.0)  # an all-zero group: q = 0
         v = x * inv[:, None]
         q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)  # truncation toward zero of v +- 1/2
-        qo = m.to(tl.int64) * cols + (t // 8) * (groups * 8) + g * 8 + t % 8
-        tl.store(q_ptr + qo, q.to(tl.int8), mask=live)
-        tl.store(s_ptr + m.to(tl.int64) * groups + g1, amax / 127.0, mask=g1 < groups)
+        tl.store(q_ptr + (t // 8) * (groups * 8) + g * 8 + t % 8, q.to(tl.int8), mask=live)
+        tl.store(s_ptr + g, (amax / 127.0)[:, None], mask=g < groups)
+
+    @triton.jit
+    def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, cols, groups, G: tl.constexpr):
+        """x row program_id(1), groups of 32 from G * program_id(0) -> `int8_groups_store`."""
+        m = tl.program_id(1)
+        g = (tl.program_id(0) * G + tl.arange(0, G))[:, None]
+        t = tl.arange(0, 32)[None, :]
+        live = g < groups
+        x = tl.load(x_ptr + m.to(tl.int64) * cols + g * 32 + t, mask=live, other=0.0).to(tl.float32)
+        int8_groups_store(x, g, t, live, q_ptr + m.to(tl.int64) * cols, s_ptr + m.to(tl.int64) * groups, groups)
 
     @triton.jit
     def _dp4a(a, b, c, PTX: tl.constexpr):
@@ -1030,14 +1033,25 @@ def _launch_words(kernel, x, mats, rows, nb, cols, out, col0, cfg: Config, sb: i
                                   PTX=not INTERPRET, num_warps=cfg.num_warps, EXPERTS=False, **family)
 
 
+def wants_int8_x(qtypes, kernels: GemvKernels | None = None) -> bool:
+    """Whether quant_matmul_parts rounds x to int8 (`quantize_x`) for parts of these types: a caller that has
+    the rounding already (a decode norm wrote it) passes it as xq and saves the launch."""
+    names = [qtype_of(q).name for q in qtypes]
+    kernels = GemvKernels() if kernels is None else kernels
+    return ((kernels.iq3s != "float" and "IQ3_S" in names) or (kernels.q6k == "dp4a" and "Q6_K" in names)
+            or (kernels.kquant == "dp4a" and ("Q4_K" in names or "Q5_K" in names)))
+
+
 def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
                        out: torch.Tensor | None = None, config: Config | None = None,
-                       kernels: GemvKernels | None = None) -> torch.Tensor:
+                       kernels: GemvKernels | None = None,
+                       xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x (M, cols) times each matrix (blocks, qtype) of `parts`, side by side: (M, sum of their rows).
 
     Consecutive parts of one type share a launch (up to MAX_PARTS). `out`: a contiguous (M, total rows)
     tensor to write into (any float dtype, e.g. float32 logits); default a new one in x's dtype. `kernels`: the
-    holder's choices, where a failed dp4a kernel's fallback is kept (None: the defaults, for this call only)."""
+    holder's choices, where a failed dp4a kernel's fallback is kept (None: the defaults, for this call only).
+    xq: x's `quantize_x` rounding when the caller has it (the dp4a kernels read it instead of making it)."""
     if triton is None:
         raise RuntimeError("strata.quant.gemv needs triton")
     if x.dim() != 2 or x.shape[1] != cols:
@@ -1060,10 +1074,13 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
         raise ValueError(f"out must be a row-major ({x.shape[0]}, {total}), got {tuple(out.shape)}")
     kernels = GemvKernels() if kernels is None else kernels
     mode = kernels.iq3s
-    xq = None  # x as int8 for the dp4a kernels, once for all the parts
-    if ((mode != "float" and "IQ3_S" in names) or (kernels.q6k == "dp4a" and "Q6_K" in names)
-            or (kernels.kquant == "dp4a" and ("Q4_K" in names or "Q5_K" in names))):
+    if not wants_int8_x([q for _, q in parts], kernels):
+        xq = None
+    elif xq is None:  # x as int8 for the dp4a kernels, once for all the parts
         xq = quantize_x(x)
+    elif tuple(xq[0].shape) != tuple(x.shape) or tuple(xq[1].shape) != (x.shape[0], cols // XQ_GROUP):
+        raise ValueError(f"xq must be quantize_x's of x {tuple(x.shape)}, got {tuple(xq[0].shape)}, "
+                         f"{tuple(xq[1].shape)}")
     i, col = 0, 0
     while i < len(parts):
         j = i + 1
@@ -1107,9 +1124,10 @@ def _launch_k(x, mats, name, cols, out, col, config, xq, kernels: GemvKernels) -
 
 
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype, cols: int, out: torch.Tensor | None = None,
-                 config: Config | None = None, kernels: GemvKernels | None = None) -> torch.Tensor:
+                 config: Config | None = None, kernels: GemvKernels | None = None,
+                 xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x (M, cols) @ W.T -> (M, rows) for W's GGUF `blocks` uint8 (rows, bytes per row); float32 accumulation."""
-    return quant_matmul_parts(x, [(blocks, qtype)], cols, out, config, kernels)
+    return quant_matmul_parts(x, [(blocks, qtype)], cols, out, config, kernels, xq)
 
 
 # -- experts: the chosen matrices of a stack, read in place -------------------------------------------------------
