@@ -67,6 +67,17 @@ def test_q6_k_words_kernel_compiles_for_sm90(dp4a, m, experts, pairs):
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
 
 
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("m", [1, 4])
+def test_q8_0_dp4a_kernel_compiles_for_sm90(m, tail):
+    """Q8_0 on int8 x (kernels.gemv_q8_0: dp4a): int16 loads, PTX dp4a; with a weighed-0 tail."""
+    from strata.quant import gemv
+    sig = {"xq_ptr": "*i32", "xs_ptr": "*fp32", **{k: v for k, v in GEMV_SIG.items() if k not in ("x_ptr", "grid_ptr")},
+           "PTX": "constexpr", "TAIL": "constexpr"}
+    code = ptx(gemv._q8_0_dp4a, sig, {"M": m, "BLOCK_N": 8, "SB": 4, "PTX": True, "TAIL": tail})
+    assert ".target sm_90" in code and "ld.global" in code and "dp4a" in code
+
+
 def test_mxfp4_experts_kernel_compiles_for_sm90():
     from strata.quant import gemv
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stack_ptr": "*u8", "ids_ptr": "*i64", "estride": "i64",

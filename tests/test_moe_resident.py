@@ -173,10 +173,10 @@ def test_gpu_resident_experts_graphs(qtype):
         for p in range(256, 300):
             a = ms["eager"].decode_token(ids[:, p:p + 1], p)[1]
             b = ms["graphs"].decode_token(ids[:, p:p + 1], p)[1]
-            # the same fused products; the norms and RoPE by other kernels. Q8_0's kernel takes x in float: the
-            # steps agree to float32 rounding. The K-quant kernels round x to int8 first (dp4a, ~5e-3 of a product,
-            # strata/quant/gemv.py), so a last-bit change of x can move a rounding: measured 5.3e-3 at one step
-            assert rel(b, a) < (1e-4 if qtype == "Q8_0" else 2e-2), p
+            # the same fused products; the norms and RoPE by other kernels. The kernels round x to int8 first
+            # (dp4a, ~5e-3 of a product, strata/quant/gemv.py; Q8_0's too since kernels.gemv_q8_0), so a last-bit
+            # change of x can move a rounding: measured 5.3e-3 at one step
+            assert rel(b, a) < 2e-2, p
     assert ms["graphs"].graphs is not None and ms["graphs"].graphs.graphs
 
 

@@ -61,7 +61,7 @@ def check_kernel_matches_reference():
     (two launches); fp32 x within fp32 accumulation, bf16 x (result rounded to bf16) within bf16."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(7)
-    _check_float_kernels(gemv, random_blocks, g, kernels(iq3s="float", kquant="words"))
+    _check_float_kernels(gemv, random_blocks, g, kernels(iq3s="float", kquant="words", q8_0="bytes"))
     big = gemv.BIG_ROWS
     try:  # the big launches' shapes (gate/up, the head) on these small matrices: every launch counts as big
         gemv.BIG_ROWS = 1
@@ -105,7 +105,8 @@ def check_parts_side_by_side():
     for mode, tol in (("float", 1e-5),) + tuple((m, DP4A_TOL) for m in IQ3S_DP4A):
         out = torch.full((3, 62), float("nan"))
         int8 = "words" if mode == "float" else "dp4a"
-        gemv.quant_matmul_parts(x, parts, cols, out=out, kernels=kernels(iq3s=mode, q6k=int8, kquant=int8))
+        gemv.quant_matmul_parts(x, parts, cols, out=out, kernels=kernels(iq3s=mode, q6k=int8, kquant=int8,
+                                                                          q8_0="bytes"))
         assert rel(out, want) < tol, (mode, rel(out, want))
         # the other types' columns are exact either way
         q8 = slice(25, 36)
@@ -210,18 +211,43 @@ def check_dp4a_failure_falls_back_to_words():
     fallback is that object's, not the process's."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(15)
-    parts = [(random_blocks(q, r, 512, g), q) for q, r in (("Q4_K", 9), ("Q6_K", 5))]
+    parts = [(random_blocks(q, r, 512, g), q) for q, r in (("Q4_K", 9), ("Q6_K", 5), ("Q8_0", 3))]
     x = torch.randn(2, 512, generator=g)
     want = torch.cat([reference(x, b, q) for b, q in parts], dim=1)
     interp = gemv.INTERPRET
     try:
-        k = kernels(kquant="dp4a", q6k="dp4a")
+        k = kernels(kquant="dp4a", q6k="dp4a", q8_0="dp4a")
         gemv.INTERPRET = False  # the kernels get PTX=True: the interpreter cannot run inline assembly
         assert rel(gemv.quant_matmul_parts(x, parts, 512, kernels=k), want) < 1e-5
-        assert k.kquant == "words" and k.q6k == "words"
+        assert k.kquant == "words" and k.q6k == "words" and k.q8_0 == "bytes"
         assert gemv.GemvKernels().kquant == "dp4a" and gemv.GemvKernels().q6k == "dp4a"
+        assert gemv.GemvKernels().q8_0 == "dp4a"
     finally:
         gemv.INTERPRET = interp
+
+
+def check_q8_0_dp4a_matches_reference():
+    """Q8_0's dp4a kernel (int16 loads, 8 dp4a a block): against the product with x's int8 rounding to float32
+    accumulation and within DP4A_TOL of x's; a row of 11 blocks in steps of 4 (the tail weighed 0) and of 8
+    blocks, M = 1, 3 and 6 (two launches), two matrices side by side, and both launch shapes."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator().manual_seed(21)
+    big = gemv.BIG_ROWS
+    try:
+        for big_rows in (big, 1):
+            gemv.BIG_ROWS = big_rows
+            for cols, rows, m in ((32 * 11, 37, 1), (32 * 8, 21, 3), (32 * 11, 5, 6)):
+                blocks = random_blocks("Q8_0", rows, cols, g)
+                x = torch.randn(m, cols, generator=g)
+                y = gemv.quant_matmul(x, blocks, "Q8_0", cols, kernels=kernels(q8_0="dp4a"))
+                _check_int8_x(gemv, x, blocks, "Q8_0", y, reference(x, blocks, "Q8_0"))
+            parts = [(random_blocks("Q8_0", r, 256, g), "Q8_0") for r in (9, 4)]
+            x = torch.randn(2, 256, generator=g)
+            y = gemv.quant_matmul_parts(x, parts, 256, kernels=kernels(q8_0="dp4a"))
+            xi = gemv.int8_x(*gemv.quantize_x(x))
+            assert rel(y, torch.cat([reference(xi, b, q) for b, q in parts], 1)) < 1e-5
+    finally:
+        gemv.BIG_ROWS = big
 
 
 def check_quantize_x():
@@ -283,7 +309,8 @@ def check_model_decode_fused():
         ids = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
         # the dp4a kernel (int8 x: the residual stream's error) for the T=3 step only, the slow one interpreted
         for mode, tol, steps in (("float", 1e-5, ((8, 1), (9, 3))), ("dp4a", DP4A_TOL, ((9, 3),))):
-            fused.set_kernels(KernelSpec(gemv_iq3s=mode))  # the rig's kernels.gemv_iq3s, as a stage passes it
+            # the rig's kernels.gemv_iq3s, as a stage passes it (wo's Q8_0 rows: float x with float, else dp4a)
+            fused.set_kernels(KernelSpec(gemv_iq3s=mode, gemv_q8_0="bytes" if mode == "float" else "dp4a"))
             n = steps[0][0]
             assert rel(fused(ids[:, :n], 0), dense(ids[:, :n], 0)) < 1e-6  # prefill: the scratch path
             assert not calls
@@ -322,7 +349,8 @@ def check_model_decode_fused_q4_k_m():
         # each Q6_K and Q4_K kernel (dp4a: int8 x, the residual stream's error; its T=3 step only)
         for mode, tol, steps in (("bytes", 1e-5, ((8, 1), (9, 3))), ("words", 1e-5, ((8, 1),)),
                                  ("dp4a", DP4A_TOL, ((9, 3),))):
-            fused.set_kernels(KernelSpec(gemv_q6k=mode, gemv_kquant=mode))
+            q8 = "dp4a" if mode == "dp4a" else "bytes"
+            fused.set_kernels(KernelSpec(gemv_q6k=mode, gemv_kquant=mode, gemv_q8_0=q8))
             for p, t in steps:
                 a, b = fused(ids[:, p:p + t], p), dense(ids[:, p:p + t], p)
                 assert rel(a, b) < tol, (mode, p, rel(a, b))
@@ -406,7 +434,8 @@ def check_dequantize_into():
 CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, check_k45_words_matches_reference,
           check_dp4a_failure_falls_back_to_words,
           check_parts_side_by_side, check_model_decode_fused,
-          check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_quantize_x,
+          check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_q8_0_dp4a_matches_reference,
+          check_quantize_x,
           check_dequantize_into]
 
 
@@ -425,7 +454,7 @@ def _run_checks() -> None:
 def interpreted() -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-c", "import tests.test_quant_gemv as t; t._run_checks()"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert p.returncode == 0 and lines, p.stderr[-4000:]
     return json.loads(lines[-1][len("RESULTS "):])
@@ -487,6 +516,24 @@ def test_bad_blocks_refused():
 # -- CUDA -----------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(5120, 2880), (2880, 4096), (50000, 2880), (4096, 14336), (8192, 28672)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gpu_q8_0_dp4a_shapes(shape, m):
+    """Q8_0's dp4a kernel at gpt-oss-20b's shapes (90 blocks a row: steps with a weighed-0 tail; a big launch) and
+    8B / 70B ones, bf16 x: to float32 accumulation of the product with x's int8 rounding, within DP4A_TOL of x's, and
+    the same bits in a CUDA graph's replay."""
+    from strata.quant import gemv, random_blocks
+    rows, cols = shape
+    g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
+    blocks = random_blocks("Q8_0", rows, cols, g, device="cuda")
+    x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
+    y = gemv.quant_matmul(x, blocks, "Q8_0", cols, kernels=kernels(q8_0="dp4a"))
+    _check_int8_x(gemv, x, blocks, "Q8_0", y, reference(x, blocks, "Q8_0"))
+    _check_graph_replay(gemv, [(blocks, "Q8_0")], cols, g, kernels(q8_0="dp4a"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
 @pytest.mark.parametrize("qtype", ["IQ3_S", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_1"])
 @pytest.mark.parametrize("m", [1, 3])
@@ -495,7 +542,8 @@ def test_gpu_70b_shapes(shape, qtype, m):
     (IQ3_S: the float kernel, Q6_K: the byte kernel, Q4_K and Q5_K: words; the others in
     test_gpu_iq3s_dp4a_70b_shapes and test_gpu_word_kernels_shapes)."""
     from strata.quant import dequantize, gemv, random_blocks
-    k = kernels(iq3s="float", q6k="bytes", kquant="words")  # the word kernels: test_gpu_word_kernels_shapes
+    # (the word kernels: test_gpu_word_kernels_shapes; Q8_0's dp4a: test_gpu_q8_0_dp4a_shapes)
+    k = kernels(iq3s="float", q6k="bytes", kquant="words", q8_0="bytes")
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
     blocks = random_blocks(qtype, rows, cols, g, device="cuda")
@@ -612,7 +660,7 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
         if not fused:  # the layers and the head take the scratch path
             monkeypatch.setattr(R, "fused_ok", lambda p, device: False)  # (strata.model has no fused_ok)
         m = load_stage(model, args, 0, args.n_layers, device="cuda", dtype=dtype, weights="resident", max_len=64,
-                       kernels=KernelSpec(gemv_iq3s=mode))
+                       kernels=KernelSpec(gemv_iq3s=mode, gemv_q8_0="bytes" if mode == "float" else "dp4a"))
         blk = next(iter(m.layers.values()))
         assert isinstance(blk.weights, M.ResidentMatrices) and blk.weights.fused_decode_ok("cuda") == fused
         ids = torch.randint(0, args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0)).cuda()

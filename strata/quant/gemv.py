@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import IQ3S_KERNELS, KQUANT_KERNELS, KernelSpec
+from ..config import IQ3S_KERNELS, KQUANT_KERNELS, Q8_0_KERNELS, KernelSpec
 from . import LEGACY_FLAGS, block_size, qtype_of, type_size
 
 try:
@@ -64,24 +64,25 @@ log = logging.getLogger("strata.quant")
 
 @dataclass
 class GemvKernels:
-    """Which kernel each resident decode product takes: IQ3_S's, Q4_K/Q5_K's and Q6_K's (the rig's
-    kernels.gemv_iq3s / gemv_kquant / gemv_q6k; KernelSpec's defaults). A model holds one for all its matrices
-    (Transformer.gemv). Mutable on purpose: where a dp4a kernel fails (a Triton that cannot build the inline
-    PTX), it falls back on this object, IQ3_S to the float kernel and the K-quants to the word kernel on float x,
-    for this holder's later calls; another holder, or a call without one, is not affected."""
+    """Which kernel each resident decode product takes: IQ3_S's, Q4_K/Q5_K's, Q6_K's and Q8_0's (the rig's
+    kernels.gemv_iq3s / gemv_kquant / gemv_q6k / gemv_q8_0; KernelSpec's defaults). A model holds one for all its
+    matrices (Transformer.gemv). Mutable on purpose: where a dp4a kernel fails (a Triton that cannot build the inline
+    PTX), it falls back on this object, IQ3_S to the float kernel, the K-quants to the word kernel on float x and
+    Q8_0 to its byte kernel, for this holder's later calls; another holder, or a call without one, is not affected."""
     iq3s: str = KernelSpec.gemv_iq3s
     kquant: str = KernelSpec.gemv_kquant
     q6k: str = KernelSpec.gemv_q6k
+    q8_0: str = KernelSpec.gemv_q8_0
 
     def __post_init__(self):
         for name, v, choices in (("iq3s", self.iq3s, IQ3S_KERNELS), ("kquant", self.kquant, KQUANTS),
-                                 ("q6k", self.q6k, Q6K_KERNELS)):
+                                 ("q6k", self.q6k, Q6K_KERNELS), ("q8_0", self.q8_0, Q8_0_KERNELS)):
             if v not in choices:
                 raise ValueError(f"GemvKernels.{name}={v!r}: one of {', '.join(choices)}")
 
     def choose(self, spec: KernelSpec) -> None:
         """Take the rig's choices again (a fallback made earlier is forgotten)."""
-        self.iq3s, self.kquant, self.q6k = spec.gemv_iq3s, spec.gemv_kquant, spec.gemv_q6k
+        self.iq3s, self.kquant, self.q6k, self.q8_0 = spec.gemv_iq3s, spec.gemv_kquant, spec.gemv_q6k, spec.gemv_q8_0
         self.__post_init__()
 
 
@@ -122,6 +123,8 @@ KQ_BIG = Config(16, 4, 8)
 # Q6_K --m 1 --sweep, H200, 2026-12-04), the smaller launches' (16, 4, 8) -> (8, 2, 4): ffn_down 5120x25600 99.3
 # -> 74.2 us, 5376x21504 85.9 -> 69.3, wo 5120x8192 38.1 -> 31.6 (at 8B shapes the best and the old were within
 # the sweep's noise, ~5 %)
+# _q8_0_dp4a: a [block_n rows, sb blocks, 8 words] tile, for launches under BIG_ROWS rows and the others (untuned)
+Q8_0_DP4A = (Config(8, 4, 4), Config(16, 4, 8))
 Q6K_WORDS_CONFIGS = {"words": (Config(4, 4, 8), Config(16, 1, 4)), "dp4a": (Config(8, 2, 4), Config(16, 2, 4))}
 
 
@@ -294,6 +297,47 @@ if triton is not None:
                 xo = b * 32 + j
                 acc0, acc1, acc2, acc3 = _acc1_rows(acc0, acc1, acc2, acc3, x_ptr, cols, xo, d, q, M)
         _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
+
+    @triton.jit
+    def _q8_0_dp4a(xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
+                   M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, PTX: tl.constexpr, TAIL: tl.constexpr):
+        """Q8_0 on int8 x (`quantize_x`: a block of 32 weights is one of x's groups), llama.cpp's q8_0 x q8_1
+        product: per block 8 dp4a of weight words by x words, the int32 sum times the block's d and x's scale.
+        A step loads a [BLOCK_N rows, SB blocks, 8 words] tile; a 34-byte block is only 2-byte aligned, so each
+        word is two int16 loads (weights 4w..4w+3 at halfwords 17b + 1 + 2w and + 2). TAIL: SB need not divide
+        the row's blocks (2,880 columns are 90): a step past the row's end reads its last block, weighed 0."""
+        row_base, col, rows, live = _tile(p0, p1, a0, a1, a2, n0, n1, n2, nb, 34, BLOCK_N)
+        hrow = row_base.to(tl.pointer_type(tl.int16))  # (BLOCK_N, 1)
+        kb = tl.arange(0, SB)[None, :]  # (1, SB)
+        w = tl.arange(0, 8)[None, None, :]  # (1, 1, 8)
+        acc0 = tl.zeros((BLOCK_N, SB), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, SB), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, SB), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, SB), tl.float32)
+        for k in range(0, nb, SB):
+            b = k + kb
+            if TAIL:
+                b = tl.minimum(b, nb - 1)
+            hb = hrow + b * 17  # (BLOCK_N, SB): the blocks' d
+            d = tl.load(hb).to(tl.float16, bitcast=True).to(tl.float32)
+            if TAIL:
+                d = tl.where(k + kb < nb, d, 0.0)
+            lo = tl.load(hb[:, :, None] + 1 + 2 * w).to(tl.int32) & 0xFFFF
+            q = lo | (tl.load(hb[:, :, None] + 2 + 2 * w).to(tl.int32) << 16)  # (BLOCK_N, SB, 8)
+            xi = (w // 2) * (cols // 16) + 2 * b[:, :, None] + w % 2  # x's words of group b in quantize_x's planes
+            acc0 += _q8_0_idot(xq_ptr, xs_ptr, xi, b, q, d, PTX)
+            if M > 1:
+                acc1 += _q8_0_idot(xq_ptr + cols // 4, xs_ptr + cols // 32, xi, b, q, d, PTX)
+            if M > 2:
+                acc2 += _q8_0_idot(xq_ptr + cols // 2, xs_ptr + cols // 16, xi, b, q, d, PTX)
+            if M > 3:
+                acc3 += _q8_0_idot(xq_ptr + 3 * (cols // 4), xs_ptr + 3 * (cols // 32), xi, b, q, d, PTX)
+        _store_rows(out_ptr, acc0, acc1, acc2, acc3, M, out_stride, col + rows, live)
+
+    @triton.jit
+    def _q8_0_idot(xq_ptr, xs_ptr, xi, g, q, d, PTX: tl.constexpr):
+        """d * x's scale * the int32 dot of a block's 8 weight words with x's (one row of x)."""
+        return tl.sum(_dp4a(q, tl.load(xq_ptr + xi), 0, PTX), 2).to(tl.float32) * (d * tl.load(xs_ptr + g))
 
     @triton.jit
     def _legacy_gemv(x_ptr, out_ptr, grid_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, M: tl.constexpr,
@@ -963,6 +1007,20 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
             sb, tail = _k45_sb(nb, cfg)
             return _launch_words(_k45_words_gemv, x, mats, rows, nb, cols, out, col0, cfg, sb, kquant == "dp4a", xq,
                                  TAIL=tail, **_KERNELS[name][1])
+    if name == "Q8_0" and xq is not None and not any(m.data_ptr() % 2 for m in mats):  # int16 loads
+        cfg = config or (Q8_0_DP4A[1] if big else Q8_0_DP4A[0])
+        sb = min(cfg.sb, triton.next_power_of_2(nb))
+        progs = [triton.cdiv(r, cfg.block_n) for r in rows]
+        ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
+        q, s = xq
+        dst = out[:, col0:]
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            for r0 in range(0, x.shape[0], MAX_M):
+                _q8_0_dp4a[(sum(progs),)](q[r0:].view(torch.int32), s[r0:], dst[r0:], *ptrs, *rows, progs[0],
+                                         progs[0] + progs[1], nb, cols, out.stride(0),
+                                         M=min(MAX_M, x.shape[0] - r0), BLOCK_N=cfg.block_n, SB=sb,
+                                         PTX=not INTERPRET, TAIL=nb % sb != 0, num_warps=cfg.num_warps)
+        return
     cfg = config or (BIG_CONFIGS.get(name) if big else None) or CONFIGS[name]
     if xq is not None and name == "IQ3_S":  # the dp4a IQ3_S kernel: blocks as int16, x as int8 in int64 words
         cfg = config or DP4A_CONFIG
@@ -1039,7 +1097,8 @@ def wants_int8_x(qtypes, kernels: GemvKernels | None = None) -> bool:
     names = [qtype_of(q).name for q in qtypes]
     kernels = GemvKernels() if kernels is None else kernels
     return ((kernels.iq3s != "float" and "IQ3_S" in names) or (kernels.q6k == "dp4a" and "Q6_K" in names)
-            or (kernels.kquant == "dp4a" and ("Q4_K" in names or "Q5_K" in names)))
+            or (kernels.kquant == "dp4a" and ("Q4_K" in names or "Q5_K" in names))
+            or (kernels.q8_0 == "dp4a" and "Q8_0" in names))
 
 
 def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
@@ -1096,7 +1155,7 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
                 log.warning("IQ3_S %s kernel failed (%s: %s); using the float kernel", mode, type(e).__name__, e)
                 kernels.iq3s = "float"
                 _launch(x, mats, names[i], cols, out, col, config, kernels)
-        elif names[i] in ("Q6_K", "Q4_K", "Q5_K"):
+        elif names[i] in ("Q6_K", "Q4_K", "Q5_K", "Q8_0"):
             _launch_k(x, mats, names[i], cols, out, col, config, xq, kernels)
         else:
             _launch(x, mats, names[i], cols, out, col, config, kernels)
@@ -1106,18 +1165,22 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
 
 
 def _launch_k(x, mats, name, cols, out, col, config, xq, kernels: GemvKernels) -> None:
-    """A K-quant launch; where its dp4a kernel fails (e.g. a Triton that cannot build the inline PTX), the word
-    kernel on float x from then on for this `kernels` holder, as IQ3_S falls back to its float kernel."""
-    if (kernels.q6k if name == "Q6_K" else kernels.kquant) != "dp4a":
+    """A K-quant or Q8_0 launch; where its dp4a kernel fails (e.g. a Triton that cannot build the inline PTX), the
+    word kernel on float x (Q8_0: the byte kernel) from then on for this `kernels` holder, as IQ3_S falls back to
+    its float kernel."""
+    if {"Q6_K": kernels.q6k, "Q8_0": kernels.q8_0}.get(name, kernels.kquant) != "dp4a":
         return _launch(x, mats, name, cols, out, col, config, kernels)
     try:
         _launch(x, mats, name, cols, out, col, config, kernels, xq)
     except Exception as e:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise
-        log.warning("%s dp4a kernel failed (%s: %s); using the word kernel on float x", name, type(e).__name__, e)
+        log.warning("%s dp4a kernel failed (%s: %s); using the %s kernel on float x", name, type(e).__name__, e,
+                    "byte" if name == "Q8_0" else "word")
         if name == "Q6_K":
             kernels.q6k = "words"
+        elif name == "Q8_0":
+            kernels.q8_0 = "bytes"
         else:
             kernels.kquant = "words"
         _launch(x, mats, name, cols, out, col, config, kernels)
