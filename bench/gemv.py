@@ -10,6 +10,7 @@ layer (its 4 launches) eager and replayed from a CUDA graph, and what that makes
     python bench/gemv.py --types IQ3_S --iq3s float,dp4a,dp4a-table   # IQ3_S's kernels side by side
     python bench/gemv.py --types Q6_K --q6k bytes,words,dp4a   # Q6_K's kernels side by side
     python bench/gemv.py --types Q4_K,Q5_K --kquant bytes,words,dp4a   # Q4_K/Q5_K's kernels side by side
+    python bench/gemv.py --preset gpt-oss-20b --types Q8_0 --q8-0 bytes,dp4a --m 1 --sweep   # Q8_0's, and shapes
     python bench/gemv.py --sweep               # also try launch shapes per matrix (pick CONFIGS from it)
     TRITON_INTERPRET=1 python bench/gemv.py --smoke    # tiny shapes on the CPU, through the interpreter
 """
@@ -39,6 +40,8 @@ Q6K_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 2, 4, 8, 16) for sb in (1, 2, 
 
 # Q4_K/Q5_K's word kernels (--kquant words, dp4a): [block_n rows, sb blocks, 4 quarters, 8 words] tiles
 KQ_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 2, 4, 8, 16) for sb in (2, 4, 8, 16) for w in (4, 8)]
+# Q8_0's dp4a kernel (--q8-0 dp4a): [block_n rows, sb blocks, 8 words] tiles
+Q8_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 2, 4, 8, 16, 32) for sb in (2, 4, 8, 16) for w in (2, 4, 8)]
 
 
 def mats(preset: str, smoke: bool) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -93,7 +96,7 @@ class Timer:
         return graph.replay
 
 
-MODE_FIELD = {"IQ3_S": "iq3s", "Q6_K": "q6k", "Q4_K": "kquant", "Q5_K": "kquant"}
+MODE_FIELD = {"IQ3_S": "iq3s", "Q6_K": "q6k", "Q4_K": "kquant", "Q5_K": "kquant", "Q8_0": "q8_0"}
 
 
 def kernels_for(qtype: str, mode: str | None) -> gemv.GemvKernels:
@@ -152,6 +155,8 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
                         sweep_cfgs = Q6K_SWEEP
                     elif qtype in ("Q4_K", "Q5_K") and mode != "bytes":
                         sweep_cfgs = KQ_SWEEP
+                    elif qtype == "Q8_0" and mode == "dp4a":
+                        sweep_cfgs = Q8_SWEEP
                     for cfg in sweep_cfgs:
                         ts = timer(timer.graphed(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg,
                                                                                   kernels=k)))
@@ -200,6 +205,7 @@ def main() -> int:
     ap.add_argument("--iq3s", default=",".join(gemv.IQ3S_KERNELS), help="IQ3_S kernels to compare (gemv.IQ3S_KERNELS)")
     ap.add_argument("--q6k", default=gemv.GemvKernels.q6k, help="Q6_K kernels to compare (gemv.Q6K_KERNELS)")
     ap.add_argument("--kquant", default=gemv.GemvKernels.kquant, help="Q4_K/Q5_K kernels to compare (gemv.KQUANTS)")
+    ap.add_argument("--q8-0", default=gemv.GemvKernels.q8_0, help="Q8_0 kernels to compare (config.Q8_0_KERNELS)")
     ap.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (dp4a: DP4A_SWEEP)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
     a = ap.parse_args()
@@ -221,7 +227,7 @@ def main() -> int:
             return 2
     for qtype in a.types.split(","):
         modes = {"IQ3_S": iq3s, "Q6_K": a.q6k.split(","), "Q4_K": a.kquant.split(","),
-                 "Q5_K": a.kquant.split(",")}.get(qtype, [None])
+                 "Q5_K": a.kquant.split(","), "Q8_0": a.q8_0.split(",")}.get(qtype, [None])
         layer = bench_type(qtype, shapes, ms, timer, device, a.sweep, dtype, modes)
         for mode in modes:
             bench_layer(qtype if mode is None else f"{qtype}/{mode}", layer, None, timer, device, n_layers, dtype,
