@@ -12,11 +12,13 @@ layer (its 4 launches) eager and replayed from a CUDA graph, and what that makes
     python bench/gemv.py --types Q4_K,Q5_K --kquant bytes,words,dp4a   # Q4_K/Q5_K's kernels side by side
     python bench/gemv.py --preset gpt-oss-20b --types Q8_0 --q8-0 bytes,dp4a --m 1 --sweep   # Q8_0's, and shapes
     python bench/gemv.py --sweep               # also try launch shapes per matrix (pick CONFIGS from it)
+    python bench/gemv.py --preset gemma-3-27b --types Q6_K,Q4_K --m 1 --splits 1,2,4,8   # split-K per matrix
     TRITON_INTERPRET=1 python bench/gemv.py --smoke    # tiny shapes on the CPU, through the interpreter
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -110,7 +112,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: bool, dtype,
-               modes: list[str | None]) -> dict:
+               modes: list[str | None], splits: list[int] = ()) -> dict:
     """Per matrix and M, each kernel of `modes` (IQ3_S's gemv.IQ3S_KERNELS; [None] for other types).
     Returns {mode: [(parts, cols) of one layer]}."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -146,6 +148,18 @@ def bench_type(qtype: str, shapes, ms: list[int], timer: Timer, device, sweep: b
                     name += "->" + k.iq3s  # it failed and fell back (see the warning)
                 print(f"{name:16s} {label:8s} {rows:>6d}x{cols:<6d} M={m}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s"
                       f"  current {tc * 1e6:9.1f} us  x{tc / t:6.1f}  rel err {err:.1e}")
+                if splits and m == ms[0] and mode in ("words", "dp4a") and qtype in ("Q6_K", "Q4_K", "Q5_K"):
+                    big = rows >= gemv.BIG_ROWS  # the launch's own shape, cut among `split` programs a row
+                    base = (gemv.Q6K_WORDS_CONFIGS[mode][big] if qtype == "Q6_K"
+                            else gemv.KQ_BIG if big else gemv.KQ_WORDS)
+                    times = []
+                    for sp in splits:
+                        cfg = dataclasses.replace(base, split=sp)
+                        ys = gemv.quant_matmul_parts(x, packed, cols, config=cfg, kernels=k)
+                        ts = timer(timer.graphed(lambda: gemv.quant_matmul_parts(x, packed, cols, config=cfg,
+                                                                                  kernels=k)))
+                        times.append(f"{sp}: {ts * 1e6:.1f} us ({rel(ys, want):.1e})")
+                    print(f"{'':26s} {base} split " + ", ".join(times))
                 if sweep and m == ms[0]:
                     best = None
                     sweep_cfgs = SWEEP
@@ -207,6 +221,8 @@ def main() -> int:
     ap.add_argument("--kquant", default=gemv.GemvKernels.kquant, help="Q4_K/Q5_K kernels to compare (gemv.KQUANTS)")
     ap.add_argument("--q8-0", default=gemv.GemvKernels.q8_0, help="Q8_0 kernels to compare (config.Q8_0_KERNELS)")
     ap.add_argument("--sweep", action="store_true", help="also time every launch shape in SWEEP (dp4a: DP4A_SWEEP)")
+    ap.add_argument("--splits", default="", help="word kernels: also time the default launch shape cut among these "
+                    "split-K programs, e.g. 1,2,4,8 (Config.split)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
@@ -228,7 +244,8 @@ def main() -> int:
     for qtype in a.types.split(","):
         modes = {"IQ3_S": iq3s, "Q6_K": a.q6k.split(","), "Q4_K": a.kquant.split(","),
                  "Q5_K": a.kquant.split(","), "Q8_0": a.q8_0.split(",")}.get(qtype, [None])
-        layer = bench_type(qtype, shapes, ms, timer, device, a.sweep, dtype, modes)
+        layer = bench_type(qtype, shapes, ms, timer, device, a.sweep, dtype, modes,
+                           [int(v) for v in a.splits.split(",")] if a.splits else [])
         for mode in modes:
             bench_layer(qtype if mode is None else f"{qtype}/{mode}", layer, None, timer, device, n_layers, dtype,
                         kernels_for(qtype, mode))

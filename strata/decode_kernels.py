@@ -59,13 +59,14 @@ if triton is not None:
 
     @triton.jit
     def _act(a, ACT: tl.constexpr):
-        # float32 a -> silu(a) (ACT 0) or the tanh-approximated GELU (ACT 1, torch's formula; tanh(z) as
-        # 1 - 2 / (exp(2z) + 1), which the interpreter also runs, saturating to +-1)
+        # float32 a -> silu(a) (ACT 0) or the tanh-approximated GELU (ACT 1): torch's 0.5 a (1 + tanh(z)) as
+        # a * sigmoid(2z), exact in its negative tail where 1 + tanh(z) cancels (1 - 2 / (exp(2z) + 1) lost half
+        # the bits of gelu(-4) on the GPU)
         if ACT == 0:
             return a / (1.0 + tl.exp(-a))
         else:
             z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
-            return 0.5 * a * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+            return a / (1.0 + tl.exp(-2.0 * z))
 
     @triton.jit
     def _act_mul(g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr,

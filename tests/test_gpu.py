@@ -102,7 +102,9 @@ def test_cuda_graph_decode_matches_eager():
         assert torch.equal(ha, hb)
         worst = _graph_vs_eager(eager, steps, ids, prompt_len, stop, lambda p: ids[:, p:p + 1])
         print(f"prompt {prompt_len}: graph vs eager worst rel {worst:.2e}, buckets {sorted(steps.graphs.graphs)}")
-        assert worst < 2e-2
+        # bf16's tolerance on the largest element: 2.01e-2 measured once the graphs' norms summed their squares in
+        # another order (d84c46b); a wrong bucket, position or cache row is off by O(1)
+        assert worst < 3e-2
     assert sorted(steps.graphs.graphs) == [256, 512, 1024, 1200]
     # logits through the graph's residual: within bf16's tolerance of eager's, and the same greedy token unless
     # eager's top two are closer than the two paths differ (a random model's logits are nearly flat: call 16

@@ -36,7 +36,8 @@ def test_decode_gemv_kernels_compile_for_sm90(qtype, m):
 
 
 WORDS_SIG = {"x_ptr": "*bf16", "xq_ptr": "*i32", "xs_ptr": "*fp32", **{k: v for k, v in GEMV_SIG.items() if k not in (
-    "x_ptr", "grid_ptr")}, "ids_ptr": "*i64", "estride": "i64", "xstep": "i32", "DP4A": "constexpr",
+    "x_ptr", "grid_ptr")}, "ids_ptr": "*i64", "estride": "i64", "xstep": "i32", "sstride": "i32",
+    "SPLIT": "constexpr", "DP4A": "constexpr",
     "PTX": "constexpr", "EXPERTS": "constexpr"}
 # (m, experts): the experts mode (strata.quant.gemv.quant_matmul_experts) takes one x row
 WORD_CASES = [(1, False), (4, False), (1, True)]
@@ -51,8 +52,24 @@ def test_k45_words_kernel_compiles_for_sm90(five, tail, dp4a, m, experts):
     from strata.quant import gemv
     code = ptx(gemv._k45_words_gemv, {**WORDS_SIG, "FIVE": "constexpr", "TAIL": "constexpr"},
                {"M": m, "BLOCK_N": 8, "SB": 2, "FIVE": five, "DP4A": dp4a, "PTX": True, "EXPERTS": experts,
-                "TAIL": tail})
+                "TAIL": tail, "SPLIT": 1})
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
+
+
+@pytest.mark.parametrize("kernel", ["q6k_pairs", "q6k_odd", "k45", "k45_tail"])
+def test_split_k_word_kernels_compile_for_sm90(kernel):
+    """The word kernels' split-K launches (Config.split: partial rows, then _sum_splits) for sm_90."""
+    from strata.quant import gemv
+    extra = {"q6k_pairs": {"PAIRS": True}, "q6k_odd": {"PAIRS": False}, "k45": {"FIVE": False, "TAIL": False},
+             "k45_tail": {"FIVE": False, "TAIL": True}}[kernel]
+    fn = gemv._q6_k_words if kernel.startswith("q6k") else gemv._k45_words_gemv
+    code = ptx(fn, {**WORDS_SIG, **{k: "constexpr" for k in extra}},
+               {"M": 1, "BLOCK_N": 8, "SB": 2, "DP4A": True, "PTX": True, "EXPERTS": False, "SPLIT": 4, **extra})
+    assert ".target sm_90" in code and "dp4a" in code
+    code = ptx(gemv._sum_splits, {"part_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "part_stride": "i32",
+                                  "out_stride": "i32", "SPLIT": "constexpr", "BLOCK": "constexpr"},
+               {"SPLIT": 4, "BLOCK": gemv.SUM_COLS})
+    assert ".target sm_90" in code
 
 
 @pytest.mark.parametrize("pairs", [True, False])
@@ -63,7 +80,8 @@ def test_q6_k_words_kernel_compiles_for_sm90(dp4a, m, experts, pairs):
     two blocks a step (an even count a row) or one, its parity per row (an odd count)."""
     from strata.quant import gemv
     code = ptx(gemv._q6_k_words, {**WORDS_SIG, "PAIRS": "constexpr"},
-               {"M": m, "BLOCK_N": 4, "SB": 2, "DP4A": dp4a, "PTX": True, "EXPERTS": experts, "PAIRS": pairs})
+               {"M": m, "BLOCK_N": 4, "SB": 2, "DP4A": dp4a, "PTX": True, "EXPERTS": experts, "PAIRS": pairs,
+                "SPLIT": 1})
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
 
 

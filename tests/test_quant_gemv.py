@@ -250,6 +250,27 @@ def check_q8_0_dp4a_matches_reference():
         gemv.BIG_ROWS = big
 
 
+def check_split_k_matches_reference():
+    """Config.split: the word kernels' rows cut among 2 or 3 programs, partial sums added by _sum_splits: Q6_K in
+    pairs and single blocks (an odd count), Q4_K with and without a weighed-0 tail, float x and int8 x, M = 1 and
+    3; a split the row's steps cannot feed (MIN_SPLIT_STEPS each) is cut."""
+    from strata.quant import gemv, random_blocks
+    g = torch.Generator().manual_seed(22)
+    for qtype, nb, split in (("Q6_K", 16, 2), ("Q6_K", 9, 2), ("Q4_K", 12, 3), ("Q4_K", 9, 2), ("Q4_K", 5, 4)):
+        cols = 256 * nb
+        blocks = random_blocks(qtype, 10, cols, g)  # (Q6_K's word kernels want an even block count a matrix)
+        for m in (1, 3):
+            x = torch.randn(m, cols, generator=g)
+            want = reference(x, blocks, qtype)
+            for mode in ("words", "dp4a"):
+                k = kernels(q6k=mode, kquant=mode)
+                y = gemv.quant_matmul(x, blocks, qtype, cols, config=gemv.Config(4, 1, 4, split=split), kernels=k)
+                if mode == "words":
+                    assert rel(y, want) < 1e-5, (qtype, nb, split, m, rel(y, want))
+                else:
+                    _check_int8_x(gemv, x, blocks, qtype, y, want)
+
+
 def check_quantize_x():
     """gemv.quantize_x against its float64 reference: float32 and bfloat16 x with an all-zero group, an
     outlier and a row past one program's groups; scales to float32 rounding, q exact but at ties."""
@@ -435,7 +456,7 @@ CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, ch
           check_dp4a_failure_falls_back_to_words,
           check_parts_side_by_side, check_model_decode_fused,
           check_model_decode_fused_q4_k_m, check_iq3s_dp4a_matches_reference, check_q8_0_dp4a_matches_reference,
-          check_quantize_x,
+          check_split_k_matches_reference, check_quantize_x,
           check_dequantize_into]
 
 

@@ -40,6 +40,8 @@ except ImportError:  # CPU-only torch without triton: supports() is False everyw
 
 MAX_M = 4  # x rows per launch (the decode path's DECODE_T); the weights are read once for all of them
 MAX_PARTS = 3  # matrices per launch (q, k, v)
+MIN_SPLIT_STEPS = 4  # a split-K program's least loop steps (Config.split is cut to that)
+SUM_COLS = 1024  # _sum_splits' outputs a program
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the dp4a kernel's TABLE: which grid table
 # IQ3_S (GemvKernels.iq3s): dp4a-u16 was the fastest on an H200 (70B gate/up, M=1: 137 us,
@@ -93,6 +95,8 @@ class Config:
     block_n: int
     sb: int
     num_warps: int = 4
+    split: int = 1  # word kernels' dense launches: programs a row's blocks are cut among (split-K), partial sums
+                    # then added in a fixed order by a second launch (`_sum_splits`: the same bits every run)
 
 
 # Defaults per type (bench/gemv.py --sweep times the others on the GPU). Q4_K and Q6_K from its sweep at 8B
@@ -461,9 +465,10 @@ if triton is not None:
 
     @triton.jit
     def _k45_words_gemv(x_ptr, xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                        ids_ptr, estride, xstep,
+                        ids_ptr, estride, xstep, sstride,
                         M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, FIVE: tl.constexpr,
-                        DP4A: tl.constexpr, PTX: tl.constexpr, EXPERTS: tl.constexpr, TAIL: tl.constexpr = False):
+                        DP4A: tl.constexpr, PTX: tl.constexpr, EXPERTS: tl.constexpr, TAIL: tl.constexpr = False,
+                        SPLIT: tl.constexpr = 1):
         """Q4_K and Q5_K (the layout of _k45_gemv) read in int32 words, SB blocks of a row side by side: a step
         loads a [BLOCK_N rows, SB blocks, 4 quarters, 8 words] tile of quantized bytes at once (word w of quarter
         p: weights 64p + 4w + t in its low nibbles, 64p + 32 + 4w + t in its high ones), so a row's short loop
@@ -475,7 +480,9 @@ if triton is not None:
         products per weight. EXPERTS: one matrix a slot of p0 programs, the expert ids[slot] of a stack
         (`_expert`; M = 1). TAIL: SB need not divide the row's blocks (an odd count: 5,376 columns are 21): a
         step past the row's end reads its last block again (no masked loads, which would split the vectors)
-        and weighs it 0."""
+        and weighs it 0. SPLIT: program_id(1) takes its share of a row's steps and stores its partial sums
+        sstride elements further (float32; `_sum_splits` adds them): a short launch of long rows otherwise waits on
+        one program's sequential loads."""
         if FIVE:
             size, qs_at = 176, 48
         else:
@@ -493,7 +500,8 @@ if triton is not None:
         acc1 = tl.zeros((BLOCK_N, SB, 4, 8), tl.float32)
         acc2 = tl.zeros((BLOCK_N, SB, 4, 8), tl.float32)
         acc3 = tl.zeros((BLOCK_N, SB, 4, 8), tl.float32)
-        for k in range(0, nb, SB):
+        k0, k1 = _split_range(tl.cdiv(nb, SB) * SB, SB, SPLIT)
+        for k in range(k0, k1, SB):
             b = k + kb  # (1, SB, 1, 1)
             if TAIL:
                 b = tl.minimum(b, nb - 1)
@@ -537,6 +545,8 @@ if triton is not None:
                     acc2 = _acc_k4_words(acc2, x_ptr + 2 * cols, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
                 if M > 3:
                     acc3 = _acc_k4_words(acc3, x_ptr + 3 * cols, xo, q, fifth, p, dl, ml, dh, mh, FIVE)
+        if SPLIT > 1:
+            out_ptr += tl.program_id(1) * sstride
         _store_rows(out_ptr, tl.sum(tl.sum(acc0, 3), 2), tl.sum(tl.sum(acc1, 3), 2), tl.sum(tl.sum(acc2, 3), 2),
                     tl.sum(tl.sum(acc3, 3), 2), M, out_stride, col + rows, live)
 
@@ -847,9 +857,9 @@ if triton is not None:
 
     @triton.jit
     def _q6_k_words(x_ptr, xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride,
-                    ids_ptr, estride, xstep,
+                    ids_ptr, estride, xstep, sstride,
                     M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, DP4A: tl.constexpr,
-                    PTX: tl.constexpr, EXPERTS: tl.constexpr, PAIRS: tl.constexpr = True):
+                    PTX: tl.constexpr, EXPERTS: tl.constexpr, PAIRS: tl.constexpr = True, SPLIT: tl.constexpr = 1):
         """Q6_K (the layout of _q6_k_gemv) read in int32 words. PAIRS (an even block count a row): two blocks
         (420 bytes, 105 words) at a time, the even block's words aligned, the odd one's 2 bytes into a word (each
         of its words from two aligned loads); tile [BLOCK_N rows, SB block pairs, 32 lanes]. Else (an odd count,
@@ -860,7 +870,7 @@ if triton is not None:
         c), the qh word 8h + u (2 bits per weight at 2j), the scale bytes 8h + 2j + u // 4 and d. DP4A: int8 x
         (`quantize_x`: xq_ptr, xs_ptr) and a dp4a per 4 weights (the weights made signed bytes), else float x
         (x_ptr) and float32 products. Needs 4-byte aligned matrices of an even block count (the caller checks).
-        EXPERTS: as _k45_words_gemv's."""
+        EXPERTS, SPLIT: as _k45_words_gemv's."""
         pid = tl.program_id(0)
         if EXPERTS:
             pid, a0, x_ptr, xq_ptr, xs_ptr, out_ptr = _expert(ids_ptr, estride, xstep, p0, a0, n0, x_ptr, xq_ptr,
@@ -880,7 +890,8 @@ if triton is not None:
         acc3 = tl.zeros((BLOCK_N, SB, 32), tl.float32)
         if PAIRS:
             wrow = wp + row * (nb // 2 * 105)
-            for k in range(0, nb // 2, SB):
+            k0, k1 = _split_range(nb // 2, SB, SPLIT)
+            for k in range(k0, k1, SB):
                 pw = wrow + (k + kp) * 105  # (BLOCK_N, SB, 1): the pair's first word
                 for e in tl.static_range(2):
                     bw = pw + 52 * e
@@ -893,7 +904,8 @@ if triton is not None:
                                                          d.to(tl.float32), 2 * (k + kp) + e, t, x_ptr, xq_ptr,
                                                          xs_ptr, cols, M, DP4A, PTX)
         else:
-            for k in range(0, nb, SB):
+            k0, k1 = _split_range(tl.cdiv(nb, SB) * SB, SB, SPLIT)
+            for k in range(k0, k1, SB):
                 b = tl.minimum(k + kp, nb - 1)  # (1, SB, 1); past the end: the last block again, weighed 0
                 gb = row * nb + b                # the block's index from the matrix's start
                 bw = wp + gb * 52 + gb // 2      # byte 210 gb = word 52 gb + gb // 2, plus 2 when gb is odd
@@ -907,8 +919,31 @@ if triton is not None:
                 d = tl.where(k + kp < nb, d.to(tl.float32), 0.0)
                 acc0, acc1, acc2, acc3 = _q6_k_block(acc0, acc1, acc2, acc3, ql, qh, sc_lo, sc_hi, d, b, t,
                                                      x_ptr, xq_ptr, xs_ptr, cols, M, DP4A, PTX)
+        if SPLIT > 1:
+            out_ptr += tl.program_id(1) * sstride
         _store_rows(out_ptr, tl.sum(acc0, 2), tl.sum(acc1, 2), tl.sum(acc2, 2), tl.sum(acc3, 2), M, out_stride,
                     col + rows, live)
+
+    @triton.jit
+    def _split_range(n, SB: tl.constexpr, SPLIT: tl.constexpr):
+        """The loop steps [k0, k1) of split program_id(1) over n (a multiple of SB): whole steps of SB each."""
+        if SPLIT == 1:
+            return n * 0, n  # (a tensor: the helper's two returns must be of one kind)
+        else:
+            per = tl.cdiv(n, SPLIT * SB) * SB
+            k0 = tl.program_id(1) * per
+            return k0, tl.minimum(k0 + per, n)
+
+    @triton.jit
+    def _sum_splits(part_ptr, out_ptr, n, part_stride, out_stride, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        """out row program_id(0) = the sum of its SPLIT float32 partial rows (part_stride apart), split 0 first."""
+        m = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = c < n
+        acc = tl.load(part_ptr + m * n + c, mask=live, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + s * part_stride + m * n + c, mask=live, other=0.0)
+        tl.store(out_ptr + m * out_stride + c, acc.to(out_ptr.dtype.element_ty), mask=live)
 
     # type -> (kernel, the constexprs that pick the type within its family)
     _KERNELS = {"IQ3_S": (_iq3_s_gemv, {}), "Q8_0": (_q8_0_gemv, {}), "Q6_K": (_q6_k_gemv, {}),
@@ -1082,12 +1117,25 @@ def _launch_words(kernel, x, mats, rows, nb, cols, out, col0, cfg: Config, sb: i
     ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
     progs = [triton.cdiv(r, cfg.block_n) for r in rows]
     dst = out[:, col0:]
+    total = sum(rows)
+    steps = triton.cdiv(nb // 2 if family.get("PAIRS") else nb, sb)  # a row's loop steps
+    split = min(cfg.split, steps // MIN_SPLIT_STEPS) if cfg.split > 1 else 1
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         for r0 in range(0, x.shape[0], MAX_M):
             xs = x[r0:r0 + MAX_M]
+            m = xs.shape[0]
             xqp, xsp = (xq[0][r0:].view(torch.int32), xq[1][r0:]) if dp4a else (_dummy(x.device), x)
+            if split > 1:  # float32 partial rows (split, m, total), then their fixed-order sum into dst
+                part = torch.empty((split, m, total), dtype=torch.float32, device=x.device)
+                kernel[(sum(progs), split)](xs, xqp, xsp, part, *ptrs, *rows, progs[0], progs[0] + progs[1], nb,
+                                            cols, total, xqp, 0, 0, m * total, M=m, BLOCK_N=cfg.block_n, SB=sb,
+                                            DP4A=dp4a, PTX=not INTERPRET, num_warps=cfg.num_warps, EXPERTS=False,
+                                            SPLIT=split, **family)
+                _sum_splits[(m, triton.cdiv(total, SUM_COLS))](part, dst[r0:], total, m * total, out.stride(0),
+                                                               SPLIT=split, BLOCK=SUM_COLS)
+                continue
             kernel[(sum(progs),)](xs, xqp, xsp, dst[r0:], *ptrs, *rows, progs[0], progs[0] + progs[1], nb, cols,
-                                  out.stride(0), xqp, 0, 0, M=xs.shape[0], BLOCK_N=cfg.block_n, SB=sb, DP4A=dp4a,
+                                  out.stride(0), xqp, 0, 0, 0, M=m, BLOCK_N=cfg.block_n, SB=sb, DP4A=dp4a,
                                   PTX=not INTERPRET, num_warps=cfg.num_warps, EXPERTS=False, **family)
 
 
@@ -1249,7 +1297,7 @@ def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
     ids = ids.reshape(-1)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         kernel[(n * per,)](x, xqp, xsp, out, stack, stack, stack, rows, 0, 0, per, per, nb, cols, out.stride(0),
-                           ids, rows * rb, 0 if x.shape[0] == 1 else cols, M=1, BLOCK_N=cfg.block_n, SB=sb,
+                           ids, rows * rb, 0 if x.shape[0] == 1 else cols, 0, M=1, BLOCK_N=cfg.block_n, SB=sb,
                            DP4A=dp4a, PTX=not INTERPRET, num_warps=cfg.num_warps, EXPERTS=True, **family)
     return out
 
