@@ -43,7 +43,7 @@ Q6K_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 2, 4, 8, 16) for sb in (1, 2, 
 # Q4_K/Q5_K's word kernels (--kquant words, dp4a): [block_n rows, sb blocks, 4 quarters, 8 words] tiles
 KQ_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 2, 4, 8, 16) for sb in (2, 4, 8, 16) for w in (4, 8)]
 # Q8_0's dp4a kernel (--q8-0 dp4a): [block_n rows, sb blocks, 8 words] tiles
-Q8_SWEEP = [gemv.Config(bn, sb, w) for bn in (1, 2, 4, 8, 16, 32) for sb in (2, 4, 8, 16) for w in (2, 4, 8)]
+Q8_SWEEP = [gemv.Config(bn, sb, w) for bn in (4, 8, 16) for sb in (4, 8) for w in (2, 4, 8)]
 
 
 def mats(preset: str, smoke: bool) -> list[tuple[str, list[tuple[int, int]]]]:
