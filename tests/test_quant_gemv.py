@@ -228,24 +228,25 @@ def check_dp4a_failure_falls_back_to_words():
 
 def check_q8_0_dp4a_matches_reference():
     """Q8_0's dp4a kernel (int16 loads, 8 dp4a a block): against the product with x's int8 rounding to float32
-    accumulation and within DP4A_TOL of x's; a row of 11 blocks in steps of 4 (the tail weighed 0) and of 8
-    blocks, M = 1, 3 and 6 (two launches), two matrices side by side, and both launch shapes."""
+    accumulation and within DP4A_TOL of x's; a row of 11 blocks in steps of 8 (the tail weighed 0) and of 8
+    blocks, M = 1, 3 and 6 (two launches), two matrices side by side; a big launch (a head) keeps the byte kernel."""
     from strata.quant import gemv, random_blocks
     g = torch.Generator().manual_seed(21)
+    for cols, rows, m in ((32 * 11, 37, 1), (32 * 8, 21, 3), (32 * 11, 5, 6)):
+        blocks = random_blocks("Q8_0", rows, cols, g)
+        x = torch.randn(m, cols, generator=g)
+        y = gemv.quant_matmul(x, blocks, "Q8_0", cols, kernels=kernels(q8_0="dp4a"))
+        _check_int8_x(gemv, x, blocks, "Q8_0", y, reference(x, blocks, "Q8_0"))
+    parts = [(random_blocks("Q8_0", r, 256, g), "Q8_0") for r in (9, 4)]
+    x = torch.randn(2, 256, generator=g)
+    y = gemv.quant_matmul_parts(x, parts, 256, kernels=kernels(q8_0="dp4a"))
+    xi = gemv.int8_x(*gemv.quantize_x(x))
+    assert rel(y, torch.cat([reference(xi, b, q) for b, q in parts], 1)) < 1e-5
     big = gemv.BIG_ROWS
     try:
-        for big_rows in (big, 1):
-            gemv.BIG_ROWS = big_rows
-            for cols, rows, m in ((32 * 11, 37, 1), (32 * 8, 21, 3), (32 * 11, 5, 6)):
-                blocks = random_blocks("Q8_0", rows, cols, g)
-                x = torch.randn(m, cols, generator=g)
-                y = gemv.quant_matmul(x, blocks, "Q8_0", cols, kernels=kernels(q8_0="dp4a"))
-                _check_int8_x(gemv, x, blocks, "Q8_0", y, reference(x, blocks, "Q8_0"))
-            parts = [(random_blocks("Q8_0", r, 256, g), "Q8_0") for r in (9, 4)]
-            x = torch.randn(2, 256, generator=g)
-            y = gemv.quant_matmul_parts(x, parts, 256, kernels=kernels(q8_0="dp4a"))
-            xi = gemv.int8_x(*gemv.quantize_x(x))
-            assert rel(y, torch.cat([reference(xi, b, q) for b, q in parts], 1)) < 1e-5
+        gemv.BIG_ROWS = 1
+        assert torch.equal(gemv.quant_matmul_parts(x, parts, 256, kernels=kernels(q8_0="dp4a")),
+                           gemv.quant_matmul_parts(x, parts, 256, kernels=kernels(q8_0="bytes")))
     finally:
         gemv.BIG_ROWS = big
 
@@ -540,16 +541,19 @@ def test_bad_blocks_refused():
 @pytest.mark.parametrize("shape", [(5120, 2880), (2880, 4096), (50000, 2880), (4096, 14336), (8192, 28672)])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_q8_0_dp4a_shapes(shape, m):
-    """Q8_0's dp4a kernel at gpt-oss-20b's shapes (90 blocks a row: steps with a weighed-0 tail; a big launch) and
-    8B / 70B ones, bf16 x: to float32 accumulation of the product with x's int8 rounding, within DP4A_TOL of x's, and
-    the same bits in a CUDA graph's replay."""
+    """Q8_0's dp4a kernel at gpt-oss-20b's shapes (90 blocks a row: steps with a weighed-0 tail; a big launch, which
+    keeps the byte kernel) and 8B / 70B ones, bf16 x: to float32 accumulation of the product with x's int8
+    rounding, within DP4A_TOL of x's, and the same bits in a CUDA graph's replay."""
     from strata.quant import gemv, random_blocks
     rows, cols = shape
     g = torch.Generator(device="cuda").manual_seed(rows + cols + m)
     blocks = random_blocks("Q8_0", rows, cols, g, device="cuda")
     x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
-    y = gemv.quant_matmul(x, blocks, "Q8_0", cols, kernels=kernels(q8_0="dp4a"))
-    _check_int8_x(gemv, x, blocks, "Q8_0", y, reference(x, blocks, "Q8_0"))
+    y = gemv.quant_matmul(x, blocks, "Q8_0", cols, kernels=kernels(q8_0="dp4a")).cpu()
+    if rows >= gemv.BIG_ROWS:  # the byte kernel on float x
+        assert rel(y, reference(x, blocks, "Q8_0")) < 8e-3
+    else:
+        _check_int8_x(gemv, x.cpu(), blocks, "Q8_0", y, reference(x, blocks, "Q8_0"))
     _check_graph_replay(gemv, [(blocks, "Q8_0")], cols, g, kernels(q8_0="dp4a"))
 
 
@@ -605,6 +609,31 @@ def test_gpu_word_kernels_shapes(shape, qtype, mode, m):
         assert rel(y, gemv.int8_x(*gemv.quantize_x(x)) @ w.T) < 1e-5
         assert rel(y, want) < DP4A_TOL, rel(y, want)
     assert rel(gemv.quant_matmul(x, blocks, qtype, cols, kernels=k), want) < (DP4A_TOL if mode == "dp4a" else 0) + 8e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(5376, 21504), (5120, 25600)])
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K"])
+def test_gpu_split_k_down_shapes(shape, qtype):
+    """ffn_down at Gemma-3-27B's and Qwen3-32B's shapes takes the split-K launch by default (Config.split): dp4a to
+    float32 accumulation of the int8 x product, the bits of a CUDA graph's replay, and within 1e-6 of the unsplit
+    launch (another summation order only)."""
+    import dataclasses
+    from strata.quant import dequantize, gemv, random_blocks
+    rows, cols = shape
+    k = kernels(q6k="dp4a", kquant="dp4a")
+    cfg = gemv.Q6K_WORDS_CONFIGS["dp4a"][0] if qtype == "Q6_K" else gemv.KQ_WORDS
+    assert cfg.split > 1
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    blocks = random_blocks(qtype, rows, cols, g, device="cuda")
+    x = torch.randn(1, cols, generator=g, device="cuda").bfloat16()
+    y = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(1, rows, device="cuda"), kernels=k)
+    assert rel(y, gemv.int8_x(*gemv.quantize_x(x)) @ dequantize(blocks, qtype).double().T) < 1e-5
+    one = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(1, rows, device="cuda"), kernels=k,
+                            config=dataclasses.replace(cfg, split=1))
+    assert rel(y, one) < 1e-6 and not torch.equal(y, one)  # the split launch did run
+    _check_graph_replay(gemv, [(blocks, qtype)], cols, g, k)
 
 
 @pytest.mark.gpu

@@ -40,7 +40,7 @@ except ImportError:  # CPU-only torch without triton: supports() is False everyw
 
 MAX_M = 4  # x rows per launch (the decode path's DECODE_T); the weights are read once for all of them
 MAX_PARTS = 3  # matrices per launch (q, k, v)
-MIN_SPLIT_STEPS = 4  # a split-K program's least loop steps (Config.split is cut to that)
+MIN_SPLIT_STEPS = 5  # a split-K program's least loop steps (Config.split is cut to that)
 SUM_COLS = 1024  # _sum_splits' outputs a program
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _IQ3S_TABLE = {"dp4a": 0, "dp4a-table": 1, "dp4a-u16": 2, "dp4a-smem": 3}  # the dp4a kernel's TABLE: which grid table
@@ -117,7 +117,7 @@ DP4A_CONFIG = Config(4, 4, 4)
 # divides the row's blocks); KQ_BIG for launches of at least BIG_ROWS rows. From bench/gemv.py --sweep on an H200
 # at 8B shapes (graph-timed, M=1, dp4a): q/k/v 16.1 us, wo ~14, gate/up 46.8, ffn_down 4096x14336 ~31-37, head
 # 159.1 (a tile of one block a step, the earlier kernel: 21.4, -, 46.3, 56.0, 159.7)
-KQ_WORDS = Config(8, 4, 8)
+KQ_WORDS = Config(8, 4, 8, split=4)
 KQ_BIG = Config(16, 4, 8)
 # _q6_k_words (q6k words and dp4a): a [block_n rows, sb block pairs, 32] tile (sb a power of two <= sb
 # that divides the row's pairs); per kernel, the first for launches under BIG_ROWS rows, the second for the
@@ -127,9 +127,16 @@ KQ_BIG = Config(16, 4, 8)
 # Q6_K --m 1 --sweep, H200, 2026-12-04), the smaller launches' (16, 4, 8) -> (8, 2, 4): ffn_down 5120x25600 99.3
 # -> 74.2 us, 5376x21504 85.9 -> 69.3, wo 5120x8192 38.1 -> 31.6 (at 8B shapes the best and the old were within
 # the sweep's noise, ~5 %)
-# _q8_0_dp4a: a [block_n rows, sb blocks, 8 words] tile, for launches under BIG_ROWS rows and the others (untuned)
-Q8_0_DP4A = (Config(8, 4, 4), Config(16, 4, 8))
-Q6K_WORDS_CONFIGS = {"words": (Config(4, 4, 8), Config(16, 1, 4)), "dp4a": (Config(8, 2, 4), Config(16, 2, 4))}
+# _q8_0_dp4a: a [block_n rows, sb blocks, 8 words] tile, for launches under BIG_ROWS rows (bench/gemv.py --preset
+# gpt-oss-20b --types Q8_0 --sweep, H200, 2026-12-04: q/k/v 5120x2880 22.5 us with the byte kernel -> 18.6, wo
+# 2880x4096 25.0 -> 22.5); the big ones (its head, 201,088 rows: 301 us against dp4a's best 324) keep the byte kernel
+Q8_0_DP4A = Config(4, 8, 2)
+# Split-K (bench/gemv.py --splits 1,2,3,4,6,8, H200, 2026-12-04) for the smaller launches' long rows only (at least
+# MIN_SPLIT_STEPS steps a split): ffn_down Q6_K 5376x21504 68.9 -> 61.6 us and 5120x25600 73.3 -> 69.9 at 4 splits,
+# Q4_K 49.5 -> 46.5 and 54.2 -> 51.1; shorter rows (wo 5120x8192, 8 steps) went 30.8 -> 35.3, the big launches
+# within 2 %
+Q6K_WORDS_CONFIGS = {"words": (Config(4, 4, 8), Config(16, 1, 4)),
+                     "dp4a": (Config(8, 2, 4, split=4), Config(16, 2, 4))}
 
 
 def supports(qtype) -> bool:
@@ -1042,8 +1049,8 @@ def _launch(x: torch.Tensor, mats: list[torch.Tensor], name: str, cols: int, out
             sb, tail = _k45_sb(nb, cfg)
             return _launch_words(_k45_words_gemv, x, mats, rows, nb, cols, out, col0, cfg, sb, kquant == "dp4a", xq,
                                  TAIL=tail, **_KERNELS[name][1])
-    if name == "Q8_0" and xq is not None and not any(m.data_ptr() % 2 for m in mats):  # int16 loads
-        cfg = config or (Q8_0_DP4A[1] if big else Q8_0_DP4A[0])
+    if name == "Q8_0" and xq is not None and not big and not any(m.data_ptr() % 2 for m in mats):  # int16 loads
+        cfg = config or Q8_0_DP4A
         sb = min(cfg.sb, triton.next_power_of_2(nb))
         progs = [triton.cdiv(r, cfg.block_n) for r in rows]
         ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
