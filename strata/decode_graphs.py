@@ -256,11 +256,14 @@ class DecodeGraphs:
         else:
             mask = torch.zeros(b, dtype=dt, device=self.device).masked_fill(self.ar[:b] > self.pos, float("-inf"))
             mask = mask.view(1, 1, 1, b)
-        pend = None  # each layer's last product, added to the residual by the next norm's kernel (fused: one launch)
+        # each layer's last product and the norm it still takes (gemma3's post-MLP norm, else None), added to the
+        # residual by the next norm's kernel (fused: one launch)
+        pend = (None, None)
         for blk in m.layers.values():
             cos, sin = tabs[blk.attn.rope_kind]
             h, pend = self._layer(blk, h, pend, cos, sin, mask, b, ring_pos)
-        h = h + pend
+        p, post = pend
+        h = h + (p if post is None else self._norm(p, post))
         if not m.has_head:
             return h, None, None
         logits = self._logits(h[0, -1])  # the head in the graph too: eager, its launches cost more than its GEMV
@@ -303,7 +306,7 @@ class DecodeGraphs:
         r = blk.weights  # resident: the fused kernels read the blocks (graphable checked they can)
         mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
         int8 = self._int8_inputs(r)
-        h, x, xq = self._add_norm(h, pend, blk.attn_norm, int8["qkv"])
+        h, x, xq = self._add_norm(h, pend, blk.attn_norm, int8["qkv"])  # (the previous layer's product added)
         qkv = mm.qkv(x, **xq).view(1, nh + 2 * nkv, hd)
         # qwen3, gemma3: each head's q and k normed before RoPE (inside rope_store's launch where it can)
         qk_norm = None
@@ -351,15 +354,15 @@ class DecodeGraphs:
         want = self.fused and isinstance(r, ResidentMatrices)
         return {p: want and r.int8_x(p) for p in ("qkv", "wo", "w13", "w2")}
 
-    def _rest(self, blk: Block, mm: Products, h, y, int8: dict[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer after attention: o-projection, residual, MLP (its product left for the next norm to add)."""
+    def _rest(self, blk: Block, mm: Products, h, y, int8: dict[str, bool]) -> tuple[torch.Tensor, tuple]:
+        """The layer after attention: o-projection, residual, MLP (its product, and the norm it takes first, left
+        for the next norm to add)."""
         o = mm.wo(y.reshape(1, 1, -1))
-        if blk.attn_post_norm is not None:  # gemma3: the output normed before its residual add
-            o = self._norm(o, blk.attn_post_norm)
-        h, x, xq = self._add_norm(h, o, blk.mlp_norm, int8["w13"] and not blk.moe)
+        # (gemma3: the output normed before its residual add, in the same launch)
+        h, x, xq = self._add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm, int8["w13"] and not blk.moe)
         if blk.moe:  # routing and the chosen experts' products, all on the device (strata.moe's few-rows path)
             p = blk.mlp(x.view(1, -1)).view(x.shape)
-            return h, (p if blk.mlp_post_norm is None else self._norm(p, blk.mlp_post_norm))
+            return h, (p, blk.mlp_post_norm)
         g, up = mm.w13(x, **xq).split(blk.mlp.ffn, dim=-1)
         zq = {}
         if self.fused:  # one launch instead of two, rounded once, and x's int8 rounding for w2 if it reads that
@@ -370,7 +373,7 @@ class DecodeGraphs:
         else:
             z = gate(g, up, blk.mlp.activation, fused=False)
         p = mm.w2(z, **zq)
-        return h, (p if blk.mlp_post_norm is None else self._norm(p, blk.mlp_post_norm))
+        return h, (p, blk.mlp_post_norm)
 
     @staticmethod
     def _fusable(norm: RMSNorm, x: torch.Tensor) -> bool:
@@ -385,17 +388,20 @@ class DecodeGraphs:
             return rms_norm(x, norm.weight, norm.eps)
         return norm.rows(x)
 
-    def _add_norm(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm,
+    def _add_norm(self, h: torch.Tensor, pend: tuple, norm: RMSNorm,
                   int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(h + y, norm(h + y), {} or {"xq": quantize_x's rounding of the normed row} with int8); y None: h."""
+        """pend (y, post): (h + y', norm(h + y'), {} or {"xq": quantize_x's rounding of the normed row} with int8),
+        y' = post(y) where post is a norm (gemma3's post norms), else y; y None: h."""
+        y, post = pend
         if self.fused and self._fusable(norm, h) and h.is_contiguous():
             from strata.decode_kernels import add_rms_norm, rms_norm
             if y is None:
                 out = rms_norm(h, norm.weight, norm.eps, int8)
                 return (h, out[0], {"xq": out[1]}) if int8 else (h, out, {})
-            if y.dtype == h.dtype and y.is_contiguous():
-                out = add_rms_norm(h, y, norm.weight, norm.eps, int8)
+            if y.dtype == h.dtype and y.is_contiguous() and (post is None or self._fusable(post, y)):
+                pre = None if post is None else (post.weight, post.eps)
+                out = add_rms_norm(h, y, norm.weight, norm.eps, int8, pre)
                 return (out[0], out[1], {"xq": out[2]}) if int8 else (out[0], out[1], {})
         if y is not None:
-            h = h + y
+            h = h + (y if post is None else self._norm(y, post))
         return h, norm.rows(h), {}

@@ -46,13 +46,19 @@ if triton is not None:
         _norm_out(x, g, t, live, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, INT8)
 
     @triton.jit
-    def _add_rms_norm(h_ptr, y_ptr, w_ptr, hout_ptr, out_ptr, q_ptr, s_ptr, n, eps, BLOCK: tl.constexpr,
-                      INT8: tl.constexpr):
+    def _add_rms_norm(h_ptr, y_ptr, w_ptr, hout_ptr, out_ptr, q_ptr, s_ptr, pw_ptr, n, eps, pre_eps,
+                      BLOCK: tl.constexpr, INT8: tl.constexpr, PRE: tl.constexpr):
+        # PRE: y is first RMS-normed with pw_ptr and rounded (gemma3's post-attention / post-MLP norm of the
+        # product, before its residual add), as _rms_norm would have in a launch of its own
         g, t = tl.arange(0, BLOCK // 32)[:, None], tl.arange(0, 32)[None, :]
         i = g * 32 + t
         live = i < n
         h = tl.load(h_ptr + i, mask=live, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + i, mask=live, other=0.0).to(tl.float32)
+        if PRE:
+            pw = tl.load(pw_ptr + i, mask=live, other=0.0).to(tl.float32)
+            ry = 1.0 / tl.sqrt(tl.sum(tl.sum(y * y, 1), 0) / n + pre_eps)
+            y = (y * ry * pw).to(hout_ptr.dtype.element_ty).to(tl.float32)
         s = (h + y).to(hout_ptr.dtype.element_ty)  # the residual rounded as torch's h + y rounds it
         tl.store(hout_ptr + i, s, mask=live)
         _norm_out(s.to(tl.float32), g, t, live, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, INT8)
@@ -202,16 +208,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = Fal
     return (out, (q, s)) if int8 else out
 
 
-def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False):
+def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False,
+                 pre: tuple[torch.Tensor, float] | None = None):
     """The residual add and the next norm of one row in one launch: (h + y, rms_norm(h + y) * weight), the sum
     rounded to h's dtype first (what `h = h + y` then a norm compute). int8: a third item, quantize_x's (q, s) of
-    the normed row."""
+    the normed row. pre (weight, eps): y is rms_norm(y, weight, eps) first (gemma3's post norms)."""
     n = h.numel()
     if y.numel() != n or not (h.is_contiguous() and y.is_contiguous()):
         raise ValueError("add_rms_norm wants two contiguous rows of one length")
     h_out, out = torch.empty_like(h), torch.empty_like(h)
     q, s = _int8_out(h, int8)
-    _add_rms_norm[(1,)](h, y, weight, h_out, out, q, s, n, eps, BLOCK=_row_block(n), INT8=int8)
+    pw, pre_eps = pre if pre is not None else (weight, 0.0)
+    _add_rms_norm[(1,)](h, y, weight, h_out, out, q, s, pw, n, eps, pre_eps, BLOCK=_row_block(n), INT8=int8,
+                        PRE=pre is not None)
     return (h_out, out, (q, s)) if int8 else (h_out, out)
 
 

@@ -281,6 +281,9 @@ h3, y3, (q3, s3) = add_rms_norm(x, d, w, 1e-5, int8=True)
 assert torch.equal(h3, x + d) and torch.equal(y3, add_rms_norm(x, d, w, 1e-5)[1])
 q0, s0 = quantize_x(y3.view(1, -1))
 assert torch.equal(q3, q0) and torch.equal(s3, s0)
+pw = torch.randn(320, generator=g)  # gemma3's post norm of the product, in the same launch
+h4, y4 = add_rms_norm(x, d, w, 1e-5, pre=(pw, 1e-6))
+assert torch.equal(h4, x + rms_norm(d, pw, 1e-6)) and torch.equal(y4, rms_norm(h4, w, 1e-5))
 gt, up = torch.randn(1, 1, 2 * 1100, generator=g).split(1100, -1)  # views of one row, as the w13 product's halves
 gt = gt * 4
 for act, ref in (("silu", F.silu(gt) * up), ("gelu_tanh", F.gelu(gt, approximate="tanh") * up)):
