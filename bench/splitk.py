@@ -1,6 +1,5 @@
 """Split-K decode attention alone (strata.decode_attention) on one GPU: one layer's step for an 8B shape (8 kv heads
-of 4 query rows, head dim 128) over a cache of --keys positions, with a bfloat16 and a q8_0 cache (rows widened, and `planes`:
-strata.decode_attention.Q8_PLANES), for a few
+of 4 query rows, head dim 128) over a cache of --keys positions, with a bfloat16 and a q8_0 cache, for a few
 split counts and warps per program; the time a launch pair takes (CUDA events over --reps) and the cache bytes a
 microsecond streams. Prints one row per setting.
 
@@ -33,12 +32,12 @@ def main() -> int:
     n = torch.tensor([S], device=dev)
     ref = None
     print("| cache | splits | warps | us per layer | GB/s of cache | max abs diff to bf16 splits 64 warps 4 |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, planes in (("bfloat16", False), ("q8_0", False), ("q8_0 planes", True)):
-        k, v = caches[name.split()[0]]
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in ("bfloat16", "q8_0"):
+        k, v = caches[name]
         for splits in (64, 128, 256):
             for warps in (4, 8):
-                att = SplitKAttention(nkv, g, hd, S, dev, splits=splits, num_warps=warps, q8_planes=planes)
+                att = SplitKAttention(nkv, g, hd, S, dev, splits=splits, num_warps=warps)
                 out = torch.empty_like(q)
                 try:
                     att(q, k, v, n, out)

@@ -23,13 +23,6 @@ except ImportError:  # CPU-only installs: the callers keep their torch path
 
 BLOCK_N = 64       # keys per tile
 KEYS_PER_SPLIT = 128  # at least this many keys per range: fewer ranges for short caches
-# a q8_0 cache's tiles: False widens each row (its int8 values converted, times their block's scale, to the query's
-# dtype: as from_q8_0 widens it); True reads them as byte planes of int32 words made float by integer ops
-# (`_plane`), the products in tf32. Not yet timed on a GPU: bench/splitk.py's `q8_0 planes` rows. An untimed A/B
-# arm, off: a module constant that is only the default of SplitKAttention(q8_planes=...), bound when the class is
-# defined; read nowhere else, never from the environment and not a rig key (bench/splitk.py and the tests pass
-# q8_planes themselves). Timed faster, it becomes the default here or a `kernels` key in strata/config.py
-Q8_PLANES = False
 
 
 def available() -> bool:
@@ -53,18 +46,10 @@ if triton is not None:
         return tl.reshape(tl.reshape(x, (BLOCK, HD // 32, 32)) * d[:, :, None], (BLOCK, HD))
 
     @triton.jit
-    def _plane(w, J: tl.constexpr):
-        # byte J of each int32 word as float32, exactly, with integer ops and one add: the byte sign-extended by two
-        # shifts, added to the bits of 1.5 * 2**23 (whose float spacing is 1), less 1.5 * 2**23 as a float. No
-        # int-to-float conversion (those issue at a quarter of the FMA rate and bound the widening)
-        b = (w << (24 - 8 * J)) >> 24
-        return (b + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-
-    @triton.jit
     def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
                  sk_h, sk_s, sv_h, sv_s, span, scale, window, ring,
                  G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
-                 PREC: tl.constexpr, Q8: tl.constexpr, PLANES: tl.constexpr):
+                 PREC: tl.constexpr, Q8: tl.constexpr):
         # Q8: a q8_0 cache (strata.attention.to_q8_0): k_ptr / v_ptr its bytes as int8, ks_ptr / vs_ptr the same
         # bytes as float16 (strides in bytes); a row is HD int8 values then HD / 32 float16 scales, widened as
         # strata.attention.from_q8_0 widens it (float32 product, rounded once). Rows start at multiples of HD / 16
@@ -84,87 +69,36 @@ if triton is not None:
         dt = q_ptr.dtype.element_ty  # scores from the query's dtype (exact bf16 products), sums in float32
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
-        if PLANES:
-            # a q8_0 cache read as int32 words of 4 values: byte plane J holds dims 4w + J of every word w. Scores
-            # and values go plane by plane (a dot is a sum over dims in any order), each value times its block's
-            # scale in float32 (words 8b..8b+7 are block b), the products in tf32; no reshape of the tiles
-            wi = tl.arange(0, HD // 4)
-            qm = (rows < G)[:, None]
-            qo = (h * G + rows)[:, None] * HD + 4 * wi[None, :]
-            q0 = tl.load(q_ptr + qo, mask=qm, other=0.0).to(tl.float32)
-            q1 = tl.load(q_ptr + qo + 1, mask=qm, other=0.0).to(tl.float32)
-            q2 = tl.load(q_ptr + qo + 2, mask=qm, other=0.0).to(tl.float32)
-            q3 = tl.load(q_ptr + qo + 3, mask=qm, other=0.0).to(tl.float32)
-            kw_ptr = k_ptr.to(tl.pointer_type(tl.int32))
-            vw_ptr = v_ptr.to(tl.pointer_type(tl.int32))
-            a0 = tl.zeros([GP, HD // 4], tl.float32)
-            a1 = tl.zeros([GP, HD // 4], tl.float32)
-            a2 = tl.zeros([GP, HD // 4], tl.float32)
-            a3 = tl.zeros([GP, HD // 4], tl.float32)
-            for start in range(lo, hi, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                live = cols < hi
-                rows_k = (first + cols) % ring
+        if Q8:
+            blocks = tl.arange(0, HD // 32)
+        acc = tl.zeros([GP, HD], tl.float32)
+        for start in range(lo, hi, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            live = cols < hi
+            rows_k = (first + cols) % ring  # the identity for a cache that is not a ring (ring >= n_keys)
+            if Q8:
                 ko = tl.multiple_of(h * sk_h + rows_k * sk_s, HD // 16)[:, None]
                 vo = tl.multiple_of(h * sv_h + rows_k * sv_s, HD // 16)[:, None]
-                kw = tl.load(kw_ptr + ko // 4 + wi[None, :], mask=live[:, None], other=0)
-                kd = tl.load(ks_ptr + (ko + HD) // 2 + (wi // 8)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-                sc = tl.dot(q0, tl.trans(_plane(kw, 0) * kd), input_precision=PREC)
-                sc += tl.dot(q1, tl.trans(_plane(kw, 1) * kd), input_precision=PREC)
-                sc += tl.dot(q2, tl.trans(_plane(kw, 2) * kd), input_precision=PREC)
-                sc += tl.dot(q3, tl.trans(_plane(kw, 3) * kd), input_precision=PREC)
-                sc = tl.where(live[None, :], sc * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                vw = tl.load(vw_ptr + vo // 4 + wi[None, :], mask=live[:, None], other=0)
-                vd = tl.load(vs_ptr + (vo + HD) // 2 + (wi // 8)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-                a0 = a0 * alpha[:, None] + tl.dot(p, _plane(vw, 0) * vd, input_precision=PREC)
-                a1 = a1 * alpha[:, None] + tl.dot(p, _plane(vw, 1) * vd, input_precision=PREC)
-                a2 = a2 * alpha[:, None] + tl.dot(p, _plane(vw, 2) * vd, input_precision=PREC)
-                a3 = a3 * alpha[:, None] + tl.dot(p, _plane(vw, 3) * vd, input_precision=PREC)
-                m_i = m_new
-            base = (h * n_split + s) * GP + rows
-            real = rows < G
-            tl.store(m_ptr + base, m_i, mask=real)
-            tl.store(l_ptr + base, l_i, mask=real)
-            ao = acc_ptr + base[:, None] * HD + 4 * wi[None, :]
-            tl.store(ao, a0, mask=real[:, None])
-            tl.store(ao + 1, a1, mask=real[:, None])
-            tl.store(ao + 2, a2, mask=real[:, None])
-            tl.store(ao + 3, a3, mask=real[:, None])
-        else:
-            if Q8:
-                blocks = tl.arange(0, HD // 32)
-            acc = tl.zeros([GP, HD], tl.float32)
-            for start in range(lo, hi, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                live = cols < hi
-                rows_k = (first + cols) % ring  # the identity for a cache that is not a ring (ring >= n_keys)
-                if Q8:
-                    ko = tl.multiple_of(h * sk_h + rows_k * sk_s, HD // 16)[:, None]
-                    vo = tl.multiple_of(h * sv_h + rows_k * sv_s, HD // 16)[:, None]
-                    k = _q8_rows(k_ptr, ks_ptr, ko, live, dims, blocks, BLOCK, HD)
-                    v = _q8_rows(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD)
-                    v = v.to(dt)  # the widened value in the compute dtype, as the eager path's from_cache gives it
-                else:
-                    k = tl.load(k_ptr + h * sk_h + rows_k[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
-                    v = tl.load(v_ptr + h * sv_h + rows_k[:, None] * sv_s + dims[None, :], mask=live[:, None], other=0.0)
-                sc = tl.dot(q, tl.trans(k.to(dt)), input_precision=PREC) * scale        # (GP, BLOCK)
-                sc = tl.where(live[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                # probabilities stay float32 (tf32 on the tensor cores, 3 bits more than bf16): memory-bound anyway
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PREC)
-                m_i = m_new
-            base = (h * n_split + s) * GP + rows
-            real = rows < G  # the padding rows are never read back
-            tl.store(m_ptr + base, m_i, mask=real)
-            tl.store(l_ptr + base, l_i, mask=real)
-            tl.store(acc_ptr + base[:, None] * HD + dims[None, :], acc, mask=real[:, None])
+                k = _q8_rows(k_ptr, ks_ptr, ko, live, dims, blocks, BLOCK, HD)
+                v = _q8_rows(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD)
+                v = v.to(dt)  # the widened value in the compute dtype, as the eager path's from_cache gives it
+            else:
+                k = tl.load(k_ptr + h * sk_h + rows_k[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
+                v = tl.load(v_ptr + h * sv_h + rows_k[:, None] * sv_s + dims[None, :], mask=live[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k.to(dt)), input_precision=PREC) * scale        # (GP, BLOCK)
+            sc = tl.where(live[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # probabilities stay float32 (tf32 on the tensor cores, 3 bits more than bf16): memory-bound anyway
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PREC)
+            m_i = m_new
+        base = (h * n_split + s) * GP + rows
+        real = rows < G  # the padding rows are never read back
+        tl.store(m_ptr + base, m_i, mask=real)
+        tl.store(l_ptr + base, l_i, mask=real)
+        tl.store(acc_ptr + base[:, None] * HD + dims[None, :], acc, mask=real[:, None])
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, n_split,
@@ -200,14 +134,12 @@ class SplitKAttention:
     tensor (1,), the live positions (< S read).
     The partial results live in buffers made once here, so the launches can be captured in a graph."""
 
-    def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None, num_warps: int = 4,
-                 q8_planes: bool = Q8_PLANES):
+    def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None, num_warps: int = 4):
         if triton is None:
             raise RuntimeError("split-K decode attention needs Triton")
         if hd & (hd - 1):
             raise ValueError(f"head dim {hd} is not a power of two")
         self.nkv, self.g, self.hd, self.num_warps = nkv, g, hd, num_warps
-        self.q8_planes = q8_planes and hd >= 64  # a plane's products need 16 dims (tl.dot's least)
         self.gp = max(16, 1 << (g - 1).bit_length())  # tl.dot wants >= 16 rows; the padding rows are zeros
         self.splits = splits or n_splits(keys)
         self.span = BLOCK_N * math.ceil(keys / self.splits / BLOCK_N)
@@ -244,7 +176,7 @@ class SplitKAttention:
                                      k.shape[1],
                                      G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
-                                     PLANES=q8 and self.q8_planes, num_warps=self.num_warps)
+                                     num_warps=self.num_warps)
         _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
                          GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None)
         return out

@@ -47,26 +47,25 @@ for nkv, grp, hd, S, n in [(2, 4, 64, 700, 517), (3, 3, 32, 300, 1), (2, 4, 64, 
 """
 
 
-Q8_PLANES = r"""
+Q8_0_CACHE = r"""
 import torch, sys
 sys.path.insert(0, sys.argv[1])
 from strata.attention import from_q8_0, to_q8_0
 from strata.decode_attention import SplitKAttention
 from tests.test_decode_attention import rel
 g = torch.Generator().manual_seed(9)
-# a q8_0 cache read whole-row widened and as byte planes of int32 words: both the float64 attention of the
-# dequantized cache; (nkv, group, hd, buffer keys, live keys), values beyond one byte's scale
+# a q8_0 cache, its rows widened: the float64 attention of the dequantized cache; (nkv, group, hd, buffer keys,
+# live keys), values beyond one byte's scale
 for nkv, grp, hd, S, n in [(2, 4, 64, 256, 200), (1, 2, 128, 300, 300), (2, 4, 128, 260, 1)]:
     q = torch.randn(nkv, grp, hd, generator=g)
     k8, v8 = (to_q8_0(torch.randn(nkv, S, hd, generator=g) * 3) for _ in range(2))
     k, v = from_q8_0(k8, torch.float64), from_q8_0(v8, torch.float64)
     want = torch.softmax(q.double() @ k[:, :n].transpose(1, 2) / hd ** 0.5, -1) @ v[:, :n]
-    for planes in (False, True):
-        out = torch.full_like(q, float("nan"))
-        SplitKAttention(nkv, grp, hd, S, "cpu", q8_planes=planes)(q, k8, v8, torch.tensor([n]), out=out)
-        err = rel(out, want)
-        print(hd, n, planes, err)
-        assert err < 1e-5, err
+    out = torch.full_like(q, float("nan"))
+    SplitKAttention(nkv, grp, hd, S, "cpu")(q, k8, v8, torch.tensor([n]), out=out)
+    err = rel(out, want)
+    print(hd, n, err)
+    assert err < 1e-5, err
 """
 
 
@@ -102,9 +101,9 @@ def test_split_k_window_over_a_ring_interpreted():
 
 
 @needs_triton
-def test_split_k_q8_0_planes_interpreted_match_the_dequantized_cache():
+def test_split_k_q8_0_interpreted_matches_the_dequantized_cache():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", Q8_PLANES, str(ROOT)], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", Q8_0_CACHE, str(ROOT)], env=env, capture_output=True, text=True,
                        timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
 
