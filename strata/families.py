@@ -269,7 +269,7 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
                          qkv_bias=fam.qkv_bias or (glm and bool(cfg.get("attention_bias"))),
                          qk_norm=fam.qk_norm or (glm and bool(cfg.get("use_qk_norm"))),
                          rotary_dim=int(head_dim * prf) if prf != 1.0 else None,
-                         max_seq_len=cfg.get("max_position_embeddings", 8192),
+                         max_seq_len=_max_positions(cfg, scaling),
                          sliding_window=window, window_layers=window_layers,
                          bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
                          **experts, **extra)
@@ -331,6 +331,15 @@ def _hf_experts(cfg: dict, arch: str, where: str, refuse) -> dict:
     return dict(n_experts=int(n), n_experts_used=int(cfg["num_experts_per_tok"]),
                 expert_ffn_dim=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
                 router_renorm=True if mixtral else bool(cfg.get("norm_topk_prob", False)))
+
+
+def _max_positions(cfg: dict, scaling: dict | None) -> int:
+    """The positions a model takes: max_position_embeddings; with dynamic NTK rope, factor times it (the length
+    the factor is set for: transformers itself sets no bound, its frequencies keep growing with the sequence)."""
+    n = cfg.get("max_position_embeddings", 8192)
+    if scaling and scaling["rope_type"] == "dynamic":
+        return int(scaling["factor"] * n)
+    return n
 
 
 def _hf_window(cfg: dict, fam: Family, where: str) -> tuple[int | None, tuple | None]:

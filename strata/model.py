@@ -323,6 +323,9 @@ class Transformer(nn.Module):
         self.scratch: Scratch | None = None
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
         self.rope_factor = rope_attention_factor(args)  # cos and sin times this (YaRN)
+        sc = _scaling(args)
+        self.rope_dynamic = sc if sc and sc["rope_type"] == "dynamic" else None  # dynamic NTK's parameters
+        self.prompt_len = 0  # the prompt being prefilled (set_prompt_length): dynamic NTK's frequencies follow it
         # gemma3: window layers rotate with their own base, unscaled
         self.inv_freq_window = (None if args.window_rope_theta is None
                                 else rope_frequencies(args, args.window_rope_theta, scaled=False))
@@ -569,9 +572,21 @@ class Transformer(nn.Module):
                    for c in (blk.attn.k_cache, blk.attn.v_cache) if c is not None)
 
     # -- compute ---------------------------------------------------------------------------
+    def set_prompt_length(self, n: int) -> None:
+        """The length of the prompt the next chunks belong to. Only dynamic NTK rope reads it: transformers gives a
+        forward over [0, L) the frequencies of L, so each chunk of a prompt of L takes L's, and a decode step at
+        position p (>= L) those of p + 1. Stages set it from each chunk's note; 0: a chunk's own end."""
+        self.prompt_len = n
+
     def rope(self, pos: int, T: int, dtype: torch.dtype, kind: str = "global") -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, hd) of positions [pos, pos + T); kind "window": the window layers' own base (gemma3)."""
         inv = self.inv_freq_window if kind == "window" else self.inv_freq
+        dyn = getattr(self, "rope_dynamic", None)  # (a stand-in (calibrate) has none)
+        if dyn is not None and kind == "global" and max(self.prompt_len, pos + T) > dyn["max_position_embeddings"]:
+            from .rope import dynamic_inv_frequencies
+            a = self.args
+            inv = dynamic_inv_frequencies(a.head_dim, a.rope_theta, dyn, max(self.prompt_len, pos + T),
+                                          a.rotary_dim).float().to(inv.device)
         t = torch.arange(pos, pos + T, device=inv.device, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
@@ -591,7 +606,7 @@ class Transformer(nn.Module):
     def _decode_rope(self, pos: int, T: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (T, 1, hd) for a decode step. On CPU, rows of a table made once (grown by
         doubling), the same bits as rope(): a step costs two narrows instead of a dozen ops."""
-        if device.type != "cpu":
+        if device.type != "cpu" or self.rope_dynamic is not None:  # (dynamic: each step's own frequencies)
             return rope_tables(*self.rope(pos, T, dtype))
         tab = self._rope_table
         if tab is None or tab[0].shape[0] < pos + T or tab[0].dtype != dtype:

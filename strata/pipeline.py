@@ -508,6 +508,9 @@ class Pipeline:
             return 0  # a linear-attention state serves only the position it stands at: the end of what is kept
         if rings and self._kept_n > min(rings) and start + 1 - a.sliding_window < self._kept_n - min(rings):
             return 0  # a window layer's ring no longer holds the keys a restart at `start` would read
+        sc = a.rope_scaling
+        if sc and sc.get("rope_type") == "dynamic" and max(self._kept_n, ids.size) > sc["max_position_embeddings"]:
+            return 0  # dynamic NTK: keys past max_position_embeddings rotate by their prompt's length, not this one's
         return start
 
     # -- the prefix cache and KV files -----------------------------------------------------------

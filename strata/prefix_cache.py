@@ -36,6 +36,8 @@ def supported(args) -> str | None:
         return "linear-attention layers hold a fixed-size state valid only where it was taken"
     if any(args.window(i) for i in range(args.n_layers)):
         return "window layers keep a ring of window + chunk - 1 rows, valid only where it was taken"
+    if args.rope_scaling and args.rope_scaling.get("rope_type") == "dynamic":
+        return "dynamic NTK rope: a prompt's keys past max_position_embeddings rotate by the prompt's length"
     return None
 
 

@@ -1,4 +1,5 @@
-"""RoPE inverse frequencies and attention factor (default, linear, llama3, yarn), from HF or GGUF metadata."""
+"""RoPE inverse frequencies and attention factor (default, linear, llama3, yarn; dynamic NTK, whose frequencies
+follow the sequence's length), from HF or GGUF metadata."""
 from __future__ import annotations
 
 import math
@@ -7,11 +8,12 @@ import torch
 
 from .errors import ModelError
 
-ROPE_TYPES = ("llama3", "yarn", "linear")
+ROPE_TYPES = ("llama3", "yarn", "linear", "dynamic")
 
 # The parameters each type reads, in the normalized dict's order.
 _KEYS = {
     "linear": ("factor",),
+    "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "attention_factor", "truncate"),
@@ -23,7 +25,7 @@ _IGNORED = ("rope_type", "type", "rope_theta", "original_max_position_embeddings
 _NEUTRAL = {"partial_rotary_factor": 1.0, "factor": 1.0}
 _SEQ_DEPENDENT = ("its frequencies change with the running sequence length, "
                   "so keys cached at one length would not match")
-_REFUSED = {"dynamic": _SEQ_DEPENDENT, "longrope": _SEQ_DEPENDENT}
+_REFUSED = {"longrope": _SEQ_DEPENDENT}
 
 
 def _unknown(kind) -> str:
@@ -66,6 +68,11 @@ def scaling_from_hf(rs: dict | None, where: str, *, max_position_embeddings: int
 
     if kind == "linear":
         return {"rope_type": kind, "factor": float(need("factor"))}
+    if kind == "dynamic":  # HF scales from max_position_embeddings itself, not an original length
+        if max_position_embeddings is None:
+            raise ModelError(f"{where}: dynamic rope_scaling needs max_position_embeddings")
+        return {"rope_type": kind, "factor": float(need("factor")),
+                "max_position_embeddings": int(max_position_embeddings)}
     orig = original_max_position_embeddings or rs.get("original_max_position_embeddings") or max_position_embeddings
     if orig is None:
         raise ModelError(f"{where}: {kind} rope_scaling lacks 'original_max_position_embeddings'")
@@ -156,7 +163,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
     # on the CPU, also inside a `torch.device("meta")` build (meta arange goes through torch's compiler)
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     kind = scaling.get("rope_type") if scaling else "default"  # a dict without one is refused below
-    if kind == "default":
+    if kind in ("default", "dynamic"):  # dynamic: within max_position_embeddings (beyond: dynamic_inv_frequencies)
         return inv, 1.0
     if kind == "linear":  # position interpolation: p / factor, folded into the frequencies
         return inv / scaling["factor"], 1.0
@@ -188,3 +195,16 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
             att = yarn_attention_factor(factor, scaling.get("mscale"), scaling.get("mscale_all_dim"))
         return inv / factor * ramp + inv * (1 - ramp), float(att)
     raise ModelError(_unknown(kind))
+
+
+def dynamic_inv_frequencies(head_dim: int, theta: float, scaling: dict, seq_len: int,
+                            rotary_dim: int | None = None) -> torch.Tensor:
+    """Dynamic NTK's float64 inverse frequencies for a sequence of seq_len positions (HF's "dynamic" rope): past
+    max_position_embeddings m the base grows to theta * (factor * seq_len / m - (factor - 1)) ** (dim / (dim - 2));
+    within m, plain RoPE. transformers gives a forward over positions [0, L) the frequencies of L, and a cached
+    decode step at position p those of p + 1 (keys cached earlier keep theirs): Transformer.rope's rule."""
+    dim = head_dim if rotary_dim is None else rotary_dim
+    m, factor = scaling["max_position_embeddings"], scaling["factor"]
+    seq = max(seq_len, m)
+    base = theta * ((factor * seq / m) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))

@@ -545,3 +545,87 @@ def test_planner_counts_what_a_stage_holds(tmp_path, fam):
     for lo, hi in three_way(a.n_layers):
         m = load_stage(d, a, lo, hi, device="cpu", dtype=torch.float32, max_len=200, max_chunk=CHUNK)
         assert stage_need(a, lo, hi, 200, CHUNK, "float32").kv_cache == m.kv_bytes + m.state_bytes
+
+
+DYNAMIC = dict(max_position_embeddings=48, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                            "rope_theta": 10000.0})
+
+
+def hf_generate(ref, ids, new: int, logits: bool = False):
+    """transformers' own greedy generate with its KV cache: for dynamic NTK rope the definition users run (each
+    step's query and key rotate by p + 1; keys cached earlier keep theirs), which whole uncached forwards are not.
+    logits: also each step's raw logits."""
+    ref.generation_config.eos_token_id = None  # `new` tokens, an end-of-sequence id among them or not
+    with torch.no_grad():
+        # (an explicit mask: else generate takes the prompt's pad-id tokens for padding and shifts the positions)
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    toks = out.sequences[0, ids.shape[1]:].tolist()
+    return (toks, [x[0] for x in out.logits]) if logits else toks
+
+
+def test_dynamic_ntk_matches_transformers(tmp_path):
+    """Dynamic NTK rope (max_position_embeddings 48, factor 2) over a 71-token prompt on 3 slices in chunks of 13:
+    every position's logits and the NLL against transformers' one forward (the frequencies of the prompt's length,
+    set_prompt_length), and 16 greedy tokens equal to transformers' cached generate (a step at p: p + 1's). Chunks
+    that took their own end's length instead would not match; the decode graphs and the prefix cache decline."""
+    from strata.decode_graphs import covers
+    from strata.prefix_cache import supported
+    ref, d = make_hf(tmp_path, "llama", **DYNAMIC)
+    args = model_args(d)
+    assert args.rope_scaling == {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 48}
+    assert args.max_seq_len == 96 and not covers(args) and "dynamic NTK" in supported(args)
+    ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = ref(ids).logits[0]
+    slices = load_slices(d, three_way(args.n_layers), PROMPT + NEW)
+    wrong = slices[-1].logits(chained_prefill(slices, ids, CHUNK)[0])  # no prompt length: each chunk its own end
+    assert rel(wrong, want) > 1e-3  # (ten times the bound below)
+    for s in slices:
+        s.setup_cache(PROMPT + NEW, max_chunk=CHUNK)
+        s.set_prompt_length(PROMPT)
+    got = slices[-1].logits(chained_prefill(slices, ids, CHUNK)[0])
+    assert rel(got, want) < 1e-4
+    nll = torch.nn.functional.cross_entropy(got[:-1], ids[0, 1:])
+    assert abs(nll.item() / torch.nn.functional.cross_entropy(want[:-1], ids[0, 1:]).item() - 1) < 1e-4
+    hf, hf_logits = hf_generate(ref, ids, NEW, logits=True)
+    tok, pos, out = int(got[-1].argmax()), PROMPT, []
+    for i in range(NEW):
+        out.append(tok)
+        if i == NEW - 1:
+            break
+        x = torch.tensor([[tok]])
+        for s in slices:
+            s.set_prompt_length(pos + 1)  # what a stage sets from a decode step's note
+            x = s(x, pos)
+        step = slices[-1].logits(x[0, -1])
+        assert rel(step, hf_logits[i + 1]) < 1e-4, i  # this step's query and key at p + 1's frequencies
+        tok, pos = int(step.argmax()), pos + 1
+    assert out == hf
+
+
+def test_dynamic_ntk_through_the_pipeline(tmp_path):
+    """The same model on 3 CPU stage processes: the stages take the prompt's length from each chunk's note, so the
+    last logits and 16 greedy tokens are transformers' (cached generate); a second prompt sharing the first's
+    prefix is recomputed, not reused (its keys rotate by another length)."""
+    import numpy as np
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    ref, d = make_hf(tmp_path, "llama", **DYNAMIC)
+    args = model_args(d)
+    ids = np.random.default_rng(4).integers(0, args.vocab_size, size=PROMPT).astype(np.int32)
+    rig = dict(model=d, stages=[{"device": "cpu", "threads": 1}] * 3, layer_split=[1, 2, 1], chunk=CHUNK,
+               dtype="float32", progress=False, max_context=96, prompt={"random": {"tokens": 8, "seed": 0}})
+    t = torch.from_numpy(ids).long()[None]
+    with torch.no_grad():  # in this order: transformers' rotary keeps the longest length it met (its own state)
+        want60, want = ref(t[:, :60]).logits[0, -1], ref(t).logits[0, -1]
+    hf = hf_generate(ref, t, NEW)
+    with Pipeline(rig, out=tmp_path / "run", console=False) as p:
+        r = p.generate(ids, SamplingParams(max_tokens=NEW, temperature=0.0))
+        assert rel(torch.from_numpy(r.last_logits), want) < 1e-4
+        got = list(r.continuation_ids)  # (up to an end-of-sequence token, which Strata does not return)
+        assert got == hf[:len(got)] and (len(got) == NEW or hf[len(got)] == args.eos_id), (got, hf)
+        assert len(got) >= 8
+        r2 = p.generate(ids[:60], SamplingParams(max_tokens=1, temperature=0.0))
+        assert r2.report["reused_tokens"] == 0
+        assert rel(torch.from_numpy(r2.last_logits), want60) < 1e-4

@@ -98,6 +98,35 @@ def test_matches_transformers(c):
     check(c)
 
 
+@pytest.mark.parametrize("head_dim,theta,max_pos,factor,partial", [(128, 10000.0, 4096, 2.0, None),
+                                                                    (64, 1e6, 2048, 4.0, None),
+                                                                    (96, 10000.0, 1024, 2.0, 0.5)])
+def test_dynamic_ntk_matches_transformers(head_dim, theta, max_pos, factor, partial):
+    """Dynamic NTK: plain RoPE within max_position_embeddings (inv_frequencies), beyond it the base grown for the
+    sequence's length, as transformers' _compute_dynamic_ntk_parameters for that seq_len (the frequencies really
+    move with the length)."""
+    from strata.rope import dynamic_inv_frequencies
+    rp = {"rope_type": "dynamic", "factor": factor}
+    c = case(rp, head_dim=head_dim, theta=theta, max_pos=max_pos, partial=partial)
+    inv, att = check(c)  # at init transformers takes seq_len = max_position_embeddings: plain RoPE
+    assert att == 1.0
+    sc = scaling_from_hf(dict(rp), "cfg", max_position_embeddings=max_pos)
+    params = {**rp, "rope_theta": theta, **({} if partial is None else {"partial_rotary_factor": partial})}
+    cfg = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
+                                   max_position_embeddings=max_pos, rope_parameters=params)
+    rot = None if partial is None else int(head_dim * partial)
+    prev = None
+    for seq in (max_pos // 2, max_pos, max_pos + 1, 3 * max_pos):
+        got = dynamic_inv_frequencies(head_dim, theta, sc, seq, rot)
+        ref, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg, seq_len=seq)
+        torch.testing.assert_close(got, ref.double(), rtol=RTOL, atol=0)
+        if seq <= max_pos:
+            assert torch.equal(got, inv)
+        else:
+            assert not torch.allclose(got, prev)
+        prev = got
+
+
 def test_yarn_cases_really_differ():
     # the parameter sets exercise different branches: none of them collapses to another's result
     got = [ours(**c) for c in YARN[:8]]
@@ -145,7 +174,10 @@ def test_normalized_dicts():
     assert y == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "beta_fast": 32.0,
                  "beta_slow": 1.0, "mscale": None, "mscale_all_dim": None,
                  "attention_factor": pytest.approx(1 + 0.1 * np.log(4.0)), "truncate": True}
-    assert set(ROPE_TYPES) == {"llama3", "yarn", "linear"}
+    assert scaling_from_hf({"rope_type": "dynamic", "factor": 2, "rope_theta": 1e4}, "c",
+                           max_position_embeddings=2048) == {"rope_type": "dynamic", "factor": 2.0,
+                                                             "max_position_embeddings": 2048}
+    assert set(ROPE_TYPES) == {"llama3", "yarn", "linear", "dynamic"}
 
 
 def one_line_error(fn, *a, **kw) -> str:
@@ -157,13 +189,15 @@ def one_line_error(fn, *a, **kw) -> str:
 
 
 @pytest.mark.parametrize("rs,kw,want", [
-    ({"rope_type": "dynamic", "factor": 2.0}, {}, "'dynamic' is not supported: its frequencies change with the "
-     "running sequence length, so keys cached at one length would not match"),
+    ({"rope_type": "dynamic", "factor": 2.0}, {}, "dynamic rope_scaling needs max_position_embeddings"),
+    ({"rope_type": "dynamic"}, {"max_position_embeddings": 4096}, "dynamic rope_scaling lacks 'factor'"),
+    ({"rope_type": "dynamic", "factor": 2.0, "low_freq_factor": 1.0}, {"max_position_embeddings": 4096},
+     "key 'low_freq_factor' = 1.0 is not implemented"),
     ({"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [2.0] * 64,
       "original_max_position_embeddings": 4096}, {}, "'longrope' is not supported: its frequencies change"),
     ({"rope_type": "proportional", "partial_rotary_factor": 0.25}, {},
-     "'proportional' is not implemented (implemented: llama3, yarn, linear)"),
-    ({"type": "su"}, {}, "'su' is not implemented (implemented: llama3, yarn, linear)"),
+     "'proportional' is not implemented (implemented: llama3, yarn, linear, dynamic)"),
+    ({"type": "su"}, {}, "'su' is not implemented (implemented: llama3, yarn, linear, dynamic)"),
     ({**LLAMA31, "attention_factor": 0.5}, {}, "cfg: rope_scaling key 'attention_factor' = 0.5 is not implemented"),
     ({"type": "linear", "factor": 2.0, "beta_fast": 4}, {}, "key 'beta_fast' = 4 is not implemented"),
     ({"rope_type": "default", "factor": 2.0}, {}, "key 'factor' = 2.0 is not implemented"),
@@ -285,7 +319,7 @@ def test_gguf_llama3():
 
 @pytest.mark.parametrize("meta,want", [
     ({"rope.scaling.type": "longrope"}, "'longrope' is not supported: its frequencies change"),
-    ({"rope.scaling.type": "su"}, "'su' is not implemented (implemented: llama3, yarn, linear)"),
+    ({"rope.scaling.type": "su"}, "'su' is not implemented (implemented: llama3, yarn, linear, dynamic)"),
     ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "context_length": 4096,
       "rope.scaling.yarn_ext_factor": 0.5}, "GGUF key llama.rope.scaling.yarn_ext_factor = 0.5 is not implemented"),
     ({"rope.scaling.type": "linear", "rope.scaling.factor": 2.0, "rope.scaling.yarn_ext_factor": 1.0},

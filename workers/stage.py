@@ -268,6 +268,7 @@ class Stage(DecodeRing):
     # -- the chunk path ---------------------------------------------------------------------------
     def run_chunk(self, msg: M.Chunk) -> None:
         self.kv.before_write()  # a snapshot's copies out of the live cache go first (CUDA: on the device)
+        self.model.set_prompt_length(msg.tokens)  # (dynamic NTK rope's length: the prompt's, or a decode step's p + 1)
         if msg.phase == "decode":
             return self.decode_step(msg)
         k, pos, n = msg.k, msg.pos, msg.n
