@@ -162,13 +162,13 @@ def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scaled by sigmoid(lse - sink), from the attention's log-sum-exp (a layer without a window passes
     window = pos + T). kernel: "flex" (kernels.window_attention) takes FlexAttention where it runs (CUDA, 16 bits:
     flex_unavailable), whose block mask skips the band's masked-out work; "band", or where flex cannot, the above."""
-    if kernel == "flex" and q.is_cuda and q.dtype in _FLEX_DTYPES and _flex_failed is None:
+    if kernel == "flex" and q.is_cuda and q.dtype in _FLEX_DTYPES and flex_failure(triton_state) is None:
         try:
             return flex_window_attention(q, k_cache, v_cache, pos, window, scale, sinks, triton_state=triton_state)
         except torch.cuda.OutOfMemoryError:
             raise  # the band would need more memory, not less
         except Exception as e:  # noqa: BLE001 - a compile or launch this torch cannot do: the band from now on
-            _flex_fail(e)
+            _flex_fail(e, triton_state)
     T, S = q.shape[2], k_cache.shape[2]
     out = torch.empty_like(q)
     for a in range(0, T, WINDOW_ROWS):
@@ -224,7 +224,6 @@ def _masked_with_lse(q, k, v, band, scale):
 FLEX_ROWS = 128
 _FLEX_DTYPES = (torch.bfloat16, torch.float16)
 _flex = None  # (compiled flex_attention, eager flex_attention, create_block_mask, AuxRequest or None)
-_flex_failed: str | None = None  # set once a flex call failed: the process takes the band from then on
 _block_masks: dict = {}  # (device, query rows, window, rows before position 0) -> BlockMask
 BLOCK_MASKS = 64  # held at most (a long prompt uses one or two; the first chunks of a large window a few more)
 
@@ -252,15 +251,15 @@ def _flex_fns():
     return _flex
 
 
-def flex_unavailable(device, dtype: torch.dtype) -> str | None:
+def flex_unavailable(device, dtype: torch.dtype, state: TritonState | None = None) -> str | None:
     """Why kernels.window_attention=flex takes the band on this device and dtype (None: flex runs): it is compiled
-    for CUDA in 16 bits; CPU stages and float32 keep the band."""
+    for CUDA in 16 bits; CPU stages and float32 keep the band; or it failed for the holder of `state`."""
     if torch.device(device).type != "cuda":
         return f"FlexAttention is taken on CUDA only, not {torch.device(device).type}"
     if dtype not in _FLEX_DTYPES:
         return f"FlexAttention is taken in bfloat16 or float16 only, not {str(dtype).removeprefix('torch.')}"
-    if _flex_failed is not None:
-        return _flex_failed
+    if flex_failure(state) is not None:
+        return flex_failure(state)
     try:
         _flex_fns()
     except ImportError as e:
@@ -268,15 +267,17 @@ def flex_unavailable(device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def flex_failure() -> str | None:
-    """Why the flex path stopped in this process (a failed compile or launch), or None."""
-    return _flex_failed
+def flex_failure(state: TritonState | None) -> str | None:
+    """Why the flex path stopped for the holder of `state` (a failed compile or launch), or None; without a
+    holder a call tries flex every time, as strata.kernels' calls do."""
+    return None if state is None else state.flex_failed
 
 
-def _flex_fail(e: Exception) -> None:
-    global _flex_failed
-    _flex_failed = f"FlexAttention failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    logging.getLogger("strata.attention").warning("%s; window layers take the band path", _flex_failed)
+def _flex_fail(e: Exception, state: TritonState | None) -> None:
+    why = f"FlexAttention failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if state is not None:
+        state.flex_failed = why  # this model's window layers take the band from now on; another model still tries
+    logging.getLogger("strata.attention").warning("%s; window layers take the band path", why)
 
 
 def flex_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: int,
@@ -525,7 +526,7 @@ def warm_window_attention(model, lengths) -> list[int]:
     device, dtype = model.device_dtype()
     attn = next((b.attn for b in model.layers.values()
                  if getattr(b.attn, "window", None) is not None and b.attn.k_cache is not None), None)
-    if attn is None or attn.window_kernel != "flex" or flex_unavailable(device, dtype) is not None:
+    if attn is None or attn.window_kernel != "flex" or flex_unavailable(device, dtype, attn.triton_state) is not None:
         return []
     largest: dict[int, int] = {}  # bucket -> the longest chunk in it (every chunk fits the ring)
     for n in lengths:
@@ -536,7 +537,7 @@ def warm_window_attention(model, lengths) -> list[int]:
         q = torch.zeros(1, T, attn.nh, attn.hd, device=device, dtype=dtype).transpose(1, 2)
         window_attention(q, attn.k_cache, attn.v_cache, attn.window, attn.window, attn.scale, attn.sinks, "flex",
                          triton_state=attn.triton_state)
-        if flex_failure() is not None:
+        if flex_failure(attn.triton_state) is not None:
             break
         done.append(rows)
         if time.perf_counter() - t0 > WARM_BUDGET_S:

@@ -21,3 +21,4 @@ class TritonState:
     kernels: bool = True  # strata.kernels' kernels (one that fails turns them all off, as they build alike)
     iq3s: bool = True     # strata.quant.iq's IQ3_S dequantization kernel
     into: bool = True     # strata.quant.into's dequantize-into kernels (one that fails turns them all off)
+    flex_failed: str | None = None  # why strata.attention's FlexAttention path stopped for this holder (None: runs)

@@ -424,13 +424,39 @@ def test_warm_window_attention_compiles_each_bucket_once(monkeypatch):
                             layers={"0": SimpleNamespace(attn=SimpleNamespace(window=None, k_cache=None)),
                                     "1": SimpleNamespace(attn=attn)})
     assert sm.warm_window_attention(model, [512, 300]) == []  # CPU: the band, nothing to compile
-    monkeypatch.setattr(sm, "flex_unavailable", lambda device, dtype: None)
+    monkeypatch.setattr(sm, "flex_unavailable", lambda device, dtype, state: None)
     monkeypatch.setattr(sm, "window_attention", lambda q, kc, vc, pos, window, scale, sinks, kernel, triton_state:
                         calls.append((q.shape[2], pos, kernel)))
     assert sm.warm_window_attention(model, [512, 512, 300, 100, 129, 257, 0]) == [128, 256, 384, 512]
     assert calls == [(100, 16, "flex"), (129, 16, "flex"), (300, 16, "flex"), (512, 16, "flex")]
     attn.window_kernel = "band"
     assert sm.warm_window_attention(model, [512]) == []
+
+
+def test_flex_failure_is_the_holders(monkeypatch):
+    """A FlexAttention call that fails sends that holder's window layers to the band (its TritonState remembers why,
+    flex_unavailable says so) and leaves another holder, or a call without one, trying flex again."""
+    from strata.triton_state import TritonState
+    tried = []
+
+    def failing(*a, **k):
+        tried.append(1)
+        raise RuntimeError("no compiler here\nmore")
+    monkeypatch.setattr(sm, "flex_window_attention", failing)
+    monkeypatch.setattr(sm, "_FLEX_DTYPES", (torch.float32,))
+    q, kc, vc = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # the flex arm's device check
+    a, b = TritonState(), TritonState()
+    band = sm.window_attention(q, kc, vc, 20, 8, None, None, kernel="band")
+    assert torch.equal(sm.window_attention(q, kc, vc, 20, 8, None, None, kernel="flex", triton_state=a), band)
+    assert a.flex_failed == "FlexAttention failed (RuntimeError: no compiler here)" and len(tried) == 1
+    sm.window_attention(q, kc, vc, 20, 8, None, None, kernel="flex", triton_state=a)
+    assert len(tried) == 1 and sm.flex_failure(a) == a.flex_failed  # not tried again for a
+    sm.window_attention(q, kc, vc, 20, 8, None, None, kernel="flex", triton_state=b)
+    sm.window_attention(q, kc, vc, 20, 8, None, None, kernel="flex")
+    assert len(tried) == 3 and b.flex_failed is not None and sm.flex_failure(None) is None
+    monkeypatch.undo()
+    assert sm.flex_unavailable("cuda:0", torch.bfloat16, a) == a.flex_failed
 
 
 @pytest.mark.gpu
@@ -441,14 +467,16 @@ def test_cuda_flex_window_attention_matches_the_band():
     chunk of gpt-oss- and gemma-like window layers (sinks, GQA, ring wraps, a shorter last chunk), without falling
     back; then both arms timed on one full chunk."""
     import time
+    from strata.triton_state import TritonState
+    st = TritonState()  # where a failed flex call would be remembered
     for nh, nkv, hd, window, chunk, prompt, sinks in ((64, 8, 64, 128, 1024, 3000, True),
                                                       (32, 16, 128, 1024, 512, 2600, False)):
         s = torch.randn(nh, device="cuda") if sinks else None
         with torch.inference_mode():
             for pos, q, kc, vc in _window_chunks(nh, nkv, window, chunk, prompt, hd, torch.bfloat16, "cuda"):
                 band = sm.window_attention(q, kc, vc, pos, window, None, s).float()
-                got = sm.window_attention(q, kc, vc, pos, window, None, s, kernel="flex").float()
-                assert sm.flex_failure() is None, sm.flex_failure()
+                got = sm.window_attention(q, kc, vc, pos, window, None, s, kernel="flex", triton_state=st).float()
+                assert st.flex_failed is None, st.flex_failed
                 rel = ((got - band).norm() / band.norm()).item()
                 assert rel < 2e-2, (window, pos, rel)
             q = q.new_zeros(1, chunk, nh, hd).normal_().transpose(1, 2)

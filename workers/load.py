@@ -49,7 +49,7 @@ def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
                        kernels=kernel_spec(spec.kernels), attention=spec.attention)
     if model.kernels.window_attention == "flex" and any(getattr(b.attn, "window", None) is not None
                                                        for b in model.layers.values()):
-        why = strata.attention.flex_unavailable(device, dtype)
+        why = strata.attention.flex_unavailable(device, dtype, model.triton_state)
         log.info("kernels.window_attention=flex: %s", f"{why}; window layers take the band path" if why
                  else "window layers through FlexAttention")
     # decode options: weight-only copies are a CPU kernel path, graphs a CUDA one
@@ -103,9 +103,9 @@ def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, 
         log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d)", built, len(shapes), n)
     if flex:
         log.info("FlexAttention compiled for %d query buckets (rows %s)", len(flex), ", ".join(map(str, flex)))
-    if strata.attention.flex_failure():
+    if strata.attention.flex_failure(model.triton_state):
         log.warning("kernels.window_attention=flex: %s; window layers take the band path",
-                    strata.attention.flex_failure())
+                    strata.attention.flex_failure(model.triton_state))
     # the decode step too (its kernels, cuBLAS's one-row GEMM set-up, the head's argmax), else the first
     # answer pays it; with cuda_graphs, every bucket of cache positions is captured now, not mid-answer
     x1 = (torch.zeros(1, 1, dtype=torch.long, device=device) if first
