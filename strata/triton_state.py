@@ -2,7 +2,8 @@
 
 strata.kernels (prefill's LSE merge, RoPE, SiLU*up, a q8_0 cache's widening; decode's router and the experts'
 weighted sum), strata.quant.iq (IQ3_S's dequantization) and strata.quant.into (resident dequantization into the
-scratch) try their Triton kernels and take their torch path where they cannot build or launch. A model holds one
+scratch) try their Triton kernels and take their torch path where they cannot build or launch; strata.attention's
+window layers try FlexAttention and take the band where it fails. A model holds one
 `TritonState` (Transformer.triton_state), shared by its layers and its resident matrices (strata.resident.Packed); a
 failure turns that module's field off on it, logged once, so this holder's later calls go straight to the torch path
 while another model in the same process, or a call without a holder, still tries the kernel. (strata.quant.gemv's
