@@ -79,7 +79,7 @@ class KernelSpec:
     says, whatever its own host's environment) and handed to the model and kernels as arguments. Each field has an
     environment override (ENV_KERNELS), read here only."""
     prefill: str = field(default="triton", metadata={"choices": PREFILL_KERNELS})  # CUDA prefill: strata/kernels.py's
-                                   # fused LSE merge, RoPE and SiLU*up (torch's formulas where Triton is missing),
+                                   # fused LSE merge, RoPE and SwiGLU / GeGLU (torch's formulas where Triton is missing),
                                    # or "torch": those formulas
     graph_attention: str = field(default="split-k", metadata={"choices": GRAPH_ATTENTION})  # decode graphs: the
                                    # split-K Triton kernel over the live keys, or efficient attention masked over

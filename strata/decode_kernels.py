@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import ACTIVATIONS
+
 try:
     import triton
     import triton.language as tl
+    from strata.kernels import gate_act
     from strata.quant.gemv import int8_groups_store
 except ImportError:
     triton = None
@@ -64,17 +67,6 @@ if triton is not None:
         _norm_out(s.to(tl.float32), g, t, live, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, INT8)
 
     @triton.jit
-    def _act(a, ACT: tl.constexpr):
-        # float32 a -> silu(a) (ACT 0) or the tanh-approximated GELU (ACT 1): torch's 0.5 a (1 + tanh(z)) as
-        # a * sigmoid(2z), exact in its negative tail where 1 + tanh(z) cancels (1 - 2 / (exp(2z) + 1) lost half
-        # the bits of gelu(-4) on the GPU)
-        if ACT == 0:
-            return a / (1.0 + tl.exp(-a))
-        else:
-            z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
-            return a / (1.0 + tl.exp(-2.0 * z))
-
-    @triton.jit
     def _act_mul(g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr,
                  INT8: tl.constexpr):
         # act(gate) * up of one row, float32 inside and rounded once, BLOCK values a program; with INT8 the
@@ -85,7 +77,7 @@ if triton is not None:
         live = i < n
         a = tl.load(g_ptr + i, mask=live, other=0.0).to(tl.float32)
         b = tl.load(u_ptr + i, mask=live, other=0.0).to(tl.float32)
-        y = (_act(a, ACT) * b).to(out_ptr.dtype.element_ty)
+        y = (gate_act(a, ACT) * b).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + i, y, mask=live)
         if INT8:
             int8_groups_store(y.to(tl.float32), g, t, live, q_ptr, s_ptr, n // 32)
@@ -225,7 +217,6 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 ACT_COLS = 1024  # values of the gated row a program takes
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str, int8: bool = False):

@@ -23,6 +23,7 @@ log = logging.getLogger("strata.kernels")
 
 MERGE_ROWS = 32  # query rows per program: with head_dim 128, 4,096 values of each input
 SILU_COLS = 1024  # values of one row per program
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # gate_act's ACT for strata.args.ACTIVATIONS
 ROPE_ROWS = 16  # token rows of one head per program
 
 if triton is not None:
@@ -49,16 +50,26 @@ if triton is not None:
         r = x * (wa * inv)[:, None] + y * (wb * inv)[:, None]
         tl.store(out + h * so_h + t[:, None] * so_t + d[None, :], r.to(out.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def gate_act(a, ACT: tl.constexpr):
+        # float32 a -> silu(a) (ACT 0) or the tanh-approximated GELU (ACT 1): torch's 0.5 a (1 + tanh(z)) as
+        # a * sigmoid(2z), exact in its negative tail where 1 + tanh(z) cancels (1 - 2 / (exp(2z) + 1) lost half
+        # the bits of gelu(-4) on the GPU). The prefill's and the decode graphs' gated activations both take it
+        if ACT == 0:
+            return a / (1.0 + tl.exp(-a))
+        else:
+            z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+            return a / (1.0 + tl.exp(-2.0 * z))
+
     @triton.jit(do_not_specialize=["s_g", "s_u", "s_o"])
-    def _silu_mul_kernel(g, u, out, cols, s_g, s_u, s_o, BLOCK: tl.constexpr):
+    def _gated_kernel(g, u, out, cols, s_g, s_u, s_o, ACT: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         live = c < cols
         a = tl.load(g + r * s_g + c, mask=live, other=0.0).to(tl.float32)
         b = tl.load(u + r * s_u + c, mask=live, other=0.0).to(tl.float32)
-        y = a / (1.0 + tl.exp(-a)) * b  # silu(a) * b, rounded once
+        y = gate_act(a, ACT) * b  # act(a) * b, rounded once
         tl.store(out + r * s_o + c, y.to(out.dtype.element_ty), mask=live)
-
 
     @triton.jit(do_not_specialize=["T", "sx_t", "sc_t"])
     def _rope_kernel(x, cos, ssin, out, T, sx_t, sc_t, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
@@ -209,24 +220,28 @@ def lse_merge(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor,
     return out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, state: TritonState | None = None) -> torch.Tensor | None:
-    """silu(gate) * up in one pass, float32 inside, rounded once: gate, up (1, T, ffn), rows of any stride
-    (the two halves of the fused gate/up GEMM's output). Returns a new (1, T, ffn) tensor in gate's dtype;
-    None where Triton is missing or failed (the caller falls back to F.silu(gate) * up)."""
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
+          state: TritonState | None = None) -> torch.Tensor | None:
+    """act(gate) * up in one pass (SwiGLU or GeGLU), float32 inside, rounded once: gate, up (1, T, ffn), rows of any
+    stride (the two halves of the fused gate/up GEMM's output). Returns a new (1, T, ffn) tensor in gate's dtype;
+    None where Triton is missing or failed (the caller falls back to its torch formula)."""
     if not _on(state):
         return None
     if gate.dim() != 3 or gate.shape[0] != 1 or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
         return None
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"no gated activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     _, T, cols = gate.shape
     out = torch.empty(1, T, cols, device=gate.device, dtype=gate.dtype)
     if T == 0 or cols == 0:
         return out
     try:
         with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():
-            _silu_mul_kernel[(T, triton.cdiv(cols, SILU_COLS))](gate, up, out, cols, gate.stride(1), up.stride(1),
-                                                                out.stride(1), BLOCK=SILU_COLS)
+            _gated_kernel[(T, triton.cdiv(cols, SILU_COLS))](gate, up, out, cols, gate.stride(1), up.stride(1),
+                                                             out.stride(1), ACT=ACTIVATIONS[activation],
+                                                             BLOCK=SILU_COLS)
     except Exception as e:
-        _failed("SiLU*up", e, state)
+        _failed("gated activation", e, state)
         return None
     return out
 

@@ -161,15 +161,15 @@ class Attention(nn.Module):
 
 def gate(gate: torch.Tensor, up: torch.Tensor, activation: str, fused: bool = True,
          triton_state: TritonState | None = None) -> torch.Tensor:
-    """act(gate) * up: SwiGLU (one Triton kernel on CUDA unless not fused; it falls back on `triton_state`) or GeGLU
-    with the tanh-approximated GELU."""
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
+    """act(gate) * up: SwiGLU or GeGLU with the tanh-approximated GELU; one Triton kernel on CUDA unless not fused
+    (it falls back on `triton_state` to the torch formula)."""
     if gate.is_cuda and fused:
-        from .kernels import silu_mul
-        y = silu_mul(gate, up, triton_state)
+        from .kernels import gated
+        y = gated(gate, up, activation, triton_state)
         if y is not None:
             return y
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up
 
 
@@ -177,7 +177,7 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.ffn, self.activation = args.ffn_dim, args.activation
-        self.fused = True  # SiLU*up as one Triton kernel on CUDA (Transformer.set_kernels)
+        self.fused = True  # act(gate)*up as one Triton kernel on CUDA (Transformer.set_kernels)
         self.triton_state: TritonState | None = None  # the slice's (Transformer)
 
     def forward(self, x: torch.Tensor, w: Mats) -> torch.Tensor:

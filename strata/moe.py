@@ -47,7 +47,7 @@ class MoE(nn.Module):
         self.s_sig = nn.Parameter(torch.empty(1, args.dim), requires_grad=False) if args.shared_gate else None
         self.resident = None  # a ResidentExperts in place of w13 / w2 (strata.model.Transformer.load_weights)
         # strata.triton_state.TritonState: the slice's (Transformer), on which the router's, the weighted sum's and
-        # SiLU*up's Triton kernels fall back (None: tried on every call)
+        # the gated activation's Triton kernels fall back (None: tried on every call)
         self.triton_state = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,8 +182,8 @@ class MoE(nn.Module):
         g, up = gu[..., :self.effn], gu[..., self.effn:]
         if self.act == "silu":
             if gu.is_cuda and gu.dim() == 2:  # one launch, rounded once (the dense MLP's kernel)
-                from .kernels import silu_mul
-                y = silu_mul(g[None], up[None], self.triton_state)
+                from .kernels import gated
+                y = gated(g[None], up[None], "silu", self.triton_state)
                 if y is not None:
                     return y[0]
             return F.silu(g) * up

@@ -1,6 +1,6 @@
 """Where a Triton kernel that failed is remembered: on an object its caller holds, not in a module global.
 
-strata.kernels (prefill's LSE merge, RoPE, SiLU*up, a q8_0 cache's widening; decode's router and the experts'
+strata.kernels (prefill's LSE merge, RoPE, the gated activation, a q8_0 cache's widening; decode's router and the experts'
 weighted sum), strata.quant.iq (IQ3_S's dequantization) and strata.quant.into (resident dequantization into the
 scratch) try their Triton kernels and take their torch path where they cannot build or launch; strata.attention's
 window layers try FlexAttention and take the band where it fails. A model holds one

@@ -137,8 +137,8 @@ def _kernel_cases():
                                             **ints("T", "sp_h", "sp_t", "ss_h", "ss_t", "slp_h", "slp_t", "sls_h",
                                                    "sls_t", "so_h", "so_t")},
                       {"D": 128, "ROWS": k.MERGE_ROWS, "BLOCK_D": 128}),
-        "silu_mul": (k._silu_mul_kernel, {"g": B16, "u": B16, "out": B16, **ints("cols", "s_g", "s_u", "s_o")},
-                     {"BLOCK": k.SILU_COLS}),
+        "gated": (k._gated_kernel, {"g": B16, "u": B16, "out": B16, **ints("cols", "s_g", "s_u", "s_o")},
+                  {"ACT": 1, "BLOCK": k.SILU_COLS}),
         "rope": (k._rope_kernel, {"x": B16, "cos": B16, "ssin": B16, "out": B16, **ints("T", "sx_t", "sc_t")},
                  {"H": 32, "D": 128, "ROWS": k.ROPE_ROWS}),
         "split_k_partial": (da._partial, {"q_ptr": B16, "k_ptr": B16, "v_ptr": B16, "ks_ptr": B16, "vs_ptr": B16,
@@ -198,7 +198,7 @@ def _kernel_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["lse_merge", "silu_mul", "rope", "split_k_partial", "split_k_partial_q8",
+@pytest.mark.parametrize("name", ["lse_merge", "gated", "rope", "split_k_partial", "split_k_partial_q8",
                                   "q8_0_widen", "split_k_merge", "split_k_merge_sinks", "rms_norm",
                                   "rms_norm_upcast_int8", "act_mul_silu_int8", "add_rms_norm_pre", "act_mul_gelu",
                                   "rope_store_qk_norm",

@@ -1,5 +1,6 @@
 """The prefill path's fused pieces against float64 formulas: the LSE merge (torch, and the Triton kernels under
-Triton's interpreter: merge, SiLU*up, RoPE), RoPE's torch form, RMSNorm; the cuDNN warm-up's calls vs a forward's."""
+Triton's interpreter: merge, the gated activation, RoPE), RoPE's torch form, RMSNorm; the cuDNN warm-up's calls vs
+a forward's."""
 import importlib.util
 import os
 import subprocess
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import strata.attention as sm
 from strata.checkpoint import synthetic_tensors
@@ -46,6 +48,7 @@ def test_merge_lse_torch_formula(dtype, tol):
 
 _KERNEL_SCRIPT = r"""
 import torch
+import torch.nn.functional as F
 import strata.attention as sm
 from strata import kernels as K
 from strata.triton_state import TritonState
@@ -67,16 +70,16 @@ for T, hd in ((37, 16), (1, 16), (70, 24)):
         assert torch.isfinite(got).all()
         assert (err <= tol * want.abs() + 1e-6).all(), (T, hd, dtype, float(err.max()))
         checked += 1
-for T, cols in ((7, 50), (3, 1500)):
+for T, cols, act in ((7, 50, "silu"), (3, 1500, "silu"), (5, 1100, "gelu_tanh")):
     for dtype, tol in TOL.items():
         gu = (torch.randn(1, T, 2 * cols, generator=torch.Generator().manual_seed(cols)) * 4).to(dtype)
         gate, up = gu.split(cols, dim=-1)  # strided halves, as the fused gate/up GEMM gives them
-        got = K.silu_mul(gate, up, st)
+        got = K.gated(gate, up, act, st)
         assert got is not None and st.kernels and got.shape == gate.shape and got.dtype == dtype
         g64, u64 = gate.double(), up.double()
-        want = g64 * torch.sigmoid(g64) * u64
+        want = (g64 * torch.sigmoid(g64) if act == "silu" else F.gelu(g64, approximate="tanh")) * u64
         err = (got.double() - want).abs()
-        assert (err <= tol * want.abs() + 1e-6).all(), (T, cols, dtype, float(err.max()))
+        assert (err <= tol * want.abs() + 1e-6).all(), (T, cols, act, dtype, float(err.max()))
         checked += 1
 for T, H, D in ((13, 3, 16), (1, 2, 32)):
     for dtype, tol in TOL.items():
@@ -102,12 +105,12 @@ print("checked", checked)
 def test_triton_kernels_interpreted():
     """The Triton kernels on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported: a fresh
     process) against float64 formulas: the LSE merge at odd T and a head_dim that is not a power of two,
-    SiLU*up on strided halves, rows longer and shorter than a program's block, RoPE on strided rows."""
+    SwiGLU / GeGLU on strided halves, rows longer and shorter than a program's block, RoPE on strided rows."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "checked 21" in r.stdout
+    assert "checked 24" in r.stdout
 
 
 def test_apply_rope_is_rotate_half():
@@ -190,10 +193,12 @@ def test_cuda_kernels_match_float64():
         want = merge64(*p)
         assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()  # rounded to nearest on a GPU
     gate, up = (torch.randn(1, 1001, 2 * 14336, device="cuda") * 4).bfloat16().split(14336, dim=-1)
-    got = kernels.silu_mul(gate, up, st)
-    assert got is not None and st.kernels
-    want = gate.double() * torch.sigmoid(gate.double()) * up.double()
-    assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()
+    for act in ("silu", "gelu_tanh"):
+        got = kernels.gated(gate, up, act, st)
+        assert got is not None and st.kernels
+        g64 = gate.double()
+        want = (g64 * torch.sigmoid(g64) if act == "silu" else F.gelu(g64, approximate="tanh")) * up.double()
+        assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all(), act
     x = torch.randn(1, 1001, 48, 128, device="cuda").bfloat16()[:, :, :32]  # q rows of a q/k/v GEMM's output
     ang = torch.randn(1001, 64, device="cuda", dtype=torch.float64)
     cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
@@ -207,7 +212,7 @@ def test_cuda_kernels_match_float64():
 @pytest.mark.gpu
 @cuda
 def test_cuda_kernel_paths_agree_and_warm_up_builds():
-    """cudnn-split on smoke-wide bf16: the Triton kernels (merge, RoPE, SiLU*up) and the torch formulas give the
+    """cudnn-split on smoke-wide bf16: the Triton kernels (merge, RoPE, the gated activation) and the torch formulas give the
     same chunks up to bf16 rounding; warm_chunk_attention builds the later chunks' shapes."""
     from strata.checkpoint import model_args, slice_tensors
     from strata.config import KernelSpec
@@ -251,21 +256,21 @@ def test_a_failed_kernel_falls_back_on_its_holder_only(monkeypatch, caplog):
     gate, up = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
     x, cs = torch.randn(1, 3, 2, 16), torch.ones(3, 1, 16)
     failing = _Launch(fail=True)
-    monkeypatch.setattr(K, "_silu_mul_kernel", failing)
+    monkeypatch.setattr(K, "_gated_kernel", failing)
     a, b = TritonState(), TritonState()
     with caplog.at_level("WARNING", logger="strata.kernels"):
-        assert K.silu_mul(gate, up, a) is None and failing.launches == 1
-        assert K.silu_mul(gate, up, a) is None and K.rope(x, cs, cs, a) is None  # not tried again, any kernel
+        assert K.gated(gate, up, "silu", a) is None and failing.launches == 1
+        assert K.gated(gate, up, "silu", a) is None and K.rope(x, cs, cs, a) is None  # not tried again, any kernel
     assert failing.launches == 1 and not a.kernels
-    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["SiLU*up Triton kernel failed"]
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["gated activation Triton kernel failed"]
     assert b.kernels  # the other holder's kernels still run: its launch fails now too, on b alone
-    assert K.silu_mul(gate, up, b) is None and failing.launches == 2 and not b.kernels
+    assert K.gated(gate, up, "silu", b) is None and failing.launches == 2 and not b.kernels
     working = _Launch(fail=False)
-    monkeypatch.setattr(K, "_silu_mul_kernel", working)
+    monkeypatch.setattr(K, "_gated_kernel", working)
     c = TritonState()
-    assert K.silu_mul(gate, up, c) is not None and working.launches == 1 and c.kernels
-    assert K.silu_mul(gate, up, a) is None and working.launches == 1  # a stays on the torch formulas
-    assert K.silu_mul(gate, up) is not None and working.launches == 2  # no holder: tried on every call
+    assert K.gated(gate, up, "silu", c) is not None and working.launches == 1 and c.kernels
+    assert K.gated(gate, up, "silu", a) is None and working.launches == 1  # a stays on the torch formulas
+    assert K.gated(gate, up) is not None and working.launches == 2  # no holder: tried on every call
 
 
 def test_a_model_and_its_layers_share_one_triton_state():
@@ -288,7 +293,7 @@ def test_a_model_and_its_layers_share_one_triton_state():
 @pytest.mark.gpu
 @cuda
 def test_cuda_kernel_failure_in_one_model_leaves_another_on_its_kernels(monkeypatch):
-    """Two slices in one process on CUDA: the first's SiLU*up kernel fails in its forward, and it computes on with
+    """Two slices in one process on CUDA: the first's gated-activation kernel fails in its forward, and it computes on with
     the torch formula (the same chunk as the kernel up to rounding); the second still launches the kernel."""
     from strata import kernels as K
     from strata.checkpoint import model_args, slice_tensors
@@ -305,7 +310,7 @@ def test_cuda_kernel_failure_in_one_model_leaves_another_on_its_kernels(monkeypa
                        "cuda:0", torch.bfloat16)
         m.setup_cache(ids.shape[1])
         models.append(m)
-    real, launches = K._silu_mul_kernel, []
+    real, launches = K._gated_kernel, []
 
     class Failing:
         def __getitem__(self, grid):
@@ -314,10 +319,10 @@ def test_cuda_kernel_failure_in_one_model_leaves_another_on_its_kernels(monkeypa
                 raise RuntimeError("this Triton cannot build it")
             return launch
 
-    monkeypatch.setattr(K, "_silu_mul_kernel", Failing())
+    monkeypatch.setattr(K, "_gated_kernel", Failing())
     broken = models[0](ids, 0).float()
     assert len(launches) == 1 and not models[0].triton_state.kernels  # tried once for all its layers
-    monkeypatch.setattr(K, "_silu_mul_kernel", real)
+    monkeypatch.setattr(K, "_gated_kernel", real)
     counted = []
 
     class Counted:
@@ -325,7 +330,7 @@ def test_cuda_kernel_failure_in_one_model_leaves_another_on_its_kernels(monkeypa
             counted.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(K, "_silu_mul_kernel", Counted())
+    monkeypatch.setattr(K, "_gated_kernel", Counted())
     fine = models[1](ids, 0).float()
     assert len(counted) == args.n_layers and models[1].triton_state.kernels
     rel = ((broken - fine).norm() / fine.norm()).item()
