@@ -310,7 +310,8 @@ class DecodeGraphs:
         qkv = mm.qkv(x, **xq).view(1, nh + 2 * nkv, hd)
         # qwen3, gemma3: each head's q and k normed before RoPE (inside rope_store's launch where it can)
         qk_norm = None
-        if a.q_norm is not None and self.fused and self._fusable(a.q_norm, qkv) and self._fusable(a.k_norm, qkv):
+        if a.q_norm is not None and self.fused and self._fusable(a.q_norm, qkv) and self._fusable(a.k_norm, qkv) \
+                and a.q_norm.eps == a.k_norm.eps:  # the launch takes one eps (equal from args.norm_eps today)
             qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
         elif a.q_norm is not None:
             qkv = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv]), qkv[:, nh + nkv:]), 1)
