@@ -3,12 +3,19 @@ for one matrix shape, ten launches captured in a CUDA graph (the host's launch t
 
     python bench/experts_sweep.py            # gpt-oss-20b's MXFP4 experts and Q8_0 attention, Qwen3-30B-A3B's experts
     python bench/experts_sweep.py MXFP4      # only those (MXFP4, Q8_0, Q6_K/Q4_K)
+    python bench/experts_sweep.py --mxfp4-dp4a   # the MXFP4 dp4a kernel's launch shapes against the float kernel
 
 Prints, per case, the microseconds a launch and the weights' GB/s for the current default and the best few.
+--mxfp4-dp4a times each launch alone from a CUDA graph with L2 flushed before it (gpt-oss-20b's 4 experts' gate/up
+are 34 MiB: they would stay in the H200's L2 across back-to-back launches, which a decode step's other layers
+evict): the float kernel on the file's layout (the earlier path) and on the split one, then the dp4a kernel per
+Config on the split layout, x's int8 rounding given (the kernel alone) and made by its own launch (as a call
+without xq).
 """
 from __future__ import annotations
 
 import itertools
+import statistics
 import sys
 from pathlib import Path
 
@@ -67,7 +74,94 @@ def experts_case(qtype, E, rows, cols, k, xrows, dev):
     return (lambda: gemv.quant_matmul_experts(x, st, ids, qtype, cols)), nbytes
 
 
+class ColdTimer:
+    """Median microseconds of one call replayed from a CUDA graph, L2 flushed (a 512 MiB write) before each rep."""
+
+    def __init__(self, reps: int = 30):
+        self.reps = reps
+        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn) -> float:
+        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        out = []
+        for _ in range(self.reps):
+            self.flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(out)
+
+
+MXFP4_DP4A_GRID = [gemv.Config(bn, sb, w) for bn, sb, w in itertools.product((4, 8, 16, 32), (4, 8, 16), (2, 4, 8))]
+
+
+def mxfp4_dp4a_sweep() -> int:
+    """gpt-oss-20b's two experts launches: the float kernel (file and split layouts) and the dp4a one per Config."""
+    from strata.quant import mxfp4
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(0), "| MXFP4 experts, L2 flushed, one launch a graph (median of 30)")
+    timer = ColdTimer()
+    default = gemv.MXFP4_DP4A
+    total = {}
+    for label, rows, cols, xr in (("gate/up 5760x2880, x 1 row", 5760, 2880, 1), ("down 2880x2880, x 4 rows", 2880,
+                                                                                  2880, 4)):
+        g = torch.Generator().manual_seed(0)
+        st = random_blocks("MXFP4", 32 * rows, cols, g, "cpu").view(32, rows, -1).contiguous().to(dev)
+        sp = mxfp4.to_split(st)
+        ids = torch.randperm(32, generator=g)[:4].to(dev)
+        x = torch.randn(xr, cols, device=dev, dtype=torch.bfloat16)
+        xq = gemv.quantize_x(x)
+        nbytes = 4 * rows * cols // 32 * 17
+        fl = gemv.GemvKernels(mxfp4="float")
+        ref = gemv.quant_matmul_experts(x.float(), st, ids, "MXFP4", cols, kernels=fl).double()
+        got = gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols, xq=xq, split=True).double()
+        err = ((got - ref).norm() / ref.norm()).item()
+        print(f"{label}: {nbytes / 2**20:.1f} MiB read; dp4a vs float kernel rel. error {err:.2e}")
+        cases = [("float, file layout (before)", lambda: gemv.quant_matmul_experts(x, st, ids, "MXFP4", cols,
+                                                                                   kernels=fl)),
+                 ("float, split layout", lambda: gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols, kernels=fl,
+                                                                           split=True)),
+                 ("quantize_x alone", lambda: gemv.quantize_x(x)),
+                 (f"dp4a {default} + its quantize_x", lambda: gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols,
+                                                                                       split=True))]
+        for name, fn in cases:
+            us = timer(fn)
+            total[(label, name)] = us
+            print(f"  {us:8.1f} us  {nbytes / us / 1e3:7,.0f} GB/s  {name}")
+        rows_t = []
+        for cfg in MXFP4_DP4A_GRID:
+            gemv.MXFP4_DP4A = cfg
+            k = gemv.GemvKernels()
+            try:
+                rows_t.append((timer(lambda: gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols, kernels=k, xq=xq,
+                                                                       split=True)), cfg))
+            except Exception as e:  # a shape the compiler refuses: named, not fatal
+                print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
+            if k.mxfp4 != "dp4a":
+                print(f"  {cfg}: fell back to the float kernel")
+        gemv.MXFP4_DP4A = default
+        rows_t.sort(key=lambda r: r[0])
+        d = next((us for us, c in rows_t if c == default), float("nan"))
+        print(f"  dp4a kernel alone (xq given), default {default}: {d:.1f} us ({nbytes / d / 1e3:,.0f} GB/s); best:")
+        for us, cfg in rows_t[:6]:
+            print(f"  {us:8.1f} us  {nbytes / us / 1e3:7,.0f} GB/s  {cfg}")
+    return 0
+
+
 def main() -> int:
+    if "--mxfp4-dp4a" in sys.argv:
+        return mxfp4_dp4a_sweep()
     only = set(sys.argv[1:])  # e.g. MXFP4 Q8_0: those cases only
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(0))

@@ -32,6 +32,7 @@ DECODE_GEMV = ("auto", "cublas")
 IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
 KQUANT_KERNELS = ("bytes", "words", "dp4a")   # Q4_K / Q5_K, and Q6_K
 Q8_0_KERNELS = ("dp4a", "bytes")
+MXFP4_KERNELS = ("dp4a", "float")
 WINDOW_KERNELS = ("flex", "band")
 
 
@@ -94,6 +95,9 @@ class KernelSpec:
     gemv_q6k: str = field(default="dp4a", metadata={"choices": KQUANT_KERNELS})     # resident Q6_K, the same arms
     gemv_q8_0: str = field(default="dp4a", metadata={"choices": Q8_0_KERNELS})      # resident Q8_0: int16 loads
                                    # with int8 x by dp4a, or byte by byte with float x
+    gemv_mxfp4: str = field(default="dp4a", metadata={"choices": MXFP4_KERNELS})    # resident MXFP4 experts
+                                   # (gpt-oss): aligned words, nibbles to int8 by byte permutes, int8 x by dp4a
+                                   # (the stacks re-laid at load), or float x and float32 products per value
     window_attention: str = field(default="flex", metadata={"choices": WINDOW_KERNELS})  # window layers' chunk
                                    # attention: FlexAttention with the window as its block mask (CUDA, 16-bit;
                                    # elsewhere, or where it fails, the band) or the band: blocks of queries each
@@ -114,6 +118,7 @@ ENV_KERNELS = {
     "STRATA_GEMV_KQUANT": ("gemv_kquant", {v: v for v in KQUANT_KERNELS}),
     "STRATA_GEMV_Q6K": ("gemv_q6k", {v: v for v in KQUANT_KERNELS}),
     "STRATA_GEMV_Q8_0": ("gemv_q8_0", {v: v for v in Q8_0_KERNELS}),
+    "STRATA_GEMV_MXFP4": ("gemv_mxfp4", {v: v for v in MXFP4_KERNELS}),
     "STRATA_WINDOW_ATTENTION": ("window_attention", {v: v for v in WINDOW_KERNELS}),
     "STRATA_DECODE_BELLS": ("decode_bells", {"auto": "auto", "0": False, "1": True}),
     "STRATA_DECODE_AHEAD": ("decode_ahead", {"auto": "auto", "0": False}),

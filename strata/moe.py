@@ -129,7 +129,7 @@ class MoE(nn.Module):
         direct = self.resident.direct(h.device)
         if direct:  # x one row for all k slots of a token, else a row per slot
             gu = gemv.quant_matmul_experts(h if n == 1 else h.repeat_interleave(k, 0), p13.data, e, p13.qtype,
-                                           p13.cols, kern)
+                                           p13.cols, kern, split=p13.split)
         else:
             b13, b2 = p13.data.index_select(0, e), p2.data.index_select(0, e)  # (n*k, rows, bytes)
             gu = torch.cat([gemv.quant_matmul(h[i:i + 1], b13[i * k:(i + 1) * k].view(-1, b13.shape[-1]), p13.qtype,
@@ -138,7 +138,7 @@ class MoE(nn.Module):
             gu = gu + self.b13[e]
         z = self.gate(gu)
         if direct:
-            y = gemv.quant_matmul_experts(z, p2.data, e, p2.qtype, p2.cols, kern)  # (n*k, dim)
+            y = gemv.quant_matmul_experts(z, p2.data, e, p2.qtype, p2.cols, kern, split=p2.split)  # (n*k, dim)
         else:
             y = torch.cat([gemv.quant_matmul(z[j:j + 1], b2[j], p2.qtype, p2.cols, kernels=kern) for j in range(n * k)])
         if self.bias:

@@ -106,16 +106,26 @@ def _dequantize(blocks: torch.Tensor, qtype: str, triton_state: TritonState | No
 
 
 def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: int,
-                    triton_state: TritonState | None = None) -> torch.Tensor:
+                    triton_state: TritonState | None = None, slab: int = 0) -> torch.Tensor:
     """GGUF blocks (..., bytes a row) dequantized into `out` (rows, cols), in pieces that bound the float32
     transient; on CUDA one Triton kernel per type straight into out's dtype where strata.quant.into has one.
-    triton_state: the caller's (a Packed's), on which a Triton kernel that fails falls back."""
-    blocks = blocks.reshape(-1, blocks.shape[-1])
+    triton_state: the caller's (a Packed's), on which a Triton kernel that fails falls back. slab: MXFP4 experts in
+    strata.quant.mxfp4's split layout, this many blocks an expert (whole experts only); 0: the file's layout."""
+    rb = blocks.shape[-1]
+    blocks = blocks.reshape(-1, rb)
     if out.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":  # Triton imported only where it can run
         from .quant import into
-        if into.takes(qtype, out, triton_state) and into.dequantize_into(out, blocks, qtype, triton_state):
+        if into.takes(qtype, out, triton_state) and into.dequantize_into(out, blocks, qtype, triton_state, slab):
             return out
     step = max(1, DEQUANT_PIECE // cols)
+    if slab:  # an expert at a time back in the file's layout (its bytes: a transient), then as below
+        from .quant.mxfp4 import from_split
+        per = slab * 17 // rb  # rows an expert
+        for e0 in range(0, blocks.shape[0], per):
+            fb = from_split(blocks[e0:e0 + per].reshape(1, per, rb))[0]
+            for a in range(0, per, step):
+                out[e0 + a:e0 + min(per, a + step)].copy_(_dequantize(fb[a:a + step], qtype, triton_state))
+        return out
     for a in range(0, blocks.shape[0], step):
         out[a:a + step].copy_(_dequantize(blocks[a:a + step], qtype, triton_state))
     return out
@@ -161,6 +171,12 @@ class Packed(nn.Module):
         self.register_buffer("data", data)
         self.qtype, self.cols, self.out_dtype = qtype, cols, dtype
         self.triton_state = triton_state
+        self.split = False  # an MXFP4 expert stack re-laid by ResidentExperts (strata.quant.mxfp4.to_split)
+
+    @property
+    def slab(self) -> int:
+        """Blocks an expert where the stack is in MXFP4's split layout (the dequantizers' `slab`), else 0."""
+        return self.data.shape[1] * (self.data.shape[2] // 17) if self.split else 0
 
     @property
     def n_rows(self) -> int:
@@ -171,7 +187,7 @@ class Packed(nn.Module):
         r1 = self.n_rows if r1 is None else r1
         if self.qtype is None:
             return out.copy_(self.data[r0:r1])
-        return dequantize_into(out, self.data[r0:r1], self.qtype, self.cols, self.triton_state)
+        return dequantize_into(out, self.data[r0:r1], self.qtype, self.cols, self.triton_state, self.slab)
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) only: the embedding never dequantizes its whole table."""
@@ -302,6 +318,8 @@ class ResidentExperts(nn.Module):
         self.per_group = scratch.layout["e13"][1] // w13.data.shape[1]
         self._fused: dict[torch.device, bool] = {}
         self._direct: dict[torch.device, bool] = {}
+        for p in (w13, w2):
+            _split_mxfp4(p)
 
     def group(self, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts [g0, g1) (at most per_group) dense in the scratch: (w13 (G, 2 effn, dim), w2 (G, dim, effn)),
@@ -320,7 +338,7 @@ class ResidentExperts(nn.Module):
         for p in (self.w13, self.w2):
             b = p.data.index_select(0, e)
             w = torch.empty(*b.shape[:-1], p.cols, device=b.device, dtype=p.out_dtype)
-            dequantize_into(w.view(-1, p.cols), b, p.qtype, p.cols, p.triton_state)
+            dequantize_into(w.view(-1, p.cols), b, p.qtype, p.cols, p.triton_state, p.slab)
             out.append(w)
         return out[0], out[1]
 
@@ -353,6 +371,20 @@ class ResidentExperts(nn.Module):
         probe = torch.empty(0, device=device, dtype=self.w13.out_dtype)
         return (into.takes(self.w13.qtype, probe, self.w13.triton_state)
                 and into.takes(self.w2.qtype, probe, self.w2.triton_state))
+
+
+def _split_mxfp4(p: Packed) -> None:
+    """An MXFP4 expert stack re-laid in place into strata.quant.mxfp4's split layout (an expert at a time: its bytes
+    the only transient), where the experts kernels run on its device (strata.quant.gemv reads it in aligned words)
+    and its shape takes it; p.split says so to every reader. Elsewhere it stays as the file has it."""
+    if p.qtype != "MXFP4" or p.data.dim() != 3 or p.split:
+        return
+    from .quant import gemv, mxfp4
+    if not (gemv.available(p.data.device) and mxfp4.split_ok(p.data.shape[1], p.cols)):
+        return
+    for e in range(p.data.shape[0]):
+        p.data[e:e + 1] = mxfp4.to_split(p.data[e:e + 1])
+    p.split = True
 
 
 class QuantEmbedding(nn.Module):

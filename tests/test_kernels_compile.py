@@ -96,22 +96,43 @@ def test_q8_0_dp4a_kernel_compiles_for_sm90(m, tail):
     assert ".target sm_90" in code and "ld.global" in code and "dp4a" in code
 
 
-def test_mxfp4_experts_kernel_compiles_for_sm90():
+@pytest.mark.parametrize("split", [False, True])
+def test_mxfp4_experts_kernel_compiles_for_sm90(split):
+    """The float MXFP4 experts kernel (kernels.gemv_mxfp4: float), on the file's layout and the split one."""
     from strata.quant import gemv
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stack_ptr": "*u8", "ids_ptr": "*i64", "estride": "i64",
-           "xstep": "i32", "rows": "i32", "nb": "i32", "per": "i32", "BLOCK_N": "constexpr", "SB": "constexpr"}
-    code = ptx(gemv._mxfp4_experts, sig, {"BLOCK_N": 4, "SB": 4})
+           "xstep": "i32", "rows": "i32", "nb": "i32", "per": "i32", "BLOCK_N": "constexpr", "SB": "constexpr",
+           "SPLIT": "constexpr"}
+    code = ptx(gemv._mxfp4_experts, sig, {"BLOCK_N": 4, "SB": 4, "SPLIT": split})
     assert ".target sm_90" in code and "ld.global" in code
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_mxfp4_dp4a_experts_kernel_compiles_for_sm90(tail):
+    """The MXFP4 experts on int8 x (kernels.gemv_mxfp4: dp4a): the nibbles by PTX prmt, dp4a; with a weighed-0
+    tail (90 blocks a row in steps of 8), and the interpreter's emulation (PTX off) compiles too."""
+    from strata.quant import gemv
+    sig = {"xq_ptr": "*i64", "xs_ptr": "*fp32", "out_ptr": "*bf16", "stack_ptr": "*u8", "ids_ptr": "*i64",
+           "estride": "i64", "xrow": "i32", "rows": "i32", "nb": "i32", "per": "i32", "BLOCK_N": "constexpr",
+           "SB": "constexpr", "PTX": "constexpr", "TAIL": "constexpr"}
+    cfg = gemv.MXFP4_DP4A
+    code = ptx(gemv._mxfp4_dp4a, sig, {"BLOCK_N": cfg.block_n, "SB": cfg.sb, "PTX": True, "TAIL": tail},
+               num_warps=cfg.num_warps)
+    assert ".target sm_90" in code and "ld.global" in code and "prmt.b32" in code and "dp4a.s32.s32" in code
+    code = ptx(gemv._mxfp4_dp4a, sig, {"BLOCK_N": 4, "SB": 2, "PTX": False, "TAIL": tail})
+    assert "prmt.b32 " not in code and "dp4a.s32" not in code
 
 
 @pytest.mark.parametrize("name,extra", [("_q8_0_into", {}), ("_k45_into", {"FIVE": False}),
                                         ("_k45_into", {"FIVE": True}), ("_q6_k_into", {}),
                                         ("_legacy_into", {"MIN": False, "FIVE": False}),
-                                        ("_legacy_into", {"MIN": True, "FIVE": True}), ("_mxfp4_into", {})])
+                                        ("_legacy_into", {"MIN": True, "FIVE": True}),
+                                        ("_mxfp4_into", {"SPLIT": False}), ("_mxfp4_into", {"SPLIT": True})])
 @pytest.mark.parametrize("out", ["*bf16", "*fp32"])
 def test_prefill_dequant_kernels_compile_round_to_nearest_without_fma(name, extra, out):
     from strata.quant import into
-    sig = {"b_ptr": "*u8", "out_ptr": out, "n_blocks": "i32", **{k: "constexpr" for k in extra}, "BLOCKS": "constexpr"}
+    sig = {"b_ptr": "*u8", "out_ptr": out, "n_blocks": "i32", **({"per": "i32"} if name == "_mxfp4_into" else {}),
+           **{k: "constexpr" for k in extra}, "BLOCKS": "constexpr"}
     code = ptx(getattr(into, name), sig, {"BLOCKS": 4, **extra}, enable_fp_fusion=False)
     assert "fma.rn.f32" not in code
     casts = {line.split()[0] for line in code.splitlines() if "cvt" in line and "bf16.f32" in line}

@@ -114,6 +114,7 @@ load = lambda: load_stage("synthetic:smoke-moe@" + sys.argv[2], args, 0, 1, devi
 m, eager = load(), load()
 moe = m.layers["0"].mlp
 assert moe.resident.fused_ok("cpu") and covers(args)
+assert moe.resident.w13.split == moe.resident.w2.split == sys.argv[2].startswith("MXFP4")  # re-laid for the kernel
 x = torch.randn(1, args.dim, generator=torch.Generator().manual_seed(0))
 w, idx = moe.route(x)
 a = moe._on_blocks(x, w, idx.reshape(-1), moe.k)

@@ -294,6 +294,37 @@ def test_mxfp4_bit_exact_against_gguf_py():
     assert_bits_equal(Q.dequantize(b.view(2, 4, -1), "MXFP4"), ref3)
 
 
+def test_mxfp4_split_layout_bit_exact_against_gguf_py():
+    """The split layout the resident MXFP4 stacks are re-laid into (strata.quant.mxfp4.to_split): the same byte
+    count (the nibbles and the exponents moved, not changed), the file's back from it, and its values gguf-py's
+    bits, every exponent byte included; the torch dequantization of a split stack (strata.resident.dequantize_into's
+    path where no kernel runs, an expert at a time and in row pieces) too; shapes split_ok refuses."""
+    from strata.quant import mxfp4
+    from strata import resident
+    g = torch.Generator().manual_seed(23)
+    b = torch.randint(0, 256, (3 * 32 * 3, 17), generator=g, dtype=torch.uint8)  # 3 experts, 32 rows of 3 blocks
+    b[:256, 0] = torch.arange(256, dtype=torch.uint8)
+    st = b.view(3, 32, 51)
+    sp = mxfp4.to_split(st)
+    assert sp.shape == st.shape and not torch.equal(sp, st)
+    nibbles = lambda t: torch.cat((t & 15, t >> 4)).sort()[0]  # noqa: E731
+    assert torch.equal(nibbles(sp[1].flatten()[:16 * 96]), nibbles(st[1].reshape(96, 17)[:, 1:].flatten()))
+    assert torch.equal(sp[1].flatten()[16 * 96:], st[1].reshape(96, 17)[:, 0])  # the exponents after the nibbles
+    assert torch.equal(mxfp4.from_split(sp), st)
+    ref = gguf_ref(st, "MXFP4")
+    assert_bits_equal(mxfp4.mxfp4_split(sp), ref)
+    out = torch.empty(64, 96)
+    old = resident.DEQUANT_PIECE
+    resident.DEQUANT_PIECE = 5 * 96  # 5 rows a piece: pieces within an expert of 32 rows
+    try:
+        resident.dequantize_into(out, sp[1:], "MXFP4", 96, slab=96)
+    finally:
+        resident.DEQUANT_PIECE = old
+    assert_bits_equal(out.view(2, 32, 96), ref[1:])
+    assert mxfp4.split_ok(12, 96) and mxfp4.split_ok(2880, 2880) and not mxfp4.split_ok(3, 96)
+    assert not mxfp4.split_ok(4, 48)
+
+
 INTO_MXFP4 = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -306,13 +337,17 @@ cpu = Q.dequantize(b, "MXFP4")
 out = torch.empty(6, 256, dtype=torch.float32)  # (the interpreter truncates to bfloat16: that is the GPU test's)
 assert into.takes("MXFP4", out) and into.dequantize_into(out, b, "MXFP4")
 assert out.view(torch.int32).equal(cpu.view(torch.int32))
+sp = Q.mxfp4.to_split(b.view(3, 2, -1))  # 3 experts of 2 rows (16 blocks an expert), split: the same values
+out.fill_(float("nan"))
+assert into.dequantize_into(out, sp, "MXFP4", slab=16)
+assert out.view(torch.int32).equal(cpu.view(torch.int32))
 print("ok")
 """
 
 
 def test_mxfp4_into_kernel_interpreted():
     """The Triton MXFP4 dequantization (gpt-oss's experts into the scratch), under Triton's interpreter on CPU:
-    the torch path's float32 bits (which are gguf-py's), subnormal exponents included."""
+    the torch path's float32 bits (which are gguf-py's), subnormal exponents included; from the split layout too."""
     pytest.importorskip("triton")
     import os
     import subprocess

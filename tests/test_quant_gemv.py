@@ -453,6 +453,68 @@ def check_dequantize_into():
     assert not into.takes("Q2_K", torch.empty(1)) and not into.takes("Q4_K", torch.empty(4, 4).t())
 
 
+def check_mxfp4_dp4a_experts():
+    """MXFP4 experts on int8 x (kernels.gemv_mxfp4: dp4a, the stack in strata.quant.mxfp4's split layout; the prmt
+    and dp4a emulated as the interpreter must) against float64 products of the dequantized experts: with x's int8
+    rounding to float32 summation, with x itself within DP4A_TOL; the float kernel on both layouts to 1e-5. Odd
+    shapes: rows not a multiple of the program's, a single expert, 1, 3 and 10 blocks a row (a step's tail
+    weighed 0), x of one row for every slot or a row a slot, repeated ids, bf16 x, two launch shapes; the caller's
+    xq gives the same bits as the rounding made inside; a dp4a launch that fails leaves the float kernel on the
+    holder; a file-layout stack is refused by the dp4a path's checks where it claims to be split."""
+    from strata.quant import dequantize, gemv, mxfp4, random_blocks
+    g = torch.Generator().manual_seed(21)
+    default = gemv.MXFP4_DP4A
+    try:
+        for cfg, E, rows, cols, ids in ((default, 5, 20, 256, [3, 0, 4, 3]), (default, 1, 12, 96, [0]),
+                                        (default, 4, 37 * 4, 320, [2, 1]), (gemv.Config(4, 2, 1), 3, 4, 32, [1, 1, 2]),
+                                        (gemv.Config(4, 2, 1), 2, 10, 320, [1, 0])):
+            gemv.MXFP4_DP4A = cfg
+            st = random_blocks("MXFP4", E * rows, cols, g).view(E, rows, -1).contiguous()
+            sp = mxfp4.to_split(st)
+            w = dequantize(st.view(E * rows, -1), "MXFP4").view(E, rows, cols).double()
+            idt = torch.tensor(ids)
+            for xr, dt in ((1, torch.float32), (len(ids), torch.float32), (len(ids), torch.bfloat16)):
+                x = torch.randn(xr, cols, generator=g).to(dt)
+                xq = gemv.quantize_x(x)
+                xi = gemv.int8_x(*xq)
+                want = torch.stack([w[e] @ x[min(j, xr - 1)].double() for j, e in enumerate(ids)])
+                wq = torch.stack([w[e] @ xi[min(j, xr - 1)] for j, e in enumerate(ids)])
+                k = kernels()
+                y = gemv.quant_matmul_experts(x, sp, idt, "MXFP4", cols, kernels=k, split=True)
+                assert y.dtype == x.dtype and tuple(y.shape) == (len(ids), rows) and k.mxfp4 == "dp4a"
+                tol = 1e-5 if x.dtype == torch.float32 else 8e-3  # bf16 out: its own rounding
+                assert rel(y, wq) < tol, ("int8 x", cfg, rows, cols, xr, x.dtype, rel(y, wq))
+                assert rel(y, want) < DP4A_TOL, ("x", cfg, rows, cols, xr, rel(y, want))
+                y2 = gemv.quant_matmul_experts(x, sp, idt, "MXFP4", cols, kernels=k, xq=xq, split=True)
+                assert torch.equal(y, y2)
+                for stack, split in ((sp, True), (st, False)):
+                    yf = gemv.quant_matmul_experts(x.float(), stack, idt, "MXFP4", cols,
+                                                   kernels=kernels(mxfp4="float"), split=split)
+                    assert rel(yf, want) < 1e-5, (split, rows, cols, rel(yf, want))
+    finally:
+        gemv.MXFP4_DP4A = default
+    # a dp4a launch that fails (e.g. a Triton that cannot build the inline PTX): the float kernel, on this holder
+    real, k = gemv._mxfp4_dp4a, kernels()
+    gemv._mxfp4_dp4a = None  # not subscriptable: the launch raises
+    try:
+        y = gemv.quant_matmul_experts(x.float(), sp, idt, "MXFP4", cols, kernels=k, split=True)
+    finally:
+        gemv._mxfp4_dp4a = real
+    assert k.mxfp4 == "float" and rel(y, want) < 1e-5
+    from strata import resident  # a resident stack re-laid where the kernels run (here: the interpreter)
+    p = resident.Packed(st.clone(), "MXFP4", cols, torch.float32)
+    resident._split_mxfp4(p)
+    assert p.split and torch.equal(p.data, sp) and p.slab == rows * (cols // 32)
+    out = torch.empty((E - 1) * rows, cols)
+    p.into(out, 1, E)  # strata.quant.into's kernel on the split layout (prefill's group of experts)
+    assert torch.equal(out, dequantize(st[1:].reshape(-1, st.shape[-1]), "MXFP4"))
+    try:
+        gemv.quant_matmul_experts(x, sp[:, :3].contiguous(), idt, "MXFP4", cols, split=True)
+        raise AssertionError("a stack of 3 rows of one block (not whole words an expert) was taken as split")
+    except ValueError:
+        pass
+
+
 CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, check_k45_words_matches_reference,
           check_dp4a_failure_falls_back_to_words,
           check_parts_side_by_side, check_model_decode_fused,
@@ -485,6 +547,14 @@ def interpreted() -> dict:
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
 def test_interpreted(interpreted, name):
     assert interpreted[name] == "ok", interpreted[name]
+
+
+def test_mxfp4_dp4a_experts_interpreted():
+    """check_mxfp4_dp4a_experts in a process of its own (run alone: pytest -k mxfp4)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    code = "import tests.test_quant_gemv as t; t.check_mxfp4_dp4a_experts(); print('ok')"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-4000:]
 
 
 def test_graph_body_int8_x_interpreted():
@@ -533,6 +603,45 @@ def test_bad_blocks_refused():
         gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 110, dtype=torch.uint8), "Q3_K", 256)
     with pytest.raises(ValueError):
         gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 209, dtype=torch.uint8), "Q6_K", 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows,xr", [(5760, 1), (2880, 4)])  # gpt-oss-20b's gate/up (x one row) and down
+def test_gpu_mxfp4_dp4a_experts(rows, xr):
+    """CUDA (PTX prmt and dp4a): the MXFP4 dp4a experts kernel at gpt-oss-20b's shapes (4 of 32 experts, 2,880
+    columns: 90 blocks a row) against the float kernel on the file's layout: to float32 summation with x's int8
+    rounding as its x, within DP4A_TOL with x itself; the dp4a kernel stays chosen (no fallback), and a CUDA graph
+    of it (xq given, and made inside) replays the eager bits."""
+    from strata.quant import gemv, mxfp4, random_blocks
+    cols, g = 2880, torch.Generator().manual_seed(31)
+    st = random_blocks("MXFP4", 32 * rows, cols, g).view(32, rows, -1).contiguous().cuda()
+    sp = mxfp4.to_split(st)
+    ids = torch.tensor([7, 30, 2, 7]).cuda()  # a repeated expert too
+    x = torch.randn(xr, cols, generator=g).cuda()
+    xq = gemv.quantize_x(x)
+    k, fl = kernels(), kernels(mxfp4="float")
+    y = gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols, kernels=k, split=True)
+    assert k.mxfp4 == "dp4a"
+    want = gemv.quant_matmul_experts(x, st, ids, "MXFP4", cols, kernels=fl)
+    wq = gemv.quant_matmul_experts(gemv.int8_x(*xq).float(), st, ids, "MXFP4", cols, kernels=fl)
+    assert rel(y, wq) < 1e-5, rel(y, wq)
+    assert rel(y, want) < DP4A_TOL, rel(y, want)
+    assert rel(gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols, kernels=fl, split=True), want) < 1e-6
+    yb = gemv.quant_matmul_experts(x.bfloat16(), sp, ids, "MXFP4", cols, kernels=k, split=True)
+    assert yb.dtype == torch.bfloat16 and rel(yb, want) < DP4A_TOL
+    for given in (xq, None):
+        out = {}
+
+        def fn():
+            out["y"] = gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols, kernels=k, xq=given, split=True)
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out["y"], y)
 
 
 # -- CUDA -----------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import IQ3S_KERNELS, KQUANT_KERNELS, Q8_0_KERNELS, KernelSpec
+from ..config import IQ3S_KERNELS, KQUANT_KERNELS, MXFP4_KERNELS, Q8_0_KERNELS, KernelSpec
 from . import LEGACY_FLAGS, block_size, qtype_of, type_size
 
 try:
@@ -66,25 +66,29 @@ log = logging.getLogger("strata.quant")
 
 @dataclass
 class GemvKernels:
-    """Which kernel each resident decode product takes: IQ3_S's, Q4_K/Q5_K's, Q6_K's and Q8_0's (the rig's
-    kernels.gemv_iq3s / gemv_kquant / gemv_q6k / gemv_q8_0; KernelSpec's defaults). A model holds one for all its
-    matrices (Transformer.gemv). Mutable on purpose: where a dp4a kernel fails (a Triton that cannot build the inline
-    PTX), it falls back on this object, IQ3_S to the float kernel, the K-quants to the word kernel on float x and
-    Q8_0 to its byte kernel, for this holder's later calls; another holder, or a call without one, is not affected."""
+    """Which kernel each resident decode product takes: IQ3_S's, Q4_K/Q5_K's, Q6_K's, Q8_0's and the MXFP4 experts'
+    (the rig's kernels.gemv_iq3s / gemv_kquant / gemv_q6k / gemv_q8_0 / gemv_mxfp4; KernelSpec's defaults). A model
+    holds one for all its matrices (Transformer.gemv). Mutable on purpose: where a dp4a kernel fails (a Triton that
+    cannot build the inline PTX), it falls back on this object, IQ3_S and MXFP4 to their float kernels, the K-quants
+    to the word kernel on float x and Q8_0 to its byte kernel, for this holder's later calls; another holder, or a
+    call without one, is not affected."""
     iq3s: str = KernelSpec.gemv_iq3s
     kquant: str = KernelSpec.gemv_kquant
     q6k: str = KernelSpec.gemv_q6k
     q8_0: str = KernelSpec.gemv_q8_0
+    mxfp4: str = KernelSpec.gemv_mxfp4
 
     def __post_init__(self):
         for name, v, choices in (("iq3s", self.iq3s, IQ3S_KERNELS), ("kquant", self.kquant, KQUANTS),
-                                 ("q6k", self.q6k, Q6K_KERNELS), ("q8_0", self.q8_0, Q8_0_KERNELS)):
+                                 ("q6k", self.q6k, Q6K_KERNELS), ("q8_0", self.q8_0, Q8_0_KERNELS),
+                                 ("mxfp4", self.mxfp4, MXFP4_KERNELS)):
             if v not in choices:
                 raise ValueError(f"GemvKernels.{name}={v!r}: one of {', '.join(choices)}")
 
     def choose(self, spec: KernelSpec) -> None:
         """Take the rig's choices again (a fallback made earlier is forgotten)."""
         self.iq3s, self.kquant, self.q6k, self.q8_0 = spec.gemv_iq3s, spec.gemv_kquant, spec.gemv_q6k, spec.gemv_q8_0
+        self.mxfp4 = spec.gemv_mxfp4
         self.__post_init__()
 
 
@@ -1264,14 +1268,17 @@ def experts_ok(qtype, cols: int, rows: int = 2) -> bool:
 
 
 def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, qtype, cols: int,
-                         kernels: GemvKernels | None = None) -> torch.Tensor:
+                         kernels: GemvKernels | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         split: bool = False) -> torch.Tensor:
     """Slot j: expert ids[j]'s matrix of the stack (E, rows, bytes a row) times x's row j, or x's one row for
     every slot (x (1, cols): gate/up of a token's experts) -> (n, rows), n = ids' length, in x's dtype. One
     launch; the ids are read on the device, so it captures in a CUDA graph and reads only the chosen experts.
-    `kernels`: dp4a (int8 x) where its K-quant says so, else the word kernel on float x (None: the defaults)."""
+    `kernels`: dp4a (int8 x) where its K-quant says so, else the word kernel on float x (None: the defaults).
+    MXFP4 only: xq, x's `quantize_x` rounding where the caller has it (the dp4a kernel reads it instead of making
+    it); split, the stack is in strata.quant.mxfp4's split layout (the dp4a kernel reads only that one)."""
     name = qtype_of(qtype).name
     if name == "MXFP4":
-        return mxfp4_experts(x, stack, ids, cols)
+        return mxfp4_experts(x, stack, ids, cols, kernels, xq, split)
     E, rows, rb = stack.shape
     if not experts_ok(name, cols, rows):
         raise ValueError(f"no experts kernel for {name} at {rows} x {cols}")
@@ -1312,31 +1319,43 @@ def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
 if triton is not None:
     @triton.jit
     def _mxfp4_experts(x_ptr, out_ptr, stack_ptr, ids_ptr, estride, xstep, rows, nb, per,
-                       BLOCK_N: tl.constexpr, SB: tl.constexpr):
+                       BLOCK_N: tl.constexpr, SB: tl.constexpr, SPLIT: tl.constexpr = False):
         """MXFP4 experts (gpt-oss): slot pid // per multiplies expert ids[slot]'s matrix by x's row slot (xstep =
         cols) or row 0 (xstep = 0). Tile [BLOCK_N rows, SB blocks, 16 bytes]; a block is the e8m0 byte then 16
         bytes of nibble pairs, byte i holding values i (low nibble) and i + 16 (high) (strata.quant.into's
-        _mxfp4_into: the same values); blocks past the row's end read its last one, weighed 0. Float x, float32
-        products."""
+        _mxfp4_into: the same values); blocks past the row's end read its last one, weighed 0. SPLIT: the stack in
+        strata.quant.mxfp4's split layout (byte i of a block's nibbles holds values 2i and 2i + 1; the exponent
+        bytes after the expert's nibbles). Float x, float32 products (kernels.gemv_mxfp4: float)."""
         pid = tl.program_id(0)
         slot = pid // per
         e = tl.load(ids_ptr + slot).to(tl.int64)
         x = x_ptr + slot * xstep
         r = (pid - slot * per) * BLOCK_N + tl.arange(0, BLOCK_N)
         live = r < rows
-        base = stack_ptr + e * estride + tl.minimum(r, rows - 1).to(tl.int64)[:, None, None] * (nb * 17)
+        row = tl.minimum(r, rows - 1).to(tl.int64)[:, None, None]
         kb = tl.arange(0, SB)[None, :, None]
         j = tl.arange(0, 16)[None, None, :]
+        if SPLIT:
+            nib = stack_ptr + e * estride + row * (nb * 16)
+            exp = stack_ptr + e * estride + rows * nb * 16 + row * nb
+            xlo, xhi = 2 * j, 2 * j + 1  # the columns within the block of a byte's low and high nibbles
+        else:
+            nib = stack_ptr + e * estride + row * (nb * 17) + 1
+            exp = stack_ptr + e * estride + row * (nb * 17)
+            xlo, xhi = j, j + 16
         acc = tl.zeros((BLOCK_N, SB, 16), tl.float32)
         for k in range(0, nb, SB):
             b = tl.minimum(k + kb, nb - 1)  # (1, SB, 1)
-            bp = base + b * 17
-            ex = tl.load(bp).to(tl.int32)
+            if SPLIT:
+                ex = tl.load(exp + b).to(tl.int32)
+                q = tl.load(nib + b * 16 + j).to(tl.int32)
+            else:
+                ex = tl.load(exp + b * 17).to(tl.int32)
+                q = tl.load(nib + b * 17 + j).to(tl.int32)
             d = tl.where(ex < 2, 0x00200000 << ex, (ex - 1) << 23).to(tl.float32, bitcast=True)
             d = tl.where(k + kb < nb, d, 0.0)
-            q = tl.load(bp + 1 + j).to(tl.int32)
-            acc += d * (_fp4(q & 15) * tl.load(x + b * 32 + j).to(tl.float32)
-                        + _fp4(q >> 4) * tl.load(x + b * 32 + 16 + j).to(tl.float32))
+            acc += d * (_fp4(q & 15) * tl.load(x + b * 32 + xlo).to(tl.float32)
+                        + _fp4(q >> 4) * tl.load(x + b * 32 + xhi).to(tl.float32))
         tl.store(out_ptr + slot * rows + r, tl.sum(tl.sum(acc, 2), 1).to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
@@ -1349,29 +1368,148 @@ if triton is not None:
         bits = tl.where(e == 0, m * 0x3F800000, ((e + 127) << 23) | (m << 22)) | ((q & 8) << 28)
         return bits.to(tl.float32, bitcast=True)
 
+    @triton.jit
+    def _prmt(a, b, c, PTX: tl.constexpr):
+        """PTX prmt.b32 (its default mode): byte i of the result is byte c[4i..4i+2] of the 8 bytes b:a, or, where
+        bit 4i + 3 of c is set, that byte's sign bit copied to all 8 bits. One instruction on CUDA; shifts and
+        selects (the same bits) under the interpreter."""
+        if PTX:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            r = c * 0
+            for i in tl.static_range(4):
+                s = (c >> (4 * i)) & 15
+                k = s & 7
+                byte = (tl.where(k < 4, a, b) >> (8 * (k & 3))) & 255
+                byte = tl.where(s >= 8, tl.where(byte >= 128, 255, 0), byte)
+                r = r | (byte << (8 * i))
+            return r
+
+    @triton.jit
+    def _mxfp4_dot8(q, x_lo, x_hi, PTX: tl.constexpr):
+        """The int32 dot of a split-layout nibble word q (values 8w..8w+7 of a block: 4 in each half) with x's two
+        int8 words of those columns, the values doubled (e2m1 x 2: 0, 1, 2, 3, 4, 6, 8, 12, signed).
+
+        Each half's 4 nibbles are the selectors of a byte permute of the table of magnitudes (its 8 bytes in two
+        words): where a nibble's sign bit is set, prmt copies the sign of the byte it picks instead (0: every
+        magnitude is positive), so the permute of q gives the positive values and 0 for the negative ones, and the
+        permute of q with the sign bits flipped their magnitudes and 0 for the positive ones; the dot is then one
+        dp4a with each less the other's. 4 permutes, 4 dp4a, a xor, 2 shifts and a subtraction for 8 values."""
+        t0 = tl.full(q.shape, 0x03020100, tl.int32)  # magnitudes 0, 1, 2, 3 (nibbles 0..3)
+        t1 = tl.full(q.shape, 0x0C080604, tl.int32)  # 4, 6, 8, 12 (nibbles 4..7)
+        qn = q ^ -0x77777778  # q ^ 0x88888888: the sign bits flipped
+        pos = _dp4a(_prmt(t0, t1, q >> 16, PTX), x_hi, _dp4a(_prmt(t0, t1, q, PTX), x_lo, 0, PTX), PTX)
+        neg = _dp4a(_prmt(t0, t1, qn >> 16, PTX), x_hi, _dp4a(_prmt(t0, t1, qn, PTX), x_lo, 0, PTX), PTX)
+        return pos - neg
+
+    @triton.jit
+    def _mxfp4_dp4a(xq_ptr, xs_ptr, out_ptr, stack_ptr, ids_ptr, estride, xrow, rows, nb, per,
+                    BLOCK_N: tl.constexpr, SB: tl.constexpr, PTX: tl.constexpr, TAIL: tl.constexpr):
+        """MXFP4 experts on int8 x (kernels.gemv_mxfp4: dp4a), llama.cpp's mmvq way: slot pid // per multiplies
+        expert ids[slot]'s matrix of a split-layout stack (strata.quant.mxfp4) by x's row slot (xrow 1) or row 0
+        (xrow 0), x as `quantize_x` left it (xq_ptr its int64 words: plane w of group b holds columns 8w..8w+7 of
+        block b, the columns of the block's nibble word w; xs_ptr the float32 scale per 32). A step loads a
+        [BLOCK_N rows, SB blocks, 4 words] tile of nibbles (a block's 16 bytes one aligned load) and the blocks'
+        exponent bytes; per block the int32 dot of its 4 words (`_mxfp4_dot8`) times its scale (e8m0 halved: the
+        values are doubled) times x's, summed in float32. TAIL: SB need not divide the row's blocks (2,880
+        columns are 90): a step past the row's end reads its last block again, weighed 0."""
+        pid = tl.program_id(0)
+        slot = pid // per
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+        xq = xq_ptr + slot * xrow * (nb * 4)  # nb * 4 int64 words a row of x
+        xs = xs_ptr + slot * xrow * nb
+        r = (pid - slot * per) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = r < rows
+        row = tl.minimum(r, rows - 1).to(tl.int64)[:, None]  # (BLOCK_N, 1); rows past the matrix: its last, not stored
+        slab = stack_ptr + e * estride
+        nib = (slab + row[:, :, None] * (nb * 16)).to(tl.pointer_type(tl.int32))  # (BLOCK_N, 1, 1)
+        exp = slab + rows * nb * 16 + row * nb  # (BLOCK_N, 1): the slab's exponent bytes follow its nibbles
+        kb = tl.arange(0, SB)[None, :]  # (1, SB)
+        w = tl.arange(0, 4)[None, None, :]  # (1, 1, 4)
+        acc = tl.zeros((BLOCK_N, SB), tl.float32)
+        for k in range(0, nb, SB):
+            b = k + kb
+            if TAIL:
+                b = tl.minimum(b, nb - 1)
+            q = tl.load(nib + b[:, :, None] * 4 + w)  # (BLOCK_N, SB, 4)
+            ex = tl.load(exp + b).to(tl.int32)  # (BLOCK_N, SB)
+            xw = tl.load(xq + w * nb + b[:, :, None])  # (1, SB, 4) int64: columns 8w..8w+7 of block b
+            dot = tl.sum(_mxfp4_dot8(q, xw.to(tl.int32), (xw >> 32).to(tl.int32), PTX), 2)  # (BLOCK_N, SB)
+            d = tl.where(ex < 2, 0x00200000 << ex, (ex - 1) << 23).to(tl.float32, bitcast=True)
+            if TAIL:
+                d = tl.where(k + kb < nb, d, 0.0)
+            # |dot| <= 32 * 12 * 127 < 2^22: its float32 by the bits of 1.5 * 2^23 + dot, less 1.5 * 2^23 (exact, and
+            # no int-to-float conversion, a quarter-rate instruction)
+            f = (dot + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+            acc += f * (d * tl.load(xs + b))
+        tl.store(out_ptr + slot * rows + r, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=live)
+
 
 # experts launches (quant_matmul_experts), from bench/experts_sweep.py on an H200 (graph-timed): gpt-oss-20b's
 # MXFP4 gate/up (4 of 32 experts, 5760 x 2880) 101.1 -> 80.9 us at 32 rows a program (every shape 340-440 GB/s:
 # the value decode, not the loads, bounds it); Qwen3-30B-A3B's Q6_K down (8 of 128, 2048 x 768) 12.4 -> 10.6 us,
 # Q4_K gate/up (1536 x 2048) 12.9 -> 11.1 us
 MXFP4_EXPERTS = Config(32, 4, 4)
+# _mxfp4_dp4a (kernels.gemv_mxfp4: dp4a): a [block_n rows, sb blocks, 4 words] tile, sb a power of two (a tail past
+# the row's blocks weighed 0). Untimed: 16 rows x 8 blocks on 4 warps is one block's 16 bytes a thread and 128
+# bytes of a row a step (a whole cache line); bench/experts_sweep.py --mxfp4-dp4a sweeps it at gpt-oss-20b's shapes
+MXFP4_DP4A = Config(16, 8, 4)
 EXPERTS_CONFIGS = {"Q4_K": Config(16, 2, 4), "Q5_K": Config(16, 2, 4), "Q6_K": Config(16, 1, 4)}
 
 
-def mxfp4_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, cols: int) -> torch.Tensor:
-    """quant_matmul_experts for MXFP4 stacks (E, rows, cols / 32 * 17): (n, rows) in x's dtype, one launch."""
+def experts_int8_x(qtype, split: bool, kernels: GemvKernels | None = None) -> bool:
+    """Whether quant_matmul_experts reads x rounded to int8 (`quantize_x`) for a stack of this type and layout: a
+    caller that has the rounding (a decode norm wrote it) passes it as xq and saves the launch. MXFP4 only (the
+    K-quants' experts make their own)."""
+    kernels = GemvKernels() if kernels is None else kernels
+    return qtype_of(qtype).name == "MXFP4" and split and kernels.mxfp4 == "dp4a"
+
+
+def mxfp4_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, cols: int,
+                  kernels: GemvKernels | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  split: bool = False) -> torch.Tensor:
+    """quant_matmul_experts for MXFP4 stacks (E, rows, cols / 32 * 17): (n, rows) in x's dtype, one launch (two
+    where the dp4a kernel rounds x itself). split: the stack in strata.quant.mxfp4's split layout; then `kernels`
+    picks the dp4a kernel (int8 x: xq, or `quantize_x` here) or the float one, and a dp4a kernel that fails leaves
+    the float one on that holder. The file's layout: the float kernel."""
+    from .mxfp4 import split_ok
     E, rows, rb = stack.shape
     n = ids.numel()
     if cols % 32 or rb != cols // 32 * 17 or stack.dtype != torch.uint8 or not stack.is_contiguous():
         raise ValueError(f"MXFP4: a contiguous uint8 (E, rows, {cols // 32 * 17}) stack, got {tuple(stack.shape)}")
+    if split and not split_ok(rows, cols):
+        raise ValueError(f"MXFP4: no split layout for {rows} x {cols} matrices (strata.quant.mxfp4.split_ok)")
     if x.dim() != 2 or x.shape[1] != cols or x.shape[0] not in (1, n):
         raise ValueError(f"x must be (1 or {n}, {cols}), got {tuple(x.shape)}")
     x = x.contiguous()
-    cfg, nb = MXFP4_EXPERTS, cols // 32
-    sb = min(cfg.sb, triton.next_power_of_2(nb))  # the tail's blocks weighed 0
+    kernels = GemvKernels() if kernels is None else kernels
     out = torch.empty((n, rows), device=x.device, dtype=x.dtype)
-    per = triton.cdiv(rows, cfg.block_n)
+    ids = ids.reshape(-1)
+    nb = cols // 32
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _mxfp4_experts[(n * per,)](x, out, stack, ids.reshape(-1), rows * rb, 0 if x.shape[0] == 1 else cols, rows,
-                                   nb, per, BLOCK_N=cfg.block_n, SB=sb, num_warps=cfg.num_warps)
+        if split and kernels.mxfp4 == "dp4a":
+            if xq is None:
+                xq = quantize_x(x)
+            elif tuple(xq[0].shape) != tuple(x.shape) or tuple(xq[1].shape) != (x.shape[0], nb):
+                raise ValueError(f"xq must be quantize_x's of x {tuple(x.shape)}, got {tuple(xq[0].shape)}, "
+                                 f"{tuple(xq[1].shape)}")
+            cfg = MXFP4_DP4A
+            sb = min(cfg.sb, triton.next_power_of_2(nb))
+            per = triton.cdiv(rows, cfg.block_n)
+            try:
+                _mxfp4_dp4a[(n * per,)](xq[0].view(torch.int64), xq[1], out, stack, ids, rows * rb,
+                                        0 if x.shape[0] == 1 else 1, rows, nb, per, BLOCK_N=cfg.block_n, SB=sb,
+                                        PTX=not INTERPRET, TAIL=nb % sb != 0, num_warps=cfg.num_warps)
+                return out
+            except Exception as e:  # e.g. a Triton that cannot build the inline PTX: the float kernel still works
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                log.warning("MXFP4 dp4a experts kernel failed (%s: %s); using the float kernel", type(e).__name__, e)
+                kernels.mxfp4 = "float"
+        cfg = MXFP4_EXPERTS
+        sb = min(cfg.sb, triton.next_power_of_2(nb))  # the tail's blocks weighed 0
+        per = triton.cdiv(rows, cfg.block_n)
+        _mxfp4_experts[(n * per,)](x, out, stack, ids, rows * rb, 0 if x.shape[0] == 1 else cols, rows, nb, per,
+                                   BLOCK_N=cfg.block_n, SB=sb, SPLIT=split, num_warps=cfg.num_warps)
     return out

@@ -112,19 +112,28 @@ if triton is not None:
 
 
     @triton.jit
-    def _mxfp4_into(b_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
+    def _mxfp4_into(b_ptr, out_ptr, n_blocks, per, BLOCKS: tl.constexpr, SPLIT: tl.constexpr = False):
         """MXFP4: byte 0 the e8m0 exponent e (the scale 2^(e - 127), halved to match the doubled values: bits
         0x00200000 << e below e = 2, else (e - 1) << 23 as float32); value j the low nibble of byte 1 + j (j < 16)
         or the high one of byte 1 + j - 16: e2m1 doubled, sign bit 8, magnitude m -> m below 4, else
-        2^(m // 2) * (1 + (m % 2) / 2); their product, exact in float32 (as strata.quant.mxfp4)."""
+        2^(m // 2) * (1 + (m % 2) / 2); their product, exact in float32 (as strata.quant.mxfp4). SPLIT: the blocks
+        in strata.quant.mxfp4's split layout, `per` blocks an expert's slab (its nibbles, value j in nibble j, then
+        its exponent bytes)."""
         nb = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
         j = tl.arange(0, 32)[None, :]
         live = nb < n_blocks
-        base = b_ptr + nb.to(tl.int64) * 17
-        e = tl.load(base, mask=live, other=0).to(tl.int32)
+        if SPLIT:
+            slab = nb.to(tl.int64) // per
+            k = nb.to(tl.int64) - slab * per
+            base = b_ptr + slab * per * 17
+            e = tl.load(base + 16 * per + k, mask=live, other=0).to(tl.int32)
+            q = (tl.load(base + 16 * k + j // 2, mask=live, other=0).to(tl.int32) >> (4 * (j % 2))) & 15
+        else:
+            base = b_ptr + nb.to(tl.int64) * 17
+            e = tl.load(base, mask=live, other=0).to(tl.int32)
+            q = (tl.load(base + 1 + j % 16, mask=live, other=0).to(tl.int32) >> (4 * (j // 16))) & 15
         bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
         d = bits.to(tl.float32, bitcast=True)
-        q = (tl.load(base + 1 + j % 16, mask=live, other=0).to(tl.int32) >> (4 * (j // 16))) & 15
         m = q & 7
         mag = tl.where(m < 4, m.to(tl.float32), (1 << (m // 2)).to(tl.float32) * (1.0 + 0.5 * (m % 2).to(tl.float32)))
         v = tl.where(q >= 8, 0.0 - mag, mag)  # (+0 for the nibble 8, as the table has it, not -0)
@@ -138,15 +147,19 @@ def takes(qtype: str | None, out: torch.Tensor, state: TritonState | None = None
             and out.dtype.is_floating_point and (out.is_cuda or INTERPRET))
 
 
-def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, state: TritonState | None = None) -> bool:
+def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, state: TritonState | None = None,
+                    slab: int = 0) -> bool:
     """out (rows, cols) <- the rows' GGUF blocks (rows, bytes) dequantized, in out's dtype; False (nothing
     written) when the kernel cannot run, and the caller takes the torch path (a failure turns `state.into` off:
-    that holder's later `takes` say no)."""
+    that holder's later `takes` say no). slab: MXFP4 blocks in strata.quant.mxfp4's split layout, this many blocks
+    an expert (whole experts only); 0: the file's layout."""
     bs, ts = block_size(qtype), type_size(qtype)
     flat = blocks.contiguous().view(-1, ts)
     n = flat.shape[0]
     if out.numel() != n * bs:
         raise ValueError(f"{qtype}: {n} blocks make {n * bs} weights, out has {out.numel()}")
+    if slab and n % slab:
+        raise ValueError(f"MXFP4 split layout: {n} blocks is not a whole number of experts of {slab}")
     if not n:
         return True
     grid = (triton.cdiv(n, BLOCKS),)
@@ -157,7 +170,7 @@ def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, state: 
             elif qtype == "Q6_K":
                 _q6_k_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype == "MXFP4":
-                _mxfp4_into[grid](flat, out, n, BLOCKS=BLOCKS, enable_fp_fusion=False)
+                _mxfp4_into[grid](flat, out, n, max(slab, 1), BLOCKS=BLOCKS, SPLIT=slab > 0, enable_fp_fusion=False)
             elif qtype in LEGACY_FLAGS:
                 _legacy_into[grid](flat, out, n, **LEGACY_FLAGS[qtype], BLOCKS=BLOCKS, enable_fp_fusion=False)
             elif qtype == "IQ3_S":  # its float32 products (no add to contract) stored in out's dtype
