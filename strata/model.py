@@ -535,6 +535,7 @@ class Transformer(nn.Module):
         for i, blk in self.layers.items():
             if blk.linear:  # a state of fixed size, not a cache
                 blk.attn.setup_state(device)
+                blk.attn.max_len = max_len  # (positions the slice serves: the decode graphs' bound)
                 continue
             shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
                      cache_width(self.args.head_dim, kv))
