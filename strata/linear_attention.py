@@ -48,7 +48,7 @@ class GatedDeltaNet(nn.Module):
         self.max_len = 0                             # positions the slice serves (Transformer.setup_cache)
 
     def setup_state(self, device) -> int:
-        self.conv_state = torch.zeros(self.conv_dim, self.K - 1, device=device, dtype=self.wqkv.dtype)
+        self.conv_state = torch.zeros(self.conv_dim, self.K - 1, device=device, dtype=self.conv.dtype)
         self.state = torch.zeros(self.nv, self.dk, self.dv, device=device, dtype=torch.float32)
         self.state_pos = 0
         return self.state_bytes
