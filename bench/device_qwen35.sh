@@ -5,18 +5,27 @@
 #   build    llama.cpp (llama-bench, CUDA sm_90) from the carried .peer/llama.tgz into /tmp/ll, in the background at
 #            nice 19 while the tests and the GGUF write run; waited for before any timed step
 #   tests    pytest -m gpu tests/test_linear_attention.py (fla against the torch chunked form, the step in a CUDA
-#            graph, a tiny Qwen3.5 on CUDA against the CPU path), then tests/test_families.py -k qwen3_5
+#            graph, a tiny Qwen3.5 on CUDA against the CPU path), tests/test_resident_linear.py (a tiny Q4_K_M qwen35
+#            file resident: prefill against the dequantized slices, decode graphs on the blocks against eager), then
+#            tests/test_families.py -k qwen3_5 (the decode graphs against eager in bf16, dense and MoE, and sliced)
 #   gguf     a random-block Q4_K_M GGUF of qwen3.5-27b (bench/make_gguf.py --device cuda; 15.8 GiB)
 #   prefill  bench/peer.py prefill of 262,144 tokens (the preset's whole context), chunk 10,240: llama-bench on the
 #            file, and Strata on synthetic:qwen3.5-27b in bfloat16 (the same shapes; Strata holds linear-attention
 #            models dense, and loading the file dequantizes all of it on the host first: ~100 GB of float32 for this
 #            shape, so the file arm is left out); prints each stage's kv_bytes and state_bytes from the report
 #   decode   bench/generate.py decode after 2,048 and 32,768 tokens, 128 each: Strata on synthetic:qwen3.5-27b
-#            bfloat16 (eager: the decode graphs decline linear attention), llama-bench -d on the file
+#            bfloat16 (dense; decode graphs), llama-bench -d on the file
+#   resident bench/peer.py prefill of 262,144 tokens, chunk 10,240, on the file itself: llama-bench and Strata with
+#            the file held resident (weights auto: Q4_K_M blocks, one layer's group dequantized at a time), then 128
+#            generated tokens after the whole prompt (Strata's decode at 262,144; llama-bench's -n 128 is at depth 0)
+#   rdecode  bench/generate.py decode after 2,048 and 32,768 tokens, 128 each, on the file held resident: Strata with
+#            the decode graphs (products on the blocks) and without (eager), llama-bench -d on the same file
 # Run from the repo root on the GPU machine, carrying .peer/llama.tgz and .whl:
 #   bash bench/device_qwen35.sh setup build tests gguf        # first call (~450 s: the build ~330 in the background)
 #   bash bench/device_qwen35.sh setup prefill                 # second call, at once (the build and the file in /tmp
 #   bash bench/device_qwen35.sh setup decode                  # survive on a warm machine, ~30 s after a call)
+#   bash bench/device_qwen35.sh setup resident                # the file resident beside llama-bench (~420 s)
+#   bash bench/device_qwen35.sh setup rdecode                 # decode on the file resident (~300 s)
 # Steps already done (llama-bench built, the GGUF written) are skipped. DEADLINE (seconds since the start, default
 # 570) skips a step whose usual time would pass it: the call ends inside the device's 600 s and names what it left.
 # Logs and the peer JSON go to $OUT (the device's returned folder) or /tmp/q35-logs.
@@ -37,9 +46,9 @@ setup() {
 tests() {
   fits tests 150 || return
   el "tests: pytest -m gpu tests/test_linear_attention.py; tests/test_families.py -k qwen3_5"
-  timeout $(( $(left) - 60 )) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_attention.py 2>&1 \
-    | tee "$LOG/tests-linear.log" | tail -20
-  fits "tests (families)" 60 || return
+  timeout $(( $(left) - 60 )) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_attention.py \
+    tests/test_resident_linear.py 2>&1 | tee "$LOG/tests-linear.log" | tail -20
+  fits "tests (families)" 90 || return
   timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_families.py -k qwen3_5 2>&1 \
     | tee "$LOG/tests-families.log" | tail -12
 }
@@ -86,7 +95,40 @@ decode() {
     --contexts 2048,32768 --tokens 128 --chunk 10240 "${lb[@]}" 2>&1 | tee "$LOG/q35-decode.log" | tail -8
 }
 
-STEPS="setup build tests gguf prefill decode"
+resident() {
+  [ -s "$Q35" ] || { el "resident: no $Q35 (run the gguf step first)"; return 1; }
+  fits resident 420 || return
+  el "resident: 262,144 tokens on the file held resident, llama-bench beside it, then 128 tokens (bench/peer.py)"
+  local lb=(); build_wait && lb=(--llama-bench "$LB")
+  timeout $(( $(left) + 20 )) python3 bench/peer.py --preset "$PRESET" --qtype Q4_K_M --devices cuda:0 --tokens 262144 \
+    --chunk 10240 --gguf "$Q35" "${lb[@]}" --llama-no-warmup --arms llama,d1 --no-dump --decode 128 \
+    --json "$LOG/q35-resident.json" 2>&1 | tee "$LOG/q35-resident.log" | grep -v "^\s*$" | tail -10
+  python3 - "$LOG/q35-resident.json" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no peer JSON: {e}")
+d = r.get("d1", {})
+print(f"resident: decode after 262,144 tokens {d.get('decode_tok_s')} tok/s; load {d.get('load_wall_s')} s")
+for s in d.get("stages", []):
+    print(f"qwen3.5-27b Q4_K_M resident, stage {s['device']} layers {s['layers']}: weights {s['weight_bytes'] / 2**30:.2f} "
+          f"GiB; kv_bytes {s['kv_bytes'] / 2**30:.2f} GiB; state_bytes {s['state_bytes'] / 2**20:.1f} MiB; "
+          f"mem {s['mem_bytes'] / 2**30:.2f} GiB")
+EOF
+}
+
+rdecode() {
+  [ -s "$Q35" ] || { el "rdecode: no $Q35 (run the gguf step first)"; return 1; }
+  fits rdecode 300 || return
+  el "rdecode: the file resident, after 2,048 and 32,768 tokens, 128 each, graphs and eager (bench/generate.py)"
+  local lb=(); build_wait && lb=(--llama-bench "$LB")
+  timeout $(( $(left) + 20 )) python3 bench/generate.py --model "$Q35" --dtype bfloat16 --devices cuda:0 \
+    --contexts 2048,32768 --tokens 128 --chunk 10240 --cuda-graphs true,false "${lb[@]}" 2>&1 \
+    | tee "$LOG/q35-rdecode.log" | tail -14
+}
+
+STEPS="setup build tests gguf prefill decode resident rdecode"
 for step in ${@:-setup build tests gguf}; do
   case " $STEPS " in
     *" $step "*) $step ;;

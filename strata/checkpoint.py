@@ -135,10 +135,6 @@ def weights_mode(model: str, device_type: str, weights: str = "auto", args: Mode
     while host RAM (the resource resident saves) is the cheap one there: so dequantized."""
     if weights not in WEIGHT_MODES:
         raise ModelError(f"unknown weights mode {weights!r} (known: {', '.join(WEIGHT_MODES)})")
-    if args is not None and args.linear_layers is not None:  # held dense (no resident blocks for them yet)
-        if weights == "resident":
-            raise ModelError("weights: resident is not implemented for linear-attention layers (use dequantized or auto)")
-        return "dequantized"
     if weights != "auto":
         return weights
     if device_type != "cuda":
@@ -203,11 +199,14 @@ def _stored_types(model: str, args: ModelArgs, names: list[str]) -> dict[str, tu
         from .gguf_loader import tensor_facts
         from .names import gguf_name
         facts = tensor_facts(Path(loc))
+        sh = shapes(args)
         for n in names:
             f = facts.get(gguf_name(n, args))
             if f is not None and f.quantized and len(f.shape) in (2, 3):
                 rows = fused_rows(n, args, gguf=True)  # a part of a fused tensor: its rows' share
-                out[n] = (f.qtype, f.needed() if rows is None else f.needed() * (rows[1] - rows[0]) // rows[2])
+                if rows is None:  # a derived tensor may be a share of its file tensor's rows too (qwen35's wq, wg)
+                    rows = (0, _numel(sh[short(n)][:-1]), _numel(f.shape[:-1]))
+                out[n] = (f.qtype, f.needed() * (rows[1] - rows[0]) // rows[2])
     elif kind == "synthetic" and "@" in loc:
         import gguf
         sh = shapes(args)

@@ -27,7 +27,7 @@ GRAPH_MIN_BUCKET = 256
 # what the graphs implement beyond the Llama core (ModelArgs.extras); windows need the split-K kernel
 GRAPH_EXTRAS = {"qk_norm", "rope yarn", "rope linear", "sliding_window", "window_rope_theta", "post_norms",
                 "activation gelu_tanh", "embed_scale", "attn_scale", "final_softcap", "norm_offset", "experts",
-                "sinks", "o_bias"}
+                "sinks", "o_bias", "partial rotary", "linear attention", "attention gate"}
 
 
 def covers(args, graph_attention: str = "split-k") -> bool:
@@ -46,7 +46,9 @@ def covers(args, graph_attention: str = "split-k") -> bool:
 def graphable(m: Transformer, x: torch.Tensor) -> bool:
     """Whether m's one-token step on x can be captured: x on CUDA, no weight-only decode copies, the model's
     variations covered (`covers`), dense layers or resident ones the fused kernels multiply on their blocks
-    (strata.quant.gemv), a resident head likewise. A resident embedding is gathered outside the graph."""
+    (strata.quant.gemv), a resident head likewise. A resident embedding is gathered outside the graph. A linear-
+    attention layer's step (strata.linear_attention: its convolution's state shift, the gates, the delta rule's
+    step on its state in place) is captured beside the attention layers'."""
     if not x.is_cuda or m.decode_weights is not None:
         return False
     if not covers(m.args, m.kernels.graph_attention):
@@ -142,6 +144,10 @@ class DecodeGraphs:
         self.res = None if self.ids is not None else torch.zeros(1, 1, m.args.dim, dtype=self.dtype, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.cache_len = max(b.attn.max_len for b in m.layers.values())  # positions (a window layer's ring is shorter)
+        # linear-attention layers (a state each, advanced in place by a replay; see `step_all`), and the first
+        # attention layer (None: a slice of linear layers only), whose head shape the attention kernels take
+        self.linear = [b.attn for b in m.layers.values() if b.linear]
+        self.attn0 = next((b.attn for b in m.layers.values() if not b.linear), None)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # bucket -> (graph, its static outputs)
         # one warm-up stream and one memory pool for every bucket's capture: cuBLAS keeps a workspace (32 MiB on
         # Hopper) per stream it meets, and each graph would keep a pool of its own; a stream and a pool per bucket
@@ -151,12 +157,12 @@ class DecodeGraphs:
         self._pool = None
         self.kernels = m.kernels  # the rig's: the graphs' attention, norm / rope kernels and dense products
         from strata import decode_attention  # imports Triton
-        a = next(iter(m.layers.values())).attn
+        a = self.attn0
         self.rings = sorted({b.attn.k_cache.shape[2] for b in m.layers.values() if b.attn.window is not None})
         # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter);
         # the split-K kernel takes power-of-two head dims only: other models take the masked path
         self.use_split_k = (decode_attention.available() and self.kernels.graph_attention == "split-k"
-                            and a.hd & (a.hd - 1) == 0
+                            and (a is None or a.hd & (a.hd - 1) == 0)
                             and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
         self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
         # the masked path's positions, compared with pos on the device (split-K reads the live count instead)
@@ -164,9 +170,11 @@ class DecodeGraphs:
         # with split-K, also the Triton norm and rope-and-store kernels (strata/decode_kernels.py); not for a
         # float8 cache (its stores clamp first); a q8_0 one's are quantized in the store
         self.fused = (self.use_split_k and self.kernels.graph_kernels == "triton"
-                      and a.k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32, Q8_0))
+                      and (a is None or a.k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32, Q8_0)))
 
     def bucket(self, pos: int) -> int:
+        if self.attn0 is None:  # linear layers only: nothing grows with pos, one graph serves every position
+            return self.cache_len
         b, m = GRAPH_MIN_BUCKET, GRAPH_MIN_BUCKET
         while b < pos + 1:
             b = 2 * b if self.use_split_k or b < 4 * m else -(-(b * 5 // 4) // m) * m
@@ -186,14 +194,24 @@ class DecodeGraphs:
             static.copy_(x.reshape(static.shape))
             self.pos.fill_(pos)
             b = self.bucket(pos)
+            for la in self.linear:  # its state must stand at pos (pos 0: zeroed), as the eager step checks
+                la.begin(pos)
             entry = self.graphs.get(b)
             if entry is None:
                 entry = self.graphs[b] = self._capture(b)
             entry[0].replay()  # a fresh capture has only recorded: this replay computes the step
+            for la in self.linear:
+                la.state_pos = pos + 1
             if not fresh:
                 return entry[1]
             # the static outputs are overwritten by the next replay
             return tuple(t.clone() if t is not None else None for t in entry[1])
+
+    @property
+    def queues_ahead(self) -> bool:
+        """Whether steps may be queued ahead (`replay_queued`): not with linear-attention layers (their states move
+        with every step that runs, and a released step runs)."""
+        return not self.linear
 
     def captured(self, pos: int) -> bool:
         return self.bucket(pos) in self.graphs
@@ -204,7 +222,11 @@ class DecodeGraphs:
         the position (pos_src, one int64 word that must hold pos when the copy runs) and the token id
         (token_src, one int64 word; a slice with the embedding) or residual row (row_src). For a stream told to
         wait for those words first (launch-ahead). pos's bucket must be captured already (a capture would run its
-        warm-up on inputs not there yet). Returns the static outputs (residual, logits, argmax)."""
+        warm-up on inputs not there yet). Returns the static outputs (residual, logits, argmax). Not for a slice
+        with linear-attention layers: a queued step that does not come still runs, and would advance their states
+        past the kept positions (`queues_ahead`)."""
+        if not self.queues_ahead:
+            raise RuntimeError("decode graphs: a queued step would advance the linear-attention states unasked")
         b = self.bucket(pos)
         entry = self.graphs[b]
         with torch.cuda.device(self.device):
@@ -224,10 +246,17 @@ class DecodeGraphs:
             if self._side is None:
                 self._side, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
             side = self._side
+            # the warm-up advances the linear layers' states in place (an attention layer's rewrites its cache row
+            # with the same values): kept aside and put back, so the step runs once, at the first replay
+            saved = [(la.conv_state.clone(), la.state.clone()) for la in self.linear]
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up outside the capture (lazy cuBLAS/workspace init); idempotent
+            with torch.cuda.stream(side):  # warm-up outside the capture (lazy cuBLAS/workspace init)
                 self._body(b)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            for la, (c, st) in zip(self.linear, saved):
+                la.conv_state.copy_(c)
+                la.state.copy_(st)
+            del saved
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._body(b)
@@ -237,7 +266,7 @@ class DecodeGraphs:
         """The bucket's split-K attention (its partial-result buffers serve every layer: they run in turn); for a
         window layer, b is the keys it reads: min(bucket, window)."""
         if b not in self.split_k:
-            a = next(iter(self.m.layers.values())).attn
+            a = self.attn0
             from strata.decode_attention import SplitKAttention
             self.split_k[b] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, b, self.device)
         return self.split_k[b]
@@ -260,6 +289,9 @@ class DecodeGraphs:
         # residual by the next norm's kernel (fused: one launch)
         pend = (None, None)
         for blk in m.layers.values():
+            if blk.linear:
+                h, pend = self._linear_layer(blk, h, pend)
+                continue
             cos, sin = tabs[blk.attn.rope_kind]
             h, pend = self._layer(blk, h, pend, cos, sin, mask, b, ring_pos)
         p, post = pend
@@ -307,10 +339,16 @@ class DecodeGraphs:
         mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
         int8 = self._int8_inputs(r)
         h, x, xq = self._add_norm(h, pend, blk.attn_norm, int8["qkv"])  # (the previous layer's product added)
-        qkv = mm.qkv(x, **xq).view(1, nh + 2 * nkv, hd)
+        qkv = mm.qkv(x, **xq).reshape(-1)
+        gate = None
+        if a.gated:  # qwen3_5: the output gate's nh * hd values after q, k, v
+            qkv, gate = qkv[:(nh + 2 * nkv) * hd], qkv[(nh + 2 * nkv) * hd:]
+        qkv = qkv.view(1, nh + 2 * nkv, hd)
+        # partial rotary (qwen3_5, glm4_moe: cos narrower than hd) takes torch's rope_rows and the row stores
+        fuse = self.fused and cos.shape[-1] == hd
         # qwen3, gemma3: each head's q and k normed before RoPE (inside rope_store's launch where it can)
         qk_norm = None
-        if a.q_norm is not None and self.fused and self._fusable(a.q_norm, qkv) and self._fusable(a.k_norm, qkv) \
+        if a.q_norm is not None and fuse and self._fusable(a.q_norm, qkv) and self._fusable(a.k_norm, qkv) \
                 and a.q_norm.eps == a.k_norm.eps:  # the launch takes one eps (equal from args.norm_eps today)
             qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
         elif a.q_norm is not None:
@@ -321,11 +359,11 @@ class DecodeGraphs:
         else:
             row, kc, vc = self.pos, a.k_cache[0, :, :b], a.v_cache[0, :, :b]
             att, win = (self._attention(b) if self.use_split_k else None), 0
-        if self.fused:  # one launch: q rotated, k rotated and v written at pos
+        if fuse:  # one launch: q rotated, k rotated and v written at pos
             from strata.decode_kernels import rope_store
             q = rope_store(qkv[0], cos.view(hd), sin.view(hd), row, nh, nkv, a.k_cache[0], a.v_cache[0], qk_norm)
             y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks)
-            return self._rest(blk, mm, h, y, int8)
+            return self._rest(blk, mm, h, y, int8, gate)
         qk = rope_rows(qkv[:, :nh + nkv], cos, sin)
         _store_row(a.k_cache, row, qk[:, nh:].transpose(0, 1).unsqueeze(0))
         _store_row(a.v_cache, row, qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0))
@@ -337,7 +375,7 @@ class DecodeGraphs:
                 keys, vals = from_cache(keys, qk.dtype, a.triton_state), from_cache(vals, qk.dtype, a.triton_state)
             q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=a.scale)
-        return self._rest(blk, mm, h, y, int8)
+        return self._rest(blk, mm, h, y, int8, gate)
 
     def _dense(self, w) -> Products:
         """A dense layer's products: with the fused kernels, strata.decode_gemv's (Triton or cuBLAS, whichever
@@ -355,10 +393,47 @@ class DecodeGraphs:
         want = self.fused and isinstance(r, ResidentMatrices)
         return {p: want and r.int8_x(p) for p in ("qkv", "wo", "w13", "w2")}
 
-    def _rest(self, blk: Block, mm: Products, h, y, int8: dict[str, bool]) -> tuple[torch.Tensor, tuple]:
-        """The layer after attention: o-projection, residual, MLP (its product, and the norm it takes first, left
-        for the next norm to add)."""
-        o = mm.wo(y.reshape(1, 1, -1))
+    def _linear_layer(self, blk: Block, h, pend) -> tuple[torch.Tensor, tuple]:
+        """A linear-attention layer on the residual h plus the previous layer's pending product: the Gated DeltaNet
+        step (GatedDeltaNet.mix on one row: its states advanced in place), then the MLP as `_rest`'s."""
+        r = blk.weights
+        mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
+        int8 = self._int8_inputs(r)
+        la = blk.attn
+        if la.wqkv is None:  # resident: on its blocks, x's int8 rounding from the norm's launch where they read it
+            q8 = {p: self.fused and r.int8_x(p) for p in ("lin_qkv", "lin_z", "lin_ba")}
+            h, x, xq = self._add_norm(h, pend, blk.attn_norm, any(q8.values()))
+            lp = r.linear()
+            take = lambda f, p: functools.partial(f, **xq) if q8[p] else f  # noqa: E731
+            lp = lp._replace(qkv=take(lp.qkv, "lin_qkv"), z=take(lp.z, "lin_z"), ba=take(lp.ba, "lin_ba"))
+        else:
+            h, x, _ = self._add_norm(h, pend, blk.attn_norm)
+            lp = self._dense_linear(la)
+        o = la.mix(x.view(1, -1), lp).view(1, 1, -1)
+        return self._mlp(blk, mm, h, o, int8)
+
+    def _dense_linear(self, la) -> "LinearProducts":
+        """A linear-attention layer's own dense products: strata.decode_gemv's with the fused kernels, else F.linear."""
+        if not self.fused:
+            return la.products()
+        from strata.decode_gemv import matvec
+        from strata.linear_attention import LinearProducts
+        mode = self.kernels.decode_gemv
+        mv = lambda w: functools.partial(matvec, w=w, mode=mode)  # noqa: E731
+        b, a = mv(la.wb), mv(la.wa)
+        return LinearProducts(mv(la.wqkv), mv(la.wz), lambda x: (b(x), a(x)), mv(la.wo))
+
+    def _rest(self, blk: Block, mm: Products, h, y, int8: dict[str, bool],
+              gate: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+        """The layer after attention: the output gate (qwen3_5: y times sigmoid(gate)), o-projection, residual, MLP
+        (its product, and the norm it takes first, left for the next norm to add)."""
+        y = y.reshape(1, 1, -1)
+        if gate is not None:  # as the eager path's _gated
+            y = y * torch.sigmoid(gate.to(y.dtype)).view(1, 1, -1)
+        return self._mlp(blk, mm, h, mm.wo(y), int8)
+
+    def _mlp(self, blk: Block, mm: Products, h, o, int8: dict[str, bool]) -> tuple[torch.Tensor, tuple]:
+        """The attention's (or linear attention's) output o added to the residual, then the MLP."""
         # (gemma3: the output normed before its residual add, in the same launch)
         h, x, xq = self._add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm, int8["w13"] and not blk.moe)
         if blk.moe:  # routing and the chosen experts' products, all on the device (strata.moe's few-rows path)

@@ -56,6 +56,10 @@ class Family:
     # canonical short name -> (HF per-layer name, how the canonical tensor comes from it): gpt-oss's experts
     hf_derived: dict = field(default_factory=dict)
     gguf_derived: dict = field(default_factory=dict)  # the same for a GGUF's per-layer names (qwen35)
+    # a derived GGUF matrix whose derivation moves columns, which whole blocks cannot: short name -> the column
+    # order (canonical column j is the file's column order[j]); held resident as stored, the order undone where read.
+    # (Every other derivation moves whole rows, and applies to a resident matrix's block rows unchanged.)
+    gguf_col_order: dict = field(default_factory=dict)
     gguf_permute_qk: bool = False             # llama.cpp's converter interleaves q/k rows of arch llama only
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -136,7 +140,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                          "lin_a": ("ssm_alpha.weight", lambda t, a: _untile(t, a, 0, 1)),
                          "lin_dt": ("ssm_dt.bias", lambda t, a: _untile(t, a, 0, 1)),
                          "lin_alog": ("ssm_a", lambda t, a: _untile((-t).log(), a, 0, 1)),
-                         "lin_out": ("ssm_out.weight", lambda t, a: _untile(t, a, 1, a.lin_v_dim))}),
+                         "lin_out": ("ssm_out.weight", lambda t, a: _untile(t, a, 1, a.lin_v_dim))},
+           gguf_col_order={"lin_out": lambda a: _untile(torch.arange(a.lin_v_heads * a.lin_v_dim), a, 0, a.lin_v_dim)}),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
            gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),

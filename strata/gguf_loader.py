@@ -388,6 +388,7 @@ def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, reside
     expect = shapes(args)
     out: dict = {}
     decoded: dict = {}  # a fused tensor's decoding, shared by its parts
+    orders: dict = {}  # a column order (gguf_col_order), shared by the layers' matrices
     for canon in wanted_names(args, start, end):
         name = gguf_name(canon, args)
         t = tensors.get(name)
@@ -398,7 +399,12 @@ def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, reside
         want = _file_shape(canon, args, expect)
         rows = fused_rows(canon, args, gguf=True)
         # an expert stack (E, rows, cols) stays as stored too; a router stays float, as llama.cpp keeps it
+        fam = family(args.arch)
         if resident and t.tensor_type.name not in FLOAT_TYPES and (len(shape) == 2 or s in ("e_gate", "e_up", "e_down")):
+            # a derived matrix (qwen35): its rows taken or reordered on the blocks, or its column order kept aside
+            derive, order = fam.gguf_derived.get(s), fam.gguf_col_order.get(s)
+            if derive is not None and rows is None:
+                want = shape  # (the file's own layout: the derived matrix's shape is checked below)
             if shape != want:
                 raise ModelError(f"{path}: tensor {name} has shape {shape}, the metadata implies {want}")
             if not quant_supported(t.tensor_type.name):
@@ -409,7 +415,15 @@ def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, reside
             if rows is not None:  # whole rows of blocks: a part of a fused tensor is a row range
                 blocks = blocks[rows[0]:rows[1]]
             b = torch.from_numpy(np.array(blocks))  # copied out of the memory map
-            out[canon] = Quantized(_unpermute_for(args, s, b).contiguous(), t.tensor_type.name, expect[s][-1])
+            perm = None
+            if order is not None:  # (one tensor for all the slice's layers)
+                perm = orders.setdefault(s, order(args))
+            elif derive is not None:
+                b = derive[1](b, args)
+            if tuple(b.shape[:-1]) != expect[s][:-1] or shape[-1] != expect[s][-1]:
+                raise ModelError(f"{path}: tensor {name} gives {(*b.shape[:-1], shape[-1])}, the metadata implies "
+                                 f"{expect[s]}")
+            out[canon] = Quantized(_unpermute_for(args, s, b).contiguous(), t.tensor_type.name, expect[s][-1], perm)
             continue
         derive = family(args.arch).gguf_derived.get(s)
         if derive is not None:  # a layout of the converter's own (qwen35), undone; checked after

@@ -15,6 +15,7 @@ One-token steps (`delta_step`) are the recurrence's body on the state in place: 
 from __future__ import annotations
 
 import logging
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +45,10 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None  # (conv_dim, K - 1): the last inputs
         self.state: torch.Tensor | None = None       # (nv, dk, dv) float32
         self.state_pos = 0                           # the position the state continues from
+        self.max_len = 0                             # positions the slice serves (Transformer.setup_cache)
 
     def setup_state(self, device) -> int:
-        self.conv_state = torch.zeros(self.conv_dim, self.K - 1, device=device, dtype=self.wqkv.dtype)
+        self.conv_state = torch.zeros(self.conv_dim, self.K - 1, device=device, dtype=self.conv.dtype)
         self.state = torch.zeros(self.nv, self.dk, self.dv, device=device, dtype=torch.float32)
         self.state_pos = 0
         return self.state_bytes
@@ -55,9 +57,14 @@ class GatedDeltaNet(nn.Module):
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv_state, self.state) if t is not None)
 
-    def forward(self, x: torch.Tensor, w=None, pos: int = 0, cos=None, sin=None) -> torch.Tensor:
-        """x (1, T, dim) at positions [pos, pos + T) -> (1, T, dim). pos 0 starts afresh; any other pos must be
-        where the state stands (the previous call's end)."""
+    def products(self) -> "LinearProducts":
+        """The layer's products on its own dense matrices (a resident layer's come from its ResidentMatrices)."""
+        return LinearProducts(lambda h: F.linear(h, self.wqkv), lambda h: F.linear(h, self.wz),
+                              lambda h: (F.linear(h, self.wb), F.linear(h, self.wa)), lambda y: F.linear(y, self.wo))
+
+    def begin(self, pos: int) -> None:
+        """Before T tokens at `pos`: pos 0 starts afresh (the states zeroed in place); any other pos must be where the
+        state stands (the previous call's end). Host-side only: CUDA graphs of the step call it before a replay."""
         if self.state is None:
             raise RuntimeError("linear attention state not allocated: call Transformer.setup_cache first")
         if pos == 0:
@@ -66,24 +73,50 @@ class GatedDeltaNet(nn.Module):
         elif pos != self.state_pos:
             raise ValueError(f"linear attention: its state stands at position {self.state_pos}, not {pos} "
                              "(a recurrent state serves only the position it was taken at)")
-        h = x.reshape(-1, x.shape[-1])
+
+    def forward(self, x: torch.Tensor, w=None, pos: int = 0, cos=None, sin=None) -> torch.Tensor:
+        """x (1, T, dim) at positions [pos, pos + T) -> (1, T, dim) (see `begin`). w: the block's matrices; a
+        resident layer's (`linear()`, strata.resident.LazyMats) when it holds none of its own."""
+        self.begin(pos)
+        p = self.products() if self.wqkv is not None else w.linear()
+        out = self.mix(x.reshape(-1, x.shape[-1]), p)
+        self.state_pos = pos + x.shape[-2]
+        return out.view(x.shape)
+
+    def mix(self, h: torch.Tensor, p: "LinearProducts") -> torch.Tensor:
+        """The layer on rows h (T, dim) from the states as they stand, left after the last row; products `p`.
+        No host sync and no size read from the device: the CUDA decode graphs capture it for T = 1."""
         T = h.shape[0]
-        mixed = torch.cat((self.conv_state, F.linear(h, self.wqkv).t()), 1)    # (conv_dim, K - 1 + T)
+        mixed = torch.cat((self.conv_state, p.qkv(h).t()), 1)                  # (conv_dim, K - 1 + T)
         self.conv_state.copy_(mixed[:, -(self.K - 1):])
-        qkv = F.silu(F.conv1d(mixed[None], self.conv[:, None], groups=self.conv_dim)[0]).t()  # (T, conv_dim)
+        if T == 1:  # one output of the depthwise convolution: a product and a sum (no conv kernel to plan)
+            conv = (mixed.float() * self.conv.float()).sum(-1, keepdim=True).to(mixed.dtype)
+        else:
+            conv = F.conv1d(mixed[None], self.conv[:, None], groups=self.conv_dim)[0]
+        qkv = F.silu(conv).t()                                                  # (T, conv_dim)
         kdim = self.nk * self.dk
         q = qkv[:, :kdim].reshape(T, self.nk, self.dk)
         k = qkv[:, kdim:2 * kdim].reshape(T, self.nk, self.dk)
         v = qkv[:, 2 * kdim:].reshape(T, self.nv, self.dv)
-        beta = F.linear(h, self.wb).sigmoid().float()                         # (T, nv)
-        g = -self.a_log.float().exp() * F.softplus(F.linear(h, self.wa).float() + self.dt_bias.float())
-        y = gated_delta_rule(self.state, q, k, v, g, beta)                    # (T, nv, dv) float32
-        z = F.linear(h, self.wz).reshape(T, self.nv, self.dv)
+        b, a = p.ba(h)
+        beta = b.sigmoid().float()                                              # (T, nv)
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        y = gated_delta_rule(self.state, q, k, v, g, beta)                      # (T, nv, dv) float32
+        z = p.z(h).reshape(T, self.nv, self.dv)
         # a gated RMSNorm over each head's values: normed, the weight, times silu(z)
-        yn = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        yn = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(h.dtype)
         yn = (self.norm * yn).float() * F.silu(z.float())
-        self.state_pos = pos + T
-        return F.linear(yn.to(x.dtype).reshape(T, -1), self.wo).view(x.shape)
+        return p.o(yn.to(h.dtype).reshape(T, -1))
+
+
+class LinearProducts(NamedTuple):
+    """A Gated DeltaNet layer's products on its rows: qkv (T, dim) -> (T, conv_dim); z -> (T, vdim); ba -> (beta's
+    input, the decay's input), each (T, nv); o (T, vdim) -> (T, dim). Dense matrices, resident blocks dequantized
+    into the scratch (prefill), or multiplied on the blocks (decode)."""
+    qkv: Callable
+    z: Callable
+    ba: Callable
+    o: Callable
 
 
 def gated_delta_rule(S, q, k, v, g, beta, impl: str | None = None) -> torch.Tensor:

@@ -21,8 +21,8 @@ from .attention import (_FP8, BF16_ATTENTION_FROM, CUDA_ATTENTION_DEFAULT, PREFI
                         apply_rope, cache_width, chunk_attention, decode_attention, from_cache, kv_dtype_of,
                         narrow_cache_attention, rope_rows, rope_tables, sink_attention, store_rows, to_cache,
                         window_attention)
-from .resident import (DECODE_T, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized, ResidentExperts,
-                       ResidentMatrices, Scratch, _dequantize, head_rows)
+from .resident import (DECODE_T, PRODUCTS, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized,
+                       ResidentExperts, ResidentMatrices, Scratch, _dequantize, head_rows)
 from .config import KernelSpec
 from .triton_state import TritonState
 from .linear_attention import GatedDeltaNet
@@ -185,6 +185,10 @@ class FeedForward(nn.Module):
         return F.linear(gate(g, up, self.activation, self.fused, self.triton_state), w.w2)
 
 
+# a Gated DeltaNet layer's matrices: its attribute, the canonical name (strata.names)
+LINEAR_MATS = (("wqkv", "lin_qkv"), ("wz", "lin_z"), ("wb", "lin_b"), ("wa", "lin_a"), ("wo", "lin_out"))
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -225,9 +229,11 @@ class Block(nn.Module):
         bfloat16 until added to the float32 residual; silu(gate) * up in bfloat16, which the next kernel
         rounds its input to anyway)."""
         a, T = self.attn, h.shape[0]
-        if self.linear:
-            mm = dense_products(self.weights.get(), wo)
-            y = a(self.attn_norm.rows(h)[None], None, pos)[0]
+        if self.linear:  # resident: multiplied on the blocks where the fused kernels can (GatedDeltaNet.forward's w)
+            r = self.weights
+            blocks = wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device)
+            mm = r.products() if blocks else dense_products(r.get(), wo)
+            y = a(self.attn_norm.rows(h)[None], r if blocks else r.get(), pos)[0]
             return self._mlp_rows(self._add_attn(h, y.to(h.dtype)), mm)
         nh, nkv, hd = a.nh, a.nkv, a.hd
         a.check(pos, T)
@@ -377,7 +383,9 @@ class Transformer(nn.Module):
 
         def dense(t):
             if isinstance(t, Quantized):
-                t = _dequantize(t.blocks.to(device), t.qtype, self.triton_state)
+                q, t = t, _dequantize(t.blocks.to(device), t.qtype, self.triton_state)
+                if q.col_perm is not None:  # columns back in the canonical order
+                    t = t[:, q.col_perm.to(device)]
             return t.to(device=device, dtype=dtype)
 
         def param(t):
@@ -388,9 +396,12 @@ class Transformer(nn.Module):
                 return param(t)
             return nn.Parameter(t.to(device=device, dtype=torch.float32) + 1.0, requires_grad=False)
 
+        orders: dict = {}  # a column order on the device, one for all the layers' matrices that share it
+
         def packed(t):
             if isinstance(t, Quantized):
-                return Packed(t.blocks.to(device), t.qtype, t.cols, dtype, self.triton_state)
+                perm = None if t.col_perm is None else orders.setdefault(id(t.col_perm), t.col_perm.to(device))
+                return Packed(t.blocks.to(device), t.qtype, t.cols, dtype, self.triton_state, perm)
             return Packed(dense(t), None, t.shape[1], dtype)
 
         head_w = None
@@ -417,12 +428,20 @@ class Transformer(nn.Module):
             if args.post_norms:
                 blk.attn_post_norm.weight = norm(take(p + "attn_post_norm"))
                 blk.mlp_post_norm.weight = norm(take(p + "mlp_post_norm"))
+            lin = {}  # a linear layer's quantized matrices: held resident with its MLP's (ResidentMatrices)
             if blk.linear:
                 la = blk.attn
-                for attr, n in (("wqkv", "lin_qkv"), ("wz", "lin_z"), ("wb", "lin_b"), ("wa", "lin_a"),
-                                ("conv", "lin_conv"), ("dt_bias", "lin_dt"), ("a_log", "lin_alog"),
-                                ("norm", "lin_norm"), ("wo", "lin_out")):
+                for attr, n in (("conv", "lin_conv"), ("dt_bias", "lin_dt"), ("a_log", "lin_alog"),
+                                ("norm", "lin_norm")):
                     setattr(la, attr, param(take(p + n)))
+                mats = {attr: take(p + n) for attr, n in LINEAR_MATS}
+                if any(isinstance(t, Quantized) for t in mats.values()):
+                    lin = {n: mats[attr] for attr, n in LINEAR_MATS}
+                    for attr, _ in LINEAR_MATS:
+                        setattr(la, attr, None)
+                else:
+                    for attr, t in mats.items():
+                        setattr(la, attr, param(t))
             elif args.qk_norm:
                 blk.attn.q_norm.weight = norm(take(p + "q_norm"))
                 blk.attn.k_norm.weight = norm(take(p + "k_norm"))
@@ -454,7 +473,7 @@ class Transformer(nn.Module):
                     e.s_sig = param(take(p + "s_sig"))
             mats = ((() if blk.linear else ("wq", "wk", "wv", "wo") + (("wg",) if args.attn_gate else ()))
                     + (() if blk.moe else ("w_gate", "w_up", "w_down")))
-            parts = {n: take(p + n) for n in mats}
+            parts = {**{n: take(p + n) for n in mats}, **lin}
             bias = (torch.cat([dense(take(p + n)) for n in ("bq", "bk", "bv")])
                     if args.qkv_bias and not blk.linear else None)
             if any(isinstance(t, Quantized) for t in parts.values()):
@@ -535,6 +554,7 @@ class Transformer(nn.Module):
         for i, blk in self.layers.items():
             if blk.linear:  # a state of fixed size, not a cache
                 blk.attn.setup_state(device)
+                blk.attn.max_len = max_len  # (positions the slice serves: the decode graphs' bound)
                 continue
             shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
                      cache_width(self.args.head_dim, kv))
@@ -719,17 +739,26 @@ class Transformer(nn.Module):
             if need > left:
                 break
             with torch.device("meta"):
-                m = DenseMatrices(self.args)
-            for attr, names in (("wqkv", ("wq", "wk", "wv")), ("wo", ("wo",)), ("w13", ("w_gate", "w_up")),
-                                ("w2", ("w_down",))):
-                rows = sum(parts[k].n_rows for k in names)
-                w = torch.empty(rows, parts[names[0]].cols, device=device, dtype=dtype)
+                m = DenseMatrices(self.args, mlp=not blk.moe, attn=not blk.linear)
+
+            def dense(names):  # the parts `names` (those the layer has) stacked by rows, as the scratch gets them
+                names = [k for k in names if k in parts]
+                w = torch.empty(sum(parts[k].n_rows for k in names), parts[names[0]].cols, device=device, dtype=dtype)
                 r0 = 0
                 for k in names:
-                    parts[k].into(w[r0:r0 + parts[k].n_rows])
+                    out = w[r0:r0 + parts[k].n_rows]
+                    parts[k].into(out, stored=torch.empty_like(out) if parts[k].col_perm is not None else None)
                     r0 += parts[k].n_rows
-                getattr(m, attr).weight = nn.Parameter(w, requires_grad=False)
-            m.wqkv.bias = r.bqkv
+                return nn.Parameter(w, requires_grad=False)
+            for attr, names in (("wqkv", PRODUCTS["qkv"]), ("wo", ("wo",)), ("w13", ("w_gate", "w_up")),
+                                ("w2", ("w_down",))):
+                if any(k in parts for k in names):
+                    getattr(m, attr).weight = dense(names)
+            if m.wqkv is not None:
+                m.wqkv.bias = r.bqkv
+            if blk.linear and "lin_qkv" in parts:
+                for attr, k in LINEAR_MATS:
+                    setattr(blk.attn, attr, dense([k]))
             blk.weights = m
             left -= need
             n += 1

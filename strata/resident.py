@@ -24,6 +24,9 @@ class Quantized:
     blocks: torch.Tensor
     qtype: str
     cols: int
+    # columns stored in another order than the canonical one (a qwen35 GGUF's ssm_out: value heads tiled): canonical
+    # column j is stored column col_perm[j]; blocks cannot move columns, so the order is undone where it is read
+    col_perm: torch.Tensor | None = None
 
 
 class Mats(NamedTuple):
@@ -42,9 +45,20 @@ _ALIGN = 64  # scratch regions start on 256-byte (fp32) boundaries: GEMMs see th
 
 def _matrix_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     hd = args.head_dim
-    return {"wq": (args.n_heads * hd, args.dim), "wk": (args.n_kv_heads * hd, args.dim),
-            "wv": (args.n_kv_heads * hd, args.dim), "wo": (args.dim, args.n_heads * hd),
-            "w_gate": (args.ffn_dim, args.dim), "w_up": (args.ffn_dim, args.dim), "w_down": (args.dim, args.ffn_dim)}
+    out = {"wq": (args.n_heads * hd, args.dim), "wk": (args.n_kv_heads * hd, args.dim),
+           "wv": (args.n_kv_heads * hd, args.dim), "wo": (args.dim, args.n_heads * hd),
+           "w_gate": (args.ffn_dim, args.dim), "w_up": (args.ffn_dim, args.dim), "w_down": (args.dim, args.ffn_dim)}
+    if args.attn_gate:  # qwen3_5: the output gate's rows, after v's in the qkv product
+        out["wg"] = (args.n_heads * hd, args.dim)
+    if _has_linear(args):  # Gated DeltaNet's matrices (strata.linear_attention); lin_out_t: lin_out as stored
+        kdim, vdim, nv = args.lin_k_heads * args.lin_k_dim, args.lin_v_heads * args.lin_v_dim, args.lin_v_heads
+        out.update(lin_qkv=(2 * kdim + vdim, args.dim), lin_z=(vdim, args.dim), lin_b=(nv, args.dim),
+                   lin_a=(nv, args.dim), lin_out=(args.dim, vdim), lin_out_t=(args.dim, vdim))
+    return out
+
+
+def _has_linear(args: ModelArgs) -> bool:
+    return args.linear_layers is not None and any(args.linear_layers)
 
 
 # a resident MoE layer's prefill dequantizes its experts this many weights at a time (a group of whole experts,
@@ -62,13 +76,16 @@ def scratch_layout(args: ModelArgs) -> tuple[dict[str, tuple[int, int, int]], in
 
     A layer's products read their matrices one group at a time (LazyMats), so every group starts at 0 and the
     scratch holds the largest group, not the layer (Qwen3-32B: gate and up, 0.49 of a layer's 0.91 GiB in
-    bfloat16). Within a group the matrices are adjacent: q, k, v (one wqkv view), gate and up (one w13 view), a
-    group of experts' gate/up ("e13") and down ("e2"), which one grouped GEMM after the other reads. A dense MLP
-    only where some layer has one; experts only where layers have them."""
+    bfloat16). Within a group the matrices are adjacent: q, k, v (and qwen3_5's output gate: one wqkv view), gate
+    and up (one w13 view), a group of experts' gate/up ("e13") and down ("e2"), which one grouped GEMM after the
+    other reads; a linear-attention layer's q/k/v, z, beta and decay, out (and out as stored, where its columns are
+    stored in another order). A dense MLP only where some layer has one; experts only where layers have them."""
     sh = _matrix_shapes(args)
-    groups = [("wq", "wk", "wv"), ("wo",)]
+    groups = [("wq", "wk", "wv") + (("wg",) if args.attn_gate else ()), ("wo",)]
     if not all(args.is_moe(i) for i in range(args.n_layers)):
         groups += [("w_gate", "w_up"), ("w_down",)]
+    if _has_linear(args):  # a linear layer's products in turn (GatedDeltaNet.mix); lin_out beside its stored order
+        groups += [("lin_qkv",), ("lin_z",), ("lin_b", "lin_a"), ("lin_out", "lin_out_t")]
     if args.n_experts:
         g = expert_group(args)
         sh = dict(sh, e13=(g * 2 * args.expert_ffn_dim, args.dim), e2=(g * args.dim, args.expert_ffn_dim))
@@ -166,12 +183,18 @@ class Packed(nn.Module):
     triton_state: its slice's (Transformer.triton_state), on which its dequantization's Triton kernels fall back."""
 
     def __init__(self, data: torch.Tensor, qtype: str | None, cols: int, dtype: torch.dtype,
-                 triton_state: TritonState | None = None):
+                 triton_state: TritonState | None = None, col_perm: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("data", data)
         self.qtype, self.cols, self.out_dtype = qtype, cols, dtype
         self.triton_state = triton_state
         self.split = False  # an MXFP4 expert stack re-laid by ResidentExperts (strata.quant.mxfp4.to_split)
+        # Quantized.col_perm (canonical column j is stored column col_perm[j]) and its inverse, for x's order
+        # (plain attributes, not counted in weight_bytes: 16 bytes a column, vdim of them)
+        self.col_perm = self.col_inv = None
+        if col_perm is not None:
+            self.col_perm = col_perm.to(data.device)
+            self.col_inv = _inverse(self.col_perm)
 
     @property
     def slab(self) -> int:
@@ -182,9 +205,20 @@ class Packed(nn.Module):
     def n_rows(self) -> int:
         return self.data.shape[0]
 
-    def into(self, out: torch.Tensor, r0: int = 0, r1: int | None = None) -> torch.Tensor:
-        """Rows [r0, r1) dequantized into `out` (r1 - r0, cols), in pieces that bound the float32 transient."""
+    def into(self, out: torch.Tensor, r0: int = 0, r1: int | None = None,
+             stored: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [r0, r1) dequantized into `out` (r1 - r0, cols), in pieces that bound the float32 transient. With
+        columns stored in another order (col_perm), dequantized into `stored` (out's shape) first, then gathered
+        into out in the canonical order (the same values as a dense load's, so the same products)."""
         r1 = self.n_rows if r1 is None else r1
+        if self.col_perm is not None:
+            if stored is None:
+                raise ValueError("a matrix with permuted columns dequantizes through a buffer of its own (stored)")
+            self._into(stored, r0, r1)
+            return torch.index_select(stored, 1, self.col_perm, out=out)
+        return self._into(out, r0, r1)
+
+    def _into(self, out: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
         if self.qtype is None:
             return out.copy_(self.data[r0:r1])
         return dequantize_into(out, self.data[r0:r1], self.qtype, self.cols, self.triton_state, self.slab)
@@ -195,6 +229,12 @@ class Packed(nn.Module):
             return F.embedding(ids, self.data)
         rows = _dequantize(self.data[ids.reshape(-1)], self.qtype, self.triton_state)
         return rows.to(self.out_dtype).view(*ids.shape, self.cols)
+
+
+@functools.lru_cache(maxsize=8)
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of a column order (one for the matrices that share the order tensor)."""
+    return torch.argsort(perm)
 
 
 class _Linear(nn.Linear):
@@ -238,13 +278,27 @@ class LazyMats:
 
     bqkv = property(lambda self: self._r.bqkv)
     bo = property(lambda self: self._r.bo)
-    wqkv = property(lambda self: self._r.fetch(("wq", "wk", "wv")))
+    wqkv = property(lambda self: self._r.fetch(PRODUCTS["qkv"]))
     wo = property(lambda self: self._r.fetch(("wo",)))
     w13 = property(lambda self: self._r.fetch(("w_gate", "w_up")))
     w2 = property(lambda self: self._r.fetch(("w_down",)))
 
+    def linear(self):
+        """A linear-attention layer's products (strata.linear_attention.LinearProducts), each group of matrices
+        dequantized into the scratch just before its product."""
+        from .linear_attention import LinearProducts
+        r = self._r
+        f = lambda p: (lambda x: F.linear(x, r.fetch(PRODUCTS[p])))  # noqa: E731
 
-PRODUCTS = {"qkv": ("wq", "wk", "wv"), "wo": ("wo",), "w13": ("w_gate", "w_up"), "w2": ("w_down",)}  # Products' parts
+        def ba(x):
+            w = r.fetch(PRODUCTS["lin_ba"])
+            return F.linear(x, w[:w.shape[0] // 2]), F.linear(x, w[w.shape[0] // 2:])
+        return LinearProducts(f("lin_qkv"), f("lin_z"), ba, f("lin_o"))
+
+
+# Products' parts (a name the layer lacks is left out: wg, qwen3_5's output gate); then a linear-attention layer's
+PRODUCTS = {"qkv": ("wq", "wk", "wv", "wg"), "wo": ("wo",), "w13": ("w_gate", "w_up"), "w2": ("w_down",),
+            "lin_qkv": ("lin_qkv",), "lin_z": ("lin_z",), "lin_ba": ("lin_b", "lin_a"), "lin_o": ("lin_out",)}
 
 
 class ResidentMatrices(nn.Module):
@@ -267,11 +321,13 @@ class ResidentMatrices(nn.Module):
     def fetch(self, names: tuple[str, ...]) -> torch.Tensor | None:
         """The matrices `names` (adjacent in the scratch) dequantized into it, as one (rows, cols) view; None for
         matrices the layer does not have (an MoE layer's dense MLP)."""
-        if names[0] not in self.parts:
+        names = tuple(n for n in names if n in self.parts)
+        if not names:
             return None
         s = self.scratch
         for n in names:
-            self.parts[n].into(s.view(n))
+            p = self.parts[n]
+            p.into(s.view(n), stored=s.view(n + "_t") if p.col_perm is not None else None)
         return s.span(names[0], names[-1]) if len(names) > 1 else s.view(names[0])
 
     def fused_decode_ok(self, device) -> bool:
@@ -293,13 +349,27 @@ class ResidentMatrices(nn.Module):
         """Whether `products`' `product` (qkv, wo, w13, w2) reads x rounded to int8; then it takes the rounding
         as xq, where a kernel before it wrote it."""
         from .quant.gemv import wants_int8_x
-        names = PRODUCTS[product]
-        return names[0] in self.parts and wants_int8_x([self.parts[n].qtype for n in names], self.kernels)
+        names = [n for n in PRODUCTS[product] if n in self.parts]
+        return bool(names) and wants_int8_x([self.parts[n].qtype for n in names], self.kernels)
+
+    def linear(self):
+        """A linear-attention layer's products on its blocks (fused_decode_ok must hold): LinearProducts whose
+        callables take xq as `products`' do."""
+        from .linear_attention import LinearProducts
+        f = lambda p: functools.partial(self._matmul, PRODUCTS[p])  # noqa: E731
+        both = f("lin_ba")
+
+        def ba(x, **kw):
+            y = both(x, **kw)
+            return y.split(y.shape[-1] // 2, dim=-1)
+        return LinearProducts(f("lin_qkv"), f("lin_z"), ba, f("lin_o"))
 
     def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None,
                 xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         from .quant.gemv import quant_matmul_parts
-        parts = [self.parts[n] for n in names]
+        parts = [self.parts[n] for n in names if n in self.parts]
+        if parts[0].col_perm is not None:  # (a single part): x in the stored column order instead
+            x, xq = x.index_select(-1, parts[0].col_inv), None
         y = quant_matmul_parts(x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts], parts[0].cols,
                                kernels=self.kernels, xq=xq)
         y = y.view(*x.shape[:-1], y.shape[-1])

@@ -374,10 +374,12 @@ print("ok", dg.rings)
 """
 
 
-@pytest.mark.parametrize("fam", ["gemma3", "mistral", "qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("fam", ["gemma3", "mistral", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe",
+                                 "glm4_moe"])
 def test_graph_body_interpreted_matches_eager(fam):
     """The CUDA decode graphs' step body for the families (split-K over a window ring, q/k norms, gemma3's norms,
-    GeGLU, scales), run eagerly on CPU under Triton's interpreter == the eager decode path."""
+    GeGLU, scales; qwen3_5's Gated DeltaNet step on its states and its gated, partially rotated attention; glm4_moe's
+    partial rotary), run eagerly on CPU under Triton's interpreter == the eager decode path."""
     pytest.importorskip("triton")
     import subprocess
     import sys
@@ -393,7 +395,7 @@ def test_graph_body_interpreted_matches_eager(fam):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # (qwen3_moe is checked in float32 against transformers above: in bfloat16 its router's top-k turns the graphs'
 # other rounding of the norms into another expert now and then, 0.0235 at one step of one run)
-@pytest.mark.parametrize("fam", ["qwen3", "gemma3", "mistral", "gpt_oss"])
+@pytest.mark.parametrize("fam", ["qwen3", "gemma3", "mistral", "gpt_oss", "qwen3_5", "qwen3_5_moe"])
 def test_gpu_graphs_bfloat16_match_eager(tmp_path, fam):
     """bfloat16 on CUDA: graph steps against the eager decode path, token for token (teacher-forced), past the
     windows' ring wrap: logits within bf16's 2e-2."""
@@ -413,6 +415,45 @@ def test_gpu_graphs_bfloat16_match_eager(tmp_path, fam):
         b = ms[1].decode_token(ids[:, p:p + 1], p)[1]
         assert rel(b, a) < 2e-2, (p, rel(b, a))
     assert ms[1].graphs is not None and ms[1].graphs.graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graphs_hybrid_slices_match_eager(tmp_path):
+    """qwen3_5 in bfloat16 on CUDA as three slices (two of linear layers only: one graph for every position),
+    graph steps chained against the eager decode path, teacher-forced: each step's logits within 2e-2. The first
+    step captures (a warm-up, then the capture) and replays: were the states advanced by the warm-up too, every
+    later step would drift. A queued replay (launch-ahead) is refused on a slice with linear layers."""
+    ref, d = make_hf(tmp_path, "qwen3_5")
+    args = model_args(d)
+    runs = []
+    for graphs in (False, True):
+        slices = []
+        for a, b in [(0, 1), (1, 3), (3, args.n_layers)]:
+            t = Transformer(args, a, b)
+            t.load_weights(slice_tensors(d, args, a, b), "cuda", torch.bfloat16)
+            t.setup_cache(PROMPT + NEW, max_chunk=CHUNK)
+            slices.append(GraphedDecode(t) if graphs else t)
+        runs.append(slices)
+    ids = torch.randint(0, args.vocab_size, (1, PROMPT + NEW), generator=torch.Generator().manual_seed(5)).cuda()
+    for slices in runs:
+        chained_prefill(slices, ids[:, :PROMPT], CHUNK)
+    for p in range(PROMPT, PROMPT + NEW):
+        out = []
+        for slices in runs:
+            x = ids[:, p:p + 1]
+            for s in slices:
+                x, logits, _ = s.decode_token(x, p)
+            out.append(logits)
+        assert rel(out[1], out[0]) < 2e-2, (p, rel(out[1], out[0]))
+    g = [s.graphs for s in runs[1]]
+    assert all(x is not None and x.graphs for x in g)
+    assert len(g[0].graphs) == 1 and g[0].attn0 is None and not g[0].queues_ahead
+    assert all(s.m.layers[str(i)].attn.state_pos == PROMPT + NEW for s in runs[1] for i in range(s.m.start, s.m.end)
+               if s.m.layers[str(i)].linear)
+    with pytest.raises(RuntimeError, match="linear-attention"):
+        z = torch.zeros(1, dtype=torch.long).pin_memory()
+        g[0].replay_queued(PROMPT + NEW, z, token_src=z)
 
 
 def split_rig(model: str, depth: int, max_context: int) -> dict:

@@ -119,8 +119,10 @@ def test_device_script_steps(tmp_path):
     run = lambda *steps, **e: subprocess.run(["bash", "bench/device_qwen35.sh", *steps], cwd=ROOT, text=True,  # noqa
                                              capture_output=True, env={**env, **e}, timeout=60)
     r = run("bogus")
-    assert r.returncode == 2 and "unknown step bogus (setup build tests gguf prefill decode)" in r.stdout
+    assert r.returncode == 2 and "unknown step bogus (setup build tests gguf prefill decode resident rdecode)" in r.stdout
     r = run("tests", "gguf", DEADLINE="0")
     assert r.returncode == 0 and "SKIPPED tests" in r.stdout and "SKIPPED gguf qwen3.5-27b" in r.stdout
-    r = run("prefill", "decode")
-    assert r.stdout.count("(run the gguf step first)") == 2
+    r = run("prefill", "decode", "resident", "rdecode")
+    assert r.stdout.count("(run the gguf step first)") == 4
+    r = run("resident", "rdecode", DEADLINE="0", Q35=__file__)  # (a file that exists: the deadline decides)
+    assert "SKIPPED resident: needs ~420 s" in r.stdout and "SKIPPED rdecode: needs ~300 s" in r.stdout

@@ -29,7 +29,8 @@ class DecodeRing:
         if spec.decode_ahead and self.bells is not None and self.pinned and graphs is not None and graphs.graphs:
             from strata import stream_wait
             word = self.bell_words[self.i, bells_mod.SEQ]
-            why = stream_wait.works(word, self.device)
+            why = (stream_wait.works(word, self.device) if graphs.queues_ahead
+                   else "linear-attention layers: a released step would move their states")
             if why is None:
                 self.ahead_seq = stream_wait.device_address(word)
             self.log.info("decode launch-ahead: %s", "on" if why is None else f"off ({why})")

@@ -118,6 +118,9 @@ def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, 
     elif graphs is not None:
         log.info("decode: eager (the graphs do not cover %s)", ", ".join(args.extras()) or "these weights")
     for pos in positions:
+        for blk in model.layers.values():  # (a linear layer's state taken as standing at pos: the warm-up's steps
+            if blk.linear:                 # leave it as unusable as the KV rows they write; a prompt starts at 0)
+                blk.attn.state_pos = pos
         decoder.decode_token(x1, pos)
     mem.append(torch.cuda.memory_allocated(device))
     log.info("warm-up: GPU memory allocated %s bytes (loaded; after the chunks; after cuDNN's shapes; "
