@@ -678,6 +678,7 @@ class Pipeline:
         """Write the KV the stages hold for the current prompt (and its answer so far) with its token ids to `path`
         (strata/kv_file.py: a JSON header fingerprinting the model and rig, raw rows; no pickle). -> facts of it."""
         self._refuse_if_closed()
+        self._kv_file_refusals("kv_save")  # before "nothing to save": with several slots nothing is the kept one
         n = self._kept_n
         if not self.started or n == 0:
             raise kv_file.KvFileError("kv_save: nothing to save: no prompt has been prefilled on this pipeline")

@@ -405,7 +405,7 @@ class Worker:
                 job.emit(("error", RequestError(500, "internal error in the server's worker", type="server_error")))
             finally:
                 with self._cond:
-                    self._running.remove(job)
+                    self._running = [j for j in self._running if j is not job]
 
     def _serve(self, job: Job) -> None:
         if self.broken is not None:
@@ -417,12 +417,14 @@ class Worker:
         for seq in job.seqs:
             if job.cancelled.is_set():
                 return
-            self._seqs.append(seq)
+            with self._cond:
+                self._seqs.append(seq)
             try:
                 if not self._serve_seq(job, seq, scored):
                     return
             finally:
-                self._seqs.remove(seq)
+                with self._cond:
+                    self._seqs = [q for q in self._seqs if q is not seq]
         job.emit(("end",))
 
     def _serve_seq(self, job: Job, seq: Seq, scored: dict[int, list[Scored]]) -> bool:

@@ -33,7 +33,7 @@ IDLE_WAIT_S = 0.1      # an idle driver wakes this often to look for a stop (a s
 POLL_MS = 5            # with sequences running, the driver looks for new ones at least this often
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: list.remove must not compare two prompts' arrays
 class SlotRun:
     """One sequence on its way through the driver: what the caller gave, and where it stands."""
     ids: np.ndarray
@@ -137,6 +137,8 @@ class SlotDriver:
                 if not self._running:
                     self._t0 = None  # the next busy period starts a fresh phase on the stages
         except BaseException as e:  # noqa: BLE001 - every waiting caller gets it
+            if not isinstance(e, PipelineError):
+                log.exception("the slot driver failed")
             self._fail(e if isinstance(e, PipelineError) else PipelineError(f"{type(e).__name__}: {e}"))
 
     def _fail(self, e: PipelineError) -> None:
