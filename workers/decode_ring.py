@@ -56,6 +56,8 @@ class DecodeRing:
         - No "taken" or "done" notes, no chunk in flight to reap later: steps go round a ring (head -> stage
           0 -> ... -> last -> head) one token at a time, so the stage above writes its buffer again only after
           this step's result reached the head, long after this stage read it. Per token one note per hop.
+          With max_seqs > 1 other sequences' steps follow this one through the same buffers: then the step says
+          "taken" upstream and is reaped before the next hand-off, as a prefill chunk is.
         - On CUDA one synchronize covers the queued copy in from the page-locked buffer, layers, head, argmax and
           the queued copy of the output (residual row, or logits row plus argmax) into page-locked memory; before
           it the notes (or bells) say nothing.
