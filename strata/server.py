@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over an Engine: one generation at a time (or the engine's max_seqs), a bounded queue, SSE."""
+"""OpenAI-compatible HTTP server over an Engine: one generation at a time (or max_seqs), a bounded queue, SSE."""
 from __future__ import annotations
 
 import asyncio
