@@ -583,6 +583,7 @@ class Pipeline:
             log.info("max_seqs %d: %d sequences' KV on every stage; off with it: the prefix cache, reuse of a "
                      "request's prefix between requests, kv_save / kv_load, scoring, CUDA graphs, decode bells",
                      self.cfg.max_seqs, self.cfg.max_seqs)
+        if why is None:
             self._index = prefix_cache.PrefixIndex(budget // per_block)
             log.info("prefix cache: %d blocks of %d tokens (%.1f MB a stage)", self._index.capacity, self._block,
                      self._index.capacity * per_block / 1e6)

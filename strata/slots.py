@@ -84,6 +84,7 @@ class SlotDriver:
         self._by_k: dict[int, SlotRun] = {}
         self._turn = 0
         self._t0: float | None = None               # the busy period's phase clock (None: idle)
+        self._progress_at = time.monotonic()        # the last result (or the last moment nothing was in flight)
         self._thread = threading.Thread(target=self._run, name="strata-slots", daemon=True)
         self._thread.start()
 
@@ -132,14 +133,25 @@ class SlotDriver:
                 for run in admit:
                     self._admit(run)
                 self._send()
-                for k, res, row in self.pipe.take_results(POLL_MS if self._running else 0):
+                results = self.pipe.take_results(POLL_MS if self._running else 0)
+                for k, res, row in results:
                     self._on_result(k, res, row)
+                self._watch(bool(results))
                 if not self._running:
                     self._t0 = None  # the next busy period starts a fresh phase on the stages
         except BaseException as e:  # noqa: BLE001 - every waiting caller gets it
             if not isinstance(e, PipelineError):
                 log.exception("the slot driver failed")
             self._fail(e if isinstance(e, PipelineError) else PipelineError(f"{type(e).__name__}: {e}"))
+
+    def _watch(self, progressed: bool) -> None:
+        """The stall watchdog: micro-batches in flight and no result for stall_timeout_s fails the run (stacks
+        dumped to the stage logs), as a single sequence's wait does."""
+        now = time.monotonic()
+        if progressed or not self.pipe.in_flight:
+            self._progress_at = now
+        elif now - self._progress_at > self.pipe.cfg.stall_timeout_s:
+            self.pipe._stalled()
 
     def _fail(self, e: PipelineError) -> None:
         with self._cond:

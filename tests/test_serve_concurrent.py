@@ -92,6 +92,23 @@ def test_concurrent_greedy_equals_alone_and_steps_overlap(slotted):
     assert st.prefill_interleaved > before[1], st  # decode steps went in between the long prompt's chunks
 
 
+def test_a_client_that_disconnects_frees_its_slot(slotted):
+    """A stream closed after a few tokens ends its sequence (its slot is free again); another request is served."""
+    s, eng = slotted
+    with s.client(timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0,
+                                                       "stream": True}) as r:
+            got = []
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    got.append(line)
+                if len(got) >= 3:
+                    break
+        wait_until(lambda: eng._slots.running == 0, "the disconnected sequence to end")
+        r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
 def test_slotted_refusals_are_one_line(slotted, tmp_path):
     """With max_seqs > 1: scoring is a 400 naming max_seqs, kv_save / kv_load are refused, no prefix cache."""
     s, eng = slotted
