@@ -349,7 +349,9 @@ class Pipeline:
             self._want_rows.discard(k)
             self._rows[k] = self._result_row.clone()
         self._results[k] = msg
-        if not self._decoding:  # a decode step's result is read before the next token goes down: nothing to free
+        # a decode step's result is read before the next token goes down: nothing to free (but with max_seqs > 1 the
+        # stages reap every step, one sequence's too)
+        if not self._decoding or self.cfg.max_seqs > 1:
             self._wire.send(len(self.stages) - 1, M.Taken(k=k))
         self._got += 1
 

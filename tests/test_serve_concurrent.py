@@ -170,6 +170,18 @@ def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
     assert not any(os.path.exists(d) for _, d in runs)      # the ipc sockets' directories
 
 
+def test_cli_generate_with_max_seqs_2_equals_max_seqs_1(tmp_path):
+    """Pipeline.generate (the CLI's one sequence, slot 0) on stages that hold 2 slots gives max_seqs 1's tokens."""
+    _smollm2()
+    from strata.pipeline import Pipeline
+    got = {}
+    for m in (1, 2):
+        with Pipeline({**RIG, "max_seqs": m, "generate": 8, "prompt": {"text": PROMPTS[0]}}, out=tmp_path / str(m),
+                      console=False) as p:
+            got[m] = p.prefill().continuation_ids
+    assert got[1] == got[2] and len(got[1]) == 8
+
+
 def test_max_seqs_counts_in_the_plan_and_refusals(tmp_path):
     """The planner counts max_seqs caches (and refuses with numbers); the rig refuses what slots cannot do."""
     _smollm2()
