@@ -119,6 +119,11 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
     with pytest.raises(KvFileError, match="max_seqs 4"):
         eng.kv_save(tmp_path / "kv.bin")
     assert "max_seqs 4" in eng.pipe.prefix_cache_off
+    log = (eng.out / "stage-0.log").read_text()
+    assert "KV slots: 4 sequences" in log
+    from strata import messages as M
+    with pytest.raises(M.BadMessage, match="negative slot"):
+        M.encode(M.Chunk(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=1, score=-1, slot=-1))
 
 
 def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
