@@ -208,3 +208,5 @@ def test_max_seqs_counts_in_the_plan_and_refusals(tmp_path):
         from_dict({**base, "max_seqs": 2, "dump_residual": True})
     with pytest.raises(ConfigError, match="max_seqs"):
         from_dict({**base, "max_seqs": 0})
+    with pytest.raises(ConfigError, match="max_seqs 2 refused: this model's linear-attention states"):
+        build_plan(from_dict({**base, "model": "synthetic:qwen3.5-27b", "layer_split": "auto", "max_seqs": 2}))
