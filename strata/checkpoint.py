@@ -165,7 +165,7 @@ def slice_tensors(model: str, args: ModelArgs, start: int, end: int, device="cpu
 
 def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dtype, seed: int = 0,
                weights: str = "auto", kv_dtype="auto", max_len: int, decode_weights: str | None = None,
-               max_chunk: int | None = None, kernels=None, attention: str = "auto") -> Transformer:
+               max_chunk: int | None = None, kernels=None, attention: str = "auto", seqs: int = 1) -> Transformer:
     """The stage process's one entry point: layers [start, end) built on the meta device, filled with
     just this slice's weights (as stored or dequantized), KV cache allocated for `max_len` positions.
     kernels, attention: the rig's KernelSpec and CUDA attention path (Transformer.set_kernels; None: defaults).
@@ -180,7 +180,8 @@ def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dty
     tensors = slice_tensors(model, args, start, end, device=device, dtype=dtype, seed=seed, weights=mode)
     m.load_weights(tensors, device, dtype)
     del tensors
-    m.setup_cache(max_len, kv_dtype, max_chunk)  # max_chunk: window layers keep a ring (ModelArgs.kv_positions)
+    # max_chunk: window layers keep a ring (ModelArgs.kv_positions); seqs: one cache per sequence (max_seqs)
+    m.setup_cache(max_len, kv_dtype, max_chunk, seqs)
     if decode_weights == "blocks" and mode == "dequantized" and has_quantized(model, args):
         stored = {n: t for n, t in slice_tensors(model, args, start, end, device=device, dtype=dtype, seed=seed,
                                                  weights="resident").items() if isinstance(t, Quantized)}

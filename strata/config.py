@@ -179,6 +179,9 @@ class RigConfig:
     prefix_cache_bytes: int = 2 << 30       # each stage's host memory (pinned on CUDA) for snapshots of earlier
                                             # prompts' KV by block of 256 tokens, LRU (strata/prefix_cache.py);
                                             # 0: off, only the last prompt's live KV is reused
+    max_seqs: int = field(default=1, metadata={"positive": True})  # sequences whose KV each stage holds at once
+                                            # (--serve: concurrent requests in the pipeline, one slot each; the
+                                            # planner counts max_seqs x the KV). 1: one sequence, as before
     kernels: KernelSpec = field(default_factory=KernelSpec)  # the kernels' A/B switches (KernelSpec)
     debug: DebugSpec = field(default_factory=DebugSpec)
 
@@ -438,11 +441,27 @@ def _stage(i: int, x) -> StageSpec:
     return spec
 
 
+def max_seqs_refusal(cfg: RigConfig) -> str | None:
+    """Why the rig cannot hold several sequences (max_seqs > 1), or None. (A model with linear-attention layers
+    is refused by the plan: their states are per sequence and not slotted yet.)"""
+    if cfg.depth == 0:
+        return "depth 0 joins every chunk through the whole pipeline, so no two sequences' steps overlap"
+    if cfg.dump_residual:
+        return "dump_residual writes one prompt's residual"
+    if isinstance(cfg.stages, tuple) and any(s.host is not None for s in cfg.stages):
+        return "a stage on another host gets its ids by note, for one sequence only"
+    return None
+
+
 def _check_values(cfg: RigConfig) -> None:
     if cfg.depth not in (0, 1):
         raise ConfigError(
             f"depth {cfg.depth} refused: a stage owns one set of chunk buffers, so at most one chunk may be "
             "in flight below it (1 = overlap, 0 = the old full join)")
+    if cfg.max_seqs > 1:
+        why = max_seqs_refusal(cfg)
+        if why:
+            raise ConfigError(f"max_seqs {cfg.max_seqs} refused: {why}")
     if cfg.chunk != "auto" and cfg.chunk <= 0:
         raise ConfigError(f"chunk: must be a positive number of tokens, got {cfg.chunk}")
     if cfg.generate < 0:

@@ -263,6 +263,13 @@ class Decoder:
 
     def bind_cache(self) -> None:
         """Point the layers at the model's KV cache (again after Transformer.setup_cache replaced it)."""
+        max_len, bits = self.point_cache()
+        self.spec.max_len, self.spec.kv_bits = max_len, bits
+        self.work = torch.empty(self.lib.strata_work_floats(ctypes.byref(self.spec)), dtype=torch.float32)
+        self.spec.work = self.work.data_ptr()
+
+    def point_cache(self) -> tuple[int, int]:
+        """The layers' cache pointers at the model's current slot (Transformer.use_slot) -> (rows, bits)."""
         max_len, bits = 0, 32
         for layer, blk in zip(self._layers, self.model.layers.values()):
             kc, vc = blk.attn.k_cache, blk.attn.v_cache
@@ -273,9 +280,7 @@ class Decoder:
                                  f"cache, not {kc.dtype}")
             layer.k_cache, layer.v_cache = kc.data_ptr(), vc.data_ptr()
             max_len, bits = kc.shape[2], KV_DTYPES[kc.dtype]
-        self.spec.max_len, self.spec.kv_bits = max_len, bits
-        self.work = torch.empty(self.lib.strata_work_floats(ctypes.byref(self.spec)), dtype=torch.float32)
-        self.spec.work = self.work.data_ptr()
+        return max_len, bits
 
     def _pack(self, q, dense: torch.Tensor) -> Packed:
         p = from_blocks(q.blocks, q.qtype, q.cols) if q is not None else None

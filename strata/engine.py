@@ -57,7 +57,9 @@ class GenerationStats:
 @runtime_checkable
 class Engine(Protocol):
     """A loaded model that generates for one request at a time. The server calls generate and restart from
-    one worker thread only (close after that thread has stopped), so those need no locking. tokenize,
+    one worker thread only (close after that thread has stopped), so those need no locking; an engine with an
+    attribute `max_seqs` > 1 has generate called from that many threads at once (and restart from any of them
+    after a failure, once: `is_up()` says whether another already did). tokenize,
     detokenize and chat_prompt are also called from other threads, during a generate: they must not touch
     the stages. Optional: `metrics_text() -> str`, Prometheus lines appended to the server's /metrics, and
     `prefix_cache_stats() -> PrefixCacheStats` (strata/prefix_cache.py), read by /metrics from another thread."""
@@ -282,6 +284,9 @@ class PipelineEngine(_ModelText):
         self._init_text(self.cfg.model, name)
         self._config_error = ConfigError
         self.pipe = None
+        self.max_seqs = self.cfg.max_seqs  # > 1: generate from several threads at once (strata/slots.py)
+        self._slots = None                 # strata.slots.SlotDriver over self.pipe when max_seqs > 1
+        self._life = threading.Lock()      # restart / close against each other (several callers)
         self.starts = 0
         self.last_report: dict | None = None  # the last generation's report (metrics_text reads it)
         # lookups and hits of the pipelines closed so far: /metrics' counters survive a restart, as the server's do
@@ -297,6 +302,8 @@ class PipelineEngine(_ModelText):
             raise EngineError("pipeline", "the engine is closed or failed: restart() it")
         # stop strings are the server's (it cuts the text it streams); the pipeline only decodes
         params = replace(params, stop=())
+        if self.max_seqs > 1:
+            return self._generate_slotted(ids, params, on_token)
         try:
             r = self.pipe.generate(ids, params, on_token=on_token)
         except self._config_error as e:  # a prompt the pipeline refuses (too long, ids out of range)
@@ -309,6 +316,40 @@ class PipelineEngine(_ModelText):
         return GenerationStats(prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
                                completion_tokens=len(r.continuation_ids), prefill_s=r.prefill_s,
                                decode_s=r.decode_s, finish_reason=r.finish_reason)
+
+    def _generate_slotted(self, ids: list[int], params: SamplingParams,
+                          on_token: Callable[[int], bool]) -> GenerationStats:
+        """One of up to max_seqs sequences in the pipeline at once (thread-safe: the driver owns the pipeline)."""
+        driver = self._slots
+        if driver is None:
+            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
+        try:
+            arr = driver.pipe.prompt_ids(list(ids))
+        except self._config_error as e:
+            raise ValueError(str(e)) from None
+        try:
+            run = driver.generate(arr, params, on_token)
+        except PipelineError as e:
+            where = _STAGE.search(str(e))
+            self._failed(driver)
+            raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
+        return GenerationStats(prompt_tokens=int(arr.size), reused_tokens=0, completion_tokens=len(run.out),
+                               prefill_s=(run.t_first or run.t_end) - run.t_submit,
+                               decode_s=run.t_end - (run.t_first or run.t_end), finish_reason=run.finish)
+
+    def _failed(self, driver) -> None:
+        """The pipeline under `driver` failed: close it once (the first of its callers to get here does)."""
+        with self._life:
+            if self._slots is driver:
+                self._close()
+
+    def is_up(self) -> bool:
+        """The stages are running (a restart after a failure that another caller already restarted is not needed)."""
+        return self.pipe is not None and (self._slots is None or self._slots.failure is None)
+
+    def slot_stats(self):
+        """strata.slots.SlotStats of the running driver (None with max_seqs 1)."""
+        return self._slots.stats if self._slots is not None else None
 
     def kv_save(self, path) -> dict:
         """The stages' KV of the last prompt (and answer) into a KV file (Pipeline.kv_save)."""
@@ -344,8 +385,12 @@ class PipelineEngine(_ModelText):
 
     def restart(self) -> None:
         """New stages (the kept KV is gone); the run directory of each start after the first is a subfolder."""
+        with self._life:
+            self._restart()
+
+    def _restart(self) -> None:
         from .pipeline import Pipeline
-        self.close()
+        self._close()
         out = self.out if self.starts == 0 else self.out / f"restart-{self.starts}"
         self.starts += 1
         cfg = replace(self.cfg, progress=False, generate=0)
@@ -356,8 +401,18 @@ class PipelineEngine(_ModelText):
             pipe.close()
             raise
         self.pipe = pipe
+        if self.max_seqs > 1:
+            from .slots import SlotDriver
+            self._slots = SlotDriver(pipe, self.max_seqs)
 
     def close(self) -> None:
+        with self._life:
+            self._close()
+
+    def _close(self) -> None:
+        if self._slots is not None:
+            self._slots, driver = None, self._slots
+            driver.stop()
         if self.pipe is not None:
             with self._stats_lock:
                 pipe, self.pipe = self.pipe, None

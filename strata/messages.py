@@ -61,6 +61,7 @@ class Chunk(Message):
     t0: float
     tokens: int      # the prompt's length (prefill: the last stage's perplexity targets end there)
     score: int       # prefill: -1, or the last stage scores each target and sends its `score` likeliest tokens
+    slot: int = 0    # the sequence's KV slot on every stage (0..max_seqs-1); its ids at slot x (max_len + 1)
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -261,6 +262,8 @@ def validate(msg) -> dict:
             raise BadMessage(f"{t}.{name}: integer out of range")
     if t in ("chunk", "taken", "done", "result", "working") and msg["k"] < 0:
         raise BadMessage(f"{t}: negative chunk index {msg['k']}")
+    if t == "chunk" and msg["slot"] < 0:
+        raise BadMessage(f"chunk: negative slot {msg['slot']}")
     if t == "chunk" and not 0 < msg["tokens"]:
         raise BadMessage(f"chunk: prompt length {msg['tokens']}")
     if t == "chunk" and not -1 <= msg["score"] <= MAX_SCORED_TOP:
@@ -343,6 +346,7 @@ class StageJob:
     max_chunk: int
     dynamic_chunks: bool       # the rig's `dynamic_chunks`: the stage warms the schedule's own chunk shapes
     depth: int
+    max_seqs: int              # sequences whose KV the stage holds (slots); > 1: decode steps say "taken" too
     perplexity: bool
     segments: dict             # what -> (shared segment name, bytes); empty for a remote stage
     endpoints: list            # every stage's ipc inbox; empty for a remote stage
@@ -406,7 +410,8 @@ def validate_spec(spec) -> dict:
     s, net = spec, spec["net"]
     if not (0 <= s["index"] < s["n_stages"] and 0 <= s["start"] < s["end"]):
         raise BadMessage("spec: stage index or layer range out of range")
-    if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)):
+    if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)
+            and s["max_seqs"] >= 1):
         raise BadMessage("spec: tokens, max_len, max_chunk or depth out of range")
     from .config import ATTENTION, DECODE_WEIGHTS, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
     for name, choices in (("dtype", DTYPES), ("attention", ATTENTION), ("weights", WEIGHTS), ("kv_dtype", KV_DTYPES),

@@ -350,6 +350,8 @@ class Transformer(nn.Module):
         self._weight_only: dict[str, LayerWeightOnly] = {}
         self._head_weight_only: WeightOnly | None = None
         self._blocks = None  # strata.cpu_decode.Decoder (decode_weights="blocks")
+        self._slots: list[dict] = []  # per sequence: layer -> (k, v) cache (setup_cache's seqs); self.slot is in use
+        self.slot = -1
         # bumped whenever the weights or the KV cache are replaced: what holds their addresses (the CUDA graphs of
         # strata.decode_graphs) is stale
         self.storage_version = 0
@@ -540,14 +542,15 @@ class Transformer(nn.Module):
         w = next(iter(self.layers.values())).attn_norm.weight  # before loading: the norms' (the compute dtype)
         return w.device, w.dtype
 
-    def setup_cache(self, max_len: int, kv_dtype="auto", max_chunk: int | None = None) -> int:
+    def setup_cache(self, max_len: int, kv_dtype="auto", max_chunk: int | None = None, seqs: int = 1) -> int:
         """Allocate the KV cache for `max_len` positions once; returns its size in bytes.
 
         kv_dtype: "auto" (the compute dtype), "bfloat16", "float16", "float8_e4m3fn" or "q8_0" (8-bit K and V,
         q8_0 with a scale per 32 values; each layer's cached prefix is widened to the compute dtype for its
         attention). max_chunk: the most rows
         a forward call takes; given, a window layer keeps a ring of window + max_chunk - 1 rows
-        (ModelArgs.kv_positions) instead of every position."""
+        (ModelArgs.kv_positions) instead of every position. seqs: that many caches (slots), one per sequence;
+        `use_slot` says which one the next forward reads and writes (slot 0 after this)."""
         device, dtype = self.device_dtype()
         kv = kv_dtype_of(kv_dtype, dtype)
         self.storage_version += 1  # captured graphs address the old cache
@@ -559,12 +562,34 @@ class Transformer(nn.Module):
             shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
                      cache_width(self.args.head_dim, kv))
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
-            blk.attn.k_cache = torch.zeros(shape, device=device, dtype=kv)
-            blk.attn.v_cache = torch.zeros(shape, device=device, dtype=kv)
             blk.attn.max_len = max_len
+        self._slots = []
+        if seqs > 1 and any(blk.linear for blk in self.layers.values()):
+            raise ValueError("several sequences' caches: a linear-attention layer's state is held for one sequence")
+        self._slots = [{i: (torch.zeros(shape, device=device, dtype=kv), torch.zeros(shape, device=device, dtype=kv))
+                        for i, blk in self.layers.items() if not blk.linear
+                        for shape in [(1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
+                                       cache_width(self.args.head_dim, kv))]}
+                       for _ in range(seqs)]
+        self.slot = -1
+        self.use_slot(0)
         if self._blocks is not None:
             self._blocks.bind_cache()
         return self.kv_bytes
+
+    def use_slot(self, slot: int) -> None:
+        """Point every layer at sequence `slot`'s cache (setup_cache's seqs): what the next forward reads and
+        writes. The CUDA graphs address one slot's cache: a stage with several slots decodes eagerly."""
+        if slot == self.slot:
+            return
+        if not 0 <= slot < len(self._slots):
+            raise ValueError(f"slot {slot} outside the {len(self._slots)} sequence caches")
+        for i, (k, v) in self._slots[slot].items():
+            attn = self.layers[i].attn
+            attn.k_cache, attn.v_cache = k, v
+        self.slot = slot
+        if self._blocks is not None:
+            self._blocks.point_cache()
 
     @property
     def weight_bytes(self) -> int:
@@ -588,8 +613,11 @@ class Transformer(nn.Module):
 
     @property
     def kv_bytes(self) -> int:
-        return sum(c.numel() * c.element_size() for blk in self.layers.values()
-                   for c in (blk.attn.k_cache, blk.attn.v_cache) if c is not None)
+        """Every slot's K and V (setup_cache's seqs)."""
+        if not self._slots:  # caches set by hand (strata.calibrate's probes)
+            return sum(c.numel() * c.element_size() for blk in self.layers.values()
+                       for c in (blk.attn.k_cache, blk.attn.v_cache) if c is not None)
+        return sum(c.numel() * c.element_size() for slot in self._slots for kv in slot.values() for c in kv)
 
     # -- compute ---------------------------------------------------------------------------
     def set_prompt_length(self, n: int) -> None:

@@ -132,6 +132,8 @@ class Pipeline:
         self._index: prefix_cache.PrefixIndex | None = None
         self._block = prefix_cache.BLOCK
         self._kv_done: dict[int, M.KvDone] = {}   # the stages' answers to the KvOp in flight
+        self._want_rows: set[int] = set()          # several sequences: chunks whose logits row the head keeps
+        self._rows: dict[int, torch.Tensor] = {}   # ... and those rows, by chunk
         self._restored = 0                         # this prefill's prompt positions restored from snapshots
         self._lookups = self._hits = 0             # prefix-cache lookups, and those that found a usable prefix
         self._loaded = False                       # the live KV is a kv_load's (no prefill since)
@@ -205,6 +207,7 @@ class Pipeline:
             end=sp.end, model=cfg.model, args={f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__},
             seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk,
             dynamic_chunks=cfg.dynamic_chunks, depth=cfg.depth,
+            max_seqs=cfg.max_seqs,
             perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,
             log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
             dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
@@ -342,8 +345,13 @@ class Pipeline:
             raise M.BadMessage(f"result: chunk {k} is not in flight")
         if data is not None:
             self._wire.land_result(data)
+        if k in self._want_rows:  # several sequences: the row is copied before "taken" lets the next one in
+            self._want_rows.discard(k)
+            self._rows[k] = self._result_row.clone()
         self._results[k] = msg
-        if not self._decoding:  # a decode step's result is read before the next token goes down: nothing to free
+        # a decode step's result is read before the next token goes down: nothing to free (but with max_seqs > 1 the
+        # stages reap every step, one sequence's too)
+        if not self._decoding or self.cfg.max_seqs > 1:
             self._wire.send(len(self.stages) - 1, M.Taken(k=k))
         self._got += 1
 
@@ -462,6 +470,50 @@ class Pipeline:
         self.startup["stage_start"] = "forkserver" if "forkserver" in local else "spawn" if local else "remote"
         log.info(format_startup(self.startup))
 
+    # -- several sequences at once (max_seqs > 1): strata/slots.py drives these --------------------------
+    def begin_slots(self) -> float:
+        """A busy period of several sequences begins: chunk indices from 0 and one `t0` (the stages' timing
+        phase) for all its chunks and steps. What the live KV of slot 0 held is forgotten. -> t0."""
+        self._refuse_if_closed()
+        self.start()
+        self._new_phase("prefill")
+        self._want_rows.clear()
+        self._rows.clear()
+        self._kept_n = 0
+        return time.perf_counter()
+
+    def put_slot_ids(self, slot: int, ids: np.ndarray, start: int = 0) -> None:
+        """ids[start:] into `slot`'s part of the ids segment (stage 0 reads a chunk's ids there)."""
+        base = slot * (self.plan.max_len + 1)
+        self._buffers.ids[base + start:base + ids.size] = torch.from_numpy(np.ascontiguousarray(ids[start:]))
+
+    def put_slot_token(self, slot: int, pos: int, token: int) -> None:
+        """A decode step's token at `pos` of `slot`'s ids."""
+        self._buffers.ids[slot * (self.plan.max_len + 1) + pos] = token
+
+    def send_slot(self, slot: int, pos: int, n: int, phase: str, tokens: int, t0: float, row: bool) -> int:
+        """Rows [pos, pos + n) of the sequence in `slot` to stage 0 (a prefill chunk, or a decode step when phase is
+        "decode"); row: keep its logits row (a sampled token). -> its chunk index."""
+        k = self._sent
+        if row:
+            self._want_rows.add(k)
+        self._wire.send(0, M.Chunk(k=k, pos=pos, n=n, phase=phase, t0=t0, tokens=tokens, score=-1, slot=slot))
+        self._sent += 1
+        if self.startup is None:
+            self._startup_done()
+        return k
+
+    def take_results(self, timeout_ms: int) -> list[tuple[int, M.ChunkResult, torch.Tensor | None]]:
+        """What the last stage finished within timeout_ms: (chunk, result, its logits row or None), in order.
+        A dead stage or a typed failure raises PipelineError."""
+        self._receive(timeout_ms)
+        done = sorted(self._results)
+        return [(k, self._results.pop(k), self._rows.pop(k, None)) for k in done]
+
+    @property
+    def in_flight(self) -> int:
+        return self._sent - self._got
+
     # -- prompts -------------------------------------------------------------------------------
     @property
     def max_context(self) -> int:
@@ -523,10 +575,16 @@ class Pipeline:
             why = "prefix_cache_bytes is 0"
         elif self.cfg.dump_residual:
             why = "dump_residual prefills every prompt from position 0"
+        elif self.cfg.max_seqs > 1:
+            why = f"max_seqs {self.cfg.max_seqs}: snapshots are of one sequence's KV (not per slot yet)"
         per_block = max(st.kv_bytes // self.plan.max_len for st in self.stages) * self._block
         if why is None and budget < per_block:
             why = f"prefix_cache_bytes {budget} holds no block of {self._block} tokens ({per_block} bytes a stage)"
         self.prefix_cache_off = why
+        if self.cfg.max_seqs > 1:  # one line for what several slots turn off (README, Serving)
+            log.info("max_seqs %d: %d sequences' KV on every stage; off with it: the prefix cache, reuse of a "
+                     "request's prefix between requests, kv_save / kv_load, scoring, CUDA graphs, decode bells",
+                     self.cfg.max_seqs, self.cfg.max_seqs)
         if why is None:
             self._index = prefix_cache.PrefixIndex(budget // per_block)
             log.info("prefix cache: %d blocks of %d tokens (%.1f MB a stage)", self._index.capacity, self._block,
@@ -598,6 +656,9 @@ class Pipeline:
 
     def _kv_file_refusals(self, what: str) -> None:
         """What kv_save and kv_load refuse before anything runs."""
+        if self.cfg.max_seqs > 1:
+            raise kv_file.KvFileError(f"{what}: not with max_seqs {self.cfg.max_seqs} (a KV file holds one sequence; "
+                                      "slots are not addressed yet): use max_seqs 1")
         why = prefix_cache.supported(self.plan.args)
         if why:
             raise kv_file.KvFileError(f"{what}: not for this model: {why}")
@@ -621,6 +682,7 @@ class Pipeline:
         """Write the KV the stages hold for the current prompt (and its answer so far) with its token ids to `path`
         (strata/kv_file.py: a JSON header fingerprinting the model and rig, raw rows; no pickle). -> facts of it."""
         self._refuse_if_closed()
+        self._kv_file_refusals("kv_save")  # before "nothing to save": with several slots nothing is the kept one
         n = self._kept_n
         if not self.started or n == 0:
             raise kv_file.KvFileError("kv_save: nothing to save: no prompt has been prefilled on this pipeline")
@@ -712,6 +774,8 @@ class Pipeline:
         hold is reused up to start - 1; the prompt stays cached for what follows (a generate after it)."""
         if not 0 <= top <= M.MAX_SCORED_TOP:
             raise ConfigError(f"score: top must be in 0..{M.MAX_SCORED_TOP}, got {top}")
+        if self.cfg.max_seqs > 1:
+            raise ConfigError(f"score: not with max_seqs {self.cfg.max_seqs} yet (use max_seqs 1)")
         self._refuse_if_closed()
         ids = self.prompt_ids(prompt)
         if not 1 <= start <= ids.size:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +183,9 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
     if cfg.kv_dtype == "q8_0" and args.head_dim % 32:
         raise ConfigError(f"kv_dtype: q8_0 caches blocks of 32 values; this model's head dim is {args.head_dim} "
                           "(use float8_e4m3fn)")
+    if cfg.max_seqs > 1 and args.linear_layers is not None and any(args.linear_layers):
+        raise ConfigError(f"max_seqs {cfg.max_seqs} refused: this model's linear-attention states are held for one "
+                          "sequence (use max_seqs 1)")
     ids = load_prompt(cfg, args, timings)
     total = ids.size + cfg.generate
     if cfg.max_context is not None and cfg.max_context > args.max_seq_len:
@@ -269,8 +272,9 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     labels = [s.device + (f", {s.threads} thread{'s' if s.threads != 1 else ''}" if s.threads else "")
               for s in stages]
     # weights as stored (resident GGUF blocks + one layer's scratch, or dense in dtype) and KV at kv_dtype
-    store = {kind: storage(cfg.model, args, cfg.dtype, cfg.weights, cfg.kv_dtype, kind) for kind in {
-        "cpu" if h else "cuda" for h in host}}
+    # max_seqs sequences' KV on every stage
+    store = {kind: replace(storage(cfg.model, args, cfg.dtype, cfg.weights, cfg.kv_dtype, kind), seqs=cfg.max_seqs)
+             for kind in {"cpu" if h else "cuda" for h in host}}
     per_stage = [store["cpu" if h else "cuda"] for h in host]
     if not auto:
         if len(cfg.layer_split) != n:
@@ -298,8 +302,9 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
             break
     else:
         raise ConfigError(err + would_fit(fit, chunks[-1], kv_tokens, cfg.kv_dtype,
-                                          lambda kv: [storage(cfg.model, args, cfg.dtype, cfg.weights, kv,
-                                                              "cpu" if h else "cuda") for h in host]))
+                                          lambda kv: [replace(storage(cfg.model, args, cfg.dtype, cfg.weights, kv,
+                                                                      "cpu" if h else "cuda"), seqs=cfg.max_seqs)
+                                                      for h in host]))
     needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention,
                         storage=per_stage)
     cpu = [i for i in range(n) if host[i] and not stages[i].remote]

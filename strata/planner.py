@@ -48,13 +48,15 @@ class StageNeed:
     activations: int
     handoff: int
     runtime: int = 0
+    kv_seqs: int = 1           # sequences the KV cache holds (max_seqs)
 
     @property
     def total(self) -> int:
         return self.weights + self.kv_cache + self.activations + self.handoff + self.runtime
 
     def describe(self) -> str:
-        parts = [f"weights {_gib(self.weights)}", f"KV cache {_gib(self.kv_cache)}",
+        seqs = f" for {self.kv_seqs} sequences (max_seqs)" if self.kv_seqs > 1 else ""
+        parts = [f"weights {_gib(self.weights)}", f"KV cache {_gib(self.kv_cache)}{seqs}",
                  f"activations {_gib(self.activations)}"]
         if self.handoff:
             parts.append(f"hand-off {_gib(self.handoff)}")
@@ -79,6 +81,7 @@ class Storage:
     kv_elem: float             # bytes per cached K or V element (q8_0: 34 / 32, its scales included)
     mode: str = "dequantized"  # "resident" or "dequantized"
     per_layer: tuple = ()      # each layer's weights, where they differ (GLM's first dense layers, experts)
+    seqs: int = 1              # sequences whose KV a stage holds (the rig's max_seqs): the KV counts this many times
 
 
 def kv_rows(args: ModelArgs, n: int, tokens: int, chunk: int, start: int | None = None) -> int:
@@ -124,7 +127,7 @@ def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b
         weights = int(layers) + st.scratch + (st.embed if first else 0)
         if last:
             weights += st.norm + (0 if args.tie_embeddings and first else st.head)
-        return weights, int(2 * kvw * rows * st.kv_elem) + states
+        return weights, (int(2 * kvw * rows * st.kv_elem) + states) * st.seqs
     # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
     if args.first_dense_layers or args.linear_layers is not None:
         # layers differ: GLM's first ones keep a dense MLP; Qwen3.5's linear-attention layers are not its full ones
@@ -184,7 +187,7 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
         handoff += (0 if first else chunk * dim * b) + (V * f4 if last else chunk * dim * b)
         handoff += (tokens + 1) * 4
     runtime = CPU_RUNTIME_BYTES if on_cpu else CUDA_RUNTIME_BYTES
-    return StageNeed(weights, kv, act, handoff, runtime)
+    return StageNeed(weights, kv, act, handoff, runtime, storage.seqs if storage is not None else 1)
 
 
 def cuda_attention(choice: str = "auto") -> str:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over an Engine: one generation at a time, a bounded queue, SSE streaming."""
+"""OpenAI-compatible HTTP server over an Engine: one generation at a time (or max_seqs), a bounded queue, SSE."""
 from __future__ import annotations
 
 import asyncio
@@ -175,6 +175,8 @@ def _detokenized(engine: Engine, ids: list[int]) -> str:
 
 
 def can_score(engine: Engine) -> bool:
+    if getattr(engine, "max_seqs", 1) > 1:  # Pipeline.score prefills slot 0 alone: not among other sequences yet
+        return False
     return callable(getattr(engine, "logprob_rows", None)) or isinstance(engine, (LocalEngine, PipelineEngine))
 
 
@@ -302,7 +304,8 @@ class Job:
 
 
 class Worker:
-    """A thread that owns the engine and runs one job at a time; up to `queue_size` jobs wait."""
+    """Threads that run jobs on the engine: one (one job at a time), or the engine's `max_seqs` (a job each, the
+    engine interleaving their sequences: strata/slots.py); up to `queue_size` jobs wait."""
 
     def __init__(self, engine: Engine, queue_size: int, metrics: Metrics):
         if queue_size < 0:
@@ -310,18 +313,22 @@ class Worker:
         self.engine, self.queue_size, self.metrics = engine, queue_size, metrics
         self._pending: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
-        self._running: Job | None = None
-        self._seq: Seq | None = None  # the sequence of _running on the engine now (/metrics' running_sequences)
+        self.concurrency = max(1, int(getattr(engine, "max_seqs", 1)))  # jobs on the engine at once
+        self._running: list[Job] = []  # the jobs on the engine now
+        self._seqs: list[Seq] = []     # their sequences on the engine now (/metrics' running_sequences)
+        self._restarting = threading.Lock()
         self._draining = False
         self._stopping = False
         self.broken: str | None = None  # why the engine is down (a restart failed), else None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name="strata-engine" + (f"-{i}" if i else ""), daemon=True)
+                         for i in range(self.concurrency)]
         self._closed = False
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     @property
     def queue_length(self) -> int:
@@ -330,17 +337,18 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return bool(self._running)
 
     @property
-    def sequence(self) -> Seq | None:
-        """The sequence on the engine now (None between a job's sequences, and when idle)."""
-        return self._seq
+    def running_sequences(self) -> int:
+        """Sequences on the engine now (0 between a job's sequences, and when idle)."""
+        return len(self._seqs)
 
     @property
     def current(self) -> Job | None:
-        """The job on the engine now (None when idle)."""
-        return self._running
+        """A job on the engine now, the oldest (None when idle)."""
+        running = self._running
+        return running[0] if running else None
 
     @property
     def draining(self) -> bool:
@@ -353,7 +361,7 @@ class Worker:
             # a waiting client that went away frees its place
             self._pending = collections.deque(j for j in self._pending if not j.cancelled.is_set())
             # when idle, the first waiting job is about to run: it does not hold a waiting place
-            if len(self._pending) >= self.queue_size + (self._running is None):
+            if len(self._pending) >= self.queue_size + self.concurrency - len(self._running):
                 raise RequestError(429, f"the queue is full ({self.queue_size} requests waiting); retry later",
                                    type="rate_limit_exceeded")
             self._pending.append(job)
@@ -373,8 +381,9 @@ class Worker:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join()
+        for t in self._threads:
+            if t.is_alive():
+                t.join()
         if not self._closed:
             self._closed = True
             self.engine.close()
@@ -386,7 +395,8 @@ class Worker:
                     self._cond.wait()
                 if not self._pending:
                     return
-                job = self._running = self._pending.popleft()
+                job = self._pending.popleft()
+                self._running.append(job)
             try:
                 if not job.cancelled.is_set():
                     self._serve(job)
@@ -395,7 +405,7 @@ class Worker:
                 job.emit(("error", RequestError(500, "internal error in the server's worker", type="server_error")))
             finally:
                 with self._cond:
-                    self._running = None
+                    self._running = [j for j in self._running if j is not job]
 
     def _serve(self, job: Job) -> None:
         if self.broken is not None:
@@ -407,12 +417,14 @@ class Worker:
         for seq in job.seqs:
             if job.cancelled.is_set():
                 return
-            self._seq = seq
+            with self._cond:
+                self._seqs.append(seq)
             try:
                 if not self._serve_seq(job, seq, scored):
                     return
             finally:
-                self._seq = None
+                with self._cond:
+                    self._seqs = [q for q in self._seqs if q is not seq]
         job.emit(("end",))
 
     def _serve_seq(self, job: Job, seq: Seq, scored: dict[int, list[Scored]]) -> bool:
@@ -501,6 +513,13 @@ class Worker:
         return {"prompt": scored[seq.prompt] if job.echo else None, "completion": kept}
 
     def _restart(self) -> None:
+        with self._restarting:
+            up = getattr(self.engine, "is_up", None)
+            if self.concurrency > 1 and up is not None and up():
+                return  # another job's thread brought it back already (a failure fails every running job)
+            self._restart_engine()
+
+    def _restart_engine(self) -> None:
         try:
             self.engine.restart()
         except Exception as e:
@@ -830,7 +849,10 @@ class Server:
             raise _bad("logprobs with stream: true is not supported (the logprobs are computed once the answer "
                        "is complete)", param="logprobs")
         if top is not None and not can_score(self.engine):
-            raise _bad(f"logprobs are not supported by this engine ({type(self.engine).__name__})", param="logprobs")
+            seqs = getattr(self.engine, "max_seqs", 1)
+            raise _bad(f"logprobs are not supported by this engine ({type(self.engine).__name__}"
+                       + (f", max_seqs {seqs}: scoring runs alone, use max_seqs 1)" if seqs > 1 else ")"),
+                       param="logprobs")
         param = "messages" if chat else "prompt"
         limit = self.engine.max_context
         batch = len(prompts) > 1
@@ -959,7 +981,7 @@ class Server:
     async def prometheus(self, request: Request) -> Response:
         stats = getattr(self.engine, "prefix_cache_stats", None)  # optional, like metrics_text
         w = self.worker
-        text = self.metrics.render(w.queue_length, w.busy, int(w.sequence is not None),
+        text = self.metrics.render(w.queue_length, w.busy, w.running_sequences,
                                    stats() if callable(stats) else None)
         extra = getattr(self.engine, "metrics_text", None)  # optional: an engine's own series (busy histogram)
         if callable(extra):

@@ -108,11 +108,13 @@ class Buffers:
 
         from . import shm
         shm.sweep_dead()
-        sizes = {"ids": _page((plan.max_len + 1) * 4), "result": _page(plan.args.vocab_size * 4)}
+        seqs = plan.cfg.max_seqs  # a sequence's ids at slot x (max_len + 1)
+        sizes = {"ids": _page(seqs * (plan.max_len + 1) * 4), "result": _page(plan.args.vocab_size * 4)}
         if remote[-1]:
             del sizes["result"]  # the last stage's logits come over tcp
         from . import bells
-        if bells.wanted([sp.device for sp in plan.stages], any(remote), bells_mode):  # the rig's kernels.decode_bells
+        # (several sequences' steps in flight take the notes' "taken" path: no bells)
+        if seqs == 1 and bells.wanted([sp.device for sp in plan.stages], any(remote), bells_mode):  # the rig's kernels.decode_bells
             sizes["bells"] = _page(bells.nbytes(len(remote)))  # decode steps' notes (strata/bells.py)
         for i in range(len(remote) - 1):
             if not across[i]:
@@ -126,7 +128,7 @@ class Buffers:
             seg = shm.Segment.create(shm.segment_name(run_id, what), nbytes)
             res.segments.append(seg)
             self.names[what] = (seg.name, nbytes)
-        self.ids = res.segments[0].tensor(torch.int32, (plan.max_len + 1,))
+        self.ids = res.segments[0].tensor(torch.int32, (seqs * (plan.max_len + 1),))
         self.result = None if remote[-1] else res.segments[1].tensor(torch.float32, (plan.args.vocab_size,))
         self.bells = None
         if "bells" in sizes:

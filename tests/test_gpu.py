@@ -222,3 +222,35 @@ def test_cuda_graph_resident_quantized_matches_eager():
         assert _rel(b, a) < tol and _rel(lb, la) < tol, (p, _rel(b, a), _rel(lb, la))
     assert steps.graphs is not None and sorted(steps.graphs.graphs) == [512, 700]
     assert steps.graphs.ids is not None  # the token id goes in, not an embedding row made before the replay
+
+
+def test_max_seqs_on_cuda_equals_alone(tmp_path):
+    """max_seqs 3 on two stages of one GPU (eager decode: the graphs address one slot): three sequences at once
+    give each the greedy ids it gets alone, with two or more in flight together."""
+    import threading
+    from strata.engine import PipelineEngine
+    from strata.sampling import SamplingParams
+    eng = PipelineEngine(dict(model=MODEL, dtype="bfloat16", stages=[{"device": "cuda:0"}] * 2, chunk=64,
+                              max_context=512, progress=False, max_seqs=3), out=tmp_path / "slots")
+    try:
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(0, eng.pipe.plan.args.vocab_size, n).tolist() for n in (7, 150, 33)]
+
+        def run(ids, box, i):
+            made = []
+            eng.generate(ids, SamplingParams(max_tokens=24, temperature=0), lambda t: made.append(t) or True)
+            box[i] = made
+        alone, together = {}, {}
+        for i, ids in enumerate(prompts):
+            run(ids, alone, i)
+        threads = [threading.Thread(target=run, args=(ids, together, i)) for i, ids in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert together == alone and any(alone.values())
+        assert eng.slot_stats().most_in_flight >= 2
+        log = (tmp_path / "slots" / "stage-0.log").read_text()
+        assert "decode: eager, no CUDA graphs (max_seqs 3" in log
+    finally:
+        eng.close()

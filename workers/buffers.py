@@ -36,7 +36,7 @@ class StageBuffers:
                            if "bells" in segs else None)
         self.bells = Bells(self.bell_words.numpy()) if self.bell_words is not None else None
         if ids is None:
-            self.ids = attach("ids").tensor(torch.int32, (spec.max_len + 1,))
+            self.ids = attach("ids").tensor(torch.int32, (spec.max_seqs * (spec.max_len + 1),))
         else:  # decoded tokens reach a remote stage 0 as "token" notes
             self.ids = torch.zeros(spec.max_len + 1, dtype=torch.int32)
             self.ids[:spec.tokens] = torch.frombuffer(bytearray(ids), dtype=torch.int32)

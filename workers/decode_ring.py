@@ -56,6 +56,8 @@ class DecodeRing:
         - No "taken" or "done" notes, no chunk in flight to reap later: steps go round a ring (head -> stage
           0 -> ... -> last -> head) one token at a time, so the stage above writes its buffer again only after
           this step's result reached the head, long after this stage read it. Per token one note per hop.
+          With max_seqs > 1 other sequences' steps follow this one through the same buffers: then the step says
+          "taken" upstream and is reaped before the next hand-off, as a prefill chunk is.
         - On CUDA one synchronize covers the queued copy in from the page-locked buffer, layers, head, argmax and
           the queued copy of the output (residual row, or logits row plus argmax) into page-locked memory; before
           it the notes (or bells) say nothing.
@@ -76,14 +78,17 @@ class DecodeRing:
             # it, ring on, queue the next
             return self._decode_done(msg, self.argmax_host if self.last else None, work_start)
         t_in = time.perf_counter()
+        slotted = self.max_seqs > 1  # other sequences' steps in flight: the buffers' "taken" notes, as a chunk's
         if self.first:
-            x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
+            x = self.slot_ids(msg.slot)[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
         else:
-            x = self.inlink.get(n).to(self.device, copy=True, non_blocking=cuda and self.pinned)
+            x = self.inlink.get(n).to(self.device, copy=True, non_blocking=cuda and self.pinned and not slotted)
             x = x.view(1, n, self.args.dim)
+            if slotted:
+                self.send(self.to_up, M.Taken(k=k))
         work_start = time.perf_counter()
         self.copy_s += work_start - t_in
-        self.faults.at_chunk(k, self.phase)
+        self.faults.at_chunk(k, msg.phase)
         if n == 1:  # with cuda_graphs: layers, head and argmax in one replay
             h, logits, am = self.decoder.decode_token(x, pos, fresh=False)  # copied out below, before the next step
         else:
@@ -94,9 +99,11 @@ class DecodeRing:
             out = logits
         else:
             out = h.view(n, self.args.dim)
-        self._reap()  # only the prefill's last chunk can still be in flight below
+        self._reap()  # one sequence: only the prefill's last chunk can still be in flight below
         self._copy_out(out, am)
         self._decode_done(msg, self.argmax_host if self.last and cuda else am, work_start)
+        if slotted:  # reaped before the next hand-off, as a prefill chunk is
+            self.inflight.append(k)
 
     def _copy_out(self, out, am) -> None:
         """Queue the step's output into the hand-off buffer below (and the argmax into page-locked memory)."""
@@ -118,7 +125,8 @@ class DecodeRing:
         elif self.last:
             self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=int(am), scores=b""))
         else:
-            self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens, score=-1))
+            self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens, score=-1,
+                                      slot=msg.slot))
         self.copy_s += time.perf_counter() - work_end
         self.last_handoff = time.perf_counter()
         self.nchunks += 1

@@ -59,6 +59,8 @@ class Stage(DecodeRing):
         self.n_stages = spec.n_stages
         self.first, self.last = self.i == 0, self.i == self.n_stages - 1
         self.depth = spec.depth
+        self.max_seqs = spec.max_seqs  # KV slots; > 1: several sequences' chunks and steps in flight (`slotted`)
+        self.ids_stride = spec.max_len + 1  # a slot's ids start at slot x this in the ids segment
         self.device = torch.device(spec.device)
         self.dtype = getattr(torch, spec.dtype)
         self.net = spec.net  # None: every stage of the run is on this host
@@ -73,6 +75,8 @@ class Stage(DecodeRing):
             memory_trace.start()
         self.model, self.weights = load_slice(spec, self.device, self.dtype, log)
         self.kv_bytes = self.model.kv_bytes
+        if spec.max_seqs > 1:  # several sequences at once (strata/slots.py): a cache each
+            log.info("KV slots: %d sequences, %s bytes each", spec.max_seqs, f"{self.kv_bytes // spec.max_seqs:,}")
         if self.device.type == "cuda":  # what the planner counted against what is held
             m, held = self.model, torch.cuda.memory_allocated(self.device)
             log.info("GPU memory at load: %s bytes allocated = weights %s + scratch %s + KV %s + other %s", f"{held:,}",
@@ -83,7 +87,11 @@ class Stage(DecodeRing):
                 log.info("memory_trace: %s", line)
         self.args = self.model.args
         # one-token decode steps: replayed from CUDA graphs where the rig asks for them on a GPU
-        self.graphs = GraphedDecode(self.model) if spec.cuda_graphs and self.device.type == "cuda" else None
+        self.graphs = (GraphedDecode(self.model) if spec.cuda_graphs and self.device.type == "cuda"
+                       and spec.max_seqs == 1 else None)
+        if spec.cuda_graphs and self.device.type == "cuda" and spec.max_seqs > 1:
+            log.info("decode: eager, no CUDA graphs (max_seqs %d: the graphs capture one sequence's caches)",
+                     spec.max_seqs)
         self.decoder = self.graphs if self.graphs is not None else self.model  # what decode_token is asked of
         self.warm_s = warm_up(spec, self.model, self.graphs, log)
         self.buffers = b = StageBuffers(spec, self.args, ids)
@@ -217,6 +225,8 @@ class Stage(DecodeRing):
         if not (0 <= pos and 1 <= n <= self.spec.max_chunk and pos + n <= self.spec.max_len
                 and msg.tokens <= self.spec.max_len):
             raise M.BadMessage(f"chunk: rows [{pos}, {pos + n}) of a {msg.tokens}-token prompt do not fit the buffers")
+        if msg.slot >= self.max_seqs:
+            raise M.BadMessage(f"chunk: slot {msg.slot} of {self.max_seqs}")
         if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
             if data is None:
                 raise M.BadMessage("chunk: no rows with the note (across hosts they travel together)")
@@ -269,6 +279,7 @@ class Stage(DecodeRing):
     def run_chunk(self, msg: M.Chunk) -> None:
         self.kv.before_write()  # a snapshot's copies out of the live cache go first (CUDA: on the device)
         self.model.set_prompt_length(msg.tokens)  # (dynamic NTK rope's length: the prompt's, or a decode step's p + 1)
+        self.model.use_slot(msg.slot)  # the sequence's own KV (max_seqs > 1)
         if msg.phase == "decode":
             return self.decode_step(msg)
         k, pos, n = msg.k, msg.pos, msg.n
@@ -277,8 +288,9 @@ class Stage(DecodeRing):
 
         # 1. input: ids for the first stage, else residual rows from the buffer above
         copy_start = time.perf_counter()
+        ids = self.slot_ids(msg.slot)
         if self.first:
-            x = self.ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
+            x = ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
         else:
             x = self.inlink.get(n).to(self.device, copy=True).view(1, n, self.args.dim)
             if self.device.type == "cuda":
@@ -288,12 +300,12 @@ class Stage(DecodeRing):
 
         # 2. compute
         work_start = time.perf_counter()
-        self.faults.at_chunk(k, self.phase)
+        self.faults.at_chunk(k, msg.phase)
         h = self.model(x, pos, decode=False)  # a prefill chunk never takes the decode path
         nll, count, argmax, scores = 0.0, 0, -1, b""
         if self.last:
             if msg.phase == "prefill" and (self.spec.perplexity or msg.score >= 0):
-                targets = self.ids[pos + 1: min(pos + n + 1, msg.tokens)].to(torch.long)
+                targets = ids[pos + 1: min(pos + n + 1, msg.tokens)].to(torch.long)
                 if self.spec.perplexity and targets.numel():
                     nll, count = self.model.nll(h, targets)
                 if msg.score >= 0:
@@ -316,7 +328,7 @@ class Stage(DecodeRing):
             self.outlink.put(logits, M.ChunkResult(k=k, nll=float(nll), count=count, argmax=argmax, scores=scores))
         else:
             self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0,
-                                                               tokens=msg.tokens, score=msg.score))
+                                                               tokens=msg.tokens, score=msg.score, slot=msg.slot))
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
@@ -324,6 +336,10 @@ class Stage(DecodeRing):
         self.last_handoff = time.perf_counter()
         self.events.append([k, work_start, work_end, self.last_handoff])
         self.nchunks += 1
+
+    def slot_ids(self, slot: int) -> torch.Tensor:
+        """The ids of the sequence in `slot` (the whole segment's first max_len + 1 with one slot)."""
+        return self.ids[slot * self.ids_stride:(slot + 1) * self.ids_stride]
 
     def _reap(self) -> None:
         """Depth 1: the chunk in flight below must have left the output buffer before we overwrite it."""

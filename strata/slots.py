@@ -1,0 +1,257 @@
+"""The head's scheduler for several sequences in the pipeline at once (the rig's max_seqs > 1).
+
+Each admitted sequence holds one KV slot on every stage. One thread (`SlotDriver`) owns the Pipeline and keeps
+up to n_stages + 1 micro-batches in flight: a sequence's prefill chunks, or its next decode step (one at a time:
+a step needs the token before it). It sends round-robin, one micro-batch per sequence per turn, so a long
+prompt's chunks take turns with the others' steps instead of holding them up for its whole prefill, and while
+stage 1 computes sequence A's step, stage 0 computes sequence B's. A stage takes its chunks in arrival order;
+each chunk and step says "taken" when it has left a hand-off buffer, as a prefill chunk always has (at most one
+chunk in flight below a stage, seed-761).
+
+Exactness: a sequence is prefilled in the chunks of its cold schedule and decoded one token a step through the
+same stage code as a single sequence, in its own slot, so its tokens do not depend on what else runs.
+
+Callers (the server's worker threads) block in `generate`; `on_token` runs on the driver's thread. A failure of the
+pipeline fails every admitted and waiting sequence with the same PipelineError; the driver then stops.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .errors import PipelineError
+
+log = logging.getLogger("strata.slots")
+
+IDLE_WAIT_S = 0.1      # an idle driver wakes this often to look for a stop (a submission wakes it at once)
+POLL_MS = 5            # with sequences running, the driver looks for new ones at least this often
+
+
+@dataclass(eq=False)  # compared by identity: list.remove must not compare two prompts' arrays
+class SlotRun:
+    """One sequence on its way through the driver: what the caller gave, and where it stands."""
+    ids: np.ndarray
+    params: object                      # strata.sampling.SamplingParams
+    on_token: Callable[[int], bool | None]
+    slot: int = -1
+    schedule: list = field(default_factory=list)  # prefill chunks [(pos, n)]
+    sent_chunks: int = 0
+    in_flight: int = 0                  # its chunks or step in the pipeline now
+    last_k: int = -1                    # its last prefill chunk's index (its result holds the first token's logits)
+    pending: int | None = None          # a token whose decode step is still to be sent
+    out: list = field(default_factory=list)
+    finish: str = "length"
+    limit: int = 0
+    sampler: object = None
+    t_submit: float = 0.0
+    t_first: float | None = None        # the first token (prefill done)
+    t_end: float = 0.0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class SlotStats:
+    """What the driver did since it started (tests read it: overlap is a matter of structure, not of time)."""
+    sequences: int = 0                  # admitted
+    chunks: int = 0                     # prefill chunks sent
+    steps: int = 0                      # decode steps sent
+    most_in_flight: int = 0             # the most sequences with something in the pipeline at one time
+    overlapped_sends: int = 0           # sends made while another sequence had something in the pipeline
+    prefill_interleaved: int = 0        # decode steps sent while another sequence's prefill was not done
+
+
+class SlotDriver:
+    """Owns a started Pipeline with max_seqs slots; `generate` from any thread, `stop` from any thread."""
+
+    def __init__(self, pipe, max_seqs: int):
+        self.pipe, self.max_seqs = pipe, max_seqs
+        self.window = len(pipe.stages) + 1  # micro-batches in flight: enough to keep stage 0 busy
+        self.eos = pipe.plan.args.eos_id
+        self.stats = SlotStats()
+        self.failure: PipelineError | None = None
+        self._cond = threading.Condition()
+        self._queue: collections.deque[SlotRun] = collections.deque()
+        self._stopping = False
+        self._running: list[SlotRun] = []           # admitted, in slot order of admission (the round-robin)
+        self._free = list(range(max_seqs - 1, -1, -1))
+        self._by_k: dict[int, SlotRun] = {}
+        self._turn = 0
+        self._t0: float | None = None               # the busy period's phase clock (None: idle)
+        self._progress_at = time.monotonic()        # the last result (or the last moment nothing was in flight)
+        self._thread = threading.Thread(target=self._run, name="strata-slots", daemon=True)
+        self._thread.start()
+
+    # -- the callers' side --------------------------------------------------------------------------------
+    def generate(self, ids: np.ndarray, params, on_token) -> SlotRun:
+        """Blocking: the sequence prefilled and decoded among the others; raises the pipeline's failure."""
+        run = SlotRun(ids=ids, params=params, on_token=on_token, t_submit=time.perf_counter())
+        with self._cond:
+            if self.failure is not None or self._stopping:
+                raise self.failure or PipelineError("the pipeline is stopping")
+            self._queue.append(run)
+            self._cond.notify()
+        run.done.wait()
+        if run.error is not None:
+            raise run.error
+        return run
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def stop(self) -> None:
+        """Stop the driver (the sequences still running fail); idempotent; not from the driver's thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # -- the driver's thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._queue or self._running or self._stopping):
+                        self._cond.wait(IDLE_WAIT_S)
+                    if self._stopping:
+                        raise PipelineError("the pipeline was stopped while sequences ran")
+                    admit = []
+                    while self._queue and self._free:
+                        admit.append(self._queue.popleft())
+                for run in admit:
+                    self._admit(run)
+                self._send()
+                results = self.pipe.take_results(POLL_MS if self._running else 0)
+                for k, res, row in results:
+                    self._on_result(k, res, row)
+                self._watch(bool(results))
+                if not self._running:
+                    self._t0 = None  # the next busy period starts a fresh phase on the stages
+        except BaseException as e:  # noqa: BLE001 - every waiting caller gets it
+            if not isinstance(e, PipelineError):
+                log.exception("the slot driver failed")
+            self._fail(e if isinstance(e, PipelineError) else PipelineError(f"{type(e).__name__}: {e}"))
+
+    def _watch(self, progressed: bool) -> None:
+        """The stall watchdog: micro-batches in flight and no result for stall_timeout_s fails the run (stacks
+        dumped to the stage logs), as a single sequence's wait does."""
+        now = time.monotonic()
+        if progressed or not self.pipe.in_flight:
+            self._progress_at = now
+        elif now - self._progress_at > self.pipe.cfg.stall_timeout_s:
+            self.pipe._stalled()
+
+    def _fail(self, e: PipelineError) -> None:
+        with self._cond:
+            self.failure = e
+            runs = self._running + list(self._queue)
+            self._running, self._queue = [], collections.deque()
+        for run in runs:
+            run.error = e
+            run.done.set()
+        if not self._stopping:
+            log.error("sequences failed: %s", e)
+
+    def _admit(self, run: SlotRun) -> None:
+        from .sampling import Sampler
+        if self._t0 is None:
+            self._t0 = self.pipe.begin_slots()
+            self._by_k.clear()
+        run.slot = self._free.pop()
+        n = run.ids.size
+        run.schedule = list(self.pipe.plan.schedule_for(0, n))  # a cold prefill's own chunks: its bits
+        run.sampler = Sampler(run.params)
+        run.limit = min(run.params.max_tokens, self.pipe.max_context - n)
+        self.pipe.put_slot_ids(run.slot, run.ids)
+        self._running.append(run)
+        self.stats.sequences += 1
+
+    def _send(self) -> None:
+        """Round-robin, one micro-batch per sequence per turn, while the window has room."""
+        while self.pipe.in_flight < self.window and self._running:
+            sent = False
+            m = len(self._running)
+            for j in range(m):
+                if self.pipe.in_flight >= self.window:
+                    break
+                run = self._running[(self._turn + j) % m]
+                if self._send_one(run):
+                    sent = True
+            self._turn += 1
+            if not sent:
+                return
+
+    def _send_one(self, run: SlotRun) -> bool:
+        others = any(r.in_flight for r in self._running if r is not run)
+        if run.sent_chunks < len(run.schedule):
+            pos, n = run.schedule[run.sent_chunks]
+            last = run.sent_chunks == len(run.schedule) - 1
+            k = self.pipe.send_slot(run.slot, pos, n, "prefill", run.ids.size, self._t0,
+                                    row=last and not run.params.greedy)
+            run.sent_chunks += 1
+            if last:
+                run.last_k = k
+            self.stats.chunks += 1
+        elif run.pending is not None and not run.in_flight:
+            pos = run.ids.size + len(run.out) - 1  # the pending token is out[-1]
+            self.pipe.put_slot_token(run.slot, pos, run.pending)
+            k = self.pipe.send_slot(run.slot, pos, 1, "decode", pos + 1, self._t0, row=not run.params.greedy)
+            run.pending = None
+            self.stats.steps += 1
+            if any(r.sent_chunks < len(r.schedule) or r.last_k >= 0 and r.t_first is None
+                   for r in self._running if r is not run):
+                self.stats.prefill_interleaved += 1
+        else:
+            return False
+        self._by_k[k] = run
+        run.in_flight += 1
+        if others:
+            self.stats.overlapped_sends += 1
+        self.stats.most_in_flight = max(self.stats.most_in_flight, sum(1 for r in self._running if r.in_flight))
+        return True
+
+    def _on_result(self, k: int, res, row) -> None:
+        run = self._by_k.pop(k)
+        run.in_flight -= 1
+        if run.t_first is None and k != run.last_k:
+            return  # a prefill chunk before the last
+        if run.t_first is None:
+            run.t_first = time.perf_counter()
+        self._advance(run, res.argmax, row)
+
+    def _advance(self, run: SlotRun, argmax: int, logits) -> None:
+        """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it."""
+        if len(run.out) >= run.limit:
+            return self._finish(run, "length")
+        tok = argmax if run.params.greedy else run.sampler.next(logits)
+        if tok == self.eos:
+            return self._finish(run, "stop")
+        run.out.append(tok)
+        try:
+            keep = run.on_token(tok)
+        except Exception as e:  # noqa: BLE001 - the caller's callback: its own sequence fails, not the others
+            run.error = e
+            return self._finish(run, "stop")
+        if keep is False:
+            return self._finish(run, "stop")
+        if len(run.out) == run.limit:
+            return self._finish(run, "length")
+        run.pending = tok
+
+    def _finish(self, run: SlotRun, why: str) -> None:
+        run.finish, run.t_end = why, time.perf_counter()
+        self._running.remove(run)
+        self._free.append(run.slot)
+        run.done.set()

@@ -1,0 +1,212 @@
+"""Several requests in the pipeline at once (the rig's max_seqs > 1, strata/slots.py): through the real openai
+client on two CPU stages with SmolLM2. Exactness (each request's greedy ids alone and among others), overlap
+asserted on the driver's record of what was in flight (not on time: bench/serve_concurrency.py measures that),
+a stage killed under several requests, and the refusals."""
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import threading
+
+import pytest
+
+from strata.errors import ConfigError
+
+openai = pytest.importorskip("openai")
+
+from test_server import Running, wait_until  # noqa: E402 - after the importorskip
+
+RIG = dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, chunk=64, max_context=320,
+           progress=False, max_seqs=4)
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
+           "A long document. " + " ".join(f"Item {i} is number {i * 7 % 13}." for i in range(24))]  # 4 chunks of 64
+
+
+def _smollm2():
+    from strata.checkpoint import smollm2_path
+    try:
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+
+
+def _recording(eng) -> dict:
+    """Wrap eng.generate: each call's generated ids, by prompt ids (what the openai client's text hides)."""
+    got: dict[tuple, list[list[int]]] = collections.defaultdict(list)
+    lock = threading.Lock()
+    generate = eng.generate
+
+    def recorded(ids, params, on_token):
+        made: list[int] = []
+        try:
+            return generate(ids, params, lambda t: made.append(t) or on_token(t))
+        finally:
+            with lock:
+                got[tuple(ids)].append(made)
+    eng.generate = recorded
+    return got
+
+
+@pytest.fixture(scope="module")
+def slotted(tmp_path_factory):
+    _smollm2()
+    from strata.engine import PipelineEngine
+    eng = PipelineEngine(RIG, out=tmp_path_factory.mktemp("slots"))
+    s = Running(eng, queue_size=4)
+    yield s, eng
+    s.stop()
+    assert eng.pipe is None
+
+
+def test_concurrent_greedy_equals_alone_and_steps_overlap(slotted):
+    """4 requests at once (one streamed, one with a 4-chunk prompt) give each the ids it gets alone, while the
+    driver had two or more sequences in the pipeline at once and sent decode steps between a prefill's chunks."""
+    s, eng = slotted
+    got = _recording(eng)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def ask(p: str, stream: bool = False) -> str:
+        if stream:
+            parts = client.completions.create(model="smollm2", prompt=p, max_tokens=16, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in parts if c.choices)
+        return client.completions.create(model="smollm2", prompt=p, max_tokens=16, temperature=0).choices[0].text
+
+    alone = [ask(p) for p in PROMPTS]
+    before = eng.slot_stats().most_in_flight, eng.slot_stats().prefill_interleaved
+    assert before[0] == 1  # one at a time: nothing overlapped yet
+    texts: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i, p=p: texts.__setitem__(i, ask(p, stream=i == 1)))
+               for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [texts[i] for i in range(len(PROMPTS))] == alone
+    for p in PROMPTS:
+        ids = got[tuple(eng.tokenize(p))]
+        assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) > 0, (p, ids)
+    st = eng.slot_stats()
+    assert st.most_in_flight >= 2, st          # two sequences' micro-batches in the pipeline at once
+    assert st.overlapped_sends > 0, st
+    assert st.prefill_interleaved > before[1], st  # decode steps went in between the long prompt's chunks
+
+
+def test_a_client_that_disconnects_frees_its_slot(slotted):
+    """A stream closed after a few tokens ends its sequence (its slot is free again); another request is served."""
+    s, eng = slotted
+    with s.client(timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0,
+                                                       "stream": True}) as r:
+            got = []
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    got.append(line)
+                if len(got) >= 3:
+                    break
+        wait_until(lambda: eng._slots.running == 0, "the disconnected sequence to end")
+        r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_slotted_refusals_are_one_line(slotted, tmp_path):
+    """With max_seqs > 1: scoring is a 400 naming max_seqs, kv_save / kv_load are refused, no prefix cache."""
+    s, eng = slotted
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="max_seqs 4"):
+        client.completions.create(model="smollm2", prompt="Hi", echo=True, logprobs=1, max_tokens=0)
+    from strata.kv_file import KvFileError
+    with pytest.raises(KvFileError, match="max_seqs 4"):
+        eng.kv_save(tmp_path / "kv.bin")
+    assert "max_seqs 4" in eng.pipe.prefix_cache_off
+    log = (eng.out / "stage-0.log").read_text()
+    assert "KV slots: 4 sequences" in log
+    from strata import messages as M
+    with pytest.raises(M.BadMessage, match="negative slot"):
+        M.encode(M.Chunk(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=1, score=-1, slot=-1))
+
+
+def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
+    """SIGKILL of stage 1 while 3 requests decode: each gets a 503 (the streamed one an SSE error), the stages are
+    started again once, the next request succeeds; at the end no process or segment of any run is left."""
+    _smollm2()
+    from strata.engine import PipelineEngine
+    from strata.leftovers import Proc, descendants, segments, wait_gone
+    eng = PipelineEngine({**RIG, "max_seqs": 3, "debug": {"delay_s": 0.01}}, out=tmp_path / "serve")
+    s = Running(eng, queue_size=2)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    stages, runs = [Proc(p.pid) for p in eng.pipe._res.procs], [(eng.pipe.run_id, eng.pipe._res.ipc_dir)]
+    try:
+        pid, starts = eng.pipe.stages[1].pid, eng.starts
+        errors: dict[int, BaseException] = {}
+
+        def ask(i: int) -> None:
+            try:
+                if i == 0:
+                    for _ in client.completions.create(model="smollm2", prompt=PROMPTS[i], max_tokens=200,
+                                                       temperature=0, stream=True):
+                        pass
+                else:
+                    client.completions.create(model="smollm2", prompt=PROMPTS[i], max_tokens=200, temperature=0)
+            except openai.APIError as e:
+                errors[i] = e
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: eng._slots.running == 3 and eng.slot_stats().steps >= 9, "3 sequences decoding")
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert sorted(errors) == [0, 1, 2], errors
+        for i in (1, 2):
+            assert isinstance(errors[i], openai.APIStatusError) and errors[i].status_code == 503, errors[i]
+            assert "SIGKILL" in str(errors[i]) and f"pid {pid}" in str(errors[i])
+        assert "SIGKILL" in str(errors[0])  # the stream's error event
+        ok = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4)
+        assert ok.usage.completion_tokens == 4
+        assert eng.starts == starts + 1 and eng.pipe.stages[1].pid != pid  # restarted once, not once per request
+        stages += [Proc(p.pid) for p in eng.pipe._res.procs]
+        runs.append((eng.pipe.run_id, eng.pipe._res.ipc_dir))
+    finally:
+        s.stop()
+    assert eng.pipe is None
+    assert wait_gone(stages, 10) == []
+    assert all(segments(run_id=r) == [] for r, _ in runs)  # shared memory
+    assert not any(os.path.exists(d) for _, d in runs)      # the ipc sockets' directories
+
+
+def test_cli_generate_with_max_seqs_2_equals_max_seqs_1(tmp_path):
+    """Pipeline.generate (the CLI's one sequence, slot 0) on stages that hold 2 slots gives max_seqs 1's tokens."""
+    _smollm2()
+    from strata.pipeline import Pipeline
+    got = {}
+    for m in (1, 2):
+        with Pipeline({**RIG, "max_seqs": m, "generate": 8, "prompt": {"text": PROMPTS[0]}}, out=tmp_path / str(m),
+                      console=False) as p:
+            got[m] = p.prefill().continuation_ids
+    assert got[1] == got[2] and len(got[1]) == 8
+
+
+def test_max_seqs_counts_in_the_plan_and_refusals(tmp_path):
+    """The planner counts max_seqs caches (and refuses with numbers); the rig refuses what slots cannot do."""
+    _smollm2()
+    from strata.plan import build_plan
+    from strata.config import from_dict
+    base = dict(model="smollm2", stages=[{"device": "cpu"}] * 2, layer_split=[15, 15], chunk=64, max_context=2048,
+                progress=False)
+    one = build_plan(from_dict(base)).planner["needs"]
+    four = build_plan(from_dict({**base, "max_seqs": 4})).planner["needs"]
+    assert [n["kv_cache"] for n in four] == [4 * n["kv_cache"] for n in one]
+    cap = max(n["total"] + n["kv_cache"] for n in one)  # room for two sequences' KV, not for four
+    capped = {**base, "stages": [{"device": "cpu", "memory": cap}] * 2}
+    build_plan(from_dict({**capped, "max_seqs": 2}))
+    with pytest.raises(ConfigError, match="for 4 sequences"):
+        build_plan(from_dict({**capped, "max_seqs": 4}))
+    with pytest.raises(ConfigError, match="max_seqs 2 refused: depth 0"):
+        from_dict({**base, "max_seqs": 2, "depth": 0})
+    with pytest.raises(ConfigError, match="max_seqs 2 refused: dump_residual"):
+        from_dict({**base, "max_seqs": 2, "dump_residual": True})
+    with pytest.raises(ConfigError, match="max_seqs"):
+        from_dict({**base, "max_seqs": 0})
+    with pytest.raises(ConfigError, match="max_seqs 2 refused: this model's linear-attention states"):
+        build_plan(from_dict({**base, "model": "synthetic:qwen3.5-27b", "layer_split": "auto", "max_seqs": 2}))
