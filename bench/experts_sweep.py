@@ -15,7 +15,6 @@ without xq).
 from __future__ import annotations
 
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.quant import gemv, random_blocks, type_size, block_size  # noqa: E402
+from bench.gemv import Timer  # noqa: E402
 
 
 def graph_us(fn, reps: int = 10, rounds: int = 5) -> float:
@@ -74,33 +74,10 @@ def experts_case(qtype, E, rows, cols, k, xrows, dev):
     return (lambda: gemv.quant_matmul_experts(x, st, ids, qtype, cols)), nbytes
 
 
-class ColdTimer:
-    """Median microseconds of one call replayed from a CUDA graph, L2 flushed (a 512 MiB write) before each rep."""
-
-    def __init__(self, reps: int = 30):
-        self.reps = reps
-        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-
-    def __call__(self, fn) -> float:
-        fn()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        out = []
-        for _ in range(self.reps):
-            self.flush.zero_()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) * 1e3)
-        return statistics.median(out)
+def cold_us(timer: Timer, fn) -> float:
+    """Median microseconds of one call replayed from a CUDA graph, L2 flushed before each rep (bench/gemv.py's
+    Timer and graph)."""
+    return timer(timer.graphed(fn)) * 1e6
 
 
 MXFP4_DP4A_GRID = [gemv.Config(bn, sb, w) for bn, sb, w in itertools.product((4, 8, 16, 32), (4, 8, 16), (2, 4, 8))]
@@ -111,7 +88,7 @@ def mxfp4_dp4a_sweep() -> int:
     from strata.quant import mxfp4
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(0), "| MXFP4 experts, L2 flushed, one launch a graph (median of 30)")
-    timer = ColdTimer()
+    timer = Timer(torch.device("cuda"), 30)
     default = gemv.MXFP4_DP4A
     total = {}
     for label, rows, cols, xr in (("gate/up 5760x2880, x 1 row", 5760, 2880, 1), ("down 2880x2880, x 4 rows", 2880,
@@ -136,7 +113,7 @@ def mxfp4_dp4a_sweep() -> int:
                  (f"dp4a {default} + its quantize_x", lambda: gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols,
                                                                                        split=True))]
         for name, fn in cases:
-            us = timer(fn)
+            us = cold_us(timer, fn)
             total[(label, name)] = us
             print(f"  {us:8.1f} us  {nbytes / us / 1e3:7,.0f} GB/s  {name}")
         rows_t = []
@@ -144,7 +121,7 @@ def mxfp4_dp4a_sweep() -> int:
             gemv.MXFP4_DP4A = cfg
             k = gemv.GemvKernels()
             try:
-                rows_t.append((timer(lambda: gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols, kernels=k, xq=xq,
+                rows_t.append((cold_us(timer, lambda: gemv.quant_matmul_experts(x, sp, ids, "MXFP4", cols, kernels=k, xq=xq,
                                                                        split=True)), cfg))
             except Exception as e:  # a shape the compiler refuses: named, not fatal
                 print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
