@@ -118,6 +118,11 @@ def library(portable: bool = False) -> ctypes.CDLL:
         lib.strata_layers.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p]
         lib.strata_head.restype = ctypes.c_int
+        lib.strata_work_rows_floats.restype = ctypes.c_long
+        lib.strata_work_rows_floats.argtypes = [ctypes.POINTER(Model), ctypes.c_int]
+        lib.strata_layers_rows.argtypes = [ctypes.POINTER(Model), ctypes.c_int] + [ctypes.c_void_p] * 6
+        lib.strata_head_rows.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.POINTER(Mat)] + [ctypes.c_void_p] * 3
         lib.strata_head.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(Mat),
                                     ctypes.c_void_p]
         _libs[portable] = lib
@@ -267,6 +272,17 @@ class Decoder:
         self.spec.max_len, self.spec.kv_bits = max_len, bits
         self.work = torch.empty(self.lib.strata_work_floats(ctypes.byref(self.spec)), dtype=torch.float32)
         self.spec.work = self.work.data_ptr()
+        self._slot_ptrs = self.slot_caches()
+        self._rows_work = torch.empty(0, dtype=torch.float32)  # layers_rows' scratch, grown to the largest batch
+
+    def slot_caches(self) -> list[torch.Tensor]:
+        """Per slot (Transformer.setup_cache's seqs), its layers' K and V addresses in layer order: what a batch
+        of several sequences' steps (`layers_rows`) reads and writes, row by row."""
+        slots = self.model._slots
+        if not slots:  # caches set by hand: the one in use
+            slots = [{i: (blk.attn.k_cache, blk.attn.v_cache) for i, blk in self.model.layers.items()}]
+        return [torch.tensor([c.data_ptr() for i in self.model.layers for c in slot[i]], dtype=torch.int64)
+                for slot in slots]
 
     def point_cache(self) -> tuple[int, int]:
         """The layers' cache pointers at the model's current slot (Transformer.use_slot) -> (rows, bits)."""
@@ -307,4 +323,34 @@ class Decoder:
         out = torch.empty(self.head.rows, dtype=torch.float32)
         best = self.lib.strata_head(ctypes.byref(self.spec), h.data_ptr(), self.model.norm.weight.data_ptr(),
                                     ctypes.byref(self.head.mat), out.data_ptr())
+        return out, best
+
+    # -- several sequences' steps at once (max_seqs > 1) -------------------------------------------------
+    def _work_rows(self, m: int) -> torch.Tensor:
+        need = self.lib.strata_work_rows_floats(ctypes.byref(self.spec), m)
+        if self._rows_work.numel() < need:
+            self._rows_work = torch.empty(need, dtype=torch.float32)
+        return self._rows_work
+
+    def layers_rows(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor,
+                    slots: list[int]) -> None:
+        """The slice's layers on m rows h (m, dim) float32 contiguous, in place: row t is sequence slots[t]'s
+        token at positions[t] (int32 (m,)), with its RoPE rows cos[t], ssin[t] ((m, hd) contiguous). Each row's
+        bits are those `layers` gives it alone: the products read the weights once for all the rows."""
+        m = h.shape[0]
+        if int(positions.max()) >= self.spec.max_len:
+            raise ValueError(f"position {int(positions.max())} exceeds the KV cache ({self.spec.max_len})")
+        caches = torch.stack([self._slot_ptrs[s] for s in slots])
+        self.lib.strata_layers_rows(ctypes.byref(self.spec), m, h.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+                                    ssin.data_ptr(), caches.data_ptr(), self._work_rows(m).data_ptr())
+
+    def logits_rows(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm and head of m rows h (m, dim) -> (float32 logits (m, vocab), each row's first argmax (m,))."""
+        h = h.detach().float().contiguous()
+        m = h.shape[0]
+        out = torch.empty(m, self.head.rows, dtype=torch.float32)
+        best = torch.empty(m, dtype=torch.int32)
+        self.lib.strata_head_rows(ctypes.byref(self.spec), m, h.data_ptr(), self.model.norm.weight.data_ptr(),
+                                  ctypes.byref(self.head.mat), out.data_ptr(), best.data_ptr(),
+                                  self._work_rows(m).data_ptr())
         return out, best

@@ -815,6 +815,45 @@ class Transformer(nn.Module):
         return h, logits, logits.argmax()
 
     @torch.inference_mode()
+    def decode_seqs(self, x: torch.Tensor, slots: list[int],
+                    positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Several sequences' next tokens at once (max_seqs > 1): row t is sequence slots[t]'s token at
+        positions[t] (x: ids (m,) or residual rows (m, dim)), read from and written to that slot's KV. ->
+        (residual rows (m, dim), float32 logits (m, vocab), argmaxes (m,)); the last two only with the head.
+
+        Each row's bits are those of its step alone (`decode_token` in its slot), so a sequence's tokens do not
+        depend on what else runs. The C decoder (decode_weights blocks) reads each weight block once for all the
+        rows; elsewhere the rows are stepped one after another (the same arithmetic, no batching gain yet)."""
+        m = len(slots)
+        if self._blocks is not None and self.rope_dynamic is None:
+            dim = self.args.dim
+            h = (self.embed(x.view(1, m)) if self.has_embed else x).reshape(m, dim).float().contiguous()
+            if self.has_embed and self.args.embed_scale != 1.0:
+                h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
+            if not self.has_embed:
+                h = h.clone() if h.data_ptr() == x.data_ptr() else h  # in place: never the caller's rows
+            top = max(positions) + 1
+            cos, ssin = self._decode_rope(0, top, h.dtype, h.device)
+            at = torch.tensor(positions, dtype=torch.long)
+            self._blocks.layers_rows(h, at.to(torch.int32), cos.reshape(top, -1)[at].contiguous(),
+                                     ssin.reshape(top, -1)[at].contiguous(), slots)
+            if not self.has_head:
+                return h, None, None
+            logits, best = self._blocks.logits_rows(h)
+            return h, logits, best
+        hs, lgs, ams = [], [], []
+        for t, (slot, pos) in enumerate(zip(slots, positions)):
+            self.use_slot(slot)
+            self.set_prompt_length(pos + 1)  # (dynamic NTK: a step at p takes the frequencies of p + 1)
+            h, logits, am = self.decode_token(x[t:t + 1].view(1, 1, *x.shape[1:]), pos)
+            hs.append(h.reshape(1, -1))
+            if self.has_head:
+                lgs.append(logits.reshape(1, -1))
+                ams.append(am.reshape(1))
+        h = torch.cat(hs)
+        return (h, torch.cat(lgs), torch.cat(ams)) if self.has_head else (h, None, None)
+
+    @torch.inference_mode()
     def score(self, h: torch.Tensor, targets: torch.Tensor, top: int, block: int = 1024) -> bytes:
         """Each target's log-probability given residual rows h (1, T, dim), and the `top` likeliest tokens at each
         row, as bytes: float32 log-probabilities, then int32 ids and float32 log-probabilities of the top (rows

@@ -187,6 +187,82 @@ static void matvec(const mat_t *W, const int8_t *xq, const float *dx, const floa
 }
 #endif
 
+/* Y = W X for m rows of x (several sequences' decode steps at once): row t's input at xq + t * xs (bytes),
+ * dx + t * ss, sx + t * ss; its output at y + t * ys. Each row's float operations are matvec's, in its
+ * order (the integer dots are exact whatever their order), so a row's result is the same bits whatever
+ * else is in the batch. What batching saves: a group's bytes are read from memory once for every row
+ * and unpacked once for each tile of rows. */
+#if SIMD
+static inline __attribute__((always_inline)) void matmul_tile(const mat_t *W, const int g, const int T,
+                                                             const int8_t *xq, const int xs, const float *dx,
+                                                             const float *sx, const int ss, float *y, const int ys) {
+    const int J = W->cols / 32, bytes = W->bits == 4 ? 256 : 512;
+    const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const uint8_t *q = W->q + (size_t)g * J * bytes;
+    const uint16_t *d = W->d + (size_t)g * J * 16, *m = W->m + (size_t)g * J * 16;
+    __m512 acc[4];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int j = 0; j < J; j++, q += bytes) {
+        __m512i w[8];
+        if (W->bits == 4) {
+            for (int p = 0; p < 4; p++) {
+                __m512i v = _mm512_loadu_si512(q + 64 * p);
+                w[p] = _mm512_and_si512(v, low);
+                w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+            for (int p = 0; p < 8; p++) w[p] = _mm512_loadu_si512(q + 64 * p);
+        }
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 16 * j)));
+        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + 16 * j)));
+        for (int t = 0; t < T; t++) {
+            const int32_t *xb = (const int32_t *)(xq + (size_t)t * xs + 32 * j);
+            __m512i a0 = _mm512_dpbusd_epi32(zero, w[0], _mm512_set1_epi32(xb[0]));
+            __m512i a1 = _mm512_dpbusd_epi32(zero, w[1], _mm512_set1_epi32(xb[1]));
+            __m512i a2 = _mm512_dpbusd_epi32(zero, w[2], _mm512_set1_epi32(xb[2]));
+            __m512i a3 = _mm512_dpbusd_epi32(zero, w[3], _mm512_set1_epi32(xb[3]));
+            a0 = _mm512_dpbusd_epi32(a0, w[4], _mm512_set1_epi32(xb[4]));
+            a1 = _mm512_dpbusd_epi32(a1, w[5], _mm512_set1_epi32(xb[5]));
+            a2 = _mm512_dpbusd_epi32(a2, w[6], _mm512_set1_epi32(xb[6]));
+            a3 = _mm512_dpbusd_epi32(a3, w[7], _mm512_set1_epi32(xb[7]));
+            __m512i s = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[(size_t)t * ss + j])), _mm512_cvtepi32_ps(s),
+                                     acc[t]);
+            acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[(size_t)t * ss + j]), acc[t]);
+        }
+    }
+    int left = W->rows - 16 * g;
+    __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(y + (size_t)t * ys + 16 * g, k, acc[t]);
+}
+
+static void matmul(const mat_t *W, int m, const int8_t *xq, int xs, const float *dx, const float *sx, int ss,
+                   float *y, int ys) {
+    const int G = (W->rows + 15) / 16;
+    for (int g = 0; g < G; g++) {
+        int t = 0;
+        for (; t + 4 <= m; t += 4)
+            matmul_tile(W, g, 4, xq + (size_t)t * xs, xs, dx + (size_t)t * ss, sx + (size_t)t * ss, ss,
+                        y + (size_t)t * ys, ys);
+        switch (m - t) { /* the compiler specializes each constant tile */
+            case 3: matmul_tile(W, g, 3, xq + (size_t)t * xs, xs, dx + (size_t)t * ss, sx + (size_t)t * ss, ss,
+                                y + (size_t)t * ys, ys); break;
+            case 2: matmul_tile(W, g, 2, xq + (size_t)t * xs, xs, dx + (size_t)t * ss, sx + (size_t)t * ss, ss,
+                                y + (size_t)t * ys, ys); break;
+            case 1: matmul_tile(W, g, 1, xq + (size_t)t * xs, xs, dx + (size_t)t * ss, sx + (size_t)t * ss, ss,
+                                y + (size_t)t * ys, ys); break;
+            default: break;
+        }
+    }
+}
+#else
+static void matmul(const mat_t *W, int m, const int8_t *xq, int xs, const float *dx, const float *sx, int ss,
+                   float *y, int ys) {
+    for (int t = 0; t < m; t++)
+        matvec(W, xq + (size_t)t * xs, dx + (size_t)t * ss, sx + (size_t)t * ss, y + (size_t)t * ys);
+}
+#endif
+
 /* ---- elementwise -------------------------------------------------------------------------------- */
 
 #if SIMD
@@ -628,4 +704,99 @@ int strata_head(const model_t *M, const float *h, const float *norm_w, const mat
     for (int i = 1; i < head->rows; i++)
         if (logits[i] > logits[best]) best = i;
     return best;
+}
+
+/* ---- several sequences' steps at once ------------------------------------------------------------ */
+
+/* floats of work strata_layers_rows / strata_head_rows use for m rows */
+long strata_work_rows_floats(const model_t *M, int m) {
+    int wide = max3(M->dim, M->ffn, M->n_heads * M->hd);
+    return (long)m * ((long)M->dim + (long)(M->n_heads + 2 * M->n_kv) * M->hd + (long)M->n_heads * M->hd
+                      + 2L * M->ffn + wide / 4 + 2L * (wide / 32))
+           + (long)(M->n_heads / M->n_kv) * M->max_len + 64;
+}
+
+/* m tokens of m sequences, each a strata_layers step: row t's residual h + t * dim at position pos[t], its
+ * RoPE rows cos + t * hd, ssin + t * hd, its cache caches[(t * n_layers + l) * 2] (K) and [... + 1] (V) for
+ * layer l (each sequence holds its own). Row t's bits are those strata_layers gives it alone. */
+void strata_layers_rows(const model_t *M, int m, float *h, const int32_t *pos, const float *cos, const float *ssin,
+                        void *const *caches, float *work) {
+    const int dim = M->dim, nh = M->n_heads, nkv = M->n_kv, hd = M->hd, ffn = M->ffn, nl = M->n_layers;
+    const int wide = max3(dim, ffn, nh * hd), group = nh / nkv, wq = (nh + 2 * nkv) * hd;
+    float *x = work, *qkv = x + (size_t)m * dim, *y = qkv + (size_t)m * wq, *gate = y + (size_t)m * nh * hd;
+    float *up = gate + (size_t)m * ffn;
+    int8_t *xq = (int8_t *)(up + (size_t)m * ffn);
+    float *dx = up + (size_t)m * ffn + (size_t)m * wide / 4, *sx = dx + (size_t)m * (wide / 32);
+    float *sc = sx + (size_t)m * (wide / 32);
+    const int ss = wide / 32;
+    const size_t esz = M->kv_bits / 8;
+    for (int l = 0; l < nl; l++) {
+        const layer_t *L = M->layers + l;
+        for (int t = 0; t < m; t++) {
+            rms_norm(h + (size_t)t * dim, L->attn_norm, dim, M->eps, x + (size_t)t * dim);
+            quantize_row(x + (size_t)t * dim, dim, xq + (size_t)t * wide, dx + (size_t)t * ss, sx + (size_t)t * ss);
+        }
+        matmul(&L->wq, m, xq, wide, dx, sx, ss, qkv, wq);
+        matmul(&L->wk, m, xq, wide, dx, sx, ss, qkv + nh * hd, wq);
+        matmul(&L->wv, m, xq, wide, dx, sx, ss, qkv + (nh + nkv) * hd, wq);
+        for (int t = 0; t < m; t++) {
+            float *q = qkv + (size_t)t * wq, *k = q + nh * hd, *v = k + nkv * hd;
+            void *kc = caches[((size_t)t * nl + l) * 2], *vc = caches[((size_t)t * nl + l) * 2 + 1];
+            if (L->bq) {
+                for (int i = 0; i < nh * hd; i++) q[i] += L->bq[i];
+                for (int i = 0; i < nkv * hd; i++) k[i] += L->bk[i];
+                for (int i = 0; i < nkv * hd; i++) v[i] += L->bv[i];
+            }
+            for (int i = 0; i < nh + nkv; i++) rope(q + i * hd, cos + (size_t)t * hd, ssin + (size_t)t * hd, hd);
+            for (int i = 0; i < nkv; i++) {
+                size_t at = ((size_t)i * M->max_len + pos[t]) * hd;
+                kv_put(kc, M->kv_bits, at, k + i * hd, hd);
+                kv_put(vc, M->kv_bits, at, v + i * hd, hd);
+            }
+            for (int i = 0; i < nkv; i++) {
+                size_t base = (size_t)i * M->max_len * hd * esz;
+                attend(q + i * group * hd, group, (const char *)kc + base, (const char *)vc + base, M->kv_bits,
+                       pos[t] + 1, hd, sc, y + (size_t)t * nh * hd + i * group * hd);
+            }
+            quantize_row(y + (size_t)t * nh * hd, nh * hd, xq + (size_t)t * wide, dx + (size_t)t * ss,
+                         sx + (size_t)t * ss);
+        }
+        matmul(&L->wo, m, xq, wide, dx, sx, ss, x, dim);
+        for (int t = 0; t < m; t++) {
+            float *ht = h + (size_t)t * dim, *xt = x + (size_t)t * dim;
+            for (int i = 0; i < dim; i++) ht[i] += xt[i];
+            rms_norm(ht, L->mlp_norm, dim, M->eps, xt);
+            quantize_row(xt, dim, xq + (size_t)t * wide, dx + (size_t)t * ss, sx + (size_t)t * ss);
+        }
+        matmul(&L->wg, m, xq, wide, dx, sx, ss, gate, ffn);
+        matmul(&L->wu, m, xq, wide, dx, sx, ss, up, ffn);
+        for (int t = 0; t < m; t++) {
+            silu_mul(gate + (size_t)t * ffn, up + (size_t)t * ffn, ffn);
+            quantize_row(gate + (size_t)t * ffn, ffn, xq + (size_t)t * wide, dx + (size_t)t * ss, sx + (size_t)t * ss);
+        }
+        matmul(&L->wd, m, xq, wide, dx, sx, ss, x, dim);
+        for (int t = 0; t < m; t++)
+            for (int i = 0; i < dim; i++) h[(size_t)t * dim + i] += x[(size_t)t * dim + i];
+    }
+}
+
+/* strata_head for m rows h (m x dim): logits (m x head rows), best[t] each row's first largest */
+void strata_head_rows(const model_t *M, int m, const float *h, const float *norm_w, const mat_t *head, float *logits,
+                      int32_t *best, float *work) {
+    const int dim = M->dim, wide = max3(M->dim, M->ffn, M->n_heads * M->hd), ss = wide / 32;
+    float *x = work;
+    int8_t *xq = (int8_t *)(x + (size_t)m * dim);
+    float *dx = x + (size_t)m * dim + (size_t)m * wide / 4, *sx = dx + (size_t)m * ss;
+    for (int t = 0; t < m; t++) {
+        rms_norm(h + (size_t)t * dim, norm_w, dim, M->eps, x + (size_t)t * dim);
+        quantize_row(x + (size_t)t * dim, dim, xq + (size_t)t * wide, dx + (size_t)t * ss, sx + (size_t)t * ss);
+    }
+    matmul(head, m, xq, wide, dx, sx, ss, logits, head->rows);
+    for (int t = 0; t < m; t++) {
+        const float *lg = logits + (size_t)t * head->rows;
+        int b = 0;
+        for (int i = 1; i < head->rows; i++)
+            if (lg[i] > lg[b]) b = i;
+        best[t] = b;
+    }
 }
