@@ -1,17 +1,23 @@
-"""Aggregate decode tok/s of `launcher.py --serve`'s server with 1 and 4 concurrent streams, max_seqs 1 vs 4.
+"""Aggregate decode tok/s of `launcher.py --serve`'s server with concurrent streams, beside llama.cpp's
+`llama-batched-bench` on the same GGUF file with as many threads as the stages have, in the same run.
 
 Each arm starts the server (uvicorn in a thread, PipelineEngine over the rig's stages) on a loopback port, sends one
 warm-up request, then `--streams` chat requests at once through the real openai client (httpx without it), greedy,
 `--tokens` each. Printed per arm: completion tokens over the wall time from the first request to the last answer
-(the prompts are short: that time is nearly all decode), and the driver's most sequences in flight (max_seqs > 1).
+(the prompts are short: that time is nearly all decode), the driver's most sequences in flight and in one decode
+batch. The peer's row: its B x TG generated tokens over its whole time (prompts, then decode: as ours), and its
+decode-only rate (S_TG), with -npp the prompts' mean length here.
 
-    python bench/serve_concurrency.py                       # SmolLM2 on 2 CPU stages of one thread each
-    python bench/serve_concurrency.py --tokens 128 --threads 2
+    python bench/serve_concurrency.py --streams 1,4,16 --max-seqs 16   # SmolLM2 on 2 CPU stages, 1 thread each
+    python bench/serve_concurrency.py --tokens 128 --threads 2 --peer ''   # no peer
 """
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -27,8 +33,8 @@ QUESTIONS = ["Tell me a long story about a dragon.", "Explain how a steam engine
              "Write a poem about the sea.", "Describe the city of Paris in detail."]
 
 
-def ask(url: str, question: str, tokens: int) -> int:
-    """One chat request; -> completion tokens."""
+def ask(url: str, question: str, tokens: int, prompt_tokens: list | None = None) -> int:
+    """One chat request; -> completion tokens (its prompt's tokens appended to prompt_tokens)."""
     try:
         import openai
     except ImportError:
@@ -36,16 +42,20 @@ def ask(url: str, question: str, tokens: int) -> int:
         r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
             "messages": [{"role": "user", "content": question}], "max_tokens": tokens, "temperature": 0})
         r.raise_for_status()
+        if prompt_tokens is not None:
+            prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
         return r.json()["usage"]["completion_tokens"]
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
                                        max_tokens=tokens, temperature=0)
+    if prompt_tokens is not None:
+        prompt_tokens.append(r.usage.prompt_tokens)
     return r.usage.completion_tokens
 
 
-def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path) -> list[tuple]:
+def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, prompt_tokens: list) -> list[tuple]:
     eng = PipelineEngine({**rig, "max_seqs": max_seqs}, out=out / f"seqs{max_seqs}")
-    uv, _ = make_uvicorn(eng, log_level="warning", queue_size=16)
+    uv, _ = make_uvicorn(eng, log_level="warning", queue_size=max(16, max(streams)))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -60,14 +70,15 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path) ->
             counts = [0] * n
             t0 = time.perf_counter()
             threads = [threading.Thread(target=lambda i=i: counts.__setitem__(
-                i, ask(url, QUESTIONS[i % len(QUESTIONS)], tokens))) for i in range(n)]
+                i, ask(url, QUESTIONS[i % len(QUESTIONS)], tokens, prompt_tokens))) for i in range(n)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             wall = time.perf_counter() - t0
             st = eng.slot_stats()
-            rows.append((max_seqs, n, sum(counts), wall, st.most_in_flight if st else 1))
+            rows.append((max_seqs, n, sum(counts), wall, st.most_in_flight if st else 1,
+                         st.most_in_batch if st else 1))
     finally:
         uv.should_exit = True
         server.join(120)
@@ -83,22 +94,35 @@ def main() -> int:
     ap.add_argument("--streams", default="1,4", help="concurrent requests of each measurement, comma-separated")
     ap.add_argument("--max-seqs", default="1,4", help="the arms' max_seqs, comma-separated")
     ap.add_argument("--max-context", type=int, default=1024)
+    default_peer = Path(__file__).resolve().parents[1] / ".peer" / "cpu" / "bin" / "llama-batched-bench"
+    ap.add_argument("--peer", default=str(default_peer) if default_peer.exists() else "",
+                    help="llama-batched-bench built for this CPU ('' for none; ../shared/tools/llamacpp-peer.sh cpu)")
     a = ap.parse_args()
     rig = dict(model=a.model, stages=[{"device": "cpu", "threads": a.threads}] * a.stages,
                max_context=a.max_context, progress=False)
     streams = [int(x) for x in a.streams.split(",")]
-    rows = []
+    rows, prompt_tokens = [], []
     with tempfile.TemporaryDirectory(prefix="serve-concurrency-") as tmp:
         for m in [int(x) for x in a.max_seqs.split(",")]:
-            rows += arm(rig, m, streams, a.tokens, Path(tmp))
-    print(f"\n{a.model}, {a.stages} CPU stages x {a.threads} thread(s), {a.tokens} tokens a request, greedy")
-    print(f"{'max_seqs':>8} {'streams':>7} {'tokens':>7} {'wall s':>8} {'agg tok/s':>10} {'most in flight':>15}")
-    base = {}
-    for m, n, toks, wall, most in rows:
+            rows += arm(rig, m, streams, a.tokens, Path(tmp), prompt_tokens)
+    theirs = {}
+    if a.peer:
+        from strata.checkpoint import resolve
+        kind, path = resolve(a.model)
+        if kind != "gguf":
+            raise SystemExit(f"--peer needs a GGUF model (got {kind})")
+        npp = round(sum(prompt_tokens) / max(1, len(prompt_tokens)))
+        theirs = {b: (e2e, tg) for b, e2e, tg in peer(a.peer, path,
+                                                       a.stages * a.threads, npp, a.tokens, streams)}
+    print(f"\n{a.model}, {a.stages} CPU stages x {a.threads} thread(s), {a.tokens} tokens a request, greedy; "
+          f"{os.cpu_count()} cores")
+    print(f"{'max_seqs':>8} {'streams':>7} {'tokens':>7} {'wall s':>8} {'agg tok/s':>10} {'in flight':>9} "
+          f"{'in batch':>8} {'llama.cpp':>10} {'its S_TG':>9} {'ratio':>6}")
+    for m, n, toks, wall, most, batch in rows:
         rate = toks / wall if wall > 0 else 0.0
-        base.setdefault(n, rate)
-        print(f"{m:>8} {n:>7} {toks:>7} {wall:>8.2f} {rate:>10.2f} {most:>15}   x{rate / base[n]:.2f} vs max_seqs "
-              f"{rows[0][0]}")
+        e2e, tg = theirs.get(n, (float("nan"), float("nan")))
+        print(f"{m:>8} {n:>7} {toks:>7} {wall:>8.2f} {rate:>10.2f} {most:>9} {batch:>8} {e2e:>10.2f} {tg:>9.2f} "
+              f"{rate / e2e if e2e == e2e else float('nan'):>5.2f}x")
     return 0
 
 

@@ -16,7 +16,7 @@ checked field by field before anything is built from it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar, get_type_hints
 
 import msgpack
@@ -62,6 +62,8 @@ class Chunk(Message):
     tokens: int      # the prompt's length (prefill: the last stage's perplexity targets end there)
     score: int       # prefill: -1, or the last stage scores each target and sends its `score` likeliest tokens
     slot: int = 0    # the sequence's KV slot on every stage (0..max_seqs-1); its ids at slot x (max_len + 1)
+    seqs: list = field(default_factory=list)  # a decode batch of n sequences' steps: [slot, pos] of each row,
+                                              # flat (pos and slot above unused); empty: rows [pos, pos + n) of slot
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -82,6 +84,8 @@ class ChunkResult(Message):
     argmax: int
     scores: bytes    # a scored chunk (Chunk.score >= 0): its targets' log-probabilities (float32), then the top
                      # tokens' ids (int32) and log-probabilities (float32), `score` a target; else empty
+    argmaxes: list = field(default_factory=list)  # a decode batch: each row's argmax (its logits row t at
+                                                  # t x vocab of the result buffer); else empty
 
 
 @_message("working")  # stage -> head: started work on chunk k (progress display)
@@ -264,6 +268,15 @@ def validate(msg) -> dict:
         raise BadMessage(f"{t}: negative chunk index {msg['k']}")
     if t == "chunk" and msg["slot"] < 0:
         raise BadMessage(f"chunk: negative slot {msg['slot']}")
+    if t == "chunk" and msg["seqs"]:
+        sq = msg["seqs"]
+        if not (msg["phase"] == "decode" and len(sq) == 2 * msg["n"]
+                and all(type(v) is int and 0 <= v <= _INT_MAX for v in sq)):
+            raise BadMessage(f"chunk: a decode batch names [slot, pos] of each of its {msg['n']} rows")
+        if len(set(sq[0::2])) != msg["n"]:
+            raise BadMessage("chunk: a decode batch steps a sequence once")
+    if t == "result" and not all(type(v) is int and 0 <= v <= _INT_MAX for v in msg["argmaxes"]):
+        raise BadMessage("result: argmaxes must be token ids")
     if t == "chunk" and not 0 < msg["tokens"]:
         raise BadMessage(f"chunk: prompt length {msg['tokens']}")
     if t == "chunk" and not -1 <= msg["score"] <= MAX_SCORED_TOP:

@@ -176,7 +176,8 @@ class Pipeline:
         self._wire.handlers = {M.Ready: self._on_ready, M.Bound: self._on_bound, M.Working: self._on_working,
                                M.ChunkResult: self._on_result, M.Stats: self._on_stats, M.Fail: self._on_fail,
                                M.Rejected: self._on_rejected, M.KvDone: self._on_kv_done}
-        self._result_row = self._result_buffer(remote[-1])
+        self._result_rows = self._result_buffer(remote[-1])  # (max_seqs or 1, vocab)
+        self._result_row = self._result_rows[0]
         for sp in self.plan.stages:
             self.stages[sp.index].pid = self._launch(sp, self._spec(sp))
         self.started = True
@@ -190,13 +191,13 @@ class Pipeline:
             seg.unlink()
 
     def _result_buffer(self, remote_last: bool) -> torch.Tensor:
-        """The last stage's logits row: a shared segment, or (a remote last stage) a buffer its rows land in."""
+        """The last stage's logits rows: a shared segment, or (a remote last stage) a buffer its row lands in."""
         if not remote_last:
             return self._buffers.result
         from .transport import TcpLink
         link = TcpLink(torch.float32, (self.plan.args.vocab_size,))
         self._wire.land_result = lambda frame: link.land(link.buf.numel(), frame)
-        return link.buf
+        return link.buf.view(1, -1)
 
     def _spec(self, sp) -> M.StageJob:
         """What stage sp needs to build and serve its slice (validated again by a remote stage on arrival)."""
@@ -345,9 +346,9 @@ class Pipeline:
             raise M.BadMessage(f"result: chunk {k} is not in flight")
         if data is not None:
             self._wire.land_result(data)
-        if k in self._want_rows:  # several sequences: the row is copied before "taken" lets the next one in
+        if k in self._want_rows:  # several sequences: the rows are copied before "taken" lets the next ones in
             self._want_rows.discard(k)
-            self._rows[k] = self._result_row.clone()
+            self._rows[k] = (self._result_rows[:len(msg.argmaxes)] if msg.argmaxes else self._result_row).clone()
         self._results[k] = msg
         # a decode step's result is read before the next token goes down: nothing to free (but with max_seqs > 1 the
         # stages reap every step, one sequence's too)
@@ -503,8 +504,21 @@ class Pipeline:
             self._startup_done()
         return k
 
+    def send_batch(self, seqs: list[tuple[int, int]], t0: float, rows: bool) -> int:
+        """One decode step of each sequence (slot, pos) as one micro-batch (its tokens already at pos of each
+        slot's ids: put_slot_token); rows: keep its logits rows (a sampled token). -> its chunk index."""
+        k = self._sent
+        if rows:
+            self._want_rows.add(k)
+        top = max(pos for _, pos in seqs) + 1
+        self._wire.send(0, M.Chunk(k=k, pos=0, n=len(seqs), phase="decode", t0=t0, tokens=top, score=-1,
+                                   seqs=[v for sp in seqs for v in sp]))
+        self._sent += 1
+        return k
+
     def take_results(self, timeout_ms: int) -> list[tuple[int, M.ChunkResult, torch.Tensor | None]]:
-        """What the last stage finished within timeout_ms: (chunk, result, its logits row or None), in order.
+        """What the last stage finished within timeout_ms: (chunk, result, its logits row or None), in order; a
+        decode batch's result has its argmaxes, and its logits rows (m, vocab).
         A dead stage or a typed failure raises PipelineError."""
         self._receive(timeout_ms)
         done = sorted(self._results)

@@ -1,15 +1,18 @@
 """The head's scheduler for several sequences in the pipeline at once (the rig's max_seqs > 1).
 
 Each admitted sequence holds one KV slot on every stage. One thread (`SlotDriver`) owns the Pipeline and keeps
-up to n_stages + 1 micro-batches in flight: a sequence's prefill chunks, or its next decode step (one at a time:
-a step needs the token before it). It sends round-robin, one micro-batch per sequence per turn, so a long
-prompt's chunks take turns with the others' steps instead of holding them up for its whole prefill, and while
-stage 1 computes sequence A's step, stage 0 computes sequence B's. A stage takes its chunks in arrival order;
-each chunk and step says "taken" when it has left a hand-off buffer, as a prefill chunk always has (at most one
-chunk in flight below a stage, seed-761).
+up to n_stages + 1 micro-batches in flight: a sequence's prefill chunk, or a decode batch, the next step of
+several sequences at once (each sequence has at most one step in flight: a step needs the token before it).
+The decoding sequences are spread over n_stages batches of about equal size, so that while stage 1 computes one
+batch stage 0 computes the next, and each stage reads its weights once for a whole batch. Prefill chunks go
+round-robin between the batches, one sequence's chunk a turn, so a long prompt's chunks take turns with the
+others' steps instead of holding them up for its whole prefill. A stage takes its micro-batches in arrival
+order; each says "taken" when it has left a hand-off buffer, as a prefill chunk always has (at most one chunk
+in flight below a stage, seed-761).
 
-Exactness: a sequence is prefilled in the chunks of its cold schedule and decoded one token a step through the
-same stage code as a single sequence, in its own slot, so its tokens do not depend on what else runs.
+Exactness: a sequence is prefilled in the chunks of its cold schedule and decoded one token a step, in its own
+slot, and a batch gives each row the bits of its step alone (Transformer.decode_seqs), so a sequence's tokens do
+not depend on what else runs.
 
 Callers (the server's worker threads) block in `generate`; `on_token` runs on the driver's thread. A failure of the
 pipeline fails every admitted and waiting sequence with the same PipelineError; the driver then stops.
@@ -45,6 +48,7 @@ class SlotRun:
     in_flight: int = 0                  # its chunks or step in the pipeline now
     last_k: int = -1                    # its last prefill chunk's index (its result holds the first token's logits)
     pending: int | None = None          # a token whose decode step is still to be sent
+    ready_at: int = 0                   # when `pending` was set (the driver's result count): oldest steps go first
     out: list = field(default_factory=list)
     finish: str = "length"
     limit: int = 0
@@ -61,7 +65,9 @@ class SlotStats:
     """What the driver did since it started (tests read it: overlap is a matter of structure, not of time)."""
     sequences: int = 0                  # admitted
     chunks: int = 0                     # prefill chunks sent
-    steps: int = 0                      # decode steps sent
+    steps: int = 0                      # decode steps sent (a batch of m sequences: m)
+    batches: int = 0                    # decode batches sent
+    most_in_batch: int = 0              # the most steps in one batch
     most_in_flight: int = 0             # the most sequences with something in the pipeline at one time
     overlapped_sends: int = 0           # sends made while another sequence had something in the pipeline
     prefill_interleaved: int = 0        # decode steps sent while another sequence's prefill was not done
@@ -73,6 +79,10 @@ class SlotDriver:
     def __init__(self, pipe, max_seqs: int):
         self.pipe, self.max_seqs = pipe, max_seqs
         self.window = len(pipe.stages) + 1  # micro-batches in flight: enough to keep stage 0 busy
+        self.groups = len(pipe.stages)      # decode batches the decoding sequences are spread over
+        self.batch_cap = min(max_seqs, pipe.plan.max_chunk)  # rows a hand-off buffer holds
+        self._batches = 0                   # decode batches in flight
+        self._results = 0                   # results taken (the clock of `ready_at`)
         self.eos = pipe.plan.args.eos_id
         self.stats = SlotStats()
         self.failure: PipelineError | None = None
@@ -81,7 +91,7 @@ class SlotDriver:
         self._stopping = False
         self._running: list[SlotRun] = []           # admitted, in slot order of admission (the round-robin)
         self._free = list(range(max_seqs - 1, -1, -1))
-        self._by_k: dict[int, SlotRun] = {}
+        self._by_k: dict[int, list[SlotRun]] = {}  # a micro-batch's sequences (a batch's in row order)
         self._turn = 0
         self._t0: float | None = None               # the busy period's phase clock (None: idle)
         self._progress_at = time.monotonic()        # the last result (or the last moment nothing was in flight)
@@ -169,6 +179,7 @@ class SlotDriver:
         if self._t0 is None:
             self._t0 = self.pipe.begin_slots()
             self._by_k.clear()
+            self._batches = 0
         run.slot = self._free.pop()
         n = run.ids.size
         run.schedule = list(self.pipe.plan.schedule_for(0, n))  # a cold prefill's own chunks: its bits
@@ -179,57 +190,88 @@ class SlotDriver:
         self.stats.sequences += 1
 
     def _send(self) -> None:
-        """Round-robin, one micro-batch per sequence per turn, while the window has room."""
+        """Decode batches and prefill chunks by turns while the window has room."""
         while self.pipe.in_flight < self.window and self._running:
-            sent = False
-            m = len(self._running)
-            for j in range(m):
-                if self.pipe.in_flight >= self.window:
-                    break
-                run = self._running[(self._turn + j) % m]
-                if self._send_one(run):
-                    sent = True
-            self._turn += 1
+            sent = self._send_batch()
+            if self.pipe.in_flight < self.window and self._send_chunk():
+                sent = True
             if not sent:
                 return
 
-    def _send_one(self, run: SlotRun) -> bool:
-        others = any(r.in_flight for r in self._running if r is not run)
-        if run.sent_chunks < len(run.schedule):
-            pos, n = run.schedule[run.sent_chunks]
-            last = run.sent_chunks == len(run.schedule) - 1
-            k = self.pipe.send_slot(run.slot, pos, n, "prefill", run.ids.size, self._t0,
-                                    row=last and not run.params.greedy)
-            run.sent_chunks += 1
-            if last:
-                run.last_k = k
-            self.stats.chunks += 1
-        elif run.pending is not None and not run.in_flight:
+    def _send_batch(self) -> bool:
+        """The oldest ready steps as one batch, about 1/groups of the decoding sequences: sent when that many are
+        ready, or when no batch is in flight (nothing else would come back to fill it)."""
+        ready = sorted((r for r in self._running if r.pending is not None and not r.in_flight),
+                       key=lambda r: r.ready_at)
+        if not ready:
+            return False
+        decoding = sum(1 for r in self._running if r.t_first is not None)
+        size = min(self.batch_cap, -(-decoding // self.groups))
+        if len(ready) < size and self._batches:
+            return False
+        batch = ready[:size]
+        others = any(r.in_flight for r in self._running)
+        seqs = []
+        for run in batch:
             pos = run.ids.size + len(run.out) - 1  # the pending token is out[-1]
             self.pipe.put_slot_token(run.slot, pos, run.pending)
-            k = self.pipe.send_slot(run.slot, pos, 1, "decode", pos + 1, self._t0, row=not run.params.greedy)
+            seqs.append((run.slot, pos))
             run.pending = None
-            self.stats.steps += 1
-            if any(r.sent_chunks < len(r.schedule) or r.last_k >= 0 and r.t_first is None
-                   for r in self._running if r is not run):
-                self.stats.prefill_interleaved += 1
-        else:
+            run.in_flight += 1
+        k = self.pipe.send_batch(seqs, self._t0, rows=any(not r.params.greedy for r in batch))
+        self._by_k[k] = batch
+        self._batches += 1
+        st = self.stats
+        st.steps += len(batch)
+        st.batches += 1
+        st.most_in_batch = max(st.most_in_batch, len(batch))
+        if any(r.sent_chunks < len(r.schedule) or r.last_k >= 0 and r.t_first is None for r in self._running):
+            st.prefill_interleaved += 1
+        self._sent_one(others)
+        return True
+
+    def _send_chunk(self) -> bool:
+        """The next prefill chunk of the sequences still prefilling, one sequence a turn."""
+        filling = [r for r in self._running if r.sent_chunks < len(r.schedule)]
+        if not filling:
             return False
-        self._by_k[k] = run
+        run = filling[self._turn % len(filling)]
+        self._turn += 1
+        others = any(r.in_flight for r in self._running if r is not run)
+        pos, n = run.schedule[run.sent_chunks]
+        last = run.sent_chunks == len(run.schedule) - 1
+        k = self.pipe.send_slot(run.slot, pos, n, "prefill", run.ids.size, self._t0,
+                                row=last and not run.params.greedy)
+        run.sent_chunks += 1
+        if last:
+            run.last_k = k
+        self.stats.chunks += 1
+        self._by_k[k] = [run]
         run.in_flight += 1
+        self._sent_one(others)
+        return True
+
+    def _sent_one(self, others: bool) -> None:
         if others:
             self.stats.overlapped_sends += 1
         self.stats.most_in_flight = max(self.stats.most_in_flight, sum(1 for r in self._running if r.in_flight))
-        return True
 
-    def _on_result(self, k: int, res, row) -> None:
-        run = self._by_k.pop(k)
+    def _on_result(self, k: int, res, rows) -> None:
+        runs = self._by_k.pop(k)
+        self._results += 1
+        if res.argmaxes:  # a decode batch: row t is runs[t]'s
+            self._batches -= 1
+            for t, run in enumerate(runs):
+                run.in_flight -= 1
+                self._advance(run, res.argmaxes[t], None if rows is None else rows[t])
+            return
+        run = runs[0]
         run.in_flight -= 1
         if run.t_first is None and k != run.last_k:
             return  # a prefill chunk before the last
         if run.t_first is None:
             run.t_first = time.perf_counter()
-        self._advance(run, res.argmax, row)
+        self._advance(run, res.argmax, rows)
 
     def _advance(self, run: SlotRun, argmax: int, logits) -> None:
         """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it."""
@@ -248,7 +290,7 @@ class SlotDriver:
             return self._finish(run, "stop")
         if len(run.out) == run.limit:
             return self._finish(run, "length")
-        run.pending = tok
+        run.pending, run.ready_at = tok, self._results
 
     def _finish(self, run: SlotRun, why: str) -> None:
         run.finish, run.t_end = why, time.perf_counter()

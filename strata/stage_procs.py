@@ -109,7 +109,7 @@ class Buffers:
         from . import shm
         shm.sweep_dead()
         seqs = plan.cfg.max_seqs  # a sequence's ids at slot x (max_len + 1)
-        sizes = {"ids": _page(seqs * (plan.max_len + 1) * 4), "result": _page(plan.args.vocab_size * 4)}
+        sizes = {"ids": _page(seqs * (plan.max_len + 1) * 4), "result": _page(seqs * plan.args.vocab_size * 4)}
         if remote[-1]:
             del sizes["result"]  # the last stage's logits come over tcp
         from . import bells
@@ -129,7 +129,8 @@ class Buffers:
             res.segments.append(seg)
             self.names[what] = (seg.name, nbytes)
         self.ids = res.segments[0].tensor(torch.int32, (seqs * (plan.max_len + 1),))
-        self.result = None if remote[-1] else res.segments[1].tensor(torch.float32, (plan.args.vocab_size,))
+        # logits rows: a chunk's last row in row 0; a decode batch's row t in row t (max_seqs rows)
+        self.result = None if remote[-1] else res.segments[1].tensor(torch.float32, (seqs, plan.args.vocab_size))
         self.bells = None
         if "bells" in sizes:
             seg = res.segments[list(sizes).index("bells")]

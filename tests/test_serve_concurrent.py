@@ -61,7 +61,8 @@ def slotted(tmp_path_factory):
 
 def test_concurrent_greedy_equals_alone_and_steps_overlap(slotted):
     """4 requests at once (one streamed, one with a 4-chunk prompt) give each the ids it gets alone, while the
-    driver had two or more sequences in the pipeline at once and sent decode steps between a prefill's chunks."""
+    driver had two or more sequences in the pipeline at once, sent decode steps between a prefill's chunks, and
+    stepped several sequences in one decode batch."""
     s, eng = slotted
     got = _recording(eng)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -90,6 +91,7 @@ def test_concurrent_greedy_equals_alone_and_steps_overlap(slotted):
     assert st.most_in_flight >= 2, st          # two sequences' micro-batches in the pipeline at once
     assert st.overlapped_sends > 0, st
     assert st.prefill_interleaved > before[1], st  # decode steps went in between the long prompt's chunks
+    assert st.most_in_batch >= 2 and st.batches < st.steps, st  # several sequences' steps in one micro-batch
 
 
 def test_a_client_that_disconnects_frees_its_slot(slotted):

@@ -48,7 +48,7 @@ class StageBuffers:
                            else ShmLink(attach(f"b{i - 1}").tensor(dtype, (cmax, dim))))
         if last:
             self.outlink = (TcpLink(torch.float32, (args.vocab_size,), pin=pin) if tcp_out
-                            else ShmLink(attach("result").tensor(torch.float32, (args.vocab_size,))))
+                            else ShmLink(attach("result").tensor(torch.float32, (spec.max_seqs * args.vocab_size,))))
         else:
             self.outlink = (TcpLink(dtype, (cmax, dim), pin=pin) if tcp_out
                             else ShmLink(attach(f"b{i}").tensor(dtype, (cmax, dim))))

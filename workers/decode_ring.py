@@ -105,6 +105,45 @@ class DecodeRing:
         if slotted:  # reaped before the next hand-off, as a prefill chunk is
             self.inflight.append(k)
 
+    def decode_batch(self, msg: M.Chunk) -> None:
+        """Several sequences' decode steps as one micro-batch (max_seqs > 1, strata/slots.py): row t is the token
+        of the sequence in slot seqs[2t] at position seqs[2t + 1], read from and written to that slot's KV
+        (Transformer.decode_seqs: each row the bits of its step alone). Like a slotted step it says "taken"
+        upstream once its rows have left the buffer, and is reaped before the next hand-off. The last stage puts
+        row t's logits in row t of the result buffer and every row's argmax in its note."""
+        k, m = msg.k, msg.n
+        slots, positions = msg.seqs[0::2], msg.seqs[1::2]
+        self.current_chunk = k
+        cuda = self.device.type == "cuda"
+        t_in = time.perf_counter()
+        if self.first:
+            x = torch.stack([self.slot_ids(s)[p] for s, p in zip(slots, positions)]).to(self.device, dtype=torch.long)
+        else:
+            x = self.inlink.get(m).to(self.device, copy=True).view(m, self.args.dim)
+            if cuda:
+                torch.cuda.current_stream(self.device).synchronize()  # the copy has left the buffer
+            self.send(self.to_up, M.Taken(k=k))
+        work_start = time.perf_counter()
+        self.copy_s += work_start - t_in
+        self.faults.at_chunk(k, msg.phase)
+        h, logits, am = self.model.decode_seqs(x, slots, positions)
+        self._reap()
+        self.outlink.fill(logits.reshape(-1) if self.last else h)
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        work_end = time.perf_counter()
+        self.work_s += work_end - work_start
+        if self.last:
+            self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=-1, scores=b"",
+                                            argmaxes=[int(a) for a in am.tolist()]))
+        else:
+            self.outlink.send(M.Chunk(k=k, pos=msg.pos, n=m, phase=msg.phase, t0=msg.t0, tokens=msg.tokens,
+                                      score=-1, seqs=msg.seqs))
+        self.copy_s += time.perf_counter() - work_end
+        self.last_handoff = time.perf_counter()
+        self.inflight.append(k)
+        self.nchunks += 1
+
     def _copy_out(self, out, am) -> None:
         """Queue the step's output into the hand-off buffer below (and the argmax into page-locked memory)."""
         cuda = self.device.type == "cuda"

@@ -227,6 +227,9 @@ class Stage(DecodeRing):
             raise M.BadMessage(f"chunk: rows [{pos}, {pos + n}) of a {msg.tokens}-token prompt do not fit the buffers")
         if msg.slot >= self.max_seqs:
             raise M.BadMessage(f"chunk: slot {msg.slot} of {self.max_seqs}")
+        if msg.seqs and not (n <= self.max_seqs and all(s < self.max_seqs for s in msg.seqs[0::2])
+                             and all(p < self.spec.max_len for p in msg.seqs[1::2])):
+            raise M.BadMessage(f"chunk: a decode batch outside the {self.max_seqs} slots of {self.spec.max_len} positions")
         if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
             if data is None:
                 raise M.BadMessage("chunk: no rows with the note (across hosts they travel together)")
@@ -278,6 +281,8 @@ class Stage(DecodeRing):
     # -- the chunk path ---------------------------------------------------------------------------
     def run_chunk(self, msg: M.Chunk) -> None:
         self.kv.before_write()  # a snapshot's copies out of the live cache go first (CUDA: on the device)
+        if msg.seqs:
+            return self.decode_batch(msg)
         self.model.set_prompt_length(msg.tokens)  # (dynamic NTK rope's length: the prompt's, or a decode step's p + 1)
         self.model.use_slot(msg.slot)  # the sequence's own KV (max_seqs > 1)
         if msg.phase == "decode":
