@@ -289,6 +289,10 @@ class Job:
     loop: asyncio.AbstractEventLoop
     echo: bool = False
     top: int | None = None  # logprobs asked: the alternatives per token (0..MAX_LOGPROBS); None: no logprobs
+    # completions: an answer that ended at the end-of-sequence token has that token as its last logprobs entry
+    # (its text not in the answer's), as OpenAI's and vLLM's completions do. A harness's loglikelihood relies on
+    # it: lm-eval sends the text with echo and max_tokens 1 and drops the last entry, the generated token's.
+    eos_logprob: bool = False
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -431,6 +435,7 @@ class Worker:
         """One choice: generate, then score what was asked; False when it failed (the error is sent)."""
         try:
             job.emit(("start", seq.index, _detokenized(self.engine, seq.ids) if job.echo else ""))
+            eos = None  # the end-of-sequence token that ended the answer, when it is to be scored
             if job.echo and job.top is not None and seq.params.max_tokens == 0:
                 # scoring only (e.g. a harness's loglikelihood): no prefill that the scoring would repeat
                 made, text, finish = [], "", "length"
@@ -438,10 +443,12 @@ class Worker:
                                         prefill_s=0.0, decode_s=0.0, finish_reason="length")
                 first = None
             else:
-                made, text, stats, finish, first = self._generate(job, seq)
+                made, text, stats, finish, first, at_eos = self._generate(job, seq)
+                if at_eos and job.eos_logprob:
+                    eos = _eos_id(self.engine)
             logprobs = None
             if job.top is not None:
-                logprobs = self._logprobs(job, seq, made, text, scored)
+                logprobs = self._logprobs(job, seq, made, text, scored, eos)
         except ValueError as e:  # the engine refused the prompt (ids out of range, too long): nothing ran
             job.emit(("error", _bad(str(e), param="prompt")))
             return False
@@ -463,8 +470,9 @@ class Worker:
         job.emit(("done", seq.index, stats, finish, logprobs))
         return True
 
-    def _generate(self, job: Job, seq: Seq) -> tuple[list[int], str, GenerationStats, str, float | None]:
-        """(generated ids, their text as sent (cut at a stop string), stats, finish_reason, time to first token)."""
+    def _generate(self, job: Job, seq: Seq) -> tuple[list[int], str, GenerationStats, str, float | None, bool]:
+        """(generated ids, their text as sent (cut at a stop string), stats, finish_reason, time to first token,
+        whether the engine's end-of-sequence token ended it)."""
         detok = Detokenizer(self.engine.detokenize, context=seq.ids)
         stop = StopMatcher(seq.params.stop)
         first: list[float] = []
@@ -489,14 +497,17 @@ class Worker:
         t0 = time.perf_counter()
         stats = self.engine.generate(seq.ids, seq.params, on_token)
         emit(stop.feed(detok.flush()) + stop.flush())
+        # the engine stops by itself ("stop") at its EOS token, else when on_token said so: a stop string, a cancel
+        at_eos = stats.finish_reason == "stop" and not stop.stopped and not job.cancelled.is_set()
         return made, "".join(sent), stats, "stop" if stop.stopped else stats.finish_reason, \
-            first[0] if first else None
+            first[0] if first else None, at_eos
 
-    def _logprobs(self, job: Job, seq: Seq, made: list[int], text: str, scored: dict) -> dict:
-        """The prompt's token scores (with echo) and the generated tokens' (those whose text was sent)."""
+    def _logprobs(self, job: Job, seq: Seq, made: list[int], text: str, scored: dict, eos: int | None = None) -> dict:
+        """The prompt's token scores (with echo) and the generated tokens' (those whose text was sent), then the
+        end-of-sequence token `eos` that ended the answer, when given."""
         want_prompt = job.echo and seq.prompt not in scored
         start = 1 if want_prompt else len(seq.ids)
-        full = seq.ids + made
+        full = seq.ids + made + ([eos] if eos is not None else [])
         scores = score_tokens(self.engine, full, start, job.top) if start < len(full) else []
         if want_prompt:
             pieces = _pieces(self.engine.detokenize, seq.ids)
@@ -510,6 +521,8 @@ class Worker:
                 break
             kept.append(dataclasses.replace(s, text=piece))
             offset += len(piece)
+        if eos is not None and len(kept) == len(made):  # the answer ended at it (and nothing was cut)
+            kept.append(dataclasses.replace(completion[len(made)], text=self.engine.detokenize([eos])))
         return {"prompt": scored[seq.prompt] if job.echo else None, "completion": kept}
 
     def _restart(self) -> None:
@@ -543,6 +556,17 @@ def default_max_body(max_context: int) -> int:
 def _vocab_size(engine: Engine) -> int | None:
     """The engine's vocabulary size, where it tells (token-id prompts are checked against it)."""
     for path in (("vocab_size",), ("args", "vocab_size"), ("pipe", "plan", "args", "vocab_size")):
+        v = engine
+        for name in path:
+            v = getattr(v, name, None)
+        if _is_id(v):
+            return v
+    return None
+
+
+def _eos_id(engine: Engine) -> int | None:
+    """The engine's end-of-sequence token id, where it tells."""
+    for path in (("eos_id",), ("args", "eos_id"), ("pipe", "plan", "args", "eos_id")):
         v = engine
         for name in path:
             v = getattr(v, name, None)
@@ -881,7 +905,7 @@ class Server:
                 seed = params.seed if params.seed is None or n == 1 else (params.seed + j) % (MAX_SEED + 1)
                 seqs.append(Seq(index=p * n + j, prompt=p, ids=list(ids), params=dataclasses.replace(
                     params, seed=seed, max_tokens=room if max_tokens is None else min(max_tokens, room))))
-        job = Job(seqs, asyncio.get_running_loop(), echo=echo, top=top)
+        job = Job(seqs, asyncio.get_running_loop(), echo=echo, top=top, eos_logprob=not chat)
         self.worker.submit(job)  # 429 / 503 from here
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, name = int(time.time()), self.engine.model_name

@@ -37,6 +37,7 @@ class FakeEngine:
 
     model_name = "fake-model"
     vocab_size = EOS + 1
+    eos_id = EOS
 
     def __init__(self, max_context: int = 256):
         self.max_context = max_context
@@ -408,6 +409,39 @@ def test_logprobs_without_echo_cover_the_answer_cut_at_the_stop_string(server, e
     assert ch["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-5)
     assert ch["logprobs"]["text_offset"] == list(range(6))
     assert engine.scored[-1] == (list(b"Q") + full[:8], 1)  # the answer's tokens only, not the prompt's
+
+
+def test_an_answer_ended_by_eos_has_the_eos_logprob_last(server, engine):
+    """lm-eval's loglikelihood request (echo, max_tokens 1, logprobs 1, seed) takes token_logprobs[ctxlen:-1], the
+    last entry being the generated token's: when the answer ended at EOS at once, that entry is EOS's (as OpenAI's
+    and vLLM's completions give it), not the prompt's last token's."""
+    prompt = list(b"Hello")
+    msgs = [{"role": "user", "content": "Hi"}]
+    with server.client() as c:
+        engine.eos_after = 0
+        r = c.post("/v1/completions", json={"model": "fake-model", "prompt": [prompt], "temperature": 0,
+                                            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}).json()
+        engine.eos_after = 2
+        plain = c.post("/v1/completions", json={"prompt": "Q", "logprobs": 0, "max_tokens": 5}).json()
+        chat = c.post("/v1/chat/completions", json={"messages": msgs, "logprobs": True, "max_tokens": 5}).json()
+    ch, lp = r["choices"][0], r["choices"][0]["logprobs"]
+    assert ch["text"] == "Hello" and ch["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 0
+    want, _ = _fake_scores(engine, prompt + [EOS], 1, 0)
+    assert lp["tokens"] == list("Hello") + [""]  # EOS's text (the fake detokenizes it to ""), not in `text`
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
+    assert lp["top_logprobs"][-1][""] == pytest.approx(want[-1], abs=1e-5) and lp["text_offset"][-1] == 5
+    ctxlen = 2  # the context "He", the continuation "llo": what lm-eval sums
+    assert sum(lp["token_logprobs"][ctxlen:-1]) == pytest.approx(sum(want[ctxlen - 1:-1]), abs=1e-5)
+    # without echo: the answer's tokens, then EOS
+    made = engine.continuation(list(b"Q"), 2)
+    pl = plain["choices"][0]["logprobs"]
+    assert plain["choices"][0]["text"] == bytes(made).decode() and pl["tokens"] == [chr(t) for t in made] + [""]
+    assert pl["token_logprobs"] == pytest.approx(_fake_scores(engine, list(b"Q") + made + [EOS], 1, 0)[0],
+                                                 abs=1e-5)
+    assert plain["usage"]["completion_tokens"] == 2
+    # chat's logprobs are the message's tokens only
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == list(chat["choices"][0]["message"]["content"]) and len(content) == 2
 
 
 def test_chat_logprobs_and_top_logprobs(server, engine):
