@@ -364,11 +364,13 @@ class PipelineEngine(_ModelText):
         return self.pipe.kv_load(path)
 
     def metrics_text(self) -> str:
-        """Prometheus lines for /metrics: the last prefill's busy histogram and the last decode's split."""
+        """Prometheus lines for /metrics: with max_seqs > 1 the slots and decode batches; the last prefill's busy
+        histogram and the last decode's split."""
+        lines = self._slot_metrics()
         rep = self.last_report
         if not rep:
-            return ""
-        lines = ["# HELP strata_last_prefill_busy_fraction Share of the last prefill with that many stages working.",
+            return "\n".join(lines) + "\n" if lines else ""
+        lines += ["# HELP strata_last_prefill_busy_fraction Share of the last prefill with that many stages working.",
                  "# TYPE strata_last_prefill_busy_fraction gauge"]
         lines += [f'strata_last_prefill_busy_fraction{{stages="{k}"}} {v:g}' for k, v in rep["busy"].items()]
         if rep.get("decode_overhead_ms_per_token") is not None:
@@ -376,6 +378,24 @@ class PipelineEngine(_ModelText):
                       "layers (messaging, the head).", "# TYPE strata_last_decode_overhead_ms_per_token gauge",
                       f"strata_last_decode_overhead_ms_per_token {rep['decode_overhead_ms_per_token']:g}"]
         return "\n".join(lines) + "\n"
+
+    def _slot_metrics(self) -> list[str]:
+        slots = self._slots
+        if slots is None:
+            return []
+        st = slots.stats
+
+        def metric(name, kind, help_, value):
+            return [f"# HELP strata_{name} {help_}", f"# TYPE strata_{name} {kind}", f"strata_{name} {value}"]
+        return (metric("kv_slots", "gauge", "Sequences whose KV every stage holds (the rig's max_seqs).", slots.max_seqs)
+                + metric("kv_slots_in_use", "gauge", "KV slots held by running sequences now.", slots.running)
+                + metric("slot_queue_length", "gauge", "Sequences waiting for a KV slot.", slots.waiting)
+                + metric("decode_batches_total", "counter", "Decode batches sent through the stages (this start).",
+                         st.batches)
+                + metric("decode_batch_steps_total", "counter", "Sequences' decode steps in those batches: over "
+                         "decode_batches_total, the mean batch.", st.steps)
+                + metric("decode_batch_rows_max", "gauge", "The most sequences' steps in one decode batch.",
+                         st.most_in_batch))
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix cache's figures now: the running pipeline's index, lookups and hits since the first start."""

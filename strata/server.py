@@ -108,8 +108,8 @@ class Metrics:
                          [(f'{{path="{p}",code="{c}"}}', n) for (p, c), n in reqs])
             out += metric("queue_length", "gauge", "Requests waiting for the engine.", [("", queue_length)])
             out += metric("running", "gauge", "1 while a request runs on the engine.", [("", int(running))])
-            out += metric("running_sequences", "gauge", "Sequences (choices) being generated or scored now: at most 1, "
-                          "the engine runs one sequence at a time.", [("", running_sequences)])
+            out += metric("running_sequences", "gauge", "Sequences (choices) being generated or scored now (more than 1 "
+                          "with the rig's max_seqs above 1).", [("", running_sequences)])
             out += metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
                           [("", self.prompt_tokens)])
             out += metric("completion_tokens_total", "counter", "Generated tokens.", [("", self.completion_tokens)])

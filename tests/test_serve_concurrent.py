@@ -15,7 +15,7 @@ from strata.errors import ConfigError
 
 openai = pytest.importorskip("openai")
 
-from test_server import Running, wait_until  # noqa: E402 - after the importorskip
+from test_server import Running, parse_prometheus, wait_until  # noqa: E402 - after the importorskip
 
 RIG = dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, chunk=64, max_context=320,
            progress=False, max_seqs=4)
@@ -92,6 +92,11 @@ def test_concurrent_greedy_equals_alone_and_steps_overlap(slotted):
     assert st.overlapped_sends > 0, st
     assert st.prefill_interleaved > before[1], st  # decode steps went in between the long prompt's chunks
     assert st.most_in_batch >= 2 and st.batches < st.steps, st  # several sequences' steps in one micro-batch
+    with s.client(timeout=30) as c:
+        m = parse_prometheus(c.get("/metrics").text)
+    assert m[("strata_kv_slots", "")] == 4 and m[("strata_kv_slots_in_use", "")] == 0
+    assert m[("strata_decode_batch_steps_total", "")] == st.steps and m[("strata_decode_batches_total", "")] == st.batches
+    assert m[("strata_decode_batch_rows_max", "")] == st.most_in_batch
 
 
 def test_a_client_that_disconnects_frees_its_slot(slotted):
