@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 when every
 ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/model.py); auto = the model's default
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn", "q8_0")  # the KV cache's dtype (issue 12); auto = dtype
+DECODE_BATCH = ("rows", "steps")  # max_seqs > 1: several sequences' steps multiplied as one batch, or one by one
 DECODE_WEIGHTS = ("auto", "none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
 REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.join --join {join} --key {key}"
@@ -182,6 +183,11 @@ class RigConfig:
     max_seqs: int = field(default=1, metadata={"positive": True})  # sequences whose KV each stage holds at once
                                             # (--serve: concurrent requests in the pipeline, one slot each; the
                                             # planner counts max_seqs x the KV). 1: one sequence, as before
+    decode_batch: str = field(default="rows", metadata={"choices": DECODE_BATCH})  # max_seqs > 1: rows: the
+                                            # decoding sequences' steps go through a stage as one batch of rows
+                                            # (each weight read once a batch; in C a row keeps the bits of its
+                                            # step alone, with torch's products within rounding of them); steps:
+                                            # each sequence's step alone, one after another, on a torch stage
     kernels: KernelSpec = field(default_factory=KernelSpec)  # the kernels' A/B switches (KernelSpec)
     debug: DebugSpec = field(default_factory=DebugSpec)
 

@@ -360,6 +360,7 @@ class StageJob:
     dynamic_chunks: bool       # the rig's `dynamic_chunks`: the stage warms the schedule's own chunk shapes
     depth: int
     max_seqs: int              # sequences whose KV the stage holds (slots); > 1: decode steps say "taken" too
+    decode_batch: str          # the rig's `decode_batch`: a torch stage multiplies a decode batch's rows at once
     perplexity: bool
     segments: dict             # what -> (shared segment name, bytes); empty for a remote stage
     endpoints: list            # every stage's ipc inbox; empty for a remote stage
@@ -426,9 +427,9 @@ def validate_spec(spec) -> dict:
     if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)
             and s["max_seqs"] >= 1):
         raise BadMessage("spec: tokens, max_len, max_chunk or depth out of range")
-    from .config import ATTENTION, DECODE_WEIGHTS, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
+    from .config import ATTENTION, DECODE_BATCH, DECODE_WEIGHTS, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
     for name, choices in (("dtype", DTYPES), ("attention", ATTENTION), ("weights", WEIGHTS), ("kv_dtype", KV_DTYPES),
-                          ("decode_weights", DECODE_WEIGHTS)):
+                          ("decode_weights", DECODE_WEIGHTS), ("decode_batch", DECODE_BATCH)):
         if s[name] not in choices:
             raise BadMessage(f"spec.{name}: {s[name]!r}")
     if not device_syntax_ok(s["device"]):

@@ -235,14 +235,39 @@ class Block(nn.Module):
             mm = r.products() if blocks else dense_products(r.get(), wo)
             y = a(self.attn_norm.rows(h)[None], r if blocks else r.get(), pos)[0]
             return self._mlp_rows(self._add_attn(h, y.to(h.dtype)), mm)
-        nh, nkv, hd = a.nh, a.nkv, a.hd
         a.check(pos, T)
+        mm = self._products(h, wo)
+        qk, qkv, gate = self._qkv_rows(mm, self.attn_norm.rows(h), cos, sin)
+        y = self._attend_rows(qk, qkv, pos, a.k_cache, a.v_cache, h.dtype, wo is not None)
+        return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
+
+    def decode_seqs_rows(self, h: torch.Tensor, positions: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                         caches: list[tuple[torch.Tensor, torch.Tensor]],
+                         wo: LayerWeightOnly | None = None) -> torch.Tensor:
+        """decode_rows for m sequences' steps (Transformer.decode_seqs): row t at positions[t], with its own cache
+        (kc, vc) = caches[t] and rope rows cos[t], sin[t]. The products take all the rows at once (each weight
+        read once a batch); each row's attention reads its own cache as its step alone would."""
+        a = self.attn
+        mm = self._products(h, wo)
+        qk, qkv, gate = self._qkv_rows(mm, self.attn_norm.rows(h), cos, sin)
+        ys = []
+        for t, (pos, (kc, vc)) in enumerate(zip(positions, caches)):
+            a.check(pos, 1)
+            ys.append(self._attend_rows(qk[t:t + 1], qkv[t:t + 1], pos, kc, vc, h.dtype, wo is not None))
+        y = torch.cat([r.to(ys[0].dtype) for r in ys])  # (a row's attention may take another kernel by its length)
+        return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
+
+    def _products(self, h: torch.Tensor, wo: LayerWeightOnly | None) -> Products:
         r = self.weights
         if wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device):
-            mm = r.products()  # multiply on the blocks: no per-token dequantization into the scratch
-        else:
-            mm = dense_products(r.get(), wo)
-        x = self.attn_norm.rows(h)
+            return r.products()  # multiply on the blocks: no per-token dequantization into the scratch
+        return dense_products(r.get(), wo)
+
+    def _qkv_rows(self, mm: Products, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k, v of normed rows x (T, dim): (q and k roped (T, nh + nkv, hd), qkv (T, nh + 2 nkv, hd), the
+        output gate or None)."""
+        a, T = self.attn, x.shape[0]
+        nh, nkv, hd = a.nh, a.nkv, a.hd
         qkv = mm.qkv(x)
         gate = None
         if a.gated:
@@ -253,8 +278,15 @@ class Block(nn.Module):
             qk = rope_rows(qk, cos, sin)
         else:
             qk = rope_rows(qkv[:, :nh + nkv], cos, sin)  # in h's dtype (a bfloat16 qkv is promoted)
-        kc, vc = a.k_cache, a.v_cache
-        k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + nkv:].transpose(0, 1)  # (nkv, T, hd)
+        return qk, qkv, gate
+
+    def _attend_rows(self, qk: torch.Tensor, qkv: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor,
+                     dtype: torch.dtype, weight_only: bool) -> torch.Tensor:
+        """T rows' attention at [pos, pos + T): their k and v into the cache (kc, vc), then q against what it may
+        see -> (T, nh * hd)."""
+        a, T = self.attn, qk.shape[0]
+        nh, hd = a.nh, a.hd
+        k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + a.nkv:].transpose(0, 1)  # (nkv, T, hd)
         if kc.dtype in _FP8 or kc.dtype == Q8_0:  # clamped, or quantized in blocks (to_cache)
             k_new, v_new = to_cache(k_new, kc.dtype), to_cache(v_new, vc.dtype)
         if a.window is not None or a.sinks is not None:  # a window layer's cache may be a ring
@@ -264,12 +296,13 @@ class Block(nn.Module):
             if pos + T > w or a.sinks is not None:
                 q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
                 if a.window is None:  # a global layer with sinks
-                    keys, vals = a.cached(pos + T, q.dtype)
+                    keys, vals = kc[:, :, :pos + T], vc[:, :, :pos + T]
+                    if keys.dtype != q.dtype:
+                        keys, vals = from_cache(keys, q.dtype, a.triton_state), from_cache(vals, q.dtype, a.triton_state)
                     y = sink_attention(q, keys, vals, pos, a.sinks, a.scale)
                 else:
                     y = window_attention(q, kc, vc, pos, w, a.scale, a.sinks, triton_state=a.triton_state)
-                y = y.transpose(1, 2).reshape(T, nh * hd)
-                return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
+                return y.transpose(1, 2).reshape(T, nh * hd)
         else:
             kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
             vc.narrow(2, pos, T).copy_(v_new)
@@ -277,17 +310,14 @@ class Block(nn.Module):
         if (T == 1 and keys.dtype == torch.bfloat16 != qk.dtype and keys.device.type == "cpu"
                 and pos + 1 >= BF16_ATTENTION_FROM):
             y = _bf16_cache_attention(qk[:, :nh], keys, vals, a.scale)  # the prefix is never widened
-            y = y if wo is not None else y.to(h.dtype)
-            return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
+            return y if weight_only else y.to(dtype)
         if keys.dtype != qk.dtype:
             keys, vals = from_cache(keys, qk.dtype, a.triton_state), from_cache(vals, qk.dtype, a.triton_state)
         if T == 1:
-            y = decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals, a.scale).view(1, nh * hd)
-        else:
-            q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-            y = chunk_attention(q, keys, vals, pos, a.scale, a.cuda_attention, a.fused,
-                                a.triton_state).transpose(1, 2).reshape(T, nh * hd)
-        return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
+            return decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals, a.scale).view(1, nh * hd)
+        q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
+        return chunk_attention(q, keys, vals, pos, a.scale, a.cuda_attention, a.fused,
+                               a.triton_state).transpose(1, 2).reshape(T, nh * hd)
 
     def _add_attn(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return h + (y if self.attn_post_norm is None else self.attn_post_norm.rows(y))
@@ -351,6 +381,7 @@ class Transformer(nn.Module):
         self._head_weight_only: WeightOnly | None = None
         self._blocks = None  # strata.cpu_decode.Decoder (decode_weights="blocks")
         self._slots: list[dict] = []  # per sequence: layer -> (k, v) cache (setup_cache's seqs); self.slot is in use
+        self.batch_rows = True  # decode_seqs multiplies a batch's rows at once (the rig's decode_batch: rows)
         self.slot = -1
         # bumped whenever the weights or the KV cache are replaced: what holds their addresses (the CUDA graphs of
         # strata.decode_graphs) is stale
@@ -814,6 +845,24 @@ class Transformer(nn.Module):
         logits = self.logits(h[0, -1], decode=True)
         return h, logits, logits.argmax()
 
+    def decode_batch_kind(self) -> str:
+        """How `decode_seqs` runs a batch on this slice (the stage log says it)."""
+        if self._blocks is not None and self.rope_dynamic is None:
+            return "in C, each weight block read once a batch (each row the bits of its step alone)"
+        why = self._rows_refusal()
+        if why is None:
+            return "as rows through torch's products (each row within rounding of its step alone)"
+        return f"one step after another ({why})"
+
+    def _rows_refusal(self) -> str | None:
+        if not self.batch_rows:
+            return "decode_batch: steps"
+        if self.rope_dynamic is not None:
+            return "dynamic NTK rope: each step its own frequencies"
+        if any(blk.linear for blk in self.layers.values()):
+            return "linear-attention layers"
+        return None
+
     @torch.inference_mode()
     def decode_seqs(self, x: torch.Tensor, slots: list[int],
                     positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -821,12 +870,13 @@ class Transformer(nn.Module):
         positions[t] (x: ids (m,) or residual rows (m, dim)), read from and written to that slot's KV. ->
         (residual rows (m, dim), float32 logits (m, vocab), argmaxes (m,)); the last two only with the head.
 
-        Each row's bits are those of its step alone (`decode_token` in its slot), so a sequence's tokens do not
-        depend on what else runs. The C decoder (decode_weights blocks) reads each weight block once for all the
-        rows; elsewhere the rows are stepped one after another (the same arithmetic, no batching gain yet)."""
-        m = len(slots)
+        The C decoder (decode_weights blocks) reads each weight block once for all the rows and gives each row the
+        bits of its step alone, so a sequence's tokens do not depend on what else runs. Through torch the products
+        take all the rows at once (batch_rows: the rig's decode_batch rows), each row within rounding of its step
+        alone (a product's kernel may sum in another order for another row count); else the rows are stepped one
+        after another, each exactly as alone."""
+        m, dim = len(slots), self.args.dim
         if self._blocks is not None and self.rope_dynamic is None:
-            dim = self.args.dim
             h = (self.embed(x.view(1, m)) if self.has_embed else x).reshape(m, dim).float().contiguous()
             if self.has_embed and self.args.embed_scale != 1.0:
                 h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
@@ -841,6 +891,19 @@ class Transformer(nn.Module):
                 return h, None, None
             logits, best = self._blocks.logits_rows(h)
             return h, logits, best
+        if self._rows_refusal() is None and self._slots:
+            h = (self.embed(x.view(1, m)) if self.has_embed else x).reshape(m, dim)
+            if self.has_embed and self.args.embed_scale != 1.0:
+                h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
+            rows = [self._tables(p, 1, h.dtype, True, h.device) for p in positions]  # each row's own, as alone
+            tabs = {kind: tuple(torch.cat([r[kind][j] for r in rows]) for j in (0, 1)) for kind in rows[0]}
+            for i, blk in self.layers.items():
+                h = blk.decode_seqs_rows(h, positions, *tabs[blk.attn.rope_kind], [self._slots[s][i] for s in slots],
+                                         self._weight_only.get(i))
+            if not self.has_head:
+                return h, None, None
+            logits = self.logits(h, decode=True)
+            return h, logits, logits.argmax(-1)
         hs, lgs, ams = [], [], []
         for t, (slot, pos) in enumerate(zip(slots, positions)):
             self.use_slot(slot)

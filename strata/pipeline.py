@@ -208,7 +208,7 @@ class Pipeline:
             end=sp.end, model=cfg.model, args={f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__},
             seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk,
             dynamic_chunks=cfg.dynamic_chunks, depth=cfg.depth,
-            max_seqs=cfg.max_seqs,
+            max_seqs=cfg.max_seqs, decode_batch=cfg.decode_batch,
             perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,
             log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
             dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",

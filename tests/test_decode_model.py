@@ -312,3 +312,49 @@ def test_fp8_cache_widens_by_its_bits_to_the_cast(dtype):
     got, want = from_cache(view, dtype), view.to(dtype)
     assert got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                               want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "gpt_oss"])
+def test_several_sequences_as_rows_match_each_step_alone(tmp_path, family):
+    """Transformer.decode_seqs through torch (no C decoder): three sequences in their own slots at other positions,
+    past the window where the family has one (a ring cache), as one batch of rows: each row within float32 rounding
+    of its step alone, the same argmax; with batch_rows off (decode_batch: steps) each row is its step alone exactly.
+    q/k norms, windows and their rope, sinks, experts and softcaps go through the same per-row attention."""
+    from families_fixtures import make_hf
+    from strata.checkpoint import load_stage, model_args
+    _, d = make_hf(tmp_path, family)
+    args = model_args(d)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g) for n in (40, 9, 27)]  # 40, 27: past windows
+    kw = dict(device="cpu", dtype=torch.float32, max_len=96)
+
+    def stages():
+        s0, s1 = load_stage(d, args, 0, 2, **kw), load_stage(d, args, 2, args.n_layers, **kw)
+        for s in (s0, s1):
+            s.setup_cache(96, seqs=3)
+        with torch.inference_mode():
+            for slot, ids in enumerate(prompts):
+                s0.use_slot(slot), s1.use_slot(slot)
+                s1(s0(ids, 0), 0)
+        return s0, s1
+    (b0, b1), (a0, a1), (e0, e1) = stages(), stages(), stages()
+    e0.batch_rows = e1.batch_rows = False
+    assert "torch's products" in b1.decode_batch_kind() and "decode_batch: steps" in e1.decode_batch_kind()
+    tok, pos = [5, 17, 101], [p.shape[1] for p in prompts]
+    for order in ([0, 1, 2], [2, 0], [1, 2, 0], [0, 1, 2], [2, 1, 0]):
+        x = torch.tensor([tok[s] for s in order])
+        at = [pos[s] for s in order]
+        with torch.inference_mode():
+            h, _, _ = b0.decode_seqs(x, order, at)
+            out, logits, am = b1.decode_seqs(h, order, at)
+            he, _, _ = e0.decode_seqs(x, order, at)
+            oute, logitse, ame = e1.decode_seqs(he, order, at)
+            for t, s in enumerate(order):
+                a0.use_slot(s), a1.use_slot(s)
+                h1 = a0.decode_step(torch.tensor([[tok[s]]]), pos[s])
+                o1, lg1, am1 = a1.decode_token(h1, pos[s])
+                assert torch.equal(he[t], h1.view(-1)) and torch.equal(logitse[t], lg1), (family, order, t)
+                assert torch.allclose(h[t], h1.view(-1), rtol=1e-4, atol=1e-4), (family, order, t)
+                assert torch.allclose(logits[t], lg1, rtol=1e-4, atol=1e-4), (family, order, t)
+                assert int(am[t]) == int(am1) == int(ame[t])
+                tok[s], pos[s] = int(am1), pos[s] + 1

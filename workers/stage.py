@@ -76,7 +76,9 @@ class Stage(DecodeRing):
         self.model, self.weights = load_slice(spec, self.device, self.dtype, log)
         self.kv_bytes = self.model.kv_bytes
         if spec.max_seqs > 1:  # several sequences at once (strata/slots.py): a cache each
-            log.info("KV slots: %d sequences, %s bytes each", spec.max_seqs, f"{self.kv_bytes // spec.max_seqs:,}")
+            self.model.batch_rows = spec.decode_batch == "rows"
+            log.info("KV slots: %d sequences, %s bytes each; decode batches %s", spec.max_seqs,
+                     f"{self.kv_bytes // spec.max_seqs:,}", self.model.decode_batch_kind())
         if self.device.type == "cuda":  # what the planner counted against what is held
             m, held = self.model, torch.cuda.memory_allocated(self.device)
             log.info("GPU memory at load: %s bytes allocated = weights %s + scratch %s + KV %s + other %s", f"{held:,}",
