@@ -333,7 +333,8 @@ class PipelineEngine(_ModelText):
             where = _STAGE.search(str(e))
             self._failed(driver)
             raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
-        return GenerationStats(prompt_tokens=int(arr.size), reused_tokens=0, completion_tokens=len(run.out),
+        return GenerationStats(prompt_tokens=int(arr.size), reused_tokens=run.restored,  # from the prefix cache
+                               completion_tokens=len(run.out),
                                prefill_s=(run.t_first or run.t_end) - run.t_submit,
                                decode_s=run.t_end - (run.t_first or run.t_end), finish_reason=run.finish)
 

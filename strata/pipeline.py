@@ -516,6 +516,17 @@ class Pipeline:
         self._sent += 1
         return k
 
+    def restore_slot(self, slot: int, ids: np.ndarray, cap: int) -> int:
+        """The longest prefix of ids[:cap] that the prefix cache holds, up to a chunk boundary of the prompt's cold
+        schedule, restored into `slot` on every stage -> its positions (0: none). Every stage has answered when
+        this returns, so the restore comes before the slot's first chunk on each, whatever socket that takes."""
+        return self._from_snapshots(ids, 0, cap, slot)
+
+    def snapshot_slot(self, slot: int, ids: np.ndarray) -> None:
+        """After the last prefill chunk of ids in `slot`: its prompt's full blocks into the prefix cache (their
+        rows are final: the sequence's decode steps write later positions)."""
+        self._snapshot(ids, slot)
+
     def take_results(self, timeout_ms: int) -> list[tuple[int, M.ChunkResult, torch.Tensor | None]]:
         """What the last stage finished within timeout_ms: (chunk, result, its logits row or None), in order; a
         decode batch's result has its argmaxes, and its logits rows (m, vocab).
@@ -589,15 +600,14 @@ class Pipeline:
             why = "prefix_cache_bytes is 0"
         elif self.cfg.dump_residual:
             why = "dump_residual prefills every prompt from position 0"
-        elif self.cfg.max_seqs > 1:
-            why = f"max_seqs {self.cfg.max_seqs}: snapshots are of one sequence's KV (not per slot yet)"
         per_block = max(st.kv_bytes // self.plan.max_len for st in self.stages) * self._block
         if why is None and budget < per_block:
             why = f"prefix_cache_bytes {budget} holds no block of {self._block} tokens ({per_block} bytes a stage)"
         self.prefix_cache_off = why
         if self.cfg.max_seqs > 1:  # one line for what several slots turn off (README, Serving)
-            log.info("max_seqs %d: %d sequences' KV on every stage; off with it: the prefix cache, reuse of a "
-                     "request's prefix between requests, kv_save / kv_load, scoring, CUDA graphs, decode bells",
+            log.info("max_seqs %d: %d sequences' KV on every stage; off with it: reuse of the live KV between "
+                     "requests (the prefix cache's blocks still are), kv_save / kv_load, scoring, CUDA graphs, "
+                     "decode bells",
                      self.cfg.max_seqs, self.cfg.max_seqs)
         if why is None:
             self._index = prefix_cache.PrefixIndex(budget // per_block)
@@ -614,7 +624,8 @@ class Pipeline:
         return prefix_cache.PrefixCacheStats(self._lookups, self._hits, len(index), index.capacity, self._block)
 
     def _kv_round(self, what: str, msgs: dict[int, M.KvOp]) -> dict[int, M.KvDone]:
-        """Send each stage its KvOp and wait for every answer (a stage does one between prompts, in order)."""
+        """Send each stage its KvOp and wait for every answer (a stage does one at once, in order). With several
+        sequences other slots' micro-batches may be in flight: `_receive` keeps their results for take_results."""
         self._kv_done = {}
         for i, msg in msgs.items():
             self._wire.send(i, msg)
@@ -623,15 +634,17 @@ class Pipeline:
         done, self._kv_done = self._kv_done, {}
         return done
 
-    def _kv_all(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0):
+    def _kv_all(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0, slot: int = 0):
         msgs = {i: M.KvOp(op=op, keys=list(keys), blocks=list(blocks), block=self._block, path=path,
-                          offset=offsets[i] if offsets else 0, tokens=tokens) for i in range(len(self.stages))}
+                          offset=offsets[i] if offsets else 0, tokens=tokens, slot=slot)
+                for i in range(len(self.stages))}
         return self._kv_round(op, msgs)
 
-    def _from_snapshots(self, ids: np.ndarray, live: int, cap: int) -> int:
+    def _from_snapshots(self, ids: np.ndarray, live: int, cap: int, slot: int = 0) -> int:
         """The positions to reuse: `live` (what the live KV holds), or a longer prefix of snapshots, restored into
-        the live cache now. A restored prefix ends on a chunk boundary of the prompt's cold schedule, so the rest is
-        computed in the cold prefill's own chunks: the same bits as a cold prefill (when the snapshots were)."""
+        `slot`'s cache now (every stage has answered when this returns). A restored prefix ends on a chunk boundary
+        of the prompt's cold schedule, so the rest is computed in the cold prefill's own chunks: the same bits as a
+        cold prefill (when the snapshots were)."""
         self._restored = 0
         if self._index is None:
             return live
@@ -645,14 +658,15 @@ class Pipeline:
         if p <= live:
             return live
         blocks = list(range(live // self._block, -(-p // self._block)))
-        for i, d in self._kv_all("restore", [keys[j] for j in blocks], blocks).items():
+        for i, d in self._kv_all("restore", [keys[j] for j in blocks], blocks, slot=slot).items():
             if d.error:
                 self._fail(f"{self._who(i)} could not restore the prefix cache: {d.error}")
         self._restored = p - live
         return p
 
-    def _snapshot(self, ids: np.ndarray) -> None:
-        """After a prefill of ids: its full blocks into the prefix cache (the ones not held yet), LRU evicting."""
+    def _snapshot(self, ids: np.ndarray, slot: int = 0) -> None:
+        """After a prefill of ids (in `slot`): its full blocks into the prefix cache (the ones not held yet), LRU
+        evicting."""
         if self._index is None or self.failure:
             return
         keys = prefix_cache.block_keys(ids, self._block)
@@ -662,7 +676,7 @@ class Pipeline:
         if not new:
             return
         failed = [f"{self._who(i)}: {d.error}" for i, d in
-                  self._kv_all("snap", [keys[j] for j in new], new).items() if d.error]
+                  self._kv_all("snap", [keys[j] for j in new], new, slot=slot).items() if d.error]
         if failed:  # e.g. no host memory left: those blocks are not cached, anywhere
             log.warning("prefix cache: snapshot failed (%s); dropping its blocks", "; ".join(failed))
             self._index.discard([keys[j] for j in new])
@@ -672,7 +686,7 @@ class Pipeline:
         """What kv_save and kv_load refuse before anything runs."""
         if self.cfg.max_seqs > 1:
             raise kv_file.KvFileError(f"{what}: not with max_seqs {self.cfg.max_seqs} (a KV file holds one sequence; "
-                                      "slots are not addressed yet): use max_seqs 1")
+                                      "the slots' sequences have no current one): use max_seqs 1")
         why = prefix_cache.supported(self.plan.args)
         if why:
             raise kv_file.KvFileError(f"{what}: not for this model: {why}")

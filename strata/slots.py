@@ -14,6 +14,13 @@ Exactness: a sequence is prefilled in the chunks of its cold schedule and decode
 slot, and a batch gives each row the bits of its step alone (Transformer.decode_seqs), so a sequence's tokens do
 not depend on what else runs.
 
+The prefix cache (strata/prefix_cache.py): on admission a sequence's prompt is looked up in the head's index and
+the longest cached prefix, up to a chunk boundary of its cold schedule, is restored into its slot on every stage
+before its first chunk goes (Pipeline.restore_slot waits for every stage's answer); the rest runs in the cold
+prefill's own chunks. After its last prefill chunk its prompt's full blocks are snapshotted from its slot. These KV
+rounds run on the driver's thread while other micro-batches are in flight; their results wait in the Pipeline
+for take_results.
+
 Callers (the server's worker threads) block in `generate`; `on_token` runs on the driver's thread. A failure of the
 pipeline fails every admitted and waiting sequence with the same PipelineError; the driver then stops.
 """
@@ -42,6 +49,7 @@ class SlotRun:
     ids: np.ndarray
     params: object                      # strata.sampling.SamplingParams
     on_token: Callable[[int], bool | None]
+    restored: int = 0                   # prompt positions restored from the prefix cache (not prefilled)
     slot: int = -1
     schedule: list = field(default_factory=list)  # prefill chunks [(pos, n)]
     sent_chunks: int = 0
@@ -71,6 +79,8 @@ class SlotStats:
     most_in_flight: int = 0             # the most sequences with something in the pipeline at one time
     overlapped_sends: int = 0           # sends made while another sequence had something in the pipeline
     prefill_interleaved: int = 0        # decode steps sent while another sequence's prefill was not done
+    restores: int = 0                   # sequences whose prompt began with blocks restored from the prefix cache
+    restored_tokens: int = 0            # ... and the positions restored
 
 
 class SlotDriver:
@@ -137,11 +147,12 @@ class SlotDriver:
                         self._cond.wait(IDLE_WAIT_S)
                     if self._stopping:
                         raise PipelineError("the pipeline was stopped while sequences ran")
-                    admit = []
-                    while self._queue and self._free:
-                        admit.append(self._queue.popleft())
-                for run in admit:
-                    self._admit(run)
+                while self._free:
+                    with self._cond:
+                        if not self._queue:
+                            break
+                        run = self._queue.popleft()
+                    self._admit(run)  # (running from its start: a failure of its restore fails it too)
                 self._send()
                 results = self.pipe.take_results(POLL_MS if self._running else 0)
                 for k, res, row in results:
@@ -181,13 +192,18 @@ class SlotDriver:
             self._by_k.clear()
             self._batches = 0
         run.slot = self._free.pop()
+        self._running.append(run)
         n = run.ids.size
-        run.schedule = list(self.pipe.plan.schedule_for(0, n))  # a cold prefill's own chunks: its bits
+        run.restored = self.pipe.restore_slot(run.slot, run.ids, n - 1)  # the last position is always computed
+        # the cold prefill's own chunks (from the restored prefix on, which ends on one of their boundaries): its bits
+        run.schedule = list(self.pipe.plan.schedule_for(run.restored, n))
         run.sampler = Sampler(run.params)
         run.limit = min(run.params.max_tokens, self.pipe.max_context - n)
         self.pipe.put_slot_ids(run.slot, run.ids)
-        self._running.append(run)
         self.stats.sequences += 1
+        if run.restored:
+            self.stats.restores += 1
+            self.stats.restored_tokens += run.restored
 
     def _send(self) -> None:
         """Decode batches and prefill chunks by turns while the window has room."""
@@ -265,13 +281,13 @@ class SlotDriver:
                 run.in_flight -= 1
                 self._advance(run, res.argmaxes[t], None if rows is None else rows[t])
             return
-        run = runs[0]
+        run = runs[0]  # a prefill chunk
         run.in_flight -= 1
-        if run.t_first is None and k != run.last_k:
-            return  # a prefill chunk before the last
-        if run.t_first is None:
-            run.t_first = time.perf_counter()
-        self._advance(run, res.argmax, rows)
+        if k != run.last_k:
+            return  # a chunk before the last
+        run.t_first = time.perf_counter()
+        self._advance(run, res.argmax, rows)  # its first token to the caller before the snapshot's round
+        self.pipe.snapshot_slot(run.slot, run.ids)  # (its slot is not reused before the next admission)
 
     def _advance(self, run: SlotRun, argmax: int, logits) -> None:
         """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it."""
