@@ -95,6 +95,34 @@ class Result:
     ttft_s: float | None = None      # from the call to the first generated token (prefill included)
 
 
+def scored_chunks(schedule, top: int) -> list[tuple[int, int]]:
+    """A scored prefill's chunks: `schedule`'s, cut so that each one's scores (a float32 log-probability and `top`
+    int32 ids and float32 log-probabilities a row) fit its result note."""
+    rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * top)))
+    return [(p + a, min(rows, m - a)) for p, m in schedule for a in range(0, m, rows)]
+
+
+def unpack_scores(raws: list[bytes], top: int, n: int, reused: int,
+                  start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The scored chunks' ChunkResult.scores, in order, of an n-token prompt prefilled from `reused` -> the rows
+    of positions [start, n): (log-probabilities (m,), top ids (m, top), their log-probabilities (m, top))."""
+    lp, ti, tl = [], [], []
+    for raw in raws:
+        rows = len(raw) // (4 * (1 + 2 * top))
+        lp.append(np.frombuffer(raw, np.float32, rows))
+        if top:
+            ti.append(np.frombuffer(raw, np.int32, rows * top, 4 * rows).reshape(rows, top))
+            tl.append(np.frombuffer(raw, np.float32, rows * top, 4 * rows * (1 + top)).reshape(rows, top))
+    lp = np.concatenate(lp)  # a prefill has a chunk at least: its prompt's last position is always computed
+    ti = np.concatenate(ti) if top else np.zeros((lp.size, 0), np.int32)
+    tl = np.concatenate(tl) if top else np.zeros((lp.size, 0), np.float32)
+    first = reused + 1  # the position the first scored row predicts
+    if lp.size != n - first:
+        raise RuntimeError(f"scoring gave {lp.size} rows for positions {first}..{n - 1}")
+    cut = start - first
+    return lp[cut:], ti[cut:], tl[cut:]
+
+
 class Pipeline:
     def __init__(self, config: RigConfig | dict, out: str | os.PathLike | None = None, console: bool = True,
                  marks: dict[str, float] | None = None, always_calibrate: bool = False):
@@ -492,13 +520,15 @@ class Pipeline:
         """A decode step's token at `pos` of `slot`'s ids."""
         self._buffers.ids[slot * (self.plan.max_len + 1) + pos] = token
 
-    def send_slot(self, slot: int, pos: int, n: int, phase: str, tokens: int, t0: float, row: bool) -> int:
+    def send_slot(self, slot: int, pos: int, n: int, phase: str, tokens: int, t0: float, row: bool,
+                  score: int = -1) -> int:
         """Rows [pos, pos + n) of the sequence in `slot` to stage 0 (a prefill chunk, or a decode step when phase is
-        "decode"); row: keep its logits row (a sampled token). -> its chunk index."""
+        "decode"); row: keep its logits row (a sampled token); score >= 0: a scored prefill chunk (its rows fit its
+        result: scored_chunks). -> its chunk index."""
         k = self._sent
         if row:
             self._want_rows.add(k)
-        self._wire.send(0, M.Chunk(k=k, pos=pos, n=n, phase=phase, t0=t0, tokens=tokens, score=-1, slot=slot))
+        self._wire.send(0, M.Chunk(k=k, pos=pos, n=n, phase=phase, t0=t0, tokens=tokens, score=score, slot=slot))
         self._sent += 1
         if self.startup is None:
             self._startup_done()
@@ -606,8 +636,7 @@ class Pipeline:
         self.prefix_cache_off = why
         if self.cfg.max_seqs > 1:  # one line for what several slots turn off (README, Serving)
             log.info("max_seqs %d: %d sequences' KV on every stage; off with it: reuse of the live KV between "
-                     "requests (the prefix cache's blocks still are), kv_save / kv_load, scoring, CUDA graphs, "
-                     "decode bells",
+                     "requests (the prefix cache's blocks still are), kv_save / kv_load, CUDA graphs, decode bells",
                      self.cfg.max_seqs, self.cfg.max_seqs)
         if why is None:
             self._index = prefix_cache.PrefixIndex(budget // per_block)
@@ -777,9 +806,8 @@ class Pipeline:
         self._kept_n = reused  # past `reused` the stages' KV is about to be overwritten
         self._put_ids(ids, live)  # the ids segment already holds [0, live); a restored prefix's ids are not read
         schedule = self.plan.schedule_for(reused, n)
-        if score >= 0:  # a scored chunk's rows travel in its result note: chunks cut to fit it
-            rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * score)))
-            schedule = [(p + a, min(rows, m - a)) for p, m in schedule for a in range(0, m, rows)]
+        if score >= 0:
+            schedule = scored_chunks(schedule, score)
         update, bar = self._progress_bar(n - reused, schedule)
         try:
             seconds = self._run_phase("prefill", schedule, n, update, score)
@@ -802,8 +830,9 @@ class Pipeline:
         hold is reused up to start - 1; the prompt stays cached for what follows (a generate after it)."""
         if not 0 <= top <= M.MAX_SCORED_TOP:
             raise ConfigError(f"score: top must be in 0..{M.MAX_SCORED_TOP}, got {top}")
-        if self.cfg.max_seqs > 1:
-            raise ConfigError(f"score: not with max_seqs {self.cfg.max_seqs} yet (use max_seqs 1)")
+        if self.cfg.max_seqs > 1:  # the server scores among the other sequences: SlotDriver.score
+            raise ConfigError(f"score: Pipeline.score runs one sequence alone; with max_seqs {self.cfg.max_seqs} "
+                              "the slot driver scores (SlotDriver.score), or use max_seqs 1")
         self._refuse_if_closed()
         ids = self.prompt_ids(prompt)
         if not 1 <= start <= ids.size:
@@ -811,22 +840,8 @@ class Pipeline:
         self.start()
         pre = self._prefill(ids, score=top, start=start)
         self._snapshot(ids)
-        first = pre["reused"] + 1  # the position the first scored row predicts
-        lp, ti, tl = [], [], []
-        for k in range(len(pre["schedule"])):
-            raw = self._results[k].scores
-            rows = len(raw) // (4 * (1 + 2 * top))
-            lp.append(np.frombuffer(raw, np.float32, rows))
-            if top:
-                ti.append(np.frombuffer(raw, np.int32, rows * top, 4 * rows).reshape(rows, top))
-                tl.append(np.frombuffer(raw, np.float32, rows * top, 4 * rows * (1 + top)).reshape(rows, top))
-        lp = np.concatenate(lp)
-        ti = np.concatenate(ti) if top else np.zeros((lp.size, 0), np.int32)
-        tl = np.concatenate(tl) if top else np.zeros((lp.size, 0), np.float32)
-        if lp.size != ids.size - first:
-            raise RuntimeError(f"scoring gave {lp.size} rows for positions {first}..{ids.size - 1}")
-        cut = start - first
-        return lp[cut:], ti[cut:], tl[cut:]
+        return unpack_scores([self._results[k].scores for k in range(len(pre["schedule"]))], top, ids.size,
+                             pre["reused"], start)
 
     def prefill(self, prompt: str | list[int] | np.ndarray | None = None) -> Result:
         """Prefill the prompt (None: the rig's; text or ids, up to max_context, any number of times: a prefix

@@ -19,7 +19,7 @@ the longest cached prefix, up to a chunk boundary of its cold schedule, is resto
 before its first chunk goes (Pipeline.restore_slot waits for every stage's answer); the rest runs in the cold
 prefill's own chunks. After its last prefill chunk its prompt's full blocks are snapshotted from its slot. These KV
 rounds run on the driver's thread while other micro-batches are in flight; their results wait in the Pipeline
-for take_results.
+for take_results. A scored sequence (`score`) is a prefill whose chunks the last stage scores, as Pipeline.score's.
 
 Callers (the server's worker threads) block in `generate`; `on_token` runs on the driver's thread. A failure of the
 pipeline fails every admitted and waiting sequence with the same PipelineError; the driver then stops.
@@ -49,6 +49,9 @@ class SlotRun:
     ids: np.ndarray
     params: object                      # strata.sampling.SamplingParams
     on_token: Callable[[int], bool | None]
+    score: int = -1                     # >= 0: a scored prefill (Chunk.score: the likeliest tokens a row)
+    start: int = 1                      # a scored prefill: the first position whose log-probability is wanted
+    scores: dict = field(default_factory=dict)  # a scored prefill: each chunk's ChunkResult.scores, by chunk
     restored: int = 0                   # prompt positions restored from the prefix cache (not prefilled)
     slot: int = -1
     schedule: list = field(default_factory=list)  # prefill chunks [(pos, n)]
@@ -111,7 +114,25 @@ class SlotDriver:
     # -- the callers' side --------------------------------------------------------------------------------
     def generate(self, ids: np.ndarray, params, on_token) -> SlotRun:
         """Blocking: the sequence prefilled and decoded among the others; raises the pipeline's failure."""
-        run = SlotRun(ids=ids, params=params, on_token=on_token, t_submit=time.perf_counter())
+        return self._submit(SlotRun(ids=ids, params=params, on_token=on_token))
+
+    def score(self, ids: np.ndarray, start: int, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Blocking: Pipeline.score's values (log p(ids[i] | ids[:i]) for i in [start, n), the `top` likeliest
+        tokens there and theirs), the prompt prefilled as one sequence among the others."""
+        from .errors import ConfigError
+        from .messages import MAX_SCORED_TOP
+        from .pipeline import unpack_scores
+        from .sampling import SamplingParams
+        if not 0 <= top <= MAX_SCORED_TOP:
+            raise ConfigError(f"score: top must be in 0..{MAX_SCORED_TOP}, got {top}")
+        if not 1 <= start <= ids.size:
+            raise ConfigError(f"score: start {start} outside 1..{ids.size}")
+        run = self._submit(SlotRun(ids=ids, params=SamplingParams(max_tokens=0), on_token=lambda t: None,
+                                   score=top, start=start))
+        return unpack_scores([run.scores[k] for k in sorted(run.scores)], top, ids.size, run.restored, start)
+
+    def _submit(self, run: SlotRun) -> SlotRun:
+        run.t_submit = time.perf_counter()
         with self._cond:
             if self.failure is not None or self._stopping:
                 raise self.failure or PipelineError("the pipeline is stopping")
@@ -186,6 +207,7 @@ class SlotDriver:
             log.error("sequences failed: %s", e)
 
     def _admit(self, run: SlotRun) -> None:
+        from .pipeline import scored_chunks
         from .sampling import Sampler
         if self._t0 is None:
             self._t0 = self.pipe.begin_slots()
@@ -194,9 +216,11 @@ class SlotDriver:
         run.slot = self._free.pop()
         self._running.append(run)
         n = run.ids.size
-        run.restored = self.pipe.restore_slot(run.slot, run.ids, n - 1)  # the last position is always computed
+        cap = n - 1 if run.score < 0 else min(n - 1, run.start - 1)  # the rows that must be computed come after
+        run.restored = self.pipe.restore_slot(run.slot, run.ids, cap)
         # the cold prefill's own chunks (from the restored prefix on, which ends on one of their boundaries): its bits
-        run.schedule = list(self.pipe.plan.schedule_for(run.restored, n))
+        schedule = self.pipe.plan.schedule_for(run.restored, n)
+        run.schedule = scored_chunks(schedule, run.score) if run.score >= 0 else list(schedule)
         run.sampler = Sampler(run.params)
         run.limit = min(run.params.max_tokens, self.pipe.max_context - n)
         self.pipe.put_slot_ids(run.slot, run.ids)
@@ -257,7 +281,7 @@ class SlotDriver:
         pos, n = run.schedule[run.sent_chunks]
         last = run.sent_chunks == len(run.schedule) - 1
         k = self.pipe.send_slot(run.slot, pos, n, "prefill", run.ids.size, self._t0,
-                                row=last and not run.params.greedy)
+                                row=last and not run.params.greedy, score=run.score)
         run.sent_chunks += 1
         if last:
             run.last_k = k
@@ -283,6 +307,8 @@ class SlotDriver:
             return
         run = runs[0]  # a prefill chunk
         run.in_flight -= 1
+        if run.score >= 0:
+            run.scores[k] = res.scores
         if k != run.last_k:
             return  # a chunk before the last
         run.t_first = time.perf_counter()

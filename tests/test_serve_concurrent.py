@@ -1,12 +1,13 @@
 """Several requests in the pipeline at once (the rig's max_seqs > 1, strata/slots.py): through the real openai
 client on two CPU stages with SmolLM2. Exactness (each request's greedy ids alone and among others), overlap
 asserted on the driver's record of what was in flight (not on time: bench/serve_concurrency.py measures that),
-the prefix cache among other requests, a stage killed under several requests, and the refusals."""
+the prefix cache and scoring among other requests, a stage killed under several requests, and the refusals."""
 from __future__ import annotations
 
 import collections
 import contextlib
 import inspect
+import math
 import os
 import signal
 import threading
@@ -128,18 +129,17 @@ def test_a_client_that_disconnects_frees_its_slot(slotted):
 
 
 def test_slotted_refusals_are_one_line(slotted, tmp_path):
-    """With max_seqs > 1: scoring is a 400 naming max_seqs, kv_save / kv_load are refused naming max_seqs; the prefix
-    cache is on."""
+    """With max_seqs > 1: kv_save / kv_load are refused naming max_seqs; the prefix cache is on; Pipeline.score (one
+    sequence alone, beside the driver) is refused naming the driver."""
     s, eng = slotted
-    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    with pytest.raises(openai.BadRequestError, match="max_seqs 4"):
-        client.completions.create(model="smollm2", prompt="Hi", echo=True, logprobs=1, max_tokens=0)
     from strata.kv_file import KvFileError
     with pytest.raises(KvFileError, match="max_seqs 4"):
         eng.kv_save(tmp_path / "kv.bin")
     with pytest.raises(KvFileError, match="max_seqs 4"):
         eng.kv_load(tmp_path / "kv.bin")
     assert eng.pipe.prefix_cache_off is None
+    with pytest.raises(ConfigError, match="SlotDriver.score"):
+        eng.pipe.score([1, 2, 3])
     log = (eng.out / "stage-0.log").read_text()
     assert "KV slots: 4 sequences" in log
     from strata import messages as M
@@ -187,7 +187,7 @@ def _decoding_meanwhile(client, prompt: str = "Once upon a time"):
 def test_alternating_documents_come_from_the_prefix_cache_among_other_requests(slotted_long):
     """Two documents asked about in turn (A, B, A, B) through the openai client while another request decodes: the
     repeats restore their documents' blocks into their slots (cached_tokens, the driver's record) and answer as
-    cold."""
+    cold; a repeat's answer scored by logprobs (its prompt's blocks restored again) has greedy tokens' logprobs."""
     s, eng = slotted_long
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
     before, cache = eng.slot_stats(), eng.prefix_cache_stats()
@@ -198,6 +198,8 @@ def test_alternating_documents_come_from_the_prefix_cache_among_other_requests(s
         for doc in DOCS + DOCS:
             r = client.completions.create(model="smollm2", prompt=doc + QUESTION, max_tokens=8, temperature=0)
             got.append((r.choices[0].text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        scored = client.completions.create(model="smollm2", prompt=DOCS[0] + QUESTION, max_tokens=4, temperature=0,
+                                           logprobs=1)
         tokens, running = background()
     assert running and tokens > seen, (tokens, seen)  # the other request decoded all along
     (a1, na, ca1), (b1, nb, cb1), (a2, _, ca2), (b2, _, cb2) = got
@@ -206,10 +208,47 @@ def test_alternating_documents_come_from_the_prefix_cache_among_other_requests(s
         assert cached == (n - 1) // 256 * 256 >= 512, (n, cached)  # whole blocks up to the prompt's last token
     assert (a2, b2) == (a1, b1) and a1 and b1
     st = eng.slot_stats()
-    assert st.restores - restores == 2 and st.restored_tokens - restored == ca2 + cb2, st  # A and B again
+    # A and B again, then A's generate and the scoring of its answer (prompt and answer: A's blocks restored)
+    assert st.restores - restores == 4 and st.restored_tokens - restored == ca2 + cb2 + 2 * ca2, st
     assert st.most_in_flight >= 2, st
-    now = eng.prefix_cache_stats()  # a lookup a sequence: the background's and 4 documents'
-    assert (now.lookups - cache.lookups, now.hits - cache.hits) == (5, 2), (cache, now)
+    now = eng.prefix_cache_stats()  # a lookup a sequence: the background's, 4 documents, the scored one's 2
+    assert (now.lookups - cache.lookups, now.hits - cache.hits) == (7, 4), (cache, now)
+    lp = scored.choices[0].logprobs
+    assert scored.usage.prompt_tokens_details.cached_tokens == ca2
+    assert "".join(lp.tokens) == scored.choices[0].text and a1.startswith(scored.choices[0].text)
+    for token, tl, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == tl == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the likeliest
+
+
+def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
+    """echo + logprobs=2 + max_tokens=0 of a 4-chunk text while another request decodes: the same log-probabilities
+    and alternatives as Pipeline.score with max_seqs 1 (within 1e-4), their perplexity the CLI's (within 1e-3)."""
+    s, eng = slotted_long
+    from strata.pipeline import Pipeline
+    text = PROMPTS[3]
+    with Pipeline({**LONG_RIG, "max_seqs": 1, "prompt": {"text": text}}, out=tmp_path / "one", console=False) as p:
+        want_ppl = p.prefill().perplexity
+        ids = p.prompt_ids(text)
+        assert ids.size > 3 * 64
+        want_lp, want_ids, want_top = p.score(ids, 1, 2)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    with _decoding_meanwhile(client) as background:
+        seen = background()[0]
+        r = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=2, max_tokens=0)
+        tokens, running = background()
+    assert running and tokens > seen, (tokens, seen)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and "".join(lp.tokens) == text and len(lp.tokens) == ids.size
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want_lp.tolist(), abs=1e-4)
+    for token, tl, top, which, values in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:],
+                                             want_ids.tolist(), want_top.tolist()):
+        want = {eng.detokenize([t]): pytest.approx(v, abs=1e-4) for t, v in zip(which, values)}
+        if token not in want:  # an entry holds the token itself too
+            want[token] = tl
+        assert top == want
+    got_ppl = math.exp(-sum(lp.token_logprobs[1:]) / (ids.size - 1))
+    assert abs(got_ppl / want_ppl - 1) < 1e-3, (got_ppl, want_ppl)
 
 
 def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
