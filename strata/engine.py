@@ -333,9 +333,33 @@ class PipelineEngine(_ModelText):
             where = _STAGE.search(str(e))
             self._failed(driver)
             raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
-        return GenerationStats(prompt_tokens=int(arr.size), reused_tokens=0, completion_tokens=len(run.out),
+        return GenerationStats(prompt_tokens=int(arr.size), reused_tokens=run.restored,  # from the prefix cache
+                               completion_tokens=len(run.out),
                                prefill_s=(run.t_first or run.t_end) - run.t_submit,
                                decode_s=run.t_end - (run.t_first or run.t_end), finish_reason=run.finish)
+
+    def score(self, ids: list[int], start: int, top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+        """log p(ids[i] | ids[:i]) for i in [start, n), the `top` likeliest tokens there and their log-probabilities
+        (Pipeline.score; with max_seqs > 1 a sequence among the others: SlotDriver.score). A prompt the pipeline
+        refuses is a ValueError; a failed pipeline an EngineError naming the stage (and the engine closes)."""
+        driver, pipe = self._slots, self.pipe
+        if pipe is None or (self.max_seqs > 1 and driver is None):
+            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
+        try:
+            if driver is not None:
+                lp, ti, tl = driver.score(pipe.prompt_ids(list(ids)), start, top)
+            else:
+                lp, ti, tl = pipe.score(ids, start, top)
+        except self._config_error as e:  # a prompt the pipeline refuses (ids out of range)
+            raise ValueError(str(e)) from None
+        except PipelineError as e:
+            where = _STAGE.search(str(e))
+            if driver is not None:
+                self._failed(driver)
+            else:
+                self.close()
+            raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
+        return lp.tolist(), ti.tolist(), tl.tolist()
 
     def _failed(self, driver) -> None:
         """The pipeline under `driver` failed: close it once (the first of its callers to get here does)."""

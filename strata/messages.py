@@ -194,12 +194,14 @@ class Rejected(Message):
     detail: str
 
 
-# -- the prefix cache and KV files (strata/prefix_cache.py, strata/kv_file.py); only between prompts ------------
+# -- the prefix cache and KV files (strata/prefix_cache.py, strata/kv_file.py) -----------------------------------
+# With one sequence they come between prompts; with several (max_seqs > 1) a snap or restore names a slot that has
+# nothing in flight while other slots' chunks may be (strata/slots.py)
 KV_OPS = ("snap", "restore", "drop", "save", "load")
 KEY_BYTES = 16  # a block key (strata.prefix_cache.KEY_BYTES)
 
 
-@_message("kv")      # head -> stage: snapshot / restore / drop blocks of the live KV, or write / read a KV file
+@_message("kv")      # head -> stage: snapshot / restore / drop blocks of a slot's KV, or write / read a KV file
 class KvOp(Message):
     op: str          # one of KV_OPS
     keys: list       # snap, restore, drop: block keys (16 bytes each)
@@ -208,6 +210,7 @@ class KvOp(Message):
     path: str        # save, load: the file
     offset: int      # save, load: where this stage's first layer's rows start in it
     tokens: int      # save, load: rows [0, tokens)
+    slot: int = 0    # snap, restore: the sequence's KV slot (0..max_seqs-1), read or written without use_slot
 
 
 @_message("kv_done")  # stage -> head: a KvOp is done ("" = done, else the one-line error)
@@ -292,8 +295,8 @@ def validate(msg) -> dict:
             raise BadMessage("kv: bad block indices or block size")
         if msg["op"] in ("snap", "restore") and len(msg["blocks"]) != len(msg["keys"]):
             raise BadMessage("kv: one block index a key")
-        if msg["offset"] < 0 or msg["tokens"] < 0:
-            raise BadMessage("kv: negative offset or tokens")
+        if msg["offset"] < 0 or msg["tokens"] < 0 or msg["slot"] < 0:
+            raise BadMessage("kv: negative offset, tokens or slot")
     return msg
 
 

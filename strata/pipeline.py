@@ -95,6 +95,34 @@ class Result:
     ttft_s: float | None = None      # from the call to the first generated token (prefill included)
 
 
+def scored_chunks(schedule, top: int) -> list[tuple[int, int]]:
+    """A scored prefill's chunks: `schedule`'s, cut so that each one's scores (a float32 log-probability and `top`
+    int32 ids and float32 log-probabilities a row) fit its result note."""
+    rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * top)))
+    return [(p + a, min(rows, m - a)) for p, m in schedule for a in range(0, m, rows)]
+
+
+def unpack_scores(raws: list[bytes], top: int, n: int, reused: int,
+                  start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The scored chunks' ChunkResult.scores, in order, of an n-token prompt prefilled from `reused` -> the rows
+    of positions [start, n): (log-probabilities (m,), top ids (m, top), their log-probabilities (m, top))."""
+    lp, ti, tl = [], [], []
+    for raw in raws:
+        rows = len(raw) // (4 * (1 + 2 * top))
+        lp.append(np.frombuffer(raw, np.float32, rows))
+        if top:
+            ti.append(np.frombuffer(raw, np.int32, rows * top, 4 * rows).reshape(rows, top))
+            tl.append(np.frombuffer(raw, np.float32, rows * top, 4 * rows * (1 + top)).reshape(rows, top))
+    lp = np.concatenate(lp)  # a prefill has a chunk at least: its prompt's last position is always computed
+    ti = np.concatenate(ti) if top else np.zeros((lp.size, 0), np.int32)
+    tl = np.concatenate(tl) if top else np.zeros((lp.size, 0), np.float32)
+    first = reused + 1  # the position the first scored row predicts
+    if lp.size != n - first:
+        raise RuntimeError(f"scoring gave {lp.size} rows for positions {first}..{n - 1}")
+    cut = start - first
+    return lp[cut:], ti[cut:], tl[cut:]
+
+
 class Pipeline:
     def __init__(self, config: RigConfig | dict, out: str | os.PathLike | None = None, console: bool = True,
                  marks: dict[str, float] | None = None, always_calibrate: bool = False):
@@ -492,13 +520,15 @@ class Pipeline:
         """A decode step's token at `pos` of `slot`'s ids."""
         self._buffers.ids[slot * (self.plan.max_len + 1) + pos] = token
 
-    def send_slot(self, slot: int, pos: int, n: int, phase: str, tokens: int, t0: float, row: bool) -> int:
+    def send_slot(self, slot: int, pos: int, n: int, phase: str, tokens: int, t0: float, row: bool,
+                  score: int = -1) -> int:
         """Rows [pos, pos + n) of the sequence in `slot` to stage 0 (a prefill chunk, or a decode step when phase is
-        "decode"); row: keep its logits row (a sampled token). -> its chunk index."""
+        "decode"); row: keep its logits row (a sampled token); score >= 0: a scored prefill chunk (its rows fit its
+        result: scored_chunks). -> its chunk index."""
         k = self._sent
         if row:
             self._want_rows.add(k)
-        self._wire.send(0, M.Chunk(k=k, pos=pos, n=n, phase=phase, t0=t0, tokens=tokens, score=-1, slot=slot))
+        self._wire.send(0, M.Chunk(k=k, pos=pos, n=n, phase=phase, t0=t0, tokens=tokens, score=score, slot=slot))
         self._sent += 1
         if self.startup is None:
             self._startup_done()
@@ -515,6 +545,17 @@ class Pipeline:
                                    seqs=[v for sp in seqs for v in sp]))
         self._sent += 1
         return k
+
+    def restore_slot(self, slot: int, ids: np.ndarray, cap: int) -> int:
+        """The longest prefix of ids[:cap] that the prefix cache holds, up to a chunk boundary of the prompt's cold
+        schedule, restored into `slot` on every stage -> its positions (0: none). Every stage has answered when
+        this returns, so the restore comes before the slot's first chunk on each, whatever socket that takes."""
+        return self._from_snapshots(ids, 0, cap, slot)
+
+    def snapshot_slot(self, slot: int, ids: np.ndarray) -> None:
+        """After the last prefill chunk of ids in `slot`: its prompt's full blocks into the prefix cache (their
+        rows are final: the sequence's decode steps write later positions)."""
+        self._snapshot(ids, slot)
 
     def take_results(self, timeout_ms: int) -> list[tuple[int, M.ChunkResult, torch.Tensor | None]]:
         """What the last stage finished within timeout_ms: (chunk, result, its logits row or None), in order; a
@@ -589,15 +630,13 @@ class Pipeline:
             why = "prefix_cache_bytes is 0"
         elif self.cfg.dump_residual:
             why = "dump_residual prefills every prompt from position 0"
-        elif self.cfg.max_seqs > 1:
-            why = f"max_seqs {self.cfg.max_seqs}: snapshots are of one sequence's KV (not per slot yet)"
         per_block = max(st.kv_bytes // self.plan.max_len for st in self.stages) * self._block
         if why is None and budget < per_block:
             why = f"prefix_cache_bytes {budget} holds no block of {self._block} tokens ({per_block} bytes a stage)"
         self.prefix_cache_off = why
         if self.cfg.max_seqs > 1:  # one line for what several slots turn off (README, Serving)
-            log.info("max_seqs %d: %d sequences' KV on every stage; off with it: the prefix cache, reuse of a "
-                     "request's prefix between requests, kv_save / kv_load, scoring, CUDA graphs, decode bells",
+            log.info("max_seqs %d: %d sequences' KV on every stage; off with it: reuse of the live KV between "
+                     "requests (the prefix cache's blocks still are), kv_save / kv_load, CUDA graphs, decode bells",
                      self.cfg.max_seqs, self.cfg.max_seqs)
         if why is None:
             self._index = prefix_cache.PrefixIndex(budget // per_block)
@@ -614,7 +653,8 @@ class Pipeline:
         return prefix_cache.PrefixCacheStats(self._lookups, self._hits, len(index), index.capacity, self._block)
 
     def _kv_round(self, what: str, msgs: dict[int, M.KvOp]) -> dict[int, M.KvDone]:
-        """Send each stage its KvOp and wait for every answer (a stage does one between prompts, in order)."""
+        """Send each stage its KvOp and wait for every answer (a stage does one at once, in order). With several
+        sequences other slots' micro-batches may be in flight: `_receive` keeps their results for take_results."""
         self._kv_done = {}
         for i, msg in msgs.items():
             self._wire.send(i, msg)
@@ -623,15 +663,17 @@ class Pipeline:
         done, self._kv_done = self._kv_done, {}
         return done
 
-    def _kv_all(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0):
+    def _kv_all(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0, slot: int = 0):
         msgs = {i: M.KvOp(op=op, keys=list(keys), blocks=list(blocks), block=self._block, path=path,
-                          offset=offsets[i] if offsets else 0, tokens=tokens) for i in range(len(self.stages))}
+                          offset=offsets[i] if offsets else 0, tokens=tokens, slot=slot)
+                for i in range(len(self.stages))}
         return self._kv_round(op, msgs)
 
-    def _from_snapshots(self, ids: np.ndarray, live: int, cap: int) -> int:
+    def _from_snapshots(self, ids: np.ndarray, live: int, cap: int, slot: int = 0) -> int:
         """The positions to reuse: `live` (what the live KV holds), or a longer prefix of snapshots, restored into
-        the live cache now. A restored prefix ends on a chunk boundary of the prompt's cold schedule, so the rest is
-        computed in the cold prefill's own chunks: the same bits as a cold prefill (when the snapshots were)."""
+        `slot`'s cache now (every stage has answered when this returns). A restored prefix ends on a chunk boundary
+        of the prompt's cold schedule, so the rest is computed in the cold prefill's own chunks: the same bits as a
+        cold prefill (when the snapshots were)."""
         self._restored = 0
         if self._index is None:
             return live
@@ -645,14 +687,15 @@ class Pipeline:
         if p <= live:
             return live
         blocks = list(range(live // self._block, -(-p // self._block)))
-        for i, d in self._kv_all("restore", [keys[j] for j in blocks], blocks).items():
+        for i, d in self._kv_all("restore", [keys[j] for j in blocks], blocks, slot=slot).items():
             if d.error:
                 self._fail(f"{self._who(i)} could not restore the prefix cache: {d.error}")
         self._restored = p - live
         return p
 
-    def _snapshot(self, ids: np.ndarray) -> None:
-        """After a prefill of ids: its full blocks into the prefix cache (the ones not held yet), LRU evicting."""
+    def _snapshot(self, ids: np.ndarray, slot: int = 0) -> None:
+        """After a prefill of ids (in `slot`): its full blocks into the prefix cache (the ones not held yet), LRU
+        evicting."""
         if self._index is None or self.failure:
             return
         keys = prefix_cache.block_keys(ids, self._block)
@@ -662,7 +705,7 @@ class Pipeline:
         if not new:
             return
         failed = [f"{self._who(i)}: {d.error}" for i, d in
-                  self._kv_all("snap", [keys[j] for j in new], new).items() if d.error]
+                  self._kv_all("snap", [keys[j] for j in new], new, slot=slot).items() if d.error]
         if failed:  # e.g. no host memory left: those blocks are not cached, anywhere
             log.warning("prefix cache: snapshot failed (%s); dropping its blocks", "; ".join(failed))
             self._index.discard([keys[j] for j in new])
@@ -672,7 +715,7 @@ class Pipeline:
         """What kv_save and kv_load refuse before anything runs."""
         if self.cfg.max_seqs > 1:
             raise kv_file.KvFileError(f"{what}: not with max_seqs {self.cfg.max_seqs} (a KV file holds one sequence; "
-                                      "slots are not addressed yet): use max_seqs 1")
+                                      "the slots' sequences have no current one): use max_seqs 1")
         why = prefix_cache.supported(self.plan.args)
         if why:
             raise kv_file.KvFileError(f"{what}: not for this model: {why}")
@@ -763,9 +806,8 @@ class Pipeline:
         self._kept_n = reused  # past `reused` the stages' KV is about to be overwritten
         self._put_ids(ids, live)  # the ids segment already holds [0, live); a restored prefix's ids are not read
         schedule = self.plan.schedule_for(reused, n)
-        if score >= 0:  # a scored chunk's rows travel in its result note: chunks cut to fit it
-            rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * score)))
-            schedule = [(p + a, min(rows, m - a)) for p, m in schedule for a in range(0, m, rows)]
+        if score >= 0:
+            schedule = scored_chunks(schedule, score)
         update, bar = self._progress_bar(n - reused, schedule)
         try:
             seconds = self._run_phase("prefill", schedule, n, update, score)
@@ -788,8 +830,9 @@ class Pipeline:
         hold is reused up to start - 1; the prompt stays cached for what follows (a generate after it)."""
         if not 0 <= top <= M.MAX_SCORED_TOP:
             raise ConfigError(f"score: top must be in 0..{M.MAX_SCORED_TOP}, got {top}")
-        if self.cfg.max_seqs > 1:
-            raise ConfigError(f"score: not with max_seqs {self.cfg.max_seqs} yet (use max_seqs 1)")
+        if self.cfg.max_seqs > 1:  # the server scores among the other sequences: SlotDriver.score
+            raise ConfigError(f"score: Pipeline.score runs one sequence alone; with max_seqs {self.cfg.max_seqs} "
+                              "the slot driver scores (SlotDriver.score), or use max_seqs 1")
         self._refuse_if_closed()
         ids = self.prompt_ids(prompt)
         if not 1 <= start <= ids.size:
@@ -797,22 +840,8 @@ class Pipeline:
         self.start()
         pre = self._prefill(ids, score=top, start=start)
         self._snapshot(ids)
-        first = pre["reused"] + 1  # the position the first scored row predicts
-        lp, ti, tl = [], [], []
-        for k in range(len(pre["schedule"])):
-            raw = self._results[k].scores
-            rows = len(raw) // (4 * (1 + 2 * top))
-            lp.append(np.frombuffer(raw, np.float32, rows))
-            if top:
-                ti.append(np.frombuffer(raw, np.int32, rows * top, 4 * rows).reshape(rows, top))
-                tl.append(np.frombuffer(raw, np.float32, rows * top, 4 * rows * (1 + top)).reshape(rows, top))
-        lp = np.concatenate(lp)
-        ti = np.concatenate(ti) if top else np.zeros((lp.size, 0), np.int32)
-        tl = np.concatenate(tl) if top else np.zeros((lp.size, 0), np.float32)
-        if lp.size != ids.size - first:
-            raise RuntimeError(f"scoring gave {lp.size} rows for positions {first}..{ids.size - 1}")
-        cut = start - first
-        return lp[cut:], ti[cut:], tl[cut:]
+        return unpack_scores([self._results[k].scores for k in range(len(pre["schedule"]))], top, ids.size,
+                             pre["reused"], start)
 
     def prefill(self, prompt: str | list[int] | np.ndarray | None = None) -> Result:
         """Prefill the prompt (None: the rig's; text or ids, up to max_context, any number of times: a prefix

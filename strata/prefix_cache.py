@@ -5,7 +5,8 @@ and block j's ids), so one key names the whole prefix up to the end of its block
 (`PrefixIndex`, used by strata/pipeline.py): which blocks the stages hold, LRU within `prefix_cache_bytes` per
 stage, and a new prompt's longest cached prefix. It tells every stage, by `KvOp` notes between prompts, to
 snapshot a prompt's full blocks after its prefill, to restore a prefix into the live cache before the next one,
-and to drop what it evicts. A stage (`Snapshots`) keeps per block a copy of the block's rows of every layer it
+and to drop what it evicts. With several sequences (max_seqs > 1, strata/slots.py) a snapshot or restore names
+a slot, one with nothing in flight, while other slots' micro-batches may be. A stage (`Snapshots`) keeps per block a copy of the block's rows of every layer it
 holds, in host memory (pinned on a CUDA stage, whose copies out run asynchronously on a stream of their own and
 are waited for on the device before the live cache is written again), and applies no policy of its own.
 
@@ -105,14 +106,19 @@ class PrefixIndex:
             self.lru.pop(k, None)
 
 
-def layer_caches(model) -> list[torch.Tensor]:
-    """A slice's cache tensors, k then v of each layer, in layer order (read at each use: setup_cache replaces them)."""
+def layer_caches(model, slot: int | None = None) -> list[torch.Tensor]:
+    """A slice's cache tensors, k then v of each layer, in layer order (read at each use: setup_cache replaces them).
+    slot: that sequence's caches (Transformer.setup_cache's seqs), read without `use_slot`, which re-points the
+    layers and the C decoder while the stage may be between two parts of another slot's micro-batch; None: the
+    caches in use."""
+    if slot is not None and not 0 <= slot < len(getattr(model, "_slots", ())):
+        raise ValueError(f"slot {slot} outside the {len(getattr(model, '_slots', ()))} sequence caches")
     out = []
-    for blk in model.layers.values():
+    for i, blk in model.layers.items():
         a = blk.attn
         if getattr(blk, "linear", False) or a.k_cache is None:
             raise ValueError("the prefix cache and KV files need a KV cache on every layer (no linear-attention layers)")
-        out += [a.k_cache, a.v_cache]
+        out += [a.k_cache, a.v_cache] if slot is None else list(model._slots[slot][i])
     return out
 
 
@@ -146,9 +152,10 @@ class Snapshots:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.blocks.values())
 
-    def snap(self, keys: list[bytes], blocks: list[int], block: int) -> None:
-        """Copy rows [j * block, (j + 1) * block) of every cache out under keys[i] (j = blocks[i])."""
-        caches = layer_caches(self.model)
+    def snap(self, keys: list[bytes], blocks: list[int], block: int, slot: int | None = None) -> None:
+        """Copy rows [j * block, (j + 1) * block) of every cache (of `slot`: layer_caches) out under keys[i]
+        (j = blocks[i])."""
+        caches = layer_caches(self.model, slot)
         size = row_bytes(caches) * block
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the prefill's kernels
@@ -164,14 +171,14 @@ class Snapshots:
             self.pending = torch.cuda.Event()
             self.pending.record(self.stream)
 
-    def restore(self, keys: list[bytes], blocks: list[int], block: int) -> None:
-        """Copy the snapshots back into the live cache at their blocks' rows (on the compute stream: the chunks
-        that follow are ordered after it)."""
+    def restore(self, keys: list[bytes], blocks: list[int], block: int, slot: int | None = None) -> None:
+        """Copy the snapshots back into the live cache (of `slot`: layer_caches) at their blocks' rows (on the
+        compute stream: the chunks that follow are ordered after it)."""
         missing = [k.hex() for k in keys if k not in self.blocks]
         if missing:
             raise KeyError(f"restore: no snapshot of block(s) {', '.join(missing[:3])}")
         self.before_write()
-        caches = layer_caches(self.model)
+        caches = layer_caches(self.model, slot)
         for key, j in zip(keys, blocks):
             for src, c in zip(_views(self.blocks[key], caches, block), caches):
                 c[:, :, j * block:(j + 1) * block].copy_(src, non_blocking=self.cuda)

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .engine import _STAGE, Engine, EngineError, GenerationStats, LocalEngine, PipelineEngine
+from .engine import Engine, EngineError, GenerationStats, LocalEngine, PipelineEngine
 from .prefix_cache import PrefixCacheStats
 from .sampling import MAX_SEED, Detokenizer, SamplingParams, StopMatcher
 
@@ -175,8 +175,6 @@ def _detokenized(engine: Engine, ids: list[int]) -> str:
 
 
 def can_score(engine: Engine) -> bool:
-    if getattr(engine, "max_seqs", 1) > 1:  # Pipeline.score prefills slot 0 alone: not among other sequences yet
-        return False
     return callable(getattr(engine, "logprob_rows", None)) or isinstance(engine, (LocalEngine, PipelineEngine))
 
 
@@ -221,28 +219,12 @@ def _local_rows(eng: LocalEngine, ids: list[int], start: int) -> Iterator[torch.
         raise EngineError(f"local ({eng.device})", f"{type(e).__name__}: {e}") from e
 
 
-def _pipeline_scores(eng: PipelineEngine, ids: list[int], start: int, top: int):
-    """The stages: one prefill whose last stage scores each chunk's targets by the perplexity's head rows and
-    sends them with its result (Pipeline.score) -> (log-probabilities, top ids, their log-probabilities)."""
-    from .errors import ConfigError, PipelineError
-    if eng.pipe is None:
-        raise EngineError("pipeline", "the engine is closed or failed: restart() it")
-    try:
-        lp, ti, tl = eng.pipe.score(ids, start, top)
-    except ConfigError as e:  # a prompt the pipeline refuses (ids out of range)
-        raise ValueError(str(e)) from None
-    except PipelineError as e:
-        where = _STAGE.search(str(e))
-        eng.close()
-        raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
-    return lp.tolist(), ti.tolist(), tl.tolist()
-
-
 def score_tokens(engine: Engine, ids: list[int], start: int, top: int) -> list[Scored]:
     """log p(ids[i] | ids[:i]) and the `top` likeliest tokens there, for i in [start, len(ids)); the texts
     of the tokens themselves are left "" for the caller (they depend on the tokens around them)."""
     if isinstance(engine, PipelineEngine) and not callable(getattr(engine, "logprob_rows", None)):
-        lps, which, values = _pipeline_scores(engine, ids, start, top)
+        # the stages: one prefill whose last stage scores each chunk's targets by the perplexity's head rows
+        lps, which, values = engine.score(ids, start, top)
         return [Scored("", lp, [(engine.detokenize([t]), v) for t, v in zip(w, x)])
                 for lp, w, x in zip(lps, which, values)]
     out: list[Scored] = []
@@ -873,10 +855,7 @@ class Server:
             raise _bad("logprobs with stream: true is not supported (the logprobs are computed once the answer "
                        "is complete)", param="logprobs")
         if top is not None and not can_score(self.engine):
-            seqs = getattr(self.engine, "max_seqs", 1)
-            raise _bad(f"logprobs are not supported by this engine ({type(self.engine).__name__}"
-                       + (f", max_seqs {seqs}: scoring runs alone, use max_seqs 1)" if seqs > 1 else ")"),
-                       param="logprobs")
+            raise _bad(f"logprobs are not supported by this engine ({type(self.engine).__name__})", param="logprobs")
         param = "messages" if chat else "prompt"
         limit = self.engine.max_context
         batch = len(prompts) > 1

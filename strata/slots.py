@@ -14,6 +14,13 @@ Exactness: a sequence is prefilled in the chunks of its cold schedule and decode
 slot, and a batch gives each row the bits of its step alone (Transformer.decode_seqs), so a sequence's tokens do
 not depend on what else runs.
 
+The prefix cache (strata/prefix_cache.py): on admission a sequence's prompt is looked up in the head's index and
+the longest cached prefix, up to a chunk boundary of its cold schedule, is restored into its slot on every stage
+before its first chunk goes (Pipeline.restore_slot waits for every stage's answer); the rest runs in the cold
+prefill's own chunks. After its last prefill chunk its prompt's full blocks are snapshotted from its slot. These KV
+rounds run on the driver's thread while other micro-batches are in flight; their results wait in the Pipeline
+for take_results. A scored sequence (`score`) is a prefill whose chunks the last stage scores, as Pipeline.score's.
+
 Callers (the server's worker threads) block in `generate`; `on_token` runs on the driver's thread. A failure of the
 pipeline fails every admitted and waiting sequence with the same PipelineError; the driver then stops.
 """
@@ -42,6 +49,10 @@ class SlotRun:
     ids: np.ndarray
     params: object                      # strata.sampling.SamplingParams
     on_token: Callable[[int], bool | None]
+    score: int = -1                     # >= 0: a scored prefill (Chunk.score: the likeliest tokens a row)
+    start: int = 1                      # a scored prefill: the first position whose log-probability is wanted
+    scores: dict = field(default_factory=dict)  # a scored prefill: each chunk's ChunkResult.scores, by chunk
+    restored: int = 0                   # prompt positions restored from the prefix cache (not prefilled)
     slot: int = -1
     schedule: list = field(default_factory=list)  # prefill chunks [(pos, n)]
     sent_chunks: int = 0
@@ -71,6 +82,8 @@ class SlotStats:
     most_in_flight: int = 0             # the most sequences with something in the pipeline at one time
     overlapped_sends: int = 0           # sends made while another sequence had something in the pipeline
     prefill_interleaved: int = 0        # decode steps sent while another sequence's prefill was not done
+    restores: int = 0                   # sequences whose prompt began with blocks restored from the prefix cache
+    restored_tokens: int = 0            # ... and the positions restored
 
 
 class SlotDriver:
@@ -101,7 +114,25 @@ class SlotDriver:
     # -- the callers' side --------------------------------------------------------------------------------
     def generate(self, ids: np.ndarray, params, on_token) -> SlotRun:
         """Blocking: the sequence prefilled and decoded among the others; raises the pipeline's failure."""
-        run = SlotRun(ids=ids, params=params, on_token=on_token, t_submit=time.perf_counter())
+        return self._submit(SlotRun(ids=ids, params=params, on_token=on_token))
+
+    def score(self, ids: np.ndarray, start: int, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Blocking: Pipeline.score's values (log p(ids[i] | ids[:i]) for i in [start, n), the `top` likeliest
+        tokens there and theirs), the prompt prefilled as one sequence among the others."""
+        from .errors import ConfigError
+        from .messages import MAX_SCORED_TOP
+        from .pipeline import unpack_scores
+        from .sampling import SamplingParams
+        if not 0 <= top <= MAX_SCORED_TOP:
+            raise ConfigError(f"score: top must be in 0..{MAX_SCORED_TOP}, got {top}")
+        if not 1 <= start <= ids.size:
+            raise ConfigError(f"score: start {start} outside 1..{ids.size}")
+        run = self._submit(SlotRun(ids=ids, params=SamplingParams(max_tokens=0), on_token=lambda t: None,
+                                   score=top, start=start))
+        return unpack_scores([run.scores[k] for k in sorted(run.scores)], top, ids.size, run.restored, start)
+
+    def _submit(self, run: SlotRun) -> SlotRun:
+        run.t_submit = time.perf_counter()
         with self._cond:
             if self.failure is not None or self._stopping:
                 raise self.failure or PipelineError("the pipeline is stopping")
@@ -137,11 +168,12 @@ class SlotDriver:
                         self._cond.wait(IDLE_WAIT_S)
                     if self._stopping:
                         raise PipelineError("the pipeline was stopped while sequences ran")
-                    admit = []
-                    while self._queue and self._free:
-                        admit.append(self._queue.popleft())
-                for run in admit:
-                    self._admit(run)
+                while self._free:
+                    with self._cond:
+                        if not self._queue:
+                            break
+                        run = self._queue.popleft()
+                    self._admit(run)  # (running from its start: a failure of its restore fails it too)
                 self._send()
                 results = self.pipe.take_results(POLL_MS if self._running else 0)
                 for k, res, row in results:
@@ -175,19 +207,27 @@ class SlotDriver:
             log.error("sequences failed: %s", e)
 
     def _admit(self, run: SlotRun) -> None:
+        from .pipeline import scored_chunks
         from .sampling import Sampler
         if self._t0 is None:
             self._t0 = self.pipe.begin_slots()
             self._by_k.clear()
             self._batches = 0
         run.slot = self._free.pop()
+        self._running.append(run)
         n = run.ids.size
-        run.schedule = list(self.pipe.plan.schedule_for(0, n))  # a cold prefill's own chunks: its bits
+        cap = n - 1 if run.score < 0 else min(n - 1, run.start - 1)  # the rows that must be computed come after
+        run.restored = self.pipe.restore_slot(run.slot, run.ids, cap)
+        # the cold prefill's own chunks (from the restored prefix on, which ends on one of their boundaries): its bits
+        schedule = self.pipe.plan.schedule_for(run.restored, n)
+        run.schedule = scored_chunks(schedule, run.score) if run.score >= 0 else list(schedule)
         run.sampler = Sampler(run.params)
         run.limit = min(run.params.max_tokens, self.pipe.max_context - n)
         self.pipe.put_slot_ids(run.slot, run.ids)
-        self._running.append(run)
         self.stats.sequences += 1
+        if run.restored:
+            self.stats.restores += 1
+            self.stats.restored_tokens += run.restored
 
     def _send(self) -> None:
         """Decode batches and prefill chunks by turns while the window has room."""
@@ -241,7 +281,7 @@ class SlotDriver:
         pos, n = run.schedule[run.sent_chunks]
         last = run.sent_chunks == len(run.schedule) - 1
         k = self.pipe.send_slot(run.slot, pos, n, "prefill", run.ids.size, self._t0,
-                                row=last and not run.params.greedy)
+                                row=last and not run.params.greedy, score=run.score)
         run.sent_chunks += 1
         if last:
             run.last_k = k
@@ -265,13 +305,15 @@ class SlotDriver:
                 run.in_flight -= 1
                 self._advance(run, res.argmaxes[t], None if rows is None else rows[t])
             return
-        run = runs[0]
+        run = runs[0]  # a prefill chunk
         run.in_flight -= 1
-        if run.t_first is None and k != run.last_k:
-            return  # a prefill chunk before the last
-        if run.t_first is None:
-            run.t_first = time.perf_counter()
-        self._advance(run, res.argmax, rows)
+        if run.score >= 0:
+            run.scores[k] = res.scores
+        if k != run.last_k:
+            return  # a chunk before the last
+        run.t_first = time.perf_counter()
+        self._advance(run, res.argmax, rows)  # its first token to the caller before the snapshot's round
+        self.pipe.snapshot_slot(run.slot, run.ids)  # (its slot is not reused before the next admission)
 
     def _advance(self, run: SlotRun, argmax: int, logits) -> None:
         """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it."""

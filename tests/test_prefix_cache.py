@@ -86,6 +86,32 @@ def test_snapshots_restore_the_rows_byte_for_byte(dtype, last):
     assert list(s.blocks) == [b"b" * 16]
 
 
+def test_snapshots_of_a_slot_leave_the_slot_in_use_alone():
+    """max_seqs > 1: a snapshot of slot 1 restored into slot 2 reads and writes those slots' tensors, not the caches
+    the layers point at (the stage may be mid-way through another slot's micro-batch)."""
+    m = _model(torch.bfloat16, layers=2)
+    slots = [{i: (torch.zeros(1, 2, 64, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 64, 16, dtype=torch.bfloat16))
+              for i in m.layers} for _ in range(3)]
+    for i, blk in m.layers.items():
+        blk.attn.k_cache, blk.attn.v_cache = slots[0][i]  # slot 0 in use
+    m._slots = slots
+    for slot in (0, 1):
+        _fill(SimpleNamespace(layers={i: SimpleNamespace(attn=SimpleNamespace(k_cache=k, v_cache=v), linear=False)
+                                      for i, (k, v) in slots[slot].items()}), 10 + slot)
+    in_use = [c.view(torch.uint8).clone() for c in layer_caches(m)]
+    s = Snapshots(m, torch.device("cpu"))
+    s.snap([b"a" * 16], [1], 16, slot=1)
+    s.restore([b"a" * 16], [1], 16, slot=2)
+    for got, want in zip(layer_caches(m, 2), layer_caches(m, 1)):
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+        assert torch.equal(got[:, :, 16:32], want[:, :, 16:32]) and not got[:, :, :16].any()
+    # slot 0 untouched, and still the one the layers point at
+    assert all(torch.equal(a.view(torch.uint8), b) for a, b in zip(layer_caches(m), in_use))
+    assert all(c is slots[0][i][j] for c, (i, j) in zip(layer_caches(m), [(i, j) for i in m.layers for j in (0, 1)]))
+    with pytest.raises(ValueError, match="slot 3 outside the 3"):
+        s.snap([b"b" * 16], [0], 16, slot=3)
+
+
 def test_supported_refuses_window_and_linear_layers():
     from strata.checkpoint import model_args
     assert supported(model_args("synthetic:smoke")) is None
@@ -157,13 +183,13 @@ def test_kv_file_garbage_and_truncation_refused(tmp_path):
 
 
 def test_kv_notes_validated():
-    op = M.KvOp(op="snap", keys=[b"k" * 16], blocks=[3], block=256, path="", offset=0, tokens=0)
+    op = M.KvOp(op="snap", keys=[b"k" * 16], blocks=[3], block=256, path="", offset=0, tokens=0, slot=2)
     assert M.decode(M.encode(op)) == op
     done = M.KvDone(stage=1, op="load", error="", held_bytes=5)
     assert M.decode(M.encode(done)) == done
     for bad, why in ((dict(op="exec"), "unknown op"), (dict(keys=[b"short"]), "16 bytes"),
                      (dict(blocks=[-1]), "bad block"), (dict(blocks=[]), "one block index a key"),
-                     (dict(offset=-1), "negative")):
+                     (dict(offset=-1), "negative"), (dict(slot=-1), "negative offset, tokens or slot")):
         m = {**M.as_map(op), **bad}
         with pytest.raises(M.BadMessage, match=why):
             M.validate(m)

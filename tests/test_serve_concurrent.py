@@ -1,13 +1,18 @@
 """Several requests in the pipeline at once (the rig's max_seqs > 1, strata/slots.py): through the real openai
 client on two CPU stages with SmolLM2. Exactness (each request's greedy ids alone and among others), overlap
 asserted on the driver's record of what was in flight (not on time: bench/serve_concurrency.py measures that),
-a stage killed under several requests, and the refusals."""
+the prefix cache and scoring among other requests, a stage killed under several requests, and the refusals."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import inspect
+import math
 import os
 import signal
 import threading
+import time
+import typing
 
 import pytest
 
@@ -21,6 +26,13 @@ RIG = dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, chunk=
            progress=False, max_seqs=4)
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
            "A long document. " + " ".join(f"Item {i} is number {i * 7 % 13}." for i in range(24))]  # 4 chunks of 64
+
+
+# long documents (2 full blocks of the prefix cache's 256 tokens and a tail each) in a context that holds them
+LONG_RIG = {**RIG, "max_context": 1024}
+_SRC = inspect.getsource(typing)
+DOCS = [_SRC[:2600], _SRC[20000:22600]]
+QUESTION = "\nQ: What does this code define?\nA:"
 
 
 def _smollm2():
@@ -117,20 +129,161 @@ def test_a_client_that_disconnects_frees_its_slot(slotted):
 
 
 def test_slotted_refusals_are_one_line(slotted, tmp_path):
-    """With max_seqs > 1: scoring is a 400 naming max_seqs, kv_save / kv_load are refused, no prefix cache."""
+    """With max_seqs > 1: kv_save / kv_load are refused naming max_seqs; the prefix cache is on; Pipeline.score (one
+    sequence alone, beside the driver) is refused naming the driver."""
     s, eng = slotted
-    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    with pytest.raises(openai.BadRequestError, match="max_seqs 4"):
-        client.completions.create(model="smollm2", prompt="Hi", echo=True, logprobs=1, max_tokens=0)
     from strata.kv_file import KvFileError
     with pytest.raises(KvFileError, match="max_seqs 4"):
         eng.kv_save(tmp_path / "kv.bin")
-    assert "max_seqs 4" in eng.pipe.prefix_cache_off
+    with pytest.raises(KvFileError, match="max_seqs 4"):
+        eng.kv_load(tmp_path / "kv.bin")
+    assert eng.pipe.prefix_cache_off is None
+    with pytest.raises(ConfigError, match="SlotDriver.score"):
+        eng.pipe.score([1, 2, 3])
     log = (eng.out / "stage-0.log").read_text()
     assert "KV slots: 4 sequences" in log
     from strata import messages as M
     with pytest.raises(M.BadMessage, match="negative slot"):
         M.encode(M.Chunk(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=1, score=-1, slot=-1))
+
+
+@pytest.fixture(scope="module")
+def slotted_long(tmp_path_factory):
+    _smollm2()
+    from strata.engine import PipelineEngine
+    eng = PipelineEngine(LONG_RIG, out=tmp_path_factory.mktemp("slots-long"))
+    s = Running(eng, queue_size=4)
+    yield s, eng
+    s.stop()
+    assert eng.pipe is None
+
+
+@contextlib.contextmanager
+def _decoding_meanwhile(client, prompt: str = "Once upon a time"):
+    """A streamed greedy request decoding in the background (its answer runs past 300 tokens without an end of
+    sequence), closed at the end -> a function: (tokens it has had, whether it still runs)."""
+    got, stop, ended = [], threading.Event(), threading.Event()
+
+    def run():
+        try:
+            with client.completions.create(model="smollm2", prompt=prompt, max_tokens=900, temperature=0,
+                                           stream=True) as stream:
+                for c in stream:
+                    got.append(c)
+                    if stop.is_set():
+                        break
+        finally:
+            ended.set()
+    t = threading.Thread(target=run)
+    t.start()
+    wait_until(lambda: len(got) >= 2 or ended.is_set(), "the background request to decode")
+    try:
+        yield lambda: (len(got), not ended.is_set())
+    finally:
+        stop.set()
+        t.join(60)
+
+
+def test_alternating_documents_come_from_the_prefix_cache_among_other_requests(slotted_long):
+    """Two documents asked about in turn (A, B, A, B) through the openai client while another request decodes: the
+    repeats restore their documents' blocks into their slots (cached_tokens, the driver's record) and answer as
+    cold; a repeat's answer scored by logprobs (its prompt's blocks restored again) has greedy tokens' logprobs."""
+    s, eng = slotted_long
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    before, cache = eng.slot_stats(), eng.prefix_cache_stats()
+    restores, restored = before.restores, before.restored_tokens
+    got = []
+    with _decoding_meanwhile(client) as background:
+        seen = background()[0]
+        for doc in DOCS + DOCS:
+            r = client.completions.create(model="smollm2", prompt=doc + QUESTION, max_tokens=8, temperature=0)
+            got.append((r.choices[0].text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        scored = client.completions.create(model="smollm2", prompt=DOCS[0] + QUESTION, max_tokens=4, temperature=0,
+                                           logprobs=1)
+        tokens, running = background()
+    assert running and tokens > seen, (tokens, seen)  # the other request decoded all along
+    (a1, na, ca1), (b1, nb, cb1), (a2, _, ca2), (b2, _, cb2) = got
+    assert ca1 == cb1 == 0  # cold: A and B share no block
+    for n, cached in ((na, ca2), (nb, cb2)):
+        assert cached == (n - 1) // 256 * 256 >= 512, (n, cached)  # whole blocks up to the prompt's last token
+    assert (a2, b2) == (a1, b1) and a1 and b1
+    st = eng.slot_stats()
+    # A and B again, then A's generate and the scoring of its answer (prompt and answer: A's blocks restored)
+    assert st.restores - restores == 4 and st.restored_tokens - restored == ca2 + cb2 + 2 * ca2, st
+    assert st.most_in_flight >= 2, st
+    now = eng.prefix_cache_stats()  # a lookup a sequence: the background's, 4 documents, the scored one's 2
+    assert (now.lookups - cache.lookups, now.hits - cache.hits) == (7, 4), (cache, now)
+    lp = scored.choices[0].logprobs
+    assert scored.usage.prompt_tokens_details.cached_tokens == ca2
+    assert "".join(lp.tokens) == scored.choices[0].text and a1.startswith(scored.choices[0].text)
+    for token, tl, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == tl == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the likeliest
+
+
+def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
+    """echo + logprobs=2 + max_tokens=0 of a 4-chunk text while another request decodes: the same log-probabilities
+    and alternatives as Pipeline.score with max_seqs 1 (within 1e-4), their perplexity the CLI's (within 1e-3)."""
+    s, eng = slotted_long
+    from strata.pipeline import Pipeline
+    text = PROMPTS[3]
+    with Pipeline({**LONG_RIG, "max_seqs": 1, "prompt": {"text": text}}, out=tmp_path / "one", console=False) as p:
+        want_ppl = p.prefill().perplexity
+        ids = p.prompt_ids(text)
+        assert ids.size > 3 * 64
+        want_lp, want_ids, want_top = p.score(ids, 1, 2)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    with _decoding_meanwhile(client) as background:
+        seen = background()[0]
+        r = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=2, max_tokens=0)
+        tokens, running = background()
+    assert running and tokens > seen, (tokens, seen)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and "".join(lp.tokens) == text and len(lp.tokens) == ids.size
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want_lp.tolist(), abs=1e-4)
+    for token, tl, top, which, values in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:],
+                                             want_ids.tolist(), want_top.tolist()):
+        want = {eng.detokenize([t]): pytest.approx(v, abs=1e-4) for t, v in zip(which, values)}
+        if token not in want:  # an entry holds the token itself too
+            want[token] = tl
+        assert top == want
+    got_ppl = math.exp(-sum(lp.token_logprobs[1:]) / (ids.size - 1))
+    assert abs(got_ppl / want_ppl - 1) < 1e-3, (got_ppl, want_ppl)
+
+
+def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
+    """Pipeline.restore_slot, the driver's KV round, while another slot's prefill chunks are queued on the stages,
+    and again while their results wait unread at the head: every result comes back through take_results, and both
+    sequences' first tokens are their cold ones (the restored slot prefilled from its restored prefix)."""
+    _smollm2()
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    with Pipeline({**LONG_RIG, "max_seqs": 2}, out=tmp_path, console=False) as p:
+        doc, other = p.prompt_ids(DOCS[0][:1200] + QUESTION), p.prompt_ids(PROMPTS[3])
+        assert doc.size > 256 and len(p.plan.schedule_for(0, other.size)) == 4
+        cold = [p.generate(ids, SamplingParams(max_tokens=1)).continuation_ids[0] for ids in (doc, other)]
+        # (slot 0 alone, as the CLI: doc's block went into the prefix cache)
+        t0 = p.begin_slots()
+        p.put_slot_ids(0, other)
+        p.put_slot_ids(1, doc)
+        chunks = list(p.plan.schedule_for(0, other.size))
+        sent = [p.send_slot(0, pos, n, "prefill", other.size, t0, row=False) for pos, n in chunks[:3]]
+        assert p.restore_slot(1, doc, doc.size - 1) == 256  # the stages have other's chunks queued or running
+        time.sleep(3)  # the first one's result reaches the head, unread (the last stage waits for its "taken")
+        assert p.restore_slot(1, doc, doc.size - 1) == 256
+        assert p.in_flight < len(sent)  # read during the round
+        results = p.take_results(0)
+        assert [k for k, _, _ in results][:1] == sent[:1]  # kept for take_results
+        last = {0: p.send_slot(0, *chunks[3], "prefill", other.size, t0, row=False)}
+        for pos, n in p.plan.schedule_for(256, doc.size):
+            last[1] = p.send_slot(1, pos, n, "prefill", doc.size, t0, row=False)
+            wait = time.monotonic() + 300
+            while p.in_flight and time.monotonic() < wait:
+                results += p.take_results(100)
+        assert [k for k, _, _ in results] == list(range(last[1] + 1))  # every chunk's result, once
+        argmax = {k: res.argmax for k, res, _ in results}
+        assert [argmax[last[0]], argmax[last[1]]] == [cold[1], cold[0]]
+        assert p.prefix_cache_stats().hits == 2
 
 
 def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):

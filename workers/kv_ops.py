@@ -2,9 +2,13 @@
 (strata/kv_file.py), one `KvOp` note from the head each, answered by one `KvDone`.
 
 The head decides what to snapshot, restore, drop, save and load; the stage only checks that the rows asked for
-are inside its cache and does it. Chunks are not in flight while one runs (the head sends them between prompts
-and waits for every answer), and on CUDA a chunk waits on the device for the snapshots' copies out first
-(`before_write`).
+are inside its cache and does it. With one sequence no chunk is in flight while one runs (the head sends them
+between prompts and waits for every answer). With several (max_seqs > 1) a snapshot or restore names a slot
+that has nothing in flight (the head waits for every stage's answer to a restore before the slot's first chunk,
+and snapshots a prompt's blocks after its last chunk, rows its decode steps never write) while other slots'
+chunks may be queued or half done here: so it reads and writes that slot's tensors directly, never through
+`use_slot`. On CUDA every later chunk waits on the device for the snapshots' copies out (`before_write`), and
+a restore's copies in go on the compute stream, after what is queued there.
 """
 from __future__ import annotations
 
@@ -29,9 +33,9 @@ class StageKv:
         try:
             self._check(msg)
             if msg.op == "snap":
-                self.snapshots.snap(msg.keys, msg.blocks, msg.block)
+                self.snapshots.snap(msg.keys, msg.blocks, msg.block, msg.slot)
             elif msg.op == "restore":
-                self.snapshots.restore(msg.keys, msg.blocks, msg.block)
+                self.snapshots.restore(msg.keys, msg.blocks, msg.block, msg.slot)
             elif msg.op == "drop":
                 self.snapshots.drop(msg.keys)
             elif msg.op == "save":

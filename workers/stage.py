@@ -271,7 +271,8 @@ class Stage(DecodeRing):
         self.ids[msg.pos:msg.pos + len(ids)] = torch.tensor(ids, dtype=torch.int32)
 
     def on_kv(self, msg: M.KvOp, data) -> None:
-        """Between prompts (the head sends none with chunks in flight): a prefix-cache or KV-file operation."""
+        """A prefix-cache or KV-file operation, at once: between prompts, or (max_seqs > 1) on a slot with nothing in
+        flight while other slots' chunks may be (workers/kv_ops.py)."""
         self.send(self.to_head, self.kv.handle(msg, self.i))
 
     def on_peers(self, msg: M.Peers, data) -> None:
