@@ -164,9 +164,24 @@ def _greedy(m, ids, n):
     return got
 
 
+def _forced(m, ids, toks):
+    """m's logits (float64, one row a step) for the prompt ids, then for each of toks fed in turn"""
+    with torch.inference_mode():
+        rows = [m.logits(m(ids, 0)[0, -1])]
+        for i, t in enumerate(toks[:-1]):
+            rows.append(m.decode_token(torch.tensor([[t]]), ids.shape[1] + i)[1])
+    return torch.stack([r.reshape(-1).double() for r in rows])
+
+
 def test_smollm2_uses_the_file_blocks_and_keeps_the_float32_answer(smol_path):
-    """SmolLM2's Q4_1 layers and Q8_0 (tied) head are read as stored; on real text its greedy answer is the float32
-    path's (64 tokens measured equal; 24 checked here)."""
+    """SmolLM2's Q4_1 layers and Q8_0 (tied) head are read as stored; on real text, stepped along the float32 path's
+    greedy answer, each step's logits are float32's within the 8-bit rounding of the products' inputs, and its
+    choice is float32's wherever float32's top two are further apart than that rounding moves them.
+
+    Not the greedy answers token for token: that held for the plain and AVX-512 builds by luck. The builds differ in
+    last bits (vector sums, exp), and each product's 8-bit input turns such bits into logit differences of ~0.1-0.3
+    (as the rounding itself does against float32), more than float32's own margin at some steps (0.13 at the 17th
+    token of this text, where the AVX2 build takes the runner-up)."""
     from strata.tokenizer import Tokenizer
     args = model_args(smol_path)
     ids = torch.tensor([Tokenizer.from_gguf(smol_path).encode(TEXT)])
@@ -174,10 +189,22 @@ def test_smollm2_uses_the_file_blocks_and_keeps_the_float32_answer(smol_path):
     fast = load_stage(smol_path, args, 0, args.n_layers, decode_weights="blocks", **kw)
     assert (fast._blocks.exact, fast._blocks.requantized) == (7 * 30 + 1, 0)
     want = _greedy(load_stage(smol_path, args, 0, args.n_layers, **kw), ids, 24)
-    assert _greedy(fast, ids, 24) == want
-    # a new cache (another max_context) is picked up: the same answer again
+    dense = _forced(load_stage(smol_path, args, 0, args.n_layers, **kw), ids, want)
+    assert dense.argmax(1).tolist() == want
+    got = _forced(fast, ids, want)
+    top2 = dense.topk(2, dim=1).values
+    clear = 0
+    for i in range(len(want)):
+        assert rel(got[i], dense[i]) < 5e-2, (i, rel(got[i], dense[i]))  # measured: 1.4e-2 .. 3.9e-2
+        pick = int(got[i].argmax())
+        assert dense[i, pick] > top2[i, 0] - 0.75, (i, pick, want[i])  # a float32 near-top token, at worst
+        if top2[i, 0] - top2[i, 1] > 0.75:  # (errors at the top measured up to 0.32)
+            assert pick == want[i], (i, pick, want[i])
+            clear += 1
+    assert clear >= 6, clear  # (9 of this text's 24 steps)
+    # a new cache (another max_context) is picked up: the same logits again
     fast.setup_cache(ids.shape[1] + 40)
-    assert _greedy(fast, ids, 24) == want
+    assert torch.equal(_forced(fast, ids, want), got)
 
 
 def _two_stages_and_one(smol_path, tmp_path, decode_weights: str | None, n: int, kv_dtype: str = "auto"):
