@@ -283,6 +283,44 @@ def test_refusals_are_one_line(monkeypatch):
         cd.library()
 
 
+def test_auto_takes_the_blocks_only_with_a_vector_path(monkeypatch):
+    """`decode_weights: auto` takes the C decoder on a CPU with AVX-512 VNNI or AVX2 (strata_simd 1 or 2); with neither
+    (0: the plain build, slower than the dense weights) it keeps the dense weights and says why. An explicit `blocks`
+    there still runs the plain build: the same products, decode steps that match the vector build's."""
+    args = ModelArgs(vocab_size=64, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=96)
+    vector, plain = cd.library(), cd.library(portable=True)
+    assert vector.strata_simd() in (0, 1, 2) and plain.strata_simd() == 0
+
+    class Simd:  # the library, answering strata_simd as a CPU of that kind would
+        def __init__(self, n):
+            self.n = n
+
+        def strata_simd(self):
+            return self.n
+
+    for n, kind in ((1, "blocks"), (2, "blocks"), (0, "none")):
+        monkeypatch.setattr(cd, "library", lambda portable=False, n=n: Simd(n))
+        got, why = cd.auto_kind(args, True, "dequantized")
+        assert got == kind, (n, why)
+    assert why.startswith("this CPU has neither AVX-512 VNNI nor AVX2 + FMA + F16C")
+
+    from strata.checkpoint import synthetic_tensors
+    steps = []
+    for lib in (plain, vector):
+        monkeypatch.setattr(cd, "library", lambda portable=False, lib=lib: lib)
+        with torch.device("meta"):
+            m = Transformer(args)
+        m.load_weights(synthetic_tensors(args, 0, 2, "cpu", torch.float32, seed=0), "cpu", torch.float32)
+        m.setup_cache(16)
+        m.set_decode_weights("blocks")
+        assert m._blocks.lib.strata_simd() == lib.strata_simd()
+        with torch.inference_mode():
+            m(torch.tensor([[1, 2, 3, 4, 5]]), 0)
+            steps.append(torch.stack([m.decode_token(torch.tensor([[t]]), 5 + i)[1].reshape(-1)
+                                      for i, t in enumerate((6, 7, 8))]))
+    assert rel(steps[0], steps[1]) < 3e-2
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "float8_e4m3fn"])
 def test_several_sequences_in_one_step_are_each_alone_bit_for_bit(tmp_path, kv_dtype):
     """`decode_seqs`: rows of three sequences (their own slots and positions, in any order, batches of 1 to 3
