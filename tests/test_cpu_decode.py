@@ -48,6 +48,26 @@ def test_product_is_the_integer_formula_and_both_builds_agree():
     assert torch.equal(y, cd.matvec(p, x, portable=True))  # same arithmetic, same order: same bits
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_products_at_the_integer_extremes(bits):
+    """The largest weights (nibbles 15, bytes 255) against inputs quantized to +-127: where the AVX2 build's int16
+    sums would saturate if they could (VPMADDUBSW does), the products are still the integer formula and the plain
+    build's bits; rows of zeros between, a partial last group, signs mixed by block."""
+    rows, cols = 40, 256
+    J = cols // 32
+    u = torch.full((rows, J, 16 if bits == 4 else 32), 255, dtype=torch.uint8)  # 4-bit: both nibbles 15
+    u[1::3] = 0
+    p = cd.Packed(u, torch.ones(rows, J, dtype=torch.float16), torch.zeros(rows, J, dtype=torch.float16), bits, cols)
+    top = 15 if bits == 4 else 255
+    for x in (torch.ones(cols), -torch.ones(cols), torch.tensor([1.0, -1.0]).repeat_interleave(32).repeat(J // 2)):
+        y = cd.matvec(p, x)
+        assert torch.equal(y, cd.matvec(p, x, portable=True))
+        block = float(torch.tensor(1.0) / 127) * top * 127 * 32  # a block's term: dx (float32) * sum u xq
+        want = torch.tensor([0.0 if r % 3 == 1 else block * float(x.view(J, 32)[:, 0].sum()) for r in range(rows)],
+                            dtype=torch.float64)
+        assert float((y.double() - want).abs().max()) < 1e-6 * block * J  # float32 sums of exact block terms
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_are_read_as_stored(qtype):
     """The file's own blocks, against gguf-py's quantization and dequantization (an independent reader)."""
