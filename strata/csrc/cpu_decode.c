@@ -304,18 +304,26 @@ static inline __attribute__((always_inline)) void matmul_tile(const mat_t *W, co
                 _mm_prefetch((const char *)(d + (size_t)J * 16 + 16 * j), _MM_HINT_T0);
                 _mm_prefetch((const char *)(m + (size_t)J * 16 + 16 * j), _MM_HINT_T0);
             }
-            if (bits == 4) {
+            if (bits == 4) { /* the block's 8 nibble vectors unpacked once, then each row's sum as a tree */
+                __m256i w[8];
                 UNROLL for (int p = 0; p < 4; p++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * p));
-                    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    UNROLL for (int t = 0; t < T; t++) {
-                        const int32_t *xb = (const int32_t *)(xq + (size_t)t * xs + 32 * j);
-                        __m256i e = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xb[p])),
-                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb[p + 4])));
-                        a[t] = p ? _mm256_add_epi16(a[t], e) : e;
-                    }
+                    w[p] = _mm256_and_si256(v, low);
+                    w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }
-                UNROLL for (int t = 0; t < T; t++) s[t] = _mm256_madd_epi16(a[t], _mm256_set1_epi16(1));
+                UNROLL for (int t = 0; t < T; t++) {
+                    const int32_t *xb = (const int32_t *)(xq + (size_t)t * xs + 32 * j);
+                    __m256i e0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xb[0])),
+                                                  _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(xb[1])));
+                    __m256i e1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(xb[2])),
+                                                  _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(xb[3])));
+                    __m256i e2 = _mm256_add_epi16(_mm256_maddubs_epi16(w[4], _mm256_set1_epi32(xb[4])),
+                                                  _mm256_maddubs_epi16(w[5], _mm256_set1_epi32(xb[5])));
+                    __m256i e3 = _mm256_add_epi16(_mm256_maddubs_epi16(w[6], _mm256_set1_epi32(xb[6])),
+                                                  _mm256_maddubs_epi16(w[7], _mm256_set1_epi32(xb[7])));
+                    s[t] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(e0, e1), _mm256_add_epi16(e2, e3)),
+                                             _mm256_set1_epi16(1));
+                }
             } else {
                 UNROLL for (int p = 0; p < 8; p++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * p));
