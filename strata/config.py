@@ -150,7 +150,8 @@ class RigConfig:
     decode_weights: str = field(default="auto", metadata={"choices": DECODE_WEIGHTS})  # CPU stages: narrower
                                             # weight-only copies for decode steps (a prefill, its last logits
                                             # included, keeps the dense ones); auto: blocks for a quantized
-                                            # Llama-core file where a C compiler is found, else none
+                                            # Llama-core file where a C compiler is found and the CPU has
+                                            # AVX-512 VNNI or AVX2, else none
                                             # (strata.cpu_decode.auto_kind; the log says which)
     cuda_graphs: bool = True                # CUDA stages: replay a captured graph for each one-token step
     perplexity: bool = True                 # mean NLL of the prompt, computed on the last stage

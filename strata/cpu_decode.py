@@ -23,7 +23,8 @@ from .config import cache_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.c"
 BLOCK = 32
-ROWS = 16  # rows interleaved per group (one AVX-512 register of int32 lanes)
+ROWS = 16  # rows interleaved per group (one AVX-512 register of int32 lanes; two AVX2 ones)
+BUILDS = {1: "AVX-512 VNNI", 2: "AVX2", 0: "portable"}  # strata_simd() -> the build's vector path
 EXACT = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF types used as stored: bytes per block
 
 
@@ -57,9 +58,11 @@ KV_DTYPES = {torch.float32: 32, torch.bfloat16: 16, torch.float8_e4m3fn: 8}  # t
 
 def auto_kind(args, quantized: bool, weights: str, kv_dtype: torch.dtype = torch.float32) -> tuple[str, str]:
     """`decode_weights: auto` on a CPU stage -> ("blocks" or "none", why): the C decoder where it multiplies the
-    file's own blocks (a quantized file, dequantized for the prefill, a Llama-core model, a C compiler found;
-    SmolLM2 on 2 stages: 13.7 -> 112.5 tok/s), else the dense weights. A float model stays dense: blocks would
-    round its weights to 8 bits, which is a choice the rig makes (`decode_weights: blocks`), not a default."""
+    file's own blocks (a quantized file, dequantized for the prefill, a Llama-core model, a C compiler found, a CPU
+    with its vector path: AVX-512 VNNI or AVX2; SmolLM2 on 2 stages: 13.7 -> 112.5 tok/s), else the dense weights.
+    A float model stays dense: blocks would round its weights to 8 bits, which is a choice the rig makes
+    (`decode_weights: blocks`), not a default; so does a CPU with neither vector path, where the plain C build is
+    slower than the dense weights (SmolLM2: ~250 ms a step against ~70-100)."""
     if not quantized:
         return "none", "float weights (blocks would round them to 8 bits)"
     if weights != "dequantized":
@@ -70,9 +73,12 @@ def auto_kind(args, quantized: bool, weights: str, kv_dtype: torch.dtype = torch
         name = "q8_0" if kv_dtype == torch.uint8 else str(kv_dtype).removeprefix("torch.")
         return "none", f"kv_dtype {name} (the C decoder reads a float32, bfloat16 or float8_e4m3fn cache)"
     try:
-        library()
+        lib = library()
     except BuildError as e:
         return "none", str(e)
+    if not lib.strata_simd():
+        return "none", ("this CPU has neither AVX-512 VNNI nor AVX2 + FMA + F16C: the C decoder's plain build "
+                        "is slower than the dense weights (decode_weights: blocks takes it all the same)")
     return "blocks", "the file's blocks in C"
 
 

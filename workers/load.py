@@ -54,9 +54,10 @@ def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
                  else "window layers through FlexAttention")
     # decode options: weight-only copies are a CPU kernel path, graphs a CUDA one
     if cpu_decode == "blocks":
+        from strata.cpu_decode import BUILDS
         b = model._blocks
         log.info("decode_weights=blocks: %d matrices as stored, %d quantized to 8 bits, %.1f MB, %s build",
-                 b.exact, b.requantized, b.nbytes / 1e6, "AVX-512 VNNI" if b.lib.strata_simd() else "portable")
+                 b.exact, b.requantized, b.nbytes / 1e6, BUILDS.get(b.lib.strata_simd(), "?"))
     elif spec.decode_weights not in ("none", "auto") and device.type != "cpu":
         log.info("decode_weights=%s: CPU stages only; %s decodes with its own weights", spec.decode_weights, device)
     return model, weights
