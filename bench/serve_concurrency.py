@@ -63,10 +63,19 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
     server.start()
     while not uv.started:
         time.sleep(0.05)
+    stamps: list[list[float]] = []  # each generation's token times, as the engine hands them to the server
+    generate = eng.generate
+
+    def timed(ids, params, on_token):
+        mine: list[float] = []
+        stamps.append(mine)
+        return generate(ids, params, lambda t: mine.append(time.perf_counter()) or on_token(t))
+    eng.generate = timed
     rows = []
     try:
         ask(url, "Hello", 4)  # warm-up: the first request's one-time costs are not decode
         for n in streams:
+            del stamps[:]
             counts = [0] * n
             t0 = time.perf_counter()
             threads = [threading.Thread(target=lambda i=i: counts.__setitem__(
@@ -77,11 +86,31 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
                 t.join()
             wall = time.perf_counter() - t0
             st = eng.slot_stats()
-            rows.append((max_seqs, n, sum(counts), wall, st.most_in_flight if st else 1,
-                         st.most_in_batch if st else 1))
+            # decode only, as llama-batched-bench's S_TG: the tokens made once every stream had its first, over
+            # that time
+            begin, end = max(s[0] for s in stamps), max(s[-1] for s in stamps)
+            made = sum(1 for s in stamps for t in s if t > begin)
+            rows.append((max_seqs, n, sum(counts), wall, made / (end - begin) if end > begin else float("nan"),
+                         st.most_in_flight if st else 1, st.most_in_batch if st else 1))
     finally:
         uv.should_exit = True
         server.join(120)
+    return rows
+
+
+def peer(binary: str, gguf: str, threads: int, npp: int, tokens: int, streams: list[int]) -> list[tuple]:
+    """llama-batched-bench on the same file: (B, generated tokens over the whole time, S_TG) per stream count."""
+    ctx = max(streams) * (npp + tokens) + 256
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(npp),
+           "-ntg", str(tokens), "-npl", ",".join(map(str, streams))]
+    print("$", " ".join(cmd), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600).stdout
+    rows = []
+    for line in out.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and re.fullmatch(r"\d+", cells[2]):
+            b, t_all, s_tg = int(cells[2]), float(cells[8]), float(cells[7])
+            rows.append((b, b * tokens / t_all, s_tg))
     return rows
 
 
@@ -116,13 +145,15 @@ def main() -> int:
                                                        a.stages * a.threads, npp, a.tokens, streams)}
     print(f"\n{a.model}, {a.stages} CPU stages x {a.threads} thread(s), {a.tokens} tokens a request, greedy; "
           f"{os.cpu_count()} cores")
-    print(f"{'max_seqs':>8} {'streams':>7} {'tokens':>7} {'wall s':>8} {'agg tok/s':>10} {'in flight':>9} "
-          f"{'in batch':>8} {'llama.cpp':>10} {'its S_TG':>9} {'ratio':>6}")
-    for m, n, toks, wall, most, batch in rows:
+    print("tok/s: all: completion tokens over the wall time (prompts and decode); decode: once every stream had its "
+          "first token (llama.cpp: B x TG over its whole time, and its S_TG)")
+    print(f"{'max_seqs':>8} {'streams':>7} {'tokens':>7} {'wall s':>7} {'in flight':>9} {'in batch':>8} "
+          f"{'all':>7} {'llama.cpp':>9} {'ratio':>6} {'decode':>7} {'S_TG':>7} {'ratio':>6}")
+    for m, n, toks, wall, dec, most, batch in rows:
         rate = toks / wall if wall > 0 else 0.0
         e2e, tg = theirs.get(n, (float("nan"), float("nan")))
-        print(f"{m:>8} {n:>7} {toks:>7} {wall:>8.2f} {rate:>10.2f} {most:>9} {batch:>8} {e2e:>10.2f} {tg:>9.2f} "
-              f"{rate / e2e if e2e == e2e else float('nan'):>5.2f}x")
+        print(f"{m:>8} {n:>7} {toks:>7} {wall:>7.2f} {most:>9} {batch:>8} {rate:>7.1f} {e2e:>9.1f} {rate / e2e:>5.2f}x "
+              f"{dec:>7.1f} {tg:>7.1f} {dec / tg:>5.2f}x")
     return 0
 
 
