@@ -20,7 +20,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 when every
 ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/model.py); auto = the model's default
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn", "q8_0")  # the KV cache's dtype (issue 12); auto = dtype
-DECODE_BATCH = ("rows", "steps")  # max_seqs > 1: several sequences' steps multiplied as one batch, or one by one
+DECODE_BATCH = ("rows", "steps")
+PREFIX_REUSE = ("rows", "chunks")  # a restored prefix: every held row, or up to a chunk boundary of the cold schedule  # max_seqs > 1: several sequences' steps multiplied as one batch, or one by one
 DECODE_WEIGHTS = ("auto", "none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
 REMOTE_COMMAND = "ssh {host} env PYTHONPATH={cwd} {python} -m workers.join --join {join} --key {key}"
@@ -181,6 +182,12 @@ class RigConfig:
     prefix_cache_bytes: int = 2 << 30       # each stage's host memory (pinned on CUDA) for snapshots of earlier
                                             # prompts' KV by block of 256 tokens, LRU (strata/prefix_cache.py);
                                             # 0: off, only the last prompt's live KV is reused
+    prefix_reuse: str = field(default="rows", metadata={"choices": PREFIX_REUSE})  # what a prompt reuses of KV
+                                            # held for its prefix (the prefix cache, a loaded KV file): rows:
+                                            # every row (a prompt's last, partial block included; the rest is
+                                            # prefilled from there, its bits within rounding of a cold
+                                            # prefill's); chunks: up to a chunk boundary of the prompt's cold
+                                            # schedule (the rest in the cold prefill's own chunks: its bits)
     max_seqs: int = field(default=1, metadata={"positive": True})  # sequences whose KV each stage holds at once
                                             # (--serve: concurrent requests in the pipeline, one slot each; the
                                             # planner counts max_seqs x the KV). 1: one sequence, as before

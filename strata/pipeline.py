@@ -671,23 +671,33 @@ class Pipeline:
 
     def _from_snapshots(self, ids: np.ndarray, live: int, cap: int, slot: int = 0) -> int:
         """The positions to reuse: `live` (what the live KV holds), or a longer prefix of snapshots, restored into
-        `slot`'s cache now (every stage has answered when this returns). A restored prefix ends on a chunk boundary
-        of the prompt's cold schedule, so the rest is computed in the cold prefill's own chunks: the same bits as a
-        cold prefill (when the snapshots were)."""
+        `slot`'s cache now (every stage has answered when this returns). prefix_reuse rows: every held row of ids[:cap]
+        (whole blocks, then the first rows of an earlier prompt's last block that this one shares); chunks: up to a
+        chunk boundary of the prompt's cold schedule, so the rest is computed in the cold prefill's own chunks (the
+        same bits as a cold prefill, when the snapshots were)."""
         self._restored = 0
         if self._index is None:
             return live
-        keys = prefix_cache.block_keys(ids[:cap], self._block)
+        B = self._block
+        keys = prefix_cache.block_keys(ids[:cap], B)
         m = self._index.longest(keys)
-        p = max((q for q, _ in self.plan.schedule_for(0, ids.size) if q <= m * self._block), default=0)
         self._index.touch(keys[:m])
+        tail, c = None, 0
+        if self.cfg.prefix_reuse == "chunks":
+            p = max((q for q, _ in self.plan.schedule_for(0, ids.size) if q <= m * B), default=0)
+        else:
+            tail, c = self._index.best_tail(keys[m - 1] if m else b"", ids[m * B:cap])
+            if tail is not None:
+                self._index.touch([tail])
+            p = m * B + c
         # a hit whether the live KV already holds those rows or they are restored: the cache would serve them
         self._lookups += 1
         self._hits += p > 0
         if p <= live:
             return live
-        blocks = list(range(live // self._block, -(-p // self._block)))
-        for i, d in self._kv_all("restore", [keys[j] for j in blocks], blocks, slot=slot).items():
+        blocks = list(range(live // B, -(-p // B)))
+        names = [keys[j] if j < m else tail for j in blocks]  # block m: the tail's (rows past c: never read)
+        for i, d in self._kv_all("restore", names, blocks, slot=slot).items():
             if d.error:
                 self._fail(f"{self._who(i)} could not restore the prefix cache: {d.error}")
         self._restored = p - live
@@ -698,18 +708,27 @@ class Pipeline:
         evicting."""
         if self._index is None or self.failure:
             return
-        keys = prefix_cache.block_keys(ids, self._block)
+        B = self._block
+        keys = prefix_cache.block_keys(ids, B)
         new, evicted = self._index.add(keys)
+        names = [keys[j] for j in new]
+        m = len(keys)
+        if (self.cfg.prefix_reuse == "rows" and m < self._index.capacity and ids.size > m * B
+                and (m + 1) * B <= self.plan.max_len):  # its last, partial block too (rows: reused row by row)
+            tail, more = self._index.add_tail(keys[m - 1] if m else b"", ids[m * B:])
+            evicted += more
+            if tail is not None:
+                new, names = new + [m], names + [tail]
         if evicted:
             self._kv_all("drop", evicted)
         if not new:
             return
         failed = [f"{self._who(i)}: {d.error}" for i, d in
-                  self._kv_all("snap", [keys[j] for j in new], new, slot=slot).items() if d.error]
+                  self._kv_all("snap", names, new, slot=slot).items() if d.error]
         if failed:  # e.g. no host memory left: those blocks are not cached, anywhere
             log.warning("prefix cache: snapshot failed (%s); dropping its blocks", "; ".join(failed))
-            self._index.discard([keys[j] for j in new])
-            self._kv_all("drop", [keys[j] for j in new])
+            self._index.discard(names)
+            self._kv_all("drop", names)
 
     def _kv_file_refusals(self, what: str) -> None:
         """What kv_save and kv_load refuse before anything runs."""
@@ -798,8 +817,9 @@ class Pipeline:
         n = ids.size
         cap = n - 1 if score < 0 else min(n - 1, start - 1)  # the positions that may come from held KV
         live = min(self._reusable(ids), cap)
-        if self._loaded and live:  # rows from kv_load: reuse them up to a chunk boundary of the prompt's cold
-            # schedule, so the rest is computed in the cold prefill's own chunks (the saved rows' bits, the same answer)
+        if self._loaded and live and self.cfg.prefix_reuse == "chunks":  # rows from kv_load: up to a chunk boundary
+            # of the prompt's cold schedule, so the rest is computed in the cold prefill's own chunks (the saved rows'
+            # bits, the same answer)
             live = max(q for q, _ in self.plan.schedule_for(0, n) if q <= live)
         self._loaded = False
         reused = self._from_snapshots(ids, live, cap)

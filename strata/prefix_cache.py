@@ -1,7 +1,9 @@
 """The prefix cache: earlier prompts' KV rows kept by block, so a prompt that begins as one of them skips that prefill.
 
 A prompt's ids are cut into blocks of `BLOCK` tokens; block j's key is a chain hash (blake2b of block j - 1's key
-and block j's ids), so one key names the whole prefix up to the end of its block. The head decides everything
+and block j's ids), so one key names the whole prefix up to the end of its block. With prefix_reuse rows its last,
+partial block is kept too, under a key of its own (`tail_key`); the index keeps its ids, and a later prompt that
+shares only its first c ids restores the block and uses its first c rows (a row depends only on the ids up to it). The head decides everything
 (`PrefixIndex`, used by strata/pipeline.py): which blocks the stages hold, LRU within `prefix_cache_bytes` per
 stage, and a new prompt's longest cached prefix. It tells every stage, by `KvOp` notes between prompts, to
 snapshot a prompt's full blocks after its prefill, to restore a prefix into the live cache before the next one,
@@ -42,6 +44,20 @@ def supported(args) -> str | None:
     return None
 
 
+def tail_key(prev: bytes, tail: np.ndarray) -> bytes:
+    """The key of a prompt's last, partial block (its ids after its full blocks, whose last key is `prev`; b"" for
+    none): a name of its own, never a full block's (the marker), so a chain of full blocks never reads it."""
+    return hashlib.blake2b(prev + b"tail" + np.ascontiguousarray(tail, dtype="<i4").tobytes(),
+                           digest_size=KEY_BYTES).digest()
+
+
+def common_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading ids a and b share."""
+    m = min(a.size, b.size)
+    diff = np.flatnonzero(np.asarray(a[:m]) != np.asarray(b[:m]))
+    return int(diff[0]) if diff.size else m
+
+
 def block_keys(ids: np.ndarray, block: int = BLOCK) -> list[bytes]:
     """Chain-hash keys of the full blocks of ids (a tail shorter than a block has none)."""
     ids = np.ascontiguousarray(ids, dtype="<i4")
@@ -71,7 +87,12 @@ class PrefixIndex:
 
     def __init__(self, capacity: int):
         self.capacity = max(0, capacity)
-        self.lru: OrderedDict[bytes, None] = OrderedDict()   # least recently used first
+        self.lru: OrderedDict[bytes, None] = OrderedDict()   # least recently used first (full blocks and tails)
+        # a prompt's last, partial block: under the key of the full blocks before it (b"" for none), its tail key ->
+        # its ids. Rows are causal, so a later prompt that shares only the first c of those ids may restore the
+        # block and use its first c rows.
+        self.tails: dict[bytes, dict[bytes, np.ndarray]] = {}
+        self._parent: dict[bytes, bytes] = {}  # tail key -> the key it hangs under
 
     def __len__(self) -> int:
         return len(self.lru)
@@ -88,6 +109,46 @@ class PrefixIndex:
             if k in self.lru:
                 self.lru.move_to_end(k)
 
+    def best_tail(self, prev: bytes, ids: np.ndarray) -> tuple[bytes | None, int]:
+        """The held tail under `prev` that shares the most leading ids with `ids` -> (its key, how many; (None, 0)
+        for none)."""
+        best, c = None, 0
+        for key, tail in self.tails.get(prev, {}).items():
+            n = common_length(tail, ids)
+            if n > c:
+                best, c = key, n
+        return best, c
+
+    def add_tail(self, prev: bytes, tail: np.ndarray) -> tuple[bytes | None, list[bytes]]:
+        """A prompt's last, partial block after its prefill -> (its key if it is to be snapshotted now, else None;
+        keys evicted to make room). Touched as the prompt's newest block."""
+        if not self.capacity or not tail.size:
+            return None, []
+        key = tail_key(prev, tail)
+        new = key not in self.lru
+        self.lru[key] = None
+        self.lru.move_to_end(key)
+        if new:
+            self.tails.setdefault(prev, {})[key] = np.array(tail, dtype=np.int32)
+            self._parent[key] = prev
+        evicted = self._evict()
+        return (key if new and key not in evicted else None), [k for k in evicted if k != key]
+
+    def _evict(self) -> list[bytes]:
+        evicted = []
+        while len(self.lru) > self.capacity:
+            k = self.lru.popitem(last=False)[0]
+            self._forget_tail(k)
+            evicted.append(k)
+        return evicted
+
+    def _forget_tail(self, key: bytes) -> None:
+        prev = self._parent.pop(key, None)
+        if prev is not None:
+            self.tails[prev].pop(key, None)
+            if not self.tails[prev]:
+                del self.tails[prev]
+
     def add(self, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
         """A prompt's full blocks, after its prefill -> (indices of the blocks to snapshot now, keys evicted to make
         room). A prompt longer than the capacity keeps its first `capacity` blocks."""
@@ -96,14 +157,12 @@ class PrefixIndex:
         for j in new:
             self.lru[keys[j]] = None
         self.touch(keys)
-        evicted = []
-        while len(self.lru) > self.capacity:
-            evicted.append(self.lru.popitem(last=False)[0])
-        return new, evicted
+        return new, self._evict()
 
     def discard(self, keys: list[bytes]) -> None:
         for k in keys:
             self.lru.pop(k, None)
+            self._forget_tail(k)
 
 
 def layer_caches(model, slot: int | None = None) -> list[torch.Tensor]:

@@ -76,8 +76,10 @@ def smol(tmp_path_factory):
     # decode_weights none: the reference (LocalEngine) decodes with the dense weights, and so must these stages to
     # give its bits; the C decoder's block products (8-bit activations) round otherwise and pick other tokens
     # where two logits are close (tests/test_cpu_decode.py checks it against its own reference)
+    # prefix_reuse chunks: these tests compare exact continuations, and each prompt's reuse of the live KV; with
+    # rows the prefix cache would also serve the last blocks of the module's earlier prompts (tests/test_prefix_cache.py)
     with Pipeline(dict(model="smollm2", stages=STAGES, chunk=64, max_context=1024, progress=False,
-                       decode_weights="none"),
+                       decode_weights="none", prefix_reuse="chunks"),
                   out=tmp_path_factory.mktemp("smol"), console=False) as p:
         yield p
 

@@ -40,7 +40,9 @@ def docs():
 def test_alternating_documents_come_from_the_cache_with_the_cold_bits(tmp_path, docs):
     a_doc, b_doc, q = docs
     a, b = np.concatenate([a_doc, q]), np.concatenate([b_doc, q])
-    cfg = dict(model="smollm2", stages=STAGES, chunk=256, max_context=1024, progress=False)
+    # prefix_reuse chunks: restores up to the cold chunks' boundary, the answers the cold bits (rows:
+    # tests/test_prefix_cache.py)
+    cfg = dict(model="smollm2", stages=STAGES, chunk=256, max_context=1024, progress=False, prefix_reuse="chunks")
     greedy = SamplingParams(max_tokens=6)
     with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
         runs = [p.generate(ids, greedy) for ids in (a, b, a, b)]
@@ -65,7 +67,7 @@ def test_budget_evicts_least_recently_used_blocks(tmp_path):
     oldest prompt's deepest blocks go first, and a stage never holds more than its budget."""
     args = model_args("synthetic:smoke")
     per_block = 256 * 4 * 2 * args.n_kv_heads * args.head_dim * 4  # a stage's 4 layers' k and v rows, float32
-    cfg = dict(model="synthetic:smoke", stages=STAGES, layer_split=[4, 4], chunk=256, max_context=1024,
+    cfg = dict(model="synthetic:smoke", stages=STAGES, layer_split=[4, 4], chunk=256, max_context=1024, prefix_reuse="chunks",
                progress=False, prefix_cache_bytes=4 * per_block + per_block // 2,
                prompt={"random": {"tokens": 10, "seed": 0}})
     rng = np.random.default_rng(5)
@@ -102,7 +104,7 @@ def test_kv_saved_by_one_process_loads_in_another(tmp_path, docs):
     ids.write_text(" ".join(map(str, np.concatenate([a_doc, q]))))
     rig = tmp_path / "rig.yaml"
     rig.write_text(f"model: smollm2\nstages: [{{device: cpu, threads: 1}}, {{device: cpu, threads: 1}}]\nchunk: 256\n"
-                   f"max_context: 1024\ngenerate: 8\nprogress: false\nprompt: {{ids_file: {ids}}}\n")
+                   f"max_context: 1024\ngenerate: 8\nprogress: false\nprefix_reuse: chunks\nprompt: {{ids_file: {ids}}}\n")
     kv = tmp_path / "doc.kv"
     cold = _launch(rig, tmp_path / "cold", "--kv-save", str(kv))
     assert cold.returncode == 0, cold.stderr
@@ -126,7 +128,7 @@ def test_kv_saved_by_one_process_loads_in_another(tmp_path, docs):
 
 
 def test_kv_file_refusals_through_the_api(tmp_path):
-    cfg = dict(model="synthetic:smoke", stages=STAGES, chunk=64, max_context=256, progress=False,
+    cfg = dict(model="synthetic:smoke", stages=STAGES, chunk=64, max_context=256, progress=False, prefix_reuse="chunks",
                prompt={"random": {"tokens": 100, "seed": 1}})
     with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
         with pytest.raises(KvFileError, match="^kv_save: nothing to save: no prompt has been prefilled"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from strata import kv_file
+from strata import prefix_cache as pc
 from strata import messages as M
 from strata.prefix_cache import KEY_BYTES, PrefixIndex, Snapshots, block_keys, layer_caches, row_bytes, supported
 
@@ -193,3 +194,68 @@ def test_kv_notes_validated():
         m = {**M.as_map(op), **bad}
         with pytest.raises(M.BadMessage, match=why):
             M.validate(m)
+
+
+def test_tails_are_found_by_their_shared_ids_and_evicted_with_the_lru():
+    """A prompt's last, partial block is held under the key of the full blocks before it; a later prompt finds the
+    tail sharing the most leading ids with its own (rows are causal: its first c rows serve), and eviction forgets
+    it."""
+    idx = pc.PrefixIndex(3)
+    ids = np.arange(700, dtype=np.int32)
+    keys = pc.block_keys(ids, 256)
+    assert idx.add(keys) == ([0, 1], [])
+    key, evicted = idx.add_tail(keys[1], ids[512:])
+    assert key is not None and evicted == [] and len(idx) == 3
+    assert idx.add_tail(keys[1], ids[512:]) == (None, [])  # held already: nothing to snapshot
+    other = ids.copy()
+    other[600:] += 1000
+    assert idx.best_tail(keys[1], other[512:699]) == (key, 88)   # shares ids 512..599
+    assert idx.best_tail(keys[1], ids[512:699]) == (key, 187)    # the whole of it a prompt's cap allows
+    assert idx.best_tail(keys[0], ids[256:699]) == (None, 0)     # not under another prefix
+    key2, evicted = idx.add_tail(keys[1], other[512:])           # a fourth block: the LRU one goes
+    assert key2 is not None and evicted == [keys[1]]            # (block 0 was touched last of the chain)
+    idx.discard([key])
+    assert idx.best_tail(keys[1], ids[512:699]) == (key2, 88) and len(idx) == 2
+
+
+def test_prefix_reuse_rows_restores_every_shared_row(tmp_path):
+    """prefix_reuse rows (the default), SmolLM2 on 2 CPU stages: a document asked again after another restores every
+    row but the last (its whole blocks, then its last, partial block); the same document with another question
+    restores up to where the questions part; a KV file loaded by a new pipeline serves every row but the last. Each
+    first token's logits are within float32 rounding of the cold prefill's (the rest runs in other chunks)."""
+    import inspect
+    import typing
+    from strata.checkpoint import smollm2_path
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    try:
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    rig = dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, chunk=256, max_context=1024,
+               progress=False)
+    src = inspect.getsource(typing)
+    one = SamplingParams(max_tokens=1)
+
+    def close(x, y):
+        return float(np.abs(x - y).max() / np.abs(y).max()) < 1e-4
+
+    with Pipeline(rig, out=tmp_path / "a", console=False) as p:
+        a = p.prompt_ids(src[:2600] + "\nQ: What does this code define?\nA:")
+        a2 = p.prompt_ids(src[:2600] + "\nQ: Which names does it export?\nA:")
+        b = p.prompt_ids(src[20000:22600] + "\nQ: What does this code define?\nA:")
+        cold = p.generate(a, one)
+        p.generate(b, one)
+        again = p.generate(a, one)
+        assert cold.reused_tokens == 0 and again.reused_tokens == a.size - 1 and a.size % 256
+        assert close(again.last_logits, cold.last_logits) and again.continuation_ids == cold.continuation_ids
+        p.generate(b, one)
+        shared = pc.common_length(a, a2)
+        assert 512 < shared < a2.size - 1 and shared % 256
+        assert p.generate(a2, one).reused_tokens == shared
+        p.generate(a, one)
+        p.kv_save(tmp_path / "a.kv")
+    with Pipeline(rig, out=tmp_path / "b", console=False) as q:
+        q.kv_load(tmp_path / "a.kv")
+        loaded = q.generate(a, one)
+        assert loaded.reused_tokens == a.size - 1 and close(loaded.last_logits, cold.last_logits)

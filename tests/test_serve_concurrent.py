@@ -151,7 +151,8 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
 def slotted_long(tmp_path_factory):
     _smollm2()
     from strata.engine import PipelineEngine
-    eng = PipelineEngine(LONG_RIG, out=tmp_path_factory.mktemp("slots-long"))
+    # prefix_reuse chunks: a repeat's answer has the cold bits (rows: tests/test_prefix_cache.py)
+    eng = PipelineEngine({**LONG_RIG, "prefix_reuse": "chunks"}, out=tmp_path_factory.mktemp("slots-long"))
     s = Running(eng, queue_size=4)
     yield s, eng
     s.stop()
@@ -254,11 +255,13 @@ def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
 def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
     """Pipeline.restore_slot, the driver's KV round, while another slot's prefill chunks are queued on the stages,
     and again while their results wait unread at the head: every result comes back through take_results, and both
-    sequences' first tokens are their cold ones (the restored slot prefilled from its restored prefix)."""
+    sequences' first tokens are their cold ones (the restored slot prefilled from its restored prefix, with
+    prefix_reuse chunks)."""
     _smollm2()
     from strata.pipeline import Pipeline
     from strata.sampling import SamplingParams
-    with Pipeline({**LONG_RIG, "max_seqs": 2}, out=tmp_path, console=False) as p:
+    # prefix_reuse chunks: the restore stops at the cold chunk boundary (256), so doc's first token has the cold bits
+    with Pipeline({**LONG_RIG, "max_seqs": 2, "prefix_reuse": "chunks"}, out=tmp_path, console=False) as p:
         doc, other = p.prompt_ids(DOCS[0][:1200] + QUESTION), p.prompt_ids(PROMPTS[3])
         assert doc.size > 256 and len(p.plan.schedule_for(0, other.size)) == 4
         cold = [p.generate(ids, SamplingParams(max_tokens=1)).continuation_ids[0] for ids in (doc, other)]

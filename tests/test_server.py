@@ -1321,7 +1321,8 @@ def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tm
     except Exception as e:  # noqa: BLE001
         pytest.skip(str(e))
     rig = {k: v for k, v in PIPE_RIG.items() if k != "debug"}
-    eng = PipelineEngine({**rig, "chunk": 256, "max_context": 1024}, out=tmp_path / "serve")
+    # prefix_reuse chunks: a repeat's answer has the cold bits (rows: tests/test_prefix_cache.py)
+    eng = PipelineEngine({**rig, "chunk": 256, "max_context": 1024, "prefix_reuse": "chunks"}, out=tmp_path / "serve")
     s = Running(eng)
     try:
         src = inspect.getsource(typing)
@@ -1341,7 +1342,8 @@ def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tm
     (a1, na, ca1, ta1), (b1, nb, cb1, tb1), (a2, _, ca2, ta2), (b2, _, cb2, tb2) = got
     assert ca1 == 0 and cb1 < 256  # cold: A and B share at most their first tokens
     for n, cached in ((na, ca2), (nb, cb2)):
-        # whole blocks of 256 up to the cold prefill's last chunk: the document's (~700 tokens) but its tail
+        # whole blocks of 256 up to the cold prefill's last chunk (prefix_reuse chunks): the document's (~700
+        # tokens) but its tail
         assert cached == (n - 1) // 256 * 256 >= 512, (n, cached)
     assert (a2, b2) == (a1, b1)
     # each stage's 2 GiB in blocks of 256 positions of k and v (float32) of its layers, the most layered stage's
