@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import difflib
@@ -400,18 +401,28 @@ class Worker:
                 job.emit(("error", RequestError(503, f"the engine is down: {self.broken}", type="engine_error")))
                 return
         scored: dict[int, list[Scored]] = {}  # prompt -> its tokens' scores (n > 1: scored once)
-        for seq in job.seqs:
-            if job.cancelled.is_set():
+        failed = threading.Event()
+
+        def one(seq: Seq) -> None:
+            if job.cancelled.is_set() or failed.is_set():
                 return
             with self._cond:
                 self._seqs.append(seq)
             try:
                 if not self._serve_seq(job, seq, scored):
-                    return
+                    failed.set()
             finally:
                 with self._cond:
                     self._seqs = [q for q in self._seqs if q is not seq]
-        job.emit(("end",))
+        width = min(len(job.seqs), self.concurrency)
+        if width > 1:  # an engine with max_seqs > 1: a request's choices (n, a batch of prompts) run side by side
+            with concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix="strata-choice") as pool:
+                list(pool.map(one, job.seqs))
+        else:
+            for seq in job.seqs:
+                one(seq)
+        if not (job.cancelled.is_set() or failed.is_set()):
+            job.emit(("end",))
 
     def _serve_seq(self, job: Job, seq: Seq, scored: dict[int, list[Scored]]) -> bool:
         """One choice: generate, then score what was asked; False when it failed (the error is sent)."""

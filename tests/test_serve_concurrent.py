@@ -111,6 +111,22 @@ def test_concurrent_greedy_equals_alone_and_steps_overlap(slotted):
     assert m[("strata_decode_batch_rows_max", "")] == st.most_in_batch
 
 
+def test_n_choices_run_side_by_side_and_each_is_its_request_alone(slotted):
+    """With max_seqs 4 a request's choices (n, a batch of prompts) run as sequences side by side: the driver had
+    them in the pipeline at once (most in flight), and choice j is the request alone with seed + j."""
+    s, eng = slotted
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    req = dict(model="smollm2", prompt=PROMPTS[1], max_tokens=12, temperature=0.9, seed=5)
+    alone = [client.completions.create(**{**req, "seed": 5 + j}).choices[0].text for j in range(3)]
+    before = eng.slot_stats().sequences
+    eng._slots.stats.most_in_flight = 0  # (this request's own record)
+    got = client.completions.create(**req, n=3)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == alone
+    assert len(set(alone)) > 1  # the seeds matter
+    st = eng.slot_stats()
+    assert st.sequences - before == 3 and st.most_in_flight >= 2, st
+
+
 def test_a_client_that_disconnects_frees_its_slot(slotted):
     """A stream closed after a few tokens ends its sequence (its slot is free again); another request is served."""
     s, eng = slotted
