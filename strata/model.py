@@ -705,11 +705,18 @@ class Transformer(nn.Module):
             decode = T <= DECODE_T
         return self._run(x, pos, decode)
 
+    def _embedded(self, x: torch.Tensor) -> torch.Tensor:
+        """The slice's input as residual rows: ids (1, T) embedded (the first slice), else x itself."""
+        if not self.has_embed:
+            return x
+        h = self.embed(x)
+        if self.args.embed_scale != 1.0:
+            h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)  # the scale rounded to the dtype, as gemma
+        return h
+
     def _run(self, x: torch.Tensor, pos: int, decode: bool) -> torch.Tensor:
         T = x.shape[1]
-        h = self.embed(x) if self.has_embed else x
-        if self.has_embed and self.args.embed_scale != 1.0:
-            h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)  # the scale rounded to the dtype, as gemma
+        h = self._embedded(x)
         tabs = self._tables(pos, T, h.dtype, decode, h.device)
         if decode:
             dim = h.shape[-1]
@@ -877,11 +884,9 @@ class Transformer(nn.Module):
         after another, each exactly as alone."""
         m, dim = len(slots), self.args.dim
         if self._blocks is not None and self.rope_dynamic is None:
-            h = (self.embed(x.view(1, m)) if self.has_embed else x).reshape(m, dim).float().contiguous()
-            if self.has_embed and self.args.embed_scale != 1.0:
-                h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
-            if not self.has_embed:
-                h = h.clone() if h.data_ptr() == x.data_ptr() else h  # in place: never the caller's rows
+            h = self._embedded(x.view(1, m) if self.has_embed else x).reshape(m, dim).float().contiguous()
+            if h.data_ptr() == x.data_ptr():
+                h = h.clone()  # in place: never the caller's rows
             top = max(positions) + 1
             cos, ssin = self._decode_rope(0, top, h.dtype, h.device)
             at = torch.tensor(positions, dtype=torch.long)
@@ -892,9 +897,7 @@ class Transformer(nn.Module):
             logits, best = self._blocks.logits_rows(h)
             return h, logits, best
         if self._rows_refusal() is None and self._slots:
-            h = (self.embed(x.view(1, m)) if self.has_embed else x).reshape(m, dim)
-            if self.has_embed and self.args.embed_scale != 1.0:
-                h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
+            h = self._embedded(x.view(1, m) if self.has_embed else x).reshape(m, dim)
             rows = [self._tables(p, 1, h.dtype, True, h.device) for p in positions]  # each row's own, as alone
             tabs = {kind: tuple(torch.cat([r[kind][j] for r in rows]) for j in (0, 1)) for kind in rows[0]}
             for i, blk in self.layers.items():
