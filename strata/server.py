@@ -546,26 +546,26 @@ def default_max_body(max_context: int) -> int:
     return max_context * 16 + (1 << 20)
 
 
-def _vocab_size(engine: Engine) -> int | None:
-    """The engine's vocabulary size, where it tells (token-id prompts are checked against it)."""
-    for path in (("vocab_size",), ("args", "vocab_size"), ("pipe", "plan", "args", "vocab_size")):
+def _model_id(engine: Engine, field: str) -> int | None:
+    """A token-id figure of the engine's model (`vocab_size`, `eos_id`), where the engine tells: on itself, its
+    args (LocalEngine) or its pipeline's plan (PipelineEngine)."""
+    for path in ((field,), ("args", field), ("pipe", "plan", "args", field)):
         v = engine
         for name in path:
             v = getattr(v, name, None)
         if _is_id(v):
             return v
     return None
+
+
+def _vocab_size(engine: Engine) -> int | None:
+    """The engine's vocabulary size, where it tells (token-id prompts are checked against it)."""
+    return _model_id(engine, "vocab_size")
 
 
 def _eos_id(engine: Engine) -> int | None:
     """The engine's end-of-sequence token id, where it tells."""
-    for path in (("eos_id",), ("args", "eos_id"), ("pipe", "plan", "args", "eos_id")):
-        v = engine
-        for name in path:
-            v = getattr(v, name, None)
-        if _is_id(v):
-            return v
-    return None
+    return _model_id(engine, "eos_id")
 
 
 def _firsts(seqs: list[Seq]) -> list[Seq]:
