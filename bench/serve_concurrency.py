@@ -14,6 +14,7 @@ decode-only rate (S_TG), with -npp the prompts' mean length here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import socket
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.engine import PipelineEngine  # noqa: E402
-from strata.server import make_uvicorn  # noqa: E402
+from strata.server import DEFAULT_QUEUE, make_uvicorn  # noqa: E402
 
 QUESTIONS = ["Tell me a long story about a dragon.", "Explain how a steam engine works.",
              "Write a poem about the sea.", "Describe the city of Paris in detail."]
@@ -53,16 +54,25 @@ def ask(url: str, question: str, tokens: int, prompt_tokens: list | None = None)
     return r.usage.completion_tokens
 
 
-def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, prompt_tokens: list) -> list[tuple]:
-    eng = PipelineEngine({**rig, "max_seqs": max_seqs}, out=out / f"seqs{max_seqs}")
-    uv, _ = make_uvicorn(eng, log_level="warning", queue_size=max(16, max(streams)))
+@contextlib.contextmanager
+def served(eng, queue_size: int = DEFAULT_QUEUE):
+    """eng behind `--serve`'s server (uvicorn in a thread) on a free loopback port: its URL, until the block ends."""
+    uv, _ = make_uvicorn(eng, log_level="warning", queue_size=queue_size)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     server.start()
     while not uv.started:
         time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        server.join(120)
+
+
+def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, prompt_tokens: list) -> list[tuple]:
+    eng = PipelineEngine({**rig, "max_seqs": max_seqs}, out=out / f"seqs{max_seqs}")
     stamps: list[list[float]] = []  # each generation's token times, as the engine hands them to the server
     generate = eng.generate
 
@@ -72,7 +82,7 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
         return generate(ids, params, lambda t: mine.append(time.perf_counter()) or on_token(t))
     eng.generate = timed
     rows = []
-    try:
+    with served(eng, max(16, max(streams))) as url:
         ask(url, "Hello", 4)  # warm-up: the first request's one-time costs are not decode
         for n in streams:
             del stamps[:]
@@ -92,9 +102,6 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
             made = sum(1 for s in stamps for t in s if t > begin)
             rows.append((max_seqs, n, sum(counts), wall, made / (end - begin) if end > begin else float("nan"),
                          st.most_in_flight if st else 1, st.most_in_batch if st else 1))
-    finally:
-        uv.should_exit = True
-        server.join(120)
     return rows
 
 

@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import typing
 from pathlib import Path
@@ -27,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.engine import PipelineEngine  # noqa: E402
 from strata.sampling import SamplingParams  # noqa: E402
-from strata.server import make_uvicorn  # noqa: E402
+from serve_concurrency import served  # noqa: E402 - the same server in a thread
 
 QUESTION = "\n\nQ: What does this code define?\nA:"
 
@@ -58,22 +56,11 @@ def first_token(client, prompt: str) -> tuple[float, int, int]:
 def alternating(args, out: Path) -> None:
     import openai
     eng = PipelineEngine(rig(args), out=out / "serve")
-    uv, _ = make_uvicorn(eng, log_level="warning")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    server.start()
-    while not uv.started:
-        time.sleep(0.05)
-    try:
+    with served(eng) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         first_token(client, "Hello")  # warm-up
         docs = documents(4, args.chars)
         rows = [(name, *first_token(client, d)) for name, d in zip("ABCDABCD", docs + docs)]
-    finally:
-        uv.should_exit = True
-        server.join(120)
     print(f"\n1. four documents in turn, max_seqs {args.max_seqs}, {args.stages} CPU stages x {args.threads} thread(s)")
     print(f"{'doc':>4} {'prompt':>7} {'cached':>7} {'first token s':>14} {'of cold':>8}")
     cold = {}
