@@ -32,7 +32,8 @@ DECODE_GEMV = ("auto", "cublas")
 IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
 KQUANT_KERNELS = ("bytes", "words", "dp4a")   # Q4_K / Q5_K, and Q6_K
 Q8_0_KERNELS = ("dp4a", "bytes")
-Q8_ATTENTION = ("widen", "int8")  # split-K decode attention over a q8_0 cache (strata/decode_attention.py)
+Q8_ATTENTION = ("widen", "int8", "int8x2")  # split-K decode attention over a q8_0 cache (strata/decode_attention.py;
+                                            # the order is its kernel's INT8 constexpr)
 MXFP4_KERNELS = ("dp4a", "float")
 WINDOW_KERNELS = ("flex", "band")
 
@@ -102,7 +103,8 @@ class KernelSpec:
     q8_attention: str = field(default="widen", metadata={"choices": Q8_ATTENTION})  # decode graphs' split-K over
                                    # a q8_0 cache: each tile widened to the compute dtype with float products, or
                                    # "int8": q rounded to int8 per 32 dims, scores on int8 tensor cores, V widened
-                                   # to float16 by byte permutes (~1e-2 relative error of the output)
+                                   # to float16 by byte permutes (~1e-2 relative error of the output), or
+                                   # "int8x2": q's rounding residual as a second int8 dot (~15 bits of q)
     window_attention: str = field(default="flex", metadata={"choices": WINDOW_KERNELS})  # window layers' chunk
                                    # attention: FlexAttention with the window as its block mask (CUDA, 16-bit;
                                    # elsewhere, or where it fails, the band) or the band: blocks of queries each

@@ -50,14 +50,24 @@ if triton is not None:
         return tl.reshape(tl.reshape(x, (BLOCK, HD // 32, 32)) * d[:, :, None], (BLOCK, HD))
 
     @triton.jit
-    def _int8_rows(x):
+    def _round_half_away(v):
+        return (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)  # truncation toward zero of v +- 1/2
+
+    @triton.jit
+    def _int8_rows(x, LO: tl.constexpr):
         """x (R, 32) float32 -> its int8 rounding per row, q8_0's way: q = round(x * 127 / amax) (half away from
-        zero; an all-zero row: q = 0), and the row's float32 scale amax / 127 (R,)."""
+        zero; an all-zero row: q = 0), the row's float32 scale amax / 127 (R,), and with LO the rounding's residual
+        as int8 too: lo = round((x * 127 / amax - q) * 254) (|lo| <= 127), so that q * 254 + lo is x * 254 * 127 /
+        amax to 1/2 (a 15-bit query; its scale amax / 127 / 254). Without LO, lo is q (unused)."""
         amax = tl.max(tl.abs(x), 1)
         inv = 127.0 / tl.where(amax > 0, amax, 1.0)
         v = x * inv[:, None]
-        q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32).to(tl.int8)  # truncation toward zero of v +- 1/2
-        return q, amax / 127.0
+        q = _round_half_away(v)
+        if LO:
+            lo = _round_half_away((v - q.to(tl.float32)) * 254.0)
+        else:
+            lo = q
+        return q.to(tl.int8), lo.to(tl.int8), amax / 127.0
 
     @triton.jit
     def _widen_f16(x, d, PTX: tl.constexpr):
@@ -94,11 +104,12 @@ if triton is not None:
                  sk_h, sk_s, sv_h, sv_s, span, scale, window, ring,
                  G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                  PREC: tl.constexpr, Q8: tl.constexpr, INT8: tl.constexpr, PTX: tl.constexpr):
+        # INT8: 0 (a q8_0 cache widened), 1 (kernels.q8_attention int8) or 2 (int8x2), with Q8 only
         # Q8: a q8_0 cache (strata.attention.to_q8_0): k_ptr / v_ptr its bytes as int8, ks_ptr / vs_ptr the same
         # bytes as float16 (strides in bytes); a row is HD int8 values then HD / 32 float16 scales, widened as
         # strata.attention.from_q8_0 widens it (float32 product, rounded once). Rows start at multiples of HD / 16
         # bytes (HD * 17 / 16 wide; the caller checks), which lets the values load in vectors of HD / 16 bytes.
-        # INT8 (with Q8; kernels.q8_attention int8): no widening of K. The query rows are rounded to int8 per 32
+        # INT8 1 (with Q8; kernels.q8_attention int8): no widening of K. The query rows are rounded to int8 per 32
         # dims once here (q8_0's way, as llama.cpp rounds q to q8_1 for its quantized-cache kernels), and each
         # 32-dim group g scores on the int8 tensor cores: int8 q_g . int8 k_g -> int32, exact, times q_scale[row, g]
         # (the softmax scale folded in) * k_scale[n, g], summed over the HD / 32 groups in float32. V is widened
@@ -107,6 +118,9 @@ if triton is not None:
         # the asm) rather than P per key and group (P_g = P * v_scale[:, g], a dot and an accumulator per group)
         # keeps one dot of K = BLOCK with N = HD and one accumulator instead of HD / 32 dots with N = 32 and as many
         # accumulators and P conversions; the widened values are then from_q8_0(v, float16)'s bits exactly.
+        # INT8 2 (int8x2): the query's rounding residual as a second int8 row per group (_int8_rows' lo), its dot
+        # accumulated onto 254 times the first's in int32 (|254 * 520,192 + 520,192| < 2**31): ~15 bits of q for one
+        # more int8 mma and one integer multiply per score and group (measured error: tests/test_kv_q8.py).
         h = tl.program_id(0)
         s = tl.program_id(1)
         n_split = tl.num_programs(1)
@@ -124,13 +138,15 @@ if triton is not None:
         if Q8 and INT8:
             t32 = tl.arange(0, 32)
             q8s = ()  # per 32-dim group: the rows' int8 values (GP, 32), and their scales times `scale` (GP,)
+            qlos = ()  # (INT8 2: the residuals)
             qds = ()
             for g in tl.static_range(HD // 32):
                 qg = tl.load(q_ptr + (h * G + rows)[:, None] * HD + g * 32 + t32[None, :], mask=(rows < G)[:, None],
                              other=0.0).to(tl.float32)
-                qi, qd = _int8_rows(qg)
+                qi, qlo, qd = _int8_rows(qg, INT8 == 2)
                 q8s = q8s + (qi,)
-                qds = qds + (qd * scale,)
+                qlos = qlos + (qlo,)
+                qds = qds + (qd * scale / 254.0 if INT8 == 2 else qd * scale,)
         else:
             q = tl.load(q_ptr + (h * G + rows)[:, None] * HD + dims[None, :], mask=(rows < G)[:, None], other=0.0)
         m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -147,8 +163,11 @@ if triton is not None:
                 for g in tl.static_range(HD // 32):
                     kg = tl.load(k_ptr + ko[:, None] + g * 32 + t32[None, :], mask=live[:, None], other=0)
                     kd = tl.load(ks_ptr + (ko + HD) // 2 + g, mask=live, other=0.0).to(tl.float32)
-                    # |q_g . k_g| <= 32 * 127 * 128 < 2**24: exact in int32 and in its float32
+                    # |q_g . k_g| <= 32 * 127 * 128 < 2**24: exact in int32 and in its float32 (int8x2's
+                    # 255 times that, exact in int32, rounds once to float32)
                     sg = tl.dot(q8s[g], tl.trans(kg))                                  # (GP, BLOCK) int32
+                    if INT8 == 2:
+                        sg = tl.dot(qlos[g], tl.trans(kg), sg * 254)
                     sc += sg.to(tl.float32) * (qds[g][:, None] * kd[None, :])
                 v = _q8_rows_f16(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD, PTX)  # (BLOCK, HD) float16
             else:
@@ -217,7 +236,8 @@ class SplitKAttention:
     The partial results live in buffers made once here, so the launches can be captured in a graph.
     q8: how a q8_0 cache is read (the rig's kernels.q8_attention): "widen" (each tile widened to the compute dtype,
     float products) or "int8" (the query rounded to int8 per 32 dims, scores on int8 tensor cores, V widened to
-    float16 by byte permutes; ~1e-2 relative error of the output, tests/test_kv_q8.py)."""
+    float16 by byte permutes; ~1e-2 relative error of the output, tests/test_kv_q8.py), or "int8x2" (the same with
+    the query's rounding residual as a second int8 dot: ~15 bits of q)."""
 
     def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None, num_warps: int = 4,
                  q8: str = "widen"):
@@ -264,7 +284,8 @@ class SplitKAttention:
                                      k.shape[1],
                                      G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
-                                     INT8=q8 and self.q8 == "int8", PTX=not INTERPRET, num_warps=self.num_warps)
+                                     INT8=Q8_ATTENTION.index(self.q8) if q8 else 0, PTX=not INTERPRET,
+                                     num_warps=self.num_warps)
         _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
                          GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None)
         return out

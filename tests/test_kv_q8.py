@@ -147,6 +147,122 @@ def test_q8_0_graph_body_interpreted_matches_eager():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
+# -- kernels.q8_attention int8: the query rounded to int8 per 32 dims, scores on int8 tensor cores, V widened to
+# float16 by byte permutes (strata/decode_attention.py) --------------------------------------------------------------
+if importlib.util.find_spec("triton") is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _widen_probe(x_ptr, d_ptr, out_ptr, n, BLOCK: tl.constexpr, PTX: tl.constexpr):
+        # the int8 arm's V widening on n int8 values and their float16 scales, as (BLOCK / 32, 32) tiles
+        from strata.decode_attention import _widen_f16
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        x = tl.load(x_ptr + i, mask=i < n, other=0)
+        d = tl.load(d_ptr + i, mask=i < n, other=0.0)
+        tl.store(out_ptr + i, _widen_f16(x, d, PTX), mask=i < n)
+
+
+def _widen_cases(device):
+    """Every byte value times scales from zero through float16 subnormals to large: (int8 values, float16 scales,
+    from_q8_0's float16 result for those rows)."""
+    scales = torch.tensor([0.0, 6e-8, 3e-5, 1 / 127, 0.013, 0.5, 1.0, 3.14159, 77.7, 500.0], dtype=torch.float16)
+    x = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).repeat(len(scales), 1)  # (10, 256)
+    d = scales[:, None].expand(-1, 256).contiguous()
+    rows = torch.empty(len(scales), 256 + 16, dtype=torch.uint8)  # q8_0 rows of 256 values: 8 blocks, one scale
+    rows[:, :256] = x.view(torch.uint8)
+    rows[:, 256:] = scales[:, None].expand(-1, 8).contiguous().view(torch.uint8)
+    want = from_q8_0(rows, torch.float16)
+    return x.reshape(-1).to(device), d.reshape(-1).to(device), want.reshape(-1)
+
+
+WIDEN = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tests.test_kv_q8 import _widen_cases, _widen_probe
+x, d, want = _widen_cases("cpu")
+out = torch.empty_like(d)
+_widen_probe[(-(-x.numel() // 1024),)](x, d, out, x.numel(), BLOCK=1024, PTX=False)
+assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (out - want).abs().max()
+print("ok")
+"""
+
+
+@needs_triton
+def test_q8_0_int8_arm_widens_v_to_from_q8_0s_bits_interpreted():
+    """The int8 arm's V widening (byte to float16 1024 + (x + 128), minus 1152, times the scale), in its interpreted
+    form (the integer ops standing in for the PTX): from_q8_0(..., float16)'s bits for all 256 byte values at scales
+    from 0 through float16 subnormals to 500."""
+    r = subprocess.run([sys.executable, "-c", WIDEN, str(ROOT)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+INT8_ACCURACY = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.attention import from_q8_0, to_q8_0
+from strata.decode_attention import SplitKAttention
+g = torch.Generator().manual_seed(21)
+rel = lambda a, b: float((a.double() - b).norm() / b.norm())
+out = []
+for hd in (128, 64):
+    # groups of 32 dims at magnitudes a factor 4 apart (K's outlier channels), so a scale applied to the wrong
+    # group is a large error, not a reshuffle of like values
+    mag = 4.0 ** torch.arange(hd // 32).repeat_interleave(32) / 4 ** (hd // 64)
+    for nkv, grp in ((2, 1), (2, 4), (1, 8)):
+        S = 700
+        kf = torch.randn(nkv, S, hd, generator=g) * mag
+        k8, v8 = to_q8_0(kf), to_q8_0(torch.randn(nkv, S, hd, generator=g))
+        k, v = from_q8_0(k8, torch.float32).double(), from_q8_0(v8, torch.float32).double()
+        # the same cache with the scales of K's groups 0 and 1 swapped: what a kernel that applied them to the
+        # wrong groups would read
+        bad = k8.clone()
+        bad[..., hd:hd + 2], bad[..., hd + 2:hd + 4] = k8[..., hd + 2:hd + 4], k8[..., hd:hd + 2]
+        for sharp in (1.0, 4.0):  # scores of std ~1 and ~4 (a peaked softmax)
+            q = torch.randn(nkv, grp, hd, generator=g) / mag * sharp
+            for n in (1, 64, 333, 700):  # 333: a tail that is not a multiple of BLOCK_N
+                s = q.double() @ k[:, :n].transpose(1, 2) / hd ** 0.5
+                want = torch.softmax(s, -1) @ v[:, :n]
+                int8, x2, widen = (SplitKAttention(nkv, grp, hd, S, "cpu", q8=arm) for arm in ("int8", "int8x2", "widen"))
+                nt = torch.tensor([n])
+                a, b = int8(q, k8, v8, nt), widen(q, k8, v8, nt)
+                out.append(dict(hd=hd, g=grp, sharp=sharp, n=n, int8=rel(a, want), widen=rel(b, want),
+                                int8_vs_widen=rel(a, b.double()), int8x2=rel(x2(q, k8, v8, nt), want),
+                                swapped=rel(int8(q, bad, v8, nt), want), swapped_x2=rel(x2(q, bad, v8, nt), want)))
+print(json.dumps(out))
+"""
+
+
+@needs_triton
+def test_q8_0_int8_arms_accuracy_interpreted():
+    """kernels.q8_attention int8 and int8x2 against float64 attention over the dequantized cache, through Triton's
+    interpreter: head dims 128 and 64, GQA groups 1, 4, 8, lengths 1 to 700 (333: a partial last tile), scores of
+    std ~1 and ~4 (a peaked softmax). Relative error (norm) of the output, measured (2026-12-04, this seed):
+    - int8 (q rounded to int8 per 32 dims, q8_0's way; llama.cpp rounds q to q8_1 for its quantized-cache kernels,
+      ~1e-2 is that level): 4e-3 to 5.8e-3 at std-1 scores, up to 1.9e-2 at std 4 (the error of a score grows with
+      it); bounds 1e-2 and 3e-2. At 1 key only V's float16 rounding is left: ~2e-4.
+    - int8x2 (q's residual as a second int8 dot, ~15 bits): <= 2.9e-4 everywhere, V's and P's float16 rounding;
+      bound 1e-3 (the widening arm in bfloat16 rounds V to 8 bits: ~2e-3 on a GPU).
+    - widen with a float32 query: float32-exact here (< 3e-6).
+    The same attention with K's group scales 0 and 1 swapped (the groups' magnitudes differ by 4x), what a kernel
+    that scaled one group's int32 dot by another group's scale would compute, is >= 0.22 in every case past one key:
+    7x int8's loosest bound, 200x int8x2's, so such a kernel fails here."""
+    import json
+    r = subprocess.run([sys.executable, "-c", INT8_ACCURACY, str(ROOT)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * 3 * 2 * 4
+    for row in rows:
+        assert row["widen"] < 1e-5, row
+        bound = 1e-2 if row["sharp"] == 1.0 else 3e-2
+        assert row["int8"] < bound and row["int8_vs_widen"] < bound, row
+        assert row["int8x2"] < 1e-3, row
+        if row["n"] > 1:
+            assert row["swapped"] > 0.2 and row["swapped_x2"] > 0.2, row
+
+
 def test_q8_0_pipeline_depth_arms_identical_and_close_to_float32(tmp_path):
     from strata.pipeline import Pipeline
     stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
