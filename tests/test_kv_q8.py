@@ -125,7 +125,7 @@ args = ModelArgs(**{**SMALL.__dict__, "n_heads": 4, "head_dim": 32})  # q8_0: bl
 eager, body = build(args, 600, "q8_0"), build(args, 600, "q8_0")
 dg = DecodeGraphs(body)
 assert dg.use_split_k and dg.fused and body.layers["0"].attn.k_cache.dtype == Q8_0
-xs = torch.randint(0, args.vocab_size, (1, 530), generator=torch.Generator().manual_seed(9))
+xs = torch.randint(0, args.vocab_size, (1, 533), generator=torch.Generator().manual_seed(9))
 eager(xs[:, :500], 0), body(xs[:, :500], 0)
 with torch.inference_mode():
     for p in range(500, 530):
@@ -134,6 +134,17 @@ with torch.inference_mode():
         dg.pos.fill_(p)
         h, logits, am = dg._body(dg.bucket(p))
         assert rel(h, a) < 1e-5, (p, rel(h, a))
+    # kernels.q8_attention reaches the graphs' split-K: int8x2 (the query in int8 dots) close to the eager path
+    from strata.config import KernelSpec
+    body.set_kernels(KernelSpec(q8_attention="int8x2"))
+    dg = DecodeGraphs(body)
+    assert dg._attention(dg.bucket(530)).q8 == "int8x2"
+    for p in range(530, 533):
+        a = eager(xs[:, p:p + 1], p)
+        dg.ids.copy_(xs[:, p:p + 1].reshape(-1))
+        dg.pos.fill_(p)
+        h, logits, am = dg._body(dg.bucket(p))
+        assert 0 < rel(h, a) < 1e-3, (p, rel(h, a))
 print("ok")
 """
 
@@ -141,7 +152,8 @@ print("ok")
 @needs_triton
 def test_q8_0_graph_body_interpreted_matches_eager():
     """DecodeGraphs' step on a q8_0 cache (the fused rope-and-quantize store, split-K on the blocks) == the eager
-    decode path (to_cache, from_cache), float32."""
+    decode path (to_cache, from_cache), float32; with kernels.q8_attention int8x2, its graphs' split-K takes that arm
+    and stays close (its float16 V and int8 query are not float32's bits)."""
     r = subprocess.run([sys.executable, "-c", GRAPH_BODY, str(ROOT)], env=dict(os.environ, TRITON_INTERPRET="1"),
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
@@ -153,10 +165,11 @@ if importlib.util.find_spec("triton") is not None:
     import triton
     import triton.language as tl
 
+    from strata.decode_attention import _widen_f16
+
     @triton.jit
     def _widen_probe(x_ptr, d_ptr, out_ptr, n, BLOCK: tl.constexpr, PTX: tl.constexpr):
         # the int8 arm's V widening on n int8 values and their float16 scales, as (BLOCK / 32, 32) tiles
-        from strata.decode_attention import _widen_f16
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
         x = tl.load(x_ptr + i, mask=i < n, other=0)
         d = tl.load(d_ptr + i, mask=i < n, other=0.0)
@@ -324,6 +337,50 @@ def test_q8_0_on_cuda_widen_and_split_k():
         out = SplitKAttention(nkv, grp, hd, S, "cuda")(q, k8, v8, torch.tensor([n], device="cuda"))
         err = float((out.double() - want).norm() / want.norm())
         assert err < 1e-2, (S, n, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_triton
+def test_q8_0_int8_arms_on_cuda_8b_shapes_and_graph():
+    """On the GPU, with the inline PTX: the V widening gives from_q8_0(..., float16)'s bits for all 256 bytes; the
+    int8 and int8x2 arms at 8B shapes (8 kv heads of 4 rows, head dim 128, bfloat16 q) are close to float64 attention
+    over the dequantized cache and to the widen arm, over 1,500 of 2,048 keys (a partial tile) and 32,768; a CUDA
+    graph captured once replays each arm at other lengths and queries with the eager call's bits."""
+    from strata.decode_attention import SplitKAttention
+    x, d, want = _widen_cases("cuda")
+    out = torch.empty_like(d)
+    _widen_probe[(-(-x.numel() // 1024),)](x, d, out, x.numel(), BLOCK=1024, PTX=True)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
+    g = torch.Generator().manual_seed(12)
+    nkv, grp, hd = 8, 4, 128
+    for S, n in [(2048, 1500), (32768, 32768)]:
+        k8, v8 = (to_q8_0(torch.randn(nkv, S, hd, generator=g)).cuda() for _ in range(2))
+        q = torch.randn(nkv, grp, hd, generator=g).cuda().bfloat16()
+        k, v = from_q8_0(k8, torch.float32).double(), from_q8_0(v8, torch.float32).double()
+        ref = torch.softmax(q.double() @ k[:, :n].transpose(1, 2) / hd ** 0.5, -1) @ v[:, :n]
+        nt = torch.tensor([n], device="cuda")
+        widen = SplitKAttention(nkv, grp, hd, S, "cuda")(q, k8, v8, nt)
+        assert rel(widen, ref) < 1e-2
+        # bounds: the output's bfloat16 rounding (~2e-3) plus int8's query rounding (~6e-3 at these std-1 scores)
+        for arm, bound in (("int8", 2e-2), ("int8x2", 1e-2)):
+            att = SplitKAttention(nkv, grp, hd, S, "cuda", q8=arm)
+            got = att(q, k8, v8, nt)
+            assert rel(got, ref) < bound and rel(got, widen.double()) < bound, (S, arm, rel(got, ref))
+            qb, nb, ob = q.clone(), torch.tensor([1], device="cuda"), torch.empty_like(q)
+            att(qb, k8, v8, nb, ob)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                att(qb, k8, v8, nb, ob)
+            for n2 in (777, S):
+                q2 = torch.randn(nkv, grp, hd, generator=g).cuda().bfloat16()
+                qb.copy_(q2)
+                nb.fill_(n2)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(ob, att(q2, k8, v8, torch.tensor([n2], device="cuda"))), (S, arm, n2)
 
 
 @pytest.mark.parametrize("kv", [Q8_0, torch.float8_e4m3fn])
