@@ -4,7 +4,9 @@ of its arms (kernels.q8_attention: widen, int8, int8x2), for a few split counts 
 launch pair takes (CUDA events over --reps back-to-back launches, no L2 flush: at 122,880 keys the caches, 0.50 GB
 bf16 and 0.27 GB q8_0 for K and V, are 5-10x the H200's 50 MB L2, so each launch streams them from HBM; shorter
 --keys would be partly L2-resident), the cache bytes a microsecond streams, and the output's relative error to float64 attention
-over the same cache (a q8_0 cache dequantized). Prints one row per setting.
+over the same cache (a q8_0 cache dequantized). Prints one row per setting: the bf16 cache and the widen arm at
+64, 128 and 256 ranges and 4 or 8 warps (as timed before, 2026-12-03); the int8 arms also at tiles of 64 and 128
+keys and Triton's default pipelining depth or 2 stages (less shared memory a program: more programs an SM).
 
     python bench/splitk.py --keys 122880
 """
@@ -47,36 +49,39 @@ def main() -> int:
             "q8_0": reference(q, from_q8_0(k8, torch.float32), from_q8_0(v8, torch.float32))}
     n = torch.tensor([S], device=dev)
     ref = None
-    print("| cache | arm | splits | warps | us per layer | GB/s of cache | rel. error to float64 | "
+    print("| cache | arm | splits | warps | block | stages | us per layer | GB/s of cache | rel. error to float64 | "
           "max abs diff to bf16 splits 64 warps 4 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     runs = [("bfloat16", kf, vf, "-")] + [("q8_0", k8, v8, arm) for arm in a.arms.split(",")]
     for name, k, v, arm in runs:
-        for splits in (64, 128, 256):
-            for warps in (4, 8):
-                att = SplitKAttention(nkv, g, hd, S, dev, splits=splits, num_warps=warps,
-                                      q8=arm if name == "q8_0" else "widen")
-                out = torch.empty_like(q)
-                try:
-                    att(q, k, v, n, out)
-                    torch.cuda.synchronize()
-                except Exception as e:  # a setting the compiler refuses
-                    print(f"| {name} | {arm} | {att.splits} | {warps} | failed: {type(e).__name__}: {str(e)[:200]} "
-                          f"| | | |")
-                    continue
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                for _ in range(a.reps):
-                    att(q, k, v, n, out)
-                t1.record()
+        int8 = arm.startswith("int8")
+        settings = [(splits, warps, block, stages) for splits in ((128, 256) if int8 else (64, 128, 256))
+                    for warps in (4, 8) for block in ((64, 128) if int8 else (64,))
+                    for stages in ((None, 2) if int8 else (None,))]
+        for splits, warps, block, stages in settings:
+            att = SplitKAttention(nkv, g, hd, S, dev, splits=splits, num_warps=warps,
+                                  q8=arm if name == "q8_0" else "widen", block=block, num_stages=stages)
+            out = torch.empty_like(q)
+            cells = f"| {name} | {arm} | {att.splits} | {warps} | {block} | {stages or 'default'} |"
+            try:
+                att(q, k, v, n, out)
                 torch.cuda.synchronize()
-                us = t0.elapsed_time(t1) * 1000 / a.reps
-                if ref is None:
-                    ref = out.float().clone()
-                err = float((out.double() - want[name]).norm() / want[name].norm())
-                nbytes = k.numel() * k.element_size() * 2
-                print(f"| {name} | {arm} | {att.splits} | {warps} | {us:.1f} | {nbytes / us / 1e3:,.0f} | {err:.2e} | "
-                      f"{float((out.float() - ref).abs().max()):.3g} |", flush=True)
+            except Exception as e:  # a setting the compiler refuses
+                print(f"{cells} failed: {type(e).__name__}: {str(e)[:200]} | | | |")
+                continue
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            for _ in range(a.reps):
+                att(q, k, v, n, out)
+            t1.record()
+            torch.cuda.synchronize()
+            us = t0.elapsed_time(t1) * 1000 / a.reps
+            if ref is None:
+                ref = out.float().clone()
+            err = float((out.double() - want[name]).norm() / want[name].norm())
+            nbytes = k.numel() * k.element_size() * 2
+            print(f"{cells} {us:.1f} | {nbytes / us / 1e3:,.0f} | {err:.2e} | "
+                  f"{float((out.float() - ref).abs().max()):.3g} |", flush=True)
     return 0
 
 

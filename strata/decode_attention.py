@@ -236,11 +236,13 @@ class SplitKAttention:
     The partial results live in buffers made once here, so the launches can be captured in a graph.
     q8: how a q8_0 cache is read (the rig's kernels.q8_attention): "widen" (each tile widened to the compute dtype,
     float products) or "int8" (the query rounded to int8 per 32 dims, scores on int8 tensor cores, V widened to
-    float16 by byte permutes; ~1e-2 relative error of the output, tests/test_kv_q8.py), or "int8x2" (the same with
-    the query's rounding residual as a second int8 dot: ~15 bits of q)."""
+    float16 by byte permutes; 4e-3 to 2e-2 relative error of the output, tests/test_kv_q8.py), or "int8x2" (the same
+    with the query's rounding residual as a second int8 dot, ~15 bits of q: ~3e-4)."""
 
     def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None, num_warps: int = 4,
-                 q8: str = "widen"):
+                 q8: str = "widen", block: int = BLOCK_N, num_stages: int | None = None):
+        """block (keys a tile) and num_stages (Triton's software pipelining; None: its default): launch settings
+        bench/splitk.py sweeps; the decode graphs take the defaults."""
         if triton is None:
             raise RuntimeError("split-K decode attention needs Triton")
         if hd & (hd - 1):
@@ -248,9 +250,10 @@ class SplitKAttention:
         if q8 not in Q8_ATTENTION:
             raise ValueError(f"q8={q8!r}: one of {', '.join(Q8_ATTENTION)}")
         self.nkv, self.g, self.hd, self.num_warps, self.q8 = nkv, g, hd, num_warps, q8
+        self.block, self.stages = block, ({} if num_stages is None else {"num_stages": num_stages})
         self.gp = max(16, 1 << (g - 1).bit_length())  # tl.dot wants >= 16 rows; the padding rows are zeros
         self.splits = splits or n_splits(keys)
-        self.span = BLOCK_N * math.ceil(keys / self.splits / BLOCK_N)
+        self.span = block * math.ceil(keys / self.splits / block)
         self.splits = math.ceil(keys / self.span)
         shape = (nkv, self.splits, self.gp)
         self.m = torch.empty(shape, dtype=torch.float32, device=device)
@@ -282,10 +285,10 @@ class SplitKAttention:
                                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), self.span,
                                      1.0 / math.sqrt(hd) if scale is None else scale, window if window > 0 else 1 << 30,
                                      k.shape[1],
-                                     G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
+                                     G=g, GP=self.gp, HD=hd, BLOCK=self.block,
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
                                      INT8=Q8_ATTENTION.index(self.q8) if q8 else 0, PTX=not INTERPRET,
-                                     num_warps=self.num_warps)
+                                     num_warps=self.num_warps, **self.stages)
         _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
                          GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None)
         return out

@@ -233,8 +233,9 @@ def test_prefill_and_decode_kernels_compile_for_sm90(name):
     assert ".target sm_90" in ptx(fn, sig, constexprs)
 
 
-@pytest.mark.parametrize("hd,g,int8", [(128, 4, 1), (128, 4, 2), (64, 8, 1), (256, 2, 2)])
-def test_split_k_q8_int8_arm_compiles_for_sm90(hd, g, int8):
+@pytest.mark.parametrize("hd,g,int8,block,stages", [(128, 4, 1, 64, 3), (128, 4, 2, 64, 3), (64, 8, 1, 64, 3),
+                                                    (256, 2, 2, 64, 3), (128, 4, 2, 128, 2)])
+def test_split_k_q8_int8_arm_compiles_for_sm90(hd, g, int8, block, stages):
     """kernels.q8_attention int8 (INT8 1) and int8x2 (2): the q8_0 partial kernel scores on int8 tensor cores (mma s8 x s8 -> s32) and widens
     V by the inline asm's byte permutes and packed float16 subtract / multiply, with no int8-to-float cvt left;
     pointers and the strides Triton specializes marked 16-byte divisible as a CUDA launch gives them (without that
@@ -245,14 +246,15 @@ def test_split_k_q8_int8_arm_compiles_for_sm90(hd, g, int8):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in (
         "sk_h", "sv_h", "span")}
     for use_ptx in (True, False):
-        c = {**constexprs, "G": g, "HD": hd, "INT8": int8, "PTX": use_ptx}
+        c = {**constexprs, "G": g, "HD": hd, "INT8": int8, "PTX": use_ptx, "BLOCK": block}
         try:
             code = triton.compile(ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in c}}, constexprs=c,
-                                            attrs=attrs), target=SM90).asm["ptx"]
+                                            attrs=attrs), target=SM90, options={"num_stages": stages}).asm["ptx"]
         except FileNotFoundError as e:
             pytest.skip(f"no CUDA toolchain in this Triton: {e}")
         mma = "mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32"
-        assert ".target sm_90" in code and code.count(mma) == int8 * hd // 32 * 2  # 2 n-tiles of 8 a warp
+        # 4 warps side by side over the tile's keys, n-tiles of 8 keys: block / 32 mma a group a warp
+        assert ".target sm_90" in code and code.count(mma) == int8 * hd // 32 * block // 32
         assert "cvt.rn.f32.s8" not in code and "cvt.rn.f32.s16" not in code and "cvt.s16.s8" not in code
         asm = ("prmt.b32 ", "sub.f16x2", "mul.rn.f16x2")
         assert all(a in code for a in asm) == use_ptx and any(a in code for a in asm[1:]) == use_ptx
