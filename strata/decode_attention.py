@@ -118,6 +118,8 @@ if triton is not None:
         # the asm) rather than P per key and group (P_g = P * v_scale[:, g], a dot and an accumulator per group)
         # keeps one dot of K = BLOCK with N = HD and one accumulator instead of HD / 32 dots with N = 32 and as many
         # accumulators and P conversions; the widened values are then from_q8_0(v, float16)'s bits exactly.
+        # (float16's range: a V value beyond +-65,504 would be inf here, where the widening arm's bf16 holds it;
+        # the q8_0 scale itself is a float16, and Llama-family values sit far inside that.)
         # INT8 2 (int8x2): the query's rounding residual as a second int8 row per group (_int8_rows' lo), its dot
         # accumulated onto 254 times the first's in int32 (|254 * 520,192 + 520,192| < 2**31): ~15 bits of q for one
         # more int8 mma and one integer multiply per score and group (measured error: tests/test_kv_q8.py).
