@@ -76,9 +76,12 @@ if triton is not None:
         conversion. Each byte, its sign bit flipped (x + 128, 0..255), becomes the low byte of a float16 whose high
         byte is 0x64: 1024 + (x + 128), exact (1024's ulp is 1); minus 1152 gives x, exact; times d rounds once.
         On CUDA one asm block does 4 values: the xor on the packed word, 2 byte permutes (prmt) build the two
-        words of 2 float16 each, then a packed subtract and a packed multiply per word (7 instructions for 4
-        values, against 4 cvt.f32.s8, 4 multiplies and 4 cvt.rn.bf16.f32 in the widening arm). Under the interpreter,
-        the same bits by integer ops and a bitcast."""
+        words of 2 float16 each, then a packed subtract and a packed multiply per word (7 instructions and the
+        constant's mov for 4 values, against cvt.s16.s8, cvt.rn.f32.s16, a multiply and a cvt.rn.bf16.f32 per value
+        in the widening arm's sm_90 PTX). Under the interpreter, the same bits by integer ops and a bitcast.
+        Not marked pure: marked pure, Triton moved V's layout conversion (to the P @ V operand) ahead of it and
+        gathered each asm's 4 bytes from shared memory one at a time (64 ld.shared.b8 a tile a thread); unmarked,
+        it widens in the load's layout and the float16 tile is transposed by ldmatrix.trans."""
         if PTX:
             return tl.inline_asm_elementwise(
                 "{ .reg .b32 a, c; xor.b32 a, $2, 0x80808080; mov.b32 c, 0x64806480; "

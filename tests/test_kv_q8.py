@@ -243,6 +243,14 @@ for hd in (128, 64):
                 out.append(dict(hd=hd, g=grp, sharp=sharp, n=n, int8=rel(a, want), widen=rel(b, want),
                                 int8_vs_widen=rel(a, b.double()), int8x2=rel(x2(q, k8, v8, nt), want),
                                 swapped=rel(int8(q, bad, v8, nt), want), swapped_x2=rel(x2(q, bad, v8, nt), want)))
+# a window layer's ring (position p in row p % S, the last 300 positions of 1,000): the int8 arms read the same rows
+# as the widening arm, with a scale given
+k8, v8 = (to_q8_0(torch.randn(2, 384, 64, generator=g)) for _ in range(2))
+q = torch.randn(2, 4, 64, generator=g)
+ring = {arm: SplitKAttention(2, 4, 64, 300, "cpu", q8=arm)(q, k8, v8, torch.tensor([1000]), scale=0.2, window=300)
+        for arm in ("widen", "int8", "int8x2")}
+out.append(dict(ring=True, int8=rel(ring["int8"], ring["widen"].double()),
+                int8x2=rel(ring["int8x2"], ring["widen"].double())))
 print(json.dumps(out))
 """
 
@@ -251,7 +259,8 @@ print(json.dumps(out))
 def test_q8_0_int8_arms_accuracy_interpreted():
     """kernels.q8_attention int8 and int8x2 against float64 attention over the dequantized cache, through Triton's
     interpreter: head dims 128 and 64, GQA groups 1, 4, 8, lengths 1 to 700 (333: a partial last tile), scores of
-    std ~1 and ~4 (a peaked softmax). Relative error (norm) of the output, measured (2026-12-04, this seed):
+    std ~1 and ~4 (a peaked softmax); and a window layer's ring against the widening arm. Relative error (norm) of
+    the output, measured (2026-12-04, this seed):
     - int8 (q rounded to int8 per 32 dims, q8_0's way; llama.cpp rounds q to q8_1 for its quantized-cache kernels,
       ~1e-2 is that level): 4e-3 to 5.8e-3 at std-1 scores, up to 1.9e-2 at std 4 (the error of a score grows with
       it); bounds 1e-2 and 3e-2. At 1 key only V's float16 rounding is left: ~2e-4.
@@ -266,6 +275,8 @@ def test_q8_0_int8_arms_accuracy_interpreted():
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(r.stdout.strip().splitlines()[-1])
+    ring = rows.pop()
+    assert ring["int8"] < 1e-2 and ring["int8x2"] < 1e-3, ring
     assert len(rows) == 2 * 3 * 2 * 4
     for row in rows:
         assert row["widen"] < 1e-5, row
