@@ -276,7 +276,7 @@ def test_q8_0_int8_arms_accuracy_interpreted():
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     ring = rows.pop()
-    assert ring["int8"] < 1e-2 and ring["int8x2"] < 1e-3, ring
+    assert ring["int8"] < 2e-2 and ring["int8x2"] < 1e-3, ring  # (measured 9.0e-3 and 2.5e-4: scale 0.2, sharper)
     assert len(rows) == 2 * 3 * 2 * 4
     for row in rows:
         assert row["widen"] < 1e-5, row
