@@ -3,10 +3,11 @@ of 4 query rows, head dim 128) over a cache of --keys positions, with a bfloat16
 of its arms (kernels.q8_attention: widen, int8, int8x2), for a few split counts and warps per program; the time a
 launch pair takes (CUDA events over --reps back-to-back launches, no L2 flush: at 122,880 keys the caches, 0.50 GB
 bf16 and 0.27 GB q8_0 for K and V, are 5-10x the H200's 50 MB L2, so each launch streams them from HBM; shorter
---keys would be partly L2-resident), the cache bytes a microsecond streams, and the output's relative error to float64 attention
-over the same cache (a q8_0 cache dequantized). Prints one row per setting: the bf16 cache and the widen arm at
-64, 128 and 256 ranges and 4 or 8 warps (as timed before, 2026-12-03); the int8 arms also at tiles of 64 and 128
-keys and Triton's default pipelining depth or 2 stages (less shared memory a program: more programs an SM).
+--keys would be partly L2-resident), the cache bytes a microsecond streams, and the output's relative error to
+float64 attention over the same cache (a q8_0 cache dequantized). Prints one row per setting: the bf16 cache and the
+widen arm at 64, 128 and 256 ranges and 4 or 8 warps (as timed before, 2026-12-03); the int8 arms at 128 and 256
+ranges, 4 or 8 warps, tiles of 64 and 128 keys and Triton's default pipelining depth or 2 stages (less shared
+memory a program: more programs an SM).
 
     python bench/splitk.py --keys 122880
 """

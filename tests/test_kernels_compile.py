@@ -236,13 +236,15 @@ def test_prefill_and_decode_kernels_compile_for_sm90(name):
 @pytest.mark.parametrize("hd,g,int8,block,stages", [(128, 4, 1, 64, 3), (128, 4, 2, 64, 3), (64, 8, 1, 64, 3),
                                                     (256, 2, 2, 64, 3), (128, 4, 2, 128, 2)])
 def test_split_k_q8_int8_arm_compiles_for_sm90(hd, g, int8, block, stages):
-    """kernels.q8_attention int8 (INT8 1) and int8x2 (2): the q8_0 partial kernel scores on int8 tensor cores (mma s8 x s8 -> s32) and widens
-    V by the inline asm's byte permutes and packed float16 subtract / multiply, with no int8-to-float cvt left;
-    pointers and the strides Triton specializes marked 16-byte divisible as a CUDA launch gives them (without that
-    the values load byte by byte). PTX off (the interpreter's emulation) compiles too, without the asm."""
-    from strata import decode_attention as da
+    """kernels.q8_attention int8 (INT8 1) and int8x2 (2): the q8_0 partial kernel scores on int8 tensor cores (mma
+    s8 x s8 -> s32) and widens V by the inline asm's byte permutes and packed float16 subtract / multiply, with no
+    int8-to-float cvt left; pointers and the strides Triton specializes marked 16-byte divisible as a CUDA launch
+    gives them (without that the values load byte by byte). PTX off (the interpreter's emulation) compiles too,
+    without the asm. Also a tile of 128 keys with 2 stages (bench/splitk.py's sweep). No byte-wise shared-memory
+    loads: the asm widens V in its load's layout (were it marked pure, Triton would gather its bytes one at a
+    time after converting V's int8 tile to the dot's layout: strata/decode_attention.py's _widen_f16)."""
     fn, sig, constexprs = _kernel_cases()["split_k_partial_q8"]
-    names = list(sig) + [c for c in constexprs]
+    names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in (
         "sk_h", "sv_h", "span")}
     for use_ptx in (True, False):
@@ -258,3 +260,4 @@ def test_split_k_q8_int8_arm_compiles_for_sm90(hd, g, int8, block, stages):
         assert "cvt.rn.f32.s8" not in code and "cvt.rn.f32.s16" not in code and "cvt.s16.s8" not in code
         asm = ("prmt.b32 ", "sub.f16x2", "mul.rn.f16x2")
         assert all(a in code for a in asm) == use_ptx and any(a in code for a in asm[1:]) == use_ptx
+        assert not use_ptx or "ld.shared.b8" not in code

@@ -237,7 +237,8 @@ for hd in (128, 64):
             for n in (1, 64, 333, 700):  # 333: a tail that is not a multiple of BLOCK_N
                 s = q.double() @ k[:, :n].transpose(1, 2) / hd ** 0.5
                 want = torch.softmax(s, -1) @ v[:, :n]
-                int8, x2, widen = (SplitKAttention(nkv, grp, hd, S, "cpu", q8=arm) for arm in ("int8", "int8x2", "widen"))
+                int8, x2, widen = (SplitKAttention(nkv, grp, hd, S, "cpu", q8=arm)
+                                   for arm in ("int8", "int8x2", "widen"))
                 nt = torch.tensor([n])
                 a, b = int8(q, k8, v8, nt), widen(q, k8, v8, nt)
                 out.append(dict(hd=hd, g=grp, sharp=sharp, n=n, int8=rel(a, want), widen=rel(b, want),
