@@ -2,7 +2,9 @@
 # kv_dtype q8_0 on one H200 (issue 26 item 1): setup (wheels, llama.cpp's CUDA build in the background, the 8B Q4_K_M
 # random-block file) and the GPU tests of the 8-bit caches; then `time`: decode after 122,880 tokens with a bfloat16
 # and a q8_0 cache (CUDA graphs, the default), their prefill (ttft) of the same prompt, and llama.cpp's decode after
-# the same depth with its f16 and q8_0 caches, on the same file. Usage: bash bench/device_kv8.sh setup tests | time
+# the same depth with its f16 and q8_0 caches, on the same file; `splitk`: split-K alone over 122,880 keys, bf16 and
+# each q8_0 arm (bench/splitk.py); `arms`: the q8_0 decode after 122,880 with kernels.q8_attention int8 and int8x2
+# (the `time` step's q8_0 row is the default, widen). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -25,5 +27,14 @@ time)
   el "llama.cpp, the same file: f16 and q8_0 caches"
   [ -x "$LB" ] && timeout 240 python3 bench/generate.py --model /tmp/8b-q4km.gguf --devices cuda:0 --contexts 122880 \
     --tokens 128 --llama-only --llama-bench "$LB" --llama-kv f16,q8_0 2>&1 | tail -3 ;;
+splitk)
+  el "split-K alone: bf16, q8_0 widen / int8 / int8x2, 122,880 keys (bench/splitk.py)"
+  timeout 200 python3 bench/splitk.py --keys 122880 2>&1 | tail -30 ;;
+arms)
+  for arm in int8 int8x2; do
+    el "Strata 8B Q4_K_M, 1 GPU: q8_0 cache, kernels.q8_attention $arm, decode after 122,880"
+    [ -f /tmp/8b-q4km.gguf ] && STRATA_Q8_ATTENTION=$arm timeout 180 python3 bench/generate.py --model /tmp/8b-q4km.gguf \
+      --devices cuda:0 --contexts 122880 --tokens 128 --chunk 10240 --kv-dtype q8_0 2>&1 | tail -2
+  done ;;
 esac; done
 el end

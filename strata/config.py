@@ -34,6 +34,8 @@ DECODE_GEMV = ("auto", "cublas")
 IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
 KQUANT_KERNELS = ("bytes", "words", "dp4a")   # Q4_K / Q5_K, and Q6_K
 Q8_0_KERNELS = ("dp4a", "bytes")
+Q8_ATTENTION = ("widen", "int8", "int8x2")  # split-K decode attention over a q8_0 cache (strata/decode_attention.py;
+                                            # the order is its kernel's INT8 constexpr)
 MXFP4_KERNELS = ("dp4a", "float")
 WINDOW_KERNELS = ("flex", "band")
 
@@ -100,6 +102,11 @@ class KernelSpec:
     gemv_mxfp4: str = field(default="dp4a", metadata={"choices": MXFP4_KERNELS})    # resident MXFP4 experts
                                    # (gpt-oss): aligned words, nibbles to int8 by byte permutes, int8 x by dp4a
                                    # (the stacks re-laid at load), or float x and float32 products per value
+    q8_attention: str = field(default="widen", metadata={"choices": Q8_ATTENTION})  # decode graphs' split-K over
+                                   # a q8_0 cache: each tile widened to the compute dtype with float products, or
+                                   # "int8": q rounded to int8 per 32 dims, scores on int8 tensor cores, V widened
+                                   # to float16 by byte permutes (~1e-2 relative error of the output), or
+                                   # "int8x2": q's rounding residual as a second int8 dot (~15 bits of q)
     window_attention: str = field(default="flex", metadata={"choices": WINDOW_KERNELS})  # window layers' chunk
                                    # attention: FlexAttention with the window as its block mask (CUDA, 16-bit;
                                    # elsewhere, or where it fails, the band) or the band: blocks of queries each
@@ -121,6 +128,7 @@ ENV_KERNELS = {
     "STRATA_GEMV_Q6K": ("gemv_q6k", {v: v for v in KQUANT_KERNELS}),
     "STRATA_GEMV_Q8_0": ("gemv_q8_0", {v: v for v in Q8_0_KERNELS}),
     "STRATA_GEMV_MXFP4": ("gemv_mxfp4", {v: v for v in MXFP4_KERNELS}),
+    "STRATA_Q8_ATTENTION": ("q8_attention", {v: v for v in Q8_ATTENTION}),
     "STRATA_WINDOW_ATTENTION": ("window_attention", {v: v for v in WINDOW_KERNELS}),
     "STRATA_DECODE_BELLS": ("decode_bells", {"auto": "auto", "0": False, "1": True}),
     "STRATA_DECODE_AHEAD": ("decode_ahead", {"auto": "auto", "0": False}),

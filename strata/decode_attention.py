@@ -10,10 +10,12 @@ depends on the cache buffer only, so one captured graph serves every length up t
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from .attention import Q8_0, cache_width
+from .config import Q8_ATTENTION
 
 try:
     import triton
@@ -23,6 +25,8 @@ except ImportError:  # CPU-only installs: the callers keep their torch path
 
 BLOCK_N = 64       # keys per tile
 KEYS_PER_SPLIT = 128  # at least this many keys per range: fewer ranges for short caches
+# the int8 arm's inline PTX runs on CUDA only; the interpreter (CPU tests) takes its integer-op emulation
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available() -> bool:
@@ -46,14 +50,82 @@ if triton is not None:
         return tl.reshape(tl.reshape(x, (BLOCK, HD // 32, 32)) * d[:, :, None], (BLOCK, HD))
 
     @triton.jit
+    def _round_half_away(v):
+        return (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)  # truncation toward zero of v +- 1/2
+
+    @triton.jit
+    def _int8_rows(x, LO: tl.constexpr):
+        """x (R, 32) float32 -> its int8 rounding per row, q8_0's way: q = round(x * 127 / amax) (half away from
+        zero; an all-zero row: q = 0), the row's float32 scale amax / 127 (R,), and with LO the rounding's residual
+        as int8 too: lo = round((x * 127 / amax - q) * 254) (|lo| <= 127), so that q * 254 + lo is x * 254 * 127 /
+        amax to 1/2 (a 15-bit query; its scale amax / 127 / 254). Without LO, lo is q (unused)."""
+        amax = tl.max(tl.abs(x), 1)
+        inv = 127.0 / tl.where(amax > 0, amax, 1.0)
+        v = x * inv[:, None]
+        q = _round_half_away(v)
+        if LO:
+            lo = _round_half_away((v - q.to(tl.float32)) * 254.0)
+        else:
+            lo = q
+        return q.to(tl.int8), lo.to(tl.int8), amax / 127.0
+
+    @triton.jit
+    def _widen_f16(x, d, PTX: tl.constexpr):
+        """int8 values x times their float16 scales d (same shape) -> float16, rounded once: the bits of
+        strata.attention.from_q8_0(..., float16) (the int8 * float16 product is exact in float32), with no int-to-float
+        conversion. Each byte, its sign bit flipped (x + 128, 0..255), becomes the low byte of a float16 whose high
+        byte is 0x64: 1024 + (x + 128), exact (1024's ulp is 1); minus 1152 gives x, exact; times d rounds once.
+        On CUDA one asm block does 4 values: the xor on the packed word, 2 byte permutes (prmt) build the two
+        words of 2 float16 each, then a packed subtract and a packed multiply per word (7 instructions and the
+        constant's mov for 4 values, against cvt.s16.s8, cvt.rn.f32.s16, a multiply and a cvt.rn.bf16.f32 per value
+        in the widening arm's sm_90 PTX). Under the interpreter, the same bits by integer ops and a bitcast.
+        Not marked pure: marked pure, Triton moved V's layout conversion (to the P @ V operand) ahead of it and
+        gathered each asm's 4 bytes from shared memory one at a time (64 ld.shared.b8 a tile a thread); unmarked,
+        it widens in the load's layout and the float16 tile is transposed by ldmatrix.trans."""
+        if PTX:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 a, c; xor.b32 a, $2, 0x80808080; mov.b32 c, 0x64806480; "
+                "prmt.b32 $0, a, 0x64646464, 0x5150; prmt.b32 $1, a, 0x64646464, 0x5352; "
+                "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; mul.rn.f16x2 $0, $0, $3; mul.rn.f16x2 $1, $1, $4; }",
+                "=r,=r,r,r,r", [x, d], dtype=tl.float16, is_pure=False, pack=4)
+        else:
+            u = (x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x80) | 0x6400
+            return (u.to(tl.float16, bitcast=True) - 1152.0).to(tl.float16) * d
+
+    @triton.jit
+    def _q8_rows_f16(x_ptr, xs_ptr, off, live, dims, blocks, BLOCK: tl.constexpr, HD: tl.constexpr,
+                     PTX: tl.constexpr):
+        # BLOCK q8_0 rows at byte offsets off (BLOCK, 1) -> (BLOCK, HD) float16 by _widen_f16: the values in one
+        # load of contiguous bytes as _q8_rows loads them, each block's scale broadcast over its 32 values
+        x = tl.load(x_ptr + off + dims[None, :], mask=live[:, None], other=0)
+        d = tl.load(xs_ptr + (off + HD) // 2 + blocks[None, :], mask=live[:, None], other=0.0)
+        d = tl.reshape(tl.broadcast_to(d[:, :, None], (BLOCK, HD // 32, 32)), (BLOCK, HD))
+        return _widen_f16(x, d, PTX)
+
+    @triton.jit
     def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
                  sk_h, sk_s, sv_h, sv_s, span, scale, window, ring,
                  G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
-                 PREC: tl.constexpr, Q8: tl.constexpr):
+                 PREC: tl.constexpr, Q8: tl.constexpr, INT8: tl.constexpr, PTX: tl.constexpr):
+        # INT8: 0 (a q8_0 cache widened), 1 (kernels.q8_attention int8) or 2 (int8x2), with Q8 only
         # Q8: a q8_0 cache (strata.attention.to_q8_0): k_ptr / v_ptr its bytes as int8, ks_ptr / vs_ptr the same
         # bytes as float16 (strides in bytes); a row is HD int8 values then HD / 32 float16 scales, widened as
         # strata.attention.from_q8_0 widens it (float32 product, rounded once). Rows start at multiples of HD / 16
         # bytes (HD * 17 / 16 wide; the caller checks), which lets the values load in vectors of HD / 16 bytes.
+        # INT8 1 (with Q8; kernels.q8_attention int8): no widening of K. The query rows are rounded to int8 per 32
+        # dims once here (q8_0's way, as llama.cpp rounds q to q8_1 for its quantized-cache kernels), and each
+        # 32-dim group g scores on the int8 tensor cores: int8 q_g . int8 k_g -> int32, exact, times q_scale[row, g]
+        # (the softmax scale folded in) * k_scale[n, g], summed over the HD / 32 groups in float32. V is widened
+        # to float16 with its scale by _widen_f16 (PTX: inline asm, else its interpreted emulation), and P @ V is
+        # one float16 dot over all HD dims into float32. Scaling V per value (one packed multiply per 2 values, in
+        # the asm) rather than P per key and group (P_g = P * v_scale[:, g], a dot and an accumulator per group)
+        # keeps one dot of K = BLOCK with N = HD and one accumulator instead of HD / 32 dots with N = 32 and as many
+        # accumulators and P conversions; the widened values are then from_q8_0(v, float16)'s bits exactly.
+        # (float16's range: a V value beyond +-65,504 would be inf here, where the widening arm's bf16 holds it;
+        # the q8_0 scale itself is a float16, and Llama-family values sit far inside that.)
+        # INT8 2 (int8x2): the query's rounding residual as a second int8 row per group (_int8_rows' lo), its dot
+        # accumulated onto 254 times the first's in int32 (|254 * 520,192 + 520,192| < 2**31): ~15 bits of q for one
+        # more int8 mma and one integer multiply per score and group (measured error: tests/test_kv_q8.py).
         h = tl.program_id(0)
         s = tl.program_id(1)
         n_split = tl.num_programs(1)
@@ -65,34 +137,68 @@ if triton is not None:
         hi = tl.minimum(lo + span, n_keys - first)
         rows = tl.arange(0, GP)
         dims = tl.arange(0, HD)
-        q = tl.load(q_ptr + (h * G + rows)[:, None] * HD + dims[None, :], mask=(rows < G)[:, None], other=0.0)
         dt = q_ptr.dtype.element_ty  # scores from the query's dtype (exact bf16 products), sums in float32
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
         if Q8:
             blocks = tl.arange(0, HD // 32)
+        if Q8 and INT8:
+            t32 = tl.arange(0, 32)
+            q8s = ()  # per 32-dim group: the rows' int8 values (GP, 32), and their scales times `scale` (GP,)
+            qlos = ()  # (INT8 2: the residuals)
+            qds = ()
+            for g in tl.static_range(HD // 32):
+                qg = tl.load(q_ptr + (h * G + rows)[:, None] * HD + g * 32 + t32[None, :], mask=(rows < G)[:, None],
+                             other=0.0).to(tl.float32)
+                qi, qlo, qd = _int8_rows(qg, INT8 == 2)
+                q8s = q8s + (qi,)
+                qlos = qlos + (qlo,)
+                qds = qds + (qd * scale / 254.0 if INT8 == 2 else qd * scale,)
+        else:
+            q = tl.load(q_ptr + (h * G + rows)[:, None] * HD + dims[None, :], mask=(rows < G)[:, None], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HD], tl.float32)
         for start in range(lo, hi, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             live = cols < hi
             rows_k = (first + cols) % ring  # the identity for a cache that is not a ring (ring >= n_keys)
-            if Q8:
-                ko = tl.multiple_of(h * sk_h + rows_k * sk_s, HD // 16)[:, None]
+            if Q8 and INT8:
+                ko = tl.multiple_of(h * sk_h + rows_k * sk_s, HD // 16)
                 vo = tl.multiple_of(h * sv_h + rows_k * sv_s, HD // 16)[:, None]
-                k = _q8_rows(k_ptr, ks_ptr, ko, live, dims, blocks, BLOCK, HD)
-                v = _q8_rows(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD)
-                v = v.to(dt)  # the widened value in the compute dtype, as the eager path's from_cache gives it
+                sc = tl.zeros([GP, BLOCK], tl.float32)
+                for g in tl.static_range(HD // 32):
+                    kg = tl.load(k_ptr + ko[:, None] + g * 32 + t32[None, :], mask=live[:, None], other=0)
+                    kd = tl.load(ks_ptr + (ko + HD) // 2 + g, mask=live, other=0.0).to(tl.float32)
+                    # |q_g . k_g| <= 32 * 127 * 128 < 2**24: exact in int32 and in its float32 (int8x2's
+                    # 255 times that, exact in int32, rounds once to float32)
+                    sg = tl.dot(q8s[g], tl.trans(kg))                                  # (GP, BLOCK) int32
+                    if INT8 == 2:
+                        sg = tl.dot(qlos[g], tl.trans(kg), sg * 254)
+                    sc += sg.to(tl.float32) * (qds[g][:, None] * kd[None, :])
+                v = _q8_rows_f16(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD, PTX)  # (BLOCK, HD) float16
             else:
-                k = tl.load(k_ptr + h * sk_h + rows_k[:, None] * sk_s + dims[None, :], mask=live[:, None], other=0.0)
-                v = tl.load(v_ptr + h * sv_h + rows_k[:, None] * sv_s + dims[None, :], mask=live[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(k.to(dt)), input_precision=PREC) * scale        # (GP, BLOCK)
+                if Q8:
+                    ko = tl.multiple_of(h * sk_h + rows_k * sk_s, HD // 16)[:, None]
+                    vo = tl.multiple_of(h * sv_h + rows_k * sv_s, HD // 16)[:, None]
+                    k = _q8_rows(k_ptr, ks_ptr, ko, live, dims, blocks, BLOCK, HD)
+                    v = _q8_rows(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD)
+                    v = v.to(dt)  # the widened value in the compute dtype, as the eager path's from_cache gives it
+                else:
+                    k = tl.load(k_ptr + h * sk_h + rows_k[:, None] * sk_s + dims[None, :], mask=live[:, None],
+                                other=0.0)
+                    v = tl.load(v_ptr + h * sv_h + rows_k[:, None] * sv_s + dims[None, :], mask=live[:, None],
+                                other=0.0)
+                sc = tl.dot(q, tl.trans(k.to(dt)), input_precision=PREC) * scale        # (GP, BLOCK)
             sc = tl.where(live[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            # probabilities stay float32 (tf32 on the tensor cores, 3 bits more than bf16): memory-bound anyway
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PREC)
+            if Q8 and INT8:
+                # probabilities (0..1) in float16 beside V's float16 values, float32 sums
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+            else:
+                # probabilities stay float32 (tf32 on the tensor cores, 3 bits more than bf16): memory-bound anyway
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PREC)
             m_i = m_new
         base = (h * n_split + s) * GP + rows
         real = rows < G  # the padding rows are never read back
@@ -132,17 +238,27 @@ class SplitKAttention:
     q: (nkv, g, hd) query rows grouped by their kv head; k, v: (nkv, S, hd) views of the cache (last dim
     contiguous, any dtype Triton loads; a q8_0 cache's uint8 rows of hd * 17 / 16 bytes); n_keys: a device int
     tensor (1,), the live positions (< S read).
-    The partial results live in buffers made once here, so the launches can be captured in a graph."""
+    The partial results live in buffers made once here, so the launches can be captured in a graph.
+    q8: how a q8_0 cache is read (the rig's kernels.q8_attention): "widen" (each tile widened to the compute dtype,
+    float products) or "int8" (the query rounded to int8 per 32 dims, scores on int8 tensor cores, V widened to
+    float16 by byte permutes; 4e-3 to 2e-2 relative error of the output, tests/test_kv_q8.py), or "int8x2" (the same
+    with the query's rounding residual as a second int8 dot, ~15 bits of q: ~3e-4)."""
 
-    def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None, num_warps: int = 4):
+    def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None, num_warps: int = 4,
+                 q8: str = "widen", block: int = BLOCK_N, num_stages: int | None = None):
+        """block (keys a tile) and num_stages (Triton's software pipelining; None: its default): launch settings
+        bench/splitk.py sweeps; the decode graphs take the defaults."""
         if triton is None:
             raise RuntimeError("split-K decode attention needs Triton")
         if hd & (hd - 1):
             raise ValueError(f"head dim {hd} is not a power of two")
-        self.nkv, self.g, self.hd, self.num_warps = nkv, g, hd, num_warps
+        if q8 not in Q8_ATTENTION:
+            raise ValueError(f"q8={q8!r}: one of {', '.join(Q8_ATTENTION)}")
+        self.nkv, self.g, self.hd, self.num_warps, self.q8 = nkv, g, hd, num_warps, q8
+        self.block, self.stages = block, ({} if num_stages is None else {"num_stages": num_stages})
         self.gp = max(16, 1 << (g - 1).bit_length())  # tl.dot wants >= 16 rows; the padding rows are zeros
         self.splits = splits or n_splits(keys)
-        self.span = BLOCK_N * math.ceil(keys / self.splits / BLOCK_N)
+        self.span = block * math.ceil(keys / self.splits / block)
         self.splits = math.ceil(keys / self.span)
         shape = (nkv, self.splits, self.gp)
         self.m = torch.empty(shape, dtype=torch.float32, device=device)
@@ -174,9 +290,10 @@ class SplitKAttention:
                                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), self.span,
                                      1.0 / math.sqrt(hd) if scale is None else scale, window if window > 0 else 1 << 30,
                                      k.shape[1],
-                                     G=g, GP=self.gp, HD=hd, BLOCK=BLOCK_N,
+                                     G=g, GP=self.gp, HD=hd, BLOCK=self.block,
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
-                                     num_warps=self.num_warps)
+                                     INT8=Q8_ATTENTION.index(self.q8) if q8 else 0, PTX=not INTERPRET,
+                                     num_warps=self.num_warps, **self.stages)
         _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
                          GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None)
         return out

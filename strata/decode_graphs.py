@@ -268,7 +268,7 @@ class DecodeGraphs:
         if b not in self.split_k:
             a = self.attn0
             from strata.decode_attention import SplitKAttention
-            self.split_k[b] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, b, self.device)
+            self.split_k[b] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, b, self.device, q8=self.kernels.q8_attention)
         return self.split_k[b]
 
     def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -166,12 +166,14 @@ def _kernel_cases():
                                           "len_ptr": I64, "m_ptr": F32,
                                           "l_ptr": F32, "acc_ptr": F32, **ints("sk_h", "sk_s", "sv_h", "sv_s", "span"),
                                           "scale": "fp32", **ints("window", "ring")},
-                            {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32", "Q8": False}),
+                            {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32", "Q8": False,
+                             "INT8": 0, "PTX": True}),
         "split_k_partial_q8": (da._partial, {"q_ptr": B16, "k_ptr": I8, "v_ptr": I8, "ks_ptr": F16, "vs_ptr": F16,
                                              "len_ptr": I64, "m_ptr": F32, "l_ptr": F32, "acc_ptr": F32,
                                              **ints("sk_h", "sk_s", "sv_h", "sv_s", "span"), "scale": "fp32",
                                              **ints("window", "ring")},
-                               {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32", "Q8": True}),
+                               {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32", "Q8": True,
+                                "INT8": 0, "PTX": True}),
         "q8_0_widen": (k._q8_0_widen_kernel, {"qs": I8, "ds": F16, "out": B16, **ints("T", "s_h", "s_t")},
                        {"HD": 128, "ROWS": k.ROPE_ROWS}),
         "split_k_merge": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16, "sink_ptr": F32,
@@ -229,3 +231,33 @@ def test_prefill_and_decode_kernels_compile_for_sm90(name):
     fn, sig, constexprs = _kernel_cases()[name]
     sig = {**sig, **{c: "constexpr" for c in constexprs}}
     assert ".target sm_90" in ptx(fn, sig, constexprs)
+
+
+@pytest.mark.parametrize("hd,g,int8,block,stages", [(128, 4, 1, 64, 3), (128, 4, 2, 64, 3), (64, 8, 1, 64, 3),
+                                                    (256, 2, 2, 64, 3), (128, 4, 2, 128, 2)])
+def test_split_k_q8_int8_arm_compiles_for_sm90(hd, g, int8, block, stages):
+    """kernels.q8_attention int8 (INT8 1) and int8x2 (2): the q8_0 partial kernel scores on int8 tensor cores (mma
+    s8 x s8 -> s32) and widens V by the inline asm's byte permutes and packed float16 subtract / multiply, with no
+    int8-to-float cvt left; pointers and the strides Triton specializes marked 16-byte divisible as a CUDA launch
+    gives them (without that the values load byte by byte). PTX off (the interpreter's emulation) compiles too,
+    without the asm. Also a tile of 128 keys with 2 stages (bench/splitk.py's sweep). No byte-wise shared-memory
+    loads: the asm widens V in its load's layout (were it marked pure, Triton would gather its bytes one at a
+    time after converting V's int8 tile to the dot's layout: strata/decode_attention.py's _widen_f16)."""
+    fn, sig, constexprs = _kernel_cases()["split_k_partial_q8"]
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in (
+        "sk_h", "sv_h", "span")}
+    for use_ptx in (True, False):
+        c = {**constexprs, "G": g, "HD": hd, "INT8": int8, "PTX": use_ptx, "BLOCK": block}
+        try:
+            code = triton.compile(ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in c}}, constexprs=c,
+                                            attrs=attrs), target=SM90, options={"num_stages": stages}).asm["ptx"]
+        except FileNotFoundError as e:
+            pytest.skip(f"no CUDA toolchain in this Triton: {e}")
+        mma = "mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32"
+        # 4 warps side by side over the tile's keys, n-tiles of 8 keys: block / 32 mma a group a warp
+        assert ".target sm_90" in code and code.count(mma) == int8 * hd // 32 * block // 32
+        assert "cvt.rn.f32.s8" not in code and "cvt.rn.f32.s16" not in code and "cvt.s16.s8" not in code
+        asm = ("prmt.b32 ", "sub.f16x2", "mul.rn.f16x2")
+        assert all(a in code for a in asm) == use_ptx and any(a in code for a in asm[1:]) == use_ptx
+        assert not use_ptx or "ld.shared.b8" not in code

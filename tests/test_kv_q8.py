@@ -125,7 +125,7 @@ args = ModelArgs(**{**SMALL.__dict__, "n_heads": 4, "head_dim": 32})  # q8_0: bl
 eager, body = build(args, 600, "q8_0"), build(args, 600, "q8_0")
 dg = DecodeGraphs(body)
 assert dg.use_split_k and dg.fused and body.layers["0"].attn.k_cache.dtype == Q8_0
-xs = torch.randint(0, args.vocab_size, (1, 530), generator=torch.Generator().manual_seed(9))
+xs = torch.randint(0, args.vocab_size, (1, 533), generator=torch.Generator().manual_seed(9))
 eager(xs[:, :500], 0), body(xs[:, :500], 0)
 with torch.inference_mode():
     for p in range(500, 530):
@@ -134,6 +134,17 @@ with torch.inference_mode():
         dg.pos.fill_(p)
         h, logits, am = dg._body(dg.bucket(p))
         assert rel(h, a) < 1e-5, (p, rel(h, a))
+    # kernels.q8_attention reaches the graphs' split-K: int8x2 (the query in int8 dots) close to the eager path
+    from strata.config import KernelSpec
+    body.set_kernels(KernelSpec(q8_attention="int8x2"))
+    dg = DecodeGraphs(body)
+    assert dg._attention(dg.bucket(530)).q8 == "int8x2"
+    for p in range(530, 533):
+        a = eager(xs[:, p:p + 1], p)
+        dg.ids.copy_(xs[:, p:p + 1].reshape(-1))
+        dg.pos.fill_(p)
+        h, logits, am = dg._body(dg.bucket(p))
+        assert 0 < rel(h, a) < 1e-3, (p, rel(h, a))
 print("ok")
 """
 
@@ -141,10 +152,140 @@ print("ok")
 @needs_triton
 def test_q8_0_graph_body_interpreted_matches_eager():
     """DecodeGraphs' step on a q8_0 cache (the fused rope-and-quantize store, split-K on the blocks) == the eager
-    decode path (to_cache, from_cache), float32."""
+    decode path (to_cache, from_cache), float32; with kernels.q8_attention int8x2, its graphs' split-K takes that arm
+    and stays close (its float16 V and int8 query are not float32's bits)."""
     r = subprocess.run([sys.executable, "-c", GRAPH_BODY, str(ROOT)], env=dict(os.environ, TRITON_INTERPRET="1"),
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+# -- kernels.q8_attention int8: the query rounded to int8 per 32 dims, scores on int8 tensor cores, V widened to
+# float16 by byte permutes (strata/decode_attention.py) --------------------------------------------------------------
+if importlib.util.find_spec("triton") is not None:
+    import triton
+    import triton.language as tl
+
+    from strata.decode_attention import _widen_f16
+
+    @triton.jit
+    def _widen_probe(x_ptr, d_ptr, out_ptr, n, BLOCK: tl.constexpr, PTX: tl.constexpr):
+        # the int8 arm's V widening on n int8 values and their float16 scales, as (BLOCK / 32, 32) tiles
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        x = tl.load(x_ptr + i, mask=i < n, other=0)
+        d = tl.load(d_ptr + i, mask=i < n, other=0.0)
+        tl.store(out_ptr + i, _widen_f16(x, d, PTX), mask=i < n)
+
+
+def _widen_cases(device):
+    """Every byte value times scales from zero through float16 subnormals to large: (int8 values, float16 scales,
+    from_q8_0's float16 result for those rows)."""
+    scales = torch.tensor([0.0, 6e-8, 3e-5, 1 / 127, 0.013, 0.5, 1.0, 3.14159, 77.7, 500.0], dtype=torch.float16)
+    x = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).repeat(len(scales), 1)  # (10, 256)
+    d = scales[:, None].expand(-1, 256).contiguous()
+    rows = torch.empty(len(scales), 256 + 16, dtype=torch.uint8)  # q8_0 rows of 256 values: 8 blocks, one scale
+    rows[:, :256] = x.view(torch.uint8)
+    rows[:, 256:] = scales[:, None].expand(-1, 8).contiguous().view(torch.uint8)
+    want = from_q8_0(rows, torch.float16)
+    return x.reshape(-1).to(device), d.reshape(-1).to(device), want.reshape(-1)
+
+
+WIDEN = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tests.test_kv_q8 import _widen_cases, _widen_probe
+x, d, want = _widen_cases("cpu")
+out = torch.empty_like(d)
+_widen_probe[(-(-x.numel() // 1024),)](x, d, out, x.numel(), BLOCK=1024, PTX=False)
+assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (out - want).abs().max()
+print("ok")
+"""
+
+
+@needs_triton
+def test_q8_0_int8_arm_widens_v_to_from_q8_0s_bits_interpreted():
+    """The int8 arm's V widening (byte to float16 1024 + (x + 128), minus 1152, times the scale), in its interpreted
+    form (the integer ops standing in for the PTX): from_q8_0(..., float16)'s bits for all 256 byte values at scales
+    from 0 through float16 subnormals to 500."""
+    r = subprocess.run([sys.executable, "-c", WIDEN, str(ROOT)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+INT8_ACCURACY = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.attention import from_q8_0, to_q8_0
+from strata.decode_attention import SplitKAttention
+g = torch.Generator().manual_seed(21)
+rel = lambda a, b: float((a.double() - b).norm() / b.norm())
+out = []
+for hd in (128, 64):
+    # groups of 32 dims at magnitudes a factor 4 apart (K's outlier channels), so a scale applied to the wrong
+    # group is a large error, not a reshuffle of like values
+    mag = 4.0 ** torch.arange(hd // 32).repeat_interleave(32) / 4 ** (hd // 64)
+    for nkv, grp in ((2, 1), (2, 4), (1, 8)):
+        S = 700
+        kf = torch.randn(nkv, S, hd, generator=g) * mag
+        k8, v8 = to_q8_0(kf), to_q8_0(torch.randn(nkv, S, hd, generator=g))
+        k, v = from_q8_0(k8, torch.float32).double(), from_q8_0(v8, torch.float32).double()
+        # the same cache with the scales of K's groups 0 and 1 swapped: what a kernel that applied them to the
+        # wrong groups would read
+        bad = k8.clone()
+        bad[..., hd:hd + 2], bad[..., hd + 2:hd + 4] = k8[..., hd + 2:hd + 4], k8[..., hd:hd + 2]
+        for sharp in (1.0, 4.0):  # scores of std ~1 and ~4 (a peaked softmax)
+            q = torch.randn(nkv, grp, hd, generator=g) / mag * sharp
+            for n in (1, 64, 333, 700):  # 333: a tail that is not a multiple of BLOCK_N
+                s = q.double() @ k[:, :n].transpose(1, 2) / hd ** 0.5
+                want = torch.softmax(s, -1) @ v[:, :n]
+                int8, x2, widen = (SplitKAttention(nkv, grp, hd, S, "cpu", q8=arm)
+                                   for arm in ("int8", "int8x2", "widen"))
+                nt = torch.tensor([n])
+                a, b = int8(q, k8, v8, nt), widen(q, k8, v8, nt)
+                out.append(dict(hd=hd, g=grp, sharp=sharp, n=n, int8=rel(a, want), widen=rel(b, want),
+                                int8_vs_widen=rel(a, b.double()), int8x2=rel(x2(q, k8, v8, nt), want),
+                                swapped=rel(int8(q, bad, v8, nt), want), swapped_x2=rel(x2(q, bad, v8, nt), want)))
+# a window layer's ring (position p in row p % S, the last 300 positions of 1,000): the int8 arms read the same rows
+# as the widening arm, with a scale given
+k8, v8 = (to_q8_0(torch.randn(2, 384, 64, generator=g)) for _ in range(2))
+q = torch.randn(2, 4, 64, generator=g)
+ring = {arm: SplitKAttention(2, 4, 64, 300, "cpu", q8=arm)(q, k8, v8, torch.tensor([1000]), scale=0.2, window=300)
+        for arm in ("widen", "int8", "int8x2")}
+out.append(dict(ring=True, int8=rel(ring["int8"], ring["widen"].double()),
+                int8x2=rel(ring["int8x2"], ring["widen"].double())))
+print(json.dumps(out))
+"""
+
+
+@needs_triton
+def test_q8_0_int8_arms_accuracy_interpreted():
+    """kernels.q8_attention int8 and int8x2 against float64 attention over the dequantized cache, through Triton's
+    interpreter: head dims 128 and 64, GQA groups 1, 4, 8, lengths 1 to 700 (333: a partial last tile), scores of
+    std ~1 and ~4 (a peaked softmax); and a window layer's ring against the widening arm. Relative error (norm) of
+    the output, measured (2026-12-04, this seed):
+    - int8 (q rounded to int8 per 32 dims, q8_0's way; llama.cpp rounds q to q8_1 for its quantized-cache kernels,
+      ~1e-2 is that level): 4e-3 to 5.8e-3 at std-1 scores, up to 1.9e-2 at std 4 (the error of a score grows with
+      it); bounds 1e-2 and 3e-2. At 1 key only V's float16 rounding is left: ~2e-4.
+    - int8x2 (q's residual as a second int8 dot, ~15 bits): <= 2.9e-4 everywhere, V's and P's float16 rounding;
+      bound 1e-3 (the widening arm in bfloat16 rounds V to 8 bits: ~2e-3 on a GPU).
+    - widen with a float32 query: float32-exact here (< 3e-6).
+    The same attention with K's group scales 0 and 1 swapped (the groups' magnitudes differ by 4x), what a kernel
+    that scaled one group's int32 dot by another group's scale would compute, is >= 0.22 in every case past one key:
+    7x int8's loosest bound, 200x int8x2's, so such a kernel fails here."""
+    import json
+    r = subprocess.run([sys.executable, "-c", INT8_ACCURACY, str(ROOT)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    ring = rows.pop()
+    assert ring["int8"] < 2e-2 and ring["int8x2"] < 1e-3, ring  # (measured 9.0e-3 and 2.5e-4: scale 0.2, sharper)
+    assert len(rows) == 2 * 3 * 2 * 4
+    for row in rows:
+        assert row["widen"] < 1e-5, row
+        bound = 1e-2 if row["sharp"] == 1.0 else 3e-2
+        assert row["int8"] < bound and row["int8_vs_widen"] < bound, row
+        assert row["int8x2"] < 1e-3, row
+        if row["n"] > 1:
+            assert row["swapped"] > 0.2 and row["swapped_x2"] > 0.2, row
 
 
 def test_q8_0_pipeline_depth_arms_identical_and_close_to_float32(tmp_path):
@@ -208,6 +349,50 @@ def test_q8_0_on_cuda_widen_and_split_k():
         out = SplitKAttention(nkv, grp, hd, S, "cuda")(q, k8, v8, torch.tensor([n], device="cuda"))
         err = float((out.double() - want).norm() / want.norm())
         assert err < 1e-2, (S, n, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_triton
+def test_q8_0_int8_arms_on_cuda_8b_shapes_and_graph():
+    """On the GPU, with the inline PTX: the V widening gives from_q8_0(..., float16)'s bits for all 256 bytes; the
+    int8 and int8x2 arms at 8B shapes (8 kv heads of 4 rows, head dim 128, bfloat16 q) are close to float64 attention
+    over the dequantized cache and to the widen arm, over 1,500 of 2,048 keys (a partial tile) and 32,768; a CUDA
+    graph captured once replays each arm at other lengths and queries with the eager call's bits."""
+    from strata.decode_attention import SplitKAttention
+    x, d, want = _widen_cases("cuda")
+    out = torch.empty_like(d)
+    _widen_probe[(-(-x.numel() // 1024),)](x, d, out, x.numel(), BLOCK=1024, PTX=True)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
+    g = torch.Generator().manual_seed(12)
+    nkv, grp, hd = 8, 4, 128
+    for S, n in [(2048, 1500), (32768, 32768)]:
+        k8, v8 = (to_q8_0(torch.randn(nkv, S, hd, generator=g)).cuda() for _ in range(2))
+        q = torch.randn(nkv, grp, hd, generator=g).cuda().bfloat16()
+        k, v = from_q8_0(k8, torch.float32).double(), from_q8_0(v8, torch.float32).double()
+        ref = torch.softmax(q.double() @ k[:, :n].transpose(1, 2) / hd ** 0.5, -1) @ v[:, :n]
+        nt = torch.tensor([n], device="cuda")
+        widen = SplitKAttention(nkv, grp, hd, S, "cuda")(q, k8, v8, nt)
+        assert rel(widen, ref) < 1e-2
+        # bounds: the output's bfloat16 rounding (~2e-3) plus int8's query rounding (~6e-3 at these std-1 scores)
+        for arm, bound in (("int8", 2e-2), ("int8x2", 1e-2)):
+            att = SplitKAttention(nkv, grp, hd, S, "cuda", q8=arm)
+            got = att(q, k8, v8, nt)
+            assert rel(got, ref) < bound and rel(got, widen.double()) < bound, (S, arm, rel(got, ref))
+            qb, nb, ob = q.clone(), torch.tensor([1], device="cuda"), torch.empty_like(q)
+            att(qb, k8, v8, nb, ob)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                att(qb, k8, v8, nb, ob)
+            for n2 in (777, S):
+                q2 = torch.randn(nkv, grp, hd, generator=g).cuda().bfloat16()
+                qb.copy_(q2)
+                nb.fill_(n2)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(ob, att(q2, k8, v8, torch.tensor([n2], device="cuda"))), (S, arm, n2)
 
 
 @pytest.mark.parametrize("kv", [Q8_0, torch.float8_e4m3fn])
