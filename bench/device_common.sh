@@ -42,6 +42,11 @@ build_wait() {
     wait "$BUILD_PID"
     BUILD_PID=
     el "build finished, rc $(cat "$LL/build.rc" 2>/dev/null)"; tail -2 "$LOG/build.log"
+  elif [ -d "$LL/build" ] && [ ! -x "$LB" ] && [ ! -f "$LL/build.rc" ]; then
+    # started by an earlier script of the same call (its background job outlives that script, not the call)
+    el "waiting for the llama.cpp build an earlier script started"
+    while [ ! -f "$LL/build.rc" ] && [ "$(left)" -gt 0 ]; do sleep 2; done
+    el "build finished, rc $(cat "$LL/build.rc" 2>/dev/null)"
   fi
   [ -x "$LB" ] || { el "no llama-bench: the llama.cpp arms are left out"; return 1; }
 }
