@@ -15,7 +15,7 @@
 #            shape, so the file arm is left out); prints each stage's kv_bytes and state_bytes from the report
 #   decode   bench/generate.py decode after 2,048 and 32,768 tokens, 128 each: Strata on synthetic:qwen3.5-27b
 #            bfloat16 (dense; decode graphs), llama-bench -d on the file
-#   resident bench/peer.py prefill of 262,144 tokens, chunk 10,240, on the file itself: llama-bench and Strata with
+#   resident bench/peer.py prefill of 262,016 tokens, chunk 10,240, on the file itself: llama-bench and Strata with
 #            the file held resident (weights auto: Q4_K_M blocks, one layer's group dequantized at a time), then 128
 #            generated tokens after the whole prompt (Strata's decode at 262,144; llama-bench's -n 128 is at depth 0)
 #   rdecode  bench/generate.py decode after 2,048 and 32,768 tokens, 128 each, on the file held resident: Strata with
@@ -98,9 +98,10 @@ decode() {
 resident() {
   [ -s "$Q35" ] || { el "resident: no $Q35 (run the gguf step first)"; return 1; }
   fits resident 420 || return
-  el "resident: 262,144 tokens on the file held resident, llama-bench beside it, then 128 tokens (bench/peer.py)"
+  # 262,016 + 128 generated = the preset's whole context (262,144 + 128 is refused by the planner)
+  el "resident: 262,016 tokens on the file held resident, llama-bench beside it, then 128 tokens (bench/peer.py)"
   local lb=(); build_wait && lb=(--llama-bench "$LB")
-  timeout $(( $(left) + 20 )) python3 bench/peer.py --preset "$PRESET" --qtype Q4_K_M --devices cuda:0 --tokens 262144 \
+  timeout $(( $(left) + 20 )) python3 bench/peer.py --preset "$PRESET" --qtype Q4_K_M --devices cuda:0 --tokens 262016 \
     --chunk 10240 --gguf "$Q35" "${lb[@]}" --llama-no-warmup --arms llama,d1 --no-dump --decode 128 \
     --json "$LOG/q35-resident.json" 2>&1 | tee "$LOG/q35-resident.log" | grep -v "^\s*$" | tail -10
   python3 - "$LOG/q35-resident.json" <<'EOF'
@@ -110,7 +111,7 @@ try:
 except Exception as e:
     sys.exit(f"no peer JSON: {e}")
 d = r.get("d1", {})
-print(f"resident: decode after 262,144 tokens {d.get('decode_tok_s')} tok/s; load {d.get('load_wall_s')} s")
+print(f"resident: decode after 262,016 tokens {d.get('decode_tok_s')} tok/s; load {d.get('load_wall_s')} s")
 for s in d.get("stages", []):
     print(f"qwen3.5-27b Q4_K_M resident, stage {s['device']} layers {s['layers']}: weights {s['weight_bytes'] / 2**30:.2f} "
           f"GiB; kv_bytes {s['kv_bytes'] / 2**30:.2f} GiB; state_bytes {s['state_bytes'] / 2**20:.1f} MiB; "

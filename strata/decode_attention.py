@@ -170,9 +170,9 @@ if triton is not None:
                     kd = tl.load(ks_ptr + (ko + HD) // 2 + g, mask=live, other=0.0).to(tl.float32)
                     # |q_g . k_g| <= 32 * 127 * 128 < 2**24: exact in int32 and in its float32 (int8x2's
                     # 255 times that, exact in int32, rounds once to float32)
-                    sg = tl.dot(q8s[g], tl.trans(kg))                                  # (GP, BLOCK) int32
+                    sg = tl.dot(q8s[g], tl.trans(kg), out_dtype=tl.int32)              # (GP, BLOCK) int32
                     if INT8 == 2:
-                        sg = tl.dot(qlos[g], tl.trans(kg), sg * 254)
+                        sg = tl.dot(qlos[g], tl.trans(kg), sg * 254, out_dtype=tl.int32)  # (Triton 3.6 checks acc against it)
                     sc += sg.to(tl.float32) * (qds[g][:, None] * kd[None, :])
                 v = _q8_rows_f16(v_ptr, vs_ptr, vo, live, dims, blocks, BLOCK, HD, PTX)  # (BLOCK, HD) float16
             else:

@@ -231,7 +231,9 @@ def test_max_seqs_on_cuda_equals_alone(tmp_path):
     from strata.engine import PipelineEngine
     from strata.sampling import SamplingParams
     eng = PipelineEngine(dict(model=MODEL, dtype="bfloat16", stages=[{"device": "cuda:0"}] * 2, chunk=64,
-                              max_context=512, progress=False, max_seqs=3), out=tmp_path / "slots")
+                              max_context=512, progress=False, max_seqs=3,
+                              prompt={"random": {"tokens": 8, "seed": 0}}),  # (a synthetic model has no tokenizer)
+                         out=tmp_path / "slots")
     try:
         rng = np.random.default_rng(3)
         prompts = [rng.integers(0, eng.pipe.plan.args.vocab_size, n).tolist() for n in (7, 150, 33)]
