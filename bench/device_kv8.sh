@@ -29,7 +29,7 @@ time)
     --tokens 128 --llama-only --llama-bench "$LB" --llama-kv f16,q8_0 2>&1 | tail -3 ;;
 splitk)
   el "split-K alone: bf16, q8_0 widen / int8 / int8x2, 122,880 keys (bench/splitk.py)"
-  timeout 200 python3 bench/splitk.py --keys 122880 2>&1 | tail -30 ;;
+  timeout 200 python3 bench/splitk.py --keys 122880 2>&1 | tee "$LOG/splitk.log" | tail -45 ;;
 arms)
   for arm in int8 int8x2; do
     el "Strata 8B Q4_K_M, 1 GPU: q8_0 cache, kernels.q8_attention $arm, decode after 122,880"

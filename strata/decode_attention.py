@@ -265,6 +265,15 @@ class SplitKAttention:
         self.l = torch.empty(shape, dtype=torch.float32, device=device)
         self.acc = torch.empty(*shape, hd, dtype=torch.float32, device=device)
 
+    def probe(self, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> None:
+        """One launch over a small zero cache of cache_dtype: builds this arm's kernels now (raises if Triton
+        cannot), so a caller can choose another arm before a CUDA graph captures the launch."""
+        width = cache_width(self.hd, cache_dtype)
+        dev = self.m.device
+        q = torch.zeros(self.nkv, self.g, self.hd, dtype=dtype, device=dev)
+        kv = torch.zeros(self.nkv, 64, width, dtype=cache_dtype, device=dev)
+        self(q, kv, kv.clone(), torch.tensor([64], device=dev))
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: torch.Tensor,
                  out: torch.Tensor | None = None, scale: float | None = None, window: int = 0,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:

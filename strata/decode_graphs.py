@@ -165,6 +165,7 @@ class DecodeGraphs:
                             and (a is None or a.hd & (a.hd - 1) == 0)
                             and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
         self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
+        self.q8_fallback: str | None = None  # why kernels.q8_attention's int8 arm gave way to "widen" (None: it runs)
         # the masked path's positions, compared with pos on the device (split-K reads the live count instead)
         self.ar = None if self.use_split_k else torch.arange(self.cache_len, device=dev)
         # with split-K, also the Triton norm and rope-and-store kernels (strata/decode_kernels.py); not for a
@@ -268,7 +269,19 @@ class DecodeGraphs:
         if b not in self.split_k:
             a = self.attn0
             from strata.decode_attention import SplitKAttention
-            self.split_k[b] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, b, self.device, q8=self.kernels.q8_attention)
+            q8 = self.kernels.q8_attention
+            if (a.k_cache.dtype == Q8_0 and q8 != "widen" and self.q8_fallback is None
+                    and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+                # the int8 arms lean on Triton's int8 tensor-core dots, which another Triton may refuse to build
+                # (3.6 did, until the dots named their int32 result): compile once here, outside any capture,
+                # and take the widening arm for this slice if it fails (workers/load.py logs why)
+                try:
+                    SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, 64, self.device, q8=q8).probe(a.k_cache.dtype)
+                except Exception as e:  # noqa: BLE001 (Triton's compile errors have no common public base)
+                    self.q8_fallback = f"{q8} failed to build ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+            if self.q8_fallback is not None:
+                q8 = "widen"
+            self.split_k[b] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, b, self.device, q8=q8)
         return self.split_k[b]
 
     def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

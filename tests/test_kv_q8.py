@@ -123,6 +123,8 @@ from strata.args import ModelArgs
 from tests.test_decode_model import SMALL, build, rel
 args = ModelArgs(**{**SMALL.__dict__, "n_heads": 4, "head_dim": 32})  # q8_0: blocks of 32 values a row
 eager, body = build(args, 600, "q8_0"), build(args, 600, "q8_0")
+from strata.config import KernelSpec
+body.set_kernels(KernelSpec(q8_attention="widen"))  # (the default is int8x2: below)
 dg = DecodeGraphs(body)
 assert dg.use_split_k and dg.fused and body.layers["0"].attn.k_cache.dtype == Q8_0
 xs = torch.randint(0, args.vocab_size, (1, 533), generator=torch.Generator().manual_seed(9))
@@ -135,10 +137,20 @@ with torch.inference_mode():
         h, logits, am = dg._body(dg.bucket(p))
         assert rel(h, a) < 1e-5, (p, rel(h, a))
     # kernels.q8_attention reaches the graphs' split-K: int8x2 (the query in int8 dots) close to the eager path
-    from strata.config import KernelSpec
-    body.set_kernels(KernelSpec(q8_attention="int8x2"))
+    # an int8 arm that Triton cannot build gives way to widen for the slice, and says why
+    import strata.decode_attention as da
+    real = da.SplitKAttention.probe
+    def refuse(self, *a):
+        raise RuntimeError("no int8 dots here")
+    da.SplitKAttention.probe = refuse
+    body.set_kernels(KernelSpec())
     dg = DecodeGraphs(body)
-    assert dg._attention(dg.bucket(530)).q8 == "int8x2"
+    assert dg._attention(dg.bucket(530)).q8 == "widen"
+    assert dg.q8_fallback == "int8x2 failed to build (RuntimeError: no int8 dots here)", dg.q8_fallback
+    da.SplitKAttention.probe = real
+    body.set_kernels(KernelSpec())  # the default, int8x2, whose probe builds here
+    dg = DecodeGraphs(body)
+    assert dg._attention(dg.bucket(530)).q8 == "int8x2" and dg.q8_fallback is None
     for p in range(530, 533):
         a = eager(xs[:, p:p + 1], p)
         dg.ids.copy_(xs[:, p:p + 1].reshape(-1))

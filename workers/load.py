@@ -124,6 +124,9 @@ def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, 
                 blk.attn.state_pos = pos
         decoder.decode_token(x1, pos)
     mem.append(torch.cuda.memory_allocated(device))
+    if graphs is not None and graphs.graphs is not None and graphs.graphs.q8_fallback:
+        log.warning("decode: kernels.q8_attention %s; the split-K reads the q8_0 cache widened",
+                    graphs.graphs.q8_fallback)
     log.info("warm-up: GPU memory allocated %s bytes (loaded; after the chunks; after cuDNN's shapes; "
              "after the decode steps)", " -> ".join(f"{m:,}" for m in mem))
     if "strata.decode_gemv" in sys.modules:  # the graphs' dense products: which kernel each shape measured faster
