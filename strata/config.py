@@ -192,6 +192,12 @@ class RigConfig:
     prefix_cache_bytes: int = 2 << 30       # each stage's host memory (pinned on CUDA) for snapshots of earlier
                                             # prompts' KV by block of 256 tokens, LRU (strata/prefix_cache.py);
                                             # 0: off, only the last prompt's live KV is reused
+    kv_cache_dir: str | None = None         # the prefix cache's disk tier: every snapshot block also written to a
+                                            # file under this folder (a subfolder per model and rig, one per stage:
+                                            # strata/prefix_cache.py), and restored from it once the host copy is
+                                            # evicted; a later run of the same model and rig reuses them
+    kv_cache_dir_bytes: int = field(default=20 << 30, metadata={"positive": True})  # each stage's disk budget
+                                            # under kv_cache_dir, LRU (the files' times carry over between runs)
     prefix_reuse: str = field(default="rows", metadata={"choices": PREFIX_REUSE})  # what a prompt reuses of KV
                                             # held for its prefix (the prefix cache, a loaded KV file): rows:
                                             # every row (a prompt's last, partial block included; the rest is
@@ -494,6 +500,12 @@ def _check_values(cfg: RigConfig) -> None:
         raise ConfigError(f"max_context: must be a positive number of tokens, got {cfg.max_context}")
     if cfg.prefix_cache_bytes < 0:
         raise ConfigError(f"prefix_cache_bytes: must be >= 0 (0 turns the prefix cache off), got {cfg.prefix_cache_bytes}")
+    if cfg.kv_cache_dir is not None:
+        if not cfg.kv_cache_dir.strip():
+            raise ConfigError("kv_cache_dir: empty (leave it out for no disk tier)")
+        if not cfg.prefix_cache_bytes:
+            raise ConfigError("kv_cache_dir: the disk tier writes the prefix cache's blocks through, and "
+                              "prefix_cache_bytes is 0 (the prefix cache is off)")
     p = cfg.prompt
     given = [n for n in ("text", "file", "stdlib", "ids_file", "random") if getattr(p, n) is not None]
     if len(given) != 1:

@@ -197,7 +197,7 @@ class Rejected(Message):
 # -- the prefix cache and KV files (strata/prefix_cache.py, strata/kv_file.py) -----------------------------------
 # With one sequence they come between prompts; with several (max_seqs > 1) a snap or restore names a slot that has
 # nothing in flight while other slots' chunks may be (strata/slots.py)
-KV_OPS = ("snap", "restore", "drop", "save", "load")
+KV_OPS = ("snap", "restore", "drop", "save", "load", "open", "unlink")  # open, unlink: the disk tier
 KEY_BYTES = 16  # a block key (strata.prefix_cache.KEY_BYTES)
 
 
@@ -219,6 +219,7 @@ class KvDone(Message):
     op: str
     error: str
     held_bytes: int  # the stage's snapshots, after the op
+    keys: list = field(default_factory=list)  # open: the blocks whose files the stage's folder holds, oldest first
 
 
 MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Chunk, Taken, Done, ChunkResult, Working, End, Stats, Ready,
@@ -288,6 +289,8 @@ def validate(msg) -> dict:
         raise BadMessage(f"{t}: unknown phase {msg['phase']!r}")
     if t in ("kv", "kv_done") and msg["op"] not in KV_OPS:
         raise BadMessage(f"{t}: unknown op {msg['op']!r}")
+    if t == "kv_done" and not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in msg["keys"]):
+        raise BadMessage(f"kv_done: keys must be {KEY_BYTES} bytes each")
     if t == "kv":
         if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in msg["keys"]):
             raise BadMessage(f"kv: keys must be {KEY_BYTES} bytes each")

@@ -158,6 +158,8 @@ class Pipeline:
         self._kept_n = 0
         # the prefix cache (strata/prefix_cache.py): which blocks of earlier prompts every stage holds a snapshot of
         self._index: prefix_cache.PrefixIndex | None = None
+        self._disk: prefix_cache.PrefixIndex | None = None   # the disk tier's blocks (kv_cache_dir), every stage's
+        self._tail_files: prefix_cache.TailFiles | None = None
         self._block = prefix_cache.BLOCK
         self._kv_done: dict[int, M.KvDone] = {}   # the stages' answers to the KvOp in flight
         self._want_rows: set[int] = set()          # several sequences: chunks whose logits row the head keeps
@@ -642,15 +644,56 @@ class Pipeline:
             self._index = prefix_cache.PrefixIndex(budget // per_block)
             log.info("prefix cache: %d blocks of %d tokens (%.1f MB a stage)", self._index.capacity, self._block,
                      self._index.capacity * per_block / 1e6)
+            if self.cfg.kv_cache_dir is not None:
+                self._open_disk_tier(per_block)
         elif budget:
             log.info("prefix cache off: %s; only the last prompt's KV is reused", why)
+
+    def _open_disk_tier(self, per_block: int) -> None:
+        """kv_cache_dir: every stage opens its folder and lists the blocks it holds; those every stage holds are
+        the disk index (oldest first), the rest are removed, and the index is cut to kv_cache_dir_bytes."""
+        root = os.path.abspath(os.path.expanduser(self.cfg.kv_cache_dir))
+        rig = prefix_cache.rig_folder(kv_file.rig_fingerprint(self.cfg, self.plan))
+        msgs = {i: M.KvOp(op="open", keys=[], blocks=[], block=self._block, offset=0, tokens=0,
+                          path=prefix_cache.stage_folder(root, rig, *st.layers, torch.device(st.device).type))
+                for i, st in enumerate(self.stages)}
+        done = self._kv_round("open", msgs)
+        failed = [f"{self._who(i)}: {d.error}" for i, d in done.items() if d.error]
+        if failed:
+            log.warning("prefix cache on disk off: %s", "; ".join(failed))
+            return
+        common = set.intersection(*(set(d.keys) for d in done.values()))
+        for i, d in done.items():  # a block not every stage has (a write cut short, another split's run)
+            stray = [k for k in d.keys if k not in common]
+            if stray:
+                self._kv_round("unlink", {i: M.KvOp(op="unlink", keys=stray, blocks=[], block=self._block,
+                                                    path="", offset=0, tokens=0)})
+        self._tail_files = prefix_cache.TailFiles(Path(root) / rig / "tails")
+        tails = {k: t for k, t in self._tail_files.read().items() if k in common}
+        self._tail_files.remove([k for k in self._tail_files.read() if k not in common])
+        self._disk = prefix_cache.PrefixIndex(self.cfg.kv_cache_dir_bytes // per_block)
+        evicted = self._disk.load([k for k in done[0].keys if k in common], tails)
+        self._unlink(evicted)
+        log.info("prefix cache on disk: %s, %d of %d blocks held (%.1f GB a stage)", Path(root) / rig,
+                 len(self._disk), self._disk.capacity, self._disk.capacity * per_block / 1e9)
+
+    def _unlink(self, keys: list[bytes]) -> None:
+        """Out of the disk tier: every stage's files and the head's tail files of these blocks."""
+        if keys:
+            self._kv_all("unlink", keys)
+            self._tail_files.remove(keys)
+
+    def _tiers(self) -> list[prefix_cache.PrefixIndex]:
+        return [self._index] + ([self._disk] if self._disk is not None else [])
 
     def prefix_cache_stats(self) -> prefix_cache.PrefixCacheStats:
         """Read-only figures of the head's index (safe from another thread: plain reads, no stage touched)."""
         index = self._index
         if index is None:
             return prefix_cache.PrefixCacheStats(self._lookups, self._hits)
-        return prefix_cache.PrefixCacheStats(self._lookups, self._hits, len(index), index.capacity, self._block)
+        disk = self._disk
+        return prefix_cache.PrefixCacheStats(self._lookups, self._hits, len(index), index.capacity, self._block,
+                                             len(disk) if disk else 0, disk.capacity if disk else 0)
 
     def _kv_round(self, what: str, msgs: dict[int, M.KvOp]) -> dict[int, M.KvDone]:
         """Send each stage its KvOp and wait for every answer (a stage does one at once, in order). With several
@@ -680,15 +723,18 @@ class Pipeline:
             return live
         B = self._block
         keys = prefix_cache.block_keys(ids[:cap], B)
-        m = self._index.longest(keys)
-        self._index.touch(keys[:m])
+        tiers = self._tiers()
+        m = prefix_cache.held_prefix(tiers, keys)
+        for ix in tiers:
+            ix.touch(keys[:m])
         tail, c = None, 0
         if self.cfg.prefix_reuse == "chunks":
             p = max((q for q, _ in self.plan.schedule_for(0, ids.size) if q <= m * B), default=0)
         else:
-            tail, c = self._index.best_tail(keys[m - 1] if m else b"", ids[m * B:cap])
+            tail, c = prefix_cache.best_tail(tiers, keys[m - 1] if m else b"", ids[m * B:cap])
             if tail is not None:
-                self._index.touch([tail])
+                for ix in tiers:
+                    ix.touch([tail])
             p = m * B + c
         # a hit whether the live KV already holds those rows or they are restored: the cache would serve them
         self._lookups += 1
@@ -697,9 +743,19 @@ class Pipeline:
             return live
         blocks = list(range(live // B, -(-p // B)))
         names = [keys[j] if j < m else tail for j in blocks]  # block m: the tail's (rows past c: never read)
-        for i, d in self._kv_all("restore", names, blocks, slot=slot).items():
-            if d.error:
-                self._fail(f"{self._who(i)} could not restore the prefix cache: {d.error}")
+        failed = [f"{self._who(i)}: {d.error}" for i, d in self._kv_all("restore", names, blocks, slot=slot).items()
+                  if d.error]
+        if failed:
+            # (a block file gone from kv_cache_dir, say): prefill from what the live KV holds, whose rows a restore
+            # of the same ids' blocks may have rewritten but not changed in meaning; forget the blocks everywhere
+            log.warning("prefix cache: restore failed (%s); prefilling those positions", "; ".join(failed))
+            self._hits -= p > 0
+            for ix in self._tiers():
+                ix.discard(names)
+            self._kv_all("drop", names)
+            if self._disk is not None:
+                self._unlink(names)
+            return live
         self._restored = p - live
         return p
 
@@ -711,24 +767,45 @@ class Pipeline:
         B = self._block
         keys = prefix_cache.block_keys(ids, B)
         new, evicted = self._index.add(keys)
+        disk = self._disk
+        gone: list[bytes] = []  # out of the disk tier
+        if disk is not None:  # the blocks new there are snapped too (a stage writes a held block's file once)
+            dnew, gone = disk.add(keys)
+            new = sorted(set(new) | set(dnew))
         names = [keys[j] for j in new]
         m = len(keys)
         if (self.cfg.prefix_reuse == "rows" and m < self._index.capacity and ids.size > m * B
                 and (m + 1) * B <= self.plan.max_len):  # its last, partial block too (rows: reused row by row)
-            tail, more = self._index.add_tail(keys[m - 1] if m else b"", ids[m * B:])
+            prev = keys[m - 1] if m else b""
+            tail, more = self._index.add_tail(prev, ids[m * B:])
             evicted += more
+            if disk is not None:
+                dtail, dmore = disk.add_tail(prev, ids[m * B:])
+                gone += dmore
+                if dtail is not None:
+                    self._tail_files.write(dtail, prev, ids[m * B:])
+                tail = tail or dtail
             if tail is not None:
                 new, names = new + [m], names + [tail]
         if evicted:
             self._kv_all("drop", evicted)
+        if gone:
+            self._unlink(gone)
         if not new:
             return
         failed = [f"{self._who(i)}: {d.error}" for i, d in
                   self._kv_all("snap", names, new, slot=slot).items() if d.error]
         if failed:  # e.g. no host memory left: those blocks are not cached, anywhere
             log.warning("prefix cache: snapshot failed (%s); dropping its blocks", "; ".join(failed))
-            self._index.discard(names)
+            for ix in self._tiers():
+                ix.discard(names)
             self._kv_all("drop", names)
+            if disk is not None:
+                self._unlink(names)
+            return
+        host_not = [k for k in names if k not in self._index.lru]  # snapped for the disk alone: its writer keeps
+        if host_not:                                                 # the rows until the file is written
+            self._kv_all("drop", host_not)
 
     def _kv_file_refusals(self, what: str) -> None:
         """What kv_save and kv_load refuse before anything runs."""

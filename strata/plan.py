@@ -186,6 +186,15 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
     if cfg.max_seqs > 1 and args.linear_layers is not None and any(args.linear_layers):
         raise ConfigError(f"max_seqs {cfg.max_seqs} refused: this model's linear-attention states are held for one "
                           "sequence (use max_seqs 1)")
+    if cfg.kv_cache_dir is not None:
+        from .prefix_cache import supported
+        why = supported(args)
+        if why:
+            raise ConfigError(f"kv_cache_dir: the prefix cache is off for this model ({why})")
+        try:
+            os.makedirs(os.path.expanduser(cfg.kv_cache_dir), exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"kv_cache_dir: cannot make {cfg.kv_cache_dir!r}: {e.strerror}") from None
     ids = load_prompt(cfg, args, timings)
     total = ids.size + cfg.generate
     if cfg.max_context is not None and cfg.max_context > args.max_seq_len:

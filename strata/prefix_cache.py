@@ -12,6 +12,13 @@ a slot, one with nothing in flight, while other slots' micro-batches may be. A s
 holds, in host memory (pinned on a CUDA stage, whose copies out run asynchronously on a stream of their own and
 are waited for on the device before the live cache is written again), and applies no policy of its own.
 
+With `kv_cache_dir` the host tier writes through to disk: every snapshot block is also written, by a thread of
+the stage, to a file of its own under the stage's folder (`stage_folder`: the rig's model, dtype and kv_dtype
+hashed, then the stage's layer range and device type), and a block the host evicted is restored from its file.
+The head keeps a second LRU index for the disk within `kv_cache_dir_bytes` a stage, rebuilt at start from what
+every stage lists (a block counts only where every stage has its file), and the last partial blocks' ids in its
+own folder; so a later run of the same model and rig, another process, skips the prefill of a document it saw.
+
 Rows are opaque: whatever a cache's dtype and last dimension (float, bfloat16, 8-bit codes, packed blocks), a
 snapshot copies the rows of each (1, n_kv, rows, last) cache tensor along dim 2, byte for byte.
 
@@ -23,8 +30,13 @@ before (Pipeline._reusable's exact-or-nothing rules).
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import queue
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -77,6 +89,8 @@ class PrefixCacheStats:
     blocks: int = 0           # blocks held now (the same ones on every stage)
     capacity_blocks: int = 0  # the most it holds: each stage's prefix_cache_bytes in blocks, the smallest
     block_tokens: int = 0     # tokens a block (BLOCK)
+    disk_blocks: int = 0      # blocks whose files every stage holds under kv_cache_dir (0: no disk tier)
+    disk_capacity_blocks: int = 0  # the most it keeps there: kv_cache_dir_bytes in blocks
 
 
 class PrefixIndex:
@@ -159,10 +173,66 @@ class PrefixIndex:
         self.touch(keys)
         return new, self._evict()
 
+    def load(self, keys: list[bytes], tails: dict[bytes, tuple[bytes, np.ndarray]]) -> list[bytes]:
+        """What an earlier run left (the disk tier): keys oldest first, tails' key -> (the key they hang under,
+        their ids) -> the keys evicted to fit the capacity (the oldest)."""
+        for k in keys:
+            self.lru[k] = None
+            if k in tails:
+                prev, ids = tails[k]
+                self.tails.setdefault(prev, {})[k] = np.asarray(ids, dtype=np.int32)
+                self._parent[k] = prev
+        return self._evict()
+
     def discard(self, keys: list[bytes]) -> None:
         for k in keys:
             self.lru.pop(k, None)
             self._forget_tail(k)
+
+
+def held_prefix(indexes: list[PrefixIndex], keys: list[bytes]) -> int:
+    """How many leading blocks of keys some tier holds (a restore reads each block from where it is)."""
+    m = 0
+    while m < len(keys) and any(keys[m] in ix.lru for ix in indexes):
+        m += 1
+    return m
+
+
+def best_tail(indexes: list[PrefixIndex], prev: bytes, ids: np.ndarray) -> tuple[bytes | None, int]:
+    """PrefixIndex.best_tail over the tiers."""
+    return max((ix.best_tail(prev, ids) for ix in indexes), key=lambda t: t[1], default=(None, 0))
+
+
+class TailFiles:
+    """The disk tier's last partial blocks' ids, in the head's folder under kv_cache_dir: file <key hex> holds the
+    key they hang under (16 bytes, zeros for none) then the ids (int32 LE)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def read(self) -> dict[bytes, tuple[bytes, np.ndarray]]:
+        out = {}
+        for e in os.scandir(self.folder):
+            try:
+                key = bytes.fromhex(e.name)
+                raw = Path(e.path).read_bytes()
+            except (ValueError, OSError):
+                continue
+            if len(key) != KEY_BYTES or len(raw) < KEY_BYTES or (len(raw) - KEY_BYTES) % 4:
+                continue
+            prev = raw[:KEY_BYTES]
+            out[key] = (b"" if prev == bytes(KEY_BYTES) else prev, np.frombuffer(raw[KEY_BYTES:], dtype="<i4"))
+        return out
+
+    def write(self, key: bytes, prev: bytes, ids: np.ndarray) -> None:
+        part = self.folder / (key.hex() + ".part")
+        part.write_bytes((prev or bytes(KEY_BYTES)) + np.ascontiguousarray(ids, dtype="<i4").tobytes())
+        os.replace(part, self.folder / key.hex())
+
+    def remove(self, keys: list[bytes]) -> None:
+        for k in keys:
+            (self.folder / k.hex()).unlink(missing_ok=True)
 
 
 def layer_caches(model, slot: int | None = None) -> list[torch.Tensor]:
@@ -196,8 +266,26 @@ def _views(buf: torch.Tensor, caches: list[torch.Tensor], rows: int) -> list[tor
     return out
 
 
+DISK_VERSION = 1  # of a block file's bytes (the rows as Snapshots holds them) and of the folder names
+
+
+def rig_folder(fingerprint: dict) -> str:
+    """The folder under kv_cache_dir of one model and rig (kv_file's fingerprint without max_context: a block's
+    rows do not depend on it)."""
+    fp = {k: v for k, v in fingerprint.items() if k != "max_context"}
+    text = json.dumps({"disk_version": DISK_VERSION, "block": BLOCK, **fp}, sort_keys=True)
+    return "rig-" + hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+def stage_folder(root: str, rig: str, start: int, end: int, device_type: str) -> str:
+    """A stage's folder: its layers' rows, computed on its kind of device (a CPU prefill's rows are not a GPU's)."""
+    return str(Path(root) / rig / f"layers-{start}-{end}-{device_type}")
+
+
 class Snapshots:
-    """A stage's snapshots: per block key, one host buffer with the block's rows of every cache of its slice."""
+    """A stage's snapshots: per block key, one host buffer with the block's rows of every cache of its slice;
+    with a disk folder (`open`), each also written to a file there by a writer thread, and read back when the
+    host copy is gone."""
 
     def __init__(self, model, device: torch.device):
         self.model = model
@@ -206,6 +294,100 @@ class Snapshots:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending = None      # the last copy out's event (CUDA): the live cache is not written before it
         self.blocks: dict[bytes, torch.Tensor] = {}
+        self.folder: Path | None = None
+        self.unwritten: dict[bytes, torch.Tensor] = {}  # queued for the disk: the writer drops each once its file is
+        self._lock = threading.Lock()                   # complete (so a block is always here or in its file)
+        self._queue: queue.Queue | None = None
+        self._writer: threading.Thread | None = None
+        self.write_error: str | None = None  # the writer's first failure (later blocks are not written)
+
+    # -- the disk tier -----------------------------------------------------------------------------------------
+    def open(self, folder: str) -> list[bytes]:
+        """Write through to `folder` from now on -> the keys whose files it holds, oldest first. Leftovers of a
+        write cut short (`*.part`) are removed."""
+        f = Path(folder)
+        f.mkdir(parents=True, exist_ok=True)
+        found = []
+        for e in os.scandir(f):
+            if e.name.endswith(".part"):
+                os.unlink(e.path)
+            elif len(e.name) == 2 * KEY_BYTES and e.is_file():
+                try:
+                    found.append((e.stat().st_mtime_ns, bytes.fromhex(e.name)))
+                except ValueError:
+                    continue
+        self.folder = f
+        if self._writer is None:
+            self._queue = queue.Queue()
+            self._writer = threading.Thread(target=self._write_loop, name="kv-disk", daemon=True)
+            self._writer.start()
+        return [k for _, k in sorted(found)]
+
+    def _file(self, key: bytes) -> Path:
+        return self.folder / key.hex()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            what, key, buf, event = item
+            try:
+                if what == "unlink":
+                    self._file(key).unlink(missing_ok=True)
+                elif self.write_error is None and not self._file(key).exists():
+                    if event is not None:
+                        event.synchronize()  # the copy out of the device is done
+                    part = self._file(key).with_suffix(".part")
+                    with open(part, "wb") as fh:
+                        fh.write(buf.numpy().data)
+                    os.replace(part, self._file(key))
+            except OSError as e:
+                self.write_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            finally:
+                with self._lock:
+                    if what == "write" and self.unwritten.get(key) is buf:
+                        del self.unwritten[key]
+
+    def unlink(self, keys: list[bytes]) -> None:
+        """Remove these blocks' files (in order with the writes queued before)."""
+        if self.folder is None:
+            return
+        for k in keys:
+            self._queue.put(("unlink", k, None, None))
+
+    def close(self) -> None:
+        """Finish the queued writes (a stage's end: no half-written file is left behind)."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+
+    def flush(self) -> None:
+        """Wait for the queued writes (tests)."""
+        if self._writer is not None:
+            self.close()
+            self._queue = queue.Queue()
+            self._writer = threading.Thread(target=self._write_loop, name="kv-disk", daemon=True)
+            self._writer.start()
+
+    def _held(self, key: bytes, size: int) -> torch.Tensor | None:
+        """A block's bytes: on the host, queued for the disk, or read from its file (None: nowhere)."""
+        buf = self.blocks.get(key)
+        if buf is not None:
+            return buf
+        with self._lock:
+            buf = self.unwritten.get(key)
+        if buf is not None or self.folder is None:
+            return buf
+        try:
+            data = np.fromfile(self._file(key), dtype=np.uint8)
+        except OSError:
+            return None
+        if data.size != size:
+            raise ValueError(f"restore: the file of block {key.hex()} holds {data.size} bytes, not {size}")
+        os.utime(self._file(key))  # recently used: a later run's LRU starts from the files' times
+        return torch.from_numpy(data)
 
     @property
     def nbytes(self) -> int:
@@ -229,18 +411,27 @@ class Snapshots:
         if self.cuda:
             self.pending = torch.cuda.Event()
             self.pending.record(self.stream)
+        if self.folder is not None:
+            for key in keys:
+                if key in self.blocks:
+                    with self._lock:
+                        self.unwritten[key] = self.blocks[key]
+                    self._queue.put(("write", key, self.blocks[key], self.pending))
 
     def restore(self, keys: list[bytes], blocks: list[int], block: int, slot: int | None = None) -> None:
         """Copy the snapshots back into the live cache (of `slot`: layer_caches) at their blocks' rows (on the
         compute stream: the chunks that follow are ordered after it)."""
-        missing = [k.hex() for k in keys if k not in self.blocks]
+        caches = layer_caches(self.model, slot)
+        size = row_bytes(caches) * block
+        held = [self._held(k, size) for k in keys]
+        missing = [k.hex() for k, b in zip(keys, held) if b is None]
         if missing:
             raise KeyError(f"restore: no snapshot of block(s) {', '.join(missing[:3])}")
         self.before_write()
-        caches = layer_caches(self.model, slot)
-        for key, j in zip(keys, blocks):
-            for src, c in zip(_views(self.blocks[key], caches, block), caches):
-                c[:, :, j * block:(j + 1) * block].copy_(src, non_blocking=self.cuda)
+        for buf, j in zip(held, blocks):
+            # (a block read from its file is pageable memory: its copy in is synchronous, so it may be dropped now)
+            for src, c in zip(_views(buf, caches, block), caches):
+                c[:, :, j * block:(j + 1) * block].copy_(src, non_blocking=self.cuda and buf.is_pinned())
 
     def drop(self, keys: list[bytes]) -> None:
         for k in keys:

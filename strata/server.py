@@ -138,6 +138,10 @@ class Metrics:
                           "cache, or off).", [("", prefix.capacity_blocks)])
             out += metric("prefix_cache_block_tokens", "gauge", "Tokens a prefix-cache block.",
                           [("", prefix.block_tokens)])
+            out += metric("prefix_cache_disk_blocks", "gauge", "Blocks whose files every stage holds under "
+                          "kv_cache_dir (0: no disk tier).", [("", prefix.disk_blocks)])
+            out += metric("prefix_cache_disk_capacity_blocks", "gauge", "Blocks kv_cache_dir_bytes holds (0: no "
+                          "disk tier).", [("", prefix.disk_capacity_blocks)])
             out += metric("engine_errors_total", "counter", "Generations that failed in the engine.",
                           [("", self.engine_errors)])
             out += metric("engine_restarts_total", "counter", "Engine restarts after a failure.",

@@ -23,6 +23,7 @@ class StageKv:
     def __init__(self, model, device, max_len: int, log):
         self.model, self.max_len, self.log = model, max_len, log
         self.snapshots = Snapshots(model, device)
+        self._told = False  # the disk writer's failure was logged
 
     def before_write(self) -> None:
         """Call before a chunk writes the live cache."""
@@ -32,7 +33,13 @@ class StageKv:
         """Do msg; an error is the answer's one line (the head decides what it means), never this stage's end."""
         try:
             self._check(msg)
-            if msg.op == "snap":
+            keys = []
+            if msg.op == "open":  # the disk tier's folder (kv_cache_dir): the keys it already holds
+                keys = self.snapshots.open(msg.path)
+                self.log.info("prefix cache on disk: %s, %d blocks", msg.path, len(keys))
+            elif msg.op == "unlink":
+                self.snapshots.unlink(msg.keys)
+            elif msg.op == "snap":
                 self.snapshots.snap(msg.keys, msg.blocks, msg.block, msg.slot)
             elif msg.op == "restore":
                 self.snapshots.restore(msg.keys, msg.blocks, msg.block, msg.slot)
@@ -47,12 +54,23 @@ class StageKv:
             error = ""
         except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: torch (no pinned memory left)
             error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+            keys = []
             self.log.warning("kv %s: %s", msg.op, error)
-        return M.KvDone(stage=stage, op=msg.op, error=error, held_bytes=self.snapshots.nbytes)
+        if self.snapshots.write_error and not self._told:
+            self._told = True
+            self.log.warning("prefix cache on disk: a block's write failed (%s); no more are written",
+                             self.snapshots.write_error)
+        return M.KvDone(stage=stage, op=msg.op, error=error, held_bytes=self.snapshots.nbytes, keys=keys)
+
+    def close(self) -> None:
+        """The stage's end: the disk writes queued so far are finished (never a half-written block file)."""
+        self.snapshots.close()
 
     def _check(self, msg: M.KvOp) -> None:
         if msg.op in ("snap", "restore") and any((j + 1) * msg.block > self.max_len for j in msg.blocks):
             raise ValueError(f"{msg.op}: a block past the cache's {self.max_len} positions")
+        if msg.op == "open" and not os.path.isabs(msg.path):
+            raise ValueError(f"open: not an absolute path: {msg.path!r}")
         if msg.op in ("save", "load"):
             if not (1 <= msg.tokens <= self.max_len):
                 raise ValueError(f"{msg.op}: {msg.tokens} rows for a cache of {self.max_len}")

@@ -410,6 +410,8 @@ class Stage(DecodeRing):
                 self._release_ahead()
             except Exception:  # noqa: BLE001 - closing after a failure: the process goes anyway
                 pass
+        if getattr(self, "kv", None) is not None:
+            self.kv.close()  # the prefix cache's queued disk writes end before the process does
         self.wire.close(linger_ms)
         self.buffers.close()
 

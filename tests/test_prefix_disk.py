@@ -1,0 +1,128 @@
+"""The prefix cache's disk tier (kv_cache_dir): block files written through by each stage, read back once the host
+copy is evicted, and found again by a later pipeline (other processes) of the same model and rig."""
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from strata import prefix_cache as pc
+from strata.checkpoint import model_args
+from strata.errors import ConfigError
+from strata.pipeline import Pipeline
+from test_prefix_cache import _fill, _model
+
+STAGES = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
+
+
+def test_snapshots_write_through_and_restore_from_the_file(tmp_path):
+    """A snapped block's file holds its rows; dropped from the host, it is restored from the file byte for byte;
+    a new Snapshots on the folder lists it (oldest first) and removes a half-written leftover; unlink removes it."""
+    m = _model(torch.bfloat16, 16, rows=64)
+    _fill(m, 1)
+    before = [c.view(torch.uint8).clone() for c in pc.layer_caches(m)]
+    s = pc.Snapshots(m, torch.device("cpu"))
+    assert s.open(str(tmp_path / "st")) == []
+    a, b = b"a" * 16, b"b" * 16
+    s.snap([a], [0], 16)
+    s.snap([b], [2], 16)
+    s.flush()
+    size = 16 * pc.row_bytes(pc.layer_caches(m))
+    assert (tmp_path / "st" / a.hex()).stat().st_size == size and not s.unwritten
+    s.drop([a, b])
+    assert s.nbytes == 0
+    _fill(m, 2)
+    s.restore([b, a], [2, 0], 16)
+    for c, old in zip(pc.layer_caches(m), before):
+        assert torch.equal(c.view(torch.uint8)[:, :, 32:48], old[:, :, 32:48])
+        assert torch.equal(c.view(torch.uint8)[:, :, 0:16], old[:, :, 0:16])
+    (tmp_path / "st" / ("c" * 32 + ".part")).write_bytes(b"half")
+    os.utime(tmp_path / "st" / a.hex(), ns=(1, 1))  # a: the older
+    t = pc.Snapshots(m, torch.device("cpu"))
+    assert t.open(str(tmp_path / "st")) == [a, b]
+    assert not list((tmp_path / "st").glob("*.part"))
+    t.unlink([a])
+    t.close()
+    assert not (tmp_path / "st" / a.hex()).exists()
+    with pytest.raises(KeyError, match="no snapshot"):
+        t.restore([a], [0], 16)
+    (tmp_path / "st" / b.hex()).write_bytes(b"short")
+    with pytest.raises(ValueError, match="holds 5 bytes"):
+        t.restore([b], [2], 16)
+
+
+def test_tail_files_and_an_index_loaded_oldest_first(tmp_path):
+    tf = pc.TailFiles(tmp_path / "tails")
+    ids = np.arange(7, dtype=np.int32)
+    tf.write(b"t" * 16, b"", ids)
+    tf.write(b"u" * 16, b"k" * 16, ids[:3])
+    got = tf.read()
+    assert got[b"t" * 16][0] == b"" and np.array_equal(got[b"t" * 16][1], ids)
+    assert got[b"u" * 16][0] == b"k" * 16 and np.array_equal(got[b"u" * 16][1], ids[:3])
+    ix = pc.PrefixIndex(2)
+    evicted = ix.load([b"k" * 16, b"t" * 16, b"u" * 16], got)
+    assert evicted == [b"k" * 16] and ix.best_tail(b"", np.arange(5)) == (b"t" * 16, 5)
+    tf.remove([b"t" * 16])
+    assert list(tf.read()) == [b"u" * 16]
+
+
+def _files(root: Path) -> dict[str, set[str]]:
+    return {d.name: {f.name for f in d.iterdir()} for d in root.glob("rig-*/layers-*")}
+
+
+def test_a_later_pipeline_restores_from_disk_with_the_cold_bits(tmp_path):
+    """synthetic:smoke on 2 CPU stages, prefix_reuse chunks (restored rows give a cold prefill's bits), host room
+    for 3 blocks and kv_cache_dir: A, B, A restores A's evicted blocks from their files; a new pipeline (new stage
+    processes) restores B and A from disk alone, logits equal to the cold ones; a block file gone from one stage is
+    not used (the blocks after it are prefilled); kv_cache_dir_bytes cuts the oldest files at start."""
+    args = model_args("synthetic:smoke")
+    per_block = 256 * 4 * 2 * args.n_kv_heads * args.head_dim * 4  # a stage's 4 layers' k and v rows, float32
+    kv = tmp_path / "kv"
+    cfg = dict(model="synthetic:smoke", stages=STAGES, layer_split=[4, 4], chunk=256, max_context=1024,
+               prefix_reuse="chunks", progress=False, prefix_cache_bytes=3 * per_block + per_block // 2,
+               kv_cache_dir=str(kv), prompt={"random": {"tokens": 10, "seed": 0}})
+    rng = np.random.default_rng(5)
+    a, b = (rng.integers(0, args.vocab_size, 3 * 256 + 10).astype(np.int32) for _ in range(2))
+    with Pipeline(cfg, out=tmp_path / "one", console=False) as p:
+        cold_a = p.prefill(a)
+        cold_b = p.prefill(b)  # the host holds B's 3 blocks now, A's only on disk
+        again = p.prefill(a)
+        assert cold_a.reused_tokens == 0 and again.reused_tokens == 768
+        assert np.array_equal(again.last_logits, cold_a.last_logits)
+        st = p.prefix_cache_stats()
+        assert (st.blocks, st.disk_blocks) == (3, 6)
+    files = _files(kv)
+    assert sorted(files) == ["layers-0-4-cpu", "layers-4-8-cpu"]
+    assert all(len(f) == 6 and not [n for n in f if n.endswith(".part")] for f in files.values()), files
+    with Pipeline(cfg, out=tmp_path / "two", console=False) as q:
+        q.start()
+        assert q.prefix_cache_stats().disk_blocks == 6
+        for ids, cold in ((b, cold_b), (a, cold_a)):
+            r = q.prefill(ids)
+            assert r.reused_tokens == 768 and np.array_equal(r.last_logits, cold.last_logits)
+    # A's second block gone from stage 1: a new pipeline drops A's blocks 1 and 2... from the index (block 2
+    # hangs after it), removes stage 0's copy of block 1, and restores block 0 alone
+    ka = pc.block_keys(a)
+    (next(kv.glob("rig-*/layers-4-8-cpu")) / ka[1].hex()).unlink()
+    with Pipeline(cfg, out=tmp_path / "three", console=False) as r3:
+        r3.start()
+        assert r3.prefix_cache_stats().disk_blocks == 5
+        assert not (next(kv.glob("rig-*/layers-0-4-cpu")) / ka[1].hex()).exists()
+        r = r3.prefill(a)
+        assert r.reused_tokens == 256 and np.array_equal(r.last_logits, cold_a.last_logits)
+    # the budget, at start: 2 blocks a stage keep the 2 newest files
+    with Pipeline(dict(cfg, kv_cache_dir_bytes=2 * per_block), out=tmp_path / "four", console=False) as r4:
+        r4.start()
+        assert r4.prefix_cache_stats().disk_blocks == 2
+    assert all(len(f) == 2 for f in _files(kv).values())
+
+
+def test_kv_cache_dir_bad_input_in_one_line(tmp_path):
+    base = dict(model="synthetic:smoke", stages=STAGES, progress=False, prompt={"random": {"tokens": 10, "seed": 0}})
+    with pytest.raises(ConfigError, match="prefix_cache_bytes is 0"):
+        Pipeline(dict(base, kv_cache_dir=str(tmp_path / "kv"), prefix_cache_bytes=0), out=tmp_path / "o",
+                 console=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="kv_cache_dir: cannot make"):
+        Pipeline(dict(base, kv_cache_dir=str(tmp_path / "file" / "kv")), out=tmp_path / "p", console=False)
