@@ -5,9 +5,13 @@
    time to its first token against its cold one (target: <= 5 %), and the cached tokens the server reports.
 2. A document's KV saved by one process (`kv_save` after its cold prefill) and loaded by another (`kv_load`, a new
    Python process with its own stages): the loaded one's time to first token against the cold prefill's.
+3. The prefix cache's disk tier (`kv_cache_dir`): a server asks about four documents once each (cold), is closed,
+   and a new server (new stage processes, the same folder) asks about them again: each one's time to its first
+   token against its cold one, and the cached tokens the server reports.
 
     python bench/serve_prefix.py                      # max_seqs 1
     python bench/serve_prefix.py --max-seqs 4         # the same through the slot driver (part 2 needs max_seqs 1)
+    python bench/serve_prefix.py --skip-alternating --skip-kv-file    # part 3 alone
 """
 from __future__ import annotations
 
@@ -115,6 +119,28 @@ def kv_files(args, out: Path) -> None:
           f"same 8 ids as cold: {got['ids'] == made}")
 
 
+def disk_tier(args, out: Path) -> None:
+    import openai
+    cfg = dict(rig(args), kv_cache_dir=str(out / "kv-cache"))
+    docs = documents(4, args.chars)
+    rows = []
+    for run in ("first server", "a new server"):
+        eng = PipelineEngine(cfg, out=out / f"disk-{len(rows)}")
+        try:
+            with served(eng) as url:
+                client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+                first_token(client, "Hello")  # warm-up
+                rows += [(run, name, *first_token(client, d)) for name, d in zip("ABCD", docs)]
+        finally:
+            eng.close()
+    print(f"\n3. the disk tier: four documents, then a new server on the same kv_cache_dir, max_seqs {args.max_seqs}")
+    print(f"{'server':>13} {'doc':>4} {'prompt':>7} {'cached':>7} {'first token s':>14} {'of cold':>8}")
+    cold = {}
+    for run, name, t, n, cached in rows:
+        cold.setdefault(name, t)
+        print(f"{run:>13} {name:>4} {n:>7} {cached:>7} {t:>14.3f} {t / cold[name]:>7.1%}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=int, default=2)
@@ -122,7 +148,8 @@ def main() -> int:
     ap.add_argument("--max-seqs", type=int, default=1)
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--chars", type=int, default=5500, help="characters of each document (~1,500 tokens)")
-    ap.add_argument("--skip-alternating", action="store_true", help="only part 2 (the KV file)")
+    ap.add_argument("--skip-alternating", action="store_true", help="leave out part 1 (alternating documents)")
+    ap.add_argument("--skip-kv-file", action="store_true", help="leave out part 2 (a KV file)")
     ap.add_argument("--load", help=argparse.SUPPRESS)  # the load side's process
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -132,7 +159,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="serve-prefix-") as tmp:
         if not args.skip_alternating:
             alternating(args, Path(tmp))
-        kv_files(args, Path(tmp))
+        if not args.skip_kv_file:
+            kv_files(args, Path(tmp))
+        disk_tier(args, Path(tmp))
     return 0
 
 
