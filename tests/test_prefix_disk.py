@@ -126,3 +126,29 @@ def test_kv_cache_dir_bad_input_in_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="kv_cache_dir: cannot make"):
         Pipeline(dict(base, kv_cache_dir=str(tmp_path / "file" / "kv")), out=tmp_path / "p", console=False)
+
+
+def test_a_restarted_engine_with_several_slots_restores_from_disk(tmp_path):
+    """max_seqs 2 (the slot driver's restore_slot and snapshot_slot): two prompts through one engine, then a new
+    engine on the same kv_cache_dir gives each the same greedy ids with every row but the last restored."""
+    from strata.engine import PipelineEngine
+    from strata.sampling import SamplingParams
+    args = model_args("synthetic:smoke")
+    cfg = dict(model="synthetic:smoke", stages=STAGES, chunk=256, max_context=1024, progress=False, max_seqs=2,
+               kv_cache_dir=str(tmp_path / "kv"), prompt={"random": {"tokens": 10, "seed": 0}})
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, args.vocab_size, n).tolist() for n in (600, 300)]
+    got = []
+    for run in range(2):
+        eng = PipelineEngine(cfg, out=tmp_path / f"eng{run}")
+        try:
+            made = []
+            for ids in prompts:
+                made.append([])
+                eng.generate(ids, SamplingParams(max_tokens=6, temperature=0), made[-1].append)
+            got.append((made, eng.slot_stats()))
+        finally:
+            eng.close()
+    (cold, st0), (again, st1) = got
+    assert again == cold and all(cold)
+    assert st0.restored_tokens == 0 and st1.restores == 2 and st1.restored_tokens == 599 + 299
