@@ -60,6 +60,19 @@ HEAD_SPIN_S = 0.05  # the head's spin per decode step with GPU stages (a CPU rig
 BELL_CHECK_S = 0.0005  # spinning on a decode bell, the head still reads its socket and watches the stages this often
 
 
+class KvRound:
+    """KvOp notes sent to stages, and their answers (KvDone) as they come."""
+
+    def __init__(self, what: str, waiting: set, then=None):
+        self.what, self.waiting, self.then = what, waiting, then
+        self.done: dict[int, M.KvDone] = {}
+        self.failed = False  # a restore round whose `then` found an error
+
+    @property
+    def complete(self) -> bool:
+        return not self.waiting
+
+
 @dataclass
 class StageInfo:
     index: int
@@ -161,7 +174,8 @@ class Pipeline:
         self._disk: prefix_cache.PrefixIndex | None = None   # the disk tier's blocks (kv_cache_dir), every stage's
         self._tail_files: prefix_cache.TailFiles | None = None
         self._block = prefix_cache.BLOCK
-        self._kv_done: dict[int, M.KvDone] = {}   # the stages' answers to the KvOp in flight
+        self._rounds: list[KvRound] = []          # KvOp rounds sent and not yet answered by every stage, oldest first
+        self.kv_answers = 0                        # KvDone notes received (the slot driver's watchdog: progress)
         self._want_rows: set[int] = set()          # several sequences: chunks whose logits row the head keeps
         self._rows: dict[int, torch.Tensor] = {}   # ... and those rows, by chunk
         self._restored = 0                         # this prefill's prompt positions restored from snapshots
@@ -398,9 +412,18 @@ class Pipeline:
         self._remote.on_rejected(msg.stage, msg.count, msg.detail)
 
     def _on_kv_done(self, msg: M.KvDone, data) -> None:
-        if not 0 <= msg.stage < len(self.stages) or msg.stage in self._kv_done:
+        # a stage answers its KvOps in the order they came (one socket from the head): the oldest round that waits
+        # on it is the one answered
+        r = next((r for r in self._rounds if msg.stage in r.waiting), None)
+        if r is None:
             raise M.BadMessage(f"kv_done: stage {msg.stage} has no KV operation in flight")
-        self._kv_done[msg.stage] = msg
+        self.kv_answers += 1
+        r.waiting.discard(msg.stage)
+        r.done[msg.stage] = msg
+        if not r.waiting:
+            self._rounds.remove(r)
+            if r.then is not None:
+                r.then(r)
 
     # -- the run -----------------------------------------------------------------------------
     def finish(self) -> None:
@@ -554,10 +577,20 @@ class Pipeline:
         this returns, so the restore comes before the slot's first chunk on each, whatever socket that takes."""
         return self._from_snapshots(ids, 0, cap, slot)
 
+    def restore_slot_begin(self, slot: int, ids: np.ndarray, cap: int) -> tuple[int, KvRound | None]:
+        """restore_slot with its round sent, not waited for -> (the positions, the round): the slot's first chunk
+        waits until the round is complete; if it `failed`, the slot holds nothing (prefill it from 0)."""
+        return self._restore_begin(ids, 0, cap, slot)
+
     def snapshot_slot(self, slot: int, ids: np.ndarray) -> None:
         """After the last prefill chunk of ids in `slot`: its prompt's full blocks into the prefix cache (their
         rows are final: the sequence's decode steps write later positions)."""
         self._snapshot(ids, slot)
+
+    def snapshot_slot_begin(self, slot: int, ids: np.ndarray) -> KvRound | None:
+        """snapshot_slot with its rounds sent, not waited for -> the last one: the slot is not written again (nor
+        given to another sequence) before it is complete."""
+        return self._snapshot(ids, slot, wait=False)
 
     def take_results(self, timeout_ms: int) -> list[tuple[int, M.ChunkResult, torch.Tensor | None]]:
         """What the last stage finished within timeout_ms: (chunk, result, its logits row or None), in order; a
@@ -695,22 +728,40 @@ class Pipeline:
         return prefix_cache.PrefixCacheStats(self._lookups, self._hits, len(index), index.capacity, self._block,
                                              len(disk) if disk else 0, disk.capacity if disk else 0)
 
-    def _kv_round(self, what: str, msgs: dict[int, M.KvOp]) -> dict[int, M.KvDone]:
-        """Send each stage its KvOp and wait for every answer (a stage does one at once, in order). With several
-        sequences other slots' micro-batches may be in flight: `_receive` keeps their results for take_results."""
-        self._kv_done = {}
+    def _kv_send(self, what: str, msgs: dict[int, M.KvOp], then=None) -> KvRound:
+        """Send each stage its KvOp; the round completes when every one has answered (`_receive` takes the
+        answers, whatever thread waits; `then(round)` runs then)."""
+        r = KvRound(what, set(msgs), then=then)
+        self._rounds.append(r)
         for i, msg in msgs.items():
             self._wire.send(i, msg)
-        poll_until(lambda: all(i in self._kv_done for i in msgs), self.cfg.stall_timeout_s, what=self._stalled,
-                   step=lambda: self._receive(100))
-        done, self._kv_done = self._kv_done, {}
-        return done
+        return r
 
-    def _kv_all(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0, slot: int = 0):
-        msgs = {i: M.KvOp(op=op, keys=list(keys), blocks=list(blocks), block=self._block, path=path,
+    def _kv_wait(self, rounds: list[KvRound]) -> None:
+        """Until these rounds are complete. With several sequences other slots' micro-batches may be in flight:
+        `_receive` keeps their results for take_results."""
+        poll_until(lambda: all(not r.waiting for r in rounds), self.cfg.stall_timeout_s, what=self._stalled,
+                   step=lambda: self._receive(100))
+
+    def _kv_round(self, what: str, msgs: dict[int, M.KvOp]) -> dict[int, M.KvDone]:
+        """Send each stage its KvOp and wait for every answer (a stage does one at once, in order)."""
+        r = self._kv_send(what, msgs)
+        self._kv_wait([r])
+        return r.done
+
+    def _kv_msgs(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0,
+                 slot: int = 0) -> dict[int, M.KvOp]:
+        return {i: M.KvOp(op=op, keys=list(keys), blocks=list(blocks), block=self._block, path=path,
                           offset=offsets[i] if offsets else 0, tokens=tokens, slot=slot)
                 for i in range(len(self.stages))}
-        return self._kv_round(op, msgs)
+
+    def _kv_all(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0, slot: int = 0):
+        return self._kv_round(op, self._kv_msgs(op, keys, blocks, path, offsets, tokens, slot))
+
+    @property
+    def kv_rounds(self) -> int:
+        """KV rounds in flight (the slot driver's watchdog)."""
+        return len(self._rounds)
 
     def _from_snapshots(self, ids: np.ndarray, live: int, cap: int, slot: int = 0) -> int:
         """The positions to reuse: `live` (what the live KV holds), or a longer prefix of snapshots, restored into
@@ -719,8 +770,22 @@ class Pipeline:
         chunk boundary of the prompt's cold schedule, so the rest is computed in the cold prefill's own chunks (the
         same bits as a cold prefill, when the snapshots were)."""
         self._restored = 0
-        if self._index is None:
+        p, r = self._restore_begin(ids, live, cap, slot)
+        if r is None:
+            return p
+        self._kv_wait([r])
+        if r.failed:
             return live
+        self._restored = p - live
+        return p
+
+    def _restore_begin(self, ids: np.ndarray, live: int, cap: int, slot: int) -> tuple[int, KvRound | None]:
+        """_from_snapshots' lookup, and its restore round sent, not waited for -> (the positions the slot will hold,
+        the round: None when nothing is restored). A round that fails (`failed`: a block file gone from kv_cache_dir,
+        say) leaves the positions at `live`: the blocks are forgotten everywhere and those positions prefilled (the
+        rows a restore of the same ids' blocks may have rewritten keep their meaning)."""
+        if self._index is None:
+            return live, None
         B = self._block
         keys = prefix_cache.block_keys(ids[:cap], B)
         tiers = self._tiers()
@@ -740,30 +805,35 @@ class Pipeline:
         self._lookups += 1
         self._hits += p > 0
         if p <= live:
-            return live
+            return live, None
         blocks = list(range(live // B, -(-p // B)))
         names = [keys[j] if j < m else tail for j in blocks]  # block m: the tail's (rows past c: never read)
-        failed = [f"{self._who(i)}: {d.error}" for i, d in self._kv_all("restore", names, blocks, slot=slot).items()
-                  if d.error]
-        if failed:
-            # (a block file gone from kv_cache_dir, say): prefill from what the live KV holds, whose rows a restore
-            # of the same ids' blocks may have rewritten but not changed in meaning; forget the blocks everywhere
-            log.warning("prefix cache: restore failed (%s); prefilling those positions", "; ".join(failed))
-            self._hits -= p > 0
-            for ix in self._tiers():
-                ix.discard(names)
-            self._kv_all("drop", names)
-            if self._disk is not None:
-                self._unlink(names)
-            return live
-        self._restored = p - live
-        return p
 
-    def _snapshot(self, ids: np.ndarray, slot: int = 0) -> None:
+        def then(r: KvRound) -> None:
+            failed = [f"{self._who(i)}: {d.error}" for i, d in r.done.items() if d.error]
+            if failed:
+                r.failed = True
+                log.warning("prefix cache: restore failed (%s); prefilling those positions", "; ".join(failed))
+                self._hits -= 1
+                self._forget(names)
+        return p, self._kv_send("restore", self._kv_msgs("restore", names, blocks, slot=slot), then)
+
+    def _forget(self, names: list[bytes]) -> None:
+        """Blocks out of every tier (their rounds are sent, not waited for)."""
+        for ix in self._tiers():
+            ix.discard(names)
+        self._kv_send("drop", self._kv_msgs("drop", names))
+        if self._disk is not None:
+            self._kv_send("unlink", self._kv_msgs("unlink", names))
+            self._tail_files.remove(names)
+
+    def _snapshot(self, ids: np.ndarray, slot: int = 0, wait: bool = True) -> KvRound | None:
         """After a prefill of ids (in `slot`): its full blocks into the prefix cache (the ones not held yet), LRU
-        evicting."""
+        evicting. wait False: the rounds are sent, not waited for -> the last one (None: none sent); the slot's
+        rows [0, ids.size) must not be written again before it completes (another socket's chunk could reach a
+        stage before the snapshot's note)."""
         if self._index is None or self.failure:
-            return
+            return None
         B = self._block
         keys = prefix_cache.block_keys(ids, B)
         new, evicted = self._index.add(keys)
@@ -787,25 +857,30 @@ class Pipeline:
                 tail = tail or dtail
             if tail is not None:
                 new, names = new + [m], names + [tail]
+        sent = []
         if evicted:
-            self._kv_all("drop", evicted)
+            sent.append(self._kv_send("drop", self._kv_msgs("drop", evicted)))
         if gone:
-            self._unlink(gone)
-        if not new:
-            return
-        failed = [f"{self._who(i)}: {d.error}" for i, d in
-                  self._kv_all("snap", names, new, slot=slot).items() if d.error]
-        if failed:  # e.g. no host memory left: those blocks are not cached, anywhere
+            sent.append(self._kv_send("unlink", self._kv_msgs("unlink", gone)))
+            self._tail_files.remove(gone)
+        if new:
+            sent.append(self._kv_send("snap", self._kv_msgs("snap", names, new, slot=slot),
+                                      lambda r: self._snapped(r, names)))
+        if wait:
+            self._kv_wait(sent)
+        return sent[-1] if sent else None
+
+    def _snapped(self, r: KvRound, names: list[bytes]) -> None:
+        """A snapshot round's answers: a block a stage could not copy is not cached, anywhere; one snapped for the
+        disk alone leaves the host (its writer keeps the rows until the file is written)."""
+        failed = [f"{self._who(i)}: {d.error}" for i, d in r.done.items() if d.error]
+        if failed:  # e.g. no host memory left
             log.warning("prefix cache: snapshot failed (%s); dropping its blocks", "; ".join(failed))
-            for ix in self._tiers():
-                ix.discard(names)
-            self._kv_all("drop", names)
-            if disk is not None:
-                self._unlink(names)
+            self._forget(names)
             return
-        host_not = [k for k in names if k not in self._index.lru]  # snapped for the disk alone: its writer keeps
-        if host_not:                                                 # the rows until the file is written
-            self._kv_all("drop", host_not)
+        host_not = [k for k in names if k not in self._index.lru]
+        if host_not:
+            self._kv_send("drop", self._kv_msgs("drop", host_not))
 
     def _kv_file_refusals(self, what: str) -> None:
         """What kv_save and kv_load refuse before anything runs."""

@@ -15,11 +15,11 @@ slot, and a batch gives each row the bits of its step alone (Transformer.decode_
 not depend on what else runs.
 
 The prefix cache (strata/prefix_cache.py): on admission a sequence's prompt is looked up in the head's index and
-the longest cached prefix, up to a chunk boundary of its cold schedule, is restored into its slot on every stage
-before its first chunk goes (Pipeline.restore_slot waits for every stage's answer); the rest runs in the cold
-prefill's own chunks. After its last prefill chunk its prompt's full blocks are snapshotted from its slot. These KV
-rounds run on the driver's thread while other micro-batches are in flight; their results wait in the Pipeline
-for take_results. A scored sequence (`score`) is a prefill whose chunks the last stage scores, as Pipeline.score's.
+the longest cached prefix is restored into its slot on every stage; its first chunk goes once every stage has
+answered the restore (a chunk reaches stage i over another socket than the head's note). After its last prefill
+chunk its prompt's full blocks are snapshotted from its slot, and the slot goes to no other sequence before every
+stage has answered that. The driver sends these KV rounds and does not wait for them: other sequences' chunks and
+steps go on meanwhile (a long document's restore from disk holds up nobody's tokens but its own). A scored sequence (`score`) is a prefill whose chunks the last stage scores, as Pipeline.score's.
 
 Callers (the server's worker threads) block in `generate`; `on_token` runs on the driver's thread. A failure of the
 pipeline fails every admitted and waiting sequence with the same PipelineError; the driver then stops.
@@ -53,6 +53,8 @@ class SlotRun:
     start: int = 1                      # a scored prefill: the first position whose log-probability is wanted
     scores: dict = field(default_factory=dict)  # a scored prefill: each chunk's ChunkResult.scores, by chunk
     restored: int = 0                   # prompt positions restored from the prefix cache (not prefilled)
+    kv: object = None                   # its restore round still in flight (Pipeline.KvRound), else None
+    snap: object = None                 # its snapshot's last round, until complete: its slot is not reused before
     slot: int = -1
     schedule: list = field(default_factory=list)  # prefill chunks [(pos, n)]
     sent_chunks: int = 0
@@ -84,6 +86,7 @@ class SlotStats:
     prefill_interleaved: int = 0        # decode steps sent while another sequence's prefill was not done
     restores: int = 0                   # sequences whose prompt began with blocks restored from the prefix cache
     restored_tokens: int = 0            # ... and the positions restored
+    sends_during_kv: int = 0            # micro-batches sent while a prefix-cache round (restore, snapshot) was out
 
 
 class SlotDriver:
@@ -104,6 +107,8 @@ class SlotDriver:
         self._stopping = False
         self._running: list[SlotRun] = []           # admitted, in slot order of admission (the round-robin)
         self._free = list(range(max_seqs - 1, -1, -1))
+        self._freeing: list[SlotRun] = []           # finished, their slot held until their snapshot's round is done
+        self._answers = 0                           # the Pipeline's KvDone count at the last look (progress)
         self._by_k: dict[int, list[SlotRun]] = {}  # a micro-batch's sequences (a batch's in row order)
         self._turn = 0
         self._t0: float | None = None               # the busy period's phase clock (None: idle)
@@ -164,7 +169,7 @@ class SlotDriver:
         try:
             while True:
                 with self._cond:
-                    while not (self._queue or self._running or self._stopping):
+                    while not (self._queue or self._running or self._freeing or self._stopping):
                         self._cond.wait(IDLE_WAIT_S)
                     if self._stopping:
                         raise PipelineError("the pipeline was stopped while sequences ran")
@@ -175,22 +180,33 @@ class SlotDriver:
                         run = self._queue.popleft()
                     self._admit(run)  # (running from its start: a failure of its restore fails it too)
                 self._send()
-                results = self.pipe.take_results(POLL_MS if self._running else 0)
+                busy = self._running or self._freeing
+                results = self.pipe.take_results(POLL_MS if busy else 0)
                 for k, res, row in results:
                     self._on_result(k, res, row)
-                self._watch(bool(results))
-                if not self._running:
+                self._release()
+                answers = self.pipe.kv_answers
+                self._watch(bool(results) or answers != self._answers)
+                self._answers = answers
+                if not self._running and not self._freeing:
                     self._t0 = None  # the next busy period starts a fresh phase on the stages
         except BaseException as e:  # noqa: BLE001 - every waiting caller gets it
             if not isinstance(e, PipelineError):
                 log.exception("the slot driver failed")
             self._fail(e if isinstance(e, PipelineError) else PipelineError(f"{type(e).__name__}: {e}"))
 
+    def _release(self) -> None:
+        """Slots whose sequence finished and whose snapshot every stage has answered go back to the free list."""
+        for run in [r for r in self._freeing if r.snap is None or r.snap.complete]:
+            self._freeing.remove(run)
+            run.snap = None
+            self._free.append(run.slot)
+
     def _watch(self, progressed: bool) -> None:
-        """The stall watchdog: micro-batches in flight and no result for stall_timeout_s fails the run (stacks
-        dumped to the stage logs), as a single sequence's wait does."""
+        """The stall watchdog: micro-batches or KV rounds in flight and no result or answer for stall_timeout_s
+        fails the run (stacks dumped to the stage logs), as a single sequence's wait does."""
         now = time.monotonic()
-        if progressed or not self.pipe.in_flight:
+        if progressed or not (self.pipe.in_flight or self.pipe.kv_rounds):
             self._progress_at = now
         elif now - self._progress_at > self.pipe.cfg.stall_timeout_s:
             self.pipe._stalled()
@@ -207,7 +223,6 @@ class SlotDriver:
             log.error("sequences failed: %s", e)
 
     def _admit(self, run: SlotRun) -> None:
-        from .pipeline import scored_chunks
         from .sampling import Sampler
         if self._t0 is None:
             self._t0 = self.pipe.begin_slots()
@@ -217,14 +232,23 @@ class SlotDriver:
         self._running.append(run)
         n = run.ids.size
         cap = n - 1 if run.score < 0 else min(n - 1, run.start - 1)  # the rows that must be computed come after
-        run.restored = self.pipe.restore_slot(run.slot, run.ids, cap)
-        # the cold prefill's own chunks (from the restored prefix on, which ends on one of their boundaries): its bits
-        schedule = self.pipe.plan.schedule_for(run.restored, n)
-        run.schedule = scored_chunks(schedule, run.score) if run.score >= 0 else list(schedule)
+        run.restored, run.kv = self.pipe.restore_slot_begin(run.slot, run.ids, cap)
         run.sampler = Sampler(run.params)
         run.limit = min(run.params.max_tokens, self.pipe.max_context - n)
         self.pipe.put_slot_ids(run.slot, run.ids)
         self.stats.sequences += 1
+        if run.kv is None:
+            self._restored(run)
+
+    def _restored(self, run: SlotRun) -> None:
+        """Its restore is done (or there was none): its chunks are planned and may go."""
+        from .pipeline import scored_chunks
+        if run.kv is not None and run.kv.failed:
+            run.restored = 0  # the slot holds nothing of it: a cold prefill
+        run.kv = None
+        # the cold prefill's own chunks (from the restored prefix on, which ends on one of their boundaries): its bits
+        schedule = self.pipe.plan.schedule_for(run.restored, run.ids.size)
+        run.schedule = scored_chunks(schedule, run.score) if run.score >= 0 else list(schedule)
         if run.restored:
             self.stats.restores += 1
             self.stats.restored_tokens += run.restored
@@ -271,8 +295,12 @@ class SlotDriver:
         return True
 
     def _send_chunk(self) -> bool:
-        """The next prefill chunk of the sequences still prefilling, one sequence a turn."""
-        filling = [r for r in self._running if r.sent_chunks < len(r.schedule)]
+        """The next prefill chunk of the sequences still prefilling, one sequence a turn (once its restore is
+        done)."""
+        for r in self._running:
+            if r.kv is not None and r.kv.complete:
+                self._restored(r)
+        filling = [r for r in self._running if r.kv is None and r.sent_chunks < len(r.schedule)]
         if not filling:
             return False
         run = filling[self._turn % len(filling)]
@@ -294,6 +322,8 @@ class SlotDriver:
     def _sent_one(self, others: bool) -> None:
         if others:
             self.stats.overlapped_sends += 1
+        if self.pipe.kv_rounds:
+            self.stats.sends_during_kv += 1
         self.stats.most_in_flight = max(self.stats.most_in_flight, sum(1 for r in self._running if r.in_flight))
 
     def _on_result(self, k: int, res, rows) -> None:
@@ -313,7 +343,7 @@ class SlotDriver:
             return  # a chunk before the last
         run.t_first = time.perf_counter()
         self._advance(run, res.argmax, rows)  # its first token to the caller before the snapshot's round
-        self.pipe.snapshot_slot(run.slot, run.ids)  # (its slot is not reused before the next admission)
+        run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)  # (its slot is not reused before it is done)
 
     def _advance(self, run: SlotRun, argmax: int, logits) -> None:
         """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it."""
@@ -337,5 +367,5 @@ class SlotDriver:
     def _finish(self, run: SlotRun, why: str) -> None:
         run.finish, run.t_end = why, time.perf_counter()
         self._running.remove(run)
-        self._free.append(run.slot)
+        self._freeing.append(run)  # (its snapshot may still be in flight: _release frees the slot after it)
         run.done.set()
