@@ -371,8 +371,33 @@ class Snapshots:
             self._writer = threading.Thread(target=self._write_loop, name="kv-disk", daemon=True)
             self._writer.start()
 
-    def _held(self, key: bytes, size: int) -> torch.Tensor | None:
-        """A block's bytes: on the host, queued for the disk, or read from its file (None: nowhere)."""
+    def on_disk_only(self, keys: list[bytes]) -> list[bytes]:
+        """The keys a restore would read from their files (neither on the host nor queued for the disk)."""
+        if self.folder is None:
+            return []
+        with self._lock:
+            return [k for k in keys if k not in self.blocks and k not in self.unwritten]
+
+    def block_bytes(self, block: int, slot: int | None = None) -> int:
+        return row_bytes(layer_caches(self.model, slot)) * block
+
+    def read_files(self, keys: list[bytes], size: int) -> dict[bytes, torch.Tensor | Exception]:
+        """The blocks' files (any thread: file reads alone): key -> its bytes, or the error reading it."""
+        out: dict[bytes, torch.Tensor | Exception] = {}
+        for key in keys:
+            try:
+                data = np.fromfile(self._file(key), dtype=np.uint8)
+                if data.size != size:
+                    raise ValueError(f"restore: the file of block {key.hex()} holds {data.size} bytes, not {size}")
+                os.utime(self._file(key))  # recently used: a later run's LRU starts from the files' times
+                out[key] = torch.from_numpy(data)
+            except (OSError, ValueError) as e:
+                out[key] = e
+        return out
+
+    def _held(self, key: bytes, size: int, fetched: dict | None = None) -> torch.Tensor | None:
+        """A block's bytes: on the host, queued for the disk, read ahead (`fetched`), or read from its file now
+        (None: nowhere)."""
         buf = self.blocks.get(key)
         if buf is not None:
             return buf
@@ -380,14 +405,12 @@ class Snapshots:
             buf = self.unwritten.get(key)
         if buf is not None or self.folder is None:
             return buf
-        try:
-            data = np.fromfile(self._file(key), dtype=np.uint8)
-        except OSError:
-            return None
-        if data.size != size:
-            raise ValueError(f"restore: the file of block {key.hex()} holds {data.size} bytes, not {size}")
-        os.utime(self._file(key))  # recently used: a later run's LRU starts from the files' times
-        return torch.from_numpy(data)
+        got = (fetched or {}).get(key)
+        if got is None:
+            got = self.read_files([key], size)[key]
+        if isinstance(got, ValueError):
+            raise got
+        return None if isinstance(got, Exception) else got
 
     @property
     def nbytes(self) -> int:
@@ -418,12 +441,14 @@ class Snapshots:
                         self.unwritten[key] = self.blocks[key]
                     self._queue.put(("write", key, self.blocks[key], self.pending))
 
-    def restore(self, keys: list[bytes], blocks: list[int], block: int, slot: int | None = None) -> None:
+    def restore(self, keys: list[bytes], blocks: list[int], block: int, slot: int | None = None,
+                fetched: dict | None = None) -> None:
         """Copy the snapshots back into the live cache (of `slot`: layer_caches) at their blocks' rows (on the
-        compute stream: the chunks that follow are ordered after it)."""
+        compute stream: the chunks that follow are ordered after it). fetched: blocks read from their files ahead
+        (read_files)."""
         caches = layer_caches(self.model, slot)
         size = row_bytes(caches) * block
-        held = [self._held(k, size) for k in keys]
+        held = [self._held(k, size, fetched) for k in keys]
         missing = [k.hex() for k, b in zip(keys, held) if b is None]
         if missing:
             raise KeyError(f"restore: no snapshot of block(s) {', '.join(missing[:3])}")

@@ -1,6 +1,7 @@
 """The prefix cache's disk tier (kv_cache_dir): block files written through by each stage, read back once the host
 copy is evicted, and found again by a later pipeline (other processes) of the same model and rig."""
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +192,45 @@ def test_prefix_cache_rounds_do_not_hold_up_the_other_sequences(tmp_path):
     assert again == cold and len(other_ids) == 60
     assert st.restores - before.restores == 1 and st.restored_tokens - before.restored_tokens == 699
     assert st.sends_during_kv > before.sends_during_kv, (before, st)
+
+
+def test_a_restore_from_files_is_read_by_a_thread_and_answered_in_order(tmp_path):
+    """workers/kv_ops.StageKv: a restore of blocks on disk alone starts a reader thread and returns (the stage's
+    chunks go on); an op after it waits; once the files are read, both are answered in order and the rows are the
+    files' bytes."""
+    import logging
+    import time
+    from strata import messages as M
+    from workers.kv_ops import StageKv
+    m = _model(torch.float32, 16, rows=64)
+    m._slots = [{i: (b.attn.k_cache, b.attn.v_cache) for i, b in m.layers.items()}]  # one sequence: slot 0
+    _fill(m, 1)
+    before = [c.view(torch.uint8).clone() for c in pc.layer_caches(m)]
+    answers = []
+    kv = StageKv(m, torch.device("cpu"), 64, logging.getLogger("t"), answers.append, 0)
+    key = b"k" * 16
+
+    def op(name, **kw):
+        return M.KvOp(**{**dict(op=name, keys=[], blocks=[], block=16, path="", offset=0, tokens=0), **kw})
+    kv.submit(op("open", path=str(tmp_path / "st")))
+    kv.submit(op("snap", keys=[key], blocks=[1]))
+    kv.submit(op("drop", keys=[key]))  # host copy gone: only the file (once written)
+    kv.snapshots.flush()
+    assert [a.op for a in answers] == ["open", "snap", "drop"] and not kv.snapshots.unwritten
+    assert not any(a.error for a in answers), answers
+    _fill(m, 2)
+    release = threading.Event()
+    real = kv.snapshots.read_files
+    kv.snapshots.read_files = lambda keys, size: (release.wait(30), real(keys, size))[1]
+    kv.submit(op("restore", keys=[key], blocks=[1]))
+    kv.submit(op("drop", keys=[key]))
+    assert kv.waiting and [a.op for a in answers] == ["open", "snap", "drop"]  # both wait behind the read
+    release.set()
+    deadline = time.monotonic() + 30
+    while kv.waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+        kv.advance()
+    assert [a.op for a in answers][3:] == ["restore", "drop"] and not any(a.error for a in answers)
+    for c, old in zip(pc.layer_caches(m), before):
+        assert torch.equal(c.view(torch.uint8)[:, :, 16:32], old[:, :, 16:32])
+    kv.close()

@@ -12,7 +12,9 @@ a restore's copies in go on the compute stream, after what is queued there.
 """
 from __future__ import annotations
 
+import collections
 import os
+import threading
 
 from strata import kv_file
 from strata import messages as M
@@ -20,16 +22,61 @@ from strata.prefix_cache import Snapshots, layer_caches
 
 
 class StageKv:
-    def __init__(self, model, device, max_len: int, log):
+    def __init__(self, model, device, max_len: int, log, answer, stage: int):
+        """answer(KvDone): how the stage sends an op's answer to the head."""
         self.model, self.max_len, self.log = model, max_len, log
+        self.answer, self.stage = answer, stage
         self.snapshots = Snapshots(model, device)
         self._told = False  # the disk writer's failure was logged
+        # ops answered in the order they came (the head matches answers so); a restore whose blocks are on disk
+        # alone waits at the front while a thread reads the files, and the stage's chunks go on meanwhile
+        self._ops: collections.deque[M.KvOp] = collections.deque()
+        self._reader: threading.Thread | None = None
+        self._fetched: dict | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """An op waits for its files: the stage should look again soon (advance)."""
+        return self._reader is not None
+
+    def submit(self, msg: M.KvOp) -> None:
+        self._ops.append(msg)
+        self.advance()
+
+    def advance(self) -> None:
+        """Do the ops that can be done now, in order, answering each."""
+        while self._ops:
+            msg = self._ops[0]
+            if msg.op == "restore" and self._fetched is None:
+                if self._reader is None:
+                    try:
+                        self._check(msg)
+                        keys = self.snapshots.on_disk_only(msg.keys)
+                        size = self.snapshots.block_bytes(msg.block, msg.slot)
+                    except (ValueError, KeyError, RuntimeError):
+                        keys = []  # (handle answers the error)
+                    if keys:
+                        box = {}
+                        self._reader = threading.Thread(
+                            target=lambda: box.update(self.snapshots.read_files(keys, size)),
+                            name="kv-read", daemon=True)
+                        self._reader.box = box
+                        self._reader.start()
+                        return
+                    self._fetched = {}
+                elif self._reader.is_alive():
+                    return
+                else:
+                    self._fetched, self._reader = self._reader.box, None
+            self._ops.popleft()
+            fetched, self._fetched = self._fetched, None
+            self.answer(self.handle(msg, self.stage, fetched))
 
     def before_write(self) -> None:
         """Call before a chunk writes the live cache."""
         self.snapshots.before_write()
 
-    def handle(self, msg: M.KvOp, stage: int) -> M.KvDone:
+    def handle(self, msg: M.KvOp, stage: int, fetched: dict | None = None) -> M.KvDone:
         """Do msg; an error is the answer's one line (the head decides what it means), never this stage's end."""
         try:
             self._check(msg)
@@ -42,7 +89,7 @@ class StageKv:
             elif msg.op == "snap":
                 self.snapshots.snap(msg.keys, msg.blocks, msg.block, msg.slot)
             elif msg.op == "restore":
-                self.snapshots.restore(msg.keys, msg.blocks, msg.block, msg.slot)
+                self.snapshots.restore(msg.keys, msg.blocks, msg.block, msg.slot, fetched)
             elif msg.op == "drop":
                 self.snapshots.drop(msg.keys)
             elif msg.op == "save":
@@ -64,6 +111,8 @@ class StageKv:
 
     def close(self) -> None:
         """The stage's end: the disk writes queued so far are finished (never a half-written block file)."""
+        if self._reader is not None:
+            self._reader.join()
         self.snapshots.close()
 
     def _check(self, msg: M.KvOp) -> None:

@@ -101,7 +101,8 @@ class Stage(DecodeRing):
         self.bells, self.bell_words, self.argmax_host = b.bells, b.bell_words, b.argmax_host
         self._init_ring(spec)
         self.dump = None  # opened per prefill (each prompt has its own length): `_open_dump`
-        self.kv = StageKv(self.model, self.device, spec.max_len, log)  # prefix-cache snapshots, KV files
+        self.kv = StageKv(self.model, self.device, spec.max_len, log,  # prefix-cache snapshots, KV files
+                          lambda done: self.send(self.to_head, done), self.i)
         self.wire = StageSockets(spec, self.inlink, log)
         self.to_head, self.to_up = self.wire.to_head, self.wire.to_up
         self.outlink.sock = self.wire.to_down
@@ -131,6 +132,8 @@ class Stage(DecodeRing):
             self.wait_until(lambda: self.wire.linked)
         while True:
             t = time.perf_counter()
+            if self.kv.waiting:
+                self.kv.advance()  # between chunks too: a busy stage would not look otherwise
             self.wait_until(lambda: self.inputs or self.phase_end is not None,
                             DECODE_SPIN_S if self.phase == "decode" and self.device.type == "cuda" else 0.0)
             if self.inputs:
@@ -167,8 +170,9 @@ class Stage(DecodeRing):
             if spin_s and time.perf_counter() < spin_end:
                 self.pump(0)
                 continue
-            # with bells, a decode step can arrive without a frame: look again within a millisecond
-            timeout = 1 if self.bells is not None and self.phase == "decode" else 100
+            # with bells, a decode step can arrive without a frame: look again within a millisecond; a KV op
+            # waiting for its files: within a few
+            timeout = 1 if self.bells is not None and self.phase == "decode" else 5 if self.kv.waiting else 100
             if not self.pump(timeout) and self.bad_frames != self.bad_frames_logged:
                 # idle after garbage: one line with the running count (a flood is not one line per frame)
                 self.bad_frames_logged = self.bad_frames
@@ -178,6 +182,8 @@ class Stage(DecodeRing):
     def pump(self, timeout_ms: int) -> bool:
         """Receive and dispatch whatever arrives within timeout_ms (False: nothing did). Garbage is
         counted and dropped."""
+        if self.kv.waiting:
+            self.kv.advance()  # a restore whose files were being read: done now?
         if not self.wire.poller.poll(timeout_ms):
             return False
         gate = self.wire.gate
@@ -271,9 +277,10 @@ class Stage(DecodeRing):
         self.ids[msg.pos:msg.pos + len(ids)] = torch.tensor(ids, dtype=torch.int32)
 
     def on_kv(self, msg: M.KvOp, data) -> None:
-        """A prefix-cache or KV-file operation, at once: between prompts, or (max_seqs > 1) on a slot with nothing in
-        flight while other slots' chunks may be (workers/kv_ops.py)."""
-        self.send(self.to_head, self.kv.handle(msg, self.i))
+        """A prefix-cache or KV-file operation: between prompts, or (max_seqs > 1) on a slot with nothing in flight
+        while other slots' chunks may be; answered in order, a restore of blocks on disk alone once a thread has
+        read their files (workers/kv_ops.py)."""
+        self.kv.submit(msg)
 
     def on_peers(self, msg: M.Peers, data) -> None:
         """The head says where this stage's neighbours across hosts listen: connect to them."""
