@@ -27,7 +27,7 @@ import os
 import signal
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -687,34 +687,39 @@ class Pipeline:
         the disk index (oldest first), the rest are removed, and the index is cut to kv_cache_dir_bytes."""
         root = os.path.abspath(os.path.expanduser(self.cfg.kv_cache_dir))
         rig = prefix_cache.rig_folder(kv_file.rig_fingerprint(self.cfg, self.plan))
-        msgs = {i: M.KvOp(op="open", keys=[], blocks=[], block=self._block, offset=0, tokens=0,
-                          path=prefix_cache.stage_folder(root, rig, *st.layers, torch.device(st.device).type))
-                for i, st in enumerate(self.stages)}
+        msgs = {i: replace(m, path=prefix_cache.stage_folder(root, rig, *st.layers, torch.device(st.device).type))
+                for (i, m), st in zip(self._kv_msgs("open").items(), self.stages)}
         done = self._kv_round("open", msgs)
-        failed = [f"{self._who(i)}: {d.error}" for i, d in done.items() if d.error]
+        failed = self._kv_errors(done)
         if failed:
             log.warning("prefix cache on disk off: %s", "; ".join(failed))
             return
         common = set.intersection(*(set(d.keys) for d in done.values()))
         for i, d in done.items():  # a block not every stage has (a write cut short, another split's run)
             stray = [k for k in d.keys if k not in common]
-            if stray:
-                self._kv_round("unlink", {i: M.KvOp(op="unlink", keys=stray, blocks=[], block=self._block,
-                                                    path="", offset=0, tokens=0)})
+            if stray:  # (the stage's writer removes them in order; nothing waits for it)
+                self._kv_send("unlink", {i: self._kv_msgs("unlink", stray)[i]})
         self._tail_files = prefix_cache.TailFiles(Path(root) / rig / "tails")
-        tails = {k: t for k, t in self._tail_files.read().items() if k in common}
-        self._tail_files.remove([k for k in self._tail_files.read() if k not in common])
+        tails = self._tail_files.read()
+        self._tail_files.remove([k for k in tails if k not in common])
+        tails = {k: t for k, t in tails.items() if k in common}
         self._disk = prefix_cache.PrefixIndex(self.cfg.kv_cache_dir_bytes // per_block)
         evicted = self._disk.load([k for k in done[0].keys if k in common], tails)
         self._unlink(evicted)
         log.info("prefix cache on disk: %s, %d of %d blocks held (%.1f GB a stage)", Path(root) / rig,
                  len(self._disk), self._disk.capacity, self._disk.capacity * per_block / 1e9)
 
-    def _unlink(self, keys: list[bytes]) -> None:
-        """Out of the disk tier: every stage's files and the head's tail files of these blocks."""
-        if keys:
-            self._kv_all("unlink", keys)
-            self._tail_files.remove(keys)
+    def _unlink(self, keys: list[bytes]) -> KvRound | None:
+        """Out of the disk tier: every stage's files (its writer removes them in order with the writes queued
+        before; the round is sent, not waited for) and the head's tail files of these blocks."""
+        if not keys:
+            return None
+        self._tail_files.remove(keys)
+        return self._kv_send("unlink", self._kv_msgs("unlink", keys))
+
+    def _kv_errors(self, done: dict[int, M.KvDone]) -> list[str]:
+        """A round's errors, one "stage i: error" each."""
+        return [f"{self._who(i)}: {d.error}" for i, d in done.items() if d.error]
 
     def _tiers(self) -> list[prefix_cache.PrefixIndex]:
         return [self._index] + ([self._disk] if self._disk is not None else [])
@@ -810,7 +815,7 @@ class Pipeline:
         names = [keys[j] if j < m else tail for j in blocks]  # block m: the tail's (rows past c: never read)
 
         def then(r: KvRound) -> None:
-            failed = [f"{self._who(i)}: {d.error}" for i, d in r.done.items() if d.error]
+            failed = self._kv_errors(r.done)
             if failed:
                 r.failed = True
                 log.warning("prefix cache: restore failed (%s); prefilling those positions", "; ".join(failed))
@@ -824,8 +829,7 @@ class Pipeline:
             ix.discard(names)
         self._kv_send("drop", self._kv_msgs("drop", names))
         if self._disk is not None:
-            self._kv_send("unlink", self._kv_msgs("unlink", names))
-            self._tail_files.remove(names)
+            self._unlink(names)
 
     def _snapshot(self, ids: np.ndarray, slot: int = 0, wait: bool = True) -> KvRound | None:
         """After a prefill of ids (in `slot`): its full blocks into the prefix cache (the ones not held yet), LRU
@@ -861,8 +865,7 @@ class Pipeline:
         if evicted:
             sent.append(self._kv_send("drop", self._kv_msgs("drop", evicted)))
         if gone:
-            sent.append(self._kv_send("unlink", self._kv_msgs("unlink", gone)))
-            self._tail_files.remove(gone)
+            sent.append(self._unlink(gone))
         if new:
             sent.append(self._kv_send("snap", self._kv_msgs("snap", names, new, slot=slot),
                                       lambda r: self._snapped(r, names)))
@@ -873,7 +876,7 @@ class Pipeline:
     def _snapped(self, r: KvRound, names: list[bytes]) -> None:
         """A snapshot round's answers: a block a stage could not copy is not cached, anywhere; one snapped for the
         disk alone leaves the host (its writer keeps the rows until the file is written)."""
-        failed = [f"{self._who(i)}: {d.error}" for i, d in r.done.items() if d.error]
+        failed = self._kv_errors(r.done)
         if failed:  # e.g. no host memory left
             log.warning("prefix cache: snapshot failed (%s); dropping its blocks", "; ".join(failed))
             self._forget(names)

@@ -32,6 +32,7 @@ class StageKv:
         # alone waits at the front while a thread reads the files, and the stage's chunks go on meanwhile
         self._ops: collections.deque[M.KvOp] = collections.deque()
         self._reader: threading.Thread | None = None
+        self._box: dict = {}  # what the reader read: key -> its bytes, or the error
         self._fetched: dict | None = None
 
     @property
@@ -56,18 +57,17 @@ class StageKv:
                     except (ValueError, KeyError, RuntimeError):
                         keys = []  # (handle answers the error)
                     if keys:
-                        box = {}
+                        self._box = {}
                         self._reader = threading.Thread(
-                            target=lambda: box.update(self.snapshots.read_files(keys, size)),
+                            target=lambda: self._box.update(self.snapshots.read_files(keys, size)),
                             name="kv-read", daemon=True)
-                        self._reader.box = box
                         self._reader.start()
                         return
                     self._fetched = {}
                 elif self._reader.is_alive():
                     return
                 else:
-                    self._fetched, self._reader = self._reader.box, None
+                    self._fetched, self._reader = self._box, None
             self._ops.popleft()
             fetched, self._fetched = self._fetched, None
             self.answer(self.handle(msg, self.stage, fetched))
