@@ -314,6 +314,20 @@ def test_fp8_cache_widens_by_its_bits_to_the_cast(dtype):
                                               want.view(torch.int16 if dtype != torch.float32 else torch.int32))
 
 
+def slotted_stages(d, args, prompts, **kw):
+    """The model at d as two stages (layers [0, 2) and the rest), with a slot of 96 positions for each prompt,
+    each prompt prefilled into its slot (also tests/test_gpu.py's, on CUDA)."""
+    from strata.checkpoint import load_stage
+    s0, s1 = load_stage(d, args, 0, 2, max_len=96, **kw), load_stage(d, args, 2, args.n_layers, max_len=96, **kw)
+    for s in (s0, s1):
+        s.setup_cache(96, seqs=len(prompts))
+    with torch.inference_mode():
+        for slot, ids in enumerate(prompts):
+            s0.use_slot(slot), s1.use_slot(slot)
+            s1(s0(ids, 0), 0)
+    return s0, s1
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "gpt_oss"])
 def test_several_sequences_as_rows_match_each_step_alone(tmp_path, family):
     """Transformer.decode_seqs through torch (no C decoder): three sequences in their own slots at other positions,
@@ -321,23 +335,13 @@ def test_several_sequences_as_rows_match_each_step_alone(tmp_path, family):
     of its step alone, the same argmax; with batch_rows off (decode_batch: steps) each row is its step alone exactly.
     q/k norms, windows and their rope, sinks, experts and softcaps go through the same per-row attention."""
     from families_fixtures import make_hf
-    from strata.checkpoint import load_stage, model_args
+    from strata.checkpoint import model_args
     _, d = make_hf(tmp_path, family)
     args = model_args(d)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g) for n in (40, 9, 27)]  # 40, 27: past windows
-    kw = dict(device="cpu", dtype=torch.float32, max_len=96)
-
-    def stages():
-        s0, s1 = load_stage(d, args, 0, 2, **kw), load_stage(d, args, 2, args.n_layers, **kw)
-        for s in (s0, s1):
-            s.setup_cache(96, seqs=3)
-        with torch.inference_mode():
-            for slot, ids in enumerate(prompts):
-                s0.use_slot(slot), s1.use_slot(slot)
-                s1(s0(ids, 0), 0)
-        return s0, s1
-    (b0, b1), (a0, a1), (e0, e1) = stages(), stages(), stages()
+    (b0, b1), (a0, a1), (e0, e1) = (slotted_stages(d, args, prompts, device="cpu", dtype=torch.float32)
+                                    for _ in range(3))
     e0.batch_rows = e1.batch_rows = False
     assert "torch's products" in b1.decode_batch_kind() and "decode_batch: steps" in e1.decode_batch_kind()
     tok, pos = [5, 17, 101], [p.shape[1] for p in prompts]

@@ -210,23 +210,13 @@ def test_rows_on_cuda_close_to_each_step_alone(tmp_path, family):
     holds float32 on CPU to 1e-4), the same argmax where the alone step's top two are apart; with decode_batch
     steps, each row is its step alone bit for bit."""
     from families_fixtures import make_hf
-    from strata.checkpoint import load_stage, model_args
+    from test_decode_model import slotted_stages
     _, d = make_hf(tmp_path, family)
     args = model_args(d)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g).cuda() for n in (40, 9, 27)]
-    kw = dict(device="cuda:0", dtype=torch.bfloat16, max_len=96)
-
-    def stages():
-        s0, s1 = load_stage(d, args, 0, 2, **kw), load_stage(d, args, 2, args.n_layers, **kw)
-        for s in (s0, s1):
-            s.setup_cache(96, seqs=3)
-        with torch.inference_mode():
-            for slot, ids in enumerate(prompts):
-                s0.use_slot(slot), s1.use_slot(slot)
-                s1(s0(ids, 0), 0)
-        return s0, s1
-    (b0, b1), (a0, a1), (e0, e1) = stages(), stages(), stages()
+    (b0, b1), (a0, a1), (e0, e1) = (slotted_stages(d, args, prompts, device="cuda:0", dtype=torch.bfloat16)
+                                    for _ in range(3))
     e0.batch_rows = e1.batch_rows = False
     tok, pos = [5, 17, 101], [p.shape[1] for p in prompts]
     for order in ([0, 1, 2], [2, 0], [1, 2, 0], [0, 1, 2], [2, 1, 0]):
