@@ -2,8 +2,13 @@
 a prefill meets it: each call at a new cached-prefix length (cold: cuDNN builds a graph for the remainder block's
 new shape) and the same calls again (warm), wall time per call with the host's part included; and the remainder
 block by torch's flash kernel instead (no per-shape build). For the seed's rig's slow prefill (issue 26).
+--prefill: one layer's attention over a whole prefill (chunk after chunk up to --keys), summed, in arms: a bfloat16
+cache (chunk_attention, the rig's default path), and the q8_0 cache widened PREFIX_BLOCK positions at a time for each
+--blocks value (0: the whole prefix widened at once, then chunk_attention); cold (each prefix shape met first, as a
+stage meets it once for all its layers) and warm (the same calls again). For the q8_0 prefill's 89 % (issue 26).
 
     python bench/narrow_prefill.py --chunk 448 --heads 64 --kv-heads 8
+    python bench/narrow_prefill.py --prefill --chunk 10240 --heads 32 --kv-heads 8 --blocks 16384,32768,65536,0
 """
 from __future__ import annotations
 
@@ -34,7 +39,11 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--keys", type=int, default=122880)
     ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--blocks", default="16384,32768,65536,0")
     a = ap.parse_args()
+    if a.prefill:
+        return prefill(a)
     nh, nkv, hd, T = a.heads, a.kv_heads, 128, a.chunk
     dev, dt = torch.device("cuda"), torch.bfloat16
     k = A.to_cache(torch.randn(1, nkv, a.keys, hd, device=dev, dtype=dt), A.Q8_0)
@@ -53,6 +62,40 @@ def main() -> int:
         else:
             got = A.narrow_cache_attention(q, k, v, spots[-1], remainder=rem)
             print(f"flash-remainder vs cudnn: max abs diff {(got.float() - ref.float()).abs().max().item():.3e}")
+    return 0
+
+
+def prefill(a) -> int:
+    nh, nkv, hd, T = a.heads, a.kv_heads, 128, a.chunk
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    kb = torch.randn(1, nkv, a.keys, hd, device=dev, dtype=dt)
+    vb = torch.randn(1, nkv, a.keys, hd, device=dev, dtype=dt)
+    k8, v8 = A.to_cache(kb, A.Q8_0), A.to_cache(vb, A.Q8_0)
+    q = torch.randn(1, T, nh, hd, device=dev, dtype=dt).transpose(1, 2)
+    spots = list(range(0, a.keys - T + 1, T))
+
+    def q8(block):
+        def run(p):
+            if block == 0 or p <= block:
+                kw, vw = A.from_cache(k8[:, :, :p + T], dt), A.from_cache(v8[:, :, :p + T], dt)
+                return A.chunk_attention(q, kw, vw, p)
+            A.PREFIX_BLOCK = block
+            return A.narrow_cache_attention(q, k8, v8, p)
+        return run
+
+    arms = {"bf16 cache": lambda p: A.chunk_attention(q, kb[:, :, :p + T], vb[:, :, :p + T], p)}
+    for b in (int(x) for x in a.blocks.split(",")):
+        arms[f"q8_0, blocks of {b:,}" if b else "q8_0, whole prefix"] = q8(b)
+    print(f"one layer's prefill attention: chunk {T}, {len(spots)} chunks to {a.keys:,} keys, {nh}/{nkv} heads; "
+          "ms summed over the chunks (wall, synchronized per call)")
+    print("| arm | cold ms | warm ms | warm vs bf16 | max abs diff vs bf16 at the last chunk |")
+    base, ref = None, arms["bf16 cache"](spots[-1])
+    for name, fn in arms.items():
+        cold = sum(wall(lambda: fn(p)) for p in spots)
+        warm = sum(wall(lambda: fn(p)) for p in spots)
+        base = base or warm
+        diff = (fn(spots[-1]).float() - ref.float()).abs().max().item()
+        print(f"| {name} | {cold:.1f} | {warm:.1f} | {warm / base:.3f} | {diff:.2e} |", flush=True)
     return 0
 
 

@@ -472,8 +472,8 @@ def _stage(i: int, x) -> StageSpec:
 
 
 def max_seqs_refusal(cfg: RigConfig) -> str | None:
-    """Why the rig cannot hold several sequences (max_seqs > 1), or None. (A model with linear-attention layers
-    is refused by the plan: their states are per sequence and not slotted yet.)"""
+    """Why the rig cannot hold several sequences (max_seqs > 1), or None. (A linear-attention layer keeps a
+    recurrent state a slot, as an attention layer keeps a KV cache a slot.)"""
     if cfg.depth == 0:
         return "depth 0 joins every chunk through the whole pipeline, so no two sequences' steps overlap"
     if cfg.dump_residual:

@@ -47,15 +47,28 @@ class GatedDeltaNet(nn.Module):
         self.state_pos = 0                           # the position the state continues from
         self.max_len = 0                             # positions the slice serves (Transformer.setup_cache)
 
-    def setup_state(self, device) -> int:
-        self.conv_state = torch.zeros(self.conv_dim, self.K - 1, device=device, dtype=self.conv.dtype)
-        self.state = torch.zeros(self.nv, self.dk, self.dv, device=device, dtype=torch.float32)
-        self.state_pos = 0
+    def setup_state(self, device, seqs: int = 1) -> int:
+        """A state for each of `seqs` sequences (the rig's max_seqs: a slot each); slot 0's in use."""
+        self._held = [[torch.zeros(self.conv_dim, self.K - 1, device=device, dtype=self.conv.dtype),
+                       torch.zeros(self.nv, self.dk, self.dv, device=device, dtype=torch.float32), 0]
+                      for _ in range(seqs)]
+        self.slot = -1
+        self.use(0)
         return self.state_bytes
+
+    def use(self, slot: int) -> None:
+        """Sequence `slot`'s states from now on (Transformer.use_slot); the one in use keeps where it stands."""
+        if slot == self.slot:
+            return
+        if self.slot >= 0:
+            self._held[self.slot][2] = self.state_pos
+        self.conv_state, self.state, self.state_pos = self._held[slot]
+        self.slot = slot
 
     @property
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv_state, self.state) if t is not None)
+        """Every slot's states."""
+        return sum(t.numel() * t.element_size() for held in getattr(self, "_held", ()) for t in held[:2])
 
     def products(self) -> "LinearProducts":
         """The layer's products on its own dense matrices (a resident layer's come from its ResidentMatrices)."""

@@ -586,17 +586,14 @@ class Transformer(nn.Module):
         kv = kv_dtype_of(kv_dtype, dtype)
         self.storage_version += 1  # captured graphs address the old cache
         for i, blk in self.layers.items():
-            if blk.linear:  # a state of fixed size, not a cache
-                blk.attn.setup_state(device)
+            if blk.linear:  # a state of fixed size, not a cache: one a sequence
+                blk.attn.setup_state(device, seqs)
                 blk.attn.max_len = max_len  # (positions the slice serves: the decode graphs' bound)
                 continue
             shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
                      cache_width(self.args.head_dim, kv))
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
             blk.attn.max_len = max_len
-        self._slots = []
-        if seqs > 1 and any(blk.linear for blk in self.layers.values()):
-            raise ValueError("several sequences' caches: a linear-attention layer's state is held for one sequence")
         self._slots = [{i: (torch.zeros(shape, device=device, dtype=kv), torch.zeros(shape, device=device, dtype=kv))
                         for i, blk in self.layers.items() if not blk.linear
                         for shape in [(1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
@@ -618,6 +615,9 @@ class Transformer(nn.Module):
         for i, (k, v) in self._slots[slot].items():
             attn = self.layers[i].attn
             attn.k_cache, attn.v_cache = k, v
+        for blk in self.layers.values():
+            if blk.linear:  # its recurrent states, where the slot's sequence left them
+                blk.attn.use(slot)
         self.slot = slot
         if self._blocks is not None:
             self._blocks.point_cache()

@@ -183,9 +183,6 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
     if cfg.kv_dtype == "q8_0" and args.head_dim % 32:
         raise ConfigError(f"kv_dtype: q8_0 caches blocks of 32 values; this model's head dim is {args.head_dim} "
                           "(use float8_e4m3fn)")
-    if cfg.max_seqs > 1 and args.linear_layers is not None and any(args.linear_layers):
-        raise ConfigError(f"max_seqs {cfg.max_seqs} refused: this model's linear-attention states are held for one "
-                          "sequence (use max_seqs 1)")
     if cfg.kv_cache_dir is not None:
         from .prefix_cache import supported
         why = supported(args)

@@ -362,3 +362,71 @@ def test_several_sequences_as_rows_match_each_step_alone(tmp_path, family):
                 assert torch.allclose(logits[t], lg1, rtol=1e-4, atol=1e-4), (family, order, t)
                 assert int(am[t]) == int(am1) == int(ame[t])
                 tok[s], pos[s] = int(am1), pos[s] + 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_linear_states_a_slot_each(tmp_path, family):
+    """A hybrid model (Gated DeltaNet layers) with three slots: the prompts' chunks and then their decode steps
+    taken in turns across the slots, on two stages split inside the model, give every sequence the bits it gets
+    alone in a one-slot model: each slot keeps its own recurrent states (and where they stand), as its own KV."""
+    from families_fixtures import make_hf
+    from strata.checkpoint import load_stage, model_args
+    _, d = make_hf(tmp_path, family)
+    args = model_args(d)
+    assert any(args.linear_layers)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g) for n in (21, 9, 30)]
+    chunk, steps = 8, 5
+
+    def stages(seqs):
+        s = [load_stage(d, args, 0, 2, max_len=96, device="cpu", dtype=torch.float32),
+             load_stage(d, args, 2, args.n_layers, max_len=96, device="cpu", dtype=torch.float32)]
+        for m in s:
+            m.setup_cache(96, seqs=seqs)
+        return s
+
+    def run(s, slot, x, pos):
+        for m in s:
+            m.use_slot(slot)
+        with torch.inference_mode():
+            return s[1](s[0](x, pos), pos)
+
+    def first(s, h):  # the prompt's first token, from its last chunk's last row
+        with torch.inference_mode():
+            return int(s[1].logits(h[0, -1]).argmax())
+
+    alone = []
+    for ids in prompts:  # each in a fresh one-slot pair: its chunks, then its greedy steps
+        s = stages(1)
+        outs = [run(s, 0, ids[:, p:p + chunk], p) for p in range(0, ids.shape[1], chunk)]
+        tok, pos = first(s, outs[-1]), ids.shape[1]
+        for _ in range(steps):
+            with torch.inference_mode():
+                h, _, am = s[1].decode_token(s[0].decode_step(torch.tensor([[tok]]), pos), pos)
+            outs.append(h)
+            tok, pos = int(am), pos + 1
+        alone.append(outs)
+    s = stages(3)
+    assert s[0].state_bytes == 3 * stages(1)[0].state_bytes > 0
+    assert "linear-attention layers" in s[1].decode_batch_kind()
+    got = [[] for _ in prompts]
+    at = [0] * len(prompts)
+    while any(p < ids.shape[1] for p, ids in zip(at, prompts)):  # one chunk a slot a turn, the short prompt done first
+        for slot, ids in enumerate(prompts):
+            if at[slot] < ids.shape[1]:
+                got[slot].append(run(s, slot, ids[:, at[slot]:at[slot] + chunk], at[slot]))
+                at[slot] += chunk
+    tok = [first(s, o[-1]) for o in got]
+    pos = [ids.shape[1] for ids in prompts]
+    order = [2, 0, 1]
+    for _ in range(steps):  # a decode batch of the three (stepped one after another: linear layers)
+        x, at = torch.tensor([tok[i] for i in order]), [pos[i] for i in order]
+        with torch.inference_mode():
+            h, _, am = s[1].decode_seqs(s[0].decode_seqs(x, order, at)[0], order, at)
+        for t, slot in enumerate(order):
+            got[slot].append(h[t].view(1, 1, -1))
+            tok[slot], pos[slot] = int(am[t]), pos[slot] + 1
+    for slot in range(len(prompts)):
+        assert len(got[slot]) == len(alone[slot])
+        for k, (a, b) in enumerate(zip(got[slot], alone[slot])):
+            assert torch.equal(a[0, -1], b[0, -1]), (family, slot, k, a.shape, b.shape)

@@ -387,5 +387,42 @@ def test_max_seqs_counts_in_the_plan_and_refusals(tmp_path):
         from_dict({**base, "max_seqs": 2, "dump_residual": True})
     with pytest.raises(ConfigError, match="max_seqs"):
         from_dict({**base, "max_seqs": 0})
-    with pytest.raises(ConfigError, match="max_seqs 2 refused: this model's linear-attention states"):
-        build_plan(from_dict({**base, "model": "synthetic:qwen3.5-27b", "layer_split": "auto", "max_seqs": 2}))
+    # a hybrid model: its linear-attention layers' states a slot each, counted with the KV
+    q35 = {**base, "model": "synthetic:qwen3.5-27b", "layer_split": "auto", "stages": [{"device": "cpu", "memory": 2 ** 36}] * 2, "prompt": {"random": {"tokens": 8}}}
+    one, two = (build_plan(from_dict({**q35, "max_seqs": m})).planner["needs"] for m in (1, 2))
+    assert [n["kv_cache"] for n in two] == [2 * n["kv_cache"] for n in one]
+
+
+def test_a_hybrid_model_serves_several_sequences_each_as_alone(tmp_path):
+    """A tiny Qwen3.5 (Gated DeltaNet layers beside full attention) with max_seqs 3 on two CPU stages: three
+    prompts of several chunks sent at once give each the greedy ids it gets from a max_seqs 1 engine, while the
+    driver had several sequences in the pipeline (each slot its own recurrent states)."""
+    import numpy as np
+    from families_fixtures import make_hf
+    from strata.engine import PipelineEngine
+    from strata.sampling import SamplingParams
+    _, d = make_hf(tmp_path, "qwen3_5")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 200, n).tolist() for n in (70, 33, 51)]
+    cfg = dict(model=d, stages=[{"device": "cpu", "threads": 1}] * 2, chunk=16, max_context=128, progress=False,
+               prompt={"random": {"tokens": 10, "seed": 0}})
+    got = {}
+    for m in (1, 3):
+        eng = PipelineEngine({**cfg, "max_seqs": m}, out=tmp_path / f"eng{m}")
+        try:
+            made = [[] for _ in prompts]
+            threads = [threading.Thread(target=eng.generate, args=(ids, SamplingParams(max_tokens=8, temperature=0),
+                                                                   made[i].append))
+                       for i, ids in enumerate(prompts)]
+            for t in threads:  # (max_seqs 1: one at a time, as the server's single worker sends them)
+                t.start()
+                if m == 1:
+                    t.join(300)
+            for t in threads:
+                t.join(300)
+            got[m] = (made, eng.slot_stats() if m > 1 else None)
+        finally:
+            eng.close()
+    (alone, _), (together, st) = got[1], got[3]
+    assert together == alone and all(len(x) == 8 for x in alone)
+    assert st.sequences == 3 and st.most_in_flight >= 2 and st.overlapped_sends > 0, st
