@@ -4,7 +4,8 @@ new shape) and the same calls again (warm), wall time per call with the host's p
 block by torch's flash kernel instead (no per-shape build). For the seed's rig's slow prefill (issue 26).
 --prefill: one layer's attention over a whole prefill (chunk after chunk up to --keys), summed, in arms: a bfloat16
 cache (chunk_attention, the rig's default path), and the q8_0 cache widened PREFIX_BLOCK positions at a time for each
---blocks value (0: the whole prefix widened at once, then chunk_attention); cold (each prefix shape met first, as a
+--blocks value (0: the whole prefix widened at once, then chunk_attention, what the planner now gives a CUDA stage
+whose memory holds it); cold (each prefix shape met first, as a
 stage meets it once for all its layers) and warm (the same calls again). For the q8_0 prefill's 89 % (issue 26).
 
     python bench/narrow_prefill.py --chunk 448 --heads 64 --kv-heads 8
@@ -79,8 +80,7 @@ def prefill(a) -> int:
             if block == 0 or p <= block:
                 kw, vw = A.from_cache(k8[:, :, :p + T], dt), A.from_cache(v8[:, :, :p + T], dt)
                 return A.chunk_attention(q, kw, vw, p)
-            A.PREFIX_BLOCK = block
-            return A.narrow_cache_attention(q, k8, v8, p)
+            return A.narrow_cache_attention(q, k8, v8, p, block=block)
         return run
 
     arms = {"bf16 cache": lambda p: A.chunk_attention(q, kb[:, :, :p + T], vb[:, :, :p + T], p)}

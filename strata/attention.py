@@ -67,15 +67,18 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
 
 # cached positions of an 8-bit (or otherwise narrower) cache widened at once for a chunk's attention: the prefix goes
 # in blocks, so a stage holds one block's keys and values in the compute dtype, not the context's (a 32B-class
-# layer at 131,072 positions: 64 MiB against 0.5 GiB)
+# layer at 131,072 positions: 64 MiB against 0.5 GiB). The least a stage takes: the planner gives a CUDA stage
+# the whole context where its memory holds that (Attention.prefix_block), since one attention call over the
+# widened prefix is faster than blocks merged by log-sum-exp (8B, 122,880 tokens, one H200: prefill at 97 % of a
+# bf16 cache's with the whole prefix on 2026-12-03, 89 % in blocks of 16,384 on 2026-12-05)
 PREFIX_BLOCK = 16384
 
 
 def narrow_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int,
                            scale: float | None = None, fused: bool = True, remainder: str = "flash",
-                           triton_state: TritonState | None = None) -> torch.Tensor:
+                           triton_state: TritonState | None = None, block: int = PREFIX_BLOCK) -> torch.Tensor:
     """chunk_attention of q (1, nh, T, hd) at `pos` against a cache narrower than q's dtype (global rows:
-    position p in row p), widening it PREFIX_BLOCK positions at a time: the chunk's own keys causal, then each
+    position p in row p), widening it `block` positions at a time: the chunk's own keys causal, then each
     block of the prefix, merged by their log-sum-exps (on CUDA one Triton pass per merge).
     remainder: the kernel of the last, partial block on CUDA. Its length changes with every chunk, and cuDNN
     builds a graph per shape (32B widths, chunk 448: 55 ms a new shape against 1.1 ms warm, one H200); torch's
@@ -85,10 +88,10 @@ def narrow_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out, lse = _with_lse(q, from_cache(k_cache[:, :, pos:pos + T], dt, ts),
                          from_cache(v_cache[:, :, pos:pos + T], dt, ts), True, scale)
     lse = lse.float()
-    for a in range(0, pos, PREFIX_BLOCK):
-        b = min(pos, a + PREFIX_BLOCK)
+    for a in range(0, pos, block):
+        b = min(pos, a + block)
         kb, vb = from_cache(k_cache[:, :, a:b], dt, ts), from_cache(v_cache[:, :, a:b], dt, ts)
-        if remainder == "flash" and q.is_cuda and b - a < PREFIX_BLOCK:
+        if remainder == "flash" and q.is_cuda and b - a < block:
             o, l = _flash_packed_with_lse(q, kb, vb, scale)
         else:
             o, l = _with_lse(q, kb, vb, False, scale)

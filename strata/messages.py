@@ -363,6 +363,7 @@ class StageJob:
     max_len: int               # KV positions: prompt + continuation
     tokens: int
     max_chunk: int
+    prefix_block: int          # an 8-bit cache's prefix positions widened at once (the planner's, by memory)
     dynamic_chunks: bool       # the rig's `dynamic_chunks`: the stage warms the schedule's own chunk shapes
     depth: int
     max_seqs: int              # sequences whose KV the stage holds (slots); > 1: decode steps say "taken" too
@@ -431,8 +432,8 @@ def validate_spec(spec) -> dict:
     if not (0 <= s["index"] < s["n_stages"] and 0 <= s["start"] < s["end"]):
         raise BadMessage("spec: stage index or layer range out of range")
     if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)
-            and s["max_seqs"] >= 1):
-        raise BadMessage("spec: tokens, max_len, max_chunk or depth out of range")
+            and s["max_seqs"] >= 1 and s["prefix_block"] >= 1):
+        raise BadMessage("spec: tokens, max_len, max_chunk, prefix_block or depth out of range")
     from .config import ATTENTION, DECODE_BATCH, DECODE_WEIGHTS, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
     for name, choices in (("dtype", DTYPES), ("attention", ATTENTION), ("weights", WEIGHTS), ("kv_dtype", KV_DTYPES),
                           ("decode_weights", DECODE_WEIGHTS), ("decode_batch", DECODE_BATCH)):

@@ -96,6 +96,7 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # (1, nkv, rows, hd), in the KV dtype; position p in row p % rows
         self.v_cache: torch.Tensor | None = None
         self.max_len = 0  # positions the cache serves (a window layer's ring has fewer rows)
+        self.prefix_block = PREFIX_BLOCK  # a narrower cache's prefix positions widened at once (setup_cache)
         # CUDA prefill: the attention path and the fused RoPE / LSE-merge kernels (Transformer.set_kernels)
         self.cuda_attention, self.fused = CUDA_ATTENTION_DEFAULT, True
         self.triton_state: TritonState | None = None  # the slice's, on which a failed kernel falls back (Transformer)
@@ -144,9 +145,9 @@ class Attention(nn.Module):
         if self.window is not None and pos + T > self.window:
             return window_attention(q, self.k_cache, self.v_cache, pos, self.window, self.scale,
                                     kernel=self.window_kernel, triton_state=self.triton_state)
-        if self.k_cache.dtype != q.dtype and pos > PREFIX_BLOCK:  # an 8-bit cache: its prefix widened in blocks
+        if self.k_cache.dtype != q.dtype and pos > self.prefix_block:  # an 8-bit cache: its prefix widened in blocks
             return narrow_cache_attention(q, self.k_cache, self.v_cache, pos, self.scale, self.fused,
-                                          triton_state=self.triton_state)
+                                          triton_state=self.triton_state, block=self.prefix_block)
         keys, vals = self.cached(pos + T, q.dtype)
         return chunk_attention(q, keys, vals, pos, self.scale, self.cuda_attention, self.fused, self.triton_state)
 
@@ -573,7 +574,8 @@ class Transformer(nn.Module):
         w = next(iter(self.layers.values())).attn_norm.weight  # before loading: the norms' (the compute dtype)
         return w.device, w.dtype
 
-    def setup_cache(self, max_len: int, kv_dtype="auto", max_chunk: int | None = None, seqs: int = 1) -> int:
+    def setup_cache(self, max_len: int, kv_dtype="auto", max_chunk: int | None = None, seqs: int = 1,
+                    prefix_block: int = PREFIX_BLOCK) -> int:
         """Allocate the KV cache for `max_len` positions once; returns its size in bytes.
 
         kv_dtype: "auto" (the compute dtype), "bfloat16", "float16", "float8_e4m3fn" or "q8_0" (8-bit K and V,
@@ -581,7 +583,8 @@ class Transformer(nn.Module):
         attention). max_chunk: the most rows
         a forward call takes; given, a window layer keeps a ring of window + max_chunk - 1 rows
         (ModelArgs.kv_positions) instead of every position. seqs: that many caches (slots), one per sequence;
-        `use_slot` says which one the next forward reads and writes (slot 0 after this)."""
+        `use_slot` says which one the next forward reads and writes (slot 0 after this). prefix_block: an 8-bit
+        cache's prefix positions widened at once for a chunk's attention (the planner's, by the stage's memory)."""
         device, dtype = self.device_dtype()
         kv = kv_dtype_of(kv_dtype, dtype)
         self.storage_version += 1  # captured graphs address the old cache
@@ -593,7 +596,7 @@ class Transformer(nn.Module):
             shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
                      cache_width(self.args.head_dim, kv))
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
-            blk.attn.max_len = max_len
+            blk.attn.max_len, blk.attn.prefix_block = max_len, prefix_block
         self._slots = [{i: (torch.zeros(shape, device=device, dtype=kv), torch.zeros(shape, device=device, dtype=kv))
                         for i, blk in self.layers.items() if not blk.linear
                         for shape in [(1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),

@@ -251,6 +251,7 @@ class Pipeline:
             weights=cfg.weights, kv_dtype=cfg.kv_dtype, memory=sp.memory, threads=sp.threads, cores=list(sp.cores), start=sp.start,
             end=sp.end, model=cfg.model, args={f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__},
             seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk,
+            prefix_block=sp.prefix_block,
             dynamic_chunks=cfg.dynamic_chunks, depth=cfg.depth,
             max_seqs=cfg.max_seqs, decode_batch=cfg.decode_batch,
             perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,

@@ -16,8 +16,9 @@ import numpy as np
 from .config import ConfigError, RigConfig, StageSpec, check_device
 from .args import ModelArgs
 from .schedule import chunk_schedule
+from .attention import PREFIX_BLOCK
 from .planner import (DTYPE_BYTES, PlanError, Speed, check_split, even_split, plan_split, predicted_times,
-                      stage_needs)
+                      stage_need, stage_needs)
 from .checkpoint import model_args, storage
 from .errors import ModelError
 
@@ -33,6 +34,7 @@ class StagePlan:
     speed: float | None
     memory: int | None
     host: str | None = None   # None: this machine; else the rig's `stages[i].host`
+    prefix_block: int = PREFIX_BLOCK  # an 8-bit cache's prefix positions widened at once (choose_split's)
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,8 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
     schedule = chunk_schedule(int(ids.size), max_chunk, cfg.dynamic_chunks, args)
     plans, a = [], 0
     for i, (s, n) in enumerate(zip(stages, split)):
-        plans.append(StagePlan(i, s.device, a, a + n, s.threads, cores[i], s.speed, s.memory, s.host))
+        plans.append(StagePlan(i, s.device, a, a + n, s.threads, cores[i], s.speed, s.memory, s.host,
+                               planner["prefix_block"][i]))
         a += n
     timings["total_s"] = time.perf_counter() - t0
     return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner, limit, timings)
@@ -311,6 +314,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
                                           lambda kv: [replace(storage(cfg.model, args, cfg.dtype, cfg.weights, kv,
                                                                       "cpu" if h else "cuda"), seqs=cfg.max_seqs)
                                                       for h in host]))
+    per_stage = prefix_blocks(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
     needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention,
                         storage=per_stage)
     cpu = [i for i in range(n) if host[i] and not stages[i].remote]
@@ -336,10 +340,35 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         "predicted": predicted, "predicted_share": [t / total for t in predicted],
         "speeds": [Speed.of(s).as_dict() for s in facts.speeds],
         "caps": facts.caps, "cap_notes": facts.cap_notes, "needs": [x.as_dict() for x in needs],
+        "prefix_block": [st.prefix_block for st in per_stage],
         "host_available": avail, "calibration_s": facts.seconds,
         "probes": [{"device": p.device, "threads": p.threads, "seconds": p.seconds, **p.detail} for p in facts.probes],
     }
     return split, planner
+
+
+def prefix_blocks(args: ModelArgs, split: list[int], tokens: int, chunk: int, cfg: RigConfig, host: list[bool],
+                  caps: list[int | None], per_stage: list) -> list:
+    """Each stage's storage with the prefix block its 8-bit cache is widened in: on a CUDA stage with a memory cap,
+    the whole context where the cap holds it, else the largest of halvings down to PREFIX_BLOCK that it holds
+    (one attention call over the widened prefix is faster than blocks merged by log-sum-exp); CPU stages and an
+    uncapped stage keep PREFIX_BLOCK. Chosen after the split and the chunk, from the memory they leave: it
+    changes neither."""
+    out, a = [], 0
+    b = DTYPE_BYTES[cfg.dtype]
+    for i, (n, st) in enumerate(zip(split, per_stage)):
+        if st is not None and not host[i] and caps[i] is not None and st.kv_elem < b and tokens > PREFIX_BLOCK:
+            sizes = [tokens] + [s for s in (1 << k for k in range(tokens.bit_length() - 1, 0, -1))
+                                if PREFIX_BLOCK < s < tokens]
+            for size in sizes:
+                wide = replace(st, prefix_block=size)
+                if stage_need(args, a, a + n, tokens, chunk, cfg.dtype, host[i], cfg.perplexity, cfg.attention,
+                              wide).total <= caps[i]:
+                    st = wide
+                    break
+        out.append(st)
+        a += n
+    return out
 
 
 def would_fit(fit, chunk: int, tokens: int, kv_dtype: str, storage_at) -> str:

@@ -82,6 +82,7 @@ class Storage:
     mode: str = "dequantized"  # "resident" or "dequantized"
     per_layer: tuple = ()      # each layer's weights, where they differ (GLM's first dense layers, experts)
     seqs: int = 1              # sequences whose KV a stage holds (the rig's max_seqs): the KV counts this many times
+    prefix_block: int = PREFIX_BLOCK  # an 8-bit cache's prefix positions widened at once for a chunk's attention
 
 
 def kv_rows(args: ModelArgs, n: int, tokens: int, chunk: int, start: int | None = None) -> int:
@@ -169,10 +170,10 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
     per_row = 2 * dim * b + max(norm, rope + dim * b, attn, mlp)
     act = chunk * per_row + chunk * hd * (2 * b + 3 * f4)  # + rope cos/sin tables
     if storage is not None and storage.kv_elem < b:
-        # a cache narrower than the compute dtype (8-bit) is widened for each layer's attention, PREFIX_BLOCK
+        # a cache narrower than the compute dtype (8-bit) is widened for each layer's attention, prefix_block
         # positions of the prefix at a time beside the chunk's own (strata.attention.narrow_cache_attention), and
         # each block's output and log-sum-exp wait for their merge
-        act += 2 * kvw * (min(tokens, PREFIX_BLOCK) + chunk) * b + chunk * (q * b + nh * f4)
+        act += 2 * kvw * (min(tokens, storage.prefix_block) + chunk) * b + chunk * (q * b + nh * f4)
     if last:
         # the final norm and head: blocked float32 logits for the NLL (logits in dtype, their
         # float32 copy, log-softmax), while the chunk's output rows stay alive

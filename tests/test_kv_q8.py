@@ -409,9 +409,9 @@ def test_q8_0_int8_arms_on_cuda_8b_shapes_and_graph():
 
 @pytest.mark.parametrize("kv", [Q8_0, torch.float8_e4m3fn])
 def test_prefix_widened_in_blocks_equals_whole(kv, monkeypatch):
-    """An 8-bit cache's prefill attention widens the prefix PREFIX_BLOCK positions at a time (merged by their
+    """An 8-bit cache's prefill attention widens the prefix `block` positions at a time (merged by their
     log-sum-exps): the same attention as over the whole prefix widened, in float32 to rounding; and a model's
-    chunked prefill through it, past a block, gives the same residual."""
+    chunked prefill through it, past a block (setup_cache's prefix_block), gives the same residual."""
     import strata.attention as A
     import strata.model as M
     from strata.args import ModelArgs
@@ -422,19 +422,22 @@ def test_prefix_widened_in_blocks_equals_whole(kv, monkeypatch):
     kc, vc = (to_cache(torch.randn(1, nkv, pos + T, hd, generator=g), kv) for _ in range(2))
     want = A.chunk_attention(q, from_cache(kc, q.dtype), from_cache(vc, q.dtype), pos)
     for block in (64, 100, 300, 512):
-        monkeypatch.setattr(A, "PREFIX_BLOCK", block)
-        got = A.narrow_cache_attention(q, kc, vc, pos)
+        got = A.narrow_cache_attention(q, kc, vc, pos, block=block)
         assert got.shape == want.shape and float((got - want).abs().max()) < 1e-5, block
     args = ModelArgs(**{**SMALL.__dict__, "n_heads": 4, "head_dim": 32})
     kvd = "q8_0" if kv == Q8_0 else "float8_e4m3fn"
     ids = torch.randint(0, args.vocab_size, (1, 320), generator=g)
     outs = {}
     for block in (1 << 20, 96):
-        monkeypatch.setattr(A, "PREFIX_BLOCK", block)
-        monkeypatch.setattr(M, "PREFIX_BLOCK", block)
         m = build(args, 400, kvd)
+        m.setup_cache(400, kvd, prefix_block=block)
+        assert all(b.attn.prefix_block == block for b in m.layers.values())
+        calls = []
+        monkeypatch.setattr(M, "narrow_cache_attention", lambda *a, **k: calls.append(k["block"]) or
+                            A.narrow_cache_attention(*a, **k))
         with torch.inference_mode():
             outs[block] = torch.cat([m(ids[:, a:a + 64], a) for a in range(0, 320, 64)], 1)
+        assert calls == ([] if block > 320 else [96] * (args.n_layers * 3)), block  # chunks at 128, 192, 256
     assert rel(outs[96], outs[1 << 20]) < 1e-4  # (a rounding apart can move a later layer's 8-bit value a step)
 
 

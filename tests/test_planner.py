@@ -277,6 +277,35 @@ def test_an_8bit_cache_counts_one_layer_widened():
     assert narrow.kv_cache == wide.kv_cache * 34 // 64
 
 
+
+def test_a_cuda_stage_widens_the_whole_prefix_where_its_memory_holds_it():
+    """strata.plan.prefix_blocks: after the split and the chunk, a capped CUDA stage with an 8-bit cache gets the
+    whole context as its prefix block where its cap holds that, else the largest halving above PREFIX_BLOCK it
+    holds, else PREFIX_BLOCK; a CPU stage, an uncapped one and a bf16 cache keep PREFIX_BLOCK."""
+    from strata.attention import PREFIX_BLOCK
+    from strata.plan import prefix_blocks
+    from strata.planner import Storage
+    args, t, c = PRESETS["llama-3-8b"], 122880, 8192
+    cfg = from_dict(dict(model="synthetic:llama-3-8b", dtype="bfloat16", kv_dtype="q8_0", chunk=c,
+                         prompt={"random": {"tokens": 8}}))
+    q8, bf = (Storage(layer=1e8, embed=0, head=0, norm=0, scratch=0, kv_elem=kv, mode="resident") for kv in (34 / 32, 2))
+
+    def need(block, st=q8, a=0, n=16):
+        return stage_need(args, a, a + n, t, c, "bfloat16", False, cfg.perplexity, cfg.attention,
+                          replace(st, prefix_block=block)).total
+
+    split, host = [16, 16], [False, False]
+    got = prefix_blocks(args, split, t, c, cfg, host, [need(t), need(t, a=16)], [q8, q8])
+    assert [s.prefix_block for s in got] == [t, t]
+    assert need(PREFIX_BLOCK) < need(32768) < need(65536) < need(t)
+    for cap, block in ((need(t) - 1, 65536), (need(65536) - 1, 32768), (need(32768) - 1, PREFIX_BLOCK)):
+        got = prefix_blocks(args, split, t, c, cfg, host, [cap, 1 << 50], [q8, q8])
+        assert [s.prefix_block for s in got] == [block, t], cap
+    got = prefix_blocks(args, split, t, c, cfg, [True, False], [None, 1 << 50], [q8, bf])
+    assert [s.prefix_block for s in got] == [PREFIX_BLOCK, PREFIX_BLOCK]  # a CPU stage; a bf16 cache
+    got = prefix_blocks(args, split, t, c, cfg, host, [None, 1 << 50], [q8, q8])
+    assert [s.prefix_block for s in got] == [PREFIX_BLOCK, t]  # uncapped: PREFIX_BLOCK
+
 def test_cudnn_split_keeps_grouped_kv(monkeypatch):
     import strata.attention
     flash = stage_need(LLAMA8, 4, 12, SEED_TOKENS, 2048, "bfloat16")

@@ -46,7 +46,8 @@ def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
                        seed=spec.seed, weights=weights, kv_dtype=spec.kv_dtype, max_len=spec.max_len,
                        decode_weights=cpu_decode, max_chunk=spec.max_chunk,
                        # the head's choices (the planner sized activations for the same attention path)
-                       kernels=kernel_spec(spec.kernels), attention=spec.attention, seqs=spec.max_seqs)
+                       kernels=kernel_spec(spec.kernels), attention=spec.attention, seqs=spec.max_seqs,
+                       prefix_block=spec.prefix_block)
     if model.kernels.window_attention == "flex" and any(getattr(b.attn, "window", None) is not None
                                                        for b in model.layers.values()):
         why = strata.attention.flex_unavailable(device, dtype, model.triton_state)
