@@ -42,6 +42,10 @@ import numpy as np
 import torch
 
 BLOCK = 256      # tokens a block: the unit of hashing, snapshots and eviction
+# bytes of blocks the head dropped from a stage's host tier while their disk writes were still queued (they stay in
+# host memory until written): past this, the drop waits for the writer, so a disk slower than the prefills slows
+# the snapshots instead of growing host memory past prefix_cache_bytes (an 8B's block is 32 MiB: 32 of them)
+ORPHAN_BYTES = 1 << 30
 KEY_BYTES = 16   # a block key: blake2b-128 of (the previous key, the block's ids as int32)
 
 
@@ -296,7 +300,8 @@ class Snapshots:
         self.blocks: dict[bytes, torch.Tensor] = {}
         self.folder: Path | None = None
         self.unwritten: dict[bytes, torch.Tensor] = {}  # queued for the disk: the writer drops each once its file is
-        self._lock = threading.Lock()                   # complete (so a block is always here or in its file)
+        self._lock = threading.Condition()              # complete (so a block is always here or in its file)
+        self.orphan_limit = ORPHAN_BYTES
         self._queue: queue.Queue | None = None
         self._writer: threading.Thread | None = None
         self.write_error: str | None = None  # the writer's first failure (later blocks are not written)
@@ -348,6 +353,7 @@ class Snapshots:
                 with self._lock:
                     if what == "write" and self.unwritten.get(key) is buf:
                         del self.unwritten[key]
+                    self._lock.notify_all()
 
     def unlink(self, keys: list[bytes]) -> None:
         """Remove these blocks' files (in order with the writes queued before)."""
@@ -459,8 +465,20 @@ class Snapshots:
                 c[:, :, j * block:(j + 1) * block].copy_(src, non_blocking=self.cuda and buf.is_pinned())
 
     def drop(self, keys: list[bytes]) -> None:
+        """Out of the host tier. A block whose write is still queued stays in memory until written; while such
+        blocks hold more than orphan_limit bytes, wait for the writer (it ends every wait: a failed write, too,
+        leaves `unwritten`)."""
         for k in keys:
             self.blocks.pop(k, None)
+        if self._writer is None:
+            return
+        with self._lock:
+            while self._writer.is_alive() and self.orphan_bytes() > self.orphan_limit:
+                self._lock.wait(1.0)
+
+    def orphan_bytes(self) -> int:
+        """Bytes of blocks queued for the disk that the host tier no longer holds (call with the lock held)."""
+        return sum(b.numel() for k, b in self.unwritten.items() if k not in self.blocks)
 
     def before_write(self) -> None:
         """The live cache is about to be written (a chunk, a restore, a load): after the copies out, on the device."""

@@ -53,6 +53,34 @@ def test_snapshots_write_through_and_restore_from_the_file(tmp_path):
         t.restore([b], [2], 16)
 
 
+
+def test_a_slow_disk_slows_the_drops_instead_of_growing_host_memory(tmp_path):
+    """Blocks dropped from the host tier while their writes are queued stay in memory until written: under
+    orphan_limit bytes of them a drop returns at once; past it the drop waits for the writer, and every block
+    still reaches its file."""
+    m = _model(torch.bfloat16, 16, rows=64)
+    _fill(m, 1)
+    s = pc.Snapshots(m, torch.device("cpu"))
+    s.open(str(tmp_path / "st"))
+    size = 16 * pc.row_bytes(pc.layer_caches(m))
+    s.orphan_limit = 2 * size
+    gate, real = threading.Event(), s._file
+    s._file = lambda key: gate.wait(30) and real(key)  # the disk stalls until the gate opens
+    keys = [bytes([65 + i]) * 16 for i in range(4)]
+    s.snap(keys, [0, 1, 2, 3], 16)
+    s.drop(keys[:2])  # two queued blocks off the host: at the limit, not past it
+    assert len(s.unwritten) == 4 and s.nbytes == 2 * size
+    t = threading.Thread(target=s.drop, args=(keys[2:],))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # four blocks' bytes would wait for the disk in host memory: the drop waits
+    gate.set()
+    t.join(30)
+    assert not t.is_alive()
+    s.flush()
+    assert not s.unwritten and s.nbytes == 0
+    assert all((tmp_path / "st" / k.hex()).stat().st_size == size for k in keys)
+
 def test_tail_files_and_an_index_loaded_oldest_first(tmp_path):
     tf = pc.TailFiles(tmp_path / "tails")
     ids = np.arange(7, dtype=np.int32)
