@@ -448,9 +448,11 @@ class DecodeGraphs:
     def _mlp(self, blk: Block, mm: Products, h, o, int8: dict[str, bool]) -> tuple[torch.Tensor, tuple]:
         """The attention's (or linear attention's) output o added to the residual, then the MLP."""
         # (gemma3: the output normed before its residual add, in the same launch)
-        h, x, xq = self._add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm, int8["w13"] and not blk.moe)
+        moe_int8 = blk.moe and self.fused and blk.mlp.int8_x(h.device)  # the experts' gate/up read x in int8
+        h, x, xq = self._add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm,
+                                  moe_int8 if blk.moe else int8["w13"])
         if blk.moe:  # routing and the chosen experts' products, all on the device (strata.moe's few-rows path)
-            p = blk.mlp(x.view(1, -1)).view(x.shape)
+            p = blk.mlp(x.view(1, -1), xq.get("xq")).view(x.shape)
             return h, (p, blk.mlp_post_norm)
         g, up = mm.w13(x, **xq).split(blk.mlp.ffn, dim=-1)
         zq = {}

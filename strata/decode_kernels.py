@@ -67,10 +67,18 @@ if triton is not None:
         _norm_out(s.to(tl.float32), g, t, live, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, INT8)
 
     @triton.jit
-    def _act_mul(g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr,
+    def _act_mul(g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, n, in_stride, ACT: tl.constexpr, BLOCK: tl.constexpr,
                  INT8: tl.constexpr):
-        # act(gate) * up of one row, float32 inside and rounded once, BLOCK values a program; with INT8 the
-        # rounded values' int8 groups too (n a multiple of 32)
+        # act(gate) * up of row program_id(1) (its gate and up in_stride apart from the row before's; its n outputs
+        # and int8 groups n apart), float32 inside and rounded once, BLOCK values a program; with INT8 the rounded
+        # values' int8 groups too (n a multiple of 32)
+        r = tl.program_id(1).to(tl.int64)
+        g_ptr += r * in_stride
+        u_ptr += r * in_stride
+        out_ptr += r * n
+        if INT8:
+            q_ptr += r * n
+            s_ptr += r * (n // 32)
         g = tl.program_id(0) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)[:, None]
         t = tl.arange(0, 32)[None, :]
         i = g * 32 + t
@@ -227,8 +235,25 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str, int8: bool = 
         raise ValueError(f"act_mul wants two rows of one length, last dims contiguous, and one of {list(ACTIVATIONS)}")
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     q, s = _int8_out(out, int8)
-    _act_mul[(triton.cdiv(n, ACT_COLS),)](gate, up, out, q, s, n, ACT=ACTIVATIONS[activation], BLOCK=ACT_COLS,
-                                         INT8=int8)
+    _act_mul[(triton.cdiv(n, ACT_COLS), 1)](gate, up, out, q, s, n, 0, ACT=ACTIVATIONS[activation], BLOCK=ACT_COLS,
+                                            INT8=int8)
+    return (out, (q, s)) if int8 else out
+
+
+def act_mul_rows(gu: torch.Tensor, activation: str, int8: bool = False):
+    """act(gate) * up of each row of gu (R, 2 f), its gate then its up (a token's experts' gate/up products) ->
+    (R, f) in gu's dtype, float32 inside, rounded once: one launch for all rows. int8: (out, quantize_x's (q, s)
+    of out, row by row), so the down products read it without a launch of their own."""
+    R, f2 = gu.shape
+    f = f2 // 2
+    if gu.dim() != 2 or f2 % 2 or not gu.is_contiguous() or activation not in ACTIVATIONS or (int8 and f % 32):
+        raise ValueError(f"act_mul_rows wants contiguous (rows, 2 f) rows (f a multiple of 32 with int8), and one "
+                         f"of {list(ACTIVATIONS)}")
+    out = torch.empty((R, f), dtype=gu.dtype, device=gu.device)
+    q, s = ((torch.empty((R, f), dtype=torch.int8, device=gu.device),
+             torch.empty((R, f // 32), dtype=torch.float32, device=gu.device)) if int8 else (out, out))
+    _act_mul[(triton.cdiv(f, ACT_COLS), R)](gu, gu[:, f:], out, q, s, f, f2, ACT=ACTIVATIONS[activation],
+                                            BLOCK=ACT_COLS, INT8=int8)
     return (out, (q, s)) if int8 else out
 
 

@@ -86,12 +86,21 @@ class MoE(nn.Module):
             w = w / (w.sum(-1, keepdim=True) + (1e-20 if self.kind == "sigmoid" else 0.0))
         return (w * self.scale if self.scale != 1.0 else w), idx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., dim) -> (..., dim)."""
+    def int8_x(self, device) -> bool:
+        """Whether a one-row step's gate/up experts kernel reads x rounded to int8 (then `forward` takes that
+        rounding as xq, from the norm's launch before it: strata.decode_graphs)."""
+        r = self.resident
+        if r is None or not r.direct(device):
+            return False
+        from .quant import gemv
+        return gemv.experts_int8(r.w13.qtype, r.kernels, r.w13.split)
+
+    def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x (..., dim) -> (..., dim). xq: one row's quantize_x rounding, where int8_x (else unused)."""
         h = x.reshape(-1, x.shape[-1])
         w, idx = self.route(h)
         if h.shape[0] * self.k <= GATHER_PAIRS:
-            y = self._gathered(h, w, idx)
+            y = self._gathered(h, w, idx, xq if h.shape[0] == 1 else None)
         else:
             y = self._grouped(h, w, idx)
         if self.sffn:
@@ -100,13 +109,13 @@ class MoE(nn.Module):
             y = y + (s if self.s_sig is None else torch.sigmoid(F.linear(h, self.s_sig)) * s)
         return y.view(x.shape)
 
-    def _gathered(self, h, w, idx) -> torch.Tensor:
+    def _gathered(self, h, w, idx, xq=None) -> torch.Tensor:
         """Few rows: each (row, choice) multiplies its expert's matrices, read for it alone."""
         n, k = idx.shape
         e = idx.reshape(-1)
         r = self.resident
         if r is not None and r.fused_ok(h.device):
-            return self._on_blocks(h, w, e, k)
+            return self._on_blocks(h, w, e, k, xq)
         w13, w2 = r.chosen(e) if r is not None else (self.w13[e], self.w2[e])
         xs = h.repeat_interleave(k, 0).unsqueeze(-1)                     # (n*k, dim, 1)
         gu = torch.bmm(w13, xs).squeeze(-1)                              # (n*k, 2 effn)
@@ -117,11 +126,13 @@ class MoE(nn.Module):
             y = y + self.b2[e]
         return (y.float() * w.reshape(-1, 1)).view(n, k, -1).sum(1).to(h.dtype)
 
-    def _on_blocks(self, h, w, e, k: int) -> torch.Tensor:
+    def _on_blocks(self, h, w, e, k: int, xq=None) -> torch.Tensor:
         """_gathered on the chosen experts' blocks, no dense copy of any expert. Where strata.quant.gemv has an
         experts kernel for both stacks' types: all (row, choice) gate/up products in one launch and all down
-        products in another, the expert ids read on the device (only their blocks are read). Else each
-        expert's blocks are gathered first: a row's gate/up in one launch, each (row, choice)'s down in one."""
+        products in another, the expert ids read on the device (only their blocks are read); x's int8 rounding
+        from the caller (xq, one row) and the gated activation with its own rounding in one launch, where those
+        kernels read int8. Else each expert's blocks are gathered first: a row's gate/up in one launch, each
+        (row, choice)'s down in one."""
         from .quant import gemv
         p13, p2 = self.resident.w13, self.resident.w2
         kern = self.resident.kernels  # the slice's GemvKernels: which K-quant kernel, and its fallback
@@ -129,16 +140,21 @@ class MoE(nn.Module):
         direct = self.resident.direct(h.device)
         if direct:  # x one row for all k slots of a token, else a row per slot
             gu = gemv.quant_matmul_experts(h if n == 1 else h.repeat_interleave(k, 0), p13.data, e, p13.qtype,
-                                           p13.cols, kern, split=p13.split)
+                                           p13.cols, kern, xq=xq if n == 1 else None, split=p13.split)
         else:
             b13, b2 = p13.data.index_select(0, e), p2.data.index_select(0, e)  # (n*k, rows, bytes)
             gu = torch.cat([gemv.quant_matmul(h[i:i + 1], b13[i * k:(i + 1) * k].view(-1, b13.shape[-1]), p13.qtype,
                                               p13.cols, kernels=kern) for i in range(n)]).view(n * k, -1)  # (n*k, 2 effn)
         if self.bias:
             gu = gu + self.b13[e]
-        z = self.gate(gu)
+        zq = None
+        if direct and self.act == "silu" and self.effn % 32 == 0 and gemv.experts_int8(p2.qtype, kern, p2.split):
+            from .decode_kernels import act_mul_rows  # the down products read z in int8: its rounding in this launch
+            z, zq = act_mul_rows(gu.contiguous(), "silu", int8=True)
+        else:
+            z = self.gate(gu)
         if direct:
-            y = gemv.quant_matmul_experts(z, p2.data, e, p2.qtype, p2.cols, kern, split=p2.split)  # (n*k, dim)
+            y = gemv.quant_matmul_experts(z, p2.data, e, p2.qtype, p2.cols, kern, xq=zq, split=p2.split)  # (n*k, dim)
         else:
             y = torch.cat([gemv.quant_matmul(z[j:j + 1], b2[j], p2.qtype, p2.cols, kernels=kern) for j in range(n * k)])
         if self.bias:

@@ -291,6 +291,15 @@ for act, ref in (("silu", F.silu(gt) * up), ("gelu_tanh", F.gelu(gt, approximate
     z2, (q, s) = act_mul(gt[..., :1088], up[..., :1088], act, int8=True)
     q0, s0 = quantize_x(z2.view(1, -1))
     assert torch.equal(z2, z[..., :1088]) and torch.equal(q, q0) and torch.equal(s, s0), act
+from strata.decode_kernels import act_mul_rows
+gu = torch.randn(3, 2 * 1088, generator=g) * 3  # a token's experts' gate/up rows: each row's act_mul, one launch
+for act in ("silu", "gelu_tanh"):
+    z3, (q3, s3) = act_mul_rows(gu, act, int8=True)
+    q0, s0 = quantize_x(z3)
+    assert torch.equal(q3, q0) and torch.equal(s3, s0), act
+    for r in range(3):
+        assert torch.equal(z3[r], act_mul(gu[r, :1088], gu[r, 1088:], act)), (act, r)
+    assert torch.equal(act_mul_rows(gu, act), z3), act
 from strata.decode_kernels import ARGMAX_BLOCK, argmax
 for n in (5, ARGMAX_BLOCK, 3 * ARGMAX_BLOCK + 17):
     r = torch.randn(n, generator=g)

@@ -1267,6 +1267,16 @@ def experts_ok(qtype, cols: int, rows: int = 2) -> bool:
         and rows * nb * type_size(name) % 4 == 0
 
 
+def experts_int8(qtype, kernels: GemvKernels | None = None, split: bool = False) -> bool:
+    """Whether quant_matmul_experts reads x rounded to int8 for this stack (a dp4a kernel: then the caller may
+    pass the rounding as xq, made by the launch before it)."""
+    name = qtype_of(qtype).name
+    kernels = GemvKernels() if kernels is None else kernels
+    if name == "MXFP4":
+        return split and kernels.mxfp4 == "dp4a"
+    return (kernels.q6k if name == "Q6_K" else kernels.kquant) == "dp4a"
+
+
 def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, qtype, cols: int,
                          kernels: GemvKernels | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
                          split: bool = False) -> torch.Tensor:
@@ -1274,8 +1284,9 @@ def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
     every slot (x (1, cols): gate/up of a token's experts) -> (n, rows), n = ids' length, in x's dtype. One
     launch; the ids are read on the device, so it captures in a CUDA graph and reads only the chosen experts.
     `kernels`: dp4a (int8 x) where its K-quant says so, else the word kernel on float x (None: the defaults).
-    MXFP4 only: xq, x's `quantize_x` rounding where the caller has it (the dp4a kernel reads it instead of making
-    it); split, the stack is in strata.quant.mxfp4's split layout (the dp4a kernel reads only that one)."""
+    xq: x's `quantize_x` rounding where the caller has it (a dp4a kernel reads it instead of making it; see
+    `experts_int8`). MXFP4 only: split, the stack is in strata.quant.mxfp4's split layout (the dp4a kernel reads
+    only that one)."""
     name = qtype_of(qtype).name
     if name == "MXFP4":
         return mxfp4_experts(x, stack, ids, cols, kernels, xq, split)
@@ -1304,7 +1315,10 @@ def quant_matmul_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
     out = torch.empty((n, rows), device=x.device, dtype=x.dtype)
     per = triton.cdiv(rows, cfg.block_n)
     if dp4a:
-        q, s = quantize_x(x)
+        if xq is not None and (tuple(xq[0].shape) != tuple(x.shape) or tuple(xq[1].shape) != (x.shape[0], cols // 32)):
+            raise ValueError(f"xq must be quantize_x's of x {tuple(x.shape)}, got {tuple(xq[0].shape)}, "
+                             f"{tuple(xq[1].shape)}")
+        q, s = quantize_x(x) if xq is None else xq
         xqp, xsp = q.view(torch.int32), s
     else:
         xqp, xsp = _dummy(x.device), x
