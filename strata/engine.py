@@ -224,8 +224,8 @@ class LocalEngine(_ModelText):
         from .prefix_cache import layer_caches, row_bytes, supported
         if self.net is None or not self.kept:
             raise KvFileError("kv_save: nothing to save: no prompt has been prefilled on this engine")
-        if supported(self.args):
-            raise KvFileError(f"kv_save: not for this model: {supported(self.args)}")
+        if supported(self.args, files=True):
+            raise KvFileError(f"kv_save: not for this model: {supported(self.args, files=True)}")
         caches, n, path = layer_caches(self.net), len(self.kept), Path(path)
         try:
             with replacing(path) as tmp:
@@ -242,8 +242,8 @@ class LocalEngine(_ModelText):
         from .prefix_cache import layer_caches, row_bytes, supported
         if self.net is None:
             raise EngineError("local", "the engine is closed or failed: restart() it")
-        if supported(self.args):
-            raise KvFileError(f"kv_load: not for this model: {supported(self.args)}")
+        if supported(self.args, files=True):
+            raise KvFileError(f"kv_load: not for this model: {supported(self.args, files=True)}")
         h, ids, data_at = read_header(path)
         caches = layer_caches(self.net)
         check(path, h, self._fingerprint(), row_bytes(caches) // self.args.n_layers, self.max_context,

@@ -65,6 +65,18 @@ class GatedDeltaNet(nn.Module):
         self.conv_state, self.state, self.state_pos = self._held[slot]
         self.slot = slot
 
+    def held(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence `slot`'s states (conv, delta rule), in place: read or written without `use` (the prefix cache's
+        copies, while another slot's chunk may be between two layers)."""
+        return self._held[slot][0], self._held[slot][1]
+
+    def stand_at(self, slot: int, pos: int) -> None:
+        """Sequence `slot`'s states stand at `pos` (restored there)."""
+        if slot == self.slot:
+            self.state_pos = pos
+        else:
+            self._held[slot][2] = pos
+
     @property
     def state_bytes(self) -> int:
         """Every slot's states."""

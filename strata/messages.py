@@ -64,6 +64,8 @@ class Chunk(Message):
     slot: int = 0    # the sequence's KV slot on every stage (0..max_seqs-1); its ids at slot x (max_len + 1)
     seqs: list = field(default_factory=list)  # a decode batch of n sequences' steps: [slot, pos] of each row,
                                               # flat (pos and slot above unused); empty: rows [pos, pos + n) of slot
+    keep: bytes = b""  # a prefill chunk of a hybrid model: after it, each stage keeps its slot's linear-attention
+                       # states under this key (strata.prefix_cache); b"": none
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -211,6 +213,7 @@ class KvOp(Message):
     offset: int      # save, load: where this stage's first layer's rows start in it
     tokens: int      # save, load: rows [0, tokens)
     slot: int = 0    # snap, restore: the sequence's KV slot (0..max_seqs-1), read or written without use_slot
+    state: bytes = b""  # restore: the linear-attention states kept under this key too, standing at `tokens`
 
 
 @_message("kv_done")  # stage -> head: a KvOp is done ("" = done, else the one-line error)
@@ -272,6 +275,8 @@ def validate(msg) -> dict:
         raise BadMessage(f"{t}: negative chunk index {msg['k']}")
     if t == "chunk" and msg["slot"] < 0:
         raise BadMessage(f"chunk: negative slot {msg['slot']}")
+    if (t == "chunk" and len(msg["keep"]) not in (0, KEY_BYTES)) or (t == "kv" and len(msg["state"]) not in (0, KEY_BYTES)):
+        raise BadMessage(f"{t}: a state key is {KEY_BYTES} bytes")
     if t == "chunk" and msg["seqs"]:
         sq = msg["seqs"]
         if not (msg["phase"] == "decode" and len(sq) == 2 * msg["n"]

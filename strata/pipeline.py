@@ -108,6 +108,12 @@ class Result:
     ttft_s: float | None = None      # from the call to the first generated token (prefill included)
 
 
+def cut_at(schedule, at: int) -> list[tuple[int, int]]:
+    """`schedule`'s chunks with the one holding position `at` inside it cut there (at: a chunk end from now on)."""
+    return [part for p, m in schedule
+            for part in (((p, at - p), (at, p + m - at)) if p < at < p + m else ((p, m),))]
+
+
 def scored_chunks(schedule, top: int) -> list[tuple[int, int]]:
     """A scored prefill's chunks: `schedule`'s, cut so that each one's scores (a float32 log-probability and `top`
     int32 ids and float32 log-probabilities a row) fit its result note."""
@@ -173,6 +179,10 @@ class Pipeline:
         self._index: prefix_cache.PrefixIndex | None = None
         self._disk: prefix_cache.PrefixIndex | None = None   # the disk tier's blocks (kv_cache_dir), every stage's
         self._tail_files: prefix_cache.TailFiles | None = None
+        # a hybrid model's linear-attention states kept at block boundaries (their state_key), every stage's; and per
+        # slot, the prefill chunk ends (block boundaries) after which the stages keep the states: end -> its key
+        self._states: prefix_cache.PrefixIndex | None = None
+        self._keep: dict[int, dict[int, bytes]] = {}
         self._block = prefix_cache.BLOCK
         self._rounds: list[KvRound] = []          # KvOp rounds sent and not yet answered by every stage, oldest first
         self.kv_answers = 0                        # KvDone notes received (the slot driver's watchdog: progress)
@@ -499,7 +509,7 @@ class Pipeline:
             while self._sent < len(schedule) and self._sent - self._got < window:
                 pos, m = schedule[self._sent]
                 self._wire.send(0, M.Chunk(k=self._sent, pos=pos, n=m, phase=phase, t0=t0, tokens=tokens,
-                                           score=score))
+                                           score=score, keep=self._keep_after(0, pos + m, phase)))
                 self._sent += 1
                 if self.startup is None:
                     self._startup_done()
@@ -554,7 +564,8 @@ class Pipeline:
         k = self._sent
         if row:
             self._want_rows.add(k)
-        self._wire.send(0, M.Chunk(k=k, pos=pos, n=n, phase=phase, t0=t0, tokens=tokens, score=score, slot=slot))
+        self._wire.send(0, M.Chunk(k=k, pos=pos, n=n, phase=phase, t0=t0, tokens=tokens, score=score, slot=slot,
+                                   keep=self._keep_after(slot, pos + n, phase)))
         self._sent += 1
         if self.startup is None:
             self._startup_done()
@@ -667,6 +678,15 @@ class Pipeline:
         elif self.cfg.dump_residual:
             why = "dump_residual prefills every prompt from position 0"
         per_block = max(st.kv_bytes // self.plan.max_len for st in self.stages) * self._block
+        hybrid = prefix_cache.hybrid(self.plan.args)
+        per_state = max(st.state_bytes for st in self.stages) // self.cfg.max_seqs if hybrid else 0
+        if hybrid and why is None:  # half the budget for the blocks, half for the states kept beside them
+            if budget // 2 < per_state or budget // 2 < per_block:
+                why = (f"prefix_cache_bytes {budget}: half of it holds no block of {self._block} tokens ({per_block} "
+                       f"bytes a stage) or no linear-attention state ({per_state} bytes a stage)")
+            else:
+                self._states = prefix_cache.PrefixIndex(budget // 2 // per_state)
+                budget //= 2
         if why is None and budget < per_block:
             why = f"prefix_cache_bytes {budget} holds no block of {self._block} tokens ({per_block} bytes a stage)"
         self.prefix_cache_off = why
@@ -676,8 +696,10 @@ class Pipeline:
                      self.cfg.max_seqs, self.cfg.max_seqs)
         if why is None:
             self._index = prefix_cache.PrefixIndex(budget // per_block)
-            log.info("prefix cache: %d blocks of %d tokens (%.1f MB a stage)", self._index.capacity, self._block,
-                     self._index.capacity * per_block / 1e6)
+            log.info("prefix cache: %d blocks of %d tokens (%.1f MB a stage)%s", self._index.capacity, self._block,
+                     self._index.capacity * per_block / 1e6,
+                     f", and the linear-attention states at {self._states.capacity} block boundaries "
+                     f"({self._states.capacity * per_state / 1e6:.1f} MB a stage)" if self._states else "")
             if self.cfg.kv_cache_dir is not None:
                 self._open_disk_tier(per_block)
         elif budget:
@@ -798,8 +820,16 @@ class Pipeline:
         m = prefix_cache.held_prefix(tiers, keys)
         for ix in tiers:
             ix.touch(keys[:m])
-        tail, c = None, 0
-        if self.cfg.prefix_reuse == "chunks":
+        tail, c, state = None, 0, b""
+        if self._states is not None:  # a hybrid model: the last boundary whose linear-layer states are held too
+            cold = {q for q, _ in self.plan.schedule_for(0, ids.size)} if self.cfg.prefix_reuse == "chunks" else None
+            j = next((j for j in range(m, 0, -1) if prefix_cache.state_key(keys[j - 1]) in self._states.lru
+                      and (cold is None or j * B in cold)), 0)
+            if j:
+                state = prefix_cache.state_key(keys[j - 1])
+                self._states.touch([state])
+            p = j * B
+        elif self.cfg.prefix_reuse == "chunks":
             p = max((q for q, _ in self.plan.schedule_for(0, ids.size) if q <= m * B), default=0)
         else:
             tail, c = prefix_cache.best_tail(tiers, keys[m - 1] if m else b"", ids[m * B:cap])
@@ -821,12 +851,42 @@ class Pipeline:
                 r.failed = True
                 log.warning("prefix cache: restore failed (%s); prefilling those positions", "; ".join(failed))
                 self._hits -= 1
-                self._forget(names)
-        return p, self._kv_send("restore", self._kv_msgs("restore", names, blocks, slot=slot), then)
+                self._forget(names + ([state] if state else []))
+        msgs = self._kv_msgs("restore", names, blocks, slot=slot, tokens=p if state else 0)
+        if state:
+            msgs = {i: replace(mg, state=state) for i, mg in msgs.items()}
+        return p, self._kv_send("restore", msgs, then)
+
+    def keep_states(self, slot: int, ids: np.ndarray, start: int, schedule) -> list[tuple[int, int]]:
+        """A hybrid model's prefill of ids from `start` in `schedule`'s chunks: the stages keep the linear layers'
+        states after each chunk that ends on a block boundary, and at the prompt's last block boundary before its
+        last token, its chunk cut there (prefix_reuse chunks: only boundaries of the cold schedule, uncut), so a
+        later prompt sharing those blocks restores them: the chunk's note names the states' key. -> the schedule;
+        the keys join the index at the prompt's snapshot."""
+        self._keep.pop(slot, None)
+        if self._states is None or self.failure:
+            return list(schedule)
+        B, n = self._block, ids.size
+        last = (n - 1) // B * B
+        if self.cfg.prefix_reuse == "chunks":  # (a restore point must be a chunk boundary of the cold schedule)
+            cold = {p + m for p, m in self.plan.schedule_for(0, n)}
+            last = next((q for q in range(last, start, -B) if q in cold), 0)
+        if last > start:
+            schedule = cut_at(schedule, last)
+        ends = sorted(p + m for p, m in schedule if (p + m) % B == 0 and start < p + m <= last)
+        if not ends:
+            return list(schedule)
+        keys = prefix_cache.block_keys(ids[:ends[-1]], B)
+        self._keep[slot] = {e: prefix_cache.state_key(keys[e // B - 1]) for e in ends}
+        return list(schedule)
+
+    def _keep_after(self, slot: int, end: int, phase: str) -> bytes:
+        """The state key a prefill chunk of `slot` ending at `end` carries (b"": none)."""
+        return self._keep.get(slot, {}).get(end, b"") if phase == "prefill" else b""
 
     def _forget(self, names: list[bytes]) -> None:
         """Blocks out of every tier (their rounds are sent, not waited for)."""
-        for ix in self._tiers():
+        for ix in self._tiers() + ([self._states] if self._states is not None else []):
             ix.discard(names)
         self._kv_send("drop", self._kv_msgs("drop", names))
         if self._disk is not None:
@@ -842,6 +902,10 @@ class Pipeline:
         B = self._block
         keys = prefix_cache.block_keys(ids, B)
         new, evicted = self._index.add(keys)
+        kept = self._keep.pop(slot, None)
+        if kept:  # the states its prefill kept (every stage has them by now), the latest the most recent
+            _, dropped = self._states.add([kept[e] for e in sorted(kept)][-self._states.capacity:])
+            evicted = evicted + dropped
         disk = self._disk
         gone: list[bytes] = []  # out of the disk tier
         if disk is not None:  # the blocks new there are snapped too (a stage writes a held block's file once)
@@ -850,7 +914,8 @@ class Pipeline:
         names = [keys[j] for j in new]
         m = len(keys)
         if (self.cfg.prefix_reuse == "rows" and m < self._index.capacity and ids.size > m * B
-                and (m + 1) * B <= self.plan.max_len):  # its last, partial block too (rows: reused row by row)
+                and (m + 1) * B <= self.plan.max_len and self._states is None):  # its last, partial block too (rows:
+            # reused row by row; not a hybrid model's: its states stand only at the boundaries they were kept at)
             prev = keys[m - 1] if m else b""
             tail, more = self._index.add_tail(prev, ids[m * B:])
             evicted += more
@@ -891,7 +956,7 @@ class Pipeline:
         if self.cfg.max_seqs > 1:
             raise kv_file.KvFileError(f"{what}: not with max_seqs {self.cfg.max_seqs} (a KV file holds one sequence; "
                                       "the slots' sequences have no current one): use max_seqs 1")
-        why = prefix_cache.supported(self.plan.args)
+        why = prefix_cache.supported(self.plan.args, files=True)
         if why:
             raise kv_file.KvFileError(f"{what}: not for this model: {why}")
         remote = [st.index for st in self.stages if st.host is not None]
@@ -984,6 +1049,7 @@ class Pipeline:
         schedule = self.plan.schedule_for(reused, n)
         if score >= 0:
             schedule = scored_chunks(schedule, score)
+        schedule = self.keep_states(0, ids, reused, schedule)
         update, bar = self._progress_bar(n - reused, schedule)
         try:
             seconds = self._run_phase("prefill", schedule, n, update, score)

@@ -22,10 +22,16 @@ own folder; so a later run of the same model and rig, another process, skips the
 Rows are opaque: whatever a cache's dtype and last dimension (float, bfloat16, 8-bit codes, packed blocks), a
 snapshot copies the rows of each (1, n_kv, rows, last) cache tensor along dim 2, byte for byte.
 
-Only models whose every layer is full attention: a window layer's cache is a ring of window + chunk - 1 rows and a
-linear-attention layer a fixed-size state, both valid only at the exact position they were taken. For such
-models the prefix cache is off (`supported` says why; the head logs it once) and only the live KV is reused, as
-before (Pipeline._reusable's exact-or-nothing rules).
+A hybrid model's linear-attention layers (Qwen3.5) keep a fixed-size recurrent state, valid only at the exact
+position it was taken: beside its attention layers' blocks, a stage keeps the states of its linear layers at one
+block boundary of a prompt (the last one before its last token), copied out right after the prefill chunk that
+ends there (the head cuts the prompt's chunks there and names the state's key in that chunk's note). A later
+prompt restores its attention rows up to a boundary whose state is held, and that state; the rest is prefilled.
+These states live in the host tier only (the disk tier and KV files hold KV rows: refused for such models).
+
+A window layer's cache is a ring of window + chunk - 1 rows, valid only where it was taken: for such models the
+prefix cache is off (`supported` says why; the head logs it once) and only the live KV is reused, as before
+(Pipeline._reusable's exact-or-nothing rules).
 """
 from __future__ import annotations
 
@@ -49,15 +55,27 @@ ORPHAN_BYTES = 1 << 30
 KEY_BYTES = 16   # a block key: blake2b-128 of (the previous key, the block's ids as int32)
 
 
-def supported(args) -> str | None:
-    """None when a prefix can be restored at any block boundary; else why not (window or linear layers)."""
-    if args.linear_layers is not None and any(args.linear_layers):
-        return "linear-attention layers hold a fixed-size state valid only where it was taken"
+def supported(args, files: bool = False) -> str | None:
+    """None when a prefix can be restored at a block boundary (a hybrid model's: where its linear layers' states
+    were kept); else why not. files: the disk tier and KV files, which hold KV rows only."""
+    if files and hybrid(args):
+        return "linear-attention layers' states are kept in host memory only (files hold KV rows)"
     if any(args.window(i) for i in range(args.n_layers)):
         return "window layers keep a ring of window + chunk - 1 rows, valid only where it was taken"
     if args.rope_scaling and args.rope_scaling.get("rope_type") == "dynamic":
         return "dynamic NTK rope: a prompt's keys past max_position_embeddings rotate by the prompt's length"
     return None
+
+
+def hybrid(args) -> bool:
+    """Whether the model has linear-attention layers (a recurrent state a layer, beside the attention layers' KV)."""
+    return args.linear_layers is not None and any(args.linear_layers)
+
+
+def state_key(key: bytes) -> bytes:
+    """The key of the linear layers' states at the end of the block keyed `key` (its own namespace: a drop of
+    either never takes the other)."""
+    return hashlib.blake2b(b"state" + key, digest_size=KEY_BYTES).digest()
 
 
 def tail_key(prev: bytes, tail: np.ndarray) -> bytes:
@@ -248,11 +266,18 @@ def layer_caches(model, slot: int | None = None) -> list[torch.Tensor]:
         raise ValueError(f"slot {slot} outside the {len(getattr(model, '_slots', ()))} sequence caches")
     out = []
     for i, blk in model.layers.items():
+        if getattr(blk, "linear", False):
+            continue  # a recurrent state, not rows (Snapshots.keep_state)
         a = blk.attn
-        if getattr(blk, "linear", False) or a.k_cache is None:
-            raise ValueError("the prefix cache and KV files need a KV cache on every layer (no linear-attention layers)")
+        if a.k_cache is None:
+            raise ValueError("the prefix cache and KV files need a KV cache on every attention layer")
         out += [a.k_cache, a.v_cache] if slot is None else list(model._slots[slot][i])
     return out
+
+
+def linear_layers(model) -> list:
+    """A slice's linear-attention layers (strata.linear_attention.GatedDeltaNet), in layer order."""
+    return [blk.attn for blk in model.layers.values() if getattr(blk, "linear", False)]
 
 
 def row_bytes(caches: list[torch.Tensor]) -> int:
@@ -298,6 +323,7 @@ class Snapshots:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending = None      # the last copy out's event (CUDA): the live cache is not written before it
         self.blocks: dict[bytes, torch.Tensor] = {}
+        self.states: dict[bytes, list[torch.Tensor]] = {}  # state_key -> each linear layer's (conv, state) on the host
         self.folder: Path | None = None
         self.unwritten: dict[bytes, torch.Tensor] = {}  # queued for the disk: the writer drops each once its file is
         self._lock = threading.Condition()              # complete (so a block is always here or in its file)
@@ -420,7 +446,24 @@ class Snapshots:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self.blocks.values())
+        return (sum(b.numel() for b in self.blocks.values())
+                + sum(t.numel() * t.element_size() for ts in self.states.values() for t in ts))
+
+    def keep_state(self, key: bytes, slot: int) -> None:
+        """A copy of `slot`'s linear-attention states as they stand (right after a prefill chunk) under `key`."""
+        self.states[key] = [t.to("cpu", copy=True) for la in linear_layers(self.model) for t in la.held(slot)]
+
+    def restore_state(self, key: bytes, slot: int, pos: int) -> None:
+        """`slot`'s linear-attention states from the copy under `key`, standing at `pos` from now on."""
+        held = self.states.get(key)
+        if held is None:
+            raise KeyError(f"restore: no state snapshot {key.hex()}")
+        self.before_write()
+        src = iter(held)
+        for la in linear_layers(self.model):
+            for t in la.held(slot):
+                t.copy_(next(src))
+            la.stand_at(slot, pos)
 
     def snap(self, keys: list[bytes], blocks: list[int], block: int, slot: int | None = None) -> None:
         """Copy rows [j * block, (j + 1) * block) of every cache (of `slot`: layer_caches) out under keys[i]
@@ -470,6 +513,7 @@ class Snapshots:
         leaves `unwritten`)."""
         for k in keys:
             self.blocks.pop(k, None)
+            self.states.pop(k, None)
         if self._writer is None:
             return
         with self._lock:

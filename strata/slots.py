@@ -248,7 +248,8 @@ class SlotDriver:
         run.kv = None
         # the cold prefill's own chunks (from the restored prefix on, which ends on one of their boundaries): its bits
         schedule = self.pipe.plan.schedule_for(run.restored, run.ids.size)
-        run.schedule = scored_chunks(schedule, run.score) if run.score >= 0 else list(schedule)
+        schedule = scored_chunks(schedule, run.score) if run.score >= 0 else list(schedule)
+        run.schedule = self.pipe.keep_states(run.slot, run.ids, run.restored, schedule)  # (a hybrid model's)
         if run.restored:
             self.stats.restores += 1
             self.stats.restored_tokens += run.restored

@@ -113,10 +113,12 @@ def test_snapshots_of_a_slot_leave_the_slot_in_use_alone():
         s.snap([b"b" * 16], [0], 16, slot=3)
 
 
-def test_supported_refuses_window_and_linear_layers():
+def test_supported_refuses_window_layers_and_files_of_linear_layers():
     from strata.checkpoint import model_args
     assert supported(model_args("synthetic:smoke")) is None
     assert "window" in supported(model_args("synthetic:gemma-3-27b"))
+    q35 = model_args("synthetic:qwen3.5-27b")  # its states kept beside the blocks, in host memory
+    assert supported(q35) is None and "host memory only" in supported(q35, files=True)
 
 
 FP = {"model": "gguf m.gguf:10:abc", "shape": "s", "n_layers": 3, "dtype": "float32", "kv_dtype": "bfloat16",
@@ -259,3 +261,49 @@ def test_prefix_reuse_rows_restores_every_shared_row(tmp_path):
         q.kv_load(tmp_path / "a.kv")
         loaded = q.generate(a, one)
         assert loaded.reused_tokens == a.size - 1 and close(loaded.last_logits, cold.last_logits)
+
+
+def test_a_hybrid_model_restores_its_states_at_a_block_boundary(tmp_path):
+    """A tiny Qwen3.5 (Gated DeltaNet layers beside full attention) on 2 CPU stages: a prompt's prefill keeps its
+    linear layers' states at the block boundaries its chunks end on; after another prompt, the same document with
+    another question restores its attention rows and those states up to the last boundary inside the document, and
+    prefills only the rest, with the cold prefill's ids and logits (a chunk boundary of the cold schedule). Through
+    Pipeline (max_seqs 1) and through the slot driver (max_seqs 2). Blocks whose states are gone are not restored;
+    with chunks that end off the block boundaries, the prompt's chunk is cut at its last one."""
+    from families_fixtures import make_hf
+    from strata.engine import PipelineEngine
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    _, d = make_hf(tmp_path, "qwen3_5")
+    rng = np.random.default_rng(4)
+    doc, other = rng.integers(0, 200, 600), rng.integers(0, 200, 700)
+    a, a2 = (np.concatenate([doc, rng.integers(0, 200, n)]) for n in (200, 30))  # a's question crosses 768
+    rig = dict(model=d, stages=[{"device": "cpu", "threads": 1}] * 2, chunk=64, max_context=1024, progress=False,
+               prompt={"random": {"tokens": 8, "seed": 0}})
+    six = SamplingParams(max_tokens=6)
+    with Pipeline({**rig, "prefix_cache_bytes": 0}, out=tmp_path / "cold", console=False) as p:
+        cold = p.generate(a2, six)
+    with Pipeline(rig, out=tmp_path / "p", console=False) as p:
+        first = p.generate(a, six)
+        assert p.prefix_cache_off is None and p._states.capacity >= 2
+        assert first.reused_tokens == 0 and len(p._states) == 3  # kept at 256, 512, 768 (chunk ends)
+        p.generate(other, six)  # the live KV now holds another prompt
+        again = p.generate(a2, six)
+        assert again.reused_tokens == 512 and again.continuation_ids == cold.continuation_ids
+        assert np.array_equal(again.last_logits, cold.last_logits)
+        p._states.discard(list(p._states.lru))  # states forgotten: the blocks alone are not a restore point
+        p.generate(other, six)
+        assert p.generate(a2, six).reused_tokens == 0
+    with Pipeline({**rig, "chunk": 100}, out=tmp_path / "cut", console=False) as p:
+        p.start()  # chunks of 100 end on no block boundary: the chunk over 768 is cut there, and keeps the states
+        sched = p.keep_states(0, a, 0, p.plan.schedule_for(0, a.size))
+        assert sched == [(q, 100) for q in range(0, 700, 100)] + [(700, 68), (768, 32)] and list(p._keep[0]) == [768]
+    eng = PipelineEngine({**rig, "max_seqs": 2}, out=tmp_path / "eng")
+    try:
+        made = [[], [], []]
+        for ids, out in zip((a, other, a2), made):
+            eng.generate(ids.tolist(), SamplingParams(max_tokens=6, temperature=0), out.append)
+        st = eng.slot_stats()
+    finally:
+        eng.close()
+    assert made[2] == cold.continuation_ids and st.restores == 1 and st.restored_tokens == 512, st

@@ -90,6 +90,8 @@ class StageKv:
                 self.snapshots.snap(msg.keys, msg.blocks, msg.block, msg.slot)
             elif msg.op == "restore":
                 self.snapshots.restore(msg.keys, msg.blocks, msg.block, msg.slot, fetched)
+                if msg.state:  # a hybrid model: its linear layers' states at the restored boundary
+                    self.snapshots.restore_state(msg.state, msg.slot, msg.tokens)
             elif msg.op == "drop":
                 self.snapshots.drop(msg.keys)
             elif msg.op == "save":

@@ -331,6 +331,8 @@ class Stage(DecodeRing):
                 self.dump.write(pos, h[0])
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # not the dump's copy (its own stream)
+        if msg.keep:  # a hybrid model's prefix cache: the linear layers' states where this chunk leaves them
+            self.kv.snapshots.keep_state(msg.keep, msg.slot)
         work_end = time.perf_counter()
         self.work_s += work_end - work_start
 
@@ -343,7 +345,8 @@ class Stage(DecodeRing):
             self.outlink.put(logits, M.ChunkResult(k=k, nll=float(nll), count=count, argmax=argmax, scores=scores))
         else:
             self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0,
-                                                               tokens=msg.tokens, score=msg.score, slot=msg.slot))
+                                                               tokens=msg.tokens, score=msg.score, slot=msg.slot,
+                                                               keep=msg.keep))
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
