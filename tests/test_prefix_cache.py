@@ -298,6 +298,12 @@ def test_a_hybrid_model_restores_its_states_at_a_block_boundary(tmp_path):
         p.start()  # chunks of 100 end on no block boundary: the chunk over 768 is cut there, and keeps the states
         sched = p.keep_states(0, a, 0, p.plan.schedule_for(0, a.size))
         assert sched == [(q, 100) for q in range(0, 700, 100)] + [(700, 68), (768, 32)] and list(p._keep[0]) == [768]
+    for chunk, kept in ((100, []), (128, [256, 512, 768])):  # chunks: the cold schedule's boundaries, never cut
+        with Pipeline({**rig, "chunk": chunk, "prefix_reuse": "chunks"}, out=tmp_path / f"c{chunk}",
+                      console=False) as p:
+            p.start()
+            sch = p.plan.schedule_for(0, a.size)
+            assert p.keep_states(0, a, 0, sch) == list(sch) and sorted(p._keep.get(0, {})) == kept, chunk
     eng = PipelineEngine({**rig, "max_seqs": 2}, out=tmp_path / "eng")
     try:
         made = [[], [], []]
