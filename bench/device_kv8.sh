@@ -4,7 +4,9 @@
 # and a q8_0 cache (CUDA graphs, the default), their prefill (ttft) of the same prompt, and llama.cpp's decode after
 # the same depth with its f16 and q8_0 caches, on the same file; `splitk`: split-K alone over 122,880 keys, bf16 and
 # each q8_0 arm (bench/splitk.py); `arms`: the q8_0 decode after 122,880 with kernels.q8_attention int8 and int8x2
-# (the `time` step's q8_0 row is the default, widen). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms
+# (the `time` step's q8_0 row is the default arm, int8x2); `narrow`: one layer's prefill attention over 122,880 tokens with
+# a bf16 cache and a q8_0 cache widened in blocks of 16,384 / 32,768 / 65,536 / the whole prefix (bench/narrow_prefill.py
+# --prefill). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -36,5 +38,9 @@ arms)
     [ -f /tmp/8b-q4km.gguf ] && STRATA_Q8_ATTENTION=$arm timeout 180 python3 bench/generate.py --model /tmp/8b-q4km.gguf \
       --devices cuda:0 --contexts 122880 --tokens 128 --chunk 10240 --kv-dtype q8_0 2>&1 | tail -2
   done ;;
+narrow)
+  el "one layer's prefill attention, bf16 cache vs q8_0 widened in blocks (bench/narrow_prefill.py --prefill)"
+  timeout 200 python3 bench/narrow_prefill.py --prefill --chunk 10240 --heads 32 --kv-heads 8 --keys 122880 \
+    --blocks 16384,32768,65536,0 2>&1 | tee "$LOG/narrow.log" | tail -8 ;;
 esac; done
 el end
