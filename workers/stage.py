@@ -332,7 +332,10 @@ class Stage(DecodeRing):
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # not the dump's copy (its own stream)
         if msg.keep:  # a hybrid model's prefix cache: the linear layers' states where this chunk leaves them
-            self.kv.snapshots.keep_state(msg.keep, msg.slot)
+            try:
+                self.kv.snapshots.keep_state(msg.keep, msg.slot)
+            except RuntimeError as e:  # (no host memory left): a later restore of it fails into a prefill
+                self.log.warning("prefix cache: the states after chunk %d not kept (%s)", msg.k, str(e).splitlines()[0])
         work_end = time.perf_counter()
         self.work_s += work_end - work_start
 
