@@ -223,6 +223,7 @@ class KvDone(Message):
     error: str
     held_bytes: int  # the stage's snapshots, after the op
     keys: list = field(default_factory=list)  # open: the blocks whose files the stage's folder holds, oldest first
+    states: list = field(default_factory=list)  # open: the linear-attention states whose files it holds, likewise
 
 
 MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Chunk, Taken, Done, ChunkResult, Working, End, Stats, Ready,
@@ -294,7 +295,7 @@ def validate(msg) -> dict:
         raise BadMessage(f"{t}: unknown phase {msg['phase']!r}")
     if t in ("kv", "kv_done") and msg["op"] not in KV_OPS:
         raise BadMessage(f"{t}: unknown op {msg['op']!r}")
-    if t == "kv_done" and not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in msg["keys"]):
+    if t == "kv_done" and not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in msg["keys"] + msg["states"]):
         raise BadMessage(f"kv_done: keys must be {KEY_BYTES} bytes each")
     if t == "kv":
         if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in msg["keys"]):

@@ -182,6 +182,7 @@ class Pipeline:
         # a hybrid model's linear-attention states kept at block boundaries (their state_key), every stage's; and per
         # slot, the prefill chunk ends (block boundaries) after which the stages keep the states: end -> its key
         self._states: prefix_cache.PrefixIndex | None = None
+        self._disk_states: prefix_cache.PrefixIndex | None = None  # ... and those whose files every stage holds
         self._keep: dict[int, dict[int, bytes]] = {}
         self._block = prefix_cache.BLOCK
         self._rounds: list[KvRound] = []          # KvOp rounds sent and not yet answered by every stage, oldest first
@@ -701,13 +702,14 @@ class Pipeline:
                      f", and the linear-attention states at {self._states.capacity} block boundaries "
                      f"({self._states.capacity * per_state / 1e6:.1f} MB a stage)" if self._states else "")
             if self.cfg.kv_cache_dir is not None:
-                self._open_disk_tier(per_block)
+                self._open_disk_tier(per_block, per_state)
         elif budget:
             log.info("prefix cache off: %s; only the last prompt's KV is reused", why)
 
-    def _open_disk_tier(self, per_block: int) -> None:
+    def _open_disk_tier(self, per_block: int, per_state: int = 0) -> None:
         """kv_cache_dir: every stage opens its folder and lists the blocks it holds; those every stage holds are
-        the disk index (oldest first), the rest are removed, and the index is cut to kv_cache_dir_bytes."""
+        the disk index (oldest first), the rest are removed, and the index is cut to kv_cache_dir_bytes (a hybrid
+        model's: half of it, the other half for its linear-attention states' files, listed and kept alike)."""
         root = os.path.abspath(os.path.expanduser(self.cfg.kv_cache_dir))
         rig = prefix_cache.rig_folder(kv_file.rig_fingerprint(self.cfg, self.plan))
         msgs = {i: replace(m, path=prefix_cache.stage_folder(root, rig, *st.layers, torch.device(st.device).type))
@@ -718,15 +720,21 @@ class Pipeline:
             log.warning("prefix cache on disk off: %s", "; ".join(failed))
             return
         common = set.intersection(*(set(d.keys) for d in done.values()))
+        states = set.intersection(*(set(d.states) for d in done.values()))
         for i, d in done.items():  # a block not every stage has (a write cut short, another split's run)
-            stray = [k for k in d.keys if k not in common]
+            stray = [k for k in d.keys if k not in common] + [k for k in d.states if k not in states]
             if stray:  # (the stage's writer removes them in order; nothing waits for it)
                 self._kv_send("unlink", {i: self._kv_msgs("unlink", stray)[i]})
         self._tail_files = prefix_cache.TailFiles(Path(root) / rig / "tails")
         tails = self._tail_files.read()
         self._tail_files.remove([k for k in tails if k not in common])
         tails = {k: t for k, t in tails.items() if k in common}
-        self._disk = prefix_cache.PrefixIndex(self.cfg.kv_cache_dir_bytes // per_block)
+        budget = self.cfg.kv_cache_dir_bytes
+        if self._states is not None:  # a hybrid model: half for the states
+            budget //= 2
+            self._disk_states = prefix_cache.PrefixIndex(max(1, budget // per_state))
+            self._unlink(self._disk_states.load([k for k in done[0].states if k in states], {}))
+        self._disk = prefix_cache.PrefixIndex(budget // per_block)
         evicted = self._disk.load([k for k in done[0].keys if k in common], tails)
         self._unlink(evicted)
         log.info("prefix cache on disk: %s, %d of %d blocks held (%.1f GB a stage)", Path(root) / rig,
@@ -823,11 +831,13 @@ class Pipeline:
         tail, c, state = None, 0, b""
         if self._states is not None:  # a hybrid model: the last boundary whose linear-layer states are held too
             cold = {q for q, _ in self.plan.schedule_for(0, ids.size)} if self.cfg.prefix_reuse == "chunks" else None
-            j = next((j for j in range(m, 0, -1) if prefix_cache.state_key(keys[j - 1]) in self._states.lru
+            held = [self._states] + ([self._disk_states] if self._disk_states is not None else [])
+            j = next((j for j in range(m, 0, -1) if any(prefix_cache.state_key(keys[j - 1]) in ix.lru for ix in held)
                       and (cold is None or j * B in cold)), 0)
             if j:
                 state = prefix_cache.state_key(keys[j - 1])
-                self._states.touch([state])
+                for ix in held:
+                    ix.touch([state])
             p = j * B
         elif self.cfg.prefix_reuse == "chunks":
             p = max((q for q, _ in self.plan.schedule_for(0, ids.size) if q <= m * B), default=0)
@@ -886,7 +896,7 @@ class Pipeline:
 
     def _forget(self, names: list[bytes]) -> None:
         """Blocks out of every tier (their rounds are sent, not waited for)."""
-        for ix in self._tiers() + ([self._states] if self._states is not None else []):
+        for ix in self._tiers() + [x for x in (self._states, self._disk_states) if x is not None]:
             ix.discard(names)
         self._kv_send("drop", self._kv_msgs("drop", names))
         if self._disk is not None:
@@ -903,13 +913,18 @@ class Pipeline:
         keys = prefix_cache.block_keys(ids, B)
         new, evicted = self._index.add(keys)
         kept = self._keep.pop(slot, None)
-        if kept:  # the states its prefill kept (every stage has them by now), the latest the most recent
-            _, dropped = self._states.add([kept[e] for e in sorted(kept)][-self._states.capacity:])
-            evicted = evicted + dropped
-        disk = self._disk
         gone: list[bytes] = []  # out of the disk tier
+        if kept:  # the states its prefill kept (every stage has them by now, and writes their files with a disk
+            # tier), the latest the most recent
+            order = [kept[e] for e in sorted(kept)]
+            for ix, out in ((self._states, evicted), (self._disk_states, gone)):
+                if ix is not None:  # the rest: the stages hold them (host copies, files) but no index names them
+                    _, dropped = ix.add(order[-ix.capacity:])
+                    out += dropped + [k for k in order[:-ix.capacity] if k not in ix.lru]
+        disk = self._disk
         if disk is not None:  # the blocks new there are snapped too (a stage writes a held block's file once)
-            dnew, gone = disk.add(keys)
+            dnew, out = disk.add(keys)
+            gone += out
             new = sorted(set(new) | set(dnew))
         names = [keys[j] for j in new]
         m = len(keys)

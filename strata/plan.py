@@ -187,9 +187,9 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
                           "(use float8_e4m3fn)")
     if cfg.kv_cache_dir is not None:
         from .prefix_cache import supported
-        why = supported(args, files=True)
+        why = supported(args)
         if why:
-            raise ConfigError(f"kv_cache_dir: the prefix cache's disk tier is not for this model ({why})")
+            raise ConfigError(f"kv_cache_dir: the prefix cache is off for this model ({why})")
         try:
             os.makedirs(os.path.expanduser(cfg.kv_cache_dir), exist_ok=True)
         except OSError as e:

@@ -27,7 +27,8 @@ position it was taken: beside its attention layers' blocks, a stage keeps the st
 block boundary of a prompt (the last one before its last token), copied out right after the prefill chunk that
 ends there (the head cuts the prompt's chunks there and names the state's key in that chunk's note). A later
 prompt restores its attention rows up to a boundary whose state is held, and that state; the rest is prefilled.
-These states live in the host tier only (the disk tier and KV files hold KV rows: refused for such models).
+With `kv_cache_dir` the states are written through to files too (a `states` folder beside the blocks'); KV files
+hold KV rows only and are refused for such models.
 
 A window layer's cache is a ring of window + chunk - 1 rows, valid only where it was taken: for such models the
 prefix cache is off (`supported` says why; the head logs it once) and only the live KV is reused, as before
@@ -57,9 +58,9 @@ KEY_BYTES = 16   # a block key: blake2b-128 of (the previous key, the block's id
 
 def supported(args, files: bool = False) -> str | None:
     """None when a prefix can be restored at a block boundary (a hybrid model's: where its linear layers' states
-    were kept); else why not. files: the disk tier and KV files, which hold KV rows only."""
+    were kept); else why not. files: KV files (kv_save / kv_load), which hold one prompt's KV rows only."""
     if files and hybrid(args):
-        return "linear-attention layers' states are kept in host memory only (files hold KV rows)"
+        return "a KV file holds KV rows, not linear-attention layers' states"
     if any(args.window(i) for i in range(args.n_layers)):
         return "window layers keep a ring of window + chunk - 1 rows, valid only where it was taken"
     if args.rope_scaling and args.rope_scaling.get("rope_type") == "dynamic":
@@ -323,39 +324,45 @@ class Snapshots:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending = None      # the last copy out's event (CUDA): the live cache is not written before it
         self.blocks: dict[bytes, torch.Tensor] = {}
-        self.states: dict[bytes, list[torch.Tensor]] = {}  # state_key -> each linear layer's (conv, state) on the host
+        self.states: dict[bytes, torch.Tensor] = {}  # state_key -> the linear layers' (conv, state)s' bytes on the host
         self.folder: Path | None = None
         self.unwritten: dict[bytes, torch.Tensor] = {}  # queued for the disk: the writer drops each once its file is
         self._lock = threading.Condition()              # complete (so a block is always here or in its file)
         self.orphan_limit = ORPHAN_BYTES
+        self._state_keys: set[bytes] = set()  # keys that name states (their files in the `states` folder)
         self._queue: queue.Queue | None = None
         self._writer: threading.Thread | None = None
         self.write_error: str | None = None  # the writer's first failure (later blocks are not written)
 
     # -- the disk tier -----------------------------------------------------------------------------------------
-    def open(self, folder: str) -> list[bytes]:
-        """Write through to `folder` from now on -> the keys whose files it holds, oldest first. Leftovers of a
-        write cut short (`*.part`) are removed."""
+    def open(self, folder: str) -> tuple[list[bytes], list[bytes]]:
+        """Write through to `folder` from now on -> (the blocks whose files it holds, the linear-attention states
+        whose files its `states` folder holds), oldest first. Leftovers of a write cut short (`*.part`) are
+        removed."""
         f = Path(folder)
-        f.mkdir(parents=True, exist_ok=True)
-        found = []
-        for e in os.scandir(f):
-            if e.name.endswith(".part"):
-                os.unlink(e.path)
-            elif len(e.name) == 2 * KEY_BYTES and e.is_file():
-                try:
-                    found.append((e.stat().st_mtime_ns, bytes.fromhex(e.name)))
-                except ValueError:
-                    continue
+        (f / "states").mkdir(parents=True, exist_ok=True)
+        lists = []
+        for d in (f, f / "states"):
+            found = []
+            for e in os.scandir(d):
+                if e.name.endswith(".part"):
+                    os.unlink(e.path)
+                elif len(e.name) == 2 * KEY_BYTES and e.is_file():
+                    try:
+                        found.append((e.stat().st_mtime_ns, bytes.fromhex(e.name)))
+                    except ValueError:
+                        continue
+            lists.append([k for _, k in sorted(found)])
         self.folder = f
         if self._writer is None:
             self._queue = queue.Queue()
             self._writer = threading.Thread(target=self._write_loop, name="kv-disk", daemon=True)
             self._writer.start()
-        return [k for _, k in sorted(found)]
+        return lists[0], lists[1]
 
     def _file(self, key: bytes) -> Path:
-        return self.folder / key.hex()
+        """A block's file, or a kept state's (its own folder: the keys do not say which they are)."""
+        return self.folder / ("states" if key in self._state_keys else "") / key.hex()
 
     def _write_loop(self) -> None:
         while True:
@@ -365,7 +372,8 @@ class Snapshots:
             what, key, buf, event = item
             try:
                 if what == "unlink":
-                    self._file(key).unlink(missing_ok=True)
+                    (self.folder / key.hex()).unlink(missing_ok=True)
+                    (self.folder / "states" / key.hex()).unlink(missing_ok=True)
                 elif self.write_error is None and not self._file(key).exists():
                     if event is not None:
                         event.synchronize()  # the copy out of the device is done
@@ -450,19 +458,35 @@ class Snapshots:
                 + sum(t.numel() * t.element_size() for ts in self.states.values() for t in ts))
 
     def keep_state(self, key: bytes, slot: int) -> None:
-        """A copy of `slot`'s linear-attention states as they stand (right after a prefill chunk) under `key`."""
-        self.states[key] = [t.to("cpu", copy=True) for la in linear_layers(self.model) for t in la.held(slot)]
+        """A copy of `slot`'s linear-attention states as they stand (right after a prefill chunk) under `key`, their
+        bytes in layer order; with a disk folder, written to its file too."""
+        parts = [t.contiguous().view(-1).view(torch.uint8) for la in linear_layers(self.model) for t in la.held(slot)]
+        buf = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
+        self.states[key] = buf
+        self._state_keys.add(key)
+        if self.folder is not None:
+            with self._lock:
+                self.unwritten[key] = buf
+            self._queue.put(("write", key, buf, None))
 
     def restore_state(self, key: bytes, slot: int, pos: int) -> None:
-        """`slot`'s linear-attention states from the copy under `key`, standing at `pos` from now on."""
-        held = self.states.get(key)
-        if held is None:
+        """`slot`'s linear-attention states from the copy under `key` (on the host, or its file), standing at `pos`
+        from now on."""
+        held = [t for la in linear_layers(self.model) for t in la.held(slot)]
+        size = sum(t.numel() * t.element_size() for t in held)
+        self._state_keys.add(key)
+        buf = self._held(key, size) if key not in self.states else self.states[key]
+        if buf is None:
             raise KeyError(f"restore: no state snapshot {key.hex()}")
+        if buf.numel() != size:
+            raise ValueError(f"restore: state snapshot {key.hex()} holds {buf.numel()} bytes, not {size}")
         self.before_write()
-        src = iter(held)
+        at = 0
+        for t in held:
+            n = t.numel() * t.element_size()
+            t.view(-1).view(torch.uint8).copy_(buf[at:at + n])
+            at += n
         for la in linear_layers(self.model):
-            for t in la.held(slot):
-                t.copy_(next(src))
             la.stand_at(slot, pos)
 
     def snap(self, keys: list[bytes], blocks: list[int], block: int, slot: int | None = None) -> None:

@@ -24,7 +24,7 @@ def test_snapshots_write_through_and_restore_from_the_file(tmp_path):
     _fill(m, 1)
     before = [c.view(torch.uint8).clone() for c in pc.layer_caches(m)]
     s = pc.Snapshots(m, torch.device("cpu"))
-    assert s.open(str(tmp_path / "st")) == []
+    assert s.open(str(tmp_path / "st")) == ([], [])
     a, b = b"a" * 16, b"b" * 16
     s.snap([a], [0], 16)
     s.snap([b], [2], 16)
@@ -41,7 +41,7 @@ def test_snapshots_write_through_and_restore_from_the_file(tmp_path):
     (tmp_path / "st" / ("c" * 32 + ".part")).write_bytes(b"half")
     os.utime(tmp_path / "st" / a.hex(), ns=(1, 1))  # a: the older
     t = pc.Snapshots(m, torch.device("cpu"))
-    assert t.open(str(tmp_path / "st")) == [a, b]
+    assert t.open(str(tmp_path / "st")) == ([a, b], [])
     assert not list((tmp_path / "st").glob("*.part"))
     t.unlink([a])
     t.close()
@@ -81,6 +81,7 @@ def test_a_slow_disk_slows_the_drops_instead_of_growing_host_memory(tmp_path):
     assert not s.unwritten and s.nbytes == 0
     assert all((tmp_path / "st" / k.hex()).stat().st_size == size for k in keys)
 
+
 def test_tail_files_and_an_index_loaded_oldest_first(tmp_path):
     tf = pc.TailFiles(tmp_path / "tails")
     ids = np.arange(7, dtype=np.int32)
@@ -97,7 +98,7 @@ def test_tail_files_and_an_index_loaded_oldest_first(tmp_path):
 
 
 def _files(root: Path) -> dict[str, set[str]]:
-    return {d.name: {f.name for f in d.iterdir()} for d in root.glob("rig-*/layers-*")}
+    return {d.name: {f.name for f in d.iterdir() if f.is_file()} for d in root.glob("rig-*/layers-*")}
 
 
 def test_a_later_pipeline_restores_from_disk_with_the_cold_bits(tmp_path):
@@ -262,3 +263,31 @@ def test_a_restore_from_files_is_read_by_a_thread_and_answered_in_order(tmp_path
     for c, old in zip(pc.layer_caches(m), before):
         assert torch.equal(c.view(torch.uint8)[:, :, 16:32], old[:, :, 16:32])
     kv.close()
+
+
+def test_a_hybrid_models_states_outlive_the_server_on_disk(tmp_path):
+    """A tiny Qwen3.5 with kv_cache_dir: the states its prefill kept are written beside its blocks (a `states`
+    folder on every stage); a new pipeline on the same folder restores a document's attention rows and those
+    states from the files, up to the last boundary inside the document, with the cold prefill's ids and logits."""
+    from families_fixtures import make_hf
+    from strata.sampling import SamplingParams
+    _, d = make_hf(tmp_path, "qwen3_5")
+    rng = np.random.default_rng(4)
+    doc = rng.integers(0, 200, 600)
+    a, a2 = (np.concatenate([doc, rng.integers(0, 200, n)]) for n in (200, 30))
+    rig = dict(model=d, stages=STAGES, chunk=64, max_context=1024, progress=False,
+               prompt={"random": {"tokens": 8, "seed": 0}}, kv_cache_dir=str(tmp_path / "kv"))
+    six = SamplingParams(max_tokens=6)
+    with Pipeline({**rig, "prefix_cache_bytes": 0, "kv_cache_dir": None}, out=tmp_path / "cold",
+                  console=False) as p:
+        cold = p.generate(a2, six)
+    with Pipeline(rig, out=tmp_path / "one", console=False) as p:
+        assert p.generate(a, six).reused_tokens == 0
+        assert len(p._disk_states) == 3 and len(p._disk) == 3
+    files = sorted((tmp_path / "kv").glob("rig-*/layers-*/states/*"))
+    assert len(files) == 2 * 3 and not list((tmp_path / "kv").glob("**/*.part"))  # 3 states on each stage
+    with Pipeline(rig, out=tmp_path / "two", console=False) as p:
+        again = p.generate(a2, six)
+        assert len(p._disk_states) == 3 and len(p._states) == 0  # (restored from the files; a2 kept none past 512)
+    assert again.reused_tokens == 512 and again.continuation_ids == cold.continuation_ids
+    assert np.array_equal(again.last_logits, cold.last_logits)

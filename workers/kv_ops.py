@@ -80,10 +80,11 @@ class StageKv:
         """Do msg; an error is the answer's one line (the head decides what it means), never this stage's end."""
         try:
             self._check(msg)
-            keys = []
+            keys, states = [], []
             if msg.op == "open":  # the disk tier's folder (kv_cache_dir): the keys it already holds
-                keys = self.snapshots.open(msg.path)
-                self.log.info("prefix cache on disk: %s, %d blocks", msg.path, len(keys))
+                keys, states = self.snapshots.open(msg.path)
+                self.log.info("prefix cache on disk: %s, %d blocks%s", msg.path, len(keys),
+                              f", {len(states)} linear-attention states" if states else "")
             elif msg.op == "unlink":
                 self.snapshots.unlink(msg.keys)
             elif msg.op == "snap":
@@ -103,13 +104,14 @@ class StageKv:
             error = ""
         except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: torch (no pinned memory left)
             error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
-            keys = []
+            keys, states = [], []
             self.log.warning("kv %s: %s", msg.op, error)
         if self.snapshots.write_error and not self._told:
             self._told = True
             self.log.warning("prefix cache on disk: a block's write failed (%s); no more are written",
                              self.snapshots.write_error)
-        return M.KvDone(stage=stage, op=msg.op, error=error, held_bytes=self.snapshots.nbytes, keys=keys)
+        return M.KvDone(stage=stage, op=msg.op, error=error, held_bytes=self.snapshots.nbytes, keys=keys,
+                        states=states)
 
     def close(self) -> None:
         """The stage's end: the disk writes queued so far are finished (never a half-written block file)."""
