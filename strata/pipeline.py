@@ -678,13 +678,24 @@ class Pipeline:
             why = "prefix_cache_bytes is 0"
         elif self.cfg.dump_residual:
             why = "dump_residual prefills every prompt from position 0"
-        per_block = max(st.kv_bytes // self.plan.max_len for st in self.stages) * self._block
-        hybrid = prefix_cache.hybrid(self.plan.args)
-        per_state = max(st.state_bytes for st in self.stages) // self.cfg.max_seqs if hybrid else 0
-        if hybrid and why is None:  # half the budget for the blocks, half for the states kept beside them
+        args = self.plan.args
+        stateful = prefix_cache.stateful(args)
+        if stateful:  # blocks of the global attention layers; the states kept at boundaries: the linear layers', and
+            # the window layers' last window - 1 positions
+            from .attention import kv_dtype_of
+            kv = kv_dtype_of(self.cfg.kv_dtype, getattr(torch, self.cfg.dtype))
+            per_block = max(prefix_cache.row_bytes_of(args, [i for i in range(*st.layers) if not args.is_linear(i)
+                                                             and not args.window(i)], kv) for st in self.stages) * self._block
+            per_state = max(st.state_bytes // self.cfg.max_seqs + prefix_cache.kept_bytes(args, *st.layers, kv)
+                            for st in self.stages)
+            per_block, per_state = max(per_block, 1), max(per_state, 1)  # (a stage of window layers alone: no rows)
+        else:
+            per_block, per_state = max(st.kv_bytes // self.plan.max_len for st in self.stages) * self._block, 0
+        if stateful and why is None:  # half the budget for the blocks, half for the states kept beside them
             if budget // 2 < per_state or budget // 2 < per_block:
                 why = (f"prefix_cache_bytes {budget}: half of it holds no block of {self._block} tokens ({per_block} "
-                       f"bytes a stage) or no linear-attention state ({per_state} bytes a stage)")
+                       f"bytes a stage) or no state kept at a boundary ({per_state} bytes a stage: linear-attention "
+                       "layers' states, window layers' last rows)")
             else:
                 self._states = prefix_cache.PrefixIndex(budget // 2 // per_state)
                 budget //= 2
@@ -699,7 +710,7 @@ class Pipeline:
             self._index = prefix_cache.PrefixIndex(budget // per_block)
             log.info("prefix cache: %d blocks of %d tokens (%.1f MB a stage)%s", self._index.capacity, self._block,
                      self._index.capacity * per_block / 1e6,
-                     f", and the linear-attention states at {self._states.capacity} block boundaries "
+                     f", and the states at {self._states.capacity} block boundaries (linear layers', window rows) "
                      f"({self._states.capacity * per_state / 1e6:.1f} MB a stage)" if self._states else "")
             if self.cfg.kv_cache_dir is not None:
                 self._open_disk_tier(per_block, per_state)
@@ -730,7 +741,7 @@ class Pipeline:
         self._tail_files.remove([k for k in tails if k not in common])
         tails = {k: t for k, t in tails.items() if k in common}
         budget = self.cfg.kv_cache_dir_bytes
-        if self._states is not None:  # a hybrid model: half for the states
+        if self._states is not None:  # linear or window layers: half for the states kept at boundaries
             budget //= 2
             self._disk_states = prefix_cache.PrefixIndex(max(1, budget // per_state))
             self._unlink(self._disk_states.load([k for k in done[0].states if k in states], {}))
@@ -829,7 +840,7 @@ class Pipeline:
         for ix in tiers:
             ix.touch(keys[:m])
         tail, c, state = None, 0, b""
-        if self._states is not None:  # a hybrid model: the last boundary whose linear-layer states are held too
+        if self._states is not None:  # linear or window layers: the last boundary whose states are held too
             cold = {q for q, _ in self.plan.schedule_for(0, ids.size)} if self.cfg.prefix_reuse == "chunks" else None
             held = [self._states] + ([self._disk_states] if self._disk_states is not None else [])
             j = next((j for j in range(m, 0, -1) if any(prefix_cache.state_key(keys[j - 1]) in ix.lru for ix in held)
@@ -868,8 +879,9 @@ class Pipeline:
         return p, self._kv_send("restore", msgs, then)
 
     def keep_states(self, slot: int, ids: np.ndarray, start: int, schedule) -> list[tuple[int, int]]:
-        """A hybrid model's prefill of ids from `start` in `schedule`'s chunks: the stages keep the linear layers'
-        states after each chunk that ends on a block boundary, and at the prompt's last block boundary before its
+        """A prefill of ids from `start` in `schedule`'s chunks, of a model with linear-attention or window layers:
+        the stages keep those layers' states (a window layer's: its last window - 1 rows) after each chunk that
+        ends on a block boundary, and at the prompt's last block boundary before its
         last token, its chunk cut there (prefix_reuse chunks: only boundaries of the cold schedule, uncut), so a
         later prompt sharing those blocks restores them: the chunk's note names the states' key. -> the schedule;
         the keys join the index at the prompt's snapshot."""
@@ -930,7 +942,7 @@ class Pipeline:
         m = len(keys)
         if (self.cfg.prefix_reuse == "rows" and m < self._index.capacity and ids.size > m * B
                 and (m + 1) * B <= self.plan.max_len and self._states is None):  # its last, partial block too (rows:
-            # reused row by row; not a hybrid model's: its states stand only at the boundaries they were kept at)
+            # reused row by row; not with linear or window layers: their states stand only where they were kept)
             prev = keys[m - 1] if m else b""
             tail, more = self._index.add_tail(prev, ids[m * B:])
             evicted += more

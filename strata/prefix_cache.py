@@ -22,17 +22,14 @@ own folder; so a later run of the same model and rig, another process, skips the
 Rows are opaque: whatever a cache's dtype and last dimension (float, bfloat16, 8-bit codes, packed blocks), a
 snapshot copies the rows of each (1, n_kv, rows, last) cache tensor along dim 2, byte for byte.
 
-A hybrid model's linear-attention layers (Qwen3.5) keep a fixed-size recurrent state, valid only at the exact
-position it was taken: beside its attention layers' blocks, a stage keeps the states of its linear layers at one
-block boundary of a prompt (the last one before its last token), copied out right after the prefill chunk that
-ends there (the head cuts the prompt's chunks there and names the state's key in that chunk's note). A later
-prompt restores its attention rows up to a boundary whose state is held, and that state; the rest is prefilled.
-With `kv_cache_dir` the states are written through to files too (a `states` folder beside the blocks'); KV files
-hold KV rows only and are refused for such models.
-
-A window layer's cache is a ring of window + chunk - 1 rows, valid only where it was taken: for such models the
-prefix cache is off (`supported` says why; the head logs it once) and only the live KV is reused, as before
-(Pipeline._reusable's exact-or-nothing rules).
+Blocks hold the global attention layers' rows. A linear-attention layer (Qwen3.5) keeps a fixed-size recurrent
+state, and a window layer a ring of window + chunk - 1 rows; both are valid only at the exact position they were
+taken. So beside the blocks, a stage keeps those layers' states at block boundaries: the linear layers' states
+and each window layer's last window - 1 positions' rows, copied out right after a prefill chunk that ends on a
+boundary (the head names the states' key in that chunk's note; it also cuts a prompt's chunk at its last boundary
+before its last token). A later prompt restores its global rows up to a boundary whose states are held, and those
+states; the rest is prefilled. With `kv_cache_dir` the states are written through to files too (a `states` folder
+beside the blocks'). KV files hold every position's rows and are refused for such models.
 """
 from __future__ import annotations
 
@@ -57,12 +54,13 @@ KEY_BYTES = 16   # a block key: blake2b-128 of (the previous key, the block's id
 
 
 def supported(args, files: bool = False) -> str | None:
-    """None when a prefix can be restored at a block boundary (a hybrid model's: where its linear layers' states
-    were kept); else why not. files: KV files (kv_save / kv_load), which hold one prompt's KV rows only."""
+    """None when a prefix can be restored at a block boundary (a model with linear-attention or window layers:
+    where their states were kept); else why not. files: KV files (kv_save / kv_load), which hold one prompt's KV
+    rows only."""
     if files and hybrid(args):
         return "a KV file holds KV rows, not linear-attention layers' states"
-    if any(args.window(i) for i in range(args.n_layers)):
-        return "window layers keep a ring of window + chunk - 1 rows, valid only where it was taken"
+    if files and any(args.window(i) for i in range(args.n_layers)):
+        return "a KV file holds every position's rows, not a window layer's ring"
     if args.rope_scaling and args.rope_scaling.get("rope_type") == "dynamic":
         return "dynamic NTK rope: a prompt's keys past max_position_embeddings rotate by the prompt's length"
     return None
@@ -71,6 +69,25 @@ def supported(args, files: bool = False) -> str | None:
 def hybrid(args) -> bool:
     """Whether the model has linear-attention layers (a recurrent state a layer, beside the attention layers' KV)."""
     return args.linear_layers is not None and any(args.linear_layers)
+
+
+def stateful(args) -> bool:
+    """Whether some layers hold what a block cannot: a linear layer's state, a window layer's ring (its last
+    window - 1 positions): kept at chunk ends on block boundaries (Snapshots.keep_state), not snapshotted by block."""
+    return hybrid(args) or any(args.window(i) for i in range(args.n_layers))
+
+
+def row_bytes_of(args, layers, kv: torch.dtype) -> int:
+    """Bytes of one position's K and V rows across these (attention) layers at storage dtype kv."""
+    from .attention import cache_width
+    return len(layers) * 2 * args.n_kv_heads * cache_width(args.head_dim, kv) * torch.empty((), dtype=kv).element_size()
+
+
+def kept_bytes(args, start: int, end: int, kv: torch.dtype) -> int:
+    """The most bytes one kept state of layers [start, end) takes without the linear layers' (their size is the
+    stage's): each window layer's last window - 1 positions' rows."""
+    wins = [i for i in range(start, end) if args.window(i) and not args.is_linear(i)]
+    return sum(row_bytes_of(args, [i], kv) * (args.window(i) - 1) for i in wins)
 
 
 def state_key(key: bytes) -> bytes:
@@ -267,8 +284,8 @@ def layer_caches(model, slot: int | None = None) -> list[torch.Tensor]:
         raise ValueError(f"slot {slot} outside the {len(getattr(model, '_slots', ()))} sequence caches")
     out = []
     for i, blk in model.layers.items():
-        if getattr(blk, "linear", False):
-            continue  # a recurrent state, not rows (Snapshots.keep_state)
+        if getattr(blk, "linear", False) or getattr(blk.attn, "window", None) is not None:
+            continue  # a recurrent state, or a ring: kept at boundaries, not by block (Snapshots.keep_state)
         a = blk.attn
         if a.k_cache is None:
             raise ValueError("the prefix cache and KV files need a KV cache on every attention layer")
@@ -279,6 +296,25 @@ def layer_caches(model, slot: int | None = None) -> list[torch.Tensor]:
 def linear_layers(model) -> list:
     """A slice's linear-attention layers (strata.linear_attention.GatedDeltaNet), in layer order."""
     return [blk.attn for blk in model.layers.values() if getattr(blk, "linear", False)]
+
+
+def _window_rows(model, slot: int, end: int) -> list[tuple[torch.Tensor, slice, int]]:
+    """Each window layer's caches of `slot` (k, then v) with the rows of positions [max(0, end - window + 1), end)
+    in position order: (cache, the ring's rows as one or two slices, their count), what a chunk at `end` reads."""
+    out = []
+    for i, blk in model.layers.items():
+        a = blk.attn
+        if getattr(blk, "linear", False) or getattr(a, "window", None) is None:
+            continue
+        first = max(0, end - a.window + 1)
+        for c in model._slots[slot][i]:
+            S = c.shape[2]
+            a0, n = first % S, end - first
+            parts = [slice(a0, min(S, a0 + n))]
+            if a0 + n > S:  # the ring wraps
+                parts.append(slice(0, a0 + n - S))
+            out.append((c, parts, n))
+    return out
 
 
 def row_bytes(caches: list[torch.Tensor]) -> int:
@@ -457,10 +493,14 @@ class Snapshots:
         return (sum(b.numel() for b in self.blocks.values())
                 + sum(t.numel() * t.element_size() for ts in self.states.values() for t in ts))
 
-    def keep_state(self, key: bytes, slot: int) -> None:
-        """A copy of `slot`'s linear-attention states as they stand (right after a prefill chunk) under `key`, their
-        bytes in layer order; with a disk folder, written to its file too."""
+    def keep_state(self, key: bytes, slot: int, end: int) -> None:
+        """A copy of what `slot` needs at position `end` besides its blocks, as it stands right after a prefill chunk
+        ending there, under `key`: the linear-attention layers' states, then each window layer's last window - 1
+        positions' K and V rows (from its ring, in position order); their bytes, in layer order. With a disk
+        folder, written to its file too."""
         parts = [t.contiguous().view(-1).view(torch.uint8) for la in linear_layers(self.model) for t in la.held(slot)]
+        parts += [c[0, :, s].contiguous().view(-1).view(torch.uint8) for c, sl, _ in _window_rows(self.model, slot, end)
+                  for s in sl]
         buf = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
         self.states[key] = buf
         self._state_keys.add(key)
@@ -473,6 +513,7 @@ class Snapshots:
         """`slot`'s linear-attention states from the copy under `key` (on the host, or its file), standing at `pos`
         from now on."""
         held = [t for la in linear_layers(self.model) for t in la.held(slot)]
+        held += [c[0, :, s] for c, sl, _ in _window_rows(self.model, slot, pos) for s in sl]  # (views of the rings)
         size = sum(t.numel() * t.element_size() for t in held)
         self._state_keys.add(key)
         buf = self._held(key, size) if key not in self.states else self.states[key]
@@ -484,7 +525,8 @@ class Snapshots:
         at = 0
         for t in held:
             n = t.numel() * t.element_size()
-            t.view(-1).view(torch.uint8).copy_(buf[at:at + n])
+            src = buf[at:at + n].to(t.device)
+            t.copy_(src.view(t.dtype).view(t.shape) if t.dtype != torch.uint8 else src.view(t.shape))
             at += n
         for la in linear_layers(self.model):
             la.stand_at(slot, pos)

@@ -113,11 +113,12 @@ def test_snapshots_of_a_slot_leave_the_slot_in_use_alone():
         s.snap([b"b" * 16], [0], 16, slot=3)
 
 
-def test_supported_refuses_window_layers_and_files_of_linear_layers():
+def test_supported_refuses_kv_files_of_window_and_linear_layers():
     from strata.checkpoint import model_args
     assert supported(model_args("synthetic:smoke")) is None
-    assert "window" in supported(model_args("synthetic:gemma-3-27b"))
-    q35 = model_args("synthetic:qwen3.5-27b")  # its states kept beside the blocks, in host memory
+    g27 = model_args("synthetic:gemma-3-27b")  # its window layers' rows kept at boundaries beside the blocks
+    assert supported(g27) is None and "window layer's ring" in supported(g27, files=True)
+    q35 = model_args("synthetic:qwen3.5-27b")  # its states likewise
     assert supported(q35) is None and "not linear-attention layers' states" in supported(q35, files=True)
 
 
@@ -263,9 +264,11 @@ def test_prefix_reuse_rows_restores_every_shared_row(tmp_path):
         assert loaded.reused_tokens == a.size - 1 and close(loaded.last_logits, cold.last_logits)
 
 
-def test_a_hybrid_model_restores_its_states_at_a_block_boundary(tmp_path):
-    """A tiny Qwen3.5 (Gated DeltaNet layers beside full attention) on 2 CPU stages: a prompt's prefill keeps its
-    linear layers' states at the block boundaries its chunks end on; after another prompt, the same document with
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "gpt_oss"])
+def test_a_hybrid_model_restores_its_states_at_a_block_boundary(tmp_path, family):
+    """A tiny Qwen3.5 (Gated DeltaNet layers beside full attention), Gemma 3 and gpt-oss (window layers, a ring of
+    window + chunk - 1 rows, beside global ones) on 2 CPU stages: a prompt's prefill keeps those layers' states (a
+    window layer's last window - 1 rows) at the block boundaries its chunks end on; after another prompt, the same document with
     another question restores its attention rows and those states up to the last boundary inside the document, and
     prefills only the rest, with the cold prefill's ids and logits (a chunk boundary of the cold schedule). Through
     Pipeline (max_seqs 1) and through the slot driver (max_seqs 2). Blocks whose states are gone are not restored;
@@ -274,7 +277,7 @@ def test_a_hybrid_model_restores_its_states_at_a_block_boundary(tmp_path):
     from strata.engine import PipelineEngine
     from strata.pipeline import Pipeline
     from strata.sampling import SamplingParams
-    _, d = make_hf(tmp_path, "qwen3_5")
+    _, d = make_hf(tmp_path, family)
     rng = np.random.default_rng(4)
     doc, other = rng.integers(0, 200, 600), rng.integers(0, 200, 700)
     a, a2 = (np.concatenate([doc, rng.integers(0, 200, n)]) for n in (200, 30))  # a's question crosses 768

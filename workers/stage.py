@@ -333,7 +333,7 @@ class Stage(DecodeRing):
             torch.cuda.current_stream(self.device).synchronize()  # not the dump's copy (its own stream)
         if msg.keep:  # a hybrid model's prefix cache: the linear layers' states where this chunk leaves them
             try:
-                self.kv.snapshots.keep_state(msg.keep, msg.slot)
+                self.kv.snapshots.keep_state(msg.keep, msg.slot, pos + n)
             except RuntimeError as e:  # (no host memory left): a later restore of it fails into a prefill
                 self.log.warning("prefix cache: the states after chunk %d not kept (%s)", msg.k, str(e).splitlines()[0])
         work_end = time.perf_counter()
