@@ -880,8 +880,8 @@ class Pipeline:
 
     def keep_states(self, slot: int, ids: np.ndarray, start: int, schedule) -> list[tuple[int, int]]:
         """A prefill of ids from `start` in `schedule`'s chunks, of a model with linear-attention or window layers:
-        the stages keep those layers' states (a window layer's: its last window - 1 rows) after each chunk that
-        ends on a block boundary, and at the prompt's last block boundary before its
+        the stages keep those layers' states (a window layer's: its last window - 1 rows) after the last chunks
+        (as many as the index holds) that end on a block boundary, and at the prompt's last block boundary before its
         last token, its chunk cut there (prefix_reuse chunks: only boundaries of the cold schedule, uncut), so a
         later prompt sharing those blocks restores them: the chunk's note names the states' key. -> the schedule;
         the keys join the index at the prompt's snapshot."""
@@ -895,7 +895,8 @@ class Pipeline:
             last = next((q for q in range(last, start, -B) if q in cold), 0)
         if last > start:
             schedule = cut_at(schedule, last)
-        ends = sorted(p + m for p, m in schedule if (p + m) % B == 0 and start < p + m <= last)
+        # the last ones the index holds: a stage copies no more than that out (a Gemma-3-27B state is ~0.4 GB)
+        ends = sorted(p + m for p, m in schedule if (p + m) % B == 0 and start < p + m <= last)[-self._states.capacity:]
         if not ends:
             return list(schedule)
         keys = prefix_cache.block_keys(ids[:ends[-1]], B)

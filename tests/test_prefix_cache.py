@@ -307,6 +307,9 @@ def test_a_hybrid_model_restores_its_states_at_a_block_boundary(tmp_path, family
             p.start()
             sch = p.plan.schedule_for(0, a.size)
             assert p.keep_states(0, a, 0, sch) == list(sch) and sorted(p._keep.get(0, {})) == kept, chunk
+            p._states.capacity = 2  # no more states copied out than the index holds: the last ones
+            p.keep_states(0, a, 0, sch)
+            assert sorted(p._keep.get(0, {})) == kept[-2:], chunk
     eng = PipelineEngine({**rig, "max_seqs": 2}, out=tmp_path / "eng")
     try:
         made = [[], [], []]
