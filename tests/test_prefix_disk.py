@@ -265,13 +265,15 @@ def test_a_restore_from_files_is_read_by_a_thread_and_answered_in_order(tmp_path
     kv.close()
 
 
-def test_a_hybrid_models_states_outlive_the_server_on_disk(tmp_path):
-    """A tiny Qwen3.5 with kv_cache_dir: the states its prefill kept are written beside its blocks (a `states`
-    folder on every stage); a new pipeline on the same folder restores a document's attention rows and those
-    states from the files, up to the last boundary inside the document, with the cold prefill's ids and logits."""
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+def test_a_hybrid_models_states_outlive_the_server_on_disk(tmp_path, family):
+    """A tiny Qwen3.5 (linear-attention layers) or Gemma 3 (window layers) with kv_cache_dir: the states its prefill
+    kept are written beside its blocks (a `states` folder on every stage); a new pipeline on the same folder restores
+    a document's global rows and those states from the files, up to the last boundary inside the document, with the
+    cold prefill's ids and logits."""
     from families_fixtures import make_hf
     from strata.sampling import SamplingParams
-    _, d = make_hf(tmp_path, "qwen3_5")
+    _, d = make_hf(tmp_path, family)
     rng = np.random.default_rng(4)
     doc = rng.integers(0, 200, 600)
     a, a2 = (np.concatenate([doc, rng.integers(0, 200, n)]) for n in (200, 30))
