@@ -31,7 +31,8 @@ build() {
   cmake -S "$LL" -B "$LL/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
     -DLLAMA_BUILD_APP=OFF > "$LOG/build.log" 2>&1 || { tail -20 "$LOG/build.log"; return 1; }
-  ( nice -n 19 timeout 480 cmake --build "$LL/build" -j "$(nproc)" --target llama-bench >> "$LOG/build.log" 2>&1
+  ( nice -n 19 timeout 480 cmake --build "$LL/build" -j "$(nproc)" --target llama-bench llama-batched-bench \
+      >> "$LOG/build.log" 2>&1
     echo $? > "$LL/build.rc" ) &
   BUILD_PID=$!
 }

@@ -6,7 +6,10 @@
 # each q8_0 arm (bench/splitk.py); `arms`: the q8_0 decode after 122,880 with kernels.q8_attention int8 and int8x2
 # (the `time` step's q8_0 row is the default arm, int8x2); `narrow`: one layer's prefill attention over 122,880 tokens with
 # a bf16 cache and a q8_0 cache widened in blocks of 16,384 / 32,768 / 65,536 / the whole prefix (bench/narrow_prefill.py
-# --prefill). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow
+# --prefill); `serve`: the server with 1, 4 and 16 streams of token-id prompts (max_seqs 16) beside
+# llama-batched-bench on the same file (bench/serve_concurrency.py; issue 29; carry the server's wheels in .whl:
+# ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
+# markupsafe). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | serve
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -38,6 +41,13 @@ arms)
     [ -f /tmp/8b-q4km.gguf ] && STRATA_Q8_ATTENTION=$arm timeout 180 python3 bench/generate.py --model /tmp/8b-q4km.gguf \
       --devices cuda:0 --contexts 122880 --tokens 128 --chunk 10240 --kv-dtype q8_0 2>&1 | tail -2
   done ;;
+serve)
+  build_wait
+  wheels uvicorn starlette httpx
+  el "the server, 8B Q4_K_M on one GPU: 1, 4, 16 streams (max_seqs 16), beside llama-batched-bench"
+  timeout 420 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
+    --streams 1,4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer "$LL/build/bin/llama-batched-bench" 2>&1 \
+    | tee "$LOG/serve.log" | tail -8 ;;
 narrow)
   el "one layer's prefill attention, bf16 cache vs q8_0 widened in blocks (bench/narrow_prefill.py --prefill)"
   timeout 200 python3 bench/narrow_prefill.py --prefill --chunk 10240 --heads 32 --kv-heads 8 --keys 122880 \

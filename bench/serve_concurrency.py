@@ -10,6 +10,11 @@ decode-only rate (S_TG), with -npp the prompts' mean length here.
 
     python bench/serve_concurrency.py --streams 1,4,16 --max-seqs 16   # SmolLM2 on 2 CPU stages, 1 thread each
     python bench/serve_concurrency.py --tokens 128 --threads 2 --peer ''   # no peer
+    python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
+        --streams 1,4,16 --max-seqs 16 --tokens 128 --peer /tmp/ll/build/bin/llama-batched-bench   # one GPU
+
+--devices puts the stages on those devices (the peer then offloads every layer, -ngl 99). --prompt-ids N sends
+each request's prompt as N random token ids through /v1/completions (a random-block GGUF has no vocabulary).
 """
 from __future__ import annotations
 
@@ -34,8 +39,17 @@ QUESTIONS = ["Tell me a long story about a dragon.", "Explain how a steam engine
              "Write a poem about the sea.", "Describe the city of Paris in detail."]
 
 
-def ask(url: str, question: str, tokens: int, prompt_tokens: list | None = None) -> int:
-    """One chat request; -> completion tokens (its prompt's tokens appended to prompt_tokens)."""
+def ask(url: str, question: str | list[int], tokens: int, prompt_tokens: list | None = None) -> int:
+    """One chat request, or a completion of token ids; -> completion tokens (its prompt's tokens appended to
+    prompt_tokens)."""
+    if not isinstance(question, str):
+        import httpx
+        r = httpx.post(url + "/v1/completions", timeout=600, json={
+            "model": "m", "prompt": question, "max_tokens": tokens, "temperature": 0})
+        r.raise_for_status()
+        if prompt_tokens is not None:
+            prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
+        return r.json()["usage"]["completion_tokens"]
     try:
         import openai
     except ImportError:
@@ -71,7 +85,9 @@ def served(eng, queue_size: int = DEFAULT_QUEUE):
         server.join(120)
 
 
-def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, prompt_tokens: list) -> list[tuple]:
+def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, prompt_tokens: list,
+        questions: list | None = None) -> list[tuple]:
+    questions = questions or QUESTIONS
     eng = PipelineEngine({**rig, "max_seqs": max_seqs}, out=out / f"seqs{max_seqs}")
     stamps: list[list[float]] = []  # each generation's token times, as the engine hands them to the server
     generate = eng.generate
@@ -83,13 +99,13 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
     eng.generate = timed
     rows = []
     with served(eng, max(16, max(streams))) as url:
-        ask(url, "Hello", 4)  # warm-up: the first request's one-time costs are not decode
+        ask(url, questions[0] if questions is not QUESTIONS else "Hello", 4)  # warm-up: one-time costs are not decode
         for n in streams:
             del stamps[:]
             counts = [0] * n
             t0 = time.perf_counter()
             threads = [threading.Thread(target=lambda i=i: counts.__setitem__(
-                i, ask(url, QUESTIONS[i % len(QUESTIONS)], tokens, prompt_tokens))) for i in range(n)]
+                i, ask(url, questions[i % len(questions)], tokens, prompt_tokens))) for i in range(n)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -105,11 +121,13 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
     return rows
 
 
-def peer(binary: str, gguf: str, threads: int, npp: int, tokens: int, streams: list[int]) -> list[tuple]:
-    """llama-batched-bench on the same file: (B, generated tokens over the whole time, S_TG) per stream count."""
+def peer(binary: str, gguf: str, threads: int, npp: int, tokens: int, streams: list[int],
+         gpu: bool = False) -> list[tuple]:
+    """llama-batched-bench on the same file: (B, generated tokens over the whole time, S_TG) per stream count
+    (gpu: every layer offloaded, flash attention)."""
     ctx = max(streams) * (npp + tokens) + 256
     cmd = [binary, "-m", gguf, "-t", str(threads), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(npp),
-           "-ntg", str(tokens), "-npl", ",".join(map(str, streams))]
+           "-ntg", str(tokens), "-npl", ",".join(map(str, streams))] + (["-ngl", "99", "-fa", "on"] if gpu else [])
     print("$", " ".join(cmd), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600).stdout
     rows = []
@@ -130,17 +148,27 @@ def main() -> int:
     ap.add_argument("--streams", default="1,4", help="concurrent requests of each measurement, comma-separated")
     ap.add_argument("--max-seqs", default="1,4", help="the arms' max_seqs, comma-separated")
     ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--devices", default="", help="stages on these devices (comma-separated), not on CPU")
+    ap.add_argument("--prompt-ids", type=int, default=0, help="prompts as this many random token ids (no vocabulary)")
     default_peer = Path(__file__).resolve().parents[1] / ".peer" / "cpu" / "bin" / "llama-batched-bench"
     ap.add_argument("--peer", default=str(default_peer) if default_peer.exists() else "",
                     help="llama-batched-bench built for this CPU ('' for none; ../shared/tools/llamacpp-peer.sh cpu)")
     a = ap.parse_args()
-    rig = dict(model=a.model, stages=[{"device": "cpu", "threads": a.threads}] * a.stages,
-               max_context=a.max_context, progress=False)
+    stages = ([{"device": d} for d in a.devices.split(",")] if a.devices
+              else [{"device": "cpu", "threads": a.threads}] * a.stages)
+    rig = dict(model=a.model, stages=stages, max_context=a.max_context, progress=False)
+    questions = None
+    if a.prompt_ids:
+        import numpy as np
+        from strata.checkpoint import model_args
+        rng = np.random.default_rng(0)
+        questions = [rng.integers(0, model_args(a.model).vocab_size, a.prompt_ids).tolist() for _ in range(4)]
+        rig["prompt"] = {"random": {"tokens": 8, "seed": 0}}
     streams = [int(x) for x in a.streams.split(",")]
     rows, prompt_tokens = [], []
     with tempfile.TemporaryDirectory(prefix="serve-concurrency-") as tmp:
         for m in [int(x) for x in a.max_seqs.split(",")]:
-            rows += arm(rig, m, streams, a.tokens, Path(tmp), prompt_tokens)
+            rows += arm(rig, m, streams, a.tokens, Path(tmp), prompt_tokens, questions)
     theirs = {}
     if a.peer:
         from strata.checkpoint import resolve
@@ -148,10 +176,10 @@ def main() -> int:
         if kind != "gguf":
             raise SystemExit(f"--peer needs a GGUF model (got {kind})")
         npp = round(sum(prompt_tokens) / max(1, len(prompt_tokens)))
-        theirs = {b: (e2e, tg) for b, e2e, tg in peer(a.peer, path,
-                                                       a.stages * a.threads, npp, a.tokens, streams)}
-    print(f"\n{a.model}, {a.stages} CPU stages x {a.threads} thread(s), {a.tokens} tokens a request, greedy; "
-          f"{os.cpu_count()} cores")
+        theirs = {b: (e2e, tg) for b, e2e, tg in peer(a.peer, path, a.stages * a.threads, npp, a.tokens, streams,
+                                                       gpu=bool(a.devices))}
+    where = f"stages on {a.devices}" if a.devices else f"{a.stages} CPU stages x {a.threads} thread(s)"
+    print(f"\n{a.model}, {where}, {a.tokens} tokens a request, greedy; {os.cpu_count()} cores")
     print("tok/s: all: completion tokens over the wall time (prompts and decode); decode: once every stream had its "
           "first token (llama.cpp: B x TG over its whole time, and its S_TG)")
     print(f"{'max_seqs':>8} {'streams':>7} {'tokens':>7} {'wall s':>7} {'in flight':>9} {'in batch':>8} "
