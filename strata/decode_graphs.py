@@ -307,7 +307,7 @@ class DecodeGraphs:
                 continue
             cos, sin = tabs[blk.attn.rope_kind]
             h, pend = self._layer(blk, h, pend, cos, sin, mask, b, ring_pos)
-        p, post = pend
+        p, post = self._weighed(pend, h)
         h = h + (p if post is None else self._norm(p, post))
         if not m.has_head:
             return h, None, None
@@ -452,6 +452,9 @@ class DecodeGraphs:
         h, x, xq = self._add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm,
                                   moe_int8 if blk.moe else int8["w13"])
         if blk.moe:  # routing and the chosen experts' products, all on the device (strata.moe's few-rows path)
+            if self.fused and blk.mlp_post_norm is None and blk.mlp.unweighed(h.device):
+                # their weighted sum left to the next norm's launch (add_rms_norm's experts)
+                return h, (blk.mlp.step_rows(x.view(1, -1), xq.get("xq")), None)
             p = blk.mlp(x.view(1, -1), xq.get("xq")).view(x.shape)
             return h, (p, blk.mlp_post_norm)
         g, up = mm.w13(x, **xq).split(blk.mlp.ffn, dim=-1)
@@ -479,13 +482,32 @@ class DecodeGraphs:
             return rms_norm(x, norm.weight, norm.eps)
         return norm.rows(x)
 
+    @staticmethod
+    def _weighed(pend: tuple, h: torch.Tensor) -> tuple:
+        """pend with a token's experts' outputs (ys, w) summed by their weights, rounded to h's dtype."""
+        y, post = pend
+        if not isinstance(y, tuple):
+            return pend
+        ys, w = y
+        from strata.kernels import weigh
+        out = weigh(ys, w)
+        if out is None:
+            out = torch.bmm(w.view(1, 1, -1), ys.float().view(1, ys.shape[0], -1)).view(1, -1).to(ys.dtype)
+        return out.view(h.shape), post
+
     def _add_norm(self, h: torch.Tensor, pend: tuple, norm: RMSNorm,
                   int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """pend (y, post): (h + y', norm(h + y'), {} or {"xq": quantize_x's rounding of the normed row} with int8),
-        y' = post(y) where post is a norm (gemma3's post norms), else y; y None: h."""
+        y' = post(y) where post is a norm (gemma3's post norms), else y; y None: h. y may be a token's experts'
+        outputs and their weights (ys (k, dim), w (1, k)): summed in the same launch (MoE.step_rows)."""
         y, post = pend
         if self.fused and self._fusable(norm, h) and h.is_contiguous():
             from strata.decode_kernels import add_rms_norm, rms_norm
+            if isinstance(y, tuple):
+                if y[0].dtype == h.dtype and y[0].is_contiguous() and post is None:
+                    out = add_rms_norm(h, y[0], norm.weight, norm.eps, int8, experts=y[1].reshape(-1).contiguous())
+                    return (out[0], out[1], {"xq": out[2]}) if int8 else (out[0], out[1], {})
+                y, post = self._weighed((y, post), h)
             if y is None:
                 out = rms_norm(h, norm.weight, norm.eps, int8)
                 return (h, out[0], {"xq": out[1]}) if int8 else (h, out, {})
@@ -493,6 +515,7 @@ class DecodeGraphs:
                 pre = None if post is None else (post.weight, post.eps)
                 out = add_rms_norm(h, y, norm.weight, norm.eps, int8, pre)
                 return (out[0], out[1], {"xq": out[2]}) if int8 else (out[0], out[1], {})
+        y, post = self._weighed((y, post), h)
         if y is not None:
             h = h + (y if post is None else self._norm(y, post))
         return h, norm.rows(h), {}

@@ -49,15 +49,23 @@ if triton is not None:
         _norm_out(x, g, t, live, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, INT8)
 
     @triton.jit
-    def _add_rms_norm(h_ptr, y_ptr, w_ptr, hout_ptr, out_ptr, q_ptr, s_ptr, pw_ptr, n, eps, pre_eps,
-                      BLOCK: tl.constexpr, INT8: tl.constexpr, PRE: tl.constexpr):
+    def _add_rms_norm(h_ptr, y_ptr, w_ptr, hout_ptr, out_ptr, q_ptr, s_ptr, pw_ptr, ew_ptr, n, eps, pre_eps,
+                      BLOCK: tl.constexpr, INT8: tl.constexpr, PRE: tl.constexpr, K: tl.constexpr = 0):
         # PRE: y is first RMS-normed with pw_ptr and rounded (gemma3's post-attention / post-MLP norm of the
-        # product, before its residual add), as _rms_norm would have in a launch of its own
+        # product, before its residual add), as _rms_norm would have in a launch of its own. K > 0: y is K rows
+        # (a token's experts' outputs) summed with the float32 weights at ew_ptr and rounded to h's dtype first,
+        # as strata.kernels.weigh would have in a launch of its own
         g, t = tl.arange(0, BLOCK // 32)[:, None], tl.arange(0, 32)[None, :]
         i = g * 32 + t
         live = i < n
         h = tl.load(h_ptr + i, mask=live, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + i, mask=live, other=0.0).to(tl.float32)
+        if K > 0:
+            acc = tl.zeros((BLOCK // 32, 32), tl.float32)
+            for j in tl.static_range(K):
+                acc += tl.load(ew_ptr + j) * tl.load(y_ptr + j * n + i, mask=live, other=0.0).to(tl.float32)
+            y = acc.to(hout_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            y = tl.load(y_ptr + i, mask=live, other=0.0).to(tl.float32)
         if PRE:
             pw = tl.load(pw_ptr + i, mask=live, other=0.0).to(tl.float32)
             ry = 1.0 / tl.sqrt(tl.sum(tl.sum(y * y, 1), 0) / n + pre_eps)
@@ -209,18 +217,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = Fal
 
 
 def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False,
-                 pre: tuple[torch.Tensor, float] | None = None):
+                 pre: tuple[torch.Tensor, float] | None = None, experts: torch.Tensor | None = None):
     """The residual add and the next norm of one row in one launch: (h + y, rms_norm(h + y) * weight), the sum
     rounded to h's dtype first (what `h = h + y` then a norm compute). int8: a third item, quantize_x's (q, s) of
-    the normed row. pre (weight, eps): y is rms_norm(y, weight, eps) first (gemma3's post norms)."""
+    the normed row. pre (weight, eps): y is rms_norm(y, weight, eps) first (gemma3's post norms). experts: y is
+    k rows (a token's experts' outputs, in h's dtype) and these their float32 weights (k,): their weighted sum,
+    rounded to h's dtype, is the y added (strata.kernels.weigh's, without its launch)."""
     n = h.numel()
-    if y.numel() != n or not (h.is_contiguous() and y.is_contiguous()):
-        raise ValueError("add_rms_norm wants two contiguous rows of one length")
+    k = 0 if experts is None else experts.numel()
+    if y.numel() != n * max(k, 1) or not (h.is_contiguous() and y.is_contiguous()) or (k and pre is not None) \
+            or (k and (experts.dtype != torch.float32 or not experts.is_contiguous())):
+        raise ValueError("add_rms_norm wants two contiguous rows of one length (or k rows with k float32 weights, "
+                         "and no pre norm)")
     h_out, out = torch.empty_like(h), torch.empty_like(h)
     q, s = _int8_out(h, int8)
     pw, pre_eps = pre if pre is not None else (weight, 0.0)
-    _add_rms_norm[(1,)](h, y, weight, h_out, out, q, s, pw, n, eps, pre_eps, BLOCK=_row_block(n), INT8=int8,
-                        PRE=pre is not None)
+    _add_rms_norm[(1,)](h, y, weight, h_out, out, q, s, pw, h if experts is None else experts, n, eps, pre_eps,
+                        BLOCK=_row_block(n), INT8=int8, PRE=pre is not None, K=k)
     return (h_out, out, (q, s)) if int8 else (h_out, out)
 
 

@@ -95,6 +95,17 @@ class MoE(nn.Module):
         from .quant import gemv
         return gemv.experts_int8(r.w13.qtype, r.kernels, r.w13.split)
 
+    def unweighed(self, device) -> bool:
+        """Whether `step_rows` serves a one-row step on `device`: the chosen experts' kernels on their blocks, and
+        nothing added after their weighted sum (no shared expert)."""
+        return self.resident is not None and self.resident.direct(device) and not self.sffn
+
+    def step_rows(self, x: torch.Tensor, xq=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row x (1, dim) -> (its k experts' outputs (k, dim) in x's dtype, their float32 weights (1, k)): the
+        step before its weighted sum, which the next norm's launch takes (strata.decode_graphs; `unweighed`)."""
+        w, idx = self.route(x)
+        return self._on_blocks(x, w, idx.reshape(-1), self.k, xq, weigh=False), w
+
     def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x (..., dim) -> (..., dim). xq: one row's quantize_x rounding, where int8_x (else unused)."""
         h = x.reshape(-1, x.shape[-1])
@@ -126,7 +137,7 @@ class MoE(nn.Module):
             y = y + self.b2[e]
         return (y.float() * w.reshape(-1, 1)).view(n, k, -1).sum(1).to(h.dtype)
 
-    def _on_blocks(self, h, w, e, k: int, xq=None) -> torch.Tensor:
+    def _on_blocks(self, h, w, e, k: int, xq=None, weigh: bool = True) -> torch.Tensor:
         """_gathered on the chosen experts' blocks, no dense copy of any expert. Where strata.quant.gemv has an
         experts kernel for both stacks' types: all (row, choice) gate/up products in one launch and all down
         products in another, the expert ids read on the device (only their blocks are read); x's int8 rounding
@@ -159,6 +170,8 @@ class MoE(nn.Module):
             y = torch.cat([gemv.quant_matmul(z[j:j + 1], b2[j], p2.qtype, p2.cols, kernels=kern) for j in range(n * k)])
         if self.bias:
             y = y + self.b2[e]
+        if not weigh:  # (the caller sums them: step_rows)
+            return y
         if y.is_cuda:
             from .kernels import weigh
             out = weigh(y, w, self.triton_state)

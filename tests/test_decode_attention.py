@@ -281,6 +281,11 @@ assert torch.equal(h3, x + d) and torch.equal(y3, add_rms_norm(x, d, w, 1e-5)[1]
 q0, s0 = quantize_x(y3.view(1, -1))
 assert torch.equal(q3, q0) and torch.equal(s3, s0)
 pw = torch.randn(320, generator=g)  # gemma3's post norm of the product, in the same launch
+from strata.kernels import weigh
+ys, ew = torch.randn(4, 320, generator=g), torch.rand(1, 4, generator=g)  # a token's 4 experts' outputs, weighed
+h5, y5, (q5, s5) = add_rms_norm(x, ys, w, 1e-5, int8=True, experts=ew.view(-1))  # in the same launch
+want = add_rms_norm(x, weigh(ys, ew).view(x.shape), w, 1e-5, int8=True)
+assert torch.equal(h5, want[0]) and torch.equal(y5, want[1]) and torch.equal(q5, want[2][0]) and torch.equal(s5, want[2][1])
 h4, y4 = add_rms_norm(x, d, w, 1e-5, pre=(pw, 1e-6))
 assert torch.equal(h4, x + rms_norm(d, pw, 1e-6)) and torch.equal(y4, rms_norm(h4, w, 1e-5))
 gt, up = torch.randn(1, 1, 2 * 1100, generator=g).split(1100, -1)  # views of one row, as the w13 product's halves

@@ -108,8 +108,8 @@ from strata.args import PRESETS
 from strata.checkpoint import load_stage
 from strata.decode_graphs import DecodeGraphs, covers
 args = PRESETS["smoke-moe"]
-# one layer (with the embedding): the interpreter takes ~15 s a fused launch over two experts
-load = lambda: load_stage("synthetic:smoke-moe@" + sys.argv[2], args, 0, 1, device="cpu", dtype=torch.float32,
+# two layers (with the embedding): the first one's experts weighed in the second's norm launch (the graph body)
+load = lambda: load_stage("synthetic:smoke-moe@" + sys.argv[2], args, 0, 2, device="cpu", dtype=torch.float32,
                           weights="resident", max_len=64)
 m, eager = load(), load()
 moe = m.layers["0"].mlp
