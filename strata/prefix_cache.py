@@ -498,10 +498,14 @@ class Snapshots:
         ending there, under `key`: the linear-attention layers' states, then each window layer's last window - 1
         positions' K and V rows (from its ring, in position order); their bytes, in layer order. With a disk
         folder, written to its file too."""
-        parts = [t.contiguous().view(-1).view(torch.uint8) for la in linear_layers(self.model) for t in la.held(slot)]
-        parts += [c[0, :, s].contiguous().view(-1).view(torch.uint8) for c, sl, _ in _window_rows(self.model, slot, end)
-                  for s in sl]
-        buf = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
+        parts = [t for la in linear_layers(self.model) for t in la.held(slot)]
+        parts += [c[0, :, s] for c, sl, _ in _window_rows(self.model, slot, end) for s in sl]
+        buf = torch.empty(sum(t.numel() * t.element_size() for t in parts), dtype=torch.uint8)
+        at = 0
+        for t in parts:  # one part at a time into the host buffer (no device copy of them all: memory the plan
+            n = t.numel() * t.element_size()  # has not counted)
+            buf[at:at + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+            at += n
         self.states[key] = buf
         self._state_keys.add(key)
         if self.folder is not None:
