@@ -91,7 +91,7 @@ def kept_bytes(args, start: int, end: int, kv: torch.dtype) -> int:
 
 
 def state_key(key: bytes) -> bytes:
-    """The key of the linear layers' states at the end of the block keyed `key` (its own namespace: a drop of
+    """The key of the states kept at the end of the block keyed `key` (keep_state's; its own namespace: a drop of
     either never takes the other)."""
     return hashlib.blake2b(b"state" + key, digest_size=KEY_BYTES).digest()
 
@@ -360,7 +360,7 @@ class Snapshots:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending = None      # the last copy out's event (CUDA): the live cache is not written before it
         self.blocks: dict[bytes, torch.Tensor] = {}
-        self.states: dict[bytes, torch.Tensor] = {}  # state_key -> the linear layers' (conv, state)s' bytes on the host
+        self.states: dict[bytes, torch.Tensor] = {}  # state_key -> a kept state's bytes on the host (keep_state)
         self.folder: Path | None = None
         self.unwritten: dict[bytes, torch.Tensor] = {}  # queued for the disk: the writer drops each once its file is
         self._lock = threading.Condition()              # complete (so a block is always here or in its file)
@@ -372,8 +372,8 @@ class Snapshots:
 
     # -- the disk tier -----------------------------------------------------------------------------------------
     def open(self, folder: str) -> tuple[list[bytes], list[bytes]]:
-        """Write through to `folder` from now on -> (the blocks whose files it holds, the linear-attention states
-        whose files its `states` folder holds), oldest first. Leftovers of a write cut short (`*.part`) are
+        """Write through to `folder` from now on -> (the blocks whose files it holds, the kept states whose files its
+        `states` folder holds), oldest first. Leftovers of a write cut short (`*.part`) are
         removed."""
         f = Path(folder)
         (f / "states").mkdir(parents=True, exist_ok=True)
@@ -490,8 +490,7 @@ class Snapshots:
 
     @property
     def nbytes(self) -> int:
-        return (sum(b.numel() for b in self.blocks.values())
-                + sum(t.numel() * t.element_size() for ts in self.states.values() for t in ts))
+        return sum(b.numel() for b in self.blocks.values()) + sum(b.numel() for b in self.states.values())
 
     def keep_state(self, key: bytes, slot: int, end: int) -> None:
         """A copy of what `slot` needs at position `end` besides its blocks, as it stands right after a prefill chunk
@@ -514,8 +513,8 @@ class Snapshots:
             self._queue.put(("write", key, buf, None))
 
     def restore_state(self, key: bytes, slot: int, pos: int) -> None:
-        """`slot`'s linear-attention states from the copy under `key` (on the host, or its file), standing at `pos`
-        from now on."""
+        """`slot`'s linear-attention states and window layers' last rows from the copy under `key` (on the host, or
+        its file), kept at `pos`: the linear layers' states stand there from now on."""
         held = [t for la in linear_layers(self.model) for t in la.held(slot)]
         held += [c[0, :, s] for c, sl, _ in _window_rows(self.model, slot, pos) for s in sl]  # (views of the rings)
         size = sum(t.numel() * t.element_size() for t in held)

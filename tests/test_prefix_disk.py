@@ -293,3 +293,12 @@ def test_a_hybrid_models_states_outlive_the_server_on_disk(tmp_path, family):
         assert len(p._disk_states) == 3 and len(p._states) == 0  # (restored from the files; a2 kept none past 512)
     assert again.reused_tokens == 512 and again.continuation_ids == cold.continuation_ids
     assert np.array_equal(again.last_logits, cold.last_logits)
+
+
+def test_kept_states_count_in_held_bytes(tmp_path):
+    """Snapshots.nbytes counts a kept state's bytes (as held: one flat buffer), beside the blocks."""
+    m = _model(torch.bfloat16, 16, rows=64)
+    s = pc.Snapshots(m, torch.device("cpu"))
+    s.states[b"s" * 16] = torch.zeros(1 << 20, dtype=torch.uint8)
+    s.snap([b"a" * 16], [0], 16)
+    assert s.nbytes == (1 << 20) + 16 * pc.row_bytes(pc.layer_caches(m))
