@@ -590,8 +590,9 @@ class Snapshots:
                 self._lock.wait(1.0)
 
     def orphan_bytes(self) -> int:
-        """Bytes of blocks queued for the disk that the host tier no longer holds (call with the lock held)."""
-        return sum(b.numel() for k, b in self.unwritten.items() if k not in self.blocks)
+        """Bytes of blocks and kept states queued for the disk that the host tier no longer holds (call with the
+        lock held)."""
+        return sum(b.numel() for k, b in self.unwritten.items() if k not in self.blocks and k not in self.states)
 
     def before_write(self) -> None:
         """The live cache is about to be written (a chunk, a restore, a load): after the copies out, on the device."""

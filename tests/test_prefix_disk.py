@@ -302,3 +302,7 @@ def test_kept_states_count_in_held_bytes(tmp_path):
     s.states[b"s" * 16] = torch.zeros(1 << 20, dtype=torch.uint8)
     s.snap([b"a" * 16], [0], 16)
     assert s.nbytes == (1 << 20) + 16 * pc.row_bytes(pc.layer_caches(m))
+    s.unwritten[b"s" * 16] = s.states[b"s" * 16]  # queued for the disk and still held: no orphan
+    assert s.orphan_bytes() == 0
+    s.drop([b"s" * 16])
+    assert s.orphan_bytes() == 1 << 20

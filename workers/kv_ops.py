@@ -84,14 +84,14 @@ class StageKv:
             if msg.op == "open":  # the disk tier's folder (kv_cache_dir): the keys it already holds
                 keys, states = self.snapshots.open(msg.path)
                 self.log.info("prefix cache on disk: %s, %d blocks%s", msg.path, len(keys),
-                              f", {len(states)} linear-attention states" if states else "")
+                              f", {len(states)} kept states" if states else "")
             elif msg.op == "unlink":
                 self.snapshots.unlink(msg.keys)
             elif msg.op == "snap":
                 self.snapshots.snap(msg.keys, msg.blocks, msg.block, msg.slot)
             elif msg.op == "restore":
                 self.snapshots.restore(msg.keys, msg.blocks, msg.block, msg.slot, fetched)
-                if msg.state:  # a hybrid model: its linear layers' states at the restored boundary
+                if msg.state:  # linear or window layers: their states kept at the restored boundary
                     self.snapshots.restore_state(msg.state, msg.slot, msg.tokens)
             elif msg.op == "drop":
                 self.snapshots.drop(msg.keys)

@@ -331,7 +331,7 @@ class Stage(DecodeRing):
                 self.dump.write(pos, h[0])
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # not the dump's copy (its own stream)
-        if msg.keep:  # a hybrid model's prefix cache: the linear layers' states where this chunk leaves them
+        if msg.keep:  # the prefix cache: the linear and window layers' states where this chunk leaves them
             try:
                 self.kv.snapshots.keep_state(msg.keep, msg.slot, pos + n)
             except RuntimeError as e:  # (no host memory left): a later restore of it fails into a prefill
