@@ -488,12 +488,8 @@ class DecodeGraphs:
         y, post = pend
         if not isinstance(y, tuple):
             return pend
-        ys, w = y
-        from strata.kernels import weigh
-        out = weigh(ys, w)
-        if out is None:
-            out = torch.bmm(w.view(1, 1, -1), ys.float().view(1, ys.shape[0], -1)).view(1, -1).to(ys.dtype)
-        return out.view(h.shape), post
+        from strata.moe import weighed_sum
+        return weighed_sum(*y).view(h.shape), post
 
     def _add_norm(self, h: torch.Tensor, pend: tuple, norm: RMSNorm,
                   int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -172,12 +172,7 @@ class MoE(nn.Module):
             y = y + self.b2[e]
         if not weigh:  # (the caller sums them: step_rows)
             return y
-        if y.is_cuda:
-            from .kernels import weigh
-            out = weigh(y, w, self.triton_state)
-            if out is not None:
-                return out
-        return torch.bmm(w.view(n, 1, k), y.float().view(n, k, -1)).view(n, -1).to(h.dtype)
+        return weighed_sum(y, w, self.triton_state, h.dtype)
 
     def _grouped(self, h, w, idx) -> torch.Tensor:
         n, k = idx.shape
@@ -218,6 +213,19 @@ class MoE(nn.Module):
             return F.silu(g) * up
         g = g.clamp(max=self.limit)
         return g * torch.sigmoid(g * self.alpha) * (up.clamp(-self.limit, self.limit) + 1)
+
+
+def weighed_sum(y: torch.Tensor, w: torch.Tensor, state=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each token's k experts' outputs y (n * k, dim) summed with their float32 weights w (n, k), float32 inside,
+    rounded to y's dtype -> (n, dim): strata.kernels.weigh's one launch on CUDA, else (or where it failed) torch's,
+    rounded to `dtype` (default y's)."""
+    if y.is_cuda:
+        from .kernels import weigh
+        out = weigh(y, w, state)
+        if out is not None:
+            return out
+    n, k = w.shape
+    return torch.bmm(w.view(n, 1, k), y.float().view(n, k, -1)).view(n, -1).to(dtype or y.dtype)
 
 
 def _grouped_experts(xs: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate,
