@@ -80,7 +80,7 @@ def stateful(args) -> bool:
 def row_bytes_of(args, layers, kv: torch.dtype) -> int:
     """Bytes of one position's K and V rows across these (attention) layers at storage dtype kv."""
     from .attention import cache_width
-    return len(layers) * 2 * args.n_kv_heads * cache_width(args.head_dim, kv) * torch.empty((), dtype=kv).element_size()
+    return len(layers) * 2 * args.n_kv_heads * cache_width(args.head_dim, kv) * kv.itemsize
 
 
 def kept_bytes(args, start: int, end: int, kv: torch.dtype) -> int:
@@ -298,10 +298,11 @@ def linear_layers(model) -> list:
     return [blk.attn for blk in model.layers.values() if getattr(blk, "linear", False)]
 
 
-def _window_rows(model, slot: int, end: int) -> list[tuple[torch.Tensor, slice, int]]:
-    """Each window layer's caches of `slot` (k, then v) with the rows of positions [max(0, end - window + 1), end)
-    in position order: (cache, the ring's rows as one or two slices, their count), what a chunk at `end` reads."""
-    out = []
+def _kept_parts(model, slot: int, end: int) -> list[torch.Tensor]:
+    """What `slot` keeps at position `end` besides its blocks, as views in place: each linear-attention layer's
+    states, then each window layer's K and V rows of positions [max(0, end - window + 1), end) in position order
+    (one or two slices of its ring), what a chunk at `end` reads."""
+    out = [t for la in linear_layers(model) for t in la.held(slot)]
     for i, blk in model.layers.items():
         a = blk.attn
         if getattr(blk, "linear", False) or getattr(a, "window", None) is None:
@@ -310,10 +311,9 @@ def _window_rows(model, slot: int, end: int) -> list[tuple[torch.Tensor, slice, 
         for c in model._slots[slot][i]:
             S = c.shape[2]
             a0, n = first % S, end - first
-            parts = [slice(a0, min(S, a0 + n))]
+            out.append(c[0, :, a0:min(S, a0 + n)])
             if a0 + n > S:  # the ring wraps
-                parts.append(slice(0, a0 + n - S))
-            out.append((c, parts, n))
+                out.append(c[0, :, :a0 + n - S])
     return out
 
 
@@ -497,8 +497,7 @@ class Snapshots:
         ending there, under `key`: the linear-attention layers' states, then each window layer's last window - 1
         positions' K and V rows (from its ring, in position order); their bytes, in layer order. With a disk
         folder, written to its file too."""
-        parts = [t for la in linear_layers(self.model) for t in la.held(slot)]
-        parts += [c[0, :, s] for c, sl, _ in _window_rows(self.model, slot, end) for s in sl]
+        parts = _kept_parts(self.model, slot, end)
         buf = torch.empty(sum(t.numel() * t.element_size() for t in parts), dtype=torch.uint8)
         at = 0
         for t in parts:  # one part at a time into the host buffer (no device copy of them all: memory the plan
@@ -515,8 +514,7 @@ class Snapshots:
     def restore_state(self, key: bytes, slot: int, pos: int) -> None:
         """`slot`'s linear-attention states and window layers' last rows from the copy under `key` (on the host, or
         its file), kept at `pos`: the linear layers' states stand there from now on."""
-        held = [t for la in linear_layers(self.model) for t in la.held(slot)]
-        held += [c[0, :, s] for c, sl, _ in _window_rows(self.model, slot, pos) for s in sl]  # (views of the rings)
+        held = _kept_parts(self.model, slot, pos)
         size = sum(t.numel() * t.element_size() for t in held)
         self._state_keys.add(key)
         buf = self._held(key, size) if key not in self.states else self.states[key]
