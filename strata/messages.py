@@ -64,8 +64,8 @@ class Chunk(Message):
     slot: int = 0    # the sequence's KV slot on every stage (0..max_seqs-1); its ids at slot x (max_len + 1)
     seqs: list = field(default_factory=list)  # a decode batch of n sequences' steps: [slot, pos] of each row,
                                               # flat (pos and slot above unused); empty: rows [pos, pos + n) of slot
-    keep: bytes = b""  # a prefill chunk of a hybrid model: after it, each stage keeps its slot's linear-attention
-                       # states under this key (strata.prefix_cache); b"": none
+    keep: bytes = b""  # a prefill chunk: after it, each stage keeps its slot's linear-attention and window layers'
+                       # states under this key (strata.prefix_cache: Snapshots.keep_state); b"": none
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -213,7 +213,7 @@ class KvOp(Message):
     offset: int      # save, load: where this stage's first layer's rows start in it
     tokens: int      # save, load: rows [0, tokens)
     slot: int = 0    # snap, restore: the sequence's KV slot (0..max_seqs-1), read or written without use_slot
-    state: bytes = b""  # restore: the linear-attention states kept under this key too, standing at `tokens`
+    state: bytes = b""  # restore: the states kept under this key too (linear-attention and window layers'), at `tokens`
 
 
 @_message("kv_done")  # stage -> head: a KvOp is done ("" = done, else the one-line error)
@@ -223,7 +223,7 @@ class KvDone(Message):
     error: str
     held_bytes: int  # the stage's snapshots, after the op
     keys: list = field(default_factory=list)  # open: the blocks whose files the stage's folder holds, oldest first
-    states: list = field(default_factory=list)  # open: the linear-attention states whose files it holds, likewise
+    states: list = field(default_factory=list)  # open: the kept states whose files it holds, likewise
 
 
 MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Chunk, Taken, Done, ChunkResult, Working, End, Stats, Ready,

@@ -179,8 +179,8 @@ class Pipeline:
         self._index: prefix_cache.PrefixIndex | None = None
         self._disk: prefix_cache.PrefixIndex | None = None   # the disk tier's blocks (kv_cache_dir), every stage's
         self._tail_files: prefix_cache.TailFiles | None = None
-        # a hybrid model's linear-attention states kept at block boundaries (their state_key), every stage's; and per
-        # slot, the prefill chunk ends (block boundaries) after which the stages keep the states: end -> its key
+        # the states of linear-attention and window layers kept at block boundaries (their state_key), every stage's;
+        # and per slot, the prefill chunk ends (block boundaries) after which the stages keep them: end -> its key
         self._states: prefix_cache.PrefixIndex | None = None
         self._disk_states: prefix_cache.PrefixIndex | None = None  # ... and those whose files every stage holds
         self._keep: dict[int, dict[int, bytes]] = {}
@@ -719,8 +719,8 @@ class Pipeline:
 
     def _open_disk_tier(self, per_block: int, per_state: int = 0) -> None:
         """kv_cache_dir: every stage opens its folder and lists the blocks it holds; those every stage holds are
-        the disk index (oldest first), the rest are removed, and the index is cut to kv_cache_dir_bytes (a hybrid
-        model's: half of it, the other half for its linear-attention states' files, listed and kept alike)."""
+        the disk index (oldest first), the rest are removed, and the index is cut to kv_cache_dir_bytes (with linear
+        or window layers: half of it, the other half for the kept states' files, listed and kept alike)."""
         root = os.path.abspath(os.path.expanduser(self.cfg.kv_cache_dir))
         rig = prefix_cache.rig_folder(kv_file.rig_fingerprint(self.cfg, self.plan))
         msgs = {i: replace(m, path=prefix_cache.stage_folder(root, rig, *st.layers, torch.device(st.device).type))

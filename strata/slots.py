@@ -249,7 +249,7 @@ class SlotDriver:
         # the cold prefill's own chunks (from the restored prefix on, which ends on one of their boundaries): its bits
         schedule = self.pipe.plan.schedule_for(run.restored, run.ids.size)
         schedule = scored_chunks(schedule, run.score) if run.score >= 0 else list(schedule)
-        run.schedule = self.pipe.keep_states(run.slot, run.ids, run.restored, schedule)  # (a hybrid model's)
+        run.schedule = self.pipe.keep_states(run.slot, run.ids, run.restored, schedule)  # (linear or window layers)
         if run.restored:
             self.stats.restores += 1
             self.stats.restored_tokens += run.restored
