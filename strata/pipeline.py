@@ -680,17 +680,18 @@ class Pipeline:
             why = "dump_residual prefills every prompt from position 0"
         args = self.plan.args
         stateful = prefix_cache.stateful(args)
-        if stateful:  # blocks of the global attention layers; the states kept at boundaries: the linear layers', and
-            # the window layers' last window - 1 positions
-            from .attention import kv_dtype_of
-            kv = kv_dtype_of(self.cfg.kv_dtype, getattr(torch, self.cfg.dtype))
-            per_block = max(prefix_cache.row_bytes_of(args, [i for i in range(*st.layers) if not args.is_linear(i)
-                                                             and not args.window(i)], kv) for st in self.stages) * self._block
+        from .attention import kv_dtype_of
+        kv = kv_dtype_of(self.cfg.kv_dtype, getattr(torch, self.cfg.dtype))
+        # a block: one position's rows in the global attention layers (not the stage's kv_bytes over max_len, which
+        # counts every slot's cache: max_seqs 4 held a quarter of the blocks the budget pays for)
+        per_block = max(prefix_cache.row_bytes_of(args, [i for i in range(*st.layers) if not args.is_linear(i)
+                                                         and not args.window(i)], kv) for st in self.stages) * self._block
+        per_state = 0
+        if stateful:  # the states kept at boundaries too: the linear layers', and the window layers' last window - 1
+            # positions
             per_state = max(st.state_bytes // self.cfg.max_seqs + prefix_cache.kept_bytes(args, *st.layers, kv)
                             for st in self.stages)
             per_block, per_state = max(per_block, 1), max(per_state, 1)  # (a stage of window layers alone: no rows)
-        else:
-            per_block, per_state = max(st.kv_bytes // self.plan.max_len for st in self.stages) * self._block, 0
         if stateful and why is None:  # half the budget for the blocks, half for the states kept beside them
             if budget // 2 < per_state or budget // 2 < per_block:
                 why = (f"prefix_cache_bytes {budget}: half of it holds no block of {self._block} tokens ({per_block} "

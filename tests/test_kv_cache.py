@@ -93,6 +93,19 @@ def test_budget_evicts_least_recently_used_blocks(tmp_path):
         assert r.reused_tokens == 0 and r.report["prefix_cache"]["off"] == "prefix_cache_bytes is 0"
 
 
+def test_block_capacity_does_not_shrink_with_slots(tmp_path):
+    """The budget holds as many blocks with 3 sequences' caches on each stage as with one: a block is one position's
+    rows in the stage's layers, not a slot-count share of its whole cache (it was a third of the blocks here)."""
+    args = model_args("synthetic:smoke")
+    per_block = 256 * 4 * 2 * args.n_kv_heads * args.head_dim * 4
+    cfg = dict(model="synthetic:smoke", stages=STAGES, layer_split=[4, 4], chunk=256, max_context=1024, max_seqs=3,
+               progress=False, prefix_cache_bytes=4 * per_block + per_block // 2,
+               prompt={"random": {"tokens": 10, "seed": 0}})
+    with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
+        p.start()
+        assert p._index.capacity == 4
+
+
 def _launch(rig: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "launcher.py"), "--config", str(rig), "--out", str(out),
                            "--no-timeline", *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
