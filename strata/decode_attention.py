@@ -104,9 +104,13 @@ if triton is not None:
 
     @triton.jit
     def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
-                 sk_h, sk_s, sv_h, sv_s, span, scale, window, ring,
+                 sk_h, sk_s, sv_h, sv_s, span, scale, window, ring, slot_ptr, sk_slot, sv_slot,
                  G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
-                 PREC: tl.constexpr, Q8: tl.constexpr, INT8: tl.constexpr, PTX: tl.constexpr):
+                 PREC: tl.constexpr, Q8: tl.constexpr, INT8: tl.constexpr, PTX: tl.constexpr,
+                 ROWS: tl.constexpr = False):
+        # ROWS: row program_id(2) of a decode batch (each row its own sequence): its query rows, partial results
+        # and key count (len_ptr[row]) after the rows before it, its keys and values in slot slot_ptr[row] of the
+        # caches (sk_slot, sv_slot apart; bytes with Q8)
         # INT8: 0 (a q8_0 cache widened), 1 (kernels.q8_attention int8) or 2 (int8x2), with Q8 only
         # Q8: a q8_0 cache (strata.attention.to_q8_0): k_ptr / v_ptr its bytes as int8, ks_ptr / vs_ptr the same
         # bytes as float16 (strides in bytes); a row is HD int8 values then HD / 32 float16 scales, widened as
@@ -129,7 +133,22 @@ if triton is not None:
         h = tl.program_id(0)
         s = tl.program_id(1)
         n_split = tl.num_programs(1)
-        n_keys = tl.load(len_ptr).to(tl.int32)
+        if ROWS:
+            r = tl.program_id(2)
+            n_kv = tl.num_programs(0)
+            n_keys = tl.load(len_ptr + r).to(tl.int32)
+            slot = tl.load(slot_ptr + r).to(tl.int64)
+            k_ptr += slot * sk_slot
+            v_ptr += slot * sv_slot
+            if Q8:
+                ks_ptr += slot * sk_slot // 2
+                vs_ptr += slot * sv_slot // 2
+            q_ptr += r * (n_kv * G * HD)
+            m_ptr += r * (n_kv * n_split * GP)
+            l_ptr += r * (n_kv * n_split * GP)
+            acc_ptr += r * (n_kv * n_split * GP * HD)
+        else:
+            n_keys = tl.load(len_ptr).to(tl.int32)
         # positions [n_keys - window, n_keys) (window 2**30: all), position p in row p % ring; the ranges split
         # that span (offsets from `first`)
         first = tl.maximum(n_keys - window, 0)
@@ -208,11 +227,20 @@ if triton is not None:
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, n_split,
-               G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr, SINKS: tl.constexpr):
+               G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr, SINKS: tl.constexpr,
+               ROWS: tl.constexpr = False):
         # one program per (kv head, query row): its ranges' partial results weighed by their log-sum-exp; SINKS:
-        # the query head's sink logit joins the denominator (with no value), gpt-oss's attention
+        # the query head's sink logit joins the denominator (with no value), gpt-oss's attention. ROWS: batch row
+        # program_id(2)'s, as _partial's
         h = tl.program_id(0)
         r = tl.program_id(1)
+        if ROWS:
+            b = tl.program_id(2)
+            n_kv = tl.num_programs(0)
+            m_ptr += b * (n_kv * n_split * GP)
+            l_ptr += b * (n_kv * n_split * GP)
+            acc_ptr += b * (n_kv * n_split * GP * HD)
+            o_ptr += b * (n_kv * G * HD)
         sp = tl.arange(0, SP)
         dims = tl.arange(0, HD)
         ok = sp < n_split
@@ -245,9 +273,13 @@ class SplitKAttention:
     with the query's rounding residual as a second int8 dot, ~15 bits of q: ~3e-4)."""
 
     def __init__(self, nkv: int, g: int, hd: int, keys: int, device, splits: int | None = None, num_warps: int = 4,
-                 q8: str = "widen", block: int = BLOCK_N, num_stages: int | None = None):
+                 q8: str = "widen", block: int = BLOCK_N, num_stages: int | None = None, rows: int = 0,
+                 scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         """block (keys a tile) and num_stages (Triton's software pipelining; None: its default): launch settings
-        bench/splitk.py sweeps; the decode graphs take the defaults."""
+        bench/splitk.py sweeps; the decode graphs take the defaults. rows > 0: for `rows`' decode batches of that
+        many sequences (strata.batch_graphs), each row its own slot and key count (no single-row call then).
+        scratch: flat float32 (m, l, acc) tensors the partial results live in (views of their first elements), shared
+        by instances whose launches run one after another; None: buffers of its own."""
         if triton is None:
             raise RuntimeError("split-K decode attention needs Triton")
         if hd & (hd - 1):
@@ -260,10 +292,53 @@ class SplitKAttention:
         self.splits = splits or n_splits(keys)
         self.span = block * math.ceil(keys / self.splits / block)
         self.splits = math.ceil(keys / self.span)
-        shape = (nkv, self.splits, self.gp)
-        self.m = torch.empty(shape, dtype=torch.float32, device=device)
-        self.l = torch.empty(shape, dtype=torch.float32, device=device)
-        self.acc = torch.empty(*shape, hd, dtype=torch.float32, device=device)
+        self.rows = rows
+        shape = (nkv, self.splits, self.gp) if not rows else (rows, nkv, self.splits, self.gp)
+        if scratch is not None:
+            n = math.prod(shape)
+            if scratch[0].numel() < n or scratch[1].numel() < n or scratch[2].numel() < n * hd:
+                raise ValueError(f"split-K scratch of {scratch[0].numel()} partial rows holds no {shape}")
+            self.m, self.l = scratch[0][:n].view(shape), scratch[1][:n].view(shape)
+            self.acc = scratch[2][:n * hd].view(*shape, hd)
+        else:
+            self.m = torch.empty(shape, dtype=torch.float32, device=device)
+            self.l = torch.empty(shape, dtype=torch.float32, device=device)
+            self.acc = torch.empty(*shape, hd, dtype=torch.float32, device=device)
+
+    def rows_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: torch.Tensor, slots: torch.Tensor,
+                  scale: float | None = None, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode batch's attention in two launches: q (R, nkv, g, hd), row t its sequence's query; k, v every
+        slot's caches (slots, nkv, S, width) (strata.model.Transformer.slot_caches); n_keys, slots (R,) device
+        tensors: row t reads the first n_keys[t] positions of slot slots[t] (a window layer: its last `window`,
+        position p in row p % S). -> (R, nkv, g, hd). R is the `rows` this instance was made for."""
+        nkv, g, hd, R = self.nkv, self.g, self.hd, self.rows
+        q8 = k.dtype == Q8_0
+        width = cache_width(hd, k.dtype)
+        if (not R or q.shape != (R, nkv, g, hd) or k.dim() != 4 or k.shape[1] != nkv or k.shape[3] != width
+                or v.shape != k.shape or n_keys.numel() != R or slots.numel() != R):
+            raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit {R} rows "
+                             f"of ({nkv}, {g}, {hd})")
+        if k.stride(3) != 1 or v.stride(3) != 1:
+            raise ValueError("keys and values need a contiguous last dimension")
+        if q8 and any(t.stride(i) % (hd // 16) or t.storage_offset() % (hd // 16) for t in (k, v) for i in (0, 1, 2)):
+            raise ValueError(f"a q8_0 cache needs rows at multiples of {hd // 16} bytes (the kernel's vector loads)")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        ks, vs = (k.view(torch.float16), v.view(torch.float16)) if q8 else (k, v)
+        if q8:
+            k, v = k.view(torch.int8), v.view(torch.int8)
+        _partial[(nkv, self.splits, R)](q, k, v, ks, vs, n_keys, self.m, self.l, self.acc,
+                                        k.stride(1), k.stride(2), v.stride(1), v.stride(2), self.span,
+                                        1.0 / math.sqrt(hd) if scale is None else scale,
+                                        window if window > 0 else 1 << 30, k.shape[2], slots, k.stride(0), v.stride(0),
+                                        G=g, GP=self.gp, HD=hd, BLOCK=self.block,
+                                        PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
+                                        INT8=Q8_ATTENTION.index(self.q8) if q8 else 0, PTX=not INTERPRET, ROWS=True,
+                                        num_warps=self.num_warps, **self.stages)
+        _merge[(nkv, g, R)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
+                            GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None,
+                            ROWS=True)
+        return out
 
     def probe(self, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> None:
         """One launch over a small zero cache of cache_dtype: builds this arm's kernels now (raises if Triton
@@ -298,7 +373,7 @@ class SplitKAttention:
         _partial[(nkv, self.splits)](q, k, v, ks, vs, n_keys, self.m, self.l, self.acc,
                                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), self.span,
                                      1.0 / math.sqrt(hd) if scale is None else scale, window if window > 0 else 1 << 30,
-                                     k.shape[1],
+                                     k.shape[1], n_keys, 0, 0,
                                      G=g, GP=self.gp, HD=hd, BLOCK=self.block,
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
                                      INT8=Q8_ATTENTION.index(self.q8) if q8 else 0, PTX=not INTERPRET,

@@ -43,6 +43,13 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n, eps, BLOCK: tl.constexpr, INT8: tl.constexpr):
+        # row program_id(0) (its n values n apart from the row before's, its int8 groups likewise)
+        r = tl.program_id(0).to(tl.int64)
+        x_ptr += r * n
+        out_ptr += r * n
+        if INT8:
+            q_ptr += r * n
+            s_ptr += r * (n // 32)
         g, t = tl.arange(0, BLOCK // 32)[:, None], tl.arange(0, 32)[None, :]
         live = g * 32 + t < n
         x = tl.load(x_ptr + g * 32 + t, mask=live, other=0.0).to(tl.float32)
@@ -54,7 +61,20 @@ if triton is not None:
         # PRE: y is first RMS-normed with pw_ptr and rounded (gemma3's post-attention / post-MLP norm of the
         # product, before its residual add), as _rms_norm would have in a launch of its own. K > 0: y is K rows
         # (a token's experts' outputs) summed with the float32 weights at ew_ptr and rounded to h's dtype first,
-        # as strata.kernels.weigh would have in a launch of its own
+        # as strata.kernels.weigh would have in a launch of its own. Row program_id(0): its values n apart (its
+        # experts' K rows and weights K n and K apart)
+        r = tl.program_id(0).to(tl.int64)
+        h_ptr += r * n
+        hout_ptr += r * n
+        out_ptr += r * n
+        if K > 0:
+            y_ptr += r * (K * n)
+            ew_ptr += r * K
+        else:
+            y_ptr += r * n
+        if INT8:
+            q_ptr += r * n
+            s_ptr += r * (n // 32)
         g, t = tl.arange(0, BLOCK // 32)[:, None], tl.arange(0, 32)[None, :]
         i = g * 32 + t
         live = i < n
@@ -135,14 +155,32 @@ if triton is not None:
 
     @triton.jit
     def _rope_store(qkv_ptr, cos_ptr, ssin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, eps,
-                    skh, sks, svh, svs, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, COLS: tl.constexpr,
-                    Q8: tl.constexpr, QK_NORM: tl.constexpr):
+                    skh, sks, svh, svs, slot_ptr, sk_slot, sv_slot, NH: tl.constexpr, NKV: tl.constexpr,
+                    HD: tl.constexpr, COLS: tl.constexpr, Q8: tl.constexpr, QK_NORM: tl.constexpr,
+                    ROWS: tl.constexpr = False):
         # a head's HD values as (HD / COLS, COLS): COLS = HD, or 32 with Q8 (a q8_0 cache: kc_ptr / vc_ptr its bytes
         # as int8, ks_ptr / vs_ptr as float16, strides in bytes; each row of the tile one block). QK_NORM: q and k
-        # heads are first RMS-normed over their HD values with qw_ptr / kw_ptr (rounded once, as _norm_out)
+        # heads are first RMS-normed over their HD values with qw_ptr / kw_ptr (rounded once, as _norm_out).
+        # ROWS: row program_id(1) of a decode batch: its qkv, cos, ssin and q rows after the rows before it, its
+        # cache row pos_ptr[row] (< 0: none, a padding row) in slot slot_ptr[row] (sk_slot, sv_slot apart)
         h = tl.program_id(0)
         d = tl.arange(0, HD // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-        pos = tl.load(pos_ptr)
+        if ROWS:
+            row = tl.program_id(1)
+            qkv_ptr += row * ((NH + 2 * NKV) * HD)
+            cos_ptr += row * HD
+            ssin_ptr += row * HD
+            q_ptr += row * (NH * HD)
+            pos = tl.load(pos_ptr + row)
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            kc_ptr += slot * sk_slot  # (bytes with Q8: the float16 views' offsets are halves of these)
+            vc_ptr += slot * sv_slot
+            ks_ptr += slot * sk_slot // 2
+            vs_ptr += slot * sv_slot // 2
+            store = pos >= 0
+        else:
+            pos = tl.load(pos_ptr)
+            store = True
         x = tl.load(qkv_ptr + h * HD + d)
         if h < NH + NKV:  # q or k: rotate (rotate-half as a roll by HD/2 times the signed sin)
             dr = (d + HD // 2) % HD
@@ -164,15 +202,17 @@ if triton is not None:
             r = a + xr * s
             if h < NH:
                 tl.store(q_ptr + h * HD + d, r.to(q_ptr.dtype.element_ty))
-            elif Q8:
-                k = r.to(x.dtype).to(tl.float32)
-                _q8_store(kc_ptr, ks_ptr, (h - NH) * skh + pos * sks, k, HD // COLS, COLS)
+            elif store:
+                if Q8:
+                    k = r.to(x.dtype).to(tl.float32)
+                    _q8_store(kc_ptr, ks_ptr, (h - NH) * skh + pos * sks, k, HD // COLS, COLS)
+                else:
+                    tl.store(kc_ptr + (h - NH) * skh + pos * sks + d, r.to(x.dtype).to(kc_ptr.dtype.element_ty))
+        elif store:
+            if Q8:
+                _q8_store(vc_ptr, vs_ptr, (h - NH - NKV) * svh + pos * svs, x.to(tl.float32), HD // COLS, COLS)
             else:
-                tl.store(kc_ptr + (h - NH) * skh + pos * sks + d, r.to(x.dtype).to(kc_ptr.dtype.element_ty))
-        elif Q8:
-            _q8_store(vc_ptr, vs_ptr, (h - NH - NKV) * svh + pos * svs, x.to(tl.float32), HD // COLS, COLS)
-        else:
-            tl.store(vc_ptr + (h - NH - NKV) * svh + pos * svs + d, x.to(vc_ptr.dtype.element_ty))
+                tl.store(vc_ptr + (h - NH - NKV) * svh + pos * svs + d, x.to(vc_ptr.dtype.element_ty))
 
 
 ARGMAX_BLOCK = 4096  # values a program of the first pass reduces
@@ -191,48 +231,57 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _int8_out(x: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_x's (q, s) buffers for one row of x (int8: the kernel fills them), else placeholders it ignores."""
-    n = x.numel()
+def _int8_out(x: torch.Tensor, int8: bool, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_x's (q, s) buffers for x's `rows` rows (int8: the kernel fills them), else placeholders it ignores."""
+    n = x.numel() // rows
     if not int8:
         return x, x
     if n % 32:
         raise ValueError(f"an int8 row takes a multiple of 32 values, got {n}")
-    return (torch.empty((1, n), dtype=torch.int8, device=x.device),
-            torch.empty((1, n // 32), dtype=torch.float32, device=x.device))
+    return (torch.empty((rows, n), dtype=torch.int8, device=x.device),
+            torch.empty((rows, n // 32), dtype=torch.float32, device=x.device))
 
 
 def _row_block(n: int) -> int:
     return max(32, triton.next_power_of_2(n))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False):
+def _rows_of(x: torch.Tensor, rows: int) -> int:
+    """x's values per row, for `rows` contiguous rows of one length."""
+    if rows < 1 or x.numel() % rows or not x.is_contiguous():
+        raise ValueError(f"{rows} rows of one length, contiguous, from {tuple(x.shape)}")
+    return x.numel() // rows
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False, rows: int = 1):
     """One row x (..., n) with n = x.numel(): x * rsqrt(mean(x^2) + eps) * weight, float32 inside, rounded once
-    (weight in x's dtype, or gemma's float32 (1 + w)). int8: (out, (q, s)), the second quantize_x's of out."""
-    n = x.numel()
+    (weight in x's dtype, or gemma's float32 (1 + w)). int8: (out, (q, s)), the second quantize_x's of out.
+    rows: x is that many rows of n = x.numel() / rows, each normed alone, in one launch."""
+    n = _rows_of(x, rows)
     out = torch.empty_like(x)
-    q, s = _int8_out(x, int8)
-    _rms_norm[(1,)](x, weight, out, q, s, n, eps, BLOCK=_row_block(n), INT8=int8)
+    q, s = _int8_out(x, int8, rows)
+    _rms_norm[(rows,)](x, weight, out, q, s, n, eps, BLOCK=_row_block(n), INT8=int8)
     return (out, (q, s)) if int8 else out
 
 
 def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = False,
-                 pre: tuple[torch.Tensor, float] | None = None, experts: torch.Tensor | None = None):
+                 pre: tuple[torch.Tensor, float] | None = None, experts: torch.Tensor | None = None, rows: int = 1):
     """The residual add and the next norm of one row in one launch: (h + y, rms_norm(h + y) * weight), the sum
     rounded to h's dtype first (what `h = h + y` then a norm compute). int8: a third item, quantize_x's (q, s) of
     the normed row. pre (weight, eps): y is rms_norm(y, weight, eps) first (gemma3's post norms). experts: y is
     k rows (a token's experts' outputs, in h's dtype) and these their float32 weights (k,): their weighted sum,
-    rounded to h's dtype, is the y added (strata.kernels.weigh's, without its launch)."""
-    n = h.numel()
-    k = 0 if experts is None else experts.numel()
-    if y.numel() != n * max(k, 1) or not (h.is_contiguous() and y.is_contiguous()) or (k and pre is not None) \
+    rounded to h's dtype, is the y added (strata.kernels.weigh's, without its launch). rows: h is that many rows
+    (y, experts likewise, row after row), each its own add and norm, in one launch."""
+    n = _rows_of(h, rows)
+    k = 0 if experts is None else experts.numel() // rows
+    if y.numel() != h.numel() * max(k, 1) or not (h.is_contiguous() and y.is_contiguous()) or (k and pre is not None) \
             or (k and (experts.dtype != torch.float32 or not experts.is_contiguous())):
         raise ValueError("add_rms_norm wants two contiguous rows of one length (or k rows with k float32 weights, "
                          "and no pre norm)")
     h_out, out = torch.empty_like(h), torch.empty_like(h)
-    q, s = _int8_out(h, int8)
+    q, s = _int8_out(h, int8, rows)
     pw, pre_eps = pre if pre is not None else (weight, 0.0)
-    _add_rms_norm[(1,)](h, y, weight, h_out, out, q, s, pw, h if experts is None else experts, n, eps, pre_eps,
+    _add_rms_norm[(rows,)](h, y, weight, h_out, out, q, s, pw, h if experts is None else experts, n, eps, pre_eps,
                         BLOCK=_row_block(n), INT8=int8, PRE=pre is not None, K=k)
     return (h_out, out, (q, s)) if int8 else (h_out, out)
 
@@ -287,6 +336,33 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, pos: to
                           v_cache.view(torch.float16))
     qw, kw, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)
     _rope_store[(nh + 2 * nkv,)](qkv, cos, ssin, pos, q, kc, vc, ks, vs, qw, kw, eps, k_cache.stride(0),
-                                 k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), NH=nh, NKV=nkv, HD=hd,
-                                 COLS=32 if q8 else hd, Q8=q8, QK_NORM=qk_norm is not None)
+                                 k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), pos, 0, 0, NH=nh, NKV=nkv,
+                                 HD=hd, COLS=32 if q8 else hd, Q8=q8, QK_NORM=qk_norm is not None)
+    return q
+
+
+def rope_store_rows(qkv: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                    nh: int, nkv: int, k_caches: torch.Tensor, v_caches: torch.Tensor,
+                    qk_norm: tuple | None = None) -> torch.Tensor:
+    """rope_store for R tokens of a decode batch in one launch: qkv (R, nh + 2 nkv, hd), cos and ssin (R, hd) each
+    row's own -> rotated q (R, nh, hd); row t's k and v written at cache row rows[t] of slot slots[t] (device
+    tensors (R,); rows[t] < 0: nothing written, a padding row). k_caches, v_caches: every slot's caches
+    (slots, nkv, S, width) (strata.model.Transformer.slot_caches), last dim contiguous."""
+    R, hd = qkv.shape[0], qkv.shape[-1]
+    if (not qkv.is_contiguous() or qkv.shape[1] != nh + 2 * nkv or k_caches.stride(3) != 1 or v_caches.stride(3) != 1
+            or tuple(cos.shape) != (R, hd) or tuple(ssin.shape) != (R, hd) or not cos.is_contiguous()
+            or not ssin.is_contiguous() or rows.numel() != R or slots.numel() != R):
+        raise ValueError("rope_store_rows wants contiguous (R, nh + 2 nkv, hd) rows, (R, hd) cos and ssin, R rows and "
+                         "slots, and caches with a contiguous last dim")
+    q8 = k_caches.dtype == torch.uint8
+    q = torch.empty(R, nh, hd, dtype=qkv.dtype, device=qkv.device)
+    kc, vc, ks, vs = k_caches, v_caches, k_caches, v_caches
+    if q8:
+        kc, vc, ks, vs = (k_caches.view(torch.int8), v_caches.view(torch.int8), k_caches.view(torch.float16),
+                          v_caches.view(torch.float16))
+    qw, kw, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)
+    _rope_store[(nh + 2 * nkv, R)](qkv, cos, ssin, rows, q, kc, vc, ks, vs, qw, kw, eps, k_caches.stride(1),
+                                   k_caches.stride(2), v_caches.stride(1), v_caches.stride(2), slots,
+                                   k_caches.stride(0), v_caches.stride(0), NH=nh, NKV=nkv, HD=hd,
+                                   COLS=32 if q8 else hd, Q8=q8, QK_NORM=qk_norm is not None, ROWS=True)
     return q

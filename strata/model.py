@@ -382,6 +382,7 @@ class Transformer(nn.Module):
         self._head_weight_only: WeightOnly | None = None
         self._blocks = None  # strata.cpu_decode.Decoder (decode_weights="blocks")
         self._slots: list[dict] = []  # per sequence: layer -> (k, v) cache (setup_cache's seqs); self.slot is in use
+        self._slot_caches: dict = {}  # layer -> (k, v) of every slot (the tensors _slots' caches are views of)
         self.batch_rows = True  # decode_seqs multiplies a batch's rows at once (the rig's decode_batch: rows)
         self.slot = -1
         # bumped whenever the weights or the KV cache are replaced: what holds their addresses (the CUDA graphs of
@@ -593,20 +594,31 @@ class Transformer(nn.Module):
                 blk.attn.setup_state(device, seqs)
                 blk.attn.max_len = max_len  # (positions the slice serves: the decode graphs' bound)
                 continue
-            shape = (1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
-                     cache_width(self.args.head_dim, kv))
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
             blk.attn.max_len, blk.attn.prefix_block = max_len, prefix_block
-        self._slots = [{i: (torch.zeros(shape, device=device, dtype=kv), torch.zeros(shape, device=device, dtype=kv))
-                        for i, blk in self.layers.items() if not blk.linear
-                        for shape in [(1, self.args.n_kv_heads, self.args.kv_positions(int(i), max_len, max_chunk),
-                                       cache_width(self.args.head_dim, kv))]}
-                       for _ in range(seqs)]
+        self._slots, self._slot_caches = [], {}  # (the old caches freed first)
+        # a layer's slots in one tensor (seqs, nkv, positions, width), each slot its view [s:s + 1]: a decode batch's
+        # kernels reach every row's cache from one base by the row's slot (strata.batch_graphs)
+        self._slot_caches = {i: (torch.zeros(shape, device=device, dtype=kv), torch.zeros(shape, device=device, dtype=kv))
+                             for i, blk in self.layers.items() if not blk.linear
+                             for shape in [(seqs, self.args.n_kv_heads,
+                                            self.args.kv_positions(int(i), max_len, max_chunk),
+                                            cache_width(self.args.head_dim, kv))]}
+        self._slots = [{i: (k[s:s + 1], v[s:s + 1]) for i, (k, v) in self._slot_caches.items()} for s in range(seqs)]
         self.slot = -1
         self.use_slot(0)
         if self._blocks is not None:
             self._blocks.bind_cache()
         return self.kv_bytes
+
+    @property
+    def n_slots(self) -> int:
+        """Sequences whose caches the slice holds (setup_cache's seqs)."""
+        return len(self._slots)
+
+    def slot_caches(self, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An attention layer's K and V caches of every slot: (seqs, nkv, positions, width) each; slot s is [s]."""
+        return self._slot_caches[layer]
 
     def use_slot(self, slot: int) -> None:
         """Point every layer at sequence `slot`'s cache (setup_cache's seqs): what the next forward reads and
