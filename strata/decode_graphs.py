@@ -69,6 +69,9 @@ class GraphedDecode:
         self.m = m
         self._graphs: DecodeGraphs | None = None
         self._version = -1  # the slice's storage_version the graphs were made for
+        self._batch = None  # strata.batch_graphs.BatchGraphs: a slice with several slots replays its batches there
+        self._batch_version = -1
+        self._refusal: tuple[int, str | None] | None = None  # (storage_version, batch_refusal's answer)
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -82,14 +85,44 @@ class GraphedDecode:
         return self._graphs
 
     def graphable(self, x: torch.Tensor) -> bool:
-        return graphable(self.m, x)
+        """Whether one-token steps replay the one-sequence graphs: a slice with one slot (several slots: `batchable`)."""
+        return self.m.n_slots <= 1 and graphable(self.m, x)
+
+    @property
+    def q8_fallback(self) -> str | None:
+        """Why the graphs' split-K reads a q8_0 cache widened instead of kernels.q8_attention's int8 arm (None: it
+        does not, or nothing was captured yet)."""
+        one = self.graphs if self.graphs is not None else (
+            self._batch.one if self._batch is not None and self._batch_version == self.m.storage_version else None)
+        return None if one is None else one.q8_fallback
+
+    def batch_refusal(self, x: torch.Tensor) -> str | None:
+        """Why a slice with several slots does not replay its decode batches (and its one-token steps, as batches of
+        one) from strata.batch_graphs' graphs; None: it does."""
+        if self.m.n_slots <= 1:
+            return "one slot: the one-sequence graphs"
+        if self._refusal is None or self._refusal[0] != self.m.storage_version:
+            from .batch_graphs import batch_refusal
+            self._refusal = (self.m.storage_version, batch_refusal(self.m, x))
+        return self._refusal[1]
+
+    def batchable(self, x: torch.Tensor) -> bool:
+        return x.device.type == self.m.device_dtype()[0].type and self.batch_refusal(x) is None
+
+    def batch_graphs(self):
+        """The current strata.batch_graphs.BatchGraphs, made (nothing captured yet) if there are none or the slice's
+        cache or weights changed."""
+        if self._batch is None or self._batch_version != self.m.storage_version:
+            from .batch_graphs import BatchGraphs
+            self._batch, self._batch_version = BatchGraphs(self.m), self.m.storage_version
+        return self._batch
 
     @torch.inference_mode()
     def __call__(self, x: torch.Tensor, pos: int, decode: bool | None = None) -> torch.Tensor:
         """The slice's forward, with one-token decode steps replayed from the graphs."""
         T = x.shape[1]
-        if (T <= DECODE_T if decode is None else decode) and T == 1 and self.graphable(x):
-            return self.decode_graphs().step(x, pos)
+        if (T <= DECODE_T if decode is None else decode) and T == 1 and (self.graphable(x) or self.batchable(x)):
+            return self.decode_step(x, pos)
         return self.m(x, pos, decode)
 
     @torch.inference_mode()
@@ -98,6 +131,8 @@ class GraphedDecode:
         holds pos (captured on its first use), or Transformer.decode_step."""
         if x.shape[1] == 1 and self.graphable(x):
             return self.decode_graphs().step(x, pos)
+        if x.shape[1] == 1 and self.batchable(x):
+            return self.decode_token(x, pos)[0]
         return self.m.decode_step(x, pos)
 
     @torch.inference_mode()
@@ -105,10 +140,28 @@ class GraphedDecode:
                      fresh: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Transformer.decode_token's (residual, logits, argmax), all three from one replay where graphable.
         fresh=False returns the graph's own output tensors, valid until the next step (a caller that copies them
-        out at once: three kernels fewer per token)."""
+        out at once: three kernels fewer per token). A slice with several slots: the slot in use (use_slot) as a
+        batch of one."""
         if self.graphable(x):
             return self.decode_graphs().step_all(x, pos, fresh)
+        if self.batchable(x):
+            h, logits, am = self.batch_graphs().step(x.reshape(1, *x.shape[2:]), [self.m.slot], [pos], fresh)
+            return h.view(1, 1, -1), None if logits is None else logits[0], None if am is None else am[0]
         return self.m.decode_token(x, pos)
+
+    @torch.inference_mode()
+    def decode_seqs(self, x: torch.Tensor, slots: list[int],
+                    positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Transformer.decode_seqs' batch (row t: slot slots[t]'s token at positions[t]), replayed from the batch
+        graphs where `batchable`: all rows in one replay (the rig's decode_batch rows: each row within rounding of
+        its step alone), or with decode_batch steps one replay a row (each row its step alone, bit for bit)."""
+        if not self.batchable(x):
+            return self.m.decode_seqs(x, slots, positions)
+        g = self.batch_graphs()
+        if self.m.batch_rows:
+            return g.step(x, slots, positions)
+        parts = [g.step(x[t:t + 1], [s], [p]) for t, (s, p) in enumerate(zip(slots, positions))]
+        return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
 
 
 def _store_row(cache: torch.Tensor, row: torch.Tensor, x: torch.Tensor) -> None:

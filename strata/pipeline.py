@@ -705,7 +705,7 @@ class Pipeline:
         self.prefix_cache_off = why
         if self.cfg.max_seqs > 1:  # one line for what several slots turn off (README, Serving)
             log.info("max_seqs %d: %d sequences' KV on every stage; off with it: reuse of the live KV between "
-                     "requests (the prefix cache's blocks still are), kv_save / kv_load, CUDA graphs, decode bells",
+                     "requests (the prefix cache's blocks still are), kv_save / kv_load, decode bells",
                      self.cfg.max_seqs, self.cfg.max_seqs)
         if why is None:
             self._index = prefix_cache.PrefixIndex(budget // per_block)

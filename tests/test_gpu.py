@@ -241,11 +241,49 @@ def test_rows_on_cuda_close_to_each_step_alone(tmp_path, family):
                 tok[s], pos[s] = int(am1), pos[s] + 1
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
+def test_batch_graphs_close_to_each_step_alone(tmp_path, family):
+    """strata.batch_graphs on CUDA in bfloat16, through GraphedDecode as a stage holds it: batches of 3, 2 and 1
+    sequences (3 padded to 4 rows; qwen3_moe with k 8: at most 2 rows a replay) replayed from graphs, each row
+    within bf16 rounding of the eager step alone, the same argmax where that step's top two are apart; with
+    decode_batch steps, one replay of one row each. The graphs were captured (not the eager fallback)."""
+    from families_fixtures import make_hf
+    from test_decode_model import slotted_stages
+    _, d = make_hf(tmp_path, family, **({"num_experts_per_tok": 8} if family == "qwen3_moe" else {}))
+    args = model_args(d)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g).cuda() for n in (40, 9, 27)]
+    (b0, b1), (a0, a1), (e0, e1) = (slotted_stages(d, args, prompts, device="cuda:0", dtype=torch.bfloat16)
+                                    for _ in range(3))
+    rows, steps = [GraphedDecode(b0), GraphedDecode(b1)], [GraphedDecode(e0), GraphedDecode(e1)]
+    e0.batch_rows = e1.batch_rows = False
+    tok, pos = [5, 17, 101], [p.shape[1] for p in prompts]
+    for order in ([0, 1, 2], [2, 0], [1], [1, 2, 0], [0, 1, 2], [2, 1, 0]):
+        x = torch.tensor([tok[s] for s in order], device="cuda:0")
+        at = [pos[s] for s in order]
+        with torch.inference_mode():
+            _, logits, am = rows[1].decode_seqs(rows[0].decode_seqs(x, order, at)[0], order, at)
+            _, logits_s, am_s = steps[1].decode_seqs(steps[0].decode_seqs(x, order, at)[0], order, at)
+            for t, s in enumerate(order):
+                a0.use_slot(s), a1.use_slot(s)
+                _, lg1, am1 = a1.decode_token(a0.decode_step(torch.tensor([[tok[s]]], device="cuda:0"), pos[s]),
+                                              pos[s])
+                for lg in (logits, logits_s):
+                    assert _rel(lg[t].float(), lg1.float()) < 2e-2, (family, order, t, _rel(lg[t].float(), lg1.float()))
+                top2 = lg1.float().view(-1).topk(2).values
+                if float(top2[0] - top2[1]) > 0.1:
+                    assert int(am[t]) == int(am_s[t]) == int(am1), (family, order, t)
+                tok[s], pos[s] = int(am1), pos[s] + 1
+    assert all(gd.batch_refusal(x) is None and gd._batch.graphs for gd in rows + steps)
+    assert {r for r, _ in steps[0]._batch.graphs} == {1}
+    assert {r for r, _ in rows[0]._batch.graphs} == ({1, 2} if family == "qwen3_moe" else {1, 2, 4})
+
+
 def test_max_seqs_on_cuda_equals_alone(tmp_path):
-    """max_seqs 3 on two stages of one GPU (eager decode: the graphs address one slot), decode_batch steps: three
-    sequences at once give each the greedy ids it gets alone, with two or more in flight together. (With rows,
+    """max_seqs 3 on two stages of one GPU (decode batches from strata.batch_graphs' graphs), decode_batch steps:
+    three sequences at once give each the greedy ids it gets alone, with two or more in flight together. (With rows,
     the default, a batch's bf16 products round apart from one row's, and a random model's near-flat logits let the
-    greedy ids part: test_rows_on_cuda_close_to_each_step_alone holds those rows to bf16's rounding.)"""
+    greedy ids part: test_batch_graphs_close_to_each_step_alone holds those rows to bf16's rounding.)"""
     import threading
     from strata.engine import PipelineEngine
     from strata.sampling import SamplingParams
@@ -272,6 +310,6 @@ def test_max_seqs_on_cuda_equals_alone(tmp_path):
         assert together == alone and any(alone.values())
         assert eng.slot_stats().most_in_flight >= 2
         log = (tmp_path / "slots" / "stage-0.log").read_text()
-        assert "decode: eager, no CUDA graphs (max_seqs 3" in log
+        assert "decode: CUDA graphs of decode batches" in log, log
     finally:
         eng.close()

@@ -126,7 +126,7 @@ class DecodeRing:
         work_start = time.perf_counter()
         self.copy_s += work_start - t_in
         self.faults.at_chunk(k, msg.phase)
-        h, logits, am = self.model.decode_seqs(x, slots, positions)
+        h, logits, am = self.decoder.decode_seqs(x, slots, positions)
         self._reap()
         self.outlink.fill(logits.reshape(-1) if self.last else h)
         if cuda:

@@ -117,17 +117,27 @@ def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, 
         g = graphs.decode_graphs()  # the set the steps below capture into
         positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
         log.info("decode: CUDA graphs, %d buckets", len({g.bucket(p) for p in positions}))
+    elif graphs is not None and graphs.batchable(x1):  # several slots: every batch size in every bucket, now
+        g = graphs.batch_graphs()
+        positions = sorted({g.bucket(p) - 1 for p in range(0, spec.max_len, 256)} | {0})
+        sizes = sorted({min(1 << j, model.n_slots) for j in range(g.max_rows.bit_length())})
+        for pos in positions:
+            for n in sizes:
+                xs = x1.reshape(1, *x1.shape[2:]).expand(n, *x1.shape[2:])
+                graphs.decode_seqs(xs, list(range(n)), [pos] * n)
+        log.info("decode: CUDA graphs of decode batches, %d buckets x %s rows (at most %d a replay)",
+                 len({g.bucket(p) for p in positions}), "/".join(str(g.rows_for(n)) for n in sizes), g.max_rows)
     elif graphs is not None:
-        log.info("decode: eager (the graphs do not cover %s)", ", ".join(args.extras()) or "these weights")
+        why = graphs.batch_refusal(x1) if model.n_slots > 1 else None
+        log.info("decode: eager (%s)", why or "the graphs do not cover " + (", ".join(args.extras()) or "these weights"))
     for pos in positions:
         for blk in model.layers.values():  # (a linear layer's state taken as standing at pos: the warm-up's steps
             if blk.linear:                 # leave it as unusable as the KV rows they write; a prompt starts at 0)
                 blk.attn.state_pos = pos
         decoder.decode_token(x1, pos)
     mem.append(torch.cuda.memory_allocated(device))
-    if graphs is not None and graphs.graphs is not None and graphs.graphs.q8_fallback:
-        log.warning("decode: kernels.q8_attention %s; the split-K reads the q8_0 cache widened",
-                    graphs.graphs.q8_fallback)
+    if graphs is not None and graphs.q8_fallback:
+        log.warning("decode: kernels.q8_attention %s; the split-K reads the q8_0 cache widened", graphs.q8_fallback)
     log.info("warm-up: GPU memory allocated %s bytes (loaded; after the chunks; after cuDNN's shapes; "
              "after the decode steps)", " -> ".join(f"{m:,}" for m in mem))
     if "strata.decode_gemv" in sys.modules:  # the graphs' dense products: which kernel each shape measured faster

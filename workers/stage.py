@@ -89,11 +89,8 @@ class Stage(DecodeRing):
                 log.info("memory_trace: %s", line)
         self.args = self.model.args
         # one-token decode steps: replayed from CUDA graphs where the rig asks for them on a GPU
-        self.graphs = (GraphedDecode(self.model) if spec.cuda_graphs and self.device.type == "cuda"
-                       and spec.max_seqs == 1 else None)
-        if spec.cuda_graphs and self.device.type == "cuda" and spec.max_seqs > 1:
-            log.info("decode: eager, no CUDA graphs (max_seqs %d: the graphs capture one sequence's caches)",
-                     spec.max_seqs)
+        # (several slots: decode batches, and each one-token step as a batch of one, from strata.batch_graphs)
+        self.graphs = GraphedDecode(self.model) if spec.cuda_graphs and self.device.type == "cuda" else None
         self.decoder = self.graphs if self.graphs is not None else self.model  # what decode_token is asked of
         self.warm_s = warm_up(spec, self.model, self.graphs, log)
         self.buffers = b = StageBuffers(spec, self.args, ids)

@@ -1,0 +1,259 @@
+"""Decode batches in CUDA graphs (strata/batch_graphs.py): the rows kernels against their one-row launches, and the
+batch body (what a graph captures), run on CPU under Triton's interpreter, against each sequence's step alone."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+pytest.importorskip("triton")
+
+
+def check_batches(eager, body, first: bool, prompts: list, batches: list[list[int]], tol: float = 1e-5,
+                  one_graph: bool = False) -> str:
+    """Both slices hold len(prompts) slots; each slot is prefilled with its prompt's first rows (prompts[s]: ids (1, n)
+    or residual rows (1, n, dim), n - (steps it takes) prefilled). Then each batch (a list of slots) takes one step of
+    each of its slots: the body's rows against `eager`'s steps alone, each slot at its own position (one_graph: the
+    one-token graphs' body on eager's slot instead, the same kernels). Returns the (rows, bucket) pairs the batches
+    took."""
+    from strata.attention import Q8_0, from_cache
+    from strata.batch_graphs import BatchGraphs
+    from strata.decode_graphs import DecodeGraphs
+    rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())  # noqa: E731
+    steps = [sum(s in b for b in batches) for s in range(len(prompts))]
+    pos = [x.shape[1] - k for x, k in zip(prompts, steps)]
+    bg = BatchGraphs(body)
+    dg = DecodeGraphs(eager) if one_graph else None
+    took = []
+    with torch.inference_mode():
+        for m in (eager, body):
+            for s, x in enumerate(prompts):
+                m.use_slot(s)
+                for c in range(0, pos[s], 64):  # in chunks: a window layer's ring holds window + 63 rows
+                    m(x[:, c:min(c + 64, pos[s])], c)
+        groups = [b[i:i + bg.max_rows] for b in batches for i in range(0, len(b), bg.max_rows)]  # as step splits
+        for order in groups:
+            n = len(order)
+            r = bg.rows_for(n)
+            x = torch.cat([prompts[s][0, pos[s]:pos[s] + 1] for s in order])
+            want = []
+            for s in order:
+                eager.use_slot(s)
+                x1 = prompts[s][:, pos[s]:pos[s] + 1]
+                if one_graph:
+                    (dg.ids if first else dg.res).copy_(x1.reshape(dg.ids.shape if first else dg.res.shape))
+                    dg.pos.fill_(pos[s])
+                    want.append(dg._body(dg.bucket(pos[s])))
+                else:
+                    want.append(eager.decode_token(x1, pos[s]))
+            static = bg.ids if first else bg.res
+            static[:n] = x
+            static[n:r] = x[:1]
+            bg.pos[:r] = torch.tensor([pos[s] for s in order] + [pos[order[0]]] * (r - n))
+            bg.slot[:r] = torch.tensor(order + [order[0]] * (r - n))
+            bg.live[:r] = torch.arange(r) < n
+            b = bg.bucket(max(pos[s] for s in order))
+            h, logits, am = bg.body(r, b)
+            took.append((r, b))
+            for t, s in enumerate(order):
+                assert rel(h[t], want[t][0].reshape(-1)) < tol, (order, s, rel(h[t], want[t][0].reshape(-1)))
+                if logits is not None:
+                    assert rel(logits[t], want[t][1]) < tol, (order, s, rel(logits[t], want[t][1]))
+                    assert int(am[t]) == int(want[t][2])
+                pos[s] += 1
+        for i in body.layers:  # the rows each batch wrote (padding rows wrote none)
+            for a, b in zip(eager.slot_caches(i), body.slot_caches(i)):
+                q8 = a.dtype == Q8_0  # int8 steps: a value now and then rounds the other way (1/127 of a block's max)
+                a, b = (from_cache(a, torch.float32), from_cache(b, torch.float32)) if q8 else (a, b)
+                assert rel(b, a) < (1e-2 if q8 else tol), (i, rel(b, a))
+    return str(sorted(set(took)))
+
+
+def _interpreted(script: str, *argv: str, timeout: int = 900) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", script, str(ROOT), *argv], env=env, capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    return r.stdout.strip()
+
+
+KERNELS = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.decode_kernels import rope_store, rope_store_rows, rms_norm, add_rms_norm
+from strata.decode_attention import SplitKAttention
+from strata.attention import to_cache, Q8_0, cache_width
+g = torch.Generator().manual_seed(3)
+nh, nkv, hd, S, seqs, R = 8, 2, 32, 300, 3, 4
+for kvd, arm in ((torch.float32, "widen"), (Q8_0, "widen"), (Q8_0, "int8x2")):
+    w = cache_width(hd, kvd)
+    if kvd == torch.float32:
+        K, V = torch.randn(seqs, nkv, S, w, generator=g), torch.randn(seqs, nkv, S, w, generator=g)
+    else:
+        K, V = (to_cache(torch.randn(seqs, nkv, S, hd, generator=g), Q8_0) for _ in range(2))
+    K1, V1 = K.clone(), V.clone()
+    qkv = torch.randn(R, nh + 2 * nkv, hd, generator=g)
+    cos, ssin = torch.randn(R, hd, generator=g), torch.randn(R, hd, generator=g)
+    slots, pos = torch.tensor([2, 0, 1, 2]), torch.tensor([37, 250, 5, -1])  # the last a padding row: no store
+    q = rope_store_rows(qkv, cos, ssin, pos, slots, nh, nkv, K, V)
+    for t in range(R):
+        kc, vc = (K1[slots[t]], V1[slots[t]]) if pos[t] >= 0 else (K1[0].clone(), V1[0].clone())
+        q1 = rope_store(qkv[t].contiguous(), cos[t], ssin[t], pos[t:t + 1].clamp(min=0), nh, nkv, kc, vc)
+        assert torch.equal(q[t], q1), t
+    assert torch.equal(K.view(torch.uint8), K1.view(torch.uint8)) and torch.equal(V.view(torch.uint8), V1.view(torch.uint8))
+    n_keys = torch.tensor([38, 251, 6, 38])
+    for window in (0, 20):
+        keys = 256 if window == 0 else window
+        att = SplitKAttention(nkv, nh // nkv, hd, keys, "cpu", rows=R, q8=arm, splits=3)
+        y = att.rows_call(q.view(R, nkv, nh // nkv, hd), K, V, n_keys, slots, window=window)
+        for t in range(R):
+            one = SplitKAttention(nkv, nh // nkv, hd, keys, "cpu", q8=arm, splits=3)
+            y1 = one(q[t].view(nkv, nh // nkv, hd), K[slots[t]], V[slots[t]], n_keys[t:t + 1], window=window)
+            assert torch.equal(y[t], y1), (kvd, arm, window, t, (y[t] - y1).abs().max())
+x, y, wt = torch.randn(R, 64, generator=g), torch.randn(R, 64, generator=g), torch.randn(64, generator=g)
+pw = torch.randn(64, generator=g)
+o, (qq, ss) = rms_norm(x, wt, 1e-6, int8=True, rows=R)
+h2, o2, (q2, s2) = add_rms_norm(x, y, wt, 1e-6, True, (pw, 1e-5), rows=R)
+for t in range(R):
+    o1, (q1, s1) = rms_norm(x[t].contiguous(), wt, 1e-6, int8=True)
+    assert torch.equal(o[t], o1) and torch.equal(qq[t], q1[0]) and torch.equal(ss[t], s1[0])
+    h1, o1b, (q1b, s1b) = add_rms_norm(x[t].contiguous(), y[t].contiguous(), wt, 1e-6, True, (pw, 1e-5))
+    assert torch.equal(h2[t], h1) and torch.equal(o2[t], o1b) and torch.equal(q2[t], q1b[0]) and torch.equal(s2[t], s1b[0])
+print("ok")
+"""
+
+
+def test_rows_kernels_equal_their_one_row_launches():
+    """rope_store_rows (each row its slot and cache row; a padding row, row -1, writes nothing), the split-K rows
+    launch (each row its slot and key count; float32, q8_0 widened and its int8x2 arm; a window), and the norms by
+    rows: bit for bit what each row's own launch gives, under Triton's interpreter."""
+    assert _interpreted(KERNELS) == "ok"
+
+
+SMALL_BODY = r"""
+import dataclasses, sys, torch
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+from test_batch_graphs import check_batches
+from test_decode_model import SMALL
+from strata.checkpoint import synthetic_tensors
+from strata.model import Transformer
+kv, start = sys.argv[2], int(sys.argv[3])
+args = SMALL if kv != "q8_0" else dataclasses.replace(SMALL, n_heads=4, head_dim=32)  # q8_0: blocks of 32
+def build():
+    with torch.device("meta"):
+        m = Transformer(args, start, args.n_layers)
+    m.load_weights(synthetic_tensors(args, start, args.n_layers, "cpu", torch.float32, seed=4), "cpu", torch.float32)
+    m.setup_cache(600, kv, seqs=3)
+    return m.eval()
+g = torch.Generator().manual_seed(1)
+if start == 0:
+    prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g) for n in (514, 40, 264)]
+else:
+    prompts = [torch.randn(1, n, args.dim, generator=g) for n in (514, 40, 264)]
+batches = [[2, 0, 1], [1], [0, 2], [2, 1, 0], [0]]
+print(check_batches(build(), build(), start == 0, prompts, batches, 1e-4 if kv == "q8_0" else 1e-5, kv != "auto"))
+"""
+
+
+@pytest.mark.parametrize("kv,start", [("auto", 0), ("bfloat16", 1), ("q8_0", 0)])
+def test_batch_body_matches_each_step_alone(kv, start):
+    """The batch body on a Llama slice (with the embedding and head, or a later slice taking residual rows): batches
+    of 3, 1 and 2 sequences (3 and 2 padded to 4 and 2 rows) at their own positions (buckets 256 and 512 and the
+    cache's 600), each row == that sequence's step alone within float32 rounding (1e-5), and the caches hold the
+    same rows. With a bfloat16 or q8_0 cache the step alone is the one-token graphs' body (the same kernels): a
+    product's last float32 bit (a batch's rows against one row) now and then moves a cached value to the next
+    bfloat16 or int8 step, and the eager path's other products move more of them (the one-token body is 7e-4 from
+    eager with a bfloat16 cache); a q8_0 cache's int8 steps are coarse enough that its rows hold to 1e-4."""
+    out = _interpreted(SMALL_BODY, kv, str(start))
+    assert out == "[(1, 256), (1, 600), (2, 512), (4, 512), (4, 600)]", out
+
+
+FAMILY_BODY = r"""
+import sys, tempfile, torch
+from pathlib import Path
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+from families_fixtures import make_hf
+from test_batch_graphs import check_batches
+from test_families import CHUNK
+from strata.batch_graphs import batch_refusal, max_rows
+from strata.checkpoint import model_args, slice_tensors
+from strata.model import Transformer
+fam = sys.argv[2]
+over = {"gemma3": dict(query_pre_attn_scalar=24, final_logit_softcapping=1.5),
+        "qwen3_moe": dict(num_experts_per_tok=8)}.get(fam, {})  # 16 pairs: 2 rows a replay
+ref, d = make_hf(Path(tempfile.mkdtemp()), fam, **over)
+args = model_args(d)
+def build():
+    t = Transformer(args, 0, args.n_layers)
+    t.load_weights(slice_tensors(d, args, 0, args.n_layers), "cpu", torch.float32)
+    t.setup_cache(200, max_chunk=64, seqs=3)
+    return t.eval()
+eager, body = build(), build()
+g = torch.Generator().manual_seed(2)
+prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g) for n in (150, 12, 97)]
+batches = [[2, 0, 1], [1, 0], [0], [2, 1, 0]] + [[0, 1, 2]] * 4  # past the windows: the rings wrap
+print(max_rows(body), check_batches(eager, body, True, prompts, batches))
+"""
+
+
+@pytest.mark.parametrize("fam,rows", [("gemma3", 4), ("mistral", 4), ("qwen3", 4), ("gpt_oss", 4), ("qwen3_moe", 2)])
+def test_batch_body_families(fam, rows):
+    """The batch body for the families the one-token graphs cover (q/k norms in the store's launch, window rings, gemma3's
+    post norms and scales, gpt-oss's sinks and biases, experts on their few-rows path): each row == its eager step
+    alone. A mixture's replay takes GATHER_PAIRS / k rows at most (16 / 8 = 2 for this qwen3_moe: a batch of 3 is
+    replayed as 2 rows then 1; gpt_oss's k 2: the 3 slots' 4)."""
+    out = _interpreted(FAMILY_BODY, fam, timeout=1200)
+    assert out.split(" ", 1)[0] == str(rows), out
+
+
+RESIDENT_BODY = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+from test_batch_graphs import check_batches
+from strata.args import PRESETS
+from strata.checkpoint import load_stage
+preset, qtype = sys.argv[2], sys.argv[3]
+args = PRESETS[preset]
+load = lambda: load_stage(f"synthetic:{preset}@{qtype}", args, 0, 2, device="cpu", dtype=torch.float32,
+                          weights="resident", max_len=96, seqs=2)
+eager, body = load(), load()
+assert body.layers["0"].weights.fused_decode_ok("cpu") if not body.layers["0"].moe else True
+g = torch.Generator().manual_seed(3)
+prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g) for n in (20, 9)]
+print(check_batches(eager, body, True, prompts, [[1, 0], [0], [0, 1]], 1e-4))
+"""
+
+
+@pytest.mark.parametrize("preset,qtype", [("smoke", "Q4_K_M"), ("smoke-moe", "Q4_K")])
+def test_batch_body_on_blocks(preset, qtype):
+    """A resident slice (its products on the Q4_K / Q6_K blocks, x's int8 rounding from the norm's launch, rows
+    at a time; a mixture's chosen experts on theirs): each row == its eager step alone on the same blocks."""
+    out = _interpreted(RESIDENT_BODY, preset, qtype, timeout=1500)
+    assert out.startswith("[("), out
+
+
+def test_refusals_name_what_is_not_covered(tmp_path):
+    """Linear-attention layers and dynamic NTK rope keep the eager batches, with the reason; CPU tensors are never
+    captured."""
+    from families_fixtures import make_hf
+    from strata.batch_graphs import batch_refusal
+    from strata.checkpoint import model_args, slice_tensors
+    from strata.model import Transformer
+    _, d = make_hf(tmp_path, "qwen3_5")
+    args = model_args(d)
+    t = Transformer(args, 0, args.n_layers)
+    t.load_weights(slice_tensors(d, args, 0, args.n_layers), "cpu", torch.float32)
+    t.setup_cache(64, seqs=2)
+    assert batch_refusal(t, torch.zeros(1, dtype=torch.long)).startswith("linear-attention layers")
+    (tmp_path / "llama").mkdir()
+    _, d = make_hf(tmp_path / "llama", "llama")
+    args = model_args(d)
+    t = Transformer(args, 0, args.n_layers)
+    t.load_weights(slice_tensors(d, args, 0, args.n_layers), "cpu", torch.float32)
+    t.setup_cache(64, seqs=2)
+    assert batch_refusal(t, torch.zeros(1, dtype=torch.long)) == "the one-token graphs do not cover this slice (CPU)"
