@@ -160,6 +160,78 @@ print(check_batches(build(), build(), start == 0, prompts, batches, 1e-4 if kv =
 """
 
 
+STEP = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+from test_decode_model import SMALL
+from strata.batch_graphs import BatchGraphs
+from strata.checkpoint import synthetic_tensors
+from strata.model import Transformer
+
+
+class Replayed:  # a CUDA graph's contract on CPU: replay reruns the captured body into the same output tensors
+    def __init__(self, body, out):
+        self.body, self.out = body, out
+
+    def replay(self):
+        for o, n in zip(self.out, self.body()):
+            if o is not None:
+                o.copy_(n)
+
+
+class OnCPU(BatchGraphs):
+    def _capture(self, r, b):
+        out = self.body(r, b)
+        return Replayed(lambda: self.body(r, b), out), out
+
+
+def build(seqs):
+    with torch.device("meta"):
+        m = Transformer(SMALL)
+    m.load_weights(synthetic_tensors(SMALL, 0, SMALL.n_layers, "cpu", torch.float32, seed=4), "cpu", torch.float32)
+    m.setup_cache(300, seqs=seqs)
+    return m.eval()
+
+
+eager, m = build(6), build(6)
+g = torch.Generator().manual_seed(5)
+prompts = [torch.randint(0, SMALL.vocab_size, (1, 30 + 7 * s), generator=g) for s in range(6)]
+with torch.inference_mode():
+    for t in (eager, m):
+        for s, x in enumerate(prompts):
+            t.use_slot(s)
+            t(x, 0)
+    bg = OnCPU(m)
+    bg.max_rows = 4  # (a mixture's cap): a batch of 6 is replayed as 4 rows, then 2
+    pos = [x.shape[1] for x in prompts]
+    tok = [int(x[0, -1]) for x in prompts]
+    for order in ([5, 0, 3, 1, 2, 4], [2, 4, 1], [3], [0, 1, 2, 3, 4, 5]):
+        h, logits, am = bg.step(torch.tensor([tok[s] for s in order]), order, [pos[s] for s in order])
+        assert h.shape == (len(order), SMALL.dim) and logits.shape == (len(order), SMALL.vocab_size)
+        for t, s in enumerate(order):
+            eager.use_slot(s)
+            _, lg, a = eager.decode_token(torch.tensor([[tok[s]]]), pos[s])
+            assert float((logits[t] - lg).abs().max() / lg.abs().max()) < 1e-5 and int(am[t]) == int(a), (order, s)
+            tok[s], pos[s] = int(a), pos[s] + 1
+    for bad in (([0, 0], [40, 41]), ([6], [40]), ([1], [300])):
+        try:
+            bg.step(torch.zeros(len(bad[0]), dtype=torch.long), *bad)
+        except ValueError as e:
+            print(str(e).split(":")[0])
+print(sorted(bg.graphs))
+"""
+
+
+def test_step_pads_groups_and_refuses():
+    """BatchGraphs.step with a replay that reruns the body into the captured outputs (a CUDA graph's contract, on
+    CPU): batches of 6, 3 and 1 sequences at their own positions, 6 over max_rows 4 replayed as 4 then 2 rows, 3 as 4
+    (a padding row); each row's logits and argmax == the sequence's eager step alone. A slot named twice, a slot
+    or position outside the caches: a one-line ValueError."""
+    out = _interpreted(STEP).splitlines()
+    assert out == ["a decode batch names a slot twice", "slot 6 at position 40", "slot 1 at position 300",
+                   "[(1, 256), (2, 256), (4, 256)]"], out
+
+
 @pytest.mark.parametrize("kv,start", [("auto", 0), ("bfloat16", 1), ("q8_0", 0)])
 def test_batch_body_matches_each_step_alone(kv, start):
     """The batch body on a Llama slice (with the embedding and head, or a later slice taking residual rows): batches
