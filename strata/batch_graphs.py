@@ -12,16 +12,20 @@ the graph of 4; its padding rows repeat row 0's inputs and write nothing), the b
 furthest position (DecodeGraphs.bucket). Each row is within rounding of its step alone (a product's kernel may sum in
 another order for another row count), as `Transformer.decode_seqs`' torch path is.
 
-What it covers (`batchable`): what DecodeGraphs captures, with the split-K and Triton norm / rope kernels, a cache of
-bfloat16, float16, float32 or q8_0, full-width rotary and no output gate; no linear-attention layers (their states
-are one a slot, advanced in place) and no dynamic NTK rope. A mixture-of-experts layer's rows take its few-rows
-path, so a batch holds at most GATHER_PAIRS / k rows (a larger one is replayed in groups).
+What it covers (`batch_refusal`): what DecodeGraphs captures, with the split-K and Triton norm / rope kernels, a cache of
+bfloat16, float16, float32 or q8_0; no dynamic NTK rope. Partial rotary and an output gate (qwen3_5, glm4_moe) take
+torch's rope and an indexed store of the rows. A linear-attention layer (qwen3_5) steps each row from its slot's
+states and writes them back (GatedDeltaNet.mix_rows); the host checks each slot's state stands at its row's position.
+A mixture-of-experts layer's rows take its few-rows path, so a batch holds at most GATHER_PAIRS / k rows (a larger
+one is replayed in groups).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .attention import Q8_0, rope_tables
+from .attention import Q8_0, rope_rows, rope_tables, to_cache
 from .decode_graphs import GRAPH_MIN_BUCKET, DecodeGraphs, graphable
 from .model import Block, RMSNorm, Transformer
 from .resident import Packed, ResidentMatrices
@@ -41,12 +45,10 @@ def batch_refusal(m: Transformer, x: torch.Tensor) -> str | None:
         return "dynamic NTK rope: each step its own frequencies"
     for blk in m.layers.values():
         if blk.linear:
-            return "linear-attention layers (a state a slot, advanced in place)"
+            continue
         a = blk.attn
         if a.hd & (a.hd - 1):
             return f"head dim {a.hd} is not a power of two"
-        if a.gated or "partial rotary" in m.args.extras():
-            return "an output gate or partial rotary"
         if a.k_cache.dtype not in CACHE_DTYPES:
             return f"a {a.k_cache.dtype} cache"
     if not graphable(m, x):
@@ -88,12 +90,14 @@ class BatchGraphs:
         # every (bucket, rows) instance's partial results in one scratch (replays run one at a time): r rows take at
         # most max(r, 128) (row, range) pairs (`_attention`), so it never grows, and no captured graph outlives its
         # buffer
-        a = self.one.attn0
-        pairs = max(R, 128) * a.nkv * max(16, 1 << (a.nh // a.nkv - 1).bit_length())  # (SplitKAttention's gp)
+        a = self.one.attn0  # (None: linear layers only)
+        pairs = 0 if a is None else max(R, 128) * a.nkv * max(16, 1 << (a.nh // a.nkv - 1).bit_length())  # (its gp)
         self.scratch = (torch.empty(pairs, dtype=torch.float32, device=dev),
                         torch.empty(pairs, dtype=torch.float32, device=dev),
-                        torch.empty(pairs * a.hd, dtype=torch.float32, device=dev))
+                        torch.empty(pairs * (a.hd if a else 0), dtype=torch.float32, device=dev))
         self.rings = self.one.rings
+        self.linear = self.one.linear  # linear-attention layers: their states stand where each slot left them
+        self._write = True  # False during a capture's warm-up run: the linear layers' states are not advanced
         self._side = None
         self._pool = None
 
@@ -143,11 +147,17 @@ class BatchGraphs:
             self.pos[:r].copy_(meta[0])
             self.slot[:r].copy_(meta[1])
             self.live[:r].copy_(meta[2].bool())
+            for la in self.linear:  # each row's slot's states stand at its position (position 0: zeroed)
+                for s, p in zip(slots, positions):
+                    la.begin_slot(s, p)
             key = (r, self.bucket(max(positions)))
             entry = self.graphs.get(key)
             if entry is None:
                 entry = self.graphs[key] = self._capture(*key)
             entry[0].replay()
+            for la in self.linear:
+                for s, p in zip(slots, positions):
+                    la.stand_at(s, p + 1)
             out = entry[1]
             if not fresh:
                 return tuple(None if t is None else t[:n] for t in out)
@@ -160,8 +170,12 @@ class BatchGraphs:
             self._side, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
         side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.body(r, b)
+        self._write = False  # (the replay advances the linear layers' states, once)
+        try:
+            with torch.cuda.stream(side):
+                self.body(r, b)
+        finally:
+            self._write = True
         torch.cuda.current_stream(self.device).wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
@@ -201,7 +215,10 @@ class BatchGraphs:
         n_keys = pos + 1
         pend = (None, None)
         for i, blk in m.layers.items():
-            h, pend = self._layer(i, blk, h, pend, tabs[blk.attn.rope_kind], rows, n_keys, slot, b, r)
+            if blk.linear:
+                h, pend = self._linear_layer(blk, h, pend, slot, live, r)
+                continue
+            h, pend = self._layer(i, blk, h, pend, tabs[blk.attn.rope_kind], rows, n_keys, slot, live, b, r)
         y, post = pend
         h = h + (y if post is None else self._norm(y, post, r))
         if not m.has_head:
@@ -217,32 +234,83 @@ class BatchGraphs:
         c, s = rope_tables(cos.to(self.dtype), sin.to(self.dtype))
         return c[:, 0].contiguous(), s[:, 0].contiguous()
 
-    def _layer(self, i: str, blk: Block, h, pend, tab, rows: dict, n_keys, slot, b: int, r: int):
+    def _products(self, blk: Block) -> tuple[Products, dict]:
+        """A layer's products (on its blocks where resident, else dense through torch) and, per product, whether it
+        reads x rounded to int8 (then the kernel before it writes that rounding)."""
+        w = blk.weights
+        resident = isinstance(w, ResidentMatrices)
+        mm = w.products() if resident else dense_products(w.get(), None)
+        return mm, {p: resident and w.int8_x(p) for p in ("qkv", "wo", "w13", "w2")}
+
+    def _layer(self, i: str, blk: Block, h, pend, tab, rows: dict, n_keys, slot, live, b: int, r: int):
         """One attention layer on the rows (plus the previous layer's pending product) -> (residual, this layer's
         MLP product and the norm it still takes, for the next norm's launch)."""
         from strata.decode_kernels import rope_store_rows
         a = blk.attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
-        w = blk.weights
-        resident = isinstance(w, ResidentMatrices)
-        mm = w.products() if resident else dense_products(w.get(), None)
-        int8 = {p: resident and w.int8_x(p) for p in ("qkv", "wo", "w13", "w2")}
+        mm, int8 = self._products(blk)
         h, x, xq = self._add_norm(h, pend, blk.attn_norm, int8["qkv"], r)
-        qkv = mm.qkv(x, **xq).reshape(r, nh + 2 * nkv, hd)
+        qkv = mm.qkv(x, **xq)
+        gate = None
+        if a.gated:  # qwen3_5: the output gate's nh * hd values after q, k, v
+            qkv, gate = qkv[:, :(nh + 2 * nkv) * hd], qkv[:, (nh + 2 * nkv) * hd:]
+        qkv = qkv.reshape(r, nh + 2 * nkv, hd)
+        cos, ssin = tab
+        fuse = cos.shape[-1] == hd  # (partial rotary: torch's rope and an indexed store)
         qk_norm = None
         if a.q_norm is not None:
-            if (self.one._fusable(a.q_norm, qkv) and self.one._fusable(a.k_norm, qkv)
+            if (fuse and self.one._fusable(a.q_norm, qkv) and self.one._fusable(a.k_norm, qkv)
                     and a.q_norm.eps == a.k_norm.eps):
                 qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
             else:
                 qkv = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv]), qkv[:, nh + nkv:]), 1)
         kc, vc = self.m.slot_caches(i)
-        ring = kc.shape[2] if a.window is not None else None
-        q = rope_store_rows(qkv.contiguous(), *tab, rows[ring], slot, nh, nkv, kc, vc, qk_norm)
+        at = rows[kc.shape[2] if a.window is not None else None]
+        if fuse:
+            q = rope_store_rows(qkv.contiguous(), cos, ssin, at, slot, nh, nkv, kc, vc, qk_norm)
+        else:
+            qk = rope_rows(qkv[:, :nh + nkv], cos[:, None], ssin[:, None])
+            q = qk[:, :nh].contiguous()
+            self._store(kc, qk[:, nh:], slot, at, live)
+            self._store(vc, qkv[:, nh + nkv:], slot, at, live)
         att = self._attention(min(b, a.window) if a.window is not None else b, r)
         y = att.rows_call(q.view(r, nkv, nh // nkv, hd), kc, vc, n_keys, slot, scale=a.scale,
-                          window=a.window or 0, sinks=a.sinks)
-        o = mm.wo(y.reshape(r, nh * hd))
+                          window=a.window or 0, sinks=a.sinks).reshape(r, nh * hd)
+        if gate is not None:  # as the eager path's _gated
+            y = y * torch.sigmoid(gate.to(y.dtype))
+        o = mm.wo(y)
+        return self._mlp(blk, mm, h, o, int8, r)
+
+    @staticmethod
+    def _store(cache: torch.Tensor, x: torch.Tensor, slot, at, live) -> None:
+        """Rows x (r, nkv, hd) into every slot's cache (slots, nkv, S, width): row t at slot[t], position at[t]. A
+        padding row (not live; its slot row 0's, its position -1) writes row 0's values at row 0's position again
+        (the same bytes)."""
+        r, nkv = x.shape[:2]
+        x = to_cache(x, cache.dtype)
+        src = torch.where(live, torch.arange(r, device=x.device), torch.zeros_like(slot))
+        heads = torch.arange(nkv, device=x.device)[None, :]
+        dst = cache.view(torch.uint8) if cache.element_size() == 1 and cache.dtype != torch.uint8 else cache
+        val = x.index_select(0, src)
+        if val.dtype != dst.dtype:
+            val = val.view(dst.dtype)
+        dst.index_put_((slot[:, None], heads, at.index_select(0, src)[:, None]), val)
+
+    def _linear_layer(self, blk: Block, h, pend, slot, live, r: int):
+        """A linear-attention layer on the rows: each row's Gated DeltaNet step from its slot's states
+        (GatedDeltaNet.mix_rows), then the MLP as an attention layer's."""
+        mm, int8 = self._products(blk)
+        la, w = blk.attn, blk.weights
+        if la.wqkv is None:  # resident: on its blocks, x's int8 rounding from the norm's launch where they read it
+            q8 = {p: w.int8_x(p) for p in ("lin_qkv", "lin_z", "lin_ba")}
+            h, x, xq = self._add_norm(h, pend, blk.attn_norm, any(q8.values()), r)
+            lp = w.linear()
+            take = lambda f, p: functools.partial(f, **xq) if q8[p] else f  # noqa: E731
+            lp = lp._replace(qkv=take(lp.qkv, "lin_qkv"), z=take(lp.z, "lin_z"), ba=take(lp.ba, "lin_ba"))
+        else:
+            h, x, _ = self._add_norm(h, pend, blk.attn_norm, False, r)
+            lp = la.products()
+        o = la.mix_rows(x, lp, slot, live, write=self._write)
         return self._mlp(blk, mm, h, o, int8, r)
 
     def _mlp(self, blk: Block, mm: Products, h, o, int8: dict, r: int):

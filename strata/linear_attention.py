@@ -48,10 +48,13 @@ class GatedDeltaNet(nn.Module):
         self.max_len = 0                             # positions the slice serves (Transformer.setup_cache)
 
     def setup_state(self, device, seqs: int = 1) -> int:
-        """A state for each of `seqs` sequences (the rig's max_seqs: a slot each); slot 0's in use."""
-        self._held = [[torch.zeros(self.conv_dim, self.K - 1, device=device, dtype=self.conv.dtype),
-                       torch.zeros(self.nv, self.dk, self.dv, device=device, dtype=torch.float32), 0]
-                      for _ in range(seqs)]
+        """A state for each of `seqs` sequences (the rig's max_seqs: a slot each); slot 0's in use. Each kind of
+        state of every slot in one tensor (slot s its [s]), so a decode batch reaches each row's by its slot
+        (`mix_rows`)."""
+        self._held, self._all, self.conv_state, self.state = None, (), None, None  # (the old states freed first)
+        self._all = (torch.zeros(seqs, self.conv_dim, self.K - 1, device=device, dtype=self.conv.dtype),
+                     torch.zeros(seqs, self.nv, self.dk, self.dv, device=device, dtype=torch.float32))
+        self._held = [[self._all[0][s], self._all[1][s], 0] for s in range(seqs)]
         self.slot = -1
         self.use(0)
         return self.state_bytes
@@ -70,6 +73,24 @@ class GatedDeltaNet(nn.Module):
         copies, while another slot's chunk may be between two layers)."""
         return self._held[slot][0], self._held[slot][1]
 
+    def slot_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's states: the convolution's (seqs, conv_dim, K - 1), the delta rule's (seqs, nv, dk, dv)."""
+        return self._all
+
+    def position(self, slot: int) -> int:
+        """Where sequence `slot`'s states stand."""
+        return self.state_pos if slot == self.slot else self._held[slot][2]
+
+    def begin_slot(self, slot: int, pos: int) -> None:
+        """`begin` for sequence `slot` (in use or not): pos 0 zeroes its states, any other pos must be where they
+        stand."""
+        if pos == 0:
+            for t in self.held(slot):
+                t.zero_()
+        elif pos != self.position(slot):
+            raise ValueError(f"linear attention: slot {slot}'s state stands at position {self.position(slot)}, not "
+                             f"{pos} (a recurrent state serves only the position it was taken at)")
+
     def stand_at(self, slot: int, pos: int) -> None:
         """Sequence `slot`'s states stand at `pos` (restored there)."""
         if slot == self.slot:
@@ -80,7 +101,7 @@ class GatedDeltaNet(nn.Module):
     @property
     def state_bytes(self) -> int:
         """Every slot's states."""
-        return sum(t.numel() * t.element_size() for held in getattr(self, "_held", ()) for t in held[:2])
+        return sum(t.numel() * t.element_size() for t in getattr(self, "_all", ()))
 
     def products(self) -> "LinearProducts":
         """The layer's products on its own dense matrices (a resident layer's come from its ResidentMatrices)."""
@@ -134,6 +155,37 @@ class GatedDeltaNet(nn.Module):
         return p.o(yn.to(h.dtype).reshape(T, -1))
 
 
+    def mix_rows(self, h: torch.Tensor, p: "LinearProducts", slots: torch.Tensor, live: torch.Tensor,
+                 write: bool = True) -> torch.Tensor:
+        """One token of each of r sequences (a decode batch: row t of h (r, dim) is slot slots[t]'s next token):
+        `mix` of one row for each, from that slot's states, which are left after it. live (r,) bool: a row that is
+        not live (a padding row, slots[t] repeating row 0's) writes row 0's new states again, so its slot's states
+        are what row 0 left. write=False: nothing is written (a graph's warm-up run). Device ops only, sized by r:
+        a CUDA graph captures it."""
+        r = h.shape[0]
+        conv_all, state_all = self._all
+        mixed = torch.cat((conv_all.index_select(0, slots), p.qkv(h)[:, :, None].to(conv_all.dtype)), 2)
+        conv = (mixed.float() * self.conv.float()).sum(-1).to(mixed.dtype)     # (r, conv_dim), as mix's one row
+        qkv = F.silu(conv)
+        kdim = self.nk * self.dk
+        q = qkv[:, :kdim].reshape(r, self.nk, self.dk)
+        k = qkv[:, kdim:2 * kdim].reshape(r, self.nk, self.dk)
+        v = qkv[:, 2 * kdim:].reshape(r, self.nv, self.dv)
+        b, a = p.ba(h)
+        beta = b.sigmoid().float()
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        S = state_all.index_select(0, slots)                                   # (r, nv, dk, dv): each row's own
+        y = delta_step_rows(S, *_heads(q, k, v), g, beta)
+        if write:
+            src = torch.where(live, torch.arange(r, device=h.device), torch.zeros_like(slots))
+            state_all.index_copy_(0, slots, S.index_select(0, src))            # (a repeated slot: the same bytes)
+            conv_all.index_copy_(0, slots, mixed[:, :, 1:].index_select(0, src))
+        z = p.z(h).reshape(r, self.nv, self.dv)
+        yn = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(h.dtype)
+        yn = (self.norm * yn).float() * F.silu(z.float())
+        return p.o(yn.to(h.dtype).reshape(r, -1))
+
+
 class LinearProducts(NamedTuple):
     """A Gated DeltaNet layer's products on its rows: qkv (T, dim) -> (T, conv_dim); z -> (T, vdim); ba -> (beta's
     input, the decay's input), each (T, nv); o (T, vdim) -> (T, dim). Dense matrices, resident blocks dequantized
@@ -175,6 +227,18 @@ def delta_step(S, q, k, v, g, beta) -> torch.Tensor:
     delta = (v[0] - torch.einsum("hkv,hk->hv", S, k)) * beta[0][:, None]
     S.add_(k[:, :, None] * delta[:, None, :])
     return torch.einsum("hkv,hk->hv", S, q)[None]
+
+
+def delta_step_rows(S, q, k, v, g, beta) -> torch.Tensor:
+    """delta_step for r sequences at once, each on its own state: S (r, nv, dk, dv) in place; q, k (r, nk, dk) as
+    `_heads` makes them, v (r, nv, dv), g, beta (r, nv) -> (r, nv, dv)."""
+    r, nk, dk = k.shape
+    rep = S.shape[1] // nk
+    q, k = (x[:, :, None].expand(r, nk, rep, dk).reshape(r, -1, dk) for x in (q, k))  # (r, nv, dk)
+    S.mul_(g.exp()[:, :, None, None])
+    delta = (v - torch.einsum("rhkv,rhk->rhv", S, k)) * beta[:, :, None]
+    S.add_(k[:, :, :, None] * delta[:, :, None, :])
+    return torch.einsum("rhkv,rhk->rhv", S, q)
 
 
 def delta_rule_tokens(S, q, k, v, g, beta) -> torch.Tensor:

@@ -241,10 +241,11 @@ def test_rows_on_cuda_close_to_each_step_alone(tmp_path, family):
                 tok[s], pos[s] = int(am1), pos[s] + 1
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe", "qwen3_5"])
 def test_batch_graphs_close_to_each_step_alone(tmp_path, family):
     """strata.batch_graphs on CUDA in bfloat16, through GraphedDecode as a stage holds it: batches of 3, 2 and 1
-    sequences (3 padded to 4 rows; qwen3_moe with k 8: at most 2 rows a replay) replayed from graphs, each row
+    sequences (3 padded to 4 rows; qwen3_moe with k 8: at most 2 rows a replay; qwen3_5's linear layers from each
+    slot's states) replayed from graphs, each row
     within bf16 rounding of the eager step alone, the same argmax where that step's top two are apart; with
     decode_batch steps, one replay of one row each. The graphs were captured (not the eager fallback)."""
     from families_fixtures import make_hf

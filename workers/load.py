@@ -123,6 +123,10 @@ def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, 
         sizes = sorted({min(1 << j, model.n_slots) for j in range(g.max_rows.bit_length())})
         for pos in positions:
             for n in sizes:
+                for blk in model.layers.values():  # (a linear layer's states taken as standing at pos, as below)
+                    if blk.linear:
+                        for s in range(n):
+                            blk.attn.stand_at(s, pos)
                 xs = x1.reshape(1, *x1.shape[2:]).expand(n, *x1.shape[2:])
                 graphs.decode_seqs(xs, list(range(n)), [pos] * n)
         log.info("decode: CUDA graphs of decode batches, %d buckets x %s rows (at most %d a replay)",
