@@ -77,8 +77,11 @@ class Stage(DecodeRing):
         self.kv_bytes = self.model.kv_bytes
         if spec.max_seqs > 1:  # several sequences at once (strata/slots.py): a cache each
             self.model.batch_rows = spec.decode_batch == "rows"
+            kind = self.model.decode_batch_kind()
+            if spec.cuda_graphs and self.device.type == "cuda":
+                kind = f"in CUDA graphs where they cover the slice (the decode line below says), else {kind}"
             log.info("KV slots: %d sequences, %s bytes each; decode batches %s", spec.max_seqs,
-                     f"{self.kv_bytes // spec.max_seqs:,}", self.model.decode_batch_kind())
+                     f"{self.kv_bytes // spec.max_seqs:,}", kind)
         if self.device.type == "cuda":  # what the planner counted against what is held
             m, held = self.model, torch.cuda.memory_allocated(self.device)
             log.info("GPU memory at load: %s bytes allocated = weights %s + scratch %s + KV %s + other %s", f"{held:,}",
