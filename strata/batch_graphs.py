@@ -26,7 +26,6 @@ import functools
 import torch
 
 from .attention import Q8_0, rope_rows, rope_tables, to_cache
-from .decode_graphs import GRAPH_MIN_BUCKET, DecodeGraphs, graphable
 from .model import Block, RMSNorm, Transformer
 from .resident import Packed, ResidentMatrices
 from .weight_only import Products, dense_products
@@ -35,7 +34,8 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, Q8_0)
 
 
 def batch_refusal(m: Transformer, x: torch.Tensor) -> str | None:
-    """Why m's decode batches on x's device cannot be captured (None: they can)."""
+    """Why m's decode batches on x's device cannot be captured beyond what the one-token graphs refuse
+    (strata.decode_graphs.graphable, which GraphedDecode asks too); None: they can."""
     from strata import decode_attention, decode_kernels
     if not (decode_attention.available() and decode_kernels.available()):
         return "no Triton"
@@ -51,8 +51,6 @@ def batch_refusal(m: Transformer, x: torch.Tensor) -> str | None:
             return f"head dim {a.hd} is not a power of two"
         if a.k_cache.dtype not in CACHE_DTYPES:
             return f"a {a.k_cache.dtype} cache"
-    if not graphable(m, x):
-        return "the one-token graphs do not cover this slice" + (" (CPU)" if not x.is_cuda else "")
     return None
 
 
@@ -70,12 +68,13 @@ def max_rows(m: Transformer) -> int:
 class BatchGraphs:
     """A slice's decode batches replayed from CUDA graphs (`batch_refusal` must be None). `step` takes the batch;
     graphs are captured on first use of their (rows, bucket) and made anew by the holder (GraphedDecode) when the
-    slice's cache or weights change."""
+    slice's cache or weights change. `one`: the slice's strata.decode_graphs.DecodeGraphs (nothing captured in it),
+    whose buckets, split-K arm (and its fallback) and norms' checks the batches share."""
 
-    def __init__(self, m: Transformer):
+    def __init__(self, m: Transformer, one):
         self.m = m
         self.device, self.dtype = m.device_dtype()
-        self.one = DecodeGraphs(m)  # its buckets, split-K choices (q8 arm and its fallback), norms' checks
+        self.one = one
         self.max_rows = R = max_rows(m)
         dev = self.device
         # static inputs, R rows (a graph of r rows reads the first r): token ids or residual rows, positions, slots,
@@ -188,7 +187,7 @@ class BatchGraphs:
         if (keys, r) not in self.split_k:
             from strata.decode_attention import SplitKAttention, n_splits
             # the q8 arm as the one-token graphs choose it: probed once, outside any capture (its fallback, if any)
-            q8 = self.one._attention(min(GRAPH_MIN_BUCKET, self.cache_len)).q8
+            q8 = self.one._attention(self.bucket(0)).q8
             a = self.one.attn0
             self.split_k[keys, r] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, keys, self.device,
                                                     splits=n_splits(keys, max(1, 128 // r)), q8=q8, rows=r,

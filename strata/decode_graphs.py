@@ -103,7 +103,10 @@ class GraphedDecode:
             return "one slot: the one-sequence graphs"
         if self._refusal is None or self._refusal[0] != self.m.storage_version:
             from .batch_graphs import batch_refusal
-            self._refusal = (self.m.storage_version, batch_refusal(self.m, x))
+            why = batch_refusal(self.m, x)
+            if why is None and not graphable(self.m, x):
+                why = "the one-token graphs do not cover this slice" + ("" if x.is_cuda else " (CPU)")
+            self._refusal = (self.m.storage_version, why)
         return self._refusal[1]
 
     def batchable(self, x: torch.Tensor) -> bool:
@@ -114,7 +117,7 @@ class GraphedDecode:
         cache or weights changed."""
         if self._batch is None or self._batch_version != self.m.storage_version:
             from .batch_graphs import BatchGraphs
-            self._batch, self._batch_version = BatchGraphs(self.m), self.m.storage_version
+            self._batch, self._batch_version = BatchGraphs(self.m, DecodeGraphs(self.m)), self.m.storage_version
         return self._batch
 
     @torch.inference_mode()

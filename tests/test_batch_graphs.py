@@ -27,7 +27,7 @@ def check_batches(eager, body, first: bool, prompts: list, batches: list[list[in
     rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())  # noqa: E731
     steps = [sum(s in b for b in batches) for s in range(len(prompts))]
     pos = [x.shape[1] - k for x, k in zip(prompts, steps)]
-    bg = BatchGraphs(body)
+    bg = BatchGraphs(body, DecodeGraphs(body))
     dg = DecodeGraphs(eager) if one_graph else None
     took = []
     with torch.inference_mode():
@@ -167,6 +167,7 @@ sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from test_decode_model import SMALL
 from strata.batch_graphs import BatchGraphs
 from strata.checkpoint import synthetic_tensors
+from strata.decode_graphs import DecodeGraphs
 from strata.model import Transformer
 
 
@@ -223,7 +224,7 @@ with torch.inference_mode():
         for s, x in enumerate(prompts):
             t.use_slot(s)
             t(x, 0)
-    bg = OnCPU(m)
+    bg = OnCPU(m, DecodeGraphs(m))
     bg.max_rows = 4  # (a mixture's cap): a batch of 6 is replayed as 4 rows, then 2
     pos = [x.shape[1] for x in prompts]
     tok = [int(x[0, -1]) for x in prompts]
@@ -359,4 +360,7 @@ def test_refusals_name_what_is_not_covered(tmp_path):
     t = Transformer(args, 0, args.n_layers)
     t.load_weights(slice_tensors(d, args, 0, args.n_layers), "cpu", torch.float32)
     t.setup_cache(64, seqs=2)
-    assert batch_refusal(t, torch.zeros(1, dtype=torch.long)) == "the one-token graphs do not cover this slice (CPU)"
+    assert batch_refusal(t, torch.zeros(1, dtype=torch.long)) is None
+    from strata.decode_graphs import GraphedDecode
+    assert GraphedDecode(t).batch_refusal(torch.zeros(1, dtype=torch.long)) == \
+        "the one-token graphs do not cover this slice (CPU)"
