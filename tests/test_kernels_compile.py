@@ -297,3 +297,28 @@ def test_split_k_q8_int8_arm_compiles_for_sm90(hd, g, int8, block, stages):
         asm = ("prmt.b32 ", "sub.f16x2", "mul.rn.f16x2")
         assert all(a in code for a in asm) == use_ptx and any(a in code for a in asm[1:]) == use_ptx
         assert not use_ptx or "ld.shared.b8" not in code
+
+
+@pytest.mark.parametrize("base", ["split_k_partial", "split_k_partial_q8"])
+def test_split_k_rows_load_as_wide_as_one_row(base):
+    """The decode batches' split-K launch (ROWS: each row's slot added to the cache pointers at run time) loads keys
+    and values in vectors as wide as the one-row launch (a slot stride divisible by 16, as a launch specializes it):
+    the same global loads but the row's slot word."""
+    import re
+    from collections import Counter
+
+    def loads(name):
+        fn, sig, c = _kernel_cases()[name]
+        c = dict(c, INT8=2) if "q8" in name else dict(c)
+        names = list(sig)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+                 if n.endswith("_ptr") or n in ("sk_h", "sv_h", "span", "sk_slot", "sv_slot")}
+        try:
+            code = triton.compile(ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in c}}, constexprs=c,
+                                            attrs=attrs), target=SM90, options={"num_stages": 3}).asm["ptx"]
+        except FileNotFoundError as e:
+            pytest.skip(f"no CUDA toolchain in this Triton: {e}")
+        return Counter(re.findall(r"ld\.global[.\w]*", code))
+
+    one, rows = loads(base), loads(base + "_rows")
+    assert rows - one == Counter({"ld.global.b64": 1}) and not one - rows, (one, rows)
