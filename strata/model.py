@@ -258,6 +258,20 @@ class Block(nn.Module):
         y = torch.cat([r.to(ys[0].dtype) for r in ys])  # (a row's attention may take another kernel by its length)
         return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
 
+    def decode_seqs_linear(self, h: torch.Tensor, slots: torch.Tensor,
+                           wo: LayerWeightOnly | None = None) -> torch.Tensor:
+        """decode_seqs_rows for a linear-attention layer: row t steps sequence slots[t]'s states (a device tensor of
+        distinct slots) and leaves them after it (GatedDeltaNet.mix_rows); the products take all the rows at once.
+        The caller checks and moves each slot's position (Transformer.decode_seqs)."""
+        r = self.weights
+        blocks = wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device)
+        mm = r.products() if blocks else dense_products(r.get(), wo)
+        a = self.attn
+        lp = a.products() if a.wqkv is not None else (r if blocks else r.get()).linear()
+        live = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+        y = a.mix_rows(self.attn_norm.rows(h), lp, slots, live)
+        return self._mlp_rows(self._add_attn(h, y.to(h.dtype)), mm)
+
     def _products(self, h: torch.Tensor, wo: LayerWeightOnly | None) -> Products:
         r = self.weights
         if wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device):
@@ -881,8 +895,6 @@ class Transformer(nn.Module):
             return "decode_batch: steps"
         if self.rope_dynamic is not None:
             return "dynamic NTK rope: each step its own frequencies"
-        if any(blk.linear for blk in self.layers.values()):
-            return "linear-attention layers"
         return None
 
     @torch.inference_mode()
@@ -915,9 +927,22 @@ class Transformer(nn.Module):
             h = self._embedded(x.view(1, m) if self.has_embed else x).reshape(m, dim)
             rows = [self._tables(p, 1, h.dtype, True, h.device) for p in positions]  # each row's own, as alone
             tabs = {kind: tuple(torch.cat([r[kind][j] for r in rows]) for j in (0, 1)) for kind in rows[0]}
+            linear = [blk.attn for blk in self.layers.values() if blk.linear]
+            if len(set(slots)) != m:
+                raise ValueError(f"a decode batch names a slot twice: {slots}")
+            for la in linear:  # each slot's states stand at its row's position (0: zeroed)
+                for s, p in zip(slots, positions):
+                    la.begin_slot(s, p)
+            at = torch.tensor(slots, device=h.device) if linear else None
             for i, blk in self.layers.items():
+                if blk.linear:
+                    h = blk.decode_seqs_linear(h, at, self._weight_only.get(i))
+                    continue
                 h = blk.decode_seqs_rows(h, positions, *tabs[blk.attn.rope_kind], [self._slots[s][i] for s in slots],
                                          self._weight_only.get(i))
+            for la in linear:
+                for s, p in zip(slots, positions):
+                    la.stand_at(s, p + 1)
             if not self.has_head:
                 return h, None, None
             logits = self.logits(h, decode=True)

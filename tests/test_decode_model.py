@@ -328,12 +328,13 @@ def slotted_stages(d, args, prompts, **kw):
     return s0, s1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "gpt_oss", "qwen3_5", "qwen3_5_moe"])
 def test_several_sequences_as_rows_match_each_step_alone(tmp_path, family):
     """Transformer.decode_seqs through torch (no C decoder): three sequences in their own slots at other positions,
     past the window where the family has one (a ring cache), as one batch of rows: each row within float32 rounding
     of its step alone, the same argmax; with batch_rows off (decode_batch: steps) each row is its step alone exactly.
-    q/k norms, windows and their rope, sinks, experts and softcaps go through the same per-row attention."""
+    q/k norms, windows and their rope, sinks, experts and softcaps go through the same per-row attention; qwen3_5's
+    linear layers step each row from its slot's states (GatedDeltaNet.mix_rows)."""
     from families_fixtures import make_hf
     from strata.checkpoint import model_args
     _, d = make_hf(tmp_path, family)
@@ -408,7 +409,9 @@ def test_linear_states_a_slot_each(tmp_path, family):
         alone.append(outs)
     s = stages(3)
     assert s[0].state_bytes == 3 * stages(1)[0].state_bytes > 0
-    assert "linear-attention layers" in s[1].decode_batch_kind()
+    for m in s:  # (decode_batch steps: each row its step alone, bit for bit; rows: the test above, within rounding)
+        m.batch_rows = False
+    assert "decode_batch: steps" in s[1].decode_batch_kind()
     got = [[] for _ in prompts]
     at = [0] * len(prompts)
     while any(p < ids.shape[1] for p, ids in zip(at, prompts)):  # one chunk a slot a turn, the short prompt done first
@@ -419,7 +422,7 @@ def test_linear_states_a_slot_each(tmp_path, family):
     tok = [first(s, o[-1]) for o in got]
     pos = [ids.shape[1] for ids in prompts]
     order = [2, 0, 1]
-    for _ in range(steps):  # a decode batch of the three (stepped one after another: linear layers)
+    for _ in range(steps):  # a decode batch of the three, stepped one after another
         x, at = torch.tensor([tok[i] for i in order]), [pos[i] for i in order]
         with torch.inference_mode():
             h, _, am = s[1].decode_seqs(s[0].decode_seqs(x, order, at)[0], order, at)
