@@ -16,8 +16,8 @@ What it covers (`batch_refusal`): what DecodeGraphs captures, with the split-K a
 bfloat16, float16, float32 or q8_0; no dynamic NTK rope. Partial rotary and an output gate (qwen3_5, glm4_moe) take
 torch's rope and an indexed store of the rows. A linear-attention layer (qwen3_5) steps each row from its slot's
 states and writes them back (GatedDeltaNet.mix_rows); the host checks each slot's state stands at its row's position.
-A mixture-of-experts layer's rows take its few-rows path, so a batch holds at most GATHER_PAIRS / k rows (a larger
-one is replayed in groups).
+A mixture-of-experts layer's rows take its few-rows path: all of them where its experts' kernels read their blocks in
+place, else at most GATHER_PAIRS / k rows a replay (a larger batch is replayed in groups).
 """
 from __future__ import annotations
 
@@ -55,12 +55,14 @@ def batch_refusal(m: Transformer, x: torch.Tensor) -> str | None:
 
 
 def max_rows(m: Transformer) -> int:
-    """The most rows one replay takes: the slots, rounded up to a power of two, or for a mixture-of-experts slice the
-    rows its few-rows path takes (strata.moe.GATHER_PAIRS (row, expert) pairs)."""
+    """The most rows one replay takes: the slots, rounded up to a power of two. A mixture-of-experts layer's rows
+    take its few-rows path: any number where its experts' kernels read their blocks in place
+    (MoE.gathers_any_rows), else GATHER_PAIRS (row, expert) pairs (each pair's expert copied first)."""
     from .moe import GATHER_PAIRS
+    device = m.device_dtype()[0]
     cap = 1 << max(0, m.n_slots - 1).bit_length()
     for blk in m.layers.values():
-        if blk.moe:
+        if blk.moe and not blk.mlp.gathers_any_rows(device):
             cap = min(cap, 1 << (max(1, GATHER_PAIRS // blk.mlp.k).bit_length() - 1))
     return max(1, cap)
 
@@ -320,7 +322,7 @@ class BatchGraphs:
         want = (blk.mlp.int8_x(h.device) and r == 1) if blk.moe else int8["w13"]
         h, x, xq = self._add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm, want, r)
         if blk.moe:
-            return h, (blk.mlp(x, xq.get("xq")).view(r, -1), blk.mlp_post_norm)
+            return h, (blk.mlp(x, xq.get("xq"), gather=True).view(r, -1), blk.mlp_post_norm)
         z = act_mul_rows(mm.w13(x, **xq).contiguous(), blk.mlp.activation, int8["w2"])
         zq = {}
         if int8["w2"]:

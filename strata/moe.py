@@ -106,11 +106,20 @@ class MoE(nn.Module):
         w, idx = self.route(x)
         return self._on_blocks(x, w, idx.reshape(-1), self.k, xq, weigh=False), w
 
-    def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x (..., dim) -> (..., dim). xq: one row's quantize_x rounding, where int8_x (else unused)."""
+    def gathers_any_rows(self, device) -> bool:
+        """Whether the few-rows path serves any number of rows without copying experts: the chosen experts'
+        kernels read their blocks in place (a decode batch then multiplies all its (row, expert) pairs in one launch,
+        reading each pair's expert once, as that many separate steps would)."""
+        return self.resident is not None and self.resident.direct(device)
+
+    def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+                gather: bool = False) -> torch.Tensor:
+        """x (..., dim) -> (..., dim). xq: one row's quantize_x rounding, where int8_x (else unused). gather: the
+        few-rows path whatever the rows (a decode batch's, where `gathers_any_rows`; no host sync: graphs capture
+        it)."""
         h = x.reshape(-1, x.shape[-1])
         w, idx = self.route(h)
-        if h.shape[0] * self.k <= GATHER_PAIRS:
+        if gather or h.shape[0] * self.k <= GATHER_PAIRS:
             y = self._gathered(h, w, idx, xq if h.shape[0] == 1 else None)
         else:
             y = self._grouped(h, w, idx)

@@ -342,6 +342,35 @@ def test_batch_body_on_blocks(preset, qtype):
     assert out.startswith("[("), out
 
 
+GATHER = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from strata.args import PRESETS
+from strata.batch_graphs import max_rows
+from strata.checkpoint import load_stage
+args = PRESETS["smoke-moe"]
+m = load_stage("synthetic:smoke-moe@Q4_K", args, 0, 2, device="cpu", dtype=torch.float32, weights="resident",
+               max_len=64, seqs=3)
+moe = m.layers["0"].mlp
+assert moe.gathers_any_rows("cpu")
+print(max_rows(m))
+moe.k = 8  # every expert for every row: 24 (row, expert) pairs, past GATHER_PAIRS
+x = torch.randn(3, args.dim, generator=torch.Generator().manual_seed(0))
+with torch.inference_mode():
+    a, b = moe(x, gather=True), moe(x)  # the chosen experts' kernels on their blocks / grouped on the dequantized
+err = ((a - b).norm() / b.norm()).item()
+assert err < 2e-2, err  # (the experts' kernels take x in int8: ~5e-3 a product)
+print("ok")
+"""
+
+
+def test_experts_on_blocks_take_a_whole_batch():
+    """Resident experts whose kernels read their blocks in place take a batch's rows whatever their count (one
+    replay for 3 slots: max_rows 4), on the few-rows path (gather) past GATHER_PAIRS pairs: within the int8 products'
+    rounding of the grouped path."""
+    assert _interpreted(GATHER).splitlines() == ["4", "ok"]
+
+
 def test_refusals_name_what_is_not_covered(tmp_path):
     """A float8 cache and dynamic NTK rope keep the eager batches, with the reason; CPU tensors are never
     captured."""
