@@ -130,7 +130,8 @@ def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, 
                 xs = x1.reshape(1, *x1.shape[2:]).expand(n, *x1.shape[2:])
                 graphs.decode_seqs(xs, list(range(n)), [pos] * n)
         log.info("decode: CUDA graphs of decode batches, %d buckets x %s rows (at most %d a replay)",
-                 len({g.bucket(p) for p in positions}), "/".join(str(g.rows_for(n)) for n in sizes), g.max_rows)
+                 len({g.bucket(p) for p in positions}), "/".join(str(r) for r in sorted({r for r, _ in g.graphs})),
+                 g.max_rows)
     elif graphs is not None:
         why = graphs.batch_refusal(x1) if model.n_slots > 1 else None
         log.info("decode: eager (%s)", why or "the graphs do not cover " + (", ".join(args.extras()) or "these weights"))
