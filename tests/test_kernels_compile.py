@@ -153,7 +153,7 @@ B16, F16, F32, I8, I32, I64 = "*bf16", "*fp16", "*fp32", "*i8", "i32", "*i64"
 def _kernel_cases():
     from strata import decode_attention as da, decode_gemv as dg, decode_kernels as dk, kernels as k
     ints = lambda *names: {n: I32 for n in names}  # noqa: E731
-    return {
+    cases = {
         "lse_merge": (k._lse_merge_kernel, {"op": B16, "os_": B16, "lp": F32, "ls": F32, "out": B16,
                                             **ints("T", "sp_h", "sp_t", "ss_h", "ss_t", "slp_h", "slp_t", "sls_h",
                                                    "sls_t", "so_h", "so_t")},
@@ -175,23 +175,6 @@ def _kernel_cases():
                                              **ints("window", "ring"), "slot_ptr": I64, **ints("sk_slot", "sv_slot")},
                                {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32", "Q8": True,
                                 "INT8": 0, "PTX": True, "ROWS": False}),
-        "split_k_partial_rows": (da._partial, {"q_ptr": B16, "k_ptr": B16, "v_ptr": B16, "ks_ptr": B16,
-                                               "vs_ptr": B16, "len_ptr": I64, "m_ptr": F32, "l_ptr": F32,
-                                               "acc_ptr": F32, **ints("sk_h", "sk_s", "sv_h", "sv_s", "span"),
-                                               "scale": "fp32", **ints("window", "ring"), "slot_ptr": I64,
-                                               **ints("sk_slot", "sv_slot")},
-                                 {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32", "Q8": False,
-                                  "INT8": 0, "PTX": True, "ROWS": True}),
-        "split_k_partial_q8_rows": (da._partial, {"q_ptr": B16, "k_ptr": I8, "v_ptr": I8, "ks_ptr": F16,
-                                                  "vs_ptr": F16, "len_ptr": I64, "m_ptr": F32, "l_ptr": F32,
-                                                  "acc_ptr": F32, **ints("sk_h", "sk_s", "sv_h", "sv_s", "span"),
-                                                  "scale": "fp32", **ints("window", "ring"), "slot_ptr": I64,
-                                                  **ints("sk_slot", "sv_slot")},
-                                    {"G": 4, "GP": 16, "HD": 128, "BLOCK": da.BLOCK_N, "PREC": "tf32", "Q8": True,
-                                     "INT8": 2, "PTX": True, "ROWS": True}),
-        "split_k_merge_rows": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16,
-                                           "sink_ptr": F32, "n_split": I32},
-                               {"G": 4, "GP": 16, "HD": 128, "SP": 64, "SINKS": True, "ROWS": True}),
         "q8_0_widen": (k._q8_0_widen_kernel, {"qs": I8, "ds": F16, "out": B16, **ints("T", "s_h", "s_t")},
                        {"HD": 128, "ROWS": k.ROPE_ROWS}),
         "split_k_merge": (da._merge, {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "o_ptr": B16, "sink_ptr": F32,
@@ -234,18 +217,6 @@ def _kernel_cases():
                                            "qw_ptr": B16, "kw_ptr": B16, "eps": "fp32",
                                            **ints("skh", "sks", "svh", "svs"), "slot_ptr": I64, **ints("sk_slot", "sv_slot")},
                           {"NH": 32, "NKV": 8, "HD": 128, "COLS": 32, "Q8": True, "QK_NORM": True, "ROWS": False}),
-        "rope_store_rows_q8": (dk._rope_store, {"qkv_ptr": B16, "cos_ptr": B16, "ssin_ptr": B16, "pos_ptr": I64,
-                                                "q_ptr": B16, "kc_ptr": I8, "vc_ptr": I8, "ks_ptr": F16, "vs_ptr": F16,
-                                                "qw_ptr": B16, "kw_ptr": B16, "eps": "fp32",
-                                                **ints("skh", "sks", "svh", "svs"), "slot_ptr": I64,
-                                                **ints("sk_slot", "sv_slot")},
-                               {"NH": 32, "NKV": 8, "HD": 128, "COLS": 32, "Q8": True, "QK_NORM": True, "ROWS": True}),
-        "rope_store_rows": (dk._rope_store, {"qkv_ptr": B16, "cos_ptr": B16, "ssin_ptr": B16, "pos_ptr": I64,
-                                             "q_ptr": B16, "kc_ptr": B16, "vc_ptr": B16, "ks_ptr": B16, "vs_ptr": B16,
-                                             "qw_ptr": B16, "kw_ptr": B16, "eps": "fp32",
-                                             **ints("skh", "sks", "svh", "svs"), "slot_ptr": I64,
-                                             **ints("sk_slot", "sv_slot")},
-                            {"NH": 32, "NKV": 8, "HD": 128, "COLS": 128, "Q8": False, "QK_NORM": False, "ROWS": True}),
         "argmax_blocks": (dk._argmax_blocks, {"x_ptr": F32, "n": I32, "vals_ptr": F32, "idx_ptr": I64},
                           {"BLOCK": dk.ARGMAX_BLOCK}),
         "argmax_final": (dk._argmax_final, {"vals_ptr": F32, "idx_ptr": I64, "parts": I32, "out_ptr": I64},
@@ -253,6 +224,14 @@ def _kernel_cases():
         "dense_gemv": (dg._gemv, {"x_ptr": B16, "w_ptr": B16, "b_ptr": B16, "y_ptr": B16, "K": I32, "stride_w": I32},
                        {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512}),
     }
+    # the decode batches' launches (ROWS: each row its slot and position): the one-row kernels' signatures
+    for name, base, extra in (("split_k_partial_rows", "split_k_partial", {}),
+                              ("split_k_partial_q8_rows", "split_k_partial_q8", {"INT8": 2}),
+                              ("split_k_merge_rows", "split_k_merge_sinks", {}),
+                              ("rope_store_rows", "rope_store", {}), ("rope_store_rows_q8", "rope_store_q8", {})):
+        fn, sig, c = cases[base]
+        cases[name] = (fn, sig, {**c, **extra, "ROWS": True})
+    return cases
 
 
 @pytest.mark.parametrize("name", ["lse_merge", "gated", "rope", "split_k_partial", "split_k_partial_q8",
