@@ -149,16 +149,14 @@ class BatchGraphs:
             self.slot[:r].copy_(meta[1])
             self.live[:r].copy_(meta[2].bool())
             for la in self.linear:  # each row's slot's states stand at its position (position 0: zeroed)
-                for s, p in zip(slots, positions):
-                    la.begin_slot(s, p)
+                la.begin_rows(slots, positions)
             key = (r, self.bucket(max(positions)))
             entry = self.graphs.get(key)
             if entry is None:
                 entry = self.graphs[key] = self._capture(*key)
             entry[0].replay()
             for la in self.linear:
-                for s, p in zip(slots, positions):
-                    la.stand_at(s, p + 1)
+                la.step_rows(slots, positions)
             out = entry[1]
             if not fresh:
                 return tuple(None if t is None else t[:n] for t in out)
@@ -303,11 +301,8 @@ class BatchGraphs:
         mm, int8 = self._products(blk)
         la, w = blk.attn, blk.weights
         if la.wqkv is None:  # resident: on its blocks, x's int8 rounding from the norm's launch where they read it
-            q8 = {p: w.int8_x(p) for p in ("lin_qkv", "lin_z", "lin_ba")}
-            h, x, xq = self._add_norm(h, pend, blk.attn_norm, any(q8.values()), r)
-            lp = w.linear()
-            take = lambda f, p: functools.partial(f, **xq) if q8[p] else f  # noqa: E731
-            lp = lp._replace(qkv=take(lp.qkv, "lin_qkv"), z=take(lp.z, "lin_z"), ba=take(lp.ba, "lin_ba"))
+            h, x, xq = self._add_norm(h, pend, blk.attn_norm, w.linear_int8(), r)
+            lp = w.linear_taking(xq)
         else:
             h, x, _ = self._add_norm(h, pend, blk.attn_norm, False, r)
             lp = la.products()

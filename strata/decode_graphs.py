@@ -470,11 +470,8 @@ class DecodeGraphs:
         int8 = self._int8_inputs(r)
         la = blk.attn
         if la.wqkv is None:  # resident: on its blocks, x's int8 rounding from the norm's launch where they read it
-            q8 = {p: self.fused and r.int8_x(p) for p in ("lin_qkv", "lin_z", "lin_ba")}
-            h, x, xq = self._add_norm(h, pend, blk.attn_norm, any(q8.values()))
-            lp = r.linear()
-            take = lambda f, p: functools.partial(f, **xq) if q8[p] else f  # noqa: E731
-            lp = lp._replace(qkv=take(lp.qkv, "lin_qkv"), z=take(lp.z, "lin_z"), ba=take(lp.ba, "lin_ba"))
+            h, x, xq = self._add_norm(h, pend, blk.attn_norm, self.fused and r.linear_int8())
+            lp = r.linear_taking(xq)
         else:
             h, x, _ = self._add_norm(h, pend, blk.attn_norm)
             lp = self._dense_linear(la)

@@ -91,6 +91,16 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"linear attention: slot {slot}'s state stands at position {self.position(slot)}, not "
                              f"{pos} (a recurrent state serves only the position it was taken at)")
 
+    def begin_rows(self, slots: list[int], positions: list[int]) -> None:
+        """`begin_slot` for each row of a decode batch (its slot, its position)."""
+        for s, p in zip(slots, positions):
+            self.begin_slot(s, p)
+
+    def step_rows(self, slots: list[int], positions: list[int]) -> None:
+        """After a decode batch stepped each row: its slot's states stand one past its position."""
+        for s, p in zip(slots, positions):
+            self.stand_at(s, p + 1)
+
     def stand_at(self, slot: int, pos: int) -> None:
         """Sequence `slot`'s states stand at `pos` (restored there)."""
         if slot == self.slot:

@@ -931,8 +931,7 @@ class Transformer(nn.Module):
             if len(set(slots)) != m:
                 raise ValueError(f"a decode batch names a slot twice: {slots}")
             for la in linear:  # each slot's states stand at its row's position (0: zeroed)
-                for s, p in zip(slots, positions):
-                    la.begin_slot(s, p)
+                la.begin_rows(slots, positions)
             at = torch.tensor(slots, device=h.device) if linear else None
             for i, blk in self.layers.items():
                 if blk.linear:
@@ -941,8 +940,7 @@ class Transformer(nn.Module):
                 h = blk.decode_seqs_rows(h, positions, *tabs[blk.attn.rope_kind], [self._slots[s][i] for s in slots],
                                          self._weight_only.get(i))
             for la in linear:
-                for s, p in zip(slots, positions):
-                    la.stand_at(s, p + 1)
+                la.step_rows(slots, positions)
             if not self.has_head:
                 return h, None, None
             logits = self.logits(h, decode=True)

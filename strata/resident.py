@@ -364,6 +364,21 @@ class ResidentMatrices(nn.Module):
             return y.split(y.shape[-1] // 2, dim=-1)
         return LinearProducts(f("lin_qkv"), f("lin_z"), ba, f("lin_o"))
 
+    LINEAR_INPUTS = ("lin_qkv", "lin_z", "lin_ba")
+
+    def linear_int8(self) -> bool:
+        """Whether one of a linear-attention layer's input products reads x rounded to int8 (the norm before them
+        then writes the rounding)."""
+        return any(self.int8_x(p) for p in self.LINEAR_INPUTS)
+
+    def linear_taking(self, xq: dict):
+        """`linear`, with the norm's int8 rounding of x ({} or {"xq": ...}) bound to the input products that read it
+        (the decode graphs' one row, and the batch graphs' rows)."""
+        lp = self.linear()
+        take = {p: functools.partial(f, **xq) if xq and self.int8_x(p) else f
+                for p, f in zip(self.LINEAR_INPUTS, (lp.qkv, lp.z, lp.ba))}
+        return lp._replace(qkv=take["lin_qkv"], z=take["lin_z"], ba=take["lin_ba"])
+
     def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None,
                 xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         from .quant.gemv import quant_matmul_parts
