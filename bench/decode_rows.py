@@ -4,13 +4,17 @@ their own slots, each prefilled with --prompt tokens, then steps of m rows at po
 Arms: `blocks` (CPU: the C decoder on the file's blocks, decode_weights blocks: each weight block read once a
 batch), `rows` (torch's products, all rows at once, each row's attention alone: decode_batch rows, eager), `steps`
 (the same, each row's step alone: decode_batch steps), `graphs` (CUDA: strata.batch_graphs, the batch in one
-replay, as a stage with several slots runs it; captured before the timing). Printed: ms a step and ms a row, the
-best of --rounds rounds of --steps calls.
+replay, as a stage with several slots runs it; captured before the timing), `graphs-mma` (the same with
+kernels.gemv_rows mma: a resident model's products of more than 4 rows on int8 tensor cores, strata/quant/rows.py).
+Printed: ms a step and ms a row, the best of --rounds rounds of --steps calls, and each arm's logits against the first
+arm's (relative, as a whole: the same bits give 0).
 
     python bench/decode_rows.py                         # SmolLM2 on one CPU thread: blocks, rows, steps; 1, 4, 16 rows
     python bench/decode_rows.py --arms blocks --rows 1,2,4,8,16
     python bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 --arms graphs,rows \
         --rows 1,4,16 --prompt 2048 --weights resident  # one GPU: the batch graphs against eager rows
+    python bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 --arms graphs,graphs-mma \
+        --rows 4,8,16 --prompt 2048 --weights resident  # the batch's products: dp4a 4 rows a launch, or mma
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.checkpoint import load_stage, model_args, smollm2_path  # noqa: E402
+from strata.config import KernelSpec  # noqa: E402
 
 
 def main() -> int:
@@ -49,19 +54,20 @@ def main() -> int:
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     print(f"{path}, {dev}{', one thread' if dev.type == 'cpu' else ''}, {a.dtype}, kv {a.kv_dtype}, {a.prompt} "
           f"tokens a slot; best of {a.rounds} rounds of {a.steps} steps")
-    print(f"{'arm':>7} {'rows':>5} {'ms a step':>10} {'ms a row':>9}")
+    print(f"{'arm':>10} {'rows':>5} {'ms a step':>10} {'ms a row':>9} {'logits vs first arm':>20}")
+    first: dict[int, torch.Tensor] = {}
     for arm in a.arms.split(","):
         m = load_stage(path, args, 0, args.n_layers, device=dev, dtype=getattr(torch, a.dtype), max_len=max_len,
                        decode_weights="blocks" if arm == "blocks" else None, seqs=seqs, kv_dtype=a.kv_dtype,
-                       weights=a.weights)
+                       weights=a.weights, kernels=KernelSpec(gemv_rows="mma") if arm == "graphs-mma" else None)
         m.batch_rows = arm != "steps"
         decoder = m
-        if arm == "graphs":
+        if arm.startswith("graphs"):
             from strata.decode_graphs import GraphedDecode
             decoder = GraphedDecode(m)
             why = decoder.batch_refusal(torch.zeros(1, dtype=torch.long, device=dev))
             if why is not None:
-                print(f"{arm:>7}: not captured ({why})")
+                print(f"{arm:>10}: not captured ({why})")
                 continue
         g = torch.Generator().manual_seed(0)
         with torch.inference_mode():
@@ -72,8 +78,11 @@ def main() -> int:
             for n in rows:
                 slots, pos = list(range(n)), [a.prompt + s for s in range(n)]
                 x = torch.randint(0, args.vocab_size, (n,), generator=g).to(dev)
-                decoder.decode_seqs(x, slots, pos)  # warm-up (writes the same rows again below: the positions stay put)
+                # warm-up (writes the same rows again below: the positions stay put)
+                logits = decoder.decode_seqs(x, slots, pos)[1].float()
                 sync()
+                ref = first.setdefault(n, logits)
+                vs = float((logits - ref).norm() / ref.norm())
                 best = float("inf")
                 for _ in range(a.rounds):
                     t = time.perf_counter()
@@ -81,7 +90,7 @@ def main() -> int:
                         decoder.decode_seqs(x, slots, pos)
                     sync()
                     best = min(best, (time.perf_counter() - t) / a.steps)
-                print(f"{arm:>7} {n:>5} {best * 1e3:>10.2f} {best * 1e3 / n:>9.2f}", flush=True)
+                print(f"{arm:>10} {n:>5} {best * 1e3:>10.2f} {best * 1e3 / n:>9.2f} {vs:>20.2e}", flush=True)
         del m, decoder
     return 0
 

@@ -9,8 +9,8 @@
 # --prefill); `serve`: the server with 1, 4 and 16 streams of token-id prompts (max_seqs 16) beside
 # llama-batched-bench on the same file (bench/serve_concurrency.py; issue 29; carry the server's wheels in .whl:
 # ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
-# markupsafe); `batch`: the GPU tests of decode batches in graphs, then a batch's time by rows, graphs against
-# eager (bench/decode_rows.py). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | serve
+# markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py, then a batch's time by
+# rows, graphs (kernels.gemv_rows dp4a and mma) against eager (bench/decode_rows.py). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | serve
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -51,11 +51,12 @@ serve)
     | tee "$LOG/serve.log" | tail -8 ;;
 batch)
   el "GPU tests: decode batches in graphs (strata/batch_graphs.py), rows on CUDA, several slots end to end"
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-    -k "batch_graphs or rows_on_cuda or max_seqs" 2>&1 | tail -5
-  el "a decode batch by rows, 8B Q4_K_M, 2,048 tokens a slot: the batch graphs against eager rows"
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_rows.py \
+    -k "batch_graphs or rows_on_cuda or max_seqs or gpu_rows" 2>&1 | tail -5
+  el "a decode batch by rows, 8B Q4_K_M, 2,048 tokens a slot: the batch graphs (dp4a, mma products) against eager rows"
   timeout 300 python3 bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 \
-    --weights resident --arms graphs,rows --rows 1,4,16 --prompt 2048 2>&1 | tee "$LOG/batch.log" | tail -9 ;;
+    --weights resident --arms graphs,graphs-mma,rows --rows 1,4,8,16 --prompt 2048 2>&1 | tee "$LOG/batch.log" \
+    | tail -14 ;;
 narrow)
   el "one layer's prefill attention, bf16 cache vs q8_0 widened in blocks (bench/narrow_prefill.py --prefill)"
   timeout 200 python3 bench/narrow_prefill.py --prefill --chunk 10240 --heads 32 --kv-heads 8 --keys 122880 \

@@ -21,8 +21,6 @@ place, else at most GATHER_PAIRS / k rows a replay (a larger batch is replayed i
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .attention import Q8_0, rope_rows, rope_tables, to_cache
@@ -351,6 +349,7 @@ class BatchGraphs:
         """The final norm and head of the rows: a resident head on its blocks, DECODE_T rows a launch, x's int8
         rounding from the norm's launch where it reads that; else Transformer.logits."""
         from .args import DECODE_T
+        from .quant import rows
         m = self.m
         w = m.head.weight
         if not (isinstance(w, Packed) and m.head.int8_x(h.device) and m.decode_weights is None
@@ -358,8 +357,8 @@ class BatchGraphs:
             return m.logits(h, decode=True)
         from strata.decode_kernels import rms_norm
         x, (q, s) = rms_norm(h, m.norm.weight, m.norm.eps, int8=True, rows=r)
-        out = torch.cat([m.head(x[j:j + DECODE_T], xq=(q[j:j + DECODE_T], s[j:j + DECODE_T]))
-                         for j in range(0, r, DECODE_T)])
+        step = r if rows.takes(m.head.kernels, r, [w.qtype]) else DECODE_T  # kernels.gemv_rows mma: all at once
+        out = torch.cat([m.head(x[j:j + step], xq=(q[j:j + step], s[j:j + step])) for j in range(0, r, step)])
         c = m.args.final_softcap
         return out if c is None else torch.tanh(out / c) * c
 

@@ -37,6 +37,7 @@ Q8_0_KERNELS = ("dp4a", "bytes")
 Q8_ATTENTION = ("widen", "int8", "int8x2")  # split-K decode attention over a q8_0 cache (strata/decode_attention.py;
                                             # the order is its kernel's INT8 constexpr)
 MXFP4_KERNELS = ("dp4a", "float")
+ROWS_KERNELS = ("dp4a", "mma")  # resident K-quant products of more than 4 rows (decode batches)
 WINDOW_KERNELS = ("flex", "band")
 
 
@@ -102,6 +103,10 @@ class KernelSpec:
     gemv_mxfp4: str = field(default="dp4a", metadata={"choices": MXFP4_KERNELS})    # resident MXFP4 experts
                                    # (gpt-oss): aligned words, nibbles to int8 by byte permutes, int8 x by dp4a
                                    # (the stacks re-laid at load), or float x and float32 products per value
+    gemv_rows: str = field(default="dp4a", metadata={"choices": ROWS_KERNELS})  # resident Q4_K / Q5_K / Q6_K
+                                   # products of a decode batch of more than 4 rows: the dp4a kernels 4 rows a launch
+                                   # (the weights read once per 4 rows), or "mma": every row in one launch on int8
+                                   # tensor cores (strata/quant/rows.py; not yet timed on a GPU)
     q8_attention: str = field(default="int8x2", metadata={"choices": Q8_ATTENTION})  # decode graphs' split-K
                                    # over a q8_0 cache: "int8x2": q rounded to int8 per 32 dims plus its rounding
                                    # residual as a second int8 dot (~15 bits of q), scores on int8 tensor cores, V
@@ -130,6 +135,7 @@ ENV_KERNELS = {
     "STRATA_GEMV_Q6K": ("gemv_q6k", {v: v for v in KQUANT_KERNELS}),
     "STRATA_GEMV_Q8_0": ("gemv_q8_0", {v: v for v in Q8_0_KERNELS}),
     "STRATA_GEMV_MXFP4": ("gemv_mxfp4", {v: v for v in MXFP4_KERNELS}),
+    "STRATA_GEMV_ROWS": ("gemv_rows", {v: v for v in ROWS_KERNELS}),
     "STRATA_Q8_ATTENTION": ("q8_attention", {v: v for v in Q8_ATTENTION}),
     "STRATA_WINDOW_ATTENTION": ("window_attention", {v: v for v in WINDOW_KERNELS}),
     "STRATA_DECODE_BELLS": ("decode_bells", {"auto": "auto", "0": False, "1": True}),

@@ -381,12 +381,16 @@ class ResidentMatrices(nn.Module):
 
     def _matmul(self, names: tuple[str, ...], x: torch.Tensor, bias: torch.Tensor | None = None,
                 xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        from .quant import rows
         from .quant.gemv import quant_matmul_parts
         parts = [self.parts[n] for n in names if n in self.parts]
         if parts[0].col_perm is not None:  # (a single part): x in the stored column order instead
             x, xq = x.index_select(-1, parts[0].col_inv), None
-        y = quant_matmul_parts(x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts], parts[0].cols,
-                               kernels=self.kernels, xq=xq)
+        x2, mats = x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts]
+        if rows.takes(self.kernels, x2.shape[0], [p.qtype for p in parts]):  # a decode batch's rows in one launch
+            y = rows.quant_matmul_rows(x2, mats, parts[0].cols, xq=xq)
+        else:
+            y = quant_matmul_parts(x2, mats, parts[0].cols, kernels=self.kernels, xq=xq)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
@@ -510,11 +514,18 @@ class Head(nn.Module):
         w = self.weight
         vocab = w.n_rows if isinstance(w, Packed) else w.shape[0]
         out = torch.empty(*x.shape[:-1], vocab, device=x.device, dtype=torch.float32)
-        if isinstance(w, Packed) and x.reshape(-1, x.shape[-1]).shape[0] <= DECODE_T and fused_ok(w, x.device):
-            from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
-            quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab), kernels=self.kernels,
-                         xq=xq)
-            return out
+        n = x.reshape(-1, x.shape[-1]).shape[0]
+        if isinstance(w, Packed) and fused_ok(w, x.device):
+            from .quant import rows
+            if n <= DECODE_T:
+                from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
+                quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab),
+                             kernels=self.kernels, xq=xq)
+                return out
+            if rows.takes(self.kernels, n, [w.qtype]):  # a decode batch's rows, on int8 tensor cores
+                rows.quant_matmul_rows(x.reshape(-1, w.cols), [(w.data, w.qtype)], w.cols, out=out.view(-1, vocab),
+                                       xq=xq)
+                return out
         for s in range(0, vocab, self.rows):
             e = min(vocab, s + self.rows)
             if isinstance(w, Packed):

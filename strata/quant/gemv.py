@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import IQ3S_KERNELS, KQUANT_KERNELS, MXFP4_KERNELS, Q8_0_KERNELS, KernelSpec
+from ..config import IQ3S_KERNELS, KQUANT_KERNELS, MXFP4_KERNELS, Q8_0_KERNELS, ROWS_KERNELS, KernelSpec
 from . import LEGACY_FLAGS, block_size, qtype_of, type_size
 
 try:
@@ -66,29 +66,30 @@ log = logging.getLogger("strata.quant")
 
 @dataclass
 class GemvKernels:
-    """Which kernel each resident decode product takes: IQ3_S's, Q4_K/Q5_K's, Q6_K's, Q8_0's and the MXFP4 experts'
-    (the rig's kernels.gemv_iq3s / gemv_kquant / gemv_q6k / gemv_q8_0 / gemv_mxfp4; KernelSpec's defaults). A model
-    holds one for all its matrices (Transformer.gemv). Mutable on purpose: where a dp4a kernel fails (a Triton that
-    cannot build the inline PTX), it falls back on this object, IQ3_S and MXFP4 to their float kernels, the K-quants
-    to the word kernel on float x and Q8_0 to its byte kernel, for this holder's later calls; another holder, or a
-    call without one, is not affected."""
+    """Which kernel each resident decode product takes: IQ3_S's, Q4_K/Q5_K's, Q6_K's, Q8_0's and the MXFP4 experts',
+    and a batch's rows (the rig's kernels.gemv_iq3s / gemv_kquant / gemv_q6k / gemv_q8_0 / gemv_mxfp4 / gemv_rows;
+    KernelSpec's defaults). A model holds one for all its matrices (Transformer.gemv). Mutable on purpose: where a
+    dp4a kernel fails (a Triton that cannot build the inline PTX), it falls back on this object, IQ3_S and MXFP4 to
+    their float kernels, the K-quants to the word kernel on float x and Q8_0 to its byte kernel, for this holder's
+    later calls; another holder, or a call without one, is not affected."""
     iq3s: str = KernelSpec.gemv_iq3s
     kquant: str = KernelSpec.gemv_kquant
     q6k: str = KernelSpec.gemv_q6k
     q8_0: str = KernelSpec.gemv_q8_0
     mxfp4: str = KernelSpec.gemv_mxfp4
+    rows: str = KernelSpec.gemv_rows  # a batch's rows past MAX_M: these kernels, or strata.quant.rows' ("mma")
 
     def __post_init__(self):
         for name, v, choices in (("iq3s", self.iq3s, IQ3S_KERNELS), ("kquant", self.kquant, KQUANTS),
                                  ("q6k", self.q6k, Q6K_KERNELS), ("q8_0", self.q8_0, Q8_0_KERNELS),
-                                 ("mxfp4", self.mxfp4, MXFP4_KERNELS)):
+                                 ("mxfp4", self.mxfp4, MXFP4_KERNELS), ("rows", self.rows, ROWS_KERNELS)):
             if v not in choices:
                 raise ValueError(f"GemvKernels.{name}={v!r}: one of {', '.join(choices)}")
 
     def choose(self, spec: KernelSpec) -> None:
         """Take the rig's choices again (a fallback made earlier is forgotten)."""
         self.iq3s, self.kquant, self.q6k, self.q8_0 = spec.gemv_iq3s, spec.gemv_kquant, spec.gemv_q6k, spec.gemv_q8_0
-        self.mxfp4 = spec.gemv_mxfp4
+        self.mxfp4, self.rows = spec.gemv_mxfp4, spec.gemv_rows
         self.__post_init__()
 
 

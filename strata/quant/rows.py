@@ -1,0 +1,189 @@
+"""Resident K-quant products of a decode batch's rows on int8 tensor cores (kernels.gemv_rows: "mma").
+
+strata.quant.gemv's dp4a kernels take at most MAX_M (4) rows of x a launch: a batch of 16 rows reads every weight
+4 times, and its per-row dp4a products grow with the rows on the CUDA cores. Here one launch takes up to ROWS_MAX
+rows. A program dequantizes a [BLOCK_N weight rows, 32] tile of one sub-block to int8 (Q4_K / Q5_K: the 4- or 5-bit
+values; Q6_K: the 6-bit values - 32), multiplies it by the rows' int8 x of that group (`quantize_x`'s rounding, the
+dp4a kernels' own) with tl.dot into int32 (tensor cores), and applies the scales in float32:
+  Q4_K / Q5_K: x_s * (d * sc * (q . xq) - dmin * m * sum(xq)) per sub-block of 32;
+  Q6_K: x_s * d * (sc_0 * (q . xq) over the group's first 16 + sc_1 * over its last 16).
+This is llama.cpp's MMQ arrangement. The integer dot products are the dp4a kernels'; only the float32 sums' order
+differs. SPLIT programs share a row's blocks where a launch has few tiles (partial rows, then gemv's _sum_splits).
+Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import block_size, qtype_of, type_size
+from .gemv import MAX_M, MAX_PARTS, SUM_COLS, XQ_GROUP, GemvKernels, quantize_x, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .gemv import _f16, _k4_scale_min, _split_range, _sum_splits, _tile_at
+
+ROWS_MAX = 64     # x rows a launch (a tile dim: 16, 32 or 64); more take several launches
+BLOCK_N = 32      # weight rows a program
+TARGET_TILES = 512  # programs a launch should reach (about 4 waves of an H100 / H200's 132 SMs) before it splits K
+MIN_SPLIT_BLOCKS = 4  # a split program's least blocks
+TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def takes(kernels: GemvKernels | None, m: int, qtypes) -> bool:
+    """Whether `quant_matmul_rows` computes m rows against matrices of these types for this holder: its rows arm is
+    "mma", there are more rows than one dp4a launch takes, and every type has a kernel here."""
+    return (triton is not None and kernels is not None and kernels.rows == "mma" and m > MAX_M
+            and all(qtype_of(q).name in TYPES for q in qtypes))
+
+
+if triton is not None:
+    @triton.jit
+    def _x_tile(xq_ptr, g, cols, r):
+        """x's int8 values of group g for rows r (R,): (32, R), from quantize_x's planes (byte 8p + b of group g at
+        [p, g, b] of a row)."""
+        jj = tl.arange(0, 32)[:, None]
+        return tl.load(xq_ptr + r[None, :] * cols + (jj // 8) * (cols // 4) + g * 8 + jj % 8)
+
+    @triton.jit
+    def _store_tile(out_ptr, acc, m, M, out_stride, cols_out, live):
+        tl.store(out_ptr + m[None, :] * out_stride + cols_out[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & (m[None, :] < M))
+
+    @triton.jit
+    def _k45_rows(xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, part_stride, M,
+                  R: tl.constexpr, BLOCK_N: tl.constexpr, FIVE: tl.constexpr, SPLIT: tl.constexpr):
+        """Q4_K (FIVE False) and Q5_K, gemv's _k45_gemv layout: per block fp16 d and dmin, 12 bytes of 6-bit scales
+        and mins, Q5_K's 32 fifth-bit bytes, then 128 bytes whose quarter p holds sub-block 2p in its low nibbles and
+        2p + 1 in its high ones. Rows past M read row M - 1 (not stored)."""
+        if FIVE:
+            size, qs_at = 176, 48
+        else:
+            size, qs_at = 144, 16
+        row_base, col, rows, live = _tile_at(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N)
+        j = tl.arange(0, 32)[None, :]
+        m = tl.arange(0, R)
+        r = tl.minimum(m, M - 1)
+        groups = cols // 32
+        acc = tl.zeros((BLOCK_N, R), tl.float32)
+        k0, k1 = _split_range(nb, 1, SPLIT)
+        for b in range(k0, k1):
+            base = row_base + b * size
+            d = _f16(base)
+            dmin = _f16(base + 2)
+            if FIVE:
+                fifth = tl.load(base + 16 + j).to(tl.int32)
+            for p in tl.static_range(4):
+                q = tl.load(base + qs_at + 32 * p + j).to(tl.int32)  # (BLOCK_N, 32)
+                for h in tl.static_range(2):
+                    w = (q >> (4 * h)) & 15
+                    if FIVE:
+                        w = w | (((fifth >> (2 * p + h)) & 1) << 4)
+                    g = b * 8 + 2 * p + h
+                    xt = _x_tile(xq_ptr, g, cols, r)
+                    dot = tl.dot(w.to(tl.int8), xt, out_dtype=tl.int32).to(tl.float32)  # (BLOCK_N, R)
+                    xsum = tl.sum(xt.to(tl.int32), axis=0).to(tl.float32)[None, :]
+                    xs = tl.load(xs_ptr + r * groups + g)[None, :]
+                    sc, mn = _k4_scale_min(base + 4, 2 * p + h)
+                    acc += xs * ((d * sc) * dot - (dmin * mn) * xsum)
+        _store_tile(out_ptr + tl.program_id(1) * part_stride, acc, m, M, out_stride, col + rows, live)
+
+    @triton.jit
+    def _q6_k_rows(xq_ptr, xs_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, part_stride, M,
+                   R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+        """Q6_K: per block 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 weights),
+        fp16 d. Weight 128n + 32t + l (t = 0..3, l < 32) is the low (t < 2) or high nibble of byte 64n + 32(t % 2) + l
+        with bits 2t of byte 128 + 32n + l above it, minus 32; its scale is byte 192 + 8n + 2t + l // 16."""
+        row_base, col, rows, live = _tile_at(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2, nb, 210, BLOCK_N)
+        j = tl.arange(0, 32)[None, :]
+        m = tl.arange(0, R)
+        r = tl.minimum(m, M - 1)
+        groups = cols // 32
+        acc = tl.zeros((BLOCK_N, R), tl.float32)
+        k0, k1 = _split_range(nb, 1, SPLIT)
+        for b in range(k0, k1):
+            base = row_base + b * 210
+            d = _f16(base + 208)
+            for n in tl.static_range(2):
+                qh = tl.load(base + 128 + 32 * n + j).to(tl.int32)
+                for half in tl.static_range(2):
+                    ql = tl.load(base + 64 * n + 32 * half + j).to(tl.int32)
+                    for high in tl.static_range(2):
+                        t = half + 2 * high
+                        w = (((ql >> (4 * high)) & 15) | (((qh >> (2 * t)) & 3) << 4)) - 32
+                        g = b * 8 + 4 * n + t
+                        xt = _x_tile(xq_ptr, g, cols, r)
+                        first = tl.dot(tl.where(j < 16, w, 0).to(tl.int8), xt, out_dtype=tl.int32).to(tl.float32)
+                        last = tl.dot(tl.where(j < 16, 0, w).to(tl.int8), xt, out_dtype=tl.int32).to(tl.float32)
+                        s0 = tl.load(base + 192 + 8 * n + 2 * t).to(tl.int8, bitcast=True).to(tl.float32)
+                        s1 = tl.load(base + 193 + 8 * n + 2 * t).to(tl.int8, bitcast=True).to(tl.float32)
+                        xs = tl.load(xs_ptr + r * groups + g)[None, :]
+                        acc += xs * (d * (s0 * first + s1 * last))
+        _store_tile(out_ptr + tl.program_id(1) * part_stride, acc, m, M, out_stride, col + rows, live)
+
+    _KERNELS = {"Q4_K": (_k45_rows, {"FIVE": False}), "Q5_K": (_k45_rows, {"FIVE": True}), "Q6_K": (_q6_k_rows, {})}
+
+
+def split_for(tiles: int, nb: int) -> int:
+    """Programs a row's blocks are cut among: enough to reach TARGET_TILES, each at least MIN_SPLIT_BLOCKS blocks."""
+    return max(1, min(triton.cdiv(TARGET_TILES, tiles), nb // MIN_SPLIT_BLOCKS))
+
+
+def quant_matmul_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
+                      out: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      split: int | None = None) -> torch.Tensor:
+    """x (M, cols) times each matrix (blocks, qtype) of `parts` side by side, as gemv.quant_matmul_parts, on int8
+    tensor cores (Q4_K, Q5_K, Q6_K). xq: x's quantize_x rounding where the caller has it. split: programs a row's
+    blocks are cut among (None: split_for's)."""
+    names = [qtype_of(q).name for _, q in parts]
+    if triton is None or any(n not in TYPES for n in names):
+        raise ValueError(f"quant_matmul_rows takes {', '.join(TYPES)}, got {', '.join(names)}")
+    if x.dim() != 2 or x.shape[1] != cols or cols % 256:
+        raise ValueError(f"x must be (M, {cols}) with whole 256-value blocks, got {tuple(x.shape)}")
+    for (w, _), name in zip(parts, names):
+        if w.dtype != torch.uint8 or tuple(w.shape[1:]) != (cols // block_size(name) * type_size(name),):
+            raise ValueError(f"{name}: blocks must be uint8 (rows, {cols // block_size(name) * type_size(name)})")
+    x = x.contiguous()
+    total = sum(w.shape[0] for w, _ in parts)
+    if out is None:
+        out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
+    if xq is None:
+        xq = quantize_x(x)
+    q, s = xq
+    if tuple(q.shape) != tuple(x.shape) or tuple(s.shape) != (x.shape[0], cols // XQ_GROUP):
+        raise ValueError(f"xq must be quantize_x's of x {tuple(x.shape)}")
+    nb = cols // 256
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        i, col = 0, 0
+        while i < len(parts):
+            k = i + 1
+            while k < len(parts) and k - i < MAX_PARTS and names[k] == names[i]:
+                k += 1
+            mats = [w for w, _ in parts[i:k]]
+            _launch(q, s, mats, names[i], nb, cols, out[:, col:], split)
+            col += sum(w.shape[0] for w in mats)
+            i = k
+    return out
+
+
+def _launch(q, s, mats, name: str, nb: int, cols: int, dst: torch.Tensor, split: int | None) -> None:
+    rows = [w.shape[0] for w in mats] + [0] * (MAX_PARTS - len(mats))
+    progs = [triton.cdiv(n, BLOCK_N) for n in rows]
+    ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
+    kernel, family = _KERNELS[name]
+    total, tiles = sum(rows), sum(progs)
+    sp = split_for(tiles, nb) if split is None else max(1, min(split, nb))
+    for r0 in range(0, q.shape[0], ROWS_MAX):
+        mr = min(ROWS_MAX, q.shape[0] - r0)
+        rr = max(16, triton.next_power_of_2(mr))
+        target, stride, part_stride = dst[r0:], dst.stride(0), 0
+        if sp > 1:  # float32 partial rows (split, mr, total), then their fixed-order sum into dst
+            target = torch.empty((sp, mr, total), dtype=torch.float32, device=q.device)
+            stride, part_stride = total, mr * total
+        kernel[(tiles, sp)](q[r0:], s[r0:], target, *ptrs, *rows, progs[0], progs[0] + progs[1], nb, cols, stride,
+                            part_stride, mr, R=rr, BLOCK_N=BLOCK_N, SPLIT=sp, num_warps=4, **family)
+        if sp > 1:
+            _sum_splits[(mr, triton.cdiv(total, SUM_COLS))](target, dst[r0:], total, part_stride, dst.stride(0),
+                                                           SPLIT=sp, BLOCK=SUM_COLS)
