@@ -10,7 +10,9 @@
 # llama-batched-bench on the same file (bench/serve_concurrency.py; issue 29; carry the server's wheels in .whl:
 # ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
 # markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py, then a batch's time by
-# rows, graphs (kernels.gemv_rows dp4a and mma) against eager (bench/decode_rows.py). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | serve
+# rows, graphs (kernels.gemv_rows dp4a and mma) against eager (bench/decode_rows.py); `serve-mma`: the server's 4 and
+# 16 streams with kernels.gemv_rows mma. Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow |
+# batch | serve | serve-mma
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -49,6 +51,12 @@ serve)
   timeout 420 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
     --streams 1,4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer "$LL/build/bin/llama-batched-bench" 2>&1 \
     | tee "$LOG/serve.log" | tail -8 ;;
+serve-mma)
+  wheels uvicorn starlette httpx
+  el "the server, 8B Q4_K_M on one GPU, kernels.gemv_rows mma: 4 and 16 streams (max_seqs 16), no peer"
+  STRATA_GEMV_ROWS=mma timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 \
+    --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 \
+    | tee "$LOG/serve-mma.log" | tail -5 ;;
 batch)
   el "GPU tests: decode batches in graphs (strata/batch_graphs.py), rows on CUDA, several slots end to end"
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_rows.py \
