@@ -22,8 +22,12 @@ openai = pytest.importorskip("openai")
 
 from test_server import Running, parse_prometheus, wait_until  # noqa: E402 - after the importorskip
 
+# prefix_reuse chunks: a prompt asked again (alone first, then among others) restores its KV only up to a chunk
+# boundary of its cold schedule, so its answer has the cold bits and any difference is the concurrency's. (With rows,
+# the default, its last token is computed alone, on the decode path: within rounding, and a near-tie may pick another
+# token; on an AVX-512 box it did, where the AVX2 box's bits had happened to agree.)
 RIG = dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, chunk=64, max_context=320,
-           progress=False, max_seqs=4)
+           progress=False, max_seqs=4, prefix_reuse="chunks")
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
            "A long document. " + " ".join(f"Item {i} is number {i * 7 % 13}." for i in range(24))]  # 4 chunks of 64
 
@@ -167,8 +171,10 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
 def slotted_long(tmp_path_factory):
     _smollm2()
     from strata.engine import PipelineEngine
-    # prefix_reuse chunks: a repeat's answer has the cold bits (rows: tests/test_prefix_cache.py)
-    eng = PipelineEngine({**LONG_RIG, "prefix_reuse": "chunks"}, out=tmp_path_factory.mktemp("slots-long"))
+    # prefix_reuse chunks (RIG's): a repeat's answer has the cold bits (rows: tests/test_prefix_cache.py).
+    # decode_weights none: float32 decode steps, as the scoring's float32 prefill, so a greedy token is the likeliest
+    # in its scores to float32 rounding (on the blocks the steps' int8 products move log-probabilities by up to ~0.3)
+    eng = PipelineEngine({**LONG_RIG, "decode_weights": "none"}, out=tmp_path_factory.mktemp("slots-long"))
     s = Running(eng, queue_size=4)
     yield s, eng
     s.stop()
