@@ -46,7 +46,8 @@ def ask(url: str, question: str | list[int], tokens: int, prompt_tokens: list | 
         import httpx
         r = httpx.post(url + "/v1/completions", timeout=600, json={
             "model": "m", "prompt": question, "max_tokens": tokens, "temperature": 0})
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"/v1/completions: {r.status_code} {r.text[:500]}")
         if prompt_tokens is not None:
             prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
         return r.json()["usage"]["completion_tokens"]
