@@ -112,6 +112,12 @@ class _ModelText:
             raise self._tokenizer_error
         return self._tokenizer
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """False for a model without a vocabulary (synthetic, a random-block GGUF): the server then takes token-id
+        prompts and answers with token ids."""
+        return self._tokenizer is not None
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 

@@ -268,7 +268,8 @@ class Job:
     """One request, handed from the event loop to the worker thread, which serves its choices one after
     another. The worker answers through `events` (on the loop): ('start', index, echoed prompt text),
     ('text', index, str), ('done', index, GenerationStats, finish_reason, logprobs), then ('end',) after the
-    last choice; or ('error', RequestError). ('cancelled',) arrives when the job is cancelled.
+    last choice; or ('error', RequestError). ('cancelled',) arrives when the job is cancelled. With `ids_out` (a
+    model without a tokenizer) no text comes: ('ids', index, the generated ids) comes before 'done'.
     logprobs: None, or {'prompt': [...] | None, 'completion': [...]}, each a list of `Scored` (the prompt's
     first token has no logprob: nothing comes before it)."""
 
@@ -280,6 +281,7 @@ class Job:
     # (its text not in the answer's), as OpenAI's and vLLM's completions do. A harness's loglikelihood relies on
     # it: lm-eval sends the text with echo and max_tokens 1 and drops the last entry, the generated token's.
     eos_logprob: bool = False
+    ids_out: bool = False  # the answer as token ids (`token_ids`), its text "": a model without a tokenizer
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -470,7 +472,8 @@ class Worker:
     def _generate(self, job: Job, seq: Seq) -> tuple[list[int], str, GenerationStats, str, float | None, bool]:
         """(generated ids, their text as sent (cut at a stop string), stats, finish_reason, time to first token,
         whether the engine's end-of-sequence token ended it)."""
-        detok = Detokenizer(self.engine.detokenize, context=seq.ids)
+        # (a model without a tokenizer: no text, the ids go out as they are; the request had no stop strings)
+        detok = Detokenizer((lambda ids: "") if job.ids_out else self.engine.detokenize, context=seq.ids)
         stop = StopMatcher(seq.params.stop)
         first: list[float] = []
         made: list[int] = []
@@ -494,6 +497,8 @@ class Worker:
         t0 = time.perf_counter()
         stats = self.engine.generate(seq.ids, seq.params, on_token)
         emit(stop.feed(detok.flush()) + stop.flush())
+        if job.ids_out:
+            job.emit(("ids", seq.index, list(made)))
         # the engine stops by itself ("stop") at its EOS token, else when on_token said so: a stop string, a cancel
         at_eos = stats.finish_reason == "stop" and not stop.stopped and not job.cancelled.is_set()
         return made, "".join(sent), stats, "stop" if stop.stopped else stats.finish_reason, \
@@ -872,6 +877,12 @@ class Server:
         if top is not None and not can_score(self.engine):
             raise _bad(f"logprobs are not supported by this engine ({type(self.engine).__name__})", param="logprobs")
         param = "messages" if chat else "prompt"
+        ids_out = not getattr(self.engine, "has_tokenizer", True)
+        if ids_out:
+            asked = [k for k, v in (("stop", params.stop), ("echo", echo), ("logprobs", top is not None)) if v]
+            if asked:
+                raise _bad(f"model {self.engine.model_name!r} has no tokenizer: it takes prompts as token ids and "
+                           f"answers with token ids (token_ids), without {asked[0]}", param=asked[0])
         limit = self.engine.max_context
         batch = len(prompts) > 1
         seqs: list[Seq] = []
@@ -899,7 +910,7 @@ class Server:
                 seed = params.seed if params.seed is None or n == 1 else (params.seed + j) % (MAX_SEED + 1)
                 seqs.append(Seq(index=p * n + j, prompt=p, ids=list(ids), params=dataclasses.replace(
                     params, seed=seed, max_tokens=room if max_tokens is None else min(max_tokens, room))))
-        job = Job(seqs, asyncio.get_running_loop(), echo=echo, top=top, eos_logprob=not chat)
+        job = Job(seqs, asyncio.get_running_loop(), echo=echo, top=top, eos_logprob=not chat, ids_out=ids_out)
         self.worker.submit(job)  # 429 / 503 from here
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, name = int(time.time()), self.engine.model_name
@@ -914,12 +925,15 @@ class Server:
             job.cancel()
         watcher = asyncio.create_task(watch_disconnect())
         texts: dict[int, list[str]] = collections.defaultdict(list)
+        ids: dict[int, list[int]] = {}
         done: dict[int, tuple] = {}
         try:
             while True:
                 ev = await job.events.get()
                 if ev[0] in ("start", "text"):
                     texts[ev[1]].append(ev[2])
+                elif ev[0] == "ids":
+                    ids[ev[1]] = ev[2]
                 elif ev[0] == "done":
                     done[ev[1]] = ev[2:]
                 elif ev[0] == "error":
@@ -941,6 +955,8 @@ class Server:
             else:
                 choice = {"index": seq.index, "text": text,
                           "logprobs": _legacy_logprobs((lp["prompt"] or []) + lp["completion"]) if lp else None}
+            if seq.index in ids:
+                choice["token_ids"] = ids[seq.index]
             choices.append({**choice, "finish_reason": finish})
         stats = [done[s.index][0] for s in job.seqs]
         first = [done[s.index][0] for s in _firsts(job.seqs)]
@@ -967,6 +983,10 @@ class Server:
                     yield _sse(chunk(ev[1], ev[2]))
             elif ev[0] == "text":
                 yield _sse(chunk(ev[1], {"content": ev[2]} if chat else ev[2]))
+            elif ev[0] == "ids":  # a model without a tokenizer: the answer's ids in one chunk
+                c = chunk(ev[1], "")
+                c["choices"][0]["token_ids"] = ev[2]
+                yield _sse(c)
             elif ev[0] == "done":
                 done[ev[1]] = ev[2]
                 yield _sse(chunk(ev[1], {} if chat else "", ev[3]))

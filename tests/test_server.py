@@ -1432,3 +1432,37 @@ def _health_ok(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path):
+    """A synthetic model (no vocabulary, as a random-block GGUF): token-id prompts are answered with `token_ids`
+    (and text ""), streamed or not, the ids the engine generates for them; a text prompt, stop strings, echo and
+    logprobs get a one-line 400."""
+    from strata.engine import PipelineEngine
+    from strata.sampling import SamplingParams
+    eng = PipelineEngine({"model": "synthetic:smoke", "stages": [{"device": "cpu"}], "max_context": 128,
+                          "progress": False, "prompt": {"random": {"tokens": 8, "seed": 0}}}, out=tmp_path / "run")
+    s = Running(eng)
+    try:
+        prompt = [5, 17, 99, 3, 250]
+        want: list[int] = []
+        eng.generate(prompt, SamplingParams(max_tokens=6, temperature=0), lambda t: want.append(t) or True)
+        with s.client() as c:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"] == want and choice["text"] == "" and r.json()["usage"]["completion_tokens"] == 6
+            with c.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                           "stream": True}) as st:
+                events = sse_events(st.iter_lines())
+            streamed = [json.loads(d) for _, d in events if d != "[DONE]"]
+            assert [i for e in streamed for ch in e["choices"] for i in ch.get("token_ids", [])] == want
+            for extra, field in (({"stop": ["x"]}, "stop"), ({"echo": True}, "echo"), ({"logprobs": 1}, "logprobs")):
+                r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, **extra})
+                msg = r.json()["error"]["message"]
+                assert r.status_code == 400 and "has no tokenizer" in msg and field in msg and "\n" not in msg, msg
+            r = c.post("/v1/completions", json={"prompt": "some text", "max_tokens": 2})
+            assert r.status_code == 400 and "give prompts as token ids" in r.json()["error"]["message"]
+    finally:
+        s.stop()
+        eng.close()
