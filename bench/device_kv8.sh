@@ -10,9 +10,9 @@
 # llama-batched-bench on the same file (bench/serve_concurrency.py; issue 29; carry the server's wheels in .whl:
 # ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
 # markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py, then a batch's time by
-# rows, graphs (kernels.gemv_rows dp4a and mma) against eager, each against the float32 model (bench/decode_rows.py); `serve-mma`: the server's 4 and
-# 16 streams with kernels.gemv_rows mma. Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow |
-# batch | serve | serve-mma
+# rows, graphs (kernels.gemv_rows dp4a and mma) against eager, each against the float32 model (bench/decode_rows.py);
+# `serve-mma`: the server's 4 and 16 streams with kernels.gemv_rows mma. Usage: bash bench/device_kv8.sh setup tests |
+# time | splitk arms | narrow | batch | serve | serve-mma
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
