@@ -387,9 +387,8 @@ class ResidentMatrices(nn.Module):
         if parts[0].col_perm is not None:  # (a single part): x in the stored column order instead
             x, xq = x.index_select(-1, parts[0].col_inv), None
         x2, mats = x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts]
-        if rows.takes(self.kernels, x2.shape[0], [p.qtype for p in parts]):  # a decode batch's rows in one launch
-            y = rows.quant_matmul_rows(x2, mats, parts[0].cols, xq=xq)
-        else:
+        y = rows.product(self.kernels, x2, mats, parts[0].cols, xq=xq)  # kernels.gemv_rows mma: a batch in one launch
+        if y is None:
             y = quant_matmul_parts(x2, mats, parts[0].cols, kernels=self.kernels, xq=xq)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
@@ -522,9 +521,9 @@ class Head(nn.Module):
                 quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab),
                              kernels=self.kernels, xq=xq)
                 return out
-            if rows.takes(self.kernels, n, [w.qtype]):  # a decode batch's rows, on int8 tensor cores
-                rows.quant_matmul_rows(x.reshape(-1, w.cols), [(w.data, w.qtype)], w.cols, out=out.view(-1, vocab),
-                                       xq=xq)
+            # a decode batch's rows on int8 tensor cores (kernels.gemv_rows mma)
+            if rows.product(self.kernels, x.reshape(-1, w.cols), [(w.data, w.qtype)], w.cols, out=out.view(-1, vocab),
+                            xq=xq) is not None:
                 return out
         for s in range(0, vocab, self.rows):
             e = min(vocab, s + self.rows)

@@ -61,7 +61,8 @@ def check_rows_match_reference():
 
 def check_resident_batch_takes_rows():
     """A resident layer's products and head on 6 rows: with kernels.gemv_rows mma, the same as the dp4a kernels
-    (two launches of 4 and 2 rows) to float32 sums; quant_matmul_rows is what runs (counted)."""
+    (two launches of 4 and 2 rows) to float32 sums; quant_matmul_rows is what runs (counted). Where it fails, the
+    holder falls back to dp4a (rows.product answers None: the caller's dp4a launches)."""
     from strata.config import KernelSpec
     from strata.quant import gemv, random_blocks, rows
     g = torch.Generator().manual_seed(3)
@@ -86,6 +87,12 @@ def check_resident_batch_takes_rows():
             got = head(x)
             assert rel(got, want) < 1e-5, (qtype, rel(got, want))
         assert len(calls) == 2
+
+        def broken(*a, **kw):
+            raise RuntimeError("no int8 mma here")
+        rows.quant_matmul_rows = broken  # a kernel that fails to build: this holder falls back to dp4a, once
+        assert rows.product(k, x, parts[:1], 256) is None and k.rows == "dp4a"
+        assert rows.product(k, x, parts[:1], 256) is None  # (not tried again)
     finally:
         rows.quant_matmul_rows = inner
 

@@ -14,6 +14,7 @@ Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
@@ -25,6 +26,7 @@ if triton is not None:
 
     from .gemv import _f16, _k4_scale_min, _split_range, _sum_splits, _tile_at
 
+log = logging.getLogger("strata.quant")
 ROWS_MAX = 64     # x rows a launch (a tile dim: 16, 32 or 64); more take several launches
 BLOCK_N = 32      # weight rows a program
 TARGET_TILES = 512  # programs a launch should reach (about 4 waves of an H100 / H200's 132 SMs) before it splits K
@@ -124,6 +126,24 @@ if triton is not None:
         _store_tile(out_ptr + tl.program_id(1) * part_stride, acc, m, M, out_stride, col + rows, live)
 
     _KERNELS = {"Q4_K": (_k45_rows, {"FIVE": False}), "Q5_K": (_k45_rows, {"FIVE": True}), "Q6_K": (_q6_k_rows, {})}
+
+
+def product(kernels: GemvKernels | None, x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
+            out: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """quant_matmul_rows where `takes` holds, else None (the caller's dp4a launches). Where the kernel fails to build
+    (a Triton or GPU without int8 mma), this holder's kernels.rows falls back to dp4a, with a warning, as the dp4a
+    kernels fall back to their float ones; inside a graph capture the failure is raised (a warm-up run comes first)."""
+    if not takes(kernels, x.shape[0], [q for _, q in parts]):
+        return None
+    try:
+        return quant_matmul_rows(x, parts, cols, out=out, xq=xq)
+    except Exception as e:  # noqa: BLE001 (Triton's compile errors have no common public base)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        log.warning("gemv_rows mma failed (%s: %s); using the dp4a kernels", type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "")
+        kernels.rows = "dp4a"
+        return None
 
 
 def split_for(tiles: int, nb: int) -> int:
