@@ -63,7 +63,7 @@ batch)
     -k "batch_graphs or rows_on_cuda or max_seqs or gpu_rows" 2>&1 | tail -5
   el "a decode batch by rows, 8B Q4_K_M, 2,048 tokens a slot: the batch graphs (dp4a, mma products) against eager rows"
   timeout 300 python3 bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 \
-    --weights resident --arms f32,graphs,graphs-mma,rows --rows 1,4,8,16 --prompt 2048 2>&1 | tee "$LOG/batch.log" \
+    --weights resident --arms f32,graphs,graphs-mma --rows 4,8,16 --prompt 2048 2>&1 | tee "$LOG/batch.log" \
     | tail -14 ;;
 narrow)
   el "one layer's prefill attention, bf16 cache vs q8_0 widened in blocks (bench/narrow_prefill.py --prefill)"
