@@ -9,19 +9,13 @@ x itself they are held to DP4A_TOL (x's rounding error, at most s/2 per value wi
 ~0.5% of x's norm for Gaussian x, and the product's relative error follows it: ~5e-3 measured on the
 CPU, see check_iq3s_dp4a_matches_reference), and against the int8 x they multiply (q * s exactly in
 float64) to float32 accumulation: that checks the integer data flow bit for bit up to the final sums."""
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted_checks import interpreted, module_results, run_checks
 
 pytest.importorskip("triton")
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -524,44 +518,28 @@ CHECKS = [check_kernel_matches_reference, check_q6_k_words_matches_reference, ch
 
 
 def _run_checks() -> None:
-    results = {}
-    for fn in CHECKS:
-        try:
-            fn()
-            results[fn.__name__] = "ok"
-        except Exception:
-            results[fn.__name__] = traceback.format_exc()
-    print("RESULTS " + json.dumps(results))
+    run_checks(CHECKS)
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", "import tests.test_quant_gemv as t; t._run_checks()"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert p.returncode == 0 and lines, p.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+def interpreted_results() -> dict:
+    return module_results("test_quant_gemv")
 
 
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
-def test_interpreted(interpreted, name):
-    assert interpreted[name] == "ok", interpreted[name]
+def test_interpreted(interpreted_results, name):
+    assert interpreted_results[name] == "ok", interpreted_results[name]
 
 
 def test_mxfp4_dp4a_experts_interpreted():
     """check_mxfp4_dp4a_experts in a process of its own (run alone: pytest -k mxfp4)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    code = "import tests.test_quant_gemv as t; t.check_mxfp4_dp4a_experts(); print('ok')"
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = interpreted("import test_quant_gemv as t; t.check_mxfp4_dp4a_experts(); print('ok')")
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-4000:]
 
 
 def test_graph_body_int8_x_interpreted():
     """check_graph_body_int8_x in a process of its own (the shared fixture's has no time left for it)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    code = "import tests.test_quant_gemv as t; t.check_graph_body_int8_x(); print('ok')"
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    p = interpreted("import test_quant_gemv as t; t.check_graph_body_int8_x(); print('ok')", timeout=400)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-4000:]
 
 

@@ -4,19 +4,12 @@ dequantize (bit-exact with gguf-py) times x's own int8 rounding in float64, and 
 The integer products are exact; only float32 sums differ in order, so the product with x's int8 rounding
 (gemv.int8_x) is held to 1e-5. On the CPU the kernels run under Triton's interpreter in a subprocess (as
 tests/test_quant_gemv.py's); the gpu tests take 8B shapes."""
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted_checks import module_results, run_checks
 
 pytest.importorskip("triton")
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -101,29 +94,17 @@ CHECKS = [check_rows_match_reference, check_resident_batch_takes_rows]
 
 
 def _run_checks() -> None:
-    results = {}
-    for fn in CHECKS:
-        try:
-            fn()
-            results[fn.__name__] = "ok"
-        except Exception:
-            results[fn.__name__] = traceback.format_exc()
-    print("RESULTS " + json.dumps(results))
+    run_checks(CHECKS)
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", "import tests.test_quant_rows as t; t._run_checks()"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert p.returncode == 0 and lines, p.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+def interpreted_results() -> dict:
+    return module_results("test_quant_rows")
 
 
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
-def test_interpreted(interpreted, name):
-    assert interpreted[name] == "ok", interpreted[name]
+def test_interpreted(interpreted_results, name):
+    assert interpreted_results[name] == "ok", interpreted_results[name]
 
 
 def test_rows_arm_is_a_typed_kernel_key():
