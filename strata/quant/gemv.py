@@ -1171,40 +1171,18 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
     tensor to write into (any float dtype, e.g. float32 logits); default a new one in x's dtype. `kernels`: the
     holder's choices, where a failed dp4a kernel's fallback is kept (None: the defaults, for this call only).
     xq: x's `quantize_x` rounding when the caller has it (the dp4a kernels read it instead of making it)."""
-    if triton is None:
-        raise RuntimeError("strata.quant.gemv needs triton")
-    if x.dim() != 2 or x.shape[1] != cols:
-        raise ValueError(f"x must be (M, {cols}), got {tuple(x.shape)}")
-    names = [qtype_of(q).name for _, q in parts]
-    for name in names:
-        if name not in CONFIGS:
-            raise ValueError(f"no fused matrix-vector kernel for {name} (have: {', '.join(CONFIGS)})")
-        if cols % block_size(name):
-            raise ValueError(f"{name}: {cols} columns is not a multiple of its block of {block_size(name)}")
-    for (m, _), name in zip(parts, names):
-        bs, ts = block_size(name), type_size(name)
-        if m.dtype != torch.uint8 or m.dim() != 2 or m.shape[1] != cols // bs * ts or not m.is_contiguous():
-            raise ValueError(f"{name}: blocks must be contiguous uint8 (rows, {cols // bs * ts}), got {m.dtype} {tuple(m.shape)}")
-    total = sum(b.shape[0] for b, _ in parts)
+    names, out = checked_parts(x, parts, cols, out)
     x = x.contiguous()
-    if out is None:
-        out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
-    elif tuple(out.shape) != (x.shape[0], total) or out.stride(1) != 1:
-        raise ValueError(f"out must be a row-major ({x.shape[0]}, {total}), got {tuple(out.shape)}")
     kernels = GemvKernels() if kernels is None else kernels
     mode = kernels.iq3s
     if not wants_int8_x([q for _, q in parts], kernels):
         xq = None
     elif xq is None:  # x as int8 for the dp4a kernels, once for all the parts
         xq = quantize_x(x)
-    elif tuple(xq[0].shape) != tuple(x.shape) or tuple(xq[1].shape) != (x.shape[0], cols // XQ_GROUP):
-        raise ValueError(f"xq must be quantize_x's of x {tuple(x.shape)}, got {tuple(xq[0].shape)}, "
-                         f"{tuple(xq[1].shape)}")
-    i, col = 0, 0
-    while i < len(parts):
-        j = i + 1
-        while j < len(parts) and j - i < MAX_PARTS and names[j] == names[i]:
-            j += 1
+    else:
+        check_xq(x, xq, cols)
+    col = 0
+    for i, j in type_runs(names):
         mats = [b for b, _ in parts[i:j]]
         if names[i] == "IQ3_S" and xq is not None:
             try:
@@ -1220,8 +1198,52 @@ def quant_matmul_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], c
         else:
             _launch(x, mats, names[i], cols, out, col, config, kernels)
         col += sum(m.shape[0] for m in mats)
-        i = j
     return out
+
+
+def checked_parts(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
+                  out: torch.Tensor | None = None) -> tuple[list[str], torch.Tensor]:
+    """quant_matmul_parts' (and strata.quant.rows') checks of x, the parts' blocks and out -> (each part's type
+    name, out: the given one, or a new (M, total rows) in x's dtype)."""
+    if triton is None:
+        raise RuntimeError("strata.quant.gemv needs triton")
+    if x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be (M, {cols}), got {tuple(x.shape)}")
+    names = [qtype_of(q).name for _, q in parts]
+    for name in names:
+        if name not in CONFIGS:
+            raise ValueError(f"no fused matrix-vector kernel for {name} (have: {', '.join(CONFIGS)})")
+        if cols % block_size(name):
+            raise ValueError(f"{name}: {cols} columns is not a multiple of its block of {block_size(name)}")
+    for (m, _), name in zip(parts, names):
+        bs, ts = block_size(name), type_size(name)
+        if m.dtype != torch.uint8 or m.dim() != 2 or m.shape[1] != cols // bs * ts or not m.is_contiguous():
+            raise ValueError(f"{name}: blocks must be contiguous uint8 (rows, {cols // bs * ts}), got {m.dtype} {tuple(m.shape)}")
+    total = sum(b.shape[0] for b, _ in parts)
+    if out is None:
+        out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
+    elif tuple(out.shape) != (x.shape[0], total) or out.stride(1) != 1:
+        raise ValueError(f"out must be a row-major ({x.shape[0]}, {total}), got {tuple(out.shape)}")
+    return names, out
+
+
+def check_xq(x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor], cols: int) -> None:
+    """xq must be quantize_x's rounding of x (M, cols)."""
+    if tuple(xq[0].shape) != tuple(x.shape) or tuple(xq[1].shape) != (x.shape[0], cols // XQ_GROUP):
+        raise ValueError(f"xq must be quantize_x's of x {tuple(x.shape)}, got {tuple(xq[0].shape)}, "
+                         f"{tuple(xq[1].shape)}")
+
+
+def type_runs(names: list[str]) -> list[tuple[int, int]]:
+    """The parts [i, j) that share a launch: consecutive parts of one type, at most MAX_PARTS."""
+    runs, i = [], 0
+    while i < len(names):
+        j = i + 1
+        while j < len(names) and j - i < MAX_PARTS and names[j] == names[i]:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
 
 
 def _launch_k(x, mats, name, cols, out, col, config, xq, kernels: GemvKernels) -> None:

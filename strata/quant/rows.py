@@ -18,8 +18,8 @@ import logging
 
 import torch
 
-from . import block_size, qtype_of, type_size
-from .gemv import MAX_M, MAX_PARTS, SUM_COLS, XQ_GROUP, GemvKernels, quantize_x, triton
+from . import qtype_of
+from .gemv import MAX_M, MAX_PARTS, SUM_COLS, GemvKernels, check_xq, checked_parts, quantize_x, triton, type_runs
 
 if triton is not None:
     import triton.language as tl
@@ -160,31 +160,19 @@ def quant_matmul_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], co
     names = [qtype_of(q).name for _, q in parts]
     if triton is None or any(n not in TYPES for n in names):
         raise ValueError(f"quant_matmul_rows takes {', '.join(TYPES)}, got {', '.join(names)}")
-    if x.dim() != 2 or x.shape[1] != cols or cols % 256:
-        raise ValueError(f"x must be (M, {cols}) with whole 256-value blocks, got {tuple(x.shape)}")
-    for (w, _), name in zip(parts, names):
-        if w.dtype != torch.uint8 or tuple(w.shape[1:]) != (cols // block_size(name) * type_size(name),):
-            raise ValueError(f"{name}: blocks must be uint8 (rows, {cols // block_size(name) * type_size(name)})")
+    names, out = checked_parts(x, parts, cols, out)
     x = x.contiguous()
-    total = sum(w.shape[0] for w, _ in parts)
-    if out is None:
-        out = torch.empty((x.shape[0], total), device=x.device, dtype=x.dtype)
     if xq is None:
         xq = quantize_x(x)
+    check_xq(x, xq, cols)
     q, s = xq
-    if tuple(q.shape) != tuple(x.shape) or tuple(s.shape) != (x.shape[0], cols // XQ_GROUP):
-        raise ValueError(f"xq must be quantize_x's of x {tuple(x.shape)}")
     nb = cols // 256
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        i, col = 0, 0
-        while i < len(parts):
-            k = i + 1
-            while k < len(parts) and k - i < MAX_PARTS and names[k] == names[i]:
-                k += 1
+        col = 0
+        for i, k in type_runs(names):
             mats = [w for w, _ in parts[i:k]]
             _launch(q, s, mats, names[i], nb, cols, out[:, col:], split)
             col += sum(w.shape[0] for w in mats)
-            i = k
     return out
 
 
