@@ -11,8 +11,9 @@
 # ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
 # markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py, then a batch's time by
 # rows, graphs (kernels.gemv_rows dp4a and mma) against eager, each against the float32 model (bench/decode_rows.py);
-# `serve-mma`: the server's 4 and 16 streams with kernels.gemv_rows mma. Usage: bash bench/device_kv8.sh setup tests |
-# time | splitk arms | narrow | batch | serve | serve-mma
+# `serve-mma`: the server's 4 and 16 streams with kernels.gemv_rows mma; `sweep`: the batch's products alone by kernel
+# and launch options (bench/rows_sweep.py). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow |
+# batch | batch-tests | serve | serve-mma | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -57,14 +58,19 @@ serve-mma)
   STRATA_GEMV_ROWS=mma timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 \
     --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 \
     | tee "$LOG/serve-mma.log" | tail -5 ;;
-batch)
+batch|batch-tests)
   el "GPU tests: decode batches in graphs (strata/batch_graphs.py), rows on CUDA, several slots end to end"
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_rows.py \
     -k "batch_graphs or rows_on_cuda or max_seqs or gpu_rows" 2>&1 | tail -5
+  [ "$step" = batch-tests ] && continue
   el "a decode batch by rows, 8B Q4_K_M, 2,048 tokens a slot: the batch graphs (dp4a, mma products) against eager rows"
   timeout 300 python3 bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 \
     --weights resident --arms f32,graphs,graphs-mma --rows 4,8,16 --prompt 2048 2>&1 | tee "$LOG/batch.log" \
     | tail -14 ;;
+sweep)
+  el "a decode batch's products alone by kernel and options, 8B Q4_K_M shapes (bench/rows_sweep.py)"
+  timeout 300 python3 bench/rows_sweep.py --rows 16 2>&1 | tee "$LOG/sweep.log" | tail -40
+  timeout 150 python3 bench/rows_sweep.py --rows 4,8 --quick 2>&1 | tee -a "$LOG/sweep.log" | tail -20 ;;
 narrow)
   el "one layer's prefill attention, bf16 cache vs q8_0 widened in blocks (bench/narrow_prefill.py --prefill)"
   timeout 200 python3 bench/narrow_prefill.py --prefill --chunk 10240 --heads 32 --kv-heads 8 --keys 122880 \

@@ -52,6 +52,30 @@ def check_rows_match_reference():
     assert rel(got, _reference(x, parts)) < 1e-5
 
 
+def check_float_rows_match_reference():
+    """arith "float": float32 x (no int8 rounding) times the dequantized weights, each type, split K, tiles of 16
+    and 64 weight rows, side by side parts: to float32 sums of the float64 product."""
+    from strata.quant import dequantize, random_blocks, rows
+    g = torch.Generator().manual_seed(12)
+    for qtype, n, cols in (("Q4_K", 37, 512), ("Q5_K", 33, 256), ("Q6_K", 45, 768)):
+        blocks = random_blocks(qtype, n, cols, g)
+        want_w = dequantize(blocks, qtype).double()
+        for m, split, block_n in ((5, 1, 32), (19, 3, 16), (16, 2, 64)):
+            x = torch.randn(m, cols, generator=g)
+            got = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, split=split, arith="float", block_n=block_n)
+            assert rel(got, x.double() @ want_w.T) < 1e-5, (qtype, m, split, block_n)
+    parts = [(random_blocks("Q4_K", 24, 512, g), "Q4_K"), (random_blocks("Q6_K", 8, 512, g), "Q6_K")]
+    x = torch.randn(6, 512, generator=g)
+    got = rows.quant_matmul_rows(x, parts, 512, arith="float")
+    want = torch.cat([x.double() @ dequantize(b, q).double().T for b, q in parts], dim=1)
+    assert rel(got, want) < 1e-5
+    try:
+        rows.quant_matmul_rows(x, parts, 512, arith="fp8")
+        raise AssertionError("arith fp8 was taken")
+    except ValueError as e:
+        assert "arith is one of int8, float" in str(e)
+
+
 def check_resident_batch_takes_rows():
     """A resident layer's products and head on 6 rows: with kernels.gemv_rows mma, the same as the dp4a kernels
     (two launches of 4 and 2 rows) to float32 sums; quant_matmul_rows is what runs (counted). Where it fails, the
@@ -90,7 +114,7 @@ def check_resident_batch_takes_rows():
         rows.quant_matmul_rows = inner
 
 
-CHECKS = [check_rows_match_reference, check_resident_batch_takes_rows]
+CHECKS = [check_rows_match_reference, check_float_rows_match_reference, check_resident_batch_takes_rows]
 
 
 def _run_checks() -> None:
@@ -131,3 +155,6 @@ def test_gpu_rows_8b_shapes(shape, qtype, m):
     assert rel(y, gemv.int8_x(*gemv.quantize_x(x)) @ dequantize(blocks, qtype).double().T) < 1e-5
     dp4a = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, n, device="cuda"))
     assert rel(y, dp4a) < 1e-5
+    # arith "float": bf16 x against weights rounded to bf16 (2^-9 each), float32 sums
+    f = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, out=torch.empty(m, n, device="cuda"), arith="float")
+    assert rel(f, x.double() @ dequantize(blocks, qtype).double().T) < 4e-3

@@ -32,6 +32,8 @@ BLOCK_N = 32      # weight rows a program
 TARGET_TILES = 512  # programs a launch should reach (about 4 waves of an H100 / H200's 132 SMs) before it splits K
 MIN_SPLIT_BLOCKS = 4  # a split program's least blocks
 TYPES = ("Q4_K", "Q5_K", "Q6_K")
+ARITHS = ("int8", "float")
+ARITH = "int8"    # quant_matmul_rows' default arithmetic
 
 
 def takes(kernels: GemvKernels | None, m: int, qtypes) -> bool:
@@ -125,7 +127,84 @@ if triton is not None:
                         acc += xs * (d * (s0 * first + s1 * last))
         _store_tile(out_ptr + tl.program_id(1) * part_stride, acc, m, M, out_stride, col + rows, live)
 
+    @triton.jit
+    def _x_pairs(x_ptr, r, cols, STRIDE: tl.constexpr):
+        """x's offsets (64, R) for a dot index kk = 2l + h over two of a block's 32-weight runs STRIDE apart: weight
+        STRIDE * h + l (tl.join of the two runs' tiles puts run h's l at kk)."""
+        i = tl.arange(0, 64)
+        return x_ptr + r[None, :] * cols + ((i % 2) * STRIDE + i // 2)[:, None]
+
+    @triton.jit
+    def _k45_rows_f(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, part_stride, M,
+                    R: tl.constexpr, BLOCK_N: tl.constexpr, FIVE: tl.constexpr, SPLIT: tl.constexpr):
+        """_k45_rows with x as it is (bfloat16 on a GPU): each quarter's two sub-blocks are dequantized in float32
+        (d * sc * q - dmin * m), joined into one (BLOCK_N, 64) tile in x's dtype and multiplied by x's 64 values
+        with tl.dot into the float32 accumulator (tensor cores; no int8 x and no per-sub-block epilogue)."""
+        if FIVE:
+            size, qs_at = 176, 48
+        else:
+            size, qs_at = 144, 16
+        row_base, col, rows, live = _tile_at(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N)
+        j = tl.arange(0, 32)[None, :]
+        m = tl.arange(0, R)
+        xp = _x_pairs(x_ptr, tl.minimum(m, M - 1), cols, 32)
+        acc = tl.zeros((BLOCK_N, R), tl.float32)
+        k0, k1 = _split_range(nb, 1, SPLIT)
+        for b in range(k0, k1):
+            base = row_base + b * size
+            d = _f16(base)
+            dmin = _f16(base + 2)
+            if FIVE:
+                fifth = tl.load(base + 16 + j).to(tl.int32)
+            for p in tl.static_range(4):
+                q = tl.load(base + qs_at + 32 * p + j).to(tl.int32)  # (BLOCK_N, 32): sub-blocks 2p (low), 2p + 1
+                lo = q & 15
+                hi = q >> 4
+                if FIVE:
+                    lo = lo | (((fifth >> (2 * p)) & 1) << 4)
+                    hi = hi | (((fifth >> (2 * p + 1)) & 1) << 4)
+                s0, m0 = _k4_scale_min(base + 4, 2 * p)
+                s1, m1 = _k4_scale_min(base + 4, 2 * p + 1)
+                w = tl.join((d * s0) * lo.to(tl.float32) - dmin * m0, (d * s1) * hi.to(tl.float32) - dmin * m1)
+                xt = tl.load(xp + (b * 256 + 64 * p))
+                acc = tl.dot(tl.reshape(w, (BLOCK_N, 64)).to(xt.dtype), xt, acc)
+        _store_tile(out_ptr + tl.program_id(1) * part_stride, acc, m, M, out_stride, col + rows, live)
+
+    @triton.jit
+    def _q6_run(base, d, ql, qh, j, n: tl.constexpr, t: tl.constexpr):
+        """Q6_K's run t of 32 weights in half n of a block, dequantized: d * its 16-weight scale * (q - 32)."""
+        q = ((ql & 15) | (((qh >> (2 * t)) & 3) << 4)) - 32
+        s0 = tl.load(base + 192 + 8 * n + 2 * t).to(tl.int8, bitcast=True).to(tl.float32)
+        s1 = tl.load(base + 193 + 8 * n + 2 * t).to(tl.int8, bitcast=True).to(tl.float32)
+        return (d * tl.where(j < 16, s0, s1)) * q.to(tl.float32)
+
+    @triton.jit
+    def _q6_k_rows_f(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, part_stride, M,
+                     R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+        """_q6_k_rows with x as it is: the low- and high-nibble runs of each 32 bytes (weights 128n + 32 half + l and
+        that + 64) dequantized in float32 (d * scale * (q - 32)), joined and multiplied by x with tl.dot."""
+        row_base, col, rows, live = _tile_at(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2, nb, 210, BLOCK_N)
+        j = tl.arange(0, 32)[None, :]
+        m = tl.arange(0, R)
+        xp = _x_pairs(x_ptr, tl.minimum(m, M - 1), cols, 64)
+        acc = tl.zeros((BLOCK_N, R), tl.float32)
+        k0, k1 = _split_range(nb, 1, SPLIT)
+        for b in range(k0, k1):
+            base = row_base + b * 210
+            d = _f16(base + 208)
+            for n in tl.static_range(2):
+                qh = tl.load(base + 128 + 32 * n + j).to(tl.int32)
+                for half in tl.static_range(2):
+                    ql = tl.load(base + 64 * n + 32 * half + j).to(tl.int32)
+                    w0 = _q6_run(base, d, ql, qh, j, n, half)
+                    w1 = _q6_run(base, d, ql >> 4, qh, j, n, half + 2)
+                    xt = tl.load(xp + (b * 256 + 128 * n + 32 * half))
+                    acc = tl.dot(tl.reshape(tl.join(w0, w1), (BLOCK_N, 64)).to(xt.dtype), xt, acc)
+        _store_tile(out_ptr + tl.program_id(1) * part_stride, acc, m, M, out_stride, col + rows, live)
+
     _KERNELS = {"Q4_K": (_k45_rows, {"FIVE": False}), "Q5_K": (_k45_rows, {"FIVE": True}), "Q6_K": (_q6_k_rows, {})}
+    _FLOAT_KERNELS = {"Q4_K": (_k45_rows_f, {"FIVE": False}), "Q5_K": (_k45_rows_f, {"FIVE": True}),
+                      "Q6_K": (_q6_k_rows_f, {})}
 
 
 def product(kernels: GemvKernels | None, x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
@@ -153,45 +232,55 @@ def split_for(tiles: int, nb: int) -> int:
 
 def quant_matmul_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
                       out: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      split: int | None = None) -> torch.Tensor:
-    """x (M, cols) times each matrix (blocks, qtype) of `parts` side by side, as gemv.quant_matmul_parts, on int8
-    tensor cores (Q4_K, Q5_K, Q6_K). xq: x's quantize_x rounding where the caller has it. split: programs a row's
-    blocks are cut among (None: split_for's)."""
+                      split: int | None = None, arith: str = ARITH, block_n: int = BLOCK_N, warps: int = 4,
+                      stages: int | None = None) -> torch.Tensor:
+    """x (M, cols) times each matrix (blocks, qtype) of `parts` side by side, as gemv.quant_matmul_parts, on tensor
+    cores (Q4_K, Q5_K, Q6_K). arith "int8": x's quantize_x rounding (xq where the caller has it) and int8 products;
+    "float": x as it is against weights dequantized to its dtype. split: programs a row's blocks are cut among
+    (None: split_for's); block_n, warps, stages: the launch's tile and Triton options (bench/rows_sweep.py)."""
     names = [qtype_of(q).name for _, q in parts]
     if triton is None or any(n not in TYPES for n in names):
         raise ValueError(f"quant_matmul_rows takes {', '.join(TYPES)}, got {', '.join(names)}")
+    if arith not in ARITHS:
+        raise ValueError(f"quant_matmul_rows arith is one of {', '.join(ARITHS)}, got {arith!r}")
     names, out = checked_parts(x, parts, cols, out)
     x = x.contiguous()
-    if xq is None:
-        xq = quantize_x(x)
-    check_xq(x, xq, cols)
-    q, s = xq
+    if arith == "int8":
+        if xq is None:
+            xq = quantize_x(x)
+        check_xq(x, xq, cols)
+        xs = xq
+    else:
+        xs = (x,)
     nb = cols // 256
+    opts = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         col = 0
         for i, k in type_runs(names):
             mats = [w for w, _ in parts[i:k]]
-            _launch(q, s, mats, names[i], nb, cols, out[:, col:], split)
+            _launch(xs, mats, names[i], nb, cols, out[:, col:], split, arith, block_n, opts)
             col += sum(w.shape[0] for w in mats)
     return out
 
 
-def _launch(q, s, mats, name: str, nb: int, cols: int, dst: torch.Tensor, split: int | None) -> None:
+def _launch(xs, mats, name: str, nb: int, cols: int, dst: torch.Tensor, split: int | None, arith: str,
+            block_n: int, opts: dict) -> None:
     rows = [w.shape[0] for w in mats] + [0] * (MAX_PARTS - len(mats))
-    progs = [triton.cdiv(n, BLOCK_N) for n in rows]
+    progs = [triton.cdiv(n, block_n) for n in rows]
     ptrs = mats + [mats[0]] * (MAX_PARTS - len(mats))
-    kernel, family = _KERNELS[name]
+    kernel, family = (_KERNELS if arith == "int8" else _FLOAT_KERNELS)[name]
     total, tiles = sum(rows), sum(progs)
     sp = split_for(tiles, nb) if split is None else max(1, min(split, nb))
-    for r0 in range(0, q.shape[0], ROWS_MAX):
-        mr = min(ROWS_MAX, q.shape[0] - r0)
+    m_all = xs[0].shape[0]
+    for r0 in range(0, m_all, ROWS_MAX):
+        mr = min(ROWS_MAX, m_all - r0)
         rr = max(16, triton.next_power_of_2(mr))
         target, stride, part_stride = dst[r0:], dst.stride(0), 0
         if sp > 1:  # float32 partial rows (split, mr, total), then their fixed-order sum into dst
-            target = torch.empty((sp, mr, total), dtype=torch.float32, device=q.device)
+            target = torch.empty((sp, mr, total), dtype=torch.float32, device=dst.device)
             stride, part_stride = total, mr * total
-        kernel[(tiles, sp)](q[r0:], s[r0:], target, *ptrs, *rows, progs[0], progs[0] + progs[1], nb, cols, stride,
-                            part_stride, mr, R=rr, BLOCK_N=BLOCK_N, SPLIT=sp, num_warps=4, **family)
+        kernel[(tiles, sp)](*(t[r0:] for t in xs), target, *ptrs, *rows, progs[0], progs[0] + progs[1], nb, cols,
+                            stride, part_stride, mr, R=rr, BLOCK_N=block_n, SPLIT=sp, **opts, **family)
         if sp > 1:
             _sum_splits[(mr, triton.cdiv(total, SUM_COLS))](target, dst[r0:], total, part_stride, dst.stride(0),
                                                            SPLIT=sp, BLOCK=SUM_COLS)

@@ -1,0 +1,80 @@
+"""A decode batch's resident K-quant products alone, by kernel and launch options, at 8B Llama's shapes: the dp4a
+kernels (strata.quant.gemv, 4 rows a launch) against strata/quant/rows.py's int8 and float arithmetic over tiles,
+warps, pipeline stages and split K. Times are triton.testing.do_bench's (L2 flushed between runs: the weights come
+from memory, as in a decode step); GB/s is the weight bytes over that time. Random blocks, bf16 x.
+
+    python bench/rows_sweep.py                      # 16 rows, each 8B shape, every config
+    python bench/rows_sweep.py --rows 8,16 --quick  # the current defaults and a few others
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata.quant import gemv, random_blocks, rows  # noqa: E402
+
+# (weight rows, cols, qtype, count in one 8B Q4_K_M step): qkv fused, o, gate+up fused, down (half the layers
+# Q6_K), the head
+SHAPES = [(6144, 4096, "Q4_K", 32), (4096, 4096, "Q4_K", 32), (28672, 4096, "Q4_K", 32), (4096, 14336, "Q4_K", 16),
+          (4096, 14336, "Q6_K", 16), (128256, 4096, "Q6_K", 1)]
+
+
+def configs(quick: bool):
+    yield ("dp4a", {})
+    yield ("int8", {})
+    if not quick:
+        for bn, w in itertools.product((32, 64), (4, 8)):
+            yield ("int8", {"block_n": bn, "warps": w})
+    for bn, w, st in itertools.product((32, 64, 128), (4, 8), (None, 2, 3)):
+        if quick and (w, st) != (4, None):
+            continue
+        yield ("float", {"block_n": bn, "warps": w, "stages": st})
+    if not quick:
+        for bn, sp in itertools.product((32, 64), (1, 2, 4, 8)):
+            yield ("float", {"block_n": bn, "split": sp})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="16")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    import triton.testing
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mats = {(n, c, q): random_blocks(q, n, c, g, device="cuda") for n, c, q, _ in SHAPES}
+    print(f"{torch.cuda.get_device_name()}; per shape: us (GB/s of weights); step: the shapes' sum as one 8B "
+          "Q4_K_M decode step's products")
+    for m in (int(r) for r in a.rows.split(",")):
+        print(f"\n{m} rows")
+        print(f"{'arm':6} {'options':40} " + " ".join(f"{f'{n}x{c} {q}':>22}" for n, c, q, _ in SHAPES)
+              + f" {'step ms':>8}")
+        for arm, opts in configs(a.quick):
+            cells, step = [], 0.0
+            for n, c, q, count in SHAPES:
+                blocks = mats[(n, c, q)]
+                x = torch.randn(m, c, generator=g, device="cuda").bfloat16()
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                if arm == "dp4a":
+                    fn = lambda: gemv.quant_matmul(x, blocks, q, c, out=out)  # noqa: E731
+                else:
+                    fn = lambda: rows.quant_matmul_rows(x, [(blocks, q)], c, out=out, arith=arm, **opts)  # noqa: E731
+                try:
+                    us = triton.testing.do_bench(fn, warmup=5, rep=40) * 1e3
+                except Exception as e:  # noqa: BLE001 (a config that does not build: say so and go on)
+                    cells.append(f"{type(e).__name__:>22}")
+                    step = float("nan")
+                    continue
+                cells.append(f"{us:9.1f} ({blocks.numel() / us / 1e3:6.0f} GB/s)")
+                step += us * count / 1e3
+            print(f"{arm:6} {str(opts):40} " + " ".join(f"{s:>22}" for s in cells) + f" {step:8.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
