@@ -11,7 +11,7 @@
 # ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
 # markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py, then a batch's time by
 # rows, graphs (kernels.gemv_rows dp4a and mma) against eager, each against the float32 model (bench/decode_rows.py);
-# `serve-mma`: the server's 4 and 16 streams with kernels.gemv_rows mma; `sweep`: the batch's products alone by kernel
+# `serve-mma`: the server's 4 and 16 streams with kernels.gemv_rows mma (or $ROWS); `sweep`: the batch's products alone by kernel
 # and launch options (bench/rows_sweep.py). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow |
 # batch | batch-tests | serve | serve-mma | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
@@ -54,8 +54,8 @@ serve)
     | tee "$LOG/serve.log" | tail -8 ;;
 serve-mma)
   wheels uvicorn starlette httpx
-  el "the server, 8B Q4_K_M on one GPU, kernels.gemv_rows mma: 4 and 16 streams (max_seqs 16), no peer"
-  STRATA_GEMV_ROWS=mma timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 \
+  el "the server, 8B Q4_K_M on one GPU, kernels.gemv_rows ${ROWS:-mma}: 4 and 16 streams (max_seqs 16), no peer"
+  STRATA_GEMV_ROWS=${ROWS:-mma} timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 \
     --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 \
     | tee "$LOG/serve-mma.log" | tail -5 ;;
 batch|batch-tests)

@@ -37,7 +37,7 @@ Q8_0_KERNELS = ("dp4a", "bytes")
 Q8_ATTENTION = ("widen", "int8", "int8x2")  # split-K decode attention over a q8_0 cache (strata/decode_attention.py;
                                             # the order is its kernel's INT8 constexpr)
 MXFP4_KERNELS = ("dp4a", "float")
-ROWS_KERNELS = ("dp4a", "mma")  # resident K-quant products of more than 4 rows (decode batches)
+ROWS_KERNELS = ("dp4a", "mma", "mma-float")  # resident K-quant products of more than 4 rows (decode batches)
 WINDOW_KERNELS = ("flex", "band")
 
 
@@ -107,7 +107,8 @@ class KernelSpec:
                                    # products of a decode batch of more than 4 rows: the dp4a kernels 4 rows a launch
                                    # (the weights read once per 4 rows), or "mma": every row in one launch on int8
                                    # tensor cores (strata/quant/rows.py; 16 rows of the 8B on an H100: 18.2 ms a
-                                   # step against 33.9; the default once its logits are checked on a GPU)
+                                   # step against 33.9; the default once its logits are checked on a GPU), or
+                                   # "mma-float": bf16 x against weights dequantized in float (no int8 x)
     q8_attention: str = field(default="int8x2", metadata={"choices": Q8_ATTENTION})  # decode graphs' split-K
                                    # over a q8_0 cache: "int8x2": q rounded to int8 per 32 dims plus its rounding
                                    # residual as a second int8 dot (~15 bits of q), scores on int8 tensor cores, V

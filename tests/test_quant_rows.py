@@ -104,6 +104,14 @@ def check_resident_batch_takes_rows():
             got = head(x)
             assert rel(got, want) < 1e-5, (qtype, rel(got, want))
         assert len(calls) == 2
+        kf = gemv.GemvKernels()
+        kf.choose(KernelSpec(gemv_rows="mma-float"))  # x as it is (float32 here), no int8 rounding
+        assert rows.takes(kf, 6, ["Q4_K", "Q6_K"])
+        from strata.quant import dequantize
+        for blocks, qtype in parts:
+            got = Head(Packed(blocks, qtype, 256, torch.float32), rows=16, kernels=kf)(x)
+            assert rel(got, x.double() @ dequantize(blocks, qtype).double().T) < 1e-5, qtype
+        assert len(calls) == 4
 
         def broken(*a, **kw):
             raise RuntimeError("no int8 mma here")
@@ -134,7 +142,7 @@ def test_interpreted(interpreted_results, name):
 def test_rows_arm_is_a_typed_kernel_key():
     from strata.config import ConfigError, kernel_spec
     assert kernel_spec({"gemv_rows": "mma"}).gemv_rows == "mma" and kernel_spec({}).gemv_rows == "dp4a"
-    with pytest.raises(ConfigError, match="kernels.gemv_rows: 'tensor' is not one of dp4a, mma"):
+    with pytest.raises(ConfigError, match="kernels.gemv_rows: 'tensor' is not one of dp4a, mma, mma-float"):
         kernel_spec({"gemv_rows": "tensor"})
 
 

@@ -34,12 +34,13 @@ MIN_SPLIT_BLOCKS = 4  # a split program's least blocks
 TYPES = ("Q4_K", "Q5_K", "Q6_K")
 ARITHS = ("int8", "float")
 ARITH = "int8"    # quant_matmul_rows' default arithmetic
+ARMS = {"mma": "int8", "mma-float": "float"}  # kernels.gemv_rows arm -> arith
 
 
 def takes(kernels: GemvKernels | None, m: int, qtypes) -> bool:
     """Whether `quant_matmul_rows` computes m rows against matrices of these types for this holder: its rows arm is
-    "mma", there are more rows than one dp4a launch takes, and every type has a kernel here."""
-    return (triton is not None and kernels is not None and kernels.rows == "mma" and m > MAX_M
+    one of ARMS, there are more rows than one dp4a launch takes, and every type has a kernel here."""
+    return (triton is not None and kernels is not None and kernels.rows in ARMS and m > MAX_M
             and all(qtype_of(q).name in TYPES for q in qtypes))
 
 
@@ -215,7 +216,8 @@ def product(kernels: GemvKernels | None, x: torch.Tensor, parts: list[tuple[torc
     if not takes(kernels, x.shape[0], [q for _, q in parts]):
         return None
     try:
-        return quant_matmul_rows(x, parts, cols, out=out, xq=xq)
+        arith = ARMS[kernels.rows]
+        return quant_matmul_rows(x, parts, cols, out=out, xq=xq if arith == "int8" else None, arith=arith)
     except Exception as e:  # noqa: BLE001 (Triton's compile errors have no common public base)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise
