@@ -25,6 +25,9 @@ SHAPES = [(6144, 4096, "Q4_K", 32), (4096, 4096, "Q4_K", 32), (28672, 4096, "Q4_
           (4096, 14336, "Q6_K", 16), (128256, 4096, "Q6_K", 1)]
 
 
+FLOAT_DEFAULTS = {"block_n": rows.BLOCK_N, "warps": 4, "stages": None}  # the options quant_matmul_rows launches with
+
+
 def configs(quick: bool):
     yield ("dp4a", {})
     yield ("int8", {})
@@ -50,7 +53,9 @@ def main() -> int:
     mats = {(n, c, q): random_blocks(q, n, c, g, device="cuda") for n, c, q, _ in SHAPES}
     print(f"{torch.cuda.get_device_name()}; per shape: us (GB/s of weights); step: the shapes' sum as one 8B "
           "Q4_K_M decode step's products")
+    arms = {}
     for m in (int(r) for r in a.rows.split(",")):
+        arms.clear()
         print(f"\n{m} rows")
         print(f"{'arm':6} {'options':40} " + " ".join(f"{f'{n}x{c} {q}':>22}" for n, c, q, _ in SHAPES)
               + f" {'step ms':>8}")
@@ -73,6 +78,11 @@ def main() -> int:
                 cells.append(f"{us:9.1f} ({blocks.numel() / us / 1e3:6.0f} GB/s)")
                 step += us * count / 1e3
             print(f"{arm:6} {str(opts):40} " + " ".join(f"{s:>22}" for s in cells) + f" {step:8.2f}", flush=True)
+            if not opts or opts == FLOAT_DEFAULTS:
+                arms[{"dp4a": "dp4a", "int8": "mma", "float": "mma-float"}[arm]] = step
+    # the kernels.gemv_rows arm whose launch as the server makes it (default options) had the shortest step, at
+    # the last --rows (nan, a failed build, never wins)
+    print("fastest arm:", min(arms, key=lambda k: arms[k] if arms[k] == arms[k] else float("inf")))
     return 0
 
 
