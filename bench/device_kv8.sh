@@ -69,8 +69,7 @@ batch|batch-tests)
     | tail -14 ;;
 sweep)
   el "a decode batch's products alone by kernel and options, 8B Q4_K_M shapes (bench/rows_sweep.py)"
-  timeout 300 python3 bench/rows_sweep.py --rows 16 2>&1 | tee "$LOG/sweep.log" | tail -40
-  timeout 150 python3 bench/rows_sweep.py --rows 4,8 --quick 2>&1 | tee -a "$LOG/sweep.log" | tail -20 ;;
+  timeout 240 python3 bench/rows_sweep.py --rows 16 2>&1 | tee "$LOG/sweep.log" | tail -40 ;;
 narrow)
   el "one layer's prefill attention, bf16 cache vs q8_0 widened in blocks (bench/narrow_prefill.py --prefill)"
   timeout 200 python3 bench/narrow_prefill.py --prefill --chunk 10240 --heads 32 --kv-heads 8 --keys 122880 \

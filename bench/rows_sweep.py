@@ -31,16 +31,17 @@ FLOAT_DEFAULTS = {"block_n": rows.BLOCK_N, "warps": 4, "stages": None}  # the op
 def configs(quick: bool):
     yield ("dp4a", {})
     yield ("int8", {})
-    if not quick:
-        for bn, w in itertools.product((32, 64), (4, 8)):
-            yield ("int8", {"block_n": bn, "warps": w})
-    for bn, w, st in itertools.product((32, 64, 128), (4, 8), (None, 2, 3)):
-        if quick and (w, st) != (4, None):
-            continue
-        yield ("float", {"block_n": bn, "warps": w, "stages": st})
-    if not quick:
-        for bn, sp in itertools.product((32, 64), (1, 2, 4, 8)):
-            yield ("float", {"block_n": bn, "split": sp})
+    yield ("float", FLOAT_DEFAULTS)
+    if quick:
+        return
+    yield ("int8", {"block_n": 64})
+    for bn, w in itertools.product((32, 64, 128), (4, 8)):
+        if (bn, w) != (32, 4):
+            yield ("float", {"block_n": bn, "warps": w})
+    for bn, st in itertools.product((32, 64), (2, 4)):
+        yield ("float", {"block_n": bn, "stages": st})
+    for bn, sp in itertools.product((32, 64), (1, 2, 8)):
+        yield ("float", {"block_n": bn, "split": sp})
 
 
 def main() -> int:
@@ -78,7 +79,7 @@ def main() -> int:
                 cells.append(f"{us:9.1f} ({blocks.numel() / us / 1e3:6.0f} GB/s)")
                 step += us * count / 1e3
             print(f"{arm:6} {str(opts):40} " + " ".join(f"{s:>22}" for s in cells) + f" {step:8.2f}", flush=True)
-            if not opts or opts == FLOAT_DEFAULTS:
+            if not opts or opts is FLOAT_DEFAULTS:
                 arms[{"dp4a": "dp4a", "int8": "mma", "float": "mma-float"}[arm]] = step
     # the kernels.gemv_rows arm whose launch as the server makes it (default options) had the shortest step, at
     # the last --rows (nan, a failed build, never wins)
