@@ -9,7 +9,10 @@ dp4a kernels' own) with tl.dot into int32 (tensor cores), and applies the scales
   Q6_K: x_s * d * (sc_0 * (q . xq) over the group's first 16 + sc_1 * over its last 16).
 This is llama.cpp's MMQ arrangement. The integer dot products are the dp4a kernels'; only the float32 sums' order
 differs. SPLIT programs share a row's blocks where a launch has few tiles (partial rows, then gemv's _sum_splits).
-Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+arith "float" (kernels.gemv_rows: "mma-float") takes x as it is instead (bf16 on a GPU): a program dequantizes two
+sub-blocks at a time in float32 into one (BLOCK_N, 64) tile of x's dtype and tl.dot accumulates in float32, with no
+int8 rounding of x and no epilogue per sub-block. Runs on CUDA, or on the CPU under Triton's interpreter
+(TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
