@@ -25,7 +25,8 @@ SHAPES = [(6144, 4096, "Q4_K", 32), (4096, 4096, "Q4_K", 32), (28672, 4096, "Q4_
           (4096, 14336, "Q6_K", 16), (128256, 4096, "Q6_K", 1)]
 
 
-FLOAT_DEFAULTS = {"block_n": rows.BLOCK_N, "warps": 4, "stages": None}  # the options quant_matmul_rows launches with
+# the options quant_matmul_rows launches arith float with
+FLOAT_DEFAULTS = {"block_n": rows.FLOAT_BLOCK_N, "warps": 4, "stages": rows.FLOAT_STAGES}
 
 
 def configs(quick: bool):
@@ -36,10 +37,10 @@ def configs(quick: bool):
         return
     yield ("int8", {"block_n": 64})
     for bn, w in itertools.product((32, 64, 128), (4, 8)):
-        if (bn, w) != (32, 4):
-            yield ("float", {"block_n": bn, "warps": w})
+        yield ("float", {"block_n": bn, "warps": w})
     for bn, st in itertools.product((32, 64), (2, 4)):
-        yield ("float", {"block_n": bn, "stages": st})
+        if (bn, st) != (FLOAT_DEFAULTS["block_n"], FLOAT_DEFAULTS["stages"]):
+            yield ("float", {"block_n": bn, "stages": st})
     for bn, sp in itertools.product((32, 64), (1, 2, 8)):
         yield ("float", {"block_n": bn, "split": sp})
 

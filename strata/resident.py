@@ -521,8 +521,9 @@ class Head(nn.Module):
                 quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab),
                              kernels=self.kernels, xq=xq)
                 return out
-            # a decode batch's rows on int8 tensor cores (kernels.gemv_rows mma)
-            if rows.product(self.kernels, x.reshape(-1, w.cols), [(w.data, w.qtype)], w.cols, out=out.view(-1, vocab),
+            # a decode batch's rows in one launch (kernels.gemv_rows mma / mma-float); more rows (a scoring
+            # prefill's) take the slices below: each launch of ROWS_MAX rows would read the whole head again
+            if n <= rows.ROWS_MAX and rows.product(self.kernels, x.reshape(-1, w.cols), [(w.data, w.qtype)], w.cols, out=out.view(-1, vocab),
                             xq=xq) is not None:
                 return out
         for s in range(0, vocab, self.rows):

@@ -113,6 +113,18 @@ def check_resident_batch_takes_rows():
             assert rel(got, x.double() @ dequantize(blocks, qtype).double().T) < 1e-5, qtype
         assert len(calls) == 4
 
+        class Slices:  # the one scratch method the head's vocabulary slices call
+            def rows(self, n, cols):
+                return torch.empty(n, cols)
+        saved = rows.ROWS_MAX
+        rows.ROWS_MAX = 4  # 6 rows: more than one launch takes, as a scoring prefill's are: the slices instead
+        try:
+            blocks, qtype = parts[1]
+            got = Head(Packed(blocks, qtype, 256, torch.float32), rows=16, scratch=Slices(), kernels=kf)(x)
+            assert len(calls) == 4 and rel(got, x.double() @ dequantize(blocks, qtype).double().T) < 1e-5
+        finally:
+            rows.ROWS_MAX = saved
+
         def broken(*a, **kw):
             raise RuntimeError("no int8 mma here")
         rows.quant_matmul_rows = broken  # a kernel that fails to build: this holder falls back to dp4a, once

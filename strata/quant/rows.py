@@ -31,7 +31,10 @@ if triton is not None:
 
 log = logging.getLogger("strata.quant")
 ROWS_MAX = 64     # x rows a launch (a tile dim: 16, 32 or 64); more take several launches
-BLOCK_N = 32      # weight rows a program
+BLOCK_N = 32      # weight rows a program (int8)
+FLOAT_BLOCK_N, FLOAT_STAGES = 64, 4  # arith float's tile and pipeline stages: on an H100 at 16 rows the fastest of
+                                     # bench/rows_sweep.py's 19 (8B step's products 14.6 ms summed; 32 rows and
+                                     # Triton's default stages: 20.4)
 TARGET_TILES = 512  # programs a launch should reach (about 4 waves of an H100 / H200's 132 SMs) before it splits K
 MIN_SPLIT_BLOCKS = 4  # a split program's least blocks
 TYPES = ("Q4_K", "Q5_K", "Q6_K")
@@ -237,7 +240,7 @@ def split_for(tiles: int, nb: int) -> int:
 
 def quant_matmul_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
                       out: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      split: int | None = None, arith: str = ARITH, block_n: int = BLOCK_N, warps: int = 4,
+                      split: int | None = None, arith: str = ARITH, block_n: int | None = None, warps: int = 4,
                       stages: int | None = None) -> torch.Tensor:
     """x (M, cols) times each matrix (blocks, qtype) of `parts` side by side, as gemv.quant_matmul_parts, on tensor
     cores (Q4_K, Q5_K, Q6_K). arith "int8": x's quantize_x rounding (xq where the caller has it) and int8 products;
@@ -258,6 +261,8 @@ def quant_matmul_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], co
     else:
         xs = (x,)
     nb = cols // 256
+    if block_n is None:
+        block_n, stages = (BLOCK_N, stages) if arith == "int8" else (FLOAT_BLOCK_N, stages or FLOAT_STAGES)
     opts = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         col = 0
