@@ -10,7 +10,7 @@
 # llama-batched-bench on the same file (bench/serve_concurrency.py; issue 29; carry the server's wheels in .whl:
 # ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
 # markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py, then a batch's time by
-# rows, graphs (kernels.gemv_rows dp4a and mma) against eager, each against the float32 model (bench/decode_rows.py);
+# rows, graphs (kernels.gemv_rows dp4a, mma, mma-float) against eager, each against the float32 model (bench/decode_rows.py);
 # `serve-mma`: the server's 4 and 16 streams with kernels.gemv_rows mma (or $ROWS); `sweep`: the batch's products alone by kernel
 # and launch options (bench/rows_sweep.py). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow |
 # batch | batch-tests | serve | serve-mma | sweep
@@ -65,7 +65,7 @@ batch|batch-tests)
   [ "$step" = batch-tests ] && continue
   el "a decode batch by rows, 8B Q4_K_M, 2,048 tokens a slot: the batch graphs (dp4a, mma products) against eager rows"
   timeout 300 python3 bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 \
-    --weights resident --arms f32,graphs,graphs-mma --rows 4,8,16 --prompt 2048 2>&1 | tee "$LOG/batch.log" \
+    --weights resident --arms f32,graphs,graphs-mma,graphs-mma-float --rows 8,16 --prompt 2048 2>&1 | tee "$LOG/batch.log" \
     | tail -14 ;;
 sweep)
   el "a decode batch's products alone by kernel and options, 8B Q4_K_M shapes (bench/rows_sweep.py)"
