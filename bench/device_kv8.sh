@@ -4,16 +4,17 @@
 # and a q8_0 cache (CUDA graphs, the default), their prefill (ttft) of the same prompt, and llama.cpp's decode after
 # the same depth with its f16 and q8_0 caches, on the same file; `splitk`: split-K alone over 122,880 keys, bf16 and
 # each q8_0 arm (bench/splitk.py); `arms`: the q8_0 decode after 122,880 with kernels.q8_attention int8 and int8x2
-# (the `time` step's q8_0 row is the default arm, int8x2); `narrow`: one layer's prefill attention over 122,880 tokens with
-# a bf16 cache and a q8_0 cache widened in blocks of 16,384 / 32,768 / 65,536 / the whole prefix (bench/narrow_prefill.py
-# --prefill); `serve`: the server with 1, 4 and 16 streams of token-id prompts (max_seqs 16) beside
-# llama-batched-bench on the same file (bench/serve_concurrency.py; issue 29; carry the server's wheels in .whl:
-# ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
-# markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py, then a batch's time by
-# rows, graphs (kernels.gemv_rows dp4a, mma, mma-float) against eager, each against the float32 model (bench/decode_rows.py);
-# `serve-mma`: the server's 4 and 16 streams with kernels.gemv_rows mma (or $ROWS); `sweep`: the batch's products alone by kernel
-# and launch options (bench/rows_sweep.py). Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow |
-# batch | batch-tests | serve | serve-mma | sweep
+# (the `time` step's q8_0 row is the default arm, int8x2); `narrow`: one layer's prefill attention over 122,880
+# tokens with a bf16 cache and a q8_0 cache widened in blocks of 16,384 / 32,768 / 65,536 / the whole prefix
+# (bench/narrow_prefill.py --prefill); `serve`: the server with 1, 4 and 16 streams of token-id prompts (max_seqs 16)
+# beside llama-batched-bench on the same file (bench/serve_concurrency.py; issue 29; carry the server's wheels in
+# .whl: ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
+# markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py (`batch-tests`: only
+# those), then a batch's time by rows, graphs (kernels.gemv_rows dp4a, mma, mma-float) against eager, each against
+# the float32 model (bench/decode_rows.py); `serve-mma`: the server's 4 and 16 streams with kernels.gemv_rows mma (or
+# $ROWS); `sweep`: the batch's products alone by kernel and launch options (bench/rows_sweep.py).
+# Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve | serve-mma
+# | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -63,10 +64,10 @@ batch|batch-tests)
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_rows.py \
     -k "batch_graphs or rows_on_cuda or max_seqs or gpu_rows" 2>&1 | tail -5
   [ "$step" = batch-tests ] && continue
-  el "a decode batch by rows, 8B Q4_K_M, 2,048 tokens a slot: the batch graphs (dp4a, mma products) against eager rows"
+  el "a decode batch by rows, 8B Q4_K_M, 2,048 tokens a slot: the batch graphs (dp4a, mma, mma-float) against eager"
   timeout 300 python3 bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 \
-    --weights resident --arms f32,graphs,graphs-mma,graphs-mma-float --rows 8,16 --prompt 2048 2>&1 | tee "$LOG/batch.log" \
-    | tail -14 ;;
+    --weights resident --arms f32,graphs,graphs-mma,graphs-mma-float --rows 8,16 --prompt 2048 2>&1 \
+    | tee "$LOG/batch.log" | tail -14 ;;
 sweep)
   el "a decode batch's products alone by kernel and options, 8B Q4_K_M shapes (bench/rows_sweep.py)"
   timeout 240 python3 bench/rows_sweep.py --rows 16 2>&1 | tee "$LOG/sweep.log" | tail -40 ;;
