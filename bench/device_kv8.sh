@@ -43,8 +43,8 @@ splitk)
 arms)
   for arm in int8 int8x2; do
     el "Strata 8B Q4_K_M, 1 GPU: q8_0 cache, kernels.q8_attention $arm, decode after 122,880"
-    [ -f /tmp/8b-q4km.gguf ] && STRATA_Q8_ATTENTION=$arm timeout 180 python3 bench/generate.py --model /tmp/8b-q4km.gguf \
-      --devices cuda:0 --contexts 122880 --tokens 128 --chunk 10240 --kv-dtype q8_0 2>&1 | tail -2
+    [ -f /tmp/8b-q4km.gguf ] && STRATA_Q8_ATTENTION=$arm timeout 180 python3 bench/generate.py \
+      --model /tmp/8b-q4km.gguf --devices cuda:0 --contexts 122880 --tokens 128 --chunk 10240 --kv-dtype q8_0 2>&1 | tail -2
   done ;;
 serve)
   build_wait
@@ -56,8 +56,8 @@ serve)
 serve-mma)
   wheels uvicorn starlette httpx
   el "the server, 8B Q4_K_M on one GPU, kernels.gemv_rows ${ROWS:-mma}: 4 and 16 streams (max_seqs 16), no peer"
-  STRATA_GEMV_ROWS=${ROWS:-mma} timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 \
-    --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 \
+  STRATA_GEMV_ROWS=${ROWS:-mma} timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf \
+    --devices cuda:0 --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 \
     | tee "$LOG/serve-mma.log" | tail -5 ;;
 batch|batch-tests)
   el "GPU tests: decode batches in graphs (strata/batch_graphs.py), rows on CUDA, several slots end to end"
