@@ -44,7 +44,8 @@ arms)
   for arm in int8 int8x2; do
     el "Strata 8B Q4_K_M, 1 GPU: q8_0 cache, kernels.q8_attention $arm, decode after 122,880"
     [ -f /tmp/8b-q4km.gguf ] && STRATA_Q8_ATTENTION=$arm timeout 180 python3 bench/generate.py \
-      --model /tmp/8b-q4km.gguf --devices cuda:0 --contexts 122880 --tokens 128 --chunk 10240 --kv-dtype q8_0 2>&1 | tail -2
+      --model /tmp/8b-q4km.gguf --devices cuda:0 --contexts 122880 --tokens 128 --chunk 10240 --kv-dtype q8_0 \
+      2>&1 | tail -2
   done ;;
 serve)
   build_wait
