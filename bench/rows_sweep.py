@@ -43,6 +43,8 @@ def configs(quick: bool):
             yield ("float", {"block_n": bn, "stages": st})
     for bn, sp in itertools.product((32, 64), (1, 2, 8)):
         yield ("float", {"block_n": bn, "split": sp})
+    for magic, pair in ((True, True), (False, False), (True, False)):  # the nibbles' conversion, the dots' width
+        yield ("float", FLOAT_DEFAULTS | {"magic": magic, "pair": pair})
 
 
 def main() -> int:

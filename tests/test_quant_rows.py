@@ -54,16 +54,19 @@ def check_rows_match_reference():
 
 def check_float_rows_match_reference():
     """arith "float": float32 x (no int8 rounding) times the dequantized weights, each type, split K, tiles of 16
-    and 64 weight rows, side by side parts: to float32 sums of the float64 product."""
+    and 64 weight rows, the nibbles to float by their bits (magic) or a conversion, one dot of 64 or two of 32 (pair),
+    side by side parts: to float32 sums of the float64 product."""
     from strata.quant import dequantize, random_blocks, rows
     g = torch.Generator().manual_seed(12)
     for qtype, n, cols in (("Q4_K", 37, 512), ("Q5_K", 33, 256), ("Q6_K", 45, 768)):
         blocks = random_blocks(qtype, n, cols, g)
         want_w = dequantize(blocks, qtype).double()
-        for m, split, block_n in ((5, 1, 32), (19, 3, 16), (16, 2, 64)):
+        for m, split, block_n, magic, pair in ((5, 1, 32, False, True), (19, 3, 16, True, True),
+                                               (16, 2, 64, False, False), (7, 1, 32, True, False)):
             x = torch.randn(m, cols, generator=g)
-            got = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, split=split, arith="float", block_n=block_n)
-            assert rel(got, x.double() @ want_w.T) < 1e-5, (qtype, m, split, block_n)
+            got = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, split=split, arith="float", block_n=block_n,
+                                         magic=magic, pair=pair)
+            assert rel(got, x.double() @ want_w.T) < 1e-5, (qtype, m, split, block_n, magic, pair)
     parts = [(random_blocks("Q4_K", 24, 512, g), "Q4_K"), (random_blocks("Q6_K", 8, 512, g), "Q6_K")]
     x = torch.randn(6, 512, generator=g)
     got = rows.quant_matmul_rows(x, parts, 512, arith="float")
@@ -176,5 +179,8 @@ def test_gpu_rows_8b_shapes(shape, qtype, m):
     dp4a = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, n, device="cuda"))
     assert rel(y, dp4a) < 1e-5
     # arith "float": bf16 x against weights rounded to bf16 (2^-9 each), float32 sums
-    f = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, out=torch.empty(m, n, device="cuda"), arith="float")
-    assert rel(f, x.double() @ dequantize(blocks, qtype).double().T) < 4e-3
+    want = x.double() @ dequantize(blocks, qtype).double().T
+    for magic, pair in ((False, True), (True, False)):
+        f = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, out=torch.empty(m, n, device="cuda"), arith="float",
+                                   magic=magic, pair=pair)
+        assert rel(f, want) < 4e-3, (magic, pair)

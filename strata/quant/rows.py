@@ -142,8 +142,30 @@ if triton is not None:
         return x_ptr + r[None, :] * cols + ((i % 2) * STRIDE + i // 2)[:, None]
 
     @triton.jit
+    def _less(v, off: tl.constexpr, MAGIC: tl.constexpr):
+        """float32(v) - off for int32 v in [0, 2^23): by a conversion, or (MAGIC) by v's bits under 2^23's exponent,
+        which is 2^23 + v exactly, then a subtraction (a logic op and an add, where a conversion is slower)."""
+        if MAGIC:
+            return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + off)
+        else:
+            return v.to(tl.float32) - off
+
+    @triton.jit
+    def _dot_runs(acc, w0, w1, xp, xr, at, STRIDE: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr):
+        """acc plus two dequantized 32-weight runs (BLOCK_N, 32) times x at `at` and at + STRIDE: one dot of 64 (the
+        runs joined, x by _x_pairs' offsets xp) or (PAIR False) two of 32 (xr: x's offsets (32, R))."""
+        if PAIR:
+            xt = tl.load(xp + at)
+            return tl.dot(tl.reshape(tl.join(w0, w1), (BLOCK_N, 64)).to(xt.dtype), xt, acc)
+        else:
+            x0 = tl.load(xr + at)
+            acc = tl.dot(w0.to(x0.dtype), x0, acc)
+            return tl.dot(w1.to(x0.dtype), tl.load(xr + at + STRIDE), acc)
+
+    @triton.jit
     def _k45_rows_f(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, part_stride, M,
-                    R: tl.constexpr, BLOCK_N: tl.constexpr, FIVE: tl.constexpr, SPLIT: tl.constexpr):
+                    R: tl.constexpr, BLOCK_N: tl.constexpr, FIVE: tl.constexpr, SPLIT: tl.constexpr,
+                    MAGIC: tl.constexpr, PAIR: tl.constexpr):
         """_k45_rows with x as it is (bfloat16 on a GPU): each quarter's two sub-blocks are dequantized in float32
         (d * sc * q - dmin * m), joined into one (BLOCK_N, 64) tile in x's dtype and multiplied by x's 64 values
         with tl.dot into the float32 accumulator (tensor cores; no int8 x and no per-sub-block epilogue)."""
@@ -154,7 +176,9 @@ if triton is not None:
         row_base, col, rows, live = _tile_at(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2, nb, size, BLOCK_N)
         j = tl.arange(0, 32)[None, :]
         m = tl.arange(0, R)
-        xp = _x_pairs(x_ptr, tl.minimum(m, M - 1), cols, 32)
+        r = tl.minimum(m, M - 1)
+        xp = _x_pairs(x_ptr, r, cols, 32)
+        xr = x_ptr + r[None, :] * cols + tl.arange(0, 32)[:, None]
         acc = tl.zeros((BLOCK_N, R), tl.float32)
         k0, k1 = _split_range(nb, 1, SPLIT)
         for b in range(k0, k1):
@@ -172,28 +196,31 @@ if triton is not None:
                     hi = hi | (((fifth >> (2 * p + 1)) & 1) << 4)
                 s0, m0 = _k4_scale_min(base + 4, 2 * p)
                 s1, m1 = _k4_scale_min(base + 4, 2 * p + 1)
-                w = tl.join((d * s0) * lo.to(tl.float32) - dmin * m0, (d * s1) * hi.to(tl.float32) - dmin * m1)
-                xt = tl.load(xp + (b * 256 + 64 * p))
-                acc = tl.dot(tl.reshape(w, (BLOCK_N, 64)).to(xt.dtype), xt, acc)
+                acc = _dot_runs(acc, (d * s0) * _less(lo, 0.0, MAGIC) - dmin * m0,
+                                (d * s1) * _less(hi, 0.0, MAGIC) - dmin * m1, xp, xr, b * 256 + 64 * p, 32,
+                                BLOCK_N, PAIR)
         _store_tile(out_ptr + tl.program_id(1) * part_stride, acc, m, M, out_stride, col + rows, live)
 
     @triton.jit
-    def _q6_run(base, d, ql, qh, j, n: tl.constexpr, t: tl.constexpr):
+    def _q6_run(base, d, ql, qh, j, n: tl.constexpr, t: tl.constexpr, MAGIC: tl.constexpr):
         """Q6_K's run t of 32 weights in half n of a block, dequantized: d * its 16-weight scale * (q - 32)."""
-        q = ((ql & 15) | (((qh >> (2 * t)) & 3) << 4)) - 32
+        q = _less((ql & 15) | (((qh >> (2 * t)) & 3) << 4), 32.0, MAGIC)
         s0 = tl.load(base + 192 + 8 * n + 2 * t).to(tl.int8, bitcast=True).to(tl.float32)
         s1 = tl.load(base + 193 + 8 * n + 2 * t).to(tl.int8, bitcast=True).to(tl.float32)
-        return (d * tl.where(j < 16, s0, s1)) * q.to(tl.float32)
+        return (d * tl.where(j < 16, s0, s1)) * q
 
     @triton.jit
     def _q6_k_rows_f(x_ptr, out_ptr, a0, a1, a2, n0, n1, n2, p0, p1, nb, cols, out_stride, part_stride, M,
-                     R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                     R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr,
+                     PAIR: tl.constexpr):
         """_q6_k_rows with x as it is: the low- and high-nibble runs of each 32 bytes (weights 128n + 32 half + l and
         that + 64) dequantized in float32 (d * scale * (q - 32)), joined and multiplied by x with tl.dot."""
         row_base, col, rows, live = _tile_at(tl.program_id(0), p0, p1, a0, a1, a2, n0, n1, n2, nb, 210, BLOCK_N)
         j = tl.arange(0, 32)[None, :]
         m = tl.arange(0, R)
-        xp = _x_pairs(x_ptr, tl.minimum(m, M - 1), cols, 64)
+        r = tl.minimum(m, M - 1)
+        xp = _x_pairs(x_ptr, r, cols, 64)
+        xr = x_ptr + r[None, :] * cols + tl.arange(0, 32)[:, None]
         acc = tl.zeros((BLOCK_N, R), tl.float32)
         k0, k1 = _split_range(nb, 1, SPLIT)
         for b in range(k0, k1):
@@ -203,10 +230,9 @@ if triton is not None:
                 qh = tl.load(base + 128 + 32 * n + j).to(tl.int32)
                 for half in tl.static_range(2):
                     ql = tl.load(base + 64 * n + 32 * half + j).to(tl.int32)
-                    w0 = _q6_run(base, d, ql, qh, j, n, half)
-                    w1 = _q6_run(base, d, ql >> 4, qh, j, n, half + 2)
-                    xt = tl.load(xp + (b * 256 + 128 * n + 32 * half))
-                    acc = tl.dot(tl.reshape(tl.join(w0, w1), (BLOCK_N, 64)).to(xt.dtype), xt, acc)
+                    acc = _dot_runs(acc, _q6_run(base, d, ql, qh, j, n, half, MAGIC),
+                                    _q6_run(base, d, ql >> 4, qh, j, n, half + 2, MAGIC), xp, xr,
+                                    b * 256 + 128 * n + 32 * half, 64, BLOCK_N, PAIR)
         _store_tile(out_ptr + tl.program_id(1) * part_stride, acc, m, M, out_stride, col + rows, live)
 
     _KERNELS = {"Q4_K": (_k45_rows, {"FIVE": False}), "Q5_K": (_k45_rows, {"FIVE": True}), "Q6_K": (_q6_k_rows, {})}
@@ -241,16 +267,19 @@ def split_for(tiles: int, nb: int) -> int:
 def quant_matmul_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], cols: int,
                       out: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
                       split: int | None = None, arith: str = ARITH, block_n: int | None = None, warps: int = 4,
-                      stages: int | None = None) -> torch.Tensor:
+                      stages: int | None = None, magic: bool = False, pair: bool = True) -> torch.Tensor:
     """x (M, cols) times each matrix (blocks, qtype) of `parts` side by side, as gemv.quant_matmul_parts, on tensor
     cores (Q4_K, Q5_K, Q6_K). arith "int8": x's quantize_x rounding (xq where the caller has it) and int8 products;
     "float": x as it is against weights dequantized to its dtype. split: programs a row's blocks are cut among
-    (None: split_for's); block_n, warps, stages: the launch's tile and Triton options (bench/rows_sweep.py)."""
+    (None: split_for's); block_n, warps, stages: the launch's tile and Triton options; magic, pair (float only): the
+    nibbles to float32 by their bits rather than a conversion, and two runs of 32 in one dot (bench/rows_sweep.py)."""
     names = [qtype_of(q).name for _, q in parts]
     if triton is None or any(n not in TYPES for n in names):
         raise ValueError(f"quant_matmul_rows takes {', '.join(TYPES)}, got {', '.join(names)}")
     if arith not in ARITHS:
         raise ValueError(f"quant_matmul_rows arith is one of {', '.join(ARITHS)}, got {arith!r}")
+    if arith == "int8" and (magic or not pair):
+        raise ValueError("quant_matmul_rows: magic and pair are arith float's")
     names, out = checked_parts(x, parts, cols, out)
     x = x.contiguous()
     if arith == "int8":
@@ -264,6 +293,8 @@ def quant_matmul_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]], co
     if block_n is None:
         block_n, stages = (BLOCK_N, stages) if arith == "int8" else (FLOAT_BLOCK_N, stages or FLOAT_STAGES)
     opts = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
+    if arith == "float":
+        opts |= {"MAGIC": magic, "PAIR": pair}
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         col = 0
         for i, k in type_runs(names):
