@@ -318,3 +318,35 @@ def test_max_seqs_on_cuda_equals_alone(tmp_path):
         assert "decode: CUDA graphs of decode batches" in log, log
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("arm", ["mma", "mma-float"])
+def test_resident_batch_rows_close_to_each_step_alone(arm):
+    """A resident Q4_K_M model (smoke-wide: Q4_K and Q6_K blocks, the head included) in bf16 with 6 slots: the batch
+    body's rows of 5 and 6 sequences (padded to 8), whose products take strata.quant.rows with kernels.gemv_rows
+    `arm` (counted), each within bf16 and int8-x rounding of its step alone on the dp4a kernels. A wrong slot,
+    position or row would be O(1)."""
+    from test_batch_graphs import check_batches
+    from strata.args import PRESETS
+    from strata.checkpoint import load_stage
+    from strata.config import KernelSpec
+    from strata.quant import rows
+    args = PRESETS["smoke-wide"]
+
+    def load(kernels):
+        return load_stage("synthetic:smoke-wide@Q4_K_M", args, 0, args.n_layers, device="cuda:0",
+                          dtype=torch.bfloat16, weights="resident", max_len=160, seqs=6, kernels=kernels)
+    eager, body = load(None), load(KernelSpec(gemv_rows=arm))
+    calls, inner = [], rows.quant_matmul_rows
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return inner(*a, **kw)
+    rows.quant_matmul_rows = counted
+    try:
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g).cuda() for n in (40, 9, 27, 64, 13, 20)]
+        check_batches(eager, body, True, prompts, [[0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2], [2, 0, 4, 5, 1, 3]], 3e-2)
+    finally:
+        rows.quant_matmul_rows = inner
+    assert calls and body.gemv.rows == arm  # (taken, and not fallen back to dp4a)
