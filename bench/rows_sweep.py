@@ -1,7 +1,8 @@
 """A decode batch's resident K-quant products alone, by kernel and launch options, at 8B Llama's shapes: the dp4a
 kernels (strata.quant.gemv, 4 rows a launch) against strata/quant/rows.py's int8 and float arithmetic over tiles,
-warps, pipeline stages and split K. Times are triton.testing.do_bench's (L2 flushed between runs: the weights come
-from memory, as in a decode step); GB/s is the weight bytes over that time. Random blocks, bf16 x.
+warps, pipeline stages and split K. Each shape's products run as a decode step runs them: captured in a CUDA graph
+(no launch overhead), over enough distinct copies of the matrix (at least COPY_BYTES) that none is read from L2;
+the time is a replay's over the copies. GB/s is the weight bytes over that time. Random blocks, bf16 x.
 
     python bench/rows_sweep.py                      # 16 rows, each 8B shape, every config
     python bench/rows_sweep.py --rows 8,16 --quick  # the current defaults and a few others
@@ -23,6 +24,40 @@ from strata.quant import gemv, random_blocks, rows  # noqa: E402
 # Q6_K), the head
 SHAPES = [(6144, 4096, "Q4_K", 32), (4096, 4096, "Q4_K", 32), (28672, 4096, "Q4_K", 32), (4096, 14336, "Q4_K", 16),
           (4096, 14336, "Q6_K", 16), (128256, 4096, "Q6_K", 1)]
+
+
+COPY_BYTES = 256 << 20  # each shape's copies together: past an H100 / H200's 50 / 60 MB of L2
+REPLAYS = 10
+
+
+def graph_us(fns) -> float:
+    """us a call of fns (one product each, on distinct matrices) in one CUDA graph: compiled first, then captured,
+    then REPLAYS replays timed by events."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # Triton compiles (and torch allocates) outside the capture
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    t1.record()
+    t1.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / REPLAYS / len(fns)
+
+
+def product(arm: str, opts: dict, x: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: int):
+    out = torch.empty(x.shape[0], blocks.shape[0], device="cuda", dtype=torch.bfloat16)
+    if arm == "dp4a":
+        return lambda: gemv.quant_matmul(x, blocks, qtype, cols, out=out)
+    return lambda: rows.quant_matmul_rows(x, [(blocks, qtype)], cols, out=out, arith=arm, **opts)
 
 
 # the options quant_matmul_rows launches arith float with
@@ -52,9 +87,11 @@ def main() -> int:
     ap.add_argument("--rows", default="16")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
-    import triton.testing
     g = torch.Generator(device="cuda").manual_seed(0)
-    mats = {(n, c, q): random_blocks(q, n, c, g, device="cuda") for n, c, q, _ in SHAPES}
+    mats = {}
+    for n, c, q, _ in SHAPES:
+        first = random_blocks(q, n, c, g, device="cuda")
+        mats[(n, c, q)] = [first] + [first.clone() for _ in range(1, -(-COPY_BYTES // first.numel()))]
     print(f"{torch.cuda.get_device_name()}; per shape: us (GB/s of weights); step: the shapes' sum as one 8B "
           "Q4_K_M decode step's products")
     arms = {}
@@ -66,20 +103,15 @@ def main() -> int:
         for arm, opts in configs(a.quick):
             cells, step = [], 0.0
             for n, c, q, count in SHAPES:
-                blocks = mats[(n, c, q)]
+                copies = mats[(n, c, q)]
                 x = torch.randn(m, c, generator=g, device="cuda").bfloat16()
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                if arm == "dp4a":
-                    fn = lambda: gemv.quant_matmul(x, blocks, q, c, out=out)  # noqa: E731
-                else:
-                    fn = lambda: rows.quant_matmul_rows(x, [(blocks, q)], c, out=out, arith=arm, **opts)  # noqa: E731
                 try:
-                    us = triton.testing.do_bench(fn, warmup=5, rep=40) * 1e3
+                    us = graph_us([product(arm, opts, x, b, q, c) for b in copies])
                 except Exception as e:  # noqa: BLE001 (a config that does not build: say so and go on)
                     cells.append(f"{type(e).__name__:>22}")
                     step = float("nan")
                     continue
-                cells.append(f"{us:9.1f} ({blocks.numel() / us / 1e3:6.0f} GB/s)")
+                cells.append(f"{us:9.1f} ({copies[0].numel() / us / 1e3:6.0f} GB/s)")
                 step += us * count / 1e3
             print(f"{arm:6} {str(opts):40} " + " ".join(f"{s:>22}" for s in cells) + f" {step:8.2f}", flush=True)
             if not opts or opts is FLOAT_DEFAULTS:
