@@ -4,9 +4,9 @@ their own slots, each prefilled with --prompt tokens, then steps of m rows at po
 Arms: `blocks` (CPU: the C decoder on the file's blocks, decode_weights blocks: each weight block read once a
 batch), `rows` (torch's products, all rows at once, each row's attention alone: decode_batch rows, eager), `steps`
 (the same, each row's step alone: decode_batch steps), `graphs` (CUDA: strata.batch_graphs, the batch in one
-replay, as a stage with several slots runs it; captured before the timing), `graphs-mma` (the same with
-kernels.gemv_rows mma: a resident model's products of more than 4 rows on int8 tensor cores, strata/quant/rows.py),
-`graphs-mma-float` (kernels.gemv_rows mma-float: the same launch with bf16 x against weights dequantized in float).
+replay, as a stage with several slots runs it; captured before the timing; a resident model's products of more than
+4 rows by the default kernels.gemv_rows, mma-float: tensor cores, strata/quant/rows.py), `graphs-dp4a` (the same with
+kernels.gemv_rows dp4a: the one-row kernels, 4 rows a launch).
 `f32` (the weights dequantized, float32, eager rows: put it first as the reference the others' logits are held to).
 Printed: ms a step and ms a row, the best of --rounds rounds of --steps calls, and each arm's logits against the first
 arm's (relative, as a whole: the same bits give 0).
@@ -15,9 +15,9 @@ arm's (relative, as a whole: the same bits give 0).
     python bench/decode_rows.py --arms blocks --rows 1,2,4,8,16
     python bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 --arms graphs,rows \
         --rows 1,4,16 --prompt 2048 --weights resident  # one GPU: the batch graphs against eager rows
-    python bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 --arms graphs,graphs-mma \
-        --rows 4,8,16 --prompt 2048 --weights resident  # the batch's products: dp4a 4 rows a launch, or mma
-    ... --arms f32,graphs,graphs-mma,graphs-mma-float  # each arm's logits against the float32 model's
+    python bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 --arms graphs,graphs-dp4a \
+        --rows 4,8,16 --prompt 2048 --weights resident  # the batch's products: on tensor cores, or dp4a
+    ... --arms f32,graphs,graphs-dp4a  # each arm's logits against the float32 model's
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def main() -> int:
         m = load_stage(path, args, 0, args.n_layers, device=dev, dtype=torch.float32 if f32 else getattr(torch, a.dtype),
                        max_len=max_len, decode_weights="blocks" if arm == "blocks" else None, seqs=seqs,
                        kv_dtype="float32" if f32 else a.kv_dtype, weights="dequantized" if f32 else a.weights,
-                       kernels=KernelSpec(gemv_rows=arm[7:]) if arm.startswith("graphs-mma") else None)
+                       kernels=KernelSpec(gemv_rows=arm[7:]) if arm.startswith("graphs-") else None)
         m.batch_rows = arm != "steps"
         decoder = m
         if arm.startswith("graphs"):

@@ -10,11 +10,11 @@
 # beside llama-batched-bench on the same file (bench/serve_concurrency.py; issue 29; carry the server's wheels in
 # .whl: ../shared/tools/device-wheels.sh uvicorn starlette anyio h11 click sniffio httpx httpcore certifi idna jinja2
 # markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py (`batch-tests`: only
-# those), then a batch's time by rows, graphs (kernels.gemv_rows dp4a, mma, mma-float) against eager, each against
-# the float32 model (bench/decode_rows.py); `serve-mma`: the server's 4 and 16 streams with kernels.gemv_rows mma (or
-# $ROWS); `sweep`: the batch's products alone by kernel and launch options (bench/rows_sweep.py).
-# Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve | serve-mma
-# | sweep
+# those), then a batch's time by rows in graphs (kernels.gemv_rows mma-float, the default, and dp4a), each against
+# the float32 model (bench/decode_rows.py); `serve-rows`: the server's 4 and 16 streams with kernels.gemv_rows $ROWS
+# (default dp4a), no peer; `sweep`: the batch's products alone by kernel and launch options (bench/rows_sweep.py).
+# Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
+# | serve-rows | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -54,20 +54,20 @@ serve)
   timeout 420 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
     --streams 1,4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer "$LL/build/bin/llama-batched-bench" 2>&1 \
     | tee "$LOG/serve.log" | tail -8 ;;
-serve-mma)
+serve-rows)
   wheels uvicorn starlette httpx
-  el "the server, 8B Q4_K_M on one GPU, kernels.gemv_rows ${ROWS:-mma}: 4 and 16 streams (max_seqs 16), no peer"
-  STRATA_GEMV_ROWS=${ROWS:-mma} timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf \
+  el "the server, 8B Q4_K_M on one GPU, kernels.gemv_rows ${ROWS:-dp4a}: 4 and 16 streams (max_seqs 16), no peer"
+  STRATA_GEMV_ROWS=${ROWS:-dp4a} timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf \
     --devices cuda:0 --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 \
-    | tee "$LOG/serve-mma.log" | tail -5 ;;
+    | tee "$LOG/serve-rows.log" | tail -5 ;;
 batch|batch-tests)
   el "GPU tests: decode batches in graphs (strata/batch_graphs.py), rows on CUDA, several slots end to end"
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_rows.py \
     -k "batch_graphs or rows_on_cuda or max_seqs or gpu_rows" 2>&1 | tail -5
   [ "$step" = batch-tests ] && continue
-  el "a decode batch by rows, 8B Q4_K_M, 2,048 tokens a slot: the batch graphs (dp4a, mma, mma-float) against eager"
+  el "a decode batch by rows, 8B Q4_K_M, 2,048 tokens a slot: the batch graphs (mma-float, dp4a) against float32"
   timeout 300 python3 bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 \
-    --weights resident --arms f32,graphs,graphs-mma,graphs-mma-float --rows 8,16 --prompt 2048 2>&1 \
+    --weights resident --arms f32,graphs,graphs-dp4a --rows 8,16 --prompt 2048 2>&1 \
     | tee "$LOG/batch.log" | tail -14 ;;
 sweep)
   el "a decode batch's products alone by kernel and options, 8B Q4_K_M shapes (bench/rows_sweep.py)"

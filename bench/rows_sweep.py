@@ -1,6 +1,6 @@
 """A decode batch's resident K-quant products alone, by kernel and launch options, at 8B Llama's shapes: the dp4a
-kernels (strata.quant.gemv, 4 rows a launch) against strata/quant/rows.py's int8 and float arithmetic over tiles,
-warps, pipeline stages and split K. Each shape's products run as a decode step runs them: captured in a CUDA graph
+kernels (strata.quant.gemv, 4 rows a launch) against strata/quant/rows.py's tensor-core kernels over tiles, warps,
+pipeline stages and split K. Each shape's products run as a decode step runs them: captured in a CUDA graph
 (no launch overhead), over enough distinct copies of the matrix (at least COPY_BYTES) that none is read from L2;
 the time is a replay's over the copies. GB/s is the weight bytes over that time. Random blocks, bf16 x.
 
@@ -57,29 +57,22 @@ def product(arm: str, opts: dict, x: torch.Tensor, blocks: torch.Tensor, qtype: 
     out = torch.empty(x.shape[0], blocks.shape[0], device="cuda", dtype=torch.bfloat16)
     if arm == "dp4a":
         return lambda: gemv.quant_matmul(x, blocks, qtype, cols, out=out)
-    return lambda: rows.quant_matmul_rows(x, [(blocks, qtype)], cols, out=out, arith=arm, **opts)
-
-
-# the options quant_matmul_rows launches arith float with
-FLOAT_DEFAULTS = {"block_n": rows.FLOAT_BLOCK_N, "warps": 4, "stages": rows.FLOAT_STAGES}
+    return lambda: rows.quant_matmul_rows(x, [(blocks, qtype)], cols, out=out, **opts)
 
 
 def configs(quick: bool):
+    """(arm, quant_matmul_rows' options): {} is the arm as the server launches it."""
     yield ("dp4a", {})
-    yield ("int8", {})
-    yield ("float", FLOAT_DEFAULTS)
+    yield ("mma-float", {})
     if quick:
         return
-    yield ("int8", {"block_n": 64})
     for bn, w in itertools.product((32, 64, 128), (4, 8)):
-        yield ("float", {"block_n": bn, "warps": w})
-    for bn, st in itertools.product((32, 64), (2, 4)):
-        if (bn, st) != (FLOAT_DEFAULTS["block_n"], FLOAT_DEFAULTS["stages"]):
-            yield ("float", {"block_n": bn, "stages": st})
-    for bn, sp in itertools.product((32, 64), (1, 2, 8)):
-        yield ("float", {"block_n": bn, "split": sp})
-    for magic, pair in ((True, True), (False, False), (True, False)):  # the nibbles' conversion, the dots' width
-        yield ("float", FLOAT_DEFAULTS | {"magic": magic, "pair": pair})
+        if (bn, w) != (rows.BLOCK_N, 4):
+            yield ("mma-float", {"block_n": bn, "warps": w})
+    for st in (2, 3, None):
+        yield ("mma-float", {"stages": st})
+    for sp in (1, 2, 8):
+        yield ("mma-float", {"split": sp})
 
 
 def main() -> int:
@@ -98,7 +91,7 @@ def main() -> int:
     for m in (int(r) for r in a.rows.split(",")):
         arms.clear()
         print(f"\n{m} rows")
-        print(f"{'arm':6} {'options':40} " + " ".join(f"{f'{n}x{c} {q}':>22}" for n, c, q, _ in SHAPES)
+        print(f"{'arm':9} {'options':40} " + " ".join(f"{f'{n}x{c} {q}':>22}" for n, c, q, _ in SHAPES)
               + f" {'step ms':>8}")
         for arm, opts in configs(a.quick):
             cells, step = [], 0.0
@@ -113,9 +106,9 @@ def main() -> int:
                     continue
                 cells.append(f"{us:9.1f} ({copies[0].numel() / us / 1e3:6.0f} GB/s)")
                 step += us * count / 1e3
-            print(f"{arm:6} {str(opts):40} " + " ".join(f"{s:>22}" for s in cells) + f" {step:8.2f}", flush=True)
-            if not opts or opts is FLOAT_DEFAULTS:
-                arms[{"dp4a": "dp4a", "int8": "mma", "float": "mma-float"}[arm]] = step
+            print(f"{arm:9} {str(opts):40} " + " ".join(f"{s:>22}" for s in cells) + f" {step:8.2f}", flush=True)
+            if not opts:
+                arms[arm] = step
     # the kernels.gemv_rows arm whose launch as the server makes it (default options) had the shortest step, at
     # the last --rows (nan, a failed build, never wins)
     print("fastest arm:", min(arms, key=lambda k: arms[k] if arms[k] == arms[k] else float("inf")))

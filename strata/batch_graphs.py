@@ -231,13 +231,13 @@ class BatchGraphs:
         c, s = rope_tables(cos.to(self.dtype), sin.to(self.dtype))
         return c[:, 0].contiguous(), s[:, 0].contiguous()
 
-    def _products(self, blk: Block) -> tuple[Products, dict]:
+    def _products(self, blk: Block, r: int) -> tuple[Products, dict]:
         """A layer's products (on its blocks where resident, else dense through torch) and, per product, whether it
-        reads x rounded to int8 (then the kernel before it writes that rounding)."""
+        reads r rows of x rounded to int8 (then the kernel before it writes that rounding)."""
         w = blk.weights
         resident = isinstance(w, ResidentMatrices)
         mm = w.products() if resident else dense_products(w.get(), None)
-        return mm, {p: resident and w.int8_x(p) for p in ("qkv", "wo", "w13", "w2")}
+        return mm, {p: resident and w.int8_x(p, r) for p in ("qkv", "wo", "w13", "w2")}
 
     def _layer(self, i: str, blk: Block, h, pend, tab, rows: dict, n_keys, slot, live, b: int, r: int):
         """One attention layer on the rows (plus the previous layer's pending product) -> (residual, this layer's
@@ -245,7 +245,7 @@ class BatchGraphs:
         from strata.decode_kernels import rope_store_rows
         a = blk.attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
-        mm, int8 = self._products(blk)
+        mm, int8 = self._products(blk, r)
         h, x, xq = self._add_norm(h, pend, blk.attn_norm, int8["qkv"], r)
         qkv = mm.qkv(x, **xq)
         gate = None
@@ -296,11 +296,11 @@ class BatchGraphs:
     def _linear_layer(self, blk: Block, h, pend, slot, live, r: int):
         """A linear-attention layer on the rows: each row's Gated DeltaNet step from its slot's states
         (GatedDeltaNet.mix_rows), then the MLP as an attention layer's."""
-        mm, int8 = self._products(blk)
+        mm, int8 = self._products(blk, r)
         la, w = blk.attn, blk.weights
         if la.wqkv is None:  # resident: on its blocks, x's int8 rounding from the norm's launch where they read it
-            h, x, xq = self._add_norm(h, pend, blk.attn_norm, w.linear_int8(), r)
-            lp = w.linear_taking(xq)
+            h, x, xq = self._add_norm(h, pend, blk.attn_norm, w.linear_int8(r), r)
+            lp = w.linear_taking(xq, r)
         else:
             h, x, _ = self._add_norm(h, pend, blk.attn_norm, False, r)
             lp = la.products()
@@ -356,9 +356,12 @@ class BatchGraphs:
                 and self.one._fusable(m.norm, h) and h.is_contiguous()):
             return m.logits(h, decode=True)
         from strata.decode_kernels import rms_norm
-        x, (q, s) = rms_norm(h, m.norm.weight, m.norm.eps, int8=True, rows=r)
-        step = r if rows.takes(m.head.kernels, r, [w.qtype]) else DECODE_T  # kernels.gemv_rows mma: all at once
-        out = torch.cat([m.head(x[j:j + step], xq=(q[j:j + step], s[j:j + step])) for j in range(0, r, step)])
+        if rows.takes(m.head.kernels, r, [w.qtype]):  # kernels.gemv_rows mma-float: all at once, x as it is
+            out = m.head(rms_norm(h, m.norm.weight, m.norm.eps, rows=r))
+        else:
+            x, (q, s) = rms_norm(h, m.norm.weight, m.norm.eps, int8=True, rows=r)
+            out = torch.cat([m.head(x[j:j + DECODE_T], xq=(q[j:j + DECODE_T], s[j:j + DECODE_T]))
+                             for j in range(0, r, DECODE_T)])
         c = m.args.final_softcap
         return out if c is None else torch.tanh(out / c) * c
 

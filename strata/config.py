@@ -37,7 +37,7 @@ Q8_0_KERNELS = ("dp4a", "bytes")
 Q8_ATTENTION = ("widen", "int8", "int8x2")  # split-K decode attention over a q8_0 cache (strata/decode_attention.py;
                                             # the order is its kernel's INT8 constexpr)
 MXFP4_KERNELS = ("dp4a", "float")
-ROWS_KERNELS = ("dp4a", "mma", "mma-float")  # resident K-quant products of more than 4 rows (decode batches)
+ROWS_KERNELS = ("dp4a", "mma-float")  # resident K-quant products of more than 4 rows (decode batches)
 WINDOW_KERNELS = ("flex", "band")
 
 
@@ -103,13 +103,12 @@ class KernelSpec:
     gemv_mxfp4: str = field(default="dp4a", metadata={"choices": MXFP4_KERNELS})    # resident MXFP4 experts
                                    # (gpt-oss): aligned words, nibbles to int8 by byte permutes, int8 x by dp4a
                                    # (the stacks re-laid at load), or float x and float32 products per value
-    gemv_rows: str = field(default="dp4a", metadata={"choices": ROWS_KERNELS})  # resident Q4_K / Q5_K / Q6_K
-                                   # products of a decode batch of more than 4 rows: the dp4a kernels 4 rows a launch
-                                   # (the weights read once per 4 rows), or "mma": every row in one launch on int8
-                                   # tensor cores (strata/quant/rows.py; 16 rows of the 8B on an H100: 18.2 ms a
-                                   # step against 33.9; the default once its logits are checked on a GPU), or
-                                   # "mma-float": bf16 x against weights dequantized in float (no int8 x; the
-                                   # server's 16 streams on an H100: 1,036 tok/s against dp4a's 437)
+    gemv_rows: str = field(default="mma-float", metadata={"choices": ROWS_KERNELS})  # resident Q4_K / Q5_K /
+                                   # Q6_K products of a decode batch of more than 4 rows: "mma-float", every row in
+                                   # one launch on tensor cores, bf16 x against the weights dequantized in float
+                                   # (strata/quant/rows.py; 16 rows of the 8B on an H100: 10.9 ms a step against
+                                   # 33.6, its logits nearer the float32 model's), or "dp4a": the one-row kernels,
+                                   # 4 rows a launch (the weights read once per 4 rows)
     q8_attention: str = field(default="int8x2", metadata={"choices": Q8_ATTENTION})  # decode graphs' split-K
                                    # over a q8_0 cache: "int8x2": q rounded to int8 per 32 dims plus its rounding
                                    # residual as a second int8 dot (~15 bits of q), scores on int8 tensor cores, V

@@ -345,12 +345,14 @@ class ResidentMatrices(nn.Module):
                         functools.partial(self._matmul, PRODUCTS["w13"]),
                         functools.partial(self._matmul, PRODUCTS["w2"]))
 
-    def int8_x(self, product: str) -> bool:
-        """Whether `products`' `product` (qkv, wo, w13, w2) reads x rounded to int8; then it takes the rounding
-        as xq, where a kernel before it wrote it."""
+    def int8_x(self, product: str, rows: int = 1) -> bool:
+        """Whether `products`' `product` (qkv, wo, w13, w2) on `rows` rows of x reads them rounded to int8; then it
+        takes the rounding as xq, where a kernel before it wrote it. A decode batch's rows on tensor cores
+        (kernels.gemv_rows mma-float) read x as it is."""
+        from .quant import rows as qrows
         from .quant.gemv import wants_int8_x
-        names = [n for n in PRODUCTS[product] if n in self.parts]
-        return bool(names) and wants_int8_x([self.parts[n].qtype for n in names], self.kernels)
+        qtypes = [self.parts[n].qtype for n in PRODUCTS[product] if n in self.parts]
+        return bool(qtypes) and not qrows.takes(self.kernels, rows, qtypes) and wants_int8_x(qtypes, self.kernels)
 
     def linear(self):
         """A linear-attention layer's products on its blocks (fused_decode_ok must hold): LinearProducts whose
@@ -366,16 +368,16 @@ class ResidentMatrices(nn.Module):
 
     LINEAR_INPUTS = ("lin_qkv", "lin_z", "lin_ba")
 
-    def linear_int8(self) -> bool:
-        """Whether one of a linear-attention layer's input products reads x rounded to int8 (the norm before them
-        then writes the rounding)."""
-        return any(self.int8_x(p) for p in self.LINEAR_INPUTS)
+    def linear_int8(self, rows: int = 1) -> bool:
+        """Whether one of a linear-attention layer's input products on `rows` rows reads x rounded to int8 (the norm
+        before them then writes the rounding)."""
+        return any(self.int8_x(p, rows) for p in self.LINEAR_INPUTS)
 
-    def linear_taking(self, xq: dict):
+    def linear_taking(self, xq: dict, rows: int = 1):
         """`linear`, with the norm's int8 rounding of x ({} or {"xq": ...}) bound to the input products that read it
-        (the decode graphs' one row, and the batch graphs' rows)."""
+        on `rows` rows (the decode graphs' one row, and the batch graphs' rows)."""
         lp = self.linear()
-        take = {p: functools.partial(f, **xq) if xq and self.int8_x(p) else f
+        take = {p: functools.partial(f, **xq) if xq and self.int8_x(p, rows) else f
                 for p, f in zip(self.LINEAR_INPUTS, (lp.qkv, lp.z, lp.ba))}
         return lp._replace(qkv=take["lin_qkv"], z=take["lin_z"], ba=take["lin_ba"])
 
@@ -387,7 +389,7 @@ class ResidentMatrices(nn.Module):
         if parts[0].col_perm is not None:  # (a single part): x in the stored column order instead
             x, xq = x.index_select(-1, parts[0].col_inv), None
         x2, mats = x.reshape(-1, x.shape[-1]), [(p.data, p.qtype) for p in parts]
-        y = rows.product(self.kernels, x2, mats, parts[0].cols, xq=xq)  # kernels.gemv_rows mma: a batch in one launch
+        y = rows.product(self.kernels, x2, mats, parts[0].cols)  # kernels.gemv_rows mma-float: a batch in one launch
         if y is None:
             y = quant_matmul_parts(x2, mats, parts[0].cols, kernels=self.kernels, xq=xq)
         y = y.view(*x.shape[:-1], y.shape[-1])
@@ -521,10 +523,10 @@ class Head(nn.Module):
                 quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab),
                              kernels=self.kernels, xq=xq)
                 return out
-            # a decode batch's rows in one launch (kernels.gemv_rows mma / mma-float); more rows (a scoring
-            # prefill's) take the slices below: each launch of ROWS_MAX rows would read the whole head again
-            if n <= rows.ROWS_MAX and rows.product(self.kernels, x.reshape(-1, w.cols), [(w.data, w.qtype)], w.cols, out=out.view(-1, vocab),
-                            xq=xq) is not None:
+            # a decode batch's rows in one launch (kernels.gemv_rows mma-float); more rows (a scoring prefill's)
+            # take the slices below: each launch of ROWS_MAX rows would read the whole head again
+            if n <= rows.ROWS_MAX and rows.product(self.kernels, x.reshape(-1, w.cols), [(w.data, w.qtype)], w.cols,
+                                                   out=out.view(-1, vocab)) is not None:
                 return out
         for s in range(0, vocab, self.rows):
             e = min(vocab, s + self.rows)

@@ -320,12 +320,11 @@ def test_max_seqs_on_cuda_equals_alone(tmp_path):
         eng.close()
 
 
-@pytest.mark.parametrize("arm", ["mma", "mma-float"])
-def test_resident_batch_rows_close_to_each_step_alone(arm):
+def test_resident_batch_rows_close_to_each_step_alone():
     """A resident Q4_K_M model (smoke-wide: Q4_K and Q6_K blocks, the head included) in bf16 with 6 slots: the batch
-    body's rows of 5 and 6 sequences (padded to 8), whose products take strata.quant.rows with kernels.gemv_rows
-    `arm` (counted), each within bf16 and int8-x rounding of its step alone on the dp4a kernels. A wrong slot,
-    position or row would be O(1)."""
+    body's rows of 5 and 6 sequences (padded to 8), whose products take strata.quant.rows (kernels.gemv_rows
+    mma-float, the default; counted), each within bf16 and int8-x rounding of its step alone on the dp4a kernels
+    (kernels.gemv_rows dp4a). A wrong slot, position or row would be O(1)."""
     from test_batch_graphs import check_batches
     from strata.args import PRESETS
     from strata.checkpoint import load_stage
@@ -336,7 +335,7 @@ def test_resident_batch_rows_close_to_each_step_alone(arm):
     def load(kernels):
         return load_stage("synthetic:smoke-wide@Q4_K_M", args, 0, args.n_layers, device="cuda:0",
                           dtype=torch.bfloat16, weights="resident", max_len=160, seqs=6, kernels=kernels)
-    eager, body = load(None), load(KernelSpec(gemv_rows=arm))
+    eager, body = load(KernelSpec(gemv_rows="dp4a")), load(None)
     calls, inner = [], rows.quant_matmul_rows
 
     def counted(*a, **kw):
@@ -349,4 +348,4 @@ def test_resident_batch_rows_close_to_each_step_alone(arm):
         check_batches(eager, body, True, prompts, [[0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2], [2, 0, 4, 5, 1, 3]], 3e-2)
     finally:
         rows.quant_matmul_rows = inner
-    assert calls and body.gemv.rows == arm  # (taken, and not fallen back to dp4a)
+    assert calls and body.gemv.rows == rows.ARM  # (taken, and not fallen back to dp4a)

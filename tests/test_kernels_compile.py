@@ -56,21 +56,22 @@ def test_k45_words_kernel_compiles_for_sm90(five, tail, dp4a, m, experts):
     assert ".target sm_90" in code and "ld.global" in code and ("dp4a" in code) == dp4a
 
 
-ROWS_SIG = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "out_ptr": "*fp32", "a0": "*u8", "a1": "*u8", "a2": "*u8",
+ROWS_SIG = {"x_ptr": "*bf16", "out_ptr": "*fp32", "a0": "*u8", "a1": "*u8", "a2": "*u8",
             **{k: "i32" for k in ("n0", "n1", "n2", "p0", "p1", "nb", "cols", "out_stride", "part_stride", "M")},
             "R": "constexpr", "BLOCK_N": "constexpr", "SPLIT": "constexpr"}
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("r,split", [(16, 1), (64, 3)])
-def test_rows_kernels_compile_to_int8_tensor_cores_for_sm90(qtype, r, split):
-    """strata.quant.rows (kernels.gemv_rows: mma): its sub-block products compile to int8 mma instructions."""
+def test_rows_kernels_compile_to_bf16_tensor_cores_for_sm90(qtype, r, split):
+    """strata.quant.rows (kernels.gemv_rows: mma-float): bf16 x against dequantized weights compiles to bf16 mma
+    instructions (warpgroup or mma.sync) accumulating in float32."""
     from strata.quant import rows
     kernel, family = rows._KERNELS[qtype]
     code = ptx(kernel, {**ROWS_SIG, **{k: "constexpr" for k in family}},
-               {"R": r, "BLOCK_N": rows.BLOCK_N, "SPLIT": split, **family}, num_warps=4)
+               {"R": r, "BLOCK_N": rows.BLOCK_N, "SPLIT": split, **family}, num_warps=4, num_stages=rows.STAGES)
     assert ".target sm_90" in code and "ld.global" in code
-    assert "mma" in code and ".s8" in code, "the int8 products are not on tensor cores"
+    assert ("mma" in code or "wgmma" in code) and ".bf16" in code, "the products are not on bf16 tensor cores"
 
 
 @pytest.mark.parametrize("kernel", ["q6k_pairs", "q6k_odd", "k45", "k45_tail"])

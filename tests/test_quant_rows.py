@@ -1,9 +1,9 @@
-"""strata.quant.rows: a decode batch's K-quant products on int8 tensor cores (kernels.gemv_rows: mma), against
-dequantize (bit-exact with gguf-py) times x's own int8 rounding in float64, and against the dp4a kernels.
+"""strata.quant.rows: a decode batch's K-quant products on tensor cores (kernels.gemv_rows: mma-float), x as it is
+against the weights dequantized in float, held to the float64 product of x and dequantize (bit-exact with gguf-py).
 
-The integer products are exact; only float32 sums differ in order, so the product with x's int8 rounding
-(gemv.int8_x) is held to 1e-5. On the CPU the kernels run under Triton's interpreter in a subprocess (as
-tests/test_quant_gemv.py's); the gpu tests take 8B shapes."""
+In float32 (the CPU) only the float32 sums' order differs, so the product is held to 1e-5; in bf16 (the GPU) the
+weights are rounded to bf16 on the way in (2^-9 each). On the CPU the kernels run under Triton's interpreter in a
+subprocess (as tests/test_quant_gemv.py's); the gpu tests take 8B shapes."""
 
 import pytest
 import torch
@@ -17,26 +17,25 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _reference(x, parts):
-    """x's int8 rounding (quantize_x, read back in float64) times each dequantized matrix, side by side."""
-    from strata.quant import dequantize, gemv
-    xr = gemv.int8_x(*gemv.quantize_x(x)).cpu()
-    return torch.cat([xr @ dequantize(b.cpu(), q).double().T for b, q in parts], dim=1)
+    """x times each dequantized matrix in float64, side by side."""
+    from strata.quant import dequantize
+    return torch.cat([x.double().cpu() @ dequantize(b.cpu(), q).double().T for b, q in parts], dim=1)
 
 
 # -- under the interpreter (in the subprocess) --------------------------------------------------------------------
 def check_rows_match_reference():
     """Each type, rows past the tile's padding (5, 16, 19: a tile of 16 and one of 32) and past ROWS_MAX (in two
-    launches), a matrix whose rows are not a multiple of BLOCK_N, split K (1, 3) and side by side parts."""
+    launches), matrices whose rows are not a multiple of the tile (16, 32, 64 weight rows), split K (1, 2, 3) and
+    side by side parts, into float32 and into x's dtype."""
     from strata.quant import random_blocks, rows
     g = torch.Generator().manual_seed(11)
     for qtype, n, cols in (("Q4_K", 37, 512), ("Q5_K", 33, 256), ("Q6_K", 45, 768)):
         blocks = random_blocks(qtype, n, cols, g)
-        for m in (5, 16, 19):
-            x = torch.randn(m, cols, generator=g)
+        for m, split, block_n in ((5, 1, 32), (16, 2, 64), (19, 3, 16), (19, 1, 64)):  # 768 columns: 3 blocks a
+            x = torch.randn(m, cols, generator=g)                                         # row, cut 2 + 1 by split 2
+            got = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, split=split, block_n=block_n)
             want = _reference(x, [(blocks, qtype)])
-            for split in (1, 2, 3):  # 768 columns: 3 blocks a row, cut 2 + 1 by split 2
-                got = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, split=split)
-                assert got.shape == (m, n) and rel(got, want) < 1e-5, (qtype, m, split, rel(got, want))
+            assert got.shape == (m, n) and rel(got, want) < 1e-5, (qtype, m, split, block_n, rel(got, want))
     saved = rows.ROWS_MAX
     try:
         rows.ROWS_MAX = 16  # 19 rows: two launches (16 and 3, padded to 16)
@@ -50,41 +49,21 @@ def check_rows_match_reference():
     x = torch.randn(6, 512, generator=g)
     got = rows.quant_matmul_rows(x, parts, 512, out=torch.empty(6, 40, dtype=torch.float32))
     assert rel(got, _reference(x, parts)) < 1e-5
-
-
-def check_float_rows_match_reference():
-    """arith "float": float32 x (no int8 rounding) times the dequantized weights, each type, split K, tiles of 16
-    and 64 weight rows, the nibbles to float by their bits (magic) or a conversion, one dot of 64 or two of 32 (pair),
-    side by side parts: to float32 sums of the float64 product."""
-    from strata.quant import dequantize, random_blocks, rows
-    g = torch.Generator().manual_seed(12)
-    for qtype, n, cols in (("Q4_K", 37, 512), ("Q5_K", 33, 256), ("Q6_K", 45, 768)):
-        blocks = random_blocks(qtype, n, cols, g)
-        want_w = dequantize(blocks, qtype).double()
-        for m, split, block_n, magic, pair in ((5, 1, 32, False, True), (19, 3, 16, True, True),
-                                               (16, 2, 64, False, False), (7, 1, 32, True, False)):
-            x = torch.randn(m, cols, generator=g)
-            got = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, split=split, arith="float", block_n=block_n,
-                                         magic=magic, pair=pair)
-            assert rel(got, x.double() @ want_w.T) < 1e-5, (qtype, m, split, block_n, magic, pair)
-    parts = [(random_blocks("Q4_K", 24, 512, g), "Q4_K"), (random_blocks("Q6_K", 8, 512, g), "Q6_K")]
-    x = torch.randn(6, 512, generator=g)
-    got = rows.quant_matmul_rows(x, parts, 512, arith="float")
-    want = torch.cat([x.double() @ dequantize(b, q).double().T for b, q in parts], dim=1)
-    assert rel(got, want) < 1e-5
     try:
-        rows.quant_matmul_rows(x, parts, 512, arith="fp8")
-        raise AssertionError("arith fp8 was taken")
+        rows.quant_matmul_rows(x, [(random_blocks("Q8_0", 8, 512, g), "Q8_0")], 512)
+        raise AssertionError("Q8_0 was taken")
     except ValueError as e:
-        assert "arith is one of int8, float" in str(e)
+        assert "quant_matmul_rows takes Q4_K, Q5_K, Q6_K, got Q8_0" in str(e)
 
 
 def check_resident_batch_takes_rows():
-    """A resident layer's products and head on 6 rows: with kernels.gemv_rows mma, the same as the dp4a kernels
-    (two launches of 4 and 2 rows) to float32 sums; quant_matmul_rows is what runs (counted). Where it fails, the
-    holder falls back to dp4a (rows.product answers None: the caller's dp4a launches)."""
+    """A resident head on 6 rows: with kernels.gemv_rows mma-float (the default) quant_matmul_rows is what runs
+    (counted), to float32 sums of the float64 product; with dp4a, the dp4a kernels (4 rows, then 2). More rows than
+    ROWS_MAX (a scoring prefill's) take the vocabulary slices. Where the kernel fails, the holder falls back to
+    dp4a (rows.product answers None: the caller's dp4a launches)."""
     from strata.config import KernelSpec
     from strata.quant import gemv, random_blocks, rows
+    from strata.resident import Head, Packed
     g = torch.Generator().manual_seed(3)
     calls = []
     inner = rows.quant_matmul_rows
@@ -97,24 +76,20 @@ def check_resident_batch_takes_rows():
         parts = [(random_blocks("Q4_K", 32, 256, g), "Q4_K"), (random_blocks("Q6_K", 16, 256, g), "Q6_K")]
         x = torch.randn(6, 256, generator=g)
         k = gemv.GemvKernels()
-        k.choose(KernelSpec(gemv_rows="mma"))
-        assert rows.takes(k, 6, ["Q4_K", "Q6_K"]) and not rows.takes(k, 4, ["Q4_K"])
-        assert not rows.takes(gemv.GemvKernels(), 6, ["Q4_K"]) and not rows.takes(k, 6, ["Q4_K", "IQ3_S"])
-        from strata.resident import Head, Packed
+        assert k.rows == rows.ARM and rows.takes(k, 6, ["Q4_K", "Q6_K"]) and not rows.takes(k, 4, ["Q4_K"])
+        assert not rows.takes(k, 6, ["Q4_K", "IQ3_S"])
         for blocks, qtype in parts:
-            head = Head(Packed(blocks, qtype, 256, torch.float32), rows=16, kernels=k)
-            want = gemv.quant_matmul(x, blocks, qtype, 256, out=torch.empty(6, blocks.shape[0]))
-            got = head(x)
-            assert rel(got, want) < 1e-5, (qtype, rel(got, want))
+            got = Head(Packed(blocks, qtype, 256, torch.float32), rows=16, kernels=k)(x)
+            assert rel(got, _reference(x, [(blocks, qtype)])) < 1e-5, qtype
         assert len(calls) == 2
-        kf = gemv.GemvKernels()
-        kf.choose(KernelSpec(gemv_rows="mma-float"))  # x as it is (float32 here), no int8 rounding
-        assert rows.takes(kf, 6, ["Q4_K", "Q6_K"])
-        from strata.quant import dequantize
-        for blocks, qtype in parts:
-            got = Head(Packed(blocks, qtype, 256, torch.float32), rows=16, kernels=kf)(x)
-            assert rel(got, x.double() @ dequantize(blocks, qtype).double().T) < 1e-5, qtype
-        assert len(calls) == 4
+        d = gemv.GemvKernels()
+        d.choose(KernelSpec(gemv_rows="dp4a"))
+        assert not rows.takes(d, 6, ["Q4_K"])
+        for blocks, qtype in parts:  # (as batch_graphs calls a dp4a head: DECODE_T rows at a time)
+            head = Head(Packed(blocks, qtype, 256, torch.float32), rows=16, kernels=d)
+            want = gemv.quant_matmul(x, blocks, qtype, 256, out=torch.empty(6, blocks.shape[0]))
+            assert rel(torch.cat([head(x[:4]), head(x[4:])]), want) < 1e-5
+        assert len(calls) == 2
 
         class Slices:  # the one scratch method the head's vocabulary slices call
             def rows(self, n, cols):
@@ -123,13 +98,13 @@ def check_resident_batch_takes_rows():
         rows.ROWS_MAX = 4  # 6 rows: more than one launch takes, as a scoring prefill's are: the slices instead
         try:
             blocks, qtype = parts[1]
-            got = Head(Packed(blocks, qtype, 256, torch.float32), rows=16, scratch=Slices(), kernels=kf)(x)
-            assert len(calls) == 4 and rel(got, x.double() @ dequantize(blocks, qtype).double().T) < 1e-5
+            got = Head(Packed(blocks, qtype, 256, torch.float32), rows=16, scratch=Slices(), kernels=k)(x)
+            assert len(calls) == 2 and rel(got, _reference(x, [(blocks, qtype)])) < 1e-5
         finally:
             rows.ROWS_MAX = saved
 
         def broken(*a, **kw):
-            raise RuntimeError("no int8 mma here")
+            raise RuntimeError("no bf16 mma here")
         rows.quant_matmul_rows = broken  # a kernel that fails to build: this holder falls back to dp4a, once
         assert rows.product(k, x, parts[:1], 256) is None and k.rows == "dp4a"
         assert rows.product(k, x, parts[:1], 256) is None  # (not tried again)
@@ -137,7 +112,7 @@ def check_resident_batch_takes_rows():
         rows.quant_matmul_rows = inner
 
 
-CHECKS = [check_rows_match_reference, check_float_rows_match_reference, check_resident_batch_takes_rows]
+CHECKS = [check_rows_match_reference, check_resident_batch_takes_rows]
 
 
 def _run_checks() -> None:
@@ -156,9 +131,29 @@ def test_interpreted(interpreted_results, name):
 
 def test_rows_arm_is_a_typed_kernel_key():
     from strata.config import ConfigError, kernel_spec
-    assert kernel_spec({"gemv_rows": "mma"}).gemv_rows == "mma" and kernel_spec({}).gemv_rows == "dp4a"
-    with pytest.raises(ConfigError, match="kernels.gemv_rows: 'tensor' is not one of dp4a, mma, mma-float"):
-        kernel_spec({"gemv_rows": "tensor"})
+    assert kernel_spec({"gemv_rows": "dp4a"}).gemv_rows == "dp4a" and kernel_spec({}).gemv_rows == "mma-float"
+    with pytest.raises(ConfigError, match="kernels.gemv_rows: 'mma' is not one of dp4a, mma-float"):
+        kernel_spec({"gemv_rows": "mma"})  # the int8 arm, removed: slower and further from float32
+
+
+def test_batch_rows_take_x_as_it_is():
+    """A resident layer's products read x rounded to int8 on one row (the dp4a kernels), and as it is on a batch's
+    rows past 4 with kernels.gemv_rows mma-float: the norm before them then writes no int8 rounding that nothing
+    reads (batch_graphs asks int8_x with its row count)."""
+    from strata.config import KernelSpec
+    from strata.quant import gemv, random_blocks
+    from strata.resident import PRODUCTS, Packed, ResidentMatrices
+    g = torch.Generator().manual_seed(4)
+    parts = {n: Packed(random_blocks(q, 32, 256, g), q, 256, torch.float32)
+             for names, q in ((PRODUCTS["qkv"], "Q4_K"), (PRODUCTS["w2"], "Q6_K"), (PRODUCTS["lin_qkv"], "Q5_K"))
+             for n in names}
+    for arm, batch_int8 in (("mma-float", False), ("dp4a", True)):
+        k = gemv.GemvKernels()
+        k.choose(KernelSpec(gemv_rows=arm))
+        w = ResidentMatrices(parts, None, None, kernels=k)
+        assert w.int8_x("qkv") and w.int8_x("w2", 4) and w.linear_int8()
+        assert w.int8_x("qkv", 6) == w.int8_x("w2", 16) == w.linear_int8(16) == batch_int8, arm
+        assert not w.int8_x("wo", 16)  # (a product the layer does not have)
 
 
 @pytest.mark.gpu
@@ -167,20 +162,12 @@ def test_rows_arm_is_a_typed_kernel_key():
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [5, 16, 64])
 def test_gpu_rows_8b_shapes(shape, qtype, m):
-    """8B shapes (q, gate/up, down, the head), bf16 x: to float32 sums of the product with x's int8 rounding, and
-    as the dp4a kernels in launches of 4 rows."""
-    from strata.quant import dequantize, gemv, random_blocks, rows
+    """8B shapes (q, gate/up, down, the head), bf16 x against the float64 product: the weights rounded to bf16 on
+    the way in (2^-9 each), float32 sums."""
+    from strata.quant import dequantize, random_blocks, rows
     n, cols = shape
     g = torch.Generator(device="cuda").manual_seed(n + m)
     blocks = random_blocks(qtype, n, cols, g, device="cuda")
     x = torch.randn(m, cols, generator=g, device="cuda").bfloat16()
     y = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, out=torch.empty(m, n, device="cuda"))
-    assert rel(y, gemv.int8_x(*gemv.quantize_x(x)) @ dequantize(blocks, qtype).double().T) < 1e-5
-    dp4a = gemv.quant_matmul(x, blocks, qtype, cols, out=torch.empty(m, n, device="cuda"))
-    assert rel(y, dp4a) < 1e-5
-    # arith "float": bf16 x against weights rounded to bf16 (2^-9 each), float32 sums
-    want = x.double() @ dequantize(blocks, qtype).double().T
-    for magic, pair in ((False, True), (True, False)):
-        f = rows.quant_matmul_rows(x, [(blocks, qtype)], cols, out=torch.empty(m, n, device="cuda"), arith="float",
-                                   magic=magic, pair=pair)
-        assert rel(f, want) < 4e-3, (magic, pair)
+    assert rel(y, x.double() @ dequantize(blocks, qtype).double().T) < 4e-3
