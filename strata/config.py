@@ -104,7 +104,7 @@ class KernelSpec:
                                    # (gpt-oss): aligned words, nibbles to int8 by byte permutes, int8 x by dp4a
                                    # (the stacks re-laid at load), or float x and float32 products per value
     gemv_rows: str = field(default="mma-float", metadata={"choices": ROWS_KERNELS})  # resident Q4_K / Q5_K /
-                                   # Q6_K products of a decode batch of more than 4 rows: "mma-float", every row in
+                                   # Q6_K products of a decode batch of 4 rows or more: "mma-float", every row in
                                    # one launch on tensor cores, bf16 x against the weights dequantized in float
                                    # (strata/quant/rows.py; 16 rows of the 8B on an H100: 10.9 ms a step against
                                    # 33.6, its logits nearer the float32 model's), or "dp4a": the one-row kernels,

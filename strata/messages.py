@@ -66,6 +66,8 @@ class Chunk(Message):
                                               # flat (pos and slot above unused); empty: rows [pos, pos + n) of slot
     keep: bytes = b""  # a prefill chunk: after it, each stage keeps its slot's linear-attention and window layers'
                        # states under this key (strata.prefix_cache: Snapshots.keep_state); b"": none
+    rows: bool = True  # a decode batch: the last stage puts its logits rows in the result buffer (False: every
+                       # row is greedy and only the argmaxes are read: 16 rows of a 128,256 vocabulary are 8 MB)
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free

@@ -580,7 +580,7 @@ class Pipeline:
             self._want_rows.add(k)
         top = max(pos for _, pos in seqs) + 1
         self._wire.send(0, M.Chunk(k=k, pos=0, n=len(seqs), phase="decode", t0=t0, tokens=top, score=-1,
-                                   seqs=[v for sp in seqs for v in sp]))
+                                   seqs=[v for sp in seqs for v in sp], rows=rows))
         self._sent += 1
         return k
 

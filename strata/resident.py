@@ -518,15 +518,15 @@ class Head(nn.Module):
         n = x.reshape(-1, x.shape[-1]).shape[0]
         if isinstance(w, Packed) and fused_ok(w, x.device):
             from .quant import rows
-            if n <= DECODE_T:
-                from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
-                quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab),
-                             kernels=self.kernels, xq=xq)
-                return out
             # a decode batch's rows in one launch (kernels.gemv_rows mma-float); more rows (a scoring prefill's)
             # take the slices below: each launch of ROWS_MAX rows would read the whole head again
             if n <= rows.ROWS_MAX and rows.product(self.kernels, x.reshape(-1, w.cols), [(w.data, w.qtype)], w.cols,
                                                    out=out.view(-1, vocab)) is not None:
+                return out
+            if n <= DECODE_T:
+                from .quant.gemv import quant_matmul  # decode: one pass over the blocks, float32 logits directly
+                quant_matmul(x.reshape(-1, w.cols), w.data, w.qtype, w.cols, out=out.view(-1, vocab),
+                             kernels=self.kernels, xq=xq)
                 return out
         for s in range(0, vocab, self.rows):
             e = min(vocab, s + self.rows)

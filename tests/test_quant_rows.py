@@ -76,7 +76,8 @@ def check_resident_batch_takes_rows():
         parts = [(random_blocks("Q4_K", 32, 256, g), "Q4_K"), (random_blocks("Q6_K", 16, 256, g), "Q6_K")]
         x = torch.randn(6, 256, generator=g)
         k = gemv.GemvKernels()
-        assert k.rows == rows.ARM and rows.takes(k, 6, ["Q4_K", "Q6_K"]) and not rows.takes(k, 4, ["Q4_K"])
+        assert k.rows == rows.ARM and rows.takes(k, 6, ["Q4_K", "Q6_K"]) and rows.takes(k, 4, ["Q4_K"])
+        assert not rows.takes(k, 3, ["Q4_K"])
         assert not rows.takes(k, 6, ["Q4_K", "IQ3_S"])
         for blocks, qtype in parts:
             got = Head(Packed(blocks, qtype, 256, torch.float32), rows=16, kernels=k)(x)
@@ -137,8 +138,8 @@ def test_rows_arm_is_a_typed_kernel_key():
 
 
 def test_batch_rows_take_x_as_it_is():
-    """A resident layer's products read x rounded to int8 on one row (the dp4a kernels), and as it is on a batch's
-    rows past 4 with kernels.gemv_rows mma-float: the norm before them then writes no int8 rounding that nothing
+    """A resident layer's products read x rounded to int8 on one to three rows (the dp4a kernels), and as it is on a
+    batch of 4 rows or more with kernels.gemv_rows mma-float: the norm before them then writes no int8 rounding that nothing
     reads (batch_graphs asks int8_x with its row count)."""
     from strata.config import KernelSpec
     from strata.quant import gemv, random_blocks
@@ -151,8 +152,8 @@ def test_batch_rows_take_x_as_it_is():
         k = gemv.GemvKernels()
         k.choose(KernelSpec(gemv_rows=arm))
         w = ResidentMatrices(parts, None, None, kernels=k)
-        assert w.int8_x("qkv") and w.int8_x("w2", 4) and w.linear_int8()
-        assert w.int8_x("qkv", 6) == w.int8_x("w2", 16) == w.linear_int8(16) == batch_int8, arm
+        assert w.int8_x("qkv") and w.int8_x("w2", 3) and w.linear_int8()
+        assert w.int8_x("qkv", 4) == w.int8_x("w2", 16) == w.linear_int8(16) == batch_int8, arm
         assert not w.int8_x("wo", 16)  # (a product the layer does not have)
 
 

@@ -110,7 +110,8 @@ class DecodeRing:
         of the sequence in slot seqs[2t] at position seqs[2t + 1], read from and written to that slot's KV
         (Transformer.decode_seqs: each row the bits of its step alone). Like a slotted step it says "taken"
         upstream once its rows have left the buffer, and is reaped before the next hand-off. The last stage puts
-        row t's logits in row t of the result buffer and every row's argmax in its note."""
+        row t's logits in row t of the result buffer (where the head reads them: msg.rows) and every row's argmax in
+        its note."""
         k, m = msg.k, msg.n
         slots, positions = msg.seqs[0::2], msg.seqs[1::2]
         self.current_chunk = k
@@ -128,7 +129,10 @@ class DecodeRing:
         self.faults.at_chunk(k, msg.phase)
         h, logits, am = self.decoder.decode_seqs(x, slots, positions)
         self._reap()
-        self.outlink.fill(logits.reshape(-1) if self.last else h)
+        if not self.last:
+            self.outlink.fill(h)
+        elif msg.rows or self.outlink.crosses_hosts:  # (a greedy batch's rows are not read: only its argmaxes)
+            self.outlink.fill(logits.reshape(-1))
         if cuda:
             torch.cuda.current_stream(self.device).synchronize()
         work_end = time.perf_counter()
@@ -138,7 +142,7 @@ class DecodeRing:
                                             argmaxes=[int(a) for a in am.tolist()]))
         else:
             self.outlink.send(M.Chunk(k=k, pos=msg.pos, n=m, phase=msg.phase, t0=msg.t0, tokens=msg.tokens,
-                                      score=-1, seqs=msg.seqs))
+                                      score=-1, seqs=msg.seqs, rows=msg.rows))
         self.copy_s += time.perf_counter() - work_end
         self.last_handoff = time.perf_counter()
         self.inflight.append(k)

@@ -1,12 +1,12 @@
 """Resident K-quant products of a decode batch's rows on tensor cores (kernels.gemv_rows: "mma-float").
 
 strata.quant.gemv's dp4a kernels take at most MAX_M (4) rows of x a launch: a batch of 16 rows reads every weight
-4 times, and its per-row dp4a products grow with the rows on the CUDA cores. Here one launch takes up to ROWS_MAX
-rows, and x as it is (bf16 on a GPU): a program dequantizes two 32-weight runs of a block at a time in float32
-(Q4_K / Q5_K: d * sc * q - dmin * m; Q6_K: d * sc * (q - 32)), joins them into one (BLOCK_N, 64) tile in x's dtype
-and multiplies it by the rows' 64 values of x with tl.dot into a float32 accumulator: no int8 rounding of x and no
-epilogue per sub-block. SPLIT programs share a row's blocks where a launch has few tiles (partial rows, then gemv's
-_sum_splits). Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+4 times, and its per-row dp4a products grow with the rows on the CUDA cores. Here one launch takes MIN_ROWS to
+ROWS_MAX rows, and x as it is (bf16 on a GPU): a program dequantizes two 32-weight runs of a block at a time in
+float32 (Q4_K / Q5_K: d * sc * q - dmin * m; Q6_K: d * sc * (q - 32)), joins them into one (BLOCK_N, 64) tile in
+x's dtype and multiplies it by the rows' 64 values of x with tl.dot into a float32 accumulator: no int8 rounding of
+x and no epilogue per sub-block. SPLIT programs share a row's blocks where a launch has few tiles (partial rows, then
+gemv's _sum_splits). Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
 
 An int8 arm (llama.cpp's MMQ arrangement: int8 weights times quantize_x's x, int32 sums, float epilogues) was
 measured beside this one and removed: on an H100 at 16 rows the 8B step's products took 8.75 ms on it against 6.43
@@ -30,6 +30,8 @@ if triton is not None:
 
 log = logging.getLogger("strata.quant")
 ROWS_MAX = 64     # x rows a launch (a tile dim: 16, 32 or 64); more take several launches
+MIN_ROWS = MAX_M  # batches of this many rows or more come here: a tile of 16 rows costs about what 4 do, and on an
+                  # H100 the 8B's graph step took 8.09 ms for 16 rows here against 8.64 for 4 rows on dp4a
 BLOCK_N, STAGES = 64, 4  # weight rows a program, and its pipeline stages: on an H100 at 16 rows the fastest of
                          # bench/rows_sweep.py's configurations (the 8B step's products 6.43 ms in a CUDA graph;
                          # 32 rows: 10.9)
@@ -41,9 +43,9 @@ ARM = "mma-float"  # the kernels.gemv_rows value that takes these kernels
 
 def takes(kernels: GemvKernels | None, m: int, qtypes) -> bool:
     """Whether `quant_matmul_rows` computes m rows against matrices of these types for this holder: its rows arm is
-    ARM, there are more rows than one dp4a launch takes, and every type has a kernel here. Such products read x as
-    it is: no caller rounds it to int8 for them."""
-    return (triton is not None and kernels is not None and kernels.rows == ARM and m > MAX_M
+    ARM, there are at least MIN_ROWS rows, and every type has a kernel here. Such products read x as it is: no
+    caller rounds it to int8 for them."""
+    return (triton is not None and kernels is not None and kernels.rows == ARM and m >= MIN_ROWS
             and all(qtype_of(q).name in TYPES for q in qtypes))
 
 
