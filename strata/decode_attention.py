@@ -20,6 +20,8 @@ from .config import Q8_ATTENTION
 try:
     import triton
     import triton.language as tl
+
+    from .quant.gemv import int8_groups_store
 except ImportError:  # CPU-only installs: the callers keep their torch path
     triton = None
 
@@ -226,12 +228,13 @@ if triton is not None:
         tl.store(acc_ptr + base[:, None] * HD + dims[None, :], acc, mask=real[:, None])
 
     @triton.jit
-    def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, n_split,
+    def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, n_split, q_ptr, s_ptr,
                G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, SP: tl.constexpr, SINKS: tl.constexpr,
-               ROWS: tl.constexpr = False):
+               ROWS: tl.constexpr = False, INT8: tl.constexpr = False):
         # one program per (kv head, query row): its ranges' partial results weighed by their log-sum-exp; SINKS:
         # the query head's sink logit joins the denominator (with no value), gpt-oss's attention. ROWS: batch row
-        # program_id(2)'s, as _partial's
+        # program_id(2)'s, as _partial's. INT8 (one row): the output as rounded also goes to quantize_x's bytes
+        # (q_ptr, s_ptr: its HD / 32 groups of the row's nkv * G * HD), for the o-projection's dp4a product
         h = tl.program_id(0)
         r = tl.program_id(1)
         if ROWS:
@@ -257,7 +260,12 @@ if triton is not None:
         if SINKS:
             den += tl.exp(sink - m_all)
         out = tl.sum(w[:, None] * a, 0) / den
-        tl.store(o_ptr + (h * G + r) * HD + dims, out.to(o_ptr.dtype.element_ty))
+        y = out.to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + (h * G + r) * HD + dims, y)
+        if INT8:
+            g = ((h * G + r) * (HD // 32) + tl.arange(0, HD // 32))[:, None]
+            int8_groups_store(tl.reshape(y.to(tl.float32), (HD // 32, 32)), g, tl.arange(0, 32)[None, :], g >= 0,
+                              q_ptr, s_ptr, tl.num_programs(0) * G * (HD // 32))
 
 
 class SplitKAttention:
@@ -335,9 +343,9 @@ class SplitKAttention:
                                         PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
                                         INT8=Q8_ATTENTION.index(self.q8) if q8 else 0, PTX=not INTERPRET, ROWS=True,
                                         num_warps=self.num_warps, **self.stages)
-        _merge[(nkv, g, R)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
-                            GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None,
-                            ROWS=True)
+        _merge[(nkv, g, R)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, self.m,
+                            self.m, G=g, GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()),
+                            SINKS=sinks is not None, ROWS=True)
         return out
 
     def probe(self, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -351,10 +359,13 @@ class SplitKAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: torch.Tensor,
                  out: torch.Tensor | None = None, scale: float | None = None, window: int = 0,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None,
+                 xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """window > 0: a sliding-window layer, k and v its whole ring (position p in row p % S); the instance
         was made for keys = min(bucket, window). scale: of q.k (None: hd ** -0.5). sinks (nkv * g,): a logit
-        per query head in the softmax's denominator (gpt-oss)."""
+        per query head in the softmax's denominator (gpt-oss). xq: (q int8 (1, nkv * g * hd), s float32 (1, that
+        / 32)) buffers the merge fills with quantize_x's rounding of the output (the o-projection's dp4a input,
+        without its launch)."""
         nkv, g, hd = self.nkv, self.g, self.hd
         q8 = k.dtype == Q8_0  # rows of hd values then hd / 32 scales
         width = cache_width(hd, k.dtype)  # (a head dim not of whole q8_0 blocks raises here)
@@ -378,6 +389,12 @@ class SplitKAttention:
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
                                      INT8=Q8_ATTENTION.index(self.q8) if q8 else 0, PTX=not INTERPRET,
                                      num_warps=self.num_warps, **self.stages)
-        _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, G=g,
-                         GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None)
+        if xq is not None and (hd % 32 or xq[0].shape != (1, nkv * g * hd) or xq[1].shape != (1, nkv * g * hd // 32)
+                               or xq[0].dtype != torch.int8 or xq[1].dtype != torch.float32):
+            raise ValueError(f"xq buffers {tuple(xq[0].shape)}, {tuple(xq[1].shape)} are not quantize_x's of "
+                             f"(1, {nkv * g * hd}) in whole heads (head dim {hd})")
+        qb, sb = (self.m, self.m) if xq is None else xq
+        _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, qb, sb, G=g,
+                         GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None,
+                         INT8=xq is not None)
         return out

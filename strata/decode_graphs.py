@@ -429,10 +429,12 @@ class DecodeGraphs:
             row, kc, vc = self.pos, a.k_cache[0, :, :b], a.v_cache[0, :, :b]
             att, win = (self._attention(b) if self.use_split_k else None), 0
         if fuse:  # one launch: q rotated, k rotated and v written at pos
-            from strata.decode_kernels import rope_store
+            from strata.decode_kernels import int8_out, rope_store
             q = rope_store(qkv[0], cos.view(hd), sin.view(hd), row, nh, nkv, a.k_cache[0], a.v_cache[0], qk_norm)
-            y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks)
-            return self._rest(blk, mm, h, y, int8, gate)
+            # the o-projection's int8 x from the merge's launch, where it reads that (not through the output gate)
+            yq = int8_out(q, True) if int8["wo"] and gate is None and hd % 32 == 0 else None
+            y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks, xq=yq)
+            return self._rest(blk, mm, h, y, int8, gate, {} if yq is None else {"xq": yq})
         qk = rope_rows(qkv[:, :nh + nkv], cos, sin)
         _store_row(a.k_cache, row, qk[:, nh:].transpose(0, 1).unsqueeze(0))
         _store_row(a.v_cache, row, qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0))
@@ -490,13 +492,14 @@ class DecodeGraphs:
         return LinearProducts(mv(la.wqkv), mv(la.wz), lambda x: (b(x), a(x)), mv(la.wo))
 
     def _rest(self, blk: Block, mm: Products, h, y, int8: dict[str, bool],
-              gate: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
-        """The layer after attention: the output gate (qwen3_5: y times sigmoid(gate)), o-projection, residual, MLP
-        (its product, and the norm it takes first, left for the next norm to add)."""
+              gate: torch.Tensor | None = None, yq: dict | None = None) -> tuple[torch.Tensor, tuple]:
+        """The layer after attention: the output gate (qwen3_5: y times sigmoid(gate)), o-projection (yq: {} or
+        {"xq": y's int8 rounding, from the attention's launch}), residual, MLP (its product, and the norm it takes
+        first, left for the next norm to add)."""
         y = y.reshape(1, 1, -1)
         if gate is not None:  # as the eager path's _gated
             y = y * torch.sigmoid(gate.to(y.dtype)).view(1, 1, -1)
-        return self._mlp(blk, mm, h, mm.wo(y), int8)
+        return self._mlp(blk, mm, h, mm.wo(y, **(yq or {})), int8)
 
     def _mlp(self, blk: Block, mm: Products, h, o, int8: dict[str, bool]) -> tuple[torch.Tensor, tuple]:
         """The attention's (or linear attention's) output o added to the residual, then the MLP."""

@@ -231,7 +231,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _int8_out(x: torch.Tensor, int8: bool, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_out(x: torch.Tensor, int8: bool, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_x's (q, s) buffers for x's `rows` rows (int8: the kernel fills them), else placeholders it ignores."""
     n = x.numel() // rows
     if not int8:
@@ -259,7 +259,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, int8: bool = Fal
     rows: x is that many rows of n = x.numel() / rows, each normed alone, in one launch."""
     n = _rows_of(x, rows)
     out = torch.empty_like(x)
-    q, s = _int8_out(x, int8, rows)
+    q, s = int8_out(x, int8, rows)
     _rms_norm[(rows,)](x, weight, out, q, s, n, eps, BLOCK=_row_block(n), INT8=int8)
     return (out, (q, s)) if int8 else out
 
@@ -279,7 +279,7 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
         raise ValueError("add_rms_norm wants two contiguous rows of one length (or k rows with k float32 weights, "
                          "and no pre norm)")
     h_out, out = torch.empty_like(h), torch.empty_like(h)
-    q, s = _int8_out(h, int8, rows)
+    q, s = int8_out(h, int8, rows)
     pw, pre_eps = pre if pre is not None else (weight, 0.0)
     _add_rms_norm[(rows,)](h, y, weight, h_out, out, q, s, pw, h if experts is None else experts, n, eps, pre_eps,
                         BLOCK=_row_block(n), INT8=int8, PRE=pre is not None, K=k)
@@ -296,7 +296,7 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str, int8: bool = 
     if up.numel() != n or gate.stride(-1) != 1 or up.stride(-1) != 1 or activation not in ACTIVATIONS:
         raise ValueError(f"act_mul wants two rows of one length, last dims contiguous, and one of {list(ACTIVATIONS)}")
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    q, s = _int8_out(out, int8)
+    q, s = int8_out(out, int8)
     _act_mul[(triton.cdiv(n, ACT_COLS), 1)](gate, up, out, q, s, n, 0, ACT=ACTIVATIONS[activation], BLOCK=ACT_COLS,
                                             INT8=int8)
     return (out, (q, s)) if int8 else out

@@ -33,6 +33,7 @@ INTERPRETED = r"""
 import torch, sys
 sys.path.insert(0, sys.argv[1])
 from strata.decode_attention import SplitKAttention
+from strata.quant.gemv import quantize_x
 from tests.test_decode_attention import reference, rel
 g = torch.Generator().manual_seed(int(sys.argv[2]))
 # (nkv, group, hd, buffer keys, live keys): ranges partly live, one live key, every key live, group of 1
@@ -44,6 +45,18 @@ for nkv, grp, hd, S, n in [(2, 4, 64, 700, 517), (3, 3, 32, 300, 1), (2, 4, 64, 
     err = rel(out, reference(q, k, v, n))
     print(nkv, grp, hd, S, n, att.splits, err)
     assert err < 1e-5, err
+    # with xq: the same output, and its int8 rounding from the merge's launch == quantize_x's of it, byte for byte
+    xq = (torch.zeros(1, nkv * grp * hd, dtype=torch.int8), torch.full((1, nkv * grp * hd // 32), float("nan")))
+    if hd % 32:
+        try:
+            att(q, k[:, :S], v[:, :S], torch.tensor([n]), xq=xq)
+            raise AssertionError("a head of 16 dims took xq")
+        except ValueError as e:
+            assert "whole heads" in str(e), e
+        continue
+    out2 = att(q, k[:, :S], v[:, :S], torch.tensor([n]), xq=xq)
+    want = quantize_x(out.reshape(1, -1))
+    assert torch.equal(out2, out) and torch.equal(xq[0], want[0]) and torch.equal(xq[1], want[1])
 """
 
 
