@@ -136,6 +136,7 @@ def test_split_k_interpreted_matches_reference():
 @pytest.mark.parametrize("cache", [torch.bfloat16, torch.float8_e4m3fn])
 def test_split_k_cuda_8b_shapes(cache):
     from strata.decode_attention import SplitKAttention
+    from strata.quant.gemv import quantize_x
     g = torch.Generator(device="cuda").manual_seed(3)
     nkv, grp, hd = 8, 4, 128
     for S, n in [(2048, 1500), (32768, 32768), (131072, 70001)]:
@@ -146,6 +147,12 @@ def test_split_k_cuda_8b_shapes(cache):
         out = att(q, k[0], v[0], torch.tensor([n], device="cuda"))
         err = rel(out, reference(q, k[0].float(), v[0].float(), n))
         assert err < 1e-2, (S, n, err)  # bf16 products and probabilities, float32 sums
+        # the o-projection's int8 x from the merge's launch: quantize_x's bytes of the same output
+        xq = (torch.empty(1, nkv * grp * hd, dtype=torch.int8, device="cuda"),
+              torch.empty(1, nkv * grp * hd // 32, device="cuda"))
+        out2 = att(q, k[0], v[0], torch.tensor([n], device="cuda"), xq=xq)
+        want = quantize_x(out.reshape(1, -1))
+        assert torch.equal(out2, out) and torch.equal(xq[0], want[0]) and torch.equal(xq[1], want[1])
 
 
 @cuda
