@@ -106,9 +106,9 @@ class KernelSpec:
     gemv_rows: str = field(default="mma-float", metadata={"choices": ROWS_KERNELS})  # resident Q4_K / Q5_K /
                                    # Q6_K products of a decode batch of 4 rows or more: "mma-float", every row in
                                    # one launch on tensor cores, bf16 x against the weights dequantized in float
-                                   # (strata/quant/rows.py; 16 rows of the 8B on an H100: 10.9 ms a step against
-                                   # 33.6, its logits nearer the float32 model's), or "dp4a": the one-row kernels,
-                                   # 4 rows a launch (the weights read once per 4 rows)
+                                   # (strata/quant/rows.py; the 8B's graph step on an H100: 7.9 ms for 16 rows
+                                   # against 32.4, 7.8 for 4 against 8.6; its logits nearer the float32 model's),
+                                   # or "dp4a": the one-row kernels, 4 rows a launch (the weights read once per 4)
     q8_attention: str = field(default="int8x2", metadata={"choices": Q8_ATTENTION})  # decode graphs' split-K
                                    # over a q8_0 cache: "int8x2": q rounded to int8 per 32 dims plus its rounding
                                    # residual as a second int8 dot (~15 bits of q), scores on int8 tensor cores, V
