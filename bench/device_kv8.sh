@@ -12,9 +12,11 @@
 # markupsafe); `batch`: the GPU tests of decode batches in graphs and of strata/quant/rows.py (`batch-tests`: only
 # those), then a batch's time by rows in graphs (kernels.gemv_rows mma-float, the default, and dp4a), each against
 # the float32 model (bench/decode_rows.py); `serve-rows`: the server's 4 and 16 streams with kernels.gemv_rows $ROWS
-# (default dp4a), no peer; `sweep`: the batch's products alone by kernel and launch options (bench/rows_sweep.py).
+# (default dp4a), no peer; `sweep`: the batch's products alone by kernel and launch options (bench/rows_sweep.py);
+# `serve-profile`: the server's 16 streams under py-spy (head and stage processes, idle frames too: where a step's
+# wall time goes besides the graph's; carry the py-spy wheel in .whl: ../shared/tools/device-wheels.sh py-spy).
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
-# | serve-rows | sweep
+# | serve-rows | serve-profile | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -60,6 +62,12 @@ serve-rows)
   STRATA_GEMV_ROWS=${ROWS:-dp4a} timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf \
     --devices cuda:0 --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 \
     | tee "$LOG/serve-rows.log" | tail -5 ;;
+serve-profile)
+  wheels uvicorn starlette httpx
+  el "the server's 16 streams, 8B Q4_K_M on one GPU, under py-spy (raw stacks in serve-profile.txt)"
+  timeout 300 /tmp/site/bin/py-spy record --subprocesses --idle --format raw -r 500 -o "$LOG/serve-profile.txt" -- \
+    python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 --streams 16 \
+    --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 | tail -4 ;;
 batch|batch-tests)
   el "GPU tests: decode batches in graphs (strata/batch_graphs.py), rows on CUDA, several slots end to end"
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_rows.py \
