@@ -131,8 +131,8 @@ class DecodeRing:
         self._reap()
         if not self.last:
             self.outlink.fill(h)
-        elif msg.rows or self.outlink.crosses_hosts:  # (a greedy batch's rows are not read: only its argmaxes)
-            self.outlink.fill(logits.reshape(-1))
+        elif msg.rows:  # (a greedy batch's rows are not read: only its argmaxes. Batches never cross hosts:
+            self.outlink.fill(logits.reshape(-1))  # max_seqs > 1 refuses a remote stage)
         if cuda:
             torch.cuda.current_stream(self.device).synchronize()
         work_end = time.perf_counter()
