@@ -14,7 +14,8 @@
 # the float32 model (bench/decode_rows.py); `serve-rows`: the server's 4 and 16 streams with kernels.gemv_rows $ROWS
 # (default dp4a), no peer; `sweep`: the batch's products alone by kernel and launch options (bench/rows_sweep.py);
 # `serve-profile`: the server's 16 streams under py-spy (head and stage processes, idle frames too: where a step's
-# wall time goes besides the graph's; carry the py-spy wheel in .whl: ../shared/tools/device-wheels.sh py-spy).
+# wall time goes besides the graph's, read by bench/pyspy_top.py; carry the py-spy wheel in .whl:
+# ../shared/tools/device-wheels.sh py-spy).
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
 # | serve-rows | serve-profile | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
