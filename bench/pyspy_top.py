@@ -2,8 +2,9 @@
 
 py-spy's `record --format raw` writes one line per distinct stack ("frame;frame;... count"), the processes (with
 --subprocesses: a child's under its parent's) and thread (with --threads) as its first frames. This prints, for each
-innermost process (and thread), its samples and its most frequent frames, so a profile of the server's decode steps (`bash bench/device_kv8.sh
-serve-profile`) says how much of each process's time is a wait (with --idle) and where the rest goes.
+innermost process (and thread), its samples and its most frequent frames, so a profile of the server's decode steps
+(`bash bench/device_kv8.sh serve-profile`) says how much of each process's time is a wait (with --idle) and where
+the rest goes.
 
     python bench/pyspy_top.py serve-profile.txt                 # every root, 25 frames each
     python bench/pyspy_top.py serve-profile.txt --match SlotDriver._run --top 40   # frames under one function
