@@ -13,11 +13,12 @@
 # those), then a batch's time by rows in graphs (kernels.gemv_rows mma-float, the default, and dp4a), each against
 # the float32 model (bench/decode_rows.py); `serve-rows`: the server's 4 and 16 streams with kernels.gemv_rows $ROWS
 # (default dp4a), no peer; `sweep`: the batch's products alone by kernel and launch options (bench/rows_sweep.py);
-# `serve-profile`: the server's 16 streams under py-spy (head and stage processes, idle frames too: where a step's
-# wall time goes besides the graph's, read by bench/pyspy_top.py; carry the py-spy wheel in .whl:
-# ../shared/tools/device-wheels.sh py-spy).
+# `serve-ahead`: the server's 1, 4 and 16 streams with the rig's batch_ahead $AHEAD (default 3), no peer (run after
+# `serve`, the same call: its llama.cpp row); `serve-profile`: the server's 16 streams under py-spy (head and stage
+# processes, idle frames too: where a step's wall time goes besides the graph's, read by bench/pyspy_top.py; carry
+# the py-spy wheel in .whl: ../shared/tools/device-wheels.sh py-spy).
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
-# | serve-rows | serve-profile | sweep
+# | serve-ahead | serve-rows | serve-profile | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -63,6 +64,12 @@ serve-rows)
   STRATA_GEMV_ROWS=${ROWS:-dp4a} timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf \
     --devices cuda:0 --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 \
     | tee "$LOG/serve-rows.log" | tail -5 ;;
+serve-ahead)
+  wheels uvicorn starlette httpx
+  el "the server, 8B Q4_K_M on one GPU, batch_ahead ${AHEAD:-3}: 1, 4, 16 streams (max_seqs 16), no peer"
+  timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
+    --streams 1,4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' --batch-ahead "${AHEAD:-3}" 2>&1 \
+    | tee "$LOG/serve-ahead.log" | tail -6 ;;
 serve-profile)
   wheels uvicorn starlette httpx
   el "the server's 16 streams, 8B Q4_K_M on one GPU, under py-spy (raw stacks in serve-profile.txt)"

@@ -151,6 +151,8 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--devices", default="", help="stages on these devices (comma-separated), not on CPU")
     ap.add_argument("--prompt-ids", type=int, default=0, help="prompts as this many random token ids (no vocabulary)")
+    ap.add_argument("--batch-ahead", type=int, default=0, help="the rig's batch_ahead (one stage: steps a greedy "
+                    "decode batch runs past its note)")
     default_peer = Path(__file__).resolve().parents[1] / ".peer" / "cpu" / "bin" / "llama-batched-bench"
     ap.add_argument("--peer", default=str(default_peer) if default_peer.exists() else "",
                     help="llama-batched-bench built for this CPU ('' for none; ../shared/tools/llamacpp-peer.sh cpu)")
@@ -158,6 +160,8 @@ def main() -> int:
     stages = ([{"device": d} for d in a.devices.split(",")] if a.devices
               else [{"device": "cpu", "threads": a.threads}] * a.stages)
     rig = dict(model=a.model, stages=stages, max_context=a.max_context, progress=False)
+    if a.batch_ahead:
+        rig["batch_ahead"] = a.batch_ahead
     questions = None
     if a.prompt_ids:
         import numpy as np

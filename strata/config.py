@@ -21,6 +21,7 @@ ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/mod
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn", "q8_0")  # the KV cache's dtype (issue 12); auto = dtype
 DECODE_BATCH = ("rows", "steps")
+MAX_BATCH_AHEAD = 64  # batch_ahead's most steps past a note (a decode batch's result carries each step's argmaxes)
 PREFIX_REUSE = ("rows", "chunks")  # a restored prefix: every held row, or up to a chunk boundary of the cold schedule  # max_seqs > 1: several sequences' steps multiplied as one batch, or one by one
 DECODE_WEIGHTS = ("auto", "none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
@@ -220,6 +221,12 @@ class RigConfig:
                                             # (each weight read once a batch; in C a row keeps the bits of its
                                             # step alone, with torch's products within rounding of them); steps:
                                             # each sequence's step alone, one after another, on a torch stage
+    batch_ahead: int = 0                    # max_seqs > 1 on one stage: a decode batch whose rows are all greedy
+                                            # runs up to this many more steps on its own argmaxes before the head
+                                            # answers (the stage never waits for the head between them; a row
+                                            # that ends early wastes those steps). 0: one step a note. With
+                                            # several stages the n_stages batches in flight keep each busy: no
+                                            # effect (the head's log says so)
     kernels: KernelSpec = field(default_factory=KernelSpec)  # the kernels' A/B switches (KernelSpec)
     debug: DebugSpec = field(default_factory=DebugSpec)
 
@@ -500,6 +507,11 @@ def _check_values(cfg: RigConfig) -> None:
         why = max_seqs_refusal(cfg)
         if why:
             raise ConfigError(f"max_seqs {cfg.max_seqs} refused: {why}")
+    if not 0 <= cfg.batch_ahead <= MAX_BATCH_AHEAD:
+        raise ConfigError(f"batch_ahead: 0 to {MAX_BATCH_AHEAD} steps, got {cfg.batch_ahead}")
+    if cfg.batch_ahead and cfg.max_seqs == 1:
+        raise ConfigError("batch_ahead: decode batches need max_seqs > 1 (one sequence's steps take the decode "
+                          "graphs' launch-ahead: kernels.decode_ahead)")
     if cfg.chunk != "auto" and cfg.chunk <= 0:
         raise ConfigError(f"chunk: must be a positive number of tokens, got {cfg.chunk}")
     if cfg.generate < 0:

@@ -24,6 +24,7 @@ import msgpack
 VERSION = 1
 MAX_FRAME = 1 << 20  # notes are small; anything larger is not ours
 MAX_SCORED_TOP = 20  # a scored chunk's alternatives per target (OpenAI's limit)
+MAX_AHEAD = 64  # a decode batch's steps past its note (strata.config.MAX_BATCH_AHEAD)
 SCORED_BYTES = MAX_FRAME // 2  # a scored chunk's rows stay under this in its result (the head cuts the chunks)
 
 
@@ -68,6 +69,8 @@ class Chunk(Message):
                        # states under this key (strata.prefix_cache: Snapshots.keep_state); b"": none
     rows: bool = True  # a decode batch: the last stage puts its logits rows in the result buffer (False: every
                        # row is greedy and only the argmaxes are read: 16 rows of a 128,256 vocabulary are 8 MB)
+    ahead: int = 0     # a decode batch on one stage (all rows greedy, rows False): after its step, this many more
+                       # on its own argmaxes at the next positions; the result's argmaxes are every step's, step-major
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -287,6 +290,9 @@ def validate(msg) -> dict:
             raise BadMessage(f"chunk: a decode batch names [slot, pos] of each of its {msg['n']} rows")
         if len(set(sq[0::2])) != msg["n"]:
             raise BadMessage("chunk: a decode batch steps a sequence once")
+    if t == "chunk" and not (0 <= msg["ahead"] <= MAX_AHEAD
+                             and (not msg["ahead"] or (msg["seqs"] and not msg["rows"]))):
+        raise BadMessage(f"chunk: ahead {msg['ahead']}: 0 to {MAX_AHEAD}, and only for a decode batch without rows")
     if t == "result" and not all(type(v) is int and 0 <= v <= _INT_MAX for v in msg["argmaxes"]):
         raise BadMessage("result: argmaxes must be token ids")
     if t == "chunk" and not 0 < msg["tokens"]:

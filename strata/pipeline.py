@@ -572,15 +572,19 @@ class Pipeline:
             self._startup_done()
         return k
 
-    def send_batch(self, seqs: list[tuple[int, int]], t0: float, rows: bool) -> int:
+    def send_batch(self, seqs: list[tuple[int, int]], t0: float, rows: bool, ahead: int = 0) -> int:
         """One decode step of each sequence (slot, pos) as one micro-batch (its tokens already at pos of each
-        slot's ids: put_slot_token); rows: keep its logits rows (a sampled token). -> its chunk index."""
+        slot's ids: put_slot_token); rows: keep its logits rows (a sampled token). ahead (one stage, no rows): that
+        many more steps on the batch's own argmaxes, at pos + 1 ..., each row's in the result (step-major). -> its
+        chunk index."""
+        if ahead and (rows or len(self.stages) != 1):
+            raise ValueError("send_batch: ahead needs one stage and greedy rows (no logits rows)")
         k = self._sent
         if rows:
             self._want_rows.add(k)
-        top = max(pos for _, pos in seqs) + 1
+        top = max(pos for _, pos in seqs) + 1 + ahead
         self._wire.send(0, M.Chunk(k=k, pos=0, n=len(seqs), phase="decode", t0=t0, tokens=top, score=-1,
-                                   seqs=[v for sp in seqs for v in sp], rows=rows))
+                                   seqs=[v for sp in seqs for v in sp], rows=rows, ahead=ahead))
         self._sent += 1
         return k
 

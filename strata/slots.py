@@ -78,7 +78,7 @@ class SlotStats:
     """What the driver did since it started (tests read it: overlap is a matter of structure, not of time)."""
     sequences: int = 0                  # admitted
     chunks: int = 0                     # prefill chunks sent
-    steps: int = 0                      # decode steps sent (a batch of m sequences: m)
+    steps: int = 0                      # decode steps sent (a batch of m sequences: m, times 1 + its batch_ahead)
     batches: int = 0                    # decode batches sent
     most_in_batch: int = 0              # the most steps in one batch
     most_in_flight: int = 0             # the most sequences with something in the pipeline at one time
@@ -97,6 +97,12 @@ class SlotDriver:
         self.window = len(pipe.stages) + 1  # micro-batches in flight: enough to keep stage 0 busy
         self.groups = len(pipe.stages)      # decode batches the decoding sequences are spread over
         self.batch_cap = min(max_seqs, pipe.plan.max_chunk)  # rows a hand-off buffer holds
+        # steps an all-greedy batch runs past its note (the rig's batch_ahead; one stage only: with several, the
+        # n_stages batches in flight keep every stage busy)
+        self.ahead = pipe.cfg.batch_ahead if len(pipe.stages) == 1 else 0
+        if pipe.cfg.batch_ahead and not self.ahead:
+            log.info("batch_ahead %d: no effect on %d stages (their batches in flight keep each busy)",
+                     pipe.cfg.batch_ahead, len(pipe.stages))
         self._batches = 0                   # decode batches in flight
         self._results = 0                   # results taken (the clock of `ready_at`)
         self.eos = pipe.plan.args.eos_id
@@ -283,11 +289,15 @@ class SlotDriver:
             seqs.append((run.slot, pos))
             run.pending = None
             run.in_flight += 1
-        k = self.pipe.send_batch(seqs, self._t0, rows=any(not r.params.greedy for r in batch))
+        rows = any(not r.params.greedy for r in batch)
+        # steps past this one on the batch's own argmaxes: none that a row's token limit could not take (a row that
+        # stops earlier, at EOS or by its caller, wastes the rest; its slot's later rows are never read)
+        ahead = 0 if rows else max(0, min([self.ahead] + [r.limit - len(r.out) - 1 for r in batch]))
+        k = self.pipe.send_batch(seqs, self._t0, rows=rows, ahead=ahead)
         self._by_k[k] = batch
         self._batches += 1
         st = self.stats
-        st.steps += len(batch)
+        st.steps += len(batch) * (1 + ahead)
         st.batches += 1
         st.most_in_batch = max(st.most_in_batch, len(batch))
         if any(r.sent_chunks < len(r.schedule) or r.last_k >= 0 and r.t_first is None for r in self._running):
@@ -330,11 +340,15 @@ class SlotDriver:
     def _on_result(self, k: int, res, rows) -> None:
         runs = self._by_k.pop(k)
         self._results += 1
-        if res.argmaxes:  # a decode batch: row t is runs[t]'s
+        if res.argmaxes:  # a decode batch: row t is runs[t]'s, step after step (batch_ahead)
             self._batches -= 1
-            for t, run in enumerate(runs):
+            m = len(runs)
+            for run in runs:
                 run.in_flight -= 1
-                self._advance(run, res.argmaxes[t], None if rows is None else rows[t])
+            for j in range(len(res.argmaxes) // m):
+                for t, run in enumerate(runs):
+                    if run in self._running:  # (not finished at an earlier step of this batch)
+                        self._advance(run, res.argmaxes[j * m + t], None if rows is None else rows[t])
             return
         run = runs[0]  # a prefill chunk
         run.in_flight -= 1

@@ -29,7 +29,8 @@ def _pack(obj) -> bytes:
 
 def _valid(t: str) -> dict:
     """A well-formed message of type t with plausible values (built from the schema, so it keeps up)."""
-    named = {"phase": "prefill", "k": 1, "pos": 0, "n": 16, "stage": 0, "device": "cpu", "chunk": 1, "op": "drop"}
+    named = {"phase": "prefill", "k": 1, "pos": 0, "n": 16, "stage": 0, "device": "cpu", "chunk": 1, "op": "drop",
+             "ahead": 0}  # (a chunk runs steps ahead only as a decode batch)
     by_type = {bool: False, int: 1, float: 0.5, str: "x", list: [], bytes: b""}
 
     def value(f, kinds):

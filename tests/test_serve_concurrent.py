@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import inspect
 import math
 import os
@@ -432,3 +433,59 @@ def test_a_hybrid_model_serves_several_sequences_each_as_alone(tmp_path):
     (alone, _), (together, st) = got[1], got[3]
     assert together == alone and all(len(x) == 8 for x in alone)
     assert st.sequences == 3 and st.most_in_flight >= 2 and st.overlapped_sends > 0, st
+
+
+def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
+    """batch_ahead 3 on one CPU stage: 4 greedy sequences at once, token limits that are not a multiple of 4 (the
+    last batch's steps clamped to what each row may still take), give each the ids it gets alone with batch_ahead 0;
+    the batches ran steps past their notes (more steps than a note's rows could hold without); a sampled request's
+    batches run none. The refusals are one line each."""
+    _smollm2()
+    from strata.config import from_dict
+    from strata.engine import PipelineEngine
+    from strata.sampling import SamplingParams
+    rig = {**RIG, "stages": [{"device": "cpu", "threads": 1}], "decode_batch": "steps"}
+    limits = [13, 6, 9, 2]
+
+    def run(ahead: int, together: bool) -> tuple[list[list[int]], object]:
+        eng = PipelineEngine({**rig, "batch_ahead": ahead}, out=tmp_path / f"a{ahead}{together}")
+        try:
+            got: dict[int, list[int]] = {}
+
+            def one(i: int) -> None:
+                made: list[int] = []
+                eng.generate(eng.tokenize(PROMPTS[i]), SamplingParams(max_tokens=limits[i]),
+                             lambda t: made.append(t) or True)
+                got[i] = made
+            if together:
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(300)
+            else:
+                for i in range(4):
+                    one(i)
+            st = copy.copy(eng.slot_stats())
+            eng.generate(eng.tokenize(PROMPTS[0]), SamplingParams(max_tokens=5, temperature=0.8, seed=1),
+                         lambda t: True)
+            after = eng.slot_stats()
+            assert after.steps - st.steps == after.batches - st.batches >= 1, (st, after)  # sampled: one step a note
+            return [got[i] for i in range(4)], st
+        finally:
+            eng.close()
+    alone, _ = run(0, False)
+    ahead, st = run(3, True)
+    assert ahead == alone and [len(a) for a in alone] == limits, (ahead, alone)
+    assert st.steps > st.batches * st.most_in_batch, st  # a note's batch ran past its own step
+    base = dict(model="smollm2", stages=[{"device": "cpu"}], progress=False)
+    with pytest.raises(ConfigError, match=r"^batch_ahead: 0 to 64 steps, got 65$"):
+        from_dict({**base, "max_seqs": 2, "batch_ahead": 65})
+    with pytest.raises(ConfigError, match="^batch_ahead: decode batches need max_seqs > 1"):
+        from_dict({**base, "batch_ahead": 2})
+    from strata import messages as M
+    batch = dict(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=9, score=-1, seqs=[0, 8])
+    M.encode(M.Chunk(**batch, rows=False, ahead=3))
+    for bad in (dict(batch, rows=True, ahead=1), dict(batch, rows=False, ahead=65), dict(batch, seqs=[], ahead=1)):
+        with pytest.raises(M.BadMessage, match="ahead"):
+            M.encode(M.Chunk(**bad))

@@ -111,7 +111,8 @@ class DecodeRing:
         (Transformer.decode_seqs: each row the bits of its step alone). Like a slotted step it says "taken"
         upstream once its rows have left the buffer, and is reaped before the next hand-off. The last stage puts
         row t's logits in row t of the result buffer (where the head reads them: msg.rows) and every row's argmax in
-        its note."""
+        its note. msg.ahead (one stage): that many more steps follow on the batch's own argmaxes, each at the next
+        positions, queued on the device with no host wait between them; the note carries every step's argmaxes."""
         k, m = msg.k, msg.n
         slots, positions = msg.seqs[0::2], msg.seqs[1::2]
         self.current_chunk = k
@@ -127,7 +128,13 @@ class DecodeRing:
         work_start = time.perf_counter()
         self.copy_s += work_start - t_in
         self.faults.at_chunk(k, msg.phase)
+        if msg.ahead and not (self.first and self.last):
+            raise StageFailed(f"decode batch {k}: ahead {msg.ahead} on a stage of several (the head sends it to one)")
         h, logits, am = self.decoder.decode_seqs(x, slots, positions)
+        ams = [am]
+        for j in range(1, msg.ahead + 1):  # the next steps on this one's argmaxes, queued with no wait for the head
+            h, logits, am = self.decoder.decode_seqs(am.view(m).to(torch.long), slots, [p + j for p in positions])
+            ams.append(am)
         self._reap()
         if not self.last:
             self.outlink.fill(h)
@@ -139,7 +146,7 @@ class DecodeRing:
         self.work_s += work_end - work_start
         if self.last:
             self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=-1, scores=b"",
-                                            argmaxes=[int(a) for a in am.tolist()]))
+                                            argmaxes=[int(a) for a in torch.cat([a.view(m) for a in ams]).tolist()]))
         else:
             self.outlink.send(M.Chunk(k=k, pos=msg.pos, n=m, phase=msg.phase, t0=msg.t0, tokens=msg.tokens,
                                       score=-1, seqs=msg.seqs, rows=msg.rows))
