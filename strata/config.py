@@ -38,7 +38,7 @@ Q8_0_KERNELS = ("dp4a", "bytes")
 Q8_ATTENTION = ("widen", "int8", "int8x2")  # split-K decode attention over a q8_0 cache (strata/decode_attention.py;
                                             # the order is its kernel's INT8 constexpr)
 MXFP4_KERNELS = ("dp4a", "float")
-ROWS_KERNELS = ("dp4a", "mma-float")  # resident K-quant products of more than 4 rows (decode batches)
+ROWS_KERNELS = ("dp4a", "mma-float")  # resident K-quant products of 4 rows or more (decode batches)
 WINDOW_KERNELS = ("flex", "band")
 
 

@@ -376,6 +376,10 @@ class SplitKAttention:
             raise ValueError("keys and values need a contiguous last dimension")
         if q8 and any(t.stride(i) % (hd // 16) or t.storage_offset() % (hd // 16) for t in (k, v) for i in (0, 1)):
             raise ValueError(f"a q8_0 cache needs rows at multiples of {hd // 16} bytes (the kernel's vector loads)")
+        if xq is not None and (hd % 32 or xq[0].shape != (1, nkv * g * hd) or xq[1].shape != (1, nkv * g * hd // 32)
+                               or xq[0].dtype != torch.int8 or xq[1].dtype != torch.float32):
+            raise ValueError(f"xq buffers {tuple(xq[0].shape)}, {tuple(xq[1].shape)} are not quantize_x's of "
+                             f"(1, {nkv * g * hd}) in whole heads (head dim {hd})")
         q = q.contiguous()
         out = torch.empty_like(q) if out is None else out
         ks, vs = (k.view(torch.float16), v.view(torch.float16)) if q8 else (k, v)
@@ -389,10 +393,6 @@ class SplitKAttention:
                                      PREC="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
                                      INT8=Q8_ATTENTION.index(self.q8) if q8 else 0, PTX=not INTERPRET,
                                      num_warps=self.num_warps, **self.stages)
-        if xq is not None and (hd % 32 or xq[0].shape != (1, nkv * g * hd) or xq[1].shape != (1, nkv * g * hd // 32)
-                               or xq[0].dtype != torch.int8 or xq[1].dtype != torch.float32):
-            raise ValueError(f"xq buffers {tuple(xq[0].shape)}, {tuple(xq[1].shape)} are not quantize_x's of "
-                             f"(1, {nkv * g * hd}) in whole heads (head dim {hd})")
         qb, sb = (self.m, self.m) if xq is None else xq
         _merge[(nkv, g)](self.m, self.l, self.acc, out, self.m if sinks is None else sinks, self.splits, qb, sb, G=g,
                          GP=self.gp, HD=hd, SP=max(2, 1 << (self.splits - 1).bit_length()), SINKS=sinks is not None,

@@ -77,7 +77,7 @@ class GemvKernels:
     q6k: str = KernelSpec.gemv_q6k
     q8_0: str = KernelSpec.gemv_q8_0
     mxfp4: str = KernelSpec.gemv_mxfp4
-    rows: str = KernelSpec.gemv_rows  # a batch's rows past MAX_M: strata.quant.rows' ("mma-float"), or these
+    rows: str = KernelSpec.gemv_rows  # a batch of rows.MIN_ROWS or more: strata.quant.rows' ("mma-float"), or these
 
     def __post_init__(self):
         for name, v, choices in (("iq3s", self.iq3s, IQ3S_KERNELS), ("kquant", self.kquant, KQUANTS),
