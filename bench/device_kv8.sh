@@ -16,9 +16,11 @@
 # `serve-ahead`: the server's 1, 4 and 16 streams with the rig's batch_ahead $AHEAD (default 3), no peer (run after
 # `serve`, the same call: its llama.cpp row); `serve-profile`: the server's 16 streams under py-spy (head and stage
 # processes, idle frames too: where a step's wall time goes besides the graph's, read by bench/pyspy_top.py; carry
-# the py-spy wheel in .whl: ../shared/tools/device-wheels.sh py-spy).
+# the py-spy wheel in .whl: ../shared/tools/device-wheels.sh py-spy); `prefix-tiers`: the GPU test of the prefix
+# cache's device tier, then four documents of $DOC tokens (default 32,768) asked about again, from the host tier and
+# from the device tier (bench/prefix_tiers.py).
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
-# | serve-ahead | serve-rows | serve-profile | sweep
+# | serve-ahead | serve-rows | serve-profile | prefix-tiers | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -85,6 +87,12 @@ batch|batch-tests)
   timeout 300 python3 bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 \
     --weights resident --arms f32,graphs,graphs-dp4a --rows 8,16 --prompt 2048 2>&1 \
     | tee "$LOG/batch.log" | tail -14 ;;
+prefix-tiers)
+  el "GPU test: the prefix cache's device tier"
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefix_cache.py -k device_tier 2>&1 | tail -3
+  el "documents asked about again, 8B Q4_K_M on one GPU: the prefix cache's host tier vs its device tier"
+  timeout 360 python3 bench/prefix_tiers.py --model /tmp/8b-q4km.gguf --tokens ${DOC:-32768} 2>&1 \
+    | tee "$LOG/prefix-tiers.log" | tail -14 ;;
 sweep)
   el "a decode batch's products alone by kernel and options, 8B Q4_K_M shapes (bench/rows_sweep.py)"
   timeout 240 python3 bench/rows_sweep.py --rows 16 2>&1 | tee "$LOG/sweep.log" | tail -40 ;;

@@ -201,6 +201,10 @@ class RigConfig:
     prefix_cache_bytes: int = 2 << 30       # each stage's host memory (pinned on CUDA) for snapshots of earlier
                                             # prompts' KV by block of 256 tokens, LRU (strata/prefix_cache.py);
                                             # 0: off, only the last prompt's live KV is reused
+    prefix_cache_device_bytes: int = 0      # each CUDA stage's device memory for copies of the prefix cache's most
+                                            # recently used blocks, LRU (a subset of what the host tier holds): a
+                                            # restore of those copies on the device instead of over PCIe; the
+                                            # planner counts it. 0: off (CPU stages have none)
     kv_cache_dir: str | None = None         # the prefix cache's disk tier: every snapshot block also written to a
                                             # file under this folder (a subfolder per model and rig, one per stage:
                                             # strata/prefix_cache.py), and restored from it once the host copy is
@@ -520,6 +524,12 @@ def _check_values(cfg: RigConfig) -> None:
         raise ConfigError(f"max_context: must be a positive number of tokens, got {cfg.max_context}")
     if cfg.prefix_cache_bytes < 0:
         raise ConfigError(f"prefix_cache_bytes: must be >= 0 (0 turns the prefix cache off), got {cfg.prefix_cache_bytes}")
+    if cfg.prefix_cache_device_bytes < 0:
+        raise ConfigError(f"prefix_cache_device_bytes: must be >= 0 (0: no device tier), got "
+                          f"{cfg.prefix_cache_device_bytes}")
+    if cfg.prefix_cache_device_bytes and not cfg.prefix_cache_bytes:
+        raise ConfigError("prefix_cache_device_bytes: the device tier copies blocks the host tier holds, and "
+                          "prefix_cache_bytes is 0 (the prefix cache is off)")
     if cfg.kv_cache_dir is not None:
         if not cfg.kv_cache_dir.strip():
             raise ConfigError("kv_cache_dir: empty (leave it out for no disk tier)")

@@ -381,6 +381,7 @@ class StageJob:
     dynamic_chunks: bool       # the rig's `dynamic_chunks`: the stage warms the schedule's own chunk shapes
     depth: int
     max_seqs: int              # sequences whose KV the stage holds (slots); > 1: decode steps say "taken" too
+    prefix_device_bytes: int   # the prefix cache's device tier (a CUDA stage's; the planner counted it), 0: none
     decode_batch: str          # the rig's `decode_batch`: a torch stage multiplies a decode batch's rows at once
     perplexity: bool
     segments: dict             # what -> (shared segment name, bytes); empty for a remote stage
@@ -446,8 +447,8 @@ def validate_spec(spec) -> dict:
     if not (0 <= s["index"] < s["n_stages"] and 0 <= s["start"] < s["end"]):
         raise BadMessage("spec: stage index or layer range out of range")
     if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)
-            and s["max_seqs"] >= 1 and s["prefix_block"] >= 1):
-        raise BadMessage("spec: tokens, max_len, max_chunk, prefix_block or depth out of range")
+            and s["max_seqs"] >= 1 and s["prefix_block"] >= 1 and s["prefix_device_bytes"] >= 0):
+        raise BadMessage("spec: tokens, max_len, max_chunk, prefix_block, prefix_device_bytes or depth out of range")
     from .config import ATTENTION, DECODE_BATCH, DECODE_WEIGHTS, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
     for name, choices in (("dtype", DTYPES), ("attention", ATTENTION), ("weights", WEIGHTS), ("kv_dtype", KV_DTYPES),
                           ("decode_weights", DECODE_WEIGHTS), ("decode_batch", DECODE_BATCH)):

@@ -265,6 +265,7 @@ class Pipeline:
             prefix_block=sp.prefix_block,
             dynamic_chunks=cfg.dynamic_chunks, depth=cfg.depth,
             max_seqs=cfg.max_seqs, decode_batch=cfg.decode_batch,
+            prefix_device_bytes=plan.planner.get("needs", [{}] * len(plan.stages))[sp.index].get("prefix_cache", 0),
             perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,
             log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
             dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",

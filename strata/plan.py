@@ -185,11 +185,12 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
     if cfg.kv_dtype == "q8_0" and args.head_dim % 32:
         raise ConfigError(f"kv_dtype: q8_0 caches blocks of 32 values; this model's head dim is {args.head_dim} "
                           "(use float8_e4m3fn)")
+    from .prefix_cache import supported
+    why = supported(args)
+    for key in ("kv_cache_dir", "prefix_cache_device_bytes"):
+        if why and getattr(cfg, key):
+            raise ConfigError(f"{key}: the prefix cache is off for this model ({why})")
     if cfg.kv_cache_dir is not None:
-        from .prefix_cache import supported
-        why = supported(args)
-        if why:
-            raise ConfigError(f"kv_cache_dir: the prefix cache is off for this model ({why})")
         try:
             os.makedirs(os.path.expanduser(cfg.kv_cache_dir), exist_ok=True)
         except OSError as e:
@@ -281,8 +282,10 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     labels = [s.device + (f", {s.threads} thread{'s' if s.threads != 1 else ''}" if s.threads else "")
               for s in stages]
     # weights as stored (resident GGUF blocks + one layer's scratch, or dense in dtype) and KV at kv_dtype
-    # max_seqs sequences' KV on every stage
-    store = {kind: replace(storage(cfg.model, args, cfg.dtype, cfg.weights, cfg.kv_dtype, kind), seqs=cfg.max_seqs)
+    # max_seqs sequences' KV on every stage, and on a CUDA stage the prefix cache's device tier (where it is on)
+    tier = cfg.prefix_cache_device_bytes
+    store = {kind: replace(storage(cfg.model, args, cfg.dtype, cfg.weights, cfg.kv_dtype, kind), seqs=cfg.max_seqs,
+                           prefix_device=tier if kind == "cuda" else 0)
              for kind in {"cpu" if h else "cuda" for h in host}}
     per_stage = [store["cpu" if h else "cuda"] for h in host]
     if not auto:
@@ -312,7 +315,8 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     else:
         raise ConfigError(err + would_fit(fit, chunks[-1], kv_tokens, cfg.kv_dtype,
                                           lambda kv: [replace(storage(cfg.model, args, cfg.dtype, cfg.weights, kv,
-                                                                      "cpu" if h else "cuda"), seqs=cfg.max_seqs)
+                                                                      "cpu" if h else "cuda"), seqs=cfg.max_seqs,
+                                                              prefix_device=0 if h else tier)
                                                       for h in host]))
     per_stage = prefix_blocks(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
     needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention,

@@ -49,10 +49,11 @@ class StageNeed:
     handoff: int
     runtime: int = 0
     kv_seqs: int = 1           # sequences the KV cache holds (max_seqs)
+    prefix_cache: int = 0      # a CUDA stage's device tier of the prefix cache (prefix_cache_device_bytes)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations + self.handoff + self.runtime
+        return self.weights + self.kv_cache + self.activations + self.handoff + self.runtime + self.prefix_cache
 
     def describe(self) -> str:
         seqs = f" for {self.kv_seqs} sequences (max_seqs)" if self.kv_seqs > 1 else ""
@@ -62,11 +63,14 @@ class StageNeed:
             parts.append(f"hand-off {_gib(self.handoff)}")
         if self.runtime:
             parts.append(f"runtime {_gib(self.runtime)}")
+        if self.prefix_cache:
+            parts.append(f"prefix cache (device tier) {_gib(self.prefix_cache)}")
         return ", ".join(parts)
 
     def as_dict(self) -> dict:
         return {"weights": self.weights, "kv_cache": self.kv_cache, "activations": self.activations,
-                "handoff": self.handoff, "runtime": self.runtime, "total": self.total}
+                "handoff": self.handoff, "runtime": self.runtime, "prefix_cache": self.prefix_cache,
+                "total": self.total}
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class Storage:
     per_layer: tuple = ()      # each layer's weights, where they differ (GLM's first dense layers, experts)
     seqs: int = 1              # sequences whose KV a stage holds (the rig's max_seqs): the KV counts this many times
     prefix_block: int = PREFIX_BLOCK  # an 8-bit cache's prefix positions widened at once for a chunk's attention
+    prefix_device: int = 0     # a CUDA stage's device tier of the prefix cache (prefix_cache_device_bytes)
 
 
 def kv_rows(args: ModelArgs, n: int, tokens: int, chunk: int, start: int | None = None) -> int:
@@ -188,7 +193,8 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
         handoff += (0 if first else chunk * dim * b) + (V * f4 if last else chunk * dim * b)
         handoff += (tokens + 1) * 4
     runtime = CPU_RUNTIME_BYTES if on_cpu else CUDA_RUNTIME_BYTES
-    return StageNeed(weights, kv, act, handoff, runtime, storage.seqs if storage is not None else 1)
+    tier = storage.prefix_device if storage is not None and not on_cpu else 0
+    return StageNeed(weights, kv, act, handoff, runtime, storage.seqs if storage is not None else 1, tier)
 
 
 def cuda_attention(choice: str = "auto") -> str:

@@ -348,16 +348,63 @@ def stage_folder(root: str, rig: str, start: int, end: int, device_type: str) ->
     return str(Path(root) / rig / f"layers-{start}-{end}-{device_type}")
 
 
+class DeviceTier:
+    """The prefix cache's device tier: copies of the blocks a stage snapped or restored last, in its own device
+    memory, LRU within `budget` bytes. Always a subset of what the stage holds on the host or disk (a drop takes
+    both), kept by the stage alone: it changes where a restore reads a block from, never which blocks are held,
+    so the head's index knows nothing of it."""
+
+    def __init__(self, budget: int, device: torch.device, stream):
+        self.budget, self.device, self.stream = budget, device, stream
+        self.lru: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.hits = 0       # blocks a restore read from here
+        self.misses = 0     # ... from the host or disk (then copied here)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.lru.values())
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        buf = self.lru.get(key)
+        if buf is not None:
+            self.lru.move_to_end(key)
+        return buf
+
+    def new(self, key: bytes, size: int) -> torch.Tensor | None:
+        """A buffer for `key`'s block, the least recently used blocks dropped to make room (None: a block is larger
+        than the budget). Allocated on the snapshot stream: a buffer dropped while a copy out of it is queued there
+        is reused only after it; a copy on another stream records that stream (`used_on`)."""
+        if size > self.budget:
+            return None
+        while self.lru and self.nbytes + size > self.budget:
+            self.lru.popitem(last=False)
+        with torch.cuda.stream(self.stream) if self.stream is not None else _nothing():
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.lru[key] = buf
+        return buf
+
+    def used_on(self, buf: torch.Tensor) -> None:
+        """buf is read by work queued on the current stream: its memory is not reused before that is done."""
+        if self.stream is not None:
+            buf.record_stream(torch.cuda.current_stream(self.device))
+
+    def drop(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.lru.pop(k, None)
+
+
 class Snapshots:
     """A stage's snapshots: per block key, one host buffer with the block's rows of every cache of its slice;
     with a disk folder (`open`), each also written to a file there by a writer thread, and read back when the
-    host copy is gone."""
+    host copy is gone. With a device tier (`device_bytes`, a CUDA stage's), the blocks snapped or restored last
+    are also kept in device memory, and a restore of those is a copy on the device."""
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, model, device: torch.device, device_bytes: int = 0):
         self.model = model
         self.cuda = device.type == "cuda"
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.tier = DeviceTier(device_bytes, device, self.stream) if device_bytes > 0 else None
         self.pending = None      # the last copy out's event (CUDA): the live cache is not written before it
         self.blocks: dict[bytes, torch.Tensor] = {}
         self.states: dict[bytes, torch.Tensor] = {}  # state_key -> a kept state's bytes on the host (keep_state)
@@ -426,7 +473,10 @@ class Snapshots:
                     self._lock.notify_all()
 
     def unlink(self, keys: list[bytes]) -> None:
-        """Remove these blocks' files (in order with the writes queued before)."""
+        """Remove these blocks' files (in order with the writes queued before), and their device copies (they may
+        have been read from the files alone)."""
+        if self.tier is not None:
+            self.tier.drop(keys)
         if self.folder is None:
             return
         for k in keys:
@@ -543,9 +593,13 @@ class Snapshots:
             if key in self.blocks:
                 continue
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)
+            near = self.tier.new(key, size) if self.tier is not None else None
             with torch.cuda.stream(self.stream) if self.cuda else _nothing():
-                for dst, c in zip(_views(buf, caches, block), caches):
+                # with a device tier: the rows into its buffer on the device, then one copy of it to the host
+                for dst, c in zip(_views(near if near is not None else buf, caches, block), caches):
                     dst.copy_(c[:, :, j * block:(j + 1) * block], non_blocking=self.cuda)
+                if near is not None:
+                    buf.copy_(near, non_blocking=self.cuda)
             self.blocks[key] = buf
         if self.cuda:
             self.pending = torch.cuda.Event()
@@ -564,15 +618,29 @@ class Snapshots:
         (read_files)."""
         caches = layer_caches(self.model, slot)
         size = row_bytes(caches) * block
-        held = [self._held(k, size, fetched) for k in keys]
+        tier = self.tier
+        near = [tier.get(k) if tier is not None else None for k in keys]
+        held = [n if n is not None else self._held(k, size, fetched) for k, n in zip(keys, near)]
         missing = [k.hex() for k, b in zip(keys, held) if b is None]
         if missing:
             raise KeyError(f"restore: no snapshot of block(s) {', '.join(missing[:3])}")
         self.before_write()
-        for buf, j in zip(held, blocks):
+        for key, buf, n, j in zip(keys, held, near, blocks):
+            if tier is not None:
+                if n is None:  # into the device tier first: one copy over the bus, then copies on the device
+                    tier.misses += 1
+                    n = tier.new(key, size)
+                    if n is not None:
+                        tier.used_on(n)
+                        n.copy_(buf, non_blocking=self.cuda and buf.is_pinned())
+                        buf = n
+                else:
+                    tier.hits += 1
+                    tier.used_on(n)
             # (a block read from its file is pageable memory: its copy in is synchronous, so it may be dropped now)
             for src, c in zip(_views(buf, caches, block), caches):
-                c[:, :, j * block:(j + 1) * block].copy_(src, non_blocking=self.cuda and buf.is_pinned())
+                c[:, :, j * block:(j + 1) * block].copy_(src, non_blocking=self.cuda and (buf.is_pinned() or
+                                                                                          buf.is_cuda))
 
     def drop(self, keys: list[bytes]) -> None:
         """Out of the host tier. A block whose write is still queued stays in memory until written; while such
@@ -581,6 +649,8 @@ class Snapshots:
         for k in keys:
             self.blocks.pop(k, None)
             self.states.pop(k, None)
+        if self.tier is not None:
+            self.tier.drop(keys)
         if self._writer is None:
             return
         with self._lock:

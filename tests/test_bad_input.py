@@ -124,6 +124,17 @@ def test_blocks_with_a_kv_cache_the_c_decoder_cannot_read(tmp_path, capsys, kv):
                     "(dense steps)"), line
 
 
+@pytest.mark.parametrize("over, expect", [
+    ({"prefix_cache_device_bytes": -1}, "prefix_cache_device_bytes: must be >= 0 (0: no device tier), got -1"),
+    ({"prefix_cache_device_bytes": 1 << 30, "prefix_cache_bytes": 0},
+     "prefix_cache_device_bytes: the device tier copies blocks the host tier holds, and prefix_cache_bytes is 0 "
+     "(the prefix cache is off)"),
+], ids=["negative", "no-host-tier"])
+def test_prefix_cache_device_tier_refusals(tmp_path, capsys, over, expect):
+    line = refuse(tmp_path, capsys, make_rig(**over))
+    assert line == f"error: {expect}", line
+
+
 def test_split_does_not_sum_to_layers(tmp_path, capsys):
     line = refuse(tmp_path, capsys, make_rig(layer_split=[3, 3]))
     assert line == "error: layer_split: [3, 3] sums to 6, the model has 8 layers", line

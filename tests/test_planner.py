@@ -264,6 +264,25 @@ def test_kv_activations_handoff_runtime():
     assert 1.9 < big / stage_need(SMOLLM2, 5, 10, t, c, "float32").activations < 2.1
 
 
+def test_the_prefix_caches_device_tier_is_counted_on_a_cuda_stage_only():
+    """prefix_cache_device_bytes: a CUDA stage's need holds it (in its total, its description and report.json's
+    needs); a CPU stage's does not (its snapshots are host memory: the tier is never made there), nor does a rig's
+    plan whose stages are all CPUs."""
+    from strata.planner import Storage
+    t, c = 4096, 512
+    st = Storage(layer=1e7, embed=0, head=0, norm=0, scratch=0, kv_elem=2, mode="resident", prefix_device=3 << 30)
+    gpu = stage_need(SMOLLM2, 5, 10, t, c, "bfloat16", False, storage=st)
+    bare = stage_need(SMOLLM2, 5, 10, t, c, "bfloat16", False, storage=replace(st, prefix_device=0))
+    assert gpu.prefix_cache == 3 << 30 and gpu.total == bare.total + (3 << 30)
+    assert "prefix cache (device tier) 3.00 GiB" in gpu.describe() and gpu.as_dict()["prefix_cache"] == 3 << 30
+    cpu = stage_need(SMOLLM2, 5, 10, t, c, "bfloat16", True, storage=st)
+    assert cpu.prefix_cache == 0 and "prefix cache" not in cpu.describe()
+    cfg = from_dict(dict(model="synthetic:smoke", stages=[{"device": "cpu", "threads": 1}] * 2, chunk=64,
+                         max_context=256, prefix_cache_device_bytes=1 << 30, prompt={"random": {"tokens": 8}}))
+    plan = build_plan(cfg)
+    assert [n["prefix_cache"] for n in plan.planner["needs"]] == [0, 0]
+
+
 def test_an_8bit_cache_counts_one_layer_widened():
     """A q8_0 or e4m3 cache is widened to the compute dtype for each layer's prefill attention, a block of the
     prefix at a time (strata.attention.narrow_cache_attention): the activations hold one block's keys and values."""

@@ -87,6 +87,47 @@ def test_snapshots_restore_the_rows_byte_for_byte(dtype, last):
     assert list(s.blocks) == [b"b" * 16]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_device_tier_keeps_the_last_blocks_and_restores_them_byte_for_byte(device):
+    """A device tier of 2 blocks (prefix_cache_device_bytes): the blocks snapped or restored last are read from it
+    (their host copies spoiled on purpose do not reach the cache), the least recently used go first, a block missed
+    is copied in from the host, a drop or an unlink takes a block out of it, and it never holds more than its budget.
+    On CPU the tier is host memory too (a stage never gets one there): its bookkeeping, and the rows' bytes."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev = torch.device(device)
+    m = _model(torch.bfloat16, rows=64)
+    for blk in m.layers.values():
+        blk.attn.k_cache, blk.attn.v_cache = blk.attn.k_cache.to(dev), blk.attn.v_cache.to(dev)
+    _fill(m, 1)
+    want = [c.view(torch.uint8).cpu().clone() for c in layer_caches(m)]
+    size = 16 * row_bytes(layer_caches(m))
+    s = Snapshots(m, dev, 2 * size + size // 2)
+    keys = [bytes([65 + j]) * 16 for j in range(4)]
+    s.snap(keys[:3], [0, 1, 2], 16)
+    assert list(s.tier.lru) == keys[1:3] and s.tier.nbytes <= 2 * size + size // 2
+    for k in keys[1:3]:
+        s.blocks[k].zero_()  # held on the device: restores of these never read the host copy
+    _fill(m, 2)
+    s.restore([keys[2], keys[1]], [2, 1], 16)
+    assert (s.tier.hits, s.tier.misses) == (2, 0)
+    s.restore([keys[0]], [0], 16)  # from the host, into the tier: keys[2], the least recently used, goes
+    assert (s.tier.hits, s.tier.misses) == (2, 1) and list(s.tier.lru) == [keys[1], keys[0]]
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    for c, w in zip(layer_caches(m), want):
+        assert torch.equal(c.view(torch.uint8)[:, :, :48].cpu(), w[:, :, :48])
+        assert not torch.equal(c.view(torch.uint8)[:, :, 48:].cpu(), w[:, :, 48:])  # block 3 was not restored
+    s.drop([keys[1]])
+    s.unlink([keys[0]])  # (no disk folder: its device copy goes all the same)
+    assert not s.tier.lru and keys[1] not in s.blocks
+    s.restore([keys[2]], [2], 16)  # out of the tier: its host copy, spoiled above, is what a restore reads now
+    assert all(not c.view(torch.uint8)[:, :, 32:48].any() for c in layer_caches(m))
+    small = Snapshots(m, dev, size - 1)  # a block larger than the budget: no device copy, the host's as before
+    small.snap([keys[3]], [3], 16)
+    assert not small.tier.lru and keys[3] in small.blocks
+
+
 def test_snapshots_of_a_slot_leave_the_slot_in_use_alone():
     """max_seqs > 1: a snapshot of slot 1 restored into slot 2 reads and writes those slots' tensors, not the caches
     the layers point at (the stage may be mid-way through another slot's micro-batch)."""

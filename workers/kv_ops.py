@@ -22,11 +22,14 @@ from strata.prefix_cache import Snapshots, layer_caches
 
 
 class StageKv:
-    def __init__(self, model, device, max_len: int, log, answer, stage: int):
-        """answer(KvDone): how the stage sends an op's answer to the head."""
+    def __init__(self, model, device, max_len: int, log, answer, stage: int, device_bytes: int = 0):
+        """answer(KvDone): how the stage sends an op's answer to the head. device_bytes: the prefix cache's device
+        tier (a CUDA stage's)."""
         self.model, self.max_len, self.log = model, max_len, log
         self.answer, self.stage = answer, stage
-        self.snapshots = Snapshots(model, device)
+        self.snapshots = Snapshots(model, device, device_bytes if device.type == "cuda" else 0)
+        if self.snapshots.tier is not None:
+            log.info("prefix cache: a device tier of %d bytes", device_bytes)
         self._told = False  # the disk writer's failure was logged
         # ops answered in the order they came (the head matches answers so); a restore whose blocks are on disk
         # alone waits at the front while a thread reads the files, and the stage's chunks go on meanwhile
@@ -117,6 +120,10 @@ class StageKv:
         """The stage's end: the disk writes queued so far are finished (never a half-written block file)."""
         if self._reader is not None:
             self._reader.join()
+        t = self.snapshots.tier
+        if t is not None:
+            self.log.info("prefix cache, device tier: %d blocks restored from it, %d from the host or disk; %d held "
+                          "(%d bytes)", t.hits, t.misses, len(t.lru), t.nbytes)
         self.snapshots.close()
 
     def _check(self, msg: M.KvOp) -> None:

@@ -102,7 +102,7 @@ class Stage(DecodeRing):
         self._init_ring(spec)
         self.dump = None  # opened per prefill (each prompt has its own length): `_open_dump`
         self.kv = StageKv(self.model, self.device, spec.max_len, log,  # prefix-cache snapshots, KV files
-                          lambda done: self.send(self.to_head, done), self.i)
+                          lambda done: self.send(self.to_head, done), self.i, spec.prefix_device_bytes)
         self.wire = StageSockets(spec, self.inlink, log)
         self.to_head, self.to_up = self.wire.to_head, self.wire.to_up
         self.outlink.sock = self.wire.to_down
