@@ -10,7 +10,10 @@ snapshot a prompt's full blocks after its prefill, to restore a prefix into the 
 and to drop what it evicts. With several sequences (max_seqs > 1, strata/slots.py) a snapshot or restore names
 a slot, one with nothing in flight, while other slots' micro-batches may be. A stage (`Snapshots`) keeps per block a copy of the block's rows of every layer it
 holds, in host memory (pinned on a CUDA stage, whose copies out run asynchronously on a stream of their own and
-are waited for on the device before the live cache is written again), and applies no policy of its own.
+are waited for on the device before the live cache is written again), and applies no policy of its own, but one:
+a CUDA stage's device tier (`prefix_cache_device_bytes`, `DeviceTier`) keeps the blocks it snapped or restored
+last in device memory too, LRU, a subset of what it holds; a restore reads those on the device. It changes where
+a block is read from, never which blocks are held, so the head's index knows nothing of it.
 
 With `kv_cache_dir` the host tier writes through to disk: every snapshot block is also written, by a thread of
 the stage, to a file of its own under the stage's folder (`stage_folder`: the rig's model, dtype and kv_dtype
