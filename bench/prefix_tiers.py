@@ -38,6 +38,9 @@ def arm(args, device_bytes: int, docs: list[np.ndarray], questions: list[np.ndar
         p.start()
         cold = [p.generate(d, greedy) for d in docs]
         again = [p.generate(np.concatenate([d, q]), greedy) for d, q in zip(docs, questions)]
+        st = p.prefix_cache_stats()
+        print(f"{'device' if device_bytes else 'host'} arm: device tier {st.device_blocks} blocks held, "
+              f"{st.device_hits} restored from it; the host tier {st.blocks} of {st.capacity_blocks} blocks", flush=True)
         for i, (c, a) in enumerate(zip(cold, again)):
             rows.append(dict(doc="ABCDEFGH"[i], cold=c.ttft_s, again=a.ttft_s, reused=a.reused_tokens,
                              ids=list(a.continuation_ids)))

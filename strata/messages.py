@@ -227,6 +227,8 @@ class KvDone(Message):
     op: str
     error: str
     held_bytes: int  # the stage's snapshots, after the op
+    device_blocks: int = 0  # the blocks its device tier holds (prefix_cache_device_bytes), after the op
+    device_hits: int = 0    # blocks restored from its device tier so far
     keys: list = field(default_factory=list)  # open: the blocks whose files the stage's folder holds, oldest first
     states: list = field(default_factory=list)  # open: the kept states whose files it holds, likewise
 

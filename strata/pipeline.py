@@ -186,6 +186,7 @@ class Pipeline:
         self._keep: dict[int, dict[int, bytes]] = {}
         self._block = prefix_cache.BLOCK
         self._rounds: list[KvRound] = []          # KvOp rounds sent and not yet answered by every stage, oldest first
+        self._device_tiers: dict[int, tuple[int, int]] = {}  # stage -> its device tier's (blocks, hits), last said
         self.kv_answers = 0                        # KvDone notes received (the slot driver's watchdog: progress)
         self._want_rows: set[int] = set()          # several sequences: chunks whose logits row the head keeps
         self._rows: dict[int, torch.Tensor] = {}   # ... and those rows, by chunk
@@ -431,6 +432,7 @@ class Pipeline:
         if r is None:
             raise M.BadMessage(f"kv_done: stage {msg.stage} has no KV operation in flight")
         self.kv_answers += 1
+        self._device_tiers[msg.stage] = (msg.device_blocks, msg.device_hits)
         r.waiting.discard(msg.stage)
         r.done[msg.stage] = msg
         if not r.waiting:
@@ -778,8 +780,11 @@ class Pipeline:
         if index is None:
             return prefix_cache.PrefixCacheStats(self._lookups, self._hits)
         disk = self._disk
+        tiers = [self._device_tiers.get(i, (0, 0)) for i, n in enumerate(self.plan.planner.get("needs", ()))
+                 if n.get("prefix_cache")]  # the CUDA stages with a device tier
         return prefix_cache.PrefixCacheStats(self._lookups, self._hits, len(index), index.capacity, self._block,
-                                             len(disk) if disk else 0, disk.capacity if disk else 0)
+                                             len(disk) if disk else 0, disk.capacity if disk else 0,
+                                             min((b for b, _ in tiers), default=0), min((h for _, h in tiers), default=0))
 
     def _kv_send(self, what: str, msgs: dict[int, M.KvOp], then=None) -> KvRound:
         """Send each stage its KvOp; the round completes when every one has answered (`_receive` takes the

@@ -134,6 +134,8 @@ class PrefixCacheStats:
     block_tokens: int = 0     # tokens a block (BLOCK)
     disk_blocks: int = 0      # blocks whose files every stage holds under kv_cache_dir (0: no disk tier)
     disk_capacity_blocks: int = 0  # the most it keeps there: kv_cache_dir_bytes in blocks
+    device_blocks: int = 0    # blocks a CUDA stage's device tier holds (prefix_cache_device_bytes), the fewest of any
+    device_hits: int = 0      # blocks restored from a device tier so far, the fewest of any such stage
 
 
 class PrefixIndex:

@@ -142,6 +142,10 @@ class Metrics:
                           "kv_cache_dir (0: no disk tier).", [("", prefix.disk_blocks)])
             out += metric("prefix_cache_disk_capacity_blocks", "gauge", "Blocks kv_cache_dir_bytes holds (0: no "
                           "disk tier).", [("", prefix.disk_capacity_blocks)])
+            out += metric("prefix_cache_device_blocks", "gauge", "Blocks the CUDA stages' device tiers hold, the fewest "
+                          "of any (prefix_cache_device_bytes; 0: none).", [("", prefix.device_blocks)])
+            out += metric("prefix_cache_device_hits_total", "counter", "Blocks restored from a device tier instead of "
+                          "host memory or disk, the fewest of any CUDA stage.", [("", prefix.device_hits)])
             out += metric("engine_errors_total", "counter", "Generations that failed in the engine.",
                           [("", self.engine_errors)])
             out += metric("engine_restarts_total", "counter", "Engine restarts after a failure.",

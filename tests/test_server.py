@@ -1352,6 +1352,7 @@ def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tm
     assert all(m[("strata_prefix_cache_capacity_blocks", "")] == capacity for m in metrics)
     assert all(m[("strata_prefix_cache_block_tokens", "")] == 256 for m in metrics)
     assert all(metrics[0][(name, "")] == 0 for name in IDLE_GAUGES + PREFIX_COUNTERS)
+    assert all(m[("strata_prefix_cache_device_blocks", "")] == 0 for m in metrics)  # CPU stages: no device tier
     # lookups, hits and blocks held after each request: A again is the first hit (B shares no block with A)
     figures = [tuple(m[(name, "")] for name in (*PREFIX_COUNTERS, "strata_prefix_cache_blocks")) for m in metrics[1:]]
     held = na // 256 + nb // 256

@@ -113,7 +113,10 @@ class StageKv:
             self._told = True
             self.log.warning("prefix cache on disk: a block's write failed (%s); no more are written",
                              self.snapshots.write_error)
-        return M.KvDone(stage=stage, op=msg.op, error=error, held_bytes=self.snapshots.nbytes, keys=keys,
+        t = self.snapshots.tier
+        return M.KvDone(stage=stage, op=msg.op, error=error, held_bytes=self.snapshots.nbytes,
+                        device_blocks=len(t.lru) if t is not None else 0, device_hits=t.hits if t is not None else 0,
+                        keys=keys,
                         states=states)
 
     def close(self) -> None:
