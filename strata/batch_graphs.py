@@ -142,7 +142,9 @@ class BatchGraphs:
             static[n:r].copy_(xs[:1].expand(pad, *static.shape[1:]))
             meta = torch.tensor([positions + [positions[0]] * pad, slots + [slots[0]] * pad,
                                  [1] * n + [0] * pad], dtype=torch.long)
-            meta = meta.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":  # from pageable memory the copy may wait for the stream; batch_ahead queues
+                meta = meta.pin_memory()    # steps behind each other without a wait (the host allocator keeps the
+            meta = meta.to(self.device, non_blocking=True)  # block until the copy is done)
             self.pos[:r].copy_(meta[0])
             self.slot[:r].copy_(meta[1])
             self.live[:r].copy_(meta[2].bool())
