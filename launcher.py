@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-timeline", action="store_true", help="do not draw timeline.png")
     ap.add_argument("--kv-load", metavar="PATH", help="before the prefill, load a KV file (kv_save's) into the stages: "
                     "a prompt that begins with its ids prefills only the rest; refused unless saved for this model "
-                    "and rig")
+                    "and rig (with --serve: before the first request; with max_seqs > 1 into the prefix cache)")
     ap.add_argument("--kv-save", metavar="PATH", help="after the prefill (and the continuation), write the stages' KV "
                     "of the prompt with its ids to PATH (strata/kv_file.py)")
     ap.add_argument("--serve", action="store_true", help="load the stages once and serve an OpenAI-compatible "
@@ -98,9 +98,22 @@ def _serve(a) -> int:
     def engine(c):
         e = pipeline_engine(c, out=a.out)
         loaded.append(True)
+        if a.kv_load:  # before the first request: into the live KV, or (max_seqs > 1) the prefix cache
+            try:
+                facts = e.kv_load(a.kv_load)
+            except BaseException:
+                e.close()
+                raise
+            print(f"kv_load: {facts['tokens']} tokens from {a.kv_load}", file=sys.stderr)
         return e
     old = {s: signal.signal(s, on_signal) for s in _EXIT}
     try:
+        if a.kv_save:
+            raise ConfigError("--kv-save: not with --serve (the server keeps many prompts' KV: its prefix cache, "
+                              "and kv_cache_dir for files that outlive it)")
+        if a.kv_load:
+            from strata.kv_file import read_header
+            read_header(a.kv_load)  # not a KV file: refused before any stage starts (the rig's checks come after)
         cfg = load(a.config, a.overrides)
         _fork_cpu_stages(cfg)  # CPU stages (and their restarts after a failure) forked ready-made, as in a run
         return run_server(cfg, engine_factory=engine, host=a.host, port=a.port, api_key=a.api_key)

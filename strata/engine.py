@@ -388,10 +388,15 @@ class PipelineEngine(_ModelText):
         return self.pipe.kv_save(path)
 
     def kv_load(self, path) -> dict:
-        """A KV file into the stages (Pipeline.kv_load): the next prompt that begins with its ids skips them."""
-        if self.pipe is None:
+        """A KV file into the stages (Pipeline.kv_load): the next prompt that begins with its ids skips them. With
+        max_seqs > 1 through the slot driver, among the running sequences: into a free slot, and from there into the
+        prefix cache (SlotDriver.load), where any later prompt that begins with its ids finds it."""
+        pipe, driver = self.pipe, self._slots
+        if pipe is None or (self.max_seqs > 1 and driver is None):
             raise EngineError("pipeline", "the engine is closed or failed: restart() it")
-        return self.pipe.kv_load(path)
+        if driver is not None:
+            return driver.load(path)
+        return pipe.kv_load(path)
 
     def metrics_text(self) -> str:
         """Prometheus lines for /metrics: with max_seqs > 1 the slots and decode batches; the last prefill's busy

@@ -990,11 +990,19 @@ class Pipeline:
         if host_not:
             self._kv_send("drop", self._kv_msgs("drop", host_not))
 
-    def _kv_file_refusals(self, what: str) -> None:
-        """What kv_save and kv_load refuse before anything runs."""
-        if self.cfg.max_seqs > 1:
-            raise kv_file.KvFileError(f"{what}: not with max_seqs {self.cfg.max_seqs} (a KV file holds one sequence; "
-                                      "the slots' sequences have no current one): use max_seqs 1")
+    def _kv_file_refusals(self, what: str, slot: bool = False) -> None:
+        """What kv_save and kv_load refuse before anything runs. slot: a load into a free slot and from there into the
+        prefix cache (max_seqs > 1: SlotDriver.load)."""
+        n = self.cfg.max_seqs
+        if n > 1 and what == "kv_save":
+            raise kv_file.KvFileError(f"kv_save: not with max_seqs {n} (a KV file holds one sequence; the slots' "
+                                      "sequences have no current one): use max_seqs 1")
+        if n > 1 and not slot:
+            raise kv_file.KvFileError(f"kv_load: with max_seqs {n} the slot driver loads a KV file "
+                                      "(PipelineEngine.kv_load, SlotDriver.load), among the slots' sequences")
+        if n > 1 and self.prefix_cache_off:
+            raise kv_file.KvFileError(f"kv_load: with max_seqs {n} a KV file's rows go into the prefix cache, and it "
+                                      f"is off ({self.prefix_cache_off})")
         why = prefix_cache.supported(self.plan.args, files=True)
         if why:
             raise kv_file.KvFileError(f"{what}: not for this model: {why}")
@@ -1003,10 +1011,11 @@ class Pipeline:
             raise kv_file.KvFileError(f"{what}: stage {remote[0]} runs on another host (KV files are read and written "
                                       "by the stages, on this machine)")
 
-    def _kv_file_checks(self, what: str) -> int:
+    def _kv_file_checks(self, what: str, slot: bool = False) -> int:
         """Refusals common to kv_save and kv_load; -> bytes of one layer's position (k and v)."""
-        self._kv_file_refusals(what)
-        per_layer = {st.kv_bytes // self.plan.max_len // (st.layers[1] - st.layers[0]) for st in self.stages}
+        self._kv_file_refusals(what, slot)
+        per_layer = {st.kv_bytes // self.cfg.max_seqs // self.plan.max_len // (st.layers[1] - st.layers[0])
+                     for st in self.stages}  # (kv_bytes: every slot's cache)
         if len(per_layer) != 1:
             raise kv_file.KvFileError(f"{what}: the layers' caches differ in width ({sorted(per_layer)} bytes a row)")
         return per_layer.pop()
@@ -1062,6 +1071,25 @@ class Pipeline:
         seconds = time.perf_counter() - t0
         self._snapshot(ids)  # and into the prefix cache, which outlives the live KV
         return {"ids": ids, "tokens": n, "bytes": os.path.getsize(path), "seconds": seconds}
+
+    def load_slot_check(self, path: str | os.PathLike) -> tuple[np.ndarray, int, int]:
+        """kv_load's checks of a file for a load into a slot (max_seqs > 1; any thread: reads the file's header and
+        the plan) -> (its ids, its rows' offset, bytes of one layer's position)."""
+        self._refuse_if_closed()
+        self._kv_file_refusals("kv_load", slot=True)
+        h, ids, data_at = kv_file.read_header(path)
+        lrb = self._kv_file_checks("kv_load", slot=True)
+        kv_file.check(path, h, kv_file.rig_fingerprint(self.cfg, self.plan), lrb, self.max_context,
+                      self.plan.args.vocab_size, ids)
+        return ids, data_at, lrb
+
+    def load_slot_begin(self, slot: int, path: str | os.PathLike, ids: np.ndarray, data_at: int,
+                        lrb: int) -> KvRound:
+        """A checked KV file's rows into `slot` on every stage, the round sent, not waited for (the driver's thread;
+        the slot holds no sequence). Its answers name any stage's read error (_kv_errors)."""
+        return self._kv_send("load", self._kv_msgs("load", path=str(Path(path).resolve()),
+                                                   offsets=self._kv_offsets(data_at, ids.size, lrb), tokens=ids.size,
+                                                   slot=slot))
 
     def _put_ids(self, ids: np.ndarray, start: int) -> None:
         self._buffers.ids[start:ids.size] = torch.from_numpy(ids[start:])

@@ -18,7 +18,8 @@ The prefix cache (strata/prefix_cache.py): on admission a sequence's prompt is l
 the longest cached prefix is restored into its slot on every stage; its first chunk goes once every stage has
 answered the restore (a chunk reaches stage i over another socket than the head's note). After its last prefill
 chunk its prompt's full blocks are snapshotted from its slot, and the slot goes to no other sequence before every
-stage has answered that. The driver sends these KV rounds and does not wait for them: other sequences' chunks and
+stage has answered that. A KV file (`load`) goes the same way: its rows into a free slot, then its blocks into the
+prefix cache, where later prompts find them. The driver sends these KV rounds and does not wait for them: other sequences' chunks and
 steps go on meanwhile (a long document's restore from disk holds up nobody's tokens but its own). A scored sequence (`score`) is a prefill whose chunks the last stage scores, as Pipeline.score's.
 
 Callers (the server's worker threads) block in `generate`; `on_token` runs on the driver's thread. A failure of the
@@ -70,6 +71,8 @@ class SlotRun:
     t_first: float | None = None        # the first token (prefill done)
     t_end: float = 0.0
     error: BaseException | None = None
+    load: tuple | None = None           # a KV file's rows into the slot, then into the prefix cache: (path, its
+                                        # rows' offset, bytes a layer's position), Pipeline.load_slot_check's
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -114,6 +117,7 @@ class SlotDriver:
         self._running: list[SlotRun] = []           # admitted, in slot order of admission (the round-robin)
         self._free = list(range(max_seqs - 1, -1, -1))
         self._freeing: list[SlotRun] = []           # finished, their slot held until their snapshot's round is done
+        self._loading: list[SlotRun] = []           # KV files being read into their slots (`load`)
         self._answers = 0                           # the Pipeline's KvDone count at the last look (progress)
         self._by_k: dict[int, list[SlotRun]] = {}  # a micro-batch's sequences (a batch's in row order)
         self._turn = 0
@@ -141,6 +145,19 @@ class SlotDriver:
         run = self._submit(SlotRun(ids=ids, params=SamplingParams(max_tokens=0), on_token=lambda t: None,
                                    score=top, start=start))
         return unpack_scores([run.scores[k] for k in sorted(run.scores)], top, ids.size, run.restored, start)
+
+    def load(self, path) -> dict:
+        """Blocking: a KV file's rows (checked here first: a bad file is refused in one line, nothing sent) into a
+        free slot, then its blocks into the prefix cache, as a prefill's are; a later prompt that begins with its ids
+        restores them. -> {"ids", "tokens", "bytes", "seconds"}."""
+        import os
+        from .sampling import SamplingParams
+        ids, data_at, lrb = self.pipe.load_slot_check(path)
+        t0 = time.perf_counter()
+        self._submit(SlotRun(ids=ids, params=SamplingParams(max_tokens=0), on_token=lambda t: None,
+                             load=(path, data_at, lrb)))
+        return {"ids": ids, "tokens": int(ids.size), "bytes": os.path.getsize(path),
+                "seconds": time.perf_counter() - t0}
 
     def _submit(self, run: SlotRun) -> SlotRun:
         run.t_submit = time.perf_counter()
@@ -175,7 +192,7 @@ class SlotDriver:
         try:
             while True:
                 with self._cond:
-                    while not (self._queue or self._running or self._freeing or self._stopping):
+                    while not (self._queue or self._running or self._freeing or self._loading or self._stopping):
                         self._cond.wait(IDLE_WAIT_S)
                     if self._stopping:
                         raise PipelineError("the pipeline was stopped while sequences ran")
@@ -186,10 +203,11 @@ class SlotDriver:
                         run = self._queue.popleft()
                     self._admit(run)  # (running from its start: a failure of its restore fails it too)
                 self._send()
-                busy = self._running or self._freeing
+                busy = self._running or self._freeing or self._loading
                 results = self.pipe.take_results(POLL_MS if busy else 0)
                 for k, res, row in results:
                     self._on_result(k, res, row)
+                self._loaded()
                 self._release()
                 answers = self.pipe.kv_answers
                 self._watch(bool(results) or answers != self._answers)
@@ -202,11 +220,30 @@ class SlotDriver:
             self._fail(e if isinstance(e, PipelineError) else PipelineError(f"{type(e).__name__}: {e}"))
 
     def _release(self) -> None:
-        """Slots whose sequence finished and whose snapshot every stage has answered go back to the free list."""
+        """Slots whose sequence finished and whose snapshot every stage has answered go back to the free list (a
+        KV file's load is done then: its blocks are in the prefix cache)."""
         for run in [r for r in self._freeing if r.snap is None or r.snap.complete]:
             self._freeing.remove(run)
             run.snap = None
             self._free.append(run.slot)
+            if run.load is not None:
+                run.done.set()
+
+    def _loaded(self) -> None:
+        """KV files every stage has read into their slots: their blocks into the prefix cache next (a stage's read
+        error fails the load, in one line, and frees the slot: the next sequence there overwrites what it holds)."""
+        from .kv_file import KvFileError
+        for run in [r for r in self._loading if r.kv.complete]:
+            self._loading.remove(run)
+            bad = self.pipe._kv_errors(run.kv.done)
+            run.kv = None
+            if bad:
+                run.error = KvFileError(f"kv_load: cannot read {run.load[0]}: {bad[0]}")
+                self._free.append(run.slot)
+                run.done.set()
+                continue
+            run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)
+            self._freeing.append(run)
 
     def _watch(self, progressed: bool) -> None:
         """The stall watchdog: micro-batches or KV rounds in flight and no result or answer for stall_timeout_s
@@ -220,8 +257,8 @@ class SlotDriver:
     def _fail(self, e: PipelineError) -> None:
         with self._cond:
             self.failure = e
-            runs = self._running + list(self._queue)
-            self._running, self._queue = [], collections.deque()
+            runs = self._running + list(self._queue) + self._loading + [r for r in self._freeing if r.load is not None]
+            self._running, self._queue, self._loading = [], collections.deque(), []
         for run in runs:
             run.error = e
             run.done.set()
@@ -230,6 +267,11 @@ class SlotDriver:
 
     def _admit(self, run: SlotRun) -> None:
         from .sampling import Sampler
+        if run.load is not None:  # a KV file: no chunk, no phase; its slot's rows from the file, then a snapshot
+            run.slot = self._free.pop()
+            run.kv = self.pipe.load_slot_begin(run.slot, run.load[0], run.ids, *run.load[1:])
+            self._loading.append(run)
+            return
         if self._t0 is None:
             self._t0 = self.pipe.begin_slots()
             self._by_k.clear()

@@ -27,16 +27,16 @@ def _clean_env(monkeypatch):
     monkeypatch.delenv("STRATA_PREFILL_TIMING", raising=False)
 
 
-def refuse(tmp_path: Path, capsys, rig, *sets: str) -> str:
+def refuse(tmp_path: Path, capsys, rig, *sets: str, argv: tuple = ()) -> str:
     """Run the launcher on `rig` (a dict, or raw YAML text); assert it refused; return the line."""
     cfg = tmp_path / "rig.yaml"
     cfg.write_text(rig if isinstance(rig, str) else yaml.safe_dump(rig))
     out = tmp_path / "run"
     before = set(segments(owner_pid=os.getpid()))
-    argv = ["--config", str(cfg), "--out", str(out), "--no-timeline"]
+    args = ["--config", str(cfg), "--out", str(out), "--no-timeline", *argv]
     for s in sets:
-        argv += ["--set", s]
-    rc = launcher.main(argv)
+        args += ["--set", s]
+    rc = launcher.main(args)
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert rc == 2, captured.err
@@ -133,6 +133,14 @@ def test_blocks_with_a_kv_cache_the_c_decoder_cannot_read(tmp_path, capsys, kv):
 def test_prefix_cache_device_tier_refusals(tmp_path, capsys, over, expect):
     line = refuse(tmp_path, capsys, make_rig(**over))
     assert line == f"error: {expect}", line
+
+
+def test_serve_refuses_kv_save_and_a_file_that_is_not_a_kv_file(tmp_path, capsys):
+    line = refuse(tmp_path, capsys, make_rig(), argv=("--serve", "--kv-save", str(tmp_path / "x.kv")))
+    assert line.startswith("error: --kv-save: not with --serve (the server keeps many prompts' KV"), line
+    (tmp_path / "junk.kv").write_bytes(b"junk" * 8)
+    line = refuse(tmp_path, capsys, make_rig(), argv=("--serve", "--kv-load", str(tmp_path / "junk.kv")))
+    assert line == f"error: kv_load: {tmp_path / 'junk.kv'} is not a Strata KV file", line
 
 
 def test_split_does_not_sum_to_layers(tmp_path, capsys):

@@ -150,14 +150,15 @@ def test_a_client_that_disconnects_frees_its_slot(slotted):
 
 
 def test_slotted_refusals_are_one_line(slotted, tmp_path):
-    """With max_seqs > 1: kv_save / kv_load are refused naming max_seqs; the prefix cache is on; Pipeline.score (one
-    sequence alone, beside the driver) is refused naming the driver."""
+    """With max_seqs > 1: kv_save is refused naming max_seqs, and Pipeline.kv_load naming the driver (the engine's
+    kv_load goes through it); the prefix cache is on; Pipeline.score (one sequence alone, beside the driver) is
+    refused naming the driver."""
     s, eng = slotted
     from strata.kv_file import KvFileError
     with pytest.raises(KvFileError, match="max_seqs 4"):
         eng.kv_save(tmp_path / "kv.bin")
-    with pytest.raises(KvFileError, match="max_seqs 4"):
-        eng.kv_load(tmp_path / "kv.bin")
+    with pytest.raises(KvFileError, match="max_seqs 4 the slot driver loads"):
+        eng.pipe.kv_load(tmp_path / "kv.bin")
     assert eng.pipe.prefix_cache_off is None
     with pytest.raises(ConfigError, match="SlotDriver.score"):
         eng.pipe.score([1, 2, 3])
@@ -273,6 +274,41 @@ def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
         assert top == want
     got_ppl = math.exp(-sum(lp.token_logprobs[1:]) / (ids.size - 1))
     assert abs(got_ppl / want_ppl - 1) < 1e-3, (got_ppl, want_ppl)
+
+
+def test_a_kv_file_loads_among_other_requests_into_the_prefix_cache(slotted_long, tmp_path):
+    """max_seqs > 1: the engine's kv_load reads a KV file (a max_seqs 1 pipeline's) into a free slot while another
+    request decodes, then its blocks into the prefix cache: a prompt that begins with its ids restores them (the
+    driver counts the file's whole blocks restored) and gets the max_seqs 1 pipeline's greedy ids. A file that is
+    not one is refused in one line."""
+    import numpy as np
+    from strata.kv_file import KvFileError
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    s, eng = slotted_long
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    with Pipeline({**LONG_RIG, "decode_weights": "none", "max_seqs": 1}, out=tmp_path / "one", console=False) as p:
+        doc = p.prompt_ids(_SRC[40000:42600])
+        prompt = np.concatenate([doc, p.prompt_ids(QUESTION)])
+        assert 512 < doc.size < 768
+        p.prefill(doc)
+        p.kv_save(tmp_path / "doc.kv")
+        want = p.generate(prompt, greedy).continuation_ids  # (the live KV's rows up to a chunk boundary: cold bits)
+    before = eng.slot_stats().restored_tokens
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    with _decoding_meanwhile(client) as background:
+        seen = background()[0]
+        got = eng.kv_load(tmp_path / "doc.kv")
+        tokens, running = background()
+    assert running and tokens > seen, (tokens, seen)
+    assert got["tokens"] == doc.size and list(got["ids"]) == list(doc)
+    made = []
+    eng.generate(prompt, greedy, made.append)
+    assert made == want and want
+    assert eng.slot_stats().restored_tokens - before == 512  # the file's two whole blocks (prefix_reuse chunks)
+    (tmp_path / "junk.kv").write_bytes(b"not a kv file" * 10)
+    with pytest.raises(KvFileError, match="is not a Strata KV file"):
+        eng.kv_load(tmp_path / "junk.kv")
 
 
 def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):

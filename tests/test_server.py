@@ -1362,9 +1362,9 @@ def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tm
 
 
 @contextlib.contextmanager
-def _served_launcher(tmp_path):
+def _served_launcher(tmp_path, *extra: str, rig_over: dict | None = None):
     """`launcher.py --serve` on the default model's two CPU stages, answering /health: (process, url). Killed
-    at the end if still up."""
+    at the end if still up. extra: more arguments; rig_over: rig keys over PIPE_RIG's."""
     import subprocess
     import sys
     from pathlib import Path
@@ -1375,13 +1375,13 @@ def _served_launcher(tmp_path):
     except Exception as e:  # noqa: BLE001
         pytest.skip(str(e))
     rig = tmp_path / "rig.yaml"
-    rig.write_text(yaml.safe_dump({k: v for k, v in PIPE_RIG.items() if k != "debug"}))
+    rig.write_text(yaml.safe_dump({**{k: v for k, v in PIPE_RIG.items() if k != "debug"}, **(rig_over or {})}))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, str(root / "launcher.py"), "--config", str(rig), "--serve",
-                             "--port", str(port), "--out", str(tmp_path / "out")], cwd=root,
+                             "--port", str(port), "--out", str(tmp_path / "out"), *extra], cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -1426,6 +1426,31 @@ def test_cli_serve_sigterm_exits_after_every_child(tmp_path):
         alive = [k for k in kids if k.alive()]  # at once: the moment the head's exit is seen
     assert alive == []
     assert rc == 128 + signal.SIGTERM
+
+
+def test_cli_serve_loads_a_kv_file_before_the_first_request(tmp_path):
+    """`launcher.py --serve --kv-load PATH` with max_seqs 2 (through the slot driver into the prefix cache): the
+    first request, a prompt that begins with the file's ids, is served from it (the server's cached tokens), with
+    the answer a max_seqs 1 pipeline gives after the same file."""
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    rig = {**{k: v for k, v in PIPE_RIG.items() if k != "debug"}, "max_context": 512}
+    doc = " ".join(f"Item {i} is number {i * 7 % 13}." for i in range(40))
+    question = "\nQ: Which number is item 3?\nA:"
+    with Pipeline(rig, out=tmp_path / "one", console=False) as p:
+        ids = p.prompt_ids(doc)
+        assert 256 < ids.size < 500
+        p.prefill(ids)
+        p.kv_save(tmp_path / "doc.kv")
+    with Pipeline(rig, out=tmp_path / "two", console=False) as p:
+        p.kv_load(tmp_path / "doc.kv")
+        want = p.generate(doc + question, SamplingParams(max_tokens=4, temperature=0))
+    with _served_launcher(tmp_path, "--kv-load", str(tmp_path / "doc.kv"), rig_over={"max_context": 512,
+                                                                                      "max_seqs": 2}) as (_, url):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": doc + question, "max_tokens": 4, "temperature": 0},
+                       timeout=120).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == want.report["reused_tokens"] >= 256
+    assert r["choices"][0]["text"] == want.continuation
 
 
 def _health_ok(url: str) -> bool:

@@ -101,9 +101,9 @@ class StageKv:
             elif msg.op == "save":
                 self.snapshots.before_write()  # not needed for a read, but a save must see the rows as of now
                 kv_file.write_rows(msg.path, msg.offset, msg.tokens, layer_caches(self.model))
-            else:
+            else:  # load: into msg.slot's caches (with max_seqs > 1 a free slot, snapshotted into the prefix cache next)
                 self.snapshots.before_write()
-                kv_file.read_rows(msg.path, msg.offset, msg.tokens, layer_caches(self.model))
+                kv_file.read_rows(msg.path, msg.offset, msg.tokens, layer_caches(self.model, msg.slot))
             error = ""
         except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: torch (no pinned memory left)
             error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
