@@ -364,6 +364,7 @@ class DeviceTier:
         self.lru: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.hits = 0       # blocks a restore read from here
         self.misses = 0     # ... from the host or disk (then copied here)
+        self.shrunk = False  # an allocation failed: the budget became what it held then
 
     @property
     def nbytes(self) -> int:
@@ -383,8 +384,13 @@ class DeviceTier:
             return None
         while self.lru and self.nbytes + size > self.budget:
             self.lru.popitem(last=False)
-        with torch.cuda.stream(self.stream) if self.stream is not None else _nothing():
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else _nothing():
+                buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:  # the device has less room than the plan counted: the tier shrinks to what it
+            self.budget = self.nbytes      # holds (a snapshot or restore goes on through the host, never fails)
+            self.shrunk = True
+            return None
         self.lru[key] = buf
         return buf
 

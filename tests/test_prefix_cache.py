@@ -128,6 +128,32 @@ def test_device_tier_keeps_the_last_blocks_and_restores_them_byte_for_byte(devic
     assert not small.tier.lru and keys[3] in small.blocks
 
 
+def test_device_tier_shrinks_when_the_device_has_no_room(monkeypatch):
+    """An allocation of the device tier that fails (less room than the plan counted) shrinks the tier to what it
+    holds; the snapshot and its restore go through the host as without a tier."""
+    m = _model(torch.bfloat16, rows=64)
+    _fill(m, 1)
+    want = [c.view(torch.uint8).clone() for c in layer_caches(m)]
+    size = 16 * row_bytes(layer_caches(m))
+    s = Snapshots(m, torch.device("cpu"), 4 * size)
+    s.snap([b"a" * 16], [0], 16)
+    empty = torch.empty
+
+    def full(*a, **k):
+        if "device" in k:
+            raise torch.OutOfMemoryError("no room")
+        return empty(*a, **k)
+    monkeypatch.setattr(torch, "empty", full)
+    s.snap([b"b" * 16], [1], 16)
+    monkeypatch.setattr(torch, "empty", empty)
+    assert s.tier.shrunk and s.tier.budget == size and list(s.tier.lru) == [b"a" * 16]
+    _fill(m, 2)
+    s.restore([b"b" * 16, b"a" * 16], [1, 0], 16)
+    assert (s.tier.hits, s.tier.misses) == (1, 1)
+    for c, w in zip(layer_caches(m), want):
+        assert torch.equal(c.view(torch.uint8)[:, :, :32], w[:, :, :32])
+
+
 def test_snapshots_of_a_slot_leave_the_slot_in_use_alone():
     """max_seqs > 1: a snapshot of slot 1 restored into slot 2 reads and writes those slots' tensors, not the caches
     the layers point at (the stage may be mid-way through another slot's micro-batch)."""

@@ -126,7 +126,8 @@ class StageKv:
         t = self.snapshots.tier
         if t is not None:
             self.log.info("prefix cache, device tier: %d blocks restored from it, %d from the host or disk; %d held "
-                          "(%d bytes)", t.hits, t.misses, len(t.lru), t.nbytes)
+                          "(%d bytes)%s", t.hits, t.misses, len(t.lru), t.nbytes,
+                          f"; shrunk to {t.budget} bytes when the device had no room" if t.shrunk else "")
         self.snapshots.close()
 
     def _check(self, msg: M.KvOp) -> None:
