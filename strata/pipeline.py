@@ -1183,7 +1183,7 @@ class Pipeline:
         stop = StopMatcher(params.stop) if params.stop else None
         detok = Detokenizer(self.tokenizer.decode, context=ids.tolist()) if stop else None
         pre = self._prefill(ids)
-        sampler = Sampler(params)
+        sampler = Sampler(params, self.tokenizer if params.grammar is not None else None)
         eos = self.plan.args.eos_id
         limit = min(params.max_tokens, self.max_context - ids.size)
         out: list[int] = []
@@ -1197,7 +1197,7 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             while len(out) < limit:
-                tok = argmax if params.greedy else sampler.next(logits)
+                tok = sampler.next(logits) if params.needs_logits else argmax
                 if ttft is None:
                     ttft = time.perf_counter() - t_start
                 if tok == eos:
@@ -1221,7 +1221,7 @@ class Pipeline:
                 steps += 1
                 self.steps = steps
                 argmax = res.argmax
-                if not params.greedy:
+                if params.needs_logits:
                     logits = self._result_row  # read before the next token goes down: nothing overwrites it
         finally:
             self._guard()

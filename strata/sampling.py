@@ -26,6 +26,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     max_tokens: int = 16
+    grammar: str | None = None  # structured output: llguidance's serialized grammar (strata.grammar.json_grammar)
 
     def __post_init__(self) -> None:
         # bool is an int in Python: refuse it explicitly so `"top_k": true` is a 400, not top_k=1
@@ -60,6 +61,8 @@ class SamplingParams:
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         if any(s == "" for s in stop):
             raise ValueError("stop strings must not be empty")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("grammar must be a compiled grammar (strata.grammar.json_grammar), or None")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
@@ -68,16 +71,26 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def needs_logits(self) -> bool:
+        """Whether a pick needs the logits row, not only the argmax: a draw, or a grammar's mask."""
+        return not self.greedy or self.grammar is not None
+
 
 class Sampler:
     """Picks token ids from logits for one request. Draws come from its own seeded CPU generator, so a
     given seed repeats on any device (the logits are moved to the CPU for a non-greedy draw)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, tokenizer=None):
+        """tokenizer: the model's (strata.tokenizer.Tokenizer), for a grammar's mask (params.grammar)."""
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._gen = torch.Generator(device="cpu")
         self._gen.manual_seed(self.seed)
+        self.constraint = None
+        if params.grammar is not None:
+            from .grammar import Constraint
+            self.constraint = Constraint(tokenizer, params.grammar)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a non-greedy draw samples from: tempered, then top-k, then top-p (float32, CPU)."""
@@ -99,9 +112,16 @@ class Sampler:
     def next(self, logits: torch.Tensor) -> int:
         if logits.dim() != 1:
             raise ValueError(f"Sampler.next takes logits of shape (vocab,), got {tuple(logits.shape)}")
+        c = self.constraint
+        if c is not None:
+            logits = c.mask(logits)
         if self.params.greedy:
-            return int(torch.argmax(logits))
-        return int(torch.multinomial(self.probs(logits), 1, generator=self._gen))
+            tok = int(torch.argmax(logits))
+        else:
+            tok = int(torch.multinomial(self.probs(logits), 1, generator=self._gen))
+        if c is not None:
+            c.consume(tok)
+        return tok
 
 
 class StopMatcher:

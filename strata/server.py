@@ -651,12 +651,9 @@ def _check_fields(body: dict, endpoint: str) -> None:
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind in ("json_object", "json_schema"):
-            # constrained decoding needs a grammar library (xgrammar, llguidance); without one, an honest 400
-            raise _bad(f"response_format {kind} is not supported by this server (no grammar library to "
-                       "constrain the output)", param="response_format")
-        if kind != "text":
-            raise _bad(f"response_format must be {{\"type\": \"text\"}}, got {fmt!r}", param="response_format")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise _bad(f"response_format type must be text, json_object or json_schema, got {fmt!r}",
+                       param="response_format")
 
 
 def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | None) -> tuple[SamplingParams, int | None]:
@@ -839,6 +836,20 @@ class Server:
         self.worker = Worker(engine, queue_size, self.metrics)
         self.created = int(time.time())
 
+    async def _constrained(self, body: dict, params: SamplingParams) -> SamplingParams:
+        """params with the request's response_format as a grammar (strata/grammar.py: llguidance), compiled
+        against the model's vocabulary off the event loop; a format that cannot be enforced is a 400."""
+        fmt = body.get("response_format")
+        if fmt is None or fmt.get("type") == "text":
+            return params
+        from .grammar import GrammarError, json_grammar
+        tokenizer = self.engine.tokenizer if getattr(self.engine, "has_tokenizer", False) else None
+        try:
+            grammar = await run_in_threadpool(json_grammar, tokenizer, fmt)
+        except GrammarError as e:
+            raise _bad(str(e), param="response_format") from None
+        return dataclasses.replace(params, grammar=grammar)
+
     # -- the two generation endpoints share everything but the prompt and the shapes
     async def completions(self, request: Request) -> Response:
         body = await _json_body(request, self.max_body)
@@ -847,6 +858,7 @@ class Server:
         _check_fields(body, "completions")
         prompts = _prompts(body["prompt"])
         params, max_tokens = _sampling(body, ("max_tokens",), COMPLETIONS_MAX_TOKENS)
+        params = await self._constrained(body, params)
         top = None if body.get("logprobs") is None else _top(body["logprobs"], "logprobs")
         return await self._generate(request, body, prompts, params, max_tokens, chat=False,
                                     echo=_bool(body, "echo"), top=top)
@@ -857,6 +869,7 @@ class Server:
             raise _bad("messages is required", param="messages")
         _check_fields(body, "chat")
         params, max_tokens = _sampling(body, ("max_completion_tokens", "max_tokens"), None)
+        params = await self._constrained(body, params)
         top = None
         if _bool(body, "logprobs"):
             top = 0 if body.get("top_logprobs") is None else _top(body["top_logprobs"], "top_logprobs")

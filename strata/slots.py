@@ -281,7 +281,7 @@ class SlotDriver:
         n = run.ids.size
         cap = n - 1 if run.score < 0 else min(n - 1, run.start - 1)  # the rows that must be computed come after
         run.restored, run.kv = self.pipe.restore_slot_begin(run.slot, run.ids, cap)
-        run.sampler = Sampler(run.params)
+        run.sampler = Sampler(run.params, self.pipe.tokenizer if run.params.grammar is not None else None)
         run.limit = min(run.params.max_tokens, self.pipe.max_context - n)
         self.pipe.put_slot_ids(run.slot, run.ids)
         self.stats.sequences += 1
@@ -331,7 +331,7 @@ class SlotDriver:
             seqs.append((run.slot, pos))
             run.pending = None
             run.in_flight += 1
-        rows = any(not r.params.greedy for r in batch)
+        rows = any(r.params.needs_logits for r in batch)
         # steps past this one on the batch's own argmaxes: none that a row's token limit could not take (a row that
         # stops earlier, at EOS or by its caller, wastes the rest; its slot's later rows are never read)
         ahead = 0 if rows else max(0, min([self.ahead] + [r.limit - len(r.out) - 1 for r in batch]))
@@ -362,7 +362,7 @@ class SlotDriver:
         pos, n = run.schedule[run.sent_chunks]
         last = run.sent_chunks == len(run.schedule) - 1
         k = self.pipe.send_slot(run.slot, pos, n, "prefill", run.ids.size, self._t0,
-                                row=last and not run.params.greedy, score=run.score)
+                                row=last and run.params.needs_logits, score=run.score)
         run.sent_chunks += 1
         if last:
             run.last_k = k
@@ -406,7 +406,7 @@ class SlotDriver:
         """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it."""
         if len(run.out) >= run.limit:
             return self._finish(run, "length")
-        tok = argmax if run.params.greedy else run.sampler.next(logits)
+        tok = run.sampler.next(logits) if run.params.needs_logits else argmax
         if tok == self.eos:
             return self._finish(run, "stop")
         run.out.append(tok)
