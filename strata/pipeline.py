@@ -1182,8 +1182,8 @@ class Pipeline:
         t_start = time.perf_counter()
         stop = StopMatcher(params.stop) if params.stop else None
         detok = Detokenizer(self.tokenizer.decode, context=ids.tolist()) if stop else None
+        sampler = Sampler(params, self.tokenizer if params.grammar is not None else None)  # (a bad grammar: before)
         pre = self._prefill(ids)
-        sampler = Sampler(params, self.tokenizer if params.grammar is not None else None)
         eos = self.plan.args.eos_id
         limit = min(params.max_tokens, self.max_context - ids.size)
         out: list[int] = []

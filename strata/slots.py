@@ -272,6 +272,12 @@ class SlotDriver:
             run.kv = self.pipe.load_slot_begin(run.slot, run.load[0], run.ids, *run.load[1:])
             self._loading.append(run)
             return
+        try:  # (a grammar that cannot be matched fails its own sequence, before it takes a slot)
+            sampler = Sampler(run.params, self.pipe.tokenizer if run.params.grammar is not None else None)
+        except ValueError as e:
+            run.error = e
+            run.done.set()
+            return
         if self._t0 is None:
             self._t0 = self.pipe.begin_slots()
             self._by_k.clear()
@@ -281,7 +287,7 @@ class SlotDriver:
         n = run.ids.size
         cap = n - 1 if run.score < 0 else min(n - 1, run.start - 1)  # the rows that must be computed come after
         run.restored, run.kv = self.pipe.restore_slot_begin(run.slot, run.ids, cap)
-        run.sampler = Sampler(run.params, self.pipe.tokenizer if run.params.grammar is not None else None)
+        run.sampler = sampler
         run.limit = min(run.params.max_tokens, self.pipe.max_context - n)
         self.pipe.put_slot_ids(run.slot, run.ids)
         self.stats.sequences += 1

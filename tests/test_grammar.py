@@ -110,6 +110,11 @@ def test_the_server_answers_in_the_schema(tokenizer, tmp_path, max_seqs):
         assert text.lstrip().startswith("{")
         if r.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(text), dict)
+        with pytest.raises(ValueError, match="grammar"):  # the engine's API: a grammar llguidance cannot read fails
+            # its own request, before its prefill (with max_seqs 2: before it takes a slot), and nothing else
+            eng.generate(eng.tokenize("Hi"), SamplingParams(grammar="not a grammar", max_tokens=2), lambda t: True)
+        r = client.chat.completions.create(model="smollm2", messages=msg, max_tokens=2)  # the others still served
+        assert r.choices[0].message.content is not None
         with pytest.raises(openai.BadRequestError, match="response_format json_schema"):
             client.chat.completions.create(model="smollm2", messages=msg, max_tokens=4, response_format={
                 "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
