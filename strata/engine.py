@@ -182,7 +182,8 @@ class LocalEngine(_ModelText):
             self.kept = list(ids)
             logits = self.net.logits(h[0, -1])
             t1 = time.perf_counter()
-            sampler, count, finish = Sampler(params, self.tokenizer if params.grammar is not None else None), 0, "length"
+            sampler, count, finish = Sampler(params, self.tokenizer if params.grammar is not None else None,
+                                                  self.args.eos_id), 0, "length"
             limit = min(params.max_tokens, self.max_context - n)
             while count < limit:
                 tok = sampler.next(logits)

@@ -35,13 +35,21 @@ def missing() -> str | None:
     return None if llguidance is not None else "llguidance is not installed (pip install llguidance)"
 
 
-def _ll_tokenizer(tokenizer):
-    """llguidance's view of a strata.tokenizer.Tokenizer (built once: about a second for a large vocabulary)."""
-    ll = getattr(tokenizer, "_llguidance", None)
-    if ll is None:
-        ll = llguidance.LLTokenizer(tokenizer.tk.to_str(), n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_id)
-        tokenizer._llguidance = ll
-    return ll
+def _ll_tokenizer(tokenizer, eos: int | None = None):
+    """llguidance's view of a strata.tokenizer.Tokenizer, whose end of sequence is `eos` (the token the engine stops
+    on: the model's, which may not be the vocabulary's own, e.g. an instruct model's end of turn) and the
+    vocabulary's. Built once per eos (about a second for a large vocabulary)."""
+    ends = sorted({e for e in (eos, tokenizer.eos_id) if e is not None})
+    cache = tokenizer.__dict__.setdefault("_llguidance", {})
+    key = tuple(ends)
+    if key not in cache:
+        try:
+            cache[key] = llguidance.LLTokenizer(tokenizer.tk.to_str(), n_vocab=tokenizer.vocab_size,
+                                                eos_token=ends or None)
+        except Exception as e:  # noqa: BLE001 - the library's own errors: one line, the request's 400
+            raise GrammarError(f"response_format: llguidance cannot read this model's vocabulary "
+                               f"({str(e).splitlines()[0][:200]})") from None
+    return cache[key]
 
 
 def json_grammar(tokenizer, response_format: dict) -> str | None:
@@ -81,10 +89,11 @@ def json_grammar(tokenizer, response_format: dict) -> str | None:
 class Constraint:
     """One sequence's matcher of a grammar: the tokens allowed next (a mask on its logits), advanced by each pick."""
 
-    def __init__(self, tokenizer, grammar: str):
+    def __init__(self, tokenizer, grammar: str, eos: int | None = None):
+        """eos: the token the engine stops on (the mask allows it, alone, once the grammar is complete)."""
         if llguidance is None:
             raise GrammarError(missing())
-        ll = _ll_tokenizer(tokenizer)
+        ll = _ll_tokenizer(tokenizer, eos)
         self.matcher = llguidance.LLMatcher(ll, grammar)
         if self.matcher.is_error():
             raise GrammarError(f"grammar: {self.matcher.get_error()}")

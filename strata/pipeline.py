@@ -1182,7 +1182,8 @@ class Pipeline:
         t_start = time.perf_counter()
         stop = StopMatcher(params.stop) if params.stop else None
         detok = Detokenizer(self.tokenizer.decode, context=ids.tolist()) if stop else None
-        sampler = Sampler(params, self.tokenizer if params.grammar is not None else None)  # (a bad grammar: before)
+        sampler = Sampler(params, self.tokenizer if params.grammar is not None else None,  # (a bad grammar: before)
+                          self.plan.args.eos_id)
         pre = self._prefill(ids)
         eos = self.plan.args.eos_id
         limit = min(params.max_tokens, self.max_context - ids.size)

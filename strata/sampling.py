@@ -81,8 +81,9 @@ class Sampler:
     """Picks token ids from logits for one request. Draws come from its own seeded CPU generator, so a
     given seed repeats on any device (the logits are moved to the CPU for a non-greedy draw)."""
 
-    def __init__(self, params: SamplingParams, tokenizer=None):
-        """tokenizer: the model's (strata.tokenizer.Tokenizer), for a grammar's mask (params.grammar)."""
+    def __init__(self, params: SamplingParams, tokenizer=None, eos: int | None = None):
+        """tokenizer: the model's (strata.tokenizer.Tokenizer), for a grammar's mask (params.grammar); eos: the token
+        the caller stops on, which the grammar allows once complete."""
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._gen = torch.Generator(device="cpu")
@@ -90,7 +91,7 @@ class Sampler:
         self.constraint = None
         if params.grammar is not None:
             from .grammar import Constraint
-            self.constraint = Constraint(tokenizer, params.grammar)
+            self.constraint = Constraint(tokenizer, params.grammar, eos)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a non-greedy draw samples from: tempered, then top-k, then top-p (float32, CPU)."""

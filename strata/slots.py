@@ -273,7 +273,7 @@ class SlotDriver:
             self._loading.append(run)
             return
         try:  # (a grammar that cannot be matched fails its own sequence, before it takes a slot)
-            sampler = Sampler(run.params, self.pipe.tokenizer if run.params.grammar is not None else None)
+            sampler = Sampler(run.params, self.pipe.tokenizer if run.params.grammar is not None else None, self.eos)
         except ValueError as e:
             run.error = e
             run.done.set()

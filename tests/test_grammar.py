@@ -70,6 +70,19 @@ def test_a_json_object_starts_as_one_whatever_the_logits(tokenizer):
         c.consume(hello)  # a token outside the grammar is never taken silently
 
 
+def test_the_engines_end_of_sequence_closes_the_grammar(tokenizer):
+    """Once the JSON is whole the mask allows only the end of sequence: the engine's (an instruct model's end of
+    turn may not be the vocabulary's own) and the vocabulary's; before that, neither."""
+    g = json_grammar(tokenizer, {"type": "json_schema", "json_schema": {"name": "a", "schema": BOOL_SCHEMA}})
+    end = 0 if tokenizer.eos_id != 0 else 1
+    c = Constraint(tokenizer, g, eos=end)
+    for tok in tokenizer.encode('{"answer": true'):
+        assert not c.allowed()[[end, tokenizer.eos_id]].any()
+        c.consume(tok)
+    c.consume(tokenizer.encode("}")[0])
+    assert set(np.flatnonzero(c.allowed()).tolist()) == {end, tokenizer.eos_id}
+
+
 def test_what_cannot_be_enforced_is_one_line(tokenizer):
     with pytest.raises(GrammarError, match="^response_format json_schema: .*nonsense"):
         json_grammar(tokenizer, {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}})
