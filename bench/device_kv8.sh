@@ -18,9 +18,10 @@
 # processes, idle frames too: where a step's wall time goes besides the graph's, read by bench/pyspy_top.py; carry
 # the py-spy wheel in .whl: ../shared/tools/device-wheels.sh py-spy); `prefix-tiers`: the GPU test of the prefix
 # cache's device tier, then four documents of $DOC tokens (default 32,768) asked about again, from the host tier and
-# from the device tier (bench/prefix_tiers.py).
+# from the device tier (bench/prefix_tiers.py); `gguf`: the 8B file alone (no build); `tier-test`: that GPU test
+# alone; `ahead-ab`: the server's 4 and 16 streams with batch_ahead 0 and $AHEAD, no peer (a short call's A/B).
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
-# | serve-ahead | serve-rows | serve-profile | prefix-tiers | sweep
+# | serve-ahead | serve-rows | serve-profile | prefix-tiers | gguf | tier-test | ahead-ab | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -87,6 +88,21 @@ batch|batch-tests)
   timeout 300 python3 bench/decode_rows.py --model /tmp/8b-q4km.gguf --device cuda:0 --dtype bfloat16 \
     --weights resident --arms f32,graphs,graphs-dp4a --rows 8,16 --prompt 2048 2>&1 \
     | tee "$LOG/batch.log" | tail -14 ;;
+gguf)
+  el "gguf 8B Q4_K_M (no llama.cpp build)"
+  [ -f /tmp/8b-q4km.gguf ] || timeout 120 python3 bench/make_gguf.py --preset llama-3-8b --qtype Q4_K_M \
+    --out /tmp/8b-q4km.gguf --device cuda 2>&1 | tail -1 ;;
+tier-test)
+  el "GPU test: the prefix cache's device tier"
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefix_cache.py -k device_tier 2>&1 | tail -3 ;;
+ahead-ab)
+  wheels uvicorn starlette httpx
+  for a in 0 ${AHEAD:-3}; do
+    el "the server, 8B Q4_K_M on one GPU, batch_ahead $a: 4 and 16 streams (max_seqs 16), no peer"
+    timeout 200 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
+      --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' --batch-ahead "$a" 2>&1 \
+      | tee "$LOG/ahead-ab-$a.log" | tail -3
+  done ;;
 prefix-tiers)
   el "GPU test: the prefix cache's device tier"
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefix_cache.py -k device_tier 2>&1 | tail -3
