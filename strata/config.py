@@ -201,10 +201,12 @@ class RigConfig:
     prefix_cache_bytes: int = 2 << 30       # each stage's host memory (pinned on CUDA) for snapshots of earlier
                                             # prompts' KV by block of 256 tokens, LRU (strata/prefix_cache.py);
                                             # 0: off, only the last prompt's live KV is reused
-    prefix_cache_device_bytes: int = 0      # each CUDA stage's device memory for copies of the prefix cache's most
-                                            # recently used blocks, LRU (a subset of what the host tier holds): a
-                                            # restore of those copies on the device instead of over PCIe; the
-                                            # planner counts it. 0: off (CPU stages have none)
+    prefix_cache_device_bytes: int | str = 0  # each CUDA stage's device memory for copies of the prefix cache's
+                                            # most recently used blocks, LRU (a subset of what the host tier
+                                            # holds): a restore of those copies on the device instead of over PCIe;
+                                            # the planner counts it. auto: half of what a capped CUDA stage's
+                                            # memory leaves after the plan, at most prefix_cache_bytes (0 where the
+                                            # prefix cache is off). 0: off (CPU stages have none)
     kv_cache_dir: str | None = None         # the prefix cache's disk tier: every snapshot block also written to a
                                             # file under this folder (a subfolder per model and rig, one per stage:
                                             # strata/prefix_cache.py), and restored from it once the host copy is
@@ -330,6 +332,12 @@ def _stages(name: str, s):
     raise ConfigError(f"stages: expected 'auto' or a non-empty list of {{device, threads?}}, got {s!r}")
 
 
+def _bytes_or_auto(name: str, v):
+    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    raise ConfigError(f"{name}: expected 'auto' or a number of bytes, got {v!r}")
+
+
 def _chunk(name: str, c):
     if c == "auto" or (isinstance(c, int) and not isinstance(c, bool)):
         return c
@@ -366,6 +374,7 @@ def _layer_split(name: str, ls):
 # fields whose type is not a plain scalar: every one of them has its parser here
 _PARSERS = {
     RigConfig: {"stages": _stages, "layer_split": _layer_split, "chunk": _chunk,
+                "prefix_cache_device_bytes": _bytes_or_auto,
                 "prompt": _sub(PromptSpec, {"random": _random}), "debug": _sub(DebugSpec),
                 "kernels": _sub(KernelSpec, _KERNEL_PARSERS)},
     PromptSpec: {"random": _random},
@@ -524,10 +533,10 @@ def _check_values(cfg: RigConfig) -> None:
         raise ConfigError(f"max_context: must be a positive number of tokens, got {cfg.max_context}")
     if cfg.prefix_cache_bytes < 0:
         raise ConfigError(f"prefix_cache_bytes: must be >= 0 (0 turns the prefix cache off), got {cfg.prefix_cache_bytes}")
-    if cfg.prefix_cache_device_bytes < 0:
-        raise ConfigError(f"prefix_cache_device_bytes: must be >= 0 (0: no device tier), got "
-                          f"{cfg.prefix_cache_device_bytes}")
-    if cfg.prefix_cache_device_bytes and not cfg.prefix_cache_bytes:
+    tier = cfg.prefix_cache_device_bytes
+    if tier != "auto" and tier < 0:
+        raise ConfigError(f"prefix_cache_device_bytes: must be >= 0 (0: no device tier), got {tier}")
+    if tier != "auto" and tier and not cfg.prefix_cache_bytes:
         raise ConfigError("prefix_cache_device_bytes: the device tier copies blocks the host tier holds, and "
                           "prefix_cache_bytes is 0 (the prefix cache is off)")
     if cfg.kv_cache_dir is not None:

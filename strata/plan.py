@@ -188,7 +188,7 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
     from .prefix_cache import supported
     why = supported(args)
     for key in ("kv_cache_dir", "prefix_cache_device_bytes"):
-        if why and getattr(cfg, key):
+        if why and getattr(cfg, key) not in (None, 0, "auto"):  # (auto: none where the cache is off)
             raise ConfigError(f"{key}: the prefix cache is off for this model ({why})")
     if cfg.kv_cache_dir is not None:
         try:
@@ -282,8 +282,9 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     labels = [s.device + (f", {s.threads} thread{'s' if s.threads != 1 else ''}" if s.threads else "")
               for s in stages]
     # weights as stored (resident GGUF blocks + one layer's scratch, or dense in dtype) and KV at kv_dtype
-    # max_seqs sequences' KV on every stage, and on a CUDA stage the prefix cache's device tier (where it is on)
-    tier = cfg.prefix_cache_device_bytes
+    # max_seqs sequences' KV on every stage, and on a CUDA stage the prefix cache's device tier (auto: after the
+    # split, from the memory it leaves: device_tiers)
+    tier = 0 if cfg.prefix_cache_device_bytes == "auto" else cfg.prefix_cache_device_bytes
     store = {kind: replace(storage(cfg.model, args, cfg.dtype, cfg.weights, cfg.kv_dtype, kind), seqs=cfg.max_seqs,
                            prefix_device=tier if kind == "cuda" else 0)
              for kind in {"cpu" if h else "cuda" for h in host}}
@@ -319,6 +320,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
                                                               prefix_device=0 if h else tier)
                                                       for h in host]))
     per_stage = prefix_blocks(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
+    per_stage = device_tiers(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
     needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention,
                         storage=per_stage)
     cpu = [i for i in range(n) if host[i] and not stages[i].remote]
@@ -370,6 +372,26 @@ def prefix_blocks(args: ModelArgs, split: list[int], tokens: int, chunk: int, cf
                               wide).total <= caps[i]:
                     st = wide
                     break
+        out.append(st)
+        a += n
+    return out
+
+
+def device_tiers(args: ModelArgs, split: list[int], tokens: int, chunk: int, cfg: RigConfig, host: list[bool],
+                 caps: list[int | None], per_stage: list) -> list:
+    """prefix_cache_device_bytes auto: each capped CUDA stage's device tier is half of what its cap leaves after
+    the split, the chunk and the 8-bit prefix block (it changes none of them), at most prefix_cache_bytes; a CPU
+    stage, an uncapped one and a model whose prefix cache is off get none. Another value: the storage as it is."""
+    from .prefix_cache import supported
+    if cfg.prefix_cache_device_bytes != "auto":
+        return per_stage
+    on = cfg.prefix_cache_bytes > 0 and supported(args) is None
+    out, a = [], 0
+    for i, (n, st) in enumerate(zip(split, per_stage)):
+        if on and st is not None and not host[i] and caps[i] is not None:
+            need = stage_need(args, a, a + n, tokens, chunk, cfg.dtype, host[i], cfg.perplexity, cfg.attention,
+                              replace(st, prefix_device=0)).total
+            st = replace(st, prefix_device=min(max(0, caps[i] - need) // 2, cfg.prefix_cache_bytes))
         out.append(st)
         a += n
     return out

@@ -283,6 +283,29 @@ def test_the_prefix_caches_device_tier_is_counted_on_a_cuda_stage_only():
     assert [n["prefix_cache"] for n in plan.planner["needs"]] == [0, 0]
 
 
+def test_an_auto_device_tier_takes_half_of_what_a_capped_cuda_stage_leaves():
+    """prefix_cache_device_bytes auto (strata.plan.device_tiers): after the split, a capped CUDA stage's tier is half
+    of what its cap leaves, at most prefix_cache_bytes; a CPU stage and an uncapped one get none; a number is kept
+    as given; a model whose prefix cache is off gets none (and no refusal), where a number is refused."""
+    from strata.plan import device_tiers
+    from strata.planner import Storage
+    args, t, c = PRESETS["llama-3-8b"], 32768, 8192
+    st = Storage(layer=1e8, embed=0, head=0, norm=0, scratch=0, kv_elem=2, mode="resident")
+    need = stage_need(args, 0, 16, t, c, "bfloat16", False, True, "auto", st).total
+    cfg = from_dict(dict(model="synthetic:llama-3-8b", dtype="bfloat16", chunk=c, prefix_cache_device_bytes="auto",
+                         prompt={"random": {"tokens": 8}}))
+    got = device_tiers(args, [16, 16], t, c, cfg, [False, True], [need + (2 << 30), None], [st, st])
+    assert [s.prefix_device for s in got] == [1 << 30, 0]
+    got = device_tiers(args, [16, 16], t, c, cfg, [False, False], [need + (10 << 30), None], [st, st])
+    assert [s.prefix_device for s in got] == [2 << 30, 0]  # at most prefix_cache_bytes (2 GiB by default)
+    assert stage_need(args, 0, 16, t, c, "bfloat16", False, True, "auto", got[0]).total == need + (2 << 30)
+    fixed = from_dict(dict(model="synthetic:llama-3-8b", dtype="bfloat16", chunk=c, prefix_cache_device_bytes=5,
+                           prompt={"random": {"tokens": 8}}))
+    assert device_tiers(args, [16, 16], t, c, fixed, [False, False], [1 << 40] * 2, [st, st]) == [st, st]
+    with pytest.raises(ConfigError, match="prefix_cache_device_bytes: expected 'auto' or a number of bytes"):
+        from_dict(dict(model="synthetic:smoke", prefix_cache_device_bytes="lots", prompt={"random": {"tokens": 8}}))
+
+
 def test_an_8bit_cache_counts_one_layer_widened():
     """A q8_0 or e4m3 cache is widened to the compute dtype for each layer's prefill attention, a block of the
     prefix at a time (strata.attention.narrow_cache_attention): the activations hold one block's keys and values."""
