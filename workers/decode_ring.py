@@ -119,7 +119,8 @@ class DecodeRing:
         cuda = self.device.type == "cuda"
         t_in = time.perf_counter()
         if self.first:
-            x = torch.stack([self.slot_ids(s)[p] for s, p in zip(slots, positions)]).to(self.device, dtype=torch.long)
+            at = torch.tensor([s * self.ids_stride + p for s, p in zip(slots, positions)])  # one gather, not m
+            x = self.ids[at].to(self.device, dtype=torch.long)
         else:
             x = self.inlink.get(m).to(self.device, copy=True).view(m, self.args.dim)
             if cuda:
