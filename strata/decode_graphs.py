@@ -480,7 +480,7 @@ class DecodeGraphs:
         o = la.mix(x.view(1, -1), lp).view(1, 1, -1)
         return self._mlp(blk, mm, h, o, int8)
 
-    def _dense_linear(self, la) -> "LinearProducts":
+    def _dense_linear(self, la):
         """A linear-attention layer's own dense products: strata.decode_gemv's with the fused kernels, else F.linear."""
         if not self.fused:
             return la.products()

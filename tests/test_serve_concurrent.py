@@ -353,7 +353,7 @@ def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
     started again once, the next request succeeds; at the end no process or segment of any run is left."""
     _smollm2()
     from strata.engine import PipelineEngine
-    from strata.leftovers import Proc, descendants, segments, wait_gone
+    from strata.leftovers import Proc, segments, wait_gone
     eng = PipelineEngine({**RIG, "max_seqs": 3, "debug": {"delay_s": 0.01}}, out=tmp_path / "serve")
     s = Running(eng, queue_size=2)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
