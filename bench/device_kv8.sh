@@ -19,7 +19,8 @@
 # the py-spy wheel in .whl: ../shared/tools/device-wheels.sh py-spy); `prefix-tiers`: the GPU test of the prefix
 # cache's device tier, then four documents of $DOC tokens (default 32,768) asked about again, from the host tier and
 # from the device tier (bench/prefix_tiers.py); `gguf`: the 8B file alone (no build); `tier-test`: that GPU test
-# alone; `ahead-ab`: the server's 4 and 16 streams with batch_ahead 0 and $AHEAD, no peer (a short call's A/B).
+# alone; `ahead-ab`: the server's 4 and 16 streams with batch_ahead 0, with $AHEAD, and with 0 and
+# kernels.slot_spin on, no peer (a short call's A/B).
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
 # | serve-ahead | serve-rows | serve-profile | prefix-tiers | gguf | tier-test | ahead-ab | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
@@ -97,11 +98,12 @@ tier-test)
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefix_cache.py -k device_tier 2>&1 | tail -3 ;;
 ahead-ab)
   wheels uvicorn starlette httpx
-  for a in 0 ${AHEAD:-3}; do
-    el "the server, 8B Q4_K_M on one GPU, batch_ahead $a: 4 and 16 streams (max_seqs 16), no peer"
-    timeout 200 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
-      --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' --batch-ahead "$a" 2>&1 \
-      | tee "$LOG/ahead-ab-$a.log" | tail -3
+  for arm in 0 "${AHEAD:-3}" spin; do  # spin: batch_ahead 0 with kernels.slot_spin on
+    a=$arm; spin=0; [ "$arm" = spin ] && { a=0; spin=1; }
+    el "the server, 8B Q4_K_M on one GPU, batch_ahead $a, slot_spin $spin: 4 and 16 streams (max_seqs 16), no peer"
+    STRATA_SLOT_SPIN=$spin timeout 200 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 \
+      --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' --batch-ahead "$a" 2>&1 \
+      | tee "$LOG/ahead-ab-$arm.log" | tail -3
   done ;;
 prefix-tiers)
   el "GPU test: the prefix cache's device tier"

@@ -125,6 +125,10 @@ class KernelSpec:
                                    # one), true (any local stages), false (ZeroMQ only)
     decode_ahead: bool | str = "auto"  # with bells and a GPU per stage, queue the next decode step behind a
                                    # GPU-side wait on the bell: auto, or false (the host launches each step)
+    slot_spin: bool = False        # max_seqs > 1 with every stage on a GPU: the slot driver polls its socket
+                                   # without sleeping while a micro-batch is in flight (up to HEAD_SPIN_S after
+                                   # its last send or result), as one sequence's decode does; off until a GPU
+                                   # measures it (bench/device_kv8.sh ahead-ab)
 
 
 # STRATA_<...> -> (the `kernels` field it overrides, {value as written: the field's value})
@@ -143,6 +147,7 @@ ENV_KERNELS = {
     "STRATA_WINDOW_ATTENTION": ("window_attention", {v: v for v in WINDOW_KERNELS}),
     "STRATA_DECODE_BELLS": ("decode_bells", {"auto": "auto", "0": False, "1": True}),
     "STRATA_DECODE_AHEAD": ("decode_ahead", {"auto": "auto", "0": False}),
+    "STRATA_SLOT_SPIN": ("slot_spin", {"0": False, "1": True}),
 }
 
 

@@ -162,7 +162,7 @@ class Pipeline:
         self._res = Resources()
         self._finalizer = weakref.finalize(self, self._res.release, 1.0)
         self.stages = [StageInfo(s.index, s.device, (s.start, s.end), s.host) for s in self.plan.stages]
-        self._all_cuda = all(s.device.startswith("cuda") for s in self.stages)
+        self.all_cuda = all(s.device.startswith("cuda") for s in self.stages)  # (the head's spins read it)
         self.started = False
         self.closed = False
         self.failure: PipelineError | None = None
@@ -1258,7 +1258,7 @@ class Pipeline:
         # all stages on GPUs: the head polls without sleeping for a while (as their stages do, DECODE_SPIN_S in
         # workers/stage.py): a token is back within milliseconds and a sleeping head wakes late on every one
         now = time.perf_counter()
-        spin_end = now + (HEAD_SPIN_S if self._all_cuda else 0.0)
+        spin_end = now + (HEAD_SPIN_S if self.all_cuda else 0.0)
         checked = now
         while self._got < self._sent:
             if bells is not None:

@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import PipelineError
+from .pipeline import HEAD_SPIN_S
 
 log = logging.getLogger("strata.slots")
 
@@ -106,6 +107,9 @@ class SlotDriver:
         if pipe.cfg.batch_ahead and not self.ahead:
             log.info("batch_ahead %d: no effect on %d stages (their batches in flight keep each busy)",
                      pipe.cfg.batch_ahead, len(pipe.stages))
+        # poll without sleeping while a micro-batch is in flight (kernels.slot_spin, every stage on a GPU)
+        self.spin = pipe.cfg.kernels.slot_spin and pipe.all_cuda
+        self._spin_until = 0.0
         self._batches = 0                   # decode batches in flight
         self._results = 0                   # results taken (the clock of `ready_at`)
         self.eos = pipe.plan.args.eos_id
@@ -202,9 +206,15 @@ class SlotDriver:
                             break
                         run = self._queue.popleft()
                     self._admit(run)  # (running from its start: a failure of its restore fails it too)
-                self._send()
+                if self._send():
+                    self._spin_until = time.perf_counter() + HEAD_SPIN_S
                 busy = self._running or self._freeing or self._loading
-                results = self.pipe.take_results(POLL_MS if busy else 0)
+                spinning = self.spin and self.pipe.in_flight and time.perf_counter() < self._spin_until
+                results = self.pipe.take_results(0 if spinning else POLL_MS if busy else 0)
+                if results and self.spin:
+                    self._spin_until = time.perf_counter() + HEAD_SPIN_S
+                elif spinning:
+                    time.sleep(0)  # (the GIL to the server's threads between polls)
                 for k, res, row in results:
                     self._on_result(k, res, row)
                 self._loaded()
@@ -308,14 +318,17 @@ class SlotDriver:
             self.stats.restores += 1
             self.stats.restored_tokens += run.restored
 
-    def _send(self) -> None:
-        """Decode batches and prefill chunks by turns while the window has room."""
+    def _send(self) -> bool:
+        """Decode batches and prefill chunks by turns while the window has room -> whether any went."""
+        any_sent = False
         while self.pipe.in_flight < self.window and self._running:
             sent = self._send_batch()
             if self.pipe.in_flight < self.window and self._send_chunk():
                 sent = True
             if not sent:
-                return
+                return any_sent
+            any_sent = True
+        return any_sent
 
     def _send_batch(self) -> bool:
         """The oldest ready steps as one batch, about 1/groups of the decoding sequences: sent when that many are

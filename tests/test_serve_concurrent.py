@@ -525,3 +525,37 @@ def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
     for bad in (dict(batch, rows=True, ahead=1), dict(batch, rows=False, ahead=65), dict(batch, seqs=[], ahead=1)):
         with pytest.raises(M.BadMessage, match="ahead"):
             M.encode(M.Chunk(**bad))
+
+
+def test_a_spinning_driver_gives_each_its_tokens_alone(slotted):
+    """kernels.slot_spin (on all-GPU rigs only; forced here on two CPU stages): the driver polls without sleeping
+    while micro-batches are in flight, and three greedy requests at once still get each its ids alone; it did spin
+    (its busy loop took results with no wait)."""
+    from strata.sampling import SamplingParams
+    s, eng = slotted
+    driver = eng._slots
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+
+    def run(i, box):
+        made = []
+        eng.generate(eng.tokenize(PROMPTS[i]), greedy, lambda t: made.append(t) or True)
+        box[i] = made
+    alone = {}
+    for i in range(3):
+        run(i, alone)
+    polls = []
+    take = driver.pipe.take_results
+    driver.pipe.take_results = lambda ms: polls.append(ms) or take(ms)
+    driver.spin = True
+    try:
+        together = {}
+        threads = [threading.Thread(target=run, args=(i, together)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        driver.spin = False
+        driver.pipe.take_results = take
+    assert together == alone and all(alone.values())
+    assert polls.count(0) > len(polls) // 2, (polls.count(0), len(polls))
