@@ -115,6 +115,30 @@ def model_args(model: str) -> ModelArgs:
     return gguf_model_args(Path(loc))
 
 
+def end_ids(model: str, args: ModelArgs) -> frozenset[int]:
+    """The token ids that end a generation: the model's eos, and every other end its files declare (an HF folder's
+    `eos_token_id` lists in config.json and generation_config.json, where an instruct model names its end of turn; a
+    GGUF's end-of-turn and end-of-message tokens), as transformers and llama.cpp stop at them. For the head's
+    decode loops."""
+    ids = {args.eos_id} if args.eos_id is not None else set()
+    kind, loc = resolve(model)
+    found: list = []
+    if kind == "hf":
+        for name in ("config.json", "generation_config.json"):
+            try:
+                cfg = json.loads((Path(loc) / name).read_text())
+            except (OSError, ValueError):
+                continue
+            e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+            found += e if isinstance(e, list) else [e]
+    elif kind == "gguf":
+        from .gguf_loader import field_value, open_gguf
+        reader = open_gguf(Path(loc))
+        found += [field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    ids |= {v for v in found if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < args.vocab_size}
+    return frozenset(ids)
+
+
 # -- load mode -----------------------------------------------------------------------------------
 def has_quantized(model: str, args: ModelArgs) -> bool:
     """Whether the model holds quantized tensors (a GGUF of blocks, or a synthetic model "@" a quant type)."""

@@ -43,6 +43,7 @@ class GenerationStats:
     prefill_s: float
     decode_s: float
     finish_reason: FinishReason
+    end_token: int | None = None  # the end token that ended it (the eos, an end of turn, ...), else None
 
     @property
     def prefill_tok_s(self) -> float:
@@ -140,9 +141,10 @@ class LocalEngine(_ModelText):
 
     def __init__(self, model: str, max_context: int | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, prefill_chunk: int = 512, name: str | None = None):
-        from .checkpoint import model_args
+        from .checkpoint import end_ids, model_args
         self.model, self.device, self.dtype, self.prefill_chunk = model, torch.device(device), dtype, prefill_chunk
         self.args = model_args(model)
+        self.end_ids = end_ids(model, self.args)  # the tokens that end a generation (its eos, an end of turn, ...)
         self.max_context = min(max_context or self.args.max_seq_len, self.args.max_seq_len)
         if self.max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {self.max_context}")
@@ -182,13 +184,14 @@ class LocalEngine(_ModelText):
             self.kept = list(ids)
             logits = self.net.logits(h[0, -1])
             t1 = time.perf_counter()
+            ends, end = self.end_ids, None
             sampler, count, finish = Sampler(params, self.tokenizer if params.grammar is not None else None,
-                                                  self.args.eos_id), 0, "length"
+                                                  ends), 0, "length"
             limit = min(params.max_tokens, self.max_context - n)
             while count < limit:
                 tok = sampler.next(logits)
-                if tok == self.args.eos_id:
-                    finish = "stop"
+                if tok in ends:
+                    finish, end = "stop", tok
                     break
                 count += 1
                 if not on_token(tok):
@@ -204,7 +207,7 @@ class LocalEngine(_ModelText):
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self.net = None
             raise EngineError(f"local ({self.device})", f"{type(e).__name__}: {e}") from e
-        return GenerationStats(prompt_tokens=n, reused_tokens=reused, completion_tokens=count,
+        return GenerationStats(prompt_tokens=n, reused_tokens=reused, completion_tokens=count, end_token=end,
                                prefill_s=t1 - t0, decode_s=t2 - t1, finish_reason=finish)
 
     def restart(self) -> None:
@@ -322,7 +325,7 @@ class PipelineEngine(_ModelText):
         self.last_report = r.report
         return GenerationStats(prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
                                completion_tokens=len(r.continuation_ids), prefill_s=r.prefill_s,
-                               decode_s=r.decode_s, finish_reason=r.finish_reason)
+                               decode_s=r.decode_s, finish_reason=r.finish_reason, end_token=r.end_token)
 
     def _generate_slotted(self, ids: list[int], params: SamplingParams,
                           on_token: Callable[[int], bool]) -> GenerationStats:
@@ -343,7 +346,8 @@ class PipelineEngine(_ModelText):
         return GenerationStats(prompt_tokens=int(arr.size), reused_tokens=run.restored,  # from the prefix cache
                                completion_tokens=len(run.out),
                                prefill_s=(run.t_first or run.t_end) - run.t_submit,
-                               decode_s=run.t_end - (run.t_first or run.t_end), finish_reason=run.finish)
+                               decode_s=run.t_end - (run.t_first or run.t_end), finish_reason=run.finish,
+                               end_token=run.end_token)
 
     def score(self, ids: list[int], start: int, top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
         """log p(ids[i] | ids[:i]) for i in [start, n), the `top` likeliest tokens there and their log-probabilities

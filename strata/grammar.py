@@ -35,11 +35,12 @@ def missing() -> str | None:
     return None if llguidance is not None else "llguidance is not installed (pip install llguidance)"
 
 
-def _ll_tokenizer(tokenizer, eos: int | None = None):
-    """llguidance's view of a strata.tokenizer.Tokenizer, whose end of sequence is `eos` (the token the engine stops
-    on: the model's, which may not be the vocabulary's own, e.g. an instruct model's end of turn) and the
-    vocabulary's. Built once per eos (about a second for a large vocabulary)."""
-    ends = sorted({e for e in (eos, tokenizer.eos_id) if e is not None})
+def _ll_tokenizer(tokenizer, eos=()):
+    """llguidance's view of a strata.tokenizer.Tokenizer, whose ends of sequence are `eos` (the tokens the engine
+    stops on: an id or several, which may not be the vocabulary's own, e.g. an instruct model's end of turn) and the
+    vocabulary's. Built once per set of ends (about a second for a large vocabulary)."""
+    given = [eos] if isinstance(eos, int) else list(eos or ())
+    ends = sorted({e for e in (*given, tokenizer.eos_id) if e is not None})
     cache = tokenizer.__dict__.setdefault("_llguidance", {})
     key = tuple(ends)
     if key not in cache:
@@ -89,8 +90,9 @@ def json_grammar(tokenizer, response_format: dict) -> str | None:
 class Constraint:
     """One sequence's matcher of a grammar: the tokens allowed next (a mask on its logits), advanced by each pick."""
 
-    def __init__(self, tokenizer, grammar: str, eos: int | None = None):
-        """eos: the token the engine stops on (the mask allows it, alone, once the grammar is complete)."""
+    def __init__(self, tokenizer, grammar: str, eos=()):
+        """eos: the tokens the engine stops on, an id or several (the mask allows them, alone, once the grammar is
+        complete)."""
         if llguidance is None:
             raise GrammarError(missing())
         ll = _ll_tokenizer(tokenizer, eos)

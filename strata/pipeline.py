@@ -106,6 +106,7 @@ class Result:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     ttft_s: float | None = None      # from the call to the first generated token (prefill included)
+    end_token: int | None = None     # the end token that ended it (one of Pipeline.end_ids), else None
 
 
 def cut_at(schedule, at: int) -> list[tuple[int, int]]:
@@ -163,6 +164,7 @@ class Pipeline:
         self._finalizer = weakref.finalize(self, self._res.release, 1.0)
         self.stages = [StageInfo(s.index, s.device, (s.start, s.end), s.host) for s in self.plan.stages]
         self.all_cuda = all(s.device.startswith("cuda") for s in self.stages)  # (the head's spins read it)
+        self._end_ids: frozenset[int] | None = None  # end_ids, read at the first generation
         self.started = False
         self.closed = False
         self.failure: PipelineError | None = None
@@ -626,6 +628,15 @@ class Pipeline:
         return self._sent - self._got
 
     # -- prompts -------------------------------------------------------------------------------
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """The tokens that end a generation (strata.checkpoint.end_ids: the eos and every end the model's files
+        declare, e.g. an instruct model's end of turn), read once."""
+        if self._end_ids is None:
+            from .checkpoint import end_ids
+            self._end_ids = end_ids(self.cfg.model, self.plan.args)
+        return self._end_ids
+
     @property
     def max_context(self) -> int:
         """Prompt + generated tokens one prefill / generate may use (the stages' KV positions)."""
@@ -1183,10 +1194,10 @@ class Pipeline:
         t_start = time.perf_counter()
         stop = StopMatcher(params.stop) if params.stop else None
         detok = Detokenizer(self.tokenizer.decode, context=ids.tolist()) if stop else None
-        sampler = Sampler(params, self.tokenizer if params.grammar is not None else None,  # (a bad grammar: before)
-                          self.plan.args.eos_id)
+        ends = self.end_ids
+        sampler = Sampler(params, self.tokenizer if params.grammar is not None else None, ends)  # (bad: before)
         pre = self._prefill(ids)
-        eos = self.plan.args.eos_id
+        end = None
         limit = min(params.max_tokens, self.max_context - ids.size)
         out: list[int] = []
         text_parts: list[str] = []
@@ -1202,8 +1213,8 @@ class Pipeline:
                 tok = sampler.next(logits) if params.needs_logits else argmax
                 if ttft is None:
                     ttft = time.perf_counter() - t_start
-                if tok == eos:
-                    finish = "stop"
+                if tok in ends:
+                    finish, end = "stop", tok
                     break
                 out.append(tok)
                 if stop is not None:
@@ -1239,7 +1250,7 @@ class Pipeline:
             except Exception:  # noqa: BLE001 - synthetic models have no tokenizer
                 text = None
         self._snapshot(ids)  # after the answer: the prompt's blocks are not on the way to its first token
-        return self._result(pre, out, text, finish, decode_s, steps, ttft)
+        return replace(self._result(pre, out, text, finish, decode_s, steps, ttft), end_token=end)
 
     def _decode_step(self, pos: int, tok: int, t0: float) -> M.ChunkResult:
         """One token through every stage: its id into the ids segment, one note to stage 0, one result back."""

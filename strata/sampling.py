@@ -81,9 +81,9 @@ class Sampler:
     """Picks token ids from logits for one request. Draws come from its own seeded CPU generator, so a
     given seed repeats on any device (the logits are moved to the CPU for a non-greedy draw)."""
 
-    def __init__(self, params: SamplingParams, tokenizer=None, eos: int | None = None):
-        """tokenizer: the model's (strata.tokenizer.Tokenizer), for a grammar's mask (params.grammar); eos: the token
-        the caller stops on, which the grammar allows once complete."""
+    def __init__(self, params: SamplingParams, tokenizer=None, eos=()):
+        """tokenizer: the model's (strata.tokenizer.Tokenizer), for a grammar's mask (params.grammar); eos: the tokens
+        the caller stops on (an id or several), which the grammar allows once complete."""
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._gen = torch.Generator(device="cpu")

@@ -447,8 +447,8 @@ class Worker:
                 first = None
             else:
                 made, text, stats, finish, first, at_eos = self._generate(job, seq)
-                if at_eos and job.eos_logprob:
-                    eos = _eos_id(self.engine)
+                if at_eos and job.eos_logprob:  # the end token that ended it (an engine that does not say: its eos)
+                    eos = stats.end_token if getattr(stats, "end_token", None) is not None else _eos_id(self.engine)
             logprobs = None
             if job.top is not None:
                 logprobs = self._logprobs(job, seq, made, text, scored, eos)

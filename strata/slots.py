@@ -72,6 +72,7 @@ class SlotRun:
     t_first: float | None = None        # the first token (prefill done)
     t_end: float = 0.0
     error: BaseException | None = None
+    end_token: int | None = None        # the end token that ended it (one of SlotDriver.ends), else None
     load: tuple | None = None           # a KV file's rows into the slot, then into the prefix cache: (path, its
                                         # rows' offset, bytes a layer's position), Pipeline.load_slot_check's
     done: threading.Event = field(default_factory=threading.Event)
@@ -112,7 +113,7 @@ class SlotDriver:
         self._spin_until = 0.0
         self._batches = 0                   # decode batches in flight
         self._results = 0                   # results taken (the clock of `ready_at`)
-        self.eos = pipe.plan.args.eos_id
+        self.ends = pipe.end_ids  # the tokens that end a sequence (its eos, an instruct model's end of turn, ...)
         self.stats = SlotStats()
         self.failure: PipelineError | None = None
         self._cond = threading.Condition()
@@ -283,7 +284,7 @@ class SlotDriver:
             self._loading.append(run)
             return
         try:  # (a grammar that cannot be matched fails its own sequence, before it takes a slot)
-            sampler = Sampler(run.params, self.pipe.tokenizer if run.params.grammar is not None else None, self.eos)
+            sampler = Sampler(run.params, self.pipe.tokenizer if run.params.grammar is not None else None, self.ends)
         except ValueError as e:
             run.error = e
             run.done.set()
@@ -426,7 +427,8 @@ class SlotDriver:
         if len(run.out) >= run.limit:
             return self._finish(run, "length")
         tok = run.sampler.next(logits) if run.params.needs_logits else argmax
-        if tok == self.eos:
+        if tok in self.ends:
+            run.end_token = tok
             return self._finish(run, "stop")
         run.out.append(tok)
         try:

@@ -1,0 +1,77 @@
+"""A generation ends at any end token the model's files declare (strata.checkpoint.end_ids): an HF folder's
+eos_token_id lists (config.json, generation_config.json: an instruct model's end of turn is often the second or
+third of them) and a GGUF's end-of-turn / end-of-message tokens, not only at the first eos id."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from families_fixtures import make_hf
+from strata.checkpoint import end_ids, model_args
+from strata.sampling import SamplingParams
+
+
+def _greedy(model: str, tmp_path: Path, name: str, ids: list[int], n: int):
+    from strata.pipeline import Pipeline
+    rig = dict(model=model, stages=[{"device": "cpu", "threads": 1}], chunk=16, max_context=64, progress=False,
+               prompt={"random": {"tokens": 4, "seed": 0}})
+    with Pipeline(rig, out=tmp_path / name, console=False) as p:
+        return p.generate(np.asarray(ids), SamplingParams(max_tokens=n, temperature=0))
+
+
+def test_an_hf_models_second_end_token_ends_its_answer(tmp_path):
+    """A tiny Llama whose greedy answer runs 8 tokens: with the 4th token named as a second end in
+    generation_config.json, the pipeline and the local engine stop before it ("stop", the first 3 tokens) and say
+    which end ended it."""
+    pytest.importorskip("transformers")
+    from strata.engine import LocalEngine
+    _, d = make_hf(tmp_path, "llama")
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    prompt = [5, 17, 42, 7, 99]
+    cold = _greedy(d, tmp_path, "cold", prompt, 8)
+    out = cold.continuation_ids
+    assert len(out) == 8 and cold.finish_reason == "length"
+    t = out[3]
+    assert t not in out[:3], out  # (the random model's answer: a token not seen before its 4th place)
+    eos = next(i for i in range(vocab - 1, 0, -1) if i not in out)
+    cfg["eos_token_id"] = eos
+    (Path(d) / "config.json").write_text(json.dumps(cfg))
+    (Path(d) / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, t]}))
+    assert end_ids(d, model_args(d)) == {eos, t}
+    r = _greedy(d, tmp_path, "ends", prompt, 8)
+    assert (r.continuation_ids, r.finish_reason, r.end_token) == (out[:3], "stop", t)
+    eng = LocalEngine(d, max_context=64)
+    made: list[int] = []
+    stats = eng.generate(prompt, SamplingParams(max_tokens=8, temperature=0), lambda tok: made.append(tok) or True)
+    assert (made, stats.finish_reason, stats.end_token) == (out[:3], "stop", t)
+
+
+def test_a_config_list_and_a_gguf_end_of_turn_are_ends(tmp_path):
+    """config.json's eos_token_id list counts whole (ids outside the vocabulary are dropped); a GGUF's eot and eom
+    token ids join its eos; a synthetic model has its eos alone."""
+    pytest.importorskip("transformers")
+    _, d = make_hf(tmp_path, "llama")
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    cfg["eos_token_id"] = [3, 9, 10 ** 9]
+    (Path(d) / "config.json").write_text(json.dumps(cfg))
+    (Path(d) / "generation_config.json").unlink(missing_ok=True)  # (transformers wrote its own eos there)
+    args = model_args(d)
+    assert args.eos_id == 3 and end_ids(d, args) == {3, 9}
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "ends.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.eot_token_id", 106)
+    w.add_uint32("tokenizer.ggml.eom_token_id", 107)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from dataclasses import replace
+    assert end_ids(str(path), replace(args, eos_id=2, vocab_size=256)) == {2, 106, 107}
+    smoke = model_args("synthetic:smoke")
+    assert end_ids("synthetic:smoke", smoke) == ({smoke.eos_id} if smoke.eos_id is not None else set())
