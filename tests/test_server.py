@@ -1110,7 +1110,6 @@ def test_local_engine_prefix_reuse_gives_the_cold_tokens(tiny_llama):
 
 
 def test_local_engine_stops_when_told_and_at_eos(tiny_llama):
-    import dataclasses as dc
     from strata.engine import LocalEngine
     _, path = tiny_llama
     eng = LocalEngine(path)
@@ -1118,7 +1117,7 @@ def test_local_engine_stops_when_told_and_at_eos(tiny_llama):
     seen = []
     stats = eng.generate(ids, SamplingParams(max_tokens=50), lambda t: seen.append(t) or len(seen) < 3)
     assert len(seen) == 3 and stats.completion_tokens == 3 and stats.finish_reason == "stop"
-    eng.args = dc.replace(eng.args, eos_id=seen[0])  # the first greedy token is now the end of sequence
+    eng.end_ids = frozenset({seen[0]})  # the first greedy token is now an end of sequence
     out, stats = _gen(eng, ids, 50)
     assert out == [] and stats.finish_reason == "stop"
     out, stats = _gen(eng, list(range(10, 250)), 50)  # the context (256) ends it first
