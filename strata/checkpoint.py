@@ -118,8 +118,8 @@ def model_args(model: str) -> ModelArgs:
 def end_ids(model: str, args: ModelArgs) -> frozenset[int]:
     """The token ids that end a generation: the model's eos, and every other end its files declare (an HF folder's
     `eos_token_id` lists in config.json and generation_config.json, where an instruct model names its end of turn; a
-    GGUF's end-of-turn and end-of-message tokens), as transformers and llama.cpp stop at them. For the head's
-    decode loops."""
+    GGUF's end-of-generation set as llama.cpp builds it: _gguf_ends), as transformers and llama.cpp stop at them.
+    For the head's decode loops."""
     ids = {args.eos_id} if args.eos_id is not None else set()
     kind, loc = resolve(model)
     found: list = []
@@ -134,9 +134,45 @@ def end_ids(model: str, args: ModelArgs) -> frozenset[int]:
     elif kind == "gguf":
         from .gguf_loader import field_value, open_gguf
         reader = open_gguf(Path(loc))
-        found += [field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+        found += _gguf_ends(lambda k: field_value(reader, f"tokenizer.ggml.{k}"), args.eos_id)
     ids |= {v for v in found if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < args.vocab_size}
     return frozenset(ids)
+
+
+# A GGUF's ends as llama.cpp finds them (src/llama-vocab.cpp, its end-of-generation set). Converted files often
+# declare one end only (a Gemma 3 instruct GGUF's eos is <eos>; its <end_of_turn> is in no key), and llama.cpp
+# stops at the others by their text: so must we, or an answer runs on past its end of turn.
+_END_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~["))
+# fill-in-the-middle tokens end a generation too: a key's id, else the first token with one of these texts
+_FIM_TEXTS = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+              "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+              "fim_sep": ("<|file_sep|>",)}
+
+
+def _gguf_ends(key, eos: int | None) -> list[int]:
+    """The end ids of a GGUF read through key(name) (tokenizer.ggml.<name>): the eos, eot and eom keys, the
+    fill-in-the-middle tokens, every token with an end text; less llama.cpp's two exceptions: in a harmony vocabulary
+    (gpt-oss: <|return|> and <|call|>, or <|call(s)|> and <|flush|>) <|end|> closes a message, not the answer; beside
+    <|tool_response> or <|plamo:eos|>, </s> is an ordinary token."""
+    tokens = key("tokens") or []
+    ends = {i for i in (eos, key("eot_token_id"), key("eom_token_id")) if isinstance(i, int)}
+    for name, texts in _FIM_TEXTS.items():
+        i = key(f"{name}_token_id")
+        if not isinstance(i, int):
+            i = next((j for j, t in enumerate(tokens) if t in texts), None)
+        if i is not None:
+            ends.add(i)
+    ends |= {i for i, t in enumerate(tokens) if t in _END_TEXTS}
+    text = {tokens[i]: i for i in ends if 0 <= i < len(tokens)}
+    call = "<|call|>" in text or "<|calls|>" in text
+    if "<|end|>" in text and call and ("<|return|>" in text or "<|flush|>" in text):
+        ends.discard(text["<|end|>"])
+    if "</s>" in text and ("<|tool_response>" in text or "<|plamo:eos|>" in text):
+        ends.discard(text["</s>"])
+    return sorted(ends)
 
 
 # -- load mode -----------------------------------------------------------------------------------

@@ -75,3 +75,46 @@ def test_a_config_list_and_a_gguf_end_of_turn_are_ends(tmp_path):
     assert end_ids(str(path), replace(args, eos_id=2, vocab_size=256)) == {2, 106, 107}
     smoke = model_args("synthetic:smoke")
     assert end_ids("synthetic:smoke", smoke) == ({smoke.eos_id} if smoke.eos_id is not None else set())
+
+
+def _gguf_with(path: Path, tokens: list[str], **keys) -> str:
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in keys.items():
+        w.add_uint32(f"tokenizer.ggml.{k}", v)
+    if tokens:
+        w.add_token_list(tokens)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_a_gguf_ends_where_llamacpp_ends(tmp_path):
+    """A GGUF's ends are llama.cpp's end-of-generation set: besides its keys, the tokens with an end text (a Gemma 3
+    instruct file declares <eos> only; its <end_of_turn> ends by its text), and its fill-in-the-middle tokens;
+    in a harmony vocabulary <|end|> is no end; beside <|tool_response>, </s> is an ordinary token."""
+    from dataclasses import replace
+    args = replace(model_args("synthetic:smoke"), vocab_size=16)
+    gemma = ["<pad>", "<eos>", "<bos>", "a", "b", "<end_of_turn>", "<start_of_turn>", "c"]
+    g = _gguf_with(tmp_path / "gemma.gguf", gemma, eos_token_id=1)
+    assert end_ids(g, replace(args, eos_id=1)) == {1, 5}
+    qwen = ["x", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+            "<PAD>"]
+    q = _gguf_with(tmp_path / "qwen.gguf", qwen, eos_token_id=3)
+    assert end_ids(q, replace(args, eos_id=3)) == {1, 3, 4, 5, 6}  # <PAD>: the first fim_pad text is taken
+    q2 = _gguf_with(tmp_path / "qwen2.gguf", qwen, eos_token_id=3, fim_pad_token_id=7)
+    assert end_ids(q2, replace(args, eos_id=3)) == {1, 3, 5, 6, 7}  # the key's fim_pad, not the text's
+    harmony = ["<|start|>", "<|end|>", "<|message|>", "<|return|>", "<|call|>", "<|endoftext|>", "y"]
+    h = _gguf_with(tmp_path / "oss.gguf", harmony, eos_token_id=3, eot_token_id=1)
+    assert end_ids(h, replace(args, eos_id=3)) == {3, 4, 5}  # <|end|> out even as the eot key
+    phi = ["<|end|>", "<|endoftext|>", "z"]
+    f = _gguf_with(tmp_path / "phi.gguf", phi, eos_token_id=1)
+    assert end_ids(f, replace(args, eos_id=1)) == {0, 1}  # no harmony: <|end|> ends
+    s = _gguf_with(tmp_path / "s.gguf", ["<s>", "</s>", "<|tool_response>", "w"], eos_token_id=3)
+    assert end_ids(s, replace(args, eos_id=3)) == {2, 3}
+    s2 = _gguf_with(tmp_path / "s2.gguf", ["<s>", "</s>", "w"], eos_token_id=2)
+    assert end_ids(s2, replace(args, eos_id=2)) == {1, 2}
+    # the token list's ids past the model's vocabulary are dropped, as a key's are
+    assert end_ids(g, replace(args, eos_id=1, vocab_size=4)) == {1}
