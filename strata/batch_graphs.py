@@ -83,6 +83,7 @@ class BatchGraphs:
         self.res = None if m.has_embed else torch.zeros(R, m.args.dim, dtype=self.dtype, device=dev)
         self.pos = torch.zeros(R, dtype=torch.long, device=dev)
         self.slot = torch.zeros(R, dtype=torch.long, device=dev)
+        self.base = torch.zeros(R, dtype=torch.long, device=dev)  # a pooled layer's index of the row's slot
         self.live = torch.zeros(R, dtype=torch.bool, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.split_k: dict[tuple[int, int], object] = {}
@@ -127,8 +128,9 @@ class BatchGraphs:
         if len(set(slots)) != n:
             raise ValueError(f"a decode batch names a slot twice: {slots}")
         for s, p in zip(slots, positions):
-            if not 0 <= s < self.m.n_slots or not 0 <= p < self.cache_len:
-                raise ValueError(f"slot {s} at position {p}: outside {self.m.n_slots} slots of {self.cache_len}")
+            if not 0 <= s < self.m.n_slots or not 0 <= p < min(self.cache_len, self.m.slot_positions(s)):
+                held = f" (this slot: {self.m.slot_positions(s)})" if 0 <= s < self.m.n_slots else ""
+                raise ValueError(f"slot {s} at position {p}: outside {self.m.n_slots} slots of {self.cache_len}{held}")
         if n > self.max_rows:
             parts = [self.step(x[i:i + self.max_rows], slots[i:i + self.max_rows], positions[i:i + self.max_rows])
                      for i in range(0, n, self.max_rows)]
@@ -140,14 +142,16 @@ class BatchGraphs:
             xs = x.reshape(n, *static.shape[1:])
             static[:n].copy_(xs)
             static[n:r].copy_(xs[:1].expand(pad, *static.shape[1:]))
+            base = [self.m.slot_base(t) for t in slots]
             meta = torch.tensor([positions + [positions[0]] * pad, slots + [slots[0]] * pad,
-                                 [1] * n + [0] * pad], dtype=torch.long)
+                                 [1] * n + [0] * pad, base + [base[0]] * pad], dtype=torch.long)
             if self.device.type == "cuda":  # from pageable memory the copy may wait for the stream; batch_ahead queues
                 meta = meta.pin_memory()    # steps behind each other without a wait (the host allocator keeps the
             meta = meta.to(self.device, non_blocking=True)  # block until the copy is done)
             self.pos[:r].copy_(meta[0])
             self.slot[:r].copy_(meta[1])
             self.live[:r].copy_(meta[2].bool())
+            self.base[:r].copy_(meta[3])
             for la in self.linear:  # each row's slot's states stand at its position (position 0: zeroed)
                 la.begin_rows(slots, positions)
             key = (r, self.bucket(max(positions)))
@@ -265,15 +269,20 @@ class BatchGraphs:
                 qkv = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv]), qkv[:, nh + nkv:]), 1)
         kc, vc = self.m.slot_caches(i)
         at = rows[kc.shape[2] if a.window is not None else None]
+        pooled = self.m.pooled(i)
+        at_slot = self.base[:r] if pooled else slot  # (a pool's "slot" is the extent's first position)
         if fuse:
-            q = rope_store_rows(qkv.contiguous(), cos, ssin, at, slot, nh, nkv, kc, vc, qk_norm)
+            q = rope_store_rows(qkv.contiguous(), cos, ssin, at, at_slot, nh, nkv, kc, vc, qk_norm)
         else:
             qk = rope_rows(qkv[:, :nh + nkv], cos[:, None], ssin[:, None])
             q = qk[:, :nh].contiguous()
-            self._store(kc, qk[:, nh:], slot, at, live)
-            self._store(vc, qkv[:, nh + nkv:], slot, at, live)
+            for c, x in ((0, qk[:, nh:]), (1, qkv[:, nh + nkv:])):
+                if pooled:  # the pool itself (its "slots" overlap): row t at position base + at
+                    self._store(self.m._pools[i][c], x, torch.zeros_like(slot), at_slot + at, live)
+                else:
+                    self._store((kc, vc)[c], x, slot, at, live)
         att = self._attention(min(b, a.window) if a.window is not None else b, r)
-        y = att.rows_call(q.view(r, nkv, nh // nkv, hd), kc, vc, n_keys, slot, scale=a.scale,
+        y = att.rows_call(q.view(r, nkv, nh // nkv, hd), kc, vc, n_keys, at_slot, scale=a.scale,
                           window=a.window or 0, sinks=a.sinks).reshape(r, nh * hd)
         if gate is not None:  # as the eager path's _gated
             y = y * torch.sigmoid(gate.to(y.dtype))

@@ -226,11 +226,12 @@ def slice_tensors(model: str, args: ModelArgs, start: int, end: int, device="cpu
 def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dtype, seed: int = 0,
                weights: str = "auto", kv_dtype="auto", max_len: int, decode_weights: str | None = None,
                max_chunk: int | None = None, kernels=None, attention: str = "auto", seqs: int = 1,
-               prefix_block: int = PREFIX_BLOCK) -> Transformer:
+               prefix_block: int = PREFIX_BLOCK, pool: int = 0) -> Transformer:
     """The stage process's one entry point: layers [start, end) built on the meta device, filled with
     just this slice's weights (as stored or dequantized), KV cache allocated for `max_len` positions.
     kernels, attention: the rig's KernelSpec and CUDA attention path (Transformer.set_kernels; None: defaults).
-    prefix_block: an 8-bit cache's prefix positions widened at once (the plan's).
+    prefix_block: an 8-bit cache's prefix positions widened at once (the plan's). pool: the rig's kv_pool
+    (Transformer.setup_cache).
 
     decode_weights: None, or "int4" / "int8" / "float16" / "blocks" for CPU decode steps
     (Transformer.set_decode_weights; "blocks" reads the slice's quantized tensors as stored a second time)."""
@@ -243,7 +244,7 @@ def load_stage(model: str, args: ModelArgs, start: int, end: int, *, device, dty
     m.load_weights(tensors, device, dtype)
     del tensors
     # max_chunk: window layers keep a ring (ModelArgs.kv_positions); seqs: one cache per sequence (max_seqs)
-    m.setup_cache(max_len, kv_dtype, max_chunk, seqs, prefix_block)
+    m.setup_cache(max_len, kv_dtype, max_chunk, seqs, prefix_block, pool)
     if decode_weights == "blocks" and mode == "dequantized" and has_quantized(model, args):
         stored = {n: t for n, t in slice_tensors(model, args, start, end, device=device, dtype=dtype, seed=seed,
                                                  weights="resident").items() if isinstance(t, Quantized)}

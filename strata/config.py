@@ -232,6 +232,11 @@ class RigConfig:
                                             # (each weight read once a batch; in C a row keeps the bits of its
                                             # step alone, with torch's products within rounding of them); steps:
                                             # each sequence's step alone, one after another, on a torch stage
+    kv_pool: int = 0                        # max_seqs > 1: the KV positions each stage holds for all sequences
+                                            # together in its global-attention layers, one pool from which each
+                                            # sequence takes an extent of its prompt + max_tokens while it runs
+                                            # (a sequence waits while none is free), >= max_context. 0: each
+                                            # slot holds max_context positions (max_seqs x max_context)
     batch_ahead: int = 0                    # max_seqs > 1 on one stage: a decode batch whose rows are all greedy
                                             # runs up to this many more steps on its own argmaxes before the head
                                             # answers (the stage never waits for the head between them; a row
@@ -527,6 +532,10 @@ def _check_values(cfg: RigConfig) -> None:
             raise ConfigError(f"max_seqs {cfg.max_seqs} refused: {why}")
     if not 0 <= cfg.batch_ahead <= MAX_BATCH_AHEAD:
         raise ConfigError(f"batch_ahead: 0 to {MAX_BATCH_AHEAD} steps, got {cfg.batch_ahead}")
+    if cfg.kv_pool < 0:
+        raise ConfigError(f"kv_pool: must be >= 0 positions (0: a slot of max_context each), got {cfg.kv_pool}")
+    if cfg.kv_pool and cfg.max_seqs == 1:
+        raise ConfigError("kv_pool: a pool shared by several sequences needs max_seqs > 1")
     if cfg.batch_ahead and cfg.max_seqs == 1:
         raise ConfigError("batch_ahead: decode batches need max_seqs > 1 (one sequence's steps take the decode "
                           "graphs' launch-ahead: kernels.decode_ahead)")

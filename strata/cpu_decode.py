@@ -287,21 +287,34 @@ class Decoder:
         slots = self.model._slots
         if not slots:  # caches set by hand: the one in use
             slots = [{i: (blk.attn.k_cache, blk.attn.v_cache) for i, blk in self.model.layers.items()}]
-        return [torch.tensor([c.data_ptr() for i in self.model.layers for c in slot[i]], dtype=torch.int64)
-                for slot in slots]
+        return [self._slot_ptr(slot) for slot in slots]
+
+    def _slot_ptr(self, slot: dict) -> torch.Tensor:
+        return torch.tensor([c.data_ptr() for i in self.model.layers for c in slot[i]], dtype=torch.int64)
+
+    def slot_moved(self, slot: int) -> None:
+        """Slot `slot` holds another extent of the KV pool (Transformer.place_slot): its addresses anew."""
+        self._slot_ptrs[slot] = self._slot_ptr(self.model._slots[slot])
 
     def point_cache(self) -> tuple[int, int]:
-        """The layers' cache pointers at the model's current slot (Transformer.use_slot) -> (rows, bits)."""
-        max_len, bits = 0, 32
+        """The layers' cache pointers at the model's current slot (Transformer.use_slot) -> (the rows between one
+        KV head's and the next's, bits). A slot of a KV pool is a view whose heads lie the pool's positions apart;
+        its own positions (`cap`) bound the steps."""
+        max_len, bits, self.cap = 0, 32, None
         for layer, blk in zip(self._layers, self.model.layers.values()):
             kc, vc = blk.attn.k_cache, blk.attn.v_cache
             if kc is None:
                 raise RuntimeError("KV cache not allocated: call Transformer.setup_cache(max_len) first")
-            if kc.dtype not in KV_DTYPES or not (kc.is_contiguous() and vc.is_contiguous()):
-                raise ValueError(f"decode_weights=blocks reads a contiguous float32, bfloat16 or float8_e4m3fn KV "
-                                 f"cache, not {kc.dtype}")
+            hd = kc.shape[3]
+            if kc.dtype not in KV_DTYPES or kc.stride() != vc.stride() or kc.stride()[2:] != (hd, 1):
+                raise ValueError(f"decode_weights=blocks reads a float32, bfloat16 or float8_e4m3fn KV cache of "
+                                 f"contiguous rows, not {kc.dtype} of strides {kc.stride()}")
+            rows = kc.stride(1) // hd
+            if max_len and rows != max_len:
+                raise ValueError(f"decode_weights=blocks reads every layer's KV heads {max_len} rows apart, not {rows}")
             layer.k_cache, layer.v_cache = kc.data_ptr(), vc.data_ptr()
-            max_len, bits = kc.shape[2], KV_DTYPES[kc.dtype]
+            max_len, bits = rows, KV_DTYPES[kc.dtype]
+            self.cap = kc.shape[2] if self.cap is None else min(self.cap, kc.shape[2])
         return max_len, bits
 
     def _pack(self, q, dense: torch.Tensor) -> Packed:
@@ -319,8 +332,8 @@ class Decoder:
 
     def layers(self, h: torch.Tensor, pos: int, cos: torch.Tensor, ssin: torch.Tensor) -> None:
         """The slice's layers on one residual row h (dim,) float32 contiguous, in place; cos, ssin: (hd,) rows."""
-        if pos >= self.spec.max_len:
-            raise ValueError(f"position {pos} exceeds the KV cache ({self.spec.max_len})")
+        if pos >= self.cap:
+            raise ValueError(f"position {pos} exceeds the KV cache ({self.cap})")
         self.lib.strata_layers(ctypes.byref(self.spec), h.data_ptr(), pos, cos.data_ptr(), ssin.data_ptr())
 
     def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -344,8 +357,9 @@ class Decoder:
         token at positions[t] (int32 (m,)), with its RoPE rows cos[t], ssin[t] ((m, hd) contiguous). Each row's
         bits are those `layers` gives it alone: the products read the weights once for all the rows."""
         m = h.shape[0]
-        if int(positions.max()) >= self.spec.max_len:
-            raise ValueError(f"position {int(positions.max())} exceeds the KV cache ({self.spec.max_len})")
+        for s, p in zip(slots, positions.tolist()):
+            if p >= self.model.slot_positions(s):
+                raise ValueError(f"position {p} exceeds slot {s}'s KV cache ({self.model.slot_positions(s)})")
         caches = torch.stack([self._slot_ptrs[s] for s in slots])
         self.lib.strata_layers_rows(ctypes.byref(self.spec), m, h.data_ptr(), positions.data_ptr(), cos.data_ptr(),
                                     ssin.data_ptr(), caches.data_ptr(), self._work_rows(m).data_ptr())

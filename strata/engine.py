@@ -435,7 +435,13 @@ class PipelineEngine(_ModelText):
                 + metric("decode_batch_steps_total", "counter", "Sequences' decode steps in those batches: over "
                          "decode_batches_total, the mean batch.", st.steps)
                 + metric("decode_batch_rows_max", "gauge", "The most sequences' steps in one decode batch.",
-                         st.most_in_batch))
+                         st.most_in_batch)
+                + (metric("kv_pool_positions", "gauge", "Positions of every stage's KV pool (the rig's kv_pool).",
+                          slots.pool.size)
+                   + metric("kv_pool_positions_in_use", "gauge", "Positions of the KV pool held by sequences now.",
+                            slots.pool.size - slots.pool.free)
+                   + metric("kv_pool_waits_total", "counter", "Admissions put off for room in the KV pool.",
+                            st.pool_waits) if slots.pool is not None else []))
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix cache's figures now: the running pipeline's index, lookups and hits since the first start."""

@@ -71,6 +71,8 @@ class Chunk(Message):
                        # row is greedy and only the argmaxes are read: 16 rows of a 128,256 vocabulary are 8 MB)
     ahead: int = 0     # a decode batch on one stage (all rows greedy, rows False): after its step, this many more
                        # on its own argmaxes at the next positions; the result's argmaxes are every step's, step-major
+    span: list = field(default_factory=list)  # a prefill chunk with a KV pool (kv_pool): [offset, positions], the
+                                              # slot's extent of the pool (Transformer.place_slot); []: no pool
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -219,6 +221,7 @@ class KvOp(Message):
     tokens: int      # save, load: rows [0, tokens)
     slot: int = 0    # snap, restore: the sequence's KV slot (0..max_seqs-1), read or written without use_slot
     state: bytes = b""  # restore: the states kept under this key too (linear-attention and window layers'), at `tokens`
+    span: list = field(default_factory=list)  # an op on a slot with a KV pool: its extent [offset, positions]
 
 
 @_message("kv_done")  # stage -> head: a KvOp is done ("" = done, else the one-line error)
@@ -285,6 +288,9 @@ def validate(msg) -> dict:
         raise BadMessage(f"chunk: negative slot {msg['slot']}")
     if (t == "chunk" and len(msg["keep"]) not in (0, KEY_BYTES)) or (t == "kv" and len(msg["state"]) not in (0, KEY_BYTES)):
         raise BadMessage(f"{t}: a state key is {KEY_BYTES} bytes")
+    if t in ("chunk", "kv") and not (msg["span"] == [] or (len(msg["span"]) == 2 and all(
+            type(v) is int and 0 <= v <= _INT_MAX for v in msg["span"]))):
+        raise BadMessage(f"{t}: a span is [offset, positions] of the KV pool")
     if t == "chunk" and msg["seqs"]:
         sq = msg["seqs"]
         if not (msg["phase"] == "decode" and len(sq) == 2 * msg["n"]
@@ -383,6 +389,7 @@ class StageJob:
     dynamic_chunks: bool       # the rig's `dynamic_chunks`: the stage warms the schedule's own chunk shapes
     depth: int
     max_seqs: int              # sequences whose KV the stage holds (slots); > 1: decode steps say "taken" too
+    kv_pool: int               # the rig's kv_pool: a global layer's positions for every slot (0: max_len a slot)
     prefix_device_bytes: int   # the prefix cache's device tier (a CUDA stage's; the planner counted it), 0: none
     decode_batch: str          # the rig's `decode_batch`: a torch stage multiplies a decode batch's rows at once
     perplexity: bool
@@ -449,8 +456,10 @@ def validate_spec(spec) -> dict:
     if not (0 <= s["index"] < s["n_stages"] and 0 <= s["start"] < s["end"]):
         raise BadMessage("spec: stage index or layer range out of range")
     if not (1 <= s["tokens"] <= s["max_len"] and 1 <= s["max_chunk"] <= s["max_len"] and s["depth"] in (0, 1)
-            and s["max_seqs"] >= 1 and s["prefix_block"] >= 1 and s["prefix_device_bytes"] >= 0):
-        raise BadMessage("spec: tokens, max_len, max_chunk, prefix_block, prefix_device_bytes or depth out of range")
+            and s["max_seqs"] >= 1 and s["prefix_block"] >= 1 and s["prefix_device_bytes"] >= 0
+            and (s["kv_pool"] == 0 or (s["max_seqs"] > 1 and s["kv_pool"] >= s["max_len"]))):
+        raise BadMessage("spec: tokens, max_len, max_chunk, prefix_block, prefix_device_bytes, kv_pool or depth out of "
+                         "range")
     from .config import ATTENTION, DECODE_BATCH, DECODE_WEIGHTS, DTYPES, KV_DTYPES, WEIGHTS, device_syntax_ok
     for name, choices in (("dtype", DTYPES), ("attention", ATTENTION), ("weights", WEIGHTS), ("kv_dtype", KV_DTYPES),
                           ("decode_weights", DECODE_WEIGHTS), ("decode_batch", DECODE_BATCH)):

@@ -395,6 +395,7 @@ class Transformer(nn.Module):
         self._weight_only: dict[str, LayerWeightOnly] = {}
         self._head_weight_only: WeightOnly | None = None
         self._blocks = None  # strata.cpu_decode.Decoder (decode_weights="blocks")
+        self.pool, self._pools, self._extents, self._cache_len = 0, {}, [], 0  # setup_cache's
         self._slots: list[dict] = []  # per sequence: layer -> (k, v) cache (setup_cache's seqs); self.slot is in use
         self._slot_caches: dict = {}  # layer -> (k, v) of every slot (the tensors _slots' caches are views of)
         self.batch_rows = True  # decode_seqs multiplies a batch's rows at once (the rig's decode_batch: rows)
@@ -590,7 +591,7 @@ class Transformer(nn.Module):
         return w.device, w.dtype
 
     def setup_cache(self, max_len: int, kv_dtype="auto", max_chunk: int | None = None, seqs: int = 1,
-                    prefix_block: int = PREFIX_BLOCK) -> int:
+                    prefix_block: int = PREFIX_BLOCK, pool: int = 0) -> int:
         """Allocate the KV cache for `max_len` positions once; returns its size in bytes.
 
         kv_dtype: "auto" (the compute dtype), "bfloat16", "float16", "float8_e4m3fn" or "q8_0" (8-bit K and V,
@@ -599,7 +600,9 @@ class Transformer(nn.Module):
         a forward call takes; given, a window layer keeps a ring of window + max_chunk - 1 rows
         (ModelArgs.kv_positions) instead of every position. seqs: that many caches (slots), one per sequence;
         `use_slot` says which one the next forward reads and writes (slot 0 after this). prefix_block: an 8-bit
-        cache's prefix positions widened at once for a chunk's attention (the planner's, by the stage's memory)."""
+        cache's prefix positions widened at once for a chunk's attention (the planner's, by the stage's memory). pool
+        (seqs > 1; >= max_len): the global layers' positions of every slot in one pool of that many, a slot holding
+        the extent place_slot gives it (the rig's kv_pool); 0: each slot max_len of its own."""
         device, dtype = self.device_dtype()
         kv = kv_dtype_of(kv_dtype, dtype)
         self.storage_version += 1  # captured graphs address the old cache
@@ -610,15 +613,34 @@ class Transformer(nn.Module):
                 continue
             blk.attn.k_cache = blk.attn.v_cache = None  # free the old cache before the new one
             blk.attn.max_len, blk.attn.prefix_block = max_len, prefix_block
-        self._slots, self._slot_caches = [], {}  # (the old caches freed first)
+        self._slots, self._slot_caches, self._pools = [], {}, {}  # (the old caches freed first)
+        self.pool, self._cache_len = (pool if seqs > 1 else 0), max_len
+        if self.pool and self.pool < max_len:
+            raise ValueError(f"a KV pool of {self.pool} positions holds no {max_len}-position sequence")
+        nkv, width = self.args.n_kv_heads, cache_width(self.args.head_dim, kv)
         # a layer's slots in one tensor (seqs, nkv, positions, width), each slot its view [s:s + 1]: a decode batch's
-        # kernels reach every row's cache from one base by the row's slot (strata.batch_graphs)
-        self._slot_caches = {i: (torch.zeros(shape, device=device, dtype=kv), torch.zeros(shape, device=device, dtype=kv))
-                             for i, blk in self.layers.items() if not blk.linear
-                             for shape in [(seqs, self.args.n_kv_heads,
-                                            self.args.kv_positions(int(i), max_len, max_chunk),
-                                            cache_width(self.args.head_dim, kv))]}
-        self._slots = [{i: (k[s:s + 1], v[s:s + 1]) for i, (k, v) in self._slot_caches.items()} for s in range(seqs)]
+        # kernels reach every row's cache from one base by the row's slot (strata.batch_graphs). With a pool, a
+        # global layer's positions are one tensor (1, nkv, pool, width) for every slot, and slot s is the extent
+        # place_slot gave it, [off, off + cap); slot_caches then shows the pool as (1, nkv, pool, width) with
+        # one position between "slots" (its first dim's stride; no index past 0 is a valid view, but the kernels read
+        # only the rows a slot holds), so the same kernels reach row p of the extent at off from "slot" `off`.
+        for i, blk in self.layers.items():
+            if blk.linear:
+                continue
+            if self.pool and blk.attn.window is None:
+                k, v = (torch.zeros(1, nkv, self.pool, width, device=device, dtype=kv) for _ in range(2))
+                self._pools[i] = (k, v)
+                self._slot_caches[i] = tuple(c.as_strided((1, nkv, self.pool, width),
+                                                          (width, self.pool * width, width, 1)) for c in (k, v))
+                continue
+            shape = (seqs, nkv, self.args.kv_positions(int(i), max_len, max_chunk), width)
+            self._slot_caches[i] = (torch.zeros(shape, device=device, dtype=kv),
+                                    torch.zeros(shape, device=device, dtype=kv))
+        # (a pooled layer's slot holds no position until place_slot)
+        self._slots = [{i: (k[:, :, :0], v[:, :, :0]) if i in self._pools else (ck[s:s + 1], cv[s:s + 1])
+                        for i, (ck, cv) in self._slot_caches.items() for k, v in [self._pools.get(i, (ck, cv))]}
+                       for s in range(seqs)]
+        self._extents = [(0, 0)] * seqs  # with a pool: each slot's (offset, positions)
         self.slot = -1
         self.use_slot(0)
         if self._blocks is not None:
@@ -631,8 +653,43 @@ class Transformer(nn.Module):
         return len(self._slots)
 
     def slot_caches(self, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """An attention layer's K and V caches of every slot: (seqs, nkv, positions, width) each; slot s is [s]."""
+        """An attention layer's K and V caches of every slot: (seqs, nkv, positions, width) each; slot s is [s]. A
+        pooled layer's (setup_cache's pool): the pool as (1, nkv, pool, width) whose first dim's stride is one
+        position: the decode batch kernels' slot index slot_base(s) reaches slot s's extent."""
         return self._slot_caches[layer]
+
+    def pooled(self, layer: str) -> bool:
+        """Whether the layer's slots are extents of one pool (setup_cache's pool): slot_base, not the slot, is a
+        batch row's index into slot_caches."""
+        return layer in self._pools
+
+    def slot_base(self, slot: int) -> int:
+        """A pooled layer's index of slot `slot` in slot_caches: its extent's first position."""
+        return self._extents[slot][0]
+
+    def slot_positions(self, slot: int) -> int:
+        """Positions slot `slot` holds in every layer: its extent's with a pool, else the cache's."""
+        return self._extents[slot][1] if self.pool else self._cache_len
+
+    def place_slot(self, slot: int, offset: int, positions: int) -> None:
+        """Slot `slot`'s global layers at positions [offset, offset + positions) of the pool (setup_cache's pool):
+        the extent the head's allocator gave its sequence (strata.slots). Its rows there are the sequence's; what
+        the extent held before is not cleared (its sequence wrote every row it reads)."""
+        if not self.pool:
+            raise ValueError("place_slot: the slots have no pool (setup_cache's pool is 0)")
+        if not (0 <= slot < len(self._slots) and 0 <= offset and 0 <= positions and offset + positions <= self.pool):
+            raise ValueError(f"slot {slot} at [{offset}, {offset + positions}) of a {self.pool}-position pool "
+                             f"with {len(self._slots)} slots")
+        if self._extents[slot] == (offset, positions):
+            return
+        for i, (k, v) in self._pools.items():
+            self._slots[slot][i] = (k[:, :, offset:offset + positions], v[:, :, offset:offset + positions])
+        self._extents[slot] = (offset, positions)
+        if slot == self.slot:
+            self.slot = -1
+            self.use_slot(slot)
+        if self._blocks is not None:
+            self._blocks.slot_moved(slot)
 
     def use_slot(self, slot: int) -> None:
         """Point every layer at sequence `slot`'s cache (setup_cache's seqs): what the next forward reads and
@@ -677,7 +734,9 @@ class Transformer(nn.Module):
         if not self._slots:  # caches set by hand (strata.calibrate's probes)
             return sum(c.numel() * c.element_size() for blk in self.layers.values()
                        for c in (blk.attn.k_cache, blk.attn.v_cache) if c is not None)
-        return sum(c.numel() * c.element_size() for slot in self._slots for kv in slot.values() for c in kv)
+        pooled = sum(c.numel() * c.element_size() for kv in self._pools.values() for c in kv)
+        return pooled + sum(c.numel() * c.element_size() for slot in self._slots for i, kv in slot.items()
+                            if i not in self._pools for c in kv)
 
     # -- compute ---------------------------------------------------------------------------
     def set_prompt_length(self, n: int) -> None:

@@ -191,6 +191,7 @@ class Pipeline:
         self._device_tiers: dict[int, tuple[int, int]] = {}  # stage -> its device tier's (blocks, hits), last said
         self.kv_answers = 0                        # KvDone notes received (the slot driver's watchdog: progress)
         self._want_rows: set[int] = set()          # several sequences: chunks whose logits row the head keeps
+        self._spans: dict[int, tuple[int, int]] = {}  # kv_pool: each slot's extent of the stages' pools (place_slot)
         self._rows: dict[int, torch.Tensor] = {}   # ... and those rows, by chunk
         self._restored = 0                         # this prefill's prompt positions restored from snapshots
         self._lookups = self._hits = 0             # prefix-cache lookups, and those that found a usable prefix
@@ -267,7 +268,7 @@ class Pipeline:
             seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk,
             prefix_block=sp.prefix_block,
             dynamic_chunks=cfg.dynamic_chunks, depth=cfg.depth,
-            max_seqs=cfg.max_seqs, decode_batch=cfg.decode_batch,
+            max_seqs=cfg.max_seqs, kv_pool=cfg.kv_pool, decode_batch=cfg.decode_batch,
             prefix_device_bytes=plan.planner.get("needs", [{}] * len(plan.stages))[sp.index].get("prefix_cache", 0),
             perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,
             log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
@@ -553,6 +554,11 @@ class Pipeline:
         self._kept_n = 0
         return time.perf_counter()
 
+    def place_slot(self, slot: int, offset: int, positions: int) -> None:
+        """The extent [offset, offset + positions) of every stage's KV pool (kv_pool) that `slot`'s next sequence
+        holds: its chunks and KV rounds carry it to the stages (Transformer.place_slot)."""
+        self._spans[slot] = (offset, positions)
+
     def put_slot_ids(self, slot: int, ids: np.ndarray, start: int = 0) -> None:
         """ids[start:] into `slot`'s part of the ids segment (stage 0 reads a chunk's ids there)."""
         base = slot * (self.plan.max_len + 1)
@@ -572,7 +578,7 @@ class Pipeline:
         if row:
             self._want_rows.add(k)
         self._wire.send(0, M.Chunk(k=k, pos=pos, n=n, phase=phase, t0=t0, tokens=tokens, score=score, slot=slot,
-                                   keep=self._keep_after(slot, pos + n, phase)))
+                                   keep=self._keep_after(slot, pos + n, phase), span=list(self._spans.get(slot, ()))))
         self._sent += 1
         if self.startup is None:
             self._startup_done()
@@ -821,8 +827,9 @@ class Pipeline:
 
     def _kv_msgs(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0,
                  slot: int = 0) -> dict[int, M.KvOp]:
+        span = list(self._spans.get(slot, ())) if op in ("snap", "restore", "load") else []
         return {i: M.KvOp(op=op, keys=list(keys), blocks=list(blocks), block=self._block, path=path,
-                          offset=offsets[i] if offsets else 0, tokens=tokens, slot=slot)
+                          offset=offsets[i] if offsets else 0, tokens=tokens, slot=slot, span=span)
                 for i in range(len(self.stages))}
 
     def _kv_all(self, op: str, keys=(), blocks=(), path: str = "", offsets=None, tokens: int = 0, slot: int = 0):
@@ -1026,8 +1033,13 @@ class Pipeline:
     def _kv_file_checks(self, what: str, slot: bool = False) -> int:
         """Refusals common to kv_save and kv_load; -> bytes of one layer's position (k and v)."""
         self._kv_file_refusals(what, slot)
-        per_layer = {st.kv_bytes // self.cfg.max_seqs // self.plan.max_len // (st.layers[1] - st.layers[0])
-                     for st in self.stages}  # (kv_bytes: every slot's cache)
+        if self.cfg.kv_pool:  # (kv_bytes counts the pool, not max_seqs x max_len positions)
+            from .attention import kv_dtype_of
+            kv = kv_dtype_of(self.cfg.kv_dtype, getattr(torch, self.cfg.dtype))
+            per_layer = {prefix_cache.row_bytes_of(self.plan.args, [0], kv)}
+        else:
+            per_layer = {st.kv_bytes // self.cfg.max_seqs // self.plan.max_len // (st.layers[1] - st.layers[0])
+                         for st in self.stages}  # (kv_bytes: every slot's cache)
         if len(per_layer) != 1:
             raise kv_file.KvFileError(f"{what}: the layers' caches differ in width ({sorted(per_layer)} bytes a row)")
         return per_layer.pop()

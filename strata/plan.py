@@ -285,8 +285,11 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     # max_seqs sequences' KV on every stage, and on a CUDA stage the prefix cache's device tier (auto: after the
     # split, from the memory it leaves: device_tiers)
     tier = 0 if cfg.prefix_cache_device_bytes == "auto" else cfg.prefix_cache_device_bytes
+    if cfg.kv_pool and cfg.kv_pool < kv_tokens:
+        raise ConfigError(f"kv_pool {cfg.kv_pool} holds no sequence of max_context {kv_tokens} positions: give at "
+                          f"least {kv_tokens}")
     store = {kind: replace(storage(cfg.model, args, cfg.dtype, cfg.weights, cfg.kv_dtype, kind), seqs=cfg.max_seqs,
-                           prefix_device=tier if kind == "cuda" else 0)
+                           prefix_device=tier if kind == "cuda" else 0, pool=cfg.kv_pool)
              for kind in {"cpu" if h else "cuda" for h in host}}
     per_stage = [store["cpu" if h else "cuda"] for h in host]
     if not auto:
@@ -317,7 +320,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         raise ConfigError(err + would_fit(fit, chunks[-1], kv_tokens, cfg.kv_dtype,
                                           lambda kv: [replace(storage(cfg.model, args, cfg.dtype, cfg.weights, kv,
                                                                       "cpu" if h else "cuda"), seqs=cfg.max_seqs,
-                                                              prefix_device=0 if h else tier)
+                                                              prefix_device=0 if h else tier, pool=cfg.kv_pool)
                                                       for h in host]))
     per_stage = prefix_blocks(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
     per_stage = device_tiers(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)

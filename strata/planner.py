@@ -88,6 +88,7 @@ class Storage:
     seqs: int = 1              # sequences whose KV a stage holds (the rig's max_seqs): the KV counts this many times
     prefix_block: int = PREFIX_BLOCK  # an 8-bit cache's prefix positions widened at once for a chunk's attention
     prefix_device: int = 0     # a CUDA stage's device tier of the prefix cache (prefix_cache_device_bytes)
+    pool: int = 0              # the rig's kv_pool: a global layer's positions for all `seqs` sequences (0: seqs x tokens)
 
 
 def kv_rows(args: ModelArgs, n: int, tokens: int, chunk: int, start: int | None = None) -> int:
@@ -133,6 +134,10 @@ def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b
         weights = int(layers) + st.scratch + (st.embed if first else 0)
         if last:
             weights += st.norm + (0 if args.tie_embeddings and first else st.head)
+        if st.pool:  # a global layer holds the pool once; a window layer's ring and a state stay one a sequence
+            per = [0 if args.is_linear(i) else st.pool if args.window(i) is None
+                   else args.kv_positions(i, tokens, chunk) * st.seqs for i in range(args.n_layers)]
+            return weights, int(2 * kvw * _window(per, n, start) * st.kv_elem) + states * st.seqs
         return weights, (int(2 * kvw * rows * st.kv_elem) + states) * st.seqs
     # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
     if args.first_dense_layers or args.linear_layers is not None:

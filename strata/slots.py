@@ -45,6 +45,48 @@ IDLE_WAIT_S = 0.1      # an idle driver wakes this often to look for a stop (a s
 POLL_MS = 5            # with sequences running, the driver looks for new ones at least this often
 
 
+POOL_GRAIN = 64        # kv_pool: extents are whole multiples of this many positions (fewer odd gaps)
+
+
+class Extents:
+    """The head's allocator of every stage's KV pool (the rig's kv_pool): first fit over the free gaps, a freed
+    extent merged with its neighbours. The stages' pools are the same size, and each sequence holds the same extent
+    on every stage, so the head alone keeps the books."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.gaps: list[list[int]] = [[0, size]] if size else []  # [offset, positions], by offset
+
+    @property
+    def free(self) -> int:
+        return sum(n for _, n in self.gaps)
+
+    def take(self, n: int) -> int | None:
+        """The offset of n free positions, now taken, or None (no gap holds n: the caller waits)."""
+        for g in self.gaps:
+            if g[1] >= n:
+                off = g[0]
+                g[0], g[1] = g[0] + n, g[1] - n
+                if not g[1]:
+                    self.gaps.remove(g)
+                return off
+        return None
+
+    def give(self, off: int, n: int) -> None:
+        """Positions [off, off + n) free again."""
+        if not n:
+            return
+        at = next((i for i, g in enumerate(self.gaps) if g[0] > off), len(self.gaps))
+        if (at and self.gaps[at - 1][0] + self.gaps[at - 1][1] > off) or (at < len(self.gaps)
+                                                                           and off + n > self.gaps[at][0]):
+            raise ValueError(f"extent [{off}, {off + n}) is partly free already")
+        self.gaps.insert(at, [off, n])
+        if at + 1 < len(self.gaps) and off + n == self.gaps[at + 1][0]:
+            self.gaps[at][1] += self.gaps.pop(at + 1)[1]
+        if at and self.gaps[at - 1][0] + self.gaps[at - 1][1] == off:
+            self.gaps[at - 1][1] += self.gaps.pop(at)[1]
+
+
 @dataclass(eq=False)  # compared by identity: list.remove must not compare two prompts' arrays
 class SlotRun:
     """One sequence on its way through the driver: what the caller gave, and where it stands."""
@@ -73,6 +115,8 @@ class SlotRun:
     t_end: float = 0.0
     error: BaseException | None = None
     end_token: int | None = None        # the end token that ended it (one of SlotDriver.ends), else None
+    extent: tuple | None = None         # kv_pool: its (offset, positions) of every stage's pool while it holds a slot
+    pool_waited: bool = False           # kv_pool: its admission waited for room (counted once)
     load: tuple | None = None           # a KV file's rows into the slot, then into the prefix cache: (path, its
                                         # rows' offset, bytes a layer's position), Pipeline.load_slot_check's
     done: threading.Event = field(default_factory=threading.Event)
@@ -92,6 +136,8 @@ class SlotStats:
     restores: int = 0                   # sequences whose prompt began with blocks restored from the prefix cache
     restored_tokens: int = 0            # ... and the positions restored
     sends_during_kv: int = 0            # micro-batches sent while a prefix-cache round (restore, snapshot) was out
+    pool_waits: int = 0                 # kv_pool: admissions put off because no gap of the pool held the sequence
+    pool_most_used: int = 0             # kv_pool: the most positions its extents held at once
 
 
 class SlotDriver:
@@ -121,6 +167,8 @@ class SlotDriver:
         self._stopping = False
         self._running: list[SlotRun] = []           # admitted, in slot order of admission (the round-robin)
         self._free = list(range(max_seqs - 1, -1, -1))
+        # kv_pool: the stages' pools, an extent a sequence (None: each slot holds max_context positions)
+        self.pool = Extents(pipe.cfg.kv_pool) if pipe.cfg.kv_pool else None
         self._freeing: list[SlotRun] = []           # finished, their slot held until their snapshot's round is done
         self._loading: list[SlotRun] = []           # KV files being read into their slots (`load`)
         self._answers = 0                           # the Pipeline's KvDone count at the last look (progress)
@@ -203,8 +251,8 @@ class SlotDriver:
                         raise PipelineError("the pipeline was stopped while sequences ran")
                 while self._free:
                     with self._cond:
-                        if not self._queue:
-                            break
+                        if not self._queue or not self._place(self._queue[0]):
+                            break  # (a sequence the pool has no room for waits, and those behind it)
                         run = self._queue.popleft()
                     self._admit(run)  # (running from its start: a failure of its restore fails it too)
                 if self._send():
@@ -230,13 +278,40 @@ class SlotDriver:
                 log.exception("the slot driver failed")
             self._fail(e if isinstance(e, PipelineError) else PipelineError(f"{type(e).__name__}: {e}"))
 
+    def _place(self, run: SlotRun) -> bool:
+        """kv_pool: an extent of the pool for the run's positions (its prompt and continuation, a KV file's rows),
+        unless it has one -> whether it has one now (without a pool: always)."""
+        if self.pool is None or run.extent is not None:
+            return True
+        if run.load is not None or run.score >= 0:
+            need = run.ids.size
+        else:
+            need = run.ids.size + run.params.max_tokens
+        need = min(-(-need // POOL_GRAIN) * POOL_GRAIN, self.pipe.max_context)
+        off = self.pool.take(need)
+        if off is None:
+            if not run.pool_waited:
+                run.pool_waited = True
+                self.stats.pool_waits += 1
+            return False
+        run.extent = (off, need)
+        self.stats.pool_most_used = max(self.stats.pool_most_used, self.pool.size - self.pool.free)
+        return True
+
+    def _free_slot(self, run: SlotRun) -> None:
+        """The run's slot (and its extent of the pool) to the next sequence."""
+        self._free.append(run.slot)
+        if run.extent is not None:
+            self.pool.give(*run.extent)
+            run.extent = None
+
     def _release(self) -> None:
         """Slots whose sequence finished and whose snapshot every stage has answered go back to the free list (a
         KV file's load is done then: its blocks are in the prefix cache)."""
         for run in [r for r in self._freeing if r.snap is None or r.snap.complete]:
             self._freeing.remove(run)
             run.snap = None
-            self._free.append(run.slot)
+            self._free_slot(run)
             if run.load is not None:
                 run.done.set()
 
@@ -250,7 +325,7 @@ class SlotDriver:
             run.kv = None
             if bad:
                 run.error = KvFileError(f"kv_load: cannot read {run.load[0]}: {bad[0]}")
-                self._free.append(run.slot)
+                self._free_slot(run)
                 run.done.set()
                 continue
             run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)
@@ -280,6 +355,8 @@ class SlotDriver:
         from .sampling import Sampler
         if run.load is not None:  # a KV file: no chunk, no phase; its slot's rows from the file, then a snapshot
             run.slot = self._free.pop()
+            if run.extent is not None:
+                self.pipe.place_slot(run.slot, *run.extent)
             run.kv = self.pipe.load_slot_begin(run.slot, run.load[0], run.ids, *run.load[1:])
             self._loading.append(run)
             return
@@ -288,12 +365,17 @@ class SlotDriver:
         except ValueError as e:
             run.error = e
             run.done.set()
+            if run.extent is not None:
+                self.pool.give(*run.extent)
+                run.extent = None
             return
         if self._t0 is None:
             self._t0 = self.pipe.begin_slots()
             self._by_k.clear()
             self._batches = 0
         run.slot = self._free.pop()
+        if run.extent is not None:
+            self.pipe.place_slot(run.slot, *run.extent)
         self._running.append(run)
         n = run.ids.size
         cap = n - 1 if run.score < 0 else min(n - 1, run.start - 1)  # the rows that must be computed come after

@@ -56,6 +56,7 @@ def check_batches(eager, body, first: bool, prompts: list, batches: list[list[in
             static[n:r] = x[:1]
             bg.pos[:r] = torch.tensor([pos[s] for s in order] + [pos[order[0]]] * (r - n))
             bg.slot[:r] = torch.tensor(order + [order[0]] * (r - n))
+            bg.base[:r] = torch.tensor([body.slot_base(s) for s in order + [order[0]] * (r - n)])
             bg.live[:r] = torch.arange(r) < n
             b = bg.bucket(max(pos[s] for s in order))
             h, logits, am = bg.body(r, b)
@@ -68,7 +69,11 @@ def check_batches(eager, body, first: bool, prompts: list, batches: list[list[in
                 pos[s] += 1
         for i, blk in body.layers.items():  # the rows each batch wrote (padding rows wrote none), the states it left
             held = (lambda m: m.layers[i].attn.slot_states()) if blk.linear else (lambda m: m.slot_caches(i))
-            for a, b in zip(held(eager), held(body)):
+            pairs = list(zip(held(eager), held(body)))
+            if body.pooled(i):  # (a KV pool: each slot's extent against the slot's own cache)
+                pairs = [(a[:, :, :b.shape[2]], b) for s in range(len(prompts))
+                         for a, b in zip(eager._slots[s][i], body._slots[s][i])]
+            for a, b in pairs:
                 q8 = a.dtype == Q8_0  # int8 steps: a value now and then rounds the other way (1/127 of a block's max)
                 a, b = (from_cache(a, torch.float32), from_cache(b, torch.float32)) if q8 else (a, b)
                 assert rel(b, a) < (1e-2 if q8 else tol), (i, rel(b, a))
@@ -143,13 +148,16 @@ from test_batch_graphs import check_batches
 from test_decode_model import SMALL
 from strata.checkpoint import synthetic_tensors
 from strata.model import Transformer
-kv, start = sys.argv[2], int(sys.argv[3])
+kv, start, pool = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 0
 args = SMALL if kv != "q8_0" else dataclasses.replace(SMALL, n_heads=4, head_dim=32)  # q8_0: blocks of 32
-def build():
+def build(pool=0):
     with torch.device("meta"):
         m = Transformer(args, start, args.n_layers)
     m.load_weights(synthetic_tensors(args, start, args.n_layers, "cpu", torch.float32, seed=4), "cpu", torch.float32)
-    m.setup_cache(600, kv, seqs=3)
+    m.setup_cache(600, kv, seqs=3, pool=pool)
+    if pool:  # extents out of slot order, each just the positions its sequence takes (a KV pool: kv_pool)
+        for s, (off, n) in enumerate([(430, 520), (0, 48), (100, 270)]):
+            m.place_slot(s, off, n)
     return m.eval()
 g = torch.Generator().manual_seed(1)
 if start == 0:
@@ -157,7 +165,7 @@ if start == 0:
 else:
     prompts = [torch.randn(1, n, args.dim, generator=g) for n in (514, 40, 264)]
 batches = [[2, 0, 1], [1], [0, 2], [2, 1, 0], [0]]
-print(check_batches(build(), build(), start == 0, prompts, batches, 1e-4 if kv == "q8_0" else 1e-5, kv != "auto"))
+print(check_batches(build(), build(pool), start == 0, prompts, batches, 1e-4 if kv == "q8_0" else 1e-5, kv != "auto"))
 """
 
 
@@ -191,15 +199,17 @@ class OnCPU(BatchGraphs):
         return Replayed(lambda: self.body(r, b), out), out
 
 
-if sys.argv[2] == "llama":
+if sys.argv[2] in ("llama", "llama-pool"):
     args = SMALL
 
-    def build(seqs):
+    def build(seqs, pool=0):
         with torch.device("meta"):
             m = Transformer(SMALL)
         m.load_weights(synthetic_tensors(SMALL, 0, SMALL.n_layers, "cpu", torch.float32, seed=4), "cpu",
                        torch.float32)
-        m.setup_cache(300, seqs=seqs)
+        m.setup_cache(300, seqs=seqs, pool=pool)
+        for s in range(seqs if pool else 0):  # a KV pool (kv_pool): extents of 80 positions, in reverse slot order
+            m.place_slot(s, 80 * (seqs - 1 - s), 80)
         return m.eval()
 else:  # a hybrid: its linear layers' states stand where each slot left them
     import tempfile
@@ -209,14 +219,14 @@ else:  # a hybrid: its linear layers' states stand where each slot left them
     _, d = make_hf(Path(tempfile.mkdtemp()), sys.argv[2])
     args = model_args(d)
 
-    def build(seqs):
+    def build(seqs, pool=0):
         m = Transformer(args)
         m.load_weights(slice_tensors(d, args, 0, args.n_layers), "cpu", torch.float32)
         m.setup_cache(300, max_chunk=64, seqs=seqs)
         return m.eval()
 
 
-eager, m = build(6), build(6)
+eager, m = build(6), build(6, 480 if sys.argv[2] == "llama-pool" else 0)
 g = torch.Generator().manual_seed(5)
 prompts = [torch.randint(0, args.vocab_size, (1, 30 + 7 * s), generator=g) for s in range(6)]
 with torch.inference_mode():
@@ -248,13 +258,14 @@ print(sorted(bg.graphs))
 """
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("model", ["llama", "qwen3_5", "llama-pool"])
 def test_step_pads_groups_and_refuses(model):
     """BatchGraphs.step with a replay that reruns the body into the captured outputs (a CUDA graph's contract, on
     CPU): batches of 6, 3 and 1 sequences at their own positions, 6 over max_rows 4 replayed as 4 then 2 rows, 3 as 4
     (a padding row); each row's logits and argmax == the sequence's eager step alone (qwen3_5: its linear layers'
     states stepped per slot, checked and moved on by the host). A slot named twice, a slot or position outside the
-    caches, a position where the slot's state does not stand: a one-line ValueError."""
+    caches, a position where the slot's state does not stand: a one-line ValueError. llama-pool: the slots' caches are
+    extents of one KV pool (kv_pool), each row's found from its slot's extent (a position past the extent: refused)."""
     out = _interpreted(STEP, model).splitlines()
     out = [line for line in out if not line.startswith("Writing")]
     want = ["a decode batch names a slot twice", "slot 6 at position 40", "slot 1 at position 300"]
@@ -273,6 +284,15 @@ def test_batch_body_matches_each_step_alone(kv, start):
     bfloat16 or int8 step, and the eager path's other products move more of them (the one-token body is 7e-4 from
     eager with a bfloat16 cache); a q8_0 cache's int8 steps are coarse enough that its rows hold to 1e-4."""
     out = _interpreted(SMALL_BODY, kv, str(start))
+    assert out == "[(1, 256), (1, 600), (2, 512), (4, 512), (4, 600)]", out
+
+
+@pytest.mark.parametrize("kv", ["auto", "q8_0"])
+def test_batch_body_over_a_kv_pool_matches_each_step_alone(kv):
+    """The same batches with the slots' global layers in one KV pool (kv_pool): each slot an extent of its own
+    length, placed out of slot order, the kernels reaching it from the extent's first position. Each row == the
+    step alone of a model whose slots are caches of their own, and each extent holds that cache's rows."""
+    out = _interpreted(SMALL_BODY, kv, "0", "1000")
     assert out == "[(1, 256), (1, 600), (2, 512), (4, 512), (4, 600)]", out
 
 

@@ -130,7 +130,8 @@ def _job(**over):
                      heartbeat_timeout_s=10.0, head_clock=0.0, boot_id="b")
     job = dict(index=1, n_stages=2, device="cpu", dtype="float32", attention="flash", weights="auto", kv_dtype="auto",
                memory=None, threads=1, cores=[], start=4, end=8, model="synthetic:smoke", args={"dim": 128}, seed=0,
-               max_len=512, tokens=64, max_chunk=64, prefix_block=16384, dynamic_chunks=False, depth=1, max_seqs=1, decode_batch="rows",
+               max_len=512, tokens=64, max_chunk=64, prefix_block=16384, dynamic_chunks=False, depth=1, max_seqs=1, kv_pool=0,
+               decode_batch="rows",
                prefix_device_bytes=0,
                perplexity=True,
                segments={}, endpoints=[], head_endpoint="", log_file="", console=False, dump_residual="",

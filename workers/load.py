@@ -47,7 +47,7 @@ def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
                        decode_weights=cpu_decode, max_chunk=spec.max_chunk,
                        # the head's choices (the planner sized activations for the same attention path)
                        kernels=kernel_spec(spec.kernels), attention=spec.attention, seqs=spec.max_seqs,
-                       prefix_block=spec.prefix_block)
+                       prefix_block=spec.prefix_block, pool=spec.kv_pool)
     if model.kernels.window_attention == "flex" and any(getattr(b.attn, "window", None) is not None
                                                        for b in model.layers.values()):
         why = strata.attention.flex_unavailable(device, dtype, model.triton_state)

@@ -80,8 +80,9 @@ class Stage(DecodeRing):
             kind = self.model.decode_batch_kind()
             if spec.cuda_graphs and self.device.type == "cuda":
                 kind = f"in CUDA graphs where they cover the slice (the decode line below says), else {kind}"
-            log.info("KV slots: %d sequences, %s bytes each; decode batches %s", spec.max_seqs,
-                     f"{self.kv_bytes // spec.max_seqs:,}", kind)
+            held = (f"one pool of {spec.kv_pool:,} positions for their global layers ({self.kv_bytes:,} bytes in all)"
+                    if spec.kv_pool else f"{self.kv_bytes // spec.max_seqs:,} bytes each")
+            log.info("KV slots: %d sequences, %s; decode batches %s", spec.max_seqs, held, kind)
         if self.device.type == "cuda":  # what the planner counted against what is held
             m, held = self.model, torch.cuda.memory_allocated(self.device)
             log.info("GPU memory at load: %s bytes allocated = weights %s + scratch %s + KV %s + other %s", f"{held:,}",
@@ -238,6 +239,10 @@ class Stage(DecodeRing):
         if msg.seqs and not (n <= self.max_seqs and all(s < self.max_seqs for s in msg.seqs[0::2])
                              and all(p < self.spec.max_len for p in msg.seqs[1::2])):
             raise M.BadMessage(f"chunk: a decode batch outside the {self.max_seqs} slots of {self.spec.max_len} positions")
+        if msg.seqs and self.model.pool and any(p >= self.model.slot_positions(sl)
+                                                for sl, p in zip(msg.seqs[0::2], msg.seqs[1::2])):
+            raise M.BadMessage("chunk: a decode batch's row outside its slot's extent of the KV pool")
+        self.place(msg.slot, msg.span, "chunk")
         if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
             if data is None:
                 raise M.BadMessage("chunk: no rows with the note (across hosts they travel together)")
@@ -280,7 +285,18 @@ class Stage(DecodeRing):
         """A prefix-cache or KV-file operation: between prompts, or (max_seqs > 1) on a slot with nothing in flight
         while other slots' chunks may be; answered in order, a restore of blocks on disk alone once a thread has
         read their files (workers/kv_ops.py)."""
+        self.place(msg.slot, msg.span, "kv")
         self.kv.submit(msg)
+
+    def place(self, slot: int, span: list, what: str) -> None:
+        """A slot's extent of the KV pool (kv_pool), as the head's allocator gave it to the slot's new sequence: it
+        comes with the sequence's first message on whichever path (a restore or load from the head, its first
+        chunk from upstream), and the same with each later one. Nothing else is in flight on that slot then."""
+        if not span:
+            return
+        if not self.model.pool or slot >= self.max_seqs or span[0] + span[1] > self.model.pool:
+            raise M.BadMessage(f"{what}: slot {slot} at {span} outside the KV pool ({self.model.pool} positions)")
+        self.model.place_slot(slot, *span)
 
     def on_peers(self, msg: M.Peers, data) -> None:
         """The head says where this stage's neighbours across hosts listen: connect to them."""
@@ -349,7 +365,7 @@ class Stage(DecodeRing):
         else:
             self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0,
                                                                tokens=msg.tokens, score=msg.score, slot=msg.slot,
-                                                               keep=msg.keep))
+                                                               keep=msg.keep, span=msg.span))
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
