@@ -282,9 +282,11 @@ def test_batch_graphs_close_to_each_step_alone(tmp_path, family):
     assert {r for r, _ in rows[0]._batch.graphs} == ({1, 2} if family == "qwen3_moe" else {1, 2, 4})
 
 
-def test_max_seqs_on_cuda_equals_alone(tmp_path):
+@pytest.mark.parametrize("pool", [0, 640])
+def test_max_seqs_on_cuda_equals_alone(tmp_path, pool):
     """max_seqs 3 on two stages of one GPU (decode batches from strata.batch_graphs' graphs), decode_batch steps:
-    three sequences at once give each the greedy ids it gets alone, with two or more in flight together. (With rows,
+    three sequences at once give each the greedy ids it gets alone, with two or more in flight together; with a
+    KV pool (kv_pool 640) too, where alone each runs in the pool's first extent and together in three. (With rows,
     the default, a batch's bf16 products round apart from one row's, and a random model's near-flat logits let the
     greedy ids part: test_batch_graphs_close_to_each_step_alone holds those rows to bf16's rounding.)"""
     import threading
@@ -294,6 +296,7 @@ def test_max_seqs_on_cuda_equals_alone(tmp_path):
     # compute its last token alone on the decode path, rounded otherwise than the cold prefill's last chunk)
     eng = PipelineEngine(dict(model=MODEL, dtype="bfloat16", stages=[{"device": "cuda:0"}] * 2, chunk=64,
                               max_context=512, progress=False, max_seqs=3, decode_batch="steps", prefix_reuse="chunks",
+                              kv_pool=pool,
                               prompt={"random": {"tokens": 8, "seed": 0}}),  # (a synthetic model has no tokenizer)
                          out=tmp_path / "slots")
     try:
