@@ -232,11 +232,12 @@ class RigConfig:
                                             # (each weight read once a batch; in C a row keeps the bits of its
                                             # step alone, with torch's products within rounding of them); steps:
                                             # each sequence's step alone, one after another, on a torch stage
-    kv_pool: int = 0                        # max_seqs > 1: the KV positions each stage holds for all sequences
+    kv_pool: int | str = 0                  # max_seqs > 1: the KV positions each stage holds for all sequences
                                             # together in its global-attention layers, one pool from which each
                                             # sequence takes an extent of its prompt + max_tokens while it runs
-                                            # (a sequence waits while none is free), >= max_context. 0: each
-                                            # slot holds max_context positions (max_seqs x max_context)
+                                            # (a sequence waits while none is free), >= max_context; auto: what
+                                            # the stages' memory holds (the planner's). 0: each slot holds
+                                            # max_context positions (max_seqs x max_context)
     batch_ahead: int = 0                    # max_seqs > 1 on one stage: a decode batch whose rows are all greedy
                                             # runs up to this many more steps on its own argmaxes before the head
                                             # answers (the stage never waits for the head between them; a row
@@ -348,6 +349,12 @@ def _bytes_or_auto(name: str, v):
     raise ConfigError(f"{name}: expected 'auto' or a number of bytes, got {v!r}")
 
 
+def _positions_or_auto(name: str, v):
+    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    raise ConfigError(f"{name}: expected 'auto' or a number of positions, got {v!r}")
+
+
 def _chunk(name: str, c):
     if c == "auto" or (isinstance(c, int) and not isinstance(c, bool)):
         return c
@@ -384,7 +391,7 @@ def _layer_split(name: str, ls):
 # fields whose type is not a plain scalar: every one of them has its parser here
 _PARSERS = {
     RigConfig: {"stages": _stages, "layer_split": _layer_split, "chunk": _chunk,
-                "prefix_cache_device_bytes": _bytes_or_auto,
+                "prefix_cache_device_bytes": _bytes_or_auto, "kv_pool": _positions_or_auto,
                 "prompt": _sub(PromptSpec, {"random": _random}), "debug": _sub(DebugSpec),
                 "kernels": _sub(KernelSpec, _KERNEL_PARSERS)},
     PromptSpec: {"random": _random},
@@ -532,7 +539,7 @@ def _check_values(cfg: RigConfig) -> None:
             raise ConfigError(f"max_seqs {cfg.max_seqs} refused: {why}")
     if not 0 <= cfg.batch_ahead <= MAX_BATCH_AHEAD:
         raise ConfigError(f"batch_ahead: 0 to {MAX_BATCH_AHEAD} steps, got {cfg.batch_ahead}")
-    if cfg.kv_pool < 0:
+    if cfg.kv_pool != "auto" and cfg.kv_pool < 0:
         raise ConfigError(f"kv_pool: must be >= 0 positions (0: a slot of max_context each), got {cfg.kv_pool}")
     if cfg.kv_pool and cfg.max_seqs == 1:
         raise ConfigError("kv_pool: a pool shared by several sequences needs max_seqs > 1")

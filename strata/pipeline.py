@@ -268,7 +268,7 @@ class Pipeline:
             seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk,
             prefix_block=sp.prefix_block,
             dynamic_chunks=cfg.dynamic_chunks, depth=cfg.depth,
-            max_seqs=cfg.max_seqs, kv_pool=cfg.kv_pool, decode_batch=cfg.decode_batch,
+            max_seqs=cfg.max_seqs, kv_pool=plan.kv_pool, decode_batch=cfg.decode_batch,
             prefix_device_bytes=plan.planner.get("needs", [{}] * len(plan.stages))[sp.index].get("prefix_cache", 0),
             perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,
             log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
@@ -1033,7 +1033,7 @@ class Pipeline:
     def _kv_file_checks(self, what: str, slot: bool = False) -> int:
         """Refusals common to kv_save and kv_load; -> bytes of one layer's position (k and v)."""
         self._kv_file_refusals(what, slot)
-        if self.cfg.kv_pool:  # (kv_bytes counts the pool, not max_seqs x max_len positions)
+        if self.plan.kv_pool:  # (kv_bytes counts the pool, not max_seqs x max_len positions)
             from .attention import kv_dtype_of
             kv = kv_dtype_of(self.cfg.kv_dtype, getattr(torch, self.cfg.dtype))
             per_layer = {prefix_cache.row_bytes_of(self.plan.args, [0], kv)}

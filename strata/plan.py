@@ -17,7 +17,7 @@ from .config import ConfigError, RigConfig, StageSpec, check_device
 from .args import ModelArgs
 from .schedule import chunk_schedule
 from .attention import PREFIX_BLOCK
-from .planner import (DTYPE_BYTES, PlanError, Speed, check_split, even_split, plan_split, predicted_times,
+from .planner import (DTYPE_BYTES, POOL_GRAIN, PlanError, Speed, check_split, even_split, plan_split, predicted_times,
                       stage_need, stage_needs)
 from .checkpoint import model_args, storage
 from .errors import ModelError
@@ -53,6 +53,11 @@ class Plan:
     @property
     def tokens(self) -> int:
         return int(self.ids.size)
+
+    @property
+    def kv_pool(self) -> int:
+        """Positions of every stage's KV pool (the rig's kv_pool, auto resolved by the planner); 0: none."""
+        return self.planner.get("kv_pool", 0) if self.cfg.kv_pool == "auto" else self.cfg.kv_pool
 
     @property
     def max_len(self) -> int:  # KV cache positions (the planner's kv_tokens)
@@ -285,11 +290,12 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
     # max_seqs sequences' KV on every stage, and on a CUDA stage the prefix cache's device tier (auto: after the
     # split, from the memory it leaves: device_tiers)
     tier = 0 if cfg.prefix_cache_device_bytes == "auto" else cfg.prefix_cache_device_bytes
-    if cfg.kv_pool and cfg.kv_pool < kv_tokens:
+    if cfg.kv_pool != "auto" and cfg.kv_pool and cfg.kv_pool < kv_tokens:
         raise ConfigError(f"kv_pool {cfg.kv_pool} holds no sequence of max_context {kv_tokens} positions: give at "
                           f"least {kv_tokens}")
+    pool = kv_tokens if cfg.kv_pool == "auto" else cfg.kv_pool  # (auto: the split for one sequence, then kv_pools)
     store = {kind: replace(storage(cfg.model, args, cfg.dtype, cfg.weights, cfg.kv_dtype, kind), seqs=cfg.max_seqs,
-                           prefix_device=tier if kind == "cuda" else 0, pool=cfg.kv_pool)
+                           prefix_device=tier if kind == "cuda" else 0, pool=pool)
              for kind in {"cpu" if h else "cuda" for h in host}}
     per_stage = [store["cpu" if h else "cuda"] for h in host]
     if not auto:
@@ -320,9 +326,10 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         raise ConfigError(err + would_fit(fit, chunks[-1], kv_tokens, cfg.kv_dtype,
                                           lambda kv: [replace(storage(cfg.model, args, cfg.dtype, cfg.weights, kv,
                                                                       "cpu" if h else "cuda"), seqs=cfg.max_seqs,
-                                                              prefix_device=0 if h else tier, pool=cfg.kv_pool)
+                                                              prefix_device=0 if h else tier, pool=pool)
                                                       for h in host]))
     per_stage = prefix_blocks(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
+    per_stage = kv_pools(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
     per_stage = device_tiers(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
     needs = stage_needs(args, split, kv_tokens, max_chunk, cfg.dtype, host, cfg.perplexity, cfg.attention,
                         storage=per_stage)
@@ -350,6 +357,7 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         "speeds": [Speed.of(s).as_dict() for s in facts.speeds],
         "caps": facts.caps, "cap_notes": facts.cap_notes, "needs": [x.as_dict() for x in needs],
         "prefix_block": [st.prefix_block for st in per_stage],
+        "kv_pool": per_stage[0].pool if per_stage and per_stage[0] is not None else 0,
         "host_available": avail, "calibration_s": facts.seconds,
         "probes": [{"device": p.device, "threads": p.threads, "seconds": p.seconds, **p.detail} for p in facts.probes],
     }
@@ -378,6 +386,29 @@ def prefix_blocks(args: ModelArgs, split: list[int], tokens: int, chunk: int, cf
         out.append(st)
         a += n
     return out
+
+
+def kv_pools(args: ModelArgs, split: list[int], tokens: int, chunk: int, cfg: RigConfig, host: list[bool],
+             caps: list[int | None], per_stage: list) -> list:
+    """kv_pool auto: the most positions every stage's pool holds, one size for all (the head's one allocator serves
+    them): on a stage with a memory cap, max_context plus nine tenths of what the cap leaves after the split, the
+    chunk and the 8-bit prefix block, over a position's bytes in its global layers; at most max_seqs x max_context
+    (the slots' own), in whole steps of the allocator's. Chosen after the split, which was made for a pool of one
+    max_context. Before the device tier's auto: the pool comes first. Another value: the storage as it is."""
+    if cfg.kv_pool != "auto":
+        return per_stage
+    most = cfg.max_seqs * tokens
+    pool, a = most, 0
+    for i, (n, st) in enumerate(zip(split, per_stage)):
+        glob = sum(1 for j in range(a, a + n) if not args.is_linear(j) and args.window(j) is None)
+        if st is not None and caps[i] is not None and glob:
+            need = stage_need(args, a, a + n, tokens, chunk, cfg.dtype, host[i], cfg.perplexity, cfg.attention,
+                              replace(st, pool=tokens, prefix_device=0)).total
+            per = 2 * args.n_kv_heads * args.head_dim * st.kv_elem * glob
+            pool = min(pool, tokens + int(max(0, caps[i] - need) * 9 // 10 // per))
+        a += n
+    pool = max(tokens, pool // POOL_GRAIN * POOL_GRAIN if pool < most else most)
+    return [st if st is None else replace(st, pool=pool) for st in per_stage]
 
 
 def device_tiers(args: ModelArgs, split: list[int], tokens: int, chunk: int, cfg: RigConfig, host: list[bool],

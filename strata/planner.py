@@ -41,6 +41,9 @@ def _gib(n: int | float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+POOL_GRAIN = 64  # kv_pool: a sequence's extent is whole multiples of this many positions (fewer odd gaps)
+
+
 @dataclass(frozen=True)
 class StageNeed:
     weights: int

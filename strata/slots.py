@@ -38,6 +38,7 @@ import numpy as np
 
 from .errors import PipelineError
 from .pipeline import HEAD_SPIN_S
+from .planner import POOL_GRAIN
 
 log = logging.getLogger("strata.slots")
 
@@ -45,7 +46,6 @@ IDLE_WAIT_S = 0.1      # an idle driver wakes this often to look for a stop (a s
 POLL_MS = 5            # with sequences running, the driver looks for new ones at least this often
 
 
-POOL_GRAIN = 64        # kv_pool: extents are whole multiples of this many positions (fewer odd gaps)
 
 
 class Extents:
@@ -168,7 +168,7 @@ class SlotDriver:
         self._running: list[SlotRun] = []           # admitted, in slot order of admission (the round-robin)
         self._free = list(range(max_seqs - 1, -1, -1))
         # kv_pool: the stages' pools, an extent a sequence (None: each slot holds max_context positions)
-        self.pool = Extents(pipe.cfg.kv_pool) if pipe.cfg.kv_pool else None
+        self.pool = Extents(pipe.plan.kv_pool) if pipe.plan.kv_pool else None
         self._freeing: list[SlotRun] = []           # finished, their slot held until their snapshot's round is done
         self._loading: list[SlotRun] = []           # KV files being read into their slots (`load`)
         self._answers = 0                           # the Pipeline's KvDone count at the last look (progress)

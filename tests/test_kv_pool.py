@@ -193,3 +193,23 @@ def test_a_document_restored_into_an_extent_answers_as_cold(tmp_path):
         assert warm[doc] == cold[doc] and warm[_PROMPTS[0]]
     finally:
         eng.close()
+
+
+def test_kv_pool_auto_takes_what_the_memory_leaves(tmp_path):
+    """kv_pool auto: an uncapped stage's pool is the slots' own max_seqs x max_context; a capped one's, max_context
+    plus nine tenths of what its cap leaves over a position's bytes, in steps of 64, and the stage still fits."""
+    from strata.config import from_dict
+    from strata.plan import build_plan
+    base = dict(model="synthetic:smoke", stages=[{"device": "cpu", "memory": 2 << 30}], max_context=320,
+                prompt={"random": {"tokens": 8, "seed": 0}}, progress=False, max_seqs=4)
+    assert build_plan(from_dict({**base, "kv_pool": "auto"})).kv_pool == 1280
+    one = build_plan(from_dict({**base, "kv_pool": 320})).planner["needs"][0]
+    two = build_plan(from_dict({**base, "kv_pool": 384})).planner["needs"][0]
+    per = (two["kv_cache"] - one["kv_cache"]) / 64  # a position's bytes in the stage's layers
+    cap = one["total"] + int(500 * per)
+    plan = build_plan(from_dict({**base, "kv_pool": "auto", "stages": [{"device": "cpu", "memory": cap}]}))
+    want = 320 + int(500 * per * 9 // 10 // per)
+    assert plan.kv_pool == want // 64 * 64 == 768, (plan.kv_pool, want)
+    assert plan.planner["needs"][0]["total"] <= cap
+    with pytest.raises(ConfigError, match="^kv_pool: expected 'auto' or a number of positions"):
+        from_dict({**base, "kv_pool": "lots"})
