@@ -74,6 +74,19 @@ def warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, 
     device = torch.device(spec.device)
     if device.type != "cuda":
         return 0.0
+    # a KV pool (kv_pool): the warm-up takes every slot to max_len, so each slot holds the pool's first max_len
+    # positions meanwhile (the same rows: what they write is garbage anyway), and no position after it
+    for s in range(model.n_slots if model.pool else 0):
+        model.place_slot(s, 0, spec.max_len)
+    try:
+        return _warm_up(spec, model, graphs, log, device)
+    finally:
+        for s in range(model.n_slots if model.pool else 0):
+            model.place_slot(s, 0, 0)
+
+
+def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None, log: logging.Logger,
+             device: torch.device) -> float:
     dtype, args = getattr(torch, spec.dtype), model.args
     first, last = spec.index == 0, spec.index == spec.n_stages - 1
     decoder = graphs if graphs is not None else model
