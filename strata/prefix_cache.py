@@ -636,6 +636,7 @@ class Snapshots:
         if missing:
             raise KeyError(f"restore: no snapshot of block(s) {', '.join(missing[:3])}")
         self.before_write()
+        pairs: dict[bool, tuple[list, list]] = {False: ([], []), True: ([], [])}  # by non_blocking: (dsts, srcs)
         for key, buf, n, j in zip(keys, held, near, blocks):
             if tier is not None:
                 if n is None:  # into the device tier first: one copy over the bus, then copies on the device
@@ -648,10 +649,16 @@ class Snapshots:
                 else:
                     tier.hits += 1
                     tier.used_on(n)
-            # (a block read from its file is pageable memory: its copy in is synchronous, so it may be dropped now)
+            # (a block read from its file is pageable memory: its copy in is synchronous, so it may be dropped after)
+            dsts, srcs = pairs[self.cuda and (buf.is_pinned() or buf.is_cuda)]
             for src, c in zip(_views(buf, caches, block), caches):
-                c[:, :, j * block:(j + 1) * block].copy_(src, non_blocking=self.cuda and (buf.is_pinned() or
-                                                                                          buf.is_cuda))
+                dsts.append(c[:, :, j * block:(j + 1) * block])
+                srcs.append(src)
+        # every block's layers in one call a kind (a 32k document of an 8B is 8,192 copies: one Python copy_ each
+        # took ~20 us of the host's time)
+        for blocking, (dsts, srcs) in pairs.items():
+            if dsts:
+                torch._foreach_copy_(dsts, srcs, non_blocking=blocking)
 
     def drop(self, keys: list[bytes]) -> None:
         """Out of the host tier. A block whose write is still queued stays in memory until written; while such
