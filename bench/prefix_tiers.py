@@ -37,7 +37,16 @@ def arm(args, device_bytes: int, docs: list[np.ndarray], questions: list[np.ndar
     with Pipeline(rig, out=out, console=False) as p:
         p.start()
         cold = [p.generate(d, greedy) for d in docs]
+        prof = None
+        if args.profile and device_bytes:  # where the head's time of the device arm's re-asks goes
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         again = [p.generate(np.concatenate([d, q]), greedy) for d, q in zip(docs, questions)]
+        if prof is not None:
+            import pstats
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
         st = p.prefix_cache_stats()
         print(f"{'device' if device_bytes else 'host'} arm: device tier {st.device_blocks} blocks held, "
               f"{st.device_hits} restored from it; the host tier {st.blocks} of {st.capacity_blocks} blocks", flush=True)
@@ -58,6 +67,8 @@ def main() -> None:
     ap.add_argument("--block-bytes", type=int, default=32 << 20,
                     help="bytes of a block of 256 positions on the largest stage (an 8B's bf16 KV: 32 MiB)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile the head during the device arm's re-asks, "
+                    "and print the stage logs' restore and chunk lines")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="prefix-tiers-"))
     rng = np.random.default_rng(0)
@@ -76,6 +87,10 @@ def main() -> None:
         for r in rows:
             print(f"| {name} | {r['doc']} | {r['cold']:.3f} | {r['again']:.4f} | {100 * r['again'] / r['cold']:.2f} % "
                   f"| {r['reused']:,} |")
+    if args.profile:
+        for log in sorted(out.glob("*/stage-*.log")):
+            lines = [x.rstrip() for x in log.read_text().splitlines() if "restored in" in x or "prefill" in x]
+            print(f"{log}:", *lines[-12:], sep="\n  ")
     same = all(h["ids"] == d["ids"] for h, d in zip(got["host"], got["device"]))
     print(f"the same ids from both tiers: {same}")
 
