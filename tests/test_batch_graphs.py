@@ -306,22 +306,33 @@ from test_families import CHUNK
 from strata.batch_graphs import batch_refusal, max_rows
 from strata.checkpoint import model_args, slice_tensors
 from strata.model import Transformer
-fam = sys.argv[2]
+fam, pool = sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0
 over = {"gemma3": dict(query_pre_attn_scalar=24, final_logit_softcapping=1.5),
         "qwen3_moe": dict(num_experts_per_tok=8)}.get(fam, {})  # 16 pairs: 2 rows a replay
 ref, d = make_hf(Path(tempfile.mkdtemp()), fam, **over)
 args = model_args(d)
-def build():
+def build(pool=0):
     t = Transformer(args, 0, args.n_layers)
     t.load_weights(slice_tensors(d, args, 0, args.n_layers), "cpu", torch.float32)
-    t.setup_cache(200, max_chunk=64, seqs=3)
+    t.setup_cache(200, max_chunk=64, seqs=3, pool=pool)
+    for s, (off, n) in enumerate([(300, 170), (0, 32), (100, 110)] if pool else []):  # (kv_pool: extents)
+        t.place_slot(s, off, n)
     return t.eval()
-eager, body = build(), build()
+eager, body = build(), build(pool)
 g = torch.Generator().manual_seed(2)
 prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g) for n in (150, 12, 97)]
 batches = [[2, 0, 1], [1, 0], [0], [2, 1, 0]] + [[0, 1, 2]] * 4  # past the windows: the rings wrap
 print(max_rows(body), check_batches(eager, body, True, prompts, batches))
 """
+
+
+@pytest.mark.parametrize("fam", ["gemma3", "qwen3_5"])
+def test_batch_body_families_over_a_kv_pool(fam):
+    """A KV pool (kv_pool) where global layers sit beside others: gemma3's window layers keep their rings a slot
+    (and wrap) while its global layers read extents of the pool; qwen3_5's linear layers keep their states a slot.
+    Each row == the family's step alone without a pool, and each extent holds that slot's rows."""
+    out = _interpreted(FAMILY_BODY, fam, "500").split(" ", 1)
+    assert out[0] == "4", out
 
 
 @pytest.mark.parametrize("fam,rows", [("gemma3", 4), ("mistral", 4), ("qwen3", 4), ("gpt_oss", 4), ("qwen3_moe", 2),

@@ -239,7 +239,7 @@ class Stage(DecodeRing):
         if msg.seqs and not (n <= self.max_seqs and all(s < self.max_seqs for s in msg.seqs[0::2])
                              and all(p < self.spec.max_len for p in msg.seqs[1::2])):
             raise M.BadMessage(f"chunk: a decode batch outside the {self.max_seqs} slots of {self.spec.max_len} positions")
-        if msg.seqs and self.model.pool and any(p >= self.model.slot_positions(sl)
+        if msg.seqs and self.model.pool and any(p + msg.ahead >= self.model.slot_positions(sl)
                                                 for sl, p in zip(msg.seqs[0::2], msg.seqs[1::2])):
             raise M.BadMessage("chunk: a decode batch's row outside its slot's extent of the KV pool")
         self.place(msg.slot, msg.span, "chunk")
