@@ -213,3 +213,39 @@ def test_kv_pool_auto_takes_what_the_memory_leaves(tmp_path):
     assert plan.planner["needs"][0]["total"] <= cap
     with pytest.raises(ConfigError, match="^kv_pool: expected 'auto' or a number of positions"):
         from_dict({**base, "kv_pool": "lots"})
+
+
+def test_a_kv_file_loads_into_an_extent(tmp_path):
+    """With a pool the engine's kv_load reads a KV file into an extent of the file's length, then its blocks into
+    the prefix cache: a prompt that begins with its ids restores them and gets a max_seqs 1 pipeline's ids."""
+    import inspect
+    import typing
+
+    import numpy as np
+    from strata.checkpoint import smollm2_path
+    from strata.engine import PipelineEngine
+    from strata.pipeline import Pipeline
+    from strata.sampling import SamplingParams
+    try:
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    rig = {**_RIG, "max_context": 1024, "decode_weights": "none"}
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    with Pipeline({**rig, "max_seqs": 1}, out=tmp_path / "one", console=False) as p:
+        doc = p.prompt_ids(inspect.getsource(typing)[40000:42600])
+        prompt = np.concatenate([doc, p.prompt_ids("\nQ: What does this code define?\nA:")])
+        assert 512 < doc.size < 768
+        p.prefill(doc)
+        p.kv_save(tmp_path / "doc.kv")
+        want = p.generate(prompt, greedy).continuation_ids
+    eng = PipelineEngine({**rig, "kv_pool": 1088}, out=tmp_path / "pool")
+    try:
+        got = eng.kv_load(tmp_path / "doc.kv")
+        assert got["tokens"] == doc.size
+        made: list[int] = []
+        eng.generate(prompt, greedy, made.append)
+        assert made == want and want
+        assert eng.slot_stats().restored_tokens == 512  # the file's two whole blocks
+    finally:
+        eng.close()
