@@ -323,11 +323,12 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         if split is not None:
             break
     else:
+        pooled = [replace(st, pool=kv_tokens) for st in per_stage] if cfg.max_seqs > 1 and not pool else None
         raise ConfigError(err + would_fit(fit, chunks[-1], kv_tokens, cfg.kv_dtype,
                                           lambda kv: [replace(storage(cfg.model, args, cfg.dtype, cfg.weights, kv,
                                                                       "cpu" if h else "cuda"), seqs=cfg.max_seqs,
                                                               prefix_device=0 if h else tier, pool=pool)
-                                                      for h in host]))
+                                                      for h in host], pooled))
     per_stage = prefix_blocks(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
     per_stage = kv_pools(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
     per_stage = device_tiers(args, split, kv_tokens, max_chunk, cfg, host, facts.caps, per_stage)
@@ -431,11 +432,16 @@ def device_tiers(args: ModelArgs, split: list[int], tokens: int, chunk: int, cfg
     return out
 
 
-def would_fit(fit, chunk: int, tokens: int, kv_dtype: str, storage_at) -> str:
+def would_fit(fit, chunk: int, tokens: int, kv_dtype: str, storage_at, pooled=None) -> str:
     """A refusal's suggestion: "; would fit: ..." naming the largest smaller chunk that fits, the longest
-    max_context at `chunk`, and an 8-bit KV cache if that alone fits ("" when nothing does). fit(chunk, tokens,
-    storage) -> (split or None, why); storage_at(kv_dtype) -> each stage's storage at that KV dtype."""
+    max_context at `chunk`, an 8-bit KV cache if that alone fits, and kv_pool auto if a pool of one max_context
+    fits (pooled: each stage's storage with that pool; None: the rig has one or no several sequences) ("" when
+    nothing does). fit(chunk, tokens, storage) -> (split or None, why); storage_at(kv_dtype) -> each stage's
+    storage at that KV dtype."""
     out = []
+    if pooled is not None and fit(chunk, tokens, pooled)[0] is not None:
+        out.append("kv_pool auto (the sequences' KV in one pool as large as memory allows, at least one "
+                   "max_context)")
     smaller = next((c for c in chunk_ladder(chunk, 64)[1:] if fit(c)[0] is not None), None)
     if smaller is not None:
         out.append(f"chunk {smaller}")

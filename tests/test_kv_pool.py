@@ -249,3 +249,16 @@ def test_a_kv_file_loads_into_an_extent(tmp_path):
         assert eng.slot_stats().restored_tokens == 512  # the file's two whole blocks
     finally:
         eng.close()
+
+
+def test_a_refusal_for_many_sequences_suggests_a_pool(tmp_path):
+    """16 sequences of 32,768 positions that the stage's memory cannot hold as slots: the refusal names kv_pool
+    auto, and with it the plan fits, its pool between one max_context and the slots' 16."""
+    from strata.config import from_dict
+    from strata.plan import build_plan
+    base = dict(model="synthetic:smoke", stages=[{"device": "cpu", "memory": 600 << 20}], max_context=32768,
+                prompt={"random": {"tokens": 8, "seed": 0}}, progress=False, max_seqs=16)
+    with pytest.raises(ConfigError, match=r"; would fit: kv_pool auto \(the sequences' KV in one pool"):
+        build_plan(from_dict(base))
+    plan = build_plan(from_dict({**base, "kv_pool": "auto"}))
+    assert 32768 <= plan.kv_pool < 16 * 32768 and plan.planner["needs"][0]["total"] <= 600 << 20
