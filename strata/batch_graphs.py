@@ -5,7 +5,8 @@ each layer costs a few launches per row for the attention alone; graphed, one re
 and argmax. Row t reads and writes the cache of slot slots[t] at position positions[t]: the slots of a layer are one
 tensor (Transformer.slot_caches), and the rope-and-store and split-K attention kernels take the row's slot and
 position from the device (strata.decode_kernels.rope_store_rows, SplitKAttention.rows_call), so one graph serves
-every choice of slots and positions.
+every choice of slots and positions. A global layer of a KV pool (kv_pool) is the pool, and a row's slot there is
+its extent's first position (`base`, from Transformer.slot_base).
 
 Graphs are captured per (rows, bucket of cache positions): rows a power of two up to `max_rows` (a batch of 3 takes
 the graph of 4; its padding rows repeat row 0's inputs and write nothing), the bucket that holds the batch's
@@ -278,7 +279,7 @@ class BatchGraphs:
             q = qk[:, :nh].contiguous()
             for c, x in ((0, qk[:, nh:]), (1, qkv[:, nh + nkv:])):
                 if pooled:  # the pool itself (its "slots" overlap): row t at position base + at
-                    self._store(self.m._pools[i][c], x, torch.zeros_like(slot), at_slot + at, live)
+                    self._store(self.m.pool_caches(i)[c], x, torch.zeros_like(slot), at_slot + at, live)
                 else:
                     self._store((kc, vc)[c], x, slot, at, live)
         att = self._attention(min(b, a.window) if a.window is not None else b, r)

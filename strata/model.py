@@ -663,6 +663,10 @@ class Transformer(nn.Module):
         batch row's index into slot_caches."""
         return layer in self._pools
 
+    def pool_caches(self, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pooled layer's K and V pools as allocated, (1, nkv, pool, width) each."""
+        return self._pools[layer]
+
     def slot_base(self, slot: int) -> int:
         """A pooled layer's index of slot `slot` in slot_caches: its extent's first position."""
         return self._extents[slot][0]

@@ -46,8 +46,6 @@ IDLE_WAIT_S = 0.1      # an idle driver wakes this often to look for a stop (a s
 POLL_MS = 5            # with sequences running, the driver looks for new ones at least this often
 
 
-
-
 class Extents:
     """The head's allocator of every stage's KV pool (the rig's kv_pool): first fit over the free gaps, a freed
     extent merged with its neighbours. The stages' pools are the same size, and each sequence holds the same extent
