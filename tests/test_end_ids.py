@@ -118,3 +118,24 @@ def test_a_gguf_ends_where_llamacpp_ends(tmp_path):
     assert end_ids(s2, replace(args, eos_id=2)) == {1, 2}
     # the token list's ids past the model's vocabulary are dropped, as a key's are
     assert end_ids(g, replace(args, eos_id=1, vocab_size=4)) == {1}
+
+
+def test_smollm2s_ends_are_llamacpps(tmp_path):
+    """SmolLM2's GGUF: the end set is the one llama.cpp itself prints ("printing all EOG tokens") when it loads the
+    file (its CPU build, ../shared/tools/llamacpp-peer.sh cpu; skipped where it is not built)."""
+    import re
+    import subprocess
+    from strata.checkpoint import smollm2_path
+    exe = Path(__file__).resolve().parents[1] / ".peer" / "cpu" / "bin" / "llama-perplexity"
+    if not exe.exists():
+        pytest.skip("llama.cpp's CPU build is not here (../shared/tools/llamacpp-peer.sh cpu)")
+    try:
+        m = str(smollm2_path())
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    (tmp_path / "t.txt").write_text("hello world, this is a test of the end tokens")
+    out = subprocess.run([str(exe), "-m", m, "-f", str(tmp_path / "t.txt"), "-c", "8", "-t", "1", "-v"],
+                         capture_output=True, text=True, timeout=300).stderr
+    block = out.split("printing all EOG tokens:", 1)[1].split("special tokens cache", 1)[0]
+    theirs = {int(i) for i in re.findall(r"- (\d+) \(", block)}
+    assert theirs and end_ids(m, model_args(m)) == theirs, theirs
