@@ -656,9 +656,9 @@ class Snapshots:
                 srcs.append(src)
         # every block's layers in one call a kind (a 32k document of an 8B is 8,192 copies: one Python copy_ each
         # took ~20 us of the host's time)
-        for blocking, (dsts, srcs) in pairs.items():
+        for non_blocking, (dsts, srcs) in pairs.items():
             if dsts:
-                torch._foreach_copy_(dsts, srcs, non_blocking=blocking)
+                torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
     def drop(self, keys: list[bytes]) -> None:
         """Out of the host tier. A block whose write is still queued stays in memory until written; while such

@@ -299,6 +299,9 @@ class SlotDriver:
     def _free_slot(self, run: SlotRun) -> None:
         """The run's slot (and its extent of the pool) to the next sequence."""
         self._free.append(run.slot)
+        self._give_extent(run)
+
+    def _give_extent(self, run: SlotRun) -> None:
         if run.extent is not None:
             self.pool.give(*run.extent)
             run.extent = None
@@ -363,9 +366,7 @@ class SlotDriver:
         except ValueError as e:
             run.error = e
             run.done.set()
-            if run.extent is not None:
-                self.pool.give(*run.extent)
-                run.extent = None
+            self._give_extent(run)
             return
         if self._t0 is None:
             self._t0 = self.pipe.begin_slots()

@@ -61,18 +61,9 @@ def test_a_config_list_and_a_gguf_end_of_turn_are_ends(tmp_path):
     (Path(d) / "generation_config.json").unlink(missing_ok=True)  # (transformers wrote its own eos there)
     args = model_args(d)
     assert args.eos_id == 3 and end_ids(d, args) == {3, 9}
-    gguf = pytest.importorskip("gguf")
-    path = tmp_path / "ends.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    w.add_uint32("tokenizer.ggml.eot_token_id", 106)
-    w.add_uint32("tokenizer.ggml.eom_token_id", 107)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _gguf_with(tmp_path / "ends.gguf", [], eos_token_id=2, eot_token_id=106, eom_token_id=107)
     from dataclasses import replace
-    assert end_ids(str(path), replace(args, eos_id=2, vocab_size=256)) == {2, 106, 107}
+    assert end_ids(path, replace(args, eos_id=2, vocab_size=256)) == {2, 106, 107}
     smoke = model_args("synthetic:smoke")
     assert end_ids("synthetic:smoke", smoke) == ({smoke.eos_id} if smoke.eos_id is not None else set())
 
