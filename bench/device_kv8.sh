@@ -79,7 +79,9 @@ serve-profile)
   el "the server's 16 streams, 8B Q4_K_M on one GPU, under py-spy (raw stacks in serve-profile.txt)"
   timeout 300 /tmp/site/bin/py-spy record --subprocesses --idle --format raw -r 500 -o "$LOG/serve-profile.txt" -- \
     python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 --streams 16 \
-    --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 | tail -4 ;;
+    --max-seqs 16 --tokens 128 --max-context 4096 --peer '' 2>&1 | tail -4
+  python3 bench/pyspy_top.py "$LOG/serve-profile.txt" --top 30 > "$LOG/serve-profile-top.txt"
+  gzip -f "$LOG/serve-profile.txt" ;;  # (the raw stacks are ~40 MB: too large to come back as they are)
 batch|batch-tests)
   el "GPU tests: decode batches in graphs (strata/batch_graphs.py), rows on CUDA, several slots end to end"
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_rows.py \

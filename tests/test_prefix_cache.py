@@ -130,6 +130,51 @@ def test_device_tier_keeps_the_last_blocks_and_restores_them_byte_for_byte(devic
     assert not small.tier.lru and keys[3] in small.blocks
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_device_tier_restores_runs_of_blocks_out_of_row_order_byte_for_byte(device):
+    """A tier of 8 blocks in 4 segments, its rows given out of order (blocks dropped, then snapped again in another
+    order), caches that are views into a larger tensor (a pool's extent) of two dtypes: a document's blocks
+    restored in one call, in any order and at other positions, are its rows byte for byte, wherever each sat."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev = torch.device(device)
+    rows = 128
+    m = _model(torch.bfloat16, rows=rows)
+    for i, blk in enumerate(m.layers.values()):
+        pool_k = torch.zeros((1, 2, rows + 40, 16), dtype=torch.bfloat16, device=dev)
+        pool_v = torch.zeros((1, 2, rows + 40, 34), dtype=torch.uint8, device=dev)
+        blk.attn.k_cache, blk.attn.v_cache = pool_k[:, :, 40:], pool_v[:, :, 40:]  # not contiguous: heads apart
+    _fill(m, 1)
+    want = [c.view(torch.uint8).cpu().clone() for c in layer_caches(m)]
+    size = 16 * row_bytes(layer_caches(m))
+    s = Snapshots(m, dev, 8 * size)
+    keys = [bytes([65 + j]) * 16 for j in range(8)]
+    s.snap(keys[:6], list(range(6)), 16)
+    assert [t.shape[0] for t in s.tier.segs] == [2, 2, 2]
+    s.drop([keys[1], keys[4]])
+    s.snap([keys[4], keys[1]], [4, 1], 16)  # keys[4] takes block 1's old row, keys[1] block 4's
+    s.drop([keys[2], keys[3]])
+    s.snap([keys[3], keys[2]], [3, 2], 16)  # blocks 2, 3 into one segment's rows 1, 0: an index_copy_
+    assert [s.tier.lru[k] for k in keys[:6]] == [(0, 0), (2, 0), (1, 1), (1, 0), (0, 1), (2, 1)]
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    for k in keys[:6]:
+        s.blocks[k].zero_()  # every block held on the device: the host copies are never read
+    _fill(m, 2)
+    s.restore([keys[j] for j in (5, 0, 3, 1, 4, 2)], [5, 0, 3, 1, 4, 2], 16)
+    assert (s.tier.hits, s.tier.misses) == (6, 0)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    for c, w in zip(layer_caches(m), want):
+        assert torch.equal(c.view(torch.uint8)[:, :, :96].cpu(), w[:, :, :96])
+    s.restore([keys[4], keys[0]], [6, 7], 16)  # into other positions (j says where); rows 1, 0: an index_select
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    for c, w in zip(layer_caches(m), want):
+        u = c.view(torch.uint8).cpu()
+        assert torch.equal(u[:, :, 96:112], w[:, :, 64:80]) and torch.equal(u[:, :, 112:128], w[:, :, :16])
+
+
 def test_device_tier_shrinks_when_the_device_has_no_room(monkeypatch):
     """An allocation of the device tier that fails (less room than the plan counted) shrinks the tier to what it
     holds; the snapshot and its restore go through the host as without a tier."""
