@@ -18,7 +18,8 @@
 # processes, idle frames too: where a step's wall time goes besides the graph's, read by bench/pyspy_top.py; carry
 # the py-spy wheel in .whl: ../shared/tools/device-wheels.sh py-spy); `prefix-tiers`: the GPU test of the prefix
 # cache's device tier, then four documents of $DOC tokens (default 32,768) asked about again, from the host tier and
-# from the device tier (bench/prefix_tiers.py; PROFILE=1: the head's profile of the re-asks); `gguf`: the 8B file alone (no build); `tier-test`: that GPU test
+# from the device tier (bench/prefix_tiers.py; PROFILE=1: the head's profile of the re-asks; QUESTIONS: the
+# lengths asked after them, ARMS: host,device); `gguf`: the 8B file alone (no build); `tier-test`: that GPU test
 # alone; `ahead-ab`: the server's 4 and 16 streams with batch_ahead 0, with $AHEAD, and with 0 and
 # kernels.slot_spin on, no peer (a short call's A/B).
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
@@ -111,7 +112,8 @@ prefix-tiers)
   el "GPU test: the prefix cache's device tier"
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefix_cache.py -k device_tier 2>&1 | tail -3
   el "documents asked about again, 8B Q4_K_M on one GPU: the prefix cache's host tier vs its device tier"
-  timeout 360 python3 bench/prefix_tiers.py --model /tmp/8b-q4km.gguf --tokens ${DOC:-32768} ${PROFILE:+--profile} 2>&1 \
+  timeout 360 python3 bench/prefix_tiers.py --model /tmp/8b-q4km.gguf --tokens ${DOC:-32768} ${PROFILE:+--profile} \
+    ${QUESTIONS:+--questions $QUESTIONS} ${ARMS:+--arms $ARMS} 2>&1 \
     | tee "$LOG/prefix-tiers.log" | tail -n "$([ -n "$PROFILE" ] && echo 90 || echo 14)" ;;
 sweep)
   el "a decode batch's products alone by kernel and options, 8B Q4_K_M shapes (bench/rows_sweep.py)"
