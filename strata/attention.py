@@ -43,18 +43,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, fused: bo
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float | None = None,
                     cuda_path: str = CUDA_ATTENTION_DEFAULT, fused: bool = True,
-                    triton_state: TritonState | None = None) -> torch.Tensor:
+                    triton_state: TritonState | None = None, cudnn_shapes=None) -> torch.Tensor:
     """Queries of one chunk at `pos` against keys [0, pos + T): causal, bottom-right aligned.
 
     q: (1, nh, T, hd); k, v: (1, nkv, pos + T, hd); scale: of q.k (None: hd ** -0.5). Never builds a dense
     (T, pos + T) mask. cuda_path: "flash" or "cudnn-split" on CUDA (the rig's `attention`); fused: the split's
-    log-sum-exp merge as one Triton kernel (kernels.prefill).
+    log-sum-exp merge as one Triton kernel (kernels.prefill). cudnn_shapes: the (pos, T) chunks the split takes
+    (the warm-up's schedules, Attention.cudnn_shapes); any other takes flash (None: every chunk takes the split).
     """
     T, S = q.shape[2], k.shape[2]
     if pos == 0:  # square: top-left and bottom-right alignment coincide
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     if q.is_cuda:
-        if cuda_path == "cudnn-split" and q.dtype != torch.float32:
+        # cuDNN builds a graph for every new shape: 0.16-0.2 s on an H100 for the 8B's question after a restored
+        # 16,384-token document (2026-12-06), where its attention takes ~1 ms. A chunk outside the schedules the
+        # warm-up built (a prompt's last partial chunk, a question after a restored prefix) goes to flash, which
+        # builds nothing
+        if cuda_path == "cudnn-split" and q.dtype != torch.float32 and (cudnn_shapes is None
+                                                                        or (pos, T) in cudnn_shapes):
             return _split_attention(q, k, v, pos, _cudnn_with_lse, scale, fused, triton_state)
         # flash (memory-efficient for fp32) handles the lower-right alignment natively.
         # Imported here: torch.nn.attention.bias pulls in dynamo, ~1 s at every process start.
@@ -486,6 +492,15 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.T
 # WARM_CHUNKS chunk shapes and WARM_BUDGET_S seconds of host time are spent building them ahead.
 WARM_CHUNKS = 48
 WARM_BUDGET_S = 30.0
+
+
+def keep_cudnn_shapes(model, shapes) -> None:
+    """The (pos, T) chunks of the schedules a stage expects, which cuDNN's split takes from now on (built ahead by
+    warm_chunk_attention, or once in a prefill); every other chunk takes flash (chunk_attention)."""
+    kept = frozenset((int(p), int(t)) for p, t in shapes)
+    for blk in model.layers.values():
+        if hasattr(blk.attn, "cudnn_shapes"):
+            blk.attn.cudnn_shapes = kept
 
 
 @torch.inference_mode()

@@ -99,6 +99,7 @@ class Attention(nn.Module):
         self.prefix_block = PREFIX_BLOCK  # a narrower cache's prefix positions widened at once (setup_cache)
         # CUDA prefill: the attention path and the fused RoPE / LSE-merge kernels (Transformer.set_kernels)
         self.cuda_attention, self.fused = CUDA_ATTENTION_DEFAULT, True
+        self.cudnn_shapes: frozenset | None = None  # the (pos, T) chunks cuDNN's split takes (workers/load.warm_up)
         self.triton_state: TritonState | None = None  # the slice's, on which a failed kernel falls back (Transformer)
         self.window_kernel = "flex"  # kernels.window_attention: a window layer's chunk attention (window_attention)
 
@@ -149,7 +150,8 @@ class Attention(nn.Module):
             return narrow_cache_attention(q, self.k_cache, self.v_cache, pos, self.scale, self.fused,
                                           triton_state=self.triton_state, block=self.prefix_block)
         keys, vals = self.cached(pos + T, q.dtype)
-        return chunk_attention(q, keys, vals, pos, self.scale, self.cuda_attention, self.fused, self.triton_state)
+        return chunk_attention(q, keys, vals, pos, self.scale, self.cuda_attention, self.fused, self.triton_state,
+                               self.cudnn_shapes)
 
     def cached(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [0, end) as attention reads them (a global layer's, or a window layer's before its ring
@@ -331,8 +333,8 @@ class Block(nn.Module):
         if T == 1:
             return decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals, a.scale).view(1, nh * hd)
         q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-        return chunk_attention(q, keys, vals, pos, a.scale, a.cuda_attention, a.fused,
-                               a.triton_state).transpose(1, 2).reshape(T, nh * hd)
+        return chunk_attention(q, keys, vals, pos, a.scale, a.cuda_attention, a.fused, a.triton_state,
+                               a.cudnn_shapes).transpose(1, 2).reshape(T, nh * hd)
 
     def _add_attn(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return h + (y if self.attn_post_norm is None else self.attn_post_norm.rows(y))

@@ -233,6 +233,35 @@ def test_cuda_kernel_paths_agree_and_warm_up_builds():
     assert rel < 1e-2, rel
 
 
+def test_keep_cudnn_shapes_reaches_every_attention_layer():
+    m = build(200, "auto")
+    assert all(b.attn.cudnn_shapes is None for b in m.layers.values())
+    sm.keep_cudnn_shapes(m, [(32, 32), (64, 32)])
+    assert all(b.attn.cudnn_shapes == {(32, 32), (64, 32)} for b in m.layers.values())
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_chunk_outside_the_kept_shapes_takes_flash(monkeypatch):
+    """cudnn-split with kept shapes: a kept (pos, T) goes through cuDNN, any other (a question after a restored
+    prefix) through flash, which builds no graph; both are the same attention up to bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(1, 8, 24, 64, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 1000 + 24, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+    calls, real = [], sm._cudnn_with_lse
+
+    def counted(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+    monkeypatch.setattr(sm, "_cudnn_with_lse", counted)
+    kept = sm.chunk_attention(q, k, v, 1000, cuda_path="cudnn-split", cudnn_shapes=frozenset({(1000, 24)}))
+    assert len(calls) == 2  # the prefix, then the chunk's own keys
+    other = sm.chunk_attention(q, k, v, 1000, cuda_path="cudnn-split", cudnn_shapes=frozenset({(1000, 32)}))
+    assert len(calls) == 2
+    rel = ((kept.float() - other.float()).norm() / other.float().norm()).item()
+    assert rel < 2e-2, rel
+
+
 class _Launch:
     """Stands in for a jitted Triton kernel (`kernel[grid](*args)`): counts its launches, fails them where told."""
 

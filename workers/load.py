@@ -111,6 +111,7 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
     for tokens in (spec.tokens, spec.max_len):
         shapes += [c for c in chunk_schedule(tokens, n, spec.dynamic_chunks, args) if c[0] > 0 and c not in shapes]
     mem.append(torch.cuda.memory_allocated(device))
+    strata.attention.keep_cudnn_shapes(model, shapes + [(n, n)])
     built = strata.attention.warm_chunk_attention(model, shapes)
     flex = strata.attention.warm_window_attention(model, [c[1] for c in shapes])
     mem.append(torch.cuda.memory_allocated(device))
