@@ -55,13 +55,14 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
     if pos == 0:  # square: top-left and bottom-right alignment coincide
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     if q.is_cuda:
-        # cuDNN builds a graph for every new shape: 0.16-0.2 s on an H100 for the 8B's question after a restored
-        # 16,384-token document (2026-12-06), where its attention takes ~1 ms. A chunk outside the schedules the
-        # warm-up built (a prompt's last partial chunk, a question after a restored prefix) goes to flash, which
-        # builds nothing
-        if cuda_path == "cudnn-split" and q.dtype != torch.float32 and (cudnn_shapes is None
-                                                                        or (pos, T) in cudnn_shapes):
-            return _split_attention(q, k, v, pos, _cudnn_with_lse, scale, fused, triton_state)
+        if cuda_path == "cudnn-split" and q.dtype != torch.float32:
+            # cuDNN builds a graph for every new shape: 0.16-0.2 s on an H100 for the 8B's question after a restored
+            # 16,384-token document (2026-12-06), where its attention takes ~1 ms. A chunk outside the schedules
+            # the warm-up built (a prompt's last partial chunk, a question after a restored prefix) takes torch's
+            # flash kernel for both parts, which builds nothing
+            kept = cudnn_shapes is None or (pos, T) in cudnn_shapes
+            return _split_attention(q, k, v, pos, _cudnn_with_lse if kept else _flash_with_lse, scale, fused,
+                                    triton_state)
         # flash (memory-efficient for fp32) handles the lower-right alignment natively.
         # Imported here: torch.nn.attention.bias pulls in dynamo, ~1 s at every process start.
         from torch.nn.attention.bias import causal_lower_right
@@ -410,7 +411,21 @@ def _flash_packed_with_lse(q, k, v, scale=None):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qp, k, v, 0.0, False, False, scale=scale)[:2]
     except RuntimeError:  # a GPU or head dim without torch's flash kernel
         return _with_lse(q, k, v, False, scale)
-    return out.view(1, nh, T, hd), lse.view(1, nh, T)
+    return out.reshape(1, nh, T, hd), lse.reshape(1, nh, T)  # (whatever layout the kernel gave out in)
+
+
+def _flash_with_lse(q, k, v, causal, scale=None):
+    """(out, lse) by torch's flash kernel: unmasked with the query heads packed (_flash_packed_with_lse), or causal
+    (q and k the same length: a chunk's own keys, few) with the kv heads repeated."""
+    if not causal:
+        return _flash_packed_with_lse(q, k, v, scale)
+    g = q.shape[1] // k.shape[1]
+    kg, vg = (k, v) if g == 1 else (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, kg, vg, 0.0, True, False, scale=scale)[:2]
+    except RuntimeError:  # a GPU or head dim without torch's flash kernel
+        return _with_lse(q, k, v, True, scale)
+    return out, lse.view(q.shape[:3])
 
 
 def _cudnn_with_lse(q, k, v, causal, scale=None):
@@ -532,6 +547,12 @@ def warm_chunk_attention(model, shapes, attend=None) -> int:
         built += 1
         if time.perf_counter() - t0 > WARM_BUDGET_S:
             break
+    if attend is _cudnn_with_lse:  # the flash kernels of the chunks outside these shapes: loaded now, not in a request
+        pos = next((p for p, _ in shapes if 0 < p and p + 8 <= attn.k_cache.shape[2]), None)
+        if pos is not None:
+            q = torch.zeros(1, 8, attn.nh, attn.hd, device=device, dtype=dtype).transpose(1, 2)
+            keys, vals = attn.cached(pos + 8, dtype)
+            _split_attention(q, keys, vals, pos, _flash_with_lse, attn.scale, attn.fused, attn.triton_state)
     return built
 
 

@@ -260,6 +260,15 @@ def test_a_chunk_outside_the_kept_shapes_takes_flash(monkeypatch):
     assert len(calls) == 2
     rel = ((kept.float() - other.float()).norm() / other.float().norm()).item()
     assert rel < 2e-2, rel
+    # against float32 arithmetic with the lower-right causal mask
+    qf, kf, vf = q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1)
+    s = (qf @ kf.transpose(-1, -2)) * 64 ** -0.5
+    s = s.masked_fill(torch.arange(1024, device="cuda")[None] > 1000 + torch.arange(24, device="cuda")[:, None],
+                      float("-inf"))
+    want = torch.softmax(s, -1) @ vf
+    for got in (kept, other):
+        rel = ((got.float() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, rel
 
 
 class _Launch:
