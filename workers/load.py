@@ -103,6 +103,11 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
             model.logits(h[0, -1])
             if spec.perplexity:
                 model.nll(h, torch.zeros(n, dtype=torch.long, device=device))
+    if last:  # the head's rows kernels (kernels.gemv_rows) take a short chunk's logits rows (its perplexity, a
+        # question's scores), one build per tile of 16 / 32 / 64 rows: now, not in the first short prompt (0.7-0.9 s
+        # each inside a re-ask on an H100)
+        for r in (16, 32, 64):
+            model.logits(torch.zeros(r, args.dim, dtype=dtype, device=device))
     # every later chunk meets a new cached-prefix length (and with dynamic chunks a new length of its own), and
     # cuDNN builds a graph per shape: build those of the schedule's chunks (the configured prompt's first, then
     # any prompt's up to max_len) now, not one per chunk in the first prefill; bounded by
