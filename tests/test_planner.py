@@ -5,6 +5,7 @@ Speeds here are given, never calibrated, except in the one calibration test at t
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import re
 from dataclasses import replace
@@ -791,3 +792,19 @@ def test_layer_param_count_is_the_built_layers(name):
         counts.append(sum(p.numel() for p in b.parameters()))
         assert args.layer_param_count(i) == counts[-1], (name, i)
     assert args.layer_param_count() == max(counts)
+
+
+def test_cpu_stages_without_threads_share_the_cores():
+    """README: a CPU stage's threads default to cores / stages (what the other stages' threads leave), never torch's
+    all-cores default on the one core assign_cores pins it to."""
+    from strata.config import StageSpec
+    from strata.plan import default_threads
+    cpu, gpu = StageSpec(device="cpu"), StageSpec(device="cuda:0")
+    assert [s.threads for s in default_threads((cpu, cpu), 8)] == [4, 4]
+    assert [s.threads for s in default_threads((StageSpec(device="cpu", threads=5), cpu, cpu, gpu), 8)] == [5, 1, 1, None]
+    assert [s.threads for s in default_threads((cpu, cpu, cpu), 2)] == [1, 1, 1]
+    assert [s.threads for s in default_threads((cpu,), 2)] == [2]
+    plan = build_plan(from_dict(dict(model="synthetic:smoke", stages=["cpu", "cpu"], chunk=64,
+                                     prompt={"random": {"tokens": 100, "seed": 0}})))
+    n = len(os.sched_getaffinity(0))
+    assert [p.threads for p in plan.stages] == [max(1, n // 2)] * 2
