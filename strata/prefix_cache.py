@@ -367,11 +367,12 @@ class DeviceTier:
 
     SEGMENTS = 4  # the budget is allocated in this many parts at most
 
-    def __init__(self, budget: int, device: torch.device, stream):
-        self.budget, self.device, self.stream = budget, device, stream
+    def __init__(self, budget: int, device: torch.device):
+        self.budget, self.device = budget, device
         self.lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (segment, row)
         self.size = 0        # a block's bytes (the first block's: every block of a stage has the same)
-        self.segs: list[torch.Tensor] = []  # (rows, stride) uint8 each
+        self.segs: list[torch.Tensor] = []  # (rows, stride) uint8 each; never freed while the stage runs, so a row
+        # is reused only through new(), after the waits of Snapshots.snap / restore
         self.free: list[tuple[int, int]] = []  # a heap: the lowest row first, so a document's blocks run in order
         self._views: dict = {}
         self.hits = 0       # blocks a restore read from here
@@ -488,7 +489,7 @@ class Snapshots:
         self.cuda = device.type == "cuda"
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.tier = DeviceTier(device_bytes, device, self.stream) if device_bytes > 0 else None
+        self.tier = DeviceTier(device_bytes, device) if device_bytes > 0 else None
         self.pending = None      # the last copy out's event (CUDA): the live cache is not written before it
         self.blocks: dict[bytes, torch.Tensor] = {}
         self.states: dict[bytes, torch.Tensor] = {}  # state_key -> a kept state's bytes on the host (keep_state)
