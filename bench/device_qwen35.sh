@@ -20,6 +20,10 @@
 #            generated tokens after the whole prompt (Strata's decode at 262,144; llama-bench's -n 128 is at depth 0)
 #   rdecode  bench/generate.py decode after 2,048 and 32,768 tokens, 128 each, on the file held resident: Strata with
 #            the decode graphs (products on the blocks) and without (eager), llama-bench -d on the same file
+#   ldecode  llama-bench's decode of 128 tokens after 262,016 on the file (-d; its depth prefilled with -ub 2048), beside
+#            the resident step's Strata decode after the same prompt (~250 s)
+#   million  bench/peer.py prefill of 1,048,576 tokens of synthetic:qwen3.5-9b-yarn in bfloat16 (Qwen3.5-9B's shape with
+#            Qwen's YaRN x4 over 262,144), chunk 10,240; prints each stage's kv_bytes and state_bytes (no llama.cpp arm)
 # Run from the repo root on the GPU machine, carrying .peer/llama.tgz and .whl:
 #   bash bench/device_qwen35.sh setup build tests gguf        # first call (~450 s: the build ~330 in the background)
 #   bash bench/device_qwen35.sh setup prefill                 # second call, at once (the build and the file in /tmp
@@ -129,7 +133,47 @@ rdecode() {
     | tee "$LOG/q35-rdecode.log" | tail -14
 }
 
-STEPS="setup build tests gguf prefill decode resident rdecode"
+ldecode() {
+  [ -s "$Q35" ] || { el "ldecode: no $Q35 (run the gguf step first)"; return 1; }
+  fits ldecode 260 || return
+  build_wait || { el "ldecode: no llama-bench"; return 1; }
+  el "ldecode: llama-bench, 128 tokens after 262,016 on the file"
+  timeout $(( $(left) + 20 )) "$LB" -m "$Q35" -ngl 99 -fa 1 -b 2048 -ub 2048 -p 0 -n 128 -d 262016 -r 1 -o json \
+    > "$LOG/q35-ldecode.json" 2> "$LOG/q35-ldecode.err"
+  python3 - "$LOG/q35-ldecode.json" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))[0]
+except Exception as e:
+    sys.exit(f"no llama-bench JSON: {e}")
+print(f"llama.cpp qwen3.5-27b Q4_K_M: decode of {r['n_gen']} after {r['n_depth']:,}: {r['avg_ts']:.1f} tok/s")
+EOF
+}
+
+million() {
+  fits million 420 || return
+  el "million: 1,048,576 tokens of synthetic:qwen3.5-9b-yarn, bf16, chunk 10,240 (bench/peer.py)"
+  timeout $(( $(left) + 20 )) python3 bench/peer.py --preset qwen3.5-9b-yarn --devices cuda:0 --tokens 1048576 \
+    --chunk 10240 --arms bf16 --no-dump --json "$LOG/q35-million.json" 2>&1 | tee "$LOG/q35-million.log" \
+    | grep -v "^\s*$" | tail -8
+  python3 - "$LOG/q35-million.json" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no peer JSON: {e}")
+b = r.get("bf16", {})
+full = 32 * 2 * 4 * 256 * 1048576 * 2  # K and V of all 32 layers over the whole context in bf16
+print(f"million: {b.get('tok_s')} tok/s; {b.get('seconds')} s; load {b.get('load_wall_s')} s")
+for s in b.get("stages", []):
+    print(f"qwen3.5-9b-yarn stage {s['device']} layers {s['layers']}: kv_bytes {s['kv_bytes']:,} "
+          f"({s['kv_bytes'] / 2**30:.2f} GiB; every layer's bf16 KV would be {full / 2**30:.2f} GiB), "
+          f"state_bytes {s['state_bytes']:,} ({s['state_bytes'] / 2**20:.1f} MiB); "
+          f"weights {s['weight_bytes'] / 2**30:.2f} GiB; mem {s['mem_bytes'] / 2**30:.2f} GiB")
+EOF
+}
+
+STEPS="setup build tests gguf prefill decode resident rdecode ldecode million"
 for step in ${@:-setup build tests gguf}; do
   case " $STEPS " in
     *" $step "*) $step ;;

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # the families whose arithmetic the decoder core implements (strata.families declares each: its files' names and keys)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_5")
@@ -263,6 +263,14 @@ PRESETS: dict[str, ModelArgs] = {
                              max_seq_len=262144, rotary_dim=64, attn_gate=True,
                              linear_layers=tuple((i + 1) % 4 != 0 for i in range(64)), lin_k_heads=16, lin_k_dim=128,
                              lin_v_heads=48, lin_v_dim=128, lin_conv=4),
+    # Qwen3.5-9B (Qwen/Qwen3.5-9B's text_config, transformers' Qwen3_5TextConfig defaults: 32 layers, 16 q / 4 kv
+    # heads of 256, linear 16 q/k and 32 value heads of 128), at its 262,144 positions and with Qwen's recipe past
+    # them: YaRN x4 over 262,144 (1,048,576 positions; the model card's "up to 1,010,000 tokens")
+    "qwen3.5-9b": ModelArgs(arch="qwen3_5", vocab_size=248320, dim=4096, n_layers=32, n_heads=16, n_kv_heads=4,
+                            head_dim=256, ffn_dim=12288, norm_eps=1e-6, rope_theta=1e7, qk_norm=True, norm_offset=True,
+                            max_seq_len=262144, rotary_dim=64, attn_gate=True,
+                            linear_layers=tuple((i + 1) % 4 != 0 for i in range(32)), lin_k_heads=16, lin_k_dim=128,
+                            lin_v_heads=32, lin_v_dim=128, lin_conv=4),
     "smoke": ModelArgs(vocab_size=512, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=32,
                        ffn_dim=256, max_seq_len=65536),
     "smoke-moe": ModelArgs(arch="qwen3_moe", vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -271,3 +279,5 @@ PRESETS: dict[str, ModelArgs] = {
     "smoke-wide": ModelArgs(vocab_size=2048, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
                             head_dim=64, ffn_dim=2816, max_seq_len=131072),
 }
+PRESETS["qwen3.5-9b-yarn"] = replace(PRESETS["qwen3.5-9b"], max_seq_len=4 * 262144, rope_scaling=dict(
+    QWEN_YARN4, original_max_position_embeddings=262144))
