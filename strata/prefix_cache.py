@@ -329,11 +329,13 @@ def row_bytes(caches: list[torch.Tensor]) -> int:
 
 
 def _views(buf: torch.Tensor, caches: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
-    """buf (uint8) cut into one (1, n_kv, rows, last) tensor per cache, in the cache's dtype."""
+    """buf (uint8: one block's bytes, or (R, bytes) of R blocks, DeviceTier's segments) cut into one tensor per cache
+    in the cache's dtype: (1, n_kv, rows, last), or (R, n_kv, rows, last)."""
+    lead = tuple(buf.shape[:-1]) or (1,)
     out, off = [], 0
     for c in caches:
         n = c.shape[1] * rows * c.shape[3] * c.element_size()
-        out.append(buf[off:off + n].view(c.dtype).view(1, c.shape[1], rows, c.shape[3]))
+        out.append(buf[..., off:off + n].view(c.dtype).view(*lead, c.shape[1], rows, c.shape[3]))
         off += n
     return out
 
@@ -441,16 +443,10 @@ class DeviceTier:
 
     def _cache_views(self, s: int, caches: list[torch.Tensor], block: int) -> list[torch.Tensor]:
         """Segment s as one (rows, n_kv, block, last) tensor per cache, in the cache's dtype (_views' layout)."""
-        shape = tuple((c.shape[1], c.shape[3], c.dtype) for c in caches)
-        got = self._views.get((s, block, shape))
-        if got is None:
-            seg, got, off = self.segs[s], [], 0
-            for c in caches:
-                n = c.shape[1] * block * c.shape[3] * c.element_size()
-                got.append(seg[:, off:off + n].view(c.dtype).view(seg.shape[0], c.shape[1], block, c.shape[3]))
-                off += n
-            self._views[(s, block, shape)] = got
-        return got
+        key = (s, block, tuple((c.shape[1], c.shape[3], c.dtype) for c in caches))
+        if key not in self._views:
+            self._views[key] = _views(self.segs[s], caches, block)
+        return self._views[key]
 
     def copy(self, caches: list[torch.Tensor], block: int, placed: list[tuple[int, int, int]], out: bool) -> None:
         """Rows of blocks between the live caches and the tier, on the current stream. placed: (j, segment, row)
@@ -471,7 +467,10 @@ class DeviceTier:
                 live = c[0, :, j0 * block:(j0 + n) * block].unflatten(1, (n, block)).transpose(0, 1)
                 if in_order:
                     part = held[rows[0]:rows[0] + n]
-                    (part.copy_(live, non_blocking=True) if out else live.copy_(part, non_blocking=True))
+                    if out:
+                        part.copy_(live, non_blocking=True)
+                    else:
+                        live.copy_(part, non_blocking=True)
                 elif out:
                     held.index_copy_(0, idx, live)
                 else:
