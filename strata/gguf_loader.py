@@ -13,6 +13,7 @@ import torch
 from .errors import ModelError
 from .args import ModelArgs
 from .model import rope_frequencies
+from .rope import yarn_positions
 from .resident import Quantized
 from .families import _BY_GGUF, check_gguf_keys, family, gguf_args_extra, gguf_trunk_layers, supported_gguf
 from .names import fused_rows, gguf_name, shapes, short, wanted_names
@@ -162,7 +163,7 @@ def gguf_model_args(path: Path) -> ModelArgs:
             tie_embeddings="output.weight" not in tensors,
             qkv_bias=fam.qkv_bias or "blk.0.attn_q.bias" in tensors, qk_norm=extra.pop("qk_norm", fam.qk_norm),
             **extra,
-            max_seq_len=int(get("context_length", 8192)),
+            max_seq_len=yarn_positions(int(get("context_length", 8192)), scaling),
             bos_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
             eos_id=field_value(reader, "tokenizer.ggml.eos_token_id"))
     except (TypeError, ValueError) as e:

@@ -97,6 +97,17 @@ def scaling_from_hf(rs: dict | None, where: str, *, max_position_embeddings: int
             "truncate": bool(rs.get("truncate", True))}
 
 
+def yarn_positions(n: int, scaling: dict | None) -> int:
+    """The positions a model with `n` declared (max_position_embeddings, a GGUF's context_length) takes: with YaRN,
+    at least factor times its original length, the context the stretch is made for. Qwen's recipe past a model's
+    native context adds YaRN to rope_parameters and leaves max_position_embeddings at the native length (Qwen3:
+    40,960 with x4 over 32,768, for 131,072; Qwen3.5: x4 over 262,144, for 1,048,576), and llama.cpp's converter
+    writes that length as context_length; where both agree (gpt-oss: 32 x 4,096 = 131,072) nothing changes."""
+    if scaling and scaling.get("rope_type") == "yarn":
+        return max(n, int(scaling["factor"] * scaling["original_max_position_embeddings"]))
+    return n
+
+
 def scaling_from_gguf(get, arch: str, where: str) -> dict | None:
     """llama.cpp's {arch}.rope.scaling.* metadata (get(key, default=None) reads one without the arch prefix) as the
     dict scaling_from_hf gives for the HF model it was converted from; None for no scaling. Keys llama.cpp's

@@ -458,6 +458,21 @@ def test_llama3_rope_scaling_recognised_from_rope_freqs(tmp_path):
     assert (sc["rope_type"], sc["factor"], sc["original_max_position_embeddings"]) == ("yarn", 4.0, 2048)
 
 
+@pytest.mark.parametrize("ctx,factor,orig,want", [(40960, 4.0, 32768, 131072), (2048, 4.0, 2048, 8192),
+                                                  (131072, 32.0, 4096, 131072), (200000, 4.0, 32768, 200000)])
+def test_yarn_file_takes_the_stretched_context(tmp_path, ctx, factor, orig, want):
+    """llama.cpp's converter writes max_position_embeddings as context_length: a Qwen3 with its model card's YaRN
+    (x4 over 32,768; max_position_embeddings 40,960) takes 131,072 positions, gpt-oss (32 x 4,096) its 131,072."""
+    p = _meta_only_gguf(tmp_path / "y.gguf", kv={"llama.context_length": (ctx, gguf.GGUFValueType.UINT32),
+                                                 "llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+                                                 "llama.rope.scaling.factor": (factor, gguf.GGUFValueType.FLOAT32),
+                                                 "llama.rope.scaling.original_context_length":
+                                                     (orig, gguf.GGUFValueType.UINT32)})
+    assert gguf_model_args(p).max_seq_len == want
+    p = _meta_only_gguf(tmp_path / "n.gguf", kv={"llama.context_length": (ctx, gguf.GGUFValueType.UINT32)})
+    assert gguf_model_args(p).max_seq_len == ctx  # no YaRN: the file's own length
+
+
 # -- bad inputs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("cut", ["half", "tail", "header"])
 def test_truncated_gguf(gguf_path, tmp_path, cut):
