@@ -119,10 +119,11 @@ def test_device_script_steps(tmp_path):
     run = lambda *steps, **e: subprocess.run(["bash", "bench/device_qwen35.sh", *steps], cwd=ROOT, text=True,  # noqa
                                              capture_output=True, env={**env, **e}, timeout=60)
     r = run("bogus")
-    assert r.returncode == 2 and "unknown step bogus (setup build tests gguf prefill decode resident rdecode)" in r.stdout
+    assert r.returncode == 2 and "unknown step bogus (setup build tests gguf prefill decode resident rdecode ldecode million)" in r.stdout
     r = run("tests", "gguf", DEADLINE="0")
     assert r.returncode == 0 and "SKIPPED tests" in r.stdout and "SKIPPED gguf qwen3.5-27b" in r.stdout
-    r = run("prefill", "decode", "resident", "rdecode")
-    assert r.stdout.count("(run the gguf step first)") == 4
-    r = run("resident", "rdecode", DEADLINE="0", Q35=__file__)  # (a file that exists: the deadline decides)
+    r = run("prefill", "decode", "resident", "rdecode", "ldecode")
+    assert r.stdout.count("(run the gguf step first)") == 5
+    r = run("resident", "rdecode", "ldecode", "million", DEADLINE="0", Q35=__file__)  # (a file: the deadline decides)
     assert "SKIPPED resident: needs ~420 s" in r.stdout and "SKIPPED rdecode: needs ~300 s" in r.stdout
+    assert "SKIPPED ldecode: needs ~260 s" in r.stdout and "SKIPPED million: needs ~420 s" in r.stdout
