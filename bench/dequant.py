@@ -68,11 +68,12 @@ def main() -> int:
     shapes = [(E * r, c) for r, c in (expert_shapes(a.preset) if a.experts else layer_shapes(a.preset))]
     n = sum(r * c for r, c in shapes)
     g = torch.Generator().manual_seed(0)
-    sweep = [int(b) for b in a.blocks.split(",") if b] or [into.BLOCKS]
+    sweep = [int(b) for b in a.blocks.split(",") if b]
     print(f"{a.preset}: one layer{f' of {E} experts' if a.experts else ''} = {n / 1e6:.0f}M weights, device {dev}")
-    print("| type | stored MB/layer | torch ms/layer | " + " | ".join(f"`into` ms/layer (BLOCKS {b})" for b in sweep)
+    print("| type | stored MB/layer | torch ms/layer | "
+          + " | ".join(f"`into` ms/layer (BLOCKS {b})" for b in sweep or ["as set"])
           + " | GB/s written (bf16, the fastest) |")
-    print("|---|---:|---:|" + "---:|" * len(sweep) + "---:|")
+    print("|---|---:|---:|" + "---:|" * max(1, len(sweep)) + "---:|")
     for t in a.types.split(","):
         blocks = [quant.random_blocks(t, r, c, g, "cpu").to(dev) for r, c in shapes]
         slab = 0
@@ -95,8 +96,9 @@ def main() -> int:
             for b, o in zip(blocks, out):
                 into.dequantize_into(o, b, t, slab=slab)
         arms = [timed(torch_path, dev, a.reps)]
-        for bl in sweep:
-            into.BLOCKS = bl
+        for bl in sweep or [None]:  # None: the module's own counts
+            if bl is not None:
+                into.BLOCKS, into.BLOCKS_OF = bl, {}  # every type at this count
             arms.append(timed(into_path, dev, a.reps) if into.takes(t, out[0]) else None)
         stored = sum(b.numel() for b in blocks)
         best = min(x for x in arms if x is not None)

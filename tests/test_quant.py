@@ -407,3 +407,36 @@ def test_a_failed_into_kernel_falls_back_on_its_holder_only(monkeypatch, caplog)
     assert working.launches == 2 and c.into
     resident.dequantize_into(torch.empty(6, 64), b, "Q8_0", 64, a)
     assert working.launches == 2  # a stays on the torch path
+
+
+INTO_TAILS = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import strata.quant as Q
+from strata.quant import into
+g = torch.Generator().manual_seed(9)
+for name, rows, cols in [("Q8_0", 3, 224), ("Q4_0", 3, 224), ("Q5_1", 3, 224), ("Q4_K", 3, 256), ("Q5_K", 1, 512),
+                         ("Q6_K", 3, 256), ("MXFP4", 5, 96)]:
+    per = into.BLOCKS_OF.get(name, into.BLOCKS)
+    b = Q.random_blocks(name, rows, cols, g, "cpu")
+    n = b.numel() // Q.type_size(name)
+    assert n % per and n > per or n < per, (name, n, per)  # a last program part-filled
+    out = torch.full((rows, cols), float("nan"))
+    assert into.takes(name, out) and into.dequantize_into(out, b, name)
+    assert out.view(torch.int32).equal(Q.dequantize(b, name).view(torch.int32)), name
+print("ok")
+"""
+
+
+def test_into_kernels_fill_a_last_program_in_part_interpreted():
+    """strata.quant.into at its blocks per program (BLOCKS, BLOCKS_OF): where the blocks do not fill the last
+    program, its masked lanes write nothing out of place and the rows are the torch path's float32 bits."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", INTO_TAILS, str(root)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
