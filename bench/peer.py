@@ -65,6 +65,10 @@ def strata_run(model: str, devices: list[str], tokens: int, chunk: int, depth: i
         load_s = time.perf_counter() - t
         rep = p.prefill().report
     rep["load_wall_s"] = load_s
+    for f in sorted(out.glob("stage-*.log")):  # what each stage's warm-up built: a shape left out builds in the timing
+        for line in f.read_text(errors="replace").splitlines():
+            if any(w in line for w in ("warmed for", "FlexAttention compiled", "warm-up:")):
+                print(f"  {f.name}: {line.strip()[-200:]}", flush=True)
     if rep.get("residual_file"):
         Path(rep["residual_file"]).unlink()  # md5 kept; the dump is tokens x dim float32
     print(f"strata {model} depth {depth}: {rep['tok_s']:,.1f} tok/s ({rep['seconds']:.2f} s; load {load_s:.1f} s; "
