@@ -76,8 +76,10 @@ def resolve(model: str) -> tuple[str, str]:
     if p.suffix == ".gguf":
         return "gguf", str(p)
     if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
-        raise ModelError(f"model {model!r}: pickled checkpoints are refused (they can execute code); use safetensors or GGUF")
-    raise ModelError(f"model {model!r}: expected an HF directory, a .gguf file, 'smollm2' or 'synthetic:PRESET[@QTYPE]'")
+        raise ModelError(f"model {model!r}: pickled checkpoints are refused (they can execute code); "
+                         "use safetensors or GGUF")
+    raise ModelError(f"model {model!r}: expected an HF directory, a .gguf file, 'smollm2' or "
+                     "'synthetic:PRESET[@QTYPE]'")
 
 
 def _looks_like_repo_id(model: str) -> bool:
@@ -361,48 +363,66 @@ def check_model_files(model: str) -> None:
         check_tensors(Path(loc), args, 0, args.n_layers)
         return
     d = Path(loc)
-    where = _hf_index(d)
-    missing = [h for c in wanted_names(args, 0, args.n_layers) for h in hf_names(c, args) if h not in where]
+    where, fam = _hf_layout(d, args)
+    missing = [h for c in wanted_names(args, 0, args.n_layers) for h in hf_names(c, args, fam) if h not in where]
     if missing:
         raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
 
 
 # -- HF directory: config.json + *.safetensors ---------------------------------------------------
-def hf_model_args(d: Path) -> ModelArgs:
+def _hf_config(d: Path) -> dict:
     try:
-        cfg = json.loads((d / "config.json").read_text())
+        return json.loads((d / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelError(f"{d / 'config.json'}: cannot read ({e})") from None
+
+
+def hf_model_args(d: Path) -> ModelArgs:
     from .families import hf_args
-    return hf_args(cfg, str(d / "config.json"))
+    return hf_args(_hf_config(d), str(d / "config.json"))
 
 
-def _hf_index(d: Path) -> dict[str, Path]:
-    """HF tensor name -> its safetensors file, from every file's header (the one scan of them):
-    a truncated or corrupt file is refused here."""
+def _hf_index(d: Path) -> dict[str, tuple[Path, str]]:
+    """HF tensor name as the family's map spells it -> (its safetensors file, the name stored there), from every
+    file's header (the one scan of them): a truncated or corrupt file is refused here. A multimodal checkpoint's
+    text tensors are listed under their text model's names, its others not at all (families.hf_text_name)."""
     from safetensors import SafetensorError, safe_open
+
+    from .families import hf_text_name
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{d}: no *.safetensors files (pickled .bin checkpoints are refused)")
-    where: dict[str, Path] = {}
+    cfg = _hf_config(d)
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    where: dict[str, tuple[Path, str]] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():
-                    where.setdefault(k, f)
+                    name = hf_text_name(arch, k)
+                    if name is not None:
+                        where.setdefault(name, (f, k))
         except (SafetensorError, OSError) as e:
             raise ModelError(f"{f}: corrupt or truncated safetensors file ({e})") from None
     return where
 
 
+def _hf_layout(d: Path, args: ModelArgs):
+    """(_hf_index(d), the family as this checkpoint spells it: its experts per expert or fused)."""
+    from .families import hf_checkpoint_family
+    where = _hf_index(d)
+    return where, hf_checkpoint_family(family(args.arch), where, str(d))
+
+
 def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
-    where = _hf_index(d)
+    where, fam = _hf_layout(d, args)
     wanted: dict[str, list[str]] = {}  # HF name -> the canonical tensors it holds (several where fused)
     stacks: dict[str, list[str]] = {}  # an expert stack's canonical name -> its HF tensors, one per expert
     for c in wanted_names(args, start, end):
-        names = hf_names(c, args)
-        if len(names) > 1 or "{e}" in hf_name(c, args):
+        names = hf_names(c, args, fam)
+        if len(names) > 1 or "{e}" in hf_name(c, args, fam):
             stacks[c] = names
         for h in names:
             wanted.setdefault(h, []).append(c)
@@ -411,19 +431,19 @@ def hf_slice_tensors(d: Path, args: ModelArgs, start: int, end: int) -> dict[str
         raise ModelError(f"{d}: tensors missing from the checkpoint: {', '.join(missing[:3])}")
     by_file: dict[Path, list[str]] = {}
     for hf in wanted:
-        by_file.setdefault(where[hf], []).append(hf)
+        by_file.setdefault(where[hf][0], []).append(hf)
     out: dict[str, torch.Tensor] = {}
     for f, names in by_file.items():
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for hf in names:
-                    t = sf.get_tensor(hf)
+                    t = sf.get_tensor(where[hf][1])
                     for c in wanted[hf]:
                         if c in stacks:
                             out.setdefault(c, {})[hf] = t
                             continue
-                        derive = family(args.arch).hf_derived.get(short(c))
-                        if derive is not None:  # a layout of its own (gpt-oss's experts)
+                        derive = fam.hf_derived.get(short(c))
+                        if derive is not None:  # a layout of its own (gpt-oss's experts, fused Qwen experts)
                             out[c] = derive[1](t, args).contiguous()
                             continue
                         rows = fused_rows(c, args, gguf=False)

@@ -3,13 +3,14 @@ keys become `ModelArgs` (what the decoder core varies for it). A key that would 
 implemented is refused in one line naming the file, the key and the value; nothing is ignored silently."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .args import ModelArgs
 from .errors import ModelError
-from .rope import scaling_from_gguf, scaling_from_hf
+from .rope import scaling_from_gguf, scaling_from_hf, yarn_positions
 
 # canonical per-layer short name -> HF per-layer name (model.layers.N.<name>), the Llama layout
 _HF_LLAMA = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
@@ -69,6 +70,7 @@ class Family:
     # slice would not read (None: neither is checked, the older families)
     gguf_keys: frozenset | None = None
     gguf_nextn: bool = False                  # the last {arch}.nextn_predict_layers blocks are MTP layers, skipped
+    hf_fused_experts: bool = False            # its experts may be stored fused instead (hf_checkpoint_family)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -82,7 +84,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                      "mlp_post_norm": "post_feedforward_layernorm.weight"},
            gguf_layer={**_GGUF_LLAMA, "attn_post_norm": "post_attention_norm.weight",
                        "mlp_post_norm": "post_ffw_norm.weight"}),
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True,
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True, hf_fused_experts=True,
            hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "e_gate": "mlp.experts.{e}.gate_proj.weight",
                      "e_up": "mlp.experts.{e}.up_proj.weight", "e_down": "mlp.experts.{e}.down_proj.weight"}),
     Family("glm4_moe", ("Glm4MoeForCausalLM",), "glm4moe",
@@ -114,7 +116,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "mlp_norm": "post_attention_norm.weight", "router_bias": "ffn_gate_inp.bias",
                        "e_gate_b": "ffn_gate_exps.bias", "e_up_b": "ffn_up_exps.bias",
                        "e_down_b": "ffn_down_exps.bias"}),
-    Family("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"), "qwen35", qk_norm=True,
+    Family("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"), "qwen35", qk_norm=True, hf_fused_experts=True,
            hf_layer={**_HF_LLAMA, "router": "mlp.gate.weight", "e_gate": "mlp.experts.{e}.gate_proj.weight",
                      "e_up": "mlp.experts.{e}.up_proj.weight", "e_down": "mlp.experts.{e}.down_proj.weight",
                      "s_gate": "mlp.shared_expert.gate_proj.weight", "s_up": "mlp.shared_expert.up_proj.weight",
@@ -132,7 +134,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            gguf_layer={**_GGUF_LLAMA, "mlp_norm": "post_attention_norm.weight", "lin_norm": "ssm_norm.weight"},
            gguf_derived={"wq": ("attn_q.weight", lambda t, a: _per_head(t, a, 0)),
                          "wg": ("attn_q.weight", lambda t, a: _per_head(t, a, 1)),
-                         "lin_qkv": ("attn_qkv.weight", lambda t, a: _untile_after(t, a, 2 * a.lin_k_heads * a.lin_k_dim)),
+                         "lin_qkv": ("attn_qkv.weight",
+                                     lambda t, a: _untile_after(t, a, 2 * a.lin_k_heads * a.lin_k_dim)),
                          "lin_conv": ("ssm_conv1d.weight",
                                       lambda t, a: _untile_after(t, a, 2 * a.lin_k_heads * a.lin_k_dim)),
                          "lin_z": ("attn_gate.weight", lambda t, a: _untile(t, a, 0, a.lin_v_dim)),
@@ -177,6 +180,41 @@ def family(arch: str) -> Family:
     return FAMILIES[arch]
 
 
+# -- a Qwen MoE checkpoint's experts: per expert or fused --------------------------------------------------------
+# transformers 5 holds a Qwen MoE layer's experts (qwen3_moe, qwen3_5) as two 3D parameters: mlp.experts.gate_up_proj
+# (E, 2 * effn, dim), every expert's gate rows then its up rows (its conversion_mapping's qwen2_moe concatenates them
+# so, and the forward chunks them so), and mlp.experts.down_proj (E, dim, effn). Its save_pretrained splits them per
+# expert (the names hf_layer maps); a checkpoint written from the fused form keeps them fused, named with or without
+# ".weight" (llama.cpp's converter takes all three). A checkpoint holds one spelling: read as it holds it.
+_HF_FUSED_EXPERTS = {"e_gate": ("mlp.experts.gate_up_proj", lambda t, a: t[:, :a.expert_ffn_dim]),
+                     "e_up": ("mlp.experts.gate_up_proj", lambda t, a: t[:, a.expert_ffn_dim:]),
+                     "e_down": ("mlp.experts.down_proj", lambda t, a: t)}
+_EXPERT_SPELLINGS = {"per expert": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight"),
+                     "fused": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj"),
+                     "fused .weight": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj\.weight")}
+
+
+def hf_checkpoint_family(fam: Family, stored, where: str) -> Family:
+    """`fam` as a checkpoint holding the tensors `stored` (names as its map looks them up) spells it: a family whose
+    experts may be fused (hf_fused_experts) reads them fused where the checkpoint holds them so (else per expert: what
+    is missing is named then); a checkpoint holding two spellings is refused."""
+    if not fam.hf_fused_experts:
+        return fam
+    found: dict[str, str] = {}
+    for name in stored:
+        for spelling, pattern in _EXPERT_SPELLINGS.items():
+            if pattern.fullmatch(name):
+                found.setdefault(spelling, name)
+    if len(found) > 1:
+        (a, x), (b, y) = sorted(found.items())[:2]
+        raise ModelError(f"{where}: the experts are stored both {a} ({x}) and {b} ({y})")
+    if "fused" not in found and "fused .weight" not in found:
+        return fam
+    suffix = ".weight" if "fused .weight" in found else ""
+    return replace(fam, hf_derived={**fam.hf_derived,
+                                    **{s: (n + suffix, f) for s, (n, f) in _HF_FUSED_EXPERTS.items()}})
+
+
 def supported_hf() -> str:
     return ", ".join(sorted(_BY_HF))
 
@@ -185,10 +223,64 @@ def supported_gguf() -> str:
     return ", ".join(sorted(_BY_GGUF))
 
 
+# -- multimodal checkpoints: their text model only -------------------------------------------------------------
+# transformers' multimodal classes whose text model is a family here -> that text model's architecture (its reader
+# takes the config's text_config) and the composite's tie_word_embeddings default: transformers 5.25 ties the
+# composite's lm_head by the top-level key (the class that holds the head has the composite config), not text_config's.
+HF_COMPOSITES = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", False),
+                 "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", False),
+                 "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", True)}
+# where a composite's safetensors keep its text model's tensors -> the names a text-only checkpoint gives them (what
+# the families' maps look up): transformers 5 writes model.language_model.X; Gemma 3's released files (and
+# transformers' save of that class) language_model.model.X and language_model.lm_head.weight. Anything else (the
+# vision tower, Qwen3.5's mtp.*) is never read. Composites only: a text-only checkpoint's names are taken as stored,
+# so a model.language_model.* tensor there never stands in for one its map names.
+HF_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                    "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
+# text_config keys a composite class (transformers 5.25) leaves unapplied though its text-only class applies them:
+# Gemma3ForConditionalGeneration returns lm_head's logits uncapped. Refused where set, as either reading would be a
+# guess (the released Gemma 3 configs have none)
+_COMPOSITE_UNAPPLIED = {"Gemma3ForConditionalGeneration": ("final_logit_softcapping",)}
+
+
+def hf_text_name(arch: str | None, stored: str) -> str | None:
+    """A checkpoint's tensor name as the family's map looks it up (None: not the text model's), for a checkpoint
+    whose config.json names `arch`."""
+    if arch not in HF_COMPOSITES:
+        return stored
+    for prefix, plain in HF_TEXT_PREFIXES.items():
+        if stored.startswith(prefix):
+            return plain + stored[len(prefix):]
+    return None
+
+
+def _hf_text_config(cfg: dict, where: str) -> dict:
+    """A multimodal config.json -> the config its text model's reader takes: text_config, as the text architecture,
+    tied as transformers ties the composite."""
+    arch = cfg["architectures"][0]
+    text, tie = HF_COMPOSITES[arch]
+    sub = cfg.get("text_config")
+    if not isinstance(sub, dict):
+        raise ModelError(f"{where}: {arch} config lacks 'text_config'")
+    for key in _COMPOSITE_UNAPPLIED.get(arch, ()):
+        if sub.get(key) is not None:
+            raise ModelError(f"{where}: text_config {key} = {sub[key]!r} is not implemented for {arch} "
+                             f"(transformers' {arch} does not apply it, its {text} does)")
+    return {**sub, "architectures": [text], "tie_word_embeddings": cfg.get("tie_word_embeddings", tie)}
+
+
 # -- HF config.json ------------------------------------------------------------------------------------------
 # the partial rotary factor transformers' config classes assume where config.json has none (Glm4MoeConfig 0.5, and
 # llama.cpp's converter too; Qwen3_5TextConfig and its MoE 0.25): RoPE over all of a head would be another model
 _PARTIAL_ROTARY_DEFAULT = {"glm4_moe": 0.5, "qwen3_5": 0.25}
+# Gemma3TextConfig's defaults (transformers 5.25) for the keys that change the arithmetic or the shapes: the released
+# Gemma 3 checkpoints' text_config lists only what differs from them (gemma-3-4b-it's not even its heads), and
+# transformers takes these for the rest (rope_theta: the global layers' base where rope_parameters gives none)
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                    "bos_token_id": 2, "eos_token_id": 1}
 # Glm4MoeConfig's defaults for its router keys (transformers 5.25): a config.json without n_shared_experts has one
 # shared expert, without first_k_dense_replace one dense first layer
 _GLM4_MOE_DEFAULTS = {"n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
@@ -196,12 +288,46 @@ _GLM4_MOE_DEFAULTS = {"n_shared_experts": 1, "first_k_dense_replace": 1, "n_grou
 
 
 def hf_args(cfg: dict, where: str) -> ModelArgs:
-    """config.json -> ModelArgs, or ModelError naming the key and value that cannot be honoured."""
+    """config.json -> ModelArgs, or ModelError naming the key and value that cannot be honoured. A multimodal
+    config (HF_COMPOSITES): its text model's, from text_config."""
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    if archs[0] in HF_COMPOSITES:
+        cfg, where = _hf_text_config(cfg, where), f"{where} text_config"
+        archs = cfg["architectures"]
     fam = _BY_HF.get(archs[0]) or FAMILIES.get(_MODEL_TYPES.get(cfg.get("model_type"), ""))
     if fam is None:
         raise ModelError(f"{where}: unsupported architecture {archs[0]!r} (supported: {supported_hf()})")
+    try:
+        return _hf_family_args(_gemma3_text(cfg) if fam.gemma else cfg, fam, archs[0], where)
+    except KeyError as e:  # (a key read before ModelArgs is built)
+        raise ModelError(f"{where}: config lacks {e.args[0]!r}") from None
 
+
+def _gemma3_text(cfg: dict) -> dict:
+    """A gemma3 text config as transformers completes it: Gemma3TextConfig's defaults for absent keys, and without
+    layer_types every sliding_window_pattern-th layer (6) global."""
+    cfg = {**_GEMMA3_DEFAULTS, **cfg}
+    if cfg.get("layer_types") is None:
+        period = int(cfg.get("sliding_window_pattern", 6))
+        cfg["layer_types"] = ["sliding_attention" if (i + 1) % period else "full_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
+def _drop_mrope(rs: dict, where: str) -> dict:
+    """Qwen3.5's rope dict without its multimodal RoPE keys. M-RoPE splits the rotary dims among a time, a height and
+    a width position (mrope_section; mrope_interleaved: by turns); transformers gives a text token its position on
+    all three, so over text it is plain RoPE. A section transformers' rotary cannot index (3 ints) is refused."""
+    sec = rs.get("mrope_section")
+    if sec is not None and not (isinstance(sec, list) and len(sec) >= 3
+                                and all(isinstance(n, int) and not isinstance(n, bool) for n in sec)):
+        raise ModelError(f"{where}: rope_parameters mrope_section = {sec!r} is not implemented "
+                         "(an int for each of time, height and width)")
+    return {k: v for k, v in rs.items() if k not in ("mrope_section", "mrope_interleaved")}
+
+
+def _hf_family_args(cfg: dict, fam: Family, arch: str, where: str) -> ModelArgs:
+    """hf_args for a text model's config of family `fam` (config.json's architecture `arch`)."""
     def refuse(key, why="is not implemented"):
         raise ModelError(f"{where}: {key} = {cfg.get(key)!r} {why}")
 
@@ -226,9 +352,10 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     rp0 = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     prf = float(cfg.get("partial_rotary_factor") or rp0.get("partial_rotary_factor")
                 or _PARTIAL_ROTARY_DEFAULT.get(fam.name, 1.0))
-    if prf != 1.0 and not (glm or q35):  # (transformers' Llama-style families ignore it at the default rope, Phi honours it)
+    # (transformers' Llama-style families ignore it at the default rope, Phi honours it)
+    if prf != 1.0 and not (glm or q35):
         refuse("partial_rotary_factor")
-    experts = _hf_experts(cfg, archs[0], where, refuse)
+    experts = _hf_experts(cfg, arch, where, refuse)
     for key in ("attention_chunk_size", "no_rope_layers"):
         if cfg.get(key):
             refuse(key)
@@ -249,6 +376,8 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     rs = cfg.get("rope_scaling") or rp
     if rs and "partial_rotary_factor" in rs:  # read above, as rotary_dim
         rs = {k: v for k, v in rs.items() if k != "partial_rotary_factor"}
+    if rs and q35:
+        rs = _drop_mrope(rs, where)
     theta = float((rp or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     scaling = scaling_from_hf(rs, where, max_position_embeddings=cfg.get("max_position_embeddings"),
                               original_max_position_embeddings=cfg.get("original_max_position_embeddings"))
@@ -292,8 +421,9 @@ def _hf_linear(cfg: dict, where: str) -> dict:
         raise ModelError(f"{where}: layer_types {bad[0] if bad else types!r} is not implemented")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelError(f"{where}: hidden_act = {cfg.get('hidden_act')!r} is not implemented")
-    return dict(linear_layers=tuple(t == "linear_attention" for t in types), lin_k_heads=int(cfg["linear_num_key_heads"]),
-                lin_k_dim=int(cfg["linear_key_head_dim"]), lin_v_heads=int(cfg["linear_num_value_heads"]),
+    return dict(linear_layers=tuple(t == "linear_attention" for t in types),
+                lin_k_heads=int(cfg["linear_num_key_heads"]), lin_k_dim=int(cfg["linear_key_head_dim"]),
+                lin_v_heads=int(cfg["linear_num_value_heads"]),
                 lin_v_dim=int(cfg["linear_value_head_dim"]), lin_conv=int(cfg.get("linear_conv_kernel_dim", 4)),
                 attn_gate=True, norm_offset=True)
 
@@ -340,11 +470,12 @@ def _hf_experts(cfg: dict, arch: str, where: str, refuse) -> dict:
 
 def _max_positions(cfg: dict, scaling: dict | None) -> int:
     """The positions a model takes: max_position_embeddings; with dynamic NTK rope, factor times it (the length
-    the factor is set for: transformers itself sets no bound, its frequencies keep growing with the sequence)."""
+    the factor is set for: transformers itself sets no bound, its frequencies keep growing with the sequence); with
+    YaRN at least factor times its original length (strata.rope.yarn_positions)."""
     n = cfg.get("max_position_embeddings", 8192)
     if scaling and scaling["rope_type"] == "dynamic":
         return int(scaling["factor"] * n)
-    return n
+    return yarn_positions(n, scaling)
 
 
 def _hf_window(cfg: dict, fam: Family, where: str) -> tuple[int | None, tuple | None]:
@@ -369,8 +500,6 @@ def _hf_window(cfg: dict, fam: Family, where: str) -> tuple[int | None, tuple | 
         first = cfg.get("max_window_layers", n)
         flags = tuple(i >= first for i in range(n))
         return (int(w), flags) if any(flags) else (None, None)
-    if fam.gemma:
-        raise ModelError(f"{where}: gemma3 config without layer_types")
     if w is None or not fam.window_keys:
         return None, None
     return int(w), None
@@ -423,7 +552,8 @@ def _gguf_glm4moe(get, head_dim: int, names, where: str) -> dict:
         refuse("expert_gating_func", "is not implemented (glm4moe: 2, sigmoid)")
     if get("expert_shared_count") is None:  # (llama.cpp requires the key)
         raise ModelError(f"{where}: GGUF metadata lacks glm4moe.expert_shared_count")
-    effn = int(get("expert_feed_forward_length") or 0) or int(get("feed_forward_length")) // used  # llama.cpp's fallback
+    # llama.cpp's fallback: the dense width over the experts used
+    effn = int(get("expert_feed_forward_length") or 0) or int(get("feed_forward_length")) // used
     groups = int(get("expert_group_count") or 0)
     scale = get("expert_weights_scale")
     rot = get("rope.dimension_count")

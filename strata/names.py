@@ -36,7 +36,8 @@ def wanted_names(args, start: int, end: int) -> list[str]:
     per_layer = (list(PER_LAYER) + (list(BIASES) if args.qkv_bias else []) + (list(QK_NORMS) if args.qk_norm else [])
                  + (list(POST_NORMS) if args.post_norms else []) + (["bo"] if args.o_bias else [])
                  + (["sinks"] if args.attn_sinks else []) + (["wg"] if args.attn_gate else []))
-    moe = ([n for n in per_layer if n not in MLP] + list(EXPERTS) + (["router_bias"] if args.router != "softmax" else [])
+    moe = ([n for n in per_layer if n not in MLP] + list(EXPERTS)
+           + (["router_bias"] if args.router != "softmax" else [])
            + (list(SHARED) if args.shared_ffn_dim else []) + (["s_sig"] if args.shared_gate else [])
            + (list(EXPERT_BIASES) if args.expert_bias else []))
     for i in range(start, end):
@@ -83,19 +84,20 @@ def _split(canon: str) -> tuple[str, str]:
     return i, s
 
 
-def hf_names(canon: str, args) -> list[str]:
+def hf_names(canon: str, args, fam=None) -> list[str]:
     """The HF tensors that hold `canon`: one, or an expert stack's one per expert (stacked in order)."""
-    name = hf_name(canon, args)
+    name = hf_name(canon, args, fam)
     if "{e}" not in name:
         return [name]
     return [name.format(e=e) for e in range(args.n_experts)]
 
 
-def hf_name(canon: str, args=None) -> str:
-    """Canonical tensor name -> its name in an HF checkpoint of `args`' family (default llama). A tensor the
-    family keeps fused with others: the fused tensor's name (see `fused_rows`); an expert stack: a template
-    with {e} for the expert (see `hf_names`)."""
-    return _file_name(canon, args, gguf=False)
+def hf_name(canon: str, args=None, fam=None) -> str:
+    """Canonical tensor name -> its name in an HF checkpoint of `args`' family (default llama), or of `fam` (the
+    family as one checkpoint spells it: families.hf_checkpoint_family). A tensor the family keeps fused with
+    others: the fused tensor's name (see `fused_rows`); an expert stack: a template with {e} for the expert (see
+    `hf_names`)."""
+    return _file_name(canon, args, gguf=False, fam=fam)
 
 
 def gguf_name(canon: str, args=None) -> str:
@@ -103,13 +105,13 @@ def gguf_name(canon: str, args=None) -> str:
     return _file_name(canon, args, gguf=True)
 
 
-def _file_name(canon: str, args, gguf: bool) -> str:
+def _file_name(canon: str, args, gguf: bool, fam=None) -> str:
     """hf_name / gguf_name: a global name, or the layer's name in the family's map (fused, derived, or its own)."""
     glob = GGUF_GLOBAL if gguf else HF_GLOBAL
     if canon in glob:
         return glob[canon]
     i, s = _split(canon)
-    fam = family(args.arch if args is not None else "llama")
+    fam = fam or family(args.arch if args is not None else "llama")
     fused, derived, layer = ((fam.gguf_fused, fam.gguf_derived, fam.gguf_layer) if gguf
                              else (fam.hf_fused, fam.hf_derived, fam.hf_layer))
     prefix = f"blk.{i}." if gguf else f"model.layers.{i}."

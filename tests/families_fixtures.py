@@ -46,7 +46,8 @@ CACHE = Path(os.environ.get("STRATA_TEST_CACHE", Path.home() / ".cache" / "strat
 PEER_LLAMA_CPP = REPO / ".peer" / "src" / f"llama_cpp_python-{LLAMA_CPP_PY_VERSION}" / "vendor" / "llama.cpp"
 
 DENSE_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn")
-FAMILIES = DENSE_FAMILIES + ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe")  # the experts' (test_families converts them)
+# the experts' (test_families converts them)
+FAMILIES = DENSE_FAMILIES + ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe")
 SP_VOCAB = 300            # pieces of the tiny sentencepiece tokenizer (tiny_sp_model)
 SMOLLM2_VOCAB = 49152     # SmolLM2's tokenizer
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -165,6 +166,15 @@ def make_hf(tmp_path, family: str, seed: int = 1, noise: float = 0.1, **override
     torch.manual_seed(seed)
     config = cfg_cls(**kw)
     model = model_cls(config).to(torch.float32).eval()
+    _perturb(model, seed, noise)
+    out = Path(tempfile.mkdtemp(prefix=f"hf-{family}-", dir=str(tmp_path)))
+    model.save_pretrained(out, safe_serialization=True)
+    return model, str(out)
+
+
+def _perturb(model, seed: int, noise: float) -> None:
+    """N(0, noise) added to every norm weight and bias (routers, sinks and A_log too), as make_hf documents."""
+    import torch
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -174,7 +184,40 @@ def make_hf(tmp_path, family: str, seed: int = 1, noise: float = 0.1, **override
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # glm4_moe's choosing bias, a buffer
                 b.add_(torch.randn(b.shape, generator=gen) * noise)
-    out = Path(tempfile.mkdtemp(prefix=f"hf-{family}-", dir=str(tmp_path)))
+
+
+MULTIMODAL_FAMILIES = ("qwen3_5", "qwen3_5_moe", "gemma3")
+
+
+def _multimodal_spec(family: str):
+    """The multimodal config and model classes whose text model is make_hf's `family`, and their keys besides
+    text_config: a one-layer vision tower. Their image token ids (Qwen3.5's 248056.., Gemma 3's 262144) are beyond
+    the tiny vocabulary: random text ids never hit them."""
+    import transformers as tf
+    qwen_vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                       out_hidden_size=_COMMON["hidden_size"], spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen3_5":
+        return tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration, dict(vision_config=qwen_vision)
+    if family == "qwen3_5_moe":
+        return tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration, dict(vision_config=qwen_vision)
+    if family == "gemma3":  # SigLIP over 16-pixel images of 4-pixel patches, pooled to 4 tokens an image
+        return tf.Gemma3Config, tf.Gemma3ForConditionalGeneration, dict(
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=16, patch_size=4), mm_tokens_per_image=4)
+    raise ValueError(f"no multimodal fixture for {family!r}; one of {MULTIMODAL_FAMILIES}")
+
+
+def make_hf_multimodal(tmp_path, family: str, seed: int = 1, noise: float = 0.1, text: dict | None = None, **top):
+    """A tiny random float32 multimodal model (*ForConditionalGeneration) whose text_config is make_hf's `family`
+    with `text` overrides, and `top` top-level config keys (tie_word_embeddings, ...); perturbed as make_hf's and
+    saved under tmp_path as transformers saves that class: (model, dir as str)."""
+    import torch
+    cfg_cls, model_cls, kw = _multimodal_spec(family)
+    text_kw = {**_COMMON, **_family_spec(family)[2], **(text or {})}
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(text_config=text_kw, **kw, **top)).to(torch.float32).eval()
+    _perturb(model, seed, noise)
+    out = Path(tempfile.mkdtemp(prefix=f"hf-mm-{family}-", dir=str(tmp_path)))
     model.save_pretrained(out, safe_serialization=True)
     return model, str(out)
 
@@ -318,7 +361,8 @@ def llamacpp_converter(cache_dir: Path | None = None) -> Path | None:
         top = f"llama_cpp_python-{LLAMA_CPP_PY_VERSION}/vendor/llama.cpp/"
         keep = tuple(top + x for x in ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/"))
         with tarfile.open(sdists[0]) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(keep) or m.name == top + "convert_hf_to_gguf.py"]
+            members = [m for m in tar.getmembers()
+                       if m.name.startswith(keep) or m.name == top + "convert_hf_to_gguf.py"]
             tar.extractall(td, members=members, filter="data")
         got = Path(td) / f"llama_cpp_python-{LLAMA_CPP_PY_VERSION}"
         if not _usable(got / "vendor" / "llama.cpp"):
@@ -401,7 +445,8 @@ print("@@strata-results@@" + json.dumps(results), flush=True)
 
 def _converter_env(conv: Path) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(conv.parent / "gguf-py")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(conv.parent / "gguf-py")]
+                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("OMP_NUM_THREADS", "1")
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
@@ -425,7 +470,8 @@ def _pick_tokenizer(cfg: dict, tokenizer: str | None) -> str:
     if tokenizer == "smollm2" and cfg.get("vocab_size", 0) < SMOLLM2_VOCAB:
         raise ConversionError(f"the SmolLM2 tokenizer needs vocab_size >= {SMOLLM2_VOCAB}, not {cfg.get('vocab_size')}")
     if tokenizer == "sp" and cfg.get("vocab_size", 0) < SP_VOCAB:
-        raise ConversionError(f"the tiny sentencepiece tokenizer needs vocab_size >= {SP_VOCAB}, not {cfg.get('vocab_size')}")
+        raise ConversionError(f"the tiny sentencepiece tokenizer needs vocab_size >= {SP_VOCAB}, "
+                              f"not {cfg.get('vocab_size')}")
     return tokenizer
 
 
@@ -463,7 +509,8 @@ def convert_many(jobs, outtype: str = "f32", tokenizer: str | None = None,
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith(marker)), None)
     logs = r.stderr.split("@@strata-job ")
     logs = {int(chunk.split("@@", 1)[0]): chunk.split("@@", 1)[1] for chunk in logs[1:]}
-    outcome = json.loads(line[len(marker):]) if line else [f"the converter process died (rc {r.returncode})"] * len(argvs)
+    died = [f"the converter process died (rc {r.returncode})"] * len(argvs)
+    outcome = json.loads(line[len(marker):]) if line else died
     for j, i in enumerate(idx):
         out_path = Path(jobs[i][1])
         if outcome[j] is None and out_path.is_file():

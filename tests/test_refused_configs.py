@@ -19,18 +19,25 @@ from test_bad_input import refuse  # noqa: E402
 
 # (family of the fixture, config.json changes, what the one line must say)
 REFUSED = [
-    ("llama", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture 'GPT2LMHeadModel'"),
+    ("llama", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+     "unsupported architecture 'GPT2LMHeadModel'"),
     ("llama", {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
      "unsupported architecture 'Gemma2ForCausalLM'"),
     ("llama", {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
      "unsupported architecture 'DeepseekV3ForCausalLM'"),
+    # a multimodal class whose text model is a family here is read from its text_config (tests/test_multimodal_text.py)
     ("llama", {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"},
-     "unsupported architecture 'Qwen3_5ForConditionalGeneration'"),
+     "Qwen3_5ForConditionalGeneration config lacks 'text_config'"),
+    ("llama", {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl"},
+     "unsupported architecture 'Qwen3VLForConditionalGeneration'"),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0, "beta_fast": 8.0}},
      "rope_scaling key 'beta_fast' = 8.0 is not implemented"),
     ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
                                   "long_factor": [1.0] * 8}}, "'longrope'"),
     ("llama", {"rope_parameters": {"rope_type": "su", "rope_theta": 10000.0}}, "'su'"),
+    # multimodal RoPE's sections: plain RoPE over text for qwen3_5 only (its checkpoints carry them)
+    ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2]}},
+     "rope_scaling key 'mrope_section' = [4, 2, 2] is not implemented"),
     ("llama", {"attention_bias": True}, "attention_bias = True"),
     ("llama", {"mlp_bias": True}, "mlp_bias = True"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
