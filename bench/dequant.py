@@ -69,6 +69,8 @@ def main() -> int:
     n = sum(r * c for r, c in shapes)
     g = torch.Generator().manual_seed(0)
     sweep = [int(b) for b in a.blocks.split(",") if b]
+    if any(b < 1 or b & (b - 1) for b in sweep):
+        ap.error(f"--blocks {a.blocks}: each a power of two (the kernels' tl.arange)")
     print(f"{a.preset}: one layer{f' of {E} experts' if a.experts else ''} = {n / 1e6:.0f}M weights, device {dev}")
     print("| type | stored MB/layer | torch ms/layer | "
           + " | ".join(f"`into` ms/layer (BLOCKS {b})" for b in sweep or ["as set"])
@@ -94,7 +96,7 @@ def main() -> int:
 
         def into_path():
             for b, o in zip(blocks, out):
-                into.dequantize_into(o, b, t, slab=slab)
+                assert into.dequantize_into(o, b, t, slab=slab), f"{t}: the kernel failed (see the log)"
         arms = [timed(torch_path, dev, a.reps)]
         for bl in sweep or [None]:  # None: the module's own counts
             if bl is not None:

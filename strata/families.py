@@ -186,9 +186,21 @@ def family(arch: str) -> Family:
 # so, and the forward chunks them so), and mlp.experts.down_proj (E, dim, effn). Its save_pretrained splits them per
 # expert (the names hf_layer maps); a checkpoint written from the fused form keeps them fused, named with or without
 # ".weight" (llama.cpp's converter takes all three). A checkpoint holds one spelling: read as it holds it.
-_HF_FUSED_EXPERTS = {"e_gate": ("mlp.experts.gate_up_proj", lambda t, a: t[:, :a.expert_ffn_dim]),
-                     "e_up": ("mlp.experts.gate_up_proj", lambda t, a: t[:, a.expert_ffn_dim:]),
-                     "e_down": ("mlp.experts.down_proj", lambda t, a: t)}
+def _fused(t, a, rows: int, cols: int, part: slice = slice(None)):
+    """A fused experts tensor, checked against the config's (E, rows, cols) (a transposed stack would be read as
+    another matrix), then its rows `part`."""
+    if tuple(t.shape) != (a.n_experts, rows, cols):
+        raise ModelError(f"fused experts tensor of shape {tuple(t.shape)}: the config implies "
+                         f"{(a.n_experts, rows, cols)}")
+    return t[:, part]
+
+
+_HF_FUSED_EXPERTS = {
+    "e_gate": ("mlp.experts.gate_up_proj",
+               lambda t, a: _fused(t, a, 2 * a.expert_ffn_dim, a.dim, slice(None, a.expert_ffn_dim))),
+    "e_up": ("mlp.experts.gate_up_proj",
+             lambda t, a: _fused(t, a, 2 * a.expert_ffn_dim, a.dim, slice(a.expert_ffn_dim, None))),
+    "e_down": ("mlp.experts.down_proj", lambda t, a: _fused(t, a, a.dim, a.expert_ffn_dim))}
 _EXPERT_SPELLINGS = {"per expert": re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight"),
                      "fused": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj"),
                      "fused .weight": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj\.weight")}
@@ -322,7 +334,7 @@ def _drop_mrope(rs: dict, where: str) -> dict:
     if sec is not None and not (isinstance(sec, list) and len(sec) >= 3
                                 and all(isinstance(n, int) and not isinstance(n, bool) for n in sec)):
         raise ModelError(f"{where}: rope_parameters mrope_section = {sec!r} is not implemented "
-                         "(an int for each of time, height and width)")
+                         "(at least an int for each of time, height and width)")
     return {k: v for k, v in rs.items() if k not in ("mrope_section", "mrope_interleaved")}
 
 
@@ -471,7 +483,8 @@ def _hf_experts(cfg: dict, arch: str, where: str, refuse) -> dict:
 def _max_positions(cfg: dict, scaling: dict | None) -> int:
     """The positions a model takes: max_position_embeddings; with dynamic NTK rope, factor times it (the length
     the factor is set for: transformers itself sets no bound, its frequencies keep growing with the sequence); with
-    YaRN at least factor times its original length (strata.rope.yarn_positions)."""
+    YaRN at least factor times its original length (strata.rope.yarn_positions; where the config states none, the
+    original is max_position_embeddings, as transformers 5 takes it and writes it into a config it saves)."""
     n = cfg.get("max_position_embeddings", 8192)
     if scaling and scaling["rope_type"] == "dynamic":
         return int(scaling["factor"] * n)

@@ -151,3 +151,20 @@ def test_fused_refused_in_one_line(tmp_path, capsys):
         assert d in line and expect in line, line
     assert "per expert (model.layers.1.mlp.experts." in line, line
     slice_tensors(lacking, model_args(lacking), 0, 1)  # (a stage without layer 1 reads what it needs)
+
+
+def test_fused_of_another_shape_refused(tmp_path):
+    """A fused gate_up_proj stored transposed, (E, dim, 2 x ffn) as other families lay it out, is refused in one line
+    naming both shapes rather than sliced as if it were (E, 2 x ffn, dim)."""
+    _, d = make(tmp_path, "qwen3_moe")
+    fused = fuse(d)
+    from safetensors.torch import load_file, save_file
+    f = Path(d) / "model.safetensors"
+    w = load_file(str(f))
+    name = next(k for k in fused if k.endswith("gate_up_proj"))
+    w[name] = w[name].transpose(1, 2).contiguous()
+    save_file(w, str(f), metadata={"format": "pt"})
+    args = model_args(d)
+    want = (args.n_experts, 2 * args.expert_ffn_dim, args.dim)
+    with pytest.raises(ModelError, match=re.escape(f"the config implies {want}")):
+        slice_tensors(d, args, 0, args.n_layers)

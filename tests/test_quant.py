@@ -415,22 +415,30 @@ sys.path.insert(0, sys.argv[1])
 import strata.quant as Q
 from strata.quant import into
 g = torch.Generator().manual_seed(9)
-for name, rows, cols in [("Q8_0", 3, 224), ("Q4_0", 3, 224), ("Q5_1", 3, 224), ("Q4_K", 3, 256), ("Q5_K", 1, 512),
-                         ("Q6_K", 3, 256), ("MXFP4", 5, 96)]:
+cases = [("Q8_0", 3, 1120), ("Q4_0", 3, 224), ("Q4_1", 3, 224), ("Q5_0", 3, 224), ("Q5_1", 3, 224),
+         ("Q4_K", 3, 1536), ("Q5_K", 3, 1536), ("Q6_K", 3, 1536), ("MXFP4", 5, 224)]
+for name, rows, cols in cases:
     per = into.BLOCKS_OF.get(name, into.BLOCKS)
     b = Q.random_blocks(name, rows, cols, g, "cpu")
     n = b.numel() // Q.type_size(name)
-    assert n % per and n > per or n < per, (name, n, per)  # a last program part-filled
+    assert n > per and n % per, (name, n, per)  # several programs, the last part-filled
     out = torch.full((rows, cols), float("nan"))
     assert into.takes(name, out) and into.dequantize_into(out, b, name)
     assert out.view(torch.int32).equal(Q.dequantize(b, name).view(torch.int32)), name
+# MXFP4's split layout: 3 experts of 16 blocks, so a program's blocks cross slabs, and its last is part-filled
+b = Q.random_blocks("MXFP4", 6, 256, g, "cpu")
+assert 48 > into.BLOCKS_OF["MXFP4"] and 48 % into.BLOCKS_OF["MXFP4"]
+out = torch.full((6, 256), float("nan"))
+assert into.dequantize_into(out, Q.mxfp4.to_split(b.view(3, 2, -1)).view(6, -1), "MXFP4", slab=16)
+assert out.view(torch.int32).equal(Q.dequantize(b, "MXFP4").view(torch.int32))
 print("ok")
 """
 
 
 def test_into_kernels_fill_a_last_program_in_part_interpreted():
-    """strata.quant.into at its blocks per program (BLOCKS, BLOCKS_OF): where the blocks do not fill the last
-    program, its masked lanes write nothing out of place and the rows are the torch path's float32 bits."""
+    """strata.quant.into at its blocks per program (BLOCKS, BLOCKS_OF), every type it takes but IQ3_S (its own
+    kernel): several programs, the last part-filled (its masked lanes write nothing out of place), MXFP4's split
+    layout with slabs across programs; the torch path's float32 bits."""
     pytest.importorskip("triton")
     import os
     import subprocess

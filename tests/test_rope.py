@@ -349,13 +349,13 @@ def test_gguf_refusals(meta, want):
         "rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 262144,
         "partial_rotary_factor": 0.25, "mrope_interleaved": True, "mrope_section": [11, 11, 10]}), 1048576),
     ("qwen3", dict(max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 40960),
-    # no original length in the dict: max_position_embeddings is the original, and the model takes factor x it
+    # no original length given: transformers 5 takes max_position_embeddings as the original (and saves it so)
     ("qwen3", dict(max_position_embeddings=8192, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6,
                                                                   "factor": 2.0}), 16384),
 ])
 def test_yarn_config_takes_the_stretched_context(tmp_path, fam, cfg, want):
-    """A model whose config.json adds YaRN takes factor x its original length (the context the stretch is for),
-    as strata.rope.yarn_positions says; other scalings keep max_position_embeddings."""
+    """A model whose config.json adds YaRN takes factor x its original length (the context the stretch is for), as
+    strata.rope.yarn_positions says; other scalings keep max_position_embeddings."""
     from families_fixtures import make_hf
     from strata.checkpoint import model_args
     _, d = make_hf(tmp_path, fam, **cfg)

@@ -117,16 +117,17 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
         shapes += [c for c in chunk_schedule(tokens, n, spec.dynamic_chunks, args) if c[0] > 0 and c not in shapes]
     mem.append(torch.cuda.memory_allocated(device))
     strata.attention.keep_cudnn_shapes(model, shapes + [(n, n)])
-    t = time.perf_counter()
+    t_chunks = time.perf_counter()
     built = strata.attention.warm_chunk_attention(model, shapes)
-    t, spent = time.perf_counter(), time.perf_counter() - t
+    t_flex = time.perf_counter()
     flex = strata.attention.warm_window_attention(model, [c[1] for c in shapes])
     mem.append(torch.cuda.memory_allocated(device))
     if built:  # fewer than the shapes: WARM_CHUNKS or WARM_BUDGET_S stopped it, and the rest build in a prefill
-        log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d) in %.1f s", built, len(shapes), n, spent)
+        log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d) in %.1f s", built, len(shapes), n,
+                 t_flex - t_chunks)
     if flex:
         log.info("FlexAttention compiled for %d query buckets (rows %s) in %.1f s", len(flex),
-                 ", ".join(map(str, flex)), time.perf_counter() - t)
+                 ", ".join(map(str, flex)), time.perf_counter() - t_flex)
     if strata.attention.flex_failure(model.triton_state):
         log.warning("kernels.window_attention=flex: %s; window layers take the band path",
                     strata.attention.flex_failure(model.triton_state))
