@@ -309,9 +309,12 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     fam = _BY_HF.get(archs[0]) or FAMILIES.get(_MODEL_TYPES.get(cfg.get("model_type"), ""))
     if fam is None:
         raise ModelError(f"{where}: unsupported architecture {archs[0]!r} (supported: {supported_hf()})")
+    cfg = _gemma3_text(cfg) if fam.gemma else cfg
     try:
-        return _hf_family_args(_gemma3_text(cfg) if fam.gemma else cfg, fam, archs[0], where)
-    except KeyError as e:  # (a key read before ModelArgs is built)
+        return _hf_family_args(cfg, fam, archs[0], where)
+    except KeyError as e:  # a key read before ModelArgs is built; one the config has is this code's bug: raised as is
+        if e.args and e.args[0] in cfg:
+            raise
         raise ModelError(f"{where}: config lacks {e.args[0]!r}") from None
 
 
