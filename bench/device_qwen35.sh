@@ -66,6 +66,24 @@ gguf() {
   ls -la "$Q35" 2>&1; df -h /tmp | tail -1
 }
 
+bf16_stages() {  # a peer JSON's bf16 arm: its time, and each stage's KV beside every layer's, its state and memory
+  python3 - "$@" <<'EOF'
+import json, sys
+path, label, layers, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+try:
+    b = json.load(open(path)).get("bf16", {})
+except Exception as e:
+    sys.exit(f"no peer JSON: {e}")
+full = layers * 2 * 4 * 256 * tokens * 2  # K and V of every layer (4 kv heads of 256) over the whole context, bf16
+print(f"{label}: {b.get('tok_s')} tok/s; {b.get('seconds')} s; load {b.get('load_wall_s')} s")
+for s in b.get("stages", []):
+    print(f"{label} stage {s['device']} layers {s['layers']}: kv_bytes {s['kv_bytes']:,} "
+          f"({s['kv_bytes'] / 2**30:.2f} GiB; every layer's bf16 KV would be {full / 2**30:.2f} GiB), "
+          f"state_bytes {s['state_bytes']:,} ({s['state_bytes'] / 2**20:.1f} MiB); "
+          f"weights {s['weight_bytes'] / 2**30:.2f} GiB; mem {s['mem_bytes'] / 2**30:.2f} GiB")
+EOF
+}
+
 prefill() {
   [ -s "$Q35" ] || { el "prefill: no $Q35 (run the gguf step first)"; return 1; }
   fits prefill 300 || return
@@ -75,19 +93,7 @@ prefill() {
   timeout $(( $(left) + 20 )) python3 bench/peer.py --preset "$PRESET" --qtype Q4_K_M --devices cuda:0 --tokens 262144 \
     --chunk 10240 --gguf "$Q35" "${lb[@]}" --llama-no-warmup --arms llama,bf16 --no-dump --json "$LOG/q35-peer.json" \
     2>&1 | tee "$LOG/q35-prefill.log" | grep -v "^\s*$" | tail -8
-  python3 - "$LOG/q35-peer.json" <<'EOF'
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))
-except Exception as e:
-    sys.exit(f"no peer JSON: {e}")
-full = 64 * 2 * 4 * 256 * 262144 * 2  # K and V of all 64 layers over the whole context in bf16
-for s in r.get("bf16", {}).get("stages", []):
-    print(f"qwen3.5-27b stage {s['device']} layers {s['layers']}: kv_bytes {s['kv_bytes']:,} "
-          f"({s['kv_bytes'] / 2**30:.2f} GiB; every layer's bf16 KV would be {full / 2**30:.2f} GiB), "
-          f"state_bytes {s['state_bytes']:,} ({s['state_bytes'] / 2**20:.1f} MiB); "
-          f"weights {s['weight_bytes'] / 2**30:.2f} GiB; mem {s['mem_bytes'] / 2**30:.2f} GiB")
-EOF
+  bf16_stages "$LOG/q35-peer.json" "$PRESET" 64 262144
 }
 
 decode() {
@@ -156,21 +162,7 @@ million() {
   timeout $(( $(left) + 20 )) python3 bench/peer.py --preset qwen3.5-9b-yarn --devices cuda:0 --tokens 1048576 \
     --chunk 10240 --arms bf16 --no-dump --json "$LOG/q35-million.json" 2>&1 | tee "$LOG/q35-million.log" \
     | grep -v "^\s*$" | tail -8
-  python3 - "$LOG/q35-million.json" <<'EOF'
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))
-except Exception as e:
-    sys.exit(f"no peer JSON: {e}")
-b = r.get("bf16", {})
-full = 32 * 2 * 4 * 256 * 1048576 * 2  # K and V of all 32 layers over the whole context in bf16
-print(f"million: {b.get('tok_s')} tok/s; {b.get('seconds')} s; load {b.get('load_wall_s')} s")
-for s in b.get("stages", []):
-    print(f"qwen3.5-9b-yarn stage {s['device']} layers {s['layers']}: kv_bytes {s['kv_bytes']:,} "
-          f"({s['kv_bytes'] / 2**30:.2f} GiB; every layer's bf16 KV would be {full / 2**30:.2f} GiB), "
-          f"state_bytes {s['state_bytes']:,} ({s['state_bytes'] / 2**20:.1f} MiB); "
-          f"weights {s['weight_bytes'] / 2**30:.2f} GiB; mem {s['mem_bytes'] / 2**30:.2f} GiB")
-EOF
+  bf16_stages "$LOG/q35-million.json" qwen3.5-9b-yarn 32 1048576
 }
 
 STEPS="setup build tests gguf prefill decode resident rdecode ldecode million"
