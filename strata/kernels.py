@@ -85,15 +85,13 @@ if triton is not None:
         tl.store(out + t[:, None] * (H * D) + h * D + d[None, :], (a * c + b * s).to(out.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _route_kernel(logits, w_out, i_out, n, stride, K: tl.constexpr, KP: tl.constexpr,
-                      BLOCK: tl.constexpr, CHOSEN: tl.constexpr, RENORM: tl.constexpr):
-        """One row's router: softmax over all n logits then the top K (CHOSEN: the top K logits, then the softmax
-        over those K: gpt-oss), renormalized to sum 1 (RENORM), float32 inside. Ties go to the
-        lower expert, picked one at a time as a running maximum."""
-        r = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, BLOCK)
-        live = c < n
-        x = tl.load(logits + r * stride + c, mask=live, other=float("-inf")).to(tl.float32)
+    def _route_row(x, c, live, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                   CHOSEN: tl.constexpr, RENORM: tl.constexpr):
+        """One row's float32 logits x (BLOCK,; `live` the first n) -> its top K's weights and expert ids (KP,):
+        softmax over all the logits then the top K (CHOSEN: the top K logits, then the softmax over those K:
+        gpt-oss; the caller rounds it as the torch path does), renormalized to sum 1 (RENORM). Ties go to the lower
+        expert, picked one at a time as a running maximum."""
+        x = tl.where(live, x, float("-inf"))
         if not CHOSEN:
             e = tl.exp(x - tl.max(x, 0))
             x = tl.where(live, e / tl.sum(e, 0), float("-inf"))
@@ -108,11 +106,61 @@ if triton is not None:
             x = tl.where(c == at, float("-inf"), x)
         if CHOSEN:
             e = tl.exp(vals - tl.max(vals, 0))  # the pads' -inf give 0
-            vals = (e / tl.sum(e, 0)).to(logits.dtype.element_ty).to(tl.float32)  # as the torch path's softmax
+            vals = e / tl.sum(e, 0)
         elif RENORM:
             vals = vals / tl.sum(tl.where(j < K, vals, 0.0), 0)
+        return vals, ids
+
+    @triton.jit
+    def _route_kernel(logits, w_out, i_out, n, stride, K: tl.constexpr, KP: tl.constexpr,
+                      BLOCK: tl.constexpr, CHOSEN: tl.constexpr, RENORM: tl.constexpr):
+        """One row's router over its logits (_route_row), float32 inside."""
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        live = c < n
+        x = tl.load(logits + r * stride + c, mask=live, other=0.0).to(tl.float32)
+        vals, ids = _route_row(x, c, live, K, KP, BLOCK, CHOSEN, RENORM)
+        if CHOSEN:  # as the torch path's softmax in the logits' dtype
+            vals = vals.to(logits.dtype.element_ty).to(tl.float32)
+        j = tl.arange(0, KP)
         tl.store(w_out + r * K + j, vals, mask=j < K)
         tl.store(i_out + r * K + j, ids, mask=j < K)
+
+    @triton.jit
+    def _router_kernel(h, wr, bias, logits, count, w_out, i_out, n, dim, HAS_BIAS: tl.constexpr, R: tl.constexpr,
+                       BLOCK_D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                       CHOSEN: tl.constexpr, RENORM: tl.constexpr):
+        """One row's router logits and its route in one launch: each program takes R of the n logits (float32
+        sums, the bias added, rounded to h's dtype as F.linear's output), then counts itself done on `count`; the
+        last program to finish routes all n (_route_row) and sets `count` back to 0 for the next launch."""
+        p = tl.program_id(0)
+        rows = p * R + tl.arange(0, R)
+        live_r = rows < n
+        acc = tl.zeros((R,), tl.float32)
+        for d0 in range(0, dim, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            ld = d < dim
+            x = tl.load(h + d, mask=ld, other=0.0).to(tl.float32)
+            w = tl.load(wr + rows.to(tl.int64)[:, None] * dim + d[None, :], mask=live_r[:, None] & ld[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], 1)
+        if HAS_BIAS:
+            acc += tl.load(bias + rows, mask=live_r, other=0.0).to(tl.float32)
+        tl.store(logits + rows, acc.to(logits.dtype.element_ty), mask=live_r)
+        # every thread's stores before the one thread's count (the barrier), whose acq_rel at GPU scope publishes
+        # them to the last program; that one's loads go past L1 all the same
+        tl.debug_barrier()
+        if tl.atomic_add(count, 1) == tl.num_programs(0) - 1:
+            c = tl.arange(0, BLOCK)
+            live = c < n
+            x = tl.load(logits + c, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
+            vals, ids = _route_row(x, c, live, K, KP, BLOCK, CHOSEN, RENORM)
+            if CHOSEN:
+                vals = vals.to(logits.dtype.element_ty).to(tl.float32)
+            j = tl.arange(0, KP)
+            tl.store(w_out + j, vals, mask=j < K)
+            tl.store(i_out + j, ids, mask=j < K)
+            tl.atomic_xchg(count, 0)
 
     @triton.jit
     def _weigh_kernel(y, w, out, cols, K: tl.constexpr, BLOCK: tl.constexpr):
@@ -173,6 +221,38 @@ def route(logits: torch.Tensor, k: int, chosen: bool, renorm: bool,
         with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
             _route_kernel[(N,)](logits, w, ids, n, logits.stride(0), K=k, KP=triton.next_power_of_2(k),
                                 BLOCK=triton.next_power_of_2(n), CHOSEN=chosen, RENORM=renorm)
+    except Exception as e:
+        _failed("router", e, state)
+        return None
+    return w, ids
+
+
+ROUTER_PROGRAMS = 64  # programs of a one-row router launch: each reads R = n / 64 rows of the router (at least 1)
+ROUTER_TILE = 8192  # router values a program reads at once (R rows x BLOCK_D columns)
+
+
+def router(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, count: torch.Tensor, k: int,
+           chosen: bool, renorm: bool, state: TritonState | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`route` with its logits in the same launch, for one row h (dim,) against the router weight (n, dim) (and
+    bias (n,)): -> (weights (1, k) float32, ids (1, k) int64). count: an int32 zero on h's device, left zero after
+    each launch; a launch must not run beside another on the same count (one per MoE layer, one stream). A decode
+    step's cuBLAS gemv and route launch become one (Qwen3-30B-A3B on an H100: 4.9 + 3.4 us a layer). None where
+    Triton is missing or failed, or for a layout it does not take (the caller's two launches)."""
+    if (not _on(state) or h.dim() != 1 or not h.is_contiguous() or not weight.is_contiguous()
+            or weight.dtype != h.dtype or weight.shape[1] != h.shape[0] or weight.shape[0] > 4096
+            or (bias is not None and not bias.is_contiguous())):
+        return None
+    n, dim = weight.shape
+    r = max(1, triton.next_power_of_2(triton.cdiv(n, ROUTER_PROGRAMS)))
+    logits = torch.empty(n, device=h.device, dtype=h.dtype)
+    w = torch.empty(1, k, device=h.device, dtype=torch.float32)
+    ids = torch.empty(1, k, device=h.device, dtype=torch.int64)
+    try:
+        with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
+            _router_kernel[(triton.cdiv(n, r),)](
+                h, weight, weight if bias is None else bias, logits, count, w, ids, n, dim, HAS_BIAS=bias is not None,
+                R=r, BLOCK_D=min(triton.next_power_of_2(dim), ROUTER_TILE // r), K=k, KP=triton.next_power_of_2(k),
+                BLOCK=triton.next_power_of_2(n), CHOSEN=chosen, RENORM=renorm)
     except Exception as e:
         _failed("router", e, state)
         return None

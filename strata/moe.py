@@ -49,6 +49,7 @@ class MoE(nn.Module):
         # strata.triton_state.TritonState: the slice's (Transformer), on which the router's, the weighted sum's and
         # the gated activation's Triton kernels fall back (None: tried on every call)
         self.triton_state = None
+        self._router_count: torch.Tensor | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h (N, dim) -> (weights (N, k) in float32, expert ids (N, k)). softmax: over every expert's logit, the
@@ -56,7 +57,13 @@ class MoE(nn.Module):
         (GLM-4.5): float32 scores; the choice by score + bias, within the best groups (a group's worth: its two
         best); the weights the chosen scores, renormalized, times the routed scale."""
         if self.kind != "sigmoid" and h.is_cuda and h.shape[0] * self.k <= GATHER_PAIRS:  # decode: one launch
-            from .kernels import route
+            from .kernels import route, router
+            if h.shape[0] == 1:  # the logits in the route's launch (a gemv and the route were 8.3 us a layer)
+                fused = router(h[0], self.router, self.router_bias, self._count(h.device), self.k,
+                               self.kind == "topk_softmax", self.renorm and self.kind == "softmax", self.triton_state)
+                if fused is not None:
+                    w, idx = fused
+                    return (w * self.scale if self.scale != 1.0 else w), idx
             if h.shape[0] == 1:  # a matrix-vector product (cuBLAS gemv, ~2 us; F.linear's GEMM took 5)
                 b = self.router_bias
                 logits = (torch.mv(self.router, h[0]) if b is None else torch.addmv(b, self.router, h[0]))[None]
@@ -85,6 +92,14 @@ class MoE(nn.Module):
         if self.renorm:
             w = w / (w.sum(-1, keepdim=True) + (1e-20 if self.kind == "sigmoid" else 0.0))
         return (w * self.scale if self.scale != 1.0 else w), idx
+
+    def _count(self, device) -> torch.Tensor:
+        """strata.kernels.router's launch counter for this layer on `device` (an int32 zero, kept zero by each
+        launch; made before the decode graphs capture, in their eager warm-up)."""
+        c = self._router_count
+        if c is None or c.device != device:
+            c = self._router_count = torch.zeros(1, dtype=torch.int32, device=device)
+        return c
 
     def int8_x(self, device) -> bool:
         """Whether a one-row step's gate/up experts kernel reads x rounded to int8 (then `forward` takes that

@@ -229,10 +229,11 @@ ROUTER = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 from strata import kernels
+dev = sys.argv[2]
 g = torch.Generator().manual_seed(0)
 for n, k, chosen, renorm in ((128, 8, False, True), (128, 8, False, False), (32, 4, True, False), (60, 3, False, True)):
     logits = torch.randn(3, n, generator=g).to(torch.bfloat16)
-    w, ids = kernels.route(logits, k, chosen, renorm)
+    w, ids = (t.cpu() for t in kernels.route(logits.to(dev), k, chosen, renorm))
     if chosen:
         top, ri = logits.topk(k, -1)
         rw = top.softmax(-1).float()
@@ -246,9 +247,33 @@ print("ok")
 for n, k, cols, dt in ((1, 8, 2048, torch.bfloat16), (3, 4, 2880, torch.float32)):
     y = torch.randn(n * k, cols, generator=g).to(dt)
     w = torch.rand(n, k, generator=g)
-    got = kernels.weigh(y, w)
+    got = kernels.weigh(y.to(dev), w.to(dev)).cpu()
     want = torch.bmm(w.view(n, 1, k), y.float().view(n, k, -1)).view(n, -1)
     assert got.dtype == dt and torch.allclose(got.float(), want, rtol=8e-3 if dt == torch.bfloat16 else 1e-6, atol=1e-5), (n, k)
+# kernels.router: the logits in the route's launch (several programs, the last one routes), launched twice on one
+# counter. float32: the same experts and weights as route over torch's logits. bfloat16 (whose logits round
+# differently: the interpreter truncates, and the sums' order differs): every chosen expert within rounding of the
+# k-th best float logit, and the weights of route over the kernel's own rounding of the chosen logits
+for n, k, dim, chosen, renorm, bias in ((128, 8, 2048, False, True, False), (32, 4, 2880, True, False, True),
+                                        (60, 3, 96, False, True, False), (512, 10, 256, False, False, False)):
+    for dt in (torch.float32, torch.bfloat16):
+        W = torch.randn(n, dim, generator=g).to(dt)
+        h = torch.randn(dim, generator=g).to(dt)
+        b = torch.randn(n, generator=g).to(dt) if bias else None
+        count = torch.zeros(1, dtype=torch.int32, device=dev)
+        for _ in range(2):
+            w, ids = kernels.router(h.to(dev), W.to(dev), None if b is None else b.to(dev), count, k, chosen, renorm)
+            assert int(count.cpu()) == 0, count
+        w, ids = w.cpu(), ids.cpu()
+        exact = W.double() @ h.double() + (b.double() if bias else 0)
+        if dt == torch.float32:
+            rw, ri = (t.cpu() for t in kernels.route(exact.float()[None].to(dev), k, chosen, renorm))
+            assert torch.equal(ids, ri), (n, k, ids, ri)
+            assert torch.allclose(w, rw, rtol=1e-5, atol=1e-7), (n, k, (w - rw).abs().max())
+        else:
+            kth = exact.topk(k).values[-1]
+            assert ids.unique().numel() == k and (exact[ids[0]] >= kth - 2e-2 * exact.abs().max()).all(), (n, k)
+            assert torch.allclose(w.sum(), torch.tensor(1.0), atol=1e-3) or not (renorm or chosen), w
 print("ok")
 """
 
@@ -260,9 +285,19 @@ def test_router_kernel_interpreted():
     strata.kernels.weigh (the experts' weighted sum) against the float32 bmm it replaces."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", ROUTER, str(ROOT)], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", ROUTER, str(ROOT), "cpu"], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_router_kernel():
+    """The router kernels on CUDA (as the interpreted test; the one-launch router's counter across programs that
+    really run at once)."""
+    r = subprocess.run([sys.executable, "-c", ROUTER, str(ROOT), "cuda"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.count("ok") == 2, r.stdout + r.stderr[-3000:]
 
 
 def _make_gguf():
