@@ -43,6 +43,7 @@ from .config import RigConfig, check_run_dir, from_dict
 from .errors import ConfigError, PipelineError
 from .head_wire import HeadWire, poll_until
 from .plan import Plan, build_plan
+from .schedule import cut_at, kept_state_cut
 from .stage_procs import Buffers, Resources, spawn_local, start_method, sweep_dead_ipc_dirs
 
 log = logging.getLogger("strata.pipeline")
@@ -107,12 +108,6 @@ class Result:
     decode_s: float = 0.0
     ttft_s: float | None = None      # from the call to the first generated token (prefill included)
     end_token: int | None = None     # the end token that ended it (one of Pipeline.end_ids), else None
-
-
-def cut_at(schedule, at: int) -> list[tuple[int, int]]:
-    """`schedule`'s chunks with the one holding position `at` inside it cut there (at: a chunk end from now on)."""
-    return [part for p, m in schedule
-            for part in (((p, at - p), (at, p + m - at)) if p < at < p + m else ((p, m),))]
 
 
 def scored_chunks(schedule, top: int) -> list[tuple[int, int]]:
@@ -919,7 +914,7 @@ class Pipeline:
         if self._states is None or self.failure:
             return list(schedule)
         B, n = self._block, ids.size
-        last = (n - 1) // B * B
+        last = kept_state_cut(n, B)
         if self.cfg.prefix_reuse == "chunks":  # (a restore point must be a chunk boundary of the cold schedule)
             cold = {p + m for p, m in self.plan.schedule_for(0, n)}
             last = next((q for q in range(last, start, -B) if q in cold), 0)

@@ -41,6 +41,19 @@ def chunk_schedule(tokens: int, chunk: int, dynamic: bool, args: ModelArgs) -> l
     return out
 
 
+def cut_at(schedule, at: int) -> list[tuple[int, int]]:
+    """`schedule`'s chunks with the one holding position `at` inside it cut there (at: a chunk end from now on)."""
+    return [part for p, m in schedule
+            for part in (((p, at - p), (at, p + m - at)) if p < at < p + m else ((p, m),))]
+
+
+def kept_state_cut(tokens: int, block: int) -> int:
+    """Where the prefill of a `tokens`-token prompt of a model with kept states (linear-attention or window layers:
+    strata.prefix_cache.stateful) cuts its schedule: the last block boundary before the last token, so a later
+    prompt sharing those blocks restores the states there (Pipeline.keep_states)."""
+    return (tokens - 1) // block * block
+
+
 def pipeline_time(chunk_times: list[list[float]], depth: int) -> float:
     """Makespan of chunks through stages: chunk_times[k][i] is stage i's work on chunk k.
 

@@ -476,6 +476,24 @@ def test_warm_window_attention_compiles_each_bucket_once(monkeypatch):
     assert sm.warm_window_attention(model, [512]) == []
 
 
+def test_warm_shapes_include_the_kept_state_cut():
+    """The warm-up builds the chunks a prefill will meet: for a model with kept states (window or linear layers)
+    the schedule cut at the last block boundary before the last token, as Pipeline.keep_states cuts it (gpt-oss's
+    122,880-token prompt ends in a chunk of 256 rows, a FlexAttention bucket of its own); a model without such
+    layers keeps its schedule uncut."""
+    from types import SimpleNamespace
+    from strata.args import PRESETS
+    from strata.prefix_cache import BLOCK
+    from workers.load import warm_shapes
+    spec = SimpleNamespace(tokens=122880, max_len=131072, dynamic_chunks=False)
+    oss = warm_shapes(spec, PRESETS["gpt-oss-20b"], 10240)
+    assert (112640, 9984) in oss and (122880 - BLOCK, BLOCK) in oss  # (112640, 10240): a longer prompt's
+    assert (131072 - BLOCK, BLOCK) in oss and all(p > 0 for p, _ in oss) and len(oss) == len(set(oss))
+    dense = warm_shapes(spec, PRESETS["llama-3-8b"], 10240)
+    assert (112640, 10240) in dense and (122880 - BLOCK, BLOCK) not in dense
+    assert dense[:11] == [(p, 10240) for p in range(10240, 122880, 10240)]
+
+
 def test_flex_failure_is_the_holders(monkeypatch):
     """A FlexAttention call that fails sends that holder's window layers to the band (its TritonState remembers why,
     flex_unavailable says so) and leaves another holder, or a call without one, trying flex again."""

@@ -14,7 +14,8 @@ from strata.checkpoint import load_stage, weights_mode
 from strata.config import kernel_spec
 from strata.decode_graphs import GraphedDecode
 from strata.model import Transformer
-from strata.schedule import chunk_schedule
+from strata.prefix_cache import BLOCK, stateful
+from strata.schedule import chunk_schedule, cut_at, kept_state_cut
 
 
 def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
@@ -112,9 +113,7 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
     # cuDNN builds a graph per shape: build those of the schedule's chunks (the configured prompt's first, then
     # any prompt's up to max_len) now, not one per chunk in the first prefill; bounded by
     # strata.attention.WARM_CHUNKS shapes and WARM_BUDGET_S seconds
-    shapes = []
-    for tokens in (spec.tokens, spec.max_len):
-        shapes += [c for c in chunk_schedule(tokens, n, spec.dynamic_chunks, args) if c[0] > 0 and c not in shapes]
+    shapes = warm_shapes(spec, args, n)
     mem.append(torch.cuda.memory_allocated(device))
     strata.attention.keep_cudnn_shapes(model, shapes + [(n, n)])
     t_chunks = time.perf_counter()
@@ -172,3 +171,17 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
         log.info("decode GEMV: %s", sys.modules["strata.decode_gemv"].describe())
     torch.cuda.synchronize(device)
     return time.perf_counter() - t
+
+
+def warm_shapes(spec: M.StageJob, args: ModelArgs, n: int) -> list[tuple[int, int]]:
+    """The (pos, length) chunks after the first that the warm-up builds attention for: those of the configured
+    prompt's schedule, then any prompt's up to max_len, in chunks of n; for a model with kept states, each cut as
+    Pipeline.keep_states cuts it (a last chunk of at most a block: gpt-oss's 122,880-token prompt ended in 256 rows,
+    whose FlexAttention compile took ~3.6 s of its first prefill on a new machine)."""
+    shapes: list[tuple[int, int]] = []
+    for tokens in (spec.tokens, spec.max_len):
+        chunks = chunk_schedule(tokens, n, spec.dynamic_chunks, args)
+        if stateful(args):
+            chunks = cut_at(chunks, kept_state_cut(tokens, BLOCK))
+        shapes += [c for c in chunks if c[0] > 0 and c not in shapes]
+    return shapes
