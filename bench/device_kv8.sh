@@ -19,11 +19,12 @@
 # the py-spy wheel in .whl: ../shared/tools/device-wheels.sh py-spy); `prefix-tiers`: the GPU test of the prefix
 # cache's device tier, then four documents of $DOC tokens (default 32,768) asked about again, from the host tier and
 # from the device tier (bench/prefix_tiers.py; PROFILE=1: the head's profile of the re-asks; QUESTIONS: the
-# lengths asked after them, ARMS: host,device); `gguf`: the 8B file alone (no build); `tier-test`: that GPU test
+# lengths asked after them, ARMS: host,device); `short-chunk`: one question's chunk after a cached prefix of $DOC tokens
+# outside the server: its wall, host-issue and GPU-busy time and syncs (bench/short_chunk.py); `gguf`: the 8B file alone (no build); `tier-test`: that GPU test
 # alone; `ahead-ab`: the server's 4 and 16 streams with batch_ahead 0, with $AHEAD, and with 0 and
 # kernels.slot_spin on, no peer (a short call's A/B).
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
-# | serve-ahead | serve-rows | serve-profile | prefix-tiers | gguf | tier-test | ahead-ab | sweep
+# | serve-ahead | serve-rows | serve-profile | prefix-tiers | short-chunk | gguf | tier-test | ahead-ab | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -115,6 +116,10 @@ prefix-tiers)
   timeout 360 python3 bench/prefix_tiers.py --model /tmp/8b-q4km.gguf --tokens ${DOC:-32768} ${PROFILE:+--profile} \
     ${QUESTIONS:+--questions $QUESTIONS} ${ARMS:+--arms $ARMS} 2>&1 \
     | tee "$LOG/prefix-tiers.log" | tail -n "$([ -n "$PROFILE" ] && echo 90 || echo 14)" ;;
+short-chunk)
+  el "a question's chunk after a cached prefix of ${DOC:-16384}, 8B Q4_K_M on one GPU: wall, host-issue, GPU-busy (bench/short_chunk.py)"
+  timeout 240 python3 bench/short_chunk.py --model /tmp/8b-q4km.gguf --prefix ${DOC:-16384} \
+    --rows ${QUESTIONS:-24,40,57,73} 2>&1 | grep -v "^USDT" | tee "$LOG/short-chunk.log" | tail -45 ;;
 sweep)
   el "a decode batch's products alone by kernel and options, 8B Q4_K_M shapes (bench/rows_sweep.py)"
   timeout 240 python3 bench/rows_sweep.py --rows 16 2>&1 | tee "$LOG/sweep.log" | tail -40 ;;
