@@ -5,8 +5,10 @@ Each arm starts the server (uvicorn in a thread, PipelineEngine over the rig's s
 warm-up request, then `--streams` chat requests at once through the real openai client (httpx without it), greedy,
 `--tokens` each. Printed per arm: completion tokens over the wall time from the first request to the last answer
 (the prompts are short: that time is nearly all decode), the driver's most sequences in flight and in one decode
-batch. The peer's row: its B x TG generated tokens over its whole time (prompts, then decode: as ours), and its
-decode-only rate (S_TG), with -npp the prompts' mean length here.
+batch, and a decode batch's mean round in ms (max_seqs > 1): its trip from send to result (the stages' work,
+copies and notes) and the head's turnaround before it (from the result that readied its oldest step to its send).
+The peer's row: its B x TG generated tokens over its whole time (prompts, then decode: as ours), and its decode-only
+rate (S_TG), with -npp the prompts' mean length here.
 
     python bench/serve_concurrency.py --streams 1,4,16 --max-seqs 16   # SmolLM2 on 2 CPU stages, 1 thread each
     python bench/serve_concurrency.py --tokens 128 --threads 2 --peer ''   # no peer
@@ -104,6 +106,8 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
         for n in streams:
             del stamps[:]
             counts = [0] * n
+            st = eng.slot_stats()
+            before = (st.batches, st.batch_trip_s, st.batch_turnaround_s) if st else (0, 0.0, 0.0)
             t0 = time.perf_counter()
             threads = [threading.Thread(target=lambda i=i: counts.__setitem__(
                 i, ask(url, questions[i % len(questions)], tokens, prompt_tokens))) for i in range(n)]
@@ -117,8 +121,12 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
             # that time
             begin, end = max(s[0] for s in stamps), max(s[-1] for s in stamps)
             made = sum(1 for s in stamps for t in s if t > begin)
+            # a decode batch's round: from its send to its result (the stages), and the head's turnaround before it
+            b = (st.batches - before[0]) if st else 0
+            trip, turn = ((st.batch_trip_s - before[1]) * 1e3 / b, (st.batch_turnaround_s - before[2]) * 1e3 / b) \
+                if b else (float("nan"), float("nan"))
             rows.append((max_seqs, n, sum(counts), wall, made / (end - begin) if end > begin else float("nan"),
-                         st.most_in_flight if st else 1, st.most_in_batch if st else 1))
+                         st.most_in_flight if st else 1, st.most_in_batch if st else 1, trip, turn))
     return rows
 
 
@@ -188,12 +196,13 @@ def main() -> int:
     print("tok/s: all: completion tokens over the wall time (prompts and decode); decode: once every stream had its "
           "first token (llama.cpp: B x TG over its whole time, and its S_TG)")
     print(f"{'max_seqs':>8} {'streams':>7} {'tokens':>7} {'wall s':>7} {'in flight':>9} {'in batch':>8} "
-          f"{'all':>7} {'llama.cpp':>9} {'ratio':>6} {'decode':>7} {'S_TG':>7} {'ratio':>6}")
-    for m, n, toks, wall, dec, most, batch in rows:
+          f"{'all':>7} {'llama.cpp':>9} {'ratio':>6} {'decode':>7} {'S_TG':>7} {'ratio':>6} {'trip ms':>7} "
+          f"{'head ms':>7}")
+    for m, n, toks, wall, dec, most, batch, trip, turn in rows:
         rate = toks / wall if wall > 0 else 0.0
         e2e, tg = theirs.get(n, (float("nan"), float("nan")))
         print(f"{m:>8} {n:>7} {toks:>7} {wall:>7.2f} {most:>9} {batch:>8} {rate:>7.1f} {e2e:>9.1f} {rate / e2e:>5.2f}x "
-              f"{dec:>7.1f} {tg:>7.1f} {dec / tg:>5.2f}x")
+              f"{dec:>7.1f} {tg:>7.1f} {dec / tg:>5.2f}x {trip:>7.2f} {turn:>7.3f}")
     return 0
 
 

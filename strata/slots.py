@@ -104,6 +104,7 @@ class SlotRun:
     last_k: int = -1                    # its last prefill chunk's index (its result holds the first token's logits)
     pending: int | None = None          # a token whose decode step is still to be sent
     ready_at: int = 0                   # when `pending` was set (the driver's result count): oldest steps go first
+    ready_t: float = 0.0                # ... and when the result that set it was taken (the head's turnaround)
     out: list = field(default_factory=list)
     finish: str = "length"
     limit: int = 0
@@ -136,6 +137,12 @@ class SlotStats:
     sends_during_kv: int = 0            # micro-batches sent while a prefix-cache round (restore, snapshot) was out
     pool_waits: int = 0                 # kv_pool: admissions put off because no gap of the pool held the sequence
     pool_most_used: int = 0             # kv_pool: the most positions its extents held at once
+    # a decode step's round, summed over the batches: from a batch's send to its result taken (the stages' work,
+    # their copies and the notes both ways), and from the result that readied a batch's oldest step to that batch's
+    # send (the head's own turnaround: the callbacks, the sampling, the next note). With one stage the GPU idles
+    # for the second and for the first beyond its graph's time
+    batch_trip_s: float = 0.0
+    batch_turnaround_s: float = 0.0
 
 
 class SlotDriver:
@@ -171,6 +178,8 @@ class SlotDriver:
         self._loading: list[SlotRun] = []           # KV files being read into their slots (`load`)
         self._answers = 0                           # the Pipeline's KvDone count at the last look (progress)
         self._by_k: dict[int, list[SlotRun]] = {}  # a micro-batch's sequences (a batch's in row order)
+        self._sent_t: dict[int, float] = {}         # a decode batch's send time (SlotStats.batch_trip_s)
+        self._result_t = 0.0                        # when the results being handled were taken
         self._turn = 0
         self._t0: float | None = None               # the busy period's phase clock (None: idle)
         self._progress_at = time.monotonic()        # the last result (or the last moment nothing was in flight)
@@ -258,6 +267,7 @@ class SlotDriver:
                 busy = self._running or self._freeing or self._loading
                 spinning = self.spin and self.pipe.in_flight and time.perf_counter() < self._spin_until
                 results = self.pipe.take_results(0 if spinning else POLL_MS if busy else 0)
+                self._result_t = time.perf_counter()
                 if results and self.spin:
                     self._spin_until = time.perf_counter() + HEAD_SPIN_S
                 elif spinning:
@@ -438,6 +448,8 @@ class SlotDriver:
         ahead = 0 if rows else max(0, min([self.ahead] + [r.limit - len(r.out) - 1 for r in batch]))
         k = self.pipe.send_batch(seqs, self._t0, rows=rows, ahead=ahead)
         self._by_k[k] = batch
+        now = self._sent_t[k] = time.perf_counter()
+        self.stats.batch_turnaround_s += now - min(r.ready_t for r in batch)
         self._batches += 1
         st = self.stats
         st.steps += len(batch) * (1 + ahead)
@@ -485,6 +497,7 @@ class SlotDriver:
         self._results += 1
         if res.argmaxes:  # a decode batch: row t is runs[t]'s, step after step (batch_ahead)
             self._batches -= 1
+            self.stats.batch_trip_s += self._result_t - self._sent_t.pop(k)
             m = len(runs)
             for run in runs:
                 run.in_flight -= 1
@@ -521,7 +534,7 @@ class SlotDriver:
             return self._finish(run, "stop")
         if len(run.out) == run.limit:
             return self._finish(run, "length")
-        run.pending, run.ready_at = tok, self._results
+        run.pending, run.ready_at, run.ready_t = tok, self._results, self._result_t
 
     def _finish(self, run: SlotRun, why: str) -> None:
         run.finish, run.t_end = why, time.perf_counter()

@@ -114,6 +114,9 @@ def test_concurrent_greedy_equals_alone_and_steps_overlap(slotted):
     assert m[("strata_kv_slots", "")] == 4 and m[("strata_kv_slots_in_use", "")] == 0
     assert m[("strata_decode_batch_steps_total", "")] == st.steps and m[("strata_decode_batches_total", "")] == st.batches
     assert m[("strata_decode_batch_rows_max", "")] == st.most_in_batch
+    # each batch's round: its trip through the stages and the head's turnaround before it, both spent
+    trip, turn = m[("strata_decode_batch_trip_seconds_total", "")], m[("strata_decode_batch_turnaround_seconds_total", "")]
+    assert trip == pytest.approx(st.batch_trip_s, abs=1e-5) and 0 < trip and 0 < turn < trip, (trip, turn)
 
 
 def test_n_choices_run_side_by_side_and_each_is_its_request_alone(slotted):
