@@ -4,7 +4,9 @@ does its time go: the host issuing the layers' launches, syncs that stall the ho
 
 Loads the model (one stage, all layers, as the server's stage does), prefills --prefix tokens of random ids in
 chunks of --chunk, then for each question length T runs that chunk at position --prefix and the head's last row,
---reps times (after one untimed run that builds any new shape), and prints per T:
+--reps times (after one untimed run that builds any new shape), and prints per T and path (--paths: `prefill`,
+the path a chunk of more than DECODE_T rows takes; `decode`, Block.decode_rows forced: the products on the blocks,
+no dequantization into the scratch, fused norms; its rounding differs, so only its time is of interest):
 - wall ms: from the call to the end of the GPU's work (synchronized), the median;
 - issued ms: from the call until it returned to the host (before the sync): near wall where the host is the bound;
 - GPU busy ms: the kernels' summed time in one profiled run (CUDA only), and their count;
@@ -30,8 +32,8 @@ from strata.checkpoint import load_stage, model_args  # noqa: E402
 SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
 
 
-def run(model, ids: torch.Tensor, pos: int) -> torch.Tensor:
-    h = model(ids, pos)
+def run(model, ids: torch.Tensor, pos: int, decode: bool = False) -> torch.Tensor:
+    h = model(ids, pos, decode=decode)
     return model.logits(h[0, -1])
 
 
@@ -40,12 +42,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profiled(model, ids: torch.Tensor, pos: int, device: torch.device):
+def profiled(model, ids: torch.Tensor, pos: int, device: torch.device, decode: bool):
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
-        run(model, ids, pos)
+        run(model, ids, pos, decode)
         sync(device)
     evs = prof.events()
     kernels = [e for e in evs if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -64,6 +66,7 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--rows", default="24,40,57,73", help="question lengths, comma-separated")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--paths", default="prefill,decode", help="prefill and / or decode (see above)")
     ap.add_argument("--top", type=int, default=25, help="ops listed from the profiled run of the longest question")
     a = ap.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
@@ -82,28 +85,32 @@ def main() -> int:
             run(model, ids[:, p:min(a.prefix, p + a.chunk)], p)
         sync(device)
         print(f"prefix of {a.prefix:,} in chunks of {a.chunk:,}: {time.perf_counter() - t:.3f} s (builds included)")
-        print("| rows | wall ms | issued ms | GPU busy ms | kernels | syncs |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        print("| rows | path | wall ms | issued ms | GPU busy ms | kernels | syncs |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
         prof = None
         for T in rows + [a.chunk]:
             q = ids[:, a.prefix:a.prefix + T] if T <= max(rows) else ids[:, :T]
-            run(model, q, a.prefix)  # any new shape's build, untimed
-            sync(device)
-            walls, issued = [], []
-            for _ in range(a.reps):
-                t0 = time.perf_counter()
-                run(model, q, a.prefix)
-                t1 = time.perf_counter()
+            for path in a.paths.split(","):
+                if path == "decode" and T > max(rows):
+                    continue  # (a long chunk's path is the prefill's)
+                decode = {"prefill": False, "decode": True}[path]
+                run(model, q, a.prefix, decode)  # any new shape's build, untimed
                 sync(device)
-                walls.append(time.perf_counter() - t0)
-                issued.append(t1 - t0)
-            busy, n, syncs, p = profiled(model, q, a.prefix, device)
-            if T == max(rows):
-                prof = p
-            print(f"| {T:,} | {statistics.median(walls) * 1e3:.2f} | {statistics.median(issued) * 1e3:.2f} | "
-                  f"{busy:.2f} | {n} | {syncs} |", flush=True)
+                walls, issued = [], []
+                for _ in range(a.reps):
+                    t0 = time.perf_counter()
+                    run(model, q, a.prefix, decode)
+                    t1 = time.perf_counter()
+                    sync(device)
+                    walls.append(time.perf_counter() - t0)
+                    issued.append(t1 - t0)
+                busy, n, syncs, p = profiled(model, q, a.prefix, device, decode)
+                if T == max(rows) and prof is None:
+                    prof = p
+                print(f"| {T:,} | {path} | {statistics.median(walls) * 1e3:.2f} | "
+                      f"{statistics.median(issued) * 1e3:.2f} | {busy:.2f} | {n} | {syncs} |", flush=True)
     if prof is not None and a.top:
-        print(f"\nthe profiled run of {max(rows)} rows, by host time:")
+        print(f"\nthe profiled run of {max(rows)} rows ({a.paths.split(',')[0]} path), by host time:")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
     return 0
 
