@@ -150,7 +150,7 @@ if triton is not None:
         # every thread's stores before the one thread's count (the barrier), whose acq_rel at GPU scope publishes
         # them to the last program; that one's loads go past L1 all the same
         tl.debug_barrier()
-        if tl.atomic_add(count, 1) == tl.num_programs(0) - 1:
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
             c = tl.arange(0, BLOCK)
             live = c < n
             x = tl.load(logits + c, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -160,7 +160,7 @@ if triton is not None:
             j = tl.arange(0, KP)
             tl.store(w_out + j, vals, mask=j < K)
             tl.store(i_out + j, ids, mask=j < K)
-            tl.atomic_xchg(count, 0)
+            tl.atomic_xchg(count, 0, sem="acq_rel", scope="gpu")
 
     @triton.jit
     def _weigh_kernel(y, w, out, cols, K: tl.constexpr, BLOCK: tl.constexpr):

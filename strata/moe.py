@@ -58,8 +58,9 @@ class MoE(nn.Module):
         best); the weights the chosen scores, renormalized, times the routed scale."""
         if self.kind != "sigmoid" and h.is_cuda and h.shape[0] * self.k <= GATHER_PAIRS:  # decode: one launch
             from .kernels import route, router
-            if h.shape[0] == 1:  # the logits in the route's launch (a gemv and the route were 8.3 us a layer)
-                fused = router(h[0], self.router, self.router_bias, self._count(h.device), self.k,
+            count = self._count(h.device) if h.shape[0] == 1 else None
+            if count is not None:  # the logits in the route's launch (a gemv and the route were 8.3 us a layer)
+                fused = router(h[0], self.router, self.router_bias, count, self.k,
                                self.kind == "topk_softmax", self.renorm and self.kind == "softmax", self.triton_state)
                 if fused is not None:
                     w, idx = fused
@@ -93,11 +94,15 @@ class MoE(nn.Module):
             w = w / (w.sum(-1, keepdim=True) + (1e-20 if self.kind == "sigmoid" else 0.0))
         return (w * self.scale if self.scale != 1.0 else w), idx
 
-    def _count(self, device) -> torch.Tensor:
-        """strata.kernels.router's launch counter for this layer on `device` (an int32 zero, kept zero by each
-        launch; made before the decode graphs capture, in their eager warm-up)."""
+    def _count(self, device) -> torch.Tensor | None:
+        """strata.kernels.router's launch counter for this layer on `device`: an int32 zero, which each launch leaves
+        zero. Made outside any CUDA graph capture (the decode graphs' eager warm-up makes it): a zero made inside one
+        would exist only in the graph's replays. None there (the two-launch route). The launches of one layer run
+        on one stream, one after another, as a stage's do."""
         c = self._router_count
         if c is None or c.device != device:
+            if torch.cuda.is_current_stream_capturing():
+                return None
             c = self._router_count = torch.zeros(1, dtype=torch.int32, device=device)
         return c
 
