@@ -477,21 +477,25 @@ def test_warm_window_attention_compiles_each_bucket_once(monkeypatch):
 
 
 def test_warm_shapes_include_the_kept_state_cut():
-    """The warm-up builds the chunks a prefill will meet: for a model with kept states (window or linear layers)
-    the schedule cut at the last block boundary before the last token, as Pipeline.keep_states cuts it (gpt-oss's
-    122,880-token prompt ends in a chunk of 256 rows, a FlexAttention bucket of its own); a model without such
-    layers keeps its schedule uncut."""
+    """The warm-up builds the chunks a prefill may meet, in the plan's chunks: for a model with kept states (window
+    or linear layers) the schedule cut at the last block boundary before the last token, as Pipeline.keep_states
+    cuts it (gpt-oss's 122,880-token prompt ends in a chunk of 256 rows, a FlexAttention bucket of its own), and
+    uncut (where the prefix cache keeps no states); the first chunk too (a window layer's flex runs at 0); a model
+    without such layers keeps its schedule uncut."""
     from types import SimpleNamespace
     from strata.args import PRESETS
     from strata.prefix_cache import BLOCK
     from workers.load import warm_shapes
-    spec = SimpleNamespace(tokens=122880, max_len=131072, dynamic_chunks=False)
-    oss = warm_shapes(spec, PRESETS["gpt-oss-20b"], 10240)
-    assert (112640, 9984) in oss and (122880 - BLOCK, BLOCK) in oss  # (112640, 10240): a longer prompt's
-    assert (131072 - BLOCK, BLOCK) in oss and all(p > 0 for p, _ in oss) and len(oss) == len(set(oss))
-    dense = warm_shapes(spec, PRESETS["llama-3-8b"], 10240)
-    assert (112640, 10240) in dense and (122880 - BLOCK, BLOCK) not in dense
-    assert dense[:11] == [(p, 10240) for p in range(10240, 122880, 10240)]
+    spec = SimpleNamespace(tokens=122880, max_len=131072, dynamic_chunks=False, max_chunk=10240)
+    oss = warm_shapes(spec, PRESETS["gpt-oss-20b"])
+    assert {(0, 10240), (112640, 9984), (122880 - BLOCK, BLOCK), (112640, 10240), (131072 - BLOCK, BLOCK)} <= set(oss)
+    assert len(oss) == len(set(oss))
+    short = warm_shapes(SimpleNamespace(tokens=3000, max_len=8192, dynamic_chunks=False, max_chunk=4096),
+                        PRESETS["gpt-oss-20b"])
+    assert (0, 3000) in short and (0, 2816) in short and (2816, 184) in short  # a first chunk cut: bucket 3,072
+    dense = warm_shapes(spec, PRESETS["llama-3-8b"])
+    assert (122880 - BLOCK, BLOCK) not in dense
+    assert dense[:12] == [(p, 10240) for p in range(0, 122880, 10240)]
 
 
 def test_flex_failure_is_the_holders(monkeypatch):

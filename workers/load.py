@@ -113,17 +113,18 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
     # cuDNN builds a graph per shape: build those of the schedule's chunks (the configured prompt's first, then
     # any prompt's up to max_len) now, not one per chunk in the first prefill; bounded by
     # strata.attention.WARM_CHUNKS shapes and WARM_BUDGET_S seconds
-    shapes = warm_shapes(spec, args, n)
+    chunks = warm_shapes(spec, args)
+    shapes = [c for c in chunks if c[0] > 0]  # (a chunk at position 0 has no cached prefix: no split)
     mem.append(torch.cuda.memory_allocated(device))
     strata.attention.keep_cudnn_shapes(model, shapes + [(n, n)])
     t_chunks = time.perf_counter()
     built = strata.attention.warm_chunk_attention(model, shapes)
     t_flex = time.perf_counter()
-    flex = strata.attention.warm_window_attention(model, [c[1] for c in shapes])
+    flex = strata.attention.warm_window_attention(model, [c[1] for c in chunks])  # (window layers: flex at 0 too)
     mem.append(torch.cuda.memory_allocated(device))
     if built:  # fewer than the shapes: WARM_CHUNKS or WARM_BUDGET_S stopped it, and the rest build in a prefill
-        log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d) in %.1f s", built, len(shapes), n,
-                 t_flex - t_chunks)
+        log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d) in %.1f s", built, len(shapes),
+                 spec.max_chunk, t_flex - t_chunks)
     if flex:
         log.info("FlexAttention compiled for %d query buckets (rows %s) in %.1f s", len(flex),
                  ", ".join(map(str, flex)), time.perf_counter() - t_flex)
@@ -173,15 +174,18 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
     return time.perf_counter() - t
 
 
-def warm_shapes(spec: M.StageJob, args: ModelArgs, n: int) -> list[tuple[int, int]]:
-    """The (pos, length) chunks after the first that the warm-up builds attention for: those of the configured
-    prompt's schedule, then any prompt's up to max_len, in chunks of n; for a model with kept states, each cut as
-    Pipeline.keep_states cuts it (a last chunk of at most a block: gpt-oss's 122,880-token prompt ended in 256 rows,
-    whose FlexAttention compile took ~3.6 s of its first prefill on a new machine)."""
+def warm_shapes(spec: M.StageJob, args: ModelArgs) -> list[tuple[int, int]]:
+    """The (pos, length) chunks a prefill may meet, which the warm-up builds attention for: those of the configured
+    prompt's schedule, then any prompt's up to max_len, in the plan's chunks; for a model with kept states each
+    also cut as Pipeline.keep_states cuts it where its prefix cache keeps them (a last chunk of at most a block:
+    gpt-oss's 122,880-token prompt ended in 256 rows, whose FlexAttention compile took ~3.6 s of its first prefill
+    on a new machine), and uncut where it does not (prefix_reuse chunks, no prefix cache)."""
     shapes: list[tuple[int, int]] = []
     for tokens in (spec.tokens, spec.max_len):
-        chunks = chunk_schedule(tokens, n, spec.dynamic_chunks, args)
+        chunks = chunk_schedule(tokens, spec.max_chunk, spec.dynamic_chunks, args)
         if stateful(args):
-            chunks = cut_at(chunks, kept_state_cut(tokens, BLOCK))
-        shapes += [c for c in chunks if c[0] > 0 and c not in shapes]
+            chunks = chunks + cut_at(chunks, kept_state_cut(tokens, BLOCK))
+        for c in chunks:
+            if c not in shapes:
+                shapes.append(c)
     return shapes
