@@ -6,7 +6,7 @@ warm-up request, then `--streams` chat requests at once through the real openai 
 `--tokens` each. Printed per arm: completion tokens over the wall time from the first request to the last answer
 (the prompts are short: that time is nearly all decode), the driver's most sequences in flight and in one decode
 batch, and a decode batch's mean round in ms (max_seqs > 1): its trip from send to result (the stages' work,
-copies and notes) and the head's turnaround before it (from the result that readied its oldest step to its send).
+copies and notes) and the head's turnaround before it (from the results it took last to its send).
 The peer's row: its B x TG generated tokens over its whole time (prompts, then decode: as ours), and its decode-only
 rate (S_TG), with -npp the prompts' mean length here.
 

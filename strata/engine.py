@@ -437,9 +437,9 @@ class PipelineEngine(_ModelText):
                 + metric("decode_batch_rows_max", "gauge", "The most sequences' steps in one decode batch.",
                          st.most_in_batch)
                 + metric("decode_batch_trip_seconds_total", "counter", "Seconds from each decode batch's send to its "
-                         "result (the stages' work, copies and notes).", f"{st.batch_trip_s:.6f}")
-                + metric("decode_batch_turnaround_seconds_total", "counter", "Seconds from the result that readied "
-                         "each decode batch's oldest step to that batch's send (the head's share of a step).",
+                         "result taken (the stages' work, copies and notes).", f"{st.batch_trip_s:.6f}")
+                + metric("decode_batch_turnaround_seconds_total", "counter", "Seconds from the results taken last "
+                         "before each decode batch's send to that send (the head's own share of a step).",
                          f"{st.batch_turnaround_s:.6f}")
                 + (metric("kv_pool_positions", "gauge", "Positions of every stage's KV pool (the rig's kv_pool).",
                           slots.pool.size)

@@ -104,7 +104,6 @@ class SlotRun:
     last_k: int = -1                    # its last prefill chunk's index (its result holds the first token's logits)
     pending: int | None = None          # a token whose decode step is still to be sent
     ready_at: int = 0                   # when `pending` was set (the driver's result count): oldest steps go first
-    ready_t: float = 0.0                # ... and when the result that set it was taken (the head's turnaround)
     out: list = field(default_factory=list)
     finish: str = "length"
     limit: int = 0
@@ -138,9 +137,10 @@ class SlotStats:
     pool_waits: int = 0                 # kv_pool: admissions put off because no gap of the pool held the sequence
     pool_most_used: int = 0             # kv_pool: the most positions its extents held at once
     # a decode step's round, summed over the batches: from a batch's send to its result taken (the stages' work,
-    # their copies and the notes both ways), and from the result that readied a batch's oldest step to that batch's
-    # send (the head's own turnaround: the callbacks, the sampling, the next note). With one stage the GPU idles
-    # for the second and for the first beyond its graph's time
+    # their copies and the notes both ways, and any time the head was busy before taking it), and from the last
+    # results taken before a batch's send to that send (the head's own turnaround: the callbacks, the sampling, the
+    # next note; not a wait for a batch to fill or for room in the window). With one stage the GPU idles for the
+    # second, and for the first beyond its graph's time
     batch_trip_s: float = 0.0
     batch_turnaround_s: float = 0.0
 
@@ -179,7 +179,7 @@ class SlotDriver:
         self._answers = 0                           # the Pipeline's KvDone count at the last look (progress)
         self._by_k: dict[int, list[SlotRun]] = {}  # a micro-batch's sequences (a batch's in row order)
         self._sent_t: dict[int, float] = {}         # a decode batch's send time (SlotStats.batch_trip_s)
-        self._result_t = 0.0                        # when the results being handled were taken
+        self._result_t = time.perf_counter()        # when the driver last took results (none: still a time)
         self._turn = 0
         self._t0: float | None = None               # the busy period's phase clock (None: idle)
         self._progress_at = time.monotonic()        # the last result (or the last moment nothing was in flight)
@@ -381,6 +381,7 @@ class SlotDriver:
         if self._t0 is None:
             self._t0 = self.pipe.begin_slots()
             self._by_k.clear()
+            self._sent_t.clear()
             self._batches = 0
         run.slot = self._free.pop()
         if run.extent is not None:
@@ -449,7 +450,7 @@ class SlotDriver:
         k = self.pipe.send_batch(seqs, self._t0, rows=rows, ahead=ahead)
         self._by_k[k] = batch
         now = self._sent_t[k] = time.perf_counter()
-        self.stats.batch_turnaround_s += now - min(r.ready_t for r in batch)
+        self.stats.batch_turnaround_s += now - self._result_t
         self._batches += 1
         st = self.stats
         st.steps += len(batch) * (1 + ahead)
@@ -534,7 +535,7 @@ class SlotDriver:
             return self._finish(run, "stop")
         if len(run.out) == run.limit:
             return self._finish(run, "length")
-        run.pending, run.ready_at, run.ready_t = tok, self._results, self._result_t
+        run.pending, run.ready_at = tok, self._results
 
     def _finish(self, run: SlotRun, why: str) -> None:
         run.finish, run.t_end = why, time.perf_counter()
