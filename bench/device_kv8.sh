@@ -119,7 +119,7 @@ prefix-tiers)
 short-chunk)
   el "a question's chunk after a cached prefix of ${DOC:-16384}, 8B Q4_K_M on one GPU: wall, host-issue, GPU-busy (bench/short_chunk.py)"
   timeout 300 python3 bench/short_chunk.py --model /tmp/8b-q4km.gguf --prefix ${DOC:-16384} \
-    --rows ${QUESTIONS:-24,40,57,73} 2>&1 | grep -v "^USDT" | tee "$LOG/short-chunk.log" | tail -50 ;;
+    --rows ${QUESTIONS:-24,40,57,73} 2>&1 | grep -v "^USDT" | tee "$LOG/short-chunk.log" | tail -80 ;;
 sweep)
   el "a decode batch's products alone by kernel and options, 8B Q4_K_M shapes (bench/rows_sweep.py)"
   timeout 240 python3 bench/rows_sweep.py --rows 16 2>&1 | tee "$LOG/sweep.log" | tail -40 ;;

@@ -15,7 +15,7 @@ no dequantization into the scratch, fused norms; its rounding differs, so only i
   .item() or a copy to the host makes one), the profiler's own final one not counted.
 The cuDNN split takes the prefix schedule's chunk shapes only (as a server's warm-up leaves it): a question, a shape
 outside them, takes flash, as a re-ask does.
-Then the profiled run's ops by host time, for the longest question.
+Then the profiled run's ops by host time, for the longest question, and its kernels by GPU time.
 
     python3 bench/short_chunk.py --model /tmp/8b-q4km.gguf --prefix 16384 --rows 24,40,57,73
 """
@@ -120,6 +120,10 @@ def main() -> int:
     if prof is not None and a.top:
         print(f"\nthe profiled run of {max(rows)} rows ({a.paths.split(',')[0]} path), by host time:")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+        if device.type == "cuda":
+            print("\nthe same run's kernels by GPU time:")
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=a.top,
+                                            max_name_column_width=60))
     return 0
 
 
