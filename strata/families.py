@@ -430,7 +430,12 @@ def _hf_family_args(cfg: dict, fam: Family, arch: str, where: str) -> ModelArgs:
 
 def _hf_linear(cfg: dict, where: str) -> dict:
     """qwen3_5's hybrid: which layers are Gated DeltaNet, their widths; (1 + w) norms; the gated full attention."""
-    types = cfg.get("layer_types") or []
+    types = cfg.get("layer_types")
+    if types is None:  # as transformers' Qwen3.5 configs: every full_attention_interval-th layer (4) full attention
+        every = cfg.get("full_attention_interval", 4)
+        if type(every) is not int or every < 1:
+            raise ModelError(f"{where}: full_attention_interval = {every!r} is not implemented (a positive integer)")
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(cfg["num_hidden_layers"])]
     bad = sorted(set(types) - {"linear_attention", "full_attention"})
     if bad or len(types) != cfg["num_hidden_layers"]:
         raise ModelError(f"{where}: layer_types {bad[0] if bad else types!r} is not implemented")

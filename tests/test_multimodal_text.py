@@ -186,3 +186,23 @@ def test_refused_in_one_line(tmp_path, capsys):
         assert d in line and expect in line, line
     with pytest.raises(ModelError, match="tensors missing"):
         check_model_files(plain)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen35_layer_types_from_the_interval(family):
+    """A Qwen3.5 config without layer_types: its layers from full_attention_interval (default 4) as transformers
+    derives them; an interval that is not a positive integer refused in one line."""
+    from strata.errors import ModelError
+    from strata.families import hf_args
+    from families_fixtures import _family_spec
+    cls, model_cls, kw = _family_spec(family)
+    kw = {k: v for k, v in kw.items() if k != "layer_types"}
+    for extra in ({}, {"full_attention_interval": 3}):
+        c = cls(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, **kw, **extra)
+        cfg = {k: v for k, v in c.to_dict().items() if k != "layer_types"}
+        cfg.update(extra, architectures=[model_cls.__name__])
+        args = hf_args(cfg, "config.json")
+        assert args.linear_layers == tuple(t == "linear_attention" for t in c.layer_types), (extra, c.layer_types)
+    with pytest.raises(ModelError, match="full_attention_interval = 0"):
+        hf_args({**cfg, "full_attention_interval": 0}, "config.json")
