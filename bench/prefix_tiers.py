@@ -100,8 +100,9 @@ def main() -> None:
                   f"| {r['reused']:,} |")
     if args.profile:
         for log in sorted(out.glob("*/stage-*.log")):
-            lines = [x.rstrip() for x in log.read_text().splitlines() if "restored in" in x or "prefill" in x]
-            print(f"{log}:", *lines[-12:], sep="\n  ")
+            lines = [x.rstrip() for x in log.read_text().splitlines()
+                     if "restored in" in x or "snapped in" in x or "prefill" in x]
+            print(f"{log}:", *lines[-24:], sep="\n  ")
     if len(got) == 2:
         same = all(h["ids"] == d["ids"] for h, d in zip(got["host"], got["device"]))
         print(f"the same ids from both tiers: {same}")
