@@ -85,12 +85,12 @@ if triton is not None:
         tl.store(out + t[:, None] * (H * D) + h * D + d[None, :], (a * c + b * s).to(out.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _route_row(x, c, live, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+    def _route_row(x, c, live, logits, w_out, i_out, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
                    CHOSEN: tl.constexpr, RENORM: tl.constexpr):
-        """One row's float32 logits x (BLOCK,; `live` the first n) -> its top K's weights and expert ids (KP,):
-        softmax over all the logits then the top K (CHOSEN: the top K logits, then the softmax over those K:
-        gpt-oss; the caller rounds it as the torch path does), renormalized to sum 1 (RENORM). Ties go to the lower
-        expert, picked one at a time as a running maximum."""
+        """One row's float32 logits x (BLOCK,; `live` the first n) -> its top K's weights and expert ids, stored at
+        w_out / i_out: softmax over all the logits then the top K (CHOSEN: the top K logits, then the softmax over
+        those K: gpt-oss, rounded to the logits' dtype as the torch path's softmax), renormalized to sum 1 (RENORM).
+        Ties go to the lower expert, picked one at a time as a running maximum."""
         x = tl.where(live, x, float("-inf"))
         if not CHOSEN:
             e = tl.exp(x - tl.max(x, 0))
@@ -106,25 +106,21 @@ if triton is not None:
             x = tl.where(c == at, float("-inf"), x)
         if CHOSEN:
             e = tl.exp(vals - tl.max(vals, 0))  # the pads' -inf give 0
-            vals = e / tl.sum(e, 0)
+            vals = (e / tl.sum(e, 0)).to(logits.dtype.element_ty).to(tl.float32)
         elif RENORM:
             vals = vals / tl.sum(tl.where(j < K, vals, 0.0), 0)
-        return vals, ids
+        tl.store(w_out + j, vals, mask=j < K)
+        tl.store(i_out + j, ids, mask=j < K)
 
     @triton.jit
     def _route_kernel(logits, w_out, i_out, n, stride, K: tl.constexpr, KP: tl.constexpr,
                       BLOCK: tl.constexpr, CHOSEN: tl.constexpr, RENORM: tl.constexpr):
-        """One row's router over its logits (_route_row), float32 inside."""
+        """Row r's router over its logits (_route_row), float32 inside."""
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         live = c < n
         x = tl.load(logits + r * stride + c, mask=live, other=0.0).to(tl.float32)
-        vals, ids = _route_row(x, c, live, K, KP, BLOCK, CHOSEN, RENORM)
-        if CHOSEN:  # as the torch path's softmax in the logits' dtype
-            vals = vals.to(logits.dtype.element_ty).to(tl.float32)
-        j = tl.arange(0, KP)
-        tl.store(w_out + r * K + j, vals, mask=j < K)
-        tl.store(i_out + r * K + j, ids, mask=j < K)
+        _route_row(x, c, live, logits, w_out + r * K, i_out + r * K, K, KP, BLOCK, CHOSEN, RENORM)
 
     @triton.jit
     def _router_kernel(h, wr, bias, logits, count, w_out, i_out, n, dim, HAS_BIAS: tl.constexpr, R: tl.constexpr,
@@ -154,12 +150,7 @@ if triton is not None:
             c = tl.arange(0, BLOCK)
             live = c < n
             x = tl.load(logits + c, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
-            vals, ids = _route_row(x, c, live, K, KP, BLOCK, CHOSEN, RENORM)
-            if CHOSEN:
-                vals = vals.to(logits.dtype.element_ty).to(tl.float32)
-            j = tl.arange(0, KP)
-            tl.store(w_out + j, vals, mask=j < K)
-            tl.store(i_out + j, ids, mask=j < K)
+            _route_row(x, c, live, logits, w_out, i_out, K, KP, BLOCK, CHOSEN, RENORM)
             tl.atomic_xchg(count, 0, sem="acq_rel", scope="gpu")
 
     @triton.jit
