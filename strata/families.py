@@ -309,7 +309,7 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     fam = _BY_HF.get(archs[0]) or FAMILIES.get(_MODEL_TYPES.get(cfg.get("model_type"), ""))
     if fam is None:
         raise ModelError(f"{where}: unsupported architecture {archs[0]!r} (supported: {supported_hf()})")
-    cfg = _gemma3_text(cfg) if fam.gemma else cfg
+    cfg = _gemma3_text(cfg, where) if fam.gemma else cfg
     try:
         return _hf_family_args(cfg, fam, archs[0], where)
     except KeyError as e:  # a key read before ModelArgs is built; one the config has is this code's bug: raised as is
@@ -318,15 +318,22 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
         raise ModelError(f"{where}: config lacks {e.args[0]!r}") from None
 
 
-def _gemma3_text(cfg: dict) -> dict:
+def _gemma3_text(cfg: dict, where: str) -> dict:
     """A gemma3 text config as transformers completes it: Gemma3TextConfig's defaults for absent keys, and without
     layer_types every sliding_window_pattern-th layer (6) global."""
     cfg = {**_GEMMA3_DEFAULTS, **cfg}
     if cfg.get("layer_types") is None:
-        period = int(cfg.get("sliding_window_pattern", 6))
-        cfg["layer_types"] = ["sliding_attention" if (i + 1) % period else "full_attention"
-                              for i in range(cfg["num_hidden_layers"])]
+        cfg["layer_types"] = _every_nth_full(cfg, "sliding_window_pattern", 6, "sliding_attention", where)
     return cfg
+
+
+def _every_nth_full(cfg: dict, key: str, default: int, other: str, where: str) -> list[str]:
+    """layer_types as transformers derives them where a config lists none: every cfg[key]-th layer (default)
+    "full_attention", the others `other`; a period that is not a positive integer refused in one line."""
+    every = cfg.get(key, default)
+    if type(every) is not int or every < 1:
+        raise ModelError(f"{where}: {key} = {every!r} is not implemented (a positive integer)")
+    return [other if (i + 1) % every else "full_attention" for i in range(cfg["num_hidden_layers"])]
 
 
 def _drop_mrope(rs: dict, where: str) -> dict:
@@ -432,10 +439,7 @@ def _hf_linear(cfg: dict, where: str) -> dict:
     """qwen3_5's hybrid: which layers are Gated DeltaNet, their widths; (1 + w) norms; the gated full attention."""
     types = cfg.get("layer_types")
     if types is None:  # as transformers' Qwen3.5 configs: every full_attention_interval-th layer (4) full attention
-        every = cfg.get("full_attention_interval", 4)
-        if type(every) is not int or every < 1:
-            raise ModelError(f"{where}: full_attention_interval = {every!r} is not implemented (a positive integer)")
-        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(cfg["num_hidden_layers"])]
+        types = _every_nth_full(cfg, "full_attention_interval", 4, "linear_attention", where)
     bad = sorted(set(types) - {"linear_attention", "full_attention"})
     if bad or len(types) != cfg["num_hidden_layers"]:
         raise ModelError(f"{where}: layer_types {bad[0] if bad else types!r} is not implemented")

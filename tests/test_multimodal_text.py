@@ -206,3 +206,14 @@ def test_qwen35_layer_types_from_the_interval(family):
         assert args.linear_layers == tuple(t == "linear_attention" for t in c.layer_types), (extra, c.layer_types)
     with pytest.raises(ModelError, match="full_attention_interval = 0"):
         hf_args({**cfg, "full_attention_interval": 0}, "config.json")
+
+
+def test_gemma3_window_pattern_must_be_a_positive_integer():
+    """Gemma 3's layer_types derived from sliding_window_pattern (the same derivation as Qwen3.5's): a pattern of 0
+    is refused in one line (it divided by zero)."""
+    from strata.errors import ModelError
+    from strata.families import hf_args
+    for bad in (0, 2.5):
+        with pytest.raises(ModelError, match=f"sliding_window_pattern = {bad!r} is not implemented"):
+            hf_args({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6, "sliding_window_pattern": bad},
+                    "config.json")
