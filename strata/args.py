@@ -108,6 +108,14 @@ class ModelArgs:
         """Whether layer `layer` is a linear-attention (Gated DeltaNet) layer: a state, not a KV cache."""
         return self.linear_layers is not None and self.linear_layers[layer]
 
+    def group_refusal(self) -> str | None:
+        """Why several sequences' prefill chunks cannot go as one (Transformer.forward_group); None: they can."""
+        if self.linear_layers is not None and any(self.linear_layers):
+            return "linear-attention layers (each sequence's state steps through its chunk alone)"
+        if self.rope_scaling and self.rope_scaling.get("rope_type") == "dynamic":
+            return "dynamic NTK rope (each prompt's own frequencies)"
+        return None
+
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture of experts."""
         return self.n_experts > 0 and layer >= self.first_dense_layers

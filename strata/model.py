@@ -103,8 +103,11 @@ class Attention(nn.Module):
         self.triton_state: TritonState | None = None  # the slice's, on which a failed kernel falls back (Transformer)
         self.window_kernel = "flex"  # kernels.window_attention: a window layer's chunk attention (window_attention)
 
-    def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (1, T, dim); cos, sin: (T, 1, hd), sin signed (`rope_tables`)."""
+    def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                segs: list | None = None) -> torch.Tensor:
+        """x: (1, T, dim); cos, sin: (T, 1, hd), sin signed (`rope_tables`). segs (a prefill group,
+        Transformer.forward_group): x's rows are several sequences' chunks, [(pos, n, (k_cache, v_cache))] in row
+        order, each stored into and attending over its own caches as its chunk alone would (pos unused)."""
         T = x.shape[1]
         qkv = F.linear(x, w.wqkv, w.bqkv)
         gate = None
@@ -119,13 +122,34 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin, self.fused, self.triton_state).transpose(1, 2)    # (1, nh, T, hd)
         k = apply_rope(k, cos, sin, self.fused, self.triton_state).transpose(1, 2)    # (1, nkv, T, hd)
         v = v.view(1, T, self.nkv, self.hd).transpose(1, 2)
-        self.check(pos, T)
-        store_rows(self.k_cache, k, pos)
-        store_rows(self.v_cache, v, pos)
-        y = self.attend(q, pos, T).transpose(1, 2).reshape(1, T, self.nh * self.hd)
+        if segs is None:
+            y = self._cached(q, k, v, pos, T)
+        else:
+            y = torch.cat(self._segments(q, k, v, segs), dim=2)
+        y = y.transpose(1, 2).reshape(1, T, self.nh * self.hd)
         if gate is not None:
             y = y * torch.sigmoid(gate)
         return F.linear(y, w.wo, w.bo)
+
+    def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, T: int) -> torch.Tensor:
+        """k, v (1, nkv, T, hd) into the cache at [pos, pos + T), then q's attention over what it may see."""
+        self.check(pos, T)
+        store_rows(self.k_cache, k, pos)
+        store_rows(self.v_cache, v, pos)
+        return self.attend(q, pos, T)
+
+    def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: list) -> list[torch.Tensor]:
+        """`_cached` for each sequence's rows of a prefill group, on its own caches (the layer's own, the slot in
+        use, are put back after)."""
+        held, ys, o = (self.k_cache, self.v_cache), [], 0
+        try:
+            for pos, n, caches in segs:
+                self.k_cache, self.v_cache = caches
+                ys.append(self._cached(q[:, :, o:o + n], k[:, :, o:o + n], v[:, :, o:o + n], pos, n))
+                o += n
+        finally:
+            self.k_cache, self.v_cache = held
+        return ys
 
     def check(self, pos: int, T: int) -> None:
         if self.k_cache is None:
@@ -207,9 +231,12 @@ class Block(nn.Module):
         self.mlp_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
         self.weights: DenseMatrices | ResidentMatrices = DenseMatrices(args, mlp=not self.moe, attn=not self.linear)
 
-    def forward(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                segs: list | None = None) -> torch.Tensor:
+        """segs: a prefill group's sequences (Attention.forward); an attention layer only."""
         w = self.weights.get()
-        y = self.attn(self.attn_norm(h), w, pos, cos, sin)
+        y = self.attn(self.attn_norm(h), w, pos, cos, sin) if segs is None else \
+            self.attn(self.attn_norm(h), w, pos, cos, sin, segs)
         h = h + (y if self.attn_post_norm is None else self.attn_post_norm(y))
         x = self.mlp_norm(h)
         y = self.mlp(x) if self.moe else self.mlp(x, w)
@@ -824,6 +851,31 @@ class Transformer(nn.Module):
             return h.view(1, T, dim)
         for blk in self.layers.values():
             h = blk(h, pos, *tabs[blk.attn.rope_kind])
+        return h
+
+    @torch.inference_mode()
+    def forward_group(self, x: torch.Tensor, segs: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Several sequences' prefill chunks as one (a prefill group, strata/slots.py): x their rows in the order of
+        segs [(slot, pos, n)] (ids (1, N) on the first slice, else the residual (1, N, dim)) -> the residual.
+        Each sequence's rows take its slot's caches and its positions' rope, and each attention is its chunk
+        alone's (the same kernel for its (pos, n)); the products take all N rows at once, so each weight is read
+        (or dequantized) once for the group. A row is within rounding of its chunk alone: a product's kernel may sum
+        in another order for another row count. The caller checks `ModelArgs.group_refusal`."""
+        why = self.args.group_refusal()
+        if why is not None:
+            raise ValueError(f"a prefill group: {why}")
+        N = sum(n for _, _, n in segs)
+        if x.shape[1] != N or len({s for s, _, _ in segs}) != len(segs):
+            raise ValueError(f"a prefill group of {x.shape[1]} rows for {segs}")
+        h = self._embedded(x)
+        parts = [self._tables(pos, n, h.dtype, False, h.device) for _, pos, n in segs]
+        tabs = {kind: tuple(torch.cat([p[kind][j] for p in parts]) for j in (0, 1)) for kind in parts[0]}
+        for s, pos, n in segs:
+            if not 0 <= s < len(self._slots) or pos + n > self.slot_positions(s):
+                raise ValueError(f"a prefill group's rows [{pos}, {pos + n}) of slot {s}: outside its cache")
+        for i, blk in self.layers.items():
+            layer = [(pos, n, self._slots[s][i]) for s, pos, n in segs]
+            h = blk(h, 0, *tabs[blk.attn.rope_kind], layer)
         return h
 
     @torch.inference_mode()

@@ -365,6 +365,46 @@ def test_several_sequences_as_rows_match_each_step_alone(tmp_path, family):
                 tok[s], pos[s] = int(am1), pos[s] + 1
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "gpt_oss", "qwen3_moe", "qwen3_5"])
+def test_prefill_group_matches_each_chunk_alone(tmp_path, family):
+    """Transformer.forward_group: three sequences' chunks (a first chunk, and later chunks past a window where the
+    family has one) as one prefill group on two stages: each sequence's rows within float32 rounding of its chunk
+    alone in its slot, its caches holding what the chunk alone writes, and the other slots' caches untouched.
+    A hybrid model (qwen3_5) is refused in one line, nothing run."""
+    from families_fixtures import make_hf
+    from strata.checkpoint import load_stage, model_args
+    _, d = make_hf(tmp_path, family)
+    args = model_args(d)
+    if args.group_refusal() is not None:
+        s0 = load_stage(d, args, 0, 2, max_len=96, device="cpu", dtype=torch.float32)
+        s0.setup_cache(96, seqs=2)
+        with pytest.raises(ValueError, match="a prefill group: linear-attention layers"):
+            s0.forward_group(torch.zeros(1, 3, dtype=torch.long), [(0, 0, 2), (1, 0, 1)])
+        return
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g) for n in (40, 9, 27, 11)]
+    (a0, a1), (b0, b1) = (slotted_stages(d, args, prompts[:3], device="cpu", dtype=torch.float32) for _ in range(2))
+    # the group: slot 2's next 11 rows at 27, slot 0's 5 at 40, and slot 1 prefilled again from 0 (a first chunk)
+    segs = [(2, 27, 11), (0, 40, 5), (1, 0, 9)]
+    rows = [prompts[3][:, :11], prompts[3][:, :5], prompts[1]]
+    with torch.inference_mode():
+        h = b1.forward_group(b0.forward_group(torch.cat(rows, 1), segs), segs)
+        o = 0
+        for (slot, pos, n), x in zip(segs, rows):
+            a0.use_slot(slot), a1.use_slot(slot)
+            alone = a1(a0(x, pos), pos)
+            assert torch.allclose(h[:, o:o + n], alone, rtol=1e-4, atol=1e-4), (family, slot)
+            o += n
+    for ma, mb in ((a0, b0), (a1, b1)):
+        for slot in range(3):
+            for i in ma.layers:
+                for ca, cb in zip(ma._slots[slot][i], mb._slots[slot][i]):
+                    assert torch.allclose(ca, cb, rtol=1e-4, atol=1e-4), (family, slot, i)
+        assert ma.slot == 1 and mb.slot == 2  # (the group leaves the slot in use as it was)
+    with pytest.raises(ValueError, match="outside its cache"):
+        b0.forward_group(torch.zeros(1, 2, dtype=torch.long), [(0, 95, 2)])
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_linear_states_a_slot_each(tmp_path, family):
     """A hybrid model (Gated DeltaNet layers) with three slots: the prompts' chunks and then their decode steps
