@@ -127,8 +127,9 @@ class KernelSpec:
                                    # GPU-side wait on the bell: auto, or false (the host launches each step)
     slot_spin: bool = False        # max_seqs > 1 with every stage on a GPU: the slot driver polls its socket
                                    # without sleeping while a micro-batch is in flight (up to HEAD_SPIN_S after
-                                   # its last send or result), as one sequence's decode does; off until a GPU
-                                   # measures it (bench/device_kv8.sh ahead-ab)
+                                   # its last send or result), and each stage polls for its next micro-batch (up
+                                   # to DECODE_SPIN_S after its last), as one sequence's decode does; off until a
+                                   # GPU measures it (bench/device_kv8.sh ahead-ab)
 
 
 # STRATA_<...> -> (the `kernels` field it overrides, {value as written: the field's value})
@@ -232,6 +233,10 @@ class RigConfig:
                                             # (each weight read once a batch; in C a row keeps the bits of its
                                             # step alone, with torch's products within rounding of them); steps:
                                             # each sequence's step alone, one after another, on a torch stage
+    prefill_groups: bool = True             # max_seqs > 1, decode_batch rows: the last prefill chunks of
+                                            # sequences waiting at once go through the stages as one micro-batch
+                                            # (each weight read once for them; each row within rounding of its
+                                            # chunk alone). False (or decode_batch steps): each chunk alone
     kv_pool: int | str = 0                  # max_seqs > 1: the KV positions each stage holds for all sequences
                                             # together in its global-attention layers, one pool from which each
                                             # sequence takes an extent of its prompt + max_tokens while it runs

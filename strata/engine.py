@@ -436,6 +436,9 @@ class PipelineEngine(_ModelText):
                          "decode_batches_total, the mean batch.", st.steps)
                 + metric("decode_batch_rows_max", "gauge", "The most sequences' steps in one decode batch.",
                          st.most_in_batch)
+                + metric("prefill_groups_total", "counter", "Prefill groups sent: several sequences' last prefill "
+                         "chunks as one micro-batch.", st.prefill_groups)
+                + metric("prefill_grouped_chunks_total", "counter", "Chunks in those groups.", st.grouped_chunks)
                 + metric("decode_batch_trip_seconds_total", "counter", "Seconds from each decode batch's send to its "
                          "result taken (the stages' work, copies and notes).", f"{st.batch_trip_s:.6f}")
                 + metric("decode_batch_turnaround_seconds_total", "counter", "Seconds from the results taken last "

@@ -73,6 +73,10 @@ class Chunk(Message):
                        # on its own argmaxes at the next positions; the result's argmaxes are every step's, step-major
     span: list = field(default_factory=list)  # a prefill chunk with a KV pool (kv_pool): [offset, positions], the
                                               # slot's extent of the pool (Transformer.place_slot); []: no pool
+    lens: list = field(default_factory=list)  # a prefill group (several sequences' chunks as one micro-batch,
+                                              # Transformer.forward_group): each sequence's rows, in row order, with
+                                              # [slot, pos] of each in seqs and [offset, positions] of each in span
+                                              # (a KV pool); the result's argmaxes are each one's last row's
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -288,10 +292,20 @@ def validate(msg) -> dict:
         raise BadMessage(f"chunk: negative slot {msg['slot']}")
     if (t == "chunk" and len(msg["keep"]) not in (0, KEY_BYTES)) or (t == "kv" and len(msg["state"]) not in (0, KEY_BYTES)):
         raise BadMessage(f"{t}: a state key is {KEY_BYTES} bytes")
-    if t in ("chunk", "kv") and not (msg["span"] == [] or (len(msg["span"]) == 2 and all(
+    spans = len(msg["lens"]) if t == "chunk" and msg["lens"] else 1  # (a prefill group: one a sequence)
+    if t in ("chunk", "kv") and not (msg["span"] == [] or (len(msg["span"]) == 2 * spans and all(
             type(v) is int and 0 <= v <= _INT_MAX for v in msg["span"]))):
         raise BadMessage(f"{t}: a span is [offset, positions] of the KV pool")
-    if t == "chunk" and msg["seqs"]:
+    if t == "chunk" and msg["lens"]:
+        sq, ln = msg["seqs"], msg["lens"]
+        if not (msg["phase"] == "prefill" and len(sq) == 2 * len(ln) and msg["score"] < 0 and not msg["keep"]
+                and all(type(v) is int and 0 <= v <= _INT_MAX for v in sq)
+                and all(type(v) is int and 1 <= v <= _INT_MAX for v in ln) and sum(ln) == msg["n"]):
+            raise BadMessage(f"chunk: a prefill group names [slot, pos] and the rows of each sequence, {msg['n']} "
+                             "rows in all, unscored")
+        if len(set(sq[0::2])) != len(ln):
+            raise BadMessage("chunk: a prefill group takes a sequence once")
+    elif t == "chunk" and msg["seqs"]:
         sq = msg["seqs"]
         if not (msg["phase"] == "decode" and len(sq) == 2 * msg["n"]
                 and all(type(v) is int and 0 <= v <= _INT_MAX for v in sq)):
@@ -299,7 +313,7 @@ def validate(msg) -> dict:
         if len(set(sq[0::2])) != msg["n"]:
             raise BadMessage("chunk: a decode batch steps a sequence once")
     if t == "chunk" and not (0 <= msg["ahead"] <= MAX_AHEAD
-                             and (not msg["ahead"] or (msg["seqs"] and not msg["rows"]))):
+                             and (not msg["ahead"] or (msg["seqs"] and not msg["lens"] and not msg["rows"]))):
         raise BadMessage(f"chunk: ahead {msg['ahead']}: 0 to {MAX_AHEAD}, and only for a decode batch without rows")
     if t == "result" and not all(type(v) is int and 0 <= v <= _INT_MAX for v in msg["argmaxes"]):
         raise BadMessage("result: argmaxes must be token ids")

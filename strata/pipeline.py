@@ -579,6 +579,29 @@ class Pipeline:
             self._startup_done()
         return k
 
+    def groupable(self, slot: int, pos: int, n: int) -> bool:
+        """Whether rows [pos, pos + n) of `slot`'s prompt may go in a prefill group (send_group): the model's layers
+        take groups, and no state is kept after them (a linear or window model's prefix-cache boundary)."""
+        return self.plan.args.group_refusal() is None and not self._keep_after(slot, pos + n, "prefill")
+
+    def send_group(self, segs: list[tuple[int, int, int]], tokens: int, t0: float, rows: bool) -> int:
+        """Several sequences' prefill chunks (slot, pos, n), each `groupable`, as one micro-batch (a prefill group,
+        Transformer.forward_group); tokens: the longest prompt's length; rows: keep each one's last row's logits
+        (row t of the result). Its result's argmaxes are each sequence's. -> its chunk index."""
+        k = self._sent
+        if rows:
+            self._want_rows.add(k)
+        span = [v for s, _, _ in segs for v in self._spans.get(s, ())]
+        if span and len(span) != 2 * len(segs):
+            raise ValueError(f"send_group: a sequence without its extent of the KV pool in {segs}")
+        self._wire.send(0, M.Chunk(k=k, pos=0, n=sum(n for _, _, n in segs), phase="prefill", t0=t0, tokens=tokens,
+                                   score=-1, seqs=[v for s, p, _ in segs for v in (s, p)], rows=rows, span=span,
+                                   lens=[n for _, _, n in segs]))
+        self._sent += 1
+        if self.startup is None:
+            self._startup_done()
+        return k
+
     def send_batch(self, seqs: list[tuple[int, int]], t0: float, rows: bool, ahead: int = 0) -> int:
         """One decode step of each sequence (slot, pos) as one micro-batch (its tokens already at pos of each
         slot's ids: put_slot_token); rows: keep its logits rows (a sampled token). ahead (one stage, no rows): that

@@ -143,6 +143,8 @@ class SlotStats:
     # second, and for the first beyond its graph's time
     batch_trip_s: float = 0.0
     batch_turnaround_s: float = 0.0
+    prefill_groups: int = 0             # prefill groups sent: several sequences' last chunks as one micro-batch
+    grouped_chunks: int = 0             # ... and the chunks in them
 
 
 class SlotDriver:
@@ -161,6 +163,11 @@ class SlotDriver:
                      pipe.cfg.batch_ahead, len(pipe.stages))
         # poll without sleeping while a micro-batch is in flight (kernels.slot_spin, every stage on a GPU)
         self.spin = pipe.cfg.kernels.slot_spin and pipe.all_cuda
+        # the rig's prefill_groups: sequences whose last prefill chunks wait at once go as one micro-batch (its
+        # weights read once, not once a sequence); decode_batch steps keeps each prompt's bits its own, as its steps'
+        self.grouping = (pipe.cfg.prefill_groups and pipe.cfg.decode_batch == "rows"
+                         and pipe.plan.args.group_refusal() is None)
+        self._groups: set[int] = set()     # the prefill groups in flight, by chunk index
         self._spin_until = 0.0
         self._batches = 0                   # decode batches in flight
         self._results = 0                   # results taken (the clock of `ready_at`)
@@ -382,6 +389,7 @@ class SlotDriver:
             self._t0 = self.pipe.begin_slots()
             self._by_k.clear()
             self._sent_t.clear()
+            self._groups.clear()
             self._batches = 0
         run.slot = self._free.pop()
         if run.extent is not None:
@@ -470,6 +478,10 @@ class SlotDriver:
         filling = [r for r in self._running if r.kv is None and r.sent_chunks < len(r.schedule)]
         if not filling:
             return False
+        if self.grouping and len(filling) > 1:
+            group = self._group(filling)
+            if len(group) > 1:
+                return self._send_group(group)
         run = filling[self._turn % len(filling)]
         self._turn += 1
         others = any(r.in_flight for r in self._running if r is not run)
@@ -486,6 +498,40 @@ class SlotDriver:
         self._sent_one(others)
         return True
 
+    def _group(self, filling: list[SlotRun]) -> list[SlotRun]:
+        """The sequences (from this turn's on) whose next prefill chunk is their last, unscored and `groupable`, as
+        many as the hand-off buffers' rows hold."""
+        group, rows = [], 0
+        for i in range(len(filling)):
+            run = filling[(self._turn + i) % len(filling)]
+            if run.sent_chunks != len(run.schedule) - 1 or run.score >= 0:
+                continue
+            pos, n = run.schedule[-1]
+            if rows + n <= self.pipe.plan.max_chunk and self.pipe.groupable(run.slot, pos, n):
+                group.append(run)
+                rows += n
+        return group
+
+    def _send_group(self, group: list[SlotRun]) -> bool:
+        """Their last chunks as one prefill group (Pipeline.send_group): each one's first token comes with its
+        result."""
+        others = any(r.in_flight for r in self._running if r not in group)
+        segs = [(run.slot, *run.schedule[-1]) for run in group]
+        k = self.pipe.send_group(segs, max(r.ids.size for r in group), self._t0,
+                                 rows=any(r.params.needs_logits for r in group))
+        for run in group:
+            run.sent_chunks += 1
+            run.last_k = k
+            run.in_flight += 1
+        self._turn += 1
+        self._by_k[k] = group
+        self._groups.add(k)
+        self.stats.chunks += len(group)
+        self.stats.prefill_groups += 1
+        self.stats.grouped_chunks += len(group)
+        self._sent_one(others)
+        return True
+
     def _sent_one(self, others: bool) -> None:
         if others:
             self.stats.overlapped_sends += 1
@@ -496,6 +542,15 @@ class SlotDriver:
     def _on_result(self, k: int, res, rows) -> None:
         runs = self._by_k.pop(k)
         self._results += 1
+        if k in self._groups:  # a prefill group: row t is runs[t]'s last row
+            self._groups.discard(k)
+            now = time.perf_counter()
+            for t, run in enumerate(runs):
+                run.in_flight -= 1
+                run.t_first = now
+                self._advance(run, res.argmaxes[t], None if rows is None else rows[t])
+                run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)
+            return
         if res.argmaxes:  # a decode batch: row t is runs[t]'s, step after step (batch_ahead)
             self._batches -= 1
             self.stats.batch_trip_s += self._result_t - self._sent_t.pop(k)

@@ -323,6 +323,37 @@ def test_max_seqs_on_cuda_equals_alone(tmp_path, pool):
         eng.close()
 
 
+def test_prefill_group_on_cuda_close_to_each_chunk_alone():
+    """Transformer.forward_group on CUDA: a resident Q4_K_M model in bf16 (products dequantized into the scratch
+    once for the group, flash / cuDNN attention per sequence) with three sequences' chunks as one group, each row
+    within bf16 rounding of its chunk alone in its slot, and so is its last row's logits."""
+    from strata.args import PRESETS
+    from strata.checkpoint import load_stage
+    args = PRESETS["smoke-wide"]
+
+    def load():
+        return load_stage("synthetic:smoke-wide@Q4_K_M", args, 0, args.n_layers, device="cuda:0",
+                          dtype=torch.bfloat16, weights="resident", max_len=512, seqs=3)
+    a, b = load(), load()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g).cuda() for n in (300, 37, 120, 64)]
+    with torch.inference_mode():
+        for m in (a, b):
+            for slot in range(3):
+                m.use_slot(slot)
+                m(prompts[slot], 0)
+        segs = [(2, 120, 64), (0, 300, 9), (1, 0, 37)]  # later chunks, and slot 1 prefilled again from 0
+        rows = [prompts[3], prompts[3][:, :9], prompts[1]]
+        h = b.forward_group(torch.cat(rows, 1), segs)
+        o = 0
+        for (slot, pos, n), x in zip(segs, rows):
+            a.use_slot(slot)
+            alone = a(x, pos)
+            assert torch.allclose(h[:, o:o + n].float(), alone.float(), rtol=2e-2, atol=2e-2), slot
+            assert torch.allclose(b.logits(h[0, o + n - 1]), a.logits(alone[0, -1]), rtol=2e-2, atol=2e-2), slot
+            o += n
+
+
 def test_resident_batch_rows_close_to_each_step_alone():
     """A resident Q4_K_M model (smoke-wide: Q4_K and Q6_K blocks, the head included) in bf16 with 6 slots: the batch
     body's rows of 5 and 6 sequences (padded to 8), whose products take strata.quant.rows (kernels.gemv_rows

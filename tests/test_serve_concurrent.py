@@ -109,9 +109,13 @@ def test_concurrent_greedy_equals_alone_and_steps_overlap(slotted):
     assert st.overlapped_sends > 0, st
     assert st.prefill_interleaved > before[1], st  # decode steps went in between the long prompt's chunks
     assert st.most_in_batch >= 2 and st.batches < st.steps, st  # several sequences' steps in one micro-batch
+    # the short prompts, admitted together, were prefilled as one micro-batch (each gave its ids alone, above)
+    assert st.prefill_groups >= 1 and st.grouped_chunks >= 2 * st.prefill_groups, st
     with s.client(timeout=30) as c:
         m = parse_prometheus(c.get("/metrics").text)
     assert m[("strata_kv_slots", "")] == 4 and m[("strata_kv_slots_in_use", "")] == 0
+    assert m[("strata_prefill_groups_total", "")] == st.prefill_groups
+    assert m[("strata_prefill_grouped_chunks_total", "")] == st.grouped_chunks
     assert m[("strata_decode_batch_steps_total", "")] == st.steps and m[("strata_decode_batches_total", "")] == st.batches
     assert m[("strata_decode_batch_rows_max", "")] == st.most_in_batch
     # each batch's round: its trip through the stages and the head's turnaround before it, both spent
@@ -562,3 +566,17 @@ def test_a_spinning_driver_gives_each_its_tokens_alone(slotted):
         driver.pipe.take_results = take
     assert together == alone and all(alone.values())
     assert polls.count(0) > len(polls) // 2, (polls.count(0), len(polls))
+
+
+def test_prefill_group_notes_validated():
+    """A prefill group's note names [slot, pos] and the rows of each sequence, its rows in all, each slot once, one
+    KV-pool span a sequence or none, unscored, no state kept, no steps ahead; anything else is a BadMessage."""
+    from strata import messages as M
+    group = dict(k=0, pos=0, n=12, phase="prefill", t0=0.0, tokens=40, score=-1, seqs=[0, 0, 3, 32], lens=[5, 7])
+    M.encode(M.Chunk(**group))
+    M.encode(M.Chunk(**group, span=[0, 64, 64, 64]))
+    for bad in (dict(group, n=11), dict(group, lens=[5, 0, 7], n=12), dict(group, lens=[12]),
+                dict(group, seqs=[0, 0, 0, 32]), dict(group, phase="decode"), dict(group, score=2),
+                dict(group, keep=b"k" * 16), dict(group, span=[0, 64]), dict(group, ahead=1, rows=False)):
+        with pytest.raises(M.BadMessage):
+            M.encode(M.Chunk(**bad))

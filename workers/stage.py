@@ -20,6 +20,7 @@ instead of a `ShmLink` (strata/transport.py), the rows travelling with the note.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -135,8 +136,7 @@ class Stage(DecodeRing):
             t = time.perf_counter()
             if self.kv.waiting:
                 self.kv.advance()  # between chunks too: a busy stage would not look otherwise
-            self.wait_until(lambda: self.inputs or self.phase_end is not None,
-                            DECODE_SPIN_S if self.phase == "decode" and self.device.type == "cuda" else 0.0)
+            self.wait_until(lambda: self.inputs or self.phase_end is not None, self.spin_s)
             if self.inputs:
                 front = self.inputs[0]
                 if front.t0 != self.phase_t0:  # the first chunk of a new phase
@@ -157,6 +157,14 @@ class Stage(DecodeRing):
                     self.dump.wait()  # the head hashes the file once every stage has reported
                 self.report_stats()
                 self.phase_end = None
+
+    @property
+    def spin_s(self) -> float:
+        """How long a CUDA stage polls without sleeping for its next input: a decode step's (DECODE_SPIN_S), and
+        with several sequences (whose busy period is one "prefill" phase) any micro-batch's when kernels.slot_spin
+        asks for it, as the head's driver then polls."""
+        spin = self.phase == "decode" or (self.max_seqs > 1 and self.spec.kernels.get("slot_spin", False))
+        return DECODE_SPIN_S if spin and self.device.type == "cuda" else 0.0
 
     def wait_until(self, cond, spin_s: float = 0.0) -> float:
         """Block (dispatching messages) until cond() holds; returns seconds waited. spin_s: poll without
@@ -236,13 +244,17 @@ class Stage(DecodeRing):
             raise M.BadMessage(f"chunk: rows [{pos}, {pos + n}) of a {msg.tokens}-token prompt do not fit the buffers")
         if msg.slot >= self.max_seqs:
             raise M.BadMessage(f"chunk: slot {msg.slot} of {self.max_seqs}")
-        if msg.seqs and not (n <= self.max_seqs and all(s < self.max_seqs for s in msg.seqs[0::2])
-                             and all(p < self.spec.max_len for p in msg.seqs[1::2])):
-            raise M.BadMessage(f"chunk: a decode batch outside the {self.max_seqs} slots of {self.spec.max_len} positions")
-        if msg.seqs and self.model.pool and any(p + msg.ahead >= self.model.slot_positions(sl)
-                                                for sl, p in zip(msg.seqs[0::2], msg.seqs[1::2])):
+        if msg.lens:
+            self._check_group(msg)
+        elif msg.seqs and not (n <= self.max_seqs and all(s < self.max_seqs for s in msg.seqs[0::2])
+                               and all(p < self.spec.max_len for p in msg.seqs[1::2])):
+            raise M.BadMessage(f"chunk: a decode batch outside the {self.max_seqs} slots of {self.spec.max_len} "
+                               "positions")
+        elif msg.seqs and self.model.pool and any(p + msg.ahead >= self.model.slot_positions(sl)
+                                                  for sl, p in zip(msg.seqs[0::2], msg.seqs[1::2])):
             raise M.BadMessage("chunk: a decode batch's row outside its slot's extent of the KV pool")
-        self.place(msg.slot, msg.span, "chunk")
+        else:
+            self.place(msg.slot, msg.span, "chunk")
         if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
             if data is None:
                 raise M.BadMessage("chunk: no rows with the note (across hosts they travel together)")
@@ -250,6 +262,21 @@ class Stage(DecodeRing):
         elif data is not None:
             raise M.BadMessage("chunk: unexpected data frame")
         self.inputs.append(msg)
+
+    def _check_group(self, msg: M.Chunk) -> None:
+        """A prefill group's sequences: each in a slot of this stage, its rows inside its slot's positions (its
+        extent of the KV pool, placed here as a chunk's span is), and a model whose layers can take a group."""
+        why = self.args.group_refusal() if self.max_seqs > 1 else "one KV slot"
+        if why is not None:
+            raise M.BadMessage(f"chunk: a prefill group on this stage: {why}")
+        segs = list(zip(msg.seqs[0::2], msg.seqs[1::2], msg.lens))
+        if any(s >= self.max_seqs or p + m > self.spec.max_len for s, p, m in segs):
+            raise M.BadMessage(f"chunk: a prefill group outside the {self.max_seqs} slots of {self.spec.max_len} "
+                               "positions")
+        for t, (s, p, m) in enumerate(segs):
+            self.place(s, msg.span[2 * t:2 * t + 2], "chunk")
+            if p + m > self.model.slot_positions(s):
+                raise M.BadMessage("chunk: a prefill group's rows outside their slot's extent of the KV pool")
 
     def on_taken(self, msg: M.Taken, data) -> None:
         self.taken_below.add(msg.k)
@@ -307,6 +334,8 @@ class Stage(DecodeRing):
     # -- the chunk path ---------------------------------------------------------------------------
     def run_chunk(self, msg: M.Chunk) -> None:
         self.kv.before_write()  # a snapshot's copies out of the live cache go first (CUDA: on the device)
+        if msg.lens:
+            return self.run_group(msg)
         if msg.seqs:
             return self.decode_batch(msg)
         self.model.set_prompt_length(msg.tokens)  # (dynamic NTK rope's length: the prompt's, or a decode step's p + 1)
@@ -366,6 +395,58 @@ class Stage(DecodeRing):
             self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0,
                                                                tokens=msg.tokens, score=msg.score, slot=msg.slot,
                                                                keep=msg.keep, span=msg.span))
+        self.copy_s += time.perf_counter() - copy_start
+        self.inflight.append(k)
+
+        self._join(k)
+        self.last_handoff = time.perf_counter()
+        self.events.append([k, work_start, work_end, self.last_handoff])
+        self.nchunks += 1
+
+    def run_group(self, msg: M.Chunk) -> None:
+        """A prefill group (strata/slots.py): several sequences' chunks as one micro-batch, each in its own slot
+        (Transformer.forward_group), down the chunk path's steps. The last stage's result is each sequence's last
+        row: its argmax in the note and, with msg.rows, its logits in row t of the result buffer, each computed as
+        its chunk alone's last row is."""
+        k, n = msg.k, msg.n
+        segs = list(zip(msg.seqs[0::2], msg.seqs[1::2], msg.lens))
+        self.current_chunk = k
+        self.send(self.to_head, M.Working(stage=self.i, k=k))
+        cuda = self.device.type == "cuda"
+
+        copy_start = time.perf_counter()
+        if self.first:
+            x = torch.cat([self.slot_ids(s)[p:p + m] for s, p, m in segs]).to(self.device, dtype=torch.long)
+            x = x.view(1, n)
+        else:
+            x = self.inlink.get(n).to(self.device, copy=True).view(1, n, self.args.dim)
+            if cuda:
+                torch.cuda.current_stream().synchronize()  # the copy has left the buffer
+            self.send(self.to_up, M.Taken(k=k))
+        self.copy_s += time.perf_counter() - copy_start
+
+        work_start = time.perf_counter()
+        self.faults.at_chunk(k, msg.phase)
+        h = self.model.forward_group(x, segs)
+        if self.last:
+            ends = [e - 1 for e in itertools.accumulate(msg.lens)]
+            logits = torch.stack([self.model.logits(h[0, e]) for e in ends])
+            argmaxes = [int(a) for a in logits.argmax(-1).tolist()]
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        work_end = time.perf_counter()
+        self.work_s += work_end - work_start
+
+        self._reap()
+        copy_start = time.perf_counter()
+        if self.last:
+            if msg.rows:
+                self.outlink.fill(logits.reshape(-1))
+            self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=-1, scores=b"", argmaxes=argmaxes))
+        else:
+            self.outlink.put(h.view(n, self.args.dim), M.Chunk(
+                k=k, pos=msg.pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens, score=-1, seqs=msg.seqs,
+                rows=msg.rows, span=msg.span, lens=msg.lens))
         self.copy_s += time.perf_counter() - copy_start
         self.inflight.append(k)
 
