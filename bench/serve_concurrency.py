@@ -89,9 +89,10 @@ def served(eng, queue_size: int = DEFAULT_QUEUE):
 
 
 def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, prompt_tokens: list,
-        questions: list | None = None) -> list[tuple]:
+        questions: list | None = None, groups: bool = True) -> list[tuple]:
     questions = questions or QUESTIONS
-    eng = PipelineEngine({**rig, "max_seqs": max_seqs}, out=out / f"seqs{max_seqs}")
+    eng = PipelineEngine({**rig, "max_seqs": max_seqs, "prefill_groups": groups},
+                         out=out / f"seqs{max_seqs}-{'groups' if groups else 'alone'}")
     stamps: list[list[float]] = []  # each generation's token times, as the engine hands them to the server
     generate = eng.generate
 
@@ -119,14 +120,14 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
             st = eng.slot_stats()
             # decode only, as llama-batched-bench's S_TG: the tokens made once every stream had its first, over
             # that time
-            begin, end = max(s[0] for s in stamps), max(s[-1] for s in stamps)
+            begin, end = max(s[0] for s in stamps), max(s[-1] for s in stamps)  # (begin - t0: the last first token)
             made = sum(1 for s in stamps for t in s if t > begin)
             # a decode batch's round: from its send to its result (the stages), and the head's turnaround before it
             b = (st.batches - before[0]) if st else 0
             trip, turn = ((st.batch_trip_s - before[1]) * 1e3 / b, (st.batch_turnaround_s - before[2]) * 1e3 / b) \
                 if b else (float("nan"), float("nan"))
-            rows.append((max_seqs, n, sum(counts), wall, made / (end - begin) if end > begin else float("nan"),
-                         st.most_in_flight if st else 1, st.most_in_batch if st else 1, trip, turn))
+            rows.append((max_seqs, groups, n, sum(counts), wall, made / (end - begin) if end > begin else float("nan"),
+                         st.most_in_flight if st else 1, st.most_in_batch if st else 1, trip, turn, begin - t0))
     return rows
 
 
@@ -159,6 +160,8 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--devices", default="", help="stages on these devices (comma-separated), not on CPU")
     ap.add_argument("--prompt-ids", type=int, default=0, help="prompts as this many random token ids (no vocabulary)")
+    ap.add_argument("--prefill-groups", default="on", help="the rig's prefill_groups: on, off, or on,off (both "
+                    "arms, each max_seqs > 1)")
     ap.add_argument("--batch-ahead", type=int, default=0, help="the rig's batch_ahead (one stage: steps a greedy "
                     "decode batch runs past its note)")
     default_peer = Path(__file__).resolve().parents[1] / ".peer" / "cpu" / "bin" / "llama-batched-bench"
@@ -181,7 +184,8 @@ def main() -> int:
     rows, prompt_tokens = [], []
     with tempfile.TemporaryDirectory(prefix="serve-concurrency-") as tmp:
         for m in [int(x) for x in a.max_seqs.split(",")]:
-            rows += arm(rig, m, streams, a.tokens, Path(tmp), prompt_tokens, questions)
+            for g in ([True] if m == 1 else [x == "on" for x in a.prefill_groups.split(",")]):
+                rows += arm(rig, m, streams, a.tokens, Path(tmp), prompt_tokens, questions, g)
     theirs = {}
     if a.peer:
         from strata.checkpoint import resolve
@@ -194,15 +198,17 @@ def main() -> int:
     where = f"stages on {a.devices}" if a.devices else f"{a.stages} CPU stages x {a.threads} thread(s)"
     print(f"\n{a.model}, {where}, {a.tokens} tokens a request, greedy; {os.cpu_count()} cores")
     print("tok/s: all: completion tokens over the wall time (prompts and decode); decode: once every stream had its "
-          "first token (llama.cpp: B x TG over its whole time, and its S_TG)")
-    print(f"{'max_seqs':>8} {'streams':>7} {'tokens':>7} {'wall s':>7} {'in flight':>9} {'in batch':>8} "
+          "first token (llama.cpp: B x TG over its whole time, and its S_TG); groups: prefill_groups; last 1st s: "
+          "the last stream's first token, from the first request")
+    print(f"{'max_seqs':>8} {'groups':>6} {'streams':>7} {'tokens':>7} {'wall s':>7} {'in flight':>9} {'in batch':>8} "
           f"{'all':>7} {'llama.cpp':>9} {'ratio':>6} {'decode':>7} {'S_TG':>7} {'ratio':>6} {'trip ms':>7} "
-          f"{'head ms':>7}")
-    for m, n, toks, wall, dec, most, batch, trip, turn in rows:
+          f"{'head ms':>7} {'last 1st s':>10}")
+    for m, g, n, toks, wall, dec, most, batch, trip, turn, first in rows:
         rate = toks / wall if wall > 0 else 0.0
         e2e, tg = theirs.get(n, (float("nan"), float("nan")))
-        print(f"{m:>8} {n:>7} {toks:>7} {wall:>7.2f} {most:>9} {batch:>8} {rate:>7.1f} {e2e:>9.1f} {rate / e2e:>5.2f}x "
-              f"{dec:>7.1f} {tg:>7.1f} {dec / tg:>5.2f}x {trip:>7.2f} {turn:>7.3f}")
+        print(f"{m:>8} {'on' if g else 'off':>6} {n:>7} {toks:>7} {wall:>7.2f} {most:>9} {batch:>8} {rate:>7.1f} "
+              f"{e2e:>9.1f} {rate / e2e:>5.2f}x "
+              f"{dec:>7.1f} {tg:>7.1f} {dec / tg:>5.2f}x {trip:>7.2f} {turn:>7.3f} {first:>10.3f}")
     return 0
 
 
