@@ -236,7 +236,8 @@ class RigConfig:
     prefill_groups: bool = True             # max_seqs > 1, decode_batch rows: the last prefill chunks of
                                             # sequences waiting at once go through the stages as one micro-batch
                                             # (each weight read once for them; each row within rounding of its
-                                            # chunk alone). False (or decode_batch steps): each chunk alone
+                                            # chunk alone). False (or decode_batch steps, or prefix_reuse
+                                            # chunks, whose restores promise cold bits): each chunk alone
     kv_pool: int | str = 0                  # max_seqs > 1: the KV positions each stage holds for all sequences
                                             # together in its global-attention layers, one pool from which each
                                             # sequence takes an extent of its prompt + max_tokens while it runs

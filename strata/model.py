@@ -119,11 +119,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # rope on the (1, T, heads, hd) rows, then (1, heads, T, hd) views: q's layout is what
         # warm_chunk_attention builds cuDNN's graphs for
-        q = apply_rope(q, cos, sin, self.fused, self.triton_state).transpose(1, 2)    # (1, nh, T, hd)
-        k = apply_rope(k, cos, sin, self.fused, self.triton_state).transpose(1, 2)    # (1, nkv, T, hd)
-        v = v.view(1, T, self.nkv, self.hd).transpose(1, 2)
-        if segs is None:
-            y = self._cached(q, k, v, pos, T)
+        q = apply_rope(q, cos, sin, self.fused, self.triton_state)    # (1, T, nh, hd)
+        k = apply_rope(k, cos, sin, self.fused, self.triton_state)    # (1, T, nkv, hd)
+        v = v.view(1, T, self.nkv, self.hd)
+        if segs is None:  # (1, heads, T, hd) views
+            y = self._cached(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, T)
         else:
             y = torch.cat(self._segments(q, k, v, segs), dim=2)
         y = y.transpose(1, 2).reshape(1, T, self.nh * self.hd)
@@ -139,13 +139,15 @@ class Attention(nn.Module):
         return self.attend(q, pos, T)
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: list) -> list[torch.Tensor]:
-        """`_cached` for each sequence's rows of a prefill group, on its own caches (the layer's own, the slot in
-        use, are put back after)."""
+        """`_cached` for each sequence's rows of a prefill group (q, k, v: (1, T, heads, hd)), on its own caches
+        (the layer's own, the slot in use, are put back after). Each sequence's rows are viewed with the strides of
+        its chunk alone (unsqueeze: a leading stride of n rows, not T), which cuDNN's graph cache keys on."""
         held, ys, o = (self.k_cache, self.v_cache), [], 0
         try:
             for pos, n, caches in segs:
                 self.k_cache, self.v_cache = caches
-                ys.append(self._cached(q[:, :, o:o + n], k[:, :, o:o + n], v[:, :, o:o + n], pos, n))
+                qs, ks, vs = (t[0, o:o + n].unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+                ys.append(self._cached(qs, ks, vs, pos, n))
                 o += n
         finally:
             self.k_cache, self.v_cache = held

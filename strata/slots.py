@@ -164,9 +164,10 @@ class SlotDriver:
         # poll without sleeping while a micro-batch is in flight (kernels.slot_spin, every stage on a GPU)
         self.spin = pipe.cfg.kernels.slot_spin and pipe.all_cuda
         # the rig's prefill_groups: sequences whose last prefill chunks wait at once go as one micro-batch (its
-        # weights read once, not once a sequence); decode_batch steps keeps each prompt's bits its own, as its steps'
+        # weights read once, not once a sequence). decode_batch steps keeps each prompt's bits its own, as its steps',
+        # and prefix_reuse chunks promises a restored prefix the cold prefill's bits: neither groups
         self.grouping = (pipe.cfg.prefill_groups and pipe.cfg.decode_batch == "rows"
-                         and pipe.plan.args.group_refusal() is None)
+                         and pipe.cfg.prefix_reuse != "chunks" and pipe.plan.args.group_refusal() is None)
         self._groups: set[int] = set()     # the prefill groups in flight, by chunk index
         self._spin_until = 0.0
         self._batches = 0                   # decode batches in flight

@@ -273,10 +273,13 @@ class Stage(DecodeRing):
         if any(s >= self.max_seqs or p + m > self.spec.max_len for s, p, m in segs):
             raise M.BadMessage(f"chunk: a prefill group outside the {self.max_seqs} slots of {self.spec.max_len} "
                                "positions")
-        for t, (s, p, m) in enumerate(segs):
-            self.place(s, msg.span[2 * t:2 * t + 2], "chunk")
-            if p + m > self.model.slot_positions(s):
+        spans = [msg.span[2 * t:2 * t + 2] for t in range(len(segs))]
+        for (s, p, m), span in zip(segs, spans):  # every one checked before any slot moves
+            held = span[1] if span else self.model.slot_positions(s)
+            if p + m > held or (span and span[0] + span[1] > self.model.pool):
                 raise M.BadMessage("chunk: a prefill group's rows outside their slot's extent of the KV pool")
+        for (s, _, _), span in zip(segs, spans):
+            self.place(s, span, "chunk")
 
     def on_taken(self, msg: M.Taken, data) -> None:
         self.taken_below.add(msg.k)
