@@ -22,9 +22,9 @@
 # lengths asked after them, ARMS: host,device); `short-chunk`: one question's chunk after a cached prefix of $DOC tokens
 # outside the server: its wall, host-issue and GPU-busy time and syncs (bench/short_chunk.py); `gguf`: the 8B file alone (no build); `tier-test`: that GPU test
 # alone; `ahead-ab`: the server's 4 and 16 streams with batch_ahead 0, with $AHEAD, and with 0 and
-# kernels.slot_spin on, no peer (a short call's A/B); `serve-ab`: the server's 4 and 16 streams with prefill_groups on and
-# off beside llama-batched-bench, then with groups on and batch_ahead each of $AHEADS (default "3 7"), and with
-# kernels.slot_spin.
+# kernels.slot_spin on, no peer (a short call's A/B); `serve-ab`: the server's 4 and 16 streams with the defaults,
+# prefill_groups on and off, beside llama-batched-bench, then with groups on and batch_ahead 0 without slot_spin (the
+# defaults before 2026-12-06), and with batch_ahead each of $AHEADS (default 7) with the spin.
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
 # | serve-ahead | serve-rows | serve-profile | prefix-tiers | short-chunk | gguf | tier-test | ahead-ab | serve-ab | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
@@ -73,8 +73,8 @@ serve-ab)
   timeout 300 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
     --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --prefill-groups on,off \
     --peer "$LL/build/bin/llama-batched-bench" 2>&1 | tee "$LOG/serve-ab.log" | tail -7
-  for arm in ${AHEADS:-3 7} spin; do  # prefill_groups on, with batch_ahead of each of $AHEADS, or kernels.slot_spin
-    a=$arm; spin=0; [ "$arm" = spin ] && { a=0; spin=1; }
+  for arm in old ${AHEADS:-7}; do  # prefill_groups on: old, the defaults before 2026-12-06 (batch_ahead 0, no
+    a=$arm; spin=1; [ "$arm" = old ] && { a=0; spin=0; }  # slot_spin); else batch_ahead $arm with the spin
     el "the server, 8B Q4_K_M on one GPU, batch_ahead $a, slot_spin $spin: 4 and 16 streams, no peer"
     STRATA_SLOT_SPIN=$spin timeout 200 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 \
       --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' --batch-ahead "$a" 2>&1 \

@@ -162,7 +162,8 @@ def main() -> int:
     ap.add_argument("--prompt-ids", type=int, default=0, help="prompts as this many random token ids (no vocabulary)")
     ap.add_argument("--prefill-groups", default="on", help="the rig's prefill_groups: on, off, or on,off (both "
                     "arms, each max_seqs > 1)")
-    ap.add_argument("--batch-ahead", type=int, default=0, help="the rig's batch_ahead (one stage: steps a greedy "
+    ap.add_argument("--batch-ahead", type=int, default=None, help="the rig's batch_ahead (default its auto; one "
+                    "stage: steps a greedy "
                     "decode batch runs past its note)")
     default_peer = Path(__file__).resolve().parents[1] / ".peer" / "cpu" / "bin" / "llama-batched-bench"
     ap.add_argument("--peer", default=str(default_peer) if default_peer.exists() else "",
@@ -171,7 +172,7 @@ def main() -> int:
     stages = ([{"device": d} for d in a.devices.split(",")] if a.devices
               else [{"device": "cpu", "threads": a.threads}] * a.stages)
     rig = dict(model=a.model, stages=stages, max_context=a.max_context, progress=False)
-    if a.batch_ahead:
+    if a.batch_ahead is not None:
         rig["batch_ahead"] = a.batch_ahead
     questions = None
     if a.prompt_ids:

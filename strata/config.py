@@ -21,6 +21,9 @@ ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/mod
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn", "q8_0")  # the KV cache's dtype (issue 12); auto = dtype
 DECODE_BATCH = ("rows", "steps")
+# batch_ahead auto's steps on one CUDA stage: on an H100 (8B Q4_K_M, 16 greedy streams, prefill groups on) 3 took the
+# decode from 1,804.5 to 1,894.3 tok/s and 7 gave 1,893.9 with the spin (3 with it: 1,921.9); BENCHMARKS.md 2026-12-06
+AUTO_BATCH_AHEAD = 3
 MAX_BATCH_AHEAD = 64  # batch_ahead's most steps past a note (a decode batch's result carries each step's argmaxes)
 PREFIX_REUSE = ("rows", "chunks")  # a restored prefix: every held row, or up to a chunk boundary of the cold schedule  # max_seqs > 1: several sequences' steps multiplied as one batch, or one by one
 DECODE_WEIGHTS = ("auto", "none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
@@ -125,11 +128,11 @@ class KernelSpec:
                                    # one), true (any local stages), false (ZeroMQ only)
     decode_ahead: bool | str = "auto"  # with bells and a GPU per stage, queue the next decode step behind a
                                    # GPU-side wait on the bell: auto, or false (the host launches each step)
-    slot_spin: bool = False        # max_seqs > 1 with every stage on a GPU: the slot driver polls its socket
+    slot_spin: bool = True         # max_seqs > 1 with every stage on a GPU: the slot driver polls its socket
                                    # without sleeping while a micro-batch is in flight (up to HEAD_SPIN_S after
                                    # its last send or result), and each stage polls for its next micro-batch (up
-                                   # to DECODE_SPIN_S after its last), as one sequence's decode does; off until a
-                                   # GPU measures it (bench/device_kv8.sh ahead-ab)
+                                   # to DECODE_SPIN_S after its last), as one sequence's decode does. On an H100
+                                   # (8B, 16 streams) 1,804.5 -> 1,872.4 decode tok/s (bench/device_kv8.sh serve-ab)
 
 
 # STRATA_<...> -> (the `kernels` field it overrides, {value as written: the field's value})
@@ -244,12 +247,13 @@ class RigConfig:
                                             # (a sequence waits while none is free), >= max_context; auto: what
                                             # the stages' memory holds (the planner's). 0: each slot holds
                                             # max_context positions (max_seqs x max_context)
-    batch_ahead: int = 0                    # max_seqs > 1 on one stage: a decode batch whose rows are all greedy
+    batch_ahead: int | str = "auto"         # max_seqs > 1 on one stage: a decode batch whose rows are all greedy
                                             # runs up to this many more steps on its own argmaxes before the head
                                             # answers (the stage never waits for the head between them; a row
-                                            # that ends early wastes those steps). 0: one step a note. With
-                                            # several stages the n_stages batches in flight keep each busy: no
-                                            # effect (the head's log says so)
+                                            # that ends early wastes those steps). 0: one step a note. auto:
+                                            # AUTO_BATCH_AHEAD on one CUDA stage, else 0. With several stages the
+                                            # n_stages batches in flight keep each busy: no effect (the head's log
+                                            # says so)
     kernels: KernelSpec = field(default_factory=KernelSpec)  # the kernels' A/B switches (KernelSpec)
     debug: DebugSpec = field(default_factory=DebugSpec)
 
@@ -361,6 +365,12 @@ def _positions_or_auto(name: str, v):
     raise ConfigError(f"{name}: expected 'auto' or a number of positions, got {v!r}")
 
 
+def _steps_or_auto(name: str, v):
+    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    raise ConfigError(f"{name}: expected 'auto' or a number of steps, got {v!r}")
+
+
 def _chunk(name: str, c):
     if c == "auto" or (isinstance(c, int) and not isinstance(c, bool)):
         return c
@@ -398,6 +408,7 @@ def _layer_split(name: str, ls):
 _PARSERS = {
     RigConfig: {"stages": _stages, "layer_split": _layer_split, "chunk": _chunk,
                 "prefix_cache_device_bytes": _bytes_or_auto, "kv_pool": _positions_or_auto,
+                "batch_ahead": _steps_or_auto,
                 "prompt": _sub(PromptSpec, {"random": _random}), "debug": _sub(DebugSpec),
                 "kernels": _sub(KernelSpec, _KERNEL_PARSERS)},
     PromptSpec: {"random": _random},
@@ -543,13 +554,13 @@ def _check_values(cfg: RigConfig) -> None:
         why = max_seqs_refusal(cfg)
         if why:
             raise ConfigError(f"max_seqs {cfg.max_seqs} refused: {why}")
-    if not 0 <= cfg.batch_ahead <= MAX_BATCH_AHEAD:
+    if cfg.batch_ahead != "auto" and not 0 <= cfg.batch_ahead <= MAX_BATCH_AHEAD:
         raise ConfigError(f"batch_ahead: 0 to {MAX_BATCH_AHEAD} steps, got {cfg.batch_ahead}")
     if cfg.kv_pool != "auto" and cfg.kv_pool < 0:
         raise ConfigError(f"kv_pool: must be >= 0 positions (0: a slot of max_context each), got {cfg.kv_pool}")
     if cfg.kv_pool and cfg.max_seqs == 1:
         raise ConfigError("kv_pool: a pool shared by several sequences needs max_seqs > 1")
-    if cfg.batch_ahead and cfg.max_seqs == 1:
+    if cfg.batch_ahead != "auto" and cfg.batch_ahead and cfg.max_seqs == 1:
         raise ConfigError("batch_ahead: decode batches need max_seqs > 1 (one sequence's steps take the decode "
                           "graphs' launch-ahead: kernels.decode_ahead)")
     if cfg.chunk != "auto" and cfg.chunk <= 0:

@@ -38,6 +38,7 @@ import numpy as np
 
 from .errors import PipelineError
 from .pipeline import HEAD_SPIN_S
+from .config import AUTO_BATCH_AHEAD
 from .planner import POOL_GRAIN
 
 log = logging.getLogger("strata.slots")
@@ -157,10 +158,13 @@ class SlotDriver:
         self.batch_cap = min(max_seqs, pipe.plan.max_chunk)  # rows a hand-off buffer holds
         # steps an all-greedy batch runs past its note (the rig's batch_ahead; one stage only: with several, the
         # n_stages batches in flight keep every stage busy)
-        self.ahead = pipe.cfg.batch_ahead if len(pipe.stages) == 1 else 0
-        if pipe.cfg.batch_ahead and not self.ahead:
+        asked = pipe.cfg.batch_ahead
+        if asked == "auto":  # (a CPU stage's step is its own compute: it has no launch gap to hide)
+            asked = AUTO_BATCH_AHEAD if pipe.all_cuda and len(pipe.stages) == 1 else 0
+        self.ahead = asked if len(pipe.stages) == 1 else 0
+        if asked and not self.ahead:
             log.info("batch_ahead %d: no effect on %d stages (their batches in flight keep each busy)",
-                     pipe.cfg.batch_ahead, len(pipe.stages))
+                     asked, len(pipe.stages))
         # poll without sleeping while a micro-batch is in flight (kernels.slot_spin, every stage on a GPU)
         self.spin = pipe.cfg.kernels.slot_spin and pipe.all_cuda
         # the rig's prefill_groups: sequences whose last prefill chunks wait at once go as one micro-batch (its

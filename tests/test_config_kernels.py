@@ -85,14 +85,14 @@ def test_environment_overrides_the_rig_and_set_overrides_both(tmp_path):
            "STRATA_CUDA_KERNELS": "torch", "STRATA_GRAPH_ATTENTION": "masked", "STRATA_GRAPH_KERNELS": "torch",
            "STRATA_DECODE_GEMV": "cublas", "STRATA_GEMV_IQ3S": "dp4a-smem", "STRATA_GEMV_Q6K": "words",
            "STRATA_GEMV_Q8_0": "bytes", "STRATA_GEMV_MXFP4": "float", "STRATA_WINDOW_ATTENTION": "band",
-           "STRATA_Q8_ATTENTION": "int8", "STRATA_GEMV_ROWS": "dp4a", "STRATA_SLOT_SPIN": "1"}
+           "STRATA_Q8_ATTENTION": "int8", "STRATA_GEMV_ROWS": "dp4a", "STRATA_SLOT_SPIN": "0"}
     assert set(env) == set(ENV_KERNELS)
     k = load(rig, env=env).kernels
     assert asdict(k) == {"prefill": "torch", "graph_attention": "masked", "graph_kernels": "torch",
                          "decode_gemv": "cublas", "gemv_iq3s": "dp4a-smem", "gemv_kquant": "bytes", "gemv_q6k": "words",
                          "gemv_q8_0": "bytes", "gemv_mxfp4": "float", "gemv_rows": "dp4a", "q8_attention": "int8", "window_attention": "band",
                          "decode_bells": False,
-                         "decode_ahead": False, "slot_spin": True}
+                         "decode_ahead": False, "slot_spin": False}
     assert load(rig, ["kernels.gemv_kquant=dp4a"], env=env).kernels.gemv_kquant == "dp4a"
     assert from_dict({}, env={"STRATA_DECODE_BELLS": "1"}).kernels.decode_bells is True
     with pytest.raises(ConfigError, match=r"STRATA_GEMV_Q6K='fast': expected one of bytes, words, dp4a \(it overrides "

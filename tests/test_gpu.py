@@ -325,8 +325,10 @@ def test_max_seqs_on_cuda_equals_alone(tmp_path, pool):
 
 def test_prefill_group_on_cuda_close_to_each_chunk_alone():
     """Transformer.forward_group on CUDA: a resident Q4_K_M model in bf16 (products dequantized into the scratch
-    once for the group, flash / cuDNN attention per sequence) with three sequences' chunks as one group, each row
-    within bf16 rounding of its chunk alone in its slot, and so is its last row's logits."""
+    once for the group, flash / cuDNN attention per sequence) with three sequences' chunks as one group: each row is
+    as close to its chunk alone in its slot as the same rows computed in two chunks instead of one are (bf16's
+    rounding through 8 layers; on an H100 both were 0.05-0.06 at most, ~0.006 on average), and so is each last
+    row's logits. A wrong slot, position or rope row would be O(1)."""
     from strata.args import PRESETS
     from strata.checkpoint import load_stage
     args = PRESETS["smoke-wide"]
@@ -334,14 +336,21 @@ def test_prefill_group_on_cuda_close_to_each_chunk_alone():
     def load():
         return load_stage("synthetic:smoke-wide@Q4_K_M", args, 0, args.n_layers, device="cuda:0",
                           dtype=torch.bfloat16, weights="resident", max_len=512, seqs=3)
-    a, b = load(), load()
+    a, b, c = load(), load(), load()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, args.vocab_size, (1, n), generator=g).cuda() for n in (300, 37, 120, 64)]
     with torch.inference_mode():
-        for m in (a, b):
+        for m in (a, b, c):
             for slot in range(3):
                 m.use_slot(slot)
                 m(prompts[slot], 0)
+        # the rounding floor: slot 2's next 64 rows in two chunks of 32 against one chunk of 64
+        c.use_slot(2)
+        a.use_slot(2)
+        two = torch.cat([c(prompts[3][:, :32], 120), c(prompts[3][:, 32:], 152)], 1).float()
+        one = a(prompts[3], 120).float()
+        floor = (two - one).abs()
+        assert floor.max() > 0  # (bf16: re-chunking does round apart)
         segs = [(2, 120, 64), (0, 300, 9), (1, 0, 37)]  # later chunks, and slot 1 prefilled again from 0
         rows = [prompts[3], prompts[3][:, :9], prompts[1]]
         h = b.forward_group(torch.cat(rows, 1), segs)
@@ -349,8 +358,10 @@ def test_prefill_group_on_cuda_close_to_each_chunk_alone():
         for (slot, pos, n), x in zip(segs, rows):
             a.use_slot(slot)
             alone = a(x, pos)
-            assert torch.allclose(h[:, o:o + n].float(), alone.float(), rtol=2e-2, atol=2e-2), slot
-            assert torch.allclose(b.logits(h[0, o + n - 1]), a.logits(alone[0, -1]), rtol=2e-2, atol=2e-2), slot
+            d = (h[:, o:o + n].float() - alone.float()).abs()
+            assert d.max() <= 2 * floor.max() and d.mean() <= 2 * floor.mean(), (slot, d.max(), floor.max())
+            la, lb = a.logits(alone[0, -1]), b.logits(h[0, o + n - 1])
+            assert (la - lb).abs().max() <= 0.05 * la.abs().max(), slot
             o += n
 
 

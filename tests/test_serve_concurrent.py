@@ -523,6 +523,9 @@ def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
         from_dict({**base, "max_seqs": 2, "batch_ahead": 65})
     with pytest.raises(ConfigError, match="^batch_ahead: decode batches need max_seqs > 1"):
         from_dict({**base, "batch_ahead": 2})
+    with pytest.raises(ConfigError, match="^batch_ahead: expected 'auto' or a number of steps, got 'soon'$"):
+        from_dict({**base, "max_seqs": 2, "batch_ahead": "soon"})
+    assert from_dict(base).batch_ahead == "auto"  # (one CUDA stage: AUTO_BATCH_AHEAD; a CPU stage: 0)
     from strata import messages as M
     batch = dict(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=9, score=-1, seqs=[0, 8])
     M.encode(M.Chunk(**batch, rows=False, ahead=3))
