@@ -236,11 +236,14 @@ class RigConfig:
                                             # (each weight read once a batch; in C a row keeps the bits of its
                                             # step alone, with torch's products within rounding of them); steps:
                                             # each sequence's step alone, one after another, on a torch stage
-    prefill_groups: bool = True             # max_seqs > 1, decode_batch rows: the last prefill chunks of
+    prefill_groups: bool | str = "auto"     # max_seqs > 1, decode_batch rows: the last prefill chunks of
                                             # sequences waiting at once go through the stages as one micro-batch
                                             # (each weight read once for them; each row within rounding of its
-                                            # chunk alone). False (or decode_batch steps, or prefix_reuse
-                                            # chunks, whose restores promise cold bits): each chunk alone
+                                            # chunk alone). auto: when every stage is on a GPU, whose decode
+                                            # batches round so too (a CPU stage decoding in C gives each sequence
+                                            # the bits it gets alone, which a group would not). False (or
+                                            # decode_batch steps, or prefix_reuse chunks, whose restores promise
+                                            # cold bits): each chunk alone
     kv_pool: int | str = 0                  # max_seqs > 1: the KV positions each stage holds for all sequences
                                             # together in its global-attention layers, one pool from which each
                                             # sequence takes an extent of its prompt + max_tokens while it runs
@@ -408,7 +411,7 @@ def _layer_split(name: str, ls):
 _PARSERS = {
     RigConfig: {"stages": _stages, "layer_split": _layer_split, "chunk": _chunk,
                 "prefix_cache_device_bytes": _bytes_or_auto, "kv_pool": _positions_or_auto,
-                "batch_ahead": _steps_or_auto,
+                "batch_ahead": _steps_or_auto, "prefill_groups": _auto_or(True, False),
                 "prompt": _sub(PromptSpec, {"random": _random}), "debug": _sub(DebugSpec),
                 "kernels": _sub(KernelSpec, _KERNEL_PARSERS)},
     PromptSpec: {"random": _random},

@@ -168,9 +168,11 @@ class SlotDriver:
         # poll without sleeping while a micro-batch is in flight (kernels.slot_spin, every stage on a GPU)
         self.spin = pipe.cfg.kernels.slot_spin and pipe.all_cuda
         # the rig's prefill_groups: sequences whose last prefill chunks wait at once go as one micro-batch (its
-        # weights read once, not once a sequence). decode_batch steps keeps each prompt's bits its own, as its steps',
-        # and prefix_reuse chunks promises a restored prefix the cold prefill's bits: neither groups
-        self.grouping = (pipe.cfg.prefill_groups and pipe.cfg.decode_batch == "rows"
+        # weights read once, not once a sequence); auto: on GPU stages, whose decode batches' rows round apart from
+        # each step alone anyway (CPU stages decoding in C keep each sequence's bits its own). decode_batch steps
+        # keeps them too, and prefix_reuse chunks promises a restored prefix the cold prefill's bits: neither groups
+        groups = pipe.cfg.prefill_groups
+        self.grouping = ((groups is True or (groups == "auto" and pipe.all_cuda)) and pipe.cfg.decode_batch == "rows"
                          and pipe.cfg.prefix_reuse != "chunks" and pipe.plan.args.group_refusal() is None)
         self._groups: set[int] = set()     # the prefill groups in flight, by chunk index
         self._spin_until = 0.0

@@ -526,6 +526,9 @@ def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
     with pytest.raises(ConfigError, match="^batch_ahead: expected 'auto' or a number of steps, got 'soon'$"):
         from_dict({**base, "max_seqs": 2, "batch_ahead": "soon"})
     assert from_dict(base).batch_ahead == "auto"  # (one CUDA stage: AUTO_BATCH_AHEAD; a CPU stage: 0)
+    assert from_dict(base).prefill_groups == "auto"  # (GPU stages only)
+    with pytest.raises(ConfigError, match="^prefill_groups: expected auto or true or false, got 'yes'$"):
+        from_dict({**base, "max_seqs": 2, "prefill_groups": "yes"})
     from strata import messages as M
     batch = dict(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=9, score=-1, seqs=[0, 8])
     M.encode(M.Chunk(**batch, rows=False, ahead=3))
@@ -582,13 +585,18 @@ def test_prefill_group_notes_validated():
             M.encode(M.Chunk(**bad))
 
 
-def test_prompts_sent_together_prefill_as_one_group_each_as_alone(tmp_path):
-    """prefill_groups (the default, with prefix_reuse rows): the short prompts of four requests sent at once are
-    prefilled as one micro-batch (or a few), and each request still gets the greedy ids it gets alone (a group's rows
-    are within rounding of each chunk alone; here the ids agree); /metrics counts the groups."""
+@pytest.mark.parametrize("pool", [0, 640])
+def test_prompts_sent_together_prefill_as_one_group_each_as_alone(tmp_path, pool):
+    """prefill_groups true (auto leaves CPU stages without), prefix_reuse rows: the short prompts of four requests sent
+    at once are prefilled as one micro-batch (or a few), and each request gets the greedy ids it gets alone; /metrics
+    counts the groups. With a KV pool each sequence's extent travels with the group (alone, each runs in the pool's
+    first extent). decode_weights none: float32 decode steps through torch. A group's rows are within rounding of each
+    chunk alone (~1e-3 here), and the C decoder's int8 rows turned that into other tokens a few steps on (3 of these
+    4 prompts, once), where torch's float32 steps keep these prompts' ids."""
     _smollm2()
     from strata.engine import PipelineEngine
-    eng = PipelineEngine({**RIG, "prefix_reuse": "rows", "prefix_cache_bytes": 0}, out=tmp_path / "groups")
+    eng = PipelineEngine({**RIG, "prefix_reuse": "rows", "prefix_cache_bytes": 0, "kv_pool": pool,
+                          "prefill_groups": True, "decode_weights": "none"}, out=tmp_path / "groups")
     s = Running(eng, queue_size=4)
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
