@@ -563,6 +563,8 @@ def _check_values(cfg: RigConfig) -> None:
         raise ConfigError(f"kv_pool: must be >= 0 positions (0: a slot of max_context each), got {cfg.kv_pool}")
     if cfg.kv_pool and cfg.max_seqs == 1:
         raise ConfigError("kv_pool: a pool shared by several sequences needs max_seqs > 1")
+    if cfg.prefill_groups is True and cfg.max_seqs == 1:
+        raise ConfigError("prefill_groups: a group is several sequences' chunks; it needs max_seqs > 1")
     if cfg.batch_ahead != "auto" and cfg.batch_ahead and cfg.max_seqs == 1:
         raise ConfigError("batch_ahead: decode batches need max_seqs > 1 (one sequence's steps take the decode "
                           "graphs' launch-ahead: kernels.decode_ahead)")

@@ -271,7 +271,10 @@ class Pipeline:
             decode_weights=cfg.decode_weights, cuda_graphs=cfg.cuda_graphs,
             decode_ahead="bells" in self._buffers.names and bells.ahead_wanted([s.device for s in plan.stages],
                                                                                cfg.kernels.decode_ahead),
-            kernels={f: getattr(cfg.kernels, f) for f in cfg.kernels.__dataclass_fields__},
+            # (slot_spin: a stage spins only where every stage is on a GPU, as the head's driver does: a CUDA
+            # stage beside CPU ones would take a core from their threads)
+            kernels={**{f: getattr(cfg.kernels, f) for f in cfg.kernels.__dataclass_fields__},
+                     "slot_spin": cfg.kernels.slot_spin and all(s.device.startswith("cuda") for s in plan.stages)},
             debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
             net=self._remote.stage_net(sp.index) if self._remote else None)
 

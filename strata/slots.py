@@ -11,8 +11,11 @@ order; each says "taken" when it has left a hand-off buffer, as a prefill chunk 
 in flight below a stage, seed-761).
 
 Exactness: a sequence is prefilled in the chunks of its cold schedule and decoded one token a step, in its own
-slot, and a batch gives each row the bits of its step alone (Transformer.decode_seqs), so a sequence's tokens do
-not depend on what else runs.
+slot. A CPU stage decoding in C gives each row of a batch the bits of its step alone (Transformer.decode_seqs), and
+CPU stages prefill each chunk alone by default, so there a sequence's tokens do not depend on what else runs. Through
+torch's products (every GPU stage, decode_batch rows) a batch's rows, and a prefill group's (prefill_groups, on GPU
+stages by default: several sequences' last chunks as one micro-batch), are within rounding of each alone, so a near
+tie may pick another token; decode_batch steps keeps each sequence's bits its own.
 
 The prefix cache (strata/prefix_cache.py): on admission a sequence's prompt is looked up in the head's index and
 the longest cached prefix is restored into its slot on every stage; its first chunk goes once every stage has
@@ -485,11 +488,11 @@ class SlotDriver:
         filling = [r for r in self._running if r.kv is None and r.sent_chunks < len(r.schedule)]
         if not filling:
             return False
+        run = filling[self._turn % len(filling)]
         if self.grouping and len(filling) > 1:
             group = self._group(filling)
-            if len(group) > 1:
+            if run in group and len(group) > 1:  # (on a member's turn: a long prompt's chunks keep theirs)
                 return self._send_group(group)
-        run = filling[self._turn % len(filling)]
         self._turn += 1
         others = any(r.in_flight for r in self._running if r is not run)
         pos, n = run.schedule[run.sent_chunks]
@@ -507,7 +510,8 @@ class SlotDriver:
 
     def _group(self, filling: list[SlotRun]) -> list[SlotRun]:
         """The sequences (from this turn's on) whose next prefill chunk is their last, unscored and `groupable`, as
-        many as the hand-off buffers' rows hold."""
+        many as the hand-off buffers' rows hold. The driver sends them on the turn of the first one, so sequences
+        whose chunks are not their last keep their turns between groups."""
         group, rows = [], 0
         for i in range(len(filling)):
             run = filling[(self._turn + i) % len(filling)]

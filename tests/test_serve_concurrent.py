@@ -529,6 +529,8 @@ def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
     assert from_dict(base).prefill_groups == "auto"  # (GPU stages only)
     with pytest.raises(ConfigError, match="^prefill_groups: expected auto or true or false, got 'yes'$"):
         from_dict({**base, "max_seqs": 2, "prefill_groups": "yes"})
+    with pytest.raises(ConfigError, match="^prefill_groups: a group is several sequences' chunks; it needs max_seqs"):
+        from_dict({**base, "prefill_groups": True})
     from strata import messages as M
     batch = dict(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=9, score=-1, seqs=[0, 8])
     M.encode(M.Chunk(**batch, rows=False, ahead=3))
