@@ -5,8 +5,9 @@ Each arm starts the server (uvicorn in a thread, PipelineEngine over the rig's s
 warm-up request, then `--streams` chat requests at once through the real openai client (httpx without it), greedy,
 `--tokens` each. Printed per arm: completion tokens over the wall time from the first request to the last answer
 (the prompts are short: that time is nearly all decode), the driver's most sequences in flight and in one decode
-batch, and a decode batch's mean round in ms (max_seqs > 1): its trip from send to result (the stages' work,
-copies and notes) and the head's turnaround before it (from the results it took last to its send).
+batch, and a decode batch's mean round in ms (max_seqs > 1) once every stream had its first token: its trip from
+send to result (the stages' work, copies and notes; with batch_ahead, its steps ahead too) and the head's turnaround
+before it (from the results it took last to its send).
 The peer's row: its B x TG generated tokens over its whole time (prompts, then decode: as ours), and its decode-only
 rate (S_TG), with -npp the prompts' mean length here.
 
@@ -96,19 +97,25 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
     stamps: list[list[float]] = []  # each generation's token times, as the engine hands them to the server
     generate = eng.generate
 
+    firsts: list[tuple] = []  # at each generation's first token: (time, the driver's batches, trip s, turnaround s)
+
+    def stamp(mine: list[float]) -> None:
+        mine.append(time.perf_counter())
+        if len(mine) == 1:  # (on the driver's thread: its stats as they stand)
+            st = eng.slot_stats()
+            firsts.append((mine[0], *((st.batches, st.batch_trip_s, st.batch_turnaround_s) if st else (0, 0.0, 0.0))))
+
     def timed(ids, params, on_token):
         mine: list[float] = []
         stamps.append(mine)
-        return generate(ids, params, lambda t: mine.append(time.perf_counter()) or on_token(t))
+        return generate(ids, params, lambda t: stamp(mine) or on_token(t))
     eng.generate = timed
     rows = []
     with served(eng, max(16, max(streams))) as url:
         ask(url, questions[0] if questions is not QUESTIONS else "Hello", 4)  # warm-up: one-time costs are not decode
         for n in streams:
-            del stamps[:]
+            del stamps[:], firsts[:]
             counts = [0] * n
-            st = eng.slot_stats()
-            before = (st.batches, st.batch_trip_s, st.batch_turnaround_s) if st else (0, 0.0, 0.0)
             t0 = time.perf_counter()
             threads = [threading.Thread(target=lambda i=i: counts.__setitem__(
                 i, ask(url, questions[i % len(questions)], tokens, prompt_tokens))) for i in range(n)]
@@ -122,7 +129,9 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
             # that time
             begin, end = max(s[0] for s in stamps), max(s[-1] for s in stamps)  # (begin - t0: the last first token)
             made = sum(1 for s in stamps for t in s if t > begin)
-            # a decode batch's round: from its send to its result (the stages), and the head's turnaround before it
+            # a decode batch's round once every stream had its first token (the streams' first chunks no longer
+            # in the pipeline): from its send to its result (the stages), and the head's turnaround before it
+            before = max(firsts)[1:]
             b = (st.batches - before[0]) if st else 0
             trip, turn = ((st.batch_trip_s - before[1]) * 1e3 / b, (st.batch_turnaround_s - before[2]) * 1e3 / b) \
                 if b else (float("nan"), float("nan"))
@@ -200,7 +209,8 @@ def main() -> int:
     print(f"\n{a.model}, {where}, {a.tokens} tokens a request, greedy; {os.cpu_count()} cores")
     print("tok/s: all: completion tokens over the wall time (prompts and decode); decode: once every stream had its "
           "first token (llama.cpp: B x TG over its whole time, and its S_TG); groups: prefill_groups; last 1st s: "
-          "the last stream's first token, from the first request")
+          "the last stream's first token, from the first request; trip / head ms: a decode batch's, once every "
+          "stream had its first token")
     print(f"{'max_seqs':>8} {'groups':>6} {'streams':>7} {'tokens':>7} {'wall s':>7} {'in flight':>9} {'in batch':>8} "
           f"{'all':>7} {'llama.cpp':>9} {'ratio':>6} {'decode':>7} {'S_TG':>7} {'ratio':>6} {'trip ms':>7} "
           f"{'head ms':>7} {'last 1st s':>10}")
