@@ -274,7 +274,7 @@ class Pipeline:
             # (slot_spin: a stage spins only where every stage is on a GPU, as the head's driver does: a CUDA
             # stage beside CPU ones would take a core from their threads)
             kernels={**{f: getattr(cfg.kernels, f) for f in cfg.kernels.__dataclass_fields__},
-                     "slot_spin": cfg.kernels.slot_spin and all(s.device.startswith("cuda") for s in plan.stages)},
+                     "slot_spin": cfg.kernels.slot_spin and self.all_cuda},
             debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
             net=self._remote.stage_net(sp.index) if self._remote else None)
 

@@ -122,10 +122,7 @@ class DecodeRing:
             at = torch.tensor([s * self.ids_stride + p for s, p in zip(slots, positions)])  # one gather, not m
             x = self.ids[at].to(self.device, dtype=torch.long)
         else:
-            x = self.inlink.get(m).to(self.device, copy=True).view(m, self.args.dim)
-            if cuda:
-                torch.cuda.current_stream(self.device).synchronize()  # the copy has left the buffer
-            self.send(self.to_up, M.Taken(k=k))
+            x = self._rows_from_above(k, m).view(m, self.args.dim)
         work_start = time.perf_counter()
         self.copy_s += work_start - t_in
         self.faults.at_chunk(k, msg.phase)

@@ -355,10 +355,7 @@ class Stage(DecodeRing):
         if self.first:
             x = ids[pos:pos + n].to(self.device, dtype=torch.long).view(1, n)
         else:
-            x = self.inlink.get(n).to(self.device, copy=True).view(1, n, self.args.dim)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the copy has left the buffer
-            self.send(self.to_up, M.Taken(k=k))
+            x = self._rows_from_above(k, n).view(1, n, self.args.dim)
         self.copy_s += time.perf_counter() - copy_start
 
         # 2. compute
@@ -399,12 +396,7 @@ class Stage(DecodeRing):
                                                                tokens=msg.tokens, score=msg.score, slot=msg.slot,
                                                                keep=msg.keep, span=msg.span))
         self.copy_s += time.perf_counter() - copy_start
-        self.inflight.append(k)
-
-        self._join(k)
-        self.last_handoff = time.perf_counter()
-        self.events.append([k, work_start, work_end, self.last_handoff])
-        self.nchunks += 1
+        self._handed_off(k, work_start, work_end)
 
     def run_group(self, msg: M.Chunk) -> None:
         """A prefill group (strata/slots.py): several sequences' chunks as one micro-batch, each in its own slot
@@ -422,10 +414,7 @@ class Stage(DecodeRing):
             x = torch.cat([self.slot_ids(s)[p:p + m] for s, p, m in segs]).to(self.device, dtype=torch.long)
             x = x.view(1, n)
         else:
-            x = self.inlink.get(n).to(self.device, copy=True).view(1, n, self.args.dim)
-            if cuda:
-                torch.cuda.current_stream().synchronize()  # the copy has left the buffer
-            self.send(self.to_up, M.Taken(k=k))
+            x = self._rows_from_above(k, n).view(1, n, self.args.dim)
         self.copy_s += time.perf_counter() - copy_start
 
         work_start = time.perf_counter()
@@ -451,8 +440,20 @@ class Stage(DecodeRing):
                 k=k, pos=msg.pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens, score=-1, seqs=msg.seqs,
                 rows=msg.rows, span=msg.span, lens=msg.lens))
         self.copy_s += time.perf_counter() - copy_start
-        self.inflight.append(k)
+        self._handed_off(k, work_start, work_end)
 
+    def _rows_from_above(self, k: int, n: int) -> torch.Tensor:
+        """Micro-batch k's n residual rows, copied out of the buffer above (CUDA: the copy waited for), then
+        "taken" upstream: the stage above may write the buffer again."""
+        x = self.inlink.get(n).to(self.device, copy=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the copy has left the buffer
+        self.send(self.to_up, M.Taken(k=k))
+        return x
+
+    def _handed_off(self, k: int, work_start: float, work_end: float) -> None:
+        """Chunk k is in the buffer below: in flight there until reaped (depth 0: joined now), and timed."""
+        self.inflight.append(k)
         self._join(k)
         self.last_handoff = time.perf_counter()
         self.events.append([k, work_start, work_end, self.last_handoff])
