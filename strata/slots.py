@@ -138,6 +138,7 @@ class SlotStats:
     restores: int = 0                   # sequences whose prompt began with blocks restored from the prefix cache
     restored_tokens: int = 0            # ... and the positions restored
     sends_during_kv: int = 0            # micro-batches sent while a prefix-cache round (restore, snapshot) was out
+    loads_among_running: int = 0        # KV files admitted into a slot while another sequence was running
     pool_waits: int = 0                 # kv_pool: admissions put off because no gap of the pool held the sequence
     pool_most_used: int = 0             # kv_pool: the most positions its extents held at once
     # a decode step's round, summed over the batches: from a batch's send to its result taken (the stages' work,
@@ -385,6 +386,8 @@ class SlotDriver:
             run.slot = self._free.pop()
             if run.extent is not None:
                 self.pipe.place_slot(run.slot, *run.extent)
+            if self._running:
+                self.stats.loads_among_running += 1
             run.kv = self.pipe.load_slot_begin(run.slot, run.load[0], run.ids, *run.load[1:])
             self._loading.append(run)
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import inspect
 import math
 import os
@@ -282,9 +283,9 @@ def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
 
 def test_a_kv_file_loads_among_other_requests_into_the_prefix_cache(slotted_long, tmp_path):
     """max_seqs > 1: the engine's kv_load reads a KV file (a max_seqs 1 pipeline's) into a free slot while another
-    request decodes, then its blocks into the prefix cache: a prompt that begins with its ids restores them (the
-    driver counts the file's whole blocks restored) and gets the max_seqs 1 pipeline's greedy ids. A file that is
-    not one is refused in one line."""
+    request decodes (the driver admits it beside that request, which decodes on), then its blocks into the prefix
+    cache: a prompt that begins with its ids restores them (the driver counts the file's whole blocks restored) and
+    gets the max_seqs 1 pipeline's greedy ids. A file that is not one is refused in one line."""
     import numpy as np
     from strata.kv_file import KvFileError
     from strata.pipeline import Pipeline
@@ -298,18 +299,23 @@ def test_a_kv_file_loads_among_other_requests_into_the_prefix_cache(slotted_long
         p.prefill(doc)
         p.kv_save(tmp_path / "doc.kv")
         want = p.generate(prompt, greedy).continuation_ids  # (the live KV's rows up to a chunk boundary: cold bits)
-    before = eng.slot_stats().restored_tokens
+    before = dataclasses.replace(eng.slot_stats())  # (a copy: the driver's own object moves on)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
     with _decoding_meanwhile(client) as background:
         seen = background()[0]
         got = eng.kv_load(tmp_path / "doc.kv")
+        loaded_among = eng.slot_stats().loads_among_running - before.loads_among_running
+        # the other request goes on decoding (whether a token came during the load is a matter of time: a ~600-token
+        # file can load within one token's step, so the driver's record says the load went in beside it)
+        wait_until(lambda: background()[0] > seen or not background()[1], "the background request to decode on")
         tokens, running = background()
-    assert running and tokens > seen, (tokens, seen)
+    assert loaded_among == 1 and running and tokens > seen, (loaded_among, tokens, seen)
     assert got["tokens"] == doc.size and list(got["ids"]) == list(doc)
     made = []
     eng.generate(prompt, greedy, made.append)
     assert made == want and want
-    assert eng.slot_stats().restored_tokens - before == 512  # the file's two whole blocks (prefix_reuse chunks)
+    # the file's two whole blocks (prefix_reuse chunks)
+    assert eng.slot_stats().restored_tokens - before.restored_tokens == 512
     (tmp_path / "junk.kv").write_bytes(b"not a kv file" * 10)
     with pytest.raises(KvFileError, match="is not a Strata KV file"):
         eng.kv_load(tmp_path / "junk.kv")
