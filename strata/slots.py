@@ -107,6 +107,7 @@ class SlotRun:
     in_flight: int = 0                  # its chunks or step in the pipeline now
     last_k: int = -1                    # its last prefill chunk's index (its result holds the first token's logits)
     pending: int | None = None          # a token whose decode step is still to be sent
+    closing: bool = False               # its last token is decided (the limit, an end token): no step follows
     ready_at: int = 0                   # when `pending` was set (the driver's result count): oldest steps go first
     out: list = field(default_factory=list)
     finish: str = "length"
@@ -143,9 +144,9 @@ class SlotStats:
     pool_most_used: int = 0             # kv_pool: the most positions its extents held at once
     # a decode step's round, summed over the batches: from a batch's send to its result taken (the stages' work,
     # their copies and the notes both ways, and any time the head was busy before taking it), and from the last
-    # results taken before a batch's send to that send (the head's own turnaround: the callbacks, the sampling, the
-    # next note; not a wait for a batch to fill or for room in the window). With one stage the GPU idles for the
-    # second, and for the first beyond its graph's time
+    # results taken before a batch's send to that send (the head's own turnaround: the sampling, the next note; the
+    # callers' callbacks run after the send; not a wait for a batch to fill or for room in the window). With one
+    # stage the GPU idles for the second, and for the first beyond its graph's time
     batch_trip_s: float = 0.0
     batch_turnaround_s: float = 0.0
     prefill_groups: int = 0             # prefill groups sent: several sequences' last chunks as one micro-batch
@@ -182,6 +183,9 @@ class SlotDriver:
         self._spin_until = 0.0
         self._batches = 0                   # decode batches in flight
         self._results = 0                   # results taken (the clock of `ready_at`)
+        # tokens decided but not yet handed to their callers: (run, token or None, its length of `out` then, the
+        # finish that follows or None); handed over after the next micro-batches are sent (`_deliver`)
+        self._decided: list[tuple[SlotRun, int | None, int, str | None]] = []
         self.ends = pipe.end_ids  # the tokens that end a sequence (its eos, an instruct model's end of turn, ...)
         self.stats = SlotStats()
         self.failure: PipelineError | None = None
@@ -282,6 +286,9 @@ class SlotDriver:
                     self._admit(run)  # (running from its start: a failure of its restore fails it too)
                 if self._send():
                     self._spin_until = time.perf_counter() + HEAD_SPIN_S
+                if self._decided:  # (after the send: the stages work while the callers' callbacks run)
+                    self._deliver()
+                    self._release()
                 busy = self._running or self._freeing or self._loading
                 spinning = self.spin and self.pipe.in_flight and time.perf_counter() < self._spin_until
                 results = self.pipe.take_results(0 if spinning else POLL_MS if busy else 0)
@@ -335,9 +342,10 @@ class SlotDriver:
             run.extent = None
 
     def _release(self) -> None:
-        """Slots whose sequence finished and whose snapshot every stage has answered go back to the free list (a
-        KV file's load is done then: its blocks are in the prefix cache)."""
-        for run in [r for r in self._freeing if r.snap is None or r.snap.complete]:
+        """Slots whose sequence finished, with nothing of it in flight (a step sent before its caller said stop), and
+        whose snapshot every stage has answered go back to the free list (a KV file's load is done then: its blocks
+        are in the prefix cache)."""
+        for run in [r for r in self._freeing if (r.snap is None or r.snap.complete) and not r.in_flight]:
             self._freeing.remove(run)
             run.snap = None
             self._free_slot(run)
@@ -451,7 +459,7 @@ class SlotDriver:
                        key=lambda r: r.ready_at)
         if not ready:
             return False
-        decoding = sum(1 for r in self._running if r.t_first is not None)
+        decoding = sum(1 for r in self._running if r.t_first is not None and not r.closing)
         size = min(self.batch_cap, -(-decoding // self.groups))
         if len(ready) < size and self._batches:
             return False
@@ -563,6 +571,8 @@ class SlotDriver:
                 run.in_flight -= 1
                 run.t_first = now
                 self._advance(run, res.argmaxes[t], None if rows is None else rows[t])
+            self._deliver()  # the first tokens to the callers before the snapshots' rounds
+            for run in runs:
                 run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)
             return
         if res.argmaxes:  # a decode batch: row t is runs[t]'s, step after step (batch_ahead)
@@ -573,7 +583,7 @@ class SlotDriver:
                 run.in_flight -= 1
             for j in range(len(res.argmaxes) // m):
                 for t, run in enumerate(runs):
-                    if run in self._running:  # (not finished at an earlier step of this batch)
+                    if run in self._running and not run.closing:  # (not ended at an earlier step of this batch)
                         self._advance(run, res.argmaxes[j * m + t], None if rows is None else rows[t])
             return
         run = runs[0]  # a prefill chunk
@@ -583,31 +593,49 @@ class SlotDriver:
         if k != run.last_k:
             return  # a chunk before the last
         run.t_first = time.perf_counter()
-        self._advance(run, res.argmax, rows)  # its first token to the caller before the snapshot's round
+        self._advance(run, res.argmax, rows)
+        self._deliver()  # its first token to the caller before the snapshot's round
         run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)  # (its slot is not reused before it is done)
 
     def _advance(self, run: SlotRun, argmax: int, logits) -> None:
-        """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it."""
-        if len(run.out) >= run.limit:
-            return self._finish(run, "length")
-        tok = run.sampler.next(logits) if run.params.needs_logits else argmax
-        if tok in self.ends:
-            run.end_token = tok
-            return self._finish(run, "stop")
-        run.out.append(tok)
-        try:
-            keep = run.on_token(tok)
-        except Exception as e:  # noqa: BLE001 - the caller's callback: its own sequence fails, not the others
-            run.error = e
-            return self._finish(run, "stop")
-        if keep is False:
-            return self._finish(run, "stop")
-        if len(run.out) == run.limit:
-            return self._finish(run, "length")
-        run.pending, run.ready_at = tok, self._results
+        """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it: decided
+        here (its next step may go at once), handed to the caller by `_deliver`."""
+        then = "length" if len(run.out) >= run.limit else None
+        tok = None
+        if then is None:
+            tok = run.sampler.next(logits) if run.params.needs_logits else argmax
+            if tok in self.ends:
+                run.end_token, tok, then = tok, None, "stop"
+            else:
+                run.out.append(tok)
+                then = "length" if len(run.out) == run.limit else None
+        self._decided.append((run, tok, len(run.out), then))
+        # (a batch's steps ahead decide several tokens of a run at once: the last one's step is the one to send)
+        run.pending, run.closing = (tok, False) if then is None else (None, True)
+        run.ready_at = self._results
+
+    def _deliver(self) -> None:
+        """The decided tokens to their callers, in order. A caller that says stop (or raises) ends its sequence
+        there: the tokens decided after it are dropped, and a step already sent on them is wasted (its slot waits
+        for it: `_release`)."""
+        decided, self._decided = self._decided, []
+        for run, tok, n, then in decided:
+            if run not in self._running:
+                continue  # (ended by its caller at an earlier token)
+            if tok is not None:
+                try:
+                    keep = run.on_token(tok)
+                except Exception as e:  # noqa: BLE001 - the caller's callback: its own sequence fails, not the others
+                    run.error, keep = e, False
+                if keep is False:
+                    del run.out[n:]
+                    self._finish(run, "stop")
+                    continue
+            if then is not None:
+                self._finish(run, then)
 
     def _finish(self, run: SlotRun, why: str) -> None:
-        run.finish, run.t_end = why, time.perf_counter()
+        run.finish, run.t_end, run.pending = why, time.perf_counter(), None
         self._running.remove(run)
         self._freeing.append(run)  # (its snapshot may still be in flight: _release frees the slot after it)
         run.done.set()

@@ -154,6 +154,31 @@ def test_a_client_that_disconnects_frees_its_slot(slotted):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+def test_the_next_step_goes_before_the_callers_callbacks(slotted):
+    """The driver hands a decode step's token to its caller after sending the step that follows, so the stages work
+    while the callbacks run: a lone sequence's callback sees that step in the pipeline at every token but the first
+    (handed over from the prompt's last chunk at once) and the last (no step follows). A caller that stops at a token
+    while the next step is out ends there: its ids are the first of its ids alone, the count that many; the wasted
+    step is reaped before its slot is free again, and the next request gets its ids alone."""
+    from strata.sampling import SamplingParams
+    s, eng = slotted
+    ids = eng.tokenize(PROMPTS[1])
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    alone, seen = [], []
+    eng.generate(ids, greedy, lambda t: alone.append(t) or seen.append(eng.pipe.in_flight))
+    assert len(alone) == 10 and seen[0] == 0 and seen[-1] == 0 and min(seen[1:-1]) >= 1, seen
+    first = []
+    eng.generate(eng.tokenize(PROMPTS[0]), greedy, first.append)
+    made, steps = [], eng.slot_stats().steps
+    stats = eng.generate(ids, greedy, lambda t: made.append(t) or len(made) < 3)
+    assert made == alone[:3] and stats.completion_tokens == 3 and stats.finish_reason == "stop", (made, stats)
+    wait_until(lambda: len(eng._slots._free) == eng._slots.max_seqs, "the stopped sequence's slot to be free")
+    assert eng.slot_stats().steps - steps == 3  # its steps on tokens 1 to 3: the third one's was sent, not used
+    again = []
+    eng.generate(eng.tokenize(PROMPTS[0]), greedy, again.append)
+    assert again == first and len(first) == 10
+
+
 def test_slotted_refusals_are_one_line(slotted, tmp_path):
     """With max_seqs > 1: kv_save is refused naming max_seqs, and Pipeline.kv_load naming the driver (the engine's
     kv_load goes through it); the prefix cache is on; Pipeline.score (one sequence alone, beside the driver) is
