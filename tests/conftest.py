@@ -27,6 +27,32 @@ PYTHON = sys.executable
 from strata.leftovers import _SEG, SHM, Proc, log_time, ready_count, segments, stage_pids, wait_gone  # noqa: E402,F401
 
 
+# -- CI: nothing it must run is skipped for want of an install --------------------------------------
+# The server's acceptance tests (and others) skip where their modules or the SmolLM2 wheel are missing, as a box
+# without them should; in CI (`.ci/run` sets STRATA_CI=1) a broken install would turn them into silent skips and a
+# green run, so there the session stops first, naming what is missing.
+CI_MODULES = ("openai", "httpx", "transformers", "accelerate", "triton", "sentencepiece", "gguf", "llguidance")
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("STRATA_CI") != "1":
+        return
+    import importlib
+    missing = []
+    for name in CI_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - any failure to import is a broken install here
+            missing.append(f"{name} ({type(e).__name__}: {e})")
+    try:
+        from strata.checkpoint import smollm2_path
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        missing.append(str(e))
+    if missing:
+        raise pytest.UsageError("STRATA_CI=1: the tests would skip for want of " + "; ".join(missing))
+
+
 # -- rigs and the launcher -----------------------------------------------------------------------
 def chained_prefill(slices, ids, chunk: int):
     """Chunked prefill through chained Transformer slices in one process: the last slice's residual (1, T, dim)."""

@@ -788,7 +788,7 @@ def test_huge_body_is_413_by_its_length_before_it_is_sent():
         sock.close()
         assert status == 413 and body["error"]["code"] == 413, body
         assert "60000000" in body["error"]["message"] and str(limit) in body["error"]["message"]
-        assert seconds < 2.0
+        assert seconds < 10  # (answered with the body not sent: a server that waited for it would time out)
         # the real client with the whole 60 MB: still a 413 (or the server hangs up mid-upload), never a parse
         try:
             with s.client(timeout=30) as c:
