@@ -152,12 +152,16 @@ def test_a_client_that_disconnects_frees_its_slot(slotted):
     with s.client(timeout=120) as c:
         with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
                                                        "stream": True}) as r:
-            got = []
+            got, m = [], None
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     got.append(line)
+                if len(got) == 1 and m is None:  # /metrics while both run: the server's one, the engine's two
+                    with s.client(timeout=30) as c2:
+                        m = parse_prometheus(c2.get("/metrics").text)
                 if len(got) >= 3:
                     break
+        assert m[("strata_running_sequences", "")] == 1 and m[("strata_kv_slots_in_use", "")] == 2, m
         wait_until(lambda: eng._slots.running <= 1, "the disconnected sequence to end")
         alive = t.is_alive()  # (the other had not finished: it was running when this one ended)
         t.join(300)
