@@ -439,6 +439,9 @@ class PipelineEngine(_ModelText):
                 + metric("prefill_groups_total", "counter", "Prefill groups sent: several sequences' last prefill "
                          "chunks as one micro-batch.", st.prefill_groups)
                 + metric("prefill_grouped_chunks_total", "counter", "Chunks in those groups.", st.grouped_chunks)
+                + metric("prefill_chunks_between_steps_max", "gauge", "The most prefill micro-batches sent between "
+                         "two decode steps of one sequence: how far a long prompt held the others' tokens up.",
+                         st.most_chunks_between_steps)
                 + metric("decode_batch_trip_seconds_total", "counter", "Seconds from each decode batch's send to its "
                          "result taken (the stages' work, copies and notes).", f"{st.batch_trip_s:.6f}")
                 + metric("decode_batch_turnaround_seconds_total", "counter", "Seconds from the results taken last "

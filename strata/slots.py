@@ -108,6 +108,7 @@ class SlotRun:
     last_k: int = -1                    # its last prefill chunk's index (its result holds the first token's logits)
     pending: int | None = None          # a token whose decode step is still to be sent
     closing: bool = False               # its last token is decided (the limit, an end token): no step follows
+    chunks_waited: int = 0              # decoding: prefill micro-batches sent since its last step went
     ready_at: int = 0                   # when `pending` was set (the driver's result count): oldest steps go first
     out: list = field(default_factory=list)
     finish: str = "length"
@@ -136,6 +137,8 @@ class SlotStats:
     most_in_flight: int = 0             # the most sequences with something in the pipeline at one time
     overlapped_sends: int = 0           # sends made while another sequence had something in the pipeline
     prefill_interleaved: int = 0        # decode steps sent while another sequence's prefill was not done
+    most_chunks_between_steps: int = 0  # the most prefill micro-batches sent between two steps of a decoding
+                                        # sequence: what a long prompt's prefill holds the others' tokens up by
     restores: int = 0                   # sequences whose prompt began with blocks restored from the prefix cache
     restored_tokens: int = 0            # ... and the positions restored
     sends_during_kv: int = 0            # micro-batches sent while a prefix-cache round (restore, snapshot) was out
@@ -472,6 +475,8 @@ class SlotDriver:
             seqs.append((run.slot, pos))
             run.pending = None
             run.in_flight += 1
+            self.stats.most_chunks_between_steps = max(self.stats.most_chunks_between_steps, run.chunks_waited)
+            run.chunks_waited = 0
         rows = any(r.params.needs_logits for r in batch)
         # steps past this one on the batch's own argmaxes: none that a row's token limit could not take (a row that
         # stops earlier, at EOS or by its caller, wastes the rest; its slot's later rows are never read)
@@ -516,6 +521,7 @@ class SlotDriver:
         self.stats.chunks += 1
         self._by_k[k] = [run]
         run.in_flight += 1
+        self._chunk_sent()
         self._sent_one(others)
         return True
 
@@ -551,8 +557,15 @@ class SlotDriver:
         self.stats.chunks += len(group)
         self.stats.prefill_groups += 1
         self.stats.grouped_chunks += len(group)
+        self._chunk_sent()
         self._sent_one(others)
         return True
+
+    def _chunk_sent(self) -> None:
+        """A prefill chunk or group went: one more for every sequence that decodes and waits for its next step."""
+        for r in self._running:
+            if r.t_first is not None and not r.closing:
+                r.chunks_waited += 1
 
     def _sent_one(self, others: bool) -> None:
         if others:

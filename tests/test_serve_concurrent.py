@@ -328,6 +328,26 @@ def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
     assert abs(got_ppl / want_ppl - 1) < 1e-3, (got_ppl, want_ppl)
 
 
+def test_a_long_prompt_holds_a_decoding_request_up_by_at_most_the_window(slotted_long):
+    """A 12-chunk prompt sent while another request decodes: its chunks take turns with that request's steps, so
+    between two of its steps the driver sent at most as many prefill micro-batches as it keeps in flight (n_stages
+    + 1; a scheduler that sent the prompt's chunks first would hold the request up by all 12). /metrics says so."""
+    s, eng = slotted_long
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    doc = _SRC[30000:33200]  # (a text no other test sends: no block of it in the prefix cache)
+    with _decoding_meanwhile(client) as background:
+        eng._slots.stats.most_chunks_between_steps = 0  # (this prompt's own record)
+        chunks = eng.slot_stats().chunks
+        r = client.completions.create(model="smollm2", prompt=doc, max_tokens=2, temperature=0)
+        st = eng.slot_stats()
+        running = background()[1]
+    assert running and r.usage.prompt_tokens_details.cached_tokens == 0
+    assert st.chunks - chunks >= 12 and 1 <= st.most_chunks_between_steps <= eng._slots.window, st
+    with s.client(timeout=30) as c:
+        m = parse_prometheus(c.get("/metrics").text)
+    assert m[("strata_prefill_chunks_between_steps_max", "")] == st.most_chunks_between_steps
+
+
 def test_a_kv_file_loads_among_other_requests_into_the_prefix_cache(slotted_long, tmp_path):
     """max_seqs > 1: the engine's kv_load reads a KV file (a max_seqs 1 pipeline's) into a free slot while another
     request decodes (the driver admits it beside that request, which decodes on), then its blocks into the prefix
