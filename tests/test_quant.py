@@ -256,6 +256,40 @@ def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
         assert Q.dequantize(raw, down).equal(w["layers.0.w_down"])
 
 
+def test_make_gguf_with_a_vocabulary_takes_text(tmp_path):
+    """--vocab: the random file takes SmolLM2's tokenizer, padded to the preset's vocabulary with <extra_N> tokens
+    (here smoke-wide's 2,048 < 49,152 is refused in one line, nothing written; llama-3-8b's 128,256 with one layer
+    is 0.8 GiB, so the padding is checked on a vocabulary-only file, which --vocab-only writes and --vocab takes).
+    Strata's tokenizer from the file encodes and decodes text as SmolLM2's own, and the chat template comes along."""
+    from strata.checkpoint import smollm2_path
+    from strata.tokenizer import Tokenizer
+    try:
+        smollm2_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    mg = _make_gguf()
+    with pytest.raises(SystemExit):
+        mg.main(["--preset", "smoke-wide", "--vocab", "smollm2", "--out", str(tmp_path / "no.gguf")])
+    assert not (tmp_path / "no.gguf").exists()
+    vocab = tmp_path / "vocab.gguf"
+    assert mg.main(["--preset", "smoke", "--vocab", "smollm2", "--vocab-only", "--out", str(vocab)]) == 0
+    assert vocab.stat().st_size < 4 << 20 and not gguf.GGUFReader(vocab).tensors
+    w = gguf.GGUFWriter(str(tmp_path / "padded.gguf"), "llama")
+    assert mg.add_vocab(w, vocab, 50_000) == 49_152
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    from strata.gguf_loader import field_value
+    tokens = field_value(gguf.GGUFReader(tmp_path / "padded.gguf"), "tokenizer.ggml.tokens")
+    assert len(tokens) == 50_000 and tokens[49_152] == "<extra_49152>" and tokens[-1] == "<extra_49999>"
+    mine, theirs = Tokenizer.from_gguf(tmp_path / "padded.gguf"), Tokenizer.for_model("smollm2")
+    text = "def f(x):\n    return x * 2  # Ünïcödé"
+    assert mine.encode(text) == theirs.encode(text) and mine.decode(mine.encode(text)) == text
+    assert mine.decode([49_999]) == "<extra_49999>"
+    assert field_value(gguf.GGUFReader(tmp_path / "padded.gguf"), "tokenizer.chat_template") == \
+        field_value(gguf.GGUFReader(smollm2_path()), "tokenizer.chat_template")
+
+
 def test_make_gguf_llama3_rope_freqs(tmp_path):
     """A preset with Llama-3 rope scaling gets llama.cpp's rope_freqs tensor, which Strata decodes back."""
     import dataclasses
