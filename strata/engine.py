@@ -440,10 +440,11 @@ class PipelineEngine(_ModelText):
                          "chunks as one micro-batch.", st.prefill_groups)
                 + metric("prefill_grouped_chunks_total", "counter", "Chunks in those groups.", st.grouped_chunks)
                 + metric("prefill_chunks_between_steps_max", "gauge", "The most prefill micro-batches sent between "
-                         "two decode steps of one sequence: how far a long prompt held the others' tokens up.",
-                         st.most_chunks_between_steps)
+                         "two decode steps of one sequence (while its step was out or waiting): at most the micro-"
+                         "batches in flight, n_stages + 1.", st.most_chunks_between_steps)
                 + metric("decode_batch_trip_seconds_total", "counter", "Seconds from each decode batch's send to its "
-                         "result taken (the stages' work, copies and notes).", f"{st.batch_trip_s:.6f}")
+                         "result taken (the stages' work, copies and notes, and any callbacks the head ran meanwhile).",
+                         f"{st.batch_trip_s:.6f}")
                 + metric("decode_batch_turnaround_seconds_total", "counter", "Seconds from the results taken last "
                          "before each decode batch's send to that send (the head's own share of a step).",
                          f"{st.batch_turnaround_s:.6f}")

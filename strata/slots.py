@@ -138,7 +138,7 @@ class SlotStats:
     overlapped_sends: int = 0           # sends made while another sequence had something in the pipeline
     prefill_interleaved: int = 0        # decode steps sent while another sequence's prefill was not done
     most_chunks_between_steps: int = 0  # the most prefill micro-batches sent between two steps of a decoding
-                                        # sequence: what a long prompt's prefill holds the others' tokens up by
+                                        # sequence (its step out or waiting): at most the window (_send_batch)
     restores: int = 0                   # sequences whose prompt began with blocks restored from the prefix cache
     restored_tokens: int = 0            # ... and the positions restored
     sends_during_kv: int = 0            # micro-batches sent while a prefix-cache round (restore, snapshot) was out
@@ -187,8 +187,9 @@ class SlotDriver:
         self._batches = 0                   # decode batches in flight
         self._results = 0                   # results taken (the clock of `ready_at`)
         # tokens decided but not yet handed to their callers: (run, token or None, its length of `out` then, the
-        # finish that follows or None); handed over after the next micro-batches are sent (`_deliver`)
-        self._decided: list[tuple[SlotRun, int | None, int, str | None]] = []
+        # finish that follows or None, the end token that ends it or None); handed over after the next micro-batches
+        # are sent (`_deliver`)
+        self._decided: list[tuple[SlotRun, int | None, int, str | None, int | None]] = []
         self.ends = pipe.end_ids  # the tokens that end a sequence (its eos, an instruct model's end of turn, ...)
         self.stats = SlotStats()
         self.failure: PipelineError | None = None
@@ -292,6 +293,8 @@ class SlotDriver:
                 if self._decided:  # (after the send: the stages work while the callers' callbacks run)
                     self._deliver()
                     self._release()
+                    if self._queue and self._free:
+                        continue  # (a slot came free: the next sequence is admitted now, not after a poll)
                 busy = self._running or self._freeing or self._loading
                 spinning = self.spin and self.pipe.in_flight and time.perf_counter() < self._spin_until
                 results = self.pipe.take_results(0 if spinning else POLL_MS if busy else 0)
@@ -381,6 +384,7 @@ class SlotDriver:
             self.pipe._stalled()
 
     def _fail(self, e: PipelineError) -> None:
+        """Every waiting caller gets e (tokens decided but not yet handed over are not: their sequences fail)."""
         with self._cond:
             self.failure = e
             runs = self._running + list(self._queue) + self._loading + [r for r in self._freeing if r.load is not None]
@@ -457,14 +461,17 @@ class SlotDriver:
 
     def _send_batch(self) -> bool:
         """The oldest ready steps as one batch, about 1/groups of the decoding sequences: sent when that many are
-        ready, or when no batch is in flight (nothing else would come back to fill it)."""
+        ready, when no batch is in flight (nothing else would come back to fill it), or when a ready one has waited
+        for window - 1 prefill chunks (so a long prompt holds no decoding sequence up by more than the window)."""
         ready = sorted((r for r in self._running if r.pending is not None and not r.in_flight),
                        key=lambda r: r.ready_at)
         if not ready:
             return False
         decoding = sum(1 for r in self._running if r.t_first is not None and not r.closing)
         size = min(self.batch_cap, -(-decoding // self.groups))
-        if len(ready) < size and self._batches:
+        # (a batch short of its size waits for the rest while another is in flight, but not past window - 1 prefill
+        # chunks sent since one of its steps was ready: the same sequences would be left out again and again)
+        if len(ready) < size and self._batches and max(r.chunks_waited for r in ready) < self.window - 1:
             return False
         batch = ready[:size]
         others = any(r.in_flight for r in self._running)
@@ -584,7 +591,7 @@ class SlotDriver:
                 run.in_flight -= 1
                 run.t_first = now
                 self._advance(run, res.argmaxes[t], None if rows is None else rows[t])
-            self._deliver()  # the first tokens to the callers before the snapshots' rounds
+            self._deliver(runs)  # the first tokens to the callers before the snapshots' rounds
             for run in runs:
                 run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)
             return
@@ -607,32 +614,36 @@ class SlotDriver:
             return  # a chunk before the last
         run.t_first = time.perf_counter()
         self._advance(run, res.argmax, rows)
-        self._deliver()  # its first token to the caller before the snapshot's round
+        self._deliver(runs)  # its first token to the caller before the snapshot's round
         run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)  # (its slot is not reused before it is done)
 
     def _advance(self, run: SlotRun, argmax: int, logits) -> None:
         """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it: decided
         here (its next step may go at once), handed to the caller by `_deliver`."""
         then = "length" if len(run.out) >= run.limit else None
-        tok = None
+        tok = end = None
         if then is None:
             tok = run.sampler.next(logits) if run.params.needs_logits else argmax
             if tok in self.ends:
-                run.end_token, tok, then = tok, None, "stop"
+                end, tok, then = tok, None, "stop"
             else:
                 run.out.append(tok)
                 then = "length" if len(run.out) == run.limit else None
-        self._decided.append((run, tok, len(run.out), then))
+        self._decided.append((run, tok, len(run.out), then, end))
         # (a batch's steps ahead decide several tokens of a run at once: the last one's step is the one to send)
         run.pending, run.closing = (tok, False) if then is None else (None, True)
         run.ready_at = self._results
 
-    def _deliver(self) -> None:
-        """The decided tokens to their callers, in order. A caller that says stop (or raises) ends its sequence
-        there: the tokens decided after it are dropped, and a step already sent on them is wasted (its slot waits
-        for it: `_release`)."""
-        decided, self._decided = self._decided, []
-        for run, tok, n, then in decided:
+    def _deliver(self, runs: list[SlotRun] | None = None) -> None:
+        """The decided tokens (of `runs` only, if given) to their callers, in order. A caller that says stop (or
+        raises) ends its sequence there: the tokens decided after it are dropped, and a step already sent on them is
+        wasted (its slot waits for it: `_release`)."""
+        if runs is None:
+            decided, self._decided = self._decided, []
+        else:
+            decided = [d for d in self._decided if d[0] in runs]
+            self._decided = [d for d in self._decided if d[0] not in runs]
+        for run, tok, n, then, end in decided:
             if run not in self._running:
                 continue  # (ended by its caller at an earlier token)
             if tok is not None:
@@ -644,6 +655,8 @@ class SlotDriver:
                     del run.out[n:]
                     self._finish(run, "stop")
                     continue
+            if end is not None:
+                run.end_token = end
             if then is not None:
                 self._finish(run, then)
 

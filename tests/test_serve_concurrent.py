@@ -138,34 +138,39 @@ def test_n_choices_run_side_by_side_and_each_is_its_request_alone(slotted):
 
 
 def test_a_client_that_disconnects_frees_its_slot(slotted):
-    """A stream closed after a few tokens ends its sequence (its slot is free again), and only its own: a request
-    decoding meanwhile goes on to its ids alone; a next request is served."""
+    """A stream closed after a few tokens ends its sequence (long before its max_tokens; its slot is free again),
+    and only its own: a request decoding meanwhile goes on to its ids alone; a next request is served."""
     from strata.sampling import SamplingParams
     s, eng = slotted
+    got_ids = _recording(eng)
     greedy = SamplingParams(max_tokens=250, temperature=0)
     ids = eng.tokenize(PROMPTS[1])  # (its greedy answer runs past 300 tokens without an end of sequence)
     alone, other, started = [], [], threading.Event()
     eng.generate(ids, greedy, alone.append)
     t = threading.Thread(target=lambda: eng.generate(ids, greedy, lambda x: other.append(x) or started.set()))
     t.start()
-    assert started.wait(120)
-    with s.client(timeout=120) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
-                                                       "stream": True}) as r:
-            got, m = [], None
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    got.append(line)
-                if len(got) == 1 and m is None:  # /metrics while both run: the server's one, the engine's two
-                    with s.client(timeout=30) as c2:
-                        m = parse_prometheus(c2.get("/metrics").text)
-                if len(got) >= 3:
-                    break
-        assert m[("strata_running_sequences", "")] == 1 and m[("strata_kv_slots_in_use", "")] == 2, m
-        wait_until(lambda: eng._slots.running <= 1, "the disconnected sequence to end")
-        alive = t.is_alive()  # (the other had not finished: it was running when this one ended)
+    try:
+        assert started.wait(120)
+        with s.client(timeout=120) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 200,
+                                                           "temperature": 0, "stream": True}) as r:
+                got, m = [], None
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        got.append(line)
+                    if len(got) == 1 and m is None:  # /metrics while both run: the server's one, the engine's two
+                        with s.client(timeout=30) as c2:
+                            m = parse_prometheus(c2.get("/metrics").text)
+                    if len(got) >= 3:
+                        break
+            assert m[("strata_running_sequences", "")] == 1 and m[("strata_kv_slots_in_use", "")] == 2, m
+            wait_until(lambda: eng._slots.running <= 1, "the disconnected sequence to end")
+            alive = t.is_alive()  # (the other had not finished: it was running when this one ended)
+            r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    finally:
         t.join(300)
-        r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    streamed = [n for n in map(len, got_ids[tuple(ids)]) if n != 250]  # (alone and the other made 250)
+    assert len(streamed) == 1 and 3 <= streamed[0] < 100, got_ids  # (not its 200: the disconnect ended it)
     assert alive and other == alone and len(alone) == 250, (alive, len(other), len(alone))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     wait_until(lambda: len(eng._slots._free) == eng._slots.max_seqs, "every slot to be free")
@@ -307,13 +312,17 @@ def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
     with _decoding_meanwhile(client) as background:
         seen = background()[0]
         before = eng.slot_stats().prefill_interleaved
+        eng._slots.stats.most_chunks_between_steps = 0  # (this request's own record)
         r = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=2, max_tokens=0)
         # the driver's record, not the clock: the other request's steps went between the scored text's chunks (a
-        # stage works in order, so its step in flight comes back before their first result, and the next one goes)
-        interleaved = eng.slot_stats().prefill_interleaved - before
+        # stage works in order, so its step in flight comes back before their first result, and the next one goes),
+        # never more than the window of them between two of its steps
+        st = eng.slot_stats()
+        interleaved = st.prefill_interleaved - before
         wait_until(lambda: background()[0] > seen or not background()[1], "the background request to decode on")
         tokens, running = background()
-    assert interleaved >= 1 and running and tokens > seen, (interleaved, tokens, seen)
+    assert interleaved >= 1 and st.most_chunks_between_steps <= eng._slots.window, st
+    assert running and tokens > seen, (tokens, seen)
     lp = r.choices[0].logprobs
     assert r.choices[0].text == text and "".join(lp.tokens) == text and len(lp.tokens) == ids.size
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -328,19 +337,22 @@ def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
     assert abs(got_ppl / want_ppl - 1) < 1e-3, (got_ppl, want_ppl)
 
 
-def test_a_long_prompt_holds_a_decoding_request_up_by_at_most_the_window(slotted_long):
-    """A 12-chunk prompt sent while another request decodes: its chunks take turns with that request's steps, so
-    between two of its steps the driver sent at most as many prefill micro-batches as it keeps in flight (n_stages
-    + 1; a scheduler that sent the prompt's chunks first would hold the request up by all 12). /metrics says so."""
+@pytest.mark.parametrize("decoding", [1, 3])
+def test_a_long_prompt_holds_a_decoding_request_up_by_at_most_the_window(slotted_long, decoding):
+    """A 12-chunk prompt sent while 1 or 3 other requests decode: its chunks take turns with their steps, so between
+    two steps of one of them the driver sent at most as many prefill micro-batches as it keeps in flight (n_stages
+    + 1; a scheduler that sent the prompt's chunks first would hold them up by all 12, and one whose decode batches
+    of 2 waited to be full left the third request out for 4). /metrics says so."""
     s, eng = slotted_long
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    doc = _SRC[30000:33200]  # (a text no other test sends: no block of it in the prefix cache)
-    with _decoding_meanwhile(client) as background:
+    doc = _SRC[30000 + 4000 * decoding:33200 + 4000 * decoding]  # (texts no other test sends: not in the cache)
+    with contextlib.ExitStack() as stack:
+        background = [stack.enter_context(_decoding_meanwhile(client)) for _ in range(decoding)]
         eng._slots.stats.most_chunks_between_steps = 0  # (this prompt's own record)
         chunks = eng.slot_stats().chunks
         r = client.completions.create(model="smollm2", prompt=doc, max_tokens=2, temperature=0)
         st = eng.slot_stats()
-        running = background()[1]
+        running = all(b()[1] for b in background)
     assert running and r.usage.prompt_tokens_details.cached_tokens == 0
     assert st.chunks - chunks >= 12 and 1 <= st.most_chunks_between_steps <= eng._slots.window, st
     with s.client(timeout=30) as c:
