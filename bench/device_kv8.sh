@@ -88,8 +88,9 @@ serve-text)
   build_wait
   wheels uvicorn starlette httpx
   [ -f .whl/smollm2-vocab.gguf ] || { echo "serve-text: no .whl/smollm2-vocab.gguf (see the header)"; exit 1; }
-  [ -f /tmp/8b-text.gguf ] || timeout 120 python3 bench/make_gguf.py --preset llama-3-8b --qtype Q4_K_M \
-    --vocab .whl/smollm2-vocab.gguf --out /tmp/8b-text.gguf --device cuda 2>&1 | tail -1
+  [ -f /tmp/8b-text.gguf ] || { timeout 120 python3 bench/make_gguf.py --preset llama-3-8b --qtype Q4_K_M \
+    --vocab .whl/smollm2-vocab.gguf --out /tmp/8b-text.part --device cuda 2>&1 | tail -1 \
+    && mv /tmp/8b-text.part /tmp/8b-text.gguf; }  # (a file cut short by the timeout is not taken later)
   el "the server, 8B Q4_K_M on one GPU, 16 streams: token ids (no vocabulary), beside llama-batched-bench"
   timeout 200 python3 bench/serve_concurrency.py --model /tmp/8b-q4km.gguf --devices cuda:0 --prompt-ids 32 \
     --streams 16 --max-seqs 16 --tokens 128 --max-context 4096 --peer "$LL/build/bin/llama-batched-bench" 2>&1 \

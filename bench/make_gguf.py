@@ -424,11 +424,20 @@ def main(argv=None) -> int:
     except (ValueError, KeyError) as e:
         ap.error(str(e))
     vocab = None
-    if a.vocab:
+    if a.vocab:  # (checked before anything is written: a refusal leaves --out as it was)
         from strata.checkpoint import smollm2_path
-        vocab = Path(smollm2_path()) if a.vocab == "smollm2" else Path(a.vocab)
-        if not vocab.is_file():
-            ap.error(f"--vocab {a.vocab}: not a file")
+        from strata.errors import ModelError
+        from strata.gguf_loader import field_value, open_gguf
+        try:
+            vocab = Path(smollm2_path()) if a.vocab == "smollm2" else Path(a.vocab)
+            r = open_gguf(vocab)
+        except ModelError as e:
+            ap.error(f"--vocab {a.vocab}: {e}")
+        kind, n = field_value(r, "tokenizer.ggml.model"), len(field_value(r, "tokenizer.ggml.tokens") or [])
+        if kind != "gpt2" or not n:
+            ap.error(f"--vocab {vocab}: a GGUF file with a byte-level BPE (gpt2) tokenizer, got {kind!r}")
+        if not a.vocab_only and n > args.vocab_size:
+            ap.error(f"--vocab {vocab}: {n} tokens, more than the preset's vocabulary of {args.vocab_size}")
     if a.vocab_only:
         if vocab is None:
             ap.error("--vocab-only needs --vocab")
@@ -440,11 +449,7 @@ def main(argv=None) -> int:
         w.close()
         print(f"{a.out}: the tokenizer of {vocab} ({n} tokens), {a.out.stat().st_size / 2**20:.1f} MiB")
         return 0
-    try:
-        size = write(a.out, args, q, a.seed, name=a.preset, progress=True, device=a.device, vocab=vocab)
-    except ValueError as e:
-        a.out.unlink(missing_ok=True)
-        ap.error(str(e))
+    size = write(a.out, args, q, a.seed, name=a.preset, progress=True, device=a.device, vocab=vocab)
     print(f"{a.out}: {a.preset} ({args.n_layers} layers) in {q}, {size / 2**30:.2f} GiB")
     return 0
 

@@ -258,7 +258,8 @@ def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
 
 def test_make_gguf_with_a_vocabulary_takes_text(tmp_path):
     """--vocab: the random file takes SmolLM2's tokenizer, padded to the preset's vocabulary with <extra_N> tokens
-    (here smoke-wide's 2,048 < 49,152 is refused in one line, nothing written; llama-3-8b's 128,256 with one layer
+    (here smoke-wide's 2,048 < 49,152 is refused in one line, as a file that is no GGUF or is missing, and --out is
+    left as it was; llama-3-8b's 128,256 with one layer
     is 0.8 GiB, so the padding is checked on a vocabulary-only file, which --vocab-only writes and --vocab takes).
     Strata's tokenizer from the file encodes and decodes text as SmolLM2's own, and the chat template comes along."""
     from strata.checkpoint import smollm2_path
@@ -268,9 +269,11 @@ def test_make_gguf_with_a_vocabulary_takes_text(tmp_path):
     except Exception as e:  # noqa: BLE001
         pytest.skip(str(e))
     mg = _make_gguf()
-    with pytest.raises(SystemExit):
-        mg.main(["--preset", "smoke-wide", "--vocab", "smollm2", "--out", str(tmp_path / "no.gguf")])
-    assert not (tmp_path / "no.gguf").exists()
+    (tmp_path / "kept.gguf").write_bytes(b"an earlier file")
+    for bad in ("smollm2", str(tmp_path / "kept.gguf"), str(tmp_path / "none.gguf")):
+        with pytest.raises(SystemExit):
+            mg.main(["--preset", "smoke-wide", "--vocab", bad, "--out", str(tmp_path / "kept.gguf")])
+    assert (tmp_path / "kept.gguf").read_bytes() == b"an earlier file"
     vocab = tmp_path / "vocab.gguf"
     assert mg.main(["--preset", "smoke", "--vocab", "smollm2", "--vocab-only", "--out", str(vocab)]) == 0
     assert vocab.stat().st_size < 4 << 20 and not gguf.GGUFReader(vocab).tensors
