@@ -108,7 +108,8 @@ class SlotRun:
     last_k: int = -1                    # its last prefill chunk's index (its result holds the first token's logits)
     pending: int | None = None          # a token whose decode step is still to be sent
     closing: bool = False               # its last token is decided (the limit, an end token): no step follows
-    chunks_waited: int = 0              # decoding: prefill micro-batches sent since its last step went
+    step_mark: int = -1                 # decoding: the driver's prefill micro-batches sent when its last step went
+                                        # (or its first token came): the count since then is what it waited
     ready_at: int = 0                   # when `pending` was set (the driver's result count): oldest steps go first
     out: list = field(default_factory=list)
     finish: str = "length"
@@ -186,6 +187,7 @@ class SlotDriver:
         self._spin_until = 0.0
         self._batches = 0                   # decode batches in flight
         self._results = 0                   # results taken (the clock of `ready_at`)
+        self._prefill_sent = 0              # prefill micro-batches (chunks, groups) sent (the clock of `step_mark`)
         # tokens decided but not yet handed to their callers: (run, token or None, its length of `out` then, the
         # finish that follows or None, the end token that ends it or None); handed over after the next micro-batches
         # are sent (`_deliver`)
@@ -471,7 +473,8 @@ class SlotDriver:
         size = min(self.batch_cap, -(-decoding // self.groups))
         # (a batch short of its size waits for the rest while another is in flight, but not past window - 1 prefill
         # chunks sent since one of its steps was ready: the same sequences would be left out again and again)
-        if len(ready) < size and self._batches and max(r.chunks_waited for r in ready) < self.window - 1:
+        waited = self._prefill_sent - min(r.step_mark for r in ready)
+        if len(ready) < size and self._batches and waited < self.window - 1:
             return False
         batch = ready[:size]
         others = any(r.in_flight for r in self._running)
@@ -482,8 +485,9 @@ class SlotDriver:
             seqs.append((run.slot, pos))
             run.pending = None
             run.in_flight += 1
-            self.stats.most_chunks_between_steps = max(self.stats.most_chunks_between_steps, run.chunks_waited)
-            run.chunks_waited = 0
+            self.stats.most_chunks_between_steps = max(self.stats.most_chunks_between_steps,
+                                                       self._prefill_sent - run.step_mark)
+            run.step_mark = self._prefill_sent
         rows = any(r.params.needs_logits for r in batch)
         # steps past this one on the batch's own argmaxes: none that a row's token limit could not take (a row that
         # stops earlier, at EOS or by its caller, wastes the rest; its slot's later rows are never read)
@@ -528,7 +532,7 @@ class SlotDriver:
         self.stats.chunks += 1
         self._by_k[k] = [run]
         run.in_flight += 1
-        self._chunk_sent()
+        self._prefill_sent += 1
         self._sent_one(others)
         return True
 
@@ -564,15 +568,9 @@ class SlotDriver:
         self.stats.chunks += len(group)
         self.stats.prefill_groups += 1
         self.stats.grouped_chunks += len(group)
-        self._chunk_sent()
+        self._prefill_sent += 1
         self._sent_one(others)
         return True
-
-    def _chunk_sent(self) -> None:
-        """A prefill chunk or group went: one more for every sequence that decodes and waits for its next step."""
-        for r in self._running:
-            if r.t_first is not None and not r.closing:
-                r.chunks_waited += 1
 
     def _sent_one(self, others: bool) -> None:
         if others:
@@ -620,6 +618,8 @@ class SlotDriver:
     def _advance(self, run: SlotRun, argmax: int, logits) -> None:
         """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it: decided
         here (its next step may go at once), handed to the caller by `_deliver`."""
+        if run.step_mark < 0:  # its first token: it decodes from here on
+            run.step_mark = self._prefill_sent
         then = "length" if len(run.out) >= run.limit else None
         tok = end = None
         if then is None:
