@@ -319,19 +319,31 @@ def _file_type(qtype: str) -> int | None:
     return None
 
 
-def add_vocab(w, src: Path, vocab: int | None) -> int:
-    """GGUF file src's byte-level BPE tokenizer into writer w, padded to `vocab` tokens (None: as it is) with
-    `<extra_N>` ones (plain tokens that no merge makes: a prompt's ids stay below the file's own count) -> the file's
-    own token count. Refused (ValueError) where it is not a gpt2-style tokenizer or has more tokens than `vocab`."""
+def tokenizer_of(src: Path, vocab: int | None):
+    """(the parsed GGUF file src, its tokens), checked for add_vocab: ValueError where src is no GGUF file, its
+    tokenizer is not byte-level BPE (gpt2), or it has more tokens than `vocab` (None: any number)."""
+    from strata.errors import ModelError
     from strata.gguf_loader import field_value, open_gguf
-    r = open_gguf(src)
+    try:
+        r = open_gguf(src)
+    except ModelError as e:
+        raise ValueError(f"--vocab {src}: {e}") from None
     tokens = field_value(r, "tokenizer.ggml.tokens") or []
     kind = field_value(r, "tokenizer.ggml.model")
     if kind != "gpt2" or not tokens:
         raise ValueError(f"--vocab {src}: a GGUF file with a byte-level BPE (gpt2) tokenizer, got {kind!r}")
-    vocab = len(tokens) if vocab is None else vocab
-    if len(tokens) > vocab:
+    if vocab is not None and len(tokens) > vocab:
         raise ValueError(f"--vocab {src}: {len(tokens)} tokens, more than the preset's vocabulary of {vocab}")
+    return r, tokens
+
+
+def add_vocab(w, src: Path, vocab: int | None) -> int:
+    """GGUF file src's byte-level BPE tokenizer into writer w, padded to `vocab` tokens (None: as it is) with
+    `<extra_N>` ones (plain tokens that no merge makes: a prompt's ids stay below the file's own count) -> the file's
+    own token count. Refused (ValueError) as `tokenizer_of` refuses."""
+    from strata.gguf_loader import field_value
+    r, tokens = tokenizer_of(src, vocab)
+    vocab = len(tokens) if vocab is None else vocab
     types = field_value(r, "tokenizer.ggml.token_type") or [1] * len(tokens)
     w.add_tokenizer_model("gpt2")
     pre = field_value(r, "tokenizer.ggml.pre")
@@ -427,17 +439,14 @@ def main(argv=None) -> int:
     if a.vocab:  # (checked before anything is written: a refusal leaves --out as it was)
         from strata.checkpoint import smollm2_path
         from strata.errors import ModelError
-        from strata.gguf_loader import field_value, open_gguf
         try:
             vocab = Path(smollm2_path()) if a.vocab == "smollm2" else Path(a.vocab)
-            r = open_gguf(vocab)
         except ModelError as e:
             ap.error(f"--vocab {a.vocab}: {e}")
-        kind, n = field_value(r, "tokenizer.ggml.model"), len(field_value(r, "tokenizer.ggml.tokens") or [])
-        if kind != "gpt2" or not n:
-            ap.error(f"--vocab {vocab}: a GGUF file with a byte-level BPE (gpt2) tokenizer, got {kind!r}")
-        if not a.vocab_only and n > args.vocab_size:
-            ap.error(f"--vocab {vocab}: {n} tokens, more than the preset's vocabulary of {args.vocab_size}")
+        try:
+            tokenizer_of(vocab, None if a.vocab_only else args.vocab_size)
+        except ValueError as e:
+            ap.error(str(e))
     if a.vocab_only:
         if vocab is None:
             ap.error("--vocab-only needs --vocab")
