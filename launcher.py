@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                     "a prompt that begins with its ids prefills only the rest; refused unless saved for this model "
                     "and rig (with --serve: before the first request; with max_seqs > 1 into the prefix cache)")
     ap.add_argument("--kv-save", metavar="PATH", help="after the prefill (and the continuation), write the stages' KV "
-                    "of the prompt with its ids to PATH (strata/kv_file.py)")
+                    "of the prompt with its ids to PATH (strata/kvcache/kv_file.py)")
     ap.add_argument("--serve", action="store_true", help="load the stages once and serve an OpenAI-compatible "
                     "API (/v1/completions, /v1/chat/completions) until SIGTERM / SIGINT")
     ap.add_argument("--host", default="127.0.0.1", help="--serve: address to bind (default 127.0.0.1)")
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if "strata.stage_procs" in sys.modules:
-            sys.modules["strata.stage_procs"].stop_forkserver()
+        if "strata.head.procs" in sys.modules:
+            sys.modules["strata.head.procs"].stop_forkserver()
 
 
 def _serve(a) -> int:
@@ -86,10 +86,10 @@ def _serve(a) -> int:
     resource tracker) before it exits 130 / 143. Dying of the re-raised signal left those to a supervisor for a
     second or two. Before uvicorn runs (loading), the handler stops the start as a run's does."""
     from strata.config import ConfigError, load
-    from strata.engine import pipeline_engine
+    from strata.serve.engine import pipeline_engine
     from strata.errors import PipelineError
-    from strata.server import run_server
-    from strata.checkpoint import ModelError
+    from strata.serve.server import run_server
+    from strata.weights.checkpoint import ModelError
     loaded = []
 
     def on_signal(signum, frame):
@@ -112,7 +112,7 @@ def _serve(a) -> int:
             raise ConfigError("--kv-save: not with --serve (the server keeps many prompts' KV: its prefix cache, "
                               "and kv_cache_dir for files that outlive it)")
         if a.kv_load:
-            from strata.kv_file import read_header
+            from strata.kvcache.kv_file import read_header
             read_header(a.kv_load)  # not a KV file: refused before any stage starts (the rig's checks come after)
         cfg = load(a.config, a.overrides)
         _fork_cpu_stages(cfg)  # CPU stages (and their restarts after a failure) forked ready-made, as in a run
@@ -130,14 +130,14 @@ def _serve(a) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if "strata.stage_procs" in sys.modules:
-            sys.modules["strata.stage_procs"].stop_forkserver()
+        if "strata.head.procs" in sys.modules:
+            sys.modules["strata.head.procs"].stop_forkserver()
 
 
 def _fork_cpu_stages(cfg) -> None:
     """Start the fork server (torch and the stage code preloaded) while the head imports and plans, when
     this host will run CPU stages: they are then forked ready-made instead of importing torch each."""
-    from strata.stage_procs import no_gpu_devices, start_forkserver
+    from strata.head.procs import no_gpu_devices, start_forkserver
     if isinstance(cfg.stages, tuple):
         cpu = any(s.device == "cpu" and not s.remote for s in cfg.stages)
     else:  # auto: CPU stages exactly when torch will see no GPU
@@ -149,7 +149,7 @@ def _fork_cpu_stages(cfg) -> None:
 def _run(a, head: dict) -> int:
     from strata.config import ConfigError, load
     from strata.errors import ModelError
-    from strata.report import process_start
+    from strata.head.report import process_start
     t_process = min(process_start(), _T_IMPORTED)
 
     try:
@@ -161,7 +161,7 @@ def _run(a, head: dict) -> int:
     # one prompt and out: no later prompt would be served from the prefix cache's snapshots, so none are taken
     # (a snapshot copies up to prefix_cache_bytes of KV out of every stage after the run)
     cfg = dataclasses.replace(cfg, prefix_cache_bytes=0)
-    from strata.pipeline import Interrupted, Pipeline, PipelineError
+    from strata.head.pipeline import Interrupted, Pipeline, PipelineError
     try:
         pipe = Pipeline(cfg, out=a.out, marks={"process": t_process, "imports": time.perf_counter()})
     except (ConfigError, ModelError) as e:
@@ -197,7 +197,7 @@ def _run(a, head: dict) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     head.pop("pipe")  # every stage has exited: a signal from here on stops at once
-    from strata.report import draw_timeline, format_table
+    from strata.head.report import draw_timeline, format_table
     if not a.no_timeline:
         draw_timeline(result.report, pipe.out / "timeline.png")
     if a.json:

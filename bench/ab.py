@@ -10,7 +10,7 @@ waits, and whether the residual md5 is identical across all runs.
 Across hosts: `--hosts local,gpu2 --listen 10.0.0.5` (rig `stages[i].host`, `listen`; remote stages
 start through `--remote-command`, default ssh). `--netns` (root, Linux) runs the same A/B with every
 stage on a "host" of its own on this machine: the head and stage 0 in one network namespace, each
-other stage in another, joined by a bridge (strata/netns.py); boundaries go over tcp + CurveZMQ.
+other stage in another, joined by a bridge (strata/comm/netns.py); boundaries go over tcp + CurveZMQ.
 
     sudo python bench/ab.py --netns --model smollm2 --stages 2 --threads 1 --tokens 4096 --chunk 256
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.pipeline import Pipeline  # noqa: E402
+from strata.head.pipeline import Pipeline  # noqa: E402
 
 
 class NvmlSampler:
@@ -163,7 +163,7 @@ def main() -> int:
 
 def in_namespaces(a) -> int:
     """This A/B again, run by the head inside namespace a, stage i > 0 in namespace i (ip netns exec)."""
-    from strata.netns import Netns, available
+    from strata.comm.netns import Netns, available
     why = available()
     if why:
         print(f"error: --netns: {why}", file=sys.stderr)

@@ -4,7 +4,7 @@ GPUs (layers run in turn), on the same synthetic weights and prompt as Strata's 
     python bench/accelerate_baseline.py --preset llama-3-70b --tokens 122880 --chunk 10240
 
 Weights are generated on the device accelerate assigns each module to (same seeds as
-strata.checkpoint.synthetic_tensors), so nothing is read from disk.
+strata.weights.checkpoint.synthetic_tensors), so nothing is read from disk.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from strata.args import PRESETS  # noqa: E402
-from strata.checkpoint import hf_name, synthetic_tensors  # noqa: E402
+from strata.models.args import PRESETS  # noqa: E402
+from strata.weights.checkpoint import hf_name, synthetic_tensors  # noqa: E402
 
 from engine import llama_config  # noqa: E402  (bench/ is on sys.path when run as a script)
 

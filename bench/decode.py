@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.weights.checkpoint import load_stage, model_args  # noqa: E402
 from strata.config import from_dict  # noqa: E402
-from strata.decode_graphs import GraphedDecode  # noqa: E402
-from strata.weight_only import WEIGHT_ONLY  # noqa: E402
+from strata.decode.graphs import GraphedDecode  # noqa: E402
+from strata.models.weight_only import WEIGHT_ONLY  # noqa: E402
 
 # the rig's defaults with the environment's overrides (STRATA_CUDA_ATTENTION, the kernels' switches)
 ENV = from_dict({})
@@ -172,7 +172,7 @@ def profile(m, dev, pos: int, first, mode: str, steps: int = 8) -> None:
 
 def check(m, a, dev) -> None:
     """Real prompt: greedy tokens and logits of float16/int8/int4 against the fast (dense) decode path."""
-    from strata.tokenizer import Tokenizer
+    from strata.text.tokenizer import Tokenizer
     ids = Tokenizer.for_model(a.model).encode(TEXT * 4)
     prompt = torch.tensor([ids], device=dev)
     n = prompt.shape[1]

@@ -1,4 +1,4 @@
-"""Dense decode GEMV (strata/decode_gemv.py): cuBLAS against each Triton launch shape, per matrix of a preset.
+"""Dense decode GEMV (strata/kernels/decode_gemv.py): cuBLAS against each Triton launch shape, per matrix of a preset.
 
 Median of CUDA-event timings with L2 flushed before each rep (a decode step meets its weights cold); GB/s of
 weights read. The whole step's bytes at the end: what the graph step's products would cost with the fastest of each.
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata import decode_gemv as dg  # noqa: E402
-from strata.cuda_timing import median_ms  # noqa: E402
-from strata.args import PRESETS  # noqa: E402
+from strata.kernels import decode_gemv as dg  # noqa: E402
+from strata.kernels.cuda_timing import median_ms  # noqa: E402
+from strata.models.args import PRESETS  # noqa: E402
 
 
 def main() -> int:

@@ -14,9 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.weights.checkpoint import load_stage, model_args  # noqa: E402
 from strata.config import from_dict  # noqa: E402
-from strata.decode_graphs import GraphedDecode  # noqa: E402
+from strata.decode.graphs import GraphedDecode  # noqa: E402
 
 # the rig's defaults with the environment's overrides (STRATA_CUDA_ATTENTION, the kernels' switches)
 ENV = from_dict({})

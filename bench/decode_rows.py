@@ -3,7 +3,7 @@ their own slots, each prefilled with --prompt tokens, then steps of m rows at po
 
 Arms: `blocks` (CPU: the C decoder on the file's blocks, decode_weights blocks: each weight block read once a
 batch), `rows` (torch's products, all rows at once, each row's attention alone: decode_batch rows, eager), `steps`
-(the same, each row's step alone: decode_batch steps), `graphs` (CUDA: strata.batch_graphs, the batch in one
+(the same, each row's step alone: decode_batch steps), `graphs` (CUDA: strata.decode.batch_graphs, the batch in one
 replay, as a stage with several slots runs it; captured before the timing; a resident model's products of more than
 4 rows by the default kernels.gemv_rows, mma-float: tensor cores, strata/quant/rows.py), `graphs-dp4a` (the same with
 kernels.gemv_rows dp4a: the one-row kernels, 4 rows a launch).
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.checkpoint import load_stage, model_args, smollm2_path  # noqa: E402
+from strata.weights.checkpoint import load_stage, model_args, smollm2_path  # noqa: E402
 from strata.config import KernelSpec  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def main() -> int:
         m.batch_rows = arm != "steps"
         decoder = m
         if arm.startswith("graphs"):
-            from strata.decode_graphs import GraphedDecode
+            from strata.decode.graphs import GraphedDecode
             decoder = GraphedDecode(m)
             why = decoder.batch_refusal(torch.zeros(1, dtype=torch.long, device=dev))
             if why is not None:

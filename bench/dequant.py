@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata import quant  # noqa: E402
 from strata.quant import into  # noqa: E402
-from strata.args import PRESETS  # noqa: E402
+from strata.models.args import PRESETS  # noqa: E402
 from strata.triton_state import TritonState  # noqa: E402
 
 TORCH_ONLY = TritonState(kernels=False, iq3s=False, into=False)

@@ -15,7 +15,7 @@ el pick IQ3_S kernel
 export STRATA_GEMV_IQ3S=$(timeout 40 python3 bench/pick_iq3s.py); echo "IQ3_S kernel: $STRATA_GEMV_IQ3S"
 el 8B decode 2 GPUs, with llama.cpp
 timeout 110 python3 bench/generate.py --model synthetic:llama-3-8b --devices cuda:0,cuda:1 --contexts 2048,32768 --tokens 128 --llama-bench $LB --llama-gguf /tmp/8b-f16.gguf 2>&1 | tail -6
-el "8B decode 2 GPUs, decode doorbells off (ZeroMQ notes): strata/bells.py's A/B against the row above"
+el "8B decode 2 GPUs, decode doorbells off (ZeroMQ notes): strata/comm/bells.py's A/B against the row above"
 STRATA_DECODE_BELLS=0 timeout 110 python3 bench/generate.py --model synthetic:llama-3-8b --devices cuda:0,cuda:1 --contexts 2048,32768 --tokens 128 2>&1 | tail -4
 el 70B IQ3_S resident decode 2 GPUs, with llama.cpp
 timeout 150 python3 bench/generate.py --model /tmp/70b-iq3s.gguf --devices cuda:0,cuda:1 --contexts 2048 --tokens 64 --llama-bench $LB 2>&1 | tail -4

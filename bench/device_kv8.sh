@@ -122,7 +122,7 @@ serve-profile)
   python3 bench/pyspy_top.py "$LOG/serve-profile.txt" --top 30 > "$LOG/serve-profile-top.txt"
   gzip -f "$LOG/serve-profile.txt" ;;  # (the raw stacks are ~40 MB: too large to come back as they are)
 batch|batch-tests)
-  el "GPU tests: decode batches in graphs (strata/batch_graphs.py), rows on CUDA, several slots end to end"
+  el "GPU tests: decode batches in graphs (strata/decode/batch_graphs.py), rows on CUDA, several slots end to end"
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_rows.py \
     -k "batch_graphs or rows_on_cuda or max_seqs or gpu_rows" 2>&1 | tail -5
   [ "$step" = batch-tests ] && continue

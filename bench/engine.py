@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import strata.attention as sm  # noqa: E402
-from strata.args import PRESETS  # noqa: E402
+import strata.kernels.attention as sm  # noqa: E402
+from strata.models.args import PRESETS  # noqa: E402
 from strata.config import KernelSpec  # noqa: E402
-from strata.model import Transformer  # noqa: E402
-from strata.checkpoint import hf_name, synthetic_tensors  # noqa: E402
+from strata.models.model import Transformer  # noqa: E402
+from strata.weights.checkpoint import hf_name, synthetic_tensors  # noqa: E402
 
 
 def llama_config(args, dtype):

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata import quant  # noqa: E402
-from strata.args import PRESETS  # noqa: E402
-from strata.resident import Packed  # noqa: E402
+from strata.models.args import PRESETS  # noqa: E402
+from strata.models.resident import Packed  # noqa: E402
 from strata.quant import gemv  # noqa: E402
 
 SWEEP = [gemv.Config(bn, sb, w) for bn in (4, 8, 16, 32) for sb in (1, 2, 4) for w in (4, 8)]  # ~1 s to compile each

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.pipeline import Pipeline  # noqa: E402
-from strata.sampling import SamplingParams  # noqa: E402
+from strata.head.pipeline import Pipeline  # noqa: E402
+from strata.text.sampling import SamplingParams  # noqa: E402
 
 
 def main() -> int:
@@ -79,7 +79,7 @@ def llama_decode(a, stages, contexts) -> None:
     """llama-bench's generation speed on the same file after each context (`-d`), in the same run."""
     import json
     import subprocess
-    from strata.checkpoint import resolve
+    from strata.weights.checkpoint import resolve
     kind, path = ("gguf", a.llama_gguf) if a.llama_gguf else resolve(a.model)
     if kind != "gguf":
         print(f"llama.cpp: needs a GGUF model, {a.model} is {kind}")

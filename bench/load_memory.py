@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata import memory_trace  # noqa: E402
-from strata.checkpoint import load_stage, model_args, stage_bytes, weights_mode  # noqa: E402
+from workers import memory_trace  # noqa: E402
+from strata.weights.checkpoint import load_stage, model_args, stage_bytes, weights_mode  # noqa: E402
 
 
 def main() -> int:

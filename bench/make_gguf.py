@@ -65,10 +65,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.args import PRESETS, ModelArgs  # noqa: E402
-from strata.families import family  # noqa: E402
+from strata.models.args import PRESETS, ModelArgs  # noqa: E402
+from strata.models.families import family  # noqa: E402
 
-from strata.model import rope_frequencies  # noqa: E402
+from strata.models.model import rope_frequencies  # noqa: E402
 from strata.quant import MIXES, block_size, mix_type, qtype_of, random_blocks, type_size  # noqa: E402
 
 
@@ -178,7 +178,7 @@ def _qwen35_layer(args: ModelArgs, p: str, i: int, mat, norm) -> list[Planned]:
 
 
 def _qwen35_metadata(w, args: ModelArgs) -> None:
-    """The hybrid's keys (llama.cpp's qwen35 loader, strata/families.py's gguf_args_extra)."""
+    """The hybrid's keys (llama.cpp's qwen35 loader, strata/models/families.py's gguf_args_extra)."""
     arch = w.arch
     w.add_ssm_conv_kernel(args.lin_conv)
     w.add_ssm_inner_size(args.lin_v_heads * args.lin_v_dim)
@@ -224,7 +224,7 @@ def with_layers(args: ModelArgs, n: int) -> ModelArgs:
 
 
 def add_metadata(w, args: ModelArgs) -> None:
-    """The hyperparameter keys of `args.arch` that llama.cpp reads (and Strata's strata/families.py)."""
+    """The hyperparameter keys of `args.arch` that llama.cpp reads (and Strata's strata/models/families.py)."""
     w.add_block_count(args.n_layers)
     w.add_context_length(args.max_seq_len)
     w.add_embedding_length(args.dim)
@@ -257,7 +257,7 @@ def add_metadata(w, args: ModelArgs) -> None:
             w.add_rope_scaling_yarn_beta_fast(rs["beta_fast"])
         if rs.get("beta_slow", 1.0) != 1.0:
             w.add_rope_scaling_yarn_beta_slow(rs["beta_slow"])
-        from strata.rope import yarn_attention_factor
+        from strata.models.rope import yarn_attention_factor
         att = rs.get("attention_factor")
         # (gpt-oss's YaRN does not truncate: llama.cpp's gpt-oss knows that, the file does not say it)
         if rs.get("mscale") or rs.get("mscale_all_dim") or (not rs.get("truncate", True) and args.arch != "gpt_oss"):
@@ -323,7 +323,7 @@ def tokenizer_of(src: Path, vocab: int | None):
     """(the parsed GGUF file src, its tokens), checked for add_vocab: ValueError where src is no GGUF file, its
     tokenizer is not byte-level BPE (gpt2), or it has more tokens than `vocab` (None: any number)."""
     from strata.errors import ModelError
-    from strata.gguf_loader import field_value, open_gguf
+    from strata.weights.gguf_loader import field_value, open_gguf
     try:
         r = open_gguf(src)
     except ModelError as e:
@@ -341,7 +341,7 @@ def add_vocab(w, src: Path, vocab: int | None) -> int:
     """GGUF file src's byte-level BPE tokenizer into writer w, padded to `vocab` tokens (None: as it is) with
     `<extra_N>` ones (plain tokens that no merge makes: a prompt's ids stay below the file's own count) -> the file's
     own token count. Refused (ValueError) as `tokenizer_of` refuses."""
-    from strata.gguf_loader import field_value
+    from strata.weights.gguf_loader import field_value
     r, tokens = tokenizer_of(src, vocab)
     vocab = len(tokens) if vocab is None else vocab
     types = field_value(r, "tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -437,7 +437,7 @@ def main(argv=None) -> int:
         ap.error(str(e))
     vocab = None
     if a.vocab:  # (checked before anything is written: a refusal leaves --out as it was)
-        from strata.checkpoint import smollm2_path
+        from strata.weights.checkpoint import smollm2_path
         from strata.errors import ModelError
         try:
             vocab = Path(smollm2_path()) if a.vocab == "smollm2" else Path(a.vocab)

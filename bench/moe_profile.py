@@ -20,8 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata import model as model_mod, moe as moe_mod, resident  # noqa: E402
-from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.models import model as model_mod
+from strata.models import moe as moe_mod
+from strata.models import resident  # noqa: E402
+from strata.weights.checkpoint import load_stage, model_args  # noqa: E402
 from strata.config import from_dict  # noqa: E402
 
 # the rig's defaults with the environment's overrides (STRATA_CUDA_ATTENTION, the kernels' switches)

@@ -1,4 +1,4 @@
-"""An 8-bit cache's prefill attention (strata.attention.narrow_cache_attention) for one layer, chunk after chunk as
+"""An 8-bit cache's prefill attention (strata.kernels.attention.narrow_cache_attention) for one layer, chunk after chunk as
 a prefill meets it: each call at a new cached-prefix length (cold: cuDNN builds a graph for the remainder block's
 new shape) and the same calls again (warm), wall time per call with the host's part included; and the remainder
 block by torch's flash kernel instead (no per-shape build). For the seed's rig's slow prefill (issue 26).
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import strata.attention as A  # noqa: E402
+import strata.kernels.attention as A  # noqa: E402
 
 
 def wall(fn) -> float:

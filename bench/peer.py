@@ -52,7 +52,7 @@ def llama_bench(exe: str, gguf: Path, tokens: int, chunk: int, n_devices: int, d
 
 def strata_run(model: str, devices: list[str], tokens: int, chunk: int, depth: int, weights: str, out: Path,
                decode: int, dynamic: bool = False, dump: bool = True) -> dict:
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     cfg = dict(model=model, dtype="bfloat16", stages=[{"device": d} for d in devices], chunk=chunk, depth=depth,
                dynamic_chunks=dynamic,
                prompt={"random": {"tokens": tokens, "seed": 0}}, dump_residual=dump, timing=True,

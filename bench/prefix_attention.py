@@ -1,7 +1,7 @@
 """The prefill's prefix attention call (a chunk's queries against its cached prefix, unmasked, cuDNN) in three
 layouts, each timed by CUDA events (median of reps) with its TFLOP/s:
 
-- `gqa-strided`: what strata.model does now: q a (1, nh, T, hd) view of the (1, T, nh, hd) rows, grouped-query
+- `gqa-strided`: what strata.models.model does now: q a (1, nh, T, hd) view of the (1, T, nh, hd) rows, grouped-query
   attention native (nkv key/value heads).
 - `gqa-contig`: the same with q copied contiguous first (copy included).
 - `packed`: each key/value head's g query heads as g*T query rows of one head, plain multi-head attention over
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.cuda_timing import median_ms  # noqa: E402
+from strata.kernels.cuda_timing import median_ms  # noqa: E402
 
 
 def cudnn(q, k, v):

@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.checkpoint import model_args  # noqa: E402
-from strata.pipeline import Pipeline  # noqa: E402
-from strata.sampling import SamplingParams  # noqa: E402
+from strata.weights.checkpoint import model_args  # noqa: E402
+from strata.head.pipeline import Pipeline  # noqa: E402
+from strata.text.sampling import SamplingParams  # noqa: E402
 
 QUESTION = 24  # ids after a document when it is asked about again (prefilled: not in the cache)
 

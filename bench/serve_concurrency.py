@@ -38,8 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.engine import PipelineEngine  # noqa: E402
-from strata.server import DEFAULT_QUEUE, make_uvicorn  # noqa: E402
+from strata.serve.engine import PipelineEngine  # noqa: E402
+from strata.serve.server import DEFAULT_QUEUE, make_uvicorn  # noqa: E402
 
 QUESTIONS = ["Tell me a long story about a dragon.", "Explain how a steam engine works.",
              "Write a poem about the sea.", "Describe the city of Paris in detail."]
@@ -207,7 +207,7 @@ def main() -> int:
     questions = None
     if a.prompt_ids:
         import numpy as np
-        from strata.checkpoint import model_args
+        from strata.weights.checkpoint import model_args
         rng = np.random.default_rng(0)
         questions = [rng.integers(0, model_args(a.model).vocab_size, a.prompt_ids).tolist() for _ in range(4)]
         rig["prompt"] = {"random": {"tokens": 8, "seed": 0}}
@@ -219,7 +219,7 @@ def main() -> int:
                 rows += arm(rig, m, streams, a.tokens, Path(tmp), prompt_tokens, questions, g, a.stream)
     theirs = {}
     if a.peer:
-        from strata.checkpoint import resolve
+        from strata.weights.checkpoint import resolve
         kind, path = resolve(a.model)
         if kind != "gguf":
             raise SystemExit(f"--peer needs a GGUF model (got {kind})")

@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.engine import PipelineEngine  # noqa: E402
-from strata.sampling import SamplingParams  # noqa: E402
+from strata.serve.engine import PipelineEngine  # noqa: E402
+from strata.text.sampling import SamplingParams  # noqa: E402
 from serve_concurrency import served  # noqa: E402 - the same server in a thread
 
 QUESTION = "\n\nQ: What does this code define?\nA:"

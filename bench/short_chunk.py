@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.attention import keep_cudnn_shapes  # noqa: E402
-from strata.checkpoint import load_stage, model_args  # noqa: E402
+from strata.kernels.attention import keep_cudnn_shapes  # noqa: E402
+from strata.weights.checkpoint import load_stage, model_args  # noqa: E402
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
 

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-from strata.leftovers import Proc, log_time, segments, stage_pids  # noqa: E402
+from strata.head.leftovers import Proc, log_time, segments, stage_pids  # noqa: E402
 
 
 def _leftovers(owner_pid: int | None, run_id: str | None, stage_pids) -> tuple[list, list, list]:
@@ -79,7 +79,7 @@ def run_launcher(a, k: int, victim: int, chunk: int, tmp: Path) -> dict:
 
 
 def run_api(a, k: int, victim: int, chunk: int, tmp: Path) -> dict:
-    from strata.pipeline import Pipeline, PipelineError
+    from strata.head.pipeline import Pipeline, PipelineError
     p = Pipeline(rig(a), out=tmp / f"run-{k}", console=False)
     fired: dict = {}
 

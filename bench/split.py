@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.pipeline import Pipeline  # noqa: E402
-from strata.planner import even_split  # noqa: E402
-from strata.checkpoint import model_args  # noqa: E402
+from strata.head.pipeline import Pipeline  # noqa: E402
+from strata.plan.planner import even_split  # noqa: E402
+from strata.weights.checkpoint import model_args  # noqa: E402
 
 
 # SmolLM2-135M's shape (its public config.json)

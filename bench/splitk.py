@@ -1,4 +1,4 @@
-"""Split-K decode attention alone (strata.decode_attention) on one GPU: one layer's step for an 8B shape (8 kv heads
+"""Split-K decode attention alone (strata.kernels.decode_attention) on one GPU: one layer's step for an 8B shape (8 kv heads
 of 4 query rows, head dim 128) over a cache of --keys positions, with a bfloat16 cache and a q8_0 cache read by each
 of its arms (kernels.q8_attention: widen, int8, int8x2), for a few split counts and warps per program; the time a
 launch pair takes (CUDA events over --reps back-to-back launches, no L2 flush: at 122,880 keys the caches, 0.50 GB
@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.attention import from_q8_0, to_q8_0  # noqa: E402
+from strata.kernels.attention import from_q8_0, to_q8_0  # noqa: E402
 from strata.config import Q8_ATTENTION  # noqa: E402
-from strata.decode_attention import SplitKAttention  # noqa: E402
+from strata.kernels.decode_attention import SplitKAttention  # noqa: E402
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

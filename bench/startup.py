@@ -25,12 +25,12 @@ import logging, os, signal, json
 import launcher
 def emit(record):
     if record.getMessage().startswith("startup:"):
-        import gc, strata.pipeline as sp
+        import gc, strata.head.pipeline as sp
         pipes = [o for o in gc.get_objects() if isinstance(o, sp.Pipeline)]
         print("STARTUP " + json.dumps(pipes[0].startup), file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 h = logging.Handler(); h.emit = emit
-lg = logging.getLogger("strata.pipeline"); lg.addHandler(h); lg.setLevel(logging.INFO)
+lg = logging.getLogger("strata.head.pipeline"); lg.addHandler(h); lg.setLevel(logging.INFO)
 sys.exit(launcher.main({argv!r}))
 """
 

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from strata import messages as M  # noqa: E402
-from strata import curve  # noqa: E402
-from strata.transport import TcpLink  # noqa: E402
+from strata.comm import messages as M  # noqa: E402
+from strata.comm import curve  # noqa: E402
+from strata.comm.transport import TcpLink  # noqa: E402
 
 
 def receive(a, keys: dict) -> None:
@@ -100,7 +100,7 @@ def main() -> int:
         receive(a, json.loads(a.keys))
         return 0
     if a.netns:  # run this again as the sender inside namespace 0, the receiver inside namespace 1
-        from strata.netns import Netns, available
+        from strata.comm.netns import Netns, available
         why = available()
         if why:
             print(f"error: --netns: {why}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Strata: pipelined long-prompt prefill across the layer-split stages of a model."""
-from .config import ConfigError, RigConfig
+from strata.config import ConfigError, RigConfig
 
 __all__ = ["Pipeline", "PipelineError", "Result", "RigConfig", "ConfigError"]
 
@@ -8,6 +8,6 @@ def __getattr__(name: str):
     # the pipeline (and torch) on first use: the launcher reads the rig and starts the stages' fork
     # server before it imports torch itself
     if name in ("Pipeline", "PipelineError", "Result"):
-        from . import pipeline
+        from strata.head import pipeline
         return getattr(pipeline, name)
     raise AttributeError(f"module 'strata' has no attribute {name!r}")

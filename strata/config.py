@@ -14,10 +14,10 @@ from typing import Any, get_args, get_type_hints
 
 import yaml
 
-from .errors import ConfigError
+from strata.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 when every stage is a GPU, else float32
-ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/model.py); auto = the model's default
+ATTENTION = ("auto", "flash", "cudnn-split")   # CUDA attention path (strata/models/model.py); auto = the model's default
 WEIGHTS = ("auto", "resident", "dequantized")   # how a stage holds quantized weights (issue 12)
 KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn", "q8_0")  # the KV cache's dtype (issue 12); auto = dtype
 DECODE_BATCH = ("rows", "steps")
@@ -38,7 +38,7 @@ DECODE_GEMV = ("auto", "cublas")
 IQ3S_KERNELS = ("dp4a", "dp4a-table", "dp4a-u16", "dp4a-smem", "float")
 KQUANT_KERNELS = ("bytes", "words", "dp4a")   # Q4_K / Q5_K, and Q6_K
 Q8_0_KERNELS = ("dp4a", "bytes")
-Q8_ATTENTION = ("widen", "int8", "int8x2")  # split-K decode attention over a q8_0 cache (strata/decode_attention.py;
+Q8_ATTENTION = ("widen", "int8", "int8x2")  # split-K decode attention over a q8_0 cache (strata/kernels/decode_attention.py;
                                             # the order is its kernel's INT8 constexpr)
 MXFP4_KERNELS = ("dp4a", "float")
 ROWS_KERNELS = ("dp4a", "mma-float")  # resident K-quant products of 4 rows or more (decode batches)
@@ -79,7 +79,7 @@ class DebugSpec:
     fail_chunk: int | None = None  # ... at this chunk ...
     fail_mode: str = "raise"       # ... raises, exits ("exit"), stops moving ("hang") or SIGKILLs itself ("kill")
     fail_phase: str = "prefill"    # ... in this phase: "prefill", "decode", or "load" (before ready; no chunk)
-    memory_trace: bool = False     # a CUDA stage logs where its allocated bytes at load came from (strata.memory_trace)
+    memory_trace: bool = False     # a CUDA stage logs where its allocated bytes at load came from (workers.memory_trace)
 
 
 @dataclass(frozen=True)
@@ -88,14 +88,14 @@ class KernelSpec:
     arms they were measured against. Carried to every stage in its job (a remote stage computes as the head's rig
     says, whatever its own host's environment) and handed to the model and kernels as arguments. Each field has an
     environment override (ENV_KERNELS), read here only."""
-    prefill: str = field(default="triton", metadata={"choices": PREFILL_KERNELS})  # CUDA prefill: strata/kernels.py's
+    prefill: str = field(default="triton", metadata={"choices": PREFILL_KERNELS})  # CUDA prefill: strata/kernels/fused.py's
                                    # fused LSE merge, RoPE and SwiGLU / GeGLU (torch's formulas where Triton is missing),
                                    # or "torch": those formulas
     graph_attention: str = field(default="split-k", metadata={"choices": GRAPH_ATTENTION})  # decode graphs: the
                                    # split-K Triton kernel over the live keys, or efficient attention masked over
                                    # the whole bucket
     graph_kernels: str = field(default="triton", metadata={"choices": GRAPH_KERNELS})  # decode graphs' RMSNorm and
-                                   # RoPE-with-cache-write: Triton kernels (strata/decode_kernels.py) or torch ops
+                                   # RoPE-with-cache-write: Triton kernels (strata/kernels/decode_kernels.py) or torch ops
     decode_gemv: str = field(default="auto", metadata={"choices": DECODE_GEMV})  # decode graphs' dense one-row
                                    # products: the Triton kernel by a fixed rule of the shape, or cuBLAS
     gemv_iq3s: str = field(default="dp4a-u16", metadata={"choices": IQ3S_KERNELS})  # resident IQ3_S decode products
@@ -123,7 +123,7 @@ class KernelSpec:
     window_attention: str = field(default="flex", metadata={"choices": WINDOW_KERNELS})  # window layers' chunk
                                    # attention: FlexAttention with the window as its block mask (CUDA, 16-bit;
                                    # elsewhere, or where it fails, the band) or the band: blocks of queries each
-                                   # against its band of keys under a dense mask (strata/attention.py)
+                                   # against its band of keys under a dense mask (strata/kernels/attention.py)
     decode_bells: bool | str = "auto"  # decode notes as shared-memory doorbells: auto (every stage a local GPU
                                    # one), true (any local stages), false (ZeroMQ only)
     decode_ahead: bool | str = "auto"  # with bells and a GPU per stage, queue the next decode step behind a
@@ -168,7 +168,7 @@ class RigConfig:
     layer_split: tuple[int, ...] | str = "auto"     # layer counts per stage, or "auto"
     chunk: int | str = "auto"               # tokens per chunk (the largest, with dynamic chunks); auto: the
                                             # planner's, the largest that fits every stage's memory up to what
-                                            # keeps the pipeline full (strata.plan.preferred_chunk)
+                                            # keeps the pipeline full (strata.plan.plan.preferred_chunk)
     dynamic_chunks: bool = False            # size later chunks so each costs what the first does
     depth: int = 1                          # chunks in flight below a stage: 1 overlap, 0 the old join
     prompt: PromptSpec = field(default_factory=lambda: PromptSpec(text="The capital of France is"))
@@ -181,7 +181,7 @@ class RigConfig:
                                             # included, keeps the dense ones); auto: blocks for a quantized
                                             # Llama-core file where a C compiler is found and the CPU has
                                             # AVX-512 VNNI or AVX2, else none
-                                            # (strata.cpu_decode.auto_kind; the log says which)
+                                            # (strata.kernels.cpu_decode.auto_kind; the log says which)
     cuda_graphs: bool = True                # CUDA stages: replay a captured graph for each one-token step
     perplexity: bool = True                 # mean NLL of the prompt, computed on the last stage
     dump_residual: bool = False             # write residual.npy (after the last layer) and its md5
@@ -208,7 +208,7 @@ class RigConfig:
                                             # tokenized (default: max_context * 16 + 1 MiB, what max_context
                                             # tokens could take as JSON with room to spare)
     prefix_cache_bytes: int = 2 << 30       # each stage's host memory (pinned on CUDA) for snapshots of earlier
-                                            # prompts' KV by block of 256 tokens, LRU (strata/prefix_cache.py);
+                                            # prompts' KV by block of 256 tokens, LRU (strata/kvcache/prefix_cache.py);
                                             # 0: off, only the last prompt's live KV is reused
     prefix_cache_device_bytes: int | str = 0  # each CUDA stage's device memory for copies of the prefix cache's
                                             # most recently used blocks, LRU (a subset of what the host tier
@@ -218,7 +218,7 @@ class RigConfig:
                                             # prefix cache is off). 0: off (CPU stages have none)
     kv_cache_dir: str | None = None         # the prefix cache's disk tier: every snapshot block also written to a
                                             # file under this folder (a subfolder per model and rig, one per stage:
-                                            # strata/prefix_cache.py), and restored from it once the host copy is
+                                            # strata/kvcache/prefix_cache.py), and restored from it once the host copy is
                                             # evicted; a later run of the same model and rig reuses them
     kv_cache_dir_bytes: int = field(default=20 << 30, metadata={"positive": True})  # each stage's disk budget
                                             # under kv_cache_dir, LRU (the files' times carry over between runs)
@@ -710,7 +710,7 @@ def load(path: str | os.PathLike, overrides: list[str] = (), env: dict | None = 
 
 
 def cache_dir(env: dict | None = None) -> Path:
-    """Where this host keeps what Strata builds (strata/cpu_decode.py's C library): STRATA_CACHE_DIR, else
+    """Where this host keeps what Strata builds (strata/kernels/cpu_decode.py's C library): STRATA_CACHE_DIR, else
     $XDG_CACHE_HOME/strata, else ~/.cache/strata. Not a rig key: a path on the machine that builds, read there
     when it builds (a remote stage's is its own host's, not the head's), and no switch of the computation."""
     env = os.environ if env is None else env

@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 PYTHON = sys.executable
 
 
-from strata.leftovers import _SEG, SHM, Proc, log_time, ready_count, segments, stage_pids, wait_gone  # noqa: E402,F401
+from strata.head.leftovers import _SEG, SHM, Proc, log_time, ready_count, segments, stage_pids, wait_gone  # noqa: E402,F401
 
 
 # -- CI: nothing it must run is skipped for want of an install --------------------------------------
@@ -45,7 +45,7 @@ def pytest_sessionstart(session):
         except Exception as e:  # noqa: BLE001 - any failure to import is a broken install here
             missing.append(f"{name} ({type(e).__name__}: {e})")
     try:
-        from strata.checkpoint import smollm2_path
+        from strata.weights.checkpoint import smollm2_path
         smollm2_path()
     except Exception as e:  # noqa: BLE001
         missing.append(str(e))
@@ -132,7 +132,7 @@ def run_ok(tmp: Path, name: str = "next", n_stages: int = 1, **over) -> dict:
 
     Python API, one stage by default: a stage process costs ~2.5 CPU-seconds of imports, and
     what a fault could leave behind (processes, segments, ipc dirs) blocks one stage as well as two."""
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     with Pipeline(make_rig(n_stages, tokens=128, chunk=64, **over), out=tmp / name, console=False) as p:
         result = p.prefill()
         pids = [s.pid for s in p.stages]

@@ -219,7 +219,7 @@ def _hf_rig(d: Path) -> dict:
 
 
 def test_truncated_or_corrupt_safetensors(tmp_path, capsys):
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     good = _tiny_hf(tmp_path / "hf")
     Pipeline(_hf_rig(good), out=tmp_path / "ok", console=False)  # the intact checkpoint passes the checks
     st = good / "model.safetensors"
@@ -250,7 +250,7 @@ def test_safetensors_missing_tensor_or_only_pickles(tmp_path, capsys):
 def test_truncated_gguf(tmp_path, capsys):
     """GGUF truncation is covered in depth by test_gguf.py; this is the launcher-level check."""
     pytest.importorskip("gguf")
-    from strata.checkpoint import ModelError, smollm2_path
+    from strata.weights.checkpoint import ModelError, smollm2_path
     try:
         src = smollm2_path()
     except ModelError:

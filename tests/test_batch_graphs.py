@@ -1,4 +1,4 @@
-"""Decode batches in CUDA graphs (strata/batch_graphs.py): the rows kernels against their one-row launches, and the
+"""Decode batches in CUDA graphs (strata/decode/batch_graphs.py): the rows kernels against their one-row launches, and the
 batch body (what a graph captures), run on CPU under Triton's interpreter, against each sequence's step alone."""
 import os
 import subprocess
@@ -21,9 +21,9 @@ def check_batches(eager, body, first: bool, prompts: list, batches: list[list[in
     each of its slots: the body's rows against `eager`'s steps alone, each slot at its own position (one_graph: the
     one-token graphs' body on eager's slot instead, the same kernels). Returns the (rows, bucket) pairs the batches
     took."""
-    from strata.attention import Q8_0, from_cache
-    from strata.batch_graphs import BatchGraphs
-    from strata.decode_graphs import DecodeGraphs
+    from strata.kernels.attention import Q8_0, from_cache
+    from strata.decode.batch_graphs import BatchGraphs
+    from strata.decode.graphs import DecodeGraphs
     rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())  # noqa: E731
     steps = [sum(s in b for b in batches) for s in range(len(prompts))]
     pos = [x.shape[1] - k for x, k in zip(prompts, steps)]
@@ -91,9 +91,9 @@ def _interpreted(script: str, *argv: str, timeout: int = 900) -> str:
 KERNELS = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata.decode_kernels import rope_store, rope_store_rows, rms_norm, add_rms_norm
-from strata.decode_attention import SplitKAttention
-from strata.attention import to_cache, Q8_0, cache_width
+from strata.kernels.decode_kernels import rope_store, rope_store_rows, rms_norm, add_rms_norm
+from strata.kernels.decode_attention import SplitKAttention
+from strata.kernels.attention import to_cache, Q8_0, cache_width
 g = torch.Generator().manual_seed(3)
 nh, nkv, hd, S, seqs, R = 8, 2, 32, 300, 3, 4
 for kvd, arm in ((torch.float32, "widen"), (Q8_0, "widen"), (Q8_0, "int8x2")):
@@ -146,8 +146,8 @@ import dataclasses, sys, torch
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from test_batch_graphs import check_batches
 from test_decode_model import SMALL
-from strata.checkpoint import synthetic_tensors
-from strata.model import Transformer
+from strata.weights.checkpoint import synthetic_tensors
+from strata.models.model import Transformer
 kv, start, pool = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 0
 args = SMALL if kv != "q8_0" else dataclasses.replace(SMALL, n_heads=4, head_dim=32)  # q8_0: blocks of 32
 def build(pool=0):
@@ -173,10 +173,10 @@ STEP = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from test_decode_model import SMALL
-from strata.batch_graphs import BatchGraphs
-from strata.checkpoint import synthetic_tensors
-from strata.decode_graphs import DecodeGraphs
-from strata.model import Transformer
+from strata.decode.batch_graphs import BatchGraphs
+from strata.weights.checkpoint import synthetic_tensors
+from strata.decode.graphs import DecodeGraphs
+from strata.models.model import Transformer
 
 
 class Replayed:  # a CUDA graph's contract on CPU: replay reruns the captured body into the same output tensors
@@ -215,7 +215,7 @@ else:  # a hybrid: its linear layers' states stand where each slot left them
     import tempfile
     from pathlib import Path
     from families_fixtures import make_hf
-    from strata.checkpoint import model_args, slice_tensors
+    from strata.weights.checkpoint import model_args, slice_tensors
     _, d = make_hf(Path(tempfile.mkdtemp()), sys.argv[2])
     args = model_args(d)
 
@@ -303,9 +303,9 @@ sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from families_fixtures import make_hf
 from test_batch_graphs import check_batches
 from test_families import CHUNK
-from strata.batch_graphs import batch_refusal, max_rows
-from strata.checkpoint import model_args, slice_tensors
-from strata.model import Transformer
+from strata.decode.batch_graphs import batch_refusal, max_rows
+from strata.weights.checkpoint import model_args, slice_tensors
+from strata.models.model import Transformer
 fam, pool = sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0
 over = {"gemma3": dict(query_pre_attn_scalar=24, final_logit_softcapping=1.5),
         "qwen3_moe": dict(num_experts_per_tok=8)}.get(fam, {})  # 16 pairs: 2 rows a replay
@@ -351,8 +351,8 @@ RESIDENT_BODY = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from test_batch_graphs import check_batches
-from strata.args import PRESETS
-from strata.checkpoint import load_stage
+from strata.models.args import PRESETS
+from strata.weights.checkpoint import load_stage
 preset, qtype = sys.argv[2], sys.argv[3]
 args = PRESETS[preset]
 load = lambda: load_stage(f"synthetic:{preset}@{qtype}", args, 0, 2, device="cpu", dtype=torch.float32,
@@ -376,9 +376,9 @@ def test_batch_body_on_blocks(preset, qtype):
 GATHER = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata.args import PRESETS
-from strata.batch_graphs import max_rows
-from strata.checkpoint import load_stage
+from strata.models.args import PRESETS
+from strata.decode.batch_graphs import max_rows
+from strata.weights.checkpoint import load_stage
 args = PRESETS["smoke-moe"]
 m = load_stage("synthetic:smoke-moe@Q4_K", args, 0, 2, device="cpu", dtype=torch.float32, weights="resident",
                max_len=64, seqs=3)
@@ -406,9 +406,9 @@ def test_refusals_name_what_is_not_covered(tmp_path):
     """A float8 cache and dynamic NTK rope keep the eager batches, with the reason; CPU tensors are never
     captured."""
     from families_fixtures import make_hf
-    from strata.batch_graphs import batch_refusal
-    from strata.checkpoint import model_args, slice_tensors
-    from strata.model import Transformer
+    from strata.decode.batch_graphs import batch_refusal
+    from strata.weights.checkpoint import model_args, slice_tensors
+    from strata.models.model import Transformer
     _, d = make_hf(tmp_path, "llama")
     args = model_args(d)
     t = Transformer(args, 0, args.n_layers)
@@ -421,6 +421,6 @@ def test_refusals_name_what_is_not_covered(tmp_path):
     t.load_weights(slice_tensors(d, args, 0, args.n_layers), "cpu", torch.float32)
     t.setup_cache(64, seqs=2)
     assert batch_refusal(t, torch.zeros(1, dtype=torch.long)) is None
-    from strata.decode_graphs import GraphedDecode
+    from strata.decode.graphs import GraphedDecode
     assert GraphedDecode(t).batch_refusal(torch.zeros(1, dtype=torch.long)) == \
         "the one-token graphs do not cover this slice (CPU)"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from strata.chat import ChatError, ChatTemplate, validate_messages
-from strata.checkpoint import smollm2_path
+from strata.text.chat import ChatError, ChatTemplate, validate_messages
+from strata.weights.checkpoint import smollm2_path
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -103,8 +103,8 @@ def test_environment_overrides_the_rig_and_set_overrides_both(tmp_path):
 def test_window_attention_key():
     """kernels.window_attention: flex by default, band its A/B arm (and the fallback); anything else refused in one
     line; STRATA_WINDOW_ATTENTION overrides it; a Transformer hands it to every attention layer."""
-    from strata.args import PRESETS
-    from strata.model import Attention, Transformer
+    from strata.models.args import PRESETS
+    from strata.models.model import Attention, Transformer
     assert KernelSpec().window_attention == "flex" and from_dict({}, env={}).kernels.window_attention == "flex"
     assert from_dict({"kernels": {"window_attention": "band"}}, env={}).kernels.window_attention == "band"
     assert from_dict({}, env={"STRATA_WINDOW_ATTENTION": "band"}).kernels.window_attention == "band"
@@ -124,7 +124,7 @@ def test_window_attention_key():
 
 
 def _job(**over):
-    from strata import messages as M
+    from strata.comm import messages as M
     net = M.StageNet(host="box2", remote=True, bind="", tcp_in=True, tcp_out=True, tcp_inbox=True, public="p",
                      secret="s", head_public="h", allow=[], head_tcp="tcp://10.0.0.5:5555", heartbeat_s=1.0,
                      heartbeat_timeout_s=10.0, head_clock=0.0, boot_id="b")
@@ -146,7 +146,7 @@ def _job(**over):
 def test_a_remote_stage_gets_the_heads_kernels():
     """The job carries the head's KernelSpec: a remote stage decodes it from the frame, whatever its own host's
     environment says; a job whose kernels are not KernelSpec's is refused as a bad message."""
-    from strata import messages as M
+    from strata.comm import messages as M
     from strata.config import kernel_spec
     job = M.decode_spec(M.encode_spec(_job()))
     assert kernel_spec(job.kernels) == KernelSpec(prefill="torch", gemv_iq3s="float", decode_bells=False)
@@ -161,9 +161,9 @@ def test_a_remote_stage_gets_the_heads_kernels():
 def test_the_model_takes_its_kernels_as_arguments():
     """Transformer(kernels=, attention=) sets every layer's paths; set_kernels changes them; the resident products'
     GemvKernels is the slice's own, and a fallback on it is forgotten when the rig's choices are set again."""
-    from strata.args import PRESETS
-    from strata.attention import CUDA_ATTENTION_DEFAULT
-    from strata.model import Attention, FeedForward, Transformer
+    from strata.models.args import PRESETS
+    from strata.kernels.attention import CUDA_ATTENTION_DEFAULT
+    from strata.models.model import Attention, FeedForward, Transformer
     m = Transformer(PRESETS["smoke"])
     assert m.cuda_attention == CUDA_ATTENTION_DEFAULT and m.kernels == KernelSpec()
     m = Transformer(PRESETS["smoke"], kernels=KernelSpec(prefill="torch", gemv_q6k="bytes"), attention="flash")
@@ -181,9 +181,9 @@ def test_the_model_takes_its_kernels_as_arguments():
 
 def test_decode_switches_are_arguments():
     """The head decides bells and launch-ahead from the rig's values, the graphs' attention from the slice's."""
-    from strata import bells
-    from strata.args import PRESETS
-    from strata.decode_graphs import covers
+    from strata.comm import bells
+    from strata.models.args import PRESETS
+    from strata.decode.graphs import covers
     local = ["cpu", "cpu"]
     assert not bells.wanted(local, False) and not bells.wanted(local, False, False)
     assert bells.wanted(local, False, True) == bells.supported() and not bells.wanted(local, True, True)

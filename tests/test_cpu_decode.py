@@ -1,4 +1,4 @@
-"""decode_weights: blocks — CPU decode steps in C on 4/8-bit blocks (strata/cpu_decode.py, strata/csrc/cpu_decode.c):
+"""decode_weights: blocks — CPU decode steps in C on 4/8-bit blocks (strata/kernels/cpu_decode.py, strata/kernels/csrc/cpu_decode.c):
 the product against its integer formula and gguf-py's dequantization, the vector build against the plain C one,
 whole decode steps against transformers and the float32 path, and a two-stage pipeline against one process."""
 import os
@@ -9,15 +9,15 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-cd = pytest.importorskip("strata.cpu_decode")
+cd = pytest.importorskip("strata.kernels.cpu_decode")
 try:
     cd.library()
 except cd.BuildError as e:  # no C compiler: the option reports it at load (test_no_compiler_is_one_line)
     pytest.skip(str(e), allow_module_level=True)
 
-from strata.checkpoint import load_stage, model_args  # noqa: E402
-from strata.args import ModelArgs  # noqa: E402
-from strata.model import Transformer  # noqa: E402
+from strata.weights.checkpoint import load_stage, model_args  # noqa: E402
+from strata.models.args import ModelArgs  # noqa: E402
+from strata.models.model import Transformer  # noqa: E402
 
 
 def rel(a, b):
@@ -109,9 +109,9 @@ def test_attention_against_float64(bits):
 
 
 def test_e4m3_store_is_torchs_cast():
-    """strata_to_e4m3 (the C step's K/V row write) against strata.attention.to_cache (clamp, then torch's cast):
+    """strata_to_e4m3 (the C step's K/V row write) against strata.kernels.attention.to_cache (clamp, then torch's cast):
     the same byte for values across e4m3's range, its subnormals, exact ties between two codes, past +-448."""
-    from strata.attention import to_cache
+    from strata.kernels.attention import to_cache
     lib = cd.library()
     codes = torch.arange(256, dtype=torch.uint8)
     vals = codes[(codes & 0x7F) < 0x7E].view(torch.float8_e4m3fn).float()  # every finite code below the max
@@ -163,7 +163,7 @@ def test_decode_steps_match_transformers(tmp_path, arch, kv_dtype):
 @pytest.fixture(scope="module")
 def smol_path():
     pytest.importorskip("gguf")
-    from strata.checkpoint import smollm2_path
+    from strata.weights.checkpoint import smollm2_path
     try:
         return str(smollm2_path())
     except Exception as e:  # noqa: BLE001
@@ -202,7 +202,7 @@ def test_smollm2_uses_the_file_blocks_and_keeps_the_float32_answer(smol_path):
     last bits (vector sums, exp), and each product's 8-bit input turns such bits into logit differences of ~0.1-0.3
     (as the rounding itself does against float32), more than float32's own margin at some steps (0.13 at the 17th
     token of this text, where the AVX2 build takes the runner-up)."""
-    from strata.tokenizer import Tokenizer
+    from strata.text.tokenizer import Tokenizer
     args = model_args(smol_path)
     ids = torch.tensor([Tokenizer.from_gguf(smol_path).encode(TEXT)])
     kw = dict(device="cpu", dtype=torch.float32, max_len=ids.shape[1] + 32)
@@ -230,8 +230,8 @@ def test_smollm2_uses_the_file_blocks_and_keeps_the_float32_answer(smol_path):
 def _two_stages_and_one(smol_path, tmp_path, decode_weights: str | None, n: int, kv_dtype: str = "auto"):
     """SmolLM2 greedy on two CPU stages with `decode_weights` (None: the rig does not name it) -> (their Result,
     one process's tokens with the C steps, the stages' logs)."""
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     args = model_args(smol_path)
     stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
     rig = dict(model="smollm2", stages=stages, chunk=64, max_context=256, progress=False, kv_dtype=kv_dtype)
@@ -291,7 +291,7 @@ def test_refusals_are_one_line(monkeypatch):
     args = ModelArgs(vocab_size=64, dim=48, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=24, ffn_dim=64)
     with torch.device("meta"):
         m = Transformer(args)
-    from strata.checkpoint import synthetic_tensors
+    from strata.weights.checkpoint import synthetic_tensors
     m.load_weights(synthetic_tensors(args, 0, 1, "cpu", torch.float32, seed=0), "cpu", torch.float32)
     m.setup_cache(8)
     with pytest.raises(ValueError, match=r"^decode_weights=blocks needs widths in whole 32-blocks \(dim 48"):
@@ -324,7 +324,7 @@ def test_auto_takes_the_blocks_only_with_a_vector_path(monkeypatch):
         assert got == kind, (n, why)
     assert why.startswith("this CPU has neither AVX-512 VNNI nor AVX2 + FMA + F16C")
 
-    from strata.checkpoint import synthetic_tensors
+    from strata.weights.checkpoint import synthetic_tensors
     steps = []
     for lib in (plain, vector):
         monkeypatch.setattr(cd, "library", lambda portable=False, lib=lib: lib)

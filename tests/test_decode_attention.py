@@ -1,4 +1,4 @@
-"""The split-K decode attention kernel (strata/decode_attention.py) against float64 softmax attention.
+"""The split-K decode attention kernel (strata/kernels/decode_attention.py) against float64 softmax attention.
 
 On CPU through Triton's interpreter (a subprocess: TRITON_INTERPRET must be set before Triton is imported),
 on CUDA directly, including a float8 cache and the CUDA graph step that uses it at a long context."""
@@ -32,7 +32,7 @@ def rel(a, b):
 INTERPRETED = r"""
 import torch, sys
 sys.path.insert(0, sys.argv[1])
-from strata.decode_attention import SplitKAttention
+from strata.kernels.decode_attention import SplitKAttention
 from strata.quant.gemv import quantize_x
 from tests.test_decode_attention import reference, rel
 g = torch.Generator().manual_seed(int(sys.argv[2]))
@@ -63,8 +63,8 @@ for nkv, grp, hd, S, n in [(2, 4, 64, 700, 517), (3, 3, 32, 300, 1), (2, 4, 64, 
 Q8_0_CACHE = r"""
 import torch, sys
 sys.path.insert(0, sys.argv[1])
-from strata.attention import from_q8_0, to_q8_0
-from strata.decode_attention import SplitKAttention
+from strata.kernels.attention import from_q8_0, to_q8_0
+from strata.kernels.decode_attention import SplitKAttention
 from tests.test_decode_attention import rel
 g = torch.Generator().manual_seed(9)
 # a q8_0 cache, its rows widened: the float64 attention of the dequantized cache; (nkv, group, hd, buffer keys,
@@ -85,7 +85,7 @@ for nkv, grp, hd, S, n in [(2, 4, 64, 256, 200), (1, 2, 128, 300, 300), (2, 4, 1
 WINDOW_RING = r"""
 import torch, sys
 sys.path.insert(0, sys.argv[1])
-from strata.decode_attention import SplitKAttention
+from strata.kernels.decode_attention import SplitKAttention
 from tests.test_decode_attention import rel
 g = torch.Generator().manual_seed(3)
 # (nkv, group, hd, ring rows, window, live positions): before the window fills, wrapped once, wrapped many times
@@ -135,7 +135,7 @@ def test_split_k_interpreted_matches_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", [torch.bfloat16, torch.float8_e4m3fn])
 def test_split_k_cuda_8b_shapes(cache):
-    from strata.decode_attention import SplitKAttention
+    from strata.kernels.decode_attention import SplitKAttention
     from strata.quant.gemv import quantize_x
     g = torch.Generator(device="cuda").manual_seed(3)
     nkv, grp, hd = 8, 4, 128
@@ -160,8 +160,8 @@ def test_split_k_cuda_8b_shapes(cache):
 @pytest.mark.gpu
 def test_graph_step_long_context_matches_eager():
     """The graph step (split-K attention) vs the eager decode path (flash) past 20,000 positions."""
-    from strata.checkpoint import model_args, slice_tensors
-    from strata.model import Transformer
+    from strata.weights.checkpoint import model_args, slice_tensors
+    from strata.models.model import Transformer
     model = "synthetic:smoke"
     args = model_args(model)
     ts = []
@@ -173,7 +173,7 @@ def test_graph_step_long_context_matches_eager():
         t.setup_cache(24_000)
         ts.append(t.eval())
     eager, graph = ts
-    from strata.decode_graphs import GraphedDecode
+    from strata.decode.graphs import GraphedDecode
     steps = GraphedDecode(graph)
     ids = torch.randint(0, args.vocab_size, (1, 20_010), generator=torch.Generator().manual_seed(4)).cuda()
     for m in ts:
@@ -191,7 +191,7 @@ def test_graph_step_long_context_matches_eager():
 GRAPH_BODY = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata.decode_graphs import DecodeGraphs
+from strata.decode.graphs import DecodeGraphs
 from tests.test_decode_model import SMALL, build, rel
 eager, body = build(SMALL, 600), build(SMALL, 600)
 dg = DecodeGraphs(body)
@@ -214,7 +214,7 @@ print(sorted({dg.bucket(p) for p in range(500, 530)}))
 ODD_HEAD_DIM = r"""
 import dataclasses, sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata.decode_graphs import DecodeGraphs
+from strata.decode.graphs import DecodeGraphs
 from tests.test_decode_model import SMALL, build, rel
 args = dataclasses.replace(SMALL, dim=96, n_heads=4, n_kv_heads=2, head_dim=24)
 eager, body = build(args, 300), build(args, 300)
@@ -259,8 +259,8 @@ KERNELS = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import torch.nn.functional as F
-from strata.decode_kernels import add_rms_norm, rms_norm, rope_store
-from strata.attention import rope_rows, _signed_sin
+from strata.kernels.decode_kernels import add_rms_norm, rms_norm, rope_store
+from strata.kernels.attention import rope_rows, _signed_sin
 g = torch.Generator().manual_seed(11)
 nh, nkv, hd, S, pos = 6, 2, 32, 40, 17
 qkv = torch.randn(nh + 2 * nkv, hd, generator=g)
@@ -288,7 +288,7 @@ d, x0 = torch.randn(1, 1, 300, generator=g), x.clone()
 h2, y2 = add_rms_norm(x, d, w, 1e-5)
 assert torch.equal(h2, x0 + d) and torch.allclose(y2, F.rms_norm(x0 + d, (300,), w, 1e-5), rtol=1e-5, atol=1e-6)
 assert torch.equal(x, x0)  # a new residual, the old one untouched
-from strata.decode_kernels import act_mul
+from strata.kernels.decode_kernels import act_mul
 from strata.quant.gemv import quantize_x
 x, d, w = torch.randn(1, 1, 320, generator=g), torch.randn(1, 1, 320, generator=g), torch.randn(320, generator=g)
 x[..., 32:64] = 0  # an all-zero group: q 0, scale 0
@@ -301,7 +301,7 @@ assert torch.equal(h3, x + d) and torch.equal(y3, add_rms_norm(x, d, w, 1e-5)[1]
 q0, s0 = quantize_x(y3.view(1, -1))
 assert torch.equal(q3, q0) and torch.equal(s3, s0)
 pw = torch.randn(320, generator=g)  # gemma3's post norm of the product, in the same launch
-from strata.kernels import weigh
+from strata.kernels.fused import weigh
 ys, ew = torch.randn(4, 320, generator=g), torch.rand(1, 4, generator=g)  # a token's 4 experts' outputs, weighed
 h5, y5, (q5, s5) = add_rms_norm(x, ys, w, 1e-5, int8=True, experts=ew.view(-1))  # in the same launch
 want = add_rms_norm(x, weigh(ys, ew).view(x.shape), w, 1e-5, int8=True)
@@ -316,7 +316,7 @@ for act, ref in (("silu", F.silu(gt) * up), ("gelu_tanh", F.gelu(gt, approximate
     z2, (q, s) = act_mul(gt[..., :1088], up[..., :1088], act, int8=True)
     q0, s0 = quantize_x(z2.view(1, -1))
     assert torch.equal(z2, z[..., :1088]) and torch.equal(q, q0) and torch.equal(s, s0), act
-from strata.decode_kernels import act_mul_rows
+from strata.kernels.decode_kernels import act_mul_rows
 gu = torch.randn(3, 2 * 1088, generator=g) * 3  # a token's experts' gate/up rows: each row's act_mul, one launch
 for act in ("silu", "gelu_tanh"):
     z3, (q3, s3) = act_mul_rows(gu, act, int8=True)
@@ -325,7 +325,7 @@ for act in ("silu", "gelu_tanh"):
     for r in range(3):
         assert torch.equal(z3[r], act_mul(gu[r, :1088], gu[r, 1088:], act)), (act, r)
     assert torch.equal(act_mul_rows(gu, act), z3), act
-from strata.decode_kernels import ARGMAX_BLOCK, argmax
+from strata.kernels.decode_kernels import ARGMAX_BLOCK, argmax
 for n in (5, ARGMAX_BLOCK, 3 * ARGMAX_BLOCK + 17):
     r = torch.randn(n, generator=g)
     assert int(argmax(r)) == int(r.argmax()), n
@@ -351,7 +351,7 @@ GEMV = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import torch.nn.functional as F
-from strata import decode_gemv
+from strata.kernels import decode_gemv
 g = torch.Generator().manual_seed(12)
 for n, k, bias in ((64, 1024, False), (48, 512, True), (32, 2048, False)):
     w, x = torch.randn(n, k, generator=g), torch.randn(1, 1, k, generator=g)
@@ -368,7 +368,7 @@ print("ok")
 
 @needs_triton
 def test_decode_gemv_interpreted_matches_linear():
-    """The dense decode GEMV's every launch shape (strata/decode_gemv.py), with and without bias, == x @ w.T."""
+    """The dense decode GEMV's every launch shape (strata/kernels/decode_gemv.py), with and without bias, == x @ w.T."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", GEMV, str(ROOT)], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
@@ -381,7 +381,7 @@ def test_decode_gemv_interpreted_matches_linear():
 def test_decode_gemv_cuda_8b_shapes(monkeypatch, mode):
     """matvec at the 8B decode shapes in bf16, Triton (the default rule) and cuBLAS (kernels.decode_gemv), against
     float64."""
-    from strata import decode_gemv
+    from strata.kernels import decode_gemv
     if decode_gemv.triton is None:
         pytest.skip("triton is not installed")
     monkeypatch.setattr(decode_gemv, "_choice", {})
@@ -404,8 +404,8 @@ def test_decode_norms_int8_cuda_32b_shapes(upcast):
     within one bfloat16 step of torch's (gemma's float32 (1 + w) too), GeGLU within one step of torch's two ops, and
     rope_store's q/k norms match torch's norms then rotation."""
     import torch.nn.functional as F
-    from strata.attention import _signed_sin, rope_rows
-    from strata.decode_kernels import act_mul, add_rms_norm, rms_norm, rope_store
+    from strata.kernels.attention import _signed_sin, rope_rows
+    from strata.kernels.decode_kernels import act_mul, add_rms_norm, rms_norm, rope_store
     from strata.quant.gemv import quantize_x
     g = torch.Generator(device="cuda").manual_seed(4)
     bf = torch.bfloat16

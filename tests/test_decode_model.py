@@ -7,12 +7,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from strata.checkpoint import synthetic_tensors
-from strata.args import PRESETS, ModelArgs
-from strata.attention import decode_attention
-from strata.model import Transformer
-from strata.resident import DECODE_T
-from strata.weight_only import WeightOnly
+from strata.weights.checkpoint import synthetic_tensors
+from strata.models.args import PRESETS, ModelArgs
+from strata.kernels.attention import decode_attention
+from strata.models.model import Transformer
+from strata.models.resident import DECODE_T
+from strata.models.weight_only import WeightOnly
 
 SMALL = ModelArgs(vocab_size=300, dim=128, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=192,
                   max_seq_len=4096)
@@ -57,7 +57,7 @@ def test_decode_path_matches_prefill_path(qkv_bias, kv_dtype):
 def test_bf16_cache_attention_close_to_widened(monkeypatch):
     """A bfloat16 cache read as is (bfloat16 GEMMs per kv head, float32 softmax; past BF16_ATTENTION_FROM
     positions) against the same cache widened for the float32 path: close, not the same bits."""
-    import strata.model as sm
+    import strata.models.model as sm
     monkeypatch.setattr(sm, "BF16_ATTENTION_FROM", 1)
     old, new = build(SMALL, 200, "bfloat16"), build(SMALL, 200, "bfloat16")
     ids = torch.randint(0, SMALL.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3))
@@ -112,7 +112,7 @@ def test_sliced_decode_matches_whole():
 
 def test_greedy_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from strata.checkpoint import model_args, slice_tensors
+    from strata.weights.checkpoint import model_args, slice_tensors
     torch.manual_seed(1)
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
@@ -206,8 +206,8 @@ def test_gguf_tensors_bit_exact_with_gguf_py():
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    from strata.gguf_loader import _decode, open_gguf
-    from strata.checkpoint import smollm2_path
+    from strata.weights.gguf_loader import _decode, open_gguf
+    from strata.weights.checkpoint import smollm2_path
     path = smollm2_path()
     reader = open_gguf(path)
     types = set()
@@ -226,7 +226,7 @@ def test_gguf_tensors_bit_exact_with_gguf_py():
 def test_graph_body_matches_decode_path(start, end):
     """DecodeGraphs' step body (bucketed cache with an additive mask, rope and cache write from a
     position tensor) equals the eager decode path, across bucket sizes and a cache of odd length."""
-    from strata.decode_graphs import DecodeGraphs
+    from strata.decode.graphs import DecodeGraphs
     eager, body = build(SMALL, 600, start=start, end=end), build(SMALL, 600, start=start, end=end)
     dg = DecodeGraphs(body)
     assert [dg.bucket(p) for p in (0, 255, 256, 511, 512, 599)] == [256, 256, 512, 512, 600, 600]
@@ -251,7 +251,7 @@ def test_graph_body_matches_decode_path(start, end):
 
 
 def test_load_stage_decode_weights():
-    from strata.checkpoint import load_stage, model_args
+    from strata.weights.checkpoint import load_stage, model_args
     args = model_args("synthetic:smoke")
     m = load_stage("synthetic:smoke", args, 0, 4, device="cpu", dtype=torch.float32, max_len=16, decode_weights="int8")
     assert m.decode_weights == "int8" and set(m._weight_only) == {"0", "1", "2", "3"}
@@ -288,7 +288,7 @@ def test_densify_resident_layers_same_bits():
 
 def test_decode_rope_table_same_bits_as_rope():
     """The CPU decode path's rope rows come from a table grown by doubling: the bits rope(pos, T) makes."""
-    from strata.attention import _signed_sin
+    from strata.kernels.attention import _signed_sin
     m = build(SMALL, 8)
     for dtype in (torch.float32, torch.bfloat16):
         for pos in (0, 1, 255, 256, 300, 4095, 70000):
@@ -301,9 +301,9 @@ def test_decode_rope_table_same_bits_as_rope():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_cache_widens_by_its_bits_to_the_cast(dtype):
-    """strata.attention.from_cache on a CPU e4m3 cache: the bits of torch's cast for every code but NaN, on a
+    """strata.kernels.attention.from_cache on a CPU e4m3 cache: the bits of torch's cast for every code but NaN, on a
     narrowed (non-contiguous) view as attention reads the prefix."""
-    from strata.attention import from_cache
+    from strata.kernels.attention import from_cache
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # S.1111.111 is e4m3fn's NaN, which to_cache never stores
     cache = codes.repeat(13)[: 2 * 192 * 8].view(1, 2, 192, 8).view(torch.float8_e4m3fn)  # every code, repeated
@@ -317,7 +317,7 @@ def test_fp8_cache_widens_by_its_bits_to_the_cast(dtype):
 def slotted_stages(d, args, prompts, **kw):
     """The model at d as two stages (layers [0, 2) and the rest), with a slot of 96 positions for each prompt,
     each prompt prefilled into its slot (also tests/test_gpu.py's, on CUDA)."""
-    from strata.checkpoint import load_stage
+    from strata.weights.checkpoint import load_stage
     s0, s1 = load_stage(d, args, 0, 2, max_len=96, **kw), load_stage(d, args, 2, args.n_layers, max_len=96, **kw)
     for s in (s0, s1):
         s.setup_cache(96, seqs=len(prompts))
@@ -336,7 +336,7 @@ def test_several_sequences_as_rows_match_each_step_alone(tmp_path, family):
     q/k norms, windows and their rope, sinks, experts and softcaps go through the same per-row attention; qwen3_5's
     linear layers step each row from its slot's states (GatedDeltaNet.mix_rows)."""
     from families_fixtures import make_hf
-    from strata.checkpoint import model_args
+    from strata.weights.checkpoint import model_args
     _, d = make_hf(tmp_path, family)
     args = model_args(d)
     g = torch.Generator().manual_seed(9)
@@ -372,7 +372,7 @@ def test_prefill_group_matches_each_chunk_alone(tmp_path, family):
     alone in its slot, its caches holding what the chunk alone writes, and the other slots' caches untouched.
     A hybrid model (qwen3_5) is refused in one line, nothing run."""
     from families_fixtures import make_hf
-    from strata.checkpoint import load_stage, model_args
+    from strata.weights.checkpoint import load_stage, model_args
     _, d = make_hf(tmp_path, family)
     args = model_args(d)
     if args.group_refusal() is not None:
@@ -411,7 +411,7 @@ def test_linear_states_a_slot_each(tmp_path, family):
     taken in turns across the slots, on two stages split inside the model, give every sequence the bits it gets
     alone in a one-slot model: each slot keeps its own recurrent states (and where they stand), as its own KV."""
     from families_fixtures import make_hf
-    from strata.checkpoint import load_stage, model_args
+    from strata.weights.checkpoint import load_stage, model_args
     _, d = make_hf(tmp_path, family)
     args = model_args(d)
     assert any(args.linear_layers)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.checkpoint import load_stage, model_args
-from strata.pipeline import Pipeline
-from strata.sampling import SamplingParams
+from strata.weights.checkpoint import load_stage, model_args
+from strata.head.pipeline import Pipeline
+from strata.text.sampling import SamplingParams
 
 MODEL, PROMPT, TOKENS = "synthetic:smoke", 40, 16
 

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from strata.args import PRESETS
-from strata.pipeline import Pipeline
-from strata.schedule import chunk_cost, chunk_schedule, pipeline_time, predicted_speedup
+from strata.models.args import PRESETS
+from strata.head.pipeline import Pipeline
+from strata.plan.schedule import chunk_cost, chunk_schedule, pipeline_time, predicted_speedup
 
 
 def test_dynamic_schedule_invariants():

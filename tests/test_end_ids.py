@@ -1,4 +1,4 @@
-"""A generation ends at any end token the model's files declare (strata.checkpoint.end_ids): an HF folder's
+"""A generation ends at any end token the model's files declare (strata.weights.checkpoint.end_ids): an HF folder's
 eos_token_id lists (config.json, generation_config.json: an instruct model's end of turn is often the second or
 third of them) and a GGUF's end-of-turn / end-of-message tokens, not only at the first eos id."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from families_fixtures import make_hf
-from strata.checkpoint import end_ids, model_args
-from strata.sampling import SamplingParams
+from strata.weights.checkpoint import end_ids, model_args
+from strata.text.sampling import SamplingParams
 
 
 def _greedy(model: str, tmp_path: Path, name: str, ids: list[int], n: int):
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     rig = dict(model=model, stages=[{"device": "cpu", "threads": 1}], chunk=16, max_context=64, progress=False,
                prompt={"random": {"tokens": 4, "seed": 0}})
     with Pipeline(rig, out=tmp_path / name, console=False) as p:
@@ -27,7 +27,7 @@ def test_an_hf_models_second_end_token_ends_its_answer(tmp_path):
     generation_config.json, the pipeline and the local engine stop before it ("stop", the first 3 tokens) and say
     which end ended it."""
     pytest.importorskip("transformers")
-    from strata.engine import LocalEngine
+    from strata.serve.engine import LocalEngine
     _, d = make_hf(tmp_path, "llama")
     cfg = json.loads((Path(d) / "config.json").read_text())
     vocab = cfg["vocab_size"]
@@ -116,7 +116,7 @@ def test_smollm2s_ends_are_llamacpps(tmp_path):
     file (its CPU build, ../shared/tools/llamacpp-peer.sh cpu; skipped where it is not built)."""
     import re
     import subprocess
-    from strata.checkpoint import smollm2_path
+    from strata.weights.checkpoint import smollm2_path
     exe = Path(__file__).resolve().parents[1] / ".peer" / "cpu" / "bin" / "llama-perplexity"
     if not exe.exists():
         pytest.skip("llama.cpp's CPU build is not here (../shared/tools/llamacpp-peer.sh cpu)")

@@ -10,9 +10,9 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import chained_prefill  # noqa: E402
 from families_fixtures import make_hf  # noqa: E402
-from strata.checkpoint import model_args, slice_tensors  # noqa: E402
-from strata.decode_graphs import GraphedDecode  # noqa: E402
-from strata.model import Transformer  # noqa: E402
+from strata.weights.checkpoint import model_args, slice_tensors  # noqa: E402
+from strata.decode.graphs import GraphedDecode  # noqa: E402
+from strata.models.model import Transformer  # noqa: E402
 
 PROMPT, CHUNK, NEW = 71, 13, 16  # 5 chunks of 13 and one of 6 (> DECODE_T: all prefill); windows are 16-24
 HF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn", "qwen3_moe", "mixtral", "glm4_moe",
@@ -299,8 +299,8 @@ def test_window_family_through_the_pipeline(tmp_path):
     kv_bytes are the ring's, not the prompt's); depth 0 and 1 give the same residual bits; the logits equal
     transformers'; a second prompt sharing a prefix the rings no longer hold is recomputed, not misread; each
     stage logs why its window layers take the band path."""
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     import numpy as np
     ref, d = make_hf(tmp_path, "mistral")
     args = model_args(d)
@@ -347,9 +347,9 @@ import sys, tempfile, torch
 from pathlib import Path
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from families_fixtures import make_hf
-from strata.decode_graphs import DecodeGraphs, covers
+from strata.decode.graphs import DecodeGraphs, covers
 from test_families import CHUNK, load_slices, rel
-from strata.checkpoint import model_args
+from strata.weights.checkpoint import model_args
 fam = sys.argv[2]
 over = {"gemma3": dict(query_pre_attn_scalar=24, final_logit_softcapping=1.5)}.get(fam, {})
 ref, d = make_hf(Path(tempfile.mkdtemp()), fam, **over)
@@ -466,8 +466,8 @@ def split_rig(model: str, depth: int, max_context: int) -> dict:
 def test_experts_through_the_pipeline(tmp_path):
     """qwen3_moe on 3 CPU stage processes, experts on every stage: depth 0 and 1 give the same residual bits, the
     last logits and the perplexity are transformers', and generate's greedy tokens too."""
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     import numpy as np
     ref, d = make_hf(tmp_path, "qwen3_moe")
     args = model_args(d)
@@ -491,8 +491,8 @@ def test_experts_through_the_pipeline(tmp_path):
 def test_gguf_experts_through_the_pipeline(converted, tmp_path):
     """The converter's glm4moe file on 3 CPU stage processes split [2, 1, 1] (its first layer dense: experts on every
     stage), an odd chunk: the last logits and the perplexity are transformers', and generate's greedy tokens too."""
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     import numpy as np
     ref, _, g = converted["glm4_moe"]
     ids = np.random.default_rng(4).integers(0, ref.config.vocab_size, size=90).astype(np.int32)
@@ -511,8 +511,8 @@ def test_hybrid_through_the_pipeline(tmp_path):
     """qwen3_5 on 3 CPU stage processes, linear layers on every stage: depth 0 and 1 give the same bits and
     transformers' logits; a second prompt that shares a prefix is recomputed (a state serves only where it stands),
     one that extends what the stages hold reuses it; decode continues from the state."""
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     import numpy as np
     ref, d = make_hf(tmp_path, "qwen3_5")
     args = model_args(d)
@@ -579,8 +579,8 @@ def test_gpu_experts_and_hybrid(tmp_path, fam):
 @pytest.mark.parametrize("fam", ["qwen3_5", "mistral", "gemma3"])
 def test_planner_counts_what_a_stage_holds(tmp_path, fam):
     """The planner's KV for a stage (window rings, linear-attention states) is what the loaded slice holds."""
-    from strata.checkpoint import load_stage
-    from strata.planner import stage_need
+    from strata.weights.checkpoint import load_stage
+    from strata.plan.planner import stage_need
     _, d = make_hf(tmp_path, fam)
     a = model_args(d)
     for lo, hi in three_way(a.n_layers):
@@ -610,8 +610,8 @@ def test_dynamic_ntk_matches_transformers(tmp_path):
     every position's logits and the NLL against transformers' one forward (the frequencies of the prompt's length,
     set_prompt_length), and 16 greedy tokens equal to transformers' cached generate (a step at p: p + 1's). Chunks
     that took their own end's length instead would not match; the decode graphs and the prefix cache decline."""
-    from strata.decode_graphs import covers
-    from strata.prefix_cache import supported
+    from strata.decode.graphs import covers
+    from strata.kvcache.prefix_cache import supported
     ref, d = make_hf(tmp_path, "llama", **DYNAMIC)
     args = model_args(d)
     assert args.rope_scaling == {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 48}
@@ -650,8 +650,8 @@ def test_dynamic_ntk_through_the_pipeline(tmp_path):
     last logits and 16 greedy tokens are transformers' (cached generate); a second prompt sharing the first's
     prefix is recomputed, not reused (its keys rotate by another length)."""
     import numpy as np
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     ref, d = make_hf(tmp_path, "llama", **DYNAMIC)
     args = model_args(d)
     ids = np.random.default_rng(4).integers(0, args.vocab_size, size=PROMPT).astype(np.int32)

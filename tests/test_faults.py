@@ -28,7 +28,7 @@ SLOW = dict(delay_s=0.12)  # every chunk takes a while: faults land mid-prefill,
 
 
 def _pipeline(tmp: Path, rig: dict, guard, name="run"):
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     p = Pipeline(rig, out=tmp / name, console=False)
     guard.run_ids.add(p.run_id)
     return p
@@ -37,7 +37,7 @@ def _pipeline(tmp: Path, rig: dict, guard, name="run"):
 def _prefill_fails(p, guard, stage: int) -> tuple[str, float, float]:
     """Start and prefill `p`, which must fail; returns the error, when close() returned (every stage
     joined, everything released) and when `stage` logged its injected failure."""
-    from strata.pipeline import PipelineError
+    from strata.head.pipeline import PipelineError
     with pytest.raises(PipelineError) as ei:
         with p:
             p.start()
@@ -108,7 +108,7 @@ def test_stage_fails_during_decode(tmp_path, guard, mode):
 
 @pytest.mark.parametrize("mode", ["raise", "kill", "hang"])
 def test_stage_fails_on_a_decode_step_that_came_by_bell(tmp_path, guard, mode):
-    """With decode doorbells (strata/bells.py, forced on these CPU stages) the notes of steps after the first
+    """With decode doorbells (strata/comm/bells.py, forced on these CPU stages) the notes of steps after the first
     never touch a socket: a stage failing on one (step 2) still fails the run naming it, within the same
     bound, and leaves nothing; a stage that hangs on it trips the stall watchdog."""
     over = dict(stall_timeout_s=3.0) if mode == "hang" else {}
@@ -130,7 +130,7 @@ def test_stage_fails_on_a_decode_step_that_came_by_bell(tmp_path, guard, mode):
 def test_middle_stage_killed_from_outside(tmp_path, guard):
     """The test SIGKILLs the middle stage once the head sees it start chunk 3. Its neighbours are
     left waiting on it (stage 0 for 'taken', stage 2 for input): the head's teardown ends them."""
-    from strata.pipeline import PipelineError
+    from strata.head.pipeline import PipelineError
     p = _pipeline(tmp_path, make_rig(3, debug=dict(delay_s=0.2)), guard)
     killed: dict = {}
 
@@ -174,7 +174,7 @@ def test_stage_hang_trips_watchdog(tmp_path, guard):
 
 def test_stage_never_ready_trips_ready_deadline(tmp_path, guard):
     """A stage that hangs while loading: the head's ready wait has a deadline too."""
-    from strata.pipeline import PipelineError
+    from strata.head.pipeline import PipelineError
     p = _pipeline(tmp_path, make_rig(2, ready_timeout_s=4.0,
                                      debug=dict(fail_stage=1, fail_phase="load", fail_mode="hang")), guard)
     t0 = time.monotonic()
@@ -264,7 +264,7 @@ def _dead_pid() -> int:
 
 
 def test_shm_sweep_early_unlink_and_private_ipc_dir(tmp_path, guard):
-    from strata import shm
+    from strata.comm import shm
     dead = _dead_pid()
     stale = SHM / f"strata-dead{os.getpid():x}-{dead}-b0"        # a crashed head's segment
     alive = SHM / f"strata-live{os.getpid():x}-{os.getpid()}-b0"  # a live head's: must be left alone
@@ -316,7 +316,7 @@ def test_shm_room_checked_before_start(tmp_path, guard, monkeypatch, capsys):
     from collections import namedtuple
 
     import launcher
-    from strata import shm
+    from strata.comm import shm
     usage = namedtuple("usage", "total used free")
     real = _shutil.disk_usage
     monkeypatch.setattr(shm.shutil, "disk_usage",
@@ -336,7 +336,7 @@ def test_shm_room_checked_before_start(tmp_path, guard, monkeypatch, capsys):
 
 def test_stage_raises_while_loading(tmp_path, guard):
     """A stage that fails before it is ready: its typed failure ends the head's ready wait."""
-    from strata.pipeline import PipelineError
+    from strata.head.pipeline import PipelineError
     p = _pipeline(tmp_path, make_rig(2, debug=dict(fail_stage=0, fail_phase="load", fail_mode="raise")), guard)
     with pytest.raises(PipelineError) as ei:
         with p:

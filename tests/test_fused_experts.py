@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import make_rig  # noqa: E402
 from families_fixtures import make_hf, make_hf_multimodal  # noqa: E402
-from strata.checkpoint import (ModelError, check_model_files, model_args, slice_tensors, stage_bytes,  # noqa: E402
+from strata.weights.checkpoint import (ModelError, check_model_files, model_args, slice_tensors, stage_bytes,  # noqa: E402
                               storage)
-from strata.model import Transformer  # noqa: E402
+from strata.models.model import Transformer  # noqa: E402
 from test_bad_input import refuse  # noqa: E402
 from test_families import PROMPT, check_against, load_slices, three_way  # noqa: E402
 

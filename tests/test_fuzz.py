@@ -17,7 +17,7 @@ import zmq
 
 from conftest import make_rig
 
-from strata import messages as M
+from strata.comm import messages as M
 
 STAGE_TAKES = ("chunk", "taken", "done", "end", "stop")
 PHASES = ("prefill", "decode")
@@ -254,7 +254,7 @@ def _fuzzed_prefill(p, expect: dict[int, int]):
 
 
 def test_fuzz_running_stages_and_head(tmp_path, guard):
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     rig = make_rig(2, tokens=512, chunk=64, dump_residual=True)
 
     with Pipeline(rig, out=tmp_path / "clean", console=False) as ref:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from strata.config import ConfigError
-from strata.pipeline import Pipeline
-from strata.sampling import SamplingParams
+from strata.head.pipeline import Pipeline
+from strata.text.sampling import SamplingParams
 
 STAGES = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
 DOC = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
@@ -68,7 +68,7 @@ def test_rig_key_max_context_is_checked_before_anything_starts(tmp_path):
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     pytest.importorskip("gguf")
-    from strata.checkpoint import smollm2_path
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -86,9 +86,9 @@ def smol(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local():
-    """The reference: the whole model in this process (strata.engine.LocalEngine), one thread like a stage."""
+    """The reference: the whole model in this process (strata.serve.engine.LocalEngine), one thread like a stage."""
     import torch
-    from strata.engine import LocalEngine
+    from strata.serve.engine import LocalEngine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -173,7 +173,7 @@ def test_stop_strings_cut_the_text(smol):
 def test_default_max_context_is_what_every_stage_can_hold():
     """Default max_context: the model's context, halved until each stage's KV + weights fit its memory."""
     from strata.config import from_dict
-    from strata.plan import build_plan
+    from strata.plan.plan import build_plan
     base = dict(model="synthetic:smoke", chunk=64, prompt={"random": {"tokens": 8, "seed": 0}}, progress=False)
     roomy = build_plan(from_dict({**base, "stages": STAGES}, env={}))
     assert roomy.max_len == roomy.args.max_seq_len == 65536
@@ -191,7 +191,7 @@ def test_default_max_context_is_what_every_stage_can_hold():
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=16),
                                     SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=16)])
 def test_decode_bells_give_the_notes_tokens(tmp_path, params):
-    """Decode steps announced on shared-memory bells (strata/bells.py; forced here on CPU stages, where they are
+    """Decode steps announced on shared-memory bells (strata/comm/bells.py; forced here on CPU stages, where they are
     off by default) give the tokens ZeroMQ notes give, greedy and sampled; every step after a phase's first
     went by bell, and a second generation on the same pipeline does too."""
     ids = random_ids(40, 5)
@@ -232,7 +232,7 @@ def test_decode_bells_stop_mid_answer_then_reuse(tmp_path):
 def test_decode_ahead_only_with_a_gpu_per_stage():
     """Launch-ahead (a stream parked on a bell) is asked for only when every stage has a GPU of its own: stages
     sharing a GPU would hold its time slices from each other; kernels.decode_ahead false turns it off."""
-    from strata import bells
+    from strata.comm import bells
     assert bells.ahead_wanted(["cuda:0", "cuda:1"], "auto")
     assert not bells.ahead_wanted(["cuda:0", "cuda:0"]) and not bells.ahead_wanted(["cuda:0", "cpu"])
     assert not bells.ahead_wanted(["cuda:0", "cuda:1"], False)
@@ -242,7 +242,7 @@ def test_bell_release_reads_as_the_step_queued_ahead():
     """A stage's release of the step it queued ahead rings its own bell as the hop above would: the queued
     step's copies find its position and a valid token, the wait (seq >= seen + 1) passes, the stage has seen that
     seq (it is not taken as a note), and the sender's next ring is the next seq, which is."""
-    from strata.bells import ARGMAX, POS, ROW, SEQ, Bells
+    from strata.comm.bells import ARGMAX, POS, ROW, SEQ, Bells
     words = np.zeros((3, ROW), dtype=np.int64)
     sender, stage = Bells(words), Bells(words)
     sender.ring(1, k=4, pos=700, argmax=-1, t0=1.5)

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from strata import checkpoint
-from strata.gguf_loader import gguf_model_args, gguf_slice_tensors
-from strata.model import Transformer
-from strata.tokenizer import Tokenizer
-from strata.checkpoint import ModelError
+from strata.weights import checkpoint
+from strata.weights.gguf_loader import gguf_model_args, gguf_slice_tensors
+from strata.models.model import Transformer
+from strata.text.tokenizer import Tokenizer
+from strata.weights.checkpoint import ModelError
 
 transformers = pytest.importorskip("transformers")
 
@@ -449,7 +449,7 @@ def test_llama3_rope_scaling_recognised_from_rope_freqs(tmp_path):
     p = _meta_only_gguf(tmp_path / "yarn.gguf", kv={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
                                                     "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32)})
     with pytest.raises(ModelError, match="yarn rope scaling lacks GGUF key llama.rope.scaling.original_context_length"):
-        gguf_model_args(p)  # YaRN is read (strata.rope), but not without the length it scales from
+        gguf_model_args(p)  # YaRN is read (strata.models.rope), but not without the length it scales from
     p = _meta_only_gguf(tmp_path / "yarn2.gguf", kv={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
                                                      "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32),
                                                      "llama.rope.scaling.original_context_length":

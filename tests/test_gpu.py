@@ -6,10 +6,10 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from strata.decode_graphs import GraphedDecode  # noqa: E402
-from strata.model import Transformer  # noqa: E402
-from strata.pipeline import Pipeline  # noqa: E402
-from strata.checkpoint import model_args, slice_tensors  # noqa: E402
+from strata.decode.graphs import GraphedDecode  # noqa: E402
+from strata.models.model import Transformer  # noqa: E402
+from strata.head.pipeline import Pipeline  # noqa: E402
+from strata.weights.checkpoint import model_args, slice_tensors  # noqa: E402
 
 MODEL = "synthetic:smoke-wide"
 
@@ -180,7 +180,7 @@ def test_cuda_graph_middle_slice_and_forward():
 def test_cuda_graph_resident_quantized_matches_eager():
     """Resident IQ3_S layers, head and embedding: the graph step (fused kernels on the blocks, the embedding
     row gathered and dequantized inside the replay) gives the eager decode path's residual, logits and argmax."""
-    from strata.checkpoint import load_stage
+    from strata.weights.checkpoint import load_stage
     model = "synthetic:smoke-wide@IQ3_S"
     args = model_args(model)
     ms = [load_stage(model, args, 0, args.n_layers, device="cuda:0", dtype=torch.bfloat16, weights="resident",
@@ -243,7 +243,7 @@ def test_rows_on_cuda_close_to_each_step_alone(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe", "qwen3_5"])
 def test_batch_graphs_close_to_each_step_alone(tmp_path, family):
-    """strata.batch_graphs on CUDA in bfloat16, through GraphedDecode as a stage holds it: batches of 3, 2 and 1
+    """strata.decode.batch_graphs on CUDA in bfloat16, through GraphedDecode as a stage holds it: batches of 3, 2 and 1
     sequences (3 padded to 4 rows; qwen3_moe with k 8: at most 2 rows a replay; qwen3_5's linear layers from each
     slot's states) replayed from graphs, each row
     within bf16 rounding of the eager step alone, the same argmax where that step's top two are apart; with
@@ -284,14 +284,14 @@ def test_batch_graphs_close_to_each_step_alone(tmp_path, family):
 
 @pytest.mark.parametrize("pool", [0, 640])
 def test_max_seqs_on_cuda_equals_alone(tmp_path, pool):
-    """max_seqs 3 on two stages of one GPU (decode batches from strata.batch_graphs' graphs), decode_batch steps:
+    """max_seqs 3 on two stages of one GPU (decode batches from strata.decode.batch_graphs' graphs), decode_batch steps:
     three sequences at once give each the greedy ids it gets alone, with two or more in flight together; with a
     KV pool (kv_pool 640) too, where alone each runs in the pool's first extent and together in three. (With rows,
     the default, a batch's bf16 products round apart from one row's, and a random model's near-flat logits let the
     greedy ids part: test_batch_graphs_close_to_each_step_alone holds those rows to bf16's rounding.)"""
     import threading
-    from strata.engine import PipelineEngine
-    from strata.sampling import SamplingParams
+    from strata.serve.engine import PipelineEngine
+    from strata.text.sampling import SamplingParams
     # prefix_reuse chunks: a prompt asked again restores only up to its cold schedule's chunk boundary (rows would
     # compute its last token alone on the decode path, rounded otherwise than the cold prefill's last chunk)
     eng = PipelineEngine(dict(model=MODEL, dtype="bfloat16", stages=[{"device": "cuda:0"}] * 2, chunk=64,
@@ -329,8 +329,8 @@ def test_prefill_group_on_cuda_close_to_each_chunk_alone():
     as close to its chunk alone in its slot as the same rows computed in two chunks instead of one are (bf16's
     rounding through 8 layers; on an H100 both were 0.05-0.06 at most, ~0.006 on average), and so is each last
     row's logits. A wrong slot, position or rope row would be O(1)."""
-    from strata.args import PRESETS
-    from strata.checkpoint import load_stage
+    from strata.models.args import PRESETS
+    from strata.weights.checkpoint import load_stage
     args = PRESETS["smoke-wide"]
 
     def load():
@@ -371,8 +371,8 @@ def test_resident_batch_rows_close_to_each_step_alone():
     mma-float, the default; counted), each within bf16 and int8-x rounding of its step alone on the dp4a kernels
     (kernels.gemv_rows dp4a). A wrong slot, position or row would be O(1)."""
     from test_batch_graphs import check_batches
-    from strata.args import PRESETS
-    from strata.checkpoint import load_stage
+    from strata.models.args import PRESETS
+    from strata.weights.checkpoint import load_stage
     from strata.config import KernelSpec
     from strata.quant import rows
     args = PRESETS["smoke-wide"]

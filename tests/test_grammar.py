@@ -1,4 +1,4 @@
-"""Structured output (strata/grammar.py, llguidance): the mask keeps a pick inside the grammar whatever the logits
+"""Structured output (strata/text/grammar.py, llguidance): the mask keeps a pick inside the grammar whatever the logits
 say, a greedy constrained answer through the server parses as the schema asks, and what cannot be enforced is
 refused in one line."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from strata.grammar import Constraint, GrammarError, json_grammar  # noqa: E402
-from strata.sampling import Sampler, SamplingParams  # noqa: E402
+from strata.text.grammar import Constraint, GrammarError, json_grammar  # noqa: E402
+from strata.text.sampling import Sampler, SamplingParams  # noqa: E402
 
 BOOL_SCHEMA = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"],
                "additionalProperties": False}
@@ -20,8 +20,8 @@ BOOL_SCHEMA = {"type": "object", "properties": {"answer": {"type": "boolean"}}, 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from strata.checkpoint import smollm2_path
-    from strata.tokenizer import Tokenizer
+    from strata.weights.checkpoint import smollm2_path
+    from strata.text.tokenizer import Tokenizer
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -102,7 +102,7 @@ def test_the_server_answers_in_the_schema(tokenizer, tmp_path, max_seqs):
     stages (max_seqs 2: the slot driver, its rows read for the mask): the content parses to the schema, finish
     reason stop; json_object: an object. A bad schema is a 400 naming it."""
     openai = pytest.importorskip("openai")
-    from strata.engine import PipelineEngine
+    from strata.serve.engine import PipelineEngine
     from test_server import Running
     eng = PipelineEngine(dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, chunk=64,
                               max_context=512, progress=False, max_seqs=max_seqs), out=tmp_path / "o")

@@ -31,7 +31,7 @@ def imported(name: str, is_package: bool, tree: ast.AST, known: set[str]) -> set
         else:
             continue
         for t in targets:
-            while t and t not in known:  # `import strata.attention` names strata.attention; a.b.c of a non-module: a.b
+            while t and t not in known:  # `import strata.kernels.attention` names strata.kernels.attention; a.b.c of a non-module: a.b
                 t = t.rpartition(".")[0]
             if t and t != name:
                 out.add(t)
@@ -78,9 +78,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_both_kinds_of_import():
     """The checker reads top-level and function-level imports, relative and absolute (else it passes vacuously)."""
     g = import_graph()
-    assert "strata.model" in g["strata.decode_graphs"]  # top level, relative
+    assert "strata.models.model" in g["strata.decode.graphs"]  # top level, relative
     assert "workers.bootstrap" in g["workers.join"]  # inside main(), relative
-    assert "strata.attention" in g["workers.load"]  # `import strata.attention`
+    assert "strata.kernels.attention" in g["workers.load"]  # `import strata.kernels.attention`
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -169,7 +169,10 @@ B16, F16, F32, I8, I32, I64 = "*bf16", "*fp16", "*fp32", "*i8", "i32", "*i64"
 
 
 def _kernel_cases():
-    from strata import decode_attention as da, decode_gemv as dg, decode_kernels as dk, kernels as k
+    from strata.kernels import decode_attention as da
+    from strata.kernels import decode_gemv as dg
+    from strata.kernels import decode_kernels as dk
+    from strata.kernels import fused as k
     ints = lambda *names: {n: I32 for n in names}  # noqa: E731
     cases = {
         "lse_merge": (k._lse_merge_kernel, {"op": B16, "os_": B16, "lp": F32, "ls": F32, "out": B16,
@@ -279,7 +282,7 @@ def test_split_k_q8_int8_arm_compiles_for_sm90(hd, g, int8, block, stages):
     gives them (without that the values load byte by byte). PTX off (the interpreter's emulation) compiles too,
     without the asm. Also a tile of 128 keys with 2 stages (bench/splitk.py's sweep). No byte-wise shared-memory
     loads: the asm widens V in its load's layout (were it marked pure, Triton would gather its bytes one at a
-    time after converting V's int8 tile to the dot's layout: strata/decode_attention.py's _widen_f16)."""
+    time after converting V's int8 tile to the dot's layout: strata/kernels/decode_attention.py's _widen_f16)."""
     fn, sig, constexprs = _kernel_cases()["split_k_partial_q8"]
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in (

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata.checkpoint import model_args
-from strata.kv_file import KvFileError
-from strata.pipeline import Pipeline
-from strata.sampling import SamplingParams
-from strata.shm import SHM_DIR
+from strata.weights.checkpoint import model_args
+from strata.kvcache.kv_file import KvFileError
+from strata.head.pipeline import Pipeline
+from strata.text.sampling import SamplingParams
+from strata.comm.shm import SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
@@ -23,12 +23,12 @@ STAGES = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
 def docs():
     """Two documents of 768 tokens (3 blocks, 3 chunks of 256) and a question, as SmolLM2 ids."""
     pytest.importorskip("gguf")
-    from strata.checkpoint import smollm2_path
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
         pytest.skip(str(e))
-    from strata.tokenizer import Tokenizer
+    from strata.text.tokenizer import Tokenizer
     import inspect
     import typing
     tok = Tokenizer.for_model("smollm2")
@@ -168,7 +168,7 @@ def test_kv_file_refusals_through_the_api(tmp_path):
 def test_local_engine_kv_file_round_trip_and_from_a_pipeline(tmp_path):
     """The single-process engine writes and reads the same format: its own file in a fresh engine, and a
     pipeline's file of the same model and rig, give the cold engine's greedy tokens."""
-    from strata.engine import LocalEngine
+    from strata.serve.engine import LocalEngine
     model = "synthetic:smoke"
     ids = list(np.random.default_rng(2).integers(0, model_args(model).vocab_size, 150))
     greedy = SamplingParams(max_tokens=6)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from strata.errors import ConfigError
-from strata.slots import Extents
+from strata.head.slots import Extents
 
 
 def test_extents_first_fit_merge_and_refuse_a_double_free():
@@ -29,10 +29,10 @@ def test_extents_first_fit_merge_and_refuse_a_double_free():
 
 
 def _small(pool: int):
-    from strata.checkpoint import synthetic_tensors
+    from strata.weights.checkpoint import synthetic_tensors
     from test_decode_model import SMALL
     with torch.device("meta"):
-        from strata.model import Transformer
+        from strata.models.model import Transformer
         m = Transformer(SMALL)
     m.load_weights(synthetic_tensors(SMALL, 0, SMALL.n_layers, "cpu", torch.float32, seed=4), "cpu", torch.float32)
     m.setup_cache(128, seqs=3, pool=pool)
@@ -84,8 +84,8 @@ _PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
 
 
 def _generate(rig: dict, out, together: bool, limits) -> tuple[list[list[int]], object]:
-    from strata.engine import PipelineEngine
-    from strata.sampling import SamplingParams
+    from strata.serve.engine import PipelineEngine
+    from strata.text.sampling import SamplingParams
     eng = PipelineEngine(rig, out=out)
     try:
         got: dict[int, list[int]] = {}
@@ -113,7 +113,7 @@ def test_a_pool_smaller_than_the_slots_serves_each_as_alone(tmp_path, decode_wei
     once, one of them a 4-chunk document, get each the ids it gets alone without a pool, on the C decoder (SmolLM2's
     blocks, 2 stages) and on torch's rows (1 stage). Their extents (64 a short one, 320 the document's) did not all
     fit at once: one waited, and the pool was never over-full."""
-    from strata.checkpoint import smollm2_path
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -136,7 +136,7 @@ def test_kv_pool_counts_in_the_plan_and_refusals(tmp_path):
     """The plan counts the pool's positions once for all slots (a stage's KV is a fifth of the 4 slots' 1,280 here),
     and the refusals are one line each, before any stage starts."""
     from strata.config import from_dict
-    from strata.plan import build_plan
+    from strata.plan.plan import build_plan
     base = dict(model="synthetic:smoke", stages=[{"device": "cpu", "memory": 2 << 30}], max_context=320,
                 prompt={"random": {"tokens": 8, "seed": 0}}, progress=False, max_seqs=4)
     slots = build_plan(from_dict(base)).planner["needs"][0]["kv_cache"]
@@ -152,7 +152,7 @@ def test_kv_pool_counts_in_the_plan_and_refusals(tmp_path):
 
 
 def test_a_span_is_checked_on_the_wire():
-    from strata import messages as M
+    from strata.comm import messages as M
     chunk = dict(k=0, pos=0, n=4, phase="prefill", t0=0.0, tokens=9, score=-1, slot=1)
     M.encode(M.Chunk(**chunk, span=[64, 128]))
     for bad in ([1], [-1, 4], [1, 2, 3], ["a", 2]):
@@ -165,9 +165,9 @@ def test_a_document_restored_into_an_extent_answers_as_cold(tmp_path):
     pool's first gap is taken by a short request running beside it the second time) give the cold answer."""
     import inspect
     import typing
-    from strata.checkpoint import smollm2_path
-    from strata.engine import PipelineEngine
-    from strata.sampling import SamplingParams
+    from strata.weights.checkpoint import smollm2_path
+    from strata.serve.engine import PipelineEngine
+    from strata.text.sampling import SamplingParams
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -199,7 +199,7 @@ def test_kv_pool_auto_takes_what_the_memory_leaves(tmp_path):
     """kv_pool auto: an uncapped stage's pool is the slots' own max_seqs x max_context; a capped one's, max_context
     plus nine tenths of what its cap leaves over a position's bytes, in steps of 64, and the stage still fits."""
     from strata.config import from_dict
-    from strata.plan import build_plan
+    from strata.plan.plan import build_plan
     base = dict(model="synthetic:smoke", stages=[{"device": "cpu", "memory": 2 << 30}], max_context=320,
                 prompt={"random": {"tokens": 8, "seed": 0}}, progress=False, max_seqs=4)
     assert build_plan(from_dict({**base, "kv_pool": "auto"})).kv_pool == 1280
@@ -222,10 +222,10 @@ def test_a_kv_file_loads_into_an_extent(tmp_path):
     import typing
 
     import numpy as np
-    from strata.checkpoint import smollm2_path
-    from strata.engine import PipelineEngine
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.weights.checkpoint import smollm2_path
+    from strata.serve.engine import PipelineEngine
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -255,7 +255,7 @@ def test_a_refusal_for_many_sequences_suggests_a_pool(tmp_path):
     """16 sequences of 32,768 positions that the stage's memory cannot hold as slots: the refusal names kv_pool
     auto, and with it the plan fits, its pool between one max_context and the slots' 16."""
     from strata.config import from_dict
-    from strata.plan import build_plan
+    from strata.plan.plan import build_plan
     base = dict(model="synthetic:smoke", stages=[{"device": "cpu", "memory": 600 << 20}], max_context=32768,
                 prompt={"random": {"tokens": 8, "seed": 0}}, progress=False, max_seqs=16)
     with pytest.raises(ConfigError, match=r"; would fit: kv_pool auto \(the sequences' KV in one pool"):

@@ -1,4 +1,4 @@
-"""kv_dtype q8_0: llama.cpp's q8_0 quantization as the KV cache (strata.attention.to_q8_0 / from_q8_0) against gguf-py's
+"""kv_dtype q8_0: llama.cpp's q8_0 quantization as the KV cache (strata.kernels.attention.to_q8_0 / from_q8_0) against gguf-py's
 own quantizer, the Triton kernels that write and read it (interpreted on CPU), a pipeline's depth arms on it, and
 its bytes in the planner."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.attention import Q8_0, cache_width, from_cache, from_q8_0, kv_dtype_of, kv_value_bytes, to_cache, to_q8_0
+from strata.kernels.attention import Q8_0, cache_width, from_cache, from_q8_0, kv_dtype_of, kv_value_bytes, to_cache, to_q8_0
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -63,10 +63,10 @@ def test_q8_0_cache_dispatch_and_sizes():
 KERNELS = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata.attention import _signed_sin, from_q8_0, rope_rows, to_q8_0
-from strata.decode_attention import SplitKAttention
-from strata.decode_kernels import rope_store
-from strata.kernels import q8_0_widen
+from strata.kernels.attention import _signed_sin, from_q8_0, rope_rows, to_q8_0
+from strata.kernels.decode_attention import SplitKAttention
+from strata.kernels.decode_kernels import rope_store
+from strata.kernels.fused import q8_0_widen
 g = torch.Generator().manual_seed(11)
 for hd in (64, 128):
     nh, nkv, S, pos = 4, 2, 40, 17
@@ -117,9 +117,9 @@ def test_q8_0_kernels_interpreted():
 GRAPH_BODY = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata.attention import Q8_0
-from strata.decode_graphs import DecodeGraphs
-from strata.args import ModelArgs
+from strata.kernels.attention import Q8_0
+from strata.decode.graphs import DecodeGraphs
+from strata.models.args import ModelArgs
 from tests.test_decode_model import SMALL, build, rel
 args = ModelArgs(**{**SMALL.__dict__, "n_heads": 4, "head_dim": 32})  # q8_0: blocks of 32 values a row
 eager, body = build(args, 600, "q8_0"), build(args, 600, "q8_0")
@@ -138,7 +138,7 @@ with torch.inference_mode():
         assert rel(h, a) < 1e-5, (p, rel(h, a))
     # kernels.q8_attention reaches the graphs' split-K: int8x2 (the query in int8 dots) close to the eager path
     # an int8 arm that Triton cannot build gives way to widen for the slice, and says why
-    import strata.decode_attention as da
+    import strata.kernels.decode_attention as da
     real = da.SplitKAttention.probe
     def refuse(self, *a):
         raise RuntimeError("no int8 dots here")
@@ -172,12 +172,12 @@ def test_q8_0_graph_body_interpreted_matches_eager():
 
 
 # -- kernels.q8_attention int8: the query rounded to int8 per 32 dims, scores on int8 tensor cores, V widened to
-# float16 by byte permutes (strata/decode_attention.py) --------------------------------------------------------------
+# float16 by byte permutes (strata/kernels/decode_attention.py) --------------------------------------------------------------
 if importlib.util.find_spec("triton") is not None:
     import triton
     import triton.language as tl
 
-    from strata.decode_attention import _widen_f16
+    from strata.kernels.decode_attention import _widen_f16
 
     @triton.jit
     def _widen_probe(x_ptr, d_ptr, out_ptr, n, BLOCK: tl.constexpr, PTX: tl.constexpr):
@@ -226,8 +226,8 @@ def test_q8_0_int8_arm_widens_v_to_from_q8_0s_bits_interpreted():
 INT8_ACCURACY = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata.attention import from_q8_0, to_q8_0
-from strata.decode_attention import SplitKAttention
+from strata.kernels.attention import from_q8_0, to_q8_0
+from strata.kernels.decode_attention import SplitKAttention
 g = torch.Generator().manual_seed(21)
 rel = lambda a, b: float((a.double() - b).norm() / b.norm())
 out = []
@@ -301,7 +301,7 @@ def test_q8_0_int8_arms_accuracy_interpreted():
 
 
 def test_q8_0_pipeline_depth_arms_identical_and_close_to_float32(tmp_path):
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
     got = {}
     for kv, depth in (("auto", 1), ("q8_0", 0), ("q8_0", 1)):
@@ -319,12 +319,12 @@ def test_q8_0_pipeline_depth_arms_identical_and_close_to_float32(tmp_path):
 
 def test_q8_0_refused_for_a_head_dim_not_of_whole_blocks(tmp_path, monkeypatch):
     import dataclasses
-    import strata.plan
-    from strata.checkpoint import model_args
+    import strata.plan.plan
+    from strata.weights.checkpoint import model_args
     from strata.config import ConfigError
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     narrow = dataclasses.replace(model_args("synthetic:smoke"), head_dim=16)
-    monkeypatch.setattr(strata.plan, "model_args", lambda spec: narrow)
+    monkeypatch.setattr(strata.plan.plan, "model_args", lambda spec: narrow)
     cfg = dict(model="synthetic:smoke", kv_dtype="q8_0", progress=False, prompt={"random": {"tokens": 8, "seed": 0}})
     with pytest.raises(ConfigError, match=r"^kv_dtype: q8_0 caches blocks of 32 values; this model's head dim is 16 "):
         Pipeline(cfg, out=tmp_path / "o", console=False)
@@ -332,7 +332,7 @@ def test_q8_0_refused_for_a_head_dim_not_of_whole_blocks(tmp_path, monkeypatch):
 
 
 def test_q8_0_bytes_in_the_planner():
-    from strata.checkpoint import model_args, stage_bytes
+    from strata.weights.checkpoint import model_args, stage_bytes
     args = model_args("synthetic:smoke")
     kv = {k: stage_bytes("synthetic:smoke", args, 0, 4, torch.float32, "auto", k, 1024)[2]
           for k in ("q8_0", "float8_e4m3fn")}
@@ -346,7 +346,7 @@ def test_q8_0_on_cuda_widen_and_split_k():
     """On the GPU: the prefill's widening kernel gives from_q8_0's CPU values (bfloat16: the float32 product rounded
     once), split-K on the blocks is close to float64 attention on the dequantized cache (8B shapes), and the fused
     store writes to_q8_0's bytes for float32 rows."""
-    from strata.decode_attention import SplitKAttention
+    from strata.kernels.decode_attention import SplitKAttention
     g = torch.Generator().manual_seed(8)
     nkv, grp, hd = 8, 4, 128
     for S, n in [(2048, 1500), (32768, 32768)]:
@@ -371,7 +371,7 @@ def test_q8_0_int8_arms_on_cuda_8b_shapes_and_graph():
     int8 and int8x2 arms at 8B shapes (8 kv heads of 4 rows, head dim 128, bfloat16 q) are close to float64 attention
     over the dequantized cache and to the widen arm, over 1,500 of 2,048 keys (a partial tile) and 32,768; a CUDA
     graph captured once replays each arm at other lengths and queries with the eager call's bits."""
-    from strata.decode_attention import SplitKAttention
+    from strata.kernels.decode_attention import SplitKAttention
     x, d, want = _widen_cases("cuda")
     out = torch.empty_like(d)
     _widen_probe[(-(-x.numel() // 1024),)](x, d, out, x.numel(), BLOCK=1024, PTX=True)
@@ -412,9 +412,9 @@ def test_prefix_widened_in_blocks_equals_whole(kv, monkeypatch):
     """An 8-bit cache's prefill attention widens the prefix `block` positions at a time (merged by their
     log-sum-exps): the same attention as over the whole prefix widened, in float32 to rounding; and a model's
     chunked prefill through it, past a block (setup_cache's prefix_block), gives the same residual."""
-    import strata.attention as A
-    import strata.model as M
-    from strata.args import ModelArgs
+    import strata.kernels.attention as A
+    import strata.models.model as M
+    from strata.models.args import ModelArgs
     from tests.test_decode_model import SMALL, build, rel
     g = torch.Generator().manual_seed(5)
     nh, nkv, hd, pos, T = 4, 2, 64, 300, 40
@@ -447,7 +447,7 @@ def test_prefix_blocks_on_cuda_flash_remainder(monkeypatch):
     """On CUDA the last, partial block of a widened prefix goes to torch's flash kernel (its query heads packed as
     rows of their kv head), the full blocks to cuDNN: both remainder kernels give the whole prefix's attention, in
     bfloat16, to its rounding."""
-    import strata.attention as A
+    import strata.kernels.attention as A
     g = torch.Generator().manual_seed(6)
     nh, nkv, hd, T = 16, 4, 128, 96
     monkeypatch.setattr(A, "PREFIX_BLOCK", 1024)

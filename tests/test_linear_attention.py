@@ -1,10 +1,10 @@
-"""The gated delta rule's forms against its token-by-token reference (strata.linear_attention): the chunked form at
+"""The gated delta rule's forms against its token-by-token reference (strata.models.linear_attention): the chunked form at
 odd lengths around its 64-token blocks, from a nonzero state, value heads sharing q/k heads; prefill split at odd
 boundaries equals one pass; on CUDA, fla-core's kernel against the chunked torch form."""
 import pytest
 import torch
 
-from strata.linear_attention import gated_delta_rule
+from strata.models.linear_attention import gated_delta_rule
 
 LENGTHS = (1, 5, 63, 64, 65, 130, 200)
 
@@ -116,7 +116,7 @@ def test_gpu_fla_matches_chunked(T, dtype, tol):
 def test_gpu_default_form_is_fla_for_16_bit():
     """With fla importable, a bfloat16 prefill takes it; float32 stays on the torch form (TF32 would not do)."""
     pytest.importorskip("fla.ops.gated_delta_rule")
-    from strata.linear_attention import _fla_serves
+    from strata.models.linear_attention import _fla_serves
     q = torch.zeros(3, 1, 8, device="cuda")
     assert _fla_serves(q.bfloat16()) and not _fla_serves(q) and not _fla_serves(q.cpu().bfloat16())
 
@@ -160,8 +160,8 @@ def qwen3_5_model(tmp_path) -> str:
 
 def qwen3_5_slices(d: str, device: str, dtype=torch.float32):
     """The model as 3 slices, and a prompt on `device`."""
-    from strata.checkpoint import model_args, slice_tensors
-    from strata.model import Transformer
+    from strata.weights.checkpoint import model_args, slice_tensors
+    from strata.models.model import Transformer
     args = model_args(d)
     slices = []
     for a, b in [(0, 1), (1, args.n_layers - 1), (args.n_layers - 1, args.n_layers)]:
@@ -183,7 +183,7 @@ def test_model_chunked_prefill_equals_token_loop(tmp_path, monkeypatch, chunk):
     """On CPU, prefill in odd chunks by the chunked form gives the token loop's one-pass logits; and in chunks of
     whole 64-token blocks, where nothing is padded (the strided v of the convolution's output reaches the blocks
     as it is: a view of it failed once)."""
-    import strata.linear_attention as la
+    import strata.models.linear_attention as la
     slices, ids = qwen3_5_slices(qwen3_5_model(tmp_path), "cpu")
     got = prefill_logits(slices, ids, chunk)
     loop = la.gated_delta_rule
@@ -197,7 +197,7 @@ def test_model_chunked_prefill_equals_token_loop(tmp_path, monkeypatch, chunk):
 def test_gpu_model_prefill_against_cpu(tmp_path, monkeypatch):
     """On CUDA, prefill in odd chunks: float32 (the torch chunked form) within 1e-5 of the CPU path; bfloat16
     (fla's kernel) within 2e-2, and within bf16's reach of the same bfloat16 model on the torch form."""
-    import strata.linear_attention as la
+    import strata.models.linear_attention as la
     d = qwen3_5_model(tmp_path)
     cpu, ids = qwen3_5_slices(d, "cpu")
     want = prefill_logits(cpu, ids, PROMPT)

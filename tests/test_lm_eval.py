@@ -103,7 +103,7 @@ def _split(tok, context: str, continuation: str) -> tuple[list[int], int]:
 def test_lm_eval_local_completions_loglikelihood_gives_the_cli_scores(smollm2_server, tmp_path):
     transformers = pytest.importorskip("transformers")  # the HF tokenizer folder lm-eval loads is saved with it
     from families_fixtures import smollm2_tokenizer_dir
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     s, eng = smollm2_server
     tokenizer_dir = smollm2_tokenizer_dir()
     hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import chained_prefill
-from strata.args import PRESETS
-from strata.checkpoint import load_stage, model_args
+from strata.models.args import PRESETS
+from strata.weights.checkpoint import load_stage, model_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,8 +98,8 @@ def test_file_read_back_and_run(tmp_path):
 
 def test_synthetic_hybrid_runs():
     """synthetic weights for the linear layers (A_log = log U(1, 16), dt_bias 1): finite logits in bfloat16."""
-    from strata.checkpoint import synthetic_tensors
-    from strata.model import Transformer
+    from strata.weights.checkpoint import synthetic_tensors
+    from strata.models.model import Transformer
     args = small()
     t = Transformer(args, 0, args.n_layers)
     t.load_weights(synthetic_tensors(args, 0, args.n_layers, "cpu", torch.bfloat16, 0), "cpu", torch.bfloat16)

@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from conftest import chained_prefill
-from strata.model import Transformer
-from strata.checkpoint import ModelError, model_args, slice_tensors
+from strata.models.model import Transformer
+from strata.weights.checkpoint import ModelError, model_args, slice_tensors
 
 
 def make_tiny(tmp_path, arch: str, seed: int = 1, **extra):

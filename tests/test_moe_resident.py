@@ -1,4 +1,4 @@
-"""Experts kept as stored (GGUF blocks, strata.resident.ResidentExperts): the same results as the same blocks
+"""Experts kept as stored (GGUF blocks, strata.models.resident.ResidentExperts): the same results as the same blocks
 dequantized at load, in prefill (a few groups of experts, each one grouped GEMM) and decode (only the chosen
 experts' blocks); the planner's bytes are the loaded stage's."""
 import os
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata.args import PRESETS
-from strata.checkpoint import load_stage, model_args, slice_tensors, stage_bytes
-from strata.decode_graphs import GraphedDecode
-from strata.model import Transformer
-from strata import resident
+from strata.models.args import PRESETS
+from strata.weights.checkpoint import load_stage, model_args, slice_tensors, stage_bytes
+from strata.decode.graphs import GraphedDecode
+from strata.models.model import Transformer
+from strata.models import resident
 
 from test_families import CHUNK, HF_OVERRIDES, chained_prefill, make_hf, rel, three_way
 
@@ -104,9 +104,9 @@ def test_converted_q8_0_experts_resident(converted_q8, fam):
 FUSED = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata.args import PRESETS
-from strata.checkpoint import load_stage
-from strata.decode_graphs import DecodeGraphs, covers
+from strata.models.args import PRESETS
+from strata.weights.checkpoint import load_stage
+from strata.decode.graphs import DecodeGraphs, covers
 args = PRESETS["smoke-moe"]
 # two layers (with the embedding): the first one's experts weighed in the second's norm launch (the graph body)
 load = lambda: load_stage("synthetic:smoke-moe@" + sys.argv[2], args, 0, 2, device="cpu", dtype=torch.float32,
@@ -228,7 +228,7 @@ def test_gpu_experts_kernel():
 ROUTER = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from strata import kernels
+from strata.kernels import fused as kernels
 dev = sys.argv[2]
 g = torch.Generator().manual_seed(0)
 for n, k, chosen, renorm in ((128, 8, False, True), (128, 8, False, False), (32, 4, True, False), (60, 3, False, True)):
@@ -279,10 +279,10 @@ print("ok")
 
 
 def test_router_kernel_interpreted():
-    """strata.kernels.route (a decode step's softmax router in one launch) under Triton's interpreter against the
+    """strata.kernels.fused.route (a decode step's softmax router in one launch) under Triton's interpreter against the
     torch path's ops: the same experts, the same weights (Qwen3-MoE's renormalized top 8 of 128, Mixtral-like
     without renormalization, gpt-oss's softmax over its chosen 4, which rounds like the torch path's bf16); and
-    strata.kernels.weigh (the experts' weighted sum) against the float32 bmm it replaces."""
+    strata.kernels.fused.weigh (the experts' weighted sum) against the float32 bmm it replaces."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", ROUTER, str(ROOT), "cpu"], env=env, capture_output=True, text=True,

@@ -42,7 +42,7 @@ def _gpu_pids() -> set[int]:
 
 
 def test_two_gpus_identical_arms_and_reference(tmp_path):
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     reports, logits = {}, {}
     for depth in (0, 1):
         with Pipeline(_rig(depth=depth), out=tmp_path / f"d{depth}", console=False) as p:
@@ -63,7 +63,7 @@ def test_two_gpus_identical_arms_and_reference(tmp_path):
 def test_handoff_copy_share_8b(tmp_path):
     """The hand-off copy is at most 1% of the stages' work at the size the design is for: the 8B shape, a long
     prompt (the smoke model's chunks are a few ms of launches, so any copy is a large share of them)."""
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     rig = _rig(model="synthetic:llama-3-8b", chunk=10240, dump_residual=False, depth=1,
                prompt={"random": {"tokens": 122880, "seed": 0}})
     with Pipeline(rig, out=tmp_path / "8b", console=False) as p:
@@ -76,7 +76,7 @@ def test_handoff_copy_share_8b(tmp_path):
 
 
 def test_auto_stages_one_per_gpu(tmp_path):
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     with Pipeline(_rig(stages="auto", dump_residual=False, prompt={"random": {"tokens": 2048, "seed": 0}}),
                   out=tmp_path / "auto", console=False) as p:
         assert [s.device for s in p.plan.stages] == [f"cuda:{i}" for i in range(N_GPUS)]
@@ -88,7 +88,7 @@ def test_sigkill_of_a_cuda_stage(tmp_path):
     """The second GPU's stage is SIGKILLed from outside mid-prefill: the run fails naming it within
     5 s, and no process of the run, no GPU memory of its pids and no segment of it is left."""
     from strata.errors import PipelineError
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     rig = _rig(dump_residual=False, prompt={"random": {"tokens": 65536, "seed": 0}}, chunk=512,
                debug={"delay_s": 0.05})
     killed: dict = {}
@@ -115,12 +115,12 @@ def test_sigkill_of_a_cuda_stage(tmp_path):
 
 
 def test_decode_launch_ahead_gives_the_host_launched_tokens(tmp_path):
-    """Decode steps queued ahead behind a GPU-side wait on each stage's bell (strata/stream_wait.py, on by default
+    """Decode steps queued ahead behind a GPU-side wait on each stage's bell (strata/comm/stream_wait.py, on by default
     with a GPU per stage) give the tokens of steps the host launches (kernels.decode_ahead: false), bit for bit:
     greedy, an answer stopped mid-way (its queued steps released), sampled, the same prompt again on the reused
     KV, and a prompt that continues the answer."""
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     ids = np.random.default_rng(21).integers(0, 512, size=700).astype(np.int32)
     runs = {}
     for ahead in ("auto", False):

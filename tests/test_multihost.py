@@ -1,4 +1,4 @@
-"""Stages on several hosts, on one machine: network namespaces joined by a bridge (strata/netns.py),
+"""Stages on several hosts, on one machine: network namespaces joined by a bridge (strata/comm/netns.py),
 one CPU stage in each, the head in the first (so every packet stays inside the namespaces), remote
 stages started through `remote_command: ip netns exec {host} ...` or by hand from the printed command.
 
@@ -27,7 +27,7 @@ import pytest
 from conftest import (PYTHON, REPO, Launched, Proc, log_time, make_rig, ready_count, segments, stage_pids, wait_gone,
                       write_rig)
 
-from strata import netns as NS
+from strata.comm import netns as NS
 
 HEARTBEAT = dict(heartbeat_s=0.5, heartbeat_timeout_s=3.0)
 EXIT_WITHIN = 10.0
@@ -113,7 +113,7 @@ _REFERENCE: dict[str, dict] = {}
 
 def _reference(tmp: Path, rig: dict, name: str) -> dict:
     """The single-host run's report (same rig, every stage here); once per rig and module."""
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     local = _single_host(rig)
     local.pop("debug", None)  # delays change nothing computed
     key = json.dumps(local, sort_keys=True)
@@ -286,7 +286,7 @@ print("done", time.time())
 
 
 def test_connections_without_the_key_are_refused_and_counted(tmp_path, ns):
-    from strata import messages as M
+    from strata.comm import messages as M
     rig = _rig(ns, debug={"delay_s": 0.7})
     want = _reference_md5(tmp_path, rig, "local")
     run = _launch(ns, tmp_path, rig)
@@ -347,7 +347,7 @@ def test_remote_stage_over_loopback(tmp_path):
     """Runs anywhere (no root): stage 1 is "remote" on this machine, over 127.0.0.1 with CurveZMQ,
     started by a remote_command without ssh; same md5 as the single-host run. A remote_command that
     fails fails the run naming the stage and its host."""
-    from strata.pipeline import Pipeline, PipelineError
+    from strata.head.pipeline import Pipeline, PipelineError
     rig = make_rig(2, dump_residual=True, listen="127.0.0.1", **HEARTBEAT,
                    remote_command="{python} -m workers.join --join {join} --key {key}")
     rig["stages"][1]["host"] = "loopback"

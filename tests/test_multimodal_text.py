@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import make_rig  # noqa: E402
 from families_fixtures import make_hf, make_hf_multimodal  # noqa: E402
-from strata.checkpoint import ModelError, check_model_files, model_args  # noqa: E402
+from strata.weights.checkpoint import ModelError, check_model_files, model_args  # noqa: E402
 from test_bad_input import refuse  # noqa: E402
 from test_families import PROMPT, check_against, load_slices, three_way  # noqa: E402
 
@@ -136,7 +136,7 @@ def test_gemma3_sparse_text_config(tmp_path):
 
 def test_gemma3_defaults_are_transformers():
     """The defaults Strata fills into a gemma3 text config are Gemma3TextConfig's."""
-    from strata.families import _GEMMA3_DEFAULTS
+    from strata.models.families import _GEMMA3_DEFAULTS
     c = transformers.Gemma3TextConfig()
     rope = c.rope_parameters
     got = {**{k: getattr(c, k) for k in _GEMMA3_DEFAULTS if hasattr(c, k)},
@@ -193,7 +193,7 @@ def test_qwen35_layer_types_from_the_interval(family):
     """A Qwen3.5 config without layer_types: its layers from full_attention_interval (default 4) as transformers
     derives them; an interval that is not a positive integer refused in one line."""
     from strata.errors import ModelError
-    from strata.families import hf_args
+    from strata.models.families import hf_args
     from families_fixtures import _family_spec
     cls, model_cls, kw = _family_spec(family)
     kw = {k: v for k, v in kw.items() if k != "layer_types"}
@@ -212,7 +212,7 @@ def test_gemma3_window_pattern_must_be_a_positive_integer():
     """Gemma 3's layer_types derived from sliding_window_pattern (the same derivation as Qwen3.5's): a pattern of 0
     is refused in one line (it divided by zero)."""
     from strata.errors import ModelError
-    from strata.families import hf_args
+    from strata.models.families import hf_args
     for bad in (0, 2.5):
         with pytest.raises(ModelError, match=f"sliding_window_pattern = {bad!r} is not implemented"):
             hf_args({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6, "sliding_window_pattern": bad},

@@ -10,10 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from strata.pipeline import Pipeline  # noqa: E402
-from strata.plan import stdlib_source  # noqa: E402
-from strata.tokenizer import Tokenizer  # noqa: E402
-from strata.checkpoint import smollm2_path  # noqa: E402
+from strata.head.pipeline import Pipeline  # noqa: E402
+from strata.plan.plan import stdlib_source  # noqa: E402
+from strata.text.tokenizer import Tokenizer  # noqa: E402
+from strata.weights.checkpoint import smollm2_path  # noqa: E402
 
 
 def test_perplexity_and_continuation_match_transformers(tmp_path):

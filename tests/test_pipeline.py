@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from strata.config import ConfigError, from_dict
-from strata.model import Transformer
-from strata.pipeline import Pipeline, PipelineError
-from strata.shm import SHM_DIR
-from strata.checkpoint import model_args, slice_tensors
+from strata.models.model import Transformer
+from strata.head.pipeline import Pipeline, PipelineError
+from strata.comm.shm import SHM_DIR
+from strata.weights.checkpoint import model_args, slice_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def reference(model: str, ids: np.ndarray, chunk: int):
 @pytest.fixture(scope="module")
 def smollm2_ids():
     pytest.importorskip("gguf")
-    from strata.checkpoint import smollm2_path
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -173,7 +173,7 @@ def test_report_contract_and_timeline(tmp_path):
     # timing=true: the console shows the per-stage table and the busy histogram; without it they are
     # left out (report.json has the figures either way)
     assert "handoff s" in r.stdout and "busy: one" in r.stdout, r.stdout
-    from strata.report import format_table
+    from strata.head.report import format_table
     quiet = format_table({**rep, "timing": False})
     assert "handoff s" not in quiet and "busy:" not in quiet and "tok/s" in quiet
     assert (out / "stage-0.log").is_file() and (out / "stage-1.log").is_file()
@@ -254,7 +254,7 @@ def test_score_rows_are_the_single_process_head_rows(tmp_path, monkeypatch):
     """Pipeline.score: each target's log-probability and the top tokens from the last stage's head rows in the
     prefill itself (one pass, chunks cut so a chunk's rows fit its result note), against one process's rows;
     the same ids' perplexity from them; a later start reuses the cached prefix and scores only its tail."""
-    import strata.messages as M
+    import strata.comm.messages as M
     monkeypatch.setattr(M, "SCORED_BYTES", 4 * (1 + 2 * 5) * 24)  # 24 rows a result: 64-token chunks cut in 3
     model = "synthetic:smoke"
     ids = np.random.default_rng(3).integers(0, model_args(model).vocab_size, size=150).astype(np.int32)

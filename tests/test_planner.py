@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 
 from strata.config import ConfigError, from_dict
-from strata.args import PRESETS, ModelArgs
-from strata.plan import build_plan
-from strata.planner import (CPU_RUNTIME_BYTES, CUDA_RUNTIME_BYTES, DTYPE_BYTES, GiB, PlanError, Speed, check_split,
+from strata.models.args import PRESETS, ModelArgs
+from strata.plan.plan import build_plan
+from strata.plan.planner import (CPU_RUNTIME_BYTES, CUDA_RUNTIME_BYTES, DTYPE_BYTES, GiB, PlanError, Speed, check_split,
                             max_layers, plan_split, predicted_times, stage_need, stage_time)
 
 GB = 10**9
@@ -29,10 +29,10 @@ SEED_TOKENS = 120 * 1024  # the seed's 120k-token prompt
 @pytest.fixture(autouse=True)
 def flash_attention(monkeypatch):
     """CUDA stages' activations depend on the attention path (`attention: auto` is
-    strata.attention.CUDA_ATTENTION_DEFAULT): pin flash here; test_cudnn_split_needs_the_repeated_kv covers the
+    strata.kernels.attention.CUDA_ATTENTION_DEFAULT): pin flash here; test_cudnn_split_needs_the_repeated_kv covers the
     other."""
-    import strata.attention
-    monkeypatch.setattr(strata.attention, "CUDA_ATTENTION_DEFAULT", "flash")
+    import strata.kernels.attention
+    monkeypatch.setattr(strata.kernels.attention, "CUDA_ATTENTION_DEFAULT", "flash")
 
 
 # -- brute force ---------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_the_prefix_caches_device_tier_is_counted_on_a_cuda_stage_only():
     """prefix_cache_device_bytes: a CUDA stage's need holds it (in its total, its description and report.json's
     needs); a CPU stage's does not (its snapshots are host memory: the tier is never made there), nor does a rig's
     plan whose stages are all CPUs."""
-    from strata.planner import Storage
+    from strata.plan.planner import Storage
     t, c = 4096, 512
     st = Storage(layer=1e7, embed=0, head=0, norm=0, scratch=0, kv_elem=2, mode="resident", prefix_device=3 << 30)
     gpu = stage_need(SMOLLM2, 5, 10, t, c, "bfloat16", False, storage=st)
@@ -285,11 +285,11 @@ def test_the_prefix_caches_device_tier_is_counted_on_a_cuda_stage_only():
 
 
 def test_an_auto_device_tier_takes_half_of_what_a_capped_cuda_stage_leaves():
-    """prefix_cache_device_bytes auto (strata.plan.device_tiers): after the split, a capped CUDA stage's tier is half
+    """prefix_cache_device_bytes auto (strata.plan.plan.device_tiers): after the split, a capped CUDA stage's tier is half
     of what its cap leaves, at most prefix_cache_bytes; a CPU stage and an uncapped one get none; a number is kept
     as given; a model whose prefix cache is off gets none (and no refusal), where a number is refused."""
-    from strata.plan import device_tiers
-    from strata.planner import Storage
+    from strata.plan.plan import device_tiers
+    from strata.plan.planner import Storage
     args, t, c = PRESETS["llama-3-8b"], 32768, 8192
     st = Storage(layer=1e8, embed=0, head=0, norm=0, scratch=0, kv_elem=2, mode="resident")
     need = stage_need(args, 0, 16, t, c, "bfloat16", False, True, "auto", st).total
@@ -309,12 +309,12 @@ def test_an_auto_device_tier_takes_half_of_what_a_capped_cuda_stage_leaves():
 
 def test_an_8bit_cache_counts_one_layer_widened():
     """A q8_0 or e4m3 cache is widened to the compute dtype for each layer's prefill attention, a block of the
-    prefix at a time (strata.attention.narrow_cache_attention): the activations hold one block's keys and values."""
-    from strata.planner import Storage
+    prefix at a time (strata.kernels.attention.narrow_cache_attention): the activations hold one block's keys and values."""
+    from strata.plan.planner import Storage
     args, t, c = PRESETS["llama-3-8b"], 131072, 448
     st = {kv: Storage(layer=1e8, embed=0, head=0, norm=0, scratch=0, kv_elem=kv, mode="resident") for kv in (2, 34 / 32)}
     wide, narrow = (stage_need(args, 4, 8, t, c, "bfloat16", False, storage=st[kv]) for kv in (2, 34 / 32))
-    from strata.attention import PREFIX_BLOCK
+    from strata.kernels.attention import PREFIX_BLOCK
     # a block of the prefix and the chunk's own keys widened, the block's output and log-sum-exp
     assert narrow.activations - wide.activations == 2 * 8 * 128 * (PREFIX_BLOCK + c) * 2 + c * (32 * 128 * 2 + 32 * 4)
     assert narrow.kv_cache == wide.kv_cache * 34 // 64
@@ -322,12 +322,12 @@ def test_an_8bit_cache_counts_one_layer_widened():
 
 
 def test_a_cuda_stage_widens_the_whole_prefix_where_its_memory_holds_it():
-    """strata.plan.prefix_blocks: after the split and the chunk, a capped CUDA stage with an 8-bit cache gets the
+    """strata.plan.plan.prefix_blocks: after the split and the chunk, a capped CUDA stage with an 8-bit cache gets the
     whole context as its prefix block where its cap holds that, else the largest halving above PREFIX_BLOCK it
     holds, else PREFIX_BLOCK; a CPU stage, an uncapped one and a bf16 cache keep PREFIX_BLOCK."""
-    from strata.attention import PREFIX_BLOCK
-    from strata.plan import prefix_blocks
-    from strata.planner import Storage
+    from strata.kernels.attention import PREFIX_BLOCK
+    from strata.plan.plan import prefix_blocks
+    from strata.plan.planner import Storage
     args, t, c = PRESETS["llama-3-8b"], 122880, 8192
     cfg = from_dict(dict(model="synthetic:llama-3-8b", dtype="bfloat16", kv_dtype="q8_0", chunk=c,
                          prompt={"random": {"tokens": 8}}))
@@ -350,9 +350,9 @@ def test_a_cuda_stage_widens_the_whole_prefix_where_its_memory_holds_it():
     assert [s.prefix_block for s in got] == [PREFIX_BLOCK, t]  # uncapped: PREFIX_BLOCK
 
 def test_cudnn_split_keeps_grouped_kv(monkeypatch):
-    import strata.attention
+    import strata.kernels.attention
     flash = stage_need(LLAMA8, 4, 12, SEED_TOKENS, 2048, "bfloat16")
-    monkeypatch.setattr(strata.attention, "CUDA_ATTENTION_DEFAULT", "cudnn-split")
+    monkeypatch.setattr(strata.kernels.attention, "CUDA_ATTENTION_DEFAULT", "cudnn-split")
     split = stage_need(LLAMA8, 4, 12, SEED_TOKENS, 2048, "bfloat16")
     # cuDNN takes the 8 key/value heads as they are: no copy of the context per query head
     assert split.activations - flash.activations < 2 * 32 * 128 * SEED_TOKENS * 2 // 10
@@ -363,14 +363,14 @@ def test_cudnn_split_keeps_grouped_kv(monkeypatch):
 
 def test_rig_attention_reaches_the_planner(monkeypatch):
     """`attention` in the rig (or STRATA_CUDA_ATTENTION) sizes activations for the path the stages take."""
-    import strata.plan
+    import strata.plan.plan
     smoke = PRESETS["smoke"]  # narrow MLP: the attention phase is the peak, so the path shows
     flash = stage_need(smoke, 0, 2, 4096, 2048, "bfloat16", attention="flash")
     split = stage_need(smoke, 0, 2, 4096, 2048, "bfloat16", attention="cudnn-split")
     assert split.activations > flash.activations
     seen = []
-    real = strata.plan.stage_needs
-    monkeypatch.setattr(strata.plan, "stage_needs", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    real = strata.plan.plan.stage_needs
+    monkeypatch.setattr(strata.plan.plan, "stage_needs", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
     for choice in ("flash", "cudnn-split"):
         build_plan(from_dict(rig(attention=choice)))
     assert seen == ["flash", "cudnn-split"]
@@ -413,7 +413,7 @@ def test_build_plan_memory_cap_moves_layers():
 def test_chunk_auto_takes_the_largest_chunk_that_fits():
     """chunk: auto starts at the preferred chunk (CPU stages 512, cut to 4 chunks a stage for this 512-token
     prompt: 256) and takes the largest of its halvings that every stage holds."""
-    from strata.plan import chunk_ladder, preferred_chunk
+    from strata.plan.plan import chunk_ladder, preferred_chunk
     from strata.config import StageSpec
     cpu2, gpu = [StageSpec("cpu"), StageSpec("cpu")], [StageSpec("cuda:0")]
     assert preferred_chunk(cpu2, 512) == 256 and preferred_chunk(cpu2, 100_000) == 512
@@ -435,7 +435,7 @@ def test_chunk_auto_goes_small_when_the_prompt_fills_the_context(monkeypatch):
     """A prompt that needs the model's whole context leaves nothing to shrink but the chunk: chunk: auto goes on
     down its ladder (to 64) past the floor it keeps while a default context could still be halved (the seed's
     rig: 122,880 tokens of a 131,072 context on capped cards)."""
-    import strata.plan as plan_mod
+    import strata.plan.plan as plan_mod
     monkeypatch.setattr(plan_mod, "CPU_CHUNK", 8192)  # a CUDA stage's preferred chunk, on CPU stages
     args = PRESETS["smoke"]
     n = args.max_seq_len
@@ -453,7 +453,7 @@ def test_refusal_says_what_would_fit():
     max_context at the given chunk (by bisection: one more position would not fit), and the 8-bit cache."""
     args = PRESETS["smoke"]
     # 1,536 positions at chunk 256, not 2,048 (a context long enough that an 8-bit cache's saving outweighs its
-    # widened block: strata.attention.narrow_cache_attention)
+    # widened block: strata.kernels.attention.narrow_cache_attention)
     cap = stage_need(args, 4, 8, 1536, 256, "float32", True).total
     stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "memory": cap}]
     with pytest.raises(ConfigError) as ei:
@@ -523,8 +523,8 @@ def test_launcher_refuses_memory_cap_before_anything_starts(tmp_path, capsys):
 
 
 def test_report_shows_split_and_predicted(tmp_path):
-    from strata.pipeline import Pipeline
-    from strata.report import format_table
+    from strata.head.pipeline import Pipeline
+    from strata.head.report import format_table
     r = rig(stages=[{"device": "cpu", "threads": 1, "speed": 2.0}, {"device": "cpu", "threads": 1, "speed": 1.0}],
             prompt={"random": {"tokens": 256, "seed": 0}})
     with Pipeline(r, out=tmp_path / "run", console=False) as p:
@@ -538,7 +538,7 @@ def test_report_shows_split_and_predicted(tmp_path):
 
 # -- calibration (one real probe: a spawned process, a second or a few) ---------------------------
 def test_calibration_probe_cpu():
-    from strata.calibrate import probe
+    from strata.plan.calibrate import probe
     args = PRESETS["smoke"]
     [pr] = probe(args, "float32", [dict(device="cpu", threads=1, cores=[], speed=True, head=True,
                                         chunk=128, tokens=2048)])
@@ -546,7 +546,7 @@ def test_calibration_probe_cpu():
     # the fitted throughputs reproduce the probe's own timings at both contexts (t = lin/Sl + att/Sa),
     # and one CPU thread cannot exceed 1e12 FLOP/s: a fit that merely sums or mixes them up fails here
     d = pr.detail
-    from strata.schedule import chunk_flops
+    from strata.plan.schedule import chunk_flops
     for ctx, took in ((d["context"], d["layer_s"]), (d["context_lo"], d["layer_lo_s"])):
         lin, att = chunk_flops(args, ctx, d["chunk"])
         predicted = lin / pr.speed.linear + att / pr.speed.attention
@@ -561,7 +561,7 @@ def test_calibration_probe_cpu():
 
 # -- stage_facts: which probes run and what comes of them (the probe itself faked) ----------------
 def fake_probe(free=40 * GiB, speeds=None):
-    from strata.calibrate import Probe
+    from strata.plan.calibrate import Probe
     calls = []
 
     def run(args, dtype, jobs, timeout_s=0):
@@ -578,7 +578,7 @@ def fake_probe(free=40 * GiB, speeds=None):
 
 
 def facts(monkeypatch, stages, want_speed=True, with_head=True, always_calibrate=None, **kw):
-    from strata import calibrate
+    from strata.plan import calibrate
     from strata.config import StageSpec
     run, calls = fake_probe(**kw)
     monkeypatch.setattr(calibrate, "probe", run)
@@ -598,8 +598,8 @@ def test_facts_always_calibrate_is_an_argument(monkeypatch):
     """always_calibrate (bench/split.py --calibrate) times identical stages too, once for their kind; an argument
     of stage_facts and build_plan, not a module switch: the call without it still runs no probe."""
     import inspect
-    from strata import calibrate
-    from strata.pipeline import Pipeline
+    from strata.plan import calibrate
+    from strata.head.pipeline import Pipeline
     sp = {("cpu", 1): Speed(2e11, 2e11, 2e11)}
     f, calls = facts(monkeypatch, [{"device": "cpu", "threads": 1}] * 2, always_calibrate=True, speeds=sp)
     [jobs] = calls
@@ -616,7 +616,7 @@ def test_facts_always_calibrate_is_an_argument(monkeypatch):
 
 
 def test_facts_rig_speeds_and_memory(monkeypatch):
-    from strata.planner import CUDA_CONTEXT_BYTES
+    from strata.plan.planner import CUDA_CONTEXT_BYTES
     f, calls = facts(monkeypatch, [{"device": "cuda:0", "speed": 1.0, "memory": 12 * GiB},
                                    {"device": "cuda:1", "speed": 1.6, "memory": 8 * GiB}])
     assert calls == [] and f.source == "rig" and f.speeds == [1.0, 1.6]
@@ -635,7 +635,7 @@ def test_facts_calibrates_distinct_stages_once_each(monkeypatch):
 
 
 def test_facts_free_cuda_memory_shared_by_stages(monkeypatch):
-    from strata.planner import CUDA_CONTEXT_BYTES
+    from strata.plan.planner import CUDA_CONTEXT_BYTES
     f, calls = facts(monkeypatch, [{"device": "cuda:0"}, {"device": "cuda:0"}, {"device": "cuda:0", "memory": 4 * GiB}],
                      free=40 * GiB)
     [jobs] = calls
@@ -647,7 +647,7 @@ def test_facts_free_cuda_memory_shared_by_stages(monkeypatch):
 
 
 def test_host_memory_checked_for_cpu_stages_together(monkeypatch):
-    from strata import calibrate
+    from strata.plan import calibrate
     monkeypatch.setattr(calibrate, "host_available_bytes", lambda: 300 * 2**20)  # 300 MiB: < two runtimes
     with pytest.raises(ConfigError) as ei:
         build_plan(from_dict(rig()))
@@ -663,7 +663,7 @@ def test_host_memory_checked_for_cpu_stages_together(monkeypatch):
 def test_calibration_failure_is_one_line_and_leaves_no_process():
     import multiprocessing as mp
 
-    from strata.calibrate import CalibrationError, probe
+    from strata.plan.calibrate import CalibrationError, probe
     bad = replace(PRESETS["smoke"], head_dim=33)  # rotate-half needs an even head_dim: the layer raises
     with pytest.raises(CalibrationError, match=r"calibration on cpu \(1 threads\) failed: \w+"):
         probe(bad, "float32", [dict(device="cpu", threads=1, cores=[], speed=True, head=False, chunk=64,
@@ -682,7 +682,7 @@ def _cuda() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs CUDA")
 def test_gpu_probe_memory_and_speed():
-    from strata.calibrate import probe
+    from strata.plan.calibrate import probe
     [pr] = probe(PRESETS["smoke-wide"], "bfloat16", [dict(device="cuda:0", threads=None, cores=[], speed=True,
                                                           head=True, chunk=1024, tokens=8192)])
     assert 2**30 < pr.free_bytes <= pr.total_bytes
@@ -694,7 +694,7 @@ def test_gpu_probe_memory_and_speed():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs CUDA")
 def test_gpu_auto_split_calibrated_and_reported(tmp_path):
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     cfg = dict(model="synthetic:smoke-wide", dtype="bfloat16", stages=[{"device": "cuda:0"}] * 2, chunk=1024,
                depth=0, prompt={"random": {"tokens": 8192, "seed": 0}}, progress=False)
     with Pipeline(cfg, out=tmp_path / "run", console=False) as p:
@@ -738,7 +738,7 @@ def test_expert_layers_counted_per_layer():
         a += n
     assert w[0] - 512 * 256 * 4 == 2 * dense * 4 and w[1] == 2 * moe * 4  # (the first stage's embedding)
     assert sum(w) == glm.param_count(0, 6) * 4
-    from strata.checkpoint import load_stage, stage_bytes, storage
+    from strata.weights.checkpoint import load_stage, stage_bytes, storage
     args = PRESETS["smoke-moe"]
     st = storage("synthetic:smoke-moe@Q4_K_M", args, "float32", "resident", device_type="cpu")
     m = load_stage("synthetic:smoke-moe@Q4_K_M", args, 1, 3, device="cpu", dtype="float32", weights="resident",
@@ -751,8 +751,8 @@ def test_expert_layers_counted_per_layer():
 def test_moe_compute_counts_the_active_experts():
     """An MoE layer's FLOPs (the planner's time model, the dynamic chunks' budget) scale with the k experts a
     token goes to, not all of them: Qwen3-30B-A3B's ~3.3B active parameters, not its 30B."""
-    from strata.planner import layer_flops
-    from strata.schedule import chunk_flops
+    from strata.plan.planner import layer_flops
+    from strata.plan.schedule import chunk_flops
     q = PRESETS["qwen3-30b-a3b"]
     active = q.layer_active_params() * q.n_layers + 2 * q.vocab_size * q.dim
     assert 3.0e9 < active < 3.6e9 and q.layer_param_count() > 10 * q.layer_active_params()
@@ -782,7 +782,7 @@ def test_layer_param_count_is_the_built_layers(name):
     each kind of layer a model has (attention or linear, dense or experts): it missed Qwen3.5's linear layers and
     gated q (2B parameters short for the 27B: a plan could pass that did not fit), and gpt-oss's biases and sinks."""
     import torch
-    from strata.model import Block
+    from strata.models.model import Block
     args = _variants()[name]
     kinds = {(args.is_linear(i), args.is_moe(i)): i for i in range(args.n_layers)}
     counts = []
@@ -798,7 +798,7 @@ def test_cpu_stages_without_threads_share_the_cores():
     """README: a CPU stage's threads default to cores / stages (what the other stages' threads leave), never torch's
     all-cores default on the one core assign_cores pins it to."""
     from strata.config import StageSpec
-    from strata.plan import default_threads
+    from strata.plan.plan import default_threads
     cpu, gpu = StageSpec(device="cpu"), StageSpec(device="cuda:0")
     assert [s.threads for s in default_threads((cpu, cpu), 8)] == [4, 4]
     assert [s.threads for s in default_threads((StageSpec(device="cpu", threads=5), cpu, cpu, gpu), 8)] == [5, 1, 1, None]

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import strata.attention as sm
-from strata.checkpoint import synthetic_tensors
-from strata.args import ModelArgs
-from strata.model import RMSNorm, Transformer
+import strata.kernels.attention as sm
+from strata.weights.checkpoint import synthetic_tensors
+from strata.models.args import ModelArgs
+from strata.models.model import RMSNorm, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelArgs(vocab_size=300, dim=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=192,
@@ -49,8 +49,8 @@ def test_merge_lse_torch_formula(dtype, tol):
 _KERNEL_SCRIPT = r"""
 import torch
 import torch.nn.functional as F
-import strata.attention as sm
-from strata import kernels as K
+import strata.kernels.attention as sm
+from strata.kernels import fused as K
 from strata.triton_state import TritonState
 from tests.test_prefill_ops import merge64, parts
 st = TritonState()  # the holder every call passes: a kernel that failed would have turned it off
@@ -181,7 +181,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @cuda
 def test_cuda_kernels_match_float64():
-    from strata import kernels
+    from strata.kernels import fused as kernels
     from strata.triton_state import TritonState
     if kernels.triton is None:
         pytest.skip("triton is not installed")
@@ -214,7 +214,7 @@ def test_cuda_kernels_match_float64():
 def test_cuda_kernel_paths_agree_and_warm_up_builds():
     """cudnn-split on smoke-wide bf16: the Triton kernels (merge, RoPE, the gated activation) and the torch formulas give the
     same chunks up to bf16 rounding; warm_chunk_attention builds the later chunks' shapes."""
-    from strata.checkpoint import model_args, slice_tensors
+    from strata.weights.checkpoint import model_args, slice_tensors
     from strata.config import KernelSpec
     name = "synthetic:smoke-wide"
     args = model_args(name)
@@ -287,16 +287,16 @@ class _Launch:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_a_failed_kernel_falls_back_on_its_holder_only(monkeypatch, caplog):
-    """strata.kernels' fallback is state on the caller's TritonState: the holder whose kernel failed says so once and
+    """strata.kernels.fused' fallback is state on the caller's TritonState: the holder whose kernel failed says so once and
     takes the torch formulas from then on (no more launches); another holder, and a call without one, still launch."""
-    from strata import kernels as K
+    from strata.kernels import fused as K
     from strata.triton_state import TritonState
     gate, up = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
     x, cs = torch.randn(1, 3, 2, 16), torch.ones(3, 1, 16)
     failing = _Launch(fail=True)
     monkeypatch.setattr(K, "_gated_kernel", failing)
     a, b = TritonState(), TritonState()
-    with caplog.at_level("WARNING", logger="strata.kernels"):
+    with caplog.at_level("WARNING", logger="strata.kernels.fused"):
         assert K.gated(gate, up, "silu", a) is None and failing.launches == 1
         assert K.gated(gate, up, "silu", a) is None and K.rope(x, cs, cs, a) is None  # not tried again, any kernel
     assert failing.launches == 1 and not a.kernels
@@ -312,10 +312,10 @@ def test_a_failed_kernel_falls_back_on_its_holder_only(monkeypatch, caplog):
 
 
 def test_a_model_and_its_layers_share_one_triton_state():
-    """A slice's layers hold its TritonState (where strata.kernels' fallback lands), another slice its own: a kernel
+    """A slice's layers hold its TritonState (where strata.kernels.fused' fallback lands), another slice its own: a kernel
     failing in one model leaves the other on its kernels. set_kernels keeps a fallback already taken."""
     from strata.config import KernelSpec
-    from strata.model import Attention, FeedForward
+    from strata.models.model import Attention, FeedForward
     with torch.device("meta"):
         m, other = Transformer(SMALL), Transformer(SMALL, 1)
     held = [b.attn.triton_state for b in m.layers.values() if isinstance(b.attn, Attention)]
@@ -333,8 +333,8 @@ def test_a_model_and_its_layers_share_one_triton_state():
 def test_cuda_kernel_failure_in_one_model_leaves_another_on_its_kernels(monkeypatch):
     """Two slices in one process on CUDA: the first's gated-activation kernel fails in its forward, and it computes on with
     the torch formula (the same chunk as the kernel up to rounding); the second still launches the kernel."""
-    from strata import kernels as K
-    from strata.checkpoint import model_args, slice_tensors
+    from strata.kernels import fused as K
+    from strata.weights.checkpoint import model_args, slice_tensors
     if K.triton is None:
         pytest.skip("triton is not installed")
     name = "synthetic:smoke"
@@ -483,8 +483,8 @@ def test_warm_shapes_include_the_kept_state_cut():
     uncut (where the prefix cache keeps no states); the first chunk too (a window layer's flex runs at 0); a model
     without such layers keeps its schedule uncut."""
     from types import SimpleNamespace
-    from strata.args import PRESETS
-    from strata.prefix_cache import BLOCK
+    from strata.models.args import PRESETS
+    from strata.kvcache.prefix_cache import BLOCK
     from workers.load import warm_shapes
     spec = SimpleNamespace(tokens=122880, max_len=131072, dynamic_chunks=False, max_chunk=10240)
     oss = warm_shapes(spec, PRESETS["gpt-oss-20b"])

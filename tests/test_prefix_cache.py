@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from strata import kv_file
-from strata import prefix_cache as pc
-from strata import messages as M
-from strata.prefix_cache import KEY_BYTES, PrefixIndex, Snapshots, block_keys, layer_caches, row_bytes, supported
+from strata.kvcache import kv_file
+from strata.kvcache import prefix_cache as pc
+from strata.comm import messages as M
+from strata.kvcache.prefix_cache import KEY_BYTES, PrefixIndex, Snapshots, block_keys, layer_caches, row_bytes, supported
 
 
 def test_block_keys_name_the_whole_prefix():
@@ -228,7 +228,7 @@ def test_snapshots_of_a_slot_leave_the_slot_in_use_alone():
 
 
 def test_supported_refuses_kv_files_of_window_and_linear_layers():
-    from strata.checkpoint import model_args
+    from strata.weights.checkpoint import model_args
     assert supported(model_args("synthetic:smoke")) is None
     g27 = model_args("synthetic:gemma-3-27b")  # its window layers' rows kept at boundaries beside the blocks
     assert supported(g27) is None and "window layer's ring" in supported(g27, files=True)
@@ -342,9 +342,9 @@ def test_prefix_reuse_rows_restores_every_shared_row(tmp_path):
     first token's logits are within float32 rounding of the cold prefill's (the rest runs in other chunks)."""
     import inspect
     import typing
-    from strata.checkpoint import smollm2_path
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.weights.checkpoint import smollm2_path
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -388,9 +388,9 @@ def test_a_hybrid_model_restores_its_states_at_a_block_boundary(tmp_path, family
     Pipeline (max_seqs 1) and through the slot driver (max_seqs 2). Blocks whose states are gone are not restored;
     with chunks that end off the block boundaries, the prompt's chunk is cut at its last one."""
     from families_fixtures import make_hf
-    from strata.engine import PipelineEngine
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.serve.engine import PipelineEngine
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     _, d = make_hf(tmp_path, family)
     rng = np.random.default_rng(4)
     doc, other = rng.integers(0, 200, 600), rng.integers(0, 200, 700)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from strata import prefix_cache as pc
-from strata.checkpoint import model_args
+from strata.kvcache import prefix_cache as pc
+from strata.weights.checkpoint import model_args
 from strata.errors import ConfigError
-from strata.pipeline import Pipeline
+from strata.head.pipeline import Pipeline
 from test_prefix_cache import _fill, _model
 
 STAGES = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]
@@ -163,8 +163,8 @@ def test_kv_cache_dir_bad_input_in_one_line(tmp_path):
 def test_a_restarted_engine_with_several_slots_restores_from_disk(tmp_path):
     """max_seqs 2 (the slot driver's restore_slot and snapshot_slot): two prompts through one engine, then a new
     engine on the same kv_cache_dir gives each the same greedy ids with every row but the last restored."""
-    from strata.engine import PipelineEngine
-    from strata.sampling import SamplingParams
+    from strata.serve.engine import PipelineEngine
+    from strata.text.sampling import SamplingParams
     args = model_args("synthetic:smoke")
     cfg = dict(model="synthetic:smoke", stages=STAGES, chunk=256, max_context=1024, progress=False, max_seqs=2,
                kv_cache_dir=str(tmp_path / "kv"), prompt={"random": {"tokens": 10, "seed": 0}})
@@ -192,8 +192,8 @@ def test_prefix_cache_rounds_do_not_hold_up_the_other_sequences(tmp_path):
     the restored prompt's greedy ids are its cold ones."""
     import dataclasses
     import threading
-    from strata.engine import PipelineEngine
-    from strata.sampling import SamplingParams
+    from strata.serve.engine import PipelineEngine
+    from strata.text.sampling import SamplingParams
     args = model_args("synthetic:smoke")
     cfg = dict(model="synthetic:smoke", stages=STAGES, chunk=256, max_context=1024, progress=False, max_seqs=2,
                prompt={"random": {"tokens": 10, "seed": 0}})
@@ -229,7 +229,7 @@ def test_a_restore_from_files_is_read_by_a_thread_and_answered_in_order(tmp_path
     files' bytes."""
     import logging
     import time
-    from strata import messages as M
+    from strata.comm import messages as M
     from workers.kv_ops import StageKv
     m = _model(torch.float32, 16, rows=64)
     m._slots = [{i: (b.attn.k_cache, b.attn.v_cache) for i, b in m.layers.items()}]  # one sequence: slot 0
@@ -272,7 +272,7 @@ def test_a_hybrid_models_states_outlive_the_server_on_disk(tmp_path, family):
     a document's global rows and those states from the files, up to the last boundary inside the document, with the
     cold prefill's ids and logits."""
     from families_fixtures import make_hf
-    from strata.sampling import SamplingParams
+    from strata.text.sampling import SamplingParams
     _, d = make_hf(tmp_path, family)
     rng = np.random.default_rng(4)
     doc = rng.integers(0, 200, 600)

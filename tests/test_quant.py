@@ -80,7 +80,7 @@ def test_plain_types_pass_through(name):
 
 
 def test_smollm2_every_tensor_bit_exact():
-    from strata.checkpoint import smollm2_path
+    from strata.weights.checkpoint import smollm2_path
     reader = gguf.GGUFReader(smollm2_path())
     kinds = set()
     prev = torch.get_num_threads()
@@ -209,8 +209,8 @@ def _make_gguf():
                                                   ("smoke-wide", "Q4_K", 1), ("smoke-wide", "Q4_K_M", 1)])
 def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
     import dataclasses
-    from strata.args import PRESETS
-    from strata.checkpoint import model_args, slice_tensors
+    from strata.models.args import PRESETS
+    from strata.weights.checkpoint import model_args, slice_tensors
     mg = _make_gguf()
     out = tmp_path / "m.gguf"
     argv = ["--preset", preset, "--qtype", qtype, "--out", str(out), "--seed", "7"]
@@ -236,7 +236,7 @@ def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
     if qtype in Q.MIXES:
         assert {t.tensor_type.name for t in reader.tensors} == {"F32", *Q.MIXES[qtype]}
 
-    from strata.gguf_loader import field_value
+    from strata.weights.gguf_loader import field_value
     assert field_value(reader, "tokenizer.ggml.model") == "none"  # llama.cpp: dummy tokens
     assert field_value(reader, "llama.vocab_size") == want.vocab_size
     assert field_value(reader, "tokenizer.ggml.tokens") is None
@@ -262,8 +262,8 @@ def test_make_gguf_with_a_vocabulary_takes_text(tmp_path):
     left as it was; llama-3-8b's 128,256 with one layer
     is 0.8 GiB, so the padding is checked on a vocabulary-only file, which --vocab-only writes and --vocab takes).
     Strata's tokenizer from the file encodes and decodes text as SmolLM2's own, and the chat template comes along."""
-    from strata.checkpoint import smollm2_path
-    from strata.tokenizer import Tokenizer
+    from strata.weights.checkpoint import smollm2_path
+    from strata.text.tokenizer import Tokenizer
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -282,7 +282,7 @@ def test_make_gguf_with_a_vocabulary_takes_text(tmp_path):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
-    from strata.gguf_loader import field_value
+    from strata.weights.gguf_loader import field_value
     tokens = field_value(gguf.GGUFReader(tmp_path / "padded.gguf"), "tokenizer.ggml.tokens")
     assert len(tokens) == 50_000 and tokens[49_152] == "<extra_49152>" and tokens[-1] == "<extra_49999>"
     mine, theirs = Tokenizer.from_gguf(tmp_path / "padded.gguf"), Tokenizer.for_model("smollm2")
@@ -296,8 +296,8 @@ def test_make_gguf_with_a_vocabulary_takes_text(tmp_path):
 def test_make_gguf_llama3_rope_freqs(tmp_path):
     """A preset with Llama-3 rope scaling gets llama.cpp's rope_freqs tensor, which Strata decodes back."""
     import dataclasses
-    from strata.args import PRESETS
-    from strata.checkpoint import model_args
+    from strata.models.args import PRESETS
+    from strata.weights.checkpoint import model_args
     mg = _make_gguf()
     scaling = PRESETS["llama-3-8b"].rope_scaling
     want = dataclasses.replace(PRESETS["smoke"], n_layers=1, rope_theta=500000.0, rope_scaling=scaling)
@@ -308,7 +308,7 @@ def test_make_gguf_llama3_rope_freqs(tmp_path):
 
 def test_make_gguf_70b_plan_size():
     """The 70B plan: 80 layers of the right widths, about 3.4 bits per weight in IQ3_S (~28 GiB)."""
-    from strata.args import PRESETS
+    from strata.models.args import PRESETS
     mg = _make_gguf()
     args = PRESETS["llama-3-70b"]
     planned = mg.plan(args, "IQ3_S")
@@ -334,10 +334,10 @@ def test_mxfp4_bit_exact_against_gguf_py():
 def test_mxfp4_split_layout_bit_exact_against_gguf_py():
     """The split layout the resident MXFP4 stacks are re-laid into (strata.quant.mxfp4.to_split): the same byte
     count (the nibbles and the exponents moved, not changed), the file's back from it, and its values gguf-py's
-    bits, every exponent byte included; the torch dequantization of a split stack (strata.resident.dequantize_into's
+    bits, every exponent byte included; the torch dequantization of a split stack (strata.models.resident.dequantize_into's
     path where no kernel runs, an expert at a time and in row pieces) too; shapes split_ok refuses."""
     from strata.quant import mxfp4
-    from strata import resident
+    from strata.models import resident
     g = torch.Generator().manual_seed(23)
     b = torch.randint(0, 256, (3 * 32 * 3, 17), generator=g, dtype=torch.uint8)  # 3 experts, 32 rows of 3 blocks
     b[:256, 0] = torch.arange(256, dtype=torch.uint8)
@@ -414,15 +414,15 @@ class _Launch:
 
 def test_a_failed_into_kernel_falls_back_on_its_holder_only(monkeypatch, caplog):
     """strata.quant.into's fallback is state on the caller's TritonState: the holder whose kernel failed says so
-    once, its `takes` say no from then on and strata.resident.dequantize_into takes the torch path (the same
+    once, its `takes` say no from then on and strata.models.resident.dequantize_into takes the torch path (the same
     values); another holder, and a call without one, still launch. The kernels run on CPU tensors as under the
     interpreter, stood in for."""
     pytest.importorskip("triton")
-    from strata import resident
+    from strata.models import resident
     from strata.quant import into
     from strata.triton_state import TritonState
     monkeypatch.setattr(into, "INTERPRET", True)  # takes() accepts CPU tensors
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # and strata.resident asks it
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # and strata.models.resident asks it
     b = Q.random_blocks("Q8_0", 6, 64, torch.Generator().manual_seed(8))
     want = Q.dequantize(b, "Q8_0")
     failing = _Launch(fail=True, qtype="Q8_0")

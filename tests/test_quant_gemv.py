@@ -291,8 +291,8 @@ def check_quantize_x():
 
 def _resident_and_dense(args, qtype: str):
     """A tiny synthetic model of `qtype` twice on the CPU: resident blocks, and the same weights dequantized."""
-    from strata.checkpoint import synthetic_tensors
-    from strata.model import Transformer
+    from strata.weights.checkpoint import synthetic_tensors
+    from strata.models.model import Transformer
 
     def build(resident: bool):
         with torch.device("meta"):
@@ -308,7 +308,7 @@ def check_model_decode_fused():
     """A tiny IQ3_S resident model (q/k/v bias, untied IQ3_S head; wo's 128-wide rows fall back to Q8_0)
     decodes through the kernels, and its residuals and logits match the same weights dequantized
     (dense F.linear) at T=1 and T=3."""
-    from strata.args import ModelArgs
+    from strata.models.args import ModelArgs
     from strata.config import KernelSpec
     from strata.quant import gemv
     args = ModelArgs(arch="qwen2", qkv_bias=True, vocab_size=40, dim=256, n_layers=2, n_heads=2, n_kv_heads=1,
@@ -346,7 +346,7 @@ def check_model_decode_fused_q4_k_m():
     """A tiny Llama of the Q4_K_M mix (Q4_K matrices; Q6_K attn_v, ffn_down and head; wo's 128-wide rows in
     Q8_0) decodes every product through the kernels (a layer with one unfused part would dequantize the whole
     layer per token), and matches the same weights dequantized at T=1 and T=3."""
-    from strata.args import ModelArgs
+    from strata.models.args import ModelArgs
     from strata.config import KernelSpec
     from strata.quant import gemv
     args = ModelArgs(vocab_size=40, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=256,
@@ -382,9 +382,9 @@ def check_graph_body_int8_x():
     and the gated activation write x's int8 rounding for the product after them, so no launch of quantize_x is left
     in the step (four a layer before), and the step equals the eager decode path, which rounds x in quantize_x for
     every product (the same rounding: the residuals to 1e-6)."""
-    from strata.args import ModelArgs
+    from strata.models.args import ModelArgs
     from strata.config import KernelSpec
-    from strata.decode_graphs import DecodeGraphs
+    from strata.decode.graphs import DecodeGraphs
     from strata.quant import gemv
     args = ModelArgs(vocab_size=40, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256,
                      max_seq_len=64)
@@ -420,7 +420,7 @@ def check_dequantize_into():
     the torch path bit for bit (same float32 operations, contraction off); bfloat16 out within one bfloat16
     step of it (the interpreter truncates where the GPU rounds to nearest even: test_quant.py checks the GPU
     bit for bit); Packed.into takes it for these types, odd row counts and a row range included."""
-    from strata.resident import Packed
+    from strata.models.resident import Packed
     from strata.quant import dequantize, into, random_blocks
     g = torch.Generator().manual_seed(12)
     for qtype, cols in (("Q8_0", 96), ("Q4_K", 512), ("Q5_K", 256), ("Q6_K", 512), ("IQ3_S", 256), ("Q4_0", 64),
@@ -495,7 +495,7 @@ def check_mxfp4_dp4a_experts():
     finally:
         gemv._mxfp4_dp4a = real
     assert k.mxfp4 == "float" and rel(y, want) < 1e-5
-    from strata import resident  # a resident stack re-laid where the kernels run (here: the interpreter)
+    from strata.models import resident  # a resident stack re-laid where the kernels run (here: the interpreter
     p = resident.Packed(st.clone(), "MXFP4", cols, torch.float32)
     resident._split_mxfp4(p)
     assert p.split and torch.equal(p.data, sp) and p.slab == rows * (cols // 32)
@@ -789,16 +789,16 @@ def test_gpu_iq3s_dp4a_70b_shapes(shape, mode, m):
 def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
     """synthetic:smoke-wide@IQ3_S resident on CUDA: decode steps with the kernels give the logits of the
     scratch path (dequantize + F.linear), and the fused path is the one taken."""
-    from strata import model as M
-    from strata import resident as R
-    from strata.checkpoint import load_stage, model_args
+    from strata.models import model as M
+    from strata.models import resident as R
+    from strata.weights.checkpoint import load_stage, model_args
     from strata.config import KernelSpec
     model = "synthetic:smoke-wide@IQ3_S"
     args = model_args(model)
 
     def run(fused: bool) -> list[torch.Tensor]:
         if not fused:  # the layers and the head take the scratch path
-            monkeypatch.setattr(R, "fused_ok", lambda p, device: False)  # (strata.model has no fused_ok)
+            monkeypatch.setattr(R, "fused_ok", lambda p, device: False)  # (strata.models.model has no fused_ok)
         m = load_stage(model, args, 0, args.n_layers, device="cuda", dtype=dtype, weights="resident", max_len=64,
                        kernels=KernelSpec(gemv_iq3s=mode, gemv_q8_0="bytes" if mode == "float" else "dp4a"))
         blk = next(iter(m.layers.values()))

@@ -133,12 +133,12 @@ def test_a_failed_iq3_s_kernel_falls_back_on_its_holder_only(monkeypatch, caplog
 
 
 def test_a_models_resident_blocks_share_its_triton_state():
-    """Every resident matrix (strata.resident.Packed: layers, head, embedding) of a slice holds the slice's
+    """Every resident matrix (strata.models.resident.Packed: layers, head, embedding) of a slice holds the slice's
     TritonState, where its dequantization's kernels fall back; another slice holds its own."""
-    from strata.args import PRESETS
-    from strata.checkpoint import synthetic_tensors
-    from strata.model import Transformer
-    from strata.resident import Packed
+    from strata.models.args import PRESETS
+    from strata.weights.checkpoint import synthetic_tensors
+    from strata.models.model import Transformer
+    from strata.models.resident import Packed
     args = PRESETS["smoke"]
     models = []
     for start in (0, 1):
@@ -201,9 +201,9 @@ def test_cuda_iq3_s_failure_in_one_model_leaves_another_on_its_kernel(monkeypatc
     the kernel."""
     if iq.triton is None:
         pytest.skip("triton is not installed")
-    from strata.args import PRESETS
-    from strata.checkpoint import synthetic_tensors
-    from strata.model import Transformer
+    from strata.models.args import PRESETS
+    from strata.weights.checkpoint import synthetic_tensors
+    from strata.models.model import Transformer
     args = PRESETS["smoke-wide"]
     models = []
     for _ in range(2):

@@ -63,7 +63,7 @@ def check_resident_batch_takes_rows():
     dp4a (rows.product answers None: the caller's dp4a launches)."""
     from strata.config import KernelSpec
     from strata.quant import gemv, random_blocks, rows
-    from strata.resident import Head, Packed
+    from strata.models.resident import Head, Packed
     g = torch.Generator().manual_seed(3)
     calls = []
     inner = rows.quant_matmul_rows
@@ -143,7 +143,7 @@ def test_batch_rows_take_x_as_it_is():
     reads (batch_graphs asks int8_x with its row count)."""
     from strata.config import KernelSpec
     from strata.quant import gemv, random_blocks
-    from strata.resident import PRODUCTS, Packed, ResidentMatrices
+    from strata.models.resident import PRODUCTS, Packed, ResidentMatrices
     g = torch.Generator().manual_seed(4)
     parts = {n: Packed(random_blocks(q, 32, 256, g), q, 256, torch.float32)
              for names, q in ((PRODUCTS["qkv"], "Q4_K"), (PRODUCTS["w2"], "Q6_K"), (PRODUCTS["lin_qkv"], "Q5_K"))

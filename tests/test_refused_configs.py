@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from conftest import make_rig  # noqa: E402
 from families_fixtures import make_hf  # noqa: E402
-from strata.checkpoint import model_args  # noqa: E402
+from strata.weights.checkpoint import model_args  # noqa: E402
 from test_bad_input import refuse  # noqa: E402
 
 # (family of the fixture, config.json changes, what the one line must say)
@@ -129,7 +129,7 @@ def test_glm4_moe_router_defaults_when_config_has_none(tmp_path):
 def test_hf_repo_id_from_the_local_cache(tmp_path, monkeypatch, configs):
     """'Org/Name' resolves to its snapshot in the local HF cache (refs/main), never downloaded; absent: one line
     naming where it looked."""
-    from strata.checkpoint import ModelError, resolve
+    from strata.weights.checkpoint import ModelError, resolve
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ModelError, match=r"'Org/Tiny': not in the local cache .*models--Org--Tiny"):
         resolve("Org/Tiny")

@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from conftest import chained_prefill
-from strata import checkpoint, model as M, quant, resident
-from strata.args import PRESETS
-from strata.attention import to_cache
-from strata.checkpoint import check_model_files, load_stage, model_args, stage_bytes, weights_mode
+from strata import quant
+from strata.weights import checkpoint
+from strata.models import model as M
+from strata.models import resident
+from strata.models.args import PRESETS
+from strata.kernels.attention import to_cache
+from strata.weights.checkpoint import check_model_files, load_stage, model_args, stage_bytes, weights_mode
 from strata.errors import ModelError
-from strata.tokenizer import Tokenizer
+from strata.text.tokenizer import Tokenizer
 
 SLICES = [(0, 15), (15, 30)]
 CHUNK, N_TOKENS, N_GEN = 64, 300, 6
@@ -112,7 +115,7 @@ def test_embedding_and_head_never_dequantized_whole(args, monkeypatch):
 def test_scratch_holds_the_largest_group_not_the_layer(args, monkeypatch):
     """A resident layer dequantizes one group (wqkv, wo, w13, w2) just before its product: the scratch is the
     largest group's size, each group is written when read, and reading one group overwrites the one before."""
-    from strata.args import PRESETS
+    from strata.models.args import PRESETS
     for name in ("qwen3-32b", "llama-3-8b"):
         a = PRESETS[name]
         groups = {"qkv": (a.n_heads + 2 * a.n_kv_heads) * a.head_dim * a.dim, "wo": a.dim * a.n_heads * a.head_dim,
@@ -142,7 +145,7 @@ def test_stage_bytes_agree_with_loaded(args, mode, kv, bounds):
         want = stage_bytes("smollm2", args, a, b, torch.float32, mode, kv, 200, "cpu")
         assert (s.weight_bytes, s.scratch_bytes, s.kv_bytes) == want, (a, b)
     if mode == "resident":  # the counted weights are the file's own block bytes
-        from strata.gguf_loader import tensor_facts
+        from strata.weights.gguf_loader import tensor_facts
         facts = tensor_facts(checkpoint.smollm2_path())
         w, _, _ = stage_bytes("smollm2", args, 0, 30, torch.float32, mode, kv, 200, "cpu")
         assert w == sum(f.needed() if f.quantized else math.prod(f.shape) * 4 for f in facts.values())

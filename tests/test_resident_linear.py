@@ -1,4 +1,4 @@
-"""Qwen3.5's linear-attention layers held resident (GGUF blocks as stored, strata.resident.ResidentMatrices): the same
+"""Qwen3.5's linear-attention layers held resident (GGUF blocks as stored, strata.models.resident.ResidentMatrices): the same
 prefill bits and greedy tokens as the dequantized slice on CPU, the bytes the planner counts, the file's tiled value
 heads in ssm_out's columns undone where read; on CUDA, the decode graphs on the blocks against the eager path."""
 import os
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import chained_prefill
-from strata import resident
-from strata.checkpoint import load_stage, model_args, stage_bytes, storage, weights_mode
-from strata.model import Packed, ResidentMatrices
+from strata.models import resident
+from strata.weights.checkpoint import load_stage, model_args, stage_bytes, storage, weights_mode
+from strata.models.model import Packed, ResidentMatrices
 
 BOUNDS = ((0, 2), (2, 4))  # a slice of linear layers, a slice with the full-attention layer and the head
 PROMPT, CHUNK, NEW = 45, 13, 6
@@ -127,7 +127,7 @@ def test_gpu_resident_graphs_match_eager_and_dequantized(q35_gguf):
     strata.quant.into: rows within 2e-2), then teacher-forced decode steps replayed from the graphs (linear and
     attention products on the blocks, strata.quant.gemv) against the eager decode path on the same slices' twins:
     logits within 2e-2, and the graphs made."""
-    from strata.decode_graphs import GraphedDecode, graphable
+    from strata.decode.graphs import GraphedDecode, graphable
     args = model_args(q35_gguf)
     ids = torch.randint(0, args.vocab_size, (1, PROMPT + NEW), generator=torch.Generator().manual_seed(5)).cuda()
     deq = slices(q35_gguf, "dequantized", "cuda", torch.bfloat16)
@@ -153,7 +153,7 @@ GRAPH_BODY = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from conftest import chained_prefill
-from strata.decode_graphs import DecodeGraphs, graphable
+from strata.decode.graphs import DecodeGraphs, graphable
 from test_resident_linear import CHUNK, PROMPT, slices
 path = sys.argv[2]
 eager, body = slices(path, "resident")[1], slices(path, "resident")[1]  # layers 2, 3: linear, then full attention

@@ -1,4 +1,4 @@
-"""strata.rope against transformers' RoPE init functions, its refusals, and the GGUF path against what
+"""strata.models.rope against transformers' RoPE init functions, its refusals, and the GGUF path against what
 llama.cpp's converter writes for the same HF config."""
 import os
 
@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noq
 from transformers.models.phi.modeling_phi import PhiRotaryEmbedding  # noqa: E402
 
 from strata.errors import ModelError  # noqa: E402
-from strata.rope import ROPE_TYPES, inv_frequencies, scaling_from_gguf, scaling_from_hf  # noqa: E402
+from strata.models.rope import ROPE_TYPES, inv_frequencies, scaling_from_gguf, scaling_from_hf  # noqa: E402
 
 RTOL = 1e-6
 
@@ -105,7 +105,7 @@ def test_dynamic_ntk_matches_transformers(head_dim, theta, max_pos, factor, part
     """Dynamic NTK: plain RoPE within max_position_embeddings (inv_frequencies), beyond it the base grown for the
     sequence's length, as transformers' _compute_dynamic_ntk_parameters for that seq_len (the frequencies really
     move with the length)."""
-    from strata.rope import dynamic_inv_frequencies
+    from strata.models.rope import dynamic_inv_frequencies
     rp = {"rope_type": "dynamic", "factor": factor}
     c = case(rp, head_dim=head_dim, theta=theta, max_pos=max_pos, partial=partial)
     inv, att = check(c)  # at init transformers takes seq_len = max_position_embeddings: plain RoPE
@@ -148,7 +148,7 @@ def test_partial_default_matches_phi():
 
 
 def test_llama3_matches_existing_rope_frequencies():
-    from strata.model import ModelArgs, rope_frequencies
+    from strata.models.model import ModelArgs, rope_frequencies
     args = ModelArgs(head_dim=128, rope_theta=500000.0, n_heads=1, n_kv_heads=1,
                      rope_scaling={k: v for k, v in LLAMA31.items() if k != "rope_type"})
     inv, _ = inv_frequencies(128, 500000.0, scaling_from_hf(LLAMA31, "cfg"))
@@ -355,8 +355,8 @@ def test_gguf_refusals(meta, want):
 ])
 def test_yarn_config_takes_the_stretched_context(tmp_path, fam, cfg, want):
     """A model whose config.json adds YaRN takes factor x its original length (the context the stretch is for), as
-    strata.rope.yarn_positions says; other scalings keep max_position_embeddings."""
+    strata.models.rope.yarn_positions says; other scalings keep max_position_embeddings."""
     from families_fixtures import make_hf
-    from strata.checkpoint import model_args
+    from strata.weights.checkpoint import model_args
     _, d = make_hf(tmp_path, fam, **cfg)
     assert model_args(d).max_seq_len == want

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.sampling import Detokenizer, Sampler, SamplingParams, StopMatcher
+from strata.text.sampling import Detokenizer, Sampler, SamplingParams, StopMatcher
 
 
 def _logits(seed=0, vocab=50):
@@ -149,8 +149,8 @@ def test_detokenizer_holds_split_utf8_characters():
 
 
 def test_detokenizer_increments_add_up_on_a_real_tokenizer():
-    from strata.tokenizer import Tokenizer
-    from strata.checkpoint import smollm2_path
+    from strata.text.tokenizer import Tokenizer
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:

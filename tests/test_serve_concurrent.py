@@ -1,4 +1,4 @@
-"""Several requests in the pipeline at once (the rig's max_seqs > 1, strata/slots.py): through the real openai
+"""Several requests in the pipeline at once (the rig's max_seqs > 1, strata/head/slots.py): through the real openai
 client on two CPU stages with SmolLM2. Exactness (each request's greedy ids alone and among others), overlap
 asserted on the driver's record of what was in flight (not on time: bench/serve_concurrency.py measures that),
 the prefix cache and scoring among other requests, a stage killed under several requests, and the refusals."""
@@ -42,7 +42,7 @@ QUESTION = "\nQ: What does this code define?\nA:"
 
 
 def _smollm2():
-    from strata.checkpoint import smollm2_path
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -69,7 +69,7 @@ def _recording(eng) -> dict:
 @pytest.fixture(scope="module")
 def slotted(tmp_path_factory):
     _smollm2()
-    from strata.engine import PipelineEngine
+    from strata.serve.engine import PipelineEngine
     eng = PipelineEngine(RIG, out=tmp_path_factory.mktemp("slots"))
     s = Running(eng, queue_size=4)
     yield s, eng
@@ -140,7 +140,7 @@ def test_n_choices_run_side_by_side_and_each_is_its_request_alone(slotted):
 def test_a_client_that_disconnects_frees_its_slot(slotted):
     """A stream closed after a few tokens ends its sequence (long before its max_tokens; its slot is free again),
     and only its own: a request decoding meanwhile goes on to its ids alone; a next request is served."""
-    from strata.sampling import SamplingParams
+    from strata.text.sampling import SamplingParams
     s, eng = slotted
     got_ids = _recording(eng)
     greedy = SamplingParams(max_tokens=250, temperature=0)
@@ -182,7 +182,7 @@ def test_the_next_step_goes_before_the_callers_callbacks(slotted):
     (handed over from the prompt's last chunk at once) and the last (no step follows). A caller that stops at a token
     while the next step is out ends there: its ids are the first of its ids alone, the count that many; the wasted
     step is reaped before its slot is free again, and the next request gets its ids alone."""
-    from strata.sampling import SamplingParams
+    from strata.text.sampling import SamplingParams
     s, eng = slotted
     ids = eng.tokenize(PROMPTS[1])
     greedy = SamplingParams(max_tokens=10, temperature=0)
@@ -206,7 +206,7 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
     kv_load goes through it); the prefix cache is on; Pipeline.score (one sequence alone, beside the driver) is
     refused naming the driver."""
     s, eng = slotted
-    from strata.kv_file import KvFileError
+    from strata.kvcache.kv_file import KvFileError
     with pytest.raises(KvFileError, match="max_seqs 4"):
         eng.kv_save(tmp_path / "kv.bin")
     with pytest.raises(KvFileError, match="max_seqs 4 the slot driver loads"):
@@ -216,7 +216,7 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
         eng.pipe.score([1, 2, 3])
     log = (eng.out / "stage-0.log").read_text()
     assert "KV slots: 4 sequences" in log
-    from strata import messages as M
+    from strata.comm import messages as M
     with pytest.raises(M.BadMessage, match="negative slot"):
         M.encode(M.Chunk(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=1, score=-1, slot=-1))
 
@@ -224,7 +224,7 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
 @pytest.fixture(scope="module")
 def slotted_long(tmp_path_factory):
     _smollm2()
-    from strata.engine import PipelineEngine
+    from strata.serve.engine import PipelineEngine
     # prefix_reuse chunks (RIG's): a repeat's answer has the cold bits (rows: tests/test_prefix_cache.py).
     # decode_weights none: float32 decode steps, as the scoring's float32 prefill, so a greedy token is the likeliest
     # in its scores to float32 rounding (on the blocks the steps' int8 products move log-probabilities by up to ~0.3)
@@ -301,7 +301,7 @@ def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
     """echo + logprobs=2 + max_tokens=0 of a 4-chunk text while another request decodes: the same log-probabilities
     and alternatives as Pipeline.score with max_seqs 1 (within 1e-4), their perplexity the CLI's (within 1e-3)."""
     s, eng = slotted_long
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     text = PROMPTS[3]
     with Pipeline({**LONG_RIG, "max_seqs": 1, "prompt": {"text": text}}, out=tmp_path / "one", console=False) as p:
         want_ppl = p.prefill().perplexity
@@ -366,9 +366,9 @@ def test_a_kv_file_loads_among_other_requests_into_the_prefix_cache(slotted_long
     cache: a prompt that begins with its ids restores them (the driver counts the file's whole blocks restored) and
     gets the max_seqs 1 pipeline's greedy ids. A file that is not one is refused in one line."""
     import numpy as np
-    from strata.kv_file import KvFileError
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.kvcache.kv_file import KvFileError
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     s, eng = slotted_long
     greedy = SamplingParams(max_tokens=8, temperature=0)
     with Pipeline({**LONG_RIG, "decode_weights": "none", "max_seqs": 1}, out=tmp_path / "one", console=False) as p:
@@ -406,8 +406,8 @@ def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
     sequences' first tokens are their cold ones (the restored slot prefilled from its restored prefix, with
     prefix_reuse chunks)."""
     _smollm2()
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     # prefix_reuse chunks: the restore stops at the cold chunk boundary (256), so doc's first token has the cold bits
     with Pipeline({**LONG_RIG, "max_seqs": 2, "prefix_reuse": "chunks"}, out=tmp_path, console=False) as p:
         doc, other = p.prompt_ids(DOCS[0][:1200] + QUESTION), p.prompt_ids(PROMPTS[3])
@@ -441,8 +441,8 @@ def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
     """SIGKILL of stage 1 while 3 requests decode: each gets a 503 (the streamed one an SSE error), the stages are
     started again once, the next request succeeds; at the end no process or segment of any run is left."""
     _smollm2()
-    from strata.engine import PipelineEngine
-    from strata.leftovers import Proc, segments, wait_gone
+    from strata.serve.engine import PipelineEngine
+    from strata.head.leftovers import Proc, segments, wait_gone
     eng = PipelineEngine({**RIG, "max_seqs": 3, "debug": {"delay_s": 0.01}}, out=tmp_path / "serve")
     s = Running(eng, queue_size=2)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -489,7 +489,7 @@ def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
 def test_cli_generate_with_max_seqs_2_equals_max_seqs_1(tmp_path):
     """Pipeline.generate (the CLI's one sequence, slot 0) on stages that hold 2 slots gives max_seqs 1's tokens."""
     _smollm2()
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     got = {}
     for m in (1, 2):
         with Pipeline({**RIG, "max_seqs": m, "generate": 8, "prompt": {"text": PROMPTS[0]}}, out=tmp_path / str(m),
@@ -501,7 +501,7 @@ def test_cli_generate_with_max_seqs_2_equals_max_seqs_1(tmp_path):
 def test_max_seqs_counts_in_the_plan_and_refusals(tmp_path):
     """The planner counts max_seqs caches (and refuses with numbers); the rig refuses what slots cannot do."""
     _smollm2()
-    from strata.plan import build_plan
+    from strata.plan.plan import build_plan
     from strata.config import from_dict
     base = dict(model="smollm2", stages=[{"device": "cpu"}] * 2, layer_split=[15, 15], chunk=64, max_context=2048,
                 progress=False)
@@ -531,8 +531,8 @@ def test_a_hybrid_model_serves_several_sequences_each_as_alone(tmp_path):
     driver had several sequences in the pipeline (each slot its own recurrent states)."""
     import numpy as np
     from families_fixtures import make_hf
-    from strata.engine import PipelineEngine
-    from strata.sampling import SamplingParams
+    from strata.serve.engine import PipelineEngine
+    from strata.text.sampling import SamplingParams
     _, d = make_hf(tmp_path, "qwen3_5")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 200, n).tolist() for n in (70, 33, 51)]
@@ -567,8 +567,8 @@ def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
     batches run none. The refusals are one line each."""
     _smollm2()
     from strata.config import from_dict
-    from strata.engine import PipelineEngine
-    from strata.sampling import SamplingParams
+    from strata.serve.engine import PipelineEngine
+    from strata.text.sampling import SamplingParams
     rig = {**RIG, "stages": [{"device": "cpu", "threads": 1}], "decode_batch": "steps"}
     limits = [13, 6, 9, 2]
 
@@ -616,7 +616,7 @@ def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
         from_dict({**base, "max_seqs": 2, "prefill_groups": "yes"})
     with pytest.raises(ConfigError, match="^prefill_groups: a group is several sequences' chunks; it needs max_seqs"):
         from_dict({**base, "prefill_groups": True})
-    from strata import messages as M
+    from strata.comm import messages as M
     batch = dict(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=9, score=-1, seqs=[0, 8])
     M.encode(M.Chunk(**batch, rows=False, ahead=3))
     for bad in (dict(batch, rows=True, ahead=1), dict(batch, rows=False, ahead=65), dict(batch, seqs=[], ahead=1)):
@@ -628,7 +628,7 @@ def test_a_spinning_driver_gives_each_its_tokens_alone(slotted):
     """kernels.slot_spin (on all-GPU rigs only; forced here on two CPU stages): the driver polls without sleeping
     while micro-batches are in flight, and three greedy requests at once still get each its ids alone; it did spin
     (its busy loop took results with no wait)."""
-    from strata.sampling import SamplingParams
+    from strata.text.sampling import SamplingParams
     s, eng = slotted
     driver = eng._slots
     greedy = SamplingParams(max_tokens=12, temperature=0)
@@ -661,7 +661,7 @@ def test_a_spinning_driver_gives_each_its_tokens_alone(slotted):
 def test_prefill_group_notes_validated():
     """A prefill group's note names [slot, pos] and the rows of each sequence, its rows in all, each slot once, one
     KV-pool span a sequence or none, unscored, no state kept, no steps ahead; anything else is a BadMessage."""
-    from strata import messages as M
+    from strata.comm import messages as M
     group = dict(k=0, pos=0, n=12, phase="prefill", t0=0.0, tokens=40, score=-1, seqs=[0, 0, 3, 32], lens=[5, 7])
     M.encode(M.Chunk(**group))
     M.encode(M.Chunk(**group, span=[0, 64, 64, 64]))
@@ -681,7 +681,7 @@ def test_prompts_sent_together_prefill_as_one_group_each_as_alone(tmp_path, pool
     chunk alone (~1e-3 here), and the C decoder's int8 rows turned that into other tokens a few steps on (3 of these
     4 prompts, once), where torch's float32 steps keep these prompts' ids."""
     _smollm2()
-    from strata.engine import PipelineEngine
+    from strata.serve.engine import PipelineEngine
     eng = PipelineEngine({**RIG, "prefix_reuse": "rows", "prefix_cache_bytes": 0, "kv_pool": pool,
                           "prefill_groups": True, "decode_weights": "none"}, out=tmp_path / "groups")
     s = Running(eng, queue_size=4)

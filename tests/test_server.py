@@ -16,10 +16,10 @@ import httpx
 import pytest
 import torch
 
-from strata.chat import ChatTemplate
-from strata.engine import Engine, EngineError, GenerationStats
-from strata.sampling import Sampler, SamplingParams
-from strata.server import make_uvicorn
+from strata.text.chat import ChatTemplate
+from strata.serve.engine import Engine, EngineError, GenerationStats
+from strata.text.sampling import Sampler, SamplingParams
+from strata.serve.server import make_uvicorn
 
 EOS = 256
 WAIT_S = 10.0  # bound on every wait for an event; a pass never comes near it
@@ -766,7 +766,7 @@ def _answer(sock: socket.socket) -> tuple[int, dict, float]:
 def test_body_limit_defaults_from_the_context_and_takes_the_rig_key(engine):
     from strata.config import from_dict
     from strata.errors import ConfigError
-    from strata.server import Server, default_max_body
+    from strata.serve.server import Server, default_max_body
     assert Server(engine).max_body == 256 * 16 + (1 << 20) == default_max_body(256)
     assert Server(FakeEngine(max_context=8192)).max_body == 8192 * 16 + (1 << 20)
     assert from_dict({"server_max_body_bytes": 5000}).server_max_body_bytes == 5000
@@ -978,7 +978,7 @@ CHILD = r"""
 import socket, sys
 sys.path[:0] = [{root!r}, {tests!r}]
 from test_server import FakeEngine
-import strata.server as S
+import strata.serve.server as S
 
 class Engine(FakeEngine):
     def close(self):
@@ -1065,7 +1065,7 @@ def _gen(engine, ids, n, **kw):
 
 
 def test_local_engine_greedy_matches_transformers(tiny_llama):
-    from strata.engine import LocalEngine
+    from strata.serve.engine import LocalEngine
     model, path = tiny_llama
     ids = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     eng = LocalEngine(path, prefill_chunk=10)  # several prefill chunks
@@ -1086,7 +1086,7 @@ def test_local_engine_greedy_matches_transformers(tiny_llama):
 
 
 def test_local_engine_prefix_reuse_gives_the_cold_tokens(tiny_llama):
-    from strata.engine import LocalEngine
+    from strata.serve.engine import LocalEngine
     _, path = tiny_llama
     g = torch.Generator().manual_seed(1)
     doc = torch.randint(3, 300, (40,), generator=g).tolist()
@@ -1110,7 +1110,7 @@ def test_local_engine_prefix_reuse_gives_the_cold_tokens(tiny_llama):
 
 
 def test_local_engine_stops_when_told_and_at_eos(tiny_llama):
-    from strata.engine import LocalEngine
+    from strata.serve.engine import LocalEngine
     _, path = tiny_llama
     eng = LocalEngine(path)
     ids = list(range(10, 30))
@@ -1129,8 +1129,8 @@ def test_local_engine_stops_when_told_and_at_eos(tiny_llama):
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    from strata.engine import LocalEngine
-    from strata.checkpoint import smollm2_path
+    from strata.serve.engine import LocalEngine
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:
@@ -1167,8 +1167,8 @@ SCORE_TEXT = ("The capital of France is Paris. It lies on the Seine, and about t
 def cli_perplexity(tmp_path_factory):
     """The CLI's perplexity of SCORE_TEXT (a fresh two-stage pipeline, the whole prompt in chunks: the last
     stage's Transformer.nll) and its ids."""
-    from strata.pipeline import Pipeline
-    from strata.checkpoint import smollm2_path
+    from strata.head.pipeline import Pipeline
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -1239,8 +1239,8 @@ PIPE_RIG = dict(model="smollm2", stages=[{"device": "cpu", "threads": 1}] * 2, c
 
 @pytest.fixture(scope="module")
 def pipeline_server(tmp_path_factory):
-    from strata.engine import PipelineEngine
-    from strata.checkpoint import smollm2_path
+    from strata.serve.engine import PipelineEngine
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -1253,7 +1253,7 @@ def pipeline_server(tmp_path_factory):
 
 
 def test_pipeline_engine_greedy_equals_the_cli_continuation(pipeline_server, tmp_path):
-    from strata.pipeline import Pipeline
+    from strata.head.pipeline import Pipeline
     s, eng = pipeline_server
     assert isinstance(eng, Engine) and eng.max_context == 256
     prompt = "The capital of France is"
@@ -1314,8 +1314,8 @@ def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tm
     openai = pytest.importorskip("openai")
     import inspect
     import typing
-    from strata.engine import PipelineEngine
-    from strata.checkpoint import model_args, smollm2_path
+    from strata.serve.engine import PipelineEngine
+    from strata.weights.checkpoint import model_args, smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -1369,7 +1369,7 @@ def _served_launcher(tmp_path, *extra: str, rig_over: dict | None = None):
     import sys
     from pathlib import Path
     import yaml
-    from strata.checkpoint import smollm2_path
+    from strata.weights.checkpoint import smollm2_path
     try:
         smollm2_path()
     except Exception as e:  # noqa: BLE001
@@ -1399,7 +1399,7 @@ def _served_launcher(tmp_path, *extra: str, rig_over: dict | None = None):
 def test_cli_serve_answers_and_sigterm_leaves_nothing(tmp_path):
     """`launcher.py --serve`: answers, then SIGTERM ends the server, its fork server and stages, with no segment
     left."""
-    from strata.leftovers import Proc, descendants, segments, wait_gone
+    from strata.head.leftovers import Proc, descendants, segments, wait_gone
     with _served_launcher(tmp_path) as (proc, url):
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4},
                        timeout=60)
@@ -1417,7 +1417,7 @@ def test_cli_serve_sigterm_exits_after_every_child(tmp_path):
     """When a supervisor sees `launcher.py --serve` exit after SIGTERM, nothing it started is alive: not the
     stages, nor multiprocessing's fork server and resource tracker. A head that died of the signal uvicorn
     raises again left those two running for 0.5-2 s after it."""
-    from strata.leftovers import Proc, descendants
+    from strata.head.leftovers import Proc, descendants
     with _served_launcher(tmp_path) as (proc, _):
         kids = [Proc(p, open(f"/proc/{p}/cmdline").read().replace("\0", " ")) for p in descendants(proc.pid)]
         assert any("forkserver" in k.what for k in kids), kids  # on this host the CPU stages are its forks
@@ -1432,8 +1432,8 @@ def test_cli_serve_loads_a_kv_file_before_the_first_request(tmp_path):
     """`launcher.py --serve --kv-load PATH` with max_seqs 2 (through the slot driver into the prefix cache): the
     first request, a prompt that begins with the file's ids, is served from it (the server's cached tokens), with
     the answer a max_seqs 1 pipeline gives after the same file."""
-    from strata.pipeline import Pipeline
-    from strata.sampling import SamplingParams
+    from strata.head.pipeline import Pipeline
+    from strata.text.sampling import SamplingParams
     rig = {**{k: v for k, v in PIPE_RIG.items() if k != "debug"}, "max_context": 512}
     doc = " ".join(f"Item {i} is number {i * 7 % 13}." for i in range(40))
     question = "\nQ: Which number is item 3?\nA:"
@@ -1464,8 +1464,8 @@ def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path):
     """A synthetic model (no vocabulary, as a random-block GGUF): token-id prompts are answered with `token_ids`
     (and text ""), streamed or not, the ids the engine generates for them; a text prompt, stop strings, echo and
     logprobs get a one-line 400."""
-    from strata.engine import PipelineEngine
-    from strata.sampling import SamplingParams
+    from strata.serve.engine import PipelineEngine
+    from strata.text.sampling import SamplingParams
     eng = PipelineEngine({"model": "synthetic:smoke", "stages": [{"device": "cpu"}], "max_context": 128,
                           "progress": False, "prompt": {"random": {"tokens": 8, "seed": 0}}}, out=tmp_path / "run")
     s = Running(eng)

@@ -10,10 +10,10 @@ import gguf
 import numpy as np
 import pytest
 
-from strata.checkpoint import smollm2_path
-from strata.gguf_fast import GGUFIndex, Unhandled
-from strata.gguf_loader import field_value, open_gguf
-from strata.report import STARTUP_PARTS, startup_breakdown
+from strata.weights.checkpoint import smollm2_path
+from strata.weights.gguf_fast import GGUFIndex, Unhandled
+from strata.weights.gguf_loader import field_value, open_gguf
+from strata.head.report import STARTUP_PARTS, startup_breakdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def test_arrays_of_arrays_fall_back_to_gguf_py(tmp_path):
 
 def test_process_start_clock():
     """process_start() is this process's start: a child that sleeps 0.5 s first sees at least that much."""
-    code = ("import time; time.sleep(0.5); import sys; sys.path.insert(0, %r); from strata.report import "
+    code = ("import time; time.sleep(0.5); import sys; sys.path.insert(0, %r); from strata.head.report import "
             "process_start; print(time.perf_counter() - process_start())" % str(ROOT))
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 0.45 <= age < 30

@@ -15,10 +15,10 @@ import traceback
 
 import zmq
 
-from strata import messages as M
+from strata.comm import messages as M
 
-from .sockets import head_push
-from .stage import Stage
+from workers.sockets import head_push
+from workers.stage import Stage
 
 
 def _die_with_parent() -> None:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from strata import bells as bells_mod
-from strata import messages as M
-from strata.args import ModelArgs
-from strata.bells import Bells
-from strata.shm import Segment
-from strata.transport import ShmLink, TcpLink
+from strata.comm import bells as bells_mod
+from strata.comm import messages as M
+from strata.models.args import ModelArgs
+from strata.comm.bells import Bells
+from strata.comm.shm import Segment
+from strata.comm.transport import ShmLink, TcpLink
 
 
 class StageBuffers:
@@ -31,7 +31,7 @@ class StageBuffers:
             self.segments.append(seg)
             return seg
 
-        # decode doorbells (strata/bells.py): every stage local and on a GPU (or forced for tests)
+        # decode doorbells (strata/comm/bells.py): every stage local and on a GPU (or forced for tests)
         self.bell_words = (attach("bells").tensor(torch.int64, (spec.n_stages + 1, bells_mod.ROW))
                            if "bells" in segs else None)
         self.bells = Bells(self.bell_words.numpy()) if self.bell_words is not None else None

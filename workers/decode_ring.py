@@ -9,14 +9,14 @@ import time
 
 import torch
 
-from strata import bells as bells_mod
-from strata import messages as M
+from strata.comm import bells as bells_mod
+from strata.comm import messages as M
 
-from .faults import StageFailed
+from workers.faults import StageFailed
 
 
 class DecodeRing:
-    bells = None     # strata.bells.Bells when the run has decode doorbells (set from the stage's buffers)
+    bells = None     # strata.comm.bells.Bells when the run has decode doorbells (set from the stage's buffers)
     bell_key = None  # (k, t0) of the decode step that came by bell: its note goes on by bell too
     ahead = None     # (k, pos) of the decode step queued behind a GPU wait on this stage's bell
     ahead_seq = None  # the device address of this stage's bell seq word, when it queues steps ahead
@@ -27,7 +27,7 @@ class DecodeRing:
         self.bell_key = self.ahead = self.ahead_seq = None
         graphs = self.graphs and self.graphs.graphs  # captured by the warm-up on a slice whose steps replay graphs
         if spec.decode_ahead and self.bells is not None and self.pinned and graphs is not None and graphs.graphs:
-            from strata import stream_wait
+            from strata.comm import stream_wait
             word = self.bell_words[self.i, bells_mod.SEQ]
             why = (stream_wait.works(word, self.device) if graphs.queues_ahead
                    else "linear-attention layers: a released step would move their states")
@@ -106,7 +106,7 @@ class DecodeRing:
             self.inflight.append(k)
 
     def decode_batch(self, msg: M.Chunk) -> None:
-        """Several sequences' decode steps as one micro-batch (max_seqs > 1, strata/slots.py): row t is the token
+        """Several sequences' decode steps as one micro-batch (max_seqs > 1, strata/head/slots.py): row t is the token
         of the sequence in slot seqs[2t] at position seqs[2t + 1], read from and written to that slot's KV
         (Transformer.decode_seqs: each row the bits of its step alone). Like a slotted step it says "taken"
         upstream once its rows have left the buffer, and is reaped before the next hand-off. The last stage puts
@@ -182,7 +182,7 @@ class DecodeRing:
             self._queue_ahead(k + 1, pos + 1)
 
     def _queue_ahead(self, k: int, pos: int) -> None:
-        """Queue decode step k at pos behind a GPU-side wait on this stage's bell (strata/stream_wait.py): when
+        """Queue decode step k at pos behind a GPU-side wait on this stage's bell (strata/comm/stream_wait.py): when
         the hop above rings, the GPU copies the position and the token or residual row in from the page-locked
         bell and buffer and replays the step, and copies the output out, with no host step between the ring and
         the kernels. The host sees the same bell, checks it announces (k, pos), waits for the step and rings on.
@@ -190,7 +190,7 @@ class DecodeRing:
         graphs = self.graphs.decode_graphs()
         if pos >= min(self.spec.max_len, graphs.cache_len) or not graphs.captured(pos):
             return
-        from strata import stream_wait
+        from strata.comm import stream_wait
         stream = torch.cuda.current_stream(self.device)
         stream_wait.wait_geq(stream, self.ahead_seq, self.bells.seen + 1)
         row = self.bell_words[self.i]

@@ -2,7 +2,7 @@
 
     python -m workers.join --join tcp://HEAD:PORT --key KEY      (KEY: 192 hex digits, or - for stdin)
 
-This is the stage's side of the join and the heartbeats (the head's: strata/head_net.py). The entry point
+This is the stage's side of the join and the heartbeats (the head's: strata/head/net.py). The entry point
 lives here, not in workers/stage.py: the stage process (workers/bootstrap.py) imports the stage, and a stage
 that imported this module would close a circle.
 """
@@ -17,8 +17,8 @@ import time
 
 import zmq
 
-from strata import messages as M
-from strata.curve import boot_id, curve_client, parse_join_key
+from strata.comm import messages as M
+from strata.comm.curve import boot_id, curve_client, parse_join_key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.bind:
         net.bind = a.bind
     watch = HeadWatch(dealer, spec.index, net.heartbeat_s, net.heartbeat_timeout_s, sys.stderr.fileno())
-    from .bootstrap import run_stage_process  # torch loads here, after the join: a bad key fails fast
+    from workers.bootstrap import run_stage_process  # torch loads here, after the join: a bad key fails fast
     run_stage_process(spec, None, {"ids": ids, "clock_offset": offset, "watch": watch})
     return 0  # not reached: run_stage_process exits the process
 

@@ -1,5 +1,5 @@
-"""The stage's KV operations between prompts: prefix-cache snapshots (strata/prefix_cache.py) and KV files
-(strata/kv_file.py), one `KvOp` note from the head each, answered by one `KvDone`.
+"""The stage's KV operations between prompts: prefix-cache snapshots (strata/kvcache/prefix_cache.py) and KV files
+(strata/kvcache/kv_file.py), one `KvOp` note from the head each, answered by one `KvDone`.
 
 The head decides what to snapshot, restore, drop, save and load; the stage only checks that the rows asked for
 are inside its cache and does it. With one sequence no chunk is in flight while one runs (the head sends them
@@ -17,9 +17,9 @@ import os
 import threading
 import time
 
-from strata import kv_file
-from strata import messages as M
-from strata.prefix_cache import Snapshots, layer_caches
+from strata.kvcache import kv_file
+from strata.comm import messages as M
+from strata.kvcache.prefix_cache import Snapshots, layer_caches
 
 
 class StageKv:

@@ -7,15 +7,15 @@ import time
 
 import torch
 
-import strata.attention
-from strata import messages as M
-from strata.args import ModelArgs
-from strata.checkpoint import load_stage, weights_mode
+import strata.kernels.attention
+from strata.comm import messages as M
+from strata.models.args import ModelArgs
+from strata.weights.checkpoint import load_stage, weights_mode
 from strata.config import kernel_spec
-from strata.decode_graphs import GraphedDecode
-from strata.model import Transformer
-from strata.prefix_cache import BLOCK, stateful
-from strata.schedule import chunk_schedule, cut_at, kept_state_cut
+from strata.decode.graphs import GraphedDecode
+from strata.models.model import Transformer
+from strata.kvcache.prefix_cache import BLOCK, stateful
+from strata.plan.schedule import chunk_schedule, cut_at, kept_state_cut
 
 
 def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
@@ -26,14 +26,14 @@ def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
     weights = weights_mode(spec.model, device.type, spec.weights, args)
     cpu_decode = spec.decode_weights if spec.decode_weights != "none" and device.type == "cpu" else None
     if cpu_decode == "auto":
-        from strata.attention import kv_dtype_of
-        from strata.checkpoint import has_quantized
-        from strata.cpu_decode import auto_kind
+        from strata.kernels.attention import kv_dtype_of
+        from strata.weights.checkpoint import has_quantized
+        from strata.kernels.cpu_decode import auto_kind
         kind, why = auto_kind(args, has_quantized(spec.model, args), weights, kv_dtype_of(spec.kv_dtype, dtype))
         log.info("decode_weights=auto: %s (%s)", kind, why)
         cpu_decode = None if kind == "none" else kind
     if cpu_decode == "blocks":
-        from strata.cpu_decode import BuildError, library
+        from strata.kernels.cpu_decode import BuildError, library
         try:
             library()  # built once per machine; a machine without a C compiler decodes as before
         except BuildError as e:
@@ -51,12 +51,12 @@ def load_slice(spec: M.StageJob, device: torch.device, dtype: torch.dtype,
                        prefix_block=spec.prefix_block, pool=spec.kv_pool)
     if model.kernels.window_attention == "flex" and any(getattr(b.attn, "window", None) is not None
                                                        for b in model.layers.values()):
-        why = strata.attention.flex_unavailable(device, dtype, model.triton_state)
+        why = strata.kernels.attention.flex_unavailable(device, dtype, model.triton_state)
         log.info("kernels.window_attention=flex: %s", f"{why}; window layers take the band path" if why
                  else "window layers through FlexAttention")
     # decode options: weight-only copies are a CPU kernel path, graphs a CUDA one
     if cpu_decode == "blocks":
-        from strata.cpu_decode import BUILDS
+        from strata.kernels.cpu_decode import BUILDS
         b = model._blocks
         log.info("decode_weights=blocks: %d matrices as stored, %d quantized to 8 bits, %.1f MB, %s build",
                  b.exact, b.requantized, b.nbytes / 1e6, BUILDS.get(b.lib.strata_simd(), "?"))
@@ -112,15 +112,15 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
     # every later chunk meets a new cached-prefix length (and with dynamic chunks a new length of its own), and
     # cuDNN builds a graph per shape: build those of the schedule's chunks (the configured prompt's first, then
     # any prompt's up to max_len) now, not one per chunk in the first prefill; bounded by
-    # strata.attention.WARM_CHUNKS shapes and WARM_BUDGET_S seconds
+    # strata.kernels.attention.WARM_CHUNKS shapes and WARM_BUDGET_S seconds
     chunks = warm_shapes(spec, args)
     shapes = [c for c in chunks if c[0] > 0]  # (a chunk at position 0 has no cached prefix: no split)
     mem.append(torch.cuda.memory_allocated(device))
-    strata.attention.keep_cudnn_shapes(model, shapes + [(n, n)])
+    strata.kernels.attention.keep_cudnn_shapes(model, shapes + [(n, n)])
     t_chunks = time.perf_counter()
-    built = strata.attention.warm_chunk_attention(model, shapes)
+    built = strata.kernels.attention.warm_chunk_attention(model, shapes)
     t_flex = time.perf_counter()
-    flex = strata.attention.warm_window_attention(model, [c[1] for c in chunks])  # (window layers: flex at 0 too)
+    flex = strata.kernels.attention.warm_window_attention(model, [c[1] for c in chunks])  # (window layers: flex at 0 too)
     mem.append(torch.cuda.memory_allocated(device))
     if built:  # fewer than the shapes: WARM_CHUNKS or WARM_BUDGET_S stopped it, and the rest build in a prefill
         log.info("chunk attention warmed for %d of %d chunk shapes (chunk %d) in %.1f s", built, len(shapes),
@@ -128,9 +128,9 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
     if flex:
         log.info("FlexAttention compiled for %d query buckets (rows %s) in %.1f s", len(flex),
                  ", ".join(map(str, flex)), time.perf_counter() - t_flex)
-    if strata.attention.flex_failure(model.triton_state):
+    if strata.kernels.attention.flex_failure(model.triton_state):
         log.warning("kernels.window_attention=flex: %s; window layers take the band path",
-                    strata.attention.flex_failure(model.triton_state))
+                    strata.kernels.attention.flex_failure(model.triton_state))
     # the decode step too (its kernels, cuBLAS's one-row GEMM set-up, the head's argmax), else the first
     # answer pays it; with cuda_graphs, every bucket of cache positions is captured now, not mid-answer
     x1 = (torch.zeros(1, 1, dtype=torch.long, device=device) if first
@@ -168,8 +168,8 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
         log.warning("decode: kernels.q8_attention %s; the split-K reads the q8_0 cache widened", graphs.q8_fallback)
     log.info("warm-up: GPU memory allocated %s bytes (loaded; after the chunks; after cuDNN's shapes; "
              "after the decode steps)", " -> ".join(f"{m:,}" for m in mem))
-    if "strata.decode_gemv" in sys.modules:  # the graphs' dense products: which kernel each shape measured faster
-        log.info("decode GEMV: %s", sys.modules["strata.decode_gemv"].describe())
+    if "strata.kernels.decode_gemv" in sys.modules:  # the graphs' dense products: which kernel each shape measured faster
+        log.info("decode GEMV: %s", sys.modules["strata.kernels.decode_gemv"].describe())
     torch.cuda.synchronize(device)
     return time.perf_counter() - t
 

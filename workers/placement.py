@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from strata import messages as M
+from strata.comm import messages as M
 
 
 def use_device(spec: M.StageJob, device: torch.device, log: logging.Logger) -> None:

@@ -5,8 +5,8 @@ import logging
 
 import zmq
 
-from strata import messages as M
-from strata.curve import Gate, bind_tcp, curve_client, curve_server, route_address
+from strata.comm import messages as M
+from strata.comm.curve import Gate, bind_tcp, curve_client, curve_server, route_address
 
 
 class StageSockets:

@@ -16,7 +16,7 @@ warm-up), workers/buffers.py (ids, hand-off links, bells), workers/sockets.py, w
 (the rig's `debug`), workers/residual_dump.py, workers/kv_ops.py (prefix-cache snapshots, KV files).
 
 Across hosts the path is the same: a boundary whose ends are on different hosts is a `TcpLink`
-instead of a `ShmLink` (strata/transport.py), the rows travelling with the note.
+instead of a `ShmLink` (strata/comm/transport.py), the rows travelling with the note.
 """
 from __future__ import annotations
 
@@ -30,18 +30,18 @@ from collections import deque
 import torch
 import zmq
 
-from strata import memory_trace
-from strata import messages as M
-from strata.decode_graphs import GraphedDecode
+from workers import memory_trace
+from strata.comm import messages as M
+from strata.decode.graphs import GraphedDecode
 
-from .buffers import StageBuffers
-from .decode_ring import DecodeRing
-from .faults import Faults
-from .kv_ops import StageKv
-from .load import load_slice, warm_up
-from .placement import use_device
-from .residual_dump import ResidualDump
-from .sockets import StageSockets
+from workers.buffers import StageBuffers
+from workers.decode_ring import DecodeRing
+from workers.faults import Faults
+from workers.kv_ops import StageKv
+from workers.load import load_slice, warm_up
+from workers.placement import use_device
+from workers.residual_dump import ResidualDump
+from workers.sockets import StageSockets
 
 # A CUDA stage between decode steps polls its inbox without sleeping for this long (then sleeps in poll as
 # always): a token comes back within a few ms, and a core that slept wakes late (a scheduler hop, a cold or
@@ -76,7 +76,7 @@ class Stage(DecodeRing):
             memory_trace.start()
         self.model, self.weights = load_slice(spec, self.device, self.dtype, log)
         self.kv_bytes = self.model.kv_bytes
-        if spec.max_seqs > 1:  # several sequences at once (strata/slots.py): a cache each
+        if spec.max_seqs > 1:  # several sequences at once (strata/head/slots.py): a cache each
             self.model.batch_rows = spec.decode_batch == "rows"
             kind = self.model.decode_batch_kind()
             if spec.cuda_graphs and self.device.type == "cuda":
@@ -94,7 +94,7 @@ class Stage(DecodeRing):
                 log.info("memory_trace: %s", line)
         self.args = self.model.args
         # one-token decode steps: replayed from CUDA graphs where the rig asks for them on a GPU
-        # (several slots: decode batches, and each one-token step as a batch of one, from strata.batch_graphs)
+        # (several slots: decode batches, and each one-token step as a batch of one, from strata.decode.batch_graphs)
         self.graphs = GraphedDecode(self.model) if spec.cuda_graphs and self.device.type == "cuda" else None
         self.decoder = self.graphs if self.graphs is not None else self.model  # what decode_token is asked of
         self.warm_s = warm_up(spec, self.model, self.graphs, log)
@@ -399,7 +399,7 @@ class Stage(DecodeRing):
         self._handed_off(k, work_start, work_end)
 
     def run_group(self, msg: M.Chunk) -> None:
-        """A prefill group (strata/slots.py): several sequences' chunks as one micro-batch, each in its own slot
+        """A prefill group (strata/head/slots.py): several sequences' chunks as one micro-batch, each in its own slot
         (Transformer.forward_group), down the chunk path's steps. The last stage's result is each sequence's last
         row: its argmax in the note and, with msg.rows, its logits in row t of the result buffer, each computed as
         its chunk alone's last row is."""

@@ -13,10 +13,10 @@ import functools
 
 import torch
 
-from ..triton_state import TritonState
-from . import blocks as blocks_mod, iq, mxfp4
-from .random import random_blocks
-from .types import block_size, qtype_of, type_size
+from strata.triton_state import TritonState
+from strata.quant import blocks as blocks_mod, iq, mxfp4
+from strata.quant.random import random_blocks
+from strata.quant.types import block_size, qtype_of, type_size
 
 __all__ = ["DEQUANT", "MIXES", "SUPPORTED", "block_size", "dequantize", "mix_type", "qtype_of", "random_blocks",
            "type_size"]
@@ -29,7 +29,7 @@ SUPPORTED: tuple[str, ...] = _PLAIN + tuple(DEQUANT)
 # attn_v and ffn_down. (llama.cpp widens attn_v / ffn_down in about half of the layers; the synthetic models and
 # bench/make_gguf.py widen them in all, a slightly larger file of the same kinds of tensors.)
 MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
-_WIDE_IN_MIX = ("head", "wv", "w_down", "e_down")  # canonical short names (strata.names)
+_WIDE_IN_MIX = ("head", "wv", "w_down", "e_down")  # canonical short names (strata.models.names)
 
 
 def mix_type(qtype: str, short_name: str) -> str:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import IQ3S_KERNELS, KQUANT_KERNELS, MXFP4_KERNELS, Q8_0_KERNELS, ROWS_KERNELS, KernelSpec
-from . import LEGACY_FLAGS, block_size, qtype_of, type_size
+from strata.config import IQ3S_KERNELS, KQUANT_KERNELS, MXFP4_KERNELS, Q8_0_KERNELS, ROWS_KERNELS, KernelSpec
+from strata.quant import LEGACY_FLAGS, block_size, qtype_of, type_size
 
 try:
     import triton
@@ -974,7 +974,7 @@ def iq3_s_words(device, table: int = 0) -> torch.Tensor:
     device = torch.device(device)
     key = (device, table)
     if key not in _IQ3S_WORDS:
-        from .iq import _tables
+        from strata.quant.iq import _tables
         g = _tables(device)["IQ3_S_grid"].to(torch.int32)  # (512, 4), odd values 1..15
         if table == 2:
             words = (g << torch.arange(0, 16, 4, device=device, dtype=torch.int32)).sum(dim=1, dtype=torch.int32)
@@ -1018,7 +1018,7 @@ def int8_x(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def _grid(name: str, device: torch.device) -> torch.Tensor:
     if name == "IQ3_S":
-        from .iq import _tables
+        from strata.quant.iq import _tables
         return _tables(device)["IQ3_S_bf16"]
     return _dummy(device)
 
@@ -1511,7 +1511,7 @@ def mxfp4_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, cols:
     where the dp4a kernel rounds x itself). split: the stack in strata.quant.mxfp4's split layout; then `kernels`
     picks the dp4a kernel (int8 x: xq, or `quantize_x` here) or the float one, and a dp4a kernel that fails leaves
     the float one on that holder. The file's layout: the float kernel."""
-    from .mxfp4 import split_ok
+    from strata.quant.mxfp4 import split_ok
     E, rows, rb = stack.shape
     n = ids.numel()
     if cols % 32 or rb != cols // 32 * 17 or stack.dtype != torch.uint8 or not stack.is_contiguous():

@@ -17,8 +17,8 @@ import os
 
 import torch
 
-from ..triton_state import TritonState
-from . import LEGACY_FLAGS, block_size, type_size
+from strata.triton_state import TritonState
+from strata.quant import LEGACY_FLAGS, block_size, type_size
 
 try:
     import triton
@@ -180,7 +180,7 @@ def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, qtype: str, state: 
             elif qtype in LEGACY_FLAGS:
                 _legacy_into[grid](flat, out, n, **LEGACY_FLAGS[qtype], BLOCKS=per_program, enable_fp_fusion=False)
             elif qtype == "IQ3_S":  # its float32 products (no add to contract) stored in out's dtype
-                from .iq import TRITON_BLOCKS, _iq3_s_kernel, _tables
+                from strata.quant.iq import TRITON_BLOCKS, _iq3_s_kernel, _tables
                 _iq3_s_kernel[(triton.cdiv(n, TRITON_BLOCKS),)](flat, _tables(flat.device)["IQ3_S_grid"], out, n,
                                                                 BLOCKS=TRITON_BLOCKS, enable_fp_fusion=False)
             else:

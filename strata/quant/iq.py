@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..triton_state import TritonState
+from strata.triton_state import TritonState
 
 try:  # ships with CUDA builds of torch; only IQ3_S on CUDA uses it
     import triton

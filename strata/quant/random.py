@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .types import block_size, qtype_of, type_size
+from strata.quant.types import block_size, qtype_of, type_size
 
 # Per type: the fp16 scale fields as (byte offset, multiple of the block's d). d sits first in
 # most blocks, last in Q2_K / Q3_K / Q6_K. A min field gets the multiple that centres the

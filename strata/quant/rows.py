@@ -20,13 +20,13 @@ import logging
 
 import torch
 
-from . import qtype_of
-from .gemv import MAX_M, MAX_PARTS, SUM_COLS, GemvKernels, checked_parts, triton, type_runs
+from strata.quant import qtype_of
+from strata.quant.gemv import MAX_M, MAX_PARTS, SUM_COLS, GemvKernels, checked_parts, triton, type_runs
 
 if triton is not None:
     import triton.language as tl
 
-    from .gemv import _f16, _k4_scale_min, _split_range, _sum_splits, _tile_at
+    from strata.quant.gemv import _f16, _k4_scale_min, _split_range, _sum_splits, _tile_at
 
 log = logging.getLogger("strata.quant")
 ROWS_MAX = 64     # x rows a launch (a tile dim: 16, 32 or 64); more take several launches

@@ -1,0 +1,1 @@
+"""What crosses a process boundary: typed messages, transports, shared memory, doorbells, keys."""

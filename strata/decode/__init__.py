@@ -1,0 +1,1 @@
+"""Decode steps as CUDA graphs (one row and batches)."""

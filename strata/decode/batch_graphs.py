@@ -1,0 +1,387 @@
+"""CUDA graphs of a decode batch: several sequences' one-token steps in one replay, each row its own slot and position.
+
+A stage with several KV slots (max_seqs > 1) decodes a micro-batch of sequences at once (strata/head/slots.py). Eager,
+each layer costs a few launches per row for the attention alone; graphed, one replay runs the batch's layers, head
+and argmax. Row t reads and writes the cache of slot slots[t] at position positions[t]: the slots of a layer are one
+tensor (Transformer.slot_caches), and the rope-and-store and split-K attention kernels take the row's slot and
+position from the device (strata.kernels.decode_kernels.rope_store_rows, SplitKAttention.rows_call), so one graph serves
+every choice of slots and positions. A global layer of a KV pool (kv_pool) is the pool, and a row's slot there is
+its extent's first position (`base`, from Transformer.slot_base).
+
+Graphs are captured per (rows, bucket of cache positions): rows a power of two up to `max_rows` (a batch of 3 takes
+the graph of 4; its padding rows repeat row 0's inputs and write nothing), the bucket that holds the batch's
+furthest position (DecodeGraphs.bucket). Each row is within rounding of its step alone (a product's kernel may sum in
+another order for another row count), as `Transformer.decode_seqs`' torch path is.
+
+What it covers (`batch_refusal`): what DecodeGraphs captures, with the split-K and Triton norm / rope kernels, a cache of
+bfloat16, float16, float32 or q8_0; no dynamic NTK rope. Partial rotary and an output gate (qwen3_5, glm4_moe) take
+torch's rope and an indexed store of the rows. A linear-attention layer (qwen3_5) steps each row from its slot's
+states and writes them back (GatedDeltaNet.mix_rows); the host checks each slot's state stands at its row's position.
+A mixture-of-experts layer's rows take its few-rows path: all of them where its experts' kernels read their blocks in
+place, else at most GATHER_PAIRS / k rows a replay (a larger batch is replayed in groups).
+"""
+from __future__ import annotations
+
+import torch
+
+from strata.kernels.attention import Q8_0, rope_rows, rope_tables, to_cache
+from strata.models.model import Block, RMSNorm, Transformer
+from strata.models.resident import Packed, ResidentMatrices
+from strata.models.weight_only import Products, dense_products
+
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, Q8_0)
+
+
+def batch_refusal(m: Transformer, x: torch.Tensor) -> str | None:
+    """Why m's decode batches on x's device cannot be captured beyond what the one-token graphs refuse
+    (strata.decode.graphs.graphable, which GraphedDecode asks too); None: they can."""
+    from strata.kernels import decode_attention
+    from strata.kernels import decode_kernels
+    if not (decode_attention.available() and decode_kernels.available()):
+        return "no Triton"
+    if m.kernels.graph_attention != "split-k" or m.kernels.graph_kernels != "triton":
+        return "kernels.graph_attention split-k and graph_kernels triton only"
+    if m.rope_dynamic is not None:
+        return "dynamic NTK rope: each step its own frequencies"
+    for blk in m.layers.values():
+        if blk.linear:
+            continue
+        a = blk.attn
+        if a.hd & (a.hd - 1):
+            return f"head dim {a.hd} is not a power of two"
+        if a.k_cache.dtype not in CACHE_DTYPES:
+            return f"a {a.k_cache.dtype} cache"
+    return None
+
+
+def max_rows(m: Transformer) -> int:
+    """The most rows one replay takes: the slots, rounded up to a power of two. A mixture-of-experts layer's rows
+    take its few-rows path: any number where its experts' kernels read their blocks in place
+    (MoE.gathers_any_rows), else GATHER_PAIRS (row, expert) pairs (each pair's expert copied first)."""
+    from strata.models.moe import GATHER_PAIRS
+    device = m.device_dtype()[0]
+    cap = 1 << max(0, m.n_slots - 1).bit_length()
+    for blk in m.layers.values():
+        if blk.moe and not blk.mlp.gathers_any_rows(device):
+            cap = min(cap, 1 << (max(1, GATHER_PAIRS // blk.mlp.k).bit_length() - 1))
+    return max(1, cap)
+
+
+class BatchGraphs:
+    """A slice's decode batches replayed from CUDA graphs (`batch_refusal` must be None). `step` takes the batch;
+    graphs are captured on first use of their (rows, bucket) and made anew by the holder (GraphedDecode) when the
+    slice's cache or weights change. `one`: the slice's strata.decode.graphs.DecodeGraphs (nothing captured in it),
+    whose buckets, split-K arm (and its fallback) and norms' checks the batches share."""
+
+    def __init__(self, m: Transformer, one):
+        self.m = m
+        self.device, self.dtype = m.device_dtype()
+        self.one = one
+        self.max_rows = R = max_rows(m)
+        dev = self.device
+        # static inputs, R rows (a graph of r rows reads the first r): token ids or residual rows, positions, slots,
+        # and which rows are real (a padding row writes no cache row)
+        self.ids = torch.zeros(R, dtype=torch.long, device=dev) if m.has_embed else None
+        self.res = None if m.has_embed else torch.zeros(R, m.args.dim, dtype=self.dtype, device=dev)
+        self.pos = torch.zeros(R, dtype=torch.long, device=dev)
+        self.slot = torch.zeros(R, dtype=torch.long, device=dev)
+        self.base = torch.zeros(R, dtype=torch.long, device=dev)  # a pooled layer's index of the row's slot
+        self.live = torch.zeros(R, dtype=torch.bool, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.split_k: dict[tuple[int, int], object] = {}
+        # every (bucket, rows) instance's partial results in one scratch (replays run one at a time): r rows take at
+        # most max(r, 128) (row, range) pairs (`_attention`), so it never grows, and no captured graph outlives its
+        # buffer
+        a = self.one.attn0  # (None: linear layers only)
+        pairs = 0 if a is None else max(R, 128) * a.nkv * max(16, 1 << (a.nh // a.nkv - 1).bit_length())  # (its gp)
+        self.scratch = (torch.empty(pairs, dtype=torch.float32, device=dev),
+                        torch.empty(pairs, dtype=torch.float32, device=dev),
+                        torch.empty(pairs * (a.hd if a else 0), dtype=torch.float32, device=dev))
+        self.rings = self.one.rings
+        self.linear = self.one.linear  # linear-attention layers: their states stand where each slot left them
+        self._write = True  # False during a capture's warm-up run: the linear layers' states are not advanced
+        self._side = None
+        self._pool = None
+
+    @property
+    def cache_len(self) -> int:
+        return self.one.cache_len
+
+    def bucket(self, pos: int) -> int:
+        return self.one.bucket(pos)
+
+    @staticmethod
+    def rows_for(n: int) -> int:
+        return 1 << max(0, n - 1).bit_length()
+
+    def captured(self, rows: int, pos: int) -> bool:
+        return (self.rows_for(rows), self.bucket(pos)) in self.graphs
+
+    @torch.inference_mode()
+    def step(self, x: torch.Tensor, slots: list[int], positions: list[int],
+             fresh: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Row t: sequence slots[t]'s token at positions[t] (x: ids (n,) or residual rows (n, dim)) -> (residual rows
+        (n, dim), float32 logits (n, vocab), argmaxes (n,)); the last two only with the head. A batch over
+        max_rows is replayed in groups. fresh=False (one group only): the graph's own outputs, valid until the next
+        replay."""
+        n = len(slots)
+        if n != len(positions) or n < 1 or x.shape[0] != n:
+            raise ValueError(f"a decode batch of {x.shape[0]} rows, {n} slots and {len(positions)} positions")
+        if len(set(slots)) != n:
+            raise ValueError(f"a decode batch names a slot twice: {slots}")
+        for s, p in zip(slots, positions):
+            if not 0 <= s < self.m.n_slots or not 0 <= p < min(self.cache_len, self.m.slot_positions(s)):
+                held = f" (this slot: {self.m.slot_positions(s)})" if 0 <= s < self.m.n_slots else ""
+                raise ValueError(f"slot {s} at position {p}: outside {self.m.n_slots} slots of {self.cache_len}{held}")
+        if n > self.max_rows:
+            parts = [self.step(x[i:i + self.max_rows], slots[i:i + self.max_rows], positions[i:i + self.max_rows])
+                     for i in range(0, n, self.max_rows)]
+            return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        r = self.rows_for(n)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else _nothing():
+            pad = r - n
+            static = self.ids if self.ids is not None else self.res
+            xs = x.reshape(n, *static.shape[1:])
+            static[:n].copy_(xs)
+            static[n:r].copy_(xs[:1].expand(pad, *static.shape[1:]))
+            base = [self.m.slot_base(t) for t in slots]
+            meta = torch.tensor([positions + [positions[0]] * pad, slots + [slots[0]] * pad,
+                                 [1] * n + [0] * pad, base + [base[0]] * pad], dtype=torch.long)
+            if self.device.type == "cuda":  # from pageable memory the copy may wait for the stream; batch_ahead queues
+                meta = meta.pin_memory()    # steps behind each other without a wait (the host allocator keeps the
+            meta = meta.to(self.device, non_blocking=True)  # block until the copy is done)
+            self.pos[:r].copy_(meta[0])
+            self.slot[:r].copy_(meta[1])
+            self.live[:r].copy_(meta[2].bool())
+            self.base[:r].copy_(meta[3])
+            for la in self.linear:  # each row's slot's states stand at its position (position 0: zeroed)
+                la.begin_rows(slots, positions)
+            key = (r, self.bucket(max(positions)))
+            entry = self.graphs.get(key)
+            if entry is None:
+                entry = self.graphs[key] = self._capture(*key)
+            entry[0].replay()
+            for la in self.linear:
+                la.step_rows(slots, positions)
+            out = entry[1]
+            if not fresh:
+                return tuple(None if t is None else t[:n] for t in out)
+            return tuple(None if t is None else t[:n].clone() for t in out)
+
+    def _capture(self, r: int, b: int) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        """The graph of r rows in bucket b. Its warm-up runs the batch once outside the capture (each real row
+        writes its cache row, which the replay writes again with the same values)."""
+        if self._side is None:
+            self._side, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        self._write = False  # (the replay advances the linear layers' states, once)
+        try:
+            with torch.cuda.stream(side):
+                self.body(r, b)
+        finally:
+            self._write = True
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+            out = self.body(r, b)
+        return g, out
+
+    def _attention(self, keys: int, r: int):
+        """The split-K instance for r rows over `keys` positions (its partial buffers serve every layer in turn).
+        Fewer ranges per row the more rows: r rows of 128 / r ranges fill the GPU as one row of 128 does."""
+        if (keys, r) not in self.split_k:
+            from strata.kernels.decode_attention import SplitKAttention, n_splits
+            # the q8 arm as the one-token graphs choose it: probed once, outside any capture (its fallback, if any)
+            q8 = self.one._attention(self.bucket(0)).q8
+            a = self.one.attn0
+            self.split_k[keys, r] = SplitKAttention(a.nkv, a.nh // a.nkv, a.hd, keys, self.device,
+                                                    splits=n_splits(keys, max(1, 128 // r)), q8=q8, rows=r,
+                                                    scratch=self.scratch)
+        return self.split_k[keys, r]
+
+    def body(self, r: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The batch of r rows in bucket b, from the static inputs' first r rows: (residual (r, dim), logits
+        (r, vocab) float32, argmaxes (r,)). What the graph captures; on CPU, Triton's interpreter runs it in tests."""
+        m = self.m
+        pos, slot, live = self.pos[:r], self.slot[:r], self.live[:r]
+        if self.ids is not None:
+            h = m.embed(self.ids[:r])
+            if m.args.embed_scale != 1.0:
+                h = h * torch.tensor(m.args.embed_scale, dtype=h.dtype)
+        else:
+            h = self.res[:r]
+        tabs = {"global": self._rope(pos, m.inv_freq, m.rope_factor)}
+        if m.inv_freq_window is not None:
+            tabs["window"] = self._rope(pos, m.inv_freq_window, 1.0)
+        nope = torch.full_like(pos, -1)
+        rows = {None: torch.where(live, pos, nope)}  # the cache row each row writes (a padding row: none)
+        rows.update({S: torch.where(live, pos % S, nope) for S in self.rings})  # a window layer's ring row
+        n_keys = pos + 1
+        pend = (None, None)
+        for i, blk in m.layers.items():
+            if blk.linear:
+                h, pend = self._linear_layer(blk, h, pend, slot, live, r)
+                continue
+            h, pend = self._layer(i, blk, h, pend, tabs[blk.attn.rope_kind], rows, n_keys, slot, live, b, r)
+        y, post = pend
+        h = h + (y if post is None else self._norm(y, post, r))
+        if not m.has_head:
+            return h, None, None
+        logits = self._logits(h, r)
+        return h, logits, logits.argmax(-1)
+
+    def _rope(self, pos: torch.Tensor, inv: torch.Tensor, f: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (r, hd) of each row's position, as Transformer.rope (f: YaRN's attention factor)."""
+        freqs = pos.to(torch.float32)[:, None] * inv[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = (emb.cos(), emb.sin()) if f == 1.0 else (emb.cos() * f, emb.sin() * f)
+        c, s = rope_tables(cos.to(self.dtype), sin.to(self.dtype))
+        return c[:, 0].contiguous(), s[:, 0].contiguous()
+
+    def _products(self, blk: Block, r: int) -> tuple[Products, dict]:
+        """A layer's products (on its blocks where resident, else dense through torch) and, per product, whether it
+        reads r rows of x rounded to int8 (then the kernel before it writes that rounding)."""
+        w = blk.weights
+        resident = isinstance(w, ResidentMatrices)
+        mm = w.products() if resident else dense_products(w.get(), None)
+        return mm, {p: resident and w.int8_x(p, r) for p in ("qkv", "wo", "w13", "w2")}
+
+    def _layer(self, i: str, blk: Block, h, pend, tab, rows: dict, n_keys, slot, live, b: int, r: int):
+        """One attention layer on the rows (plus the previous layer's pending product) -> (residual, this layer's
+        MLP product and the norm it still takes, for the next norm's launch)."""
+        from strata.kernels.decode_kernels import rope_store_rows
+        a = blk.attn
+        nh, nkv, hd = a.nh, a.nkv, a.hd
+        mm, int8 = self._products(blk, r)
+        h, x, xq = self._add_norm(h, pend, blk.attn_norm, int8["qkv"], r)
+        qkv = mm.qkv(x, **xq)
+        gate = None
+        if a.gated:  # qwen3_5: the output gate's nh * hd values after q, k, v
+            qkv, gate = qkv[:, :(nh + 2 * nkv) * hd], qkv[:, (nh + 2 * nkv) * hd:]
+        qkv = qkv.reshape(r, nh + 2 * nkv, hd)
+        cos, ssin = tab
+        fuse = cos.shape[-1] == hd  # (partial rotary: torch's rope and an indexed store)
+        qk_norm = None
+        if a.q_norm is not None:
+            if (fuse and self.one._fusable(a.q_norm, qkv) and self.one._fusable(a.k_norm, qkv)
+                    and a.q_norm.eps == a.k_norm.eps):
+                qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+            else:
+                qkv = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv]), qkv[:, nh + nkv:]), 1)
+        kc, vc = self.m.slot_caches(i)
+        at = rows[kc.shape[2] if a.window is not None else None]
+        pooled = self.m.pooled(i)
+        at_slot = self.base[:r] if pooled else slot  # (a pool's "slot" is the extent's first position)
+        if fuse:
+            q = rope_store_rows(qkv.contiguous(), cos, ssin, at, at_slot, nh, nkv, kc, vc, qk_norm)
+        else:
+            qk = rope_rows(qkv[:, :nh + nkv], cos[:, None], ssin[:, None])
+            q = qk[:, :nh].contiguous()
+            for c, x in ((0, qk[:, nh:]), (1, qkv[:, nh + nkv:])):
+                if pooled:  # the pool itself (its "slots" overlap): row t at position base + at
+                    self._store(self.m.pool_caches(i)[c], x, torch.zeros_like(slot), at_slot + at, live)
+                else:
+                    self._store((kc, vc)[c], x, slot, at, live)
+        att = self._attention(min(b, a.window) if a.window is not None else b, r)
+        y = att.rows_call(q.view(r, nkv, nh // nkv, hd), kc, vc, n_keys, at_slot, scale=a.scale,
+                          window=a.window or 0, sinks=a.sinks).reshape(r, nh * hd)
+        if gate is not None:  # as the eager path's _gated
+            y = y * torch.sigmoid(gate.to(y.dtype))
+        o = mm.wo(y)
+        return self._mlp(blk, mm, h, o, int8, r)
+
+    @staticmethod
+    def _store(cache: torch.Tensor, x: torch.Tensor, slot, at, live) -> None:
+        """Rows x (r, nkv, hd) into every slot's cache (slots, nkv, S, width): row t at slot[t], position at[t]. A
+        padding row (not live; its slot row 0's, its position -1) writes row 0's values at row 0's position again
+        (the same bytes)."""
+        r, nkv = x.shape[:2]
+        x = to_cache(x, cache.dtype)
+        src = torch.where(live, torch.arange(r, device=x.device), torch.zeros_like(slot))
+        heads = torch.arange(nkv, device=x.device)[None, :]
+        dst = cache.view(torch.uint8) if cache.element_size() == 1 and cache.dtype != torch.uint8 else cache
+        val = x.index_select(0, src)
+        if val.dtype != dst.dtype:
+            val = val.view(dst.dtype)
+        dst.index_put_((slot[:, None], heads, at.index_select(0, src)[:, None]), val)
+
+    def _linear_layer(self, blk: Block, h, pend, slot, live, r: int):
+        """A linear-attention layer on the rows: each row's Gated DeltaNet step from its slot's states
+        (GatedDeltaNet.mix_rows), then the MLP as an attention layer's."""
+        mm, int8 = self._products(blk, r)
+        la, w = blk.attn, blk.weights
+        if la.wqkv is None:  # resident: on its blocks, x's int8 rounding from the norm's launch where they read it
+            h, x, xq = self._add_norm(h, pend, blk.attn_norm, w.linear_int8(r), r)
+            lp = w.linear_taking(xq, r)
+        else:
+            h, x, _ = self._add_norm(h, pend, blk.attn_norm, False, r)
+            lp = la.products()
+        o = la.mix_rows(x, lp, slot, live, write=self._write)
+        return self._mlp(blk, mm, h, o, int8, r)
+
+    def _mlp(self, blk: Block, mm: Products, h, o, int8: dict, r: int):
+        """The attention's output added to the residual (gemma3: normed first, in the same launch), then the MLP's
+        product, left pending."""
+        from strata.kernels.decode_kernels import act_mul_rows
+        # a mixture's rows: only a single row takes the norm's int8 rounding (strata.models.moe's few-rows path)
+        want = (blk.mlp.int8_x(h.device) and r == 1) if blk.moe else int8["w13"]
+        h, x, xq = self._add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm, want, r)
+        if blk.moe:
+            return h, (blk.mlp(x, xq.get("xq"), gather=True).view(r, -1), blk.mlp_post_norm)
+        z = act_mul_rows(mm.w13(x, **xq).contiguous(), blk.mlp.activation, int8["w2"])
+        zq = {}
+        if int8["w2"]:
+            z, zq = z[0], {"xq": z[1]}
+        return h, (mm.w2(z, **zq), blk.mlp_post_norm)
+
+    def _norm(self, y: torch.Tensor, norm: RMSNorm, r: int) -> torch.Tensor:
+        if self.one._fusable(norm, y) and y.is_contiguous():
+            from strata.kernels.decode_kernels import rms_norm
+            return rms_norm(y, norm.weight, norm.eps, rows=r)
+        return norm.rows(y)
+
+    def _add_norm(self, h, pend: tuple, norm: RMSNorm, int8: bool, r: int):
+        """pend (y, post): (h + y', norm(h + y') row by row, {} or {"xq": quantize_x's rounding of the normed rows}),
+        y' = post(y) where post is a norm, else y; y None: h. One launch where the kernels take the rows."""
+        from strata.kernels.decode_kernels import add_rms_norm, rms_norm
+        y, post = pend
+        if self.one._fusable(norm, h) and h.is_contiguous():
+            if y is None:
+                out = rms_norm(h, norm.weight, norm.eps, int8, rows=r)
+                return (h, out[0], {"xq": out[1]}) if int8 else (h, out, {})
+            if y.dtype == h.dtype and y.is_contiguous() and (post is None or self.one._fusable(post, y)):
+                pre = None if post is None else (post.weight, post.eps)
+                out = add_rms_norm(h, y, norm.weight, norm.eps, int8, pre, rows=r)
+                return (out[0], out[1], {"xq": out[2]}) if int8 else (out[0], out[1], {})
+        if y is not None:
+            h = h + (y if post is None else self._norm(y, post, r))
+        return h, norm.rows(h), {}
+
+    def _logits(self, h: torch.Tensor, r: int) -> torch.Tensor:
+        """The final norm and head of the rows: a resident head on its blocks, DECODE_T rows a launch, x's int8
+        rounding from the norm's launch where it reads that; else Transformer.logits."""
+        from strata.models.args import DECODE_T
+        from strata.quant import rows
+        m = self.m
+        w = m.head.weight
+        if not (isinstance(w, Packed) and m.head.int8_x(h.device) and m.decode_weights is None
+                and self.one._fusable(m.norm, h) and h.is_contiguous()):
+            return m.logits(h, decode=True)
+        from strata.kernels.decode_kernels import rms_norm
+        if rows.takes(m.head.kernels, r, [w.qtype]):  # kernels.gemv_rows mma-float: all at once, x as it is
+            out = m.head(rms_norm(h, m.norm.weight, m.norm.eps, rows=r))
+        else:
+            x, (q, s) = rms_norm(h, m.norm.weight, m.norm.eps, int8=True, rows=r)
+            out = torch.cat([m.head(x[j:j + DECODE_T], xq=(q[j:j + DECODE_T], s[j:j + DECODE_T]))
+                             for j in range(0, r, DECODE_T)])
+        c = m.args.final_softcap
+        return out if c is None else torch.tanh(out / c) * c
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

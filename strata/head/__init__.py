@@ -1,0 +1,1 @@
+"""The head process: stage processes and the wire, the request loop, prefix-cache rounds, reports."""

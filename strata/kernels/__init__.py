@@ -1,0 +1,1 @@
+"""Compute kernels: attention and KV-cache formats, fused Triton ops, decode kernels, the C decoder."""

@@ -1,0 +1,1 @@
+"""The model: arguments and presets, the decoder layer and its parts, families and their names."""

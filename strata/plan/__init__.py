@@ -1,0 +1,1 @@
+"""Planning a rig: the layer split, its memory and speed model, the chunk schedule."""

@@ -1,0 +1,1 @@
+"""The HTTP side: the OpenAI-compatible server and the engine it drives."""

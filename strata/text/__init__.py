@@ -1,0 +1,1 @@
+"""Tokens and text: tokenizers, chat templates, sampling and structured output."""

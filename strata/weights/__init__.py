@@ -1,0 +1,1 @@
+"""Opening checkpoints: HF folders and GGUF files into a stage's layers."""
