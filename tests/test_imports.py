@@ -1,5 +1,5 @@
-"""No import circle among strata/ and workers/: every import, at the top of a module or inside a function,
-read from the source with ast (nothing is imported to check)."""
+"""No import circle among strata/ and workers/, and no import from a lower layer of packages up: every import, at
+the top of a module or inside a function, read from the source with ast (nothing is imported to check)."""
 from __future__ import annotations
 
 import ast
@@ -86,3 +86,45 @@ def test_the_graph_sees_both_kinds_of_import():
 
 def test_no_import_circle():
     assert cycles(import_graph()) == []
+
+
+# The packages from the ground up: a module imports only from its own package or from a lower floor. Packages on
+# one floor do not import each other. (strata/__init__.py, the package's API, hands on the head's names lazily.)
+FLOORS = (
+    ("strata.errors", "strata.triton_state"),  # leaves
+    ("strata.config",),                    # the rig, typed
+    ("strata.quant", "strata.comm"),       # block formats; what crosses a process boundary
+    ("strata.kernels",),                   # attention and KV formats, Triton ops, the C decoder
+    ("strata.models",),                    # the layer and its parts, ModelArgs, the families
+    ("strata.weights", "strata.decode"),   # opening checkpoints; decode graphs of the model's layers
+    ("strata.text", "strata.kvcache"),     # tokens and text; KV kept across requests
+    ("strata.plan",),                      # the rig's split and schedule
+    ("workers",),                          # the stage process
+    ("strata.head",),                      # the head: stages, wire, the request loop
+    ("strata.serve",),                     # HTTP
+)
+
+
+def floor_of(module: str) -> tuple[int, str] | None:
+    for i, floor in enumerate(FLOORS):
+        for pkg in floor:
+            if module == pkg or module.startswith(pkg + "."):
+                return i, pkg
+    return None
+
+
+def test_every_module_has_a_floor():
+    assert [m for m in import_graph() if m != "strata" and floor_of(m) is None] == []
+
+
+def test_imports_point_down():
+    up = []
+    for m, targets in import_graph().items():
+        if m == "strata":
+            continue
+        (f, pkg) = floor_of(m)
+        for t in targets:
+            g, tpkg = floor_of(t)
+            if tpkg != pkg and g >= f:
+                up.append(f"{m} -> {t}")
+    assert up == []

@@ -269,7 +269,7 @@ def test_the_prefix_caches_device_tier_is_counted_on_a_cuda_stage_only():
     """prefix_cache_device_bytes: a CUDA stage's need holds it (in its total, its description and report.json's
     needs); a CPU stage's does not (its snapshots are host memory: the tier is never made there), nor does a rig's
     plan whose stages are all CPUs."""
-    from strata.plan.planner import Storage
+    from strata.weights.storage import Storage
     t, c = 4096, 512
     st = Storage(layer=1e7, embed=0, head=0, norm=0, scratch=0, kv_elem=2, mode="resident", prefix_device=3 << 30)
     gpu = stage_need(SMOLLM2, 5, 10, t, c, "bfloat16", False, storage=st)
@@ -289,7 +289,7 @@ def test_an_auto_device_tier_takes_half_of_what_a_capped_cuda_stage_leaves():
     of what its cap leaves, at most prefix_cache_bytes; a CPU stage and an uncapped one get none; a number is kept
     as given; a model whose prefix cache is off gets none (and no refusal), where a number is refused."""
     from strata.plan.plan import device_tiers
-    from strata.plan.planner import Storage
+    from strata.weights.storage import Storage
     args, t, c = PRESETS["llama-3-8b"], 32768, 8192
     st = Storage(layer=1e8, embed=0, head=0, norm=0, scratch=0, kv_elem=2, mode="resident")
     need = stage_need(args, 0, 16, t, c, "bfloat16", False, True, "auto", st).total
@@ -310,7 +310,7 @@ def test_an_auto_device_tier_takes_half_of_what_a_capped_cuda_stage_leaves():
 def test_an_8bit_cache_counts_one_layer_widened():
     """A q8_0 or e4m3 cache is widened to the compute dtype for each layer's prefill attention, a block of the
     prefix at a time (strata.kernels.attention.narrow_cache_attention): the activations hold one block's keys and values."""
-    from strata.plan.planner import Storage
+    from strata.weights.storage import Storage
     args, t, c = PRESETS["llama-3-8b"], 131072, 448
     st = {kv: Storage(layer=1e8, embed=0, head=0, norm=0, scratch=0, kv_elem=kv, mode="resident") for kv in (2, 34 / 32)}
     wide, narrow = (stage_need(args, 4, 8, t, c, "bfloat16", False, storage=st[kv]) for kv in (2, 34 / 32))
@@ -327,7 +327,7 @@ def test_a_cuda_stage_widens_the_whole_prefix_where_its_memory_holds_it():
     holds, else PREFIX_BLOCK; a CPU stage, an uncapped one and a bf16 cache keep PREFIX_BLOCK."""
     from strata.kernels.attention import PREFIX_BLOCK
     from strata.plan.plan import prefix_blocks
-    from strata.plan.planner import Storage
+    from strata.weights.storage import Storage
     args, t, c = PRESETS["llama-3-8b"], 122880, 8192
     cfg = from_dict(dict(model="synthetic:llama-3-8b", dtype="bfloat16", kv_dtype="q8_0", chunk=c,
                          prompt={"random": {"tokens": 8}}))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from strata.kernels.attention import PREFIX_BLOCK
 from strata.errors import PlanError
 from strata.models.args import ModelArgs
+from strata.weights.storage import Storage
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GiB = 2**30
@@ -74,24 +75,6 @@ class StageNeed:
         return {"weights": self.weights, "kv_cache": self.kv_cache, "activations": self.activations,
                 "handoff": self.handoff, "runtime": self.runtime, "prefix_cache": self.prefix_cache,
                 "total": self.total}
-
-
-@dataclass(frozen=True)
-class Storage:
-    """Bytes as stored, per part (strata.weights.checkpoint.storage): resident quantized blocks count as blocks,
-    plus the one-layer dequantization scratch; KV at the rig's kv_dtype. Without one, params x dtype."""
-    layer: float               # one layer's weights (mean over the layers)
-    embed: int
-    head: int                  # the head, or the tied embedding's copy on a stage without the embedding
-    norm: int
-    scratch: int               # resident: one layer dense in dtype + the dequantizer's transient
-    kv_elem: float             # bytes per cached K or V element (q8_0: 34 / 32, its scales included)
-    mode: str = "dequantized"  # "resident" or "dequantized"
-    per_layer: tuple = ()      # each layer's weights, where they differ (GLM's first dense layers, experts)
-    seqs: int = 1              # sequences whose KV a stage holds (the rig's max_seqs): the KV counts this many times
-    prefix_block: int = PREFIX_BLOCK  # an 8-bit cache's prefix positions widened at once for a chunk's attention
-    prefix_device: int = 0     # a CUDA stage's device tier of the prefix cache (prefix_cache_device_bytes)
-    pool: int = 0              # the rig's kv_pool: a global layer's positions for all `seqs` sequences (0: seqs x tokens)
 
 
 def kv_rows(args: ModelArgs, n: int, tokens: int, chunk: int, start: int | None = None) -> int:

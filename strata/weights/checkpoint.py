@@ -315,7 +315,7 @@ def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, w
 def storage(model_spec: str, args: ModelArgs, dtype, weights_mode: str = "auto", kv_dtype="auto",
             device_type: str = "cpu"):
     """What the planner counts for this model on this kind of device: bytes as stored, per part."""
-    from strata.plan.planner import Storage
+    from strata.weights.storage import Storage
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     esize = torch.empty((), dtype=dtype).element_size()
     mode = _mode_of(model_spec, device_type, weights_mode, args)
