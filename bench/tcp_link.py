@@ -68,7 +68,7 @@ def send(a, keys: dict, receiver: subprocess.Popen) -> list[str]:
         times = []
         for _ in range(a.reps + 1):  # the first is a warm-up
             t = time.perf_counter()
-            link.put(h, M.Chunk(k=k, pos=0, n=n, phase="prefill", t0=0.0, tokens=n, score=-1))
+            link.put(h, M.Chunk(k=k, kind=M.Kind.CHUNK, pos=0, n=n, t0=0.0, tokens=n, score=-1))
             M.decode(back.recv())
             times.append(time.perf_counter() - t)
             k += 1

@@ -21,6 +21,7 @@ from strata.comm import messages as M
 
 STAGE_TAKES = ("chunk", "taken", "done", "end", "stop")
 PHASES = ("prefill", "decode")
+KINDS = ("chunk", "step", "batch", "group")
 
 
 def _pack(obj) -> bytes:
@@ -29,7 +30,8 @@ def _pack(obj) -> bytes:
 
 def _valid(t: str) -> dict:
     """A well-formed message of type t with plausible values (built from the schema, so it keeps up)."""
-    named = {"phase": "prefill", "k": 1, "pos": 0, "n": 16, "stage": 0, "device": "cpu", "chunk": 1, "op": "drop",
+    named = {"phase": "prefill", "kind": "chunk",
+             "k": 1, "pos": 0, "n": 16, "stage": 0, "device": "cpu", "chunk": 1, "op": "drop",
              "ahead": 0}  # (a chunk runs steps ahead only as a decode batch)
     by_type = {bool: False, int: 1, float: 0.5, str: "x", list: [], bytes: b""}
 
@@ -80,7 +82,7 @@ def _nested_junk(r):
         return b"\x82\x01\x02\xc3\xc2"
     if kind == 2:  # a field holding nested junk
         m = _valid("chunk")
-        m[r.choice(["k", "pos", "n", "phase"])] = {"a": [[[{"b": None}]]]}
+        m[r.choice(["k", "pos", "n", "kind"])] = {"a": [[[{"b": None}]]]}
         return _pack(m)
     # an array header that claims far more elements than the frame holds
     return b"\xdd\xff\xff\xff\xff" + r.randbytes(16)
@@ -88,7 +90,7 @@ def _nested_junk(r):
 
 def _bad_field_types(r):
     m = _valid("chunk")
-    f = r.choice(["k", "pos", "n", "phase"])
+    f = r.choice(["k", "pos", "n", "kind"])
     m[f] = r.choice(["3", 1.5, None, True, False, b"prefill", [1], {"k": 1}, msgpack.ExtType(1, b"x")])
     return _pack(m)
 
@@ -130,7 +132,7 @@ def _bad_values(r, max_chunk=64, max_len=512):
     elif kind == 4:
         m["k"] = -r.randint(1, 2**62)
     elif kind == 5:
-        m["phase"] = r.choice(["", "warmup", "PREFILL", "prefill\x00", "x" * 300])
+        m["kind"] = r.choice(["", "prefill", "CHUNK", "chunk\x00", "x" * 300])
     else:
         m = _valid(r.choice(["taken", "done", "end"]))
         if "k" in m:
@@ -168,7 +170,7 @@ def stage_would_act(frame: bytes, max_chunk: int, max_len: int) -> bool:
     t = m["t"]
     if t not in STAGE_TAKES:
         return False
-    if t in ("chunk", "end") and m["phase"] not in PHASES:
+    if (t == "end" and m["phase"] not in PHASES) or (t == "chunk" and m["kind"] not in KINDS):
         return False
     if t in ("chunk", "taken", "done") and m["k"] < 0:
         return False

@@ -153,7 +153,7 @@ def test_kv_pool_counts_in_the_plan_and_refusals(tmp_path):
 
 def test_a_span_is_checked_on_the_wire():
     from strata.comm import messages as M
-    chunk = dict(k=0, pos=0, n=4, phase="prefill", t0=0.0, tokens=9, score=-1, slot=1)
+    chunk = dict(k=0, kind=M.Kind.CHUNK, pos=0, n=4, t0=0.0, tokens=9, score=-1, slot=1)
     M.encode(M.Chunk(**chunk, span=[64, 128]))
     for bad in ([1], [-1, 4], [1, 2, 3], ["a", 2]):
         with pytest.raises(M.BadMessage, match="span"):

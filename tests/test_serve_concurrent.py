@@ -218,7 +218,7 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
     assert "KV slots: 4 sequences" in log
     from strata.comm import messages as M
     with pytest.raises(M.BadMessage, match="negative slot"):
-        M.encode(M.Chunk(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=1, score=-1, slot=-1))
+        M.encode(M.Chunk(k=0, kind=M.Kind.STEP, pos=0, n=1, t0=0.0, tokens=1, score=-1, slot=-1))
 
 
 @pytest.fixture(scope="module")
@@ -617,9 +617,10 @@ def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
     with pytest.raises(ConfigError, match="^prefill_groups: a group is several sequences' chunks; it needs max_seqs"):
         from_dict({**base, "prefill_groups": True})
     from strata.comm import messages as M
-    batch = dict(k=0, pos=0, n=1, phase="decode", t0=0.0, tokens=9, score=-1, seqs=[0, 8])
+    batch = dict(k=0, kind=M.Kind.BATCH, pos=0, n=1, t0=0.0, tokens=9, score=-1, seqs=[0, 8])
     M.encode(M.Chunk(**batch, rows=False, ahead=3))
-    for bad in (dict(batch, rows=True, ahead=1), dict(batch, rows=False, ahead=65), dict(batch, seqs=[], ahead=1)):
+    for bad in (dict(batch, rows=True, ahead=1), dict(batch, rows=False, ahead=65),
+                dict(batch, kind=M.Kind.STEP, seqs=[], ahead=1, rows=False)):
         with pytest.raises(M.BadMessage, match="ahead"):
             M.encode(M.Chunk(**bad))
 
@@ -662,11 +663,11 @@ def test_prefill_group_notes_validated():
     """A prefill group's note names [slot, pos] and the rows of each sequence, its rows in all, each slot once, one
     KV-pool span a sequence or none, unscored, no state kept, no steps ahead; anything else is a BadMessage."""
     from strata.comm import messages as M
-    group = dict(k=0, pos=0, n=12, phase="prefill", t0=0.0, tokens=40, score=-1, seqs=[0, 0, 3, 32], lens=[5, 7])
+    group = dict(k=0, kind=M.Kind.GROUP, pos=0, n=12, t0=0.0, tokens=40, score=-1, seqs=[0, 0, 3, 32], lens=[5, 7])
     M.encode(M.Chunk(**group))
     M.encode(M.Chunk(**group, span=[0, 64, 64, 64]))
     for bad in (dict(group, n=11), dict(group, lens=[5, 0, 7], n=12), dict(group, lens=[12]),
-                dict(group, seqs=[0, 0, 0, 32]), dict(group, phase="decode"), dict(group, score=2),
+                dict(group, seqs=[0, 0, 0, 32]), dict(group, kind=M.Kind.BATCH), dict(group, score=2),
                 dict(group, keep=b"k" * 16), dict(group, span=[0, 64]), dict(group, ahead=1, rows=False)):
         with pytest.raises(M.BadMessage):
             M.encode(M.Chunk(**bad))

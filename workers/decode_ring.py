@@ -42,7 +42,7 @@ class DecodeRing:
             return False
         k, pos, _, t0 = note
         try:
-            self.on_chunk(M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1, score=-1), None)
+            self.on_chunk(M.Chunk(k=k, kind=M.Kind.STEP, pos=pos, n=1, t0=t0, tokens=pos + 1, score=-1), None)
             self.bell_key = (k, t0)
         except M.BadMessage as e:
             self.bad_frames += 1
@@ -146,7 +146,7 @@ class DecodeRing:
             self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=-1, scores=b"",
                                             argmaxes=[int(a) for a in torch.cat([a.view(m) for a in ams]).tolist()]))
         else:
-            self.outlink.send(M.Chunk(k=k, pos=msg.pos, n=m, phase=msg.phase, t0=msg.t0, tokens=msg.tokens,
+            self.outlink.send(M.Chunk(k=k, kind=msg.kind, pos=msg.pos, n=m, t0=msg.t0, tokens=msg.tokens,
                                       score=-1, seqs=msg.seqs, rows=msg.rows))
         self.copy_s += time.perf_counter() - work_end
         self.last_handoff = time.perf_counter()
@@ -173,7 +173,7 @@ class DecodeRing:
         elif self.last:
             self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=int(am), scores=b""))
         else:
-            self.outlink.send(M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens, score=-1,
+            self.outlink.send(M.Chunk(k=k, kind=msg.kind, pos=pos, n=n, t0=msg.t0, tokens=msg.tokens, score=-1,
                                       slot=msg.slot))
         self.copy_s += time.perf_counter() - work_end
         self.last_handoff = time.perf_counter()

@@ -244,16 +244,17 @@ class Stage(DecodeRing):
             raise M.BadMessage(f"chunk: rows [{pos}, {pos + n}) of a {msg.tokens}-token prompt do not fit the buffers")
         if msg.slot >= self.max_seqs:
             raise M.BadMessage(f"chunk: slot {msg.slot} of {self.max_seqs}")
-        if msg.lens:
+        if msg.kind == M.Kind.GROUP:
             self._check_group(msg)
-        elif msg.seqs and not (n <= self.max_seqs and all(s < self.max_seqs for s in msg.seqs[0::2])
-                               and all(p < self.spec.max_len for p in msg.seqs[1::2])):
+        elif msg.kind == M.Kind.BATCH and not (n <= self.max_seqs
+                                               and all(s < self.max_seqs for s in msg.seqs[0::2])
+                                               and all(p < self.spec.max_len for p in msg.seqs[1::2])):
             raise M.BadMessage(f"chunk: a decode batch outside the {self.max_seqs} slots of {self.spec.max_len} "
                                "positions")
-        elif msg.seqs and self.model.pool and any(p + msg.ahead >= self.model.slot_positions(sl)
+        elif msg.kind == M.Kind.BATCH and self.model.pool and any(p + msg.ahead >= self.model.slot_positions(sl)
                                                   for sl, p in zip(msg.seqs[0::2], msg.seqs[1::2])):
             raise M.BadMessage("chunk: a decode batch's row outside its slot's extent of the KV pool")
-        else:
+        elif msg.kind != M.Kind.BATCH:
             self.place(msg.slot, msg.span, "chunk")
         if self.inlink is not None and self.inlink.crosses_hosts:  # the rows came with the note
             if data is None:
@@ -337,13 +338,13 @@ class Stage(DecodeRing):
     # -- the chunk path ---------------------------------------------------------------------------
     def run_chunk(self, msg: M.Chunk) -> None:
         self.kv.before_write()  # a snapshot's copies out of the live cache go first (CUDA: on the device)
-        if msg.lens:
+        if msg.kind == M.Kind.GROUP:
             return self.run_group(msg)
-        if msg.seqs:
+        if msg.kind == M.Kind.BATCH:
             return self.decode_batch(msg)
         self.model.set_prompt_length(msg.tokens)  # (dynamic NTK rope's length: the prompt's, or a decode step's p + 1)
         self.model.use_slot(msg.slot)  # the sequence's own KV (max_seqs > 1)
-        if msg.phase == "decode":
+        if msg.kind == M.Kind.STEP:
             return self.decode_step(msg)
         k, pos, n = msg.k, msg.pos, msg.n
         self.current_chunk = k
@@ -392,7 +393,7 @@ class Stage(DecodeRing):
         if self.last:
             self.outlink.put(logits, M.ChunkResult(k=k, nll=float(nll), count=count, argmax=argmax, scores=scores))
         else:
-            self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, pos=pos, n=n, phase=msg.phase, t0=msg.t0,
+            self.outlink.put(h.view(n, self.args.dim), M.Chunk(k=k, kind=msg.kind, pos=pos, n=n, t0=msg.t0,
                                                                tokens=msg.tokens, score=msg.score, slot=msg.slot,
                                                                keep=msg.keep, span=msg.span))
         self.copy_s += time.perf_counter() - copy_start
@@ -437,7 +438,7 @@ class Stage(DecodeRing):
             self.outlink.send(M.ChunkResult(k=k, nll=0.0, count=0, argmax=-1, scores=b"", argmaxes=argmaxes))
         else:
             self.outlink.put(h.view(n, self.args.dim), M.Chunk(
-                k=k, pos=msg.pos, n=n, phase=msg.phase, t0=msg.t0, tokens=msg.tokens, score=-1, seqs=msg.seqs,
+                k=k, kind=msg.kind, pos=msg.pos, n=n, t0=msg.t0, tokens=msg.tokens, score=-1, seqs=msg.seqs,
                 rows=msg.rows, span=msg.span, lens=msg.lens))
         self.copy_s += time.perf_counter() - copy_start
         self._handed_off(k, work_start, work_end)

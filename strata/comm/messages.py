@@ -17,6 +17,7 @@ checked field by field before anything is built from it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from typing import ClassVar, get_type_hints
 
 import msgpack
@@ -38,6 +39,17 @@ _INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1  # every integer field fits an in
 PHASES = ("prefill", "decode")
 
 
+class Kind(StrEnum):
+    """What a micro-batch (`Chunk`) is: it decides how a stage runs it and which of Chunk's fields it uses."""
+    CHUNK = "chunk"  # rows [pos, pos + n) of one sequence's prompt in `slot`: a prefill (or scored) chunk
+    STEP = "step"    # one decode step of one sequence: row `pos` of `slot` (n = 1)
+    BATCH = "batch"  # one decode step of each of n sequences: [slot, pos] of each row in `seqs`
+    GROUP = "group"  # several sequences' prefill chunks as one: [slot, pos] of each in `seqs`, their rows in `lens`
+
+
+DECODE_KINDS = (Kind.STEP, Kind.BATCH)  # the "decode" phase's; CHUNK and GROUP are the "prefill" phase's
+
+
 class Message:
     """A wire message: a frozen dataclass whose fields are the map's keys (besides "v" and "t")."""
     TYPE: ClassVar[str]
@@ -56,15 +68,15 @@ def _message(type_: str):
 @_message("chunk")
 class Chunk(Message):
     k: int
+    kind: str        # a Kind
     pos: int
     n: int
-    phase: str
     t0: float
     tokens: int      # the prompt's length (prefill: the last stage's perplexity targets end there)
     score: int       # prefill: -1, or the last stage scores each target and sends its `score` likeliest tokens
     slot: int = 0    # the sequence's KV slot on every stage (0..max_seqs-1); its ids at slot x (max_len + 1)
-    seqs: list = field(default_factory=list)  # a decode batch of n sequences' steps: [slot, pos] of each row,
-                                              # flat (pos and slot above unused); empty: rows [pos, pos + n) of slot
+    seqs: list = field(default_factory=list)  # a batch or a group: [slot, pos] of each sequence, flat (pos and
+                                              # slot above unused); else empty
     keep: bytes = b""  # a prefill chunk: after it, each stage keeps its slot's linear-attention and window layers'
                        # states under this key (strata.kvcache.prefix_cache: Snapshots.keep_state); b"": none
     rows: bool = True  # a decode batch: the last stage puts its logits rows in the result buffer (False: every
@@ -73,10 +85,15 @@ class Chunk(Message):
                        # on its own argmaxes at the next positions; the result's argmaxes are every step's, step-major
     span: list = field(default_factory=list)  # a prefill chunk with a KV pool (kv_pool): [offset, positions], the
                                               # slot's extent of the pool (Transformer.place_slot); []: no pool
-    lens: list = field(default_factory=list)  # a prefill group (several sequences' chunks as one micro-batch,
-                                              # Transformer.forward_group): each sequence's rows, in row order, with
-                                              # [slot, pos] of each in seqs and [offset, positions] of each in span
-                                              # (a KV pool); the result's argmaxes are each one's last row's
+    lens: list = field(default_factory=list)  # a prefill group (Transformer.forward_group): each sequence's rows,
+                                              # in row order, with [slot, pos] of each in seqs and [offset,
+                                              # positions] of each in span (a KV pool); the result's argmaxes are
+                                              # each one's last row's
+
+    @property
+    def phase(self) -> str:
+        """The phase a stage times it under: "decode" for a step or a batch, else "prefill"."""
+        return "decode" if self.kind in DECODE_KINDS else "prefill"
 
 
 @_message("taken")   # stage -> upstream: chunk k has been copied out of the buffer; the buffer is free
@@ -292,28 +309,30 @@ def validate(msg) -> dict:
         raise BadMessage(f"chunk: negative slot {msg['slot']}")
     if (t == "chunk" and len(msg["keep"]) not in (0, KEY_BYTES)) or (t == "kv" and len(msg["state"]) not in (0, KEY_BYTES)):
         raise BadMessage(f"{t}: a state key is {KEY_BYTES} bytes")
+    if t == "chunk":
+        _check_kind(msg)
     spans = len(msg["lens"]) if t == "chunk" and msg["lens"] else 1  # (a prefill group: one a sequence)
     if t in ("chunk", "kv") and not (msg["span"] == [] or (len(msg["span"]) == 2 * spans and all(
             type(v) is int and 0 <= v <= _INT_MAX for v in msg["span"]))):
         raise BadMessage(f"{t}: a span is [offset, positions] of the KV pool")
-    if t == "chunk" and msg["lens"]:
+    if t == "chunk" and msg["kind"] == Kind.GROUP:
         sq, ln = msg["seqs"], msg["lens"]
-        if not (msg["phase"] == "prefill" and len(sq) == 2 * len(ln) and msg["score"] < 0 and not msg["keep"]
+        if not (len(sq) == 2 * len(ln) and msg["score"] < 0 and not msg["keep"]
                 and all(type(v) is int and 0 <= v <= _INT_MAX for v in sq)
                 and all(type(v) is int and 1 <= v <= _INT_MAX for v in ln) and sum(ln) == msg["n"]):
             raise BadMessage(f"chunk: a prefill group names [slot, pos] and the rows of each sequence, {msg['n']} "
                              "rows in all, unscored")
         if len(set(sq[0::2])) != len(ln):
             raise BadMessage("chunk: a prefill group takes a sequence once")
-    elif t == "chunk" and msg["seqs"]:
+    elif t == "chunk" and msg["kind"] == Kind.BATCH:
         sq = msg["seqs"]
-        if not (msg["phase"] == "decode" and len(sq) == 2 * msg["n"]
+        if not (len(sq) == 2 * msg["n"]
                 and all(type(v) is int and 0 <= v <= _INT_MAX for v in sq)):
             raise BadMessage(f"chunk: a decode batch names [slot, pos] of each of its {msg['n']} rows")
         if len(set(sq[0::2])) != msg["n"]:
             raise BadMessage("chunk: a decode batch steps a sequence once")
     if t == "chunk" and not (0 <= msg["ahead"] <= MAX_AHEAD
-                             and (not msg["ahead"] or (msg["seqs"] and not msg["lens"] and not msg["rows"]))):
+                             and (not msg["ahead"] or (msg["kind"] == Kind.BATCH and not msg["rows"]))):
         raise BadMessage(f"chunk: ahead {msg['ahead']}: 0 to {MAX_AHEAD}, and only for a decode batch without rows")
     if t == "result" and not all(type(v) is int and 0 <= v <= _INT_MAX for v in msg["argmaxes"]):
         raise BadMessage("result: argmaxes must be token ids")
@@ -321,7 +340,7 @@ def validate(msg) -> dict:
         raise BadMessage(f"chunk: prompt length {msg['tokens']}")
     if t == "chunk" and not -1 <= msg["score"] <= MAX_SCORED_TOP:
         raise BadMessage(f"chunk: score {msg['score']} outside -1..{MAX_SCORED_TOP}")
-    if t in ("chunk", "end", "stats") and msg["phase"] not in PHASES:
+    if t in ("end", "stats") and msg["phase"] not in PHASES:
         raise BadMessage(f"{t}: unknown phase {msg['phase']!r}")
     if t in ("kv", "kv_done") and msg["op"] not in KV_OPS:
         raise BadMessage(f"{t}: unknown op {msg['op']!r}")
@@ -339,6 +358,19 @@ def validate(msg) -> dict:
     return msg
 
 
+def _check_kind(msg: dict) -> None:
+    """A chunk's kind is known and it carries the fields of its kind alone (seqs: a batch's or a group's; lens: a
+    group's; a step is one row)."""
+    kind = msg["kind"]
+    if kind not in Kind.__members__.values():
+        raise BadMessage(f"chunk: unknown kind {kind!r}")
+    if bool(msg["seqs"]) != (kind in (Kind.BATCH, Kind.GROUP)) or bool(msg["lens"]) != (kind == Kind.GROUP):
+        raise BadMessage(f"chunk: a {kind} with{'' if msg['seqs'] else 'out'} seqs and with"
+                         f"{'' if msg['lens'] else 'out'} lens")
+    if kind == Kind.STEP and msg["n"] != 1:
+        raise BadMessage(f"chunk: a decode step of {msg['n']} rows")
+
+
 def _unpack(frame: bytes, limit: int, what: str):
     """msgpack -> Python, bounded: strict_map_key, no ext hooks; a hostile frame can only fail."""
     if len(frame) > limit:
@@ -352,6 +384,8 @@ def _unpack(frame: bytes, limit: int, what: str):
 def decode(frame: bytes) -> Message:
     """One frame -> its typed message, or BadMessage."""
     m = validate(_unpack(frame, MAX_FRAME, "frame"))
+    if m["t"] == "chunk":
+        m["kind"] = Kind(m["kind"])
     return MESSAGES[m["t"]](**{k: v for k, v in m.items() if k not in ("v", "t")})
 
 

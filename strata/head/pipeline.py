@@ -513,7 +513,7 @@ class Pipeline:
         def step():
             while self._sent < len(schedule) and self._sent - self._got < window:
                 pos, m = schedule[self._sent]
-                self._wire.send(0, M.Chunk(k=self._sent, pos=pos, n=m, phase=phase, t0=t0, tokens=tokens,
+                self._wire.send(0, M.Chunk(k=self._sent, kind=M.Kind.CHUNK, pos=pos, n=m, t0=t0, tokens=tokens,
                                            score=score, keep=self._keep_after(0, pos + m, phase)))
                 self._sent += 1
                 if self.startup is None:
@@ -575,7 +575,8 @@ class Pipeline:
         k = self._sent
         if row:
             self._want_rows.add(k)
-        self._wire.send(0, M.Chunk(k=k, pos=pos, n=n, phase=phase, t0=t0, tokens=tokens, score=score, slot=slot,
+        self._wire.send(0, M.Chunk(k=k, kind=M.Kind.STEP if phase == "decode" else M.Kind.CHUNK, pos=pos, n=n, t0=t0,
+                                   tokens=tokens, score=score, slot=slot,
                                    keep=self._keep_after(slot, pos + n, phase), span=list(self._spans.get(slot, ()))))
         self._sent += 1
         if self.startup is None:
@@ -597,7 +598,7 @@ class Pipeline:
         span = [v for s, _, _ in segs for v in self._spans.get(s, ())]
         if span and len(span) != 2 * len(segs):
             raise ValueError(f"send_group: a sequence without its extent of the KV pool in {segs}")
-        self._wire.send(0, M.Chunk(k=k, pos=0, n=sum(n for _, _, n in segs), phase="prefill", t0=t0, tokens=tokens,
+        self._wire.send(0, M.Chunk(k=k, kind=M.Kind.GROUP, pos=0, n=sum(n for _, _, n in segs), t0=t0, tokens=tokens,
                                    score=-1, seqs=[v for s, p, _ in segs for v in (s, p)], rows=rows, span=span,
                                    lens=[n for _, _, n in segs]))
         self._sent += 1
@@ -616,7 +617,7 @@ class Pipeline:
         if rows:
             self._want_rows.add(k)
         top = max(pos for _, pos in seqs) + 1 + ahead
-        self._wire.send(0, M.Chunk(k=k, pos=0, n=len(seqs), phase="decode", t0=t0, tokens=top, score=-1,
+        self._wire.send(0, M.Chunk(k=k, kind=M.Kind.BATCH, pos=0, n=len(seqs), t0=t0, tokens=top, score=-1,
                                    seqs=[v for sp in seqs for v in sp], rows=rows, ahead=ahead))
         self._sent += 1
         return k
@@ -1295,7 +1296,7 @@ class Pipeline:
         if bells is not None and k > 0:  # a phase's first step goes by ZeroMQ: it wakes a stage not yet spinning
             bells.ring(0, k, pos, argmax=tok, t0=t0)  # the id too: a step queued ahead copies it from the bell
         else:
-            self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1, score=-1))
+            self._wire.send(0, M.Chunk(k=k, kind=M.Kind.STEP, pos=pos, n=1, t0=t0, tokens=pos + 1, score=-1))
         self._sent += 1
         t_wait = time.perf_counter()
         deadline = time.monotonic() + self.cfg.stall_timeout_s
