@@ -478,7 +478,7 @@ def test_warm_window_attention_compiles_each_bucket_once(monkeypatch):
 
 def test_warm_shapes_include_the_kept_state_cut():
     """The warm-up builds the chunks a prefill may meet, in the plan's chunks: for a model with kept states (window
-    or linear layers) the schedule cut at the last block boundary before the last token, as Pipeline.keep_states
+    or linear layers) the schedule cut at the last block boundary before the last token, as KvRounds.keep_states
     cuts it (gpt-oss's 122,880-token prompt ends in a chunk of 256 rows, a FlexAttention bucket of its own), and
     uncut (where the prefix cache keeps no states); the first chunk too (a window layer's flex runs at 0); a model
     without such layers keeps its schedule uncut."""

@@ -211,7 +211,7 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
         eng.kv_save(tmp_path / "kv.bin")
     with pytest.raises(KvFileError, match="max_seqs 4 the slot driver loads"):
         eng.pipe.kv_load(tmp_path / "kv.bin")
-    assert eng.pipe.prefix_cache_off is None
+    assert eng.pipe.kv.prefix_cache_off is None
     with pytest.raises(ConfigError, match="SlotDriver.score"):
         eng.pipe.score([1, 2, 3])
     log = (eng.out / "stage-0.log").read_text()
@@ -401,7 +401,7 @@ def test_a_kv_file_loads_among_other_requests_into_the_prefix_cache(slotted_long
 
 
 def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
-    """Pipeline.restore_slot, the driver's KV round, while another slot's prefill chunks are queued on the stages,
+    """KvRounds.restore, the driver's KV round, while another slot's prefill chunks are queued on the stages,
     and again while their results wait unread at the head: every result comes back through take_results, and both
     sequences' first tokens are their cold ones (the restored slot prefilled from its restored prefix, with
     prefix_reuse chunks)."""
@@ -419,9 +419,9 @@ def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
         p.put_slot_ids(1, doc)
         chunks = list(p.plan.schedule_for(0, other.size))
         sent = [p.send_slot(0, pos, n, "prefill", other.size, t0, row=False) for pos, n in chunks[:3]]
-        assert p.restore_slot(1, doc, doc.size - 1) == 256  # the stages have other's chunks queued or running
+        assert p.kv.restore(doc, 0, doc.size - 1, 1) == 256  # the stages have other's chunks queued or running
         time.sleep(3)  # the first one's result reaches the head, unread (the last stage waits for its "taken")
-        assert p.restore_slot(1, doc, doc.size - 1) == 256
+        assert p.kv.restore(doc, 0, doc.size - 1, 1) == 256
         assert p.in_flight < len(sent)  # read during the round
         results = p.take_results(0)
         assert [k for k, _, _ in results][:1] == sent[:1]  # kept for take_results
