@@ -9,9 +9,11 @@ the same stages, and the prefix a prompt shares with what the stages hold (the l
 answer) is not prefilled again.
 
 `prefill` has a guard on every return path (normal, exception, Ctrl-C) that calls `finish()`:
-the head never returns while chunks are in flight. Everything the run creates (processes,
-sockets, the ipc directory, shared memory) is released by `close()`, reached through
-`weakref.finalize` too, however the run ends.
+the head never returns while chunks are in flight. The Pipeline feeds chunks and decode steps and reads their
+results; two parts it holds do the rest. `procs` (strata/stage_set.py, `StageSet`) owns the stage processes and
+the wire: everything the run creates (processes, sockets, the ipc directory, shared memory) is released by
+`close()`, reached through `weakref.finalize` too, however the run ends. `kv` (strata/kv_rounds.py, `KvRounds`)
+decides the prefix cache and KV files.
 
 Stages on other hosts (`stages[i].host`): the head also listens on tcp (`listen`) with CurveZMQ,
 starts each remote stage through `remote_command` (or prints the command), serves its join and
@@ -22,19 +24,15 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing as mp
 import os
-import signal
 import time
-import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from . import bells
 from . import messages as M
 from .checkpoint import check_model_files
 from .config import RigConfig, check_run_dir, from_dict
@@ -42,41 +40,14 @@ from .errors import ConfigError, PipelineError
 from .head_wire import HeadWire, poll_until
 from .kv_rounds import KvLink, KvRounds
 from .plan import Plan, build_plan
-from .stage_procs import Buffers, Resources, spawn_local, start_method, sweep_dead_ipc_dirs
+from .stage_procs import Buffers, start_method
+from .stage_set import StageSet
 
 log = logging.getLogger("strata.pipeline")
 
 
-class Interrupted(BaseException):
-    """SIGINT / SIGTERM to the head, raised at a safe point of the head's loop (see `interrupt`)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 HEAD_SPIN_S = 0.05  # the head's spin per decode step with GPU stages (a CPU rig has no core to spare)
 BELL_CHECK_S = 0.0005  # spinning on a decode bell, the head still reads its socket and watches the stages this often
-
-
-@dataclass
-class StageInfo:
-    index: int
-    device: str
-    layers: tuple[int, int]
-    host: str | None = None    # None: this machine
-    pid: int = 0
-    mem_bytes: int = 0
-    kv_bytes: int = 0
-    state_bytes: int = 0         # linear-attention states
-    weight_bytes: int = 0
-    scratch_bytes: int = 0
-    weights: str = ""
-    warm_s: float = 0.0
-    pinned: bool = False
-    load_s: float = 0.0
-    chunk: int = -1            # the chunk it last said it started, this phase ("working"; a typed failure's)
-    stats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -140,16 +111,14 @@ class Pipeline:
         check_run_dir(self.out)
         self.console = console
         self.run_id = f"{os.getpid():x}{int(time.time() * 1000) % 0xFFFFFF:x}"
-        self._res = Resources()
-        self._finalizer = weakref.finalize(self, self._res.release, 1.0)
-        self.stages = [StageInfo(s.index, s.device, (s.start, s.end), s.host) for s in self.plan.stages]
-        self.all_cuda = all(s.device.startswith("cuda") for s in self.stages)  # (the head's spins read it)
+        # the stage processes and the wire to them (strata/stage_set.py); `stages` is its list
+        procs = self.procs = StageSet(self.cfg, self.plan, self.out, console, self.run_id, self._marks,
+                                      self._oldest_in_flight)
+        self.stages = self.procs.stages
+        self.all_cuda = self.procs.all_cuda  # (the head's spins read it)
+        self._wire: HeadWire | None = None  # the stages' wire and buffers (StageSet's), once `start` made them
+        self._buffers: Buffers | None = None
         self._end_ids: frozenset[int] | None = None  # end_ids, read at the first generation
-        self.started = False
-        self.closed = False
-        self.failure: PipelineError | None = None
-        self._signals: list[int] = []  # filled by `interrupt` (signal handlers), read at safe points
-        self._signals_seen = 0
         self._sent = self._got = 0     # chunks of the current phase sent to stage 0 / back from the last
         self._results: dict[int, M.ChunkResult] = {}
         self._bell_results = 0  # decode steps whose result came by bell (strata/bells.py), not ZeroMQ
@@ -161,17 +130,13 @@ class Pipeline:
         self._spans: dict[int, tuple[int, int]] = {}  # kv_pool: each slot's extent of the stages' pools (place_slot)
         self._rows: dict[int, torch.Tensor] = {}   # ... and those rows, by chunk
         self._loaded = False                       # the live KV is a kv_load's (no prefill since)
-        # the prefix cache's policy and KV files (strata/kv_rounds.py), reaching the stages through the wire
+        # the prefix cache's policy and KV files (strata/kv_rounds.py), reaching the stages through StageSet alone
         self.kv = KvRounds(self.cfg, self.plan, self.stages, self._spans,
-                           KvLink(send=lambda i, msg: self._wire.send(i, msg), wait=self._wait_for, who=self._who,
-                                  failed=lambda: self.failure is not None))
+                           KvLink(send=procs.send, wait=procs.wait_for, who=procs.who,
+                                  failed=lambda: procs.failure is not None))
         self._tokenizer = None
         self.steps = 0                 # decode steps of the current (or last) generate; then `generations` counts it
         self.generations = 0
-        self._ready: set[int] = set()
-        self._wire: HeadWire | None = None
-        self._remote = None            # strata.remote.RemoteStages when a stage is remote
-        self.boundaries: list[str] = []            # per boundary: "shm" or "tcp"
         self._marks["planned"] = time.perf_counter()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -182,201 +147,68 @@ class Pipeline:
         self.close()
 
     def start(self) -> None:
-        """Spawn the stages and wait until each has loaded its slice and mapped its buffers."""
+        """Spawn the stages and wait until each has loaded its slice and mapped its buffers (StageSet.start), then
+        size the prefix cache by what they hold."""
         self._refuse_if_closed()
         if self.started:
             return
-        self._marks["spawn"] = time.perf_counter()
-        sweep_dead_ipc_dirs()
-        remote = [sp.host is not None for sp in self.plan.stages]
-        across = [remote[i] or remote[i + 1] for i in range(len(remote) - 1)]  # boundary i leaves this host
-        self.boundaries = ["tcp" if a else "shm" for a in across]
-        self._buffers = Buffers(self._res, self.run_id, self.plan, remote, across, self.cfg.kernels.decode_bells)
-        self._buffers.ids[: self.plan.ids.size] = torch.from_numpy(self.plan.ids.astype(np.int32))
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._res.make_ipc_dir()
-        self._wire = HeadWire(self._res, len(remote))
-        if any(remote):
-            from .remote import RemoteStages
-            self._remote = RemoteStages(self._res, self.cfg, self.plan, remote, across)
-        self._wire.connect(self._remote)
-        self._wire.handlers = {M.Ready: self._on_ready, M.Bound: self._on_bound, M.Working: self._on_working,
-                               M.ChunkResult: self._on_result, M.Stats: self._on_stats, M.Fail: self._on_fail,
-                               M.Rejected: self._on_rejected, M.KvDone: self.kv.on_done}
-        self._result_rows = self._result_buffer(remote[-1])  # (max_seqs or 1, vocab)
+        try:
+            self.procs.start({M.ChunkResult: self._on_result, M.KvDone: self.kv.on_done})
+        finally:  # (what a start cut short made stays reachable, as before the carve: finish and the guard read it)
+            self._wire, self._buffers = self.procs.wire, self.procs.buffers
+        self._result_rows = self.procs.result_rows  # (max_seqs or 1, vocab)
         self._result_row = self._result_rows[0]
-        for sp in self.plan.stages:
-            self.stages[sp.index].pid = self._launch(sp, self._spec(sp))
-        self.started = True
-        self._marks["spawned"] = time.perf_counter()
-        self._wait_ready()
-        if self._remote:
-            self._link_remote()
-        self._marks["ready"] = time.perf_counter()
         self.kv.start()
-        for seg in self._res.segments:  # every stage has mapped its buffers: unlink now, so even SIGKILL leaks nothing
-            seg.unlink()
+        self.procs.unlink_segments()
 
-    def _result_buffer(self, remote_last: bool) -> torch.Tensor:
-        """The last stage's logits rows: a shared segment, or (a remote last stage) a buffer its row lands in."""
-        if not remote_last:
-            return self._buffers.result
-        from .transport import TcpLink
-        link = TcpLink(torch.float32, (self.plan.args.vocab_size,))
-        self._wire.land_result = lambda frame: link.land(link.buf.numel(), frame)
-        return link.buf.view(1, -1)
+    @property
+    def started(self) -> bool:
+        """Whether the stages were spawned (a start that failed after spawning them counts: it is not retried)."""
+        return self.procs.started
 
-    def _spec(self, sp) -> M.StageJob:
-        """What stage sp needs to build and serve its slice (validated again by a remote stage on arrival)."""
-        plan, cfg, w = self.plan, self.cfg, self._wire
-        return M.StageJob(
-            index=sp.index, n_stages=len(plan.stages), device=sp.device, dtype=cfg.dtype, attention=cfg.attention,
-            weights=cfg.weights, kv_dtype=cfg.kv_dtype, memory=sp.memory, threads=sp.threads, cores=list(sp.cores), start=sp.start,
-            end=sp.end, model=cfg.model, args={f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__},
-            seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk,
-            prefix_block=sp.prefix_block,
-            dynamic_chunks=cfg.dynamic_chunks, depth=cfg.depth,
-            max_seqs=cfg.max_seqs, kv_pool=plan.kv_pool, decode_batch=cfg.decode_batch,
-            prefix_device_bytes=plan.planner.get("needs", [{}] * len(plan.stages))[sp.index].get("prefix_cache", 0),
-            perplexity=cfg.perplexity, segments=self._buffers.names, endpoints=w.endpoints, head_endpoint=w.endpoint,
-            log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
-            dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
-            decode_weights=cfg.decode_weights, cuda_graphs=cfg.cuda_graphs,
-            decode_ahead="bells" in self._buffers.names and bells.ahead_wanted([s.device for s in plan.stages],
-                                                                               cfg.kernels.decode_ahead),
-            # (slot_spin: a stage spins only where every stage is on a GPU, as the head's driver does: a CUDA
-            # stage beside CPU ones would take a core from their threads)
-            kernels={**{f: getattr(cfg.kernels, f) for f in cfg.kernels.__dataclass_fields__},
-                     "slot_spin": cfg.kernels.slot_spin and self.all_cuda},
-            debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
-            net=self._remote.stage_net(sp.index) if self._remote else None)
+    @property
+    def failure(self) -> PipelineError | None:
+        """The run's failure, once known (the first; every later wait raises it)."""
+        return self.procs.failure
 
-    def _launch(self, sp, spec: M.StageJob) -> int:
-        if sp.host is None:
-            return spawn_local(self._res, spec, sp.index)
-        try:
-            proc = self._remote.launch(sp, spec, self.out)
-        except PipelineError as e:
-            self._fail(str(e))
-        self._res.procs.append(proc)
-        return proc.pid
-
-    def _wait_ready(self) -> None:
-        if self._remote:
-            self._remote.net.start()  # joins are served from here on
-        n = len(self.stages)
-        poll_until(lambda: len(self._ready) == n, self.cfg.ready_timeout_s, step=lambda: self._receive(200),
-                   what=lambda: self._fail(f"stage(s) not ready within {self.cfg.ready_timeout_s:.0f}s: "
-                                           + ", ".join(self._who(i) for i in range(n) if i not in self._ready)))
-
-    def _link_remote(self) -> None:
-        """Tell each stage with a neighbour across hosts where it listens; write net.json."""
-        try:
-            peers = self._remote.peers()
-        except LookupError as e:
-            self._fail(f"{self._who(e.args[0])} is ready but never said where it listens")
-        for i, p in peers.items():
-            self._wire.send(i, M.Peers(**p))
-        self._remote.write_net_json(self.out / "net.json", self.boundaries)
+    @property
+    def boundaries(self) -> list[str]:
+        """Per boundary between stages: "shm" or "tcp" (report.json)."""
+        return self.procs.boundaries
 
     @property
     def bad_frames(self) -> int:
         """Frames the head rejected (garbled, unknown, out of range)."""
-        return self._wire.bad_frames if self._wire else 0
+        return self.procs.bad_frames
 
     @property
     def rejected_connections(self) -> int:
         """Handshakes refused on this run's tcp sockets (no key, a wrong key): the head's and the stages'."""
-        return self._remote.rejected_connections if self._remote else 0
+        return self.procs.rejected_connections
 
     def _refuse_if_closed(self) -> None:
-        if self.closed:
+        if self.procs.closed:
             raise PipelineError("this pipeline is closed (its stages have stopped): make a new Pipeline")
 
     def close(self) -> None:
         """Stop every stage and release everything; idempotent."""
-        self.closed = True
-        if self._res.procs and self._wire is not None:
-            self._wire.stop_all()
-        self._finalizer()
+        self.procs.close()
 
     def interrupt(self, signum: int) -> None:
         """Ask the head to stop (safe from a signal handler: it only records the signal). The head
         raises `Interrupted` at its next safe point, within ~0.2 s, then joins chunks in flight."""
-        self._signals.append(signum)
-
-    def _check_interrupt(self) -> None:
-        if len(self._signals) > self._signals_seen:
-            self._signals_seen = len(self._signals)
-            raise Interrupted(self._signals[-1])
-
-    # -- who is where --------------------------------------------------------------------------
-    def _chunk_of(self, i: int) -> int:
-        """The chunk stage i is on, by what the head knows itself as well as by the stage's notes: chunks
-        leave the pipeline in order, so every stage has started the oldest chunk the head sent and has not
-        got back (or waits for it). A note lost with a killed stage cannot make the head name an older one."""
-        oldest_in_flight = self._got if self._got < self._sent else -1
-        return max(self.stages[i].chunk, oldest_in_flight)
-
-    def _who(self, i: int) -> str:
-        st = self.stages[i]
-        where = f"{st.device} on {st.host}" if st.host else st.device
-        return f"stage {i} ({where}, pid {st.pid}, chunk {self._chunk_of(i)})"
+        self.procs.interrupt(signum)
 
     def where(self) -> str:
         """Every stage with its device, pid and the chunk it is on."""
-        return ", ".join(self._who(i) for i in range(len(self.stages)))
+        return self.procs.where()
 
-    def _fail(self, why: str) -> None:
-        self.failure = self.failure or PipelineError(why)
-        raise self.failure
+    def _oldest_in_flight(self) -> int:
+        """The oldest chunk of this phase sent to stage 0 and not back from the last (-1: none): every stage has
+        started it or waits for it (StageSet names a failing stage's chunk by it)."""
+        return self._got if self._got < self._sent else -1
 
-    # -- receiving -----------------------------------------------------------------------------
-    def _receive(self, timeout_ms: int) -> None:
-        """Handle what arrives within timeout_ms; a dead stage, a silent remote one or a typed failure raises."""
-        if self.failure:
-            raise self.failure
-        self._check_interrupt()  # only here: never between receiving a message and handling it
-        procs = self._res.procs
-        fired = self._wire.poll(timeout_ms, [p.sentinel for p in procs if p.sentinel is not None])
-        self._wire.take_all()
-        for i, p in enumerate(procs):  # a stage started by hand has no sentinel: heartbeats watch it
-            if (p.sentinel is not None and p.sentinel in fired) or not p.is_alive():
-                p.join(0.1)
-                if p.exitcode is None:
-                    continue
-                self._wire.drain(500, only=(M.Fail, M.Working))  # its typed failure may still be in flight
-                code = p.exitcode
-                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                self._fail(f"{self._who(i)} {how}")
-        if self._remote is not None:
-            pids: dict[int, int] = {}
-            problem = self._remote.problem(pids)
-            for i, pid in pids.items():
-                self.stages[i].pid = pid
-            if problem:
-                i, why = problem
-                self._fail(why if i is None else f"{self._who(i)} {why}")
-
-    def _wait_for(self, condition: Callable[[], bool]) -> None:
-        """Receive and handle the stages' messages until condition() holds, under stall_timeout_s (KvRounds' wait for
-        its rounds' answers: with several sequences other slots' results are kept for take_results meanwhile)."""
-        poll_until(condition, self.cfg.stall_timeout_s, what=self._stalled, step=lambda: self._receive(100))
-
-    # -- the head's handlers: one per message type it accepts ------------------------------------
-    def _on_ready(self, msg: M.Ready, data) -> None:
-        st = self.stages[msg.stage]
-        st.mem_bytes, st.kv_bytes, st.pinned, st.load_s = msg.mem_bytes, msg.kv_bytes, msg.pinned, msg.load_s
-        st.weights, st.weight_bytes, st.scratch_bytes = msg.weights, msg.weight_bytes, msg.scratch_bytes
-        st.warm_s, st.state_bytes = msg.warm_s, msg.state_bytes
-        self._ready.add(msg.stage)
-
-    def _on_bound(self, msg: M.Bound, data) -> None:
-        self._remote.on_bound(msg.stage, msg.endpoint, self._wire.push[msg.stage])
-
-    def _on_working(self, msg: M.Working, data) -> None:
-        self.stages[msg.stage].chunk = msg.k
-
+    # -- the head's handler of results (StageSet handles the messages about the stages themselves) -------
     def _on_result(self, msg: M.ChunkResult, data) -> None:
         k = msg.k
         if not (0 <= k < self._sent and k not in self._results):
@@ -393,17 +225,6 @@ class Pipeline:
             self._wire.send(len(self.stages) - 1, M.Taken(k=k))
         self._got += 1
 
-    def _on_stats(self, msg: M.Stats, data) -> None:
-        self.stages[msg.stage].stats[msg.phase] = msg
-
-    def _on_fail(self, msg: M.Fail, data) -> None:
-        st = self.stages[msg.stage]
-        st.chunk = msg.chunk if msg.chunk >= 0 else st.chunk
-        self._fail(f"{self._who(msg.stage)} failed: {msg.error}: {msg.message}")
-
-    def _on_rejected(self, msg: M.Rejected, data) -> None:
-        self._remote.on_rejected(msg.stage, msg.count, msg.detail)
-
     # -- the run -----------------------------------------------------------------------------
     def finish(self) -> None:
         """Wait until every chunk sent has come out of the last stage, or a failure is known.
@@ -414,9 +235,9 @@ class Pipeline:
 
             def step():
                 if not (bells is not None and self._take_bell()):
-                    self._receive(200 if bells is None else 1)
+                    self.procs.receive(200 if bells is None else 1)
             poll_until(lambda: self._got >= self._sent or self.failure is not None, self.cfg.stall_timeout_s,
-                       what=self._stalled, step=step, progress=lambda: self._got)
+                       what=self.procs.stalled, step=step, progress=lambda: self._got)
         if self.failure:
             raise self.failure
 
@@ -433,15 +254,6 @@ class Pipeline:
             log.warning("head rejected a decode bell: %s", e)
         return True
 
-    def _stalled(self) -> None:
-        # dump every stage's stacks into its log, then fail naming where each one was
-        for p in self._res.procs:
-            if p.is_alive() and isinstance(p, mp.process.BaseProcess):  # not a remote stage's ssh
-                os.kill(p.pid, signal.SIGUSR1)
-        time.sleep(0.5)
-        self._fail(f"no progress for {self.cfg.stall_timeout_s:.0f}s (stacks dumped to the stage logs): "
-                   f"{self.where()}")
-
     def _new_phase(self, phase: str) -> None:
         self._decoding = phase == "decode"
         self._results.clear()
@@ -457,13 +269,12 @@ class Pipeline:
             try:
                 self.finish()
             except KeyboardInterrupt:
-                self._fail("interrupted while joining chunks in flight")
+                self.procs.fail("interrupted while joining chunks in flight")
 
     def _collect_stats(self, phase: str) -> None:
         """One round trip at the end of a phase (never per token): each stage's timing of it."""
         self._wire.broadcast(M.End(phase=phase))
-        poll_until(lambda: all(phase in st.stats for st in self.stages), self.cfg.stall_timeout_s,
-                   what=self._stalled, step=lambda: self._receive(100))
+        self.procs.wait_for(lambda: all(phase in st.stats for st in self.stages))
 
     def _run_phase(self, phase: str, schedule, tokens: int, on_progress=None, score: int = -1) -> float:
         """Feed `schedule` [(pos, n)] of a `tokens`-long prompt to stage 0 through a bounded window, with the
@@ -481,11 +292,11 @@ class Pipeline:
                 self._sent += 1
                 if self.startup is None:
                     self._startup_done()
-            self._receive(100)
+            self.procs.receive(100)
             if on_progress:
                 on_progress()
         try:
-            poll_until(lambda: self._got >= len(schedule), self.cfg.stall_timeout_s, what=self._stalled, step=step,
+            poll_until(lambda: self._got >= len(schedule), self.cfg.stall_timeout_s, what=self.procs.stalled, step=step,
                        progress=lambda: self._got)
         finally:
             self._guard()
@@ -588,7 +399,7 @@ class Pipeline:
         """What the last stage finished within timeout_ms: (chunk, result, its logits row or None), in order; a
         decode batch's result has its argmaxes, and its logits rows (m, vocab).
         A dead stage or a typed failure raises PipelineError."""
-        self._receive(timeout_ms)
+        self.procs.receive(timeout_ms)
         done = sorted(self._results)
         return [(k, self._results.pop(k), self._rows.pop(k, None)) for k in done]
 
@@ -850,11 +661,11 @@ class Pipeline:
                 if now < spin_end and now - checked < BELL_CHECK_S:
                     continue  # the bell alone; sockets and the stages' liveness every BELL_CHECK_S
                 checked = now
-                self._receive(0 if now < spin_end else 1)
+                self.procs.receive(0 if now < spin_end else 1)
             else:
-                self._receive(0 if time.perf_counter() < spin_end else 200)
+                self.procs.receive(0 if time.perf_counter() < spin_end else 200)
             if time.monotonic() > deadline:
-                self._stalled()
+                self.procs.stalled()
         self._decode_wait_s += time.perf_counter() - t_wait
         return self._results.pop(k)
 

@@ -383,7 +383,7 @@ class SlotDriver:
         if progressed or not (self.pipe.in_flight or self.pipe.kv.in_flight):
             self._progress_at = now
         elif now - self._progress_at > self.pipe.cfg.stall_timeout_s:
-            self.pipe._stalled()
+            self.pipe.procs.stalled()
 
     def _fail(self, e: PipelineError) -> None:
         """Every waiting caller gets e (tokens decided but not yet handed over are not: their sequences fail)."""

@@ -446,7 +446,7 @@ def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
     eng = PipelineEngine({**RIG, "max_seqs": 3, "debug": {"delay_s": 0.01}}, out=tmp_path / "serve")
     s = Running(eng, queue_size=2)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    stages, runs = [Proc(p.pid) for p in eng.pipe._res.procs], [(eng.pipe.run_id, eng.pipe._res.ipc_dir)]
+    stages, runs = [Proc(p.pid) for p in eng.pipe.procs.res.procs], [(eng.pipe.run_id, eng.pipe.procs.res.ipc_dir)]
     try:
         pid, starts = eng.pipe.stages[1].pid, eng.starts
         errors: dict[int, BaseException] = {}
@@ -476,8 +476,8 @@ def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
         ok = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4)
         assert ok.usage.completion_tokens == 4
         assert eng.starts == starts + 1 and eng.pipe.stages[1].pid != pid  # restarted once, not once per request
-        stages += [Proc(p.pid) for p in eng.pipe._res.procs]
-        runs.append((eng.pipe.run_id, eng.pipe._res.ipc_dir))
+        stages += [Proc(p.pid) for p in eng.pipe.procs.res.procs]
+        runs.append((eng.pipe.run_id, eng.pipe.procs.res.ipc_dir))
     finally:
         s.stop()
     assert eng.pipe is None
