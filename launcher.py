@@ -161,7 +161,8 @@ def _run(a, head: dict) -> int:
     # one prompt and out: no later prompt would be served from the prefix cache's snapshots, so none are taken
     # (a snapshot copies up to prefix_cache_bytes of KV out of every stage after the run)
     cfg = dataclasses.replace(cfg, prefix_cache_bytes=0)
-    from strata.head.pipeline import Interrupted, Pipeline, PipelineError
+    from strata.head.pipeline import Pipeline, PipelineError
+    from strata.head.stage_set import Interrupted
     try:
         pipe = Pipeline(cfg, out=a.out, marks={"process": t_process, "imports": time.perf_counter()})
     except (ConfigError, ModelError) as e:

@@ -288,7 +288,7 @@ def test_shm_sweep_early_unlink_and_private_ipc_dir(tmp_path, guard):
             assert not stale_ipc.exists(), "a start must remove ipc dirs of dead heads"
             # every stage has mapped its buffers: none is left in /dev/shm, even mid-run
             assert shm.run_segments(p.run_id) == []
-            ipc = Path(p._res.ipc_dir)
+            ipc = Path(p.procs.res.ipc_dir)
             assert ipc.stat().st_mode & 0o777 == 0o700
             assert ipc.stat().st_uid == os.getuid()
             assert sorted(x.name for x in ipc.iterdir()) == ["head", "s0", "s1"]

@@ -249,7 +249,7 @@ def _fuzzed_prefill(p, expect: dict[int, int]):
     deadline = time.monotonic() + 60
     for i, n in expect.items():
         while f"inbox idle: {n} frame(s) rejected so far" not in (p.out / f"stage-{i}.log").read_text():
-            assert all(pr.is_alive() for pr in p._res.procs), "a stage died of garbage"
+            assert all(pr.is_alive() for pr in p.procs.res.procs), "a stage died of garbage"
             assert time.monotonic() < deadline, f"stage {i} never reported {n} rejected frames"
             time.sleep(0.02)
     return p.prefill()
@@ -269,7 +269,7 @@ def test_fuzz_running_stages_and_head(tmp_path, guard):
     with p:
         p.start()
         guard.track_pipeline(p)
-        ipc = p._res.ipc_dir
+        ipc = p.procs.res.ipc_dir
         max_chunk, max_len = p.plan.max_chunk, p.plan.max_len
         to_stage = {0: garbage(10, 1200, max_chunk, max_len), 1: garbage(11, 1200, max_chunk, max_len)}
         multipart = [[b"junk", b"\x91\x91", _pack(_valid("stop"))[:-1]] for _ in range(5)]  # each part counts

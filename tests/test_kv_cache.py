@@ -74,7 +74,7 @@ def test_budget_evicts_least_recently_used_blocks(tmp_path):
     a, b, c = (rng.integers(0, args.vocab_size, 3 * 256 + 10).astype(np.int32) for _ in range(3))
     with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
         p.start()
-        assert p._index.capacity == 4
+        assert p.kv._index.capacity == 4
         p.prefill(a)   # A's 3 blocks
         p.prefill(b)   # B's 3: A's blocks 2 and 1 evicted
         assert p.prefill(a).reused_tokens == 256  # only A's first block is left
@@ -82,7 +82,7 @@ def test_budget_evicts_least_recently_used_blocks(tmp_path):
         assert p.prefill(b).reused_tokens == 256
         r = p.prefill(c)
         assert r.reused_tokens == 0 and r.report["prefix_cache"]["blocks"] <= 4
-        held = p._kv_all("drop")  # nothing dropped: each stage says what it holds
+        held = p.kv._round_all("drop")  # nothing dropped: each stage says what it holds
         assert all(d.held_bytes <= 4 * per_block for d in held.values()), held
         assert max(d.held_bytes for d in held.values()) == 4 * per_block
     off = dict(cfg, prefix_cache_bytes=0)
@@ -103,7 +103,7 @@ def test_block_capacity_does_not_shrink_with_slots(tmp_path):
                prompt={"random": {"tokens": 10, "seed": 0}})
     with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
         p.start()
-        assert p._index.capacity == 4
+        assert p.kv._index.capacity == 4
 
 
 def _launch(rig: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -402,28 +402,28 @@ def test_a_hybrid_model_restores_its_states_at_a_block_boundary(tmp_path, family
         cold = p.generate(a2, six)
     with Pipeline(rig, out=tmp_path / "p", console=False) as p:
         first = p.generate(a, six)
-        assert p.prefix_cache_off is None and p._states.capacity >= 2
-        assert first.reused_tokens == 0 and len(p._states) == 3  # kept at 256, 512, 768 (chunk ends)
+        assert p.kv.prefix_cache_off is None and p.kv._states.capacity >= 2
+        assert first.reused_tokens == 0 and len(p.kv._states) == 3  # kept at 256, 512, 768 (chunk ends)
         p.generate(other, six)  # the live KV now holds another prompt
         again = p.generate(a2, six)
         assert again.reused_tokens == 512 and again.continuation_ids == cold.continuation_ids
         assert np.array_equal(again.last_logits, cold.last_logits)
-        p._states.discard(list(p._states.lru))  # states forgotten: the blocks alone are not a restore point
+        p.kv._states.discard(list(p.kv._states.lru))  # states forgotten: the blocks alone are not a restore point
         p.generate(other, six)
         assert p.generate(a2, six).reused_tokens == 0
     with Pipeline({**rig, "chunk": 100}, out=tmp_path / "cut", console=False) as p:
         p.start()  # chunks of 100 end on no block boundary: the chunk over 768 is cut there, and keeps the states
-        sched = p.keep_states(0, a, 0, p.plan.schedule_for(0, a.size))
-        assert sched == [(q, 100) for q in range(0, 700, 100)] + [(700, 68), (768, 32)] and list(p._keep[0]) == [768]
+        sched = p.kv.keep_states(0, a, 0, p.plan.schedule_for(0, a.size))
+        assert sched == [(q, 100) for q in range(0, 700, 100)] + [(700, 68), (768, 32)] and list(p.kv._keep[0]) == [768]
     for chunk, kept in ((100, []), (128, [256, 512, 768])):  # chunks: the cold schedule's boundaries, never cut
         with Pipeline({**rig, "chunk": chunk, "prefix_reuse": "chunks"}, out=tmp_path / f"c{chunk}",
                       console=False) as p:
             p.start()
             sch = p.plan.schedule_for(0, a.size)
-            assert p.keep_states(0, a, 0, sch) == list(sch) and sorted(p._keep.get(0, {})) == kept, chunk
-            p._states.capacity = 2  # no more states copied out than the index holds: the last ones
-            p.keep_states(0, a, 0, sch)
-            assert sorted(p._keep.get(0, {})) == kept[-2:], chunk
+            assert p.kv.keep_states(0, a, 0, sch) == list(sch) and sorted(p.kv._keep.get(0, {})) == kept, chunk
+            p.kv._states.capacity = 2  # no more states copied out than the index holds: the last ones
+            p.kv.keep_states(0, a, 0, sch)
+            assert sorted(p.kv._keep.get(0, {})) == kept[-2:], chunk
     eng = PipelineEngine({**rig, "max_seqs": 2}, out=tmp_path / "eng")
     try:
         made = [[], [], []]

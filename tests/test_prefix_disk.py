@@ -161,7 +161,7 @@ def test_kv_cache_dir_bad_input_in_one_line(tmp_path):
 
 
 def test_a_restarted_engine_with_several_slots_restores_from_disk(tmp_path):
-    """max_seqs 2 (the slot driver's restore_slot and snapshot_slot): two prompts through one engine, then a new
+    """max_seqs 2 (the slot driver's restore and snapshot rounds): two prompts through one engine, then a new
     engine on the same kv_cache_dir gives each the same greedy ids with every row but the last restored."""
     from strata.serve.engine import PipelineEngine
     from strata.text.sampling import SamplingParams
@@ -285,12 +285,12 @@ def test_a_hybrid_models_states_outlive_the_server_on_disk(tmp_path, family):
         cold = p.generate(a2, six)
     with Pipeline(rig, out=tmp_path / "one", console=False) as p:
         assert p.generate(a, six).reused_tokens == 0
-        assert len(p._disk_states) == 3 and len(p._disk) == 3
+        assert len(p.kv._disk_states) == 3 and len(p.kv._disk) == 3
     files = sorted((tmp_path / "kv").glob("rig-*/layers-*/states/*"))
     assert len(files) == 2 * 3 and not list((tmp_path / "kv").glob("**/*.part"))  # 3 states on each stage
     with Pipeline(rig, out=tmp_path / "two", console=False) as p:
         again = p.generate(a2, six)
-        assert len(p._disk_states) == 3 and len(p._states) == 0  # (restored from the files; a2 kept none past 512)
+        assert len(p.kv._disk_states) == 3 and len(p.kv._states) == 0  # (restored from the files; a2 kept none past 512)
     assert again.reused_tokens == 512 and again.continuation_ids == cold.continuation_ids
     assert np.array_equal(again.last_logits, cold.last_logits)
 

@@ -211,7 +211,7 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
         eng.kv_save(tmp_path / "kv.bin")
     with pytest.raises(KvFileError, match="max_seqs 4 the slot driver loads"):
         eng.pipe.kv_load(tmp_path / "kv.bin")
-    assert eng.pipe.prefix_cache_off is None
+    assert eng.pipe.kv.prefix_cache_off is None
     with pytest.raises(ConfigError, match="SlotDriver.score"):
         eng.pipe.score([1, 2, 3])
     log = (eng.out / "stage-0.log").read_text()
@@ -401,7 +401,7 @@ def test_a_kv_file_loads_among_other_requests_into_the_prefix_cache(slotted_long
 
 
 def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
-    """Pipeline.restore_slot, the driver's KV round, while another slot's prefill chunks are queued on the stages,
+    """KvRounds.restore, the driver's KV round, while another slot's prefill chunks are queued on the stages,
     and again while their results wait unread at the head: every result comes back through take_results, and both
     sequences' first tokens are their cold ones (the restored slot prefilled from its restored prefix, with
     prefix_reuse chunks)."""
@@ -419,9 +419,9 @@ def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
         p.put_slot_ids(1, doc)
         chunks = list(p.plan.schedule_for(0, other.size))
         sent = [p.send_slot(0, pos, n, "prefill", other.size, t0, row=False) for pos, n in chunks[:3]]
-        assert p.restore_slot(1, doc, doc.size - 1) == 256  # the stages have other's chunks queued or running
+        assert p.kv.restore(doc, 0, doc.size - 1, 1) == 256  # the stages have other's chunks queued or running
         time.sleep(3)  # the first one's result reaches the head, unread (the last stage waits for its "taken")
-        assert p.restore_slot(1, doc, doc.size - 1) == 256
+        assert p.kv.restore(doc, 0, doc.size - 1, 1) == 256
         assert p.in_flight < len(sent)  # read during the round
         results = p.take_results(0)
         assert [k for k, _, _ in results][:1] == sent[:1]  # kept for take_results
@@ -446,7 +446,7 @@ def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
     eng = PipelineEngine({**RIG, "max_seqs": 3, "debug": {"delay_s": 0.01}}, out=tmp_path / "serve")
     s = Running(eng, queue_size=2)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    stages, runs = [Proc(p.pid) for p in eng.pipe._res.procs], [(eng.pipe.run_id, eng.pipe._res.ipc_dir)]
+    stages, runs = [Proc(p.pid) for p in eng.pipe.procs.res.procs], [(eng.pipe.run_id, eng.pipe.procs.res.ipc_dir)]
     try:
         pid, starts = eng.pipe.stages[1].pid, eng.starts
         errors: dict[int, BaseException] = {}
@@ -476,8 +476,8 @@ def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
         ok = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4)
         assert ok.usage.completion_tokens == 4
         assert eng.starts == starts + 1 and eng.pipe.stages[1].pid != pid  # restarted once, not once per request
-        stages += [Proc(p.pid) for p in eng.pipe._res.procs]
-        runs.append((eng.pipe.run_id, eng.pipe._res.ipc_dir))
+        stages += [Proc(p.pid) for p in eng.pipe.procs.res.procs]
+        runs.append((eng.pipe.run_id, eng.pipe.procs.res.ipc_dir))
     finally:
         s.stop()
     assert eng.pipe is None

@@ -177,7 +177,7 @@ def _warm_up(spec: M.StageJob, model: Transformer, graphs: GraphedDecode | None,
 def warm_shapes(spec: M.StageJob, args: ModelArgs) -> list[tuple[int, int]]:
     """The (pos, length) chunks a prefill may meet, which the warm-up builds attention for: those of the configured
     prompt's schedule, then any prompt's up to max_len, in the plan's chunks; for a model with kept states each
-    also cut as Pipeline.keep_states cuts it where its prefix cache keeps them (a last chunk of at most a block:
+    also cut as KvRounds.keep_states cuts it where its prefix cache keeps them (a last chunk of at most a block:
     gpt-oss's 122,880-token prompt ended in 256 rows, whose FlexAttention compile took ~3.6 s of its first prefill
     on a new machine), and uncut where it does not (prefix_reuse chunks, no prefix cache)."""
     shapes: list[tuple[int, int]] = []

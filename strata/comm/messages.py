@@ -413,7 +413,7 @@ class StageNet:
 
 @dataclass
 class StageJob:
-    """Everything a stage process needs: built by the head (Pipeline._spec), read by attribute in the stage.
+    """Everything a stage process needs: built by the head (StageSet._spec), read by attribute in the stage.
     A remote stage gets it as one msgpack map, checked by `validate_spec` before anything is built from it."""
     index: int
     n_stages: int

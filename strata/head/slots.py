@@ -99,7 +99,7 @@ class SlotRun:
     start: int = 1                      # a scored prefill: the first position whose log-probability is wanted
     scores: dict = field(default_factory=dict)  # a scored prefill: each chunk's ChunkResult.scores, by chunk
     restored: int = 0                   # prompt positions restored from the prefix cache (not prefilled)
-    kv: object = None                   # its restore round still in flight (Pipeline.KvRound), else None
+    kv: object = None                   # its restore round still in flight (strata.head.kv_rounds.KvRound), else None
     snap: object = None                 # its snapshot's last round, until complete: its slot is not reused before
     slot: int = -1
     schedule: list = field(default_factory=list)  # prefill chunks [(pos, n)]
@@ -309,7 +309,7 @@ class SlotDriver:
                     self._on_result(k, res, row)
                 self._loaded()
                 self._release()
-                answers = self.pipe.kv_answers
+                answers = self.pipe.kv.answers
                 self._watch(bool(results) or answers != self._answers)
                 self._answers = answers
                 if not self._running and not self._freeing:
@@ -366,24 +366,24 @@ class SlotDriver:
         from strata.kvcache.kv_file import KvFileError
         for run in [r for r in self._loading if r.kv.complete]:
             self._loading.remove(run)
-            bad = self.pipe._kv_errors(run.kv.done)
+            bad = self.pipe.kv.errors(run.kv.done)
             run.kv = None
             if bad:
                 run.error = KvFileError(f"kv_load: cannot read {run.load[0]}: {bad[0]}")
                 self._free_slot(run)
                 run.done.set()
                 continue
-            run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)
+            run.snap = self.pipe.kv.snapshot(run.ids, run.slot, wait=False)
             self._freeing.append(run)
 
     def _watch(self, progressed: bool) -> None:
         """The stall watchdog: micro-batches or KV rounds in flight and no result or answer for stall_timeout_s
         fails the run (stacks dumped to the stage logs), as a single sequence's wait does."""
         now = time.monotonic()
-        if progressed or not (self.pipe.in_flight or self.pipe.kv_rounds):
+        if progressed or not (self.pipe.in_flight or self.pipe.kv.in_flight):
             self._progress_at = now
         elif now - self._progress_at > self.pipe.cfg.stall_timeout_s:
-            self.pipe._stalled()
+            self.pipe.procs.stalled()
 
     def _fail(self, e: PipelineError) -> None:
         """Every waiting caller gets e (tokens decided but not yet handed over are not: their sequences fail)."""
@@ -405,7 +405,7 @@ class SlotDriver:
                 self.pipe.place_slot(run.slot, *run.extent)
             if self._running:
                 self.stats.loads_among_running += 1
-            run.kv = self.pipe.load_slot_begin(run.slot, run.load[0], run.ids, *run.load[1:])
+            run.kv = self.pipe.kv.load_begin(run.slot, run.load[0], run.ids, *run.load[1:])
             self._loading.append(run)
             return
         try:  # (a grammar that cannot be matched fails its own sequence, before it takes a slot)
@@ -427,7 +427,7 @@ class SlotDriver:
         self._running.append(run)
         n = run.ids.size
         cap = n - 1 if run.score < 0 else min(n - 1, run.start - 1)  # the rows that must be computed come after
-        run.restored, run.kv = self.pipe.restore_slot_begin(run.slot, run.ids, cap)
+        run.restored, run.kv = self.pipe.kv.restore_begin(run.ids, 0, cap, run.slot)
         run.sampler = sampler
         run.limit = min(run.params.max_tokens, self.pipe.max_context - n)
         self.pipe.put_slot_ids(run.slot, run.ids)
@@ -444,7 +444,7 @@ class SlotDriver:
         # the cold prefill's own chunks (from the restored prefix on, which ends on one of their boundaries): its bits
         schedule = self.pipe.plan.schedule_for(run.restored, run.ids.size)
         schedule = scored_chunks(schedule, run.score) if run.score >= 0 else list(schedule)
-        run.schedule = self.pipe.keep_states(run.slot, run.ids, run.restored, schedule)  # (linear or window layers)
+        run.schedule = self.pipe.kv.keep_states(run.slot, run.ids, run.restored, schedule)  # (linear or window layers)
         if run.restored:
             self.stats.restores += 1
             self.stats.restored_tokens += run.restored
@@ -575,7 +575,7 @@ class SlotDriver:
     def _sent_one(self, others: bool) -> None:
         if others:
             self.stats.overlapped_sends += 1
-        if self.pipe.kv_rounds:
+        if self.pipe.kv.in_flight:
             self.stats.sends_during_kv += 1
         self.stats.most_in_flight = max(self.stats.most_in_flight, sum(1 for r in self._running if r.in_flight))
 
@@ -591,7 +591,7 @@ class SlotDriver:
                 self._advance(run, res.argmaxes[t], None if rows is None else rows[t])
             self._deliver(runs)  # the first tokens to the callers before the snapshots' rounds
             for run in runs:
-                run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)
+                run.snap = self.pipe.kv.snapshot(run.ids, run.slot, wait=False)
             return
         if res.argmaxes:  # a decode batch: row t is runs[t]'s, step after step (batch_ahead)
             self._batches -= 1
@@ -613,7 +613,7 @@ class SlotDriver:
         run.t_first = time.perf_counter()
         self._advance(run, res.argmax, rows)
         self._deliver(runs)  # its first token to the caller before the snapshot's round
-        run.snap = self.pipe.snapshot_slot_begin(run.slot, run.ids)  # (its slot is not reused before it is done)
+        run.snap = self.pipe.kv.snapshot(run.ids, run.slot, wait=False)  # (its slot is not reused before it is done)
 
     def _advance(self, run: SlotRun, argmax: int, logits) -> None:
         """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it: decided

@@ -4,7 +4,7 @@ A prompt's ids are cut into blocks of `BLOCK` tokens; block j's key is a chain h
 and block j's ids), so one key names the whole prefix up to the end of its block. With prefix_reuse rows its last,
 partial block is kept too, under a key of its own (`tail_key`); the index keeps its ids, and a later prompt that
 shares only its first c ids restores the block and uses its first c rows (a row depends only on the ids up to it). The head decides everything
-(`PrefixIndex`, used by strata/head/pipeline.py): which blocks the stages hold, LRU within `prefix_cache_bytes` per
+(`PrefixIndex`, used by strata/head/kv_rounds.py): which blocks the stages hold, LRU within `prefix_cache_bytes` per
 stage, and a new prompt's longest cached prefix. It tells every stage, by `KvOp` notes between prompts, to
 snapshot a prompt's full blocks after its prefill, to restore a prefix into the live cache before the next one,
 and to drop what it evicts. With several sequences (max_seqs > 1, strata/head/slots.py) a snapshot or restore names

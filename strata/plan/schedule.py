@@ -50,7 +50,7 @@ def cut_at(schedule, at: int) -> list[tuple[int, int]]:
 def kept_state_cut(tokens: int, block: int) -> int:
     """Where the prefill of a `tokens`-token prompt of a model with kept states (linear-attention or window layers:
     strata.kvcache.prefix_cache.stateful) cuts its schedule: the last block boundary before the last token, so a later
-    prompt sharing those blocks restores the states there (Pipeline.keep_states)."""
+    prompt sharing those blocks restores the states there (KvRounds.keep_states, strata/head/kv_rounds.py)."""
     return (tokens - 1) // block * block
 
 
