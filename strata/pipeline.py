@@ -193,6 +193,9 @@ class Pipeline:
         self._loaded = False                       # the live KV is a kv_load's (no prefill since)
         self.prefix_cache_off: str | None = None   # why the prefix cache is off (None: on)
         self._tokenizer = None
+        self.driver = None             # the engine's request loop (a SlotDriver on its thread) that owns this
+                                       # pipeline; None: generate / score run the loop on the caller's thread
+        self._decode_wait_s = 0.0      # a lone sequence's decode: seconds waiting on the stages
         self.steps = 0                 # decode steps of the current (or last) generate; then `generations` counts it
         self.generations = 0
         self._ready: set[int] = set()
@@ -487,7 +490,7 @@ class Pipeline:
             st.stats.pop(phase, None)
             st.chunk = -1       # notes of the last phase name none of this phase's chunks
 
-    def _guard(self) -> None:
+    def guard(self) -> None:
         """Never leave with chunks in flight; a known failure returns at once (a second SIGINT/SIGTERM
         through `interrupt` raises Interrupted here and abandons the join)."""
         if not self.failure:
@@ -502,34 +505,6 @@ class Pipeline:
         poll_until(lambda: all(phase in st.stats for st in self.stages), self.cfg.stall_timeout_s,
                    what=self._stalled, step=lambda: self._receive(100))
 
-    def _run_phase(self, phase: str, schedule, tokens: int, on_progress=None, score: int = -1) -> float:
-        """Feed `schedule` [(pos, n)] of a `tokens`-long prompt to stage 0 through a bounded window, with the
-        finish guard. score >= 0: the last stage scores every target with its `score` likeliest tokens."""
-        n = len(self.stages)
-        self._new_phase(phase)
-        t0 = time.perf_counter()
-        window = n + 1  # enough to keep stage 0 busy; bounds what Ctrl-C must wait for
-
-        def step():
-            while self._sent < len(schedule) and self._sent - self._got < window:
-                pos, m = schedule[self._sent]
-                self._wire.send(0, M.Chunk(k=self._sent, pos=pos, n=m, phase=phase, t0=t0, tokens=tokens,
-                                           score=score, keep=self._keep_after(0, pos + m, phase)))
-                self._sent += 1
-                if self.startup is None:
-                    self._startup_done()
-            self._receive(100)
-            if on_progress:
-                on_progress()
-        try:
-            poll_until(lambda: self._got >= len(schedule), self.cfg.stall_timeout_s, what=self._stalled, step=step,
-                       progress=lambda: self._got)
-        finally:
-            self._guard()
-        seconds = time.perf_counter() - t0
-        self._collect_stats(phase)
-        return seconds
-
     def _startup_done(self) -> None:
         """The first chunk has left for stage 0: where the seconds since the process started went."""
         from .report import format_startup, startup_breakdown
@@ -543,13 +518,15 @@ class Pipeline:
     # -- several sequences at once (max_seqs > 1): strata/slots.py drives these --------------------------
     def begin_slots(self) -> float:
         """A busy period of several sequences begins: chunk indices from 0 and one `t0` (the stages' timing
-        phase) for all its chunks and steps. What the live KV of slot 0 held is forgotten. -> t0."""
+        phase) for all its chunks and steps. With several slots what the live KV of slot 0 held is forgotten (other
+        sequences write there); with one, the loop keeps it (live_prefix, hold_live). -> t0."""
         self._refuse_if_closed()
         self.start()
         self._new_phase("prefill")
         self._want_rows.clear()
         self._rows.clear()
-        self._kept_n = 0
+        if self.cfg.max_seqs > 1:
+            self._kept_n = 0
         return time.perf_counter()
 
     def place_slot(self, slot: int, offset: int, positions: int) -> None:
@@ -559,6 +536,8 @@ class Pipeline:
 
     def put_slot_ids(self, slot: int, ids: np.ndarray, start: int = 0) -> None:
         """ids[start:] into `slot`'s part of the ids segment (stage 0 reads a chunk's ids there)."""
+        if slot == 0:  # (a remote stage 0 has its own copy of the ids: only with max_seqs 1, so only slot 0)
+            return self._put_ids(ids, start)
         base = slot * (self.plan.max_len + 1)
         self._buffers.ids[base + start:base + ids.size] = torch.from_numpy(np.ascontiguousarray(ids[start:]))
 
@@ -627,10 +606,12 @@ class Pipeline:
         this returns, so the restore comes before the slot's first chunk on each, whatever socket that takes."""
         return self._from_snapshots(ids, 0, cap, slot)
 
-    def restore_slot_begin(self, slot: int, ids: np.ndarray, cap: int) -> tuple[int, KvRound | None]:
+    def restore_slot_begin(self, slot: int, ids: np.ndarray, cap: int,
+                           live: int = 0) -> tuple[int, KvRound | None]:
         """restore_slot with its round sent, not waited for -> (the positions, the round): the slot's first chunk
-        waits until the round is complete; if it `failed`, the slot holds nothing (prefill it from 0)."""
-        return self._restore_begin(ids, 0, cap, slot)
+        waits until the round is complete; if it `failed`, the slot holds `live` positions (live_prefix's: prefill
+        the rest)."""
+        return self._restore_begin(ids, live, cap, slot)
 
     def snapshot_slot(self, slot: int, ids: np.ndarray) -> None:
         """After the last prefill chunk of ids in `slot`: its prompt's full blocks into the prefix cache (their
@@ -1137,156 +1118,117 @@ class Pipeline:
                                                    slot=slot))
 
     def _put_ids(self, ids: np.ndarray, start: int) -> None:
-        self._buffers.ids[start:ids.size] = torch.from_numpy(ids[start:])
+        self._buffers.ids[start:ids.size] = torch.from_numpy(np.ascontiguousarray(ids[start:]))
         if self.stages[0].host is not None:  # a remote stage 0 has its own copy of the ids
             step = 65536                     # ~330 KB of msgpack ints: well under a frame's limit
             for a in range(start, ids.size, step):
                 self._wire.send(0, M.Ids(pos=a, ids=ids[a:a + step].tolist()))
 
-    # -- prefill and generate ------------------------------------------------------------------
-    def _prefill(self, ids: np.ndarray, score: int = -1, start: int | None = None) -> dict:
-        """Prefill ids [reused, n) on the running stages; the facts the report and the caller need. score >= 0:
-        every position from `start - 1` on is computed and scored (see `score`)."""
-        n = ids.size
-        cap = n - 1 if score < 0 else min(n - 1, start - 1)  # the positions that may come from held KV
-        live = min(self._reusable(ids), cap)
-        if self._loaded and live and self.cfg.prefix_reuse == "chunks":  # rows from kv_load: up to a chunk boundary
-            # of the prompt's cold schedule, so the rest is computed in the cold prefill's own chunks (the saved rows'
-            # bits, the same answer)
-            live = max(q for q, _ in self.plan.schedule_for(0, n) if q <= live)
-        self._loaded = False
-        reused = self._from_snapshots(ids, live, cap)
-        self._kept_n = reused  # past `reused` the stages' KV is about to be overwritten
-        self._put_ids(ids, live)  # the ids segment already holds [0, live); a restored prefix's ids are not read
-        schedule = self.plan.schedule_for(reused, n)
-        if score >= 0:
-            schedule = scored_chunks(schedule, score)
-        schedule = self.keep_states(0, ids, reused, schedule)
-        update, bar = self._progress_bar(n - reused, schedule)
-        try:
-            seconds = self._run_phase("prefill", schedule, n, update, score)
-        finally:
-            if bar:
-                bar.close()
-        self._kept[:n] = ids
-        self._kept_n = n
-        last = self._results[len(schedule) - 1]
-        nll = sum(r.nll for r in self._results.values())
-        count = sum(r.count for r in self._results.values())
-        return {"ids": ids, "reused": reused, "restored": self._restored, "schedule": schedule, "seconds": seconds, "argmax": last.argmax,
-                "logits": self._result_row.numpy().copy(), "nll": nll, "count": count}
-
+    # -- prefill, score and generate: one sequence through the request loop --------------------------
     def score(self, prompt: str | list[int] | np.ndarray, start: int = 1,
               top: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """log p(ids[i] | ids[:i]) for i in [start, n), by the last stage's head in each prefill chunk (the rows of
         the perplexity), and the `top` (<= 20) likeliest tokens there -> (log-probabilities (n - start,) float32,
         top ids (n - start, top) int32, their log-probabilities (n - start, top) float32). A prefix the stages
-        hold is reused up to start - 1; the prompt stays cached for what follows (a generate after it)."""
-        if not 0 <= top <= M.MAX_SCORED_TOP:
-            raise ConfigError(f"score: top must be in 0..{M.MAX_SCORED_TOP}, got {top}")
-        if self.cfg.max_seqs > 1:  # the server scores among the other sequences: SlotDriver.score
-            raise ConfigError(f"score: Pipeline.score runs one sequence alone; with max_seqs {self.cfg.max_seqs} "
-                              "the slot driver scores (SlotDriver.score), or use max_seqs 1")
-        self._refuse_if_closed()
-        ids = self.prompt_ids(prompt)
-        if not 1 <= start <= ids.size:
-            raise ConfigError(f"score: start {start} outside 1..{ids.size}")
-        self.start()
-        pre = self._prefill(ids, score=top, start=start)
-        self._snapshot(ids)
-        return unpack_scores([self._results[k].scores for k in range(len(pre["schedule"]))], top, ids.size,
-                             pre["reused"], start)
+        hold is reused up to start - 1; the prompt stays cached for what follows (a generate after it). Runs
+        through the request loop (strata/slots.py) as one sequence, as the server's scoring does."""
+        ids = self._prompt_here(prompt)
+        return self._loop().score(ids, start, top)
 
     def prefill(self, prompt: str | list[int] | np.ndarray | None = None) -> Result:
         """Prefill the prompt (None: the rig's; text or ids, up to max_context, any number of times: a prefix
         shared with what the stages hold is not computed again), then the rig's greedy continuation
         (`generate`). Returns the report."""
-        if self.cfg.generate:
-            from .sampling import SamplingParams
-            return self.generate(prompt, SamplingParams(max_tokens=self.cfg.generate))
-        self._refuse_if_closed()
-        ids = self.prompt_ids(prompt)
-        self.start()
-        pre = self._prefill(ids)
-        self._snapshot(ids)
-        return self._result(pre, [], None, "length", 0.0, 0, None)
+        from .sampling import SamplingParams
+        return self.generate(prompt, SamplingParams(max_tokens=self.cfg.generate))
 
     def generate(self, prompt: str | list[int] | np.ndarray | None = None, params=None,
                  on_token: Callable[[int], bool | None] | None = None) -> Result:
         """Prefill the prompt (with prefix reuse), then decode up to params.max_tokens tokens (default: the
         rig's `generate`, greedy). Per token one id goes down and one residual row crosses each boundary;
         the head samples the last stage's logits row. Stops at EOS (not included), at a stop string (text cut
-        before it), when on_token(id) returns False, or at max_context."""
-        from .sampling import Detokenizer, Sampler, SamplingParams, StopMatcher
+        before it), when on_token(id) returns False, or at max_context. The sequence runs through the request
+        loop (strata/slots.py: SlotDriver) on this thread, the loop the server's engine runs on its own."""
+        from .sampling import Detokenizer, SamplingParams, StopMatcher
         params = params if params is not None else SamplingParams(max_tokens=self.cfg.generate)
-        self._refuse_if_closed()
-        ids = self.prompt_ids(prompt)
-        self.start()
-        self.steps = 0
+        ids = self._prompt_here(prompt)
         self.generations += 1
-        t_start = time.perf_counter()
         stop = StopMatcher(params.stop) if params.stop else None
         detok = Detokenizer(self.tokenizer.decode, context=ids.tolist()) if stop else None
-        ends = self.end_ids
-        sampler = Sampler(params, self.tokenizer if params.grammar is not None else None, ends)  # (bad: before)
-        pre = self._prefill(ids)
-        end = None
-        limit = min(params.max_tokens, self.max_context - ids.size)
-        out: list[int] = []
-        text_parts: list[str] = []
-        finish, ttft, steps = "length", None, 0
-        argmax, logits = pre["argmax"], torch.from_numpy(pre["logits"])
-        pos = ids.size
+        parts: list[str] = []
+
+        def each(tok: int) -> bool | None:  # a stop string ends it before the caller sees the token (as EOS does)
+            if stop is not None:
+                parts.append(stop.feed(detok.add(tok)))
+                if stop.stopped:
+                    return False
+            return on_token(tok) if on_token is not None else None
+
+        def text(out: list[int]) -> str | None:  # (in the loop, before the report: it carries the text)
+            if stop is not None:
+                return "".join(parts) + (stop.feed(detok.flush()) + stop.flush() if not stop.stopped else "")
+            return self.text_of(out)
+        run = self._loop().generate(ids, params, each, text=text, progress=self.cfg.progress and self.console)
+        self.steps = run.steps
+        return replace(run.result, end_token=run.end_token)
+
+    def _prompt_here(self, prompt) -> np.ndarray:
+        """A prompt for this thread's request loop: the pipeline open, started, and driven by no engine's loop."""
+        self._refuse_if_closed()
+        if self.driver is not None:
+            raise ConfigError("this pipeline is driven by its engine's request loop (PipelineEngine): "
+                              "call the engine's generate / score / kv_load")
+        ids = self.prompt_ids(prompt)
+        self.start()
+        return ids
+
+    def _loop(self):
+        """The request loop (strata/slots.py) on the caller's thread, for one call."""
+        from .slots import SlotDriver
+        return SlotDriver(self, self.cfg.max_seqs, threaded=False)
+
+    def text_of(self, out: list[int]) -> str | None:
+        """The generated ids' text (None: none, or no tokenizer)."""
+        if not out:
+            return None
+        try:
+            return self.tokenizer.decode(out)
+        except Exception:  # noqa: BLE001 - synthetic models have no tokenizer
+            return None
+
+    # -- one sequence alone in the pipeline (max_seqs 1): the request loop's decode ring ---------------------------
+    def live_prefix(self, ids: np.ndarray, cap: int) -> int:
+        """Positions of ids[:cap] whose KV the stages hold live from the last sequence (max_seqs 1: its one slot
+        keeps the last prompt and answer); after a kv_load, up to a chunk boundary of the prompt's cold schedule
+        (prefix_reuse chunks), so the rest is computed in the cold prefill's own chunks (the saved rows' bits,
+        the same answer). Past the returned positions the live KV is about to be overwritten."""
+        live = min(self._reusable(ids), cap)
+        if self._loaded and live and self.cfg.prefix_reuse == "chunks":
+            live = max(q for q, _ in self.plan.schedule_for(0, ids.size) if q <= live)
+        self._loaded = False
+        self._kept_n = min(self._kept_n, live)
+        return live
+
+    def hold_live(self, ids: np.ndarray, n: int) -> None:
+        """Every stage's slot 0 holds the KV of ids[:n] (what live_prefix and kv_save read)."""
+        self._kept[:n] = ids[:n]
+        self._kept_n = n
+
+    def begin_decode(self) -> float:
+        """A lone sequence's decode phase (max_seqs 1): chunk indices from 0, steps on the ring (no "taken"),
+        by bell after the first. -> its t0."""
         self._new_phase("decode")
         self._decode_wait_s = 0.0  # waiting on the stages; the rest of decode_s is the head's own time
         self._bell_results = 0
-        t0 = time.perf_counter()
-        try:
-            while len(out) < limit:
-                tok = sampler.next(logits) if params.needs_logits else argmax
-                if ttft is None:
-                    ttft = time.perf_counter() - t_start
-                if tok in ends:
-                    finish, end = "stop", tok
-                    break
-                out.append(tok)
-                if stop is not None:
-                    text_parts.append(stop.feed(detok.add(tok)))
-                    if stop.stopped:
-                        finish = "stop"
-                        break
-                if on_token is not None and on_token(tok) is False:
-                    finish = "stop"
-                    break
-                if len(out) == limit:
-                    break
-                res = self._decode_step(pos, tok, t0)
-                self._kept[pos] = tok  # its KV is at `pos` now on every stage
-                self._kept_n = pos + 1
-                pos += 1
-                steps += 1
-                self.steps = steps
-                argmax = res.argmax
-                if params.needs_logits:
-                    logits = self._result_row  # read before the next token goes down: nothing overwrites it
-        finally:
-            self._guard()
-        decode_s = time.perf_counter() - t0
-        if steps:
-            self._collect_stats("decode")
-        text = None
-        if stop is not None:
-            text = "".join(text_parts) + (stop.feed(detok.flush()) + stop.flush() if not stop.stopped else "")
-        elif out:
-            try:
-                text = self.tokenizer.decode(out)
-            except Exception:  # noqa: BLE001 - synthetic models have no tokenizer
-                text = None
-        self._snapshot(ids)  # after the answer: the prompt's blocks are not on the way to its first token
-        return replace(self._result(pre, out, text, finish, decode_s, steps, ttft), end_token=end)
+        return time.perf_counter()
 
-    def _decode_step(self, pos: int, tok: int, t0: float) -> M.ChunkResult:
-        """One token through every stage: its id into the ids segment, one note to stage 0, one result back."""
+    def end_phase(self, phase: str) -> None:
+        """A lone sequence's phase is over: each stage's timing of it (one round trip, for the report)."""
+        self._collect_stats(phase)
+
+    def send_step(self, pos: int, tok: int, t0: float) -> int:
+        """A lone sequence's decode step (max_seqs 1, after begin_decode): its token at `pos` of slot 0's ids, one
+        note to stage 0 (its bell after the phase's first step). -> its chunk index (wait_step)."""
         self._buffers.ids[pos] = tok
         if self.stages[0].host is not None:  # stage 0 is remote: it has its own copy of the ids
             self._wire.send(0, M.Token(pos=pos, id=tok))
@@ -1297,6 +1239,13 @@ class Pipeline:
         else:
             self._wire.send(0, M.Chunk(k=k, pos=pos, n=1, phase="decode", t0=t0, tokens=pos + 1, score=-1))
         self._sent += 1
+        return k
+
+    def wait_step(self, k: int) -> M.ChunkResult:
+        """Step k's result (send_step's): spinning on the head's bell without sleeping, the sockets and the stages'
+        liveness looked at every BELL_CHECK_S, under stall_timeout_s. Its logits row is `result_row` until the next
+        step goes down."""
+        bells = self._buffers.bells
         t_wait = time.perf_counter()
         deadline = time.monotonic() + self.cfg.stall_timeout_s
         # all stages on GPUs: the head polls without sleeping for a while (as their stages do, DECODE_SPIN_S in
@@ -1320,12 +1269,27 @@ class Pipeline:
         self._decode_wait_s += time.perf_counter() - t_wait
         return self._results.pop(k)
 
+    def hold_token(self, pos: int, tok: int) -> None:
+        """A lone sequence's step at `pos` is back: every stage's slot 0 holds its token's KV there."""
+        self._kept[pos] = tok
+        self._kept_n = pos + 1
+
+    @property
+    def result_row(self) -> torch.Tensor:
+        """The last stage's logits row of the latest result (slot 0's)."""
+        return self._result_row
+
+    def lone_result(self, pre: dict, out: list[int], text, finish: str, decode_s: float, steps: int,
+                    ttft) -> Result:
+        """A lone sequence's Result and report (the loop calls it before the next sequence's phases begin)."""
+        return self._result(pre, out, text, finish, decode_s, steps, ttft)
+
     def _result(self, pre: dict, out: list[int], text, finish: str, decode_s: float, steps: int, ttft) -> Result:
         from .report import build_report
         ppl = math.exp(pre["nll"] / pre["count"]) if pre["count"] else None
         cache = self.prefix_cache_stats()
         decode = {"decode_tokens": len(out), "decode_steps": steps, "decode_s": decode_s,
-                  "decode_head_s": decode_s - getattr(self, "_decode_wait_s", 0.0) if steps else 0.0,
+                  "decode_head_s": decode_s - self._decode_wait_s if steps else 0.0,
                   "decode_bell_steps": self._bell_results,
                   "decode_tok_s": steps / decode_s if decode_s > 0 and steps else 0.0,
                   "ttft_s": ttft, "finish_reason": finish,
@@ -1338,17 +1302,18 @@ class Pipeline:
         return Result(report, out, text, ppl, pre["logits"], finish_reason=finish, prompt_tokens=int(pre["ids"].size),
                       reused_tokens=pre["reused"], prefill_s=pre["seconds"], decode_s=decode_s, ttft_s=ttft)
 
-    def _progress_bar(self, total: int, schedule):
+    def progress_bar(self, total: int):
+        """The prefill's progress bar (the rig's `progress` on a console) -> (update(tokens through the last stage),
+        close), or None."""
         if not (self.cfg.progress and self.console):
-            return None, None
+            return None
         from tqdm import tqdm
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="prefill", leave=False, dynamic_ncols=True)
         done = [0]
 
-        def update():  # tokens through the last stage; which chunk each stage is on
-            tokens = sum(schedule[k][1] for k in self._results)
+        def update(tokens: int) -> None:  # and which chunk each stage is on
             if tokens != done[0]:
                 bar.update(tokens - done[0])
                 done[0] = tokens
             bar.set_postfix_str(" ".join(f"s{s.index}:c{max(s.chunk, 0)}" for s in self.stages), refresh=False)
-        return update, bar
+        return update, bar.close
