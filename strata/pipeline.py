@@ -516,16 +516,16 @@ class Pipeline:
         log.info(format_startup(self.startup))
 
     # -- several sequences at once (max_seqs > 1): strata/slots.py drives these --------------------------
-    def begin_slots(self) -> float:
-        """A busy period of several sequences begins: chunk indices from 0 and one `t0` (the stages' timing
-        phase) for all its chunks and steps. With several slots what the live KV of slot 0 held is forgotten (other
-        sequences write there); with one, the loop keeps it (live_prefix, hold_live). -> t0."""
+    def begin_slots(self, keep_live: bool = False) -> float:
+        """A busy period begins: chunk indices from 0 and one `t0` (the stages' timing phase) for all its chunks and
+        steps. What the live KV of slot 0 held is forgotten (other sequences write there), unless keep_live: a lone
+        sequence's loop keeps it up to date (live_prefix, hold_live). -> t0."""
         self._refuse_if_closed()
         self.start()
         self._new_phase("prefill")
         self._want_rows.clear()
         self._rows.clear()
-        if self.cfg.max_seqs > 1:
+        if not keep_live:
             self._kept_n = 0
         return time.perf_counter()
 
@@ -1072,7 +1072,7 @@ class Pipeline:
     def kv_load(self, path: str | os.PathLike) -> dict:
         """Load a KV file into the stages (refused in one line unless it was saved for this model and rig): its
         ids become what the stages hold, so a prompt that begins with them prefills only the rest (up to a chunk
-        boundary of its cold schedule: see `_prefill`). -> {"ids", "tokens", "bytes", "seconds"} (seconds: the
+        boundary of its cold schedule: see `live_prefix`). -> {"ids", "tokens", "bytes", "seconds"} (seconds: the
         stages' reads, not their start)."""
         self._refuse_if_closed()
         self._kv_file_refusals("kv_load")

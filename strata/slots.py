@@ -4,16 +4,16 @@ The server's engine runs it on its own thread (`generate`, `score`, `load`, `sav
 generate / prefill / score run it on the caller's thread for one call (`threaded=False`). Each admitted sequence
 holds one KV slot on every stage.
 
-One slot (max_seqs 1): the sequence is alone, and the loop keeps what a lone sequence had before there was one
-loop: its prompt reuses the KV the slot holds live from the last sequence (`Pipeline.live_prefix`; kv_load and
-kv_save read and write that live KV, as jobs of the loop: `call`), its prefill and its decode are each a phase of
-the stages' timing (the report), and its decode steps go round the ring (head -> stage 0 -> ... -> head, no
-"taken" notes), by doorbell after the first (strata/bells.py), the loop spinning on the head's bell
-(`Pipeline.wait_step`). Its tokens go to the caller as each is decided, before the next step is sent (a caller that
-says stop wastes no step), and its prompt's blocks go to the prefix cache after its answer.
+A lone sequence (one slot, max_seqs 1; or the caller's thread: one call, one sequence, whatever max_seqs) keeps what
+it had before there was one loop: its prompt reuses the KV its slot holds live from the last sequence
+(`Pipeline.live_prefix`; kv_load and kv_save read and write that live KV, as jobs of the loop: `call`), its prefill
+and its decode are each a phase of the stages' timing (the report), and its decode steps go round the ring (head ->
+stage 0 -> ... -> head), by doorbell after the first (strata/bells.py; with max_seqs 1), the loop spinning on the
+head's bell (`Pipeline.wait_step`). Its tokens go to the caller as each is decided, before the next step is sent (a
+caller that says stop wastes no step), and its prompt's blocks go to the prefix cache after its answer.
 
-Several slots: the loop keeps up to n_stages + 1 micro-batches in flight: a sequence's prefill chunk, or a decode batch, the next step of
-several sequences at once (each sequence has at most one step in flight: a step needs the token before it).
+Several slots: the loop keeps up to n_stages + 1 micro-batches in flight: a sequence's prefill chunk, or a decode
+batch, the next step of several sequences at once (each sequence has at most one step in flight: a step needs the token before it).
 The decoding sequences are spread over n_stages batches of about equal size, so that while stage 1 computes one
 batch stage 0 computes the next, and each stage reads its weights once for a whole batch. Prefill chunks go
 round-robin between the batches, one sequence's chunk a turn, so a long prompt's chunks take turns with the
@@ -195,7 +195,9 @@ class SlotDriver:
 
     def __init__(self, pipe, max_seqs: int, threaded: bool = True):
         self.pipe, self.max_seqs = pipe, max_seqs
-        self.lone = max_seqs == 1  # one slot: its sequence is alone (the ring, the live KV, phases: see above)
+        # a sequence alone in the pipeline (the ring, the live KV, phases: see above): with one slot, and on the
+        # caller's thread (Pipeline.generate, prefill, score: one call, one sequence), whatever max_seqs
+        self.lone = max_seqs == 1 or not threaded
         self.window = len(pipe.stages) + 1  # micro-batches in flight: enough to keep stage 0 busy
         self.groups = len(pipe.stages)      # decode batches the decoding sequences are spread over
         self.batch_cap = min(max_seqs, pipe.plan.max_chunk)  # rows a hand-off buffer holds
@@ -535,7 +537,7 @@ class SlotDriver:
             self._give_extent(run)
             return
         if self._t0 is None or self.lone:  # (one slot: each sequence's prefill is a phase of its own)
-            self._t0 = self.pipe.begin_slots()
+            self._t0 = self.pipe.begin_slots(keep_live=self.lone)
             self._by_k.clear()
             self._sent_t.clear()
             self._groups.clear()
