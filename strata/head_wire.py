@@ -12,6 +12,8 @@ import zmq
 
 from . import messages as M
 
+HEAD_SPIN_S = 0.05  # the head's spin per decode step with GPU stages (a CPU rig has no core to spare)
+
 HEAD_ACCEPTS = (M.Ready, M.Working, M.ChunkResult, M.Stats, M.Fail, M.KvDone)
 NET_ACCEPTS = (M.Bound, M.Rejected)  # only while a stage is remote
 log = logging.getLogger("strata.pipeline")

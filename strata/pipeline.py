@@ -41,7 +41,7 @@ from . import prefix_cache
 from .checkpoint import check_model_files
 from .config import RigConfig, check_run_dir, from_dict
 from .errors import ConfigError, PipelineError
-from .head_wire import HeadWire, poll_until
+from .head_wire import HEAD_SPIN_S, HeadWire, poll_until
 from .plan import Plan, build_plan
 from .schedule import cut_at, kept_state_cut
 from .stage_procs import Buffers, Resources, spawn_local, start_method, sweep_dead_ipc_dirs
@@ -57,7 +57,6 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-HEAD_SPIN_S = 0.05  # the head's spin per decode step with GPU stages (a CPU rig has no core to spare)
 BELL_CHECK_S = 0.0005  # spinning on a decode bell, the head still reads its socket and watches the stages this often
 
 
@@ -108,34 +107,6 @@ class Result:
     decode_s: float = 0.0
     ttft_s: float | None = None      # from the call to the first generated token (prefill included)
     end_token: int | None = None     # the end token that ended it (one of Pipeline.end_ids), else None
-
-
-def scored_chunks(schedule, top: int) -> list[tuple[int, int]]:
-    """A scored prefill's chunks: `schedule`'s, cut so that each one's scores (a float32 log-probability and `top`
-    int32 ids and float32 log-probabilities a row) fit its result note."""
-    rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * top)))
-    return [(p + a, min(rows, m - a)) for p, m in schedule for a in range(0, m, rows)]
-
-
-def unpack_scores(raws: list[bytes], top: int, n: int, reused: int,
-                  start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The scored chunks' ChunkResult.scores, in order, of an n-token prompt prefilled from `reused` -> the rows
-    of positions [start, n): (log-probabilities (m,), top ids (m, top), their log-probabilities (m, top))."""
-    lp, ti, tl = [], [], []
-    for raw in raws:
-        rows = len(raw) // (4 * (1 + 2 * top))
-        lp.append(np.frombuffer(raw, np.float32, rows))
-        if top:
-            ti.append(np.frombuffer(raw, np.int32, rows * top, 4 * rows).reshape(rows, top))
-            tl.append(np.frombuffer(raw, np.float32, rows * top, 4 * rows * (1 + top)).reshape(rows, top))
-    lp = np.concatenate(lp)  # a prefill has a chunk at least: its prompt's last position is always computed
-    ti = np.concatenate(ti) if top else np.zeros((lp.size, 0), np.int32)
-    tl = np.concatenate(tl) if top else np.zeros((lp.size, 0), np.float32)
-    first = reused + 1  # the position the first scored row predicts
-    if lp.size != n - first:
-        raise RuntimeError(f"scoring gave {lp.size} rows for positions {first}..{n - 1}")
-    cut = start - first
-    return lp[cut:], ti[cut:], tl[cut:]
 
 
 class Pipeline:
@@ -550,7 +521,7 @@ class Pipeline:
                   score: int = -1) -> int:
         """Rows [pos, pos + n) of the sequence in `slot` to stage 0 (a prefill chunk, or a decode step when phase is
         "decode"); row: keep its logits row (a sampled token); score >= 0: a scored prefill chunk (its rows fit its
-        result: scored_chunks). -> its chunk index."""
+        result: strata.slots.scored_chunks). -> its chunk index."""
         k = self._sent
         if row:
             self._want_rows.add(k)

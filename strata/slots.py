@@ -52,8 +52,9 @@ from typing import Callable
 
 import numpy as np
 
+from . import messages as M
 from .errors import PipelineError
-from .pipeline import HEAD_SPIN_S
+from .head_wire import HEAD_SPIN_S
 from .config import AUTO_BATCH_AHEAD
 from .planner import POOL_GRAIN
 
@@ -61,6 +62,34 @@ log = logging.getLogger("strata.slots")
 
 IDLE_WAIT_S = 0.1      # an idle driver wakes this often to look for a stop (a submission wakes it at once)
 POLL_MS = 5            # with sequences running, the driver looks for new ones at least this often
+
+
+def scored_chunks(schedule, top: int) -> list[tuple[int, int]]:
+    """A scored prefill's chunks: `schedule`'s, cut so that each one's scores (a float32 log-probability and `top`
+    int32 ids and float32 log-probabilities a row) fit its result note."""
+    rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * top)))
+    return [(p + a, min(rows, m - a)) for p, m in schedule for a in range(0, m, rows)]
+
+
+def unpack_scores(raws: list[bytes], top: int, n: int, reused: int,
+                  start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The scored chunks' ChunkResult.scores, in order, of an n-token prompt prefilled from `reused` -> the rows
+    of positions [start, n): (log-probabilities (m,), top ids (m, top), their log-probabilities (m, top))."""
+    lp, ti, tl = [], [], []
+    for raw in raws:
+        rows = len(raw) // (4 * (1 + 2 * top))
+        lp.append(np.frombuffer(raw, np.float32, rows))
+        if top:
+            ti.append(np.frombuffer(raw, np.int32, rows * top, 4 * rows).reshape(rows, top))
+            tl.append(np.frombuffer(raw, np.float32, rows * top, 4 * rows * (1 + top)).reshape(rows, top))
+    lp = np.concatenate(lp)  # a prefill has a chunk at least: its prompt's last position is always computed
+    ti = np.concatenate(ti) if top else np.zeros((lp.size, 0), np.int32)
+    tl = np.concatenate(tl) if top else np.zeros((lp.size, 0), np.float32)
+    first = reused + 1  # the position the first scored row predicts
+    if lp.size != n - first:
+        raise RuntimeError(f"scoring gave {lp.size} rows for positions {first}..{n - 1}")
+    cut = start - first
+    return lp[cut:], ti[cut:], tl[cut:]
 
 
 class Extents:
@@ -267,7 +296,6 @@ class SlotDriver:
         tokens there and theirs), the prompt prefilled as one sequence among the others."""
         from .errors import ConfigError
         from .messages import MAX_SCORED_TOP
-        from .pipeline import unpack_scores
         from .sampling import SamplingParams
         if not 0 <= top <= MAX_SCORED_TOP:
             raise ConfigError(f"score: top must be in 0..{MAX_SCORED_TOP}, got {top}")
@@ -559,7 +587,6 @@ class SlotDriver:
 
     def _restored(self, run: SlotRun) -> None:
         """Its restore is done (or there was none): its chunks are planned and may go."""
-        from .pipeline import scored_chunks
         if run.kv is not None and run.kv.failed:
             run.reused = run.live  # the slot holds nothing restored: prefilled from its live positions
         run.kv = None
