@@ -250,10 +250,13 @@ def test_console_script_is_the_launcher():
     assert e.value.code == 0
 
 
-def test_score_rows_are_the_single_process_head_rows(tmp_path, monkeypatch):
+@pytest.mark.parametrize("max_seqs", [1, 2])
+def test_score_rows_are_the_single_process_head_rows(tmp_path, monkeypatch, max_seqs):
     """Pipeline.score: each target's log-probability and the top tokens from the last stage's head rows in the
     prefill itself (one pass, chunks cut so a chunk's rows fit its result note), against one process's rows;
-    the same ids' perplexity from them; a later start reuses the cached prefix and scores only its tail."""
+    the same ids' perplexity from them; a later start reuses the cached prefix and scores only its tail. The same
+    with max_seqs 2: Pipeline's calls run the one request loop on the caller's thread, one sequence alone, at
+    every max_seqs (its slot 0's live KV reused as with one slot)."""
     import strata.comm.messages as M
     monkeypatch.setattr(M, "SCORED_BYTES", 4 * (1 + 2 * 5) * 24)  # 24 rows a result: 64-token chunks cut in 3
     model = "synthetic:smoke"
@@ -265,7 +268,7 @@ def test_score_rows_are_the_single_process_head_rows(tmp_path, monkeypatch):
     want = torch.log_softmax(t.logits(torch.from_numpy(h[:-1])), dim=-1)  # row i predicts ids[i + 1]
     want_lp = want.gather(1, torch.from_numpy(ids[1:].astype(np.int64))[:, None])[:, 0].numpy()
     cfg = {"model": model, "stages": cpu_stages(2), "chunk": 64, "progress": False, "dtype": "float32",
-           "prompt": {"random": {"tokens": 150, "seed": 0}}}
+           "prompt": {"random": {"tokens": 150, "seed": 0}}, "max_seqs": max_seqs}
     with Pipeline(cfg, out=tmp_path / "o", console=False) as p:
         ppl = p.prefill(ids).perplexity  # the CLI's figure; the score below recomputes every position
         lp, top_ids, top_lp = p.score(ids, 1, 5)

@@ -203,8 +203,8 @@ def test_the_next_step_goes_before_the_callers_callbacks(slotted):
 
 def test_slotted_refusals_are_one_line(slotted, tmp_path):
     """With max_seqs > 1: kv_save is refused naming max_seqs, and Pipeline.kv_load naming the driver (the engine's
-    kv_load goes through it); the prefix cache is on; Pipeline.score (one sequence alone, beside the driver) is
-    refused naming the driver."""
+    kv_load goes through it); the prefix cache is on; Pipeline.score on the engine's pipeline (a second loop beside
+    the engine's, which owns it) is refused naming the engine."""
     s, eng = slotted
     from strata.kvcache.kv_file import KvFileError
     with pytest.raises(KvFileError, match="max_seqs 4"):
@@ -212,7 +212,7 @@ def test_slotted_refusals_are_one_line(slotted, tmp_path):
     with pytest.raises(KvFileError, match="max_seqs 4 the slot driver loads"):
         eng.pipe.kv_load(tmp_path / "kv.bin")
     assert eng.pipe.kv.prefix_cache_off is None
-    with pytest.raises(ConfigError, match="SlotDriver.score"):
+    with pytest.raises(ConfigError, match="driven by its engine's request loop"):
         eng.pipe.score([1, 2, 3])
     log = (eng.out / "stage-0.log").read_text()
     assert "KV slots: 4 sequences" in log

@@ -1269,6 +1269,9 @@ def test_pipeline_engine_greedy_equals_the_cli_continuation(pipeline_server, tmp
     n = len(eng.tokenize(prompt))
     assert again.json()["choices"][0]["text"] == want.continuation
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    # max_seqs 1 through the one request loop: each sequence alone, its 7 steps a request round the ring, no batch
+    st = eng.slot_stats()
+    assert st.sequences >= 2 and st.ring_steps >= 14 and st.batches == 0, st
     with s.client() as c:
         m = parse_prometheus(c.get("/metrics").text)
     busy = [m[("strata_last_prefill_busy_fraction", f'{{stages="{k}"}}')] for k in ("none", "one", "two", "three_plus")]
@@ -1284,14 +1287,14 @@ def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_
     import os
     s, eng = pipeline_server
     pid = eng.pipe.stages[1].pid
-    starts, calls = eng.starts, eng.pipe.generations
+    starts, steps = eng.starts, eng.slot_stats().ring_steps  # (max_seqs 1: the request loop's steps on the ring)
     with s.client(timeout=120) as c:
         lookups = parse_prometheus(c.get("/metrics").text)[("strata_prefix_cache_lookups_total", "")]
         box = {}
         t = threading.Thread(target=lambda: box.update(r=c.post("/v1/completions", json={
             "prompt": "Once upon a time", "max_tokens": 150, "temperature": 0})))
         t.start()
-        wait_until(lambda: eng.pipe.generations > calls and eng.pipe.steps >= 3, "a few decode steps")
+        wait_until(lambda: eng.slot_stats().ring_steps >= steps + 3, "a few decode steps")
         os.kill(pid, signal.SIGKILL)
         t.join(120)
         r = box["r"]

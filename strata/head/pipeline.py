@@ -37,7 +37,7 @@ from strata.comm import messages as M
 from strata.weights.checkpoint import check_model_files
 from strata.config import RigConfig, check_run_dir, from_dict
 from strata.errors import ConfigError, PipelineError
-from strata.head.wire import HeadWire, poll_until
+from strata.head.wire import HEAD_SPIN_S, HeadWire, poll_until
 from strata.head.kv_rounds import KvLink, KvRounds
 from strata.plan.plan import Plan, build_plan
 from strata.head.procs import Buffers, start_method
@@ -46,7 +46,6 @@ from strata.head.stage_set import StageSet
 log = logging.getLogger("strata.head.pipeline")
 
 
-HEAD_SPIN_S = 0.05  # the head's spin per decode step with GPU stages (a CPU rig has no core to spare)
 BELL_CHECK_S = 0.0005  # spinning on a decode bell, the head still reads its socket and watches the stages this often
 
 
@@ -64,34 +63,6 @@ class Result:
     decode_s: float = 0.0
     ttft_s: float | None = None      # from the call to the first generated token (prefill included)
     end_token: int | None = None     # the end token that ended it (one of Pipeline.end_ids), else None
-
-
-def scored_chunks(schedule, top: int) -> list[tuple[int, int]]:
-    """A scored prefill's chunks: `schedule`'s, cut so that each one's scores (a float32 log-probability and `top`
-    int32 ids and float32 log-probabilities a row) fit its result note."""
-    rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * top)))
-    return [(p + a, min(rows, m - a)) for p, m in schedule for a in range(0, m, rows)]
-
-
-def unpack_scores(raws: list[bytes], top: int, n: int, reused: int,
-                  start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The scored chunks' ChunkResult.scores, in order, of an n-token prompt prefilled from `reused` -> the rows
-    of positions [start, n): (log-probabilities (m,), top ids (m, top), their log-probabilities (m, top))."""
-    lp, ti, tl = [], [], []
-    for raw in raws:
-        rows = len(raw) // (4 * (1 + 2 * top))
-        lp.append(np.frombuffer(raw, np.float32, rows))
-        if top:
-            ti.append(np.frombuffer(raw, np.int32, rows * top, 4 * rows).reshape(rows, top))
-            tl.append(np.frombuffer(raw, np.float32, rows * top, 4 * rows * (1 + top)).reshape(rows, top))
-    lp = np.concatenate(lp)  # a prefill has a chunk at least: its prompt's last position is always computed
-    ti = np.concatenate(ti) if top else np.zeros((lp.size, 0), np.int32)
-    tl = np.concatenate(tl) if top else np.zeros((lp.size, 0), np.float32)
-    first = reused + 1  # the position the first scored row predicts
-    if lp.size != n - first:
-        raise RuntimeError(f"scoring gave {lp.size} rows for positions {first}..{n - 1}")
-    cut = start - first
-    return lp[cut:], ti[cut:], tl[cut:]
 
 
 class Pipeline:
@@ -135,6 +106,9 @@ class Pipeline:
                            KvLink(send=procs.send, wait=procs.wait_for, who=procs.who,
                                   failed=lambda: procs.failure is not None))
         self._tokenizer = None
+        self.driver = None             # the engine's request loop (a SlotDriver on its thread) that owns this
+                                       # pipeline; None: generate / score run the loop on the caller's thread
+        self._decode_wait_s = 0.0      # a lone sequence's decode: seconds waiting on the stages
         self.steps = 0                 # decode steps of the current (or last) generate; then `generations` counts it
         self.generations = 0
         self._marks["planned"] = time.perf_counter()
@@ -262,7 +236,7 @@ class Pipeline:
             st.stats.pop(phase, None)
             st.chunk = -1       # notes of the last phase name none of this phase's chunks
 
-    def _guard(self) -> None:
+    def guard(self) -> None:
         """Never leave with chunks in flight; a known failure returns at once (a second SIGINT/SIGTERM
         through `interrupt` raises Interrupted here and abandons the join)."""
         if not self.failure:
@@ -276,34 +250,6 @@ class Pipeline:
         self._wire.broadcast(M.End(phase=phase))
         self.procs.wait_for(lambda: all(phase in st.stats for st in self.stages))
 
-    def _run_phase(self, phase: str, schedule, tokens: int, on_progress=None, score: int = -1) -> float:
-        """Feed `schedule` [(pos, n)] of a `tokens`-long prompt to stage 0 through a bounded window, with the
-        finish guard. score >= 0: the last stage scores every target with its `score` likeliest tokens."""
-        n = len(self.stages)
-        self._new_phase(phase)
-        t0 = time.perf_counter()
-        window = n + 1  # enough to keep stage 0 busy; bounds what Ctrl-C must wait for
-
-        def step():
-            while self._sent < len(schedule) and self._sent - self._got < window:
-                pos, m = schedule[self._sent]
-                self._wire.send(0, M.Chunk(k=self._sent, kind=M.Kind.CHUNK, pos=pos, n=m, t0=t0, tokens=tokens,
-                                           score=score, keep=self.kv.keep_after(0, pos + m, phase)))
-                self._sent += 1
-                if self.startup is None:
-                    self._startup_done()
-            self.procs.receive(100)
-            if on_progress:
-                on_progress()
-        try:
-            poll_until(lambda: self._got >= len(schedule), self.cfg.stall_timeout_s, what=self.procs.stalled, step=step,
-                       progress=lambda: self._got)
-        finally:
-            self._guard()
-        seconds = time.perf_counter() - t0
-        self._collect_stats(phase)
-        return seconds
-
     def _startup_done(self) -> None:
         """The first chunk has left for stage 0: where the seconds since the process started went."""
         from strata.head.report import format_startup, startup_breakdown
@@ -315,15 +261,17 @@ class Pipeline:
         log.info(format_startup(self.startup))
 
     # -- several sequences at once (max_seqs > 1): strata/head/slots.py drives these --------------------------
-    def begin_slots(self) -> float:
-        """A busy period of several sequences begins: chunk indices from 0 and one `t0` (the stages' timing
-        phase) for all its chunks and steps. What the live KV of slot 0 held is forgotten. -> t0."""
+    def begin_slots(self, keep_live: bool = False) -> float:
+        """A busy period begins: chunk indices from 0 and one `t0` (the stages' timing phase) for all its chunks and
+        steps. What the live KV of slot 0 held is forgotten (other sequences write there), unless keep_live: a lone
+        sequence's loop keeps it up to date (live_prefix, hold_live). -> t0."""
         self._refuse_if_closed()
         self.start()
         self._new_phase("prefill")
         self._want_rows.clear()
         self._rows.clear()
-        self._kept_n = 0
+        if not keep_live:
+            self._kept_n = 0
         return time.perf_counter()
 
     def place_slot(self, slot: int, offset: int, positions: int) -> None:
@@ -333,6 +281,8 @@ class Pipeline:
 
     def put_slot_ids(self, slot: int, ids: np.ndarray, start: int = 0) -> None:
         """ids[start:] into `slot`'s part of the ids segment (stage 0 reads a chunk's ids there)."""
+        if slot == 0:  # (a remote stage 0 has its own copy of the ids: only with max_seqs 1, so only slot 0)
+            return self._put_ids(ids, start)
         base = slot * (self.plan.max_len + 1)
         self._buffers.ids[base + start:base + ids.size] = torch.from_numpy(np.ascontiguousarray(ids[start:]))
 
@@ -345,7 +295,7 @@ class Pipeline:
                   score: int = -1) -> int:
         """Rows [pos, pos + n) of the sequence in `slot` to stage 0 (a prefill chunk, or a decode step when phase is
         "decode"); row: keep its logits row (a sampled token); score >= 0: a scored prefill chunk (its rows fit its
-        result: scored_chunks). -> its chunk index."""
+        result: strata.head.slots.scored_chunks). -> its chunk index."""
         k = self._sent
         if row:
             self._want_rows.add(k)
@@ -462,7 +412,7 @@ class Pipeline:
     def kv_load(self, path: str | os.PathLike) -> dict:
         """Load a KV file into the stages (refused in one line unless it was saved for this model and rig): its
         ids become what the stages hold, so a prompt that begins with them prefills only the rest (up to a chunk
-        boundary of its cold schedule: see `_prefill`). -> {"ids", "tokens", "bytes", "seconds"} (seconds: the
+        boundary of its cold schedule: see `live_prefix`). -> {"ids", "tokens", "bytes", "seconds"} (seconds: the
         stages' reads, not their start)."""
         self._refuse_if_closed()
         h, ids, data_at = self.kv.load_header(path)
@@ -487,156 +437,117 @@ class Pipeline:
         return self.kv.load_check(path)
 
     def _put_ids(self, ids: np.ndarray, start: int) -> None:
-        self._buffers.ids[start:ids.size] = torch.from_numpy(ids[start:])
+        self._buffers.ids[start:ids.size] = torch.from_numpy(np.ascontiguousarray(ids[start:]))
         if self.stages[0].host is not None:  # a remote stage 0 has its own copy of the ids
             step = 65536                     # ~330 KB of msgpack ints: well under a frame's limit
             for a in range(start, ids.size, step):
                 self._wire.send(0, M.Ids(pos=a, ids=ids[a:a + step].tolist()))
 
-    # -- prefill and generate ------------------------------------------------------------------
-    def _prefill(self, ids: np.ndarray, score: int = -1, start: int | None = None) -> dict:
-        """Prefill ids [reused, n) on the running stages; the facts the report and the caller need. score >= 0:
-        every position from `start - 1` on is computed and scored (see `score`)."""
-        n = ids.size
-        cap = n - 1 if score < 0 else min(n - 1, start - 1)  # the positions that may come from held KV
-        live = min(self.kv.reusable(ids, self._kept[:self._kept_n]), cap)
-        if self._loaded and live and self.cfg.prefix_reuse == "chunks":  # rows from kv_load: up to a chunk boundary
-            # of the prompt's cold schedule, so the rest is computed in the cold prefill's own chunks (the saved rows'
-            # bits, the same answer)
-            live = max(q for q, _ in self.plan.schedule_for(0, n) if q <= live)
-        self._loaded = False
-        reused = self.kv.restore(ids, live, cap)
-        self._kept_n = reused  # past `reused` the stages' KV is about to be overwritten
-        self._put_ids(ids, live)  # the ids segment already holds [0, live); a restored prefix's ids are not read
-        schedule = self.plan.schedule_for(reused, n)
-        if score >= 0:
-            schedule = scored_chunks(schedule, score)
-        schedule = self.kv.keep_states(0, ids, reused, schedule)
-        update, bar = self._progress_bar(n - reused, schedule)
-        try:
-            seconds = self._run_phase("prefill", schedule, n, update, score)
-        finally:
-            if bar:
-                bar.close()
-        self._kept[:n] = ids
-        self._kept_n = n
-        last = self._results[len(schedule) - 1]
-        nll = sum(r.nll for r in self._results.values())
-        count = sum(r.count for r in self._results.values())
-        return {"ids": ids, "reused": reused, "restored": self.kv.restored, "schedule": schedule, "seconds": seconds, "argmax": last.argmax,
-                "logits": self._result_row.numpy().copy(), "nll": nll, "count": count}
-
+    # -- prefill, score and generate: one sequence through the request loop --------------------------
     def score(self, prompt: str | list[int] | np.ndarray, start: int = 1,
               top: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """log p(ids[i] | ids[:i]) for i in [start, n), by the last stage's head in each prefill chunk (the rows of
         the perplexity), and the `top` (<= 20) likeliest tokens there -> (log-probabilities (n - start,) float32,
         top ids (n - start, top) int32, their log-probabilities (n - start, top) float32). A prefix the stages
-        hold is reused up to start - 1; the prompt stays cached for what follows (a generate after it)."""
-        if not 0 <= top <= M.MAX_SCORED_TOP:
-            raise ConfigError(f"score: top must be in 0..{M.MAX_SCORED_TOP}, got {top}")
-        if self.cfg.max_seqs > 1:  # the server scores among the other sequences: SlotDriver.score
-            raise ConfigError(f"score: Pipeline.score runs one sequence alone; with max_seqs {self.cfg.max_seqs} "
-                              "the slot driver scores (SlotDriver.score), or use max_seqs 1")
-        self._refuse_if_closed()
-        ids = self.prompt_ids(prompt)
-        if not 1 <= start <= ids.size:
-            raise ConfigError(f"score: start {start} outside 1..{ids.size}")
-        self.start()
-        pre = self._prefill(ids, score=top, start=start)
-        self.kv.snapshot(ids)
-        return unpack_scores([self._results[k].scores for k in range(len(pre["schedule"]))], top, ids.size,
-                             pre["reused"], start)
+        hold is reused up to start - 1; the prompt stays cached for what follows (a generate after it). Runs
+        through the request loop (strata/head/slots.py) as one sequence, as the server's scoring does."""
+        ids = self._prompt_here(prompt)
+        return self._loop().score(ids, start, top)
 
     def prefill(self, prompt: str | list[int] | np.ndarray | None = None) -> Result:
         """Prefill the prompt (None: the rig's; text or ids, up to max_context, any number of times: a prefix
         shared with what the stages hold is not computed again), then the rig's greedy continuation
         (`generate`). Returns the report."""
-        if self.cfg.generate:
-            from strata.text.sampling import SamplingParams
-            return self.generate(prompt, SamplingParams(max_tokens=self.cfg.generate))
-        self._refuse_if_closed()
-        ids = self.prompt_ids(prompt)
-        self.start()
-        pre = self._prefill(ids)
-        self.kv.snapshot(ids)
-        return self._result(pre, [], None, "length", 0.0, 0, None)
+        from strata.text.sampling import SamplingParams
+        return self.generate(prompt, SamplingParams(max_tokens=self.cfg.generate))
 
     def generate(self, prompt: str | list[int] | np.ndarray | None = None, params=None,
                  on_token: Callable[[int], bool | None] | None = None) -> Result:
         """Prefill the prompt (with prefix reuse), then decode up to params.max_tokens tokens (default: the
         rig's `generate`, greedy). Per token one id goes down and one residual row crosses each boundary;
         the head samples the last stage's logits row. Stops at EOS (not included), at a stop string (text cut
-        before it), when on_token(id) returns False, or at max_context."""
-        from strata.text.sampling import Detokenizer, Sampler, SamplingParams, StopMatcher
+        before it), when on_token(id) returns False, or at max_context. The sequence runs through the request
+        loop (strata/head/slots.py: SlotDriver) on this thread, the loop the server's engine runs on its own."""
+        from strata.text.sampling import Detokenizer, SamplingParams, StopMatcher
         params = params if params is not None else SamplingParams(max_tokens=self.cfg.generate)
-        self._refuse_if_closed()
-        ids = self.prompt_ids(prompt)
-        self.start()
-        self.steps = 0
+        ids = self._prompt_here(prompt)
         self.generations += 1
-        t_start = time.perf_counter()
         stop = StopMatcher(params.stop) if params.stop else None
         detok = Detokenizer(self.tokenizer.decode, context=ids.tolist()) if stop else None
-        ends = self.end_ids
-        sampler = Sampler(params, self.tokenizer if params.grammar is not None else None, ends)  # (bad: before)
-        pre = self._prefill(ids)
-        end = None
-        limit = min(params.max_tokens, self.max_context - ids.size)
-        out: list[int] = []
-        text_parts: list[str] = []
-        finish, ttft, steps = "length", None, 0
-        argmax, logits = pre["argmax"], torch.from_numpy(pre["logits"])
-        pos = ids.size
+        parts: list[str] = []
+
+        def each(tok: int) -> bool | None:  # a stop string ends it before the caller sees the token (as EOS does)
+            if stop is not None:
+                parts.append(stop.feed(detok.add(tok)))
+                if stop.stopped:
+                    return False
+            return on_token(tok) if on_token is not None else None
+
+        def text(out: list[int]) -> str | None:  # (in the loop, before the report: it carries the text)
+            if stop is not None:
+                return "".join(parts) + (stop.feed(detok.flush()) + stop.flush() if not stop.stopped else "")
+            return self.text_of(out)
+        run = self._loop().generate(ids, params, each, text=text, progress=self.cfg.progress and self.console)
+        self.steps = run.steps
+        return replace(run.result, end_token=run.end_token)
+
+    def _prompt_here(self, prompt) -> np.ndarray:
+        """A prompt for this thread's request loop: the pipeline open, started, and driven by no engine's loop."""
+        self._refuse_if_closed()
+        if self.driver is not None:
+            raise ConfigError("this pipeline is driven by its engine's request loop (PipelineEngine): "
+                              "call the engine's generate / score / kv_load")
+        ids = self.prompt_ids(prompt)
+        self.start()
+        return ids
+
+    def _loop(self):
+        """The request loop (strata/head/slots.py) on the caller's thread, for one call."""
+        from strata.head.slots import SlotDriver
+        return SlotDriver(self, self.cfg.max_seqs, threaded=False)
+
+    def text_of(self, out: list[int]) -> str | None:
+        """The generated ids' text (None: none, or no tokenizer)."""
+        if not out:
+            return None
+        try:
+            return self.tokenizer.decode(out)
+        except Exception:  # noqa: BLE001 - synthetic models have no tokenizer
+            return None
+
+    # -- one sequence alone in the pipeline (max_seqs 1): the request loop's decode ring ---------------------------
+    def live_prefix(self, ids: np.ndarray, cap: int) -> int:
+        """Positions of ids[:cap] whose KV the stages hold live from the last sequence (max_seqs 1: its one slot
+        keeps the last prompt and answer); after a kv_load, up to a chunk boundary of the prompt's cold schedule
+        (prefix_reuse chunks), so the rest is computed in the cold prefill's own chunks (the saved rows' bits,
+        the same answer). Past the returned positions the live KV is about to be overwritten."""
+        live = min(self.kv.reusable(ids, self._kept[:self._kept_n]), cap)
+        if self._loaded and live and self.cfg.prefix_reuse == "chunks":
+            live = max(q for q, _ in self.plan.schedule_for(0, ids.size) if q <= live)
+        self._loaded = False
+        self._kept_n = min(self._kept_n, live)
+        return live
+
+    def hold_live(self, ids: np.ndarray, n: int) -> None:
+        """Every stage's slot 0 holds the KV of ids[:n] (what live_prefix and kv_save read)."""
+        self._kept[:n] = ids[:n]
+        self._kept_n = n
+
+    def begin_decode(self) -> float:
+        """A lone sequence's decode phase (max_seqs 1): chunk indices from 0, steps on the ring (no "taken"),
+        by bell after the first. -> its t0."""
         self._new_phase("decode")
         self._decode_wait_s = 0.0  # waiting on the stages; the rest of decode_s is the head's own time
         self._bell_results = 0
-        t0 = time.perf_counter()
-        try:
-            while len(out) < limit:
-                tok = sampler.next(logits) if params.needs_logits else argmax
-                if ttft is None:
-                    ttft = time.perf_counter() - t_start
-                if tok in ends:
-                    finish, end = "stop", tok
-                    break
-                out.append(tok)
-                if stop is not None:
-                    text_parts.append(stop.feed(detok.add(tok)))
-                    if stop.stopped:
-                        finish = "stop"
-                        break
-                if on_token is not None and on_token(tok) is False:
-                    finish = "stop"
-                    break
-                if len(out) == limit:
-                    break
-                res = self._decode_step(pos, tok, t0)
-                self._kept[pos] = tok  # its KV is at `pos` now on every stage
-                self._kept_n = pos + 1
-                pos += 1
-                steps += 1
-                self.steps = steps
-                argmax = res.argmax
-                if params.needs_logits:
-                    logits = self._result_row  # read before the next token goes down: nothing overwrites it
-        finally:
-            self._guard()
-        decode_s = time.perf_counter() - t0
-        if steps:
-            self._collect_stats("decode")
-        text = None
-        if stop is not None:
-            text = "".join(text_parts) + (stop.feed(detok.flush()) + stop.flush() if not stop.stopped else "")
-        elif out:
-            try:
-                text = self.tokenizer.decode(out)
-            except Exception:  # noqa: BLE001 - synthetic models have no tokenizer
-                text = None
-        self.kv.snapshot(ids)  # after the answer: the prompt's blocks are not on the way to its first token
-        return replace(self._result(pre, out, text, finish, decode_s, steps, ttft), end_token=end)
+        return time.perf_counter()
 
-    def _decode_step(self, pos: int, tok: int, t0: float) -> M.ChunkResult:
-        """One token through every stage: its id into the ids segment, one note to stage 0, one result back."""
+    def end_phase(self, phase: str) -> None:
+        """A lone sequence's phase is over: each stage's timing of it (one round trip, for the report)."""
+        self._collect_stats(phase)
+
+    def send_step(self, pos: int, tok: int, t0: float) -> int:
+        """A lone sequence's decode step (max_seqs 1, after begin_decode): its token at `pos` of slot 0's ids, one
+        note to stage 0 (its bell after the phase's first step). -> its chunk index (wait_step)."""
         self._buffers.ids[pos] = tok
         if self.stages[0].host is not None:  # stage 0 is remote: it has its own copy of the ids
             self._wire.send(0, M.Token(pos=pos, id=tok))
@@ -647,6 +558,13 @@ class Pipeline:
         else:
             self._wire.send(0, M.Chunk(k=k, kind=M.Kind.STEP, pos=pos, n=1, t0=t0, tokens=pos + 1, score=-1))
         self._sent += 1
+        return k
+
+    def wait_step(self, k: int) -> M.ChunkResult:
+        """Step k's result (send_step's): spinning on the head's bell without sleeping, the sockets and the stages'
+        liveness looked at every BELL_CHECK_S, under stall_timeout_s. Its logits row is `result_row` until the next
+        step goes down."""
+        bells = self._buffers.bells
         t_wait = time.perf_counter()
         deadline = time.monotonic() + self.cfg.stall_timeout_s
         # all stages on GPUs: the head polls without sleeping for a while (as their stages do, DECODE_SPIN_S in
@@ -670,12 +588,27 @@ class Pipeline:
         self._decode_wait_s += time.perf_counter() - t_wait
         return self._results.pop(k)
 
+    def hold_token(self, pos: int, tok: int) -> None:
+        """A lone sequence's step at `pos` is back: every stage's slot 0 holds its token's KV there."""
+        self._kept[pos] = tok
+        self._kept_n = pos + 1
+
+    @property
+    def result_row(self) -> torch.Tensor:
+        """The last stage's logits row of the latest result (slot 0's)."""
+        return self._result_row
+
+    def lone_result(self, pre: dict, out: list[int], text, finish: str, decode_s: float, steps: int,
+                    ttft) -> Result:
+        """A lone sequence's Result and report (the loop calls it before the next sequence's phases begin)."""
+        return self._result(pre, out, text, finish, decode_s, steps, ttft)
+
     def _result(self, pre: dict, out: list[int], text, finish: str, decode_s: float, steps: int, ttft) -> Result:
         from strata.head.report import build_report
         ppl = math.exp(pre["nll"] / pre["count"]) if pre["count"] else None
         cache = self.prefix_cache_stats()
         decode = {"decode_tokens": len(out), "decode_steps": steps, "decode_s": decode_s,
-                  "decode_head_s": decode_s - getattr(self, "_decode_wait_s", 0.0) if steps else 0.0,
+                  "decode_head_s": decode_s - self._decode_wait_s if steps else 0.0,
                   "decode_bell_steps": self._bell_results,
                   "decode_tok_s": steps / decode_s if decode_s > 0 and steps else 0.0,
                   "ttft_s": ttft, "finish_reason": finish,
@@ -688,17 +621,18 @@ class Pipeline:
         return Result(report, out, text, ppl, pre["logits"], finish_reason=finish, prompt_tokens=int(pre["ids"].size),
                       reused_tokens=pre["reused"], prefill_s=pre["seconds"], decode_s=decode_s, ttft_s=ttft)
 
-    def _progress_bar(self, total: int, schedule):
+    def progress_bar(self, total: int):
+        """The prefill's progress bar (the rig's `progress` on a console) -> (update(tokens through the last stage),
+        close), or None."""
         if not (self.cfg.progress and self.console):
-            return None, None
+            return None
         from tqdm import tqdm
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="prefill", leave=False, dynamic_ncols=True)
         done = [0]
 
-        def update():  # tokens through the last stage; which chunk each stage is on
-            tokens = sum(schedule[k][1] for k in self._results)
+        def update(tokens: int) -> None:  # and which chunk each stage is on
             if tokens != done[0]:
                 bar.update(tokens - done[0])
                 done[0] = tokens
             bar.set_postfix_str(" ".join(f"s{s.index}:c{max(s.chunk, 0)}" for s in self.stages), refresh=False)
-        return update, bar
+        return update, bar.close

@@ -1,8 +1,19 @@
-"""The head's scheduler for several sequences in the pipeline at once (the rig's max_seqs > 1).
+"""The head's request loop: every sequence, at every max_seqs, goes through `SlotDriver`.
 
-Each admitted sequence holds one KV slot on every stage. One thread (`SlotDriver`) owns the Pipeline and keeps
-up to n_stages + 1 micro-batches in flight: a sequence's prefill chunk, or a decode batch, the next step of
-several sequences at once (each sequence has at most one step in flight: a step needs the token before it).
+The server's engine runs it on its own thread (`generate`, `score`, `load`, `save` from any thread); Pipeline's
+generate / prefill / score run it on the caller's thread for one call (`threaded=False`). Each admitted sequence
+holds one KV slot on every stage.
+
+A lone sequence (one slot, max_seqs 1; or the caller's thread: one call, one sequence, whatever max_seqs) keeps what
+it had before there was one loop: its prompt reuses the KV its slot holds live from the last sequence
+(`Pipeline.live_prefix`; kv_load and kv_save read and write that live KV, as jobs of the loop: `call`), its prefill
+and its decode are each a phase of the stages' timing (the report), and its decode steps go round the ring (head ->
+stage 0 -> ... -> head), by doorbell after the first (strata/comm/bells.py; with max_seqs 1), the loop spinning on the
+head's bell (`Pipeline.wait_step`). Its tokens go to the caller as each is decided, before the next step is sent (a
+caller that says stop wastes no step), and its prompt's blocks go to the prefix cache after its answer.
+
+Several slots: the loop keeps up to n_stages + 1 micro-batches in flight: a sequence's prefill chunk, or a decode
+batch, the next step of several sequences at once (each sequence has at most one step in flight: a step needs the token before it).
 The decoding sequences are spread over n_stages batches of about equal size, so that while stage 1 computes one
 batch stage 0 computes the next, and each stage reads its weights once for a whole batch. Prefill chunks go
 round-robin between the batches, one sequence's chunk a turn, so a long prompt's chunks take turns with the
@@ -26,7 +37,9 @@ prefix cache, where later prompts find them. The driver sends these KV rounds an
 steps go on meanwhile (a long document's restore from disk holds up nobody's tokens but its own). A scored sequence (`score`) is a prefill whose chunks the last stage scores, as Pipeline.score's.
 
 Callers (the server's worker threads) block in `generate`; `on_token` runs on the driver's thread. A failure of the
-pipeline fails every admitted and waiting sequence with the same PipelineError; the driver then stops.
+pipeline fails every admitted and waiting sequence with the same PipelineError; the driver then stops. On the
+caller's thread (`threaded=False`) a failure or a signal (Interrupted) propagates to the caller, after the chunks in
+flight are joined (Pipeline.guard: the head never returns with chunks in flight).
 """
 from __future__ import annotations
 
@@ -39,8 +52,9 @@ from typing import Callable
 
 import numpy as np
 
+from strata.comm import messages as M
 from strata.errors import PipelineError
-from strata.head.pipeline import HEAD_SPIN_S
+from strata.head.wire import HEAD_SPIN_S
 from strata.config import AUTO_BATCH_AHEAD
 from strata.plan.planner import POOL_GRAIN
 
@@ -48,6 +62,34 @@ log = logging.getLogger("strata.head.slots")
 
 IDLE_WAIT_S = 0.1      # an idle driver wakes this often to look for a stop (a submission wakes it at once)
 POLL_MS = 5            # with sequences running, the driver looks for new ones at least this often
+
+
+def scored_chunks(schedule, top: int) -> list[tuple[int, int]]:
+    """A scored prefill's chunks: `schedule`'s, cut so that each one's scores (a float32 log-probability and `top`
+    int32 ids and float32 log-probabilities a row) fit its result note."""
+    rows = max(1, M.SCORED_BYTES // (4 * (1 + 2 * top)))
+    return [(p + a, min(rows, m - a)) for p, m in schedule for a in range(0, m, rows)]
+
+
+def unpack_scores(raws: list[bytes], top: int, n: int, reused: int,
+                  start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The scored chunks' ChunkResult.scores, in order, of an n-token prompt prefilled from `reused` -> the rows
+    of positions [start, n): (log-probabilities (m,), top ids (m, top), their log-probabilities (m, top))."""
+    lp, ti, tl = [], [], []
+    for raw in raws:
+        rows = len(raw) // (4 * (1 + 2 * top))
+        lp.append(np.frombuffer(raw, np.float32, rows))
+        if top:
+            ti.append(np.frombuffer(raw, np.int32, rows * top, 4 * rows).reshape(rows, top))
+            tl.append(np.frombuffer(raw, np.float32, rows * top, 4 * rows * (1 + top)).reshape(rows, top))
+    lp = np.concatenate(lp)  # a prefill has a chunk at least: its prompt's last position is always computed
+    ti = np.concatenate(ti) if top else np.zeros((lp.size, 0), np.int32)
+    tl = np.concatenate(tl) if top else np.zeros((lp.size, 0), np.float32)
+    first = reused + 1  # the position the first scored row predicts
+    if lp.size != n - first:
+        raise RuntimeError(f"scoring gave {lp.size} rows for positions {first}..{n - 1}")
+    cut = start - first
+    return lp[cut:], ti[cut:], tl[cut:]
 
 
 class Extents:
@@ -98,7 +140,10 @@ class SlotRun:
     score: int = -1                     # >= 0: a scored prefill (Chunk.score: the likeliest tokens a row)
     start: int = 1                      # a scored prefill: the first position whose log-probability is wanted
     scores: dict = field(default_factory=dict)  # a scored prefill: each chunk's ChunkResult.scores, by chunk
-    restored: int = 0                   # prompt positions restored from the prefix cache (not prefilled)
+    live: int = 0                       # prompt positions whose KV the slot held live (one slot: the last
+                                        # sequence's), not prefilled
+    reused: int = 0                     # prompt positions not prefilled: live ones, then restored ones
+    restored: int = 0                   # ... of them restored from the prefix cache
     kv: object = None                   # its restore round still in flight (strata.head.kv_rounds.KvRound), else None
     snap: object = None                 # its snapshot's last round, until complete: its slot is not reused before
     slot: int = -1
@@ -125,6 +170,21 @@ class SlotRun:
     load: tuple | None = None           # a KV file's rows into the slot, then into the prefix cache: (path, its
                                         # rows' offset, bytes a layer's position), Pipeline.load_slot_check's
     done: threading.Event = field(default_factory=threading.Event)
+    prefill_s: float = 0.0              # one slot: its prefill phase; several: submission to first token
+    decode_s: float = 0.0
+    # one slot only (the report that Pipeline.generate returns, and the engine's last_report)
+    nll: float = 0.0                    # the prefill chunks' summed NLL and its targets (the rig's perplexity)
+    count: int = 0
+    through: int = 0                    # prompt positions through the last stage (the progress bar)
+    taken: int = 0                      # prefill chunks whose result came back
+    logits: object = None               # the prompt's last row (numpy), a lone sequence's
+    steps: int = 0                      # its decode steps
+    step: tuple | None = None           # (pos, token) of its step on the ring now
+    t_decode: float = 0.0               # its decode phase's start
+    progress: bool = False              # a progress bar for its prefill (Pipeline.progress_bar)
+    bar: tuple | None = None            # ... (update, close) while it prefills
+    text: Callable | None = None        # out -> the answer's text for its report (default: Pipeline.text_of)
+    result: object = None               # its strata.head.pipeline.Result, when it ends
 
 
 @dataclass
@@ -153,15 +213,20 @@ class SlotStats:
     # stage the GPU idles for the second, and for the first beyond its graph's time
     batch_trip_s: float = 0.0
     batch_turnaround_s: float = 0.0
+    ring_steps: int = 0                 # one slot: a lone sequence's decode steps, round the ring
     prefill_groups: int = 0             # prefill groups sent: several sequences' last chunks as one micro-batch
     grouped_chunks: int = 0             # ... and the chunks in them
 
 
 class SlotDriver:
-    """Owns a started Pipeline with max_seqs slots; `generate` from any thread, `stop` from any thread."""
+    """The request loop over a started Pipeline with max_seqs slots. threaded: on its own thread, which owns the
+    Pipeline (`generate`, `score`, `load`, `save`, `stop` from any thread); else on the caller's, for one call."""
 
-    def __init__(self, pipe, max_seqs: int):
+    def __init__(self, pipe, max_seqs: int, threaded: bool = True):
         self.pipe, self.max_seqs = pipe, max_seqs
+        # a sequence alone in the pipeline (the ring, the live KV, phases: see above): with one slot, and on the
+        # caller's thread (Pipeline.generate, prefill, score: one call, one sequence), whatever max_seqs
+        self.lone = max_seqs == 1 or not threaded
         self.window = len(pipe.stages) + 1  # micro-batches in flight: enough to keep stage 0 busy
         self.groups = len(pipe.stages)      # decode batches the decoding sequences are spread over
         self.batch_cap = min(max_seqs, pipe.plan.max_chunk)  # rows a hand-off buffer holds
@@ -211,20 +276,26 @@ class SlotDriver:
         self._turn = 0
         self._t0: float | None = None               # the busy period's phase clock (None: idle)
         self._progress_at = time.monotonic()        # the last result (or the last moment nothing was in flight)
-        self._thread = threading.Thread(target=self._run, name="strata-slots", daemon=True)
-        self._thread.start()
+        self._ring: int | None = None               # one slot: the chunk index of the decode step on the ring
+        self._jobs: collections.deque = collections.deque()  # `call`s waiting for the loop to be idle
+        self._thread = None
+        if threaded:
+            pipe.driver = self  # (Pipeline.generate and score refuse while this loop owns the pipeline)
+            self._thread = threading.Thread(target=self._run, name="strata-slots", daemon=True)
+            self._thread.start()
 
     # -- the callers' side --------------------------------------------------------------------------------
-    def generate(self, ids: np.ndarray, params, on_token) -> SlotRun:
-        """Blocking: the sequence prefilled and decoded among the others; raises the pipeline's failure."""
-        return self._submit(SlotRun(ids=ids, params=params, on_token=on_token))
+    def generate(self, ids: np.ndarray, params, on_token, text: Callable | None = None,
+                 progress: bool = False) -> SlotRun:
+        """Blocking: the sequence prefilled and decoded among the others; raises the pipeline's failure. One slot:
+        text (out -> the answer's text) for its report (run.result); progress: a bar while it prefills."""
+        return self._submit(SlotRun(ids=ids, params=params, on_token=on_token, text=text, progress=progress))
 
     def score(self, ids: np.ndarray, start: int, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Blocking: Pipeline.score's values (log p(ids[i] | ids[:i]) for i in [start, n), the `top` likeliest
         tokens there and theirs), the prompt prefilled as one sequence among the others."""
         from strata.errors import ConfigError
         from strata.comm.messages import MAX_SCORED_TOP
-        from strata.head.pipeline import unpack_scores
         from strata.text.sampling import SamplingParams
         if not 0 <= top <= MAX_SCORED_TOP:
             raise ConfigError(f"score: top must be in 0..{MAX_SCORED_TOP}, got {top}")
@@ -232,7 +303,8 @@ class SlotDriver:
             raise ConfigError(f"score: start {start} outside 1..{ids.size}")
         run = self._submit(SlotRun(ids=ids, params=SamplingParams(max_tokens=0), on_token=lambda t: None,
                                    score=top, start=start))
-        return unpack_scores([run.scores[k] for k in sorted(run.scores)], top, ids.size, run.restored, start)
+        # (chunk indices restart with each phase, but a scored sequence is one phase: sorted is their order)
+        return unpack_scores([run.scores[k] for k in sorted(run.scores)], top, ids.size, run.reused, start)
 
     def load(self, path) -> dict:
         """Blocking: a KV file's rows (checked here first: a bad file is refused in one line, nothing sent) into a
@@ -240,6 +312,8 @@ class SlotDriver:
         restores them. -> {"ids", "tokens", "bytes", "seconds"}."""
         import os
         from strata.text.sampling import SamplingParams
+        if self.lone:  # one slot: the file's rows become its live KV (Pipeline.kv_load), between sequences
+            return self.call(self.pipe.kv_load, path)
         ids, data_at, lrb = self.pipe.load_slot_check(path)
         t0 = time.perf_counter()
         self._submit(SlotRun(ids=ids, params=SamplingParams(max_tokens=0), on_token=lambda t: None,
@@ -247,14 +321,57 @@ class SlotDriver:
         return {"ids": ids, "tokens": int(ids.size), "bytes": os.path.getsize(path),
                 "seconds": time.perf_counter() - t0}
 
+    def save(self, path) -> dict:
+        """Blocking: the live KV of the last sequence into a KV file (Pipeline.kv_save), between sequences. Several
+        slots hold no one sequence's: the pipeline refuses that at once, from the caller's thread (it reads only the
+        rig)."""
+        if not self.lone:
+            return self.pipe.kv_save(path)
+        return self.call(self.pipe.kv_save, path)
+
+    def call(self, fn, *args):
+        """Blocking: fn(*args) on the loop's thread once no sequence holds a slot (it may use the Pipeline) -> its
+        value; it raises to the caller, and a failed pipeline fails the loop too."""
+        if self._thread is None:
+            return fn(*args)
+        job = [fn, args, threading.Event(), None, None]  # (fn, args, done, value, error)
+        with self._cond:
+            if self.failure is not None or self._stopping:
+                raise self.failure or PipelineError("the pipeline is stopping")
+            self._jobs.append(job)
+            self._cond.notify()
+        job[2].wait()
+        if job[4] is not None:
+            raise job[4]
+        return job[3]
+
     def _submit(self, run: SlotRun) -> SlotRun:
         run.t_submit = time.perf_counter()
+        if self._thread is None:
+            return self._drive(run)
         with self._cond:
             if self.failure is not None or self._stopping:
                 raise self.failure or PipelineError("the pipeline is stopping")
             self._queue.append(run)
             self._cond.notify()
         run.done.wait()
+        if run.error is not None:
+            raise run.error
+        return run
+
+    def _drive(self, run: SlotRun) -> SlotRun:
+        """The loop on the caller's thread until the run is over and its slot free (its snapshot answered). A
+        failure or a signal leaves through here after the chunks in flight are joined."""
+        self._queue.append(run)
+        try:
+            while not run.done.is_set() or self._freeing or self._loading:
+                self._step()
+        except BaseException:
+            self.pipe.guard()  # never leave with chunks in flight (a known failure returns at once)
+            raise
+        finally:
+            if run.bar is not None:
+                run.bar[1]()
         if run.error is not None:
             raise run.error
         return run
@@ -279,45 +396,73 @@ class SlotDriver:
     def _run(self) -> None:
         try:
             while True:
-                with self._cond:
-                    while not (self._queue or self._running or self._freeing or self._loading or self._stopping):
-                        self._cond.wait(IDLE_WAIT_S)
-                    if self._stopping:
-                        raise PipelineError("the pipeline was stopped while sequences ran")
-                while self._free:
-                    with self._cond:
-                        if not self._queue or not self._place(self._queue[0]):
-                            break  # (a sequence the pool has no room for waits, and those behind it)
-                        run = self._queue.popleft()
-                    self._admit(run)  # (running from its start: a failure of its restore fails it too)
-                if self._send():
-                    self._spin_until = time.perf_counter() + HEAD_SPIN_S
-                if self._decided:  # (after the send: the stages work while the callers' callbacks run)
-                    self._deliver()
-                    self._release()
-                    if self._queue and self._free:
-                        continue  # (a slot came free: the next sequence is admitted now, not after a poll)
-                busy = self._running or self._freeing or self._loading
-                spinning = self.spin and self.pipe.in_flight and time.perf_counter() < self._spin_until
-                results = self.pipe.take_results(0 if spinning else POLL_MS if busy else 0)
-                self._result_t = time.perf_counter()
-                if results and self.spin:
-                    self._spin_until = time.perf_counter() + HEAD_SPIN_S
-                elif spinning:
-                    time.sleep(0)  # (the GIL to the server's threads between polls)
-                for k, res, row in results:
-                    self._on_result(k, res, row)
-                self._loaded()
-                self._release()
-                answers = self.pipe.kv.answers
-                self._watch(bool(results) or answers != self._answers)
-                self._answers = answers
-                if not self._running and not self._freeing:
-                    self._t0 = None  # the next busy period starts a fresh phase on the stages
+                self._step()
         except BaseException as e:  # noqa: BLE001 - every waiting caller gets it
             if not isinstance(e, PipelineError):
                 log.exception("the slot driver failed")
             self._fail(e if isinstance(e, PipelineError) else PipelineError(f"{type(e).__name__}: {e}"))
+
+    def _step(self) -> None:
+        """One turn of the loop: admit what fits, send what may go, hand decided tokens over, take results."""
+        with self._cond:
+            while not (self._queue or self._running or self._freeing or self._loading or self._stopping
+                       or self._jobs):
+                self._cond.wait(IDLE_WAIT_S)
+            if self._stopping:
+                raise PipelineError("the pipeline was stopped while sequences ran")
+        if self._jobs and not (self._running or self._freeing or self._loading):
+            return self._job(self._jobs.popleft())
+        while self._free:
+            with self._cond:
+                if not self._queue or not self._place(self._queue[0]):
+                    break  # (a sequence the pool has no room for waits, and those behind it)
+                run = self._queue.popleft()
+            self._admit(run)  # (running from its start: a failure of its restore fails it too)
+        if self._send():
+            self._spin_until = time.perf_counter() + HEAD_SPIN_S
+        if self._decided:  # (after the send: the stages work while the callers' callbacks run)
+            self._deliver()
+            self._release()
+            if self._queue and self._free:
+                return  # (a slot came free: the next sequence is admitted now, not after a poll)
+        results = self._take()
+        for k, res, row in results:
+            self._on_result(k, res, row)
+        self._loaded()
+        self._release()
+        answers = self.pipe.kv.answers
+        self._watch(bool(results) or answers != self._answers)
+        self._answers = answers
+        if not self._running and not self._freeing:
+            self._t0 = None  # the next busy period starts a fresh phase on the stages
+
+    def _take(self) -> list:
+        """The results that came: a lone step's by its own wait (the ring's spin on the bell), else what the
+        sockets hold within a poll (none while spinning)."""
+        if self._ring is not None:
+            k, self._ring = self._ring, None
+            return [(k, self.pipe.wait_step(k), None)]
+        busy = self._running or self._freeing or self._loading
+        spinning = self.spin and self.pipe.in_flight and time.perf_counter() < self._spin_until
+        results = self.pipe.take_results(0 if spinning else POLL_MS if busy else 0)
+        self._result_t = time.perf_counter()
+        if results and self.spin:
+            self._spin_until = time.perf_counter() + HEAD_SPIN_S
+        elif spinning:
+            time.sleep(0)  # (the GIL to the server's threads between polls)
+        return results
+
+    def _job(self, job: list) -> None:
+        """A `call`'s function, the loop idle: its value or error to its caller; a failed pipeline fails the loop."""
+        fn, args, done = job[:3]
+        try:
+            job[3] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - the caller's to see
+            job[4] = e
+            if isinstance(e, PipelineError):
+                done.set()
+                raise
+        done.set()
 
     def _place(self, run: SlotRun) -> bool:
         """kv_pool: an extent of the pool for the run's positions (its prompt and continuation, a KV file's rows),
@@ -391,9 +536,13 @@ class SlotDriver:
             self.failure = e
             runs = self._running + list(self._queue) + self._loading + [r for r in self._freeing if r.load is not None]
             self._running, self._queue, self._loading = [], collections.deque(), []
+            jobs, self._jobs = list(self._jobs), collections.deque()
         for run in runs:
             run.error = e
             run.done.set()
+        for job in jobs:
+            job[4] = e
+            job[2].set()
         if not self._stopping:
             log.error("sequences failed: %s", e)
 
@@ -415,8 +564,8 @@ class SlotDriver:
             run.done.set()
             self._give_extent(run)
             return
-        if self._t0 is None:
-            self._t0 = self.pipe.begin_slots()
+        if self._t0 is None or self.lone:  # (one slot: each sequence's prefill is a phase of its own)
+            self._t0 = self.pipe.begin_slots(keep_live=self.lone)
             self._by_k.clear()
             self._sent_t.clear()
             self._groups.clear()
@@ -427,39 +576,58 @@ class SlotDriver:
         self._running.append(run)
         n = run.ids.size
         cap = n - 1 if run.score < 0 else min(n - 1, run.start - 1)  # the rows that must be computed come after
-        run.restored, run.kv = self.pipe.kv.restore_begin(run.ids, 0, cap, run.slot)
+        run.live = self.pipe.live_prefix(run.ids, cap) if self.lone else 0
+        run.reused, run.kv = self.pipe.kv.restore_begin(run.ids, run.live, cap, run.slot)
         run.sampler = sampler
         run.limit = min(run.params.max_tokens, self.pipe.max_context - n)
-        self.pipe.put_slot_ids(run.slot, run.ids)
+        self.pipe.put_slot_ids(run.slot, run.ids, run.live)  # (the segment already holds the live positions' ids)
         self.stats.sequences += 1
         if run.kv is None:
             self._restored(run)
 
     def _restored(self, run: SlotRun) -> None:
         """Its restore is done (or there was none): its chunks are planned and may go."""
-        from strata.head.pipeline import scored_chunks
         if run.kv is not None and run.kv.failed:
-            run.restored = 0  # the slot holds nothing of it: a cold prefill
+            run.reused = run.live  # the slot holds nothing restored: prefilled from its live positions
         run.kv = None
+        run.restored = run.reused - run.live
+        if self.lone:  # past these positions the live KV is about to be overwritten
+            self.pipe.hold_live(run.ids, run.reused)
         # the cold prefill's own chunks (from the restored prefix on, which ends on one of their boundaries): its bits
-        schedule = self.pipe.plan.schedule_for(run.restored, run.ids.size)
+        schedule = self.pipe.plan.schedule_for(run.reused, run.ids.size)
         schedule = scored_chunks(schedule, run.score) if run.score >= 0 else list(schedule)
-        run.schedule = self.pipe.kv.keep_states(run.slot, run.ids, run.restored, schedule)  # (linear or window layers)
+        run.schedule = self.pipe.kv.keep_states(run.slot, run.ids, run.reused, schedule)  # (linear or window layers)
         if run.restored:
             self.stats.restores += 1
             self.stats.restored_tokens += run.restored
+        if run.progress:
+            run.bar = self.pipe.progress_bar(run.ids.size - run.reused)
 
     def _send(self) -> bool:
         """Decode batches and prefill chunks by turns while the window has room -> whether any went."""
         any_sent = False
         while self.pipe.in_flight < self.window and self._running:
-            sent = self._send_batch()
+            sent = self._send_step() if self.lone else self._send_batch()
             if self.pipe.in_flight < self.window and self._send_chunk():
                 sent = True
             if not sent:
                 return any_sent
             any_sent = True
         return any_sent
+
+    def _send_step(self) -> bool:
+        """One slot: its sequence's next decode step round the ring (Pipeline.send_step; `_take` waits for it)."""
+        run = self._running[0]
+        if run.pending is None or run.in_flight:
+            return False
+        pos = run.ids.size + len(run.out) - 1  # the pending token is out[-1]
+        k = self.pipe.send_step(pos, run.pending, self._t0)
+        run.step, run.pending = (pos, run.pending), None
+        run.in_flight += 1
+        self._by_k[k] = [run]
+        self._ring = k
+        self.stats.ring_steps += 1
+        return True
 
     def _send_batch(self) -> bool:
         """The oldest ready steps as one batch, about 1/groups of the decoding sequences: sent when that many are
@@ -524,8 +692,9 @@ class SlotDriver:
         others = any(r.in_flight for r in self._running if r is not run)
         pos, n = run.schedule[run.sent_chunks]
         last = run.sent_chunks == len(run.schedule) - 1
+        # (the last chunk's logits row: a sampled first token's, and a lone sequence's report's last_logits)
         k = self.pipe.send_slot(run.slot, pos, n, "prefill", run.ids.size, self._t0,
-                                row=last and run.params.needs_logits, score=run.score)
+                                row=last and (run.params.needs_logits or self.lone), score=run.score)
         run.sent_chunks += 1
         if last:
             run.last_k = k
@@ -582,6 +751,8 @@ class SlotDriver:
     def _on_result(self, k: int, res, rows) -> None:
         runs = self._by_k.pop(k)
         self._results += 1
+        if runs[0].step is not None:  # one slot: its step round the ring
+            return self._on_step(runs[0], res)
         if k in self._groups:  # a prefill group: row t is runs[t]'s last row
             self._groups.discard(k)
             now = time.perf_counter()
@@ -608,12 +779,45 @@ class SlotDriver:
         run.in_flight -= 1
         if run.score >= 0:
             run.scores[k] = res.scores
+        run.nll += res.nll
+        run.count += res.count
+        run.through += run.schedule[run.taken][1]  # (a sequence's chunks come back in order)
+        run.taken += 1
+        if run.bar is not None:
+            run.bar[0](run.through)
         if k != run.last_k:
             return  # a chunk before the last
         run.t_first = time.perf_counter()
+        if self.lone:
+            self._prefilled(run, rows)
         self._advance(run, res.argmax, rows)
         self._deliver(runs)  # its first token to the caller before the snapshot's round
-        run.snap = self.pipe.kv.snapshot(run.ids, run.slot, wait=False)  # (its slot is not reused before it is done)
+        if not self.lone:
+            run.snap = self.pipe.kv.snapshot(run.ids, run.slot, wait=False)  # (its slot is not reused before it is done)
+        elif run in self._running:  # it decodes: a phase of its own, its steps round the ring
+            self._t0 = run.t_decode = self.pipe.begin_decode()
+            self._by_k.clear()
+
+    def _prefilled(self, run: SlotRun, rows) -> None:
+        """One slot: its prefill phase is over (the stages' timing of it collected), the slot holds the prompt."""
+        run.prefill_s = run.t_first - self._t0
+        if run.bar is not None:
+            run.bar, close = None, run.bar[1]
+            close()
+        self.pipe.end_phase("prefill")
+        self.pipe.hold_live(run.ids, run.ids.size)
+        run.logits = rows.numpy().copy()
+
+    def _on_step(self, run: SlotRun, res) -> None:
+        """One slot: its step is back (the slot holds its token's KV); the next token is decided and handed to the
+        caller before the next step goes (a caller that says stop wastes none)."""
+        run.in_flight -= 1
+        (pos, tok), run.step = run.step, None
+        self.pipe.hold_token(pos, tok)
+        run.steps += 1
+        # (its logits row: read before the next step goes down, which is the only thing that overwrites it)
+        self._advance(run, res.argmax, self.pipe.result_row if run.params.needs_logits else None)
+        self._deliver([run])
 
     def _advance(self, run: SlotRun, argmax: int, logits) -> None:
         """The next token from a step's (or the prompt's last chunk's) result, as Pipeline.generate takes it: decided
@@ -663,5 +867,23 @@ class SlotDriver:
     def _finish(self, run: SlotRun, why: str) -> None:
         run.finish, run.t_end, run.pending = why, time.perf_counter(), None
         self._running.remove(run)
+        if self.lone:
+            self._lone_end(run)
+        else:
+            run.prefill_s = (run.t_first or run.t_end) - run.t_submit
+            run.decode_s = run.t_end - (run.t_first or run.t_end)
         self._freeing.append(run)  # (its snapshot may still be in flight: _release frees the slot after it)
         run.done.set()
+
+    def _lone_end(self, run: SlotRun) -> None:
+        """One slot: its decode phase's timing, its Result and report, then its prompt's snapshot (after the answer:
+        the blocks' copies are not on the way to its tokens)."""
+        if run.steps:
+            run.decode_s = run.t_end - run.t_decode
+            self.pipe.end_phase("decode")
+        pre = {"ids": run.ids, "reused": run.reused, "restored": run.restored, "schedule": run.schedule,
+               "seconds": run.prefill_s, "logits": run.logits, "nll": run.nll, "count": run.count}
+        ttft = run.t_first - run.t_submit if run.limit > 0 else None
+        text = run.text(run.out) if run.text is not None else self.pipe.text_of(run.out)
+        run.result = self.pipe.lone_result(pre, run.out, text, run.finish, run.decode_s, run.steps, ttft)
+        run.snap = self.pipe.kv.snapshot(run.ids, run.slot, wait=False)

@@ -12,6 +12,8 @@ import zmq
 
 from strata.comm import messages as M
 
+HEAD_SPIN_S = 0.05  # the head's spin per decode step with GPU stages (a CPU rig has no core to spare)
+
 HEAD_ACCEPTS = (M.Ready, M.Working, M.ChunkResult, M.Stats, M.Fail, M.KvDone)
 NET_ACCEPTS = (M.Bound, M.Rejected)  # only while a stage is remote
 log = logging.getLogger("strata.head.pipeline")
@@ -22,7 +24,7 @@ def poll_until(condition: Callable[[], bool], timeout_s: float, what: Callable[[
     """Run `step` (receive and handle, bounded) until `condition()` holds. If `timeout_s` passes first
     (since the start, or since `progress()` last changed) `what()` is called: it raises, naming what
     did not happen. Every wait of the head for the stages' messages is this loop, except a decode step's
-    (Pipeline._decode_step spins on the doorbell)."""
+    (Pipeline.wait_step spins on the doorbell)."""
     deadline = time.monotonic() + timeout_s
     last = progress() if progress else None
     while not condition():

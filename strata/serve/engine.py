@@ -295,7 +295,7 @@ class PipelineEngine(_ModelText):
         self._config_error = ConfigError
         self.pipe = None
         self.max_seqs = self.cfg.max_seqs  # > 1: generate from several threads at once (strata/head/slots.py)
-        self._slots = None                 # strata.head.slots.SlotDriver over self.pipe when max_seqs > 1
+        self._slots = None                 # the request loop over self.pipe (strata.head.slots.SlotDriver)
         self._life = threading.Lock()      # restart / close against each other (several callers)
         self.starts = 0
         self.last_report: dict | None = None  # the last generation's report (metrics_text reads it)
@@ -305,72 +305,42 @@ class PipelineEngine(_ModelText):
         self.restart()
         self.max_context = self.pipe.max_context
 
-    # -- compute -----------------------------------------------------------------------------------
+    # -- compute: every call through the request loop (strata/head/slots.py), at every max_seqs -----------------------
     def generate(self, ids: list[int], params: SamplingParams,
                  on_token: Callable[[int], bool]) -> GenerationStats:
-        if self.pipe is None:
-            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
         # stop strings are the server's (it cuts the text it streams); the pipeline only decodes
         params = replace(params, stop=())
-        if self.max_seqs > 1:
-            return self._generate_slotted(ids, params, on_token)
-        try:
-            r = self.pipe.generate(ids, params, on_token=on_token)
-        except self._config_error as e:  # a prompt the pipeline refuses (too long, ids out of range)
-            raise ValueError(str(e)) from None
-        except PipelineError as e:
-            where = _STAGE.search(str(e))
-            self.close()
-            raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
-        self.last_report = r.report
-        return GenerationStats(prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
-                               completion_tokens=len(r.continuation_ids), prefill_s=r.prefill_s,
-                               decode_s=r.decode_s, finish_reason=r.finish_reason, end_token=r.end_token)
+        run = self._through_loop(lambda d: d.generate(d.pipe.prompt_ids(list(ids)), params, on_token))
+        if run.result is not None:  # one slot: the sequence's report (several: their phases overlap, none)
+            self.last_report = run.result.report
+        return GenerationStats(prompt_tokens=int(run.ids.size), reused_tokens=run.reused,
+                               completion_tokens=len(run.out), prefill_s=run.prefill_s, decode_s=run.decode_s,
+                               finish_reason=run.finish, end_token=run.end_token)
 
-    def _generate_slotted(self, ids: list[int], params: SamplingParams,
-                          on_token: Callable[[int], bool]) -> GenerationStats:
-        """One of up to max_seqs sequences in the pipeline at once (thread-safe: the driver owns the pipeline)."""
+    def score(self, ids: list[int], start: int, top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+        """log p(ids[i] | ids[:i]) for i in [start, n), the `top` likeliest tokens there and their log-probabilities
+        (SlotDriver.score: a sequence among the others). A prompt the pipeline refuses is a ValueError; a failed
+        pipeline an EngineError naming the stage (and the engine closes)."""
+        lp, ti, tl = self._through_loop(lambda d: d.score(d.pipe.prompt_ids(list(ids)), start, top))
+        return lp.tolist(), ti.tolist(), tl.tolist()
+
+    def _through_loop(self, call, refused=ValueError):
+        """call(driver) on the running request loop. A ConfigError (a prompt the pipeline refuses) becomes
+        `refused` (None: raised as it is); a failed pipeline an EngineError naming the stage, and the engine closes
+        it (the first of its callers to see it does)."""
         driver = self._slots
         if driver is None:
             raise EngineError("pipeline", "the engine is closed or failed: restart() it")
         try:
-            arr = driver.pipe.prompt_ids(list(ids))
+            return call(driver)
         except self._config_error as e:
-            raise ValueError(str(e)) from None
-        try:
-            run = driver.generate(arr, params, on_token)
+            if refused is None:
+                raise
+            raise refused(str(e)) from None
         except PipelineError as e:
             where = _STAGE.search(str(e))
             self._failed(driver)
             raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
-        return GenerationStats(prompt_tokens=int(arr.size), reused_tokens=run.restored,  # from the prefix cache
-                               completion_tokens=len(run.out),
-                               prefill_s=(run.t_first or run.t_end) - run.t_submit,
-                               decode_s=run.t_end - (run.t_first or run.t_end), finish_reason=run.finish,
-                               end_token=run.end_token)
-
-    def score(self, ids: list[int], start: int, top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
-        """log p(ids[i] | ids[:i]) for i in [start, n), the `top` likeliest tokens there and their log-probabilities
-        (Pipeline.score; with max_seqs > 1 a sequence among the others: SlotDriver.score). A prompt the pipeline
-        refuses is a ValueError; a failed pipeline an EngineError naming the stage (and the engine closes)."""
-        driver, pipe = self._slots, self.pipe
-        if pipe is None or (self.max_seqs > 1 and driver is None):
-            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
-        try:
-            if driver is not None:
-                lp, ti, tl = driver.score(pipe.prompt_ids(list(ids)), start, top)
-            else:
-                lp, ti, tl = pipe.score(ids, start, top)
-        except self._config_error as e:  # a prompt the pipeline refuses (ids out of range)
-            raise ValueError(str(e)) from None
-        except PipelineError as e:
-            where = _STAGE.search(str(e))
-            if driver is not None:
-                self._failed(driver)
-            else:
-                self.close()
-            raise EngineError(where.group(1) if where else "pipeline", str(e)) from e
-        return lp.tolist(), ti.tolist(), tl.tolist()
 
     def _failed(self, driver) -> None:
         """The pipeline under `driver` failed: close it once (the first of its callers to get here does)."""
@@ -380,31 +350,25 @@ class PipelineEngine(_ModelText):
 
     def is_up(self) -> bool:
         """The stages are running (a restart after a failure that another caller already restarted is not needed)."""
-        return self.pipe is not None and (self._slots is None or self._slots.failure is None)
+        return self.pipe is not None and self._slots is not None and self._slots.failure is None
 
     def slot_stats(self):
-        """strata.head.slots.SlotStats of the running driver (None with max_seqs 1)."""
+        """strata.head.slots.SlotStats of the running request loop (None: closed)."""
         return self._slots.stats if self._slots is not None else None
 
     def kv_save(self, path) -> dict:
-        """The stages' KV of the last prompt (and answer) into a KV file (Pipeline.kv_save)."""
-        if self.pipe is None:
-            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
-        return self.pipe.kv_save(path)
+        """The stages' KV of the last prompt (and answer) into a KV file (Pipeline.kv_save, between sequences;
+        refused with max_seqs > 1: no one sequence is the stages' own)."""
+        return self._through_loop(lambda d: d.save(path), refused=None)
 
     def kv_load(self, path) -> dict:
-        """A KV file into the stages (Pipeline.kv_load): the next prompt that begins with its ids skips them. With
-        max_seqs > 1 through the slot driver, among the running sequences: into a free slot, and from there into the
-        prefix cache (SlotDriver.load), where any later prompt that begins with its ids finds it."""
-        pipe, driver = self.pipe, self._slots
-        if pipe is None or (self.max_seqs > 1 and driver is None):
-            raise EngineError("pipeline", "the engine is closed or failed: restart() it")
-        if driver is not None:
-            return driver.load(path)
-        return pipe.kv_load(path)
+        """A KV file into the stages (SlotDriver.load): with max_seqs 1 the live KV (Pipeline.kv_load), so the next
+        prompt that begins with its ids skips them; with more, among the running sequences, into a free slot and from
+        there into the prefix cache, where any later prompt that begins with its ids finds it."""
+        return self._through_loop(lambda d: d.load(path), refused=None)
 
     def metrics_text(self) -> str:
-        """Prometheus lines for /metrics: with max_seqs > 1 the slots and decode batches; the last prefill's busy
+        """Prometheus lines for /metrics: the request loop's slots and decode batches; the last prefill's busy
         histogram and the last decode's split."""
         lines = self._slot_metrics()
         rep = self.last_report
@@ -478,10 +442,9 @@ class PipelineEngine(_ModelText):
         except BaseException:
             pipe.close()
             raise
+        from strata.head.slots import SlotDriver
         self.pipe = pipe
-        if self.max_seqs > 1:
-            from strata.head.slots import SlotDriver
-            self._slots = SlotDriver(pipe, self.max_seqs)
+        self._slots = SlotDriver(pipe, self.max_seqs)
 
     def close(self) -> None:
         with self._life:
