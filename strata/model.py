@@ -6,8 +6,9 @@ end == n_layers. What a family varies (q/k norms, norm placement, windows, activ
 from its `ModelArgs` (strata.args; the families and their files: strata.families). Prefill is chunked:
 `forward(x, pos)` runs T tokens at absolute position `pos`, appending their keys/values to a cache
 allocated once for the whole prompt. Up to DECODE_T rows take a decode path (one unmasked attention call
-for T=1, fewer ops), optionally with narrower CPU weights (`set_decode_weights`). CUDA graphs of the one-token
-step are built from outside (strata.decode_graphs); `storage_version` tells them when cache or weights changed.
+for T=1, fewer ops), optionally with narrower CPU weights (`set_decode_weights`). Every path runs the one layer
+body of strata.layer with its own ops. CUDA graphs of the one-token step are built from outside (strata.decode_graphs);
+`storage_version` tells them when cache or weights changed.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .resident import (DECODE_T, PRODUCTS, DenseMatrices, Head, Packed, QuantEmb
                        ResidentExperts, ResidentMatrices, Scratch, _dequantize, head_rows)
 from .config import KernelSpec
 from .triton_state import TritonState
-from .layer import NOTHING, PrefillOps, RowsOps, gate, layer, run_layers  # noqa: F401 (gate: decode_graphs reads it here)
+from .layer import NOTHING, PrefillOps, RowsOps, layer, run_layers
 from .linear_attention import GatedDeltaNet
 from .moe import MoE
 from .weight_only import DECODE_KINDS, LayerWeightOnly, WeightOnly
@@ -634,7 +635,7 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, pos: int, decode: bool | None = None) -> torch.Tensor:
         """x: token ids (1, T) on the first slice, else the residual (1, T, dim). Returns the residual.
 
-        decode: None picks the decode path (Block.decode, weight-only kernels if set) for T <= DECODE_T rows,
+        decode: None picks the decode path (strata.layer.RowsOps, weight-only kernels if set) for T <= DECODE_T rows,
         the prefill path above; True / False force one. The prefill path's arithmetic is the same for every T;
         the two paths agree up to rounding. (One-token steps through CUDA graphs: strata.decode_graphs.)"""
         T = x.shape[1]
