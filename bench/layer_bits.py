@@ -60,6 +60,10 @@ def tiny_cases():
     return cases
 
 
+# the device the models are built on (the GPU check, bench/device_layer.sh, runs this on CUDA too)
+DEVICE = os.environ.get("STRATA_BITS_DEVICE", "cpu")
+
+
 def build(args, opts: dict, max_len: int, seqs: int = 1, start: int = 0, end: int | None = None):
     from strata.checkpoint import synthetic_tensors
     from strata.model import Transformer
@@ -67,8 +71,8 @@ def build(args, opts: dict, max_len: int, seqs: int = 1, start: int = 0, end: in
     dtype, q = opts.get("dtype", torch.float32), opts.get("qtype")
     with torch.device("meta"):
         m = Transformer(args, start, end)
-    m.load_weights(synthetic_tensors(args, start, end, "cpu", dtype, seed=7, qtype=q, resident=q is not None),
-                   "cpu", dtype)
+    m.load_weights(synthetic_tensors(args, start, end, DEVICE, dtype, seed=7, qtype=q, resident=q is not None),
+                   DEVICE, dtype)
     m.setup_cache(max_len, opts.get("kv", "auto"), seqs=seqs)
     return m.eval()
 
@@ -76,7 +80,7 @@ def build(args, opts: dict, max_len: int, seqs: int = 1, start: int = 0, end: in
 def record_case(name: str, args, opts: dict, graphs: bool) -> dict:
     out: dict[str, torch.Tensor] = {}
     g = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, args.vocab_size, (1, 40), generator=g)
+    ids = torch.randint(0, args.vocab_size, (1, 40), generator=g).to(DEVICE)
     with torch.inference_mode():
         # one sequence: two prefill chunks (the second past any window), decode rows, one-token steps
         m = build(args, opts, 2100 if opts.get("long") else 64)
@@ -94,7 +98,7 @@ def record_case(name: str, args, opts: dict, graphs: bool) -> dict:
             else:
                 out[f"state{i}"], out[f"conv{i}"] = blk.attn.state.clone(), blk.attn.conv_state.clone()
         if opts.get("long"):  # past BF16_ATTENTION_FROM: a bfloat16 cache read as it is by one-token steps
-            h = m(torch.randint(0, args.vocab_size, (1, 2100), generator=g)[:, 38:], 38)
+            h = m(torch.randint(0, args.vocab_size, (1, 2100), generator=g)[:, 38:].to(DEVICE), 38)
             for p in range(2062, 2065):
                 out[f"long{p}"] = m.decode_token(ids[:, p % 40:p % 40 + 1], p)[0]
         # two stages, three slots: prefill each, then decode batches as rows and as steps, and a prefill group
@@ -108,7 +112,7 @@ def record_case(name: str, args, opts: dict, graphs: bool) -> dict:
                 s1(s0(ids[:, :n], 0), 0)
             pos, tok = list(lens), [5, 17, 101]
             for k, order in enumerate(([0, 1, 2], [2, 0], [1, 2, 0])):
-                x = torch.tensor([tok[s] for s in order])
+                x = torch.tensor([tok[s] for s in order], device=DEVICE)
                 hh, _, _ = s0.decode_seqs(x, order, [pos[s] for s in order])
                 o, lg, am = s1.decode_seqs(hh, order, [pos[s] for s in order])
                 tag = f"seqs.{'rows' if batch_rows else 'steps'}{k}"
@@ -120,7 +124,7 @@ def record_case(name: str, args, opts: dict, graphs: bool) -> dict:
                 x = torch.cat([ids[:, :5], ids[:, 5:8], ids[:, :9]], 1)
                 out["group"] = s1.forward_group(s0.forward_group(x, segs), segs)
         # CPU weight-only decode
-        if _weight_only_ok(args, opts):
+        if _weight_only_ok(args, opts) and DEVICE == "cpu":
             for kind in ("int8", "int4", "float16"):
                 m = build(args, opts, 64, seqs=3)
                 m(ids[:, :20], 0)
@@ -130,9 +134,9 @@ def record_case(name: str, args, opts: dict, graphs: bool) -> dict:
                     out[f"wo.{kind}.step{p}"], out[f"wo.{kind}.step{p}.logits"] = h, lg
                 out[f"wo.{kind}.rows3"] = m(ids[:, 23:26], 23)
                 m.use_slot(1), m(ids[:, :9], 0), m.use_slot(0)
-                hh, lg, am = m.decode_seqs(torch.tensor([3, 4]), [0, 1], [26, 9])
+                hh, lg, am = m.decode_seqs(torch.tensor([3, 4], device=DEVICE), [0, 1], [26, 9])
                 out[f"wo.{kind}.seqs"], out[f"wo.{kind}.seqs.logits"] = hh, lg
-        if graphs:
+        if graphs and DEVICE == "cpu":
             out.update(_graph_bodies(args, opts, ids))
     return out
 
@@ -200,7 +204,7 @@ def record(root: str, path: str, graphs: bool, only: list[str] | None) -> None:
         if only and name not in only:
             continue
         for k, v in record_case(name, args, opts, graphs).items():
-            res[f"{name}/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+            res[f"{name}/{k}"] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
         print(name, "recorded", flush=True)
     torch.save(res, path)
     print(f"{len(res)} tensors -> {path}")
