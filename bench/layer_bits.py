@@ -150,9 +150,10 @@ def _graph_bodies(args, opts, ids) -> dict:
     """DecodeGraphs' and (under Triton's interpreter) BatchGraphs' bodies, run eagerly on CPU."""
     from strata.decode_graphs import DecodeGraphs, covers
     out = {}
-    if not covers(args) or opts.get("qtype"):  # (resident: the graphs' products are dp4a kernels, CUDA only)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not covers(args) or (opts.get("qtype") and not interpreted):  # (resident: dp4a kernels, CUDA or interpreted)
         return out
-    m = build(args, opts, 300)
+    m = _dp4a(build(args, opts, 300), opts)
     m(ids[:, :20], 0)
     dg = DecodeGraphs(m)
     for p in range(20, 23):
@@ -168,7 +169,7 @@ def _graph_bodies(args, opts, ids) -> dict:
             out[f"graph.step{p}.logits"], out[f"graph.step{p}.am"] = lg.clone(), am.clone()
     if os.environ.get("TRITON_INTERPRET") == "1":
         from strata.batch_graphs import BatchGraphs, batch_refusal
-        m = build(args, opts, 300, seqs=3)
+        m = _dp4a(build(args, opts, 300, seqs=3), opts)
         lens = (17, 9, 23)
         for s, n in enumerate(lens):
             m.use_slot(s)
@@ -187,6 +188,14 @@ def _graph_bodies(args, opts, ids) -> dict:
             h, lg, am = bg.body(r, bg.bucket(max(pos)))
             out["batch.body"], out["batch.body.logits"], out["batch.body.am"] = h.clone(), lg.clone(), am.clone()
     return out
+
+
+def _dp4a(m, opts: dict):
+    """A resident model's products by the dp4a kernels, which read x's int8 rounding from the kernel before them."""
+    if opts.get("qtype"):
+        from strata.config import KernelSpec
+        m.set_kernels(KernelSpec(gemv_q6k="dp4a", gemv_kquant="dp4a"))
+    return m
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -101,11 +101,12 @@ def run_layers(blocks, h: torch.Tensor, ops) -> torch.Tensor:
 
 
 class PrefillOps:
-    """Chunked prefill's ops: T rows (1, T, dim) at `pos`, rope tables per kind, a prefill group's sequences (segs,
-    Attention._segments) where given. Each layer's matrices read as its weights hold them (a resident layer's
-    dequantized into the scratch just before each product)."""
+    """Chunked prefill's ops: T rows (1, T, dim) at `pos`, rope tables per kind; for a prefill group, `segs` gives a
+    layer's sequences by its key, [(pos, n, (k_cache, v_cache))] in row order (Attention._segments). Each layer's
+    matrices read as its weights hold them (a resident layer's dequantized into the scratch just before each
+    product)."""
 
-    def __init__(self, pos: int, tabs: dict, segs: list | None = None):
+    def __init__(self, pos: int, tabs: dict, segs: Callable[[str], list] | None = None):
         self.pos, self.tabs, self.segs = pos, tabs, segs
 
     def products(self, blk) -> LayerMats:
@@ -137,7 +138,7 @@ class PrefillOps:
         if self.segs is None:
             y = a._cached(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.pos, T)
         else:
-            y = torch.cat(a._segments(q, k, v, self.segs), dim=2)
+            y = torch.cat(a._segments(q, k, v, self.segs(a.key)), dim=2)
         return y.transpose(1, 2).reshape(1, T, a.nh * a.hd), {}
 
     def linear(self, blk, h, x, xq, mats: LayerMats):

@@ -194,7 +194,7 @@ class Block(nn.Module):
         """Prefill of T rows h (1, T, dim) at `pos` (the one layer body, strata.layer, with prefill's ops). cos, sin:
         (T, 1, hd), sin signed (`rope_tables`). segs: a prefill group's sequences (PrefillOps.attend); an attention
         layer only."""
-        ops = PrefillOps(pos, {self.attn.rope_kind: (cos, sin)}, segs)
+        ops = PrefillOps(pos, {self.attn.rope_kind: (cos, sin)}, None if segs is None else lambda _: segs)
         return ops.finish(*layer(self, h, NOTHING, ops))
 
 
@@ -664,9 +664,7 @@ class Transformer(nn.Module):
                 return h.view(1, 1, dim)
             ops = RowsOps(tabs, h.device, pos=pos, wo=self._weight_only)
             return run_layers(self.layers.values(), h.view(T, dim), ops).view(1, T, dim)
-        for blk in self.layers.values():
-            h = blk(h, pos, *tabs[blk.attn.rope_kind])
-        return h
+        return run_layers(self.layers.values(), h, PrefillOps(pos, tabs))
 
     @torch.inference_mode()
     def forward_group(self, x: torch.Tensor, segs: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -688,10 +686,8 @@ class Transformer(nn.Module):
         for s, pos, n in segs:
             if not 0 <= s < len(self._slots) or pos + n > self.slot_positions(s):
                 raise ValueError(f"a prefill group's rows [{pos}, {pos + n}) of slot {s}: outside its cache")
-        for i, blk in self.layers.items():
-            layer = [(pos, n, self._slots[s][i]) for s, pos, n in segs]
-            h = blk(h, 0, *tabs[blk.attn.rope_kind], layer)
-        return h
+        ops = PrefillOps(0, tabs, lambda i: [(pos, n, self._slots[s][i]) for s, pos, n in segs])
+        return run_layers(self.layers.values(), h, ops)
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
