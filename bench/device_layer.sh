@@ -26,8 +26,11 @@ echo "== tests"
 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -8
 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_batch_graphs.py 2>&1 | tail -4
 bad=0
-echo "== graph decode, $BASE against this tree"
+echo "== graph decode, $BASE against this tree (and against itself: a kernel that is not deterministic run to run"
+echo "   would show there first, and then a difference below says nothing about the change)"
 $PY bench/graph_bits.py record "$BASE" "$OUT/graph_base.pt" | tail -3 && \
+    $PY bench/graph_bits.py record "$BASE" "$OUT/graph_base2.pt" | tail -1 && \
+    $PY bench/layer_bits.py compare "$OUT/graph_base.pt" "$OUT/graph_base2.pt" | tail -1 && \
     $PY bench/graph_bits.py record . "$OUT/graph_after.pt" | tail -3 && \
     $PY bench/layer_bits.py compare "$OUT/graph_base.pt" "$OUT/graph_after.pt" || bad=1
 echo "== eager paths on CUDA, $BASE against this tree"

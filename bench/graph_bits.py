@@ -12,6 +12,7 @@ decode batches replayed from the batch graphs (GraphedDecode.decode_seqs: rows, 
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,8 @@ def record(root: str, path: str) -> None:
     if not Path(strata.__file__).resolve().is_relative_to(Path(root).resolve()):
         raise SystemExit(f"strata imported from {strata.__file__}, not {root}")
     import layer_bits
-    layer_bits.DEVICE = "cuda"
+    # (STRATA_BITS_DEVICE=cpu: a dry run of this script where nothing is graphable)
+    dev = layer_bits.DEVICE = os.environ.get("STRATA_BITS_DEVICE", "cuda")
     from strata.config import KernelSpec
     from strata.decode_graphs import GraphedDecode
     res = {}
@@ -36,7 +38,7 @@ def record(root: str, path: str) -> None:
         opts = {**opts, "dtype": torch.bfloat16}
         args = replace(args, max_seq_len=4096)
         g = torch.Generator().manual_seed(11)
-        ids = torch.randint(0, args.vocab_size, (1, 600), generator=g).cuda()
+        ids = torch.randint(0, args.vocab_size, (1, 600), generator=g).to(dev)
         out = {}
         with torch.inference_mode():
             m = layer_bits.build(args, opts, 600)
@@ -65,7 +67,7 @@ def record(root: str, path: str) -> None:
                     break
                 pos, tok = list(lens), [5, 17, 101]
                 for k, order in enumerate(([0, 1, 2], [2, 0], [1, 2, 0], [0, 1, 2])):
-                    x = torch.tensor([tok[s] for s in order], device="cuda")
+                    x = torch.tensor([tok[s] for s in order], device=dev)
                     h, lg, am = gd.decode_seqs(x, order, [pos[s] for s in order])
                     tag = f"batch.{'rows' if rows else 'steps'}{k}"
                     out[tag], out[tag + ".logits"], out[tag + ".am"] = h, lg, am
