@@ -57,7 +57,7 @@ def test_decode_path_matches_prefill_path(qkv_bias, kv_dtype):
 def test_bf16_cache_attention_close_to_widened(monkeypatch):
     """A bfloat16 cache read as is (bfloat16 GEMMs per kv head, float32 softmax; past BF16_ATTENTION_FROM
     positions) against the same cache widened for the float32 path: close, not the same bits."""
-    import strata.models.model as sm
+    import strata.models.layer as sm  # (the decode rows' attention: strata.models.layer.attend_rows)
     monkeypatch.setattr(sm, "BF16_ATTENTION_FROM", 1)
     old, new = build(SMALL, 200, "bfloat16"), build(SMALL, 200, "bfloat16")
     ids = torch.randint(0, SMALL.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3))

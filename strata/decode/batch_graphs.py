@@ -6,7 +6,8 @@ and argmax. Row t reads and writes the cache of slot slots[t] at position positi
 tensor (Transformer.slot_caches), and the rope-and-store and split-K attention kernels take the row's slot and
 position from the device (strata.kernels.decode_kernels.rope_store_rows, SplitKAttention.rows_call), so one graph serves
 every choice of slots and positions. A global layer of a KV pool (kv_pool) is the pool, and a row's slot there is
-its extent's first position (`base`, from Transformer.slot_base).
+its extent's first position (`base`, from Transformer.slot_base). The graph captures the model's one layer body
+(strata.models.layer.run_layers) with the batch's fused kernels as its ops (strata.decode.graph_ops.BatchOps).
 
 Graphs are captured per (rows, bucket of cache positions): rows a power of two up to `max_rows` (a batch of 3 takes
 the graph of 4; its padding rows repeat row 0's inputs and write nothing), the bucket that holds the batch's
@@ -24,10 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.attention import Q8_0, rope_rows, rope_tables, to_cache
-from strata.models.model import Block, RMSNorm, Transformer
-from strata.models.resident import Packed, ResidentMatrices
-from strata.models.weight_only import Products, dense_products
+from strata.kernels.attention import Q8_0, rope_tables
+from strata.decode.graph_ops import BatchOps, fusable
+from strata.models.layer import run_layers
+from strata.models.model import Transformer
+from strata.models.resident import Packed
 
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, Q8_0)
 
@@ -35,8 +37,8 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, Q8_0)
 def batch_refusal(m: Transformer, x: torch.Tensor) -> str | None:
     """Why m's decode batches on x's device cannot be captured beyond what the one-token graphs refuse
     (strata.decode.graphs.graphable, which GraphedDecode asks too); None: they can."""
-    from strata.kernels import decode_attention
-    from strata.kernels import decode_kernels
+    from strata.kernels.fused import decode_attention
+    from strata.kernels.fused import decode_kernels
     if not (decode_attention.available() and decode_kernels.available()):
         return "no Triton"
     if m.kernels.graph_attention != "split-k" or m.kernels.graph_kernels != "triton":
@@ -217,15 +219,8 @@ class BatchGraphs:
         nope = torch.full_like(pos, -1)
         rows = {None: torch.where(live, pos, nope)}  # the cache row each row writes (a padding row: none)
         rows.update({S: torch.where(live, pos % S, nope) for S in self.rings})  # a window layer's ring row
-        n_keys = pos + 1
-        pend = (None, None)
-        for i, blk in m.layers.items():
-            if blk.linear:
-                h, pend = self._linear_layer(blk, h, pend, slot, live, r)
-                continue
-            h, pend = self._layer(i, blk, h, pend, tabs[blk.attn.rope_kind], rows, n_keys, slot, live, b, r)
-        y, post = pend
-        h = h + (y if post is None else self._norm(y, post, r))
+        # the one layer body (strata.models.layer), each row's slot and position read on the device by its ops
+        h = run_layers(m.layers.values(), h, BatchOps(self, r, b, tabs, rows, pos + 1, slot, live))
         if not m.has_head:
             return h, None, None
         logits = self._logits(h, r)
@@ -239,125 +234,6 @@ class BatchGraphs:
         c, s = rope_tables(cos.to(self.dtype), sin.to(self.dtype))
         return c[:, 0].contiguous(), s[:, 0].contiguous()
 
-    def _products(self, blk: Block, r: int) -> tuple[Products, dict]:
-        """A layer's products (on its blocks where resident, else dense through torch) and, per product, whether it
-        reads r rows of x rounded to int8 (then the kernel before it writes that rounding)."""
-        w = blk.weights
-        resident = isinstance(w, ResidentMatrices)
-        mm = w.products() if resident else dense_products(w.get(), None)
-        return mm, {p: resident and w.int8_x(p, r) for p in ("qkv", "wo", "w13", "w2")}
-
-    def _layer(self, i: str, blk: Block, h, pend, tab, rows: dict, n_keys, slot, live, b: int, r: int):
-        """One attention layer on the rows (plus the previous layer's pending product) -> (residual, this layer's
-        MLP product and the norm it still takes, for the next norm's launch)."""
-        from strata.kernels.decode_kernels import rope_store_rows
-        a = blk.attn
-        nh, nkv, hd = a.nh, a.nkv, a.hd
-        mm, int8 = self._products(blk, r)
-        h, x, xq = self._add_norm(h, pend, blk.attn_norm, int8["qkv"], r)
-        qkv = mm.qkv(x, **xq)
-        gate = None
-        if a.gated:  # qwen3_5: the output gate's nh * hd values after q, k, v
-            qkv, gate = qkv[:, :(nh + 2 * nkv) * hd], qkv[:, (nh + 2 * nkv) * hd:]
-        qkv = qkv.reshape(r, nh + 2 * nkv, hd)
-        cos, ssin = tab
-        fuse = cos.shape[-1] == hd  # (partial rotary: torch's rope and an indexed store)
-        qk_norm = None
-        if a.q_norm is not None:
-            if (fuse and self.one._fusable(a.q_norm, qkv) and self.one._fusable(a.k_norm, qkv)
-                    and a.q_norm.eps == a.k_norm.eps):
-                qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
-            else:
-                qkv = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv]), qkv[:, nh + nkv:]), 1)
-        kc, vc = self.m.slot_caches(i)
-        at = rows[kc.shape[2] if a.window is not None else None]
-        pooled = self.m.pooled(i)
-        at_slot = self.base[:r] if pooled else slot  # (a pool's "slot" is the extent's first position)
-        if fuse:
-            q = rope_store_rows(qkv.contiguous(), cos, ssin, at, at_slot, nh, nkv, kc, vc, qk_norm)
-        else:
-            qk = rope_rows(qkv[:, :nh + nkv], cos[:, None], ssin[:, None])
-            q = qk[:, :nh].contiguous()
-            for c, x in ((0, qk[:, nh:]), (1, qkv[:, nh + nkv:])):
-                if pooled:  # the pool itself (its "slots" overlap): row t at position base + at
-                    self._store(self.m.pool_caches(i)[c], x, torch.zeros_like(slot), at_slot + at, live)
-                else:
-                    self._store((kc, vc)[c], x, slot, at, live)
-        att = self._attention(min(b, a.window) if a.window is not None else b, r)
-        y = att.rows_call(q.view(r, nkv, nh // nkv, hd), kc, vc, n_keys, at_slot, scale=a.scale,
-                          window=a.window or 0, sinks=a.sinks).reshape(r, nh * hd)
-        if gate is not None:  # as the eager path's _gated
-            y = y * torch.sigmoid(gate.to(y.dtype))
-        o = mm.wo(y)
-        return self._mlp(blk, mm, h, o, int8, r)
-
-    @staticmethod
-    def _store(cache: torch.Tensor, x: torch.Tensor, slot, at, live) -> None:
-        """Rows x (r, nkv, hd) into every slot's cache (slots, nkv, S, width): row t at slot[t], position at[t]. A
-        padding row (not live; its slot row 0's, its position -1) writes row 0's values at row 0's position again
-        (the same bytes)."""
-        r, nkv = x.shape[:2]
-        x = to_cache(x, cache.dtype)
-        src = torch.where(live, torch.arange(r, device=x.device), torch.zeros_like(slot))
-        heads = torch.arange(nkv, device=x.device)[None, :]
-        dst = cache.view(torch.uint8) if cache.element_size() == 1 and cache.dtype != torch.uint8 else cache
-        val = x.index_select(0, src)
-        if val.dtype != dst.dtype:
-            val = val.view(dst.dtype)
-        dst.index_put_((slot[:, None], heads, at.index_select(0, src)[:, None]), val)
-
-    def _linear_layer(self, blk: Block, h, pend, slot, live, r: int):
-        """A linear-attention layer on the rows: each row's Gated DeltaNet step from its slot's states
-        (GatedDeltaNet.mix_rows), then the MLP as an attention layer's."""
-        mm, int8 = self._products(blk, r)
-        la, w = blk.attn, blk.weights
-        if la.wqkv is None:  # resident: on its blocks, x's int8 rounding from the norm's launch where they read it
-            h, x, xq = self._add_norm(h, pend, blk.attn_norm, w.linear_int8(r), r)
-            lp = w.linear_taking(xq, r)
-        else:
-            h, x, _ = self._add_norm(h, pend, blk.attn_norm, False, r)
-            lp = la.products()
-        o = la.mix_rows(x, lp, slot, live, write=self._write)
-        return self._mlp(blk, mm, h, o, int8, r)
-
-    def _mlp(self, blk: Block, mm: Products, h, o, int8: dict, r: int):
-        """The attention's output added to the residual (gemma3: normed first, in the same launch), then the MLP's
-        product, left pending."""
-        from strata.kernels.decode_kernels import act_mul_rows
-        # a mixture's rows: only a single row takes the norm's int8 rounding (strata.models.moe's few-rows path)
-        want = (blk.mlp.int8_x(h.device) and r == 1) if blk.moe else int8["w13"]
-        h, x, xq = self._add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm, want, r)
-        if blk.moe:
-            return h, (blk.mlp(x, xq.get("xq"), gather=True).view(r, -1), blk.mlp_post_norm)
-        z = act_mul_rows(mm.w13(x, **xq).contiguous(), blk.mlp.activation, int8["w2"])
-        zq = {}
-        if int8["w2"]:
-            z, zq = z[0], {"xq": z[1]}
-        return h, (mm.w2(z, **zq), blk.mlp_post_norm)
-
-    def _norm(self, y: torch.Tensor, norm: RMSNorm, r: int) -> torch.Tensor:
-        if self.one._fusable(norm, y) and y.is_contiguous():
-            from strata.kernels.decode_kernels import rms_norm
-            return rms_norm(y, norm.weight, norm.eps, rows=r)
-        return norm.rows(y)
-
-    def _add_norm(self, h, pend: tuple, norm: RMSNorm, int8: bool, r: int):
-        """pend (y, post): (h + y', norm(h + y') row by row, {} or {"xq": quantize_x's rounding of the normed rows}),
-        y' = post(y) where post is a norm, else y; y None: h. One launch where the kernels take the rows."""
-        from strata.kernels.decode_kernels import add_rms_norm, rms_norm
-        y, post = pend
-        if self.one._fusable(norm, h) and h.is_contiguous():
-            if y is None:
-                out = rms_norm(h, norm.weight, norm.eps, int8, rows=r)
-                return (h, out[0], {"xq": out[1]}) if int8 else (h, out, {})
-            if y.dtype == h.dtype and y.is_contiguous() and (post is None or self.one._fusable(post, y)):
-                pre = None if post is None else (post.weight, post.eps)
-                out = add_rms_norm(h, y, norm.weight, norm.eps, int8, pre, rows=r)
-                return (out[0], out[1], {"xq": out[2]}) if int8 else (out[0], out[1], {})
-        if y is not None:
-            h = h + (y if post is None else self._norm(y, post, r))
-        return h, norm.rows(h), {}
-
     def _logits(self, h: torch.Tensor, r: int) -> torch.Tensor:
         """The final norm and head of the rows: a resident head on its blocks, DECODE_T rows a launch, x's int8
         rounding from the norm's launch where it reads that; else Transformer.logits."""
@@ -366,7 +242,7 @@ class BatchGraphs:
         m = self.m
         w = m.head.weight
         if not (isinstance(w, Packed) and m.head.int8_x(h.device) and m.decode_weights is None
-                and self.one._fusable(m.norm, h) and h.is_contiguous()):
+                and fusable(m.norm, h) and h.is_contiguous()):
             return m.logits(h, decode=True)
         from strata.kernels.decode_kernels import rms_norm
         if rows.takes(m.head.kernels, r, [w.qtype]):  # kernels.gemv_rows mma-float: all at once, x as it is

@@ -3,20 +3,21 @@
 `GraphedDecode(model)` is what a stage (or a bench, or a test) holds beside its slice: its `decode_token` and
 `decode_step` replay a graph where `graphable` says the slice can be captured, else run the slice's eager decode
 path. The model knows nothing of graphs: this module reads it through its public names (the graphs' kernels from
-`Transformer.kernels`, the rig's), and notices a replaced cache or weights by `Transformer.storage_version`.
+`Transformer.kernels`, the rig's), and notices a replaced cache or weights by `Transformer.storage_version`. What
+a graph captures is the model's own layer body (strata.models.layer.run_layers) with the fused kernels as its ops
+(strata.decode.graph_ops.RowOps), not a second coding of the layer.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
-import torch.nn.functional as F
 
-from strata.kernels.attention import Q8_0, from_cache, rope_rows, rope_tables, to_cache
-from strata.models.model import Block, RMSNorm, Transformer, gate
+from strata.kernels.attention import Q8_0, rope_tables
+from strata.decode.graph_ops import RowOps, fusable
+from strata.models.layer import run_layers
+from strata.models.model import Transformer
 from strata.models.resident import DECODE_T, DenseMatrices, Packed, ResidentMatrices, fused_ok
-from strata.models.weight_only import Products, dense_products
 
 GRAPH_MIN_BUCKET = 256
 # the graphs' attention (kernels.graph_attention): "split-k" (strata/kernels/decode_attention.py, Triton; reads only the live
@@ -37,7 +38,7 @@ def covers(args, graph_attention: str = "split-k") -> bool:
     if set(args.extras()) - GRAPH_EXTRAS:
         return False
     if args.sliding_window is not None or args.attn_sinks:  # (sinks: the split-K kernel's merge takes them)
-        from strata.kernels import decode_attention
+        from strata.kernels.fused import decode_attention
         hd = args.head_dim
         return decode_attention.available() and graph_attention == "split-k" and hd & (hd - 1) == 0
     return True
@@ -167,16 +168,6 @@ class GraphedDecode:
         return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
 
 
-def _store_row(cache: torch.Tensor, row: torch.Tensor, x: torch.Tensor) -> None:
-    """x (1, nkv, 1, hd) into cache row `row` (a device tensor). An 8-bit cache through its bytes: CUDA's index_copy_
-    has no float8 kernel (it failed at load with kv_dtype float8_e4m3fn)."""
-    x = to_cache(x, cache.dtype)
-    if cache.element_size() == 1 and cache.dtype != torch.uint8:
-        cache.view(torch.uint8).index_copy_(2, row, x.view(torch.uint8))
-    else:
-        cache.index_copy_(2, row, x)
-
-
 class DecodeGraphs:
     """CUDA graphs of a Transformer slice's one-token step (dense layers, or resident ones multiplied on their
     blocks by strata.quant.gemv), one per bucket of cache positions.
@@ -212,7 +203,7 @@ class DecodeGraphs:
         self._side: torch.cuda.Stream | None = None
         self._pool = None
         self.kernels = m.kernels  # the rig's: the graphs' attention, norm / rope kernels and dense products
-        from strata.kernels import decode_attention  # imports Triton
+        from strata.kernels.fused import decode_attention  # imports Triton
         a = self.attn0
         self.rings = sorted({b.attn.k_cache.shape[2] for b in m.layers.values() if b.attn.window is not None})
         # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter);
@@ -354,17 +345,9 @@ class DecodeGraphs:
         else:
             mask = torch.zeros(b, dtype=dt, device=self.device).masked_fill(self.ar[:b] > self.pos, float("-inf"))
             mask = mask.view(1, 1, 1, b)
-        # each layer's last product and the norm it still takes (gemma3's post-MLP norm, else None), added to the
-        # residual by the next norm's kernel (fused: one launch)
-        pend = (None, None)
-        for blk in m.layers.values():
-            if blk.linear:
-                h, pend = self._linear_layer(blk, h, pend)
-                continue
-            cos, sin = tabs[blk.attn.rope_kind]
-            h, pend = self._layer(blk, h, pend, cos, sin, mask, b, ring_pos)
-        p, post = self._weighed(pend, h)
-        h = h + (p if post is None else self._norm(p, post))
+        # the one layer body (strata.models.layer) with the fused kernels as its ops: each layer's last product, and the norm
+        # it still takes (gemma3's post-MLP norm), added to the residual by the next norm's launch
+        h = run_layers(m.layers.values(), h, RowOps(self, tabs, mask, b, ring_pos))
         if not m.has_head:
             return h, None, None
         logits = self._logits(h[0, -1])  # the head in the graph too: eager, its launches cost more than its GEMV
@@ -384,7 +367,7 @@ class DecodeGraphs:
         """The final norm and head of one row; a dense head by strata.kernels.decode_gemv like the layers' products."""
         m = self.m
         w = m.head.weight
-        if not self.fused or m.decode_weights is not None or not self._fusable(m.norm, h):
+        if not self.fused or m.decode_weights is not None or not fusable(m.norm, h):
             return m.logits(h, decode=True)  # (its final softcap included)
         from strata.kernels.decode_kernels import rms_norm
         if isinstance(w, Packed):  # on its blocks, with x's int8 rounding from the norm's launch where it reads that
@@ -398,176 +381,7 @@ class DecodeGraphs:
         c = m.args.final_softcap
         return out if c is None else torch.tanh(out / c) * c
 
-    def _layer(self, blk: Block, h, pend, cos, sin, mask, b: int, ring_pos: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer on the residual h plus the previous layer's pending product -> (residual, this layer's
-        MLP product, not yet added). A window layer (split-K only) stores at pos's row of its ring and reads the
-        last `window` positions from the whole ring."""
-        a = blk.attn
-        nh, nkv, hd = a.nh, a.nkv, a.hd
-        r = blk.weights  # resident: the fused kernels read the blocks (graphable checked they can)
-        mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
-        int8 = self._int8_inputs(r)
-        h, x, xq = self._add_norm(h, pend, blk.attn_norm, int8["qkv"])  # (the previous layer's product added)
-        qkv = mm.qkv(x, **xq).reshape(-1)
-        gate = None
-        if a.gated:  # qwen3_5: the output gate's nh * hd values after q, k, v
-            qkv, gate = qkv[:(nh + 2 * nkv) * hd], qkv[(nh + 2 * nkv) * hd:]
-        qkv = qkv.view(1, nh + 2 * nkv, hd)
-        # partial rotary (qwen3_5, glm4_moe: cos narrower than hd) takes torch's rope_rows and the row stores
-        fuse = self.fused and cos.shape[-1] == hd
-        # qwen3, gemma3: each head's q and k normed before RoPE (inside rope_store's launch where it can)
-        qk_norm = None
-        if a.q_norm is not None and fuse and self._fusable(a.q_norm, qkv) and self._fusable(a.k_norm, qkv) \
-                and a.q_norm.eps == a.k_norm.eps:  # the launch takes one eps (equal from args.norm_eps today)
-            qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
-        elif a.q_norm is not None:
-            qkv = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv]), qkv[:, nh + nkv:]), 1)
-        if a.window is not None:
-            row, kc, vc = ring_pos[a.k_cache.shape[2]], a.k_cache[0], a.v_cache[0]
-            att, win = self._attention(min(b, a.window)), a.window
-        else:
-            row, kc, vc = self.pos, a.k_cache[0, :, :b], a.v_cache[0, :, :b]
-            att, win = (self._attention(b) if self.use_split_k else None), 0
-        if fuse:  # one launch: q rotated, k rotated and v written at pos
-            from strata.kernels.decode_kernels import int8_out, rope_store
-            q = rope_store(qkv[0], cos.view(hd), sin.view(hd), row, nh, nkv, a.k_cache[0], a.v_cache[0], qk_norm)
-            # the o-projection's int8 x from the merge's launch, where it reads that (not through the output gate)
-            yq = int8_out(q, True) if int8["wo"] and gate is None and hd % 32 == 0 else None
-            y = att(q.view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks, xq=yq)
-            return self._rest(blk, mm, h, y, int8, gate, {} if yq is None else {"xq": yq})
-        qk = rope_rows(qkv[:, :nh + nkv], cos, sin)
-        _store_row(a.k_cache, row, qk[:, nh:].transpose(0, 1).unsqueeze(0))
-        _store_row(a.v_cache, row, qkv[:, nh + nkv:].transpose(0, 1).unsqueeze(0))
-        if self.use_split_k:  # reads only the live keys, in the cache's own dtype
-            y = att(qk[0, :nh].view(nkv, nh // nkv, hd), kc, vc, mask, scale=a.scale, window=win, sinks=a.sinks)
-        else:
-            keys, vals = a.k_cache[:, :, :b], a.v_cache[:, :, :b]
-            if keys.dtype != qk.dtype:  # widened (a q8_0 cache's blocks times their scales)
-                keys, vals = from_cache(keys, qk.dtype, a.triton_state), from_cache(vals, qk.dtype, a.triton_state)
-            q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
-            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=a.scale)
-        return self._rest(blk, mm, h, y, int8, gate)
-
-    def _dense(self, w) -> Products:
-        """A dense layer's products: with the fused kernels, strata.kernels.decode_gemv's (Triton or cuBLAS, whichever
-        it measured faster for the shape); else the eager path's."""
-        if not self.fused:
-            return dense_products(w, None)
-        from strata.kernels.decode_gemv import matvec
-        p, mode = functools.partial, self.kernels.decode_gemv
-        return Products(p(matvec, w=w.wqkv, b=w.bqkv, mode=mode), p(matvec, w=w.wo, b=w.bo, mode=mode),
-                        p(matvec, w=w.w13, mode=mode), p(matvec, w=w.w2, mode=mode))
-
     def _int8_inputs(self, r) -> dict[str, bool]:
-        """Per product of the layer (qkv, wo, w13, w2): whether its kernel reads x rounded to int8, so the kernel
-        before it writes that rounding too (only a resident layer's dp4a products read it; fused steps only)."""
+        """Per product of a layer (qkv, wo, w13, w2): whether its kernel reads x rounded to int8 (RowOps.products)."""
         want = self.fused and isinstance(r, ResidentMatrices)
         return {p: want and r.int8_x(p) for p in ("qkv", "wo", "w13", "w2")}
-
-    def _linear_layer(self, blk: Block, h, pend) -> tuple[torch.Tensor, tuple]:
-        """A linear-attention layer on the residual h plus the previous layer's pending product: the Gated DeltaNet
-        step (GatedDeltaNet.mix on one row: its states advanced in place), then the MLP as `_rest`'s."""
-        r = blk.weights
-        mm = r.products() if isinstance(r, ResidentMatrices) else self._dense(r.get())
-        int8 = self._int8_inputs(r)
-        la = blk.attn
-        if la.wqkv is None:  # resident: on its blocks, x's int8 rounding from the norm's launch where they read it
-            h, x, xq = self._add_norm(h, pend, blk.attn_norm, self.fused and r.linear_int8())
-            lp = r.linear_taking(xq)
-        else:
-            h, x, _ = self._add_norm(h, pend, blk.attn_norm)
-            lp = self._dense_linear(la)
-        o = la.mix(x.view(1, -1), lp).view(1, 1, -1)
-        return self._mlp(blk, mm, h, o, int8)
-
-    def _dense_linear(self, la):
-        """A linear-attention layer's own dense products: strata.kernels.decode_gemv's with the fused kernels, else F.linear."""
-        if not self.fused:
-            return la.products()
-        from strata.kernels.decode_gemv import matvec
-        from strata.models.linear_attention import LinearProducts
-        mode = self.kernels.decode_gemv
-        mv = lambda w: functools.partial(matvec, w=w, mode=mode)  # noqa: E731
-        b, a = mv(la.wb), mv(la.wa)
-        return LinearProducts(mv(la.wqkv), mv(la.wz), lambda x: (b(x), a(x)), mv(la.wo))
-
-    def _rest(self, blk: Block, mm: Products, h, y, int8: dict[str, bool],
-              gate: torch.Tensor | None = None, yq: dict | None = None) -> tuple[torch.Tensor, tuple]:
-        """The layer after attention: the output gate (qwen3_5: y times sigmoid(gate)), o-projection (yq: {} or
-        {"xq": y's int8 rounding, from the attention's launch}), residual, MLP (its product, and the norm it takes
-        first, left for the next norm to add)."""
-        y = y.reshape(1, 1, -1)
-        if gate is not None:  # as the eager path's _gated
-            y = y * torch.sigmoid(gate.to(y.dtype)).view(1, 1, -1)
-        return self._mlp(blk, mm, h, mm.wo(y, **(yq or {})), int8)
-
-    def _mlp(self, blk: Block, mm: Products, h, o, int8: dict[str, bool]) -> tuple[torch.Tensor, tuple]:
-        """The attention's (or linear attention's) output o added to the residual, then the MLP."""
-        # (gemma3: the output normed before its residual add, in the same launch)
-        moe_int8 = blk.moe and self.fused and blk.mlp.int8_x(h.device)  # the experts' gate/up read x in int8
-        h, x, xq = self._add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm,
-                                  moe_int8 if blk.moe else int8["w13"])
-        if blk.moe:  # routing and the chosen experts' products, all on the device (strata.models.moe's few-rows path)
-            if self.fused and blk.mlp_post_norm is None and blk.mlp.unweighed(h.device):
-                # their weighted sum left to the next norm's launch (add_rms_norm's experts)
-                return h, (blk.mlp.step_rows(x.view(1, -1), xq.get("xq")), None)
-            p = blk.mlp(x.view(1, -1), xq.get("xq")).view(x.shape)
-            return h, (p, blk.mlp_post_norm)
-        g, up = mm.w13(x, **xq).split(blk.mlp.ffn, dim=-1)
-        zq = {}
-        if self.fused:  # one launch instead of two, rounded once, and x's int8 rounding for w2 if it reads that
-            from strata.kernels.decode_kernels import act_mul
-            z = act_mul(g, up, blk.mlp.activation, int8["w2"])
-            if int8["w2"]:
-                z, zq = z[0], {"xq": z[1]}
-        else:
-            z = gate(g, up, blk.mlp.activation, fused=False)
-        p = mm.w2(z, **zq)
-        return h, (p, blk.mlp_post_norm)
-
-    @staticmethod
-    def _fusable(norm: RMSNorm, x: torch.Tensor) -> bool:
-        """Whether strata.kernels.decode_kernels' norms compute `norm` on x: rounded once from float32, as torch's fused
-        rms_norm with the weight in x's dtype, or gemma's float32 (1 + w) on x widened (RMSNorm.forward)."""
-        return x.dtype in (torch.bfloat16, torch.float16, torch.float32) and (
-            norm.weight.dtype == x.dtype or (norm.upcast and norm.weight.dtype == torch.float32))
-
-    def _norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        if self.fused and self._fusable(norm, x) and x.is_contiguous():
-            from strata.kernels.decode_kernels import rms_norm
-            return rms_norm(x, norm.weight, norm.eps)
-        return norm.rows(x)
-
-    @staticmethod
-    def _weighed(pend: tuple, h: torch.Tensor) -> tuple:
-        """pend with a token's experts' outputs (ys, w) summed by their weights, rounded to h's dtype."""
-        y, post = pend
-        if not isinstance(y, tuple):
-            return pend
-        from strata.models.moe import weighed_sum
-        return weighed_sum(*y).view(h.shape), post
-
-    def _add_norm(self, h: torch.Tensor, pend: tuple, norm: RMSNorm,
-                  int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """pend (y, post): (h + y', norm(h + y'), {} or {"xq": quantize_x's rounding of the normed row} with int8),
-        y' = post(y) where post is a norm (gemma3's post norms), else y; y None: h. y may be a token's experts'
-        outputs and their weights (ys (k, dim), w (1, k)): summed in the same launch (MoE.step_rows)."""
-        y, post = pend
-        if self.fused and self._fusable(norm, h) and h.is_contiguous():
-            from strata.kernels.decode_kernels import add_rms_norm, rms_norm
-            if isinstance(y, tuple):
-                if y[0].dtype == h.dtype and y[0].is_contiguous() and post is None:
-                    out = add_rms_norm(h, y[0], norm.weight, norm.eps, int8, experts=y[1].reshape(-1).contiguous())
-                    return (out[0], out[1], {"xq": out[2]}) if int8 else (out[0], out[1], {})
-                y, post = self._weighed((y, post), h)
-            if y is None:
-                out = rms_norm(h, norm.weight, norm.eps, int8)
-                return (h, out[0], {"xq": out[1]}) if int8 else (h, out, {})
-            if y.dtype == h.dtype and y.is_contiguous() and (post is None or self._fusable(post, y)):
-                pre = None if post is None else (post.weight, post.eps)
-                out = add_rms_norm(h, y, norm.weight, norm.eps, int8, pre)
-                return (out[0], out[1], {"xq": out[2]}) if int8 else (out[0], out[1], {})
-        y, post = self._weighed((y, post), h)
-        if y is not None:
-            h = h + (y if post is None else self._norm(y, post))
-        return h, norm.rows(h), {}

@@ -306,7 +306,7 @@ def flex_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     keys, vals = (_window_rows(c, q.dtype, pos, T, window, n, triton_state) for c in (k_cache, v_cache))
     qp = q
     if T != Tp or q.stride() != (T * nh * hd, hd, nh * hd, 1):
-        # padded in Attention.forward's layout (1, T, nh, hd): one layout, one compile per bucket
+        # padded in PrefillOps.attend's layout (1, T, nh, hd): one layout, one compile per bucket
         qp = q.new_zeros(1, Tp, nh, hd).transpose(1, 2)
         qp[:, :, :T] = q
     lead = max(0, window - 1 - pos)  # key rows before position 0 (zeros)
@@ -522,7 +522,8 @@ def keep_cudnn_shapes(model, shapes) -> None:
 def warm_chunk_attention(model, shapes, attend=None) -> int:
     """Build cuDNN's graphs for the attention of chunks (pos, n) ahead of a prefill: one layer's unmasked call
     against its cache's first `pos` keys, and the causal call on the chunk's own n keys (once per shape), with a
-    zero q of the chunk's shape and layout (the same strides as Attention.forward, which the graph is keyed on).
+    zero q of the chunk's shape and layout (the same strides as PrefillOps.attend's (strata.models.layer), which the graph
+    is keyed on).
     Only where chunk_attention takes the cuDNN split (CUDA, half precision); returns how many chunk shapes were
     built (0 elsewhere). Reads the cache, writes nothing. `attend`: the call to make instead (tests)."""
     device, dtype = model.device_dtype()

@@ -54,6 +54,15 @@ _lock = threading.Lock()
 
 
 KV_DTYPES = {torch.float32: 32, torch.bfloat16: 16, torch.float8_e4m3fn: 8}  # the caches the C attention reads
+# what strata/kernels/csrc/cpu_decode.c implements beyond the Llama core (ModelArgs.extras), the one place its coverage is
+# declared: nothing. The one layer body (strata.models.layer) runs every other variation; a model using one is refused here
+# (`uncovered`), never decoded in C without it.
+C_EXTRAS: frozenset[str] = frozenset()
+
+
+def uncovered(args) -> list[str]:
+    """The variations of `args` (ModelArgs.extras) the C decoder does not implement."""
+    return [e for e in args.extras() if e not in C_EXTRAS]
 
 
 def auto_kind(args, quantized: bool, weights: str, kv_dtype: torch.dtype = torch.float32) -> tuple[str, str]:
@@ -67,8 +76,8 @@ def auto_kind(args, quantized: bool, weights: str, kv_dtype: torch.dtype = torch
         return "none", "float weights (blocks would round them to 8 bits)"
     if weights != "dequantized":
         return "none", f"weights {weights} (the C decoder reads a dequantized slice's blocks beside it)"
-    if args.extras():
-        return "none", f"the C decoder implements the Llama core; {args.arch} uses {', '.join(args.extras())}"
+    if uncovered(args):
+        return "none", f"the C decoder implements the Llama core; {args.arch} uses {', '.join(uncovered(args))}"
     if kv_dtype not in KV_DTYPES:
         name = "q8_0" if kv_dtype == torch.uint8 else str(kv_dtype).removeprefix("torch.")
         return "none", f"kv_dtype {name} (the C decoder reads a float32, bfloat16 or float8_e4m3fn cache)"
@@ -217,8 +226,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, portable: bool = F
 def supported(model) -> str | None:
     """Why `model` (a strata.models.model.Transformer slice) cannot decode here, or None."""
     a = model.args
-    if a.extras():
-        return f"implements the Llama core only (this model also has: {', '.join(a.extras())})"
+    if uncovered(a):
+        return f"implements the Llama core only (this model also has: {', '.join(uncovered(a))})"
     device, dtype = model.device_dtype()
     if device.type != "cpu" or dtype != torch.float32:
         return f"needs float32 weights on the CPU (this slice: {dtype} on {device})"

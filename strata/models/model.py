@@ -6,8 +6,9 @@ end == n_layers. What a family varies (q/k norms, norm placement, windows, activ
 from its `ModelArgs` (strata.models.args; the families and their files: strata.models.families). Prefill is chunked:
 `forward(x, pos)` runs T tokens at absolute position `pos`, appending their keys/values to a cache
 allocated once for the whole prompt. Up to DECODE_T rows take a decode path (one unmasked attention call
-for T=1, fewer ops), optionally with narrower CPU weights (`set_decode_weights`). CUDA graphs of the one-token
-step are built from outside (strata.decode.graphs); `storage_version` tells them when cache or weights changed.
+for T=1, fewer ops), optionally with narrower CPU weights (`set_decode_weights`). Every path runs the one layer
+body of strata.models.layer with its own ops. CUDA graphs of the one-token step are built from outside (strata.decode.graphs);
+`storage_version` tells them when cache or weights changed.
 """
 from __future__ import annotations
 
@@ -17,17 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.models.args import ModelArgs
-from strata.kernels.attention import (_FP8, BF16_ATTENTION_FROM, CUDA_ATTENTION_DEFAULT, PREFIX_BLOCK, Q8_0, _bf16_cache_attention,
-                        apply_rope, cache_width, chunk_attention, decode_attention, from_cache, kv_dtype_of,
-                        narrow_cache_attention, rope_rows, rope_tables, sink_attention, store_rows, to_cache,
-                        window_attention)
-from strata.models.resident import (DECODE_T, PRODUCTS, DenseMatrices, Head, Mats, Packed, QuantEmbedding, Quantized,
+from strata.kernels.attention import (CUDA_ATTENTION_DEFAULT, PREFIX_BLOCK, cache_width, chunk_attention, from_cache, kv_dtype_of,
+                        narrow_cache_attention, rope_tables, sink_attention, store_rows, window_attention)
+from strata.models.resident import (DECODE_T, PRODUCTS, DenseMatrices, Head, Packed, QuantEmbedding, Quantized,
                        ResidentExperts, ResidentMatrices, Scratch, _dequantize, head_rows)
 from strata.config import KernelSpec
 from strata.triton_state import TritonState
+from strata.models.layer import NOTHING, PrefillOps, RowsOps, layer, run_layers
 from strata.models.linear_attention import GatedDeltaNet
 from strata.models.moe import MoE
-from strata.models.weight_only import DECODE_KINDS, LayerWeightOnly, Products, WeightOnly, dense_products
+from strata.models.weight_only import DECODE_KINDS, LayerWeightOnly, WeightOnly
 
 def rope_frequencies(args: ModelArgs, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,) float32 for base `theta` (default the model's), with its scaling if
@@ -83,6 +83,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.nh, self.nkv, self.hd = args.n_heads, args.n_kv_heads, args.head_dim
+        self.key = str(layer)  # the layer's key in Transformer.layers (its caches' and decode weights')
         self.window = args.window(layer)
         self.scale = args.attn_scale  # None: head_dim ** -0.5, every backend's default
         self.rope_kind = "window" if self.window is not None and args.window_rope_theta is not None else "global"
@@ -102,34 +103,6 @@ class Attention(nn.Module):
         self.cudnn_shapes: frozenset | None = None  # the (pos, T) chunks cuDNN's split takes (workers/load.warm_up)
         self.triton_state: TritonState | None = None  # the slice's, on which a failed kernel falls back (Transformer)
         self.window_kernel = "flex"  # kernels.window_attention: a window layer's chunk attention (window_attention)
-
-    def forward(self, x: torch.Tensor, w: Mats, pos: int, cos: torch.Tensor, sin: torch.Tensor,
-                segs: list | None = None) -> torch.Tensor:
-        """x: (1, T, dim); cos, sin: (T, 1, hd), sin signed (`rope_tables`). segs (a prefill group,
-        Transformer.forward_group): x's rows are several sequences' chunks, [(pos, n, (k_cache, v_cache))] in row
-        order, each stored into and attending over its own caches as its chunk alone would (pos unused)."""
-        T = x.shape[1]
-        qkv = F.linear(x, w.wqkv, w.bqkv)
-        gate = None
-        if self.gated:
-            qkv, gate = qkv.split([qkv.shape[-1] - self.nh * self.hd, self.nh * self.hd], dim=-1)
-        q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q, k = q.view(1, T, self.nh, self.hd), k.view(1, T, self.nkv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # rope on the (1, T, heads, hd) rows, then (1, heads, T, hd) views: q's layout is what
-        # warm_chunk_attention builds cuDNN's graphs for
-        q = apply_rope(q, cos, sin, self.fused, self.triton_state)    # (1, T, nh, hd)
-        k = apply_rope(k, cos, sin, self.fused, self.triton_state)    # (1, T, nkv, hd)
-        v = v.view(1, T, self.nkv, self.hd)
-        if segs is None:  # (1, heads, T, hd) views
-            y = self._cached(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, T)
-        else:
-            y = torch.cat(self._segments(q, k, v, segs), dim=2)
-        y = y.transpose(1, 2).reshape(1, T, self.nh * self.hd)
-        if gate is not None:
-            y = y * torch.sigmoid(gate)
-        return F.linear(y, w.wo, w.bo)
 
     def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, T: int) -> torch.Tensor:
         """k, v (1, nkv, T, hd) into the cache at [pos, pos + T), then q's attention over what it may see."""
@@ -188,30 +161,12 @@ class Attention(nn.Module):
         return keys, vals
 
 
-def gate(gate: torch.Tensor, up: torch.Tensor, activation: str, fused: bool = True,
-         triton_state: TritonState | None = None) -> torch.Tensor:
-    """act(gate) * up: SwiGLU or GeGLU with the tanh-approximated GELU; one Triton kernel on CUDA unless not fused
-    (it falls back on `triton_state` to the torch formula)."""
-    if gate.is_cuda and fused:
-        from strata.kernels.fused import gated
-        y = gated(gate, up, activation, triton_state)
-        if y is not None:
-            return y
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
-    return F.silu(gate) * up
-
-
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.ffn, self.activation = args.ffn_dim, args.activation
         self.fused = True  # act(gate)*up as one Triton kernel on CUDA (Transformer.set_kernels)
         self.triton_state: TritonState | None = None  # the slice's (Transformer)
-
-    def forward(self, x: torch.Tensor, w: Mats) -> torch.Tensor:
-        g, up = F.linear(x, w.w13).split(self.ffn, dim=-1)
-        return F.linear(gate(g, up, self.activation, self.fused, self.triton_state), w.w2)
 
 
 # a Gated DeltaNet layer's matrices: its attribute, the canonical name (strata.models.names)
@@ -222,6 +177,7 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         up = args.norm_offset
+        self.key = str(layer)  # its key in Transformer.layers
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, up)
         self.linear = args.is_linear(layer)  # Gated DeltaNet in place of attention (qwen3_5)
         self.attn = GatedDeltaNet(args) if self.linear else Attention(args, layer)
@@ -235,152 +191,11 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 segs: list | None = None) -> torch.Tensor:
-        """segs: a prefill group's sequences (Attention.forward); an attention layer only."""
-        w = self.weights.get()
-        y = self.attn(self.attn_norm(h), w, pos, cos, sin) if segs is None else \
-            self.attn(self.attn_norm(h), w, pos, cos, sin, segs)
-        h = h + (y if self.attn_post_norm is None else self.attn_post_norm(y))
-        x = self.mlp_norm(h)
-        y = self.mlp(x) if self.moe else self.mlp(x, w)
-        return h + (y if self.mlp_post_norm is None else self.mlp_post_norm(y))
-
-    def decode(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
-               wo: LayerWeightOnly | None = None) -> torch.Tensor:
-        """The layer for a few rows (T <= DECODE_T) in fewer ops: fused norms, rope on q and k at
-        once, T == 1 attention as one unmasked call; `wo`: weight-only kernels for the matrices.
-
-        h: (1, T, dim). cos, sin: (T, 1, hd), sin signed (`_signed_sin`, made once per step). Same arithmetic as
-        forward up to rounding (not the same bits)."""
-        T = h.shape[1]
-        return self.decode_rows(h.view(T, h.shape[2]), pos, cos, sin, wo).view(1, T, -1)
-
-    def decode_rows(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
-                    wo: LayerWeightOnly | None = None) -> torch.Tensor:
-        """Block.decode on the residual as rows (T, dim): a decode step is bound by per-op dispatch (SmolLM2:
-        ~35 tiny ops a layer), so every view, cast and copy that can go does (weight-only products stay in
-        bfloat16 until added to the float32 residual; silu(gate) * up in bfloat16, which the next kernel
-        rounds its input to anyway)."""
-        a, T = self.attn, h.shape[0]
-        if self.linear:  # resident: multiplied on the blocks where the fused kernels can (GatedDeltaNet.forward's w)
-            r = self.weights
-            blocks = wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device)
-            mm = r.products() if blocks else dense_products(r.get(), wo)
-            y = a(self.attn_norm.rows(h)[None], r if blocks else r.get(), pos)[0]
-            return self._mlp_rows(self._add_attn(h, y.to(h.dtype)), mm)
-        a.check(pos, T)
-        mm = self._products(h, wo)
-        qk, qkv, gate = self._qkv_rows(mm, self.attn_norm.rows(h), cos, sin)
-        y = self._attend_rows(qk, qkv, pos, a.k_cache, a.v_cache, h.dtype, wo is not None)
-        return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
-
-    def decode_seqs_rows(self, h: torch.Tensor, positions: list[int], cos: torch.Tensor, sin: torch.Tensor,
-                         caches: list[tuple[torch.Tensor, torch.Tensor]],
-                         wo: LayerWeightOnly | None = None) -> torch.Tensor:
-        """decode_rows for m sequences' steps (Transformer.decode_seqs): row t at positions[t], with its own cache
-        (kc, vc) = caches[t] and rope rows cos[t], sin[t]. The products take all the rows at once (each weight
-        read once a batch); each row's attention reads its own cache as its step alone would."""
-        a = self.attn
-        mm = self._products(h, wo)
-        qk, qkv, gate = self._qkv_rows(mm, self.attn_norm.rows(h), cos, sin)
-        ys = []
-        for t, (pos, (kc, vc)) in enumerate(zip(positions, caches)):
-            a.check(pos, 1)
-            ys.append(self._attend_rows(qk[t:t + 1], qkv[t:t + 1], pos, kc, vc, h.dtype, wo is not None))
-        y = torch.cat([r.to(ys[0].dtype) for r in ys])  # (a row's attention may take another kernel by its length)
-        return self._mlp_rows(self._add_attn(h, mm.wo(_gated(y, gate))), mm)
-
-    def decode_seqs_linear(self, h: torch.Tensor, slots: torch.Tensor,
-                           wo: LayerWeightOnly | None = None) -> torch.Tensor:
-        """decode_seqs_rows for a linear-attention layer: row t steps sequence slots[t]'s states (a device tensor of
-        distinct slots) and leaves them after it (GatedDeltaNet.mix_rows); the products take all the rows at once.
-        The caller checks and moves each slot's position (Transformer.decode_seqs)."""
-        r = self.weights
-        blocks = wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device)
-        mm = r.products() if blocks else dense_products(r.get(), wo)
-        a = self.attn
-        lp = a.products() if a.wqkv is not None else (r if blocks else r.get()).linear()
-        live = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
-        y = a.mix_rows(self.attn_norm.rows(h), lp, slots, live)
-        return self._mlp_rows(self._add_attn(h, y.to(h.dtype)), mm)
-
-    def _products(self, h: torch.Tensor, wo: LayerWeightOnly | None) -> Products:
-        r = self.weights
-        if wo is None and isinstance(r, ResidentMatrices) and r.fused_decode_ok(h.device):
-            return r.products()  # multiply on the blocks: no per-token dequantization into the scratch
-        return dense_products(r.get(), wo)
-
-    def _qkv_rows(self, mm: Products, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k, v of normed rows x (T, dim): (q and k roped (T, nh + nkv, hd), qkv (T, nh + 2 nkv, hd), the
-        output gate or None)."""
-        a, T = self.attn, x.shape[0]
-        nh, nkv, hd = a.nh, a.nkv, a.hd
-        qkv = mm.qkv(x)
-        gate = None
-        if a.gated:
-            qkv, gate = qkv[:, :(nh + 2 * nkv) * hd], qkv[:, (nh + 2 * nkv) * hd:]
-        qkv = qkv.reshape(T, nh + 2 * nkv, hd)
-        if a.q_norm is not None:
-            qk = torch.cat((a.q_norm.rows(qkv[:, :nh]), a.k_norm.rows(qkv[:, nh:nh + nkv])), 1)
-            qk = rope_rows(qk, cos, sin)
-        else:
-            qk = rope_rows(qkv[:, :nh + nkv], cos, sin)  # in h's dtype (a bfloat16 qkv is promoted)
-        return qk, qkv, gate
-
-    def _attend_rows(self, qk: torch.Tensor, qkv: torch.Tensor, pos: int, kc: torch.Tensor, vc: torch.Tensor,
-                     dtype: torch.dtype, weight_only: bool) -> torch.Tensor:
-        """T rows' attention at [pos, pos + T): their k and v into the cache (kc, vc), then q against what it may
-        see -> (T, nh * hd)."""
-        a, T = self.attn, qk.shape[0]
-        nh, hd = a.nh, a.hd
-        k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, nh + a.nkv:].transpose(0, 1)  # (nkv, T, hd)
-        if kc.dtype in _FP8 or kc.dtype == Q8_0:  # clamped, or quantized in blocks (to_cache)
-            k_new, v_new = to_cache(k_new, kc.dtype), to_cache(v_new, vc.dtype)
-        if a.window is not None or a.sinks is not None:  # a window layer's cache may be a ring
-            store_rows(kc, k_new, pos)
-            store_rows(vc, v_new, pos)
-            w = a.window if a.window is not None else pos + T
-            if pos + T > w or a.sinks is not None:
-                q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-                if a.window is None:  # a global layer with sinks
-                    keys, vals = kc[:, :, :pos + T], vc[:, :, :pos + T]
-                    if keys.dtype != q.dtype:
-                        keys, vals = from_cache(keys, q.dtype, a.triton_state), from_cache(vals, q.dtype, a.triton_state)
-                    y = sink_attention(q, keys, vals, pos, a.sinks, a.scale)
-                else:
-                    y = window_attention(q, kc, vc, pos, w, a.scale, a.sinks, triton_state=a.triton_state)
-                return y.transpose(1, 2).reshape(T, nh * hd)
-        else:
-            kc.narrow(2, pos, T).copy_(k_new)  # copy_ casts (and broadcasts the missing batch dim)
-            vc.narrow(2, pos, T).copy_(v_new)
-        keys, vals = kc.narrow(2, 0, pos + T), vc.narrow(2, 0, pos + T)
-        if (T == 1 and keys.dtype == torch.bfloat16 != qk.dtype and keys.device.type == "cpu"
-                and pos + 1 >= BF16_ATTENTION_FROM):
-            y = _bf16_cache_attention(qk[:, :nh], keys, vals, a.scale)  # the prefix is never widened
-            return y if weight_only else y.to(dtype)
-        if keys.dtype != qk.dtype:
-            keys, vals = from_cache(keys, qk.dtype, a.triton_state), from_cache(vals, qk.dtype, a.triton_state)
-        if T == 1:
-            return decode_attention(qk[:, :nh].view(1, nh, 1, hd), keys, vals, a.scale).view(1, nh * hd)
-        q = qk[:, :nh].transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-        return chunk_attention(q, keys, vals, pos, a.scale, a.cuda_attention, a.fused, a.triton_state,
-                               a.cudnn_shapes).transpose(1, 2).reshape(T, nh * hd)
-
-    def _add_attn(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return h + (y if self.attn_post_norm is None else self.attn_post_norm.rows(y))
-
-    def _mlp_rows(self, h: torch.Tensor, mm: Products) -> torch.Tensor:
-        x = self.mlp_norm.rows(h)
-        if self.moe:  # only the chosen experts' matrices are read (strata.models.moe)
-            y = self.mlp(x).to(h.dtype)
-            return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
-        g, up = mm.w13(x).split(self.mlp.ffn, dim=-1)
-        y = mm.w2(F.silu(g) * up if self.mlp.activation == "silu" else gate(g, up, self.mlp.activation,
-                                                                             self.mlp.fused, self.mlp.triton_state))
-        return h + (y if self.mlp_post_norm is None else self.mlp_post_norm.rows(y))
-
-
-def _gated(y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    return y if gate is None else y * torch.sigmoid(gate.to(y.dtype))
+        """Prefill of T rows h (1, T, dim) at `pos` (the one layer body, strata.models.layer, with prefill's ops). cos, sin:
+        (T, 1, hd), sin signed (`rope_tables`). segs: a prefill group's sequences (PrefillOps.attend); an attention
+        layer only."""
+        ops = PrefillOps(pos, {self.attn.rope_kind: (cos, sin)}, None if segs is None else lambda _: segs)
+        return ops.finish(*layer(self, h, NOTHING, ops))
 
 
 class Transformer(nn.Module):
@@ -820,7 +635,7 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, pos: int, decode: bool | None = None) -> torch.Tensor:
         """x: token ids (1, T) on the first slice, else the residual (1, T, dim). Returns the residual.
 
-        decode: None picks the decode path (Block.decode, weight-only kernels if set) for T <= DECODE_T rows,
+        decode: None picks the decode path (strata.models.layer.RowsOps, weight-only kernels if set) for T <= DECODE_T rows,
         the prefill path above; True / False force one. The prefill path's arithmetic is the same for every T;
         the two paths agree up to rounding. (One-token steps through CUDA graphs: strata.decode.graphs.)"""
         T = x.shape[1]
@@ -847,13 +662,9 @@ class Transformer(nn.Module):
                 h = h.reshape(dim) if self.has_embed else h.reshape(dim).clone()  # in place: never the caller's
                 self._blocks.layers(h, pos, *tabs["global"])
                 return h.view(1, 1, dim)
-            h = h.view(T, dim)
-            for i, blk in self.layers.items():
-                h = blk.decode_rows(h, pos, *tabs[blk.attn.rope_kind], self._weight_only.get(i))
-            return h.view(1, T, dim)
-        for blk in self.layers.values():
-            h = blk(h, pos, *tabs[blk.attn.rope_kind])
-        return h
+            ops = RowsOps(tabs, h.device, pos=pos, wo=self._weight_only)
+            return run_layers(self.layers.values(), h.view(T, dim), ops).view(1, T, dim)
+        return run_layers(self.layers.values(), h, PrefillOps(pos, tabs))
 
     @torch.inference_mode()
     def forward_group(self, x: torch.Tensor, segs: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -875,10 +686,8 @@ class Transformer(nn.Module):
         for s, pos, n in segs:
             if not 0 <= s < len(self._slots) or pos + n > self.slot_positions(s):
                 raise ValueError(f"a prefill group's rows [{pos}, {pos + n}) of slot {s}: outside its cache")
-        for i, blk in self.layers.items():
-            layer = [(pos, n, self._slots[s][i]) for s, pos, n in segs]
-            h = blk(h, 0, *tabs[blk.attn.rope_kind], layer)
-        return h
+        ops = PrefillOps(0, tabs, lambda i: [(pos, n, self._slots[s][i]) for s, pos, n in segs])
+        return run_layers(self.layers.values(), h, ops)
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
@@ -1052,12 +861,9 @@ class Transformer(nn.Module):
             for la in linear:  # each slot's states stand at its row's position (0: zeroed)
                 la.begin_rows(slots, positions)
             at = torch.tensor(slots, device=h.device) if linear else None
-            for i, blk in self.layers.items():
-                if blk.linear:
-                    h = blk.decode_seqs_linear(h, at, self._weight_only.get(i))
-                    continue
-                h = blk.decode_seqs_rows(h, positions, *tabs[blk.attn.rope_kind], [self._slots[s][i] for s in slots],
-                                         self._weight_only.get(i))
+            ops = RowsOps(tabs, h.device, wo=self._weight_only, positions=positions, slots=at,
+                          caches=lambda i: [self._slots[s][i] for s in slots])
+            h = run_layers(self.layers.values(), h, ops)
             for la in linear:
                 la.step_rows(slots, positions)
             if not self.has_head:
