@@ -11,8 +11,11 @@
 #             tree; then llama-bench's decode at the same depths on the same file
 #   serve     bench/serve_concurrency.py: 16 streams of 32-id prompts, 128 tokens (max_seqs 16), base, this tree,
 #             base, this tree, the first pair beside llama-batched-bench
+#   layer     bench/device_layer.sh against .base: the GPU tests of the layer and graphs, then the graph replays' and
+#             the eager CUDA paths' outputs per family, both trees compared bit for bit
 #   gpu-tests pytest -m gpu on this tree's GPU tests
-# Usage (carry .whl .peer .base): bash bench/device_structure.sh setup ggufs bits   (first call, ~9 min)
+# PAIRS (default 2): the base / this tree pairs of `decode` and `serve`.
+# Usage (carry .whl .peer .base): bash bench/device_structure.sh setup layer ggufs   (first call)
 #                                 bash bench/device_structure.sh setup decode serve  (second call, at once)
 LOG=${LOG:-/tmp/structure}; mkdir -p "$LOG"
 if [ "${1:-}" = base ]; then  # (here) the base tree, from git
@@ -66,7 +69,7 @@ bits)
   done 2>&1 | tee "$LOG/bits.log" ;;
 decode)
   build_wait
-  for tree in "$PWD/.base" "$PWD" "$PWD/.base" "$PWD"; do
+  for tree in $(for _ in $(seq "${PAIRS:-2}"); do echo "$PWD/.base $PWD"; done); do
     fits "decode $(basename "$tree")" 100 || break
     el "decode after 2,048 and 122,880 tokens, 8B Q4_K_M, 1 GPU: $(basename "$tree")"
     (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 200 python3 bench/generate.py --model /tmp/8b-q4km.gguf \
@@ -79,7 +82,7 @@ serve)
   build_wait
   wheels uvicorn starlette httpx
   peer="$LL/build/bin/llama-batched-bench"
-  for tree in "$PWD/.base" "$PWD" "$PWD/.base" "$PWD"; do
+  for tree in $(for _ in $(seq "${PAIRS:-2}"); do echo "$PWD/.base $PWD"; done); do
     fits "serve $(basename "$tree")" 90 || break
     el "the server, 16 streams, 8B Q4_K_M, 1 GPU: $(basename "$tree")"
     (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 200 python3 bench/serve_concurrency.py \
@@ -87,6 +90,9 @@ serve)
       --max-context 4096 --peer "$peer" 2>&1 | tail -3)
     peer=''
   done 2>&1 | tee "$LOG/serve.log" ;;
+layer)
+  el "the one layer body on CUDA: GPU tests, graph and eager outputs against .base"
+  OUT=$LOG/layer PY=python3 timeout "$(( $(left) - 60 ))" bash bench/device_layer.sh "$PWD/.base" 2>&1 | tee "$LOG/layer.log" ;;
 gpu-tests)
   el "GPU tests of this tree"
   timeout "$(( $(left) - 10 ))" python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -15 ;;

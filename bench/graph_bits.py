@@ -30,7 +30,7 @@ def record(root: str, path: str) -> None:
     # (STRATA_BITS_DEVICE=cpu: a dry run of this script where nothing is graphable)
     dev = layer_bits.DEVICE = os.environ.get("STRATA_BITS_DEVICE", "cuda")
     from strata.config import KernelSpec
-    from strata.decode.graphs import GraphedDecode
+    GraphedDecode = layer_bits.mod("strata.decode.graphs").GraphedDecode
     res = {}
     for name, (args, opts) in layer_bits.tiny_cases().items():
         if opts.get("long"):

@@ -25,8 +25,24 @@ from pathlib import Path
 import torch
 
 
+# the modules this reads, by their names in the packages (issue 55) and in the flat layout before them: a tree of
+# either layout can be recorded
+FLAT = {"strata.models.args": "strata.args", "strata.weights.checkpoint": "strata.checkpoint",
+        "strata.models.model": "strata.model", "strata.decode.graphs": "strata.decode_graphs",
+        "strata.decode.batch_graphs": "strata.batch_graphs"}
+
+
+def mod(name: str):
+    """strata's module `name`, or its flat-layout namesake in a tree from before the packages."""
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        return importlib.import_module(FLAT[name])
+
+
 def tiny_cases():
-    from strata.models.args import PRESETS
+    PRESETS = mod("strata.models.args").PRESETS
     small = dict(vocab_size=300, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, max_seq_len=4096)
     P = PRESETS
     LIN4 = (True, True, True, False)  # qwen3.5's three linear layers to one full attention
@@ -65,8 +81,8 @@ DEVICE = os.environ.get("STRATA_BITS_DEVICE", "cpu")
 
 
 def build(args, opts: dict, max_len: int, seqs: int = 1, start: int = 0, end: int | None = None):
-    from strata.weights.checkpoint import synthetic_tensors
-    from strata.models.model import Transformer
+    synthetic_tensors = mod("strata.weights.checkpoint").synthetic_tensors
+    Transformer = mod("strata.models.model").Transformer
     end = args.n_layers if end is None else end
     dtype, q = opts.get("dtype", torch.float32), opts.get("qtype")
     with torch.device("meta"):
@@ -148,7 +164,8 @@ def _weight_only_ok(args, opts) -> bool:
 
 def _graph_bodies(args, opts, ids) -> dict:
     """DecodeGraphs' and (under Triton's interpreter) BatchGraphs' bodies, run eagerly on CPU."""
-    from strata.decode.graphs import DecodeGraphs, covers
+    graphs = mod("strata.decode.graphs")
+    DecodeGraphs, covers = graphs.DecodeGraphs, graphs.covers
     out = {}
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if not covers(args) or (opts.get("qtype") and not interpreted):  # (resident: dp4a kernels, CUDA or interpreted)
@@ -168,7 +185,8 @@ def _graph_bodies(args, opts, ids) -> dict:
         if lg is not None:
             out[f"graph.step{p}.logits"], out[f"graph.step{p}.am"] = lg.clone(), am.clone()
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from strata.decode.batch_graphs import BatchGraphs, batch_refusal
+        batch = mod("strata.decode.batch_graphs")
+        BatchGraphs, batch_refusal = batch.BatchGraphs, batch.batch_refusal
         m = _dp4a(build(args, opts, 300, seqs=3), opts)
         lens = (17, 9, 23)
         for s, n in enumerate(lens):
