@@ -808,3 +808,32 @@ def test_cpu_stages_without_threads_share_the_cores():
                                      prompt={"random": {"tokens": 100, "seed": 0}})))
     n = len(os.sched_getaffinity(0))
     assert [p.threads for p in plan.stages] == [max(1, n // 2)] * 2
+
+
+def test_the_rigs_autos_are_resolved_once_in_the_plan():
+    """strata.plan.plan.resolve: every `auto` that depends on where the stages run, taken once for the plan (the head,
+    its loop and the stages read Plan.resolved): CPU stages, one GPU stage, two; and a rig's own choice kept."""
+    from strata.comm import bells
+    from strata.config import AUTO_BATCH_AHEAD, from_dict
+    from strata.kernels.attention import CUDA_ATTENTION_DEFAULT
+    from strata.plan.plan import StagePlan, resolve
+    from strata.models.args import PRESETS
+
+    def on(*devices, **rig):
+        cfg = from_dict({"model": "synthetic:smoke", "stages": [{"device": "cpu"}], **rig})
+        stages = [StagePlan(i, d, 0, 1, None, (), None, None) for i, d in enumerate(devices)]
+        return resolve(cfg, PRESETS["smoke"], stages)
+    cpu = on("cpu", "cpu", max_seqs=4)
+    assert (cpu.all_cuda, cpu.batch_ahead, cpu.prefill_groups, cpu.slot_spin, cpu.decode_bells) == \
+        (False, 0, False, False, False)
+    assert cpu.attention == CUDA_ATTENTION_DEFAULT
+    gpu = on("cuda:0", max_seqs=4)
+    assert (gpu.all_cuda, gpu.batch_ahead, gpu.prefill_groups, gpu.slot_spin) == (True, AUTO_BATCH_AHEAD, True, True)
+    assert not gpu.decode_bells  # (several sequences: the notes' "taken" path)
+    one = on("cuda:0")
+    assert one.decode_bells == one.decode_ahead == bells.supported()
+    two = on("cuda:0", "cuda:1", max_seqs=4, batch_ahead=5)
+    assert two.batch_ahead == 0  # (several stages: their batches in flight keep each busy)
+    mine = on("cuda:0", max_seqs=4, batch_ahead=5, prefill_groups=False, attention="flash")
+    assert (mine.batch_ahead, mine.prefill_groups, mine.attention) == (5, False, "flash")
+    assert not on("cuda:0", "cuda:0").decode_ahead  # (stages sharing a GPU never queue ahead)

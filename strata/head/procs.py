@@ -102,8 +102,7 @@ class Buffers:
     inside this host (a boundary across hosts has none: its rows travel with the note), and the decode
     doorbells when they are on (strata/comm/bells.py)."""
 
-    def __init__(self, res: Resources, run_id: str, plan, remote: list[bool], across: list[bool],
-                 bells_mode: bool | str = "auto"):
+    def __init__(self, res: Resources, run_id: str, plan, remote: list[bool], across: list[bool]):
         import torch  # here, not at the top: the launcher imports this module before torch (start_forkserver)
 
         from strata.comm import shm
@@ -113,8 +112,7 @@ class Buffers:
         if remote[-1]:
             del sizes["result"]  # the last stage's logits come over tcp
         from strata.comm import bells
-        # (several sequences' steps in flight take the notes' "taken" path: no bells)
-        if seqs == 1 and bells.wanted([sp.device for sp in plan.stages], any(remote), bells_mode):  # the rig's kernels.decode_bells
+        if plan.resolved.decode_bells:  # the rig's kernels.decode_bells, as the plan resolved it
             sizes["bells"] = _page(bells.nbytes(len(remote)))  # decode steps' notes (strata/comm/bells.py)
         for i in range(len(remote) - 1):
             if not across[i]:

@@ -55,7 +55,6 @@ import numpy as np
 from strata.comm import messages as M
 from strata.errors import PipelineError
 from strata.head.wire import HEAD_SPIN_S
-from strata.config import AUTO_BATCH_AHEAD
 from strata.plan.planner import POOL_GRAIN
 
 log = logging.getLogger("strata.head.slots")
@@ -230,24 +229,11 @@ class SlotDriver:
         self.window = len(pipe.stages) + 1  # micro-batches in flight: enough to keep stage 0 busy
         self.groups = len(pipe.stages)      # decode batches the decoding sequences are spread over
         self.batch_cap = min(max_seqs, pipe.plan.max_chunk)  # rows a hand-off buffer holds
-        # steps an all-greedy batch runs past its note (the rig's batch_ahead; one stage only: with several, the
-        # n_stages batches in flight keep every stage busy)
-        asked = pipe.cfg.batch_ahead
-        if asked == "auto":  # (a CPU stage's step is its own compute: it has no launch gap to hide)
-            asked = AUTO_BATCH_AHEAD if pipe.all_cuda and len(pipe.stages) == 1 else 0
-        self.ahead = asked if len(pipe.stages) == 1 else 0
-        if asked and not self.ahead:
-            log.info("batch_ahead %d: no effect on %d stages (their batches in flight keep each busy)",
-                     asked, len(pipe.stages))
-        # poll without sleeping while a micro-batch is in flight (kernels.slot_spin, every stage on a GPU)
-        self.spin = pipe.cfg.kernels.slot_spin and pipe.all_cuda
-        # the rig's prefill_groups: sequences whose last prefill chunks wait at once go as one micro-batch (its
-        # weights read once, not once a sequence); auto: on GPU stages, whose decode batches' rows round apart from
-        # each step alone anyway (CPU stages decoding in C keep each sequence's bits its own). decode_batch steps
-        # keeps them too, and prefix_reuse chunks promises a restored prefix the cold prefill's bits: neither groups
-        groups = pipe.cfg.prefill_groups
-        self.grouping = ((groups is True or (groups == "auto" and pipe.all_cuda)) and pipe.cfg.decode_batch == "rows"
-                         and pipe.cfg.prefix_reuse != "chunks" and pipe.plan.args.group_refusal() is None)
+        # the rig's batch_ahead, slot_spin and prefill_groups as the plan resolved them (strata.plan.plan.Resolved)
+        picked = pipe.plan.resolved
+        self.ahead = picked.batch_ahead    # steps an all-greedy batch runs past its note (one stage only)
+        self.spin = picked.slot_spin       # poll without sleeping while a micro-batch is in flight
+        self.grouping = picked.prefill_groups  # sequences' last prefill chunks waiting at once go as one micro-batch
         self._groups: set[int] = set()     # the prefill groups in flight, by chunk index
         self._spin_until = 0.0
         self._batches = 0                   # decode batches in flight

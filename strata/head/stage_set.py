@@ -21,7 +21,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from strata.comm import bells
 from strata.comm import messages as M
 from strata.errors import PipelineError
 from strata.head.wire import HeadWire, poll_until
@@ -69,7 +68,7 @@ class StageSet:
         self.res = Resources()
         self._finalizer = weakref.finalize(self, self.res.release, 1.0)
         self.stages = [StageInfo(s.index, s.device, (s.start, s.end), s.host) for s in plan.stages]
-        self.all_cuda = all(s.device.startswith("cuda") for s in self.stages)  # (the head's spins read it)
+        self.all_cuda = plan.resolved.all_cuda  # (the head's spins read it)
         self.started = False
         self.closed = False
         self.failure: PipelineError | None = None
@@ -91,7 +90,7 @@ class StageSet:
         remote = [sp.host is not None for sp in self.plan.stages]
         across = [remote[i] or remote[i + 1] for i in range(len(remote) - 1)]  # boundary i leaves this host
         self.boundaries = ["tcp" if a else "shm" for a in across]
-        self.buffers = Buffers(self.res, self.run_id, self.plan, remote, across, self.cfg.kernels.decode_bells)
+        self.buffers = Buffers(self.res, self.run_id, self.plan, remote, across)
         self.buffers.ids[: self.plan.ids.size] = torch.from_numpy(self.plan.ids.astype(np.int32))
         self.out.mkdir(parents=True, exist_ok=True)
         self.res.make_ipc_dir()
@@ -131,7 +130,8 @@ class StageSet:
         """What stage sp needs to build and serve its slice (validated again by a remote stage on arrival)."""
         plan, cfg, w = self.plan, self.cfg, self.wire
         return M.StageJob(
-            index=sp.index, n_stages=len(plan.stages), device=sp.device, dtype=cfg.dtype, attention=cfg.attention,
+            index=sp.index, n_stages=len(plan.stages), device=sp.device, dtype=cfg.dtype,
+            attention=plan.resolved.attention,
             weights=cfg.weights, kv_dtype=cfg.kv_dtype, memory=sp.memory, threads=sp.threads, cores=list(sp.cores), start=sp.start,
             end=sp.end, model=cfg.model, args={f: getattr(plan.args, f) for f in plan.args.__dataclass_fields__},
             seed=cfg.seed, max_len=plan.max_len, tokens=plan.tokens, max_chunk=plan.max_chunk,
@@ -143,12 +143,12 @@ class StageSet:
             log_file=str(self.out / f"stage-{sp.index}.log"), console=self.console,
             dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
             decode_weights=cfg.decode_weights, cuda_graphs=cfg.cuda_graphs,
-            decode_ahead="bells" in self.buffers.names and bells.ahead_wanted([s.device for s in plan.stages],
-                                                                              cfg.kernels.decode_ahead),
-            # (slot_spin: a stage spins only where every stage is on a GPU, as the head's driver does: a CUDA
-            # stage beside CPU ones would take a core from their threads)
+            decode_ahead=plan.resolved.decode_ahead,
+            # (the kernels' autos as the plan resolved them: slot_spin only where every stage is on a GPU, as the
+            # head's loop spins: a CUDA stage beside CPU ones would take a core from their threads)
             kernels={**{f: getattr(cfg.kernels, f) for f in cfg.kernels.__dataclass_fields__},
-                     "slot_spin": cfg.kernels.slot_spin and self.all_cuda},
+                     "slot_spin": plan.resolved.slot_spin, "decode_bells": plan.resolved.decode_bells,
+                     "decode_ahead": plan.resolved.decode_ahead},
             debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
             net=self._remote.stage_net(sp.index) if self._remote else None)
 

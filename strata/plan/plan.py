@@ -5,6 +5,7 @@ Everything here runs in the head before any process starts, so every refusal lea
 """
 from __future__ import annotations
 
+import logging
 import os
 import sysconfig
 import time
@@ -13,14 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
-from strata.config import ConfigError, RigConfig, StageSpec, check_device
+from strata.comm import bells
+from strata.config import AUTO_BATCH_AHEAD, ConfigError, RigConfig, StageSpec, check_device
 from strata.models.args import ModelArgs
 from strata.plan.schedule import chunk_schedule
 from strata.kernels.attention import PREFIX_BLOCK
-from strata.plan.planner import (DTYPE_BYTES, POOL_GRAIN, PlanError, Speed, check_split, even_split, plan_split, predicted_times,
-                      stage_need, stage_needs)
+from strata.plan.planner import (DTYPE_BYTES, POOL_GRAIN, PlanError, Speed, check_split, cuda_attention, even_split,
+                                 plan_split, predicted_times, stage_need, stage_needs)
 from strata.weights.checkpoint import model_args, storage
 from strata.errors import ModelError
+
+log = logging.getLogger("strata.plan.plan")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,43 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class Resolved:
+    """Each `auto` of the rig that depends on where the stages run, taken once here (`resolve`); the head, its
+    request loop and the stages read these and resolve none again."""
+    all_cuda: bool        # every stage a GPU one: its waits may spin (a CPU stage has no core to spare)
+    batch_ahead: int      # steps an all-greedy decode batch runs past its note: auto is AUTO_BATCH_AHEAD on one
+                          # CUDA stage, 0 on CPU (its step is its own compute: no launch gap to hide); 0 on several
+                          # stages, whose batches in flight keep each busy
+    prefill_groups: bool  # sequences' last prefill chunks as one micro-batch: auto on GPU stages (their decode
+                          # batches' rows round apart from each step alone anyway; CPU stages decoding in C keep each
+                          # sequence's bits its own); never with decode_batch steps (each step's own bits), prefix_reuse
+                          # chunks (a restored prefix promises the cold prefill's bits) or a model that cannot group
+    slot_spin: bool       # kernels.slot_spin, on an all-GPU rig only
+    decode_bells: bool    # kernels.decode_bells: decode notes as doorbells (one sequence, local stages, bells.wanted)
+    decode_ahead: bool    # kernels.decode_ahead: with bells, each GPU stage queues its next step (bells.ahead_wanted)
+    attention: str        # the CUDA prefill's attention path (the rig's `attention`; auto: the model's default)
+
+
+def resolve(cfg: RigConfig, args: ModelArgs, stages) -> Resolved:
+    """The rig's `auto`s for stages on these devices (StagePlan: device, host)."""
+    devices = [s.device for s in stages]
+    all_cuda = all(d.startswith("cuda") for d in devices)
+    ahead = cfg.batch_ahead
+    if ahead == "auto":
+        ahead = AUTO_BATCH_AHEAD if all_cuda and len(stages) == 1 else 0
+    groups = cfg.prefill_groups is True or (cfg.prefill_groups == "auto" and all_cuda)
+    groups = groups and cfg.decode_batch == "rows" and cfg.prefix_reuse != "chunks" and args.group_refusal() is None
+    remote = any(s.host is not None for s in stages)  # (several sequences' steps take the "taken" path: no bells)
+    rung = cfg.max_seqs == 1 and bells.wanted(devices, remote, cfg.kernels.decode_bells)
+    if ahead and len(stages) > 1:
+        log.info("batch_ahead %d: no effect on %d stages (their batches in flight keep each busy)", ahead, len(stages))
+    return Resolved(all_cuda=all_cuda, batch_ahead=ahead if len(stages) == 1 else 0, prefill_groups=groups,
+                    slot_spin=cfg.kernels.slot_spin and all_cuda, decode_bells=rung,
+                    decode_ahead=rung and bells.ahead_wanted(devices, cfg.kernels.decode_ahead),
+                    attention=cuda_attention(cfg.attention))
+
+
+@dataclass(frozen=True)
 class Plan:
     cfg: RigConfig
     args: ModelArgs
@@ -49,6 +90,7 @@ class Plan:
     max_context: int = 0       # KV positions every stage holds (and the ids buffer's length): any prompt + its
                                # continuation up to this runs on the same stages
     timings: dict = field(default_factory=dict)  # seconds build_plan spent: total_s, tokenizer_s (inside it)
+    resolved: Resolved | None = None  # the rig's autos for these stages (build_plan sets it)
 
     @property
     def tokens(self) -> int:
@@ -249,7 +291,8 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
                                planner["prefix_block"][i]))
         a += n
     timings["total_s"] = time.perf_counter() - t0
-    return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner, limit, timings)
+    return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner, limit, timings,
+                resolve(cfg, args, plans))
 
 
 CUDA_CHUNK = 8192  # a CUDA stage's preferred chunk: its GEMMs run near peak from a few thousand rows, and the
