@@ -50,7 +50,7 @@ _KERNEL_SCRIPT = r"""
 import torch
 import torch.nn.functional as F
 import strata.kernels.attention as sm
-from strata.kernels.fused import fused as K
+from strata.kernels import fused as K
 from strata.triton_state import TritonState
 from tests.test_prefill_ops import merge64, parts
 st = TritonState()  # the holder every call passes: a kernel that failed would have turned it off
@@ -181,7 +181,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @cuda
 def test_cuda_kernels_match_float64():
-    from strata.kernels.fused import fused as kernels
+    from strata.kernels import fused as kernels
     from strata.triton_state import TritonState
     if kernels.triton is None:
         pytest.skip("triton is not installed")
@@ -289,7 +289,7 @@ class _Launch:
 def test_a_failed_kernel_falls_back_on_its_holder_only(monkeypatch, caplog):
     """strata.kernels.fused' fallback is state on the caller's TritonState: the holder whose kernel failed says so once and
     takes the torch formulas from then on (no more launches); another holder, and a call without one, still launch."""
-    from strata.kernels.fused import fused as K
+    from strata.kernels import fused as K
     from strata.triton_state import TritonState
     gate, up = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
     x, cs = torch.randn(1, 3, 2, 16), torch.ones(3, 1, 16)
@@ -333,7 +333,7 @@ def test_a_model_and_its_layers_share_one_triton_state():
 def test_cuda_kernel_failure_in_one_model_leaves_another_on_its_kernels(monkeypatch):
     """Two slices in one process on CUDA: the first's gated-activation kernel fails in its forward, and it computes on with
     the torch formula (the same chunk as the kernel up to rounding); the second still launches the kernel."""
-    from strata.kernels.fused import fused as K
+    from strata.kernels import fused as K
     from strata.weights.checkpoint import model_args, slice_tensors
     if K.triton is None:
         pytest.skip("triton is not installed")

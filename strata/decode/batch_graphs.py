@@ -37,8 +37,8 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, Q8_0)
 def batch_refusal(m: Transformer, x: torch.Tensor) -> str | None:
     """Why m's decode batches on x's device cannot be captured beyond what the one-token graphs refuse
     (strata.decode.graphs.graphable, which GraphedDecode asks too); None: they can."""
-    from strata.kernels.fused import decode_attention
-    from strata.kernels.fused import decode_kernels
+    from strata.kernels import decode_attention
+    from strata.kernels import decode_kernels
     if not (decode_attention.available() and decode_kernels.available()):
         return "no Triton"
     if m.kernels.graph_attention != "split-k" or m.kernels.graph_kernels != "triton":

@@ -38,7 +38,7 @@ def covers(args, graph_attention: str = "split-k") -> bool:
     if set(args.extras()) - GRAPH_EXTRAS:
         return False
     if args.sliding_window is not None or args.attn_sinks:  # (sinks: the split-K kernel's merge takes them)
-        from strata.kernels.fused import decode_attention
+        from strata.kernels import decode_attention
         hd = args.head_dim
         return decode_attention.available() and graph_attention == "split-k" and hd & (hd - 1) == 0
     return True
@@ -203,7 +203,7 @@ class DecodeGraphs:
         self._side: torch.cuda.Stream | None = None
         self._pool = None
         self.kernels = m.kernels  # the rig's: the graphs' attention, norm / rope kernels and dense products
-        from strata.kernels.fused import decode_attention  # imports Triton
+        from strata.kernels import decode_attention  # imports Triton
         a = self.attn0
         self.rings = sorted({b.attn.k_cache.shape[2] for b in m.layers.values() if b.attn.window is not None})
         # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter);
