@@ -144,11 +144,11 @@ class StageSet:
             dump_residual=str(self.out / "residual.npy") if cfg.dump_residual else "",
             decode_weights=cfg.decode_weights, cuda_graphs=cfg.cuda_graphs,
             decode_ahead=plan.resolved.decode_ahead,
-            # (the kernels' autos as the plan resolved them: slot_spin only where every stage is on a GPU, as the
-            # head's loop spins: a CUDA stage beside CPU ones would take a core from their threads)
+            # (slot_spin as the plan resolved it: only where every stage is on a GPU, as the head's loop spins: a
+            # CUDA stage beside CPU ones would take a core from their threads; the bells' choices are the segments
+            # and decode_ahead above)
             kernels={**{f: getattr(cfg.kernels, f) for f in cfg.kernels.__dataclass_fields__},
-                     "slot_spin": plan.resolved.slot_spin, "decode_bells": plan.resolved.decode_bells,
-                     "decode_ahead": plan.resolved.decode_ahead},
+                     "slot_spin": plan.resolved.slot_spin},
             debug={f: getattr(cfg.debug, f) for f in cfg.debug.__dataclass_fields__},
             net=self._remote.stage_net(sp.index) if self._remote else None)
 
