@@ -25,7 +25,7 @@ if [ "${1:-}" = base ]; then  # (here) the base tree, from git
 fi
 . bench/device_common.sh
 wheels zmq gguf
-FAM=${FAM:-llama-3-8b qwen3-8b gemma-3-27b qwen3-30b-a3b gpt-oss-20b qwen3.5-9b}
+FAM=${FAM-llama-3-8b qwen3-8b gemma-3-27b qwen3-30b-a3b gpt-oss-20b qwen3.5-9b}  # (FAM= : the 8B file alone)
 bits_rig() {  # PRESET FILE -> a rig on one GPU, bf16, three chunks and 8 tokens of greedy decode
   cat > "/tmp/bits-$1.yaml" <<YAML
 model: $2
@@ -81,7 +81,7 @@ decode)
 serve)
   build_wait
   wheels uvicorn starlette httpx
-  peer="$LL/build/bin/llama-batched-bench"
+  peer="$LL/build/bin/llama-batched-bench"; [ -x "$peer" ] || peer=''
   for tree in $(for _ in $(seq "${PAIRS:-2}"); do echo "$PWD/.base $PWD"; done); do
     fits "serve $(basename "$tree")" 90 || break
     el "the server, 16 streams, 8B Q4_K_M, 1 GPU: $(basename "$tree")"
