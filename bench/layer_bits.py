@@ -3,7 +3,7 @@
 A refactor of the decoder layer (issue 55: one layer body for every path) must not move a bit. This runs the same
 seeded work through a tree's strata and saves every residual, logits row and cache it produced:
 
-    python bench/layer_bits.py record ROOT OUT.pt [--graphs] [--only NAME,...]   # ROOT: the tree whose strata runs
+    python bench/layer_bits.py record ROOT OUT.pt [--graphs | --graphs-only] [--only=NAME,...]  # ROOT: whose strata
     python bench/layer_bits.py compare BEFORE.pt AFTER.pt                        # torch.equal on every tensor
 
 Paths: chunked prefill (two chunks, a window passed), the decode path of a few rows (forward with T <= DECODE_T),
@@ -61,16 +61,16 @@ def tiny_cases():
                              n_experts=4, n_experts_used=2, expert_ffn_dim=32, router="sigmoid", router_groups=2,
                              router_groups_used=1, routed_scale=2.5, shared_ffn_dim=32, first_dense_layers=1,
                              rotary_dim=8, **small), {}),
-        "qwen3.5": (replace(P["qwen3.5-9b"], n_layers=4, linear_layers=LIN4, rotary_dim=8, lin_k_heads=2, lin_k_dim=16, lin_v_heads=4,
-                            lin_v_dim=16, **small), {}),
+        "qwen3.5": (replace(P["qwen3.5-9b"], n_layers=4, linear_layers=LIN4, rotary_dim=8, lin_k_heads=2, lin_k_dim=16,
+                            lin_v_heads=4, lin_v_dim=16, **small), {}),
         "llama3-bf16": (replace(P["llama-3-8b"], n_layers=2, **small), {"dtype": torch.bfloat16}),
         "qwen3-bf16kv": (replace(P["qwen3-8b"], n_layers=2, **small), {"kv": "bfloat16"}),
         "qwen3-bf16kv-long": (replace(P["qwen3-8b"], n_layers=2, **small), {"kv": "bfloat16", "long": True}),
         "llama3-q8kv": (replace(P["llama-3-8b"], n_layers=2, **{**small, "head_dim": 32}), {"kv": "q8_0"}),
         "smoke-Q4_K_M": (replace(P["smoke"], n_layers=2, vocab_size=300), {"qtype": "Q4_K_M"}),
         "smoke-moe-Q4_K_M": (replace(P["smoke-moe"], n_layers=2, vocab_size=300), {"qtype": "Q4_K_M"}),
-        "qwen3.5-Q4_K_M": (replace(P["qwen3.5-9b"], n_layers=4, linear_layers=LIN4, vocab_size=300, dim=256, n_heads=4, n_kv_heads=2,
-                                   head_dim=64, ffn_dim=256, rotary_dim=16, lin_k_heads=2, lin_k_dim=32,
+        "qwen3.5-Q4_K_M": (replace(P["qwen3.5-9b"], n_layers=4, linear_layers=LIN4, vocab_size=300, dim=256, n_heads=4,
+                                   n_kv_heads=2, head_dim=64, ffn_dim=256, rotary_dim=16, lin_k_heads=2, lin_k_dim=32,
                                    lin_v_heads=4, lin_v_dim=32, max_seq_len=4096), {"qtype": "Q4_K_M"}),
     }
     return cases
@@ -93,10 +93,13 @@ def build(args, opts: dict, max_len: int, seqs: int = 1, start: int = 0, end: in
     return m.eval()
 
 
-def record_case(name: str, args, opts: dict, graphs: bool) -> dict:
+def record_case(name: str, args, opts: dict, graphs: bool, graphs_only: bool = False) -> dict:
     out: dict[str, torch.Tensor] = {}
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, args.vocab_size, (1, 40), generator=g).to(DEVICE)
+    if graphs_only:  # (resident models under Triton's interpreter: its dp4a kernels are slow there)
+        with torch.inference_mode():
+            return _graph_bodies(args, opts, ids)
     with torch.inference_mode():
         # one sequence: two prefill chunks (the second past any window), decode rows, one-token steps
         m = build(args, opts, 2100 if opts.get("long") else 64)
@@ -220,7 +223,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.element_size() != 1 else t.view(torch.uint8).clone()
 
 
-def record(root: str, path: str, graphs: bool, only: list[str] | None) -> None:
+def record(root: str, path: str, graphs: bool, only: list[str] | None, graphs_only: bool = False) -> None:
     sys.path.insert(0, str(Path(root).resolve()))
     import strata
     if not Path(strata.__file__).resolve().is_relative_to(Path(root).resolve()):
@@ -230,7 +233,7 @@ def record(root: str, path: str, graphs: bool, only: list[str] | None) -> None:
     for name, (args, opts) in tiny_cases().items():
         if only and name not in only:
             continue
-        for k, v in record_case(name, args, opts, graphs).items():
+        for k, v in record_case(name, args, opts, graphs, graphs_only).items():
             res[f"{name}/{k}"] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
         print(name, "recorded", flush=True)
     torch.save(res, path)
@@ -253,7 +256,7 @@ if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "record":
         only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
-        record(sys.argv[2], sys.argv[3], "--graphs" in sys.argv, only)
+        record(sys.argv[2], sys.argv[3], "--graphs" in sys.argv, only, "--graphs-only" in sys.argv)
     elif cmd == "compare":
         sys.exit(compare(sys.argv[2], sys.argv[3]))
     else:

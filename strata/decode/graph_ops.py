@@ -52,7 +52,8 @@ class FusedOps:
         from strata.models.moe import weighed_sum
         return weighed_sum(*y).view(h.shape), post
 
-    def add_norm(self, h: torch.Tensor, pend: tuple, norm, int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def add_norm(self, h: torch.Tensor, pend: tuple, norm,
+                 int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """pend (y, post): (h + y', norm(h + y'), {} or {"xq": quantize_x's rounding of the normed rows} with int8),
         y' = post(y) where post is a norm (gemma3's post norms), else y; y None: h. One launch where the kernels take
         it. y may be a token's experts' outputs and their weights (ys (k, dim), w (1, k)): summed in the same launch
