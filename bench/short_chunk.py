@@ -5,7 +5,7 @@ does its time go: the host issuing the layers' launches, syncs that stall the ho
 Loads the model (one stage, all layers, as the server's stage does), prefills --prefix tokens of random ids in
 chunks of --chunk, then for each question length T runs that chunk at position --prefix and the head's last row,
 --reps times (after one untimed run that builds any new shape), and prints per T and path (--paths: `prefill`,
-the path a chunk of more than DECODE_T rows takes; `decode`, Block.decode_rows forced: the products on the blocks,
+the path a chunk of more than DECODE_T rows takes; `decode`, the decode rows path (RowsOps) forced: the products on the blocks,
 no dequantization into the scratch, fused norms; its rounding differs, so only its time is of interest):
 - wall ms: from the call to the end of the GPU's work (synchronized), the median;
 - issued ms: from the call until it returned to the host (before the sync): near wall where the host is the bound;

@@ -10,7 +10,7 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4
 # a softmax over those (gpt_oss)
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")
 EXPERT_ACTS = ("silu", "clamped")  # SwiGLU, or gpt-oss's clamped gate * sigmoid(alpha * gate) * (up + 1)
-DECODE_T = 4  # forward() with at most this many rows takes the decode path (Block.decode): also a "chunk"
+DECODE_T = 4  # forward() with at most this many rows takes the decode path (strata.models.layer.RowsOps): a "chunk"
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU or GeGLU (tanh-approximated GELU)
 
 
