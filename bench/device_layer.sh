@@ -31,8 +31,8 @@ $PY bench/graph_bits.py record "$BASE" "$OUT/graph_base.pt" | tail -3 && \
     $PY bench/graph_bits.py record . "$OUT/graph_after.pt" | tail -3 && \
     $PY bench/layer_bits.py compare "$OUT/graph_base.pt" "$OUT/graph_after.pt" || bad=1
 echo "== eager paths on CUDA, $BASE against this tree"
-STRATA_BITS_DEVICE=cuda $PY bench/layer_bits.py record "$BASE" "$OUT/eager_base.pt" | tail -1 && \
-    STRATA_BITS_DEVICE=cuda $PY bench/layer_bits.py record . "$OUT/eager_after.pt" | tail -1 && \
+$PY bench/layer_bits.py record "$BASE" "$OUT/eager_base.pt" --device=cuda | tail -1 && \
+    $PY bench/layer_bits.py record . "$OUT/eager_after.pt" --device=cuda | tail -1 && \
     $PY bench/layer_bits.py compare "$OUT/eager_base.pt" "$OUT/eager_after.pt" || bad=1
 echo "== tests"
 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -8

@@ -12,7 +12,6 @@ decode batches replayed from the batch graphs (GraphedDecode.decode_seqs: rows, 
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,15 +19,15 @@ from pathlib import Path
 import torch
 
 
-def record(root: str, path: str) -> None:
+def record(root: str, path: str, device: str = "cuda") -> None:
     sys.path.insert(0, str(Path(root).resolve()))
     sys.path.insert(1, str(Path(__file__).resolve().parent))
     import strata
     if not Path(strata.__file__).resolve().is_relative_to(Path(root).resolve()):
         raise SystemExit(f"strata imported from {strata.__file__}, not {root}")
     import layer_bits
-    # (STRATA_BITS_DEVICE=cpu: a dry run of this script where nothing is graphable)
-    dev = layer_bits.DEVICE = os.environ.get("STRATA_BITS_DEVICE", "cuda")
+    # (--device=cpu: a dry run of this script where nothing is graphable)
+    dev = layer_bits.DEVICE = device
     from strata.config import KernelSpec
     GraphedDecode = layer_bits.mod("strata.decode.graphs").GraphedDecode
     res = {}
@@ -82,6 +81,7 @@ def record(root: str, path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "record":
+    argv = [a for a in sys.argv if not a.startswith("--device=")]
+    if len(argv) != 4 or argv[1] != "record":
         raise SystemExit(__doc__)
-    record(sys.argv[2], sys.argv[3])
+    record(argv[2], argv[3], next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--device=")), "cuda"))

@@ -3,7 +3,7 @@
 A refactor of the decoder layer (issue 55: one layer body for every path) must not move a bit. This runs the same
 seeded work through a tree's strata and saves every residual, logits row and cache it produced:
 
-    python bench/layer_bits.py record ROOT OUT.pt [--graphs | --graphs-only] [--only=NAME,...]  # ROOT: whose strata
+    python bench/layer_bits.py record ROOT OUT.pt [--graphs | --graphs-only] [--only=NAME,...] [--device=cuda]
     python bench/layer_bits.py compare BEFORE.pt AFTER.pt                        # torch.equal on every tensor
 
 Paths: chunked prefill (two chunks, a window passed), the decode path of a few rows (forward with T <= DECODE_T),
@@ -77,7 +77,7 @@ def tiny_cases():
 
 
 # the device the models are built on (the GPU check, bench/device_layer.sh, runs this on CUDA too)
-DEVICE = os.environ.get("STRATA_BITS_DEVICE", "cpu")
+DEVICE = "cpu"  # record --device=cuda: the CUDA paths
 
 
 def build(args, opts: dict, max_len: int, seqs: int = 1, start: int = 0, end: int | None = None):
@@ -256,6 +256,7 @@ if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "record":
         only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
+        DEVICE = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--device=")), DEVICE)
         record(sys.argv[2], sys.argv[3], "--graphs" in sys.argv, only, "--graphs-only" in sys.argv)
     elif cmd == "compare":
         sys.exit(compare(sys.argv[2], sys.argv[3]))
