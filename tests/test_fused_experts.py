@@ -82,8 +82,9 @@ def test_fused_matches_transformers(tmp_path, case):
     params = dict(loaded.named_parameters())
     assert all(torch.equal(params[k], v) for k, v in fused.items())
     ids = ids_for(ref)
-    with torch.no_grad():
-        assert torch.equal(loaded.eval()(ids).logits, ref(ids).logits)
+    with torch.no_grad():  # (the same model: a misplaced expert or half is O(0.1) off; transformers' loaded copy of
+        # qwen3_5_moe computes 6e-8 apart from the one it saved on this AVX-512 box, 0 on the others: an ulp, not layout)
+        torch.testing.assert_close(loaded.eval()(ids).logits, ref(ids).logits, rtol=0, atol=1e-6)
 
 
 def test_fused_weight_suffix_reads_the_same(tmp_path):
