@@ -5,7 +5,8 @@ import math
 from dataclasses import dataclass, replace
 
 # the families whose arithmetic the decoder core implements (strata.models.families declares each: its files' names and keys)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_5")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_5",
+                 "deepseek_v3")
 # strata.models.moe: softmax over all, top k; sigmoid scores chosen with a bias (glm4_moe); top k logits (with a bias), then
 # a softmax over those (gpt_oss)
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")
@@ -70,6 +71,13 @@ class ModelArgs:
     lin_v_dim: int = 0
     lin_conv: int = 4                # the causal depthwise convolution's kernel over q, k, v
     attn_gate: bool = False          # full attention's output times sigmoid(a gate from q_proj's other half)
+    # -- multi-head latent attention (deepseek_v3: DeepSeek V3 / R1 / V3.1, Kimi K2; strata.models.mla) --
+    # q/k heads of head_dim = qk_nope + qk_rope_dim values, the RoPE on the last qk_rope_dim; keys and values come
+    # from a latent of kv_lora_rank values per token (cached with the shared roped key: kv_lora_rank + qk_rope_dim)
+    kv_lora_rank: int = 0            # > 0: MLA (n_kv_heads == n_heads, as transformers requires)
+    q_lora_rank: int = 0             # > 0: queries through q_a (to this rank), its norm, q_b; 0: one q projection
+    qk_rope_dim: int = 0             # the roped part of each q/k head (its frequencies are over these dims)
+    v_head_dim: int = 0              # a value head's width (head_dim is q/k's)
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -101,6 +109,10 @@ class ModelArgs:
             if any(self.linear_layers) and not (self.lin_k_heads and self.lin_v_heads % self.lin_k_heads == 0
                                                 and self.lin_k_dim and self.lin_v_dim):
                 raise ValueError("linear attention layers without their head counts and widths")
+        if self.kv_lora_rank and not (self.n_kv_heads == self.n_heads and 0 < self.qk_rope_dim < self.head_dim
+                                      and self.qk_rope_dim % 2 == 0 and self.v_head_dim > 0):
+            raise ValueError(f"latent attention of {self.n_heads}/{self.n_kv_heads} heads, q/k {self.head_dim} "
+                             f"(rope {self.qk_rope_dim}), v {self.v_head_dim}")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim} is not an even part of head_dim {self.head_dim}")
 
@@ -115,6 +127,22 @@ class ModelArgs:
         if self.rope_scaling and self.rope_scaling.get("rope_type") == "dynamic":
             return "dynamic NTK rope (each prompt's own frequencies)"
         return None
+
+    @property
+    def latent(self) -> bool:
+        """Whether the attention is MLA: a cache of latents, not keys and values (strata.models.mla)."""
+        return self.kv_lora_rank > 0
+
+    def kv_rows(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of an attention layer's two cache tensors per position: K and V, (n_kv_heads, head_dim)
+        each; MLA's are the normed latent (1, kv_lora_rank) and the roped shared key (1, qk_rope_dim)."""
+        if self.latent:
+            return (1, self.kv_lora_rank), (1, self.qk_rope_dim)
+        return (self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim)
+
+    def kv_values(self) -> int:
+        """Values one position takes in one attention layer's cache (both tensors)."""
+        return sum(h * w for h, w in self.kv_rows())
 
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture of experts."""
@@ -160,6 +188,8 @@ class ModelArgs:
             out.append("linear attention")
         if self.attn_gate:
             out.append("attention gate")
+        if self.latent:
+            out.append("latent attention")
         if self.o_bias:
             out.append("o_bias")
         if self.rope_scaling and self.rope_scaling.get("rope_type", "llama3") != "llama3":
@@ -179,6 +209,12 @@ class ModelArgs:
             conv = 2 * kdim + vdim
             attn = d * (conv + vdim + 2 * self.lin_v_heads) + conv * self.lin_conv + 2 * self.lin_v_heads \
                 + self.lin_v_dim + d * vdim
+        elif self.latent:  # q (low-rank with its norm, or direct), kv_a, its norm, kv_b, o
+            nh, r = self.n_heads, self.kv_lora_rank
+            q = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * nh * hd if self.q_lora_rank
+                 else d * nh * hd)
+            attn = q + d * (r + self.qk_rope_dim) + r + r * nh * (hd - self.qk_rope_dim + self.v_head_dim) \
+                + nh * self.v_head_dim * d
         else:
             q = self.n_heads * hd * (2 if self.attn_gate else 1)
             attn = d * (q + 2 * self.n_kv_heads * hd) + d * self.n_heads * hd \
