@@ -78,6 +78,7 @@ class ModelArgs:
     q_lora_rank: int = 0             # > 0: queries through q_a (to this rank), its norm, q_b; 0: one q projection
     qk_rope_dim: int = 0             # the roped part of each q/k head (its frequencies are over these dims)
     v_head_dim: int = 0              # a value head's width (head_dim is q/k's)
+    rope_interleave: bool = False    # the file's roped q/k values are in adjacent pairs (DeepSeek's), not two halves
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
