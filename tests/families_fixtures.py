@@ -116,6 +116,33 @@ def _family_spec(family: str):
             first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.7, attention_bias=True,
             use_qk_norm=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                "partial_rotary_factor": 0.5})
+    if family in ("deepseek_v3", "deepseek_v3-yarn", "deepseek_v3-noqlora"):
+        # MLA: q through a low rank (or not), a latent of 32 and a shared roped key of 8 (interleaved), v heads of
+        # 12; sigmoid routing in groups with a shared expert, the first layer dense; -yarn: YaRN with DeepSeek's
+        # mscale / mscale_all_dim (the softmax scale and cos/sin both change)
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if family.endswith("yarn"):
+            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+        return tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(
+            num_key_value_heads=4, q_lora_rank=None if family.endswith("noqlora") else 24, kv_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+            routed_scaling_factor=1.7, rope_parameters=rope)
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        # DSA on MLA: an indexer of 16 heads of 16 choosing 24 positions (shorter than the prompts: the selection
+        # moves the logits); GLM-5 with a layer that shares the layer before's selection. (A position whose every
+        # head's ReLU-ed score is 0 ties with another such at exactly 0: where the k-th and the k+1-th tie, which
+        # one top-k keeps is the kernel's choice, in transformers as here. With 8 heads (P = 1/256 a position) the
+        # GLM fixture met one such tie at its last layer's k-th position; with 16 none.)
+        mla = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                   v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.7, index_topk=24,
+                   index_head_dim=16, index_n_heads=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        if family == "deepseek_v32":
+            return tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM, dict(mla, n_group=2, topk_group=1)
+        return tf.GlmMoeDsaConfig, tf.GlmMoeDsaForCausalLM, dict(
+            mla, indexer_types=["full", "full", "shared", "full"])
     if family == "gpt_oss":  # sinks, window layers between full ones, q/k/v/o biases, clamped SwiGLU experts with
         # biases, a router with a bias (softmax over the top k), YaRN
         return tf.GptOssConfig, tf.GptOssForCausalLM, dict(

@@ -16,7 +16,8 @@ from strata.models.model import Transformer  # noqa: E402
 
 PROMPT, CHUNK, NEW = 71, 13, 16  # 5 chunks of 13 and one of 6 (> DECODE_T: all prefill); windows are 16-24
 HF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "llama-yarn", "qwen3_moe", "mixtral", "glm4_moe",
-               "gpt_oss", "qwen3_5", "qwen3_5_moe")
+               "gpt_oss", "qwen3_5", "qwen3_5_moe", "deepseek_v3", "deepseek_v3-yarn", "deepseek_v3-noqlora",
+               "deepseek_v32", "glm_moe_dsa")
 # what the fixtures leave at a value that would hide a mistake here: gemma3's softmax scale at head_dim ** -0.5 and
 # a logit softcap far above these logits; phi3 without a window
 HF_OVERRIDES = {"gemma3": dict(query_pre_attn_scalar=24, final_logit_softcapping=1.5), "phi3": dict(sliding_window=20),

@@ -23,8 +23,8 @@ REFUSED = [
      "unsupported architecture 'GPT2LMHeadModel'"),
     ("llama", {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
      "unsupported architecture 'Gemma2ForCausalLM'"),
-    ("llama", {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
-     "unsupported architecture 'DeepseekV3ForCausalLM'"),
+    ("llama", {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"},
+     "unsupported architecture 'DeepseekV4ForCausalLM'"),
     # a multimodal class whose text model is a family here is read from its text_config (tests/test_multimodal_text.py)
     ("llama", {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"},
      "Qwen3_5ForConditionalGeneration config lacks 'text_config'"),
@@ -51,6 +51,17 @@ REFUSED = [
     ("llama", {"num_local_experts": 8}, "num_local_experts = 8"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "mystery": 3}},
      "'mystery'"),
+    # DeepSeek's own config keys at a value transformers' DeepseekV3 does not compute
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config (quant_method 'fp8') is not implemented"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method = 'greedy' is not implemented"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func = 'softmax' is not implemented"),
+    ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq = 2 is not implemented"),
+    ("deepseek_v3", {"attention_bias": True}, "attention_bias = True is not implemented"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads = 2 is not implemented for MLA"),
+    ("deepseek_v3", {"hidden_act": "gelu"}, "hidden_act = 'gelu' is not implemented"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope type 'dynamic' is not implemented for MLA"),
 ]
 
 

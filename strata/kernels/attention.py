@@ -154,6 +154,12 @@ def _with_lse(q, k, v, causal: bool, scale=None):
     return out, lse[:, :, :q.shape[2]]
 
 
+def attention_with_lse(q, k, v, causal: bool, scale=None):
+    """(out, log-sum-exp) of q (1, nh, T, hd) against k, v (1, nkv, S, hd) (causal: q and k the same length): a
+    part of an attention that merge_lse joins with the others (MLA's blocks of expanded keys)."""
+    return _with_lse(q, k, v, causal, scale)
+
+
 # queries per call of window_attention: its mask and scores are (rows, rows + window - 1) a head
 WINDOW_ROWS = 1024
 

@@ -180,6 +180,8 @@ def write_rows(path: str, offset: int, tokens: int, caches: list[torch.Tensor]) 
     try:
         at = offset
         for c in caches:
+            if c.numel() == 0:  # an empty partner (MLA's V: its values are the latent in K)
+                continue
             rows = c[:, :, :tokens].contiguous().cpu()
             mv = memoryview(rows.view(torch.uint8).numpy()).cast("B")
             done = 0
@@ -198,6 +200,8 @@ def read_rows(path: str, offset: int, tokens: int, caches: list[torch.Tensor]) -
     try:
         at = offset
         for c in caches:
+            if c.numel() == 0:
+                continue
             shape = (1, c.shape[1], tokens, c.shape[3])
             n = c.shape[1] * tokens * c.shape[3] * c.element_size()
             buf = bytearray(n)

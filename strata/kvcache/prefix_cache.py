@@ -84,7 +84,7 @@ def stateful(args) -> bool:
 def row_bytes_of(args, layers, kv: torch.dtype) -> int:
     """Bytes of one position's K and V rows across these (attention) layers at storage dtype kv."""
     from strata.kernels.attention import cache_width
-    return len(layers) * 2 * args.n_kv_heads * cache_width(args.head_dim, kv) * kv.itemsize
+    return len(layers) * sum(h * cache_width(w, kv) for h, w in args.kv_rows()) * kv.itemsize
 
 
 def kept_bytes(args, start: int, end: int, kv: torch.dtype) -> int:

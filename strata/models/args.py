@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 # the families whose arithmetic the decoder core implements (strata.models.families declares each: its files' names and keys)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_5",
-                 "deepseek_v3")
+                 "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 # strata.models.moe: softmax over all, top k; sigmoid scores chosen with a bias (glm4_moe); top k logits (with a bias), then
 # a softmax over those (gpt_oss)
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")
@@ -79,6 +79,13 @@ class ModelArgs:
     qk_rope_dim: int = 0             # the roped part of each q/k head (its frequencies are over these dims)
     v_head_dim: int = 0              # a value head's width (head_dim is q/k's)
     rope_interleave: bool = False    # the file's roped q/k values are in adjacent pairs (DeepSeek's), not two halves
+    # -- DeepSeek sparse attention (DSA: DeepSeek V3.2, GLM-5; strata.models.dsa) on MLA: a lightning indexer scores
+    # the prefix and each query attends to its index_topk best positions --
+    index_topk: int = 0              # > 0: DSA
+    index_heads: int = 0             # the indexer's query heads, of index_head_dim, its first qk_rope_dim roped
+    index_head_dim: int = 0          # (its one key per position is cached beside the latent)
+    index_rope_interleave: bool = False  # the indexer's roped values in adjacent pairs (GLM-5), not halves (V3.2)
+    index_shared: tuple | None = None  # per layer True where it reuses the layer before's selection (GLM-5)
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -114,6 +121,14 @@ class ModelArgs:
                                       and self.qk_rope_dim % 2 == 0 and self.v_head_dim > 0):
             raise ValueError(f"latent attention of {self.n_heads}/{self.n_kv_heads} heads, q/k {self.head_dim} "
                              f"(rope {self.qk_rope_dim}), v {self.v_head_dim}")
+        if self.index_topk and not (self.latent and self.q_lora_rank and self.index_heads
+                                    and self.qk_rope_dim <= self.index_head_dim):
+            raise ValueError(f"sparse attention needs MLA with a low-rank q and indexer heads ({self.index_heads} of "
+                             f"{self.index_head_dim})")
+        if self.index_shared is not None:
+            object.__setattr__(self, "index_shared", tuple(bool(x) for x in self.index_shared))
+            if len(self.index_shared) != self.n_layers or (self.index_shared and self.index_shared[0]):
+                raise ValueError(f"index_shared lists {len(self.index_shared)} layers (the first may not share)")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim} is not an even part of head_dim {self.head_dim}")
 
@@ -136,14 +151,22 @@ class ModelArgs:
 
     def kv_rows(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, width) of an attention layer's two cache tensors per position: K and V, (n_kv_heads, head_dim)
-        each; MLA's are the normed latent (1, kv_lora_rank) and the roped shared key (1, qk_rope_dim)."""
-        if self.latent:
-            return (1, self.kv_lora_rank), (1, self.qk_rope_dim)
+        each; MLA's K is [normed latent | roped shared key] (1, kv_lora_rank + qk_rope_dim), its V empty
+        (strata.models.mla)."""
+        if self.latent:  # (DSA: the indexer's key after them, index_head_dim values)
+            return (1, self.kv_lora_rank + self.qk_rope_dim + (self.index_head_dim if self.index_topk else 0)), (1, 0)
         return (self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim)
 
     def kv_values(self) -> int:
         """Values one position takes in one attention layer's cache (both tensors)."""
         return sum(h * w for h, w in self.kv_rows())
+
+    def stage_start_refusal(self, layer: int) -> str | None:
+        """Why a stage cannot start at layer `layer` (None: it can): a DSA layer that takes the layer before's
+        selection (GLM-5's shared indexer) needs that layer on its own stage."""
+        if self.index_shared is not None and 0 < layer < self.n_layers and self.index_shared[layer]:
+            return f"layer {layer} takes layer {layer - 1}'s sparse-attention selection (indexer_types shared)"
+        return None
 
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture of experts."""
@@ -191,6 +214,8 @@ class ModelArgs:
             out.append("attention gate")
         if self.latent:
             out.append("latent attention")
+        if self.index_topk:
+            out.append("sparse attention")
         if self.o_bias:
             out.append("o_bias")
         if self.rope_scaling and self.rope_scaling.get("rope_type", "llama3") != "llama3":
@@ -210,12 +235,15 @@ class ModelArgs:
             conv = 2 * kdim + vdim
             attn = d * (conv + vdim + 2 * self.lin_v_heads) + conv * self.lin_conv + 2 * self.lin_v_heads \
                 + self.lin_v_dim + d * vdim
-        elif self.latent:  # q (low-rank with its norm, or direct), kv_a, its norm, kv_b, o
+        elif self.latent:  # q (low-rank with its norm, or direct), kv_a, its norm, kv_b, o; DSA's indexer
             nh, r = self.n_heads, self.kv_lora_rank
             q = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * nh * hd if self.q_lora_rank
                  else d * nh * hd)
             attn = q + d * (r + self.qk_rope_dim) + r + r * nh * (hd - self.qk_rope_dim + self.v_head_dim) \
                 + nh * self.v_head_dim * d
+            if self.index_topk:
+                ih, idim = self.index_heads, self.index_head_dim
+                attn += self.q_lora_rank * ih * idim + d * idim + 2 * idim + d * ih
         else:
             q = self.n_heads * hd * (2 if self.attn_gate else 1)
             attn = d * (q + 2 * self.n_kv_heads * hd) + d * self.n_heads * hd \

@@ -3,6 +3,7 @@ keys become `ModelArgs` (what the decoder core varies for it). A key that would 
 implemented is refused in one line naming the file, the key and the value; nothing is ignored silently."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -30,6 +31,17 @@ _GGUF_LLAMA = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "at
                "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
                "router": "ffn_gate_inp.weight", "e_gate": "ffn_gate_exps.weight", "e_up": "ffn_up_exps.weight",
                "e_down": "ffn_down_exps.weight"}
+# the DeepSeek line's layer in HF files: MLA's projections and norms, GLM-4.5's router and experts
+_HF_DEEPSEEK = {**_HF_LLAMA, "wq_a": "self_attn.q_a_proj.weight", "q_a_norm": "self_attn.q_a_layernorm.weight",
+                "wq_b": "self_attn.q_b_proj.weight", "wkv_a": "self_attn.kv_a_proj_with_mqa.weight",
+                "kv_a_norm": "self_attn.kv_a_layernorm.weight", "wkv_b": "self_attn.kv_b_proj.weight",
+                "router": "mlp.gate.weight", "router_bias": "mlp.gate.e_score_correction_bias",
+                "e_gate": "mlp.experts.{e}.gate_proj.weight", "e_up": "mlp.experts.{e}.up_proj.weight",
+                "e_down": "mlp.experts.{e}.down_proj.weight", "s_gate": "mlp.shared_experts.gate_proj.weight",
+                "s_up": "mlp.shared_experts.up_proj.weight", "s_down": "mlp.shared_experts.down_proj.weight"}
+_HF_INDEXER = {"ix_wq_b": "self_attn.indexer.wq_b.weight", "ix_wk": "self_attn.indexer.wk.weight",
+               "ix_k_norm": "self_attn.indexer.k_norm.weight", "ix_k_norm_b": "self_attn.indexer.k_norm.bias",
+               "ix_w": "self_attn.indexer.weights_proj.weight"}
 HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
 GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
 
@@ -145,6 +157,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                          "lin_alog": ("ssm_a", lambda t, a: _untile((-t).log(), a, 0, 1)),
                          "lin_out": ("ssm_out.weight", lambda t, a: _untile(t, a, 1, a.lin_v_dim))},
            gguf_col_order={"lin_out": lambda a: _untile(torch.arange(a.lin_v_heads * a.lin_v_dim), a, 0, a.lin_v_dim)}),
+    # DeepSeek V3 / R1 / V3.1 and Kimi K2 (model_type kimi_k2): MLA (strata.models.mla) and GLM-4.5's router
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), "deepseek2", hf_fused_experts=True, hf_layer=_HF_DEEPSEEK),
+    # DeepSeek V3.2 and GLM-5: the same with DSA's lightning indexer (strata.models.dsa)
+    Family("deepseek_v32", ("DeepseekV32ForCausalLM",), "deepseek32", hf_fused_experts=True,
+           hf_layer={**_HF_DEEPSEEK, **_HF_INDEXER}),
+    Family("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), "glm-dsa", hf_fused_experts=True,
+           hf_layer={**_HF_DEEPSEEK, **_HF_INDEXER}),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
            gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),
@@ -153,7 +172,9 @@ _BY_HF = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
 _BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch}
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                 "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
-                "gpt_oss": "gpt_oss", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"}
+                "gpt_oss": "gpt_oss", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
+                "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "deepseek_v32": "deepseek_v32",
+                "glm_moe_dsa": "glm_moe_dsa"}
 
 
 def _per_head(t, a, part: int):
@@ -310,7 +331,15 @@ def hf_args(cfg: dict, where: str) -> ModelArgs:
     if fam is None:
         raise ModelError(f"{where}: unsupported architecture {archs[0]!r} (supported: {supported_hf()})")
     cfg = _gemma3_text(cfg, where) if fam.gemma else cfg
+    q = cfg.get("quantization_config")
+    if q:  # (DeepSeek V3's released weights: fp8 blocks with weight_scale_inv beside them; read as plain floats they
+        # would be another model)
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        raise ModelError(f"{where}: quantization_config (quant_method {method!r}) is not implemented: use the bf16 "
+                         "weights or a GGUF")
     try:
+        if fam.name in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+            return _hf_deepseek_v3(cfg, where, fam.name)
         return _hf_family_args(cfg, fam, archs[0], where)
     except KeyError as e:  # a key read before ModelArgs is built; one the config has is this code's bug: raised as is
         if e.args and e.args[0] in cfg:
@@ -433,6 +462,108 @@ def _hf_family_args(cfg: dict, fam: Family, arch: str, where: str) -> ModelArgs:
         raise ModelError(f"{where}: config lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ModelError(f"{where}: {e}") from None
+
+
+# DeepseekV3Config's defaults (transformers 5.25) for the keys a config.json may leave out
+_DEEPSEEK_V3_DEFAULTS = {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+                         "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+                         "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+                         "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_interleave": True, "hidden_act": "silu",
+                         "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1}
+# keys of DeepSeek's own configs (trust_remote_code era) at the only value transformers' DeepseekV3 computes
+_DEEPSEEK_V3_FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,
+                      "attention_bias": False, "mlp_bias": False}
+
+
+# DeepseekV32Config's and GlmMoeDsaConfig's defaults (transformers 5.25) where they differ from V3's
+_DSA_DEFAULTS = {"deepseek_v32": {"max_position_embeddings": 163840, "index_topk": 2048, "index_head_dim": 128,
+                                  "index_n_heads": 64},
+                 "glm_moe_dsa": {"vocab_size": 154880, "n_group": 1, "topk_group": 1, "q_lora_rank": 2048,
+                                 "v_head_dim": 256, "qk_nope_head_dim": 192, "rms_norm_eps": 1e-5,
+                                 "max_position_embeddings": 202752, "index_topk": 2048, "index_head_dim": 128,
+                                 "index_n_heads": 32}}
+
+
+def _hf_deepseek_v3(cfg: dict, where: str, arch: str = "deepseek_v3") -> ModelArgs:
+    """DeepSeek V3 / R1 / V3.1 and Kimi K2 from config.json, as transformers' DeepseekV3 computes them: MLA (q
+    through q_lora_rank or not, the latent of kv_lora_rank, qk_nope + qk_rope q/k heads, v_head_dim values, the
+    rope layout by rope_interleave), the softmax scale with YaRN's mscale_all_dim folded in twice (transformers'
+    yarn_apply_mscale), sigmoid routing with the correction bias in n_group groups, routed_scaling_factor, shared
+    experts, the first first_k_dense_replace layers dense. Multi-token-prediction layers (past num_hidden_layers)
+    are never read."""
+    cfg = {**_DEEPSEEK_V3_DEFAULTS, **_DSA_DEFAULTS.get(arch, {}),
+           **{k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}}
+    dense = int(cfg["first_k_dense_replace"])
+    sparse = _dsa(cfg, where, arch, dense) if arch != "deepseek_v3" else {}
+    for key, value in _DEEPSEEK_V3_FIXED.items():
+        if cfg.get(key, value) != value:
+            raise ModelError(f"{where}: {key} = {cfg[key]!r} is not implemented (DeepSeek V3: {value!r})")
+    if cfg["hidden_act"] != "silu":
+        raise ModelError(f"{where}: hidden_act = {cfg['hidden_act']!r} is not implemented")
+    if cfg.get("num_key_value_heads") not in (None, cfg["num_attention_heads"]):
+        raise ModelError(f"{where}: num_key_value_heads = {cfg['num_key_value_heads']!r} is not implemented for MLA "
+                         f"(its {cfg['num_attention_heads']} heads share one latent)")
+    rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict)
+                                     else None)
+    theta = float((rs or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    scaling = scaling_from_hf(rs, where, max_position_embeddings=cfg.get("max_position_embeddings"),
+                              original_max_position_embeddings=cfg.get("original_max_position_embeddings"))
+    if scaling and scaling["rope_type"] not in ("yarn", "linear", "llama3"):
+        raise ModelError(f"{where}: rope type {scaling['rope_type']!r} is not implemented for MLA")
+    rope, nope = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
+    scale = (nope + rope) ** -0.5
+    if scaling and scaling["rope_type"] == "yarn" and scaling.get("mscale_all_dim"):
+        m = 0.1 * float(scaling["mscale_all_dim"]) * math.log(scaling["factor"]) + 1.0 \
+            if scaling["factor"] > 1 else 1.0
+        scale *= m * m
+    n, shared = int(cfg["n_routed_experts"]), int(cfg["n_shared_experts"] or 0)
+    eos = cfg.get("eos_token_id")
+    return ModelArgs(arch=arch, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"],
+                     n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                     n_kv_heads=cfg["num_attention_heads"], head_dim=nope + rope, ffn_dim=cfg["intermediate_size"],
+                     norm_eps=cfg["rms_norm_eps"], rope_theta=theta, rope_scaling=scaling,
+                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                     max_seq_len=_max_positions(cfg, scaling), bos_id=cfg.get("bos_token_id"),
+                     eos_id=eos[0] if isinstance(eos, list) else eos, attn_scale=scale,
+                     kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg["q_lora_rank"] or 0),
+                     qk_rope_dim=rope, v_head_dim=int(cfg["v_head_dim"]),
+                     rope_interleave=bool(cfg["rope_interleave"]) or arch != "deepseek_v3", **sparse,
+                     n_experts=n, n_experts_used=int(cfg["num_experts_per_tok"]),
+                     expert_ffn_dim=int(cfg["moe_intermediate_size"]), router="sigmoid",
+                     router_renorm=bool(cfg["norm_topk_prob"]), router_groups=int(cfg["n_group"]),
+                     router_groups_used=int(cfg["topk_group"]), routed_scale=float(cfg["routed_scaling_factor"]),
+                     shared_ffn_dim=int(cfg["moe_intermediate_size"]) * shared,
+                     first_dense_layers=dense)
+
+
+def _dsa(cfg: dict, where: str, arch: str, dense: int) -> dict:
+    """DSA's keys (DeepSeek V3.2, GLM-5) as transformers computes them: every layer "indexed_attention"; the MLP
+    dense for the first first_k_dense_replace layers (mlp_layer_types may only say that); the indexer's heads and
+    top k; its rope in halves (V3.2) or adjacent pairs (GLM-5, whose main attention is interleaved too); GLM-5's
+    indexer_types: a "shared" layer takes the layer before's selection."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is not None and set(types) != {"indexed_attention"}:
+        raise ModelError(f"{where}: layer_types {sorted(set(types) - {'indexed_attention'})!r} is not implemented")
+    mlp = cfg.get("mlp_layer_types")
+    if mlp is not None and list(mlp) != ["dense"] * min(dense, n) + ["sparse"] * max(0, n - dense):
+        raise ModelError(f"{where}: mlp_layer_types = {mlp!r} is not implemented (the first "
+                         f"first_k_dense_replace = {dense} layers dense, then experts)")
+    if not cfg.get("q_lora_rank"):
+        raise ModelError(f"{where}: q_lora_rank = {cfg.get('q_lora_rank')!r}: the indexer reads q's low-rank residual")
+    shared = None
+    if arch == "glm_moe_dsa":
+        kinds = cfg.get("indexer_types")
+        if kinds is None:  # GlmMoeDsaConfig's schedule where the config lists none
+            freq, offset = max(int(cfg.get("index_topk_freq", 1)), 1), int(cfg.get("index_skip_topk_offset", 2))
+            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+        if len(kinds) != n or set(kinds) - {"full", "shared"} or kinds[0] != "full":
+            raise ModelError(f"{where}: indexer_types = {kinds!r} is not implemented (full or shared per layer, the "
+                             "first full)")
+        shared = tuple(k == "shared" for k in kinds)
+    return dict(index_topk=int(cfg["index_topk"]), index_heads=int(cfg["index_n_heads"]),
+                index_head_dim=int(cfg["index_head_dim"]), index_rope_interleave=arch == "glm_moe_dsa",
+                index_shared=shared if shared is not None and any(shared) else None)
 
 
 def _hf_linear(cfg: dict, where: str) -> dict:

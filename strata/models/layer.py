@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from strata.kernels.attention import (_FP8, BF16_ATTENTION_FROM, Q8_0, _bf16_cache_attention, apply_rope, chunk_attention,
                         decode_attention, from_cache, rope_rows, sink_attention, store_rows, to_cache,
                         window_attention)
+from strata.models.mla import latent_attention
 from strata.models.resident import ResidentMatrices
 from strata.models.weight_only import Products, dense_products
 
@@ -49,7 +50,12 @@ def layer(blk, h: torch.Tensor, pend: tuple, ops) -> tuple[torch.Tensor, tuple]:
     MLP product and the norm it still takes, not yet added)."""
     mats = ops.products(blk)
     h, x, xq = ops.add_norm(h, pend, blk.attn_norm, mats.int8["in"])
-    o = ops.linear(blk, h, x, xq, mats) if blk.linear else attention(blk.attn, h, x, xq, mats, ops)
+    if blk.linear:
+        o = ops.linear(blk, h, x, xq, mats)
+    elif blk.latent:  # MLA (strata.models.mla): the same body on every path, over the path's row segments
+        o = latent_attention(blk.attn, x, ops).to(h.dtype)
+    else:
+        o = attention(blk.attn, h, x, xq, mats, ops)
     h, x, xq = ops.add_norm(h, (o, blk.attn_post_norm), blk.mlp_norm, mats.int8["mlp"])
     if blk.moe:  # routing and the chosen experts (strata.models.moe)
         return h, ops.experts(blk, h, x, xq)
@@ -108,6 +114,7 @@ class PrefillOps:
 
     def __init__(self, pos: int, tabs: dict, segs: Callable[[str], list] | None = None):
         self.pos, self.tabs, self.segs = pos, tabs, segs
+        self.selected: list | None = None  # DSA: the last indexer's positions per segment (strata.models.mla)
 
     def products(self, blk) -> LayerMats:
         w = blk.weights.get()
@@ -141,6 +148,10 @@ class PrefillOps:
             y = torch.cat(a._segments(q, k, v, self.segs(a.key)), dim=2)
         return y.transpose(1, 2).reshape(1, T, a.nh * a.hd), {}
 
+    def segments(self, a, T: int) -> list:
+        """The rows' (pos, n, caches) in order: the chunk on the layer's cache, or a group's sequences."""
+        return [(self.pos, T, (a.k_cache, a.v_cache))] if self.segs is None else self.segs(a.key)
+
     def linear(self, blk, h, x, xq, mats: LayerMats):
         return blk.attn(x, mats.src, self.pos)
 
@@ -168,6 +179,7 @@ class RowsOps:
                  slots: torch.Tensor | None = None):
         self.tabs, self.device, self.pos, self.wo = tabs, device, pos, wo or {}
         self.positions, self.caches, self.slots = positions, caches, slots
+        self.selected: list | None = None  # DSA: the last indexer's positions per segment (strata.models.mla)
 
     def products(self, blk) -> LayerMats:
         r, wo = blk.weights, self.wo.get(blk.key)
@@ -204,6 +216,12 @@ class RowsOps:
             a.check(pos, 1)
             ys.append(attend_rows(a, qk[t:t + 1], qkv[t:t + 1], pos, kc, vc, h.dtype, weight_only))
         return torch.cat([r.to(ys[0].dtype) for r in ys]), {}  # (a row's attention may take another kernel)
+
+    def segments(self, a, T: int) -> list:
+        """The rows' (pos, n, caches) in order: one sequence's T rows, or each batch row at its position."""
+        if self.positions is None:
+            return [(self.pos, T, (a.k_cache, a.v_cache))]
+        return [(p, 1, c) for p, c in zip(self.positions, self.caches(a.key))]
 
     def linear(self, blk, h, x, xq, mats: LayerMats):
         """The Gated DeltaNet step: one sequence's rows from its states (GatedDeltaNet.forward), or each batch row

@@ -26,6 +26,7 @@ from strata.config import KernelSpec
 from strata.triton_state import TritonState
 from strata.models.layer import NOTHING, PrefillOps, RowsOps, layer, run_layers
 from strata.models.linear_attention import GatedDeltaNet
+from strata.models.mla import LatentAttention, deinterleave_rows
 from strata.models.moe import MoE
 from strata.models.weight_only import DECODE_KINDS, LayerWeightOnly, WeightOnly
 
@@ -34,15 +35,21 @@ def rope_frequencies(args: ModelArgs, theta: float | None = None, scaled: bool =
     `scaled` (strata.models.rope: llama3, yarn, linear). Computed on the CPU, also inside a `torch.device("meta")` build:
     meta arange goes through torch's compiler (~1 s import)."""
     from strata.models.rope import inv_frequencies
-    inv, _ = inv_frequencies(args.head_dim, args.rope_theta if theta is None else theta,
-                             _scaling(args) if scaled else None, args.rotary_dim)
+    hd, rot = _rope_dims(args)
+    inv, _ = inv_frequencies(hd, args.rope_theta if theta is None else theta, _scaling(args) if scaled else None, rot)
     return inv.float()
+
+
+def _rope_dims(args: ModelArgs) -> tuple[int, int | None]:
+    """(head width, rotary_dim) the frequencies are over: MLA ropes its qk_rope_dim values as a head of its own."""
+    return (args.qk_rope_dim, None) if args.latent else (args.head_dim, args.rotary_dim)
 
 
 def rope_attention_factor(args: ModelArgs) -> float:
     """What cos and sin are multiplied by (YaRN's attention factor; 1.0 otherwise)."""
     from strata.models.rope import inv_frequencies
-    return inv_frequencies(args.head_dim, args.rope_theta, _scaling(args), args.rotary_dim)[1]
+    hd, rot = _rope_dims(args)
+    return inv_frequencies(hd, args.rope_theta, _scaling(args), rot)[1]
 
 
 def _scaling(args: ModelArgs) -> dict | None:
@@ -180,14 +187,17 @@ class Block(nn.Module):
         self.key = str(layer)  # its key in Transformer.layers
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, up)
         self.linear = args.is_linear(layer)  # Gated DeltaNet in place of attention (qwen3_5)
-        self.attn = GatedDeltaNet(args) if self.linear else Attention(args, layer)
+        self.latent = args.latent and not self.linear  # MLA (deepseek_v3): its weights held by the attention
+        self.attn = (GatedDeltaNet(args) if self.linear else LatentAttention(args, layer, RMSNorm) if self.latent
+                     else Attention(args, layer))
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, up)
         self.moe = args.is_moe(layer)
         self.mlp = MoE(args) if self.moe else FeedForward(args)
         # gemma3's sandwich: the attention's and the MLP's outputs are normed before each residual add
         self.attn_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
         self.mlp_post_norm = RMSNorm(args.dim, args.norm_eps, up) if args.post_norms else None
-        self.weights: DenseMatrices | ResidentMatrices = DenseMatrices(args, mlp=not self.moe, attn=not self.linear)
+        self.weights: DenseMatrices | ResidentMatrices = DenseMatrices(args, mlp=not self.moe,
+                                                                       attn=not (self.linear or self.latent))
 
     def forward(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 segs: list | None = None) -> torch.Tensor:
@@ -233,7 +243,7 @@ class Transformer(nn.Module):
         # resident matrices share, so a kernel that fails here falls back for this slice only, once for them all
         self.triton_state = TritonState()
         for blk in self.layers.values():
-            if isinstance(blk.attn, Attention):
+            if isinstance(blk.attn, (Attention, LatentAttention)):
                 blk.attn.triton_state = self.triton_state
             if isinstance(blk.mlp, (FeedForward, MoE)):
                 blk.mlp.triton_state = self.triton_state
@@ -338,6 +348,8 @@ class Transformer(nn.Module):
                 else:
                     for attr, t in mats.items():
                         setattr(la, attr, param(t))
+            elif blk.latent:
+                self._load_latent(blk.attn, p, take, param, dense)
             elif args.qk_norm:
                 blk.attn.q_norm.weight = norm(take(p + "q_norm"))
                 blk.attn.k_norm.weight = norm(take(p + "k_norm"))
@@ -367,7 +379,7 @@ class Transformer(nn.Module):
                     e.s2 = param(take(p + "s_down"))
                 if e.s_sig is not None:
                     e.s_sig = param(take(p + "s_sig"))
-            mats = ((() if blk.linear else ("wq", "wk", "wv", "wo") + (("wg",) if args.attn_gate else ()))
+            mats = ((() if blk.linear or blk.latent else ("wq", "wk", "wv", "wo") + (("wg",) if args.attn_gate else ()))
                     + (() if blk.moe else ("w_gate", "w_up", "w_down")))
             parts = {**{n: take(p + n) for n in mats}, **lin}
             bias = (torch.cat([dense(take(p + n)) for n in ("bq", "bk", "bv")])
@@ -378,8 +390,8 @@ class Transformer(nn.Module):
                                                self.gemv)
                 continue
             with torch.device("meta"):
-                m = DenseMatrices(args, mlp=not blk.moe, attn=not blk.linear)
-            if not blk.linear:
+                m = DenseMatrices(args, mlp=not blk.moe, attn=not (blk.linear or blk.latent))
+            if not (blk.linear or blk.latent):
                 qkv = ("wq", "wk", "wv") + (("wg",) if args.attn_gate else ())
                 m.wqkv.weight = param(torch.cat([dense(parts.pop(n)) for n in qkv]))
                 m.wqkv.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -402,6 +414,33 @@ class Transformer(nn.Module):
         self.storage_version += 1
         if self.decode_weights:
             self.set_decode_weights(self.decode_weights)
+
+    def _load_latent(self, la: LatentAttention, p: str, take, param, dense) -> None:
+        """An MLA layer's projections and norms, dense in the compute dtype; DeepSeek's interleaved rope rows (of q
+        and of kv_a's shared key) put in halves order once here (mla.deinterleave_rows)."""
+        a = self.args
+        fix = ((lambda t, heads, width: deinterleave_rows(dense(t), heads, width, a.qk_rope_dim))
+               if a.rope_interleave else (lambda t, heads, width: dense(t)))
+        if a.q_lora_rank:
+            la.wq_a = param(take(p + "wq_a"))
+            la.q_a_norm.weight = param(take(p + "q_a_norm"))
+            la.wq_b = param(fix(take(p + "wq_b"), a.n_heads, a.head_dim))
+        else:
+            la.wq = param(fix(take(p + "wq"), a.n_heads, a.head_dim))
+        la.wkv_a = param(fix(take(p + "wkv_a"), 1, a.kv_lora_rank + a.qk_rope_dim))
+        la.kv_a_norm.weight = param(take(p + "kv_a_norm"))
+        la.wkv_b = param(take(p + "wkv_b"))
+        la.wo = param(take(p + "wo"))
+        ix = la.indexer
+        if ix is not None:  # DSA: its first qk_rope_dim values roped; GLM-5's in adjacent pairs (its LayerNorm's too)
+            r, heads, width = a.qk_rope_dim, a.index_heads, a.index_head_dim
+            pairs = ((lambda t, h: deinterleave_rows(dense(t), h, width, r, first=True)) if a.index_rope_interleave
+                     else (lambda t, h: dense(t)))
+            ix.wq_b = param(pairs(take(p + "ix_wq_b"), heads))
+            ix.wk = param(pairs(take(p + "ix_wk"), 1))
+            ix.k_norm_w = param(pairs(take(p + "ix_k_norm"), 1))
+            ix.k_norm_b = param(pairs(take(p + "ix_k_norm_b"), 1))
+            ix.w = param(take(p + "ix_w"))
 
     def set_kernels(self, kernels: KernelSpec, attention: str = "auto") -> None:
         """The kernels this slice computes with: the rig's `kernels` (read here by strata.decode.graphs too) and its
@@ -463,7 +502,7 @@ class Transformer(nn.Module):
         self.pool, self._cache_len = (pool if seqs > 1 else 0), max_len
         if self.pool and self.pool < max_len:
             raise ValueError(f"a KV pool of {self.pool} positions holds no {max_len}-position sequence")
-        nkv, width = self.args.n_kv_heads, cache_width(self.args.head_dim, kv)
+        rows = [(h, cache_width(w, kv)) for h, w in self.args.kv_rows()]  # K's and V's (heads, width)
         # a layer's slots in one tensor (seqs, nkv, positions, width), each slot its view [s:s + 1]: a decode batch's
         # kernels reach every row's cache from one base by the row's slot (strata.decode.batch_graphs). With a pool, a
         # global layer's positions are one tensor (1, nkv, pool, width) for every slot, and slot s is the extent
@@ -474,14 +513,13 @@ class Transformer(nn.Module):
             if blk.linear:
                 continue
             if self.pool and blk.attn.window is None:
-                k, v = (torch.zeros(1, nkv, self.pool, width, device=device, dtype=kv) for _ in range(2))
+                k, v = (torch.zeros(1, h, self.pool, w, device=device, dtype=kv) for h, w in rows)
                 self._pools[i] = (k, v)
-                self._slot_caches[i] = tuple(c.as_strided((1, nkv, self.pool, width),
-                                                          (width, self.pool * width, width, 1)) for c in (k, v))
+                self._slot_caches[i] = tuple(c.as_strided((1, h, self.pool, w), (w, self.pool * w, w, 1))
+                                             for c, (h, w) in zip((k, v), rows))
                 continue
-            shape = (seqs, nkv, self.args.kv_positions(int(i), max_len, max_chunk), width)
-            self._slot_caches[i] = (torch.zeros(shape, device=device, dtype=kv),
-                                    torch.zeros(shape, device=device, dtype=kv))
+            n = self.args.kv_positions(int(i), max_len, max_chunk)
+            self._slot_caches[i] = tuple(torch.zeros(seqs, h, n, w, device=device, dtype=kv) for h, w in rows)
         # (a pooled layer's slot holds no position until place_slot)
         self._slots = [{i: (k[:, :, :0], v[:, :, :0]) if i in self._pools else (ck[s:s + 1], cv[s:s + 1])
                         for i, (ck, cv) in self._slot_caches.items() for k, v in [self._pools.get(i, (ck, cv))]}
@@ -762,7 +800,7 @@ class Transformer(nn.Module):
             if need > left:
                 break
             with torch.device("meta"):
-                m = DenseMatrices(self.args, mlp=not blk.moe, attn=not blk.linear)
+                m = DenseMatrices(self.args, mlp=not blk.moe, attn=not (blk.linear or blk.latent))
 
             def dense(names):  # the parts `names` (those the layer has) stacked by rows, as the scratch gets them
                 names = [k for k in names if k in parts]

@@ -188,9 +188,9 @@ def time_layer(args: ModelArgs, device: str, dtype, chunk: int, tokens: int) -> 
             # a layer attending to every position (the costly kind, and the one a cache of hi + T rows serves)
             layer = next((i for i in range(args.n_layers) if args.window(i) is None and not args.is_linear(i)), 0)
             blk = Block(args, layer).eval()
-            kv = (1, args.n_kv_heads, hi + T, args.head_dim)
-            blk.attn.k_cache = torch.randn(kv, dtype=dtype)
-            blk.attn.v_cache = torch.randn(kv, dtype=dtype)
+            (kh, kw), (vh, vw) = args.kv_rows()
+            blk.attn.k_cache = torch.randn(1, kh, hi + T, kw, dtype=dtype)
+            blk.attn.v_cache = torch.randn(1, vh, hi + T, vw, dtype=dtype)
             blk.attn.max_len = hi + T
             h = torch.randn(1, T, args.dim, dtype=dtype)
     finally:

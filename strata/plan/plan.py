@@ -5,6 +5,7 @@ Everything here runs in the head before any process starts, so every refusal lea
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sysconfig
@@ -243,9 +244,9 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
             check_device(s.device, f"stages[{i}].device")
     if len(stages) > args.n_layers:
         raise ConfigError(f"stages: {len(stages)} stages but the model has only {args.n_layers} layers")
-    if cfg.kv_dtype == "q8_0" and args.head_dim % 32:
-        raise ConfigError(f"kv_dtype: q8_0 caches blocks of 32 values; this model's head dim is {args.head_dim} "
-                          "(use float8_e4m3fn)")
+    if cfg.kv_dtype == "q8_0" and any(w % 32 for _, w in args.kv_rows()):
+        raise ConfigError(f"kv_dtype: q8_0 caches blocks of 32 values; this model's cache rows are "
+                          f"{[w for _, w in args.kv_rows()]} wide (use float8_e4m3fn)")
     from strata.kvcache.prefix_cache import supported
     why = supported(args)
     for key in ("kv_cache_dir", "prefix_cache_device_bytes"):
@@ -361,6 +362,10 @@ def choose_split(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: 
         if sum(cfg.layer_split) != args.n_layers:
             raise ConfigError(f"layer_split: {list(cfg.layer_split)} sums to {sum(cfg.layer_split)}, the model has "
                               f"{args.n_layers} layers")
+        for start in itertools.accumulate(cfg.layer_split[:-1]):
+            why = args.stage_start_refusal(start)
+            if why is not None:
+                raise ConfigError(f"layer_split: {list(cfg.layer_split)} starts a stage at layer {start}: {why}")
 
     def fit(chunk: int, tokens: int = kv_tokens, st=per_stage) -> tuple[list[int] | None, str]:
         """(the split, "") when every stage holds `tokens` KV positions at `chunk`, else (None, why not)."""
@@ -462,7 +467,7 @@ def kv_pools(args: ModelArgs, split: list[int], tokens: int, chunk: int, cfg: Ri
         if st is not None and caps[i] is not None and glob:
             need = stage_need(args, a, a + n, tokens, chunk, cfg.dtype, host[i], cfg.perplexity, cfg.attention,
                               replace(st, pool=tokens, prefix_device=0)).total
-            per = 2 * args.n_kv_heads * args.head_dim * st.kv_elem * glob
+            per = args.kv_values() * st.kv_elem * glob
             pool = min(pool, tokens + int(max(0, caps[i] - need) * 9 // 10 // per))
         a += n
     pool = max(tokens, pool // POOL_GRAIN * POOL_GRAIN if pool < most else most)

@@ -112,7 +112,7 @@ def _window(values, n: int, start: int | None):
 
 def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b: int, st: Storage | None,
                 chunk: int = 1, start: int | None = None):
-    kvw = args.n_kv_heads * args.head_dim
+    kvw = args.kv_values()  # one position's K and V values in one layer
     rows = kv_rows(args, n, tokens, chunk, start)
     states = state_bytes(args, n, b, start)  # counted with the KV: what the stage holds for the prompt's positions
     if st is not None:
@@ -123,8 +123,8 @@ def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b
         if st.pool:  # a global layer holds the pool once; a window layer's ring and a state stay one a sequence
             per = [0 if args.is_linear(i) else st.pool if args.window(i) is None
                    else args.kv_positions(i, tokens, chunk) * st.seqs for i in range(args.n_layers)]
-            return weights, int(2 * kvw * _window(per, n, start) * st.kv_elem) + states * st.seqs
-        return weights, (int(2 * kvw * rows * st.kv_elem) + states) * st.seqs
+            return weights, int(kvw * _window(per, n, start) * st.kv_elem) + states * st.seqs
+        return weights, (int(kvw * rows * st.kv_elem) + states) * st.seqs
     # A tied head on a stage that does not also hold the embedding keeps its own copy of it.
     if args.first_dense_layers or args.linear_layers is not None:
         # layers differ: GLM's first ones keep a dense MLP; Qwen3.5's linear-attention layers are not its full ones
@@ -136,7 +136,7 @@ def _weights_kv(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, b
         weights += args.vocab_size * args.dim
     if last:
         weights += args.dim + (args.vocab_size * args.dim if not (args.tie_embeddings and first) else 0)
-    return weights * b, 2 * kvw * rows * b + states
+    return weights * b, kvw * rows * b + states
 
 
 def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: int, dtype: str,
@@ -165,11 +165,16 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
     mlp = 2 * dim * b + 4 * ffn * b                     # residual, normed input, gate|up, silu, product
     per_row = 2 * dim * b + max(norm, rope + dim * b, attn, mlp)
     act = chunk * per_row + chunk * hd * (2 * b + 3 * f4)  # + rope cos/sin tables
+    if args.latent:
+        # MLA's expanded form (strata.models.mla.expanded): a block of prefix positions and the chunk's own as
+        # per-head keys, padded values and kv_b's product, each merge's float32 output
+        block = min(tokens, storage.prefix_block if storage is not None else tokens) + chunk
+        act += block * nh * (2 * hd + hd - args.qk_rope_dim + args.v_head_dim) * b + chunk * q * 2 * f4
     if storage is not None and storage.kv_elem < b:
         # a cache narrower than the compute dtype (8-bit) is widened for each layer's attention, prefix_block
         # positions of the prefix at a time beside the chunk's own (strata.kernels.attention.narrow_cache_attention), and
         # each block's output and log-sum-exp wait for their merge
-        act += 2 * kvw * (min(tokens, storage.prefix_block) + chunk) * b + chunk * (q * b + nh * f4)
+        act += args.kv_values() * (min(tokens, storage.prefix_block) + chunk) * b + chunk * (q * b + nh * f4)
     if last:
         # the final norm and head: blocked float32 logits for the NLL (logits in dtype, their
         # float32 copy, log-softmax), while the chunk's output rows stay alive
@@ -303,7 +308,7 @@ def plan_split(args: ModelArgs, n_stages: int, speeds: list, caps: list[int | No
                     ti, rest = t[i][n], best[i + 1][a + n]
                     if ti == INF:
                         break
-                    if rest == INF:
+                    if rest == INF or args.stage_start_refusal(a + n) is not None:
                         continue
                     if threshold is None:
                         v = max(ti, rest)

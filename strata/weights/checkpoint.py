@@ -308,7 +308,7 @@ def stage_bytes(model_spec: str, args: ModelArgs, start: int, end: int, dtype, w
         scratch = scratch_layout(args)[1] * esize + dequant_piece_bytes(args)
     kv_size = kv_value_bytes(kv_dtype_of(kv_dtype, dtype))
     rows = sum(args.kv_positions(i, max_len, max_chunk) for i in range(start, end))
-    kv = int(2 * args.n_kv_heads * rows * args.head_dim * kv_size)
+    kv = int(args.kv_values() * rows * kv_size)
     return weight, scratch, kv
 
 
