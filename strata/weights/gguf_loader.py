@@ -17,7 +17,7 @@ from strata.models.rope import yarn_positions
 from strata.models.resident import Quantized
 from strata.models.families import _BY_GGUF, check_gguf_keys, family, gguf_args_extra, gguf_trunk_layers, supported_gguf
 from strata.models.names import fused_rows, gguf_name, shapes, short, wanted_names
-from strata.weights.gguf_files import field_value, one_line, open_gguf, open_model  # noqa: F401 (open_gguf: callers')
+from strata.weights.gguf_files import field_value, one_line, open_model
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # held dense in the compute dtype in either load mode
 
