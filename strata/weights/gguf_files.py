@@ -173,7 +173,7 @@ def _model_cached(paths: tuple[str, ...], stats: tuple[tuple[int, int], ...]) ->
     tensors: dict = {}
     part_of: dict = {}
     for i, (p, r) in enumerate(zip(parts, readers)):
-        if len(parts) > 1:
+        if i > 0:
             _check_part(p, r, i, parts, readers[0])
         for t in r.tensors:  # (a file's own names are unique: its parser refuses a repeat)
             if t.name in part_of:
@@ -190,7 +190,7 @@ def _model_cached(paths: tuple[str, ...], stats: tuple[tuple[int, int], ...]) ->
 
 
 def _check_part(path: Path, reader, i: int, parts: tuple[Path, ...], first) -> None:
-    """Part i's split keys against its name (gguf-split's, which found it) and the first part's."""
+    """Part i (> 0)'s split keys against its name (gguf-split's, which found it) and the first part's."""
     count, no = _split_key(path, reader, SPLIT_COUNT), _split_key(path, reader, SPLIT_NO)
     if count != len(parts):
         raise ModelError(f"{path}: {SPLIT_COUNT} is {count}, its name and the first part {parts[0].name} say "
@@ -198,5 +198,5 @@ def _check_part(path: Path, reader, i: int, parts: tuple[Path, ...], first) -> N
     if no != i:
         raise ModelError(f"{path}: {SPLIT_NO} is {no}, its name says part {i + 1} of {len(parts)} ({SPLIT_NO} {i})")
     total, want = _split_key(path, reader, SPLIT_TENSORS), _split_key(parts[0], first, SPLIT_TENSORS)
-    if i > 0 and total is not None and total != want:
+    if total is not None and total != want:
         raise ModelError(f"{path}: {SPLIT_TENSORS} is {total}, the first part {parts[0].name} says {want}")
