@@ -29,14 +29,15 @@ PER_PART = 95
 STAGES = [(0, 7), (7, 19), (19, 30)]  # every stage reads from two or three parts
 
 
-def split_gguf(src: Path, out: Path, per_part: int, keys: dict | None = None, also: dict | None = None) -> list[Path]:
-    """`src` rewritten as `gguf-split --split-max-tensors per_part` writes it: the model's metadata in the first
-    part alone, then split.no / split.count / split.tensors.count in every part (u16, u16, i32), each part its
-    tensors in the source's order. For the refusals: `keys` {part index: {split key: value}} overrides a part's
-    split keys, `also` {part index: [tensor name]} writes another part's tensor into that part too."""
+def split_gguf(src: Path, out: Path, per_part: int, keys: dict | None = None, also: dict | None = None,
+               no_tensor_first: bool = False) -> list[Path]:
+    """`src` rewritten as `gguf-split --split-max-tensors per_part [--no-tensor-first-split]` writes it: the model's
+    metadata in the first part alone, then split.no / split.count / split.tensors.count in every part (u16, u16,
+    i32), each part its tensors in the source's order. For the refusals: `keys` {part index: {split key: value}}
+    overrides a part's split keys, `also` {part index: [tensor name]} writes another part's tensor into that part."""
     r = gguf.GGUFReader(src)
     tensors = list(r.tensors)
-    groups = [tensors[i:i + per_part] for i in range(0, len(tensors), per_part)]
+    groups = [[]] * no_tensor_first + [tensors[i:i + per_part] for i in range(0, len(tensors), per_part)]
     by_name = {t.name: t for t in tensors}
     stem = src.name.removesuffix(".gguf")
     paths = [out / f"{stem}-{i + 1:05d}-of-{len(groups):05d}.gguf" for i in range(len(groups))]
@@ -205,6 +206,15 @@ def test_tiny_split_reads_as_its_source(tiny, tmp_path):
     for n, t in whole.tensors.items():
         assert np.array_equal(m.tensors[n].data, t.data), n
     assert m.value("tokenizer.ggml.tokens") == ["a", "b"] and m.value("split.count") == 3
+
+
+def test_metadata_only_first_part(tiny, tmp_path):
+    """gguf-split --no-tensor-first-split: the first part holds the metadata and no tensor."""
+    parts = split_gguf(tiny, tmp_path, 3, no_tensor_first=True)
+    m = open_model(parts[0])
+    assert len(parts) == 3 and not gguf.GGUFReader(parts[0]).tensors
+    assert list(m.tensors) == list(open_model(tiny).tensors) and set(m.part_of.values()) == {1, 2}
+    assert set(tensor_facts(parts[0])) == set(m.tensors)
 
 
 def test_one_part_is_a_single_file(tiny, tmp_path):
