@@ -14,7 +14,6 @@ import torch
 
 from strata.errors import ModelError
 from strata.kvcache.kv_file import model_identity
-from strata.models.model import Transformer
 from strata.text.chat import ChatTemplate
 from strata.text.tokenizer import Tokenizer
 from strata.weights import checkpoint
@@ -149,20 +148,20 @@ def test_slices_equal_the_unsplit_files(smol, parts, resident):
 
 
 def test_three_stages_of_the_split_give_the_unsplit_logits(parts):
-    """A prompt through three stages loaded from the split copy: the logits the unsplit file gives in one."""
+    """A prompt through three stages loaded from the split copy as a stage process loads them (load_stage): the
+    logits the unsplit file gives in one."""
     spec, args = str(parts[0]), checkpoint.model_args("smollm2")
-    ids = torch.tensor([Tokenizer.for_model("smollm2").encode("The capital of France is Paris, and the capital "
-                                                              "of Italy is")])
-    whole = Transformer(args)
-    whole.load_weights(checkpoint.slice_tensors("smollm2", args, 0, args.n_layers), "cpu", torch.float32)
-    whole.setup_cache(ids.shape[1])
+    ids = torch.tensor([Tokenizer.for_model(spec).encode("The capital of France is Paris, and the capital of Italy "
+                                                         "is")])
+
+    def stage(model, a, b):
+        return checkpoint.load_stage(model, args, a, b, device="cpu", dtype=torch.float32, max_len=ids.shape[1])
+    whole = stage("smollm2", 0, args.n_layers)
     want = whole.logits(whole.forward(ids, 0))
     del whole
     x = ids
     for a, b in STAGES:
-        s = Transformer(args, a, b)
-        s.load_weights(checkpoint.slice_tensors(spec, args, a, b), "cpu", torch.float32)
-        s.setup_cache(ids.shape[1])
+        s = stage(spec, a, b)
         x = s.forward(x, 0)
     assert torch.equal(s.logits(x), want)
 
