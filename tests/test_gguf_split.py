@@ -167,8 +167,8 @@ def test_three_stages_of_the_split_give_the_unsplit_logits(parts):
 
 
 # -- refusals, on a tiny file --------------------------------------------------------------------
-def _tiny(path: Path) -> Path:
-    w = gguf.GGUFWriter(str(path), "llama")
+def _tiny(path: Path, **split) -> Path:
+    w = gguf.GGUFWriter(str(path), "llama", **split)
     w.add_uint32("llama.block_count", 1)
     w.add_array("tokenizer.ggml.tokens", ["a", "b"])
     rng = np.random.default_rng(0)
@@ -205,6 +205,17 @@ def test_tiny_split_reads_as_its_source(tiny, tmp_path):
     for n, t in whole.tensors.items():
         assert np.array_equal(m.tensors[n].data, t.data), n
     assert m.value("tokenizer.ggml.tokens") == ["a", "b"] and m.value("split.count") == 3
+
+
+def test_gguf_pys_own_split_reads_as_one(tiny, tmp_path):
+    """gguf-py's writer splits too (convert_hf_to_gguf.py --split-max-tensors): an independent writer of the format."""
+    _tiny(tmp_path / "w.gguf", split_max_tensors=4)
+    first = tmp_path / "w-00001-of-00002.gguf"
+    m = open_model(first)
+    assert m.parts == (first, tmp_path / "w-00002-of-00002.gguf") and m.value("split.count") == 2
+    whole = open_model(tiny)
+    assert list(m.tensors) == list(whole.tensors)
+    assert all(np.array_equal(m.tensors[n].data, t.data) for n, t in whole.tensors.items())
 
 
 def test_metadata_only_first_part(tiny, tmp_path):
