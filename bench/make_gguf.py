@@ -323,9 +323,9 @@ def tokenizer_of(src: Path, vocab: int | None):
     """(the parsed GGUF file src, its tokens), checked for add_vocab: ValueError where src is no GGUF file, its
     tokenizer is not byte-level BPE (gpt2), or it has more tokens than `vocab` (None: any number)."""
     from strata.errors import ModelError
-    from strata.weights.gguf_loader import field_value, open_gguf
+    from strata.weights.gguf_files import field_value, open_model
     try:
-        r = open_gguf(src)
+        r = open_model(src).meta
     except ModelError as e:
         raise ValueError(f"--vocab {src}: {e}") from None
     tokens = field_value(r, "tokenizer.ggml.tokens") or []

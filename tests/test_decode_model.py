@@ -206,7 +206,8 @@ def test_gguf_tensors_bit_exact_with_gguf_py():
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    from strata.weights.gguf_loader import _decode, open_gguf
+    from strata.weights.gguf_files import open_gguf
+    from strata.weights.gguf_loader import _decode
     from strata.weights.checkpoint import smollm2_path
     path = smollm2_path()
     reader = open_gguf(path)

@@ -12,7 +12,7 @@ import pytest
 
 from strata.weights.checkpoint import smollm2_path
 from strata.weights.gguf_fast import GGUFIndex, Unhandled
-from strata.weights.gguf_loader import field_value, open_gguf
+from strata.weights.gguf_files import field_value, open_gguf
 from strata.head.report import STARTUP_PARTS, startup_breakdown
 
 ROOT = Path(__file__).resolve().parent.parent

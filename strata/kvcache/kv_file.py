@@ -60,7 +60,8 @@ def model_identity(model: str, seed: int) -> str:
         return f"synthetic:{where}:seed={seed}"
     p = Path(where)
     if kind == "gguf":
-        return "gguf " + _file_id(p)
+        from strata.weights.gguf_files import open_model
+        return "gguf " + " ".join(_file_id(f) for f in open_model(p).parts)  # a split model: every part
     files = [p / "config.json"] + sorted(p.glob("*.safetensors"))
     return "hf " + " ".join(_file_id(f) for f in files)
 

@@ -27,8 +27,8 @@ class ChatTemplate:
     @classmethod
     def from_gguf(cls, path: str | Path) -> "ChatTemplate | None":
         """The template under GGUF key `tokenizer.chat_template` (None when the file has none)."""
-        from strata.weights.gguf_loader import field_value, open_gguf
-        r = open_gguf(Path(path))
+        from strata.weights.gguf_files import field_value, open_model
+        r = open_model(Path(path)).meta
         source = field_value(r, "tokenizer.chat_template")
         if not source:
             return None

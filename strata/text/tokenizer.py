@@ -112,9 +112,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path) -> "Tokenizer":
-        from strata.weights.gguf_loader import field_value, open_gguf
+        from strata.weights.gguf_files import field_value, open_model
         path = Path(path)
-        r = open_gguf(path)
+        r = open_model(path).meta  # (a split model's first part, which alone holds the vocabulary)
         kind = field_value(r, "tokenizer.ggml.model")
         tokens = field_value(r, "tokenizer.ggml.tokens")
         if kind is None or not tokens:

@@ -74,6 +74,9 @@ def resolve(model: str) -> tuple[str, str]:
             raise ModelError(f"model directory {model!r} has no config.json")
         return "hf", str(p)
     if p.suffix == ".gguf":
+        from strata.weights.gguf_files import is_part_name, open_model
+        if is_part_name(p.name):  # gguf-split's parts: checked as one model here (a later part is refused)
+            open_model(p)
         return "gguf", str(p)
     if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
         raise ModelError(f"model {model!r}: pickled checkpoints are refused (they can execute code); "
@@ -134,8 +137,8 @@ def end_ids(model: str, args: ModelArgs) -> frozenset[int]:
             e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
             found += e if isinstance(e, list) else [e]
     elif kind == "gguf":
-        from strata.weights.gguf_loader import field_value, open_gguf
-        reader = open_gguf(Path(loc))
+        from strata.weights.gguf_files import field_value, open_model
+        reader = open_model(Path(loc)).meta
         found += _gguf_ends(lambda k: field_value(reader, f"tokenizer.ggml.{k}"), args.eos_id)
     ids |= {v for v in found if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < args.vocab_size}
     return frozenset(ids)

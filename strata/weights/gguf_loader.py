@@ -17,98 +17,21 @@ from strata.models.rope import yarn_positions
 from strata.models.resident import Quantized
 from strata.models.families import _BY_GGUF, check_gguf_keys, family, gguf_args_extra, gguf_trunk_layers, supported_gguf
 from strata.models.names import fused_rows, gguf_name, shapes, short, wanted_names
+from strata.weights.gguf_files import field_value, one_line, open_model
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # held dense in the compute dtype in either load mode
 
 
-# -- reading ------------------------------------------------------------------------------------
-def open_gguf(path: Path):
-    """A parsed, memory-mapped `gguf.GGUFReader`, cached per file version (parsing costs seconds)."""
-    path = Path(path)
-    try:
-        st = path.stat()
-    except OSError as e:
-        raise ModelError(f"{path}: cannot read GGUF file ({e.strerror or e})") from None
-    if not path.is_file():
-        raise ModelError(f"{path}: not a file")
-    return _open_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _open_cached(path: str, size: int, mtime_ns: int):
-    import gguf
-    if size < 24:
-        raise ModelError(f"{path}: not a GGUF file (only {size} bytes)")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelError(f"{path}: not a GGUF file (bad magic {magic!r})")
-    from strata.weights.gguf_fast import GGUFIndex, Unhandled
-    try:
-        try:
-            reader = GGUFIndex(path)  # gguf-py's reader spends seconds on the tokenizer arrays
-        except Unhandled:
-            reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # the parser fails in many ways on truncated or corrupt bytes
-        raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {_one_line(e)})") from None
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelError(f"{path}: truncated GGUF file: tensor {t.name} ({t.tensor_type.name}) extends to byte "
-                             f"{t.data_offset + t.n_bytes}, the file has {size}")
-    return reader
-
-
-def _one_line(e: BaseException) -> str:
-    s = " ".join(str(e).split())
-    return s[:200]
-
-
-def field_value(reader, key: str, default=None):
-    """A metadata value as a Python scalar, str or list (missing -> default)."""
-    import gguf
-
-    from strata.weights.gguf_fast import GGUFIndex
-    if isinstance(reader, GGUFIndex):
-        return reader.value(key, default)
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    T = gguf.GGUFValueType
-
-    def scalar(vtype, part):
-        if vtype == T.STRING:
-            return bytes(part).decode("utf-8", errors="replace")
-        v = part[0]
-        if vtype == T.BOOL:
-            return bool(v)
-        if vtype in (T.FLOAT32, T.FLOAT64):
-            return float(v)
-        return int(v)
-
-    if f.types[0] == T.ARRAY:
-        if len(f.types) < 2:  # empty array
-            return []
-        return [scalar(f.types[1], f.parts[i]) for i in f.data]
-    return scalar(f.types[0], f.parts[f.data[0]])
-
-
-def _tensor_index(reader) -> dict:
-    return {t.name: t for t in reader.tensors}
-
-
-def _keys(reader) -> list[str]:
-    from strata.weights.gguf_fast import GGUFIndex
-    return list(reader.values if isinstance(reader, GGUFIndex) else reader.fields)
-
-
 # -- metadata -------------------------------------------------------------------------------------
 def gguf_model_args(path: Path) -> ModelArgs:
-    reader = open_gguf(path)
+    """A GGUF model's `ModelArgs` (a split model: its first part's metadata, all its parts' tensors)."""
+    model = open_model(path)
+    reader = model.meta
     arch = field_value(reader, "general.architecture")
     fam = _BY_GGUF.get(arch)
     if fam is None:
         raise ModelError(f"{path}: unsupported architecture {arch!r} (supported: {supported_gguf()})")
-    tensors = _tensor_index(reader)
+    tensors = model.tensors
 
     def need(key):
         v = field_value(reader, f"{arch}.{key}")
@@ -119,7 +42,7 @@ def gguf_model_args(path: Path) -> ModelArgs:
     def get(key, default=None):
         return field_value(reader, f"{arch}.{key}", default)
 
-    check_gguf_keys(fam, _keys(reader), get, str(path))
+    check_gguf_keys(fam, model.keys(), get, str(path))
     dim, n_heads = need("embedding_length"), need("attention.head_count")
     n_kv = get("attention.head_count_kv", n_heads)
     if isinstance(n_heads, list) or isinstance(n_kv, list):
@@ -167,7 +90,7 @@ def gguf_model_args(path: Path) -> ModelArgs:
             bos_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
             eos_id=field_value(reader, "tokenizer.ggml.eos_token_id"))
     except (TypeError, ValueError) as e:
-        raise ModelError(f"{path}: inconsistent GGUF metadata ({_one_line(e)})") from None
+        raise ModelError(f"{path}: inconsistent GGUF metadata ({one_line(e)})") from None
     if args.qkv_bias and arch == "qwen2" and "blk.0.attn_q.bias" not in tensors:
         raise ModelError(f"{path}: qwen2 model without q/k/v biases is unsupported")
     if fam.gguf_keys is not None:
@@ -260,7 +183,7 @@ def _decode(path, t) -> torch.Tensor:
         raise ModelError(f"{path}: tensor {t.name} has quantization type {name}, "
                          f"which gguf-py cannot dequantize") from None
     except Exception as e:
-        raise ModelError(f"{path}: cannot decode tensor {t.name} ({name}): {_one_line(e)}") from None
+        raise ModelError(f"{path}: cannot decode tensor {t.name} ({name}): {one_line(e)}") from None
     if arr.numel() != int(np.prod(shape)):
         raise ModelError(f"{path}: tensor {t.name} decodes to {arr.numel()} values, its shape {shape} needs {np.prod(shape)}")
     return arr.reshape(shape).contiguous()
@@ -297,15 +220,16 @@ class TensorFacts:
 
 
 def tensor_facts(path: Path) -> dict[str, TensorFacts]:
-    """Every tensor's type, shape and the bytes the file holds for it, without reading any data."""
-    reader = open_gguf(path)
-    size = Path(path).stat().st_size
-    ts = sorted(reader.tensors, key=lambda t: t.data_offset)
+    """Every tensor's type, shape and the bytes its file (its part, in a split model) holds for it, without
+    reading any data."""
+    model = open_model(path)
     out = {}
-    for j, t in enumerate(ts):
-        end = ts[j + 1].data_offset if j + 1 < len(ts) else size
-        out[t.name] = TensorFacts(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
-                                  int(end - t.data_offset))
+    for i, size in enumerate(model.sizes):
+        ts = sorted((t for n, t in model.tensors.items() if model.part_of[n] == i), key=lambda t: t.data_offset)
+        for j, t in enumerate(ts):
+            end = ts[j + 1].data_offset if j + 1 < len(ts) else size
+            out[t.name] = TensorFacts(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
+                                      int(end - t.data_offset))
     return out
 
 
@@ -384,8 +308,8 @@ def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, reside
     q/k row un-permutation moves whole rows, so it applies to the block rows unchanged)."""
     if not 0 <= start < end <= args.n_layers:
         raise ModelError(f"layer range [{start}, {end}) is outside the model's {args.n_layers} layers")
-    reader = open_gguf(path)
-    tensors = _tensor_index(reader)
+    model = open_model(path)
+    tensors = model.tensors
     expect = shapes(args)
     out: dict = {}
     decoded: dict = {}  # a fused tensor's decoding, shared by its parts
@@ -428,14 +352,14 @@ def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, reside
             continue
         derive = family(args.arch).gguf_derived.get(s)
         if derive is not None:  # a layout of the converter's own (qwen35), undone; checked after
-            w = derive[1](_decode(path, t), args).contiguous()
+            w = derive[1](_decode(model.file_of(name), t), args).contiguous()
             if tuple(w.shape) != expect[s]:
                 raise ModelError(f"{path}: tensor {name} gives {tuple(w.shape)}, the metadata implies {expect[s]}")
             out[canon] = w
             continue
         w = decoded.get(name)
         if w is None:
-            w = _decode(path, t)
+            w = _decode(model.file_of(name), t)
             if tuple(w.shape) != want:
                 raise ModelError(f"{path}: tensor {name} has shape {tuple(w.shape)}, the metadata implies {want}")
             if rows is not None:
