@@ -18,6 +18,7 @@ EXPERTS = ("router", "e_gate", "e_up", "e_down")  # an MoE layer's, in place of 
 SHARED = ("s_gate", "s_up", "s_down")            # its shared expert (glm4_moe)
 EXPERT_BIASES = ("e_gate_b", "e_up_b", "e_down_b")  # gpt-oss
 ATTENTION = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "bo", "sinks", "wg")
+LATENT = ("wq_a", "q_a_norm", "wq_b", "wkv_a", "kv_a_norm", "wkv_b")  # MLA's (deepseek_v3; wq where q is not low-rank)
 LINEAR = ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt", "lin_alog", "lin_norm", "lin_out")  # qwen3_5
 
 
@@ -44,6 +45,9 @@ def wanted_names(args, start: int, end: int) -> list[str]:
         layer = moe if args.is_moe(i) else per_layer
         if args.is_linear(i):  # Gated DeltaNet in place of attention
             layer = [n for n in layer if n not in ATTENTION] + list(LINEAR)
+        elif args.latent:  # MLA: its own projections and norms, and wo
+            q = list(LATENT[:3]) if args.q_lora_rank else ["wq"]
+            layer = [n for n in layer if n not in ATTENTION] + q + list(LATENT[3:]) + ["wo"]
         names += [f"layers.{i}.{n}" for n in layer]
     if end == args.n_layers:
         names += ["norm"] + ([] if args.tie_embeddings else ["head"])
@@ -68,7 +72,14 @@ def shapes(args) -> dict[str, tuple[int, ...]]:
             "s_down": (d, args.shared_ffn_dim), "s_sig": (1, d), "bo": (d,), "sinks": (args.n_heads,),
             "e_gate_b": (args.n_experts, args.expert_ffn_dim), "e_up_b": (args.n_experts, args.expert_ffn_dim),
             "e_down_b": (args.n_experts, d), "wg": (args.n_heads * hd, d),
-            **_linear_shapes(args)}
+            **_linear_shapes(args), **(_latent_shapes(args) if args.latent else {})}
+
+
+def _latent_shapes(args) -> dict[str, tuple[int, ...]]:
+    nh, r, qr, d = args.n_heads, args.kv_lora_rank, args.q_lora_rank, args.dim
+    return {"wq_a": (qr, d), "q_a_norm": (qr,), "wq_b": (nh * args.head_dim, qr),
+            "wkv_a": (r + args.qk_rope_dim, d), "kv_a_norm": (r,),
+            "wkv_b": (nh * (args.head_dim - args.qk_rope_dim + args.v_head_dim), r), "wo": (d, nh * args.v_head_dim)}
 
 
 def _linear_shapes(args) -> dict[str, tuple[int, ...]]:
