@@ -148,8 +148,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                          "lin_alog": ("ssm_a", lambda t, a: _untile((-t).log(), a, 0, 1)),
                          "lin_out": ("ssm_out.weight", lambda t, a: _untile(t, a, 1, a.lin_v_dim))},
            gguf_col_order={"lin_out": lambda a: _untile(torch.arange(a.lin_v_heads * a.lin_v_dim), a, 0, a.lin_v_dim)}),
-    # (its GGUF reading, deepseek2, in strata.models.deepseek)
-    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), deepseek.GGUF_ARCH, gguf_layer=dict(deepseek.GGUF_LAYER),
+    # (its GGUF reading, deepseek2, in strata.models.deepseek; its HF reading and architectures: the MLA work on main)
+    Family("deepseek_v3", (), deepseek.GGUF_ARCH, gguf_layer=dict(deepseek.GGUF_LAYER),
            gguf_derived=dict(deepseek.GGUF_DERIVED), gguf_keys=deepseek.GGUF_KEYS, gguf_nextn=True),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
