@@ -1,6 +1,7 @@
 """DeepSeek V3 GGUF files (deepseek2) as llama.cpp's own converter writes them, read by Strata: the args are the
 transformers config's, every canonical tensor is the HF model's (kv_b put back from attn_k_b + attn_v_b), and what is
 not implemented is refused in one line naming file, key and value."""
+import importlib.util
 import os
 from dataclasses import replace
 
@@ -203,3 +204,16 @@ def test_what_deepseek2_refuses(converted, tmp_path):
     # the copy with nothing changed (and no tokenizer: no bos / eos) reads as the original
     a = model_args(g)
     assert model_args(_rewrite(parts, tmp_path / "same.gguf")) == replace(a, bos_id=None, eos_id=None)
+
+
+# -- end to end -----------------------------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("strata.models.mla") is None, reason="MLA core not merged")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gguf_logits_match_transformers(converted, variant):
+    """The converter's file on 3 slices split mid-model (the dense layer, then one MoE layer each), prefill in
+    chunks that cut the prompt unevenly: the last logits, every position's and the NLL within 1e-4 of transformers'
+    (float32), and the greedy tokens after."""
+    from test_families import PROMPT, check_against
+    ref, _, g = converted[variant]
+    ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    check_against(ref, g, ids, model_args(g).n_layers)
