@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from strata.models import deepseek
 from strata.models.args import ModelArgs
 from strata.errors import ModelError
 from strata.models.rope import scaling_from_gguf, scaling_from_hf, yarn_positions
@@ -68,7 +69,9 @@ class Family:
     gguf_fused: dict = field(default_factory=dict)
     # canonical short name -> (HF per-layer name, how the canonical tensor comes from it): gpt-oss's experts
     hf_derived: dict = field(default_factory=dict)
-    gguf_derived: dict = field(default_factory=dict)  # the same for a GGUF's per-layer names (qwen35)
+    # the same for a GGUF's per-layer names (qwen35); a tuple of names: the canonical tensor made of those tensors,
+    # decoded, fn(*tensors, args) (deepseek2's kv_b from attn_k_b and attn_v_b), held dense
+    gguf_derived: dict = field(default_factory=dict)
     # a derived GGUF matrix whose derivation moves columns, which whole blocks cannot: short name -> the column
     # order (canonical column j is the file's column order[j]); held resident as stored, the order undone where read.
     # (Every other derivation moves whole rows, and applies to a resident matrix's block rows unchanged.)
@@ -157,12 +160,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                          "lin_alog": ("ssm_a", lambda t, a: _untile((-t).log(), a, 0, 1)),
                          "lin_out": ("ssm_out.weight", lambda t, a: _untile(t, a, 1, a.lin_v_dim))},
            gguf_col_order={"lin_out": lambda a: _untile(torch.arange(a.lin_v_heads * a.lin_v_dim), a, 0, a.lin_v_dim)}),
-    # DeepSeek V3 / R1 / V3.1 and Kimi K2 (model_type kimi_k2): MLA (strata.models.mla) and GLM-4.5's router
-    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), "deepseek2", hf_fused_experts=True, hf_layer=_HF_DEEPSEEK),
-    # DeepSeek V3.2 and GLM-5: the same with DSA's lightning indexer (strata.models.dsa)
-    Family("deepseek_v32", ("DeepseekV32ForCausalLM",), "deepseek32", hf_fused_experts=True,
+    # DeepSeek V3 / R1 / V3.1 and Kimi K2 (model_type kimi_k2): MLA (strata.models.mla) and GLM-4.5's router; its
+    # GGUF (deepseek2) read in strata.models.deepseek
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), deepseek.GGUF_ARCH, hf_fused_experts=True, hf_layer=_HF_DEEPSEEK,
+           gguf_layer=dict(deepseek.GGUF_LAYER), gguf_derived=dict(deepseek.GGUF_DERIVED), gguf_keys=deepseek.GGUF_KEYS,
+           gguf_nextn=True),
+    # DeepSeek V3.2 and GLM-5: the same with DSA's lightning indexer (strata.models.dsa); their GGUF files
+    # (deepseek32, glm-dsa) are not read yet
+    Family("deepseek_v32", ("DeepseekV32ForCausalLM",), "", hf_fused_experts=True,
            hf_layer={**_HF_DEEPSEEK, **_HF_INDEXER}),
-    Family("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), "glm-dsa", hf_fused_experts=True,
+    Family("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), "", hf_fused_experts=True,
            hf_layer={**_HF_DEEPSEEK, **_HF_INDEXER}),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
@@ -728,6 +735,8 @@ def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, hea
                     names=frozenset()) -> dict:
     """The ModelArgs fields a GGUF family sets beyond the common keys, read with get(key) (arch prefix implied);
     names: the file's tensor names (glm4moe's optional q/k norms)."""
+    if fam.name == "deepseek_v3":  # (its rope scaling too: llama.cpp's deepseek2 reads its own YaRN key)
+        return deepseek.gguf_args(get, n_layers, names, where)
     scaling = scaling_from_gguf(get, fam.gguf_arch, where)
     extra: dict = {"rope_scaling": scaling} if scaling is not None else {}
     if fam.name == "glm4_moe":

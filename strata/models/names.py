@@ -135,8 +135,20 @@ def _file_name(canon: str, args, gguf: bool, fam=None) -> str:
         if s in parts:
             return prefix + name
     if s in derived:
-        return prefix + derived[s][0]
+        src = derived[s][0]
+        return prefix + (src[0] if isinstance(src, tuple) else src)  # (several: the first, gguf_names lists them)
     return prefix + layer[s]
+
+
+def gguf_names(canon: str, args) -> tuple[str, ...]:
+    """The GGUF tensors `canon` is read from: gguf_name's one, or each of the tensors a derivation takes several of
+    (deepseek2's wkv_b from attn_k_b and attn_v_b)."""
+    if canon not in GGUF_GLOBAL:
+        i, s = _split(canon)
+        src = family(args.arch).gguf_derived.get(s, ("",))[0]
+        if isinstance(src, tuple):
+            return tuple(f"blk.{i}.{n}" for n in src)
+    return (gguf_name(canon, args),)
 
 
 def fused_rows(canon: str, args, gguf: bool) -> tuple[int, int, int] | None:

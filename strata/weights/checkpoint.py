@@ -266,10 +266,12 @@ def _stored_types(model: str, args: ModelArgs, names: list[str]) -> dict[str, tu
     out: dict[str, tuple[str, int] | None] = {n: None for n in names}
     if kind == "gguf":
         from strata.weights.gguf_loader import tensor_facts
-        from strata.models.names import gguf_name
+        from strata.models.names import gguf_name, gguf_names
         facts = tensor_facts(Path(loc))
         sh = shapes(args)
         for n in names:
+            if len(gguf_names(n, args)) > 1:  # made of several tensors (deepseek2's kv_b): held dense
+                continue
             f = facts.get(gguf_name(n, args))
             if f is not None and f.quantized and len(f.shape) in (2, 3):
                 rows = fused_rows(n, args, gguf=True)  # a part of a fused tensor: its rows' share

@@ -16,7 +16,7 @@ from strata.models.model import rope_frequencies
 from strata.models.rope import yarn_positions
 from strata.models.resident import Quantized
 from strata.models.families import _BY_GGUF, check_gguf_keys, family, gguf_args_extra, gguf_trunk_layers, supported_gguf
-from strata.models.names import fused_rows, gguf_name, shapes, short, wanted_names
+from strata.models.names import fused_rows, gguf_name, gguf_names, shapes, short, wanted_names
 from strata.weights.gguf_files import field_value, one_line, open_model
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # held dense in the compute dtype in either load mode
@@ -48,12 +48,15 @@ def gguf_model_args(path: Path) -> ModelArgs:
     if isinstance(n_heads, list) or isinstance(n_kv, list):
         raise ModelError(f"{path}: per-layer head counts are unsupported")
     partial = fam.name in ("qwen3_5", "glm4_moe")  # partial rotary: rope.dimension_count read below
+    # latent attention (deepseek2): the key and value lengths, head_count_kv and the rotary part are its reader's
+    # (strata.models.deepseek), which gives head_dim and n_kv_heads
+    latent = fam.name == "deepseek_v3"
     head_dim = get("attention.key_length") or (None if fam.name == "glm4_moe" else get("rope.dimension_count")) \
         or dim // n_heads
     rot = get("rope.dimension_count")
-    if rot is not None and rot != head_dim and not partial:
+    if rot is not None and rot != head_dim and not partial and not latent:
         raise ModelError(f"{path}: unsupported partial rotary embedding ({rot} of {head_dim} head dims)")
-    if get("attention.value_length", head_dim) != head_dim:
+    if get("attention.value_length", head_dim) != head_dim and not latent:
         raise ModelError(f"{path}: unsupported attention with value length != key length")
 
     tokens = field_value(reader, "tokenizer.ggml.tokens")
@@ -75,6 +78,7 @@ def gguf_model_args(path: Path) -> ModelArgs:
                          f"it), none of the model's {n_layers} layers: load the model's own GGUF")
     extra = gguf_args_extra(fam, get, n_layers, int(dim), int(n_heads), int(head_dim), str(path),
                             names=frozenset(tensors))
+    head_dim, n_kv = extra.pop("head_dim", head_dim), extra.pop("n_kv_heads", n_kv)
     scaling = extra.pop("rope_scaling", None) or _rope_scaling(path, reader, arch, tensors, theta, head_dim)
     try:
         args = ModelArgs(
@@ -103,7 +107,7 @@ def _refuse_unread(path, args: ModelArgs, tensors: dict, blocks: int) -> None:
     llama.cpp uses and Strata left aside would be a variation computed without it. The blocks past the trunk
     (args.n_layers .. block_count, the nextn MTP layers: families.gguf_trunk_layers) are skipped whole, as
     llama.cpp skips them for inference."""
-    read = {gguf_name(c, args) for c in wanted_names(args, 0, args.n_layers)}
+    read = {n for c in wanted_names(args, 0, args.n_layers) for n in gguf_names(c, args)}
     for name in tensors:
         m = re.match(r"blk\.(\d+)\.", name)
         if name in read or (m is not None and args.n_layers <= int(m.group(1)) < blocks):
@@ -258,8 +262,7 @@ def check_tensors(path: Path, args: ModelArgs, start: int, end: int) -> None:
     type strata.quant cannot dequantize, shaped unlike the metadata says, or shorter than its shape needs."""
     facts = tensor_facts(path)
     want = shapes(args)
-    for canon in wanted_names(args, start, end):
-        name = gguf_name(canon, args)
+    for canon, name in ((c, n) for c in wanted_names(args, start, end) for n in gguf_names(c, args)):
         f = facts.get(name)
         if f is None:
             raise ModelError(f"{path}: tensor {name} missing from the file")
@@ -281,7 +284,7 @@ def check_tensors(path: Path, args: ModelArgs, start: int, end: int) -> None:
 def has_quantized(path: Path, args: ModelArgs, start: int = 0, end: int | None = None) -> bool:
     facts = tensor_facts(path)
     names = wanted_names(args, start, args.n_layers if end is None else end)
-    return any(facts[gguf_name(c, args)].quantized for c in names if gguf_name(c, args) in facts)
+    return any(facts[n].quantized for c in names for n in gguf_names(c, args) if n in facts)
 
 
 def _file_shape(canon: str, args: ModelArgs, want: dict) -> tuple[int, ...]:
@@ -299,6 +302,22 @@ def _unpermute_for(args: ModelArgs, s: str, w: torch.Tensor) -> torch.Tensor:
     if s in ("wk", "bk"):
         return _unpermute(w, args.n_kv_heads)
     return w
+
+
+def _derive_several(path, tensors: dict, canon: str, args: ModelArgs, expect: tuple) -> torch.Tensor:
+    """A canonical tensor its family makes of several file tensors (Family.gguf_derived with a tuple of names), from
+    their float32 decodings, checked against the shape the metadata implies."""
+    names = gguf_names(canon, args)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ModelError(f"{path}: tensor {missing[0]} missing from the file")
+    try:
+        w = family(args.arch).gguf_derived[short(canon)][1](*(_decode(path, tensors[n]) for n in names), args)
+    except ModelError as e:
+        raise ModelError(f"{path}: tensors {', '.join(names)}: {e}") from None
+    if tuple(w.shape) != expect:
+        raise ModelError(f"{path}: tensors {', '.join(names)} give {tuple(w.shape)}, the metadata implies {expect}")
+    return w.contiguous()
 
 
 def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, resident: bool = False) -> dict:
@@ -320,11 +339,14 @@ def gguf_slice_tensors(path: Path, args: ModelArgs, start: int, end: int, reside
         if t is None:
             raise ModelError(f"{path}: tensor {name} missing from the file")
         s = short(canon)
+        fam = family(args.arch)
+        if isinstance(fam.gguf_derived.get(s, ("",))[0], tuple):  # made of several tensors (deepseek2's kv_b): dense
+            out[canon] = _derive_several(path, tensors, canon, args, expect[s])
+            continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         want = _file_shape(canon, args, expect)
         rows = fused_rows(canon, args, gguf=True)
         # an expert stack (E, rows, cols) stays as stored too; a router stays float, as llama.cpp keeps it
-        fam = family(args.arch)
         if resident and t.tensor_type.name not in FLOAT_TYPES and (len(shape) == 2 or s in ("e_gate", "e_up", "e_down")):
             # a derived matrix (qwen35): its rows taken or reordered on the blocks, or its column order kept aside
             derive, order = fam.gguf_derived.get(s), fam.gguf_col_order.get(s)
