@@ -216,3 +216,27 @@ def test_gguf_logits_match_transformers(converted, variant):
     ref, _, g = converted[variant]
     ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
     check_against(ref, g, ids, model_args(g).n_layers)
+
+
+def test_a_split_copy_is_read_as_the_file(converted, tmp_path):
+    """The converter's V3 file in three parts as gguf-split writes them, named by its first part: the same args and
+    bit-identical logits through 3 slices as the file itself, and transformers' within 1e-4 (check_against)."""
+    from pathlib import Path
+    from conftest import chained_prefill
+    from test_families import CHUNK, PROMPT, check_against, load_slices, three_way
+    from test_gguf_split import split_gguf
+    ref, _, g = converted["yarn"]
+    n = len(tensor_facts(g))
+    parts = split_gguf(Path(g), tmp_path, per_part=-(-n // 3))
+    assert len(parts) == 3 and parts[0].name.endswith("-00001-of-00003.gguf")
+    first = str(parts[0])
+    assert model_args(first) == model_args(g)
+    ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    n_layers = model_args(g).n_layers
+
+    def logits(model):
+        slices = load_slices(model, three_way(n_layers), PROMPT + 8)
+        return slices[-1].logits(chained_prefill(slices, ids, CHUNK)[0])
+
+    assert torch.equal(logits(first), logits(g))
+    check_against(ref, first, ids, n_layers)
