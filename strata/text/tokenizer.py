@@ -16,12 +16,26 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek V3 / R1 / V3.1 (llama.cpp's DEEPSEEK3_LLM): digits by threes, runs of CJK ideographs and kana, then words
+# with their leading punctuation and the GPT-style rest; each split applied to the pieces of the one before
+_DEEPSEEK3 = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+# Kimi K2's (its tiktoken pattern, as llama.cpp's unicode.cpp documents it): Han runs apart from other letters,
+# cased words with their contractions, digits by threes, punctuation runs, newlines and spaces
+_KIMI_K2 = (r"[\p{Han}]+"
+            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_SPLITS: dict[str, list[str]] = {
     "default": [_GPT2], "gpt2": [_GPT2], "gpt-2": [_GPT2],
     "smollm": [r"\p{N}", _GPT2], "starcoder": [r"\p{N}", _GPT2], "refact": [r"\p{N}", _GPT2],
     "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "llama-bpe": [_LLAMA3], "smaug-bpe": [_LLAMA3],
     "falcon3": [_LLAMA3], "dbrx": [_LLAMA3],
     "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2],
+    "deepseek-v3": _DEEPSEEK3, "kimi-k2": [_KIMI_K2],
 }
 
 
