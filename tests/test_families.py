@@ -376,11 +376,12 @@ print("ok", dg.rings)
 
 
 @pytest.mark.parametrize("fam", ["gemma3", "mistral", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe",
-                                 "glm4_moe"])
+                                 "glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
 def test_graph_body_interpreted_matches_eager(fam):
     """The CUDA decode graphs' step body for the families (split-K over a window ring, q/k norms, gemma3's norms,
     GeGLU, scales; qwen3_5's Gated DeltaNet step on its states and its gated, partially rotated attention; glm4_moe's
-    partial rotary), run eagerly on CPU under Triton's interpreter == the eager decode path."""
+    partial rotary; MLA's absorbed row over the bucket, DSA's top-k of it from past the index top-k), run eagerly on
+    CPU under Triton's interpreter == the eager decode path."""
     pytest.importorskip("triton")
     import subprocess
     import sys

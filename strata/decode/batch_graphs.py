@@ -48,6 +48,8 @@ def batch_refusal(m: Transformer, x: torch.Tensor) -> str | None:
     for blk in m.layers.values():
         if blk.linear:
             continue
+        if blk.latent:  # (its rows take the eager decode batch: strata.models.mla over each row's segment)
+            return "latent attention (MLA) in a batch"
         a = blk.attn
         if a.hd & (a.hd - 1):
             return f"head dim {a.hd} is not a power of two"

@@ -104,6 +104,7 @@ class RowOps(FusedOps):
     def __init__(self, g, tabs: dict, mask, b: int, ring_pos: dict):
         super().__init__(g.fused, None)
         self.g, self.tabs, self.mask, self.b, self.ring_pos = g, tabs, mask, b, ring_pos
+        self.selected: list | None = None  # DSA: the last indexer's positions (strata.models.mla)
 
     def products(self, blk) -> LayerMats:
         """Resident: the fused kernels read the blocks (graphable checked they can); dense: strata.kernels.decode_gemv's
@@ -165,6 +166,12 @@ class RowOps(FusedOps):
             q = qk[:, :nh].reshape(1, nkv, nh // nkv, hd)  # grouped-query as multi-head, as decode_attention
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=self.mask, scale=a.scale)
         return y.reshape(1, 1, -1), {}
+
+    def latent(self, a, pr):
+        """MLA's row (strata.models.mla.attend_step): written at pos, the absorbed form over the bucket (DSA: its
+        top-k), positions past pos masked."""
+        from strata.models.mla import attend_step
+        return attend_step(a, pr, self.g.pos, self.b, self, pr.q_rot.dtype, store_row)
 
     def linear(self, blk, h, x, xq, mats: LayerMats):
         """The Gated DeltaNet step (GatedDeltaNet.mix on one row: its states advanced in place); resident, its input

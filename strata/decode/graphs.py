@@ -28,7 +28,8 @@ GRAPH_MIN_BUCKET = 256
 # what the graphs implement beyond the Llama core (ModelArgs.extras); windows need the split-K kernel
 GRAPH_EXTRAS = {"qk_norm", "rope yarn", "rope linear", "sliding_window", "window_rope_theta", "post_norms",
                 "activation gelu_tanh", "embed_scale", "attn_scale", "final_softcap", "norm_offset", "experts",
-                "sinks", "o_bias", "partial rotary", "linear attention", "attention gate"}
+                "sinks", "o_bias", "partial rotary", "linear attention", "attention gate", "latent attention",
+                "sparse attention"}
 
 
 def covers(args, graph_attention: str = "split-k") -> bool:
@@ -209,7 +210,7 @@ class DecodeGraphs:
         # (on CPU the body runs eagerly in tests only: the masked path, or split-K under Triton's interpreter);
         # the split-K kernel takes power-of-two head dims only: other models take the masked path
         self.use_split_k = (decode_attention.available() and self.kernels.graph_attention == "split-k"
-                            and (a is None or a.hd & (a.hd - 1) == 0)
+                            and (a is None or getattr(a, "latent", False) or a.hd & (a.hd - 1) == 0)
                             and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
         self.split_k: dict[int, "decode_attention.SplitKAttention"] = {}
         self.q8_fallback: str | None = None  # why kernels.q8_attention's int8 arm gave way to "widen" (None: it runs)

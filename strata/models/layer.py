@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from strata.kernels.attention import (_FP8, BF16_ATTENTION_FROM, Q8_0, _bf16_cache_attention, apply_rope, chunk_attention,
                         decode_attention, from_cache, rope_rows, sink_attention, store_rows, to_cache,
                         window_attention)
-from strata.models.mla import latent_attention
+from strata.models.mla import attend_segments, latent_attention
 from strata.models.resident import ResidentMatrices
 from strata.models.weight_only import Products, dense_products
 
@@ -152,6 +152,9 @@ class PrefillOps:
         """The rows' (pos, n, caches) in order: the chunk on the layer's cache, or a group's sequences."""
         return [(self.pos, T, (a.k_cache, a.v_cache))] if self.segs is None else self.segs(a.key)
 
+    def latent(self, a, pr):
+        return attend_segments(a, pr, self.segments(a, pr.lat.shape[0]), self, pr.q_rot.dtype)
+
     def linear(self, blk, h, x, xq, mats: LayerMats):
         return blk.attn(x, mats.src, self.pos)
 
@@ -222,6 +225,9 @@ class RowsOps:
         if self.positions is None:
             return [(self.pos, T, (a.k_cache, a.v_cache))]
         return [(p, 1, c) for p, c in zip(self.positions, self.caches(a.key))]
+
+    def latent(self, a, pr):
+        return attend_segments(a, pr, self.segments(a, pr.lat.shape[0]), self, pr.q_rot.dtype)
 
     def linear(self, blk, h, x, xq, mats: LayerMats):
         """The Gated DeltaNet step: one sequence's rows from its states (GatedDeltaNet.forward), or each batch row

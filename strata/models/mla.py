@@ -18,6 +18,8 @@ tables (`layer.segments`): the body here is the same for prefill chunks, prefill
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,45 +93,97 @@ class LatentAttention(nn.Module):
         return w[:, :self.nope], w[:, self.nope:]
 
 
+class Projected(NamedTuple):
+    """A layer's rows projected: q's nope part (T, nh, nope) and roped part (T, nh, rope), the cache rows (T, width:
+    [latent | roped key | index key]), and the indexer's queries and head weights (None: no indexer here)."""
+    q_nope: torch.Tensor
+    q_rot: torch.Tensor
+    lat: torch.Tensor
+    iq: tuple | None
+
+
 def latent_attention(a: LatentAttention, x: torch.Tensor, ops) -> torch.Tensor:
-    """MLA over the normed rows x (..., T, dim) -> the output projection's rows (..., T, dim). Each segment of rows
-    (ops.segments: (pos, n, (k_cache, v_cache)) in row order) stores its latents and attends over its own cache."""
+    """MLA over the normed rows x (..., T, dim) -> the output projection's rows (..., T, dim): the rows projected
+    and roped here, their cache writes and attention by the path (ops.latent: `attend_segments` for the eager paths,
+    `attend_step` for a CUDA graph's row), the output projection here."""
     shape, T = x.shape, x.shape[-2]
     x = x.reshape(T, shape[-1])
+    y = ops.latent(a, project(a, x, *ops.tabs[a.rope_kind]))  # (T, nh * vd)
+    return F.linear(y.to(x.dtype), a.wo).view(*shape[:-1], -1)
+
+
+def project(a: LatentAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Projected:
+    """q through q_a, its norm and q_b (or one q), kv_a into the normed latent and the roped shared key, and (DSA)
+    the indexer's key, queries and weights; cos, sin: the rows' rope tables."""
+    T = x.shape[0]
     q_resid = a.q_a_norm(F.linear(x, a.wq_a)) if a.q_rank else None
     q = (F.linear(q_resid, a.wq_b) if a.q_rank else F.linear(x, a.wq)).view(T, a.nh, a.hd)
     ckv = F.linear(x, a.wkv_a)
-    cos, sin = ops.tabs[a.rope_kind]
-    q_rot = rope_rows(q[..., a.nope:], cos, sin)
     parts = [a.kv_a_norm(ckv[:, :a.rank]), rope_rows(ckv[:, None, a.rank:], cos, sin)[:, 0]]
-    if a.sparse:  # the index key beside them (zeros in a shared layer, whose own indexer there is none)
+    iq = None
+    if a.sparse:  # the index key beside them (zeros in a shared layer, which has no indexer of its own)
         parts.append(a.indexer.keys(x, cos, sin) if a.indexer is not None
                      else x.new_zeros(T, a.k_cache.shape[-1] - a.rank - a.rope))
         iq = a.indexer.queries(q_resid, x, cos, sin) if a.indexer is not None else None
-    lat = torch.cat(parts, -1)
+    return Projected(q[..., :a.nope], rope_rows(q[..., a.nope:], cos, sin), torch.cat(parts, -1), iq)
+
+
+def _cache_rows(kc: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return to_cache(rows, kc.dtype) if kc.dtype in _FP8 or kc.dtype == Q8_0 else rows
+
+
+def attend_segments(a: LatentAttention, pr: Projected, segments: list, ops, dtype: torch.dtype) -> torch.Tensor:
+    """The eager paths': each segment of rows ((pos, n, (k_cache, v_cache)) in row order: a chunk, a prefill
+    group's sequences, a decode batch's rows) writes its rows at its positions and attends over its own cache, in
+    the form its cost picks (or, DSA, over the positions its indexer, or the layer before's, selected)."""
     ys, o, chosen = [], 0, []
-    for j, (pos, n, (kc, _)) in enumerate(ops.segments(a, T)):
+    for j, (pos, n, (kc, _)) in enumerate(segments):
         a.check(pos, n, kc)
-        new = lat[o:o + n].view(1, 1, n, -1)
-        store_rows(kc, to_cache(new, kc.dtype) if kc.dtype in _FP8 or kc.dtype == Q8_0 else new, pos)
+        store_rows(kc, _cache_rows(kc, pr.lat[o:o + n].view(1, 1, n, -1)), pos)
         cached = kc[:, :, :pos + n]
-        if cached.dtype != x.dtype:
-            cached = from_cache(cached, x.dtype, a.triton_state)
+        if cached.dtype != dtype:
+            cached = from_cache(cached, dtype, a.triton_state)
         idx = None
         if a.sparse:
-            idx = (select(a.indexer, iq[0][o:o + n], iq[1][o:o + n], cached[0, 0, :, a.rank + a.rope:], pos)
+            idx = (select(a.indexer, pr.iq[0][o:o + n], pr.iq[1][o:o + n], cached[0, 0, :, a.rank + a.rope:], pos)
                    if a.indexer is not None else ops.selected[j])
             chosen.append(idx)
+        q_nope, q_rot = pr.q_nope[o:o + n], pr.q_rot[o:o + n]
         if idx is not None:
-            ys.append(sparse_attention(a, q[o:o + n, :, :a.nope], q_rot[o:o + n], cached, pos, idx))
+            ys.append(sparse_attention(a, q_nope, q_rot, cached, pos, idx))
         else:
             attend = expanded if form(a, n, pos + n) == "expanded" else absorbed
-            ys.append(attend(a, q[o:o + n, :, :a.nope], q_rot[o:o + n], cached, pos))
+            ys.append(attend(a, q_nope, q_rot, cached, pos))
         o += n
     if a.sparse:
         ops.selected = chosen  # for a next layer that shares them (GLM-5)
-    y = torch.cat(ys) if len(ys) > 1 else ys[0]  # (T, nh * vd)
-    return F.linear(y.to(x.dtype), a.wo).view(*shape[:-1], -1)
+    return torch.cat(ys) if len(ys) > 1 else ys[0]
+
+
+def attend_step(a: LatentAttention, pr: Projected, pos: torch.Tensor, b: int, ops, dtype: torch.dtype,
+                store) -> torch.Tensor:
+    """A CUDA graph's one row at position `pos` (a device tensor) over the cache's first b positions (the graph's
+    bucket), every shape fixed: the row written by store(cache, pos, rows), the absorbed form with the positions past
+    pos masked (DSA: the top-k of the bucket's index scores, those past pos masked after)."""
+    kc = a.k_cache
+    store(kc, pos, pr.lat.view(1, 1, 1, -1))
+    cached = kc[:, :, :b]
+    if cached.dtype != dtype:
+        cached = from_cache(cached, dtype, a.triton_state)
+    idx = None
+    if a.sparse:
+        idx = (select(a.indexer, pr.iq[0], pr.iq[1], cached[0, 0, :, a.rank + a.rope:], pos)
+               if a.indexer is not None else ops.selected[0])
+        ops.selected = [idx]
+    if idx is not None:
+        return sparse_attention(a, pr.q_nope, pr.q_rot, cached, pos, idx)
+    wk, wv = a.kv_b()
+    q = torch.cat((torch.einsum("thd,hdr->htr", pr.q_nope, wk), pr.q_rot.transpose(0, 1)), -1)[:, 0]  # (nh, w)
+    kv = cached[0, 0, :, :a.rank + a.rope]
+    s = torch.matmul(q, kv.t()).float() * a.scale
+    s = s.masked_fill(torch.arange(b, device=s.device) > pos, float("-inf"))
+    out = torch.matmul(s.softmax(-1).to(q.dtype), kv[:, :a.rank])  # (nh, rank)
+    return torch.einsum("hr,hvr->hv", out, wv).reshape(1, a.nh * a.vd)
 
 
 def form(a: LatentAttention, n: int, keys: int) -> str:
