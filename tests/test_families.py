@@ -109,7 +109,8 @@ def test_hf_family_matches_transformers(tmp_path, fam):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fam", ["qwen3", "llama-yarn", "gemma3", "mistral", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("fam", ["qwen3", "llama-yarn", "gemma3", "mistral", "qwen3_moe", "mixtral", "deepseek_v3",
+                                 "deepseek_v3-yarn", "deepseek_v32", "glm_moe_dsa"])
 def test_gpu_family_prefill_and_graph_decode(tmp_path, fam):
     """On CUDA (float32): decode steps through the CUDA graphs (qwen3's q/k norms, YaRN, gemma3's norms and
     window rings, mistral's window) give transformers' greedy tokens; in bfloat16, the graphs' logits stay within
@@ -397,7 +398,8 @@ def test_graph_body_interpreted_matches_eager(fam):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # (qwen3_moe is checked in float32 against transformers above: in bfloat16 its router's top-k turns the graphs'
 # other rounding of the norms into another expert now and then, 0.0235 at one step of one run)
-@pytest.mark.parametrize("fam", ["qwen3", "gemma3", "mistral", "gpt_oss", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("fam", ["qwen3", "gemma3", "mistral", "gpt_oss", "qwen3_5", "qwen3_5_moe", "deepseek_v3",
+                                 "deepseek_v32"])
 def test_gpu_graphs_bfloat16_match_eager(tmp_path, fam):
     """bfloat16 on CUDA: graph steps against the eager decode path, token for token (teacher-forced), past the
     windows' ring wrap: logits within bf16's 2e-2."""
