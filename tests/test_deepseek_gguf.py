@@ -240,3 +240,55 @@ def test_a_split_copy_is_read_as_the_file(converted, tmp_path):
 
     assert torch.equal(logits(first), logits(g))
     check_against(ref, first, ids, n_layers)
+
+
+def test_quantized_projections_held_resident_equal_their_dense_load(converted, tmp_path):
+    """The converter's V3 file with its 2-D matrices of whole blocks in Q8_0 (gguf-py's quantizer), read resident
+    (MLA's q_a, kv_a and o as blocks, dequantized into the scratch for a chunk; the experts as blocks) and read dequantized
+    (dense): the same prefill logits bit for bit, and decode steps after within float32 rounding (the CPU's decode
+    dequantizes too)."""
+    from families_fixtures import import_gguf
+    from conftest import chained_prefill
+    from test_families import CHUNK, PROMPT, gguf_parts, three_way
+    from strata.models.mla import LatentMatrix
+    from strata.models.model import Transformer
+    gguf = import_gguf()
+    ref, _, g = converted["yarn"]
+    arch, meta, ts = gguf_parts(g)
+    q8, out_ts = [], []
+    for name, a in ts:  # (the per-head attn_k_b / attn_v_b and the router stay F32, as a quantizer keeps them)
+        if a.ndim == 2 and a.shape[-1] % 32 == 0 and not any(k in name for k in ("norm", "_b.", "gate_inp")):
+            a = gguf.quants.quantize(a.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+            q8.append(name)
+        out_ts.append((name, a))
+    ts = out_ts
+    path = tmp_path / "q8.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v, t, sub in meta:
+        w.add_key_value(k, v, t, sub)
+    for name, a in ts:
+        w.add_tensor(name, a, raw_dtype=gguf.GGMLQuantizationType.Q8_0 if name in q8 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert any("attn_q_a." in n for n in q8) and any("attn_output" in n for n in q8)  # (q_b's 48 columns: F32)
+    args = model_args(str(path))
+    ids = torch.randint(0, ref.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for resident in (True, False):
+        slices = []
+        for s, e in three_way(args.n_layers):
+            t = Transformer(args, s, e)
+            t.load_weights(gguf_slice_tensors(str(path), args, s, e, resident=resident), "cpu", torch.float32)
+            t.setup_cache(PROMPT + 4, max_chunk=CHUNK)
+            slices.append(t)
+        mats = [b.attn.wq_a for t in slices for b in t.layers.values()]
+        assert all(isinstance(m, LatentMatrix) and m.resident == resident for m in mats)
+        h = chained_prefill(slices, ids, CHUNK)
+        x = torch.tensor([[5]])
+        for t in slices:
+            x = t(x, PROMPT)
+        out[resident] = (slices[-1].logits(h[0]), slices[-1].logits(x[0, -1]))
+    assert torch.equal(out[True][0], out[False][0])
+    assert (out[True][1] - out[False][1]).abs().max() < 1e-4 * out[False][1].abs().max()

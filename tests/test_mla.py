@@ -23,8 +23,8 @@ def reference(a: mla.LatentAttention, x: torch.Tensor, cos: torch.Tensor, sin: t
     x = x.double()
     L, nh, nope, rope = x.shape[0], a.nh, a.nope, a.rope
     norm = lambda t, w: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + mla.LATENT_NORM_EPS) * w.double()
-    q = F.linear(norm(F.linear(x, a.wq_a.double()), a.q_a_norm.weight), a.wq_b.double()).view(L, nh, -1)
-    ckv = F.linear(x, a.wkv_a.double())
+    q = F.linear(norm(F.linear(x, a.wq_a.w.double()), a.q_a_norm.weight), a.wq_b.w.double()).view(L, nh, -1)
+    ckv = F.linear(x, a.wkv_a.w.double())
     c, kr = norm(ckv[:, :a.rank], a.kv_a_norm.weight), ckv[:, a.rank:]
 
     def rot(t):  # rotate-half RoPE on the last dim
@@ -38,7 +38,7 @@ def reference(a: mla.LatentAttention, x: torch.Tensor, cos: torch.Tensor, sin: t
     s = torch.einsum("qhd,khd->hqk", q, k) * a.scale
     s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
     y = torch.einsum("hqk,khd->qhd", s.softmax(-1), kv[..., nope:]).reshape(L, -1)
-    return F.linear(y, a.wo.double())
+    return F.linear(y, a.wo.w.double())
 
 
 def make(kv_dtype="auto", prefix_block=None):
@@ -48,7 +48,8 @@ def make(kv_dtype="auto", prefix_block=None):
     g = torch.Generator().manual_seed(1)
     for name, shape in (("wq_a", (16, 48)), ("wq_b", (4 * 24, 16)), ("wkv_a", (32, 48)), ("wkv_b", (4 * 28, 24)),
                         ("wo", (48, 48))):
-        setattr(a, name, torch.nn.Parameter(torch.randn(shape, generator=g) * 0.3, requires_grad=False))
+        w = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.3, requires_grad=False)
+        setattr(a, name, w if name == "wkv_b" else mla.LatentMatrix(w))
     a.q_a_norm.weight.data = 1 + 0.1 * torch.randn(16, generator=g)
     a.kv_a_norm.weight.data = 1 + 0.1 * torch.randn(24, generator=g)
     t._device_dtype = (torch.device("cpu"), torch.float32)

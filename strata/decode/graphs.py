@@ -59,6 +59,8 @@ def graphable(m: Transformer, x: torch.Tensor) -> bool:
         return False
     return all((isinstance(b.weights, DenseMatrices) or b.weights.fused_decode_ok(x.device))
                and (not b.moe or b.mlp.resident is None or b.mlp.resident.graphable(x.device))
+               and (not b.latent or all(w.fused_ok(x.device) for w in (b.attn.wq, b.attn.wq_a, b.attn.wq_b,
+                                                                         b.attn.wkv_a, b.attn.wo) if w is not None))
                for b in m.layers.values())
 
 

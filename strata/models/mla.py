@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.models.args import DECODE_T
 from strata.models.dsa import Indexer, select, sparse_attention
 from strata.kernels.attention import (_FP8, PREFIX_BLOCK, Q8_0, attention_with_lse, from_cache, merge_lse, rope_rows,
                                      store_rows, to_cache)
@@ -49,6 +50,33 @@ def deinterleave_rows(w: torch.Tensor, heads: int, width: int, rope: int, first:
     return w[order.reshape(-1)]
 
 
+class LatentMatrix(nn.Module):
+    """One of MLA's projections, x -> x @ W.T: dense (in the compute dtype), or resident GGUF blocks
+    (strata.models.resident.Packed) multiplied on the blocks for decode rows where the fused kernels take the type
+    (strata.quant.gemv), else dequantized into the slice's scratch region `name` first (prefill)."""
+
+    def __init__(self, w, name: str = "", scratch=None, kernels=None):
+        super().__init__()
+        self.w, self.name, self.scratch, self.kernels = w, name, scratch, kernels
+
+    @property
+    def resident(self) -> bool:
+        return not isinstance(self.w, torch.Tensor)
+
+    def fused_ok(self, device) -> bool:
+        from strata.models.resident import fused_ok
+        return not self.resident or fused_ok(self.w, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.resident:
+            return F.linear(x, self.w)
+        p = self.w
+        if x.shape[0] <= DECODE_T and self.fused_ok(x.device):
+            from strata.quant.gemv import quant_matmul_parts
+            return quant_matmul_parts(x, [(p.data, p.qtype)], p.cols, kernels=self.kernels)
+        return F.linear(x, p.into(self.scratch.view(self.name)))
+
+
 class LatentAttention(nn.Module):
     """An MLA layer's weights (dense, in the compute dtype) and its cache, [latent | roped key] per position in
     k_cache (1, 1, rows, kv_lora_rank + qk_rope_dim); v_cache is the empty (1, 1, rows, 0) partner."""
@@ -71,8 +99,9 @@ class LatentAttention(nn.Module):
         self.indexer = Indexer(args) if self.sparse and not self.shared else None
         self.q_a_norm = norm(self.q_rank, LATENT_NORM_EPS) if self.q_rank else None
         self.kv_a_norm = norm(self.rank, LATENT_NORM_EPS)
-        # wq: (nh * hd, dim) or, low-rank, wq_a (q_rank, dim) and wq_b (nh * hd, q_rank); wkv_a (rank + rope, dim);
-        # wkv_b (nh * (nope + vd), rank), per head its key rows then its value rows; wo (dim, nh * vd)
+        # LatentMatrix: wq (nh * hd, dim) or, low-rank, wq_a (q_rank, dim) and wq_b (nh * hd, q_rank); wkv_a (rank +
+        # rope, dim); wo (dim, nh * vd). wkv_b (nh * (nope + vd), rank), per head its key rows then its value rows:
+        # a dense tensor (the absorbed form's per-head views of it)
         self.wq = self.wq_a = self.wq_b = self.wkv_a = self.wkv_b = self.wo = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -109,16 +138,16 @@ def latent_attention(a: LatentAttention, x: torch.Tensor, ops) -> torch.Tensor:
     shape, T = x.shape, x.shape[-2]
     x = x.reshape(T, shape[-1])
     y = ops.latent(a, project(a, x, *ops.tabs[a.rope_kind]))  # (T, nh * vd)
-    return F.linear(y.to(x.dtype), a.wo).view(*shape[:-1], -1)
+    return a.wo(y.to(x.dtype)).view(*shape[:-1], -1)
 
 
 def project(a: LatentAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Projected:
     """q through q_a, its norm and q_b (or one q), kv_a into the normed latent and the roped shared key, and (DSA)
     the indexer's key, queries and weights; cos, sin: the rows' rope tables."""
     T = x.shape[0]
-    q_resid = a.q_a_norm(F.linear(x, a.wq_a)) if a.q_rank else None
-    q = (F.linear(q_resid, a.wq_b) if a.q_rank else F.linear(x, a.wq)).view(T, a.nh, a.hd)
-    ckv = F.linear(x, a.wkv_a)
+    q_resid = a.q_a_norm(a.wq_a(x)) if a.q_rank else None
+    q = (a.wq_b(q_resid) if a.q_rank else a.wq(x)).view(T, a.nh, a.hd)
+    ckv = a.wkv_a(x)
     parts = [a.kv_a_norm(ckv[:, :a.rank]), rope_rows(ckv[:, None, a.rank:], cos, sin)[:, 0]]
     iq = None
     if a.sparse:  # the index key beside them (zeros in a shared layer, which has no indexer of its own)

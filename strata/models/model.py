@@ -26,7 +26,7 @@ from strata.config import KernelSpec
 from strata.triton_state import TritonState
 from strata.models.layer import NOTHING, PrefillOps, RowsOps, layer, run_layers
 from strata.models.linear_attention import GatedDeltaNet
-from strata.models.mla import LatentAttention, deinterleave_rows
+from strata.models.mla import LatentAttention, LatentMatrix, deinterleave_rows
 from strata.models.moe import MoE
 from strata.models.weight_only import DECODE_KINDS, LayerWeightOnly, WeightOnly
 
@@ -349,7 +349,7 @@ class Transformer(nn.Module):
                     for attr, t in mats.items():
                         setattr(la, attr, param(t))
             elif blk.latent:
-                self._load_latent(blk.attn, p, take, param, dense)
+                self._load_latent(blk.attn, p, take, param, dense, packed)
             elif args.qk_norm:
                 blk.attn.q_norm.weight = norm(take(p + "q_norm"))
                 blk.attn.k_norm.weight = norm(take(p + "k_norm"))
@@ -415,22 +415,33 @@ class Transformer(nn.Module):
         if self.decode_weights:
             self.set_decode_weights(self.decode_weights)
 
-    def _load_latent(self, la: LatentAttention, p: str, take, param, dense) -> None:
-        """An MLA layer's projections and norms, dense in the compute dtype; DeepSeek's interleaved rope rows (of q
-        and of kv_a's shared key) put in halves order once here (mla.deinterleave_rows)."""
+    def _load_latent(self, la: LatentAttention, p: str, take, param, dense, packed) -> None:
+        """An MLA layer's projections (LatentMatrix: dense, or a quantized file's blocks held resident) and norms;
+        kv_b dense (the absorbed form's per-head views); DeepSeek's interleaved rope rows (of q and of kv_a's shared
+        key) put in halves order once here (mla.deinterleave_rows: whole rows, so a resident matrix's block rows too)."""
         a = self.args
-        fix = ((lambda t, heads, width: deinterleave_rows(dense(t), heads, width, a.qk_rope_dim))
-               if a.rope_interleave else (lambda t, heads, width: dense(t)))
+
+        def mat(name, heads=0, width=0):
+            t = take(p + name)
+            if heads and a.rope_interleave:
+                if isinstance(t, Quantized):
+                    t = Quantized(deinterleave_rows(t.blocks, heads, width, a.qk_rope_dim), t.qtype, t.cols)
+                else:
+                    t = deinterleave_rows(dense(t), heads, width, a.qk_rope_dim)
+            if isinstance(t, Quantized):
+                return LatentMatrix(packed(t), name, self.scratch, self.gemv)
+            return LatentMatrix(param(t))
+
         if a.q_lora_rank:
-            la.wq_a = param(take(p + "wq_a"))
+            la.wq_a = mat("wq_a")
             la.q_a_norm.weight = param(take(p + "q_a_norm"))
-            la.wq_b = param(fix(take(p + "wq_b"), a.n_heads, a.head_dim))
+            la.wq_b = mat("wq_b", a.n_heads, a.head_dim)
         else:
-            la.wq = param(fix(take(p + "wq"), a.n_heads, a.head_dim))
-        la.wkv_a = param(fix(take(p + "wkv_a"), 1, a.kv_lora_rank + a.qk_rope_dim))
+            la.wq = mat("wq", a.n_heads, a.head_dim)
+        la.wkv_a = mat("wkv_a", 1, a.kv_lora_rank + a.qk_rope_dim)
         la.kv_a_norm.weight = param(take(p + "kv_a_norm"))
         la.wkv_b = param(take(p + "wkv_b"))
-        la.wo = param(take(p + "wo"))
+        la.wo = mat("wo")
         ix = la.indexer
         if ix is not None:  # DSA: its first qk_rope_dim values roped; GLM-5's in adjacent pairs (its LayerNorm's too)
             r, heads, width = a.qk_rope_dim, a.index_heads, a.index_head_dim

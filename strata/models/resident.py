@@ -50,6 +50,11 @@ def _matrix_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
            "w_gate": (args.ffn_dim, args.dim), "w_up": (args.ffn_dim, args.dim), "w_down": (args.dim, args.ffn_dim)}
     if args.attn_gate:  # qwen3_5: the output gate's rows, after v's in the qkv product
         out["wg"] = (args.n_heads * hd, args.dim)
+    if args.latent:  # MLA's projections held resident (strata.models.mla.LatentMatrix), each its own group
+        nh, r = args.n_heads, args.kv_lora_rank
+        out.update(wq_a=(args.q_lora_rank, args.dim), wq_b=(nh * args.head_dim, args.q_lora_rank or 1),
+                   wkv_a=(r + args.qk_rope_dim, args.dim), wo=(args.dim, nh * args.v_head_dim),
+                   wq=(nh * args.head_dim, args.dim))
     if _has_linear(args):  # Gated DeltaNet's matrices (strata.models.linear_attention); lin_out_t: lin_out as stored
         kdim, vdim, nv = args.lin_k_heads * args.lin_k_dim, args.lin_v_heads * args.lin_v_dim, args.lin_v_heads
         out.update(lin_qkv=(2 * kdim + vdim, args.dim), lin_z=(vdim, args.dim), lin_b=(nv, args.dim),
@@ -81,7 +86,8 @@ def scratch_layout(args: ModelArgs) -> tuple[dict[str, tuple[int, int, int]], in
     other reads; a linear-attention layer's q/k/v, z, beta and decay, out (and out as stored, where its columns are
     stored in another order). A dense MLP only where some layer has one; experts only where layers have them."""
     sh = _matrix_shapes(args)
-    groups = [("wq", "wk", "wv") + (("wg",) if args.attn_gate else ()), ("wo",)]
+    groups = ([("wq",), ("wq_a",), ("wq_b",), ("wkv_a",), ("wo",)] if args.latent
+              else [("wq", "wk", "wv") + (("wg",) if args.attn_gate else ()), ("wo",)])
     if not all(args.is_moe(i) for i in range(args.n_layers)):
         groups += [("w_gate", "w_up"), ("w_down",)]
     if _has_linear(args):  # a linear layer's products in turn (GatedDeltaNet.mix); lin_out beside its stored order
