@@ -127,7 +127,8 @@ def test_gguf_tensors_are_the_hf_models(converted, variant):
 
     def hf(canon):
         if canon in ("embed", "norm", "head"):
-            return sd[{"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}[canon]]
+            glob = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
+            return sd[glob[canon]]
         _, i, s = canon.split(".")
         p = f"model.layers.{i}."
         if s in ("attn_norm", "mlp_norm"):
@@ -189,7 +190,8 @@ def test_what_dsa_refuses(converted, tmp_path):
          "glm-dsa.attention.indexer.types = [False, True, True, True] is not implemented (its first layer shares"),
         (glm, (), {"glm-dsa.attention.indexer.types": ([True, True, False], T.ARRAY, T.BOOL)}, {},
          "glm-dsa.attention.indexer.types = [True, True, False] is not implemented (a bool per layer, 4 layers)"),
-        (glm, (), {"glm-dsa.expert_gating_func": (1, T.UINT32)}, {}, "glm-dsa.expert_gating_func = 1 is not implemented"),
+        (glm, (), {"glm-dsa.expert_gating_func": (1, T.UINT32)}, {},
+         "glm-dsa.expert_gating_func = 1 is not implemented"),
         (glm, (), {}, {"blk.2.indexer.attn_k.weight": np.zeros((16, 64), np.float32)},
          "tensor blk.2.indexer.attn_k.weight is not implemented for glm-dsa"),
     ]
