@@ -20,9 +20,15 @@ What conversion needs, found by running it (llama-cpp-python 0.3.36's vendored l
     (smollm2_tokenizer_dir()).  The model's vocab_size must be >= 49152 (the converter asserts every
     token id < vocab_size): make_hf(..., vocab_size=SMOLLM2_VOCAB).  Not for phi3 nor qwen2 (see
     SMOLLM2_UNSUPPORTED).
-  - "smollm2-glm" (what "smollm2" becomes for glm4_moe): SmolLM2's tokenizer with the special tokens GLM's
-    converter looks up (GLM_SPECIAL, ids 49152.. after SmolLM2's; <|endoftext|> is SmolLM2's own 0):
-    vocab_size >= SMOLLM2_GLM_VOCAB.  The GLM-4.5 converter takes no sentencepiece tokenizer.
+  - "smollm2-glm" (what "smollm2" becomes for glm4_moe and glm_moe_dsa): SmolLM2's tokenizer with the special
+    tokens GLM's converter looks up (GLM_SPECIAL, ids 49152.. after SmolLM2's; <|endoftext|> is SmolLM2's own 0):
+    vocab_size >= SMOLLM2_GLM_VOCAB.  The GLM-4.5 and GLM-5 converters take no sentencepiece tokenizer.
+* deepseek_v32: the converter's DeepseekV32Model.set_vocab asserts the tokenizer's add_bos_token, which no offline
+  tokenizer gives it: transformers 5 drops add_bos_token from tokenizer_config.json where a tokenizer.json is
+  beside it, and a vocab.json / merges.txt one that keeps it prepends the bos to the converter's pre-tokenizer probe,
+  whose hash then matches no known pre-tokenizer (checked for every bos id of SmolLM2's vocabulary). So convert_many
+  runs that one job with DeepseekV32Model.set_vocab replaced by DeepseekV2Model's (the same _set_vocab_gpt2 less the
+  assertion: VOCAB_PATCHES); the keys and tensors are still the converter's own code.
 * `sentencepiece` in the venv (the converter imports it for sentencepiece tokenizers and for Phi-3).
 * the converter's own gguf-py (convert_hf_to_gguf.py puts <llama.cpp>/gguf-py on sys.path itself;
   PYTHONPATH is set too).  Read the result with that gguf-py as well (import_gguf()).
@@ -446,18 +452,29 @@ def _install_tokenizer(hf_dir: Path, tokenizer: str) -> None:
         raise ValueError(f"tokenizer must be 'sp', 'smollm2' or 'smollm2-glm', not {tokenizer!r}")
 
 
+# model type -> (the converter's module, the class whose set_vocab is replaced, the class whose set_vocab replaces
+# it) for the job of that model type (see the module docstring: deepseek_v32)
+VOCAB_PATCHES = {"deepseek_v32": ("conversion.deepseek", "DeepseekV32Model", "DeepseekV2Model")}
+
 # One process converts several models: the converter's imports (torch, transformers, its ~100
 # model modules) are ~4 of the ~5 s a conversion takes.  main() is called once per job with its argv.
 _DRIVER = r"""
 import json, sys, traceback
-conv_dir, jobs = sys.argv[1], json.loads(sys.argv[2])
+import importlib
+conv_dir, jobs, patches = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 sys.path.insert(0, conv_dir)
 sys.argv = ["convert_hf_to_gguf.py"]
 import convert_hf_to_gguf as conv
 results = []
-for i, argv in enumerate(jobs):
+for i, (argv, patch) in enumerate(zip(jobs, patches)):
     print(f"@@strata-job {i}@@", file=sys.stderr, flush=True)
     sys.argv = ["convert_hf_to_gguf.py", *argv]
+    undo = None
+    if patch:
+        mod = importlib.import_module(patch[0])
+        cls, base = getattr(mod, patch[1]), getattr(mod, patch[2])
+        undo = (cls, cls.__dict__.get("set_vocab"))
+        cls.set_vocab = base.set_vocab
     try:
         conv.main()
         results.append(None)
@@ -465,6 +482,11 @@ for i, argv in enumerate(jobs):
         results.append(f"SystemExit({e.code!r})" if e.code not in (0, None) else None)
     except BaseException:
         results.append(traceback.format_exc())
+    finally:
+        if undo is not None and undo[1] is not None:
+            undo[0].set_vocab = undo[1]
+        elif undo is not None:
+            del undo[0].set_vocab
     sys.stderr.flush()
 print("@@strata-results@@" + json.dumps(results), flush=True)
 """
@@ -486,9 +508,9 @@ def _pick_tokenizer(cfg: dict, tokenizer: str | None) -> str:
         tokenizer = "smollm2" if cfg.get("vocab_size", 0) >= SMOLLM2_VOCAB and mt not in SMOLLM2_UNSUPPORTED else "sp"
     if tokenizer == "smollm2" and mt in SMOLLM2_UNSUPPORTED:
         raise ConversionError(f"{mt}: {SMOLLM2_UNSUPPORTED[mt]}")
-    if mt == "glm4_moe":  # its converter looks up GLM's special tokens in a BPE tokenizer
+    if mt in ("glm4_moe", "glm_moe_dsa"):  # its converter looks up GLM's special tokens in a BPE tokenizer
         if tokenizer == "sp":
-            raise ConversionError("glm4_moe: the GLM-4.5 converter reads a BPE tokenizer with GLM's special tokens, "
+            raise ConversionError(f"{mt}: GLM's converter reads a BPE tokenizer with GLM's special tokens, "
                                   f"not sentencepiece: vocab_size >= {SMOLLM2_GLM_VOCAB} takes SmolLM2's plus them")
         tokenizer = "smollm2-glm"
         if cfg.get("vocab_size", 0) < SMOLLM2_GLM_VOCAB:
@@ -511,7 +533,7 @@ def convert_many(jobs, outtype: str = "f32", tokenizer: str | None = None,
         err = ConversionError(converter_skip_reason())
         return [err for _ in jobs]
     results: list = [None] * len(jobs)
-    argvs, idx = [], []
+    argvs, idx, patches = [], [], []
     for i, (hf_dir, out_path) in enumerate(jobs):
         hf_dir, out_path = Path(hf_dir), Path(out_path)
         try:
@@ -527,9 +549,10 @@ def convert_many(jobs, outtype: str = "f32", tokenizer: str | None = None,
         out_path.unlink(missing_ok=True)
         argvs.append([str(hf_dir), "--outfile", str(out_path), "--outtype", outtype, *extra_args])
         idx.append(i)
+        patches.append(VOCAB_PATCHES.get(cfg.get("model_type")))
     if not argvs:
         return results
-    r = subprocess.run([sys.executable, "-c", _DRIVER, str(conv.parent), json.dumps(argvs)],
+    r = subprocess.run([sys.executable, "-c", _DRIVER, str(conv.parent), json.dumps(argvs), json.dumps(patches)],
                        capture_output=True, text=True, env=_converter_env(conv), timeout=timeout,
                        cwd=str(conv.parent))
     marker = "@@strata-results@@"

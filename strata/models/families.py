@@ -166,15 +166,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            gguf_layer=dict(deepseek.GGUF_LAYER), gguf_derived=dict(deepseek.GGUF_DERIVED), gguf_keys=deepseek.GGUF_KEYS,
            gguf_nextn=True),
     # DeepSeek V3.2 and GLM-5: the same with DSA's lightning indexer (strata.models.dsa); their GGUF files
-    # (deepseek32, glm-dsa) are not read yet
-    Family("deepseek_v32", ("DeepseekV32ForCausalLM",), "", hf_fused_experts=True,
-           hf_layer={**_HF_DEEPSEEK, **_HF_INDEXER}),
-    Family("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), "", hf_fused_experts=True,
-           hf_layer={**_HF_DEEPSEEK, **_HF_INDEXER}),
+    # (deepseek32, glm-dsa: deepseek2's tensors and the blk.N.indexer.* ones) read in strata.models.deepseek too
+    Family("deepseek_v32", ("DeepseekV32ForCausalLM",), deepseek.GGUF_ARCH_V32, hf_fused_experts=True,
+           hf_layer={**_HF_DEEPSEEK, **_HF_INDEXER}, gguf_layer={**deepseek.GGUF_LAYER, **deepseek.GGUF_INDEXER},
+           gguf_derived=dict(deepseek.GGUF_DERIVED), gguf_keys=deepseek.GGUF_KEYS_V32, gguf_nextn=True),
+    Family("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), deepseek.GGUF_ARCH_GLM, hf_fused_experts=True,
+           hf_layer={**_HF_DEEPSEEK, **_HF_INDEXER}, gguf_layer={**deepseek.GGUF_LAYER, **deepseek.GGUF_INDEXER},
+           gguf_derived=dict(deepseek.GGUF_DERIVED), gguf_keys=deepseek.GGUF_KEYS_GLM, gguf_nextn=True),
     Family("phi3", ("Phi3ForCausalLM",), "phi3", window_keys=True,
            hf_fused={"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
            gguf_fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}),
 )}
+# the families whose attention is MLA (their GGUF's key / value lengths and head_count_kv are the absorbed form's)
+LATENT_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 _BY_HF = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
 _BY_GGUF = {f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch}
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -735,8 +739,8 @@ def gguf_args_extra(fam: Family, get, n_layers: int, dim: int, n_heads: int, hea
                     names=frozenset()) -> dict:
     """The ModelArgs fields a GGUF family sets beyond the common keys, read with get(key) (arch prefix implied);
     names: the file's tensor names (glm4moe's optional q/k norms)."""
-    if fam.name == "deepseek_v3":  # (its rope scaling too: llama.cpp's deepseek2 reads its own YaRN key)
-        return deepseek.gguf_args(get, n_layers, names, where)
+    if fam.name in LATENT_FAMILIES:  # (its rope scaling too: llama.cpp's deepseek2 reads its own YaRN key)
+        return deepseek.gguf_args(get, n_layers, names, where, fam.gguf_arch)
     scaling = scaling_from_gguf(get, fam.gguf_arch, where)
     extra: dict = {"rope_scaling": scaling} if scaling is not None else {}
     if fam.name == "glm4_moe":

@@ -15,7 +15,8 @@ from strata.models.args import ModelArgs
 from strata.models.model import rope_frequencies
 from strata.models.rope import yarn_positions
 from strata.models.resident import Quantized
-from strata.models.families import _BY_GGUF, check_gguf_keys, family, gguf_args_extra, gguf_trunk_layers, supported_gguf
+from strata.models.families import (LATENT_FAMILIES, _BY_GGUF, check_gguf_keys, family, gguf_args_extra,
+                                     gguf_trunk_layers, supported_gguf)
 from strata.models.names import fused_rows, gguf_name, gguf_names, shapes, short, wanted_names
 from strata.weights.gguf_files import field_value, one_line, open_model
 
@@ -48,9 +49,9 @@ def gguf_model_args(path: Path) -> ModelArgs:
     if isinstance(n_heads, list) or isinstance(n_kv, list):
         raise ModelError(f"{path}: per-layer head counts are unsupported")
     partial = fam.name in ("qwen3_5", "glm4_moe")  # partial rotary: rope.dimension_count read below
-    # latent attention (deepseek2): the key and value lengths, head_count_kv and the rotary part are its reader's
-    # (strata.models.deepseek), which gives head_dim and n_kv_heads
-    latent = fam.name == "deepseek_v3"
+    # latent attention (deepseek2, deepseek32, glm-dsa): the key and value lengths, head_count_kv and the rotary part
+    # are its reader's (strata.models.deepseek), which gives head_dim and n_kv_heads
+    latent = fam.name in LATENT_FAMILIES
     head_dim = get("attention.key_length") or (None if fam.name == "glm4_moe" else get("rope.dimension_count")) \
         or dim // n_heads
     rot = get("rope.dimension_count")
