@@ -15,6 +15,8 @@
 #           max_memory_allocated), bench/generate.py's decode after each of $DEPTHS; the longest prefill last
 #           -> $OUT/strata-*.json
 #   table   Strata beside llama.cpp with ratios, KV bytes per token and the peak memory, from those JSON files
+#   llama-short llama-decode llama-long strata-short strata-decode strata-long: a part of llama / strata alone (the
+#           prefills up to 32,768 tokens, the decode, the longer prefills), e.g. for one a deadline skipped
 # Run from the repo root on the GPU machine, carrying .whl and .peer/llama.tgz, in three calls (each < 600 s):
 #   bash bench/device_deepseek.sh setup build gguf     # ~400 s: the build, the 37 GiB file written meanwhile
 #   bash bench/device_deepseek.sh setup llama          # llama.cpp's rows
@@ -63,19 +65,18 @@ llama_prefill() {  # TOKENS EST_S
   echo "rc $?: $(grep -o '"avg_ts": [0-9.]*' "$LOG/llama-prefill-$1.json")"; tail -2 "$LOG/llama-prefill-$1.err"
 }
 
-llama() {
-  need_gguf llama || return
-  build_wait || return
-  local l
-  for l in $(lengths short); do llama_prefill "$l" 90; done
-  if fits "llama.cpp decode" 120; then
-    el "llama.cpp: decode $DECODE_TOKENS tokens after $DEPTHS"
-    timeout $(( $(left) + 20 )) "$LB" -m "$GGUF" -ngl 99 -fa 1 -b "$CHUNK" -ub 2048 -r 1 -p 0 -n "$DECODE_TOKENS" \
-      -d "$DEPTHS" -o json > "$LOG/llama-decode.json" 2> "$LOG/llama-decode.err"
-    echo "rc $?: $(grep -o '"avg_ts": [0-9.]*' "$LOG/llama-decode.json" | tr '\n' ' ')"; tail -2 "$LOG/llama-decode.err"
-  fi
-  for l in $(lengths long); do llama_prefill "$l" 240; done
+llama_ready() { need_gguf "$1" && build_wait; }
+llama_short() { local l; llama_ready llama-short || return; for l in $(lengths short); do llama_prefill "$l" 90; done; }
+llama_long() { local l; llama_ready llama-long || return; for l in $(lengths long); do llama_prefill "$l" 240; done; }
+llama_decode() {
+  llama_ready llama-decode || return
+  fits "llama.cpp decode" 120 || return
+  el "llama.cpp: decode $DECODE_TOKENS tokens after $DEPTHS"
+  timeout $(( $(left) + 20 )) "$LB" -m "$GGUF" -ngl 99 -fa 1 -b "$CHUNK" -ub 2048 -r 1 -p 0 -n "$DECODE_TOKENS" \
+    -d "$DEPTHS" -o json > "$LOG/llama-decode.json" 2> "$LOG/llama-decode.err"
+  echo "rc $?: $(grep -o '"avg_ts": [0-9.]*' "$LOG/llama-decode.json" | tr '\n' ' ')"; tail -2 "$LOG/llama-decode.err"
 }
+llama() { need_gguf llama || return; llama_short; llama_decode; llama_long; }
 
 strata_prefill() {  # TOKENS EST_S
   fits "strata prefill $1" "$2" || return
@@ -85,18 +86,17 @@ strata_prefill() {  # TOKENS EST_S
     | tee "$LOG/strata-prefill-$1.log" | grep -v "^\s*$" | tail -6
 }
 
-strata() {
-  need_gguf strata || return
-  local l
-  for l in $(lengths short); do strata_prefill "$l" 120; done
-  if fits "strata decode" 150; then
-    el "strata: decode $DECODE_TOKENS tokens after $DEPTHS (bench/generate.py)"
-    timeout $(( $(left) + 20 )) $PY bench/generate.py --model "$GGUF" --devices "$SDEV" --contexts "$DEPTHS" \
-      --tokens "$DECODE_TOKENS" --chunk "$CHUNK" --json "$LOG/strata-decode.json" 2>&1 \
-      | tee "$LOG/strata-decode.log" | tail -5
-  fi
-  for l in $(lengths long); do strata_prefill "$l" 200; done
+strata_short() { local l; need_gguf strata-short || return; for l in $(lengths short); do strata_prefill "$l" 120; done; }
+strata_long() { local l; need_gguf strata-long || return; for l in $(lengths long); do strata_prefill "$l" 200; done; }
+strata_decode() {
+  need_gguf strata-decode || return
+  fits "strata decode" 150 || return
+  el "strata: decode $DECODE_TOKENS tokens after $DEPTHS (bench/generate.py)"
+  timeout $(( $(left) + 20 )) $PY bench/generate.py --model "$GGUF" --devices "$SDEV" --contexts "$DEPTHS" \
+    --tokens "$DECODE_TOKENS" --chunk "$CHUNK" --json "$LOG/strata-decode.json" 2>&1 \
+    | tee "$LOG/strata-decode.log" | tail -5
 }
+strata() { need_gguf strata || return; strata_short; strata_decode; strata_long; }
 
 table() {
   el "table: $PRESET $QTYPE, Strata beside llama.cpp"
@@ -160,10 +160,10 @@ for f in facts:
 EOF
 }
 
-STEPS="setup build gguf llama strata table"
+STEPS="setup build gguf llama strata table llama-short llama-decode llama-long strata-short strata-decode strata-long"
 for step in "$@"; do
   case " $STEPS " in
-    *" $step "*) $step ;;
+    *" $step "*) ${step//-/_} ;;
     *) echo "unknown step $step ($STEPS)"; exit 2 ;;
   esac
 done

@@ -143,8 +143,8 @@ def test_file_read_back_and_run(tmp_path, qtype):
 
 
 def _script(tmp_path, *steps, timeout=60, **env):
-    e = dict(os.environ, OUT=str(tmp_path / "out"), GGUF=str(tmp_path / "none.gguf"), LL=str(tmp_path / "ll"),
-             PY=sys.executable, **env)
+    e = {**os.environ, "OUT": str(tmp_path / "out"), "GGUF": str(tmp_path / "none.gguf"), "LL": str(tmp_path / "ll"),
+         "PY": sys.executable, **env}
     return subprocess.run(["bash", "bench/device_deepseek.sh", *steps], cwd=ROOT, text=True, capture_output=True,
                           env=e, timeout=timeout)
 
@@ -153,11 +153,14 @@ def test_device_script_steps(tmp_path):
     """bench/device_deepseek.sh: an unknown step is refused (rc 2, naming the steps); steps past DEADLINE are skipped
     by name; llama, strata without the GGUF say so. (No step here touches a GPU.)"""
     r = _script(tmp_path, "bogus")
-    assert r.returncode == 2 and "unknown step bogus (setup build gguf llama strata table)" in r.stdout
+    assert r.returncode == 2 and "unknown step bogus (setup build gguf llama strata table llama-short" in r.stdout
     r = _script(tmp_path, "gguf", DEADLINE="0")
     assert r.returncode == 0 and "SKIPPED gguf deepseek-v3-slice" in r.stdout, r.stdout + r.stderr
-    r = _script(tmp_path, "llama", "strata")
-    assert r.stdout.count("(run the gguf step first)") == 2, r.stdout + r.stderr
+    r = _script(tmp_path, "llama", "strata", "llama-long", "strata-decode")
+    assert r.stdout.count("(run the gguf step first)") == 4, r.stdout + r.stderr
+    r = _script(tmp_path, "strata-long", "llama-decode", DEADLINE="0", GGUF=__file__)  # (a file: the deadline decides)
+    assert "SKIPPED strata prefill 131072: needs ~200 s" in r.stdout, r.stdout + r.stderr
+    assert "no llama-bench" in r.stdout and "SKIPPED llama.cpp decode" not in r.stdout, r.stdout + r.stderr
 
 
 def test_device_script_runs_on_cpu(tmp_path):
