@@ -23,9 +23,11 @@
 #   bash bench/device_deepseek.sh setup strata table   # Strata's rows and the table
 # DEADLINE (seconds since the start, default 570) skips a step whose usual time would pass it, by name. PRESET,
 # QTYPE, GGUF, LENGTHS, DEPTHS, CHUNK, DECODE_TOKENS, DEVICE (cuda, or cpu: the CPU test's smoke-deepseek run) and PY
-# (python3) may be set. Logs and JSON go to $OUT (the device's returned folder) or /tmp/ds-logs.
+# (python3) may be set, e.g. QTYPE=IQ3_S GGUF=/tmp/dsv3-slice-iq3s.gguf (~25 GiB: attn_k_b IQ4_NL, as llama.cpp's
+# quantizer falls back). Logs and JSON go to $OUT (the device's returned folder) or /tmp/ds-logs.
 PRESET=${PRESET:-deepseek-v3-slice}; QTYPE=${QTYPE:-Q4_K_M}; GGUF=${GGUF:-/tmp/dsv3-slice-q4km.gguf}
-LENGTHS=${LENGTHS:-32768,131072}; DEPTHS=${DEPTHS:-2048,32768}; CHUNK=${CHUNK:-10240}; DECODE_TOKENS=${DECODE_TOKENS:-128}
+LENGTHS=${LENGTHS:-32768,131072}; DEPTHS=${DEPTHS:-2048,32768}; CHUNK=${CHUNK:-10240}
+DECODE_TOKENS=${DECODE_TOKENS:-128}
 DEVICE=${DEVICE:-cuda}; PY=${PY:-python3}
 SDEV=$DEVICE; [ "$DEVICE" = cuda ] && SDEV=cuda:0
 LOG=${OUT:-/tmp/ds-logs}; mkdir -p "$LOG"
@@ -34,7 +36,8 @@ SHORT=32768  # prefills up to this length run first (llama.cpp with its warm-up)
 
 setup() {
   wheels zmq gguf
-  el "setup: $($PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))')"
+  el "setup: $($PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+    torch.cuda.get_device_name(0))')"
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
   df -h /tmp | tail -1; free -g | head -2
 }
@@ -42,7 +45,8 @@ setup() {
 need_gguf() { [ -s "$GGUF" ] && return 0; el "$1: no $GGUF (run the gguf step first)"; return 1; }
 lengths() {  # short | long: $LENGTHS up to SHORT, or past it
   local l; for l in ${LENGTHS//,/ }; do
-    if [ "$1" = short ] && [ "$l" -le $SHORT ]; then echo "$l"; elif [ "$1" = long ] && [ "$l" -gt $SHORT ]; then echo "$l"; fi
+    if [ "$1" = short ] && [ "$l" -le $SHORT ]; then echo "$l"
+    elif [ "$1" = long ] && [ "$l" -gt $SHORT ]; then echo "$l"; fi
   done
 }
 
@@ -60,7 +64,8 @@ llama_prefill() {  # TOKENS EST_S
   fits "llama.cpp prefill $1" "$2" || return
   local warm=(); [ "$1" -gt $SHORT ] && warm=(--no-warmup)
   el "llama.cpp: prefill $1 tokens"
-  timeout $(( $(left) + 20 )) "$LB" -m "$GGUF" -ngl 99 -fa 1 -b "$CHUNK" -ub 2048 -r 1 -p "$1" -n 0 "${warm[@]}" -o json \
+  timeout $(( $(left) + 20 )) "$LB" -m "$GGUF" -ngl 99 -fa 1 -b "$CHUNK" -ub 2048 -r 1 -p "$1" -n 0 "${warm[@]}" \
+    -o json \
     > "$LOG/llama-prefill-$1.json" 2> "$LOG/llama-prefill-$1.err"
   echo "rc $?: $(grep -o '"avg_ts": [0-9.]*' "$LOG/llama-prefill-$1.json")"; tail -2 "$LOG/llama-prefill-$1.err"
 }
@@ -86,7 +91,9 @@ strata_prefill() {  # TOKENS EST_S
     | tee "$LOG/strata-prefill-$1.log" | grep -v "^\s*$" | tail -6
 }
 
-strata_short() { local l; need_gguf strata-short || return; for l in $(lengths short); do strata_prefill "$l" 120; done; }
+strata_short() {
+  local l; need_gguf strata-short || return; for l in $(lengths short); do strata_prefill "$l" 120; done
+}
 strata_long() { local l; need_gguf strata-long || return; for l in $(lengths long); do strata_prefill "$l" 200; done; }
 strata_decode() {
   need_gguf strata-decode || return
@@ -151,8 +158,8 @@ try:
     a = model_args(gguf)
     lay = a.n_layers * a.kv_values() * 2
     print(f"KV per token by the layout: Strata bfloat16 {lay:,} B ({a.n_layers} layers x {a.kv_values()} values: "
-          f"[latent | roped key]); llama.cpp's deepseek2 cache f16 {a.n_layers * (a.kv_lora_rank + a.qk_rope_dim) * 2:,} B "
-          "(the same values, no V cache with MLA)")
+          f"[latent | roped key]); llama.cpp's deepseek2 cache f16 "
+          f"{a.n_layers * (a.kv_lora_rank + a.qk_rope_dim) * 2:,} B (the same values, no V cache with MLA)")
 except Exception as e:  # noqa: BLE001 - the table still prints
     print(f"(no args from {gguf}: {e})")
 for f in facts:

@@ -255,7 +255,8 @@ def deepseek2_refusal(args: ModelArgs) -> str | None:
                or not rs.get("truncate")):
         return f"YaRN with mscale = mscale_all_dim (llama.cpp's deepseek2 assumes it), not {rs}"
     from strata.models.rope import yarn_attention_factor
-    if rs and abs(rs.get("attention_factor", 1.0) - yarn_attention_factor(rs["factor"], rs["mscale"], rs["mscale"])) > 1e-12:
+    magnitude = yarn_attention_factor(rs["factor"], rs["mscale"], rs["mscale"]) if rs else 1.0
+    if abs(rs.get("attention_factor", 1.0) - magnitude) > 1e-12:
         return f"YaRN's own RoPE magnitude (llama.cpp's deepseek2 takes mscale / mscale_all_dim), not {rs}"
     want = softmax_scale(args.head_dim, rs or None)
     if abs((args.attn_scale or args.head_dim ** -0.5) - want) > 1e-9 * want:

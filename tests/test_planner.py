@@ -795,7 +795,8 @@ def test_layer_param_count_is_the_built_layers(name):
             b = Block(args, i)
         if b.latent:
             sh = shapes(args)
-            Transformer._load_latent(SimpleNamespace(args=args), b.attn, "", lambda n: torch.empty(sh[n], device="meta"),
+            Transformer._load_latent(SimpleNamespace(args=args), b.attn, "",
+                                     lambda n: torch.empty(sh[n], device="meta"),
                                      lambda t: torch.nn.Parameter(t, requires_grad=False), lambda t: t)
         counts.append(sum(p.numel() for p in b.parameters()))
         assert args.layer_param_count(i) == counts[-1], (name, i)
