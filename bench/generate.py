@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--llama-only", action="store_true", help="only the llama.cpp rows (Strata's came earlier in the "
                     "same device call)")
     ap.add_argument("--llama-threads", type=int, default=0, help="llama-bench -t (CPU; default: one per stage)")
+    ap.add_argument("--json", help="also write the rows here (a list: Strata's and llama.cpp's, context and tok/s)")
     ap.add_argument("--llama-kv", default="f16", help="comma list: llama-bench's -ctk / -ctv of each llama.cpp row "
                     "(f16: its default; q8_0: its 8-bit cache, beside an 8-bit --kv-dtype)")
     a = ap.parse_args()
@@ -49,6 +50,7 @@ def main() -> int:
     print("| cuda_graphs | decode_weights | kv_dtype | ahead | context | decode tok/s | ms/token | outside the stages ms/token | ttft s |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|")
     import numpy as np
+    rows: list[dict] = []  # (--json)
     runs = [(g, d, k, ah) for g in a.cuda_graphs.split(",") for d in a.decode_weights.split(",")
             for k in a.kv_dtype.split(",") for ah in a.ahead.split(",")]
     for graphs, dw, kv, ahead in ([] if a.llama_only else runs):
@@ -64,6 +66,11 @@ def main() -> int:
                 r, toks = res.report, hashlib.md5(str(res.continuation_ids).encode()).hexdigest()[:12]
                 print(f"| {graphs} | {dw} | {kv} | {ahead} | {n:,} | {r['decode_tok_s']:,.1f} | {1e3 / max(r['decode_tok_s'], 1e-9):.2f} "
                       f"| {r.get('decode_overhead_ms_per_token') or 0:.2f} | {r['ttft_s']:.3f} |", flush=True)
+                rows.append(dict(arm="strata", cuda_graphs=graphs, decode_weights=dw, kv_dtype=kv, ahead=ahead,
+                                 context=n, decode_tok_s=r["decode_tok_s"], ttft_s=r["ttft_s"],
+                                 kv_bytes=[s.get("kv_bytes") for s in r["stages"]],
+                                 peak_bytes=[s.get("peak_bytes") for s in r["stages"]],
+                                 max_context=r.get("max_context")))
                 steps = max(r.get("decode_steps") or 0, 1)
                 print(f"    per token, ms: head {1e3 * r.get('decode_head_s', 0) / steps:.3f}; stages' work "
                       + ", ".join(f"{1e3 * (s.get('decode_work_s') or 0) / steps:.3f}" for s in r["stages"])
@@ -71,19 +78,23 @@ def main() -> int:
                                                               for s in r["stages"])
                       + f"; results by bell {r.get('decode_bell_steps', 0)} of {steps}; tokens' md5 {toks}", flush=True)
     if a.llama_bench:
-        llama_decode(a, stages, contexts)
+        rows += llama_decode(a, stages, contexts)
+    if a.json:
+        import json
+        Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 
-def llama_decode(a, stages, contexts) -> None:
-    """llama-bench's generation speed on the same file after each context (`-d`), in the same run."""
+def llama_decode(a, stages, contexts) -> list[dict]:
+    """llama-bench's generation speed on the same file after each context (`-d`), in the same run: its rows."""
     import json
     import subprocess
     from strata.weights.checkpoint import resolve
     kind, path = ("gguf", a.llama_gguf) if a.llama_gguf else resolve(a.model)
     if kind != "gguf":
         print(f"llama.cpp: needs a GGUF model, {a.model} is {kind}")
-        return
+        return []
+    rows = []
     for kv, n in ((kv, n) for kv in a.llama_kv.split(",") for n in contexts):
         cmd = [a.llama_bench, "-m", path, "-p", "0", "-n", str(a.tokens), "-d", str(n), "-r", "1", "-o", "json"]
         cmd += ["-ngl", "99", "-fa", "1"] + (["-sm", "layer"] if len(stages) > 1 else []) if a.devices else \
@@ -93,9 +104,11 @@ def llama_decode(a, stages, contexts) -> None:
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             print(f"llama.cpp failed ({out.returncode}): {out.stderr[-500:]}")
-            return
+            return rows
         ts = json.loads(out.stdout)[0]["avg_ts"]
         print(f"| llama.cpp | `{' '.join(cmd[3:])}` | - | - | {n:,} | {ts:,.1f} | {1e3 / ts:.2f} | - | - |", flush=True)
+        rows.append(dict(arm="llama.cpp", kv_dtype=kv, context=n, decode_tok_s=ts, command=" ".join(cmd[1:])))
+    return rows
 
 
 if __name__ == "__main__":

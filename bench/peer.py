@@ -78,8 +78,10 @@ def strata_run(model: str, devices: list[str], tokens: int, chunk: int, depth: i
 
 
 def stage_facts(rep: dict) -> list[dict]:
-    """Each stage's place, work and memory from a report (state_bytes: linear-attention layers' states)."""
-    keys = ("device", "layers", "work_s", "weight_bytes", "kv_bytes", "state_bytes", "scratch_bytes", "mem_bytes")
+    """Each stage's place, work and memory from a report (state_bytes: linear-attention layers' states; peak_bytes:
+    a CUDA stage's torch.cuda.max_memory_allocated over the prefill)."""
+    keys = ("device", "layers", "work_s", "weight_bytes", "kv_bytes", "state_bytes", "scratch_bytes", "mem_bytes",
+            "peak_bytes")
     return [{k: s.get(k) for k in keys} for s in rep["stages"]]
 
 
@@ -138,7 +140,8 @@ def main() -> int:
         if arm in arms:
             rep = strata_run(str(gguf), devices, a.tokens, a.chunk, int(arm[1]), a.weights, root / arm, a.decode,
                              a.dynamic, not a.no_dump)
-            res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "residual_md5", "load_wall_s", "decode_tok_s")}
+            res[arm] = {k: rep.get(k) for k in ("tok_s", "seconds", "residual_md5", "load_wall_s", "decode_tok_s",
+                                                "max_context")}
             res[arm]["stages"] = stage_facts(rep)
     for arm, depth in (("bf16", 1), ("bf16d0", 0)):
         if arm in arms:

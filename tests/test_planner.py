@@ -780,15 +780,24 @@ def _variants():
 def test_layer_param_count_is_the_built_layers(name):
     """The planner's weights per layer (ModelArgs.layer_param_count) are the parameters of the layer as built, for
     each kind of layer a model has (attention or linear, dense or experts): it missed Qwen3.5's linear layers and
-    gated q (2B parameters short for the 27B: a plan could pass that did not fit), and gpt-oss's biases and sinks."""
+    gated q (2B parameters short for the 27B: a plan could pass that did not fit), and gpt-oss's biases and sinks.
+    An MLA layer's projections are attributes until loaded: the loader (Transformer._load_latent) sets them from
+    meta tensors of the file's shapes first."""
+    from types import SimpleNamespace
     import torch
-    from strata.models.model import Block
+    from strata.models.model import Block, Transformer
+    from strata.models.names import shapes
     args = _variants()[name]
     kinds = {(args.is_linear(i), args.is_moe(i)): i for i in range(args.n_layers)}
     counts = []
     for i in kinds.values():
         with torch.device("meta"):
             b = Block(args, i)
+        if b.latent:
+            sh = shapes(args)
+            Transformer._load_latent(SimpleNamespace(args=args), b.attn, "",
+                                     lambda n: torch.empty(sh[n], device="meta"),
+                                     lambda t: torch.nn.Parameter(t, requires_grad=False), lambda t: t)
         counts.append(sum(p.numel() for p in b.parameters()))
         assert args.layer_param_count(i) == counts[-1], (name, i)
     assert args.layer_param_count() == max(counts)

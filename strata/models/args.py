@@ -352,5 +352,33 @@ PRESETS: dict[str, ModelArgs] = {
     "smoke-wide": ModelArgs(vocab_size=2048, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
                             head_dim=64, ffn_dim=2816, max_seq_len=131072),
 }
+# DeepSeek V3 / R1's own (config.json): YaRN x40 over 4,096 positions with mscale = mscale_all_dim = 1, so the RoPE's
+# magnitude stays 1 and the softmax scale takes (0.1 ln 40 + 1)^2 (transformers' yarn_get_mscale squared, what
+# strata.models.families reads from that config and strata.models.deepseek from its GGUF)
+DEEPSEEK_V3_YARN = dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, attention_factor=1.0, truncate=True)
+_V3_MSCALE = 0.1 * 1.0 * math.log(40.0) + 1.0
+# DeepSeek V3's shapes (deepseek-ai/DeepSeek-V3's config.json: MLA of 128 heads, q rank 1536, latent 512, q/k heads of
+# 128 + 64 roped, values of 128; 256 experts of 2,048, top 8 in the best 4 of 8 groups, sigmoid scores renormalized and
+# times 2.5, one shared expert; 18,432-wide dense layers) in a slice of 8 layers, its first 3 dense as the model's: one
+# card holds it (bench/make_gguf.py's Q4_K_M file: ~38 GiB) beside llama.cpp (bench/device_deepseek.sh)
+PRESETS["deepseek-v3-slice"] = ModelArgs(
+    arch="deepseek_v3", vocab_size=129280, dim=7168, n_layers=8, n_heads=128, n_kv_heads=128, head_dim=128 + 64,
+    ffn_dim=18432, norm_eps=1e-6, rope_theta=10000.0, rope_scaling=dict(DEEPSEEK_V3_YARN), max_seq_len=163840,
+    attn_scale=(128 + 64) ** -0.5 * _V3_MSCALE ** 2, kv_lora_rank=512, q_lora_rank=1536, qk_rope_dim=64,
+    v_head_dim=128, rope_interleave=True, n_experts=256, n_experts_used=8, expert_ffn_dim=2048, router="sigmoid",
+    router_renorm=True, router_groups=8, router_groups_used=4, routed_scale=2.5, shared_ffn_dim=2048,
+    first_dense_layers=3)
+# the same with V3.2's sparse attention (DeepseekV32Config: the indexer's 64 heads of 128, top 2,048 positions; its
+# roped values in halves)
+PRESETS["deepseek-v32-slice"] = replace(PRESETS["deepseek-v3-slice"], arch="deepseek_v32", index_topk=2048,
+                                        index_heads=64, index_head_dim=128)
+# deepseek-v3-slice's structure at small widths (MLA with a q rank, YaRN, grouped sigmoid routing, a shared expert, a
+# dense first layer): CPU tests of bench/make_gguf.py's deepseek2 files
+PRESETS["smoke-deepseek"] = replace(
+    PRESETS["deepseek-v3-slice"], vocab_size=512, dim=256, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=64 + 32,
+    ffn_dim=512, attn_scale=(64 + 32) ** -0.5 * _V3_MSCALE ** 2, kv_lora_rank=256, q_lora_rank=256, qk_rope_dim=32,
+    v_head_dim=64, n_experts=16, n_experts_used=4, expert_ffn_dim=256, router_groups=4, router_groups_used=2,
+    shared_ffn_dim=256, first_dense_layers=1)
 PRESETS["qwen3.5-9b-yarn"] = replace(PRESETS["qwen3.5-9b"], max_seq_len=4 * 262144, rope_scaling=dict(
     QWEN_YARN4, original_max_position_embeddings=262144))

@@ -262,5 +262,15 @@ def _rope_and_scale(get, head_dim: int, where: str, arch: str) -> tuple[dict | N
         raise ModelError(f"{where}: GGUF key {arch}.rope.scaling.yarn_attn_factor = {att!r} is not implemented "
                          f"(llama.cpp's deepseek2 takes {rope_att} with YaRN)")
     scaling = {**scaling, "mscale": mscale_all_dim, "mscale_all_dim": mscale_all_dim, "attention_factor": rope_att}
-    m = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
-    return scaling, head_dim ** -0.5 * m * m
+    return scaling, softmax_scale(head_dim, scaling)
+
+
+def softmax_scale(head_dim: int, scaling: dict | None) -> float:
+    """The softmax scale of llama.cpp's deepseek2 graph (transformers' DeepSeek V3 where mscale = mscale_all_dim):
+    head_dim^-0.5, with YaRN (scaling: strata.models.rope's normalized dict, mscale_all_dim set) times
+    (0.1 mscale_all_dim ln(factor) + 1)^2."""
+    if not scaling:
+        return head_dim ** -0.5
+    factor = scaling["factor"]
+    m = 1.0 if factor <= 1 else 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0
+    return head_dim ** -0.5 * m * m
