@@ -34,7 +34,7 @@ class Stopped(BaseException):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="strata", description="Strata: pipelined long-prompt prefill across layer-split stages.")
-    ap.add_argument("--config", required=True, metavar="PATH", help="rig file (YAML); see README for every key")
+    ap.add_argument("--config", required=True, metavar="PATH", help="rig file (YAML); docs/rig-keys.md has every key")
     ap.add_argument("--out", metavar="DIR", help="run directory for report.json, stage logs, timeline.png "
                     "(default: the rig's `out`, else runs/<time>)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
