@@ -57,7 +57,7 @@ def test_errors_section_names_every_error_class():
 def test_current_figures_commands_exist():
     """Each bench/*.py command in the Current figures tables: the script is there and parses every flag used (a
     fragment after the first command, e.g. "then `--llama-only ...`", is the row's last script's)."""
-    figures = section("BENCHMARKS.md", "## Current figures", "The rounds follow")
+    figures = section("BENCHMARKS.md", "## Current figures", "The dated rounds")
     bad, checked = [], 0
     for row in figures.splitlines():
         cols = [c.strip() for c in row.strip("|").split("|")]
@@ -171,7 +171,7 @@ def test_readme_measured_table_is_benchmarks_current_figures():
     """Each "X vs Y (Rx)" of the README's Measured table: X in the Strata column and Y in the llama.cpp column of one
     row of BENCHMARKS.md's Current figures, and R their ratio (issue 57: the README's table had drifted from it)."""
     table = section("README.md", "## Measured", "\n## ")
-    figures = section("BENCHMARKS.md", "## Current figures", "The rounds follow")
+    figures = section("BENCHMARKS.md", "## Current figures", "The dated rounds")
     rows = [[c.strip() for c in r.strip().strip("|").split("|")] for r in figures.splitlines() if r.startswith("|")]
     pairs = re.findall(r"([\d,]+\.\d|[\d,]+) vs ([\d,]+\.\d|[\d,]+) \(([\d.]+)x", table)
     assert len(pairs) >= 12, pairs
@@ -214,3 +214,28 @@ def test_serving_metrics_table_is_the_servers():
     page = (ROOT / "docs" / "serving.md").read_text().split("## `/metrics`")[1]
     table = set(re.findall(r"^\| `strata_(\w+)` \|", page, re.M))
     assert table == names, (sorted(names - table), sorted(table - names))
+
+
+def test_benchmarks_summary_is_current_figures():
+    """Each row of BENCHMARKS.md's Summary: its Strata and llama.cpp figures in one row of Current figures (in those
+    columns), and each ratio theirs; every link of Current figures names a round of docs/benchmarks-log.md."""
+    summary = section("BENCHMARKS.md", "## Summary", "## Current figures")
+    figures = section("BENCHMARKS.md", "## Current figures", "The dated rounds")
+    current = [[c.strip() for c in r.strip().strip("|").split("|")] for r in figures.splitlines() if r.startswith("|")]
+    checked = 0
+    for line in summary.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 7 or cells[3] in ("Strata", "---:"):
+            continue
+        ours, theirs, ratios = numbers(cells[3]), numbers(cells[4]), numbers(cells[5])
+        assert any(len(r) > 3 and set(ours) <= set(numbers(r[2])) and set(theirs) <= set(numbers(r[3]))
+                   for r in current), line
+        assert len(ours) == len(theirs) == len(ratios), line
+        for a, b, x in zip(ours, theirs, ratios):
+            assert abs(a / b - x) < 0.006, f"{line}: {a} / {b} is {a / b:.3f}, not {x}"
+        checked += 1
+    assert checked >= 20, checked
+    log = (ROOT / "docs" / "benchmarks-log.md").read_text()
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", log, re.M)}
+    links = re.findall(r"\]\(docs/benchmarks-log\.md#([^)]+)\)", figures)
+    assert links and not [a for a in links if a not in slugs]
