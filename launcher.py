@@ -34,12 +34,12 @@ class Stopped(BaseException):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="strata", description="Strata: pipelined long-prompt prefill across layer-split stages.")
-    ap.add_argument("--config", required=True, metavar="PATH", help="rig file (YAML); see README for every key")
+    ap.add_argument("--config", required=True, metavar="PATH", help="rig file (YAML); docs/rig-keys.md has every key")
     ap.add_argument("--out", metavar="DIR", help="run directory for report.json, stage logs, timeline.png "
                     "(default: the rig's `out`, else runs/<time>)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                    help="override a rig key (YAML value; dotted keys reach into mappings, e.g. prompt.max_tokens=256); "
-                         "repeatable")
+                    help="override a rig key (YAML value; dotted keys reach into mappings, e.g. prompt.max_tokens=256; "
+                         "prompt.file=doc.txt replaces the rig's prompt); repeatable")
     ap.add_argument("--json", action="store_true", help="print report.json to stdout instead of the table")
     ap.add_argument("--no-timeline", action="store_true", help="do not draw timeline.png")
     ap.add_argument("--kv-load", metavar="PATH", help="before the prefill, load a KV file (kv_save's) into the stages: "

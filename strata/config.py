@@ -59,6 +59,9 @@ class StageSpec:
         return self.host is not None
 
 
+PROMPT_KINDS = ("text", "file", "stdlib", "ids_file", "random")  # a prompt's sources: exactly one is given
+
+
 @dataclass(frozen=True)
 class PromptSpec:
     text: str | None = None        # literal text
@@ -449,6 +452,10 @@ def apply_override(raw: dict, assignment: str) -> None:
         if not isinstance(d.get(p), dict):
             d[p] = {}
         d = d[p]
+    if parts[0] == "prompt" and len(parts) >= 2 and parts[1] in PROMPT_KINDS:
+        for kind in PROMPT_KINDS:  # a prompt has one source: `--set prompt.file=doc.txt` replaces the rig's
+            if kind != parts[1]:
+                raw["prompt"].pop(kind, None)
     d[parts[-1]] = parse_value(text)
 
 
@@ -589,9 +596,9 @@ def _check_values(cfg: RigConfig) -> None:
             raise ConfigError("kv_cache_dir: the disk tier writes the prefix cache's blocks through, and "
                               "prefix_cache_bytes is 0 (the prefix cache is off)")
     p = cfg.prompt
-    given = [n for n in ("text", "file", "stdlib", "ids_file", "random") if getattr(p, n) is not None]
+    given = [n for n in PROMPT_KINDS if getattr(p, n) is not None]
     if len(given) != 1:
-        raise ConfigError(f"prompt: give exactly one of text, file, stdlib, ids_file, random (got {given or 'none'})")
+        raise ConfigError(f"prompt: give exactly one of {', '.join(PROMPT_KINDS)} (got {given or 'none'})")
     if p.max_tokens is not None and p.max_tokens <= 0:
         raise ConfigError(f"prompt.max_tokens: must be > 0, got {p.max_tokens}")
     if p.random is not None and p.random["tokens"] <= 0:

@@ -96,6 +96,37 @@ def test_bad_set_syntax(tmp_path, capsys):
     assert refuse(tmp_path, capsys, make_rig(), "chunk") == "error: --set expects key=value, got 'chunk'"
 
 
+@pytest.mark.parametrize("kind, value, expect", [
+    ("text", "hello", "hello"),
+    ("file", "{doc}", "{doc}"),
+    ("stdlib", "json", "json"),
+    ("ids_file", "{ids}", "{ids}"),
+    ("random", "{{tokens: 64, seed: 1}}", {"tokens": 64, "seed": 1}),
+])
+def test_set_prompt_kind_replaces_the_rigs(tmp_path, kind, value, expect):
+    """`--set prompt.KIND=...` replaces the rig's prompt (issue 57: it failed "give exactly one of ..."); the
+    rig's other prompt keys (max_tokens) stay."""
+    from strata.config import PROMPT_KINDS, load
+    names = {"doc": tmp_path / "doc.txt", "ids": tmp_path / "ids.txt"}
+    names["doc"].write_text("a document")
+    names["ids"].write_text("1 2 3")
+    rig = tmp_path / "rig.yaml"
+    rig.write_text(yaml.safe_dump(make_rig(prompt={"stdlib": "typing", "max_tokens": 100})))
+    fill = lambda v: v.format(**names) if isinstance(v, str) else v
+    p = load(rig, [f"prompt.{kind}={fill(value)}"], env={}).prompt
+    assert getattr(p, kind) == fill(expect) and p.max_tokens == 100
+    assert [k for k in PROMPT_KINDS if getattr(p, k) is not None] == [kind]
+    p = load(rig, ["prompt.random.tokens=32", "prompt.random.seed=2"], env={}).prompt  # one kind, key by key
+    assert p.random == {"tokens": 32, "seed": 2} and p.stdlib is None
+
+
+def test_set_prompt_bad_kind_is_one_line(tmp_path, capsys):
+    line = refuse(tmp_path, capsys, make_rig(), "prompt.fil=doc.txt")
+    assert line == "error: unknown key in prompt: 'fil' (did you mean 'file'?)", line
+    line = refuse(tmp_path, capsys, make_rig(), f"prompt.file={tmp_path / 'nope.txt'}")
+    assert line == f"error: prompt.file: {str(tmp_path / 'nope.txt')!r} not found", line
+
+
 # -- values ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("depth", [2, -1])
 def test_depth_not_0_or_1(tmp_path, capsys, depth):

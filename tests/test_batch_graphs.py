@@ -184,6 +184,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_rows_kernels_equal_their_one_row_launches():
     """rope_store_rows (each row its slot and cache row; a padding row, row -1, writes nothing), the split-K rows
     launch (each row its slot and key count; float32, q8_0 widened and its int8x2 arm; a window), and the norms by
@@ -308,6 +309,7 @@ print(sorted(bg.graphs))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "qwen3_5", "llama-pool"])
 def test_step_pads_groups_and_refuses(model):
     """BatchGraphs.step with a replay that reruns the body into the captured outputs (a CUDA graph's contract, on
@@ -324,6 +326,7 @@ def test_step_pads_groups_and_refuses(model):
     assert out == want + ["[(1, 256), (2, 256), (4, 256)]"], out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv,start", [("auto", 0), ("bfloat16", 1), ("q8_0", 0)])
 def test_batch_body_matches_each_step_alone(kv, start):
     """The batch body on a Llama slice (with the embedding and head, or a later slice taking residual rows): batches
@@ -337,6 +340,7 @@ def test_batch_body_matches_each_step_alone(kv, start):
     assert out == "[(1, 256), (1, 600), (2, 512), (4, 512), (4, 600)]", out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["auto", "q8_0"])
 def test_batch_body_over_a_kv_pool_matches_each_step_alone(kv):
     """The same batches with the slots' global layers in one KV pool (kv_pool): each slot an extent of its own
@@ -376,6 +380,7 @@ print(max_rows(body), check_batches(eager, body, True, prompts, batches))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", ["gemma3", "qwen3_5"])
 def test_batch_body_families_over_a_kv_pool(fam):
     """A KV pool (kv_pool) where global layers sit beside others: gemma3's window layers keep their rings a slot
@@ -385,6 +390,7 @@ def test_batch_body_families_over_a_kv_pool(fam):
     assert out[0] == "4", out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam,rows", [("gemma3", 4), ("mistral", 4), ("qwen3", 4), ("gpt_oss", 4), ("qwen3_moe", 2),
                                       ("qwen3_5", 4), ("qwen3_5_moe", 4), ("glm4_moe", 4)])
 def test_batch_body_families(fam, rows):
@@ -415,6 +421,7 @@ print(check_batches(eager, body, True, prompts, [[1, 0], [0]], 1e-4))  # (interp
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,qtype", [("smoke", "Q4_K_M"), ("smoke-moe", "Q4_K")])
 def test_batch_body_on_blocks(preset, qtype):
     """A resident slice (its products on the Q4_K / Q6_K blocks, x's int8 rounding from the norm's launch, rows
@@ -445,6 +452,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_experts_on_blocks_take_a_whole_batch():
     """Resident experts whose kernels read their blocks in place take a batch's rows whatever their count (one
     replay for 3 slots: max_rows 4), on the few-rows path (gather) past GATHER_PAIRS pairs: within the int8 products'
@@ -452,6 +460,7 @@ def test_experts_on_blocks_take_a_whole_batch():
     assert _interpreted(GATHER).splitlines() == ["4", "ok"]
 
 
+@pytest.mark.slow
 def test_refusals_name_what_is_not_covered(tmp_path):
     """A float8 cache and dynamic NTK rope keep the eager batches, with the reason; CPU tensors are never
     captured."""

@@ -204,3 +204,15 @@ def test_dtype_auto_is_bfloat16_on_gpus_only():
     assert from_dict(rig, env={}).dtype == "float32"
     assert from_dict({**rig, "dtype": "bfloat16"}, env={}).dtype == "bfloat16"
     assert from_dict({**rig, "dtype": "auto"}, env={}).dtype == "float32"
+
+
+def test_no_shipped_rig_pins_float32_on_a_gpu():
+    """A rig in configs/ that may run on a GPU (a CUDA stage, or `stages: auto`) leaves `dtype` to `auto` or a
+    16-bit type: copied to a GPU machine, a pinned float32 ran there at a fraction of the speed (issue 57)."""
+    import yaml
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text())
+        stages = raw.get("stages", "auto")
+        on_gpu = stages == "auto" or any("cuda" in str(s.get("device", "cpu") if isinstance(s, dict) else s)
+                                         for s in stages)
+        assert not (on_gpu and raw.get("dtype") == "float32"), f"{path.name} pins float32 on a GPU"

@@ -88,6 +88,7 @@ def test_gguf_blocks_are_read_as_stored(qtype):
 
 
 # -- whole decode steps ------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [32, 16, 8])
 def test_attention_against_float64(bits):
     """One kv head's decode attention (strata_attend): the grouped kernels (G query heads of 64 or 128 values,
@@ -133,6 +134,7 @@ def _tiny_hf(tmp_path, arch):
                      num_attention_heads=4, max_position_embeddings=512)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("qwen2", "auto"), ("llama", "bfloat16"),
                                            ("llama", "float8_e4m3fn")])
 def test_decode_steps_match_transformers(tmp_path, arch, kv_dtype):
@@ -193,6 +195,7 @@ def _forced(m, ids, toks):
     return torch.stack([r.reshape(-1).double() for r in rows])
 
 
+@pytest.mark.slow
 def test_smollm2_uses_the_file_blocks_and_keeps_the_float32_answer(smol_path):
     """SmolLM2's Q4_1 layers and Q8_0 (tied) head are read as stored; on real text, stepped along the float32 path's
     greedy answer, each step's logits are float32's within the 8-bit rounding of the products' inputs, and its
@@ -246,6 +249,7 @@ def _two_stages_and_one(smol_path, tmp_path, decode_weights: str | None, n: int,
     return got, _greedy(one, torch.tensor([ids.tolist()]), n), logs
 
 
+@pytest.mark.slow
 def test_two_stage_pipeline_gives_the_single_process_tokens(smol_path, tmp_path):
     """Stages hand the residual row between processes; the C steps on either side give one process's tokens."""
     import re
@@ -257,6 +261,7 @@ def test_two_stage_pipeline_gives_the_single_process_tokens(smol_path, tmp_path)
     assert len(stored) == 2 and sum(stored) == 7 * 30 + 1 and sorted(n % 7 for n in stored) == [0, 1]
 
 
+@pytest.mark.slow
 def test_default_rig_decodes_on_the_blocks(smol_path, tmp_path):
     """A rig that does not name decode_weights (auto) takes the C steps on a quantized Llama-core file: the blocks
     rig's tokens, the stage logs saying so; auto_kind names each reason it declines (a float model, resident
@@ -279,6 +284,7 @@ def test_default_rig_decodes_on_the_blocks(smol_path, tmp_path):
     assert kind == "none" and why.startswith("the C decoder implements the Llama core; gemma3 uses")
 
 
+@pytest.mark.slow
 def test_default_rig_with_an_8_bit_cache_decodes_on_the_blocks(smol_path, tmp_path):
     """kv_dtype float8_e4m3fn and no decode_weights key: the C steps read and write the e4m3 cache (they failed at
     load before the C attention read it), two stages giving one process's tokens."""

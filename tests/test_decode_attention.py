@@ -113,6 +113,7 @@ def test_split_k_window_over_a_ring_interpreted():
     assert len(r.stdout.splitlines()) == 3
 
 
+@pytest.mark.slow
 @needs_triton
 def test_split_k_q8_0_interpreted_matches_the_dequantized_cache():
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -121,6 +122,7 @@ def test_split_k_q8_0_interpreted_matches_the_dequantized_cache():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 @needs_triton
 def test_split_k_interpreted_matches_reference():
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -233,6 +235,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @needs_triton
 def test_graph_body_odd_head_dim_takes_the_masked_path():
     """A head dim that is not a power of two (24): the graph body takes the masked path (the split-K and fused
@@ -245,6 +248,7 @@ def test_graph_body_odd_head_dim_takes_the_masked_path():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
+@pytest.mark.slow
 @needs_triton
 def test_graph_body_split_k_interpreted_matches_eager():
     """DecodeGraphs' step body with the split-K kernel (interpreted on CPU) == the eager decode path."""
@@ -336,6 +340,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @needs_triton
 def test_decode_kernels_interpreted_match_torch():
     """rope_store (q rotated; k rotated and v written at pos, nothing else; with the q/k norms in its launch),

@@ -31,6 +31,7 @@ def rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qkv_bias", [False, True])
 @pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "q8_0"])
 def test_decode_path_matches_prefill_path(qkv_bias, kv_dtype):
@@ -223,6 +224,7 @@ def test_gguf_tensors_bit_exact_with_gguf_py():
 
 
 # -- the CUDA graph step's arithmetic, run eagerly on CPU (the capture itself needs a GPU: tests/test_gpu.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("start,end", [(0, 3), (1, 3)])
 def test_graph_body_matches_decode_path(start, end):
     """DecodeGraphs' step body (bucketed cache with an additive mask, rope and cache write from a
@@ -329,6 +331,7 @@ def slotted_stages(d, args, prompts, **kw):
     return s0, s1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "gpt_oss", "qwen3_5", "qwen3_5_moe"])
 def test_several_sequences_as_rows_match_each_step_alone(tmp_path, family):
     """Transformer.decode_seqs through torch (no C decoder): three sequences in their own slots at other positions,
@@ -366,6 +369,7 @@ def test_several_sequences_as_rows_match_each_step_alone(tmp_path, family):
                 tok[s], pos[s] = int(am1), pos[s] + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "gpt_oss", "qwen3_moe", "qwen3_5"])
 def test_prefill_group_matches_each_chunk_alone(tmp_path, family):
     """Transformer.forward_group: three sequences' chunks (a first chunk, and later chunks past a window where the
@@ -406,6 +410,7 @@ def test_prefill_group_matches_each_chunk_alone(tmp_path, family):
         b0.forward_group(torch.zeros(1, 2, dtype=torch.long), [(0, 95, 2)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_linear_states_a_slot_each(tmp_path, family):
     """A hybrid model (Gated DeltaNet layers) with three slots: the prompts' chunks and then their decode steps

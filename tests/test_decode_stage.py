@@ -28,6 +28,7 @@ def reference(ids: np.ndarray, tokens: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [0, 1])
 def test_greedy_through_three_stages_equals_one_process(tmp_path, depth):
     ids = np.random.default_rng(7).integers(0, 512, size=PROMPT).astype(np.int32)

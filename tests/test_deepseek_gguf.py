@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.slow  # llama.cpp's converter and tiny models end to end: the CI tier
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.slow  # llama.cpp's converter and tiny models end to end: the CI tier
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -22,6 +22,7 @@ def _greedy(model: str, tmp_path: Path, name: str, ids: list[int], n: int):
         return p.generate(np.asarray(ids), SamplingParams(max_tokens=n, temperature=0))
 
 
+@pytest.mark.slow
 def test_an_hf_models_second_end_token_ends_its_answer(tmp_path):
     """A tiny Llama whose greedy answer runs 8 tokens: with the 4th token named as a second end in
     generation_config.json, the pipeline and the local engine stop before it ("stop", the first 3 tokens) and say

@@ -97,6 +97,7 @@ def reference_greedy(ref, ids, new: int) -> list[int]:
     return seq[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", HF_FAMILIES)
 def test_hf_family_matches_transformers(tmp_path, fam):
     ref, d = make_hf(tmp_path, fam, **HF_OVERRIDES.get(fam, {}))
@@ -179,6 +180,7 @@ def converted(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", GGUF_FAMILIES)
 def test_gguf_from_llamacpp_converter_matches_transformers(converted, fam):
     """The converter's file read by Strata: the args of the HF directory, and transformers' results. mistral and
@@ -200,6 +202,7 @@ def test_gguf_from_llamacpp_converter_matches_transformers(converted, fam):
     check_against(ref, g, ids, gg.n_layers, GGUF_BOUNDS.get(fam))
 
 
+@pytest.mark.slow
 def test_gguf_gemma3_from_llamacpp_converter(tmp_path):
     """gemma3 through the GGUF. The converter writes neither query_pre_attn_scalar (llama.cpp takes head_dim, or
     dim / heads at 62 layers) nor the layer pattern (llama.cpp: every 6th layer global), so the fixture keeps
@@ -251,6 +254,7 @@ def write_gguf(dst, parts, keys=(), tensors=()) -> str:
     return str(dst)
 
 
+@pytest.mark.slow
 def test_gguf_glm4moe_mtp_block_skipped_and_what_is_refused(converted, tmp_path, capsys):
     """The converter's glm4moe file: its multi-token-prediction block (blk.4, counted in block_count and
     nextn_predict_layers) is skipped as llama.cpp skips it for inference: 4 layers, the test above matches
@@ -296,6 +300,7 @@ def test_gguf_glm4moe_mtp_block_skipped_and_what_is_refused(converted, tmp_path,
 
 
 # -- through the real stage processes -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_window_family_through_the_pipeline(tmp_path):
     """mistral (every layer windowed) on 3 CPU stage processes: its window layers hold a ring (report.json's
     kv_bytes are the ring's, not the prompt's); depth 0 and 1 give the same residual bits; the logits equal
@@ -376,6 +381,7 @@ print("ok", dg.rings)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", ["gemma3", "mistral", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe",
                                  "glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
 def test_graph_body_interpreted_matches_eager(fam):
@@ -467,6 +473,7 @@ def split_rig(model: str, depth: int, max_context: int) -> dict:
                 prompt={"random": {"tokens": 8, "seed": 0}})
 
 
+@pytest.mark.slow
 def test_experts_through_the_pipeline(tmp_path):
     """qwen3_moe on 3 CPU stage processes, experts on every stage: depth 0 and 1 give the same residual bits, the
     last logits and the perplexity are transformers', and generate's greedy tokens too."""
@@ -511,6 +518,7 @@ def test_gguf_experts_through_the_pipeline(converted, tmp_path):
         assert got.continuation_ids == reference_greedy(ref, torch.from_numpy(ids).long()[None], NEW)
 
 
+@pytest.mark.slow
 def test_hybrid_through_the_pipeline(tmp_path):
     """qwen3_5 on 3 CPU stage processes, linear layers on every stage: depth 0 and 1 give the same bits and
     transformers' logits; a second prompt that shares a prefix is recomputed (a state serves only where it stands),
@@ -551,6 +559,7 @@ def test_hybrid_through_the_pipeline(tmp_path):
         assert rel(torch.from_numpy(r.last_logits), want(more)) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_5", "phi3"])
@@ -580,6 +589,7 @@ def test_gpu_experts_and_hybrid(tmp_path, fam):
     assert rel(got16, want) < 2e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", ["qwen3_5", "mistral", "gemma3"])
 def test_planner_counts_what_a_stage_holds(tmp_path, fam):
     """The planner's KV for a stage (window rings, linear-attention states) is what the loaded slice holds."""
@@ -609,6 +619,7 @@ def hf_generate(ref, ids, new: int, logits: bool = False):
     return (toks, [x[0] for x in out.logits]) if logits else toks
 
 
+@pytest.mark.slow
 def test_dynamic_ntk_matches_transformers(tmp_path):
     """Dynamic NTK rope (max_position_embeddings 48, factor 2) over a 71-token prompt on 3 slices in chunks of 13:
     every position's logits and the NLL against transformers' one forward (the frequencies of the prompt's length,
@@ -649,6 +660,7 @@ def test_dynamic_ntk_matches_transformers(tmp_path):
     assert out == hf
 
 
+@pytest.mark.slow
 def test_dynamic_ntk_through_the_pipeline(tmp_path):
     """The same model on 3 CPU stage processes: the stages take the prompt's length from each chunk's note, so the
     last logits and 16 greedy tokens are transformers' (cached generate); a second prompt sharing the first's

@@ -76,6 +76,7 @@ def test_smollm2_refused_where_it_cannot_work(tmp_path):
         ff.convert_to_gguf(d, tmp_path / "x.gguf", tokenizer="smollm2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ff.DENSE_FAMILIES + ("llama-smollm2",))
 def test_converts(converted, built, family):
     res = converted[family]

@@ -76,6 +76,7 @@ def test_stage_raises_on_chunk_launcher(tmp_path, guard):
     run_ok(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1], ids=["first", "last"])
 def test_stage_sigkill_at_chunk(tmp_path, guard, victim):
     """The stage SIGKILLs itself on chunk 2 (debug.fail_mode=kill): no message, no cleanup.
@@ -106,6 +107,7 @@ def test_stage_fails_during_decode(tmp_path, guard, mode):
     assert segments(run_id=p.run_id) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["raise", "kill", "hang"])
 def test_stage_fails_on_a_decode_step_that_came_by_bell(tmp_path, guard, mode):
     """With decode doorbells (strata/comm/bells.py, forced on these CPU stages) the notes of steps after the first
@@ -127,6 +129,7 @@ def test_stage_fails_on_a_decode_step_that_came_by_bell(tmp_path, guard, mode):
     assert segments(run_id=p.run_id) == []
 
 
+@pytest.mark.slow
 def test_middle_stage_killed_from_outside(tmp_path, guard):
     """The test SIGKILLs the middle stage once the head sees it start chunk 3. Its neighbours are
     left waiting on it (stage 0 for 'taken', stage 2 for input): the head's teardown ends them."""
@@ -158,6 +161,7 @@ def test_middle_stage_killed_from_outside(tmp_path, guard):
     run_ok(tmp_path)
 
 
+@pytest.mark.slow
 def test_stage_hang_trips_watchdog(tmp_path, guard):
     """A stage that stops moving: after stall_timeout_s the head dumps every stage's stacks into
     its log and fails naming where each stage was."""
@@ -212,6 +216,7 @@ def _launch_and_wait_mid_prefill(tmp_path, guard, name="run"):
     return run, stages
 
 
+@pytest.mark.slow
 def test_head_sigkill_stages_exit(tmp_path, guard):
     """SIGKILL of the head: each stage sees its pipe's EOF (PR_SET_PDEATHSIG as a backstop) and exits."""
     pymp_before = set(Path(tempfile.gettempdir()).glob("pymp-*"))
@@ -232,6 +237,7 @@ def test_head_sigkill_stages_exit(tmp_path, guard):
     assert not ipc_dirs[0].exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_head_signal_stops_everything(tmp_path, guard, sig):
     """SIGINT / SIGTERM to the head: it joins the chunks in flight, stops every stage, exits 130 / 143
@@ -263,6 +269,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
+@pytest.mark.slow
 def test_shm_sweep_early_unlink_and_private_ipc_dir(tmp_path, guard):
     from strata.comm import shm
     dead = _dead_pid()
@@ -334,6 +341,7 @@ def test_shm_room_checked_before_start(tmp_path, guard, monkeypatch, capsys):
     assert set(segments(owner_pid=os.getpid())) == before
 
 
+@pytest.mark.slow
 def test_stage_raises_while_loading(tmp_path, guard):
     """A stage that fails before it is ready: its typed failure ends the head's ready wait."""
     from strata.head.pipeline import PipelineError

@@ -66,6 +66,7 @@ def ids_for(ref):
     return torch.randint(0, cfg.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_fused_matches_transformers(tmp_path, case):
     """Strata's logits, NLL and greedy tokens from the fused checkpoint equal the reference model's; and the layout is
@@ -87,6 +88,7 @@ def test_fused_matches_transformers(tmp_path, case):
         torch.testing.assert_close(loaded.eval()(ids).logits, ref(ids).logits, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fused_weight_suffix_reads_the_same(tmp_path):
     """The fused tensors named with ".weight" (llama.cpp's converter takes that spelling too; transformers 5.25 does
     not load it) read as the same tensors: every slice equal to the unsuffixed checkpoint's."""

@@ -255,6 +255,7 @@ def _fuzzed_prefill(p, expect: dict[int, int]):
     return p.prefill()
 
 
+@pytest.mark.slow
 def test_fuzz_running_stages_and_head(tmp_path, guard):
     from strata.head.pipeline import Pipeline
     rig = make_rig(2, tokens=512, chunk=64, dump_residual=True)

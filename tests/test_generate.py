@@ -25,6 +25,7 @@ def random_ids(n, seed, vocab=512):
     return np.random.default_rng(seed).integers(0, vocab, size=n).astype(np.int32)
 
 
+@pytest.mark.slow
 def test_two_prompts_on_one_pipeline_equal_fresh_pipelines(tmp_path):
     """Buffers and KV are sized once: a second, longer prompt runs on the same stages, and its residual
     and logits are those of a pipeline that saw only it."""
@@ -46,6 +47,7 @@ def test_two_prompts_on_one_pipeline_equal_fresh_pipelines(tmp_path):
     assert rb.perplexity == fresh_b.perplexity
 
 
+@pytest.mark.slow
 def test_prompt_over_max_context_is_refused_and_the_pipeline_goes_on(tmp_path):
     with smoke(tmp_path, "ctx", max_context=64, dump_residual=False) as p:
         assert p.max_context == 64
@@ -104,6 +106,7 @@ def local_generate(eng, ids, params):
     return out, stats
 
 
+@pytest.mark.slow
 def test_greedy_generate_equals_the_single_process_engine_and_the_rig_continuation(smol, local, tmp_path):
     ids = smol.prompt_ids(DOC + "The tower is named after")
     want, _ = local_generate(local, ids, SamplingParams(max_tokens=12))
@@ -143,6 +146,7 @@ def test_prefix_reuse_gives_the_cold_continuation(smol):
     assert smol.generate(follow, SamplingParams(max_tokens=1)).reused_tokens == follow.size - 1
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_and_matches_the_engine(smol, local):
     ids = smol.prompt_ids(DOC + "In one word, the tower is")
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=10)
@@ -188,6 +192,7 @@ def test_default_max_context_is_what_every_stage_can_hold():
         build_plan(from_dict({**base, "stages": capped, "max_context": 65536}, env={}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=16),
                                     SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=16)])
 def test_decode_bells_give_the_notes_tokens(tmp_path, params):
@@ -210,6 +215,7 @@ def test_decode_bells_give_the_notes_tokens(tmp_path, params):
     assert out[False] == out[True]
 
 
+@pytest.mark.slow
 def test_decode_bells_stop_mid_answer_then_reuse(tmp_path):
     """With bells (forced on CPU stages), an answer stopped by its caller mid-way (what the server does when a
     client leaves) leaves the stages ready: the next request on the same prompt reuses its KV, goes by bell

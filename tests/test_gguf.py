@@ -248,6 +248,7 @@ def test_model_args(args):
     assert math.isclose(args.norm_eps, 1e-5, rel_tol=1e-6)
 
 
+@pytest.mark.slow
 def test_weights_equal_transformers_dequantization(args, ref_model):
     t = checkpoint.slice_tensors("smollm2", args, 7, 8)
     layer = ref_model.model.layers[7]
@@ -258,6 +259,7 @@ def test_weights_equal_transformers_dequantization(args, ref_model):
     assert set(t) == set(checkpoint.wanted_names(args, 7, 8))
 
 
+@pytest.mark.slow
 def test_prefill_logits_match_transformers(engine_logits, ref_logits, prompt):
     assert engine_logits.shape == ref_logits.shape == (prompt.shape[1], 49152)
     diff = engine_logits - ref_logits
@@ -286,6 +288,7 @@ def engine_greedy(engine, prompt):
     return greedy([engine], prompt, N_GEN)
 
 
+@pytest.mark.slow
 def test_greedy_continuation_matches_transformers(engine_greedy, ref_model, prompt):
     ours = engine_greedy
     with torch.no_grad():
@@ -300,6 +303,7 @@ def test_capital_of_france(engine, tok):
     assert tok.decode(out).startswith(" Paris")
 
 
+@pytest.mark.slow
 def test_three_slices_equal_single_slice_bitwise(args, engine_logits, engine_greedy, prompt):
     stages = []
     for a, b in SLICES:

@@ -96,6 +96,7 @@ def test_what_cannot_be_enforced_is_one_line(tokenizer):
     assert SamplingParams(grammar="x").needs_logits and not SamplingParams().needs_logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_seqs", [1, 2])
 def test_the_server_answers_in_the_schema(tokenizer, tmp_path, max_seqs):
     """Chat with response_format json_schema (a boolean answer), greedy, through the openai client on two CPU

@@ -37,6 +37,7 @@ def docs():
     return text[:768], text[5000:5768], q
 
 
+@pytest.mark.slow
 def test_alternating_documents_come_from_the_cache_with_the_cold_bits(tmp_path, docs):
     a_doc, b_doc, q = docs
     a, b = np.concatenate([a_doc, q]), np.concatenate([b_doc, q])
@@ -62,6 +63,7 @@ def test_alternating_documents_come_from_the_cache_with_the_cold_bits(tmp_path, 
     assert not [n for n in os.listdir(SHM_DIR) if run_id in n]
 
 
+@pytest.mark.slow
 def test_budget_evicts_least_recently_used_blocks(tmp_path):
     """synthetic:smoke, 4 layers a stage: a budget of 4 blocks holds one 3-block prompt and part of another; the
     oldest prompt's deepest blocks go first, and a stage never holds more than its budget."""
@@ -111,6 +113,7 @@ def _launch(rig: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
                            "--no-timeline", *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_kv_saved_by_one_process_loads_in_another(tmp_path, docs):
     a_doc, _, q = docs
     ids = tmp_path / "ids.txt"
@@ -165,6 +168,7 @@ def test_kv_file_refusals_through_the_api(tmp_path):
         assert not p.started  # refused before any stage started
 
 
+@pytest.mark.slow
 def test_local_engine_kv_file_round_trip_and_from_a_pipeline(tmp_path):
     """The single-process engine writes and reads the same format: its own file in a fresh engine, and a
     pipeline's file of the same model and rig, give the cold engine's greedy tokens."""

@@ -39,6 +39,7 @@ def _small(pool: int):
     return m.eval()
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_extents_of_a_pool_give_each_sequence_its_own_caches_bits():
     """Three sequences in extents of one pool (out of slot order, each only as long as it needs) prefilled and then
@@ -107,6 +108,7 @@ def _generate(rig: dict, out, together: bool, limits) -> tuple[list[list[int]], 
         eng.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode_weights,stages", [("auto", 2), ("none", 1)])
 def test_a_pool_smaller_than_the_slots_serves_each_as_alone(tmp_path, decode_weights, stages):
     """max_seqs 4 and max_context 320 with a pool of 384 positions (the slots would take 1,280): 4 greedy requests at
@@ -160,6 +162,7 @@ def test_a_span_is_checked_on_the_wire():
             M.encode(M.Chunk(**chunk, span=bad))
 
 
+@pytest.mark.slow
 def test_a_document_restored_into_an_extent_answers_as_cold(tmp_path):
     """The prefix cache over a pool: a document's blocks snapshotted from one extent and restored into another (the
     pool's first gap is taken by a short request running beside it the second time) give the cold answer."""
@@ -215,6 +218,7 @@ def test_kv_pool_auto_takes_what_the_memory_leaves(tmp_path):
         from_dict({**base, "kv_pool": "lots"})
 
 
+@pytest.mark.slow
 def test_a_kv_file_loads_into_an_extent(tmp_path):
     """With a pool the engine's kv_load reads a KV file into an extent of the file's length, then its blocks into
     the prefix cache: a prompt that begins with its ids restores them and gets a max_seqs 1 pipeline's ids."""

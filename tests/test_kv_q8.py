@@ -161,6 +161,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @needs_triton
 def test_q8_0_graph_body_interpreted_matches_eager():
     """DecodeGraphs' step on a q8_0 cache (the fused rope-and-quantize store, split-K on the blocks) == the eager
@@ -268,6 +269,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @needs_triton
 def test_q8_0_int8_arms_accuracy_interpreted():
     """kernels.q8_attention int8 and int8x2 against float64 attention over the dequantized cache, through Triton's
@@ -300,6 +302,7 @@ def test_q8_0_int8_arms_accuracy_interpreted():
             assert row["swapped"] > 0.2 and row["swapped_x2"] > 0.2, row
 
 
+@pytest.mark.slow
 def test_q8_0_pipeline_depth_arms_identical_and_close_to_float32(tmp_path):
     from strata.head.pipeline import Pipeline
     stages = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1}]

@@ -178,6 +178,7 @@ def prefill_logits(slices, ids, chunk: int):
     return slices[-1].logits(chained_prefill(slices, ids, chunk)[0]).float().cpu()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [ODD, 64])
 def test_model_chunked_prefill_equals_token_loop(tmp_path, monkeypatch, chunk):
     """On CPU, prefill in odd chunks by the chunked form gives the token loop's one-pass logits; and in chunks of

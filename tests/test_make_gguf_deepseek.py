@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow  # llama.cpp's converter and tiny models end to end: the CI tier
 import torch
 
 from conftest import chained_prefill

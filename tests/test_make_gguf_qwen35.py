@@ -59,6 +59,7 @@ def test_refuses_what_llamacpp_cannot_read(tmp_path):
         mg.write(tmp_path / "x.gguf", small(lin_v_dim=32), "Q8_0")
 
 
+@pytest.mark.slow
 def test_names_and_keys_are_the_converters(tmp_path):
     """The tiny HF qwen3_5 through llama.cpp's convert_hf_to_gguf.py --no-mtp, and make_gguf's file of its args:
     the same tensor names and shapes, and every key the converter writes (but general.*) at its value."""

@@ -117,6 +117,7 @@ def test_interleaved_rows_become_halves():
     assert got == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
 
 
+@pytest.mark.slow
 def test_deepseek_through_stage_processes(tmp_path):
     """A tiny DeepSeek V3 (MLA, grouped sigmoid routing, a shared expert, the first layer dense) on 3 CPU stage
     processes split mid-model with an odd chunk: depth 0 and 1 give the same residual bits, the last logits and
@@ -144,6 +145,7 @@ def test_deepseek_through_stage_processes(tmp_path):
     assert md5[0] == md5[1]
 
 
+@pytest.mark.slow
 def test_deepseek_prefix_cache_kv_file_and_a_batch(tmp_path):
     """The latent cache through the KV machinery, 2 CPU stages: a document asked again after another prompt restores
     its latent rows from the prefix cache and answers as cold; a KV file saved by one pipeline serves a new one; at
@@ -195,6 +197,7 @@ def test_deepseek_prefix_cache_kv_file_and_a_batch(tmp_path):
     assert st.sequences == 2 and st.most_in_flight == 2, st
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", ["deepseek_v3", "deepseek_v32"])
 def test_a_decode_batch_over_two_slots_is_each_alone(tmp_path, fam):
     """decode_seqs: two sequences' rows at their own positions over their own slots' latents (and index keys)
@@ -223,6 +226,7 @@ def test_a_decode_batch_over_two_slots_is_each_alone(tmp_path, fam):
         assert (batch[s] - alone[s]).abs().max() < 1e-4 * alone[s].abs().max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", ["deepseek_v32", "glm_moe_dsa"])
 def test_the_selection_matters_and_chunks_equal_one_pass(tmp_path, fam):
     """The fixtures' indexer keeps 24 of up to 71 positions: dropping the selection (a top-k past the prompt) moves
@@ -253,6 +257,7 @@ def test_the_selection_matters_and_chunks_equal_one_pass(tmp_path, fam):
         assert (got - one).norm() / one.norm() < 1e-5, chunk
 
 
+@pytest.mark.slow
 def test_a_stage_never_starts_on_a_shared_indexer_layer(tmp_path, capsys):
     """GLM-5's shared layer (2) takes layer 1's selection: a layer_split starting a stage there is refused in one
     line; an auto split of 2 stages starts its second elsewhere."""

@@ -48,6 +48,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_three_slices_chunked_match_transformers(tmp_path, arch):
     ref_model, d = make_tiny(tmp_path, arch)

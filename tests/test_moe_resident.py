@@ -35,6 +35,7 @@ def _run(m_slices, ids, new: int = 6):
     return last, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
 def test_resident_experts_equal_dequantized(monkeypatch, qtype):
     """smoke-moe's random blocks held as stored, in groups of 3 of its 8 experts (3 groups a layer), against the
@@ -79,6 +80,7 @@ def converted_q8(tmp_path_factory):
     return {f: str(g) for f, g in zip(made, files)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_converted_q8_0_experts_resident(converted_q8, fam):
     """The converter's Q8_0 file on 3 CPU stages, resident against dequantized at load: prefill logits within
@@ -139,6 +141,7 @@ print("ok", err)
 """
 
 
+@pytest.mark.slow
 def test_fused_expert_products_interpreted():
     """Decode on the chosen experts' Q4_K blocks (strata.quant.gemv, under Triton's interpreter on CPU) against
     their dequantized matrices; and the decode graphs' body for a resident MoE slice == the eager decode step."""
@@ -205,6 +208,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_experts_kernel_interpreted():
     """strata.quant.gemv's experts kernels (the chosen experts of a stack, ids read on the device) under
     Triton's interpreter: Q4_K, Q6_K (an even and an odd block count a row) and MXFP4 against the dequantized
@@ -278,6 +282,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_router_kernel_interpreted():
     """strata.kernels.fused.route (a decode step's softmax router in one launch) under Triton's interpreter against the
     torch path's ops: the same experts, the same weights (Qwen3-MoE's renormalized top 8 of 128, Mixtral-like
@@ -310,6 +315,7 @@ def _make_gguf():
     return mod
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,qtype", [("smoke-moe", "Q4_K_M"), ("gpt-oss-20b", "MXFP4_MOE")])
 def test_make_gguf_experts_read_back(tmp_path, preset, qtype):
     """bench/make_gguf.py's qwen3moe and gpt-oss files (gpt-oss at small widths, 2 layers) read by Strata: the

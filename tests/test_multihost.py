@@ -128,6 +128,7 @@ def _reference_md5(tmp: Path, rig: dict, name: str) -> str:
 
 
 # -- the residual is the single-host run's ---------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("hosts,depth,generate", [("abc", 1, 0), ("abc", 0, 0), ("aab", 1, 0), ("bca", 1, 3)],
                          ids=["3-hosts-depth1", "3-hosts-depth0", "shm+tcp-depth1", "remote-first-decode"])
 def test_md5_equals_single_host(tmp_path, ns, hosts, depth, generate):
@@ -163,6 +164,7 @@ def _wait_prefill_reached(run, stage: int, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_remote_stage_sigkill_fails_the_run(tmp_path, ns):
     """SIGKILL of the middle stage (in namespace b) mid-prefill: the head sees its launcher process die."""
     run = _launch(ns, tmp_path, _rig(ns, debug={"delay_s": 0.4}))
@@ -180,6 +182,7 @@ def test_remote_stage_sigkill_fails_the_run(tmp_path, ns):
     _nothing_left(ns, run)
 
 
+@pytest.mark.slow
 def test_remote_stage_silent_fails_within_heartbeat_deadline(tmp_path, ns):
     """SIGSTOP of the last stage (namespace c): alive but silent; its heartbeats stop and the run fails
     within heartbeat_timeout_s, naming host and stage; teardown kills the stopped process."""
@@ -234,6 +237,7 @@ def _finish(run: Launched, timeout: float) -> int:
     return rc
 
 
+@pytest.mark.slow
 def test_remote_stages_exit_when_head_goes_silent(tmp_path, ns):
     """SIGSTOP of the head: the remote stages hear no heartbeat and exit within heartbeat_timeout_s."""
     run = _launch(ns, tmp_path, _rig(ns, debug={"delay_s": 0.4}))
@@ -285,6 +289,7 @@ print("done", time.time())
 '''
 
 
+@pytest.mark.slow
 def test_connections_without_the_key_are_refused_and_counted(tmp_path, ns):
     from strata.comm import messages as M
     rig = _rig(ns, debug={"delay_s": 0.7})
@@ -319,6 +324,7 @@ def test_connections_without_the_key_are_refused_and_counted(tmp_path, ns):
 
 
 # -- a stage started by hand ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_remote_command_print(tmp_path, ns):
     """`remote_command: print`: the head prints the exact command; run by hand (here: in namespace b) it joins."""
     rig = _rig(ns, "ab", remote_command="print")
@@ -343,6 +349,7 @@ def test_remote_command_print(tmp_path, ns):
 
 
 # -- without namespaces: a "remote" stage over loopback ------------------------------------------------
+@pytest.mark.slow
 def test_remote_stage_over_loopback(tmp_path):
     """Runs anywhere (no root): stage 1 is "remote" on this machine, over 127.0.0.1 with CurveZMQ,
     started by a remote_command without ssh; same md5 as the single-host run. A remote_command that
@@ -387,6 +394,7 @@ def test_stage_join_refuses_a_bad_key():
     assert r.returncode == 2 and "--key" in r.stderr
 
 
+@pytest.mark.slow
 def test_the_old_remote_entry_says_where_it_moved():
     """`-m workers.stage` (a rig's remote_command from before the move) exits with an error, not silently."""
     r = subprocess.run([PYTHON, "-m", "workers.stage", "--join", "tcp://127.0.0.1:9", "--key", "abc"],

@@ -40,6 +40,7 @@ def text_ids(vocab: int):
     return torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(7))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_composite_text_matches_transformers(tmp_path, case):
     """Logits, NLL and 16 greedy tokens of the composite's text model equal transformers' composite model's; the
@@ -57,6 +58,7 @@ def test_composite_text_matches_transformers(tmp_path, case):
     check_against(ref, d, text_ids(ref.config.text_config.vocab_size), args.n_layers)
 
 
+@pytest.mark.slow
 def test_causal_lm_with_mrope_keys_matches_transformers(tmp_path):
     """A Qwen3_5ForCausalLM config.json whose rope_parameters carry the released checkpoint's mrope keys as they are
     (sections [11, 11, 10], more than this model's 2 frequencies: transformers' rotary takes them) reads as plain
@@ -112,6 +114,7 @@ def test_composite_reads_its_text_tensors_only(tmp_path, monkeypatch):
     assert sorted(read) == sorted(text)  # each text tensor once, nothing else
 
 
+@pytest.mark.slow
 def test_gemma3_sparse_text_config(tmp_path):
     """Gemma 3's released configs list in text_config only what differs from Gemma3TextConfig's defaults (their
     heads, rope_theta, the window pattern left out) and give a linear factor as rope_scaling: such a config.json reads

@@ -16,6 +16,7 @@ from strata.text.tokenizer import Tokenizer  # noqa: E402
 from strata.weights.checkpoint import smollm2_path  # noqa: E402
 
 
+@pytest.mark.slow
 def test_perplexity_and_continuation_match_transformers(tmp_path):
     path = smollm2_path()
     ids = Tokenizer.from_gguf(path).encode(stdlib_source("typing"))[:400]

@@ -62,6 +62,7 @@ def smollm2_ids():
     return rng.integers(0, 49152, size=300).astype(np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_stages", [2, 3])
 def test_smollm2_stages_bit_exact_and_depth_arms_identical(tmp_path, smollm2_ids, n_stages):
     ids_file = tmp_path / "ids.npy"
@@ -85,6 +86,7 @@ def _events(report):
     return {(i, k): (a, b) for i, ev in enumerate(report["events"]) for k, a, b, _ in ev}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [0, 1])
 def test_ordering_from_event_records(tmp_path, depth):
     cfg = dict(model="synthetic:smoke", stages=cpu_stages(3), chunk=64, depth=depth,
@@ -250,6 +252,7 @@ def test_console_script_is_the_launcher():
     assert e.value.code == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_seqs", [1, 2])
 def test_score_rows_are_the_single_process_head_rows(tmp_path, monkeypatch, max_seqs):
     """Pipeline.score: each target's log-probability and the top tokens from the last stage's head rows in the

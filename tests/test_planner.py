@@ -522,6 +522,7 @@ def test_launcher_refuses_memory_cap_before_anything_starts(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # refused before any process or directory
 
 
+@pytest.mark.slow
 def test_report_shows_split_and_predicted(tmp_path):
     from strata.head.pipeline import Pipeline
     from strata.head.report import format_table

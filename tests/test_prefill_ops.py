@@ -101,6 +101,7 @@ print("checked", checked)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_interpreted():
     """The Triton kernels on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported: a fresh
@@ -406,6 +407,7 @@ def _window_chunks(nh, nkv, window, chunk, prompt, hd=16, dtype=torch.float32, d
         yield pos, q, kc, vc
 
 
+@pytest.mark.slow
 @flex
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("nh,nkv,window,chunk,prompt", WINDOW_CASES)

@@ -335,6 +335,7 @@ def test_tails_are_found_by_their_shared_ids_and_evicted_with_the_lru():
     assert idx.best_tail(keys[1], ids[512:699]) == (key2, 88) and len(idx) == 2
 
 
+@pytest.mark.slow
 def test_prefix_reuse_rows_restores_every_shared_row(tmp_path):
     """prefix_reuse rows (the default), SmolLM2 on 2 CPU stages: a document asked again after another restores every
     row but the last (its whole blocks, then its last, partial block); the same document with another question
@@ -378,6 +379,7 @@ def test_prefix_reuse_rows_restores_every_shared_row(tmp_path):
         assert loaded.reused_tokens == a.size - 1 and close(loaded.last_logits, cold.last_logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "gpt_oss"])
 def test_a_hybrid_model_restores_its_states_at_a_block_boundary(tmp_path, family):
     """A tiny Qwen3.5 (Gated DeltaNet layers beside full attention), Gemma 3 and gpt-oss (window layers, a ring of

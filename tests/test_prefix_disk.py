@@ -101,6 +101,7 @@ def _files(root: Path) -> dict[str, set[str]]:
     return {d.name: {f.name for f in d.iterdir() if f.is_file()} for d in root.glob("rig-*/layers-*")}
 
 
+@pytest.mark.slow
 def test_a_later_pipeline_restores_from_disk_with_the_cold_bits(tmp_path):
     """synthetic:smoke on 2 CPU stages, prefix_reuse chunks (restored rows give a cold prefill's bits), host room
     for 3 blocks and kv_cache_dir: A, B, A restores A's evicted blocks from their files; a new pipeline (new stage
@@ -160,6 +161,7 @@ def test_kv_cache_dir_bad_input_in_one_line(tmp_path):
         Pipeline(dict(base, kv_cache_dir=str(tmp_path / "file" / "kv")), out=tmp_path / "p", console=False)
 
 
+@pytest.mark.slow
 def test_a_restarted_engine_with_several_slots_restores_from_disk(tmp_path):
     """max_seqs 2 (the slot driver's restore and snapshot rounds): two prompts through one engine, then a new
     engine on the same kv_cache_dir gives each the same greedy ids with every row but the last restored."""
@@ -186,6 +188,7 @@ def test_a_restarted_engine_with_several_slots_restores_from_disk(tmp_path):
     assert st0.restored_tokens == 0 and st1.restores == 2 and st1.restored_tokens == 599 + 299
 
 
+@pytest.mark.slow
 def test_prefix_cache_rounds_do_not_hold_up_the_other_sequences(tmp_path):
     """max_seqs 2: a prompt restored from the prefix cache (and snapshotted after) while another sequence decodes:
     the driver sends micro-batches while those KV rounds are out (it used to wait for every stage's answer), and
@@ -265,6 +268,7 @@ def test_a_restore_from_files_is_read_by_a_thread_and_answered_in_order(tmp_path
     kv.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
 def test_a_hybrid_models_states_outlive_the_server_on_disk(tmp_path, family):
     """A tiny Qwen3.5 (linear-attention layers) or Gemma 3 (window layers) with kv_cache_dir: the states its prefill

@@ -205,6 +205,7 @@ def _make_gguf():
     return mod
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,qtype,layers", [("smoke", "Q4_1", None), ("smoke", "IQ3_S", 2),
                                                   ("smoke-wide", "Q4_K", 1), ("smoke-wide", "Q4_K_M", 1)])
 def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
@@ -256,6 +257,7 @@ def test_make_gguf_file_loads(tmp_path, preset, qtype, layers):
         assert Q.dequantize(raw, down).equal(w["layers.0.w_down"])
 
 
+@pytest.mark.slow
 def test_make_gguf_with_a_vocabulary_takes_text(tmp_path):
     """--vocab: the random file takes SmolLM2's tokenizer, padded to the preset's vocabulary with <extra_N> tokens
     (here smoke-wide's 2,048 < 49,152 is refused in one line, as a file that is no GGUF or is missing, and --out is

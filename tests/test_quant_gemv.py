@@ -526,23 +526,27 @@ def interpreted_results() -> dict:
     return module_results("test_quant_gemv")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
 def test_interpreted(interpreted_results, name):
     assert interpreted_results[name] == "ok", interpreted_results[name]
 
 
+@pytest.mark.slow
 def test_mxfp4_dp4a_experts_interpreted():
     """check_mxfp4_dp4a_experts in a process of its own (run alone: pytest -k mxfp4)."""
     p = interpreted("import test_quant_gemv as t; t.check_mxfp4_dp4a_experts(); print('ok')")
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_graph_body_int8_x_interpreted():
     """check_graph_body_int8_x in a process of its own (the shared fixture's has no time left for it)."""
     p = interpreted("import test_quant_gemv as t; t.check_graph_body_int8_x(); print('ok')", timeout=400)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_supports():
     from strata.quant import gemv
     assert gemv.supports("IQ3_S") and gemv.supports("iq3_s") and gemv.supports("Q8_0") and gemv.supports("Q4_K")
@@ -552,6 +556,7 @@ def test_supports():
     assert not gemv.available("cpu") or gemv.INTERPRET
 
 
+@pytest.mark.slow
 def test_iq3s_sign_trick_on_the_grid():
     """The dp4a kernel's sign step on every (grid entry, sign nibble): (g ^ mask) + lsb on the packed word
     gives the signed table's word (each byte negated as int8 where its bit is set), which holds because
@@ -571,6 +576,7 @@ def test_iq3s_sign_trick_on_the_grid():
     assert torch.equal((e | (e << 4)) & 0x0F0F0F0F, g)
 
 
+@pytest.mark.slow
 def test_bad_blocks_refused():
     from strata.quant import gemv
     with pytest.raises(ValueError):
@@ -583,6 +589,7 @@ def test_bad_blocks_refused():
         gemv.quant_matmul(torch.zeros(1, 256), torch.zeros(4, 209, dtype=torch.uint8), "Q6_K", 256)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows,xr", [(5760, 1), (2880, 4)])  # gpt-oss-20b's gate/up (x one row) and down
@@ -623,6 +630,7 @@ def test_gpu_mxfp4_dp4a_experts(rows, xr):
 
 
 # -- CUDA -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(5120, 2880), (2880, 4096), (50000, 2880), (4096, 14336), (8192, 28672)])
@@ -647,6 +655,7 @@ def test_gpu_q8_0_dp4a_shapes(shape, m):
     _check_graph_replay(gemv, [(blocks, "Q8_0")], cols, g, kernels(q8_0="dp4a"))
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672)])
@@ -672,6 +681,7 @@ def test_gpu_70b_shapes(shape, qtype, m):
     assert rel(y32, want) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(1024, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (8192, 28672),
@@ -701,6 +711,7 @@ def test_gpu_word_kernels_shapes(shape, qtype, mode, m):
     assert rel(gemv.quant_matmul(x, blocks, qtype, cols, kernels=k), want) < (DP4A_TOL if mode == "dp4a" else 0) + 8e-3
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(5376, 21504), (5120, 25600)])
@@ -726,6 +737,7 @@ def test_gpu_split_k_down_shapes(shape, qtype):
     _check_graph_replay(gemv, [(blocks, qtype)], cols, g, k)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["words", "dp4a"])
@@ -753,6 +765,7 @@ def _check_graph_replay(gemv, parts, cols, g, k, after_first=lambda: None):
     assert torch.equal(y, gemv.quant_matmul_parts(x, parts, cols, kernels=k))
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(8192, 8192), (28672, 8192), (8192, 28672), (128256, 8192)])
@@ -782,6 +795,7 @@ def test_gpu_iq3s_dp4a_70b_shapes(shape, mode, m):
     assert rel(gemv.quant_matmul(x, blocks, "IQ3_S", cols, kernels=k), want) < DP4A_TOL + 8e-3
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -816,6 +830,7 @@ def test_gpu_block_decode_fused_vs_unfused(dtype, mode, monkeypatch):
         assert rel(a, b) < tol, rel(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ("float",) + IQ3S_DP4A)

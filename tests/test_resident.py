@@ -77,6 +77,7 @@ def test_auto_mode():
         weights_mode("smollm2", "cpu", "packed")
 
 
+@pytest.mark.slow
 def test_resident_equals_dequantized_on_cpu(args, typing_ids):
     ids = torch.tensor([typing_ids[:N_TOKENS]])
     res, md5_r, ppl_r, gen_r = run(args, "resident", ids)
@@ -135,6 +136,7 @@ def test_scratch_holds_the_largest_group_not_the_layer(args, monkeypatch):
     assert torch.equal(w.wqkv, qkv)  # read again: dequantized again
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,kv,bounds", [("resident", "auto", [(0, 30)]), ("dequantized", "float8_e4m3fn", [(0, 30)]),
                                             ("resident", "bfloat16", [(0, 10), (20, 30)]),
                                             ("dequantized", "float16", [(10, 20), (20, 30)])])
@@ -151,6 +153,7 @@ def test_stage_bytes_agree_with_loaded(args, mode, kv, bounds):
         assert w == sum(f.needed() if f.quantized else math.prod(f.shape) * 4 for f in facts.values())
 
 
+@pytest.mark.slow
 def test_fp8_kv_cache_perplexity(args, typing_ids):
     ids = torch.tensor([typing_ids[:1000]])
     (s,) = stages(args, "dequantized", ids.shape[1], bounds=[(0, 30)])
@@ -203,6 +206,7 @@ def test_synthetic_quantized_deterministic_and_modes_agree():
     assert weights_mode("synthetic:smoke@Q4_K", "cuda") == "resident"
 
 
+@pytest.mark.slow
 def test_synthetic_q4_k_m_mix_resident_equals_dequantized():
     """The Q4_K_M mix (Q6_K for attn_v, ffn_down and the head, strata.quant.MIXES) held resident gives the
     dequantized model's residuals bit for bit, and the bytes the planner counts are the ones loaded."""

@@ -42,6 +42,7 @@ def greedy(ms, h, pos: int, n: int, steps=None) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_resident_equals_dequantized_on_cpu(q35_gguf):
     """Prefill in odd chunks: the resident slices' residual is the dequantized slices' bit for bit, and so are the
     greedy tokens after it (decode dequantizes into the scratch on CPU); the linear layers hold their five matrices
@@ -179,6 +180,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_graph_body_on_blocks_interpreted_matches_eager(q35_gguf):
     """The decode graphs' step body on a resident slice (a linear layer's five products and the gated attention's
     on the blocks, strata.quant.gemv; x's int8 rounding from the norm's launch), run on CPU under Triton's

@@ -77,6 +77,7 @@ def slotted(tmp_path_factory):
     assert eng.pipe is None
 
 
+@pytest.mark.slow
 def test_concurrent_greedy_equals_alone_and_steps_overlap(slotted):
     """4 requests at once (one streamed, one with a 4-chunk prompt) give each the ids it gets alone, while the
     driver had two or more sequences in the pipeline at once, sent decode steps between a prefill's chunks, and
@@ -137,6 +138,7 @@ def test_n_choices_run_side_by_side_and_each_is_its_request_alone(slotted):
     assert st.sequences - before == 3 and st.most_in_flight >= 2, st
 
 
+@pytest.mark.slow
 def test_a_client_that_disconnects_frees_its_slot(slotted):
     """A stream closed after a few tokens ends its sequence (long before its max_tokens; its slot is free again),
     and only its own: a request decoding meanwhile goes on to its ids alone; a next request is served."""
@@ -261,6 +263,7 @@ def _decoding_meanwhile(client, prompt: str = "Once upon a time"):
         t.join(60)
 
 
+@pytest.mark.slow
 def test_alternating_documents_come_from_the_prefix_cache_among_other_requests(slotted_long):
     """Two documents asked about in turn (A, B, A, B) through the openai client while another request decodes: the
     repeats restore their documents' blocks into their slots (cached_tokens, the driver's record) and answer as
@@ -297,6 +300,7 @@ def test_alternating_documents_come_from_the_prefix_cache_among_other_requests(s
         assert top[token] == tl == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the likeliest
 
 
+@pytest.mark.slow
 def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
     """echo + logprobs=2 + max_tokens=0 of a 4-chunk text while another request decodes: the same log-probabilities
     and alternatives as Pipeline.score with max_seqs 1 (within 1e-4), their perplexity the CLI's (within 1e-3)."""
@@ -337,6 +341,7 @@ def test_scoring_among_other_requests_equals_max_seqs_1(slotted_long, tmp_path):
     assert abs(got_ppl / want_ppl - 1) < 1e-3, (got_ppl, want_ppl)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoding", [1, 3])
 def test_a_long_prompt_holds_a_decoding_request_up_by_at_most_the_window(slotted_long, decoding):
     """A 12-chunk prompt sent while 1 or 3 other requests decode: its chunks take turns with their steps, so between
@@ -360,6 +365,7 @@ def test_a_long_prompt_holds_a_decoding_request_up_by_at_most_the_window(slotted
     assert m[("strata_prefill_chunks_between_steps_max", "")] == st.most_chunks_between_steps
 
 
+@pytest.mark.slow
 def test_a_kv_file_loads_among_other_requests_into_the_prefix_cache(slotted_long, tmp_path):
     """max_seqs > 1: the engine's kv_load reads a KV file (a max_seqs 1 pipeline's) into a free slot while another
     request decodes (the driver admits it beside that request, which decodes on), then its blocks into the prefix
@@ -400,6 +406,7 @@ def test_a_kv_file_loads_among_other_requests_into_the_prefix_cache(slotted_long
         eng.kv_load(tmp_path / "junk.kv")
 
 
+@pytest.mark.slow
 def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
     """KvRounds.restore, the driver's KV round, while another slot's prefill chunks are queued on the stages,
     and again while their results wait unread at the head: every result comes back through take_results, and both
@@ -437,6 +444,7 @@ def test_a_restore_among_chunks_in_flight_keeps_their_results(tmp_path):
         assert p.prefix_cache_stats().hits == 2
 
 
+@pytest.mark.slow
 def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
     """SIGKILL of stage 1 while 3 requests decode: each gets a 503 (the streamed one an SSE error), the stages are
     started again once, the next request succeeds; at the end no process or segment of any run is left."""
@@ -486,6 +494,7 @@ def test_stage_killed_under_three_requests_fails_each_then_serves(tmp_path):
     assert not any(os.path.exists(d) for _, d in runs)      # the ipc sockets' directories
 
 
+@pytest.mark.slow
 def test_cli_generate_with_max_seqs_2_equals_max_seqs_1(tmp_path):
     """Pipeline.generate (the CLI's one sequence, slot 0) on stages that hold 2 slots gives max_seqs 1's tokens."""
     _smollm2()
@@ -525,6 +534,7 @@ def test_max_seqs_counts_in_the_plan_and_refusals(tmp_path):
     assert [n["kv_cache"] for n in two] == [2 * n["kv_cache"] for n in one]
 
 
+@pytest.mark.slow
 def test_a_hybrid_model_serves_several_sequences_each_as_alone(tmp_path):
     """A tiny Qwen3.5 (Gated DeltaNet layers beside full attention) with max_seqs 3 on two CPU stages: three
     prompts of several chunks sent at once give each the greedy ids it gets from a max_seqs 1 engine, while the
@@ -560,6 +570,7 @@ def test_a_hybrid_model_serves_several_sequences_each_as_alone(tmp_path):
     assert st.sequences == 3 and st.most_in_flight >= 2 and st.overlapped_sends > 0, st
 
 
+@pytest.mark.slow
 def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
     """batch_ahead 3 on one CPU stage: 4 greedy sequences at once, token limits that are not a multiple of 4 (the
     last batch's steps clamped to what each row may still take), give each the ids it gets alone with batch_ahead 0;
@@ -673,6 +684,7 @@ def test_prefill_group_notes_validated():
             M.encode(M.Chunk(**bad))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", [0, 640])
 def test_prompts_sent_together_prefill_as_one_group_each_as_alone(tmp_path, pool):
     """prefill_groups true (auto leaves CPU stages without), prefix_reuse rows: the short prompts of four requests sent

@@ -1219,6 +1219,7 @@ def _scored_by_openai(s, cli_perplexity):
     return client
 
 
+@pytest.mark.slow
 def test_smollm2_scoring_and_chat_logprobs_in_process(smollm2_server, cli_perplexity):
     s, eng = smollm2_server
     client = _scored_by_openai(s, cli_perplexity)
@@ -1252,6 +1253,7 @@ def pipeline_server(tmp_path_factory):
     assert eng.pipe is None  # the worker closed the engine: no stage is left
 
 
+@pytest.mark.slow
 def test_pipeline_engine_greedy_equals_the_cli_continuation(pipeline_server, tmp_path):
     from strata.head.pipeline import Pipeline
     s, eng = pipeline_server
@@ -1283,6 +1285,7 @@ def test_pipeline_engine_scoring_gives_the_cli_perplexity(pipeline_server, cli_p
     _scored_by_openai(s, cli_perplexity)
 
 
+@pytest.mark.slow
 def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_server):
     import os
     s, eng = pipeline_server
@@ -1310,6 +1313,7 @@ def test_pipeline_engine_stage_killed_mid_request_is_503_then_restarts(pipeline_
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
 
 
+@pytest.mark.slow
 def test_openai_client_alternating_documents_are_served_from_the_prefix_cache(tmp_path):
     """Two documents asked about in turn (A, B, A, B) through the real openai client on two CPU stages: the third
     and fourth requests come from the stages' snapshots (cached_tokens covers the document), with the first two's
@@ -1399,6 +1403,7 @@ def _served_launcher(tmp_path, *extra: str, rig_over: dict | None = None):
             proc.wait()
 
 
+@pytest.mark.slow
 def test_cli_serve_answers_and_sigterm_leaves_nothing(tmp_path):
     """`launcher.py --serve`: answers, then SIGTERM ends the server, its fork server and stages, with no segment
     left."""
@@ -1416,6 +1421,7 @@ def test_cli_serve_answers_and_sigterm_leaves_nothing(tmp_path):
         assert segments(owner_pid=proc.pid) == []
 
 
+@pytest.mark.slow
 def test_cli_serve_sigterm_exits_after_every_child(tmp_path):
     """When a supervisor sees `launcher.py --serve` exit after SIGTERM, nothing it started is alive: not the
     stages, nor multiprocessing's fork server and resource tracker. A head that died of the signal uvicorn
@@ -1431,6 +1437,7 @@ def test_cli_serve_sigterm_exits_after_every_child(tmp_path):
     assert rc == 128 + signal.SIGTERM
 
 
+@pytest.mark.slow
 def test_cli_serve_loads_a_kv_file_before_the_first_request(tmp_path):
     """`launcher.py --serve --kv-load PATH` with max_seqs 2 (through the slot driver into the prefix cache): the
     first request, a prompt that begins with the file's ids, is served from it (the server's cached tokens), with
@@ -1463,6 +1470,7 @@ def _health_ok(url: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path):
     """A synthetic model (no vocabulary, as a random-block GGUF): token-id prompts are answered with `token_ids`
     (and text ""), streamed or not, the ids the engine generates for them; a text prompt, stop strings, echo and

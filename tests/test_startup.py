@@ -33,6 +33,7 @@ def _same_as_gguf_py(path: Path) -> None:
         assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), a.name
 
 
+@pytest.mark.slow
 def test_index_matches_gguf_py_on_smollm2():
     """Every metadata value (the tokenizer's ~100k strings included) and every tensor's type, shape, offset
     and bytes, as gguf-py reads them."""
@@ -98,6 +99,7 @@ def test_breakdown_parts_sum_to_total():
     assert s["other_s"] == pytest.approx(0.2) and s["total_s"] == pytest.approx(3.0)
 
 
+@pytest.mark.slow
 def test_report_has_startup(tmp_path):
     """The launcher's report.json: startup_s and its parts, measured; the console prints one line of it.
     CPU stages are forked from the fork server."""
