@@ -146,17 +146,18 @@ def test_deepseek_through_stage_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepseek_prefix_cache_kv_file_and_a_batch(tmp_path):
-    """The latent cache through the KV machinery, 2 CPU stages: a document asked again after another prompt restores
-    its latent rows from the prefix cache and answers as cold; a KV file saved by one pipeline serves a new one; at
-    max_seqs 2 two prompts decoding side by side (one batch of rows over two slots' latents) each give their own
-    greedy tokens, as alone."""
+@pytest.mark.parametrize("fam", ["deepseek_v3", "deepseek_v32"])
+def test_deepseek_prefix_cache_kv_file_and_a_batch(tmp_path, fam):
+    """The latent cache through the KV machinery, 2 CPU stages (V3.2: the indexer's keys beside the latent, a top-k
+    of 24 the prompts pass): a document asked again after another prompt restores its rows from the prefix cache and
+    answers as cold; a KV file saved by one pipeline serves a new one; at max_seqs 2 two prompts decoding side by
+    side each give their own greedy tokens, as alone."""
     import threading
     from families_fixtures import make_hf
     from strata.head.pipeline import Pipeline
     from strata.serve.engine import PipelineEngine
     from strata.text.sampling import SamplingParams
-    _, d = make_hf(tmp_path, "deepseek_v3")
+    _, d = make_hf(tmp_path, fam)
     rng = np.random.default_rng(4)
     doc, other = rng.integers(0, 200, 300), rng.integers(0, 200, 250)
     a, a2 = (np.concatenate([doc, rng.integers(0, 200, n)]) for n in (40, 20))
