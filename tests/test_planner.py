@@ -798,7 +798,7 @@ def test_layer_param_count_is_the_built_layers(name):
             sh = shapes(args)
             Transformer._load_latent(SimpleNamespace(args=args), b.attn, "",
                                      lambda n: torch.empty(sh[n], device="meta"),
-                                     lambda t: torch.nn.Parameter(t, requires_grad=False), lambda t: t)
+                                     lambda t: torch.nn.Parameter(t, requires_grad=False), lambda t: t, lambda t: t)
         counts.append(sum(p.numel() for p in b.parameters()))
         assert args.layer_param_count(i) == counts[-1], (name, i)
     assert args.layer_param_count() == max(counts)
