@@ -696,6 +696,7 @@ def test_full_queue_answers_429(server, engine):
             r = c.post("/v1/completions", json={"prompt": "fourth"})
             m = parse_prometheus(c.get("/metrics").text)
         assert r.status_code == 429 and "queue is full" in r.json()["error"]["message"]
+        assert 1 <= int(r.headers["retry-after"]) <= 60  # (the mean request's seconds, at least 1)
         assert m[("strata_queue_length", "")] == 2 and m[("strata_running", "")] == 1
         assert m[("strata_running_sequences", "")] == 1
         engine.gate.set()

@@ -294,7 +294,8 @@ class PipelineEngine(_ModelText):
         self._init_text(self.cfg.model, name)
         self._config_error = ConfigError
         self.pipe = None
-        self.max_seqs = self.cfg.max_seqs  # > 1: generate from several threads at once (strata/head/slots.py)
+        self.max_seqs = 1                  # > 1: generate from several threads at once (strata/head/slots.py); the
+                                           # plan's (max_seqs auto: as many as memory holds), set by the first start
         self._slots = None                 # the request loop over self.pipe (strata.head.slots.SlotDriver)
         self._life = threading.Lock()      # restart / close against each other (several callers)
         self.starts = 0
@@ -436,13 +437,15 @@ class PipelineEngine(_ModelText):
         out = self.out if self.starts == 0 else self.out / f"restart-{self.starts}"
         self.starts += 1
         cfg = replace(self.cfg, progress=False, generate=0)
-        pipe = Pipeline(cfg, out=out, console=False)
+        pipe = Pipeline(cfg, out=out, console=False, serving=True)
         try:
             pipe.start()
         except BaseException:
             pipe.close()
             raise
         from strata.head.slots import SlotDriver
+        # a restart keeps the first start's sequences (the server's threads were made for them)
+        self.cfg, self.max_seqs = replace(self.cfg, max_seqs=pipe.cfg.max_seqs), pipe.cfg.max_seqs
         self.pipe = pipe
         self._slots = SlotDriver(pipe, self.max_seqs)
 

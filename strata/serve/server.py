@@ -10,6 +10,7 @@ import difflib
 import hmac
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from strata.config import DEFAULT_QUEUE
 from strata.serve.engine import Engine, EngineError, GenerationStats, LocalEngine, PipelineEngine
 from strata.kvcache.prefix_cache import PrefixCacheStats
 from strata.text.sampling import MAX_SEED, Detokenizer, SamplingParams, StopMatcher
@@ -34,7 +36,7 @@ log = logging.getLogger("strata.serve.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-DEFAULT_QUEUE = 8
+RETRY_AFTER_MAX_S = 60  # a 429's Retry-After: the waiting requests' expected time (the mean request's), at most this
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
@@ -53,8 +55,10 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status,
                           **self.extra}}
 
+    headers: dict | None = None  # sent with the answer (a 429's Retry-After)
+
     def response(self, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or self.headers)
 
 
 def _bad(message: str, param: str | None = None) -> RequestError:
@@ -321,6 +325,12 @@ class Worker:
         self._threads = [threading.Thread(target=self._run, name="strata-engine" + (f"-{i}" if i else ""), daemon=True)
                          for i in range(self.concurrency)]
         self._closed = False
+        self._job_s = 1.0  # a request's seconds on the engine, a running mean (a 429's Retry-After)
+
+    def retry_after(self) -> int:
+        """Seconds until a waiting place is likely free: one of the running jobs ends, each the mean job's time (held
+        to 1..RETRY_AFTER_MAX_S)."""
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(self._job_s / self.concurrency)))
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -359,8 +369,10 @@ class Worker:
             self._pending = collections.deque(j for j in self._pending if not j.cancelled.is_set())
             # when idle, the first waiting job is about to run: it does not hold a waiting place
             if len(self._pending) >= self.queue_size + self.concurrency - len(self._running):
-                raise RequestError(429, f"the queue is full ({self.queue_size} requests waiting); retry later",
+                err = RequestError(429, f"the queue is full ({self.queue_size} requests waiting); retry later",
                                    type="rate_limit_exceeded")
+                err.headers = {"Retry-After": str(self.retry_after())}
+                raise err
             self._pending.append(job)
             self._cond.notify()
 
@@ -394,6 +406,7 @@ class Worker:
                     return
                 job = self._pending.popleft()
                 self._running.append(job)
+            t0 = time.perf_counter()
             try:
                 if not job.cancelled.is_set():
                     self._serve(job)
@@ -403,6 +416,7 @@ class Worker:
             finally:
                 with self._cond:
                     self._running = [j for j in self._running if j is not job]
+                    self._job_s = 0.8 * self._job_s + 0.2 * (time.perf_counter() - t0)
 
     def _serve(self, job: Job) -> None:
         if self.broken is not None:
@@ -1114,14 +1128,17 @@ def serve(engine: Engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, ap
 
 
 def run_server(cfg, engine_factory: Callable[[Any], Engine] | None = None, host: str = DEFAULT_HOST,
-               port: int = DEFAULT_PORT, api_key: str | None = None, queue_size: int = DEFAULT_QUEUE,
+               port: int = DEFAULT_PORT, api_key: str | None = None, queue_size: int | None = None,
                log_level: str = "info") -> int:
     """`launcher.py --serve`: load the engine once from the rig config (engine_factory(cfg); default: the
-    whole model in this process, strata.serve.engine.local_engine), serve it, return the exit status."""
+    whole model in this process, strata.serve.engine.local_engine), serve it, return the exit status. queue_size:
+    the waiting requests (default: the rig's server_queue)."""
     if engine_factory is None:
         from strata.serve.engine import local_engine as engine_factory
     engine = engine_factory(cfg)
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
+    if queue_size is None:
+        queue_size = getattr(cfg, "server_queue", DEFAULT_QUEUE)
     serve(engine, host=host, port=port, api_key=api_key, queue_size=queue_size, log_level=log_level,
           max_body=getattr(cfg, "server_max_body_bytes", None))
     return 0
