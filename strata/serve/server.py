@@ -30,6 +30,7 @@ from starlette.routing import Route
 from strata.config import DEFAULT_QUEUE
 from strata.serve.engine import Engine, EngineError, GenerationStats, LocalEngine, PipelineEngine
 from strata.kvcache.prefix_cache import PrefixCacheStats
+from strata.text import tool_calls
 from strata.text.sampling import MAX_SEED, Detokenizer, SamplingParams, StopMatcher
 
 log = logging.getLogger("strata.serve.server")
@@ -290,6 +291,7 @@ class Job:
     # it: lm-eval sends the text with echo and max_tokens 1 and drops the last entry, the generated token's.
     eos_logprob: bool = False
     ids_out: bool = False  # the answer as token ids (`token_ids`), its text "": a model without a tokenizer
+    tools: bool = False    # chat with tools: the model's <tool_call> blocks go out as tool_calls (strata/text/tool_calls.py)
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -630,14 +632,16 @@ async def _json_body(request: Request, max_body: int) -> dict:
 
 
 # Every field a request may carry. A field outside these is refused, not ignored: it might change the answer.
-_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "n",
-           "logit_bias", "presence_penalty", "frequency_penalty", "response_format", "logprobs"}
+_SAMPLER = ("temperature", "top_p", "top_k", "seed", "min_p", "logit_bias", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "ignore_eos", "min_tokens")  # SamplingParams' own fields, as they are named there
+_COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "n", "response_format", "logprobs", *_SAMPLER}
 _FIELDS = {"completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
            "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                               "functions", "function_call", "modalities", "audio", "reasoning_effort",
-                              "web_search_options", "verbosity", "prediction"}}
+                              "chat_template_kwargs", "web_search_options", "verbosity", "prediction"}}
 _BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                "parallel_tool_calls"}  # accepted and ignored: none of them changes the tokens
+                "parallel_tool_calls"}  # accepted and ignored: none of them changes the tokens (every <tool_call> the
+                                        # model writes is parsed; a template that reads the flag gets it: _template_vars)
 
 
 def _check_fields(body: dict, endpoint: str) -> None:
@@ -653,21 +657,51 @@ def _check_fields(body: dict, endpoint: str) -> None:
             raise _bad(f"unknown field {key!r}{hint}: refused rather than ignored, since it could change the "
                        "answer", param=key)
     checks = [("best_of", lambda v: v == 1), ("suffix", lambda v: v == ""),
-              ("logit_bias", lambda v: not v), ("tools", lambda v: not v), ("functions", lambda v: not v),
-              ("function_call", lambda v: v == "none"), ("tool_choice", lambda v: v in ("none", "auto")),
+              ("functions", lambda v: not v), ("function_call", lambda v: v == "none"),
+              ("tool_choice", lambda v: v in ("none", "auto")),
               ("modalities", lambda v: v == ["text"]), ("audio", lambda v: False), ("prediction", lambda v: False),
-              ("reasoning_effort", lambda v: False), ("web_search_options", lambda v: False),
-              ("verbosity", lambda v: False),
-              ("presence_penalty", lambda v: v == 0), ("frequency_penalty", lambda v: v == 0)]
+              ("web_search_options", lambda v: False), ("verbosity", lambda v: False)]
     for key, ok in checks:
         if body.get(key) is not None and not ok(body[key]):
-            raise _bad(f"{key}={body[key]!r} is not supported by this server", param=key)
+            why = (" (only none or auto: a tool call the model must make is not enforced here yet; use response_format "
+                   "json_schema for a forced shape)" if key == "tool_choice" else "")
+            raise _bad(f"{key}={body[key]!r} is not supported by this server{why}", param=key)
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind not in ("text", "json_object", "json_schema"):
             raise _bad(f"response_format type must be text, json_object or json_schema, got {fmt!r}",
                        param="response_format")
+
+
+REASONING_EFFORT = ("minimal", "low", "medium", "high")
+
+
+def _template_vars(body: dict) -> dict:
+    """A chat request's variables for the model's chat template, as HF's apply_chat_template and vLLM pass them:
+    tools (unless tool_choice is none: then the model is shown none), reasoning_effort (gpt-oss), and
+    chat_template_kwargs as they are (e.g. Qwen3's enable_thinking)."""
+    out: dict = {}
+    extra = body.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise _bad("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        out.update(extra)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORT:
+            raise _bad(f"reasoning_effort must be one of {', '.join(REASONING_EFFORT)}, got {effort!r}",
+                       param="reasoning_effort")
+        out["reasoning_effort"] = effort
+    tools = body.get("tools")
+    if tools and body.get("tool_choice") != "none":
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) for t in tools):
+            raise _bad("tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                       "\"parameters\": {...}}}", param="tools")
+        out["tools"] = tools
+    return out
 
 
 def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | None) -> tuple[SamplingParams, int | None]:
@@ -677,7 +711,7 @@ def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | N
         if body.get(key) is not None:
             requested = body[key]
             break
-    kw = {k: body[k] for k in ("temperature", "top_p", "top_k", "seed") if body.get(k) is not None}
+    kw = {k: body[k] for k in _SAMPLER if body.get(k) is not None}
     if body.get("stop") is not None:
         kw["stop"] = body["stop"]
     try:
@@ -889,14 +923,20 @@ class Server:
             top = 0 if body.get("top_logprobs") is None else _top(body["top_logprobs"], "top_logprobs")
         elif body.get("top_logprobs") is not None:
             raise _bad("top_logprobs needs logprobs: true", param="top_logprobs")
+        variables = _template_vars(body)
         try:
-            prompt = await run_in_threadpool(self.engine.chat_prompt, body["messages"])
+            prompt = await run_in_threadpool(self.engine.chat_prompt, body["messages"], **variables)
+            if "tools" in variables and prompt == await run_in_threadpool(
+                    self.engine.chat_prompt, body["messages"], **{k: v for k, v in variables.items() if k != "tools"}):
+                raise _bad(f"tools: the chat template of {self.engine.model_name!r} does not show tools to the model",
+                           param="tools")
         except ValueError as e:  # strata.text.chat.ChatError, or a model without a template
             raise _bad(str(e), param="messages") from None
-        return await self._generate(request, body, [prompt], params, max_tokens, chat=True, echo=False, top=top)
+        return await self._generate(request, body, [prompt], params, max_tokens, chat=True, echo=False, top=top,
+                                    tools="tools" in variables)
 
     async def _generate(self, request: Request, body: dict, prompts: list[str | list[int]], params: SamplingParams,
-                        max_tokens: int | None, chat: bool, echo: bool, top: int | None) -> Response:
+                        max_tokens: int | None, chat: bool, echo: bool, top: int | None, tools: bool = False) -> Response:
         stream, include_usage = _stream_flags(body)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -941,7 +981,12 @@ class Server:
                 seed = params.seed if params.seed is None or n == 1 else (params.seed + j) % (MAX_SEED + 1)
                 seqs.append(Seq(index=p * n + j, prompt=p, ids=list(ids), params=dataclasses.replace(
                     params, seed=seed, max_tokens=room if max_tokens is None else min(max_tokens, room))))
-        job = Job(seqs, asyncio.get_running_loop(), echo=echo, top=top, eos_logprob=not chat, ids_out=ids_out)
+        vocab = self.vocab_size
+        bad = next((t for t, _ in params.logit_bias if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise _bad(f"logit_bias holds token id {bad}, outside the vocabulary [0, {vocab})", param="logit_bias")
+        job = Job(seqs, asyncio.get_running_loop(), echo=echo, top=top, eos_logprob=not chat, ids_out=ids_out,
+                  tools=tools)
         self.worker.submit(job)  # 429 / 503 from here
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, name = int(time.time()), self.engine.model_name
@@ -981,7 +1026,13 @@ class Server:
             stats, finish, lp = done[seq.index]
             text = "".join(texts[seq.index])
             if chat:
-                choice = {"index": seq.index, "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text}
+                if job.tools:
+                    content, calls = tool_calls.parse(text)
+                    if calls:
+                        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                        finish = "tool_calls" if finish == "stop" else finish
+                choice = {"index": seq.index, "message": message,
                           "logprobs": _chat_logprobs(lp["completion"]) if lp else None}
             else:
                 choice = {"index": seq.index, "text": text,
@@ -1005,6 +1056,17 @@ class Server:
             return out
 
         done: dict[int, GenerationStats] = {}
+        # chat with tools: each choice's text through its parser, tool calls as OpenAI's deltas (one a call, whole)
+        parsers = {s.index: tool_calls.ToolCallParser() for s in job.seqs} if chat and job.tools else {}
+        sent_calls: collections.Counter = collections.Counter()  # each choice's tool calls streamed so far
+
+        def deltas(index: int, events) -> Iterator[str]:
+            for kind, v in events:
+                if kind == "content" and v:
+                    yield _sse(chunk(index, {"content": v}))
+                elif kind == "tool_call":
+                    yield _sse(chunk(index, {"tool_calls": [{"index": sent_calls[index], **v}]}))
+                    sent_calls[index] += 1
         while True:
             ev = await job.events.get()
             if ev[0] == "start":
@@ -1012,6 +1074,9 @@ class Server:
                     yield _sse(chunk(ev[1], {"role": "assistant", "content": ""}))
                 elif ev[2]:  # echo: the prompt's text first
                     yield _sse(chunk(ev[1], ev[2]))
+            elif ev[0] == "text" and ev[1] in parsers:
+                for line in deltas(ev[1], parsers[ev[1]].feed(ev[2])):
+                    yield line
             elif ev[0] == "text":
                 yield _sse(chunk(ev[1], {"content": ev[2]} if chat else ev[2]))
             elif ev[0] == "ids":  # a model without a tokenizer: the answer's ids in one chunk
@@ -1020,7 +1085,12 @@ class Server:
                 yield _sse(c)
             elif ev[0] == "done":
                 done[ev[1]] = ev[2]
-                yield _sse(chunk(ev[1], {} if chat else "", ev[3]))
+                finish = ev[3]
+                if ev[1] in parsers:
+                    for line in deltas(ev[1], parsers[ev[1]].flush()):
+                        yield line
+                    finish = "tool_calls" if finish == "stop" and parsers[ev[1]].calls else finish
+                yield _sse(chunk(ev[1], {} if chat else "", finish))
             elif ev[0] == "error":
                 yield _sse(ev[1].body(), event="error")
                 return
