@@ -25,6 +25,14 @@ DECODE_BATCH = ("rows", "steps")
 # decode from 1,804.5 to 1,894.3 tok/s and 7 gave 1,893.9 with the spin (3 with it: 1,921.9); BENCHMARKS.md 2026-12-06
 AUTO_BATCH_AHEAD = 3
 MAX_BATCH_AHEAD = 64  # batch_ahead's most steps past a note (a decode batch's result carries each step's argmaxes)
+# max_seqs auto's most sequences when serving (a run of one prompt takes 1): on GPU stages a decode step is bound by
+# reading the weights, so 16 rows cost little more than one (an H100, 8B Q4_K_M: 214.7 tok/s at 1 stream, 1,234 at 16,
+# issue 58) and the batch graphs are captured for every batch size up to it; a CPU stage's step is its own compute,
+# past a few rows each more costs nearly its full share, so 4. The planner takes fewer where memory holds fewer
+# (plan.auto_max_seqs). A rig with any CPU stage takes the CPU cap.
+AUTO_SEQS_CUDA = 16
+AUTO_SEQS_CPU = 4
+DEFAULT_QUEUE = 64  # server_queue's default: requests waiting for a slot before a 429 (aiperf at 16 users filled 8)
 PREFIX_REUSE = ("rows", "chunks")  # a restored prefix: every held row, or up to a chunk boundary of the cold schedule  # max_seqs > 1: several sequences' steps multiplied as one batch, or one by one
 DECODE_WEIGHTS = ("auto", "none", "float16", "int8", "int4", "blocks")  # CPU stages: weight-only copies for one-token steps
 # the default `remote_command`: the same interpreter and checkout path on the remote host, over ssh
@@ -231,9 +239,13 @@ class RigConfig:
                                             # prefilled from there, its bits within rounding of a cold
                                             # prefill's); chunks: up to a chunk boundary of the prompt's cold
                                             # schedule (the rest in the cold prefill's own chunks: its bits)
-    max_seqs: int = field(default=1, metadata={"positive": True})  # sequences whose KV each stage holds at once
-                                            # (--serve: concurrent requests in the pipeline, one slot each; the
-                                            # planner counts max_seqs x the KV). 1: one sequence, as before
+    max_seqs: int | str = "auto"            # sequences whose KV each stage holds at once (--serve: concurrent
+                                            # requests in the pipeline, one slot each; the planner counts max_seqs
+                                            # x the KV). auto: with --serve as many as every stage holds at the
+                                            # rig's context, at most AUTO_SEQS_CUDA (AUTO_SEQS_CPU with a CPU
+                                            # stage); 1 for a run, and where max_seqs_refusal says so
+    server_queue: int = DEFAULT_QUEUE       # --serve: requests that may wait for a slot (0: none wait); one
+                                            # more is answered 429 with Retry-After
     decode_batch: str = field(default="rows", metadata={"choices": DECODE_BATCH})  # max_seqs > 1: rows: the
                                             # decoding sequences' steps go through a stage as one batch of rows
                                             # (each weight read once a batch; in C a row keeps the bits of its
@@ -371,6 +383,12 @@ def _positions_or_auto(name: str, v):
     raise ConfigError(f"{name}: expected 'auto' or a number of positions, got {v!r}")
 
 
+def _count_or_auto(name: str, v):
+    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    raise ConfigError(f"{name}: expected 'auto' or a number of sequences, got {v!r}")
+
+
 def _steps_or_auto(name: str, v):
     if v == "auto" or (isinstance(v, int) and not isinstance(v, bool)):
         return v
@@ -414,6 +432,7 @@ def _layer_split(name: str, ls):
 _PARSERS = {
     RigConfig: {"stages": _stages, "layer_split": _layer_split, "chunk": _chunk,
                 "prefix_cache_device_bytes": _bytes_or_auto, "kv_pool": _positions_or_auto,
+                "max_seqs": _count_or_auto,
                 "batch_ahead": _steps_or_auto, "prefill_groups": _auto_or(True, False),
                 "prompt": _sub(PromptSpec, {"random": _random}), "debug": _sub(DebugSpec),
                 "kernels": _sub(KernelSpec, _KERNEL_PARSERS)},
@@ -555,26 +574,44 @@ def max_seqs_refusal(cfg: RigConfig) -> str | None:
     return None
 
 
+def _check_one_seq(cfg: RigConfig) -> None:
+    """What one sequence cannot take: the keys of several sequences' sharing."""
+    if cfg.kv_pool:
+        raise ConfigError("kv_pool: a pool shared by several sequences needs max_seqs > 1")
+    if cfg.prefill_groups is True:
+        raise ConfigError("prefill_groups: a group is several sequences' chunks; it needs max_seqs > 1")
+    if cfg.batch_ahead != "auto" and cfg.batch_ahead:
+        raise ConfigError("batch_ahead: decode batches need max_seqs > 1 (one sequence's steps take the decode "
+                          "graphs' launch-ahead: kernels.decode_ahead)")
+
+
+def resolve_max_seqs(cfg: RigConfig, seqs: int) -> RigConfig:
+    """The rig with max_seqs auto taken as `seqs` (plan.auto_max_seqs), checked as a rig that gave it would be."""
+    cfg = replace(cfg, max_seqs=seqs)
+    if seqs == 1:
+        _check_one_seq(cfg)
+    return cfg
+
+
 def _check_values(cfg: RigConfig) -> None:
     if cfg.depth not in (0, 1):
         raise ConfigError(
             f"depth {cfg.depth} refused: a stage owns one set of chunk buffers, so at most one chunk may be "
             "in flight below it (1 = overlap, 0 = the old full join)")
-    if cfg.max_seqs > 1:
+    if cfg.max_seqs != "auto" and cfg.max_seqs < 1:
+        raise ConfigError(f"max_seqs: must be >= 1 (or auto), got {cfg.max_seqs}")
+    if cfg.max_seqs != "auto" and cfg.max_seqs > 1:
         why = max_seqs_refusal(cfg)
         if why:
             raise ConfigError(f"max_seqs {cfg.max_seqs} refused: {why}")
+    if cfg.max_seqs == 1:  # (auto: checked again once resolved, by resolve_max_seqs)
+        _check_one_seq(cfg)
     if cfg.batch_ahead != "auto" and not 0 <= cfg.batch_ahead <= MAX_BATCH_AHEAD:
         raise ConfigError(f"batch_ahead: 0 to {MAX_BATCH_AHEAD} steps, got {cfg.batch_ahead}")
     if cfg.kv_pool != "auto" and cfg.kv_pool < 0:
         raise ConfigError(f"kv_pool: must be >= 0 positions (0: a slot of max_context each), got {cfg.kv_pool}")
-    if cfg.kv_pool and cfg.max_seqs == 1:
-        raise ConfigError("kv_pool: a pool shared by several sequences needs max_seqs > 1")
-    if cfg.prefill_groups is True and cfg.max_seqs == 1:
-        raise ConfigError("prefill_groups: a group is several sequences' chunks; it needs max_seqs > 1")
-    if cfg.batch_ahead != "auto" and cfg.batch_ahead and cfg.max_seqs == 1:
-        raise ConfigError("batch_ahead: decode batches need max_seqs > 1 (one sequence's steps take the decode "
-                          "graphs' launch-ahead: kernels.decode_ahead)")
+    if cfg.server_queue < 0:
+        raise ConfigError(f"server_queue: must be >= 0 requests (0: none wait), got {cfg.server_queue}")
     if cfg.chunk != "auto" and cfg.chunk <= 0:
         raise ConfigError(f"chunk: must be a positive number of tokens, got {cfg.chunk}")
     if cfg.generate < 0:

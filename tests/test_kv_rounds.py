@@ -42,7 +42,8 @@ class FakeStages:
 def rig():
     cfg = from_dict(dict(model="synthetic:smoke", stages=STAGES, chunk=256, max_context=1024, progress=False,
                          prefix_cache_bytes=1 << 26, prompt={"random": {"tokens": 10, "seed": 0}}))
-    return cfg, build_plan(cfg)
+    plan = build_plan(cfg)
+    return plan.cfg, plan  # (the plan's rig: max_seqs auto resolved, as Pipeline takes it)
 
 
 def make(rig, spans=None) -> tuple[KvRounds, FakeStages]:

@@ -618,7 +618,8 @@ def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
     with pytest.raises(ConfigError, match=r"^batch_ahead: 0 to 64 steps, got 65$"):
         from_dict({**base, "max_seqs": 2, "batch_ahead": 65})
     with pytest.raises(ConfigError, match="^batch_ahead: decode batches need max_seqs > 1"):
-        from_dict({**base, "batch_ahead": 2})
+        from_dict({**base, "max_seqs": 1, "batch_ahead": 2})
+    assert from_dict({**base, "batch_ahead": 2}).max_seqs == "auto"  # (checked once the plan resolves it)
     with pytest.raises(ConfigError, match="^batch_ahead: expected 'auto' or a number of steps, got 'soon'$"):
         from_dict({**base, "max_seqs": 2, "batch_ahead": "soon"})
     assert from_dict(base).batch_ahead == "auto"  # (one CUDA stage: AUTO_BATCH_AHEAD; a CPU stage: 0)
@@ -626,7 +627,7 @@ def test_batch_ahead_on_one_stage_gives_each_its_tokens_alone(tmp_path):
     with pytest.raises(ConfigError, match="^prefill_groups: expected auto or true or false, got 'yes'$"):
         from_dict({**base, "max_seqs": 2, "prefill_groups": "yes"})
     with pytest.raises(ConfigError, match="^prefill_groups: a group is several sequences' chunks; it needs max_seqs"):
-        from_dict({**base, "prefill_groups": True})
+        from_dict({**base, "max_seqs": 1, "prefill_groups": True})
     from strata.comm import messages as M
     batch = dict(k=0, kind=M.Kind.BATCH, pos=0, n=1, t0=0.0, tokens=9, score=-1, seqs=[0, 8])
     M.encode(M.Chunk(**batch, rows=False, ahead=3))

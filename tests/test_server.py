@@ -66,8 +66,8 @@ class FakeEngine:
     def detokenize(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def chat_prompt(self, messages) -> str:
-        return self.template.render(messages)
+    def chat_prompt(self, messages, **variables) -> str:
+        return self.template.render(messages, **variables)
 
     def continuation(self, ids: list[int], n: int) -> list[int]:
         out, prev = [], ids[-1]
@@ -597,13 +597,28 @@ def test_queue_size_zero_serves_one_at_a_time():
                               "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
      "response_format json_schema: "),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, "response_format type must be"),
-    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, "unknown field 'min_p'"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p must be between 0 and 1"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty must be between -2 and 2"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty must be in (0, 10]"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"65": 101}}, "between -100 and 100"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"300": 1}}, "token id 300, outside the vocabulary"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, "is not a token id"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens must be >= 0"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, "ignore_eos must be true or false"),
+    ("/v1/completions", {"prompt": "x", "min_pp": 0.1}, "unknown field 'min_pp'"),
+    # the fake engine's template shows no tools: refused, not silently dropped
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "does not show tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]},
+     "tools must be a list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]},
+     "chat_template_kwargs must be an object"),
     ("/v1/completions", {"prompt": "x", "max_token": 3}, "did you mean 'max_tokens'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "unknown field 'echo'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
      "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
-     "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"},
+     "reasoning_effort must be one of"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
@@ -696,6 +711,7 @@ def test_full_queue_answers_429(server, engine):
             r = c.post("/v1/completions", json={"prompt": "fourth"})
             m = parse_prometheus(c.get("/metrics").text)
         assert r.status_code == 429 and "queue is full" in r.json()["error"]["message"]
+        assert 1 <= int(r.headers["retry-after"]) <= 60  # (the mean request's seconds, at least 1)
         assert m[("strata_queue_length", "")] == 2 and m[("strata_running", "")] == 1
         assert m[("strata_running_sequences", "")] == 1
         engine.gate.set()

@@ -67,16 +67,18 @@ class Result:
 
 class Pipeline:
     def __init__(self, config: RigConfig | dict, out: str | os.PathLike | None = None, console: bool = True,
-                 marks: dict[str, float] | None = None, always_calibrate: bool = False):
+                 marks: dict[str, float] | None = None, always_calibrate: bool = False, serving: bool = False):
         """marks: perf_counter times the caller knows (the launcher: `process` start, `imports` done); the
         start-up breakdown (`startup`, report.json's startup_s) counts from `process`, else from here.
-        always_calibrate: the planner times identical stages too (build_plan; bench/split.py --calibrate)."""
+        always_calibrate: the planner times identical stages too (build_plan; bench/split.py --calibrate).
+        serving: a server's pipeline (max_seqs auto: several sequences, as memory holds; else one)."""
         self._marks = dict(marks or {})
         self._marks.setdefault("process", time.perf_counter())
         self._marks.setdefault("imports", self._marks["process"])
         self.startup: dict | None = None
         self.cfg = config if isinstance(config, RigConfig) else from_dict(config)
-        self.plan: Plan = build_plan(self.cfg, always_calibrate)
+        self.plan: Plan = build_plan(self.cfg, always_calibrate, serving)
+        self.cfg = self.plan.cfg  # (max_seqs auto resolved)
         check_model_files(self.cfg.model)
         self.out = Path(out or self.cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         check_run_dir(self.out)

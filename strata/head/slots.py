@@ -544,7 +544,8 @@ class SlotDriver:
             self._loading.append(run)
             return
         try:  # (a grammar that cannot be matched fails its own sequence, before it takes a slot)
-            sampler = Sampler(run.params, self.pipe.tokenizer if run.params.grammar is not None else None, self.ends)
+            sampler = Sampler(run.params, self.pipe.tokenizer if run.params.grammar is not None else None, self.ends,
+                              run.ids)
         except ValueError as e:
             run.error = e
             run.done.set()

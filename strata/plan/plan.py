@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from strata.comm import bells
-from strata.config import AUTO_BATCH_AHEAD, ConfigError, RigConfig, StageSpec, check_device
+from strata.config import (AUTO_BATCH_AHEAD, AUTO_SEQS_CPU, AUTO_SEQS_CUDA, ConfigError, RigConfig, StageSpec,
+                           check_device, max_seqs_refusal, resolve_max_seqs)
 from strata.models.args import ModelArgs
 from strata.plan.schedule import chunk_schedule
 from strata.kernels.attention import PREFIX_BLOCK
@@ -229,10 +230,14 @@ def stdlib_source(module: str) -> str:
     raise ConfigError(f"prompt.stdlib: no source for module {module!r} under {base}")
 
 
-def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
-    """The run's plan from the rig. always_calibrate: time identical stages' speeds too (calibrate.stage_facts;
-    bench/split.py --calibrate), where the planner would take them as equal."""
+def build_plan(cfg: RigConfig, always_calibrate: bool = False, serving: bool = False) -> Plan:
+    """The run's plan from the rig (its cfg: the rig with max_seqs auto resolved, auto_max_seqs). always_calibrate:
+    time identical stages' speeds too (calibrate.stage_facts; bench/split.py --calibrate), where the planner would
+    take them as equal. serving: the plan is a server's (max_seqs auto holds several sequences)."""
     t0 = time.perf_counter()
+    auto_seqs = cfg.max_seqs == "auto"
+    if auto_seqs:  # the context (and chunk) as for one sequence; then as many sequences as that context leaves room for
+        cfg = replace(cfg, max_seqs=1)
     timings = {"tokenizer_s": 0.0}
     try:
         args = model_args(cfg.model)
@@ -285,6 +290,12 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
                 raise
             limit = max(limit // 2, int(total))
     max_chunk = planner["chunk"]
+    if auto_seqs:
+        cfg, found = auto_max_seqs(cfg, args, stages, cores, int(ids.size), limit, max_chunk, serving,
+                                   always_calibrate)
+        if found is not None:
+            split, planner = found
+        planner["max_seqs_from"] = "auto"
     schedule = chunk_schedule(int(ids.size), max_chunk, cfg.dynamic_chunks, args)
     plans, a = [], 0
     for i, (s, n) in enumerate(zip(stages, split)):
@@ -294,6 +305,36 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False) -> Plan:
     timings["total_s"] = time.perf_counter() - t0
     return Plan(cfg, args, tuple(plans), ids, tuple(schedule), max_chunk, planner, limit, timings,
                 resolve(cfg, args, plans))
+
+
+def auto_max_seqs(cfg: RigConfig, args: ModelArgs, stages, cores, prompt_tokens: int, limit: int, chunk: int,
+                  serving: bool, always_calibrate: bool) -> tuple[RigConfig, tuple[list[int], dict] | None]:
+    """max_seqs auto: 1 for a run (one prompt) or where max_seqs_refusal says so; a server's, the most sequences up
+    to the cap (AUTO_SEQS_CPU with any CPU stage, else AUTO_SEQS_CUDA) whose KV every stage holds at the context
+    `limit` and `chunk` already chosen for one, as the planner counts it (choose_split: max_seqs x a slot's KV, or the
+    kv_pool once; the host's available memory for CPU stages together). Fits grow with fewer sequences, so the most
+    is found by bisection. (the rig resolved, (split, planner) for it, or None: one sequence's, already planned)."""
+    if not serving or max_seqs_refusal(cfg) is not None:
+        return resolve_max_seqs(cfg, 1), None
+    cap = AUTO_SEQS_CPU if any(s.device == "cpu" for s in stages) else AUTO_SEQS_CUDA
+    found = None  # ((split, planner), its sequences) of the last fit
+    lo, hi = 1, cap  # lo fits (the plan for one was made), hi + 1 does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            found = choose_split(replace(cfg, max_seqs=mid), args, stages, cores, prompt_tokens, limit, [chunk],
+                                 always_calibrate), mid
+            lo = mid
+        except ConfigError:
+            hi = mid - 1
+    if lo == 1:
+        log.info("max_seqs auto: 1 (the stages hold no second sequence's KV at max_context %d)", limit)
+        return resolve_max_seqs(cfg, 1), None
+    if found is None or found[1] != lo:
+        found = choose_split(replace(cfg, max_seqs=lo), args, stages, cores, prompt_tokens, limit, [chunk],
+                             always_calibrate), lo
+    log.info("max_seqs auto: %d sequences (at most %d on these stages) at max_context %d", lo, cap, limit)
+    return resolve_max_seqs(cfg, lo), found[0]
 
 
 CUDA_CHUNK = 8192  # a CUDA stage's preferred chunk: its GEMMs run near peak from a few thousand rows, and the

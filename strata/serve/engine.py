@@ -74,8 +74,9 @@ class Engine(Protocol):
     def detokenize(self, ids: list[int]) -> str:
         """Ids -> text (special tokens kept as text: the server cuts at stop strings itself)."""
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
-        """Chat messages -> prompt text through the model's chat template (generation prompt added).
+    def chat_prompt(self, messages: list[dict[str, Any]], **variables: Any) -> str:
+        """Chat messages -> prompt text through the model's chat template (generation prompt added); `variables`
+        go to the template as they are (tools, reasoning_effort, a request's chat_template_kwargs).
         Raises ValueError (e.g. strata.text.chat.ChatError) for a conversation the template refuses."""
 
     def generate(self, ids: list[int], params: SamplingParams,
@@ -125,13 +126,13 @@ class _ModelText:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], **variables: Any) -> str:
         from strata.text.chat import ChatTemplate
         if self._template is None:
             self._template = ChatTemplate.for_model(self._text_model) or False
         if not self._template:
             raise ValueError(f"model {self.model_name!r} has no chat template: use /v1/completions")
-        return self._template.render(messages)
+        return self._template.render(messages, **variables)
 
 
 class LocalEngine(_ModelText):
@@ -186,7 +187,7 @@ class LocalEngine(_ModelText):
             t1 = time.perf_counter()
             ends, end = self.end_ids, None
             sampler, count, finish = Sampler(params, self.tokenizer if params.grammar is not None else None,
-                                                  ends), 0, "length"
+                                                  ends, ids), 0, "length"
             limit = min(params.max_tokens, self.max_context - n)
             while count < limit:
                 tok = sampler.next(logits)
@@ -294,7 +295,8 @@ class PipelineEngine(_ModelText):
         self._init_text(self.cfg.model, name)
         self._config_error = ConfigError
         self.pipe = None
-        self.max_seqs = self.cfg.max_seqs  # > 1: generate from several threads at once (strata/head/slots.py)
+        self.max_seqs = 1                  # > 1: generate from several threads at once (strata/head/slots.py); the
+                                           # plan's (max_seqs auto: as many as memory holds), set by the first start
         self._slots = None                 # the request loop over self.pipe (strata.head.slots.SlotDriver)
         self._life = threading.Lock()      # restart / close against each other (several callers)
         self.starts = 0
@@ -436,13 +438,15 @@ class PipelineEngine(_ModelText):
         out = self.out if self.starts == 0 else self.out / f"restart-{self.starts}"
         self.starts += 1
         cfg = replace(self.cfg, progress=False, generate=0)
-        pipe = Pipeline(cfg, out=out, console=False)
+        pipe = Pipeline(cfg, out=out, console=False, serving=True)
         try:
             pipe.start()
         except BaseException:
             pipe.close()
             raise
         from strata.head.slots import SlotDriver
+        # a restart keeps the first start's sequences (the server's threads were made for them)
+        self.cfg, self.max_seqs = replace(self.cfg, max_seqs=pipe.cfg.max_seqs), pipe.cfg.max_seqs
         self.pipe = pipe
         self._slots = SlotDriver(pipe, self.max_seqs)
 

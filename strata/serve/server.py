@@ -10,6 +10,7 @@ import difflib
 import hmac
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -26,15 +27,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from strata.config import DEFAULT_QUEUE
 from strata.serve.engine import Engine, EngineError, GenerationStats, LocalEngine, PipelineEngine
 from strata.kvcache.prefix_cache import PrefixCacheStats
+from strata.text import tool_calls
 from strata.text.sampling import MAX_SEED, Detokenizer, SamplingParams, StopMatcher
 
 log = logging.getLogger("strata.serve.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-DEFAULT_QUEUE = 8
+RETRY_AFTER_MAX_S = 60  # a 429's Retry-After: the waiting requests' expected time (the mean request's), at most this
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
@@ -53,8 +56,10 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status,
                           **self.extra}}
 
+    headers: dict | None = None  # sent with the answer (a 429's Retry-After)
+
     def response(self, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or self.headers)
 
 
 def _bad(message: str, param: str | None = None) -> RequestError:
@@ -286,6 +291,7 @@ class Job:
     # it: lm-eval sends the text with echo and max_tokens 1 and drops the last entry, the generated token's.
     eos_logprob: bool = False
     ids_out: bool = False  # the answer as token ids (`token_ids`), its text "": a model without a tokenizer
+    tools: bool = False    # chat with tools: the model's <tool_call> blocks go out as tool_calls (strata/text/tool_calls.py)
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -321,6 +327,12 @@ class Worker:
         self._threads = [threading.Thread(target=self._run, name="strata-engine" + (f"-{i}" if i else ""), daemon=True)
                          for i in range(self.concurrency)]
         self._closed = False
+        self._job_s = 1.0  # a request's seconds on the engine, a running mean (a 429's Retry-After)
+
+    def retry_after(self) -> int:
+        """Seconds until a waiting place is likely free: one of the running jobs ends, each the mean job's time (held
+        to 1..RETRY_AFTER_MAX_S)."""
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(self._job_s / self.concurrency)))
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -359,8 +371,10 @@ class Worker:
             self._pending = collections.deque(j for j in self._pending if not j.cancelled.is_set())
             # when idle, the first waiting job is about to run: it does not hold a waiting place
             if len(self._pending) >= self.queue_size + self.concurrency - len(self._running):
-                raise RequestError(429, f"the queue is full ({self.queue_size} requests waiting); retry later",
+                err = RequestError(429, f"the queue is full ({self.queue_size} requests waiting); retry later",
                                    type="rate_limit_exceeded")
+                err.headers = {"Retry-After": str(self.retry_after())}
+                raise err
             self._pending.append(job)
             self._cond.notify()
 
@@ -394,6 +408,7 @@ class Worker:
                     return
                 job = self._pending.popleft()
                 self._running.append(job)
+            t0 = time.perf_counter()
             try:
                 if not job.cancelled.is_set():
                     self._serve(job)
@@ -403,6 +418,7 @@ class Worker:
             finally:
                 with self._cond:
                     self._running = [j for j in self._running if j is not job]
+                    self._job_s = 0.8 * self._job_s + 0.2 * (time.perf_counter() - t0)
 
     def _serve(self, job: Job) -> None:
         if self.broken is not None:
@@ -616,14 +632,16 @@ async def _json_body(request: Request, max_body: int) -> dict:
 
 
 # Every field a request may carry. A field outside these is refused, not ignored: it might change the answer.
-_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "n",
-           "logit_bias", "presence_penalty", "frequency_penalty", "response_format", "logprobs"}
+_SAMPLER = ("temperature", "top_p", "top_k", "seed", "min_p", "logit_bias", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "ignore_eos", "min_tokens")  # SamplingParams' own fields, as they are named there
+_COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "n", "response_format", "logprobs", *_SAMPLER}
 _FIELDS = {"completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
            "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                               "functions", "function_call", "modalities", "audio", "reasoning_effort",
-                              "web_search_options", "verbosity", "prediction"}}
+                              "chat_template_kwargs", "web_search_options", "verbosity", "prediction"}}
 _BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                "parallel_tool_calls"}  # accepted and ignored: none of them changes the tokens
+                "parallel_tool_calls"}  # accepted and ignored: none of them changes the tokens (every <tool_call> the
+                                        # model writes is parsed; a template that reads the flag gets it: _template_vars)
 
 
 def _check_fields(body: dict, endpoint: str) -> None:
@@ -639,21 +657,51 @@ def _check_fields(body: dict, endpoint: str) -> None:
             raise _bad(f"unknown field {key!r}{hint}: refused rather than ignored, since it could change the "
                        "answer", param=key)
     checks = [("best_of", lambda v: v == 1), ("suffix", lambda v: v == ""),
-              ("logit_bias", lambda v: not v), ("tools", lambda v: not v), ("functions", lambda v: not v),
-              ("function_call", lambda v: v == "none"), ("tool_choice", lambda v: v in ("none", "auto")),
+              ("functions", lambda v: not v), ("function_call", lambda v: v == "none"),
+              ("tool_choice", lambda v: v in ("none", "auto")),
               ("modalities", lambda v: v == ["text"]), ("audio", lambda v: False), ("prediction", lambda v: False),
-              ("reasoning_effort", lambda v: False), ("web_search_options", lambda v: False),
-              ("verbosity", lambda v: False),
-              ("presence_penalty", lambda v: v == 0), ("frequency_penalty", lambda v: v == 0)]
+              ("web_search_options", lambda v: False), ("verbosity", lambda v: False)]
     for key, ok in checks:
         if body.get(key) is not None and not ok(body[key]):
-            raise _bad(f"{key}={body[key]!r} is not supported by this server", param=key)
+            why = (" (only none or auto: a tool call the model must make is not enforced here yet; use response_format "
+                   "json_schema for a forced shape)" if key == "tool_choice" else "")
+            raise _bad(f"{key}={body[key]!r} is not supported by this server{why}", param=key)
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind not in ("text", "json_object", "json_schema"):
             raise _bad(f"response_format type must be text, json_object or json_schema, got {fmt!r}",
                        param="response_format")
+
+
+REASONING_EFFORT = ("minimal", "low", "medium", "high")
+
+
+def _template_vars(body: dict) -> dict:
+    """A chat request's variables for the model's chat template, as HF's apply_chat_template and vLLM pass them:
+    tools (unless tool_choice is none: then the model is shown none), reasoning_effort (gpt-oss), and
+    chat_template_kwargs as they are (e.g. Qwen3's enable_thinking)."""
+    out: dict = {}
+    extra = body.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise _bad("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        out.update(extra)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORT:
+            raise _bad(f"reasoning_effort must be one of {', '.join(REASONING_EFFORT)}, got {effort!r}",
+                       param="reasoning_effort")
+        out["reasoning_effort"] = effort
+    tools = body.get("tools")
+    if tools and body.get("tool_choice") != "none":
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) for t in tools):
+            raise _bad("tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                       "\"parameters\": {...}}}", param="tools")
+        out["tools"] = tools
+    return out
 
 
 def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | None) -> tuple[SamplingParams, int | None]:
@@ -663,7 +711,7 @@ def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | N
         if body.get(key) is not None:
             requested = body[key]
             break
-    kw = {k: body[k] for k in ("temperature", "top_p", "top_k", "seed") if body.get(k) is not None}
+    kw = {k: body[k] for k in _SAMPLER if body.get(k) is not None}
     if body.get("stop") is not None:
         kw["stop"] = body["stop"]
     try:
@@ -875,14 +923,20 @@ class Server:
             top = 0 if body.get("top_logprobs") is None else _top(body["top_logprobs"], "top_logprobs")
         elif body.get("top_logprobs") is not None:
             raise _bad("top_logprobs needs logprobs: true", param="top_logprobs")
+        variables = _template_vars(body)
         try:
-            prompt = await run_in_threadpool(self.engine.chat_prompt, body["messages"])
+            prompt = await run_in_threadpool(self.engine.chat_prompt, body["messages"], **variables)
+            if "tools" in variables and prompt == await run_in_threadpool(
+                    self.engine.chat_prompt, body["messages"], **{k: v for k, v in variables.items() if k != "tools"}):
+                raise _bad(f"tools: the chat template of {self.engine.model_name!r} does not show tools to the model",
+                           param="tools")
         except ValueError as e:  # strata.text.chat.ChatError, or a model without a template
             raise _bad(str(e), param="messages") from None
-        return await self._generate(request, body, [prompt], params, max_tokens, chat=True, echo=False, top=top)
+        return await self._generate(request, body, [prompt], params, max_tokens, chat=True, echo=False, top=top,
+                                    tools="tools" in variables)
 
     async def _generate(self, request: Request, body: dict, prompts: list[str | list[int]], params: SamplingParams,
-                        max_tokens: int | None, chat: bool, echo: bool, top: int | None) -> Response:
+                        max_tokens: int | None, chat: bool, echo: bool, top: int | None, tools: bool = False) -> Response:
         stream, include_usage = _stream_flags(body)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -927,7 +981,12 @@ class Server:
                 seed = params.seed if params.seed is None or n == 1 else (params.seed + j) % (MAX_SEED + 1)
                 seqs.append(Seq(index=p * n + j, prompt=p, ids=list(ids), params=dataclasses.replace(
                     params, seed=seed, max_tokens=room if max_tokens is None else min(max_tokens, room))))
-        job = Job(seqs, asyncio.get_running_loop(), echo=echo, top=top, eos_logprob=not chat, ids_out=ids_out)
+        vocab = self.vocab_size
+        bad = next((t for t, _ in params.logit_bias if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise _bad(f"logit_bias holds token id {bad}, outside the vocabulary [0, {vocab})", param="logit_bias")
+        job = Job(seqs, asyncio.get_running_loop(), echo=echo, top=top, eos_logprob=not chat, ids_out=ids_out,
+                  tools=tools)
         self.worker.submit(job)  # 429 / 503 from here
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, name = int(time.time()), self.engine.model_name
@@ -967,7 +1026,13 @@ class Server:
             stats, finish, lp = done[seq.index]
             text = "".join(texts[seq.index])
             if chat:
-                choice = {"index": seq.index, "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text}
+                if job.tools:
+                    content, calls = tool_calls.parse(text)
+                    if calls:
+                        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                        finish = "tool_calls" if finish == "stop" else finish
+                choice = {"index": seq.index, "message": message,
                           "logprobs": _chat_logprobs(lp["completion"]) if lp else None}
             else:
                 choice = {"index": seq.index, "text": text,
@@ -991,6 +1056,17 @@ class Server:
             return out
 
         done: dict[int, GenerationStats] = {}
+        # chat with tools: each choice's text through its parser, tool calls as OpenAI's deltas (one a call, whole)
+        parsers = {s.index: tool_calls.ToolCallParser() for s in job.seqs} if chat and job.tools else {}
+        sent_calls: collections.Counter = collections.Counter()  # each choice's tool calls streamed so far
+
+        def deltas(index: int, events) -> Iterator[str]:
+            for kind, v in events:
+                if kind == "content" and v:
+                    yield _sse(chunk(index, {"content": v}))
+                elif kind == "tool_call":
+                    yield _sse(chunk(index, {"tool_calls": [{"index": sent_calls[index], **v}]}))
+                    sent_calls[index] += 1
         while True:
             ev = await job.events.get()
             if ev[0] == "start":
@@ -998,6 +1074,9 @@ class Server:
                     yield _sse(chunk(ev[1], {"role": "assistant", "content": ""}))
                 elif ev[2]:  # echo: the prompt's text first
                     yield _sse(chunk(ev[1], ev[2]))
+            elif ev[0] == "text" and ev[1] in parsers:
+                for line in deltas(ev[1], parsers[ev[1]].feed(ev[2])):
+                    yield line
             elif ev[0] == "text":
                 yield _sse(chunk(ev[1], {"content": ev[2]} if chat else ev[2]))
             elif ev[0] == "ids":  # a model without a tokenizer: the answer's ids in one chunk
@@ -1006,7 +1085,12 @@ class Server:
                 yield _sse(c)
             elif ev[0] == "done":
                 done[ev[1]] = ev[2]
-                yield _sse(chunk(ev[1], {} if chat else "", ev[3]))
+                finish = ev[3]
+                if ev[1] in parsers:
+                    for line in deltas(ev[1], parsers[ev[1]].flush()):
+                        yield line
+                    finish = "tool_calls" if finish == "stop" and parsers[ev[1]].calls else finish
+                yield _sse(chunk(ev[1], {} if chat else "", finish))
             elif ev[0] == "error":
                 yield _sse(ev[1].body(), event="error")
                 return
@@ -1114,14 +1198,17 @@ def serve(engine: Engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, ap
 
 
 def run_server(cfg, engine_factory: Callable[[Any], Engine] | None = None, host: str = DEFAULT_HOST,
-               port: int = DEFAULT_PORT, api_key: str | None = None, queue_size: int = DEFAULT_QUEUE,
+               port: int = DEFAULT_PORT, api_key: str | None = None, queue_size: int | None = None,
                log_level: str = "info") -> int:
     """`launcher.py --serve`: load the engine once from the rig config (engine_factory(cfg); default: the
-    whole model in this process, strata.serve.engine.local_engine), serve it, return the exit status."""
+    whole model in this process, strata.serve.engine.local_engine), serve it, return the exit status. queue_size:
+    the waiting requests (default: the rig's server_queue)."""
     if engine_factory is None:
         from strata.serve.engine import local_engine as engine_factory
     engine = engine_factory(cfg)
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
+    if queue_size is None:
+        queue_size = getattr(cfg, "server_queue", DEFAULT_QUEUE)
     serve(engine, host=host, port=port, api_key=api_key, queue_size=queue_size, log_level=log_level,
           max_body=getattr(cfg, "server_max_body_bytes", None))
     return 0

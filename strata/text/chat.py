@@ -73,15 +73,30 @@ class ChatTemplate:
             return cls.from_hf_dir(loc)
         return None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def takes(self, name: str) -> bool:
+        """Whether the template reads variable `name` (e.g. tools: a template that never does shows the model none)."""
+        import jinja2.meta
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        try:
+            return name in jinja2.meta.find_undeclared_variables(ImmutableSandboxedEnvironment(
+                extensions=["jinja2.ext.loopcontrols"]).parse(self.source))
+        except jinja2.TemplateError:
+            return False
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
+        """The prompt text; `variables` are the template's too, as HF's apply_chat_template passes them (tools,
+        documents, reasoning_effort, enable_thinking, ...); they cannot replace the messages or the special tokens."""
         import jinja2
+        clash = sorted(set(variables) & {"messages", "bos_token", "eos_token", "add_generation_prompt"})
+        if clash:
+            raise ChatError(f"chat template variable {clash[0]!r} is set by the server, not the request")
         try:
             template = _compile(self.source)
         except jinja2.TemplateError as e:
             raise ModelError(f"the model's chat template does not compile: {e}") from None
         try:
             return template.render(messages=validate_messages(messages), add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token, eos_token=self.eos_token)
+                                   bos_token=self.bos_token, eos_token=self.eos_token, **variables)
         except jinja2.exceptions.SecurityError as e:
             raise ChatError(f"the chat template tried an unsafe operation: {e}") from None
         except jinja2.TemplateError as e:
@@ -89,7 +104,9 @@ class ChatTemplate:
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI chat messages -> plain {'role', 'content': str} dicts; content given as text parts is joined."""
+    """OpenAI chat messages -> plain {'role', 'content': str} dicts; content given as text parts is joined. An
+    assistant's tool_calls are kept (content may then be null: ""), each call's arguments parsed from their JSON
+    string into an object, as the templates expect (HF's, vLLM's); a tool message keeps its tool_call_id."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("messages must be a non-empty list")
     out = []
@@ -99,6 +116,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ChatError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None and content is None:
+            content = ""
         if isinstance(content, list):
             parts = []
             for j, p in enumerate(content):
@@ -111,7 +131,30 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         msg = {"role": role, "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if calls is not None:
+            msg["tool_calls"] = _tool_calls(i, calls)
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
+    return out
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise ChatError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ChatError(f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': {{'name': ..., "
+                            "'arguments': ...}}")
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ChatError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON") from None
+        out.append({"id": c.get("id", ""), "type": "function", "function": {"name": f["name"], "arguments": args}})
     return out
 
 
