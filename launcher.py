@@ -5,6 +5,13 @@ prefill (and the continuation), prints the report and writes the run directory.
     python launcher.py --config configs/rig.yaml --serve [--host 127.0.0.1] [--port 8000] [--api-key KEY]
     strata --config configs/rig.yaml ...        (the same, as the installed console script)
 
+Without a rig file, the common jobs on a model with every other choice the planner's (stages, split, chunk, dtype):
+
+    strata run MODEL (--file DOC | --text TEXT) [--generate N]   a prompt's prefill and a greedy continuation
+    strata perplexity MODEL FILE                                 a text file's perplexity
+    strata serve MODEL [--host ...] [--port ...]                 the OpenAI-compatible server for several users
+    (each takes --set KEY=VALUE, --out, and the flags of its --config form)
+
 Exit 0 on success; otherwise non-zero with one line starting `error:` on stderr.
 """
 from __future__ import annotations
@@ -31,7 +38,15 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+# the rig a rig-less job starts from (configs/run.yaml's choices): the model and the job's keys go on top
+JOB_RIG = {"stages": "auto", "dtype": "auto", "layer_split": "auto", "chunk": "auto"}
+JOBS = ("run", "perplexity", "serve")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in JOBS:
+        return _job(argv)
     ap = argparse.ArgumentParser(
         prog="strata", description="Strata: pipelined long-prompt prefill across layer-split stages.")
     ap.add_argument("--config", required=True, metavar="PATH", help="rig file (YAML); docs/rig-keys.md has every key")
@@ -53,6 +68,56 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000, help="--serve: port (default 8000)")
     ap.add_argument("--api-key", default=None, help="--serve: require `Authorization: Bearer KEY`")
     a = ap.parse_args(argv)
+    a.rig = None
+    return _start(a)
+
+
+def _job(argv: list[str]) -> int:
+    """`strata run | perplexity | serve MODEL ...`: the job's rig made here (JOB_RIG, the model, the prompt), then
+    what `--config` would run with it; --set still changes any key."""
+    ap = argparse.ArgumentParser(prog="strata", description="Strata's common jobs on a model, no rig file.")
+    sub = ap.add_subparsers(dest="job", required=True)
+    jobs = {"run": "prefill a prompt and continue it greedily", "perplexity": "a text file's perplexity",
+            "serve": "serve an OpenAI-compatible API for several users"}
+    p = {j: sub.add_parser(j, help=h, description=h) for j, h in jobs.items()}
+    for j, q in p.items():
+        q.add_argument("model", metavar="MODEL", help="a .gguf file (a split one by its first part), an HF folder "
+                       "or repo id in the local cache, smollm2, or synthetic:PRESET")
+        q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                       help="any rig key (docs/rig-keys.md); repeatable")
+        q.add_argument("--out", metavar="DIR", help="run directory (default runs/<time>)")
+        q.add_argument("--kv-load", metavar="PATH", help="a KV file (kv_save's) loaded before the prompt")
+    src = p["run"].add_mutually_exclusive_group(required=True)
+    src.add_argument("--file", metavar="DOC", help="the prompt: a UTF-8 text file")
+    src.add_argument("--text", metavar="TEXT", help="the prompt: this text")
+    p["run"].add_argument("--generate", type=int, default=128, metavar="N", help="greedy tokens after it (128)")
+    p["perplexity"].add_argument("file", metavar="FILE", help="a UTF-8 text file")
+    for j in ("run", "perplexity"):
+        p[j].add_argument("--json", action="store_true", help="print report.json instead of the table")
+        p[j].add_argument("--no-timeline", action="store_true", help="do not draw timeline.png")
+        p[j].add_argument("--kv-save", metavar="PATH", help="write the stages' KV of the prompt to PATH after it")
+    p["serve"].add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p["serve"].add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p["serve"].add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    a = ap.parse_args(argv)
+    rig = {**JOB_RIG, "model": a.model}
+    if a.job == "run":
+        rig.update(prompt={"file": a.file} if a.file else {"text": a.text}, generate=a.generate, perplexity=False)
+    elif a.job == "perplexity":
+        rig.update(prompt={"file": a.file}, generate=0, perplexity=True)
+    else:
+        a.kv_save, a.json, a.no_timeline = None, False, False
+    a.config, a.rig, a.serve = None, rig, a.job == "serve"
+    return _start(a)
+
+
+def _load(a):
+    """The rig: the --config file's, or a rig-less job's (_job), with --set on top."""
+    from strata.config import load, load_dict
+    return load(a.config, a.overrides) if a.rig is None else load_dict(a.rig, a.overrides)
+
+
+def _start(a) -> int:
     if a.serve:
         return _serve(a)
 
@@ -85,7 +150,7 @@ def _serve(a) -> int:
     the signal again, into this process's own handler: the head ends its helper processes (the fork server, the
     resource tracker) before it exits 130 / 143. Dying of the re-raised signal left those to a supervisor for a
     second or two. Before uvicorn runs (loading), the handler stops the start as a run's does."""
-    from strata.config import ConfigError, load
+    from strata.config import ConfigError
     from strata.serve.engine import pipeline_engine
     from strata.errors import PipelineError
     from strata.serve.server import run_server
@@ -114,7 +179,7 @@ def _serve(a) -> int:
         if a.kv_load:
             from strata.kvcache.kv_file import read_header
             read_header(a.kv_load)  # not a KV file: refused before any stage starts (the rig's checks come after)
-        cfg = load(a.config, a.overrides)
+        cfg = _load(a)
         _fork_cpu_stages(cfg)  # CPU stages (and their restarts after a failure) forked ready-made, as in a run
         return run_server(cfg, engine_factory=engine, host=a.host, port=a.port, api_key=a.api_key)
     except Stopped as e:
@@ -147,13 +212,13 @@ def _fork_cpu_stages(cfg) -> None:
 
 
 def _run(a, head: dict) -> int:
-    from strata.config import ConfigError, load
+    from strata.config import ConfigError
     from strata.errors import ModelError
     from strata.head.report import process_start
     t_process = min(process_start(), _T_IMPORTED)
 
     try:
-        cfg = load(a.config, a.overrides)
+        cfg = _load(a)
     except (ConfigError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

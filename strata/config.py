@@ -744,8 +744,13 @@ def check_device(dev: str, name: str) -> None:
 def load(path: str | os.PathLike, overrides: list[str] = (), env: dict | None = None) -> RigConfig:
     """Rig file, then the environment (STRATA_PF_DEPTH, STRATA_PREFILL_TIMING, STRATA_CUDA_ATTENTION, ENV_KERNELS),
     then --set."""
+    return load_dict(load_raw(path), overrides, env)
+
+
+def load_dict(raw: dict, overrides: list[str] = (), env: dict | None = None) -> RigConfig:
+    """`load` for a rig given as a mapping (the launcher's rig-less jobs: `strata run MODEL ...`)."""
     env = os.environ if env is None else env
-    raw = load_raw(path)
+    raw = dict(raw)
     _check_keys(raw, _TOP, "")
     raw = _apply_env(raw, env)
     for a in overrides:
