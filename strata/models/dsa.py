@@ -20,8 +20,13 @@ from torch import nn
 from strata.kernels.attention import rope_rows
 
 INDEX_NORM_EPS = 1e-6  # the reference indexer's LayerNorm(index_head_dim, eps=1e-6)
-SCORE_BUDGET = 1 << 24  # float32 scores (rows x heads x positions) made at once while scoring the prefix
-GATHER_BUDGET = 1 << 24  # gathered latent values (rows x top-k x width) attended at once
+# values made at once: float32 scores (rows x heads x positions) while scoring the prefix, and gathered latents (rows x
+# top-k x width) attended; a GPU's (the planner counts them) are larger: fewer, larger launches
+BUDGET = {"cpu": 1 << 24, "cuda": 1 << 28}
+
+
+def budget(device: torch.device) -> int:
+    return BUDGET.get(device.type, BUDGET["cpu"])
 
 
 class Indexer(nn.Module):
@@ -55,7 +60,7 @@ def select(ix: Indexer, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, po
         return None
     qf, kf = q.float(), keys.float()
     scores = torch.empty(n, L, dtype=torch.float32, device=q.device)
-    step = max(1, SCORE_BUDGET // max(1, n * ix.heads))
+    step = max(1, budget(q.device) // max(1, n * ix.heads))
     for lo in range(0, L, step):
         s = torch.einsum("thd,ld->thl", qf, kf[lo:lo + step]) * ix.scale
         scores[:, lo:lo + step] = torch.einsum("th,thl->tl", w, F.relu(s))
@@ -73,7 +78,7 @@ def sparse_attention(a, q_nope, q_rot, cached, pos: int, idx: torch.Tensor) -> t
     kv = cached[0, 0, :, :width]
     q = torch.cat((torch.einsum("thd,hdr->thr", q_nope, wk), q_rot), -1)  # (n, nh, width)
     out = torch.empty(n, a.nh, a.rank, dtype=q.dtype, device=q.device)
-    step = max(1, GATHER_BUDGET // (idx.shape[1] * width))
+    step = max(1, budget(q.device) // (idx.shape[1] * width))
     for lo in range(0, n, step):
         sel = idx[lo:lo + step]
         g = kv[sel]  # (r, k, width)

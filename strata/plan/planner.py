@@ -170,6 +170,9 @@ def _need(args: ModelArgs, n: int, first: bool, last: bool, tokens: int, chunk: 
         # per-head keys, padded values and kv_b's product, each merge's float32 output
         block = min(tokens, storage.prefix_block if storage is not None else tokens) + chunk
         act += block * nh * (2 * hd + hd - args.qk_rope_dim + args.v_head_dim) * b + chunk * q * 2 * f4
+        if args.index_topk:  # DSA (strata.models.dsa): a chunk's index scores over the prefix, one budget's scores
+            from strata.models.dsa import BUDGET      # and gathered latents, each in float32 at most
+            act += chunk * tokens * f4 + 2 * BUDGET["cpu" if on_cpu else "cuda"] * f4
     if storage is not None and storage.kv_elem < b:
         # a cache narrower than the compute dtype (8-bit) is widened for each layer's attention, prefix_block
         # positions of the prefix at a time beside the chunk's own (strata.kernels.attention.narrow_cache_attention), and
