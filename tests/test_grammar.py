@@ -136,3 +136,43 @@ def test_the_server_answers_in_the_schema(tokenizer, tmp_path, max_seqs):
                 "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     finally:
         s.stop()
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+             "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("name,parallel", [(None, False), ("weather", False), (None, True)])
+def test_tool_choice_makes_the_answer_a_tool_call_whatever_the_logits(tokenizer, name, parallel):
+    """tool_choice required (any tool) or named, enforced: random logits at temperature 1 still give <tool_call>
+    blocks of Qwen / Hermes's form that strata.text.tool_calls reads back as calls of the tools (the named one),
+    their arguments in its parameters' schema, one block unless parallel_tool_calls."""
+    from strata.text import tool_calls
+    from strata.text.grammar import tool_grammar
+    g = tool_grammar(tokenizer, TOOLS, name, parallel)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        ids, ended = _run(tokenizer, g, lambda step: torch.randn(tokenizer.vocab_size, generator=gen) * 5,
+                          SamplingParams(temperature=1.0, seed=seed), limit=200)
+        text = tokenizer.decode(ids)
+        content, calls = tool_calls.parse(text)
+        if not ended:  # a parallel answer may still be adding blocks at the limit: its whole ones are calls
+            assert parallel, text
+            continue
+        assert calls and not (content or "").strip(), text
+        assert parallel or len(calls) == 1
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            assert c["function"]["name"] in ({name} if name else {"weather", "clock"}), text
+            assert set(args) == ({"city"} if c["function"]["name"] == "weather" else set()) or \
+                c["function"]["name"] == "clock", text
+
+
+def test_tool_choice_that_cannot_be_enforced_is_one_line(tokenizer):
+    from strata.text.grammar import tool_grammar
+    with pytest.raises(GrammarError, match="^tool_choice names 'nope', which is not among"):
+        tool_grammar(tokenizer, TOOLS, "nope")
+    with pytest.raises(GrammarError, match="no vocabulary"):
+        tool_grammar(None, TOOLS)

@@ -658,13 +658,13 @@ def _check_fields(body: dict, endpoint: str) -> None:
                        "answer", param=key)
     checks = [("best_of", lambda v: v == 1), ("suffix", lambda v: v == ""),
               ("functions", lambda v: not v), ("function_call", lambda v: v == "none"),
-              ("tool_choice", lambda v: v in ("none", "auto")),
+              ("tool_choice", lambda v: v in ("none", "auto", "required") or _named_tool(v) is not None),
               ("modalities", lambda v: v == ["text"]), ("audio", lambda v: False), ("prediction", lambda v: False),
               ("web_search_options", lambda v: False), ("verbosity", lambda v: False)]
     for key, ok in checks:
         if body.get(key) is not None and not ok(body[key]):
-            why = (" (only none or auto: a tool call the model must make is not enforced here yet; use response_format "
-                   "json_schema for a forced shape)" if key == "tool_choice" else "")
+            why = (' (none, auto, required or {"type": "function", "function": {"name": ...}})'
+                   if key == "tool_choice" else "")
             raise _bad(f"{key}={body[key]!r} is not supported by this server{why}", param=key)
     fmt = body.get("response_format")
     if fmt is not None:
@@ -672,6 +672,14 @@ def _check_fields(body: dict, endpoint: str) -> None:
         if kind not in ("text", "json_object", "json_schema"):
             raise _bad(f"response_format type must be text, json_object or json_schema, got {fmt!r}",
                        param="response_format")
+
+
+def _named_tool(choice) -> str | None:
+    """A tool_choice naming one function ({"type": "function", "function": {"name": ...}}) -> its name."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        return name if isinstance(name, str) else None
+    return None
 
 
 REASONING_EFFORT = ("minimal", "low", "medium", "high")
@@ -932,8 +940,31 @@ class Server:
                            param="tools")
         except ValueError as e:  # strata.text.chat.ChatError, or a model without a template
             raise _bad(str(e), param="messages") from None
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            params = await self._tool_choice(body, variables, prompt, params)
         return await self._generate(request, body, [prompt], params, max_tokens, chat=True, echo=False, top=top,
                                     tools="tools" in variables)
+
+    async def _tool_choice(self, body: dict, variables: dict, prompt, params: SamplingParams) -> SamplingParams:
+        """tool_choice required or a named function, enforced: the answer constrained to the <tool_call> blocks the
+        model's template asks for (strata/text/grammar.py's tool_grammar; parallel_tool_calls false: one block)."""
+        from strata.text.grammar import GrammarError, tool_grammar
+        if "tools" not in variables:
+            raise _bad("tool_choice required or a named function needs tools", param="tool_choice")
+        fmt = body.get("response_format")
+        if fmt is not None and fmt.get("type") != "text":
+            raise _bad("tool_choice with response_format: one enforced shape at a time", param="tool_choice")
+        if not isinstance(prompt, str) or tool_calls.OPEN not in prompt:
+            raise _bad(f"tool_choice={body['tool_choice']!r} is enforced for chat templates whose tool calls are "
+                       f"{tool_calls.OPEN} blocks (Qwen / Hermes); {self.engine.model_name!r}'s shows no such form",
+                       param="tool_choice")
+        tokenizer = self.engine.tokenizer if getattr(self.engine, "has_tokenizer", False) else None
+        try:
+            grammar = await run_in_threadpool(tool_grammar, tokenizer, variables["tools"],
+                                              _named_tool(body["tool_choice"]), body.get("parallel_tool_calls") is not False)
+        except GrammarError as e:
+            raise _bad(str(e), param="tool_choice") from None
+        return dataclasses.replace(params, grammar=grammar)
 
     async def _generate(self, request: Request, body: dict, prompts: list[str | list[int]], params: SamplingParams,
                         max_tokens: int | None, chat: bool, echo: bool, top: int | None, tools: bool = False) -> Response:

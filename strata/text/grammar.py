@@ -87,6 +87,41 @@ def json_grammar(tokenizer, response_format: dict) -> str | None:
     return grammar
 
 
+def tool_grammar(tokenizer, tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
+    """OpenAI's tool_choice "required" (name None: any of `tools`) or a named function, as a grammar: the answer is
+    one <tool_call> block (several, one a line, where `parallel`) of Qwen / Hermes's form, {"name": ..., "arguments":
+    ...} with the function's name and its parameters' schema, nothing else (strata/text/tool_calls.py reads it back).
+    GrammarError (one line) for a name not among the tools, a schema llguidance refuses, a missing library."""
+    why = missing()
+    if why:
+        raise GrammarError(f"tool_choice: {why}")
+    if tokenizer is None:
+        raise GrammarError("tool_choice: the model has no vocabulary to constrain")
+    fns = [t["function"] for t in tools]
+    if name is not None:
+        fns = [f for f in fns if f["name"] == name]
+        if not fns:
+            raise GrammarError(f"tool_choice names {name!r}, which is not among the request's tools")
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               "arguments": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
+    schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
+    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"tool_choice: the tools' schemas are over {MAX_SCHEMA_BYTES} bytes")
+    more = ' ("\\n" call)*' if parallel else ""
+    lark = (f"start: call{more}\n"
+            'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
+            f"body: %json {json.dumps(schema)}\n")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    except ValueError as e:
+        raise GrammarError(f"tool_choice: {str(e).splitlines()[0][:300]}") from None
+    err = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer(tokenizer))
+    if err:
+        raise GrammarError(f"tool_choice: {err.splitlines()[0][:300]}")
+    return grammar
+
+
 class Constraint:
     """One sequence's matcher of a grammar: the tokens allowed next (a mask on its logits), advanced by each pick."""
 
