@@ -250,8 +250,9 @@ def build_plan(cfg: RigConfig, always_calibrate: bool = False, serving: bool = F
     if len(stages) > args.n_layers:
         raise ConfigError(f"stages: {len(stages)} stages but the model has only {args.n_layers} layers")
     if cfg.kv_dtype == "q8_0" and any(w % 32 for _, w in args.kv_rows()):
-        raise ConfigError(f"kv_dtype: q8_0 caches blocks of 32 values; this model's cache rows are "
-                          f"{[w for _, w in args.kv_rows()]} wide (use float8_e4m3fn)")
+        what = (f"latent cache row is {args.kv_rows()[0][1]} values" if args.latent
+                else f"head dim is {args.head_dim}")
+        raise ConfigError(f"kv_dtype: q8_0 caches blocks of 32 values; this model's {what} (use float8_e4m3fn)")
     from strata.kvcache.prefix_cache import supported
     why = supported(args)
     for key in ("kv_cache_dir", "prefix_cache_device_bytes"):
