@@ -1262,7 +1262,8 @@ def pipeline_server(tmp_path_factory):
         smollm2_path()
     except Exception as e:  # noqa: BLE001
         pytest.skip(str(e))
-    eng = PipelineEngine(PIPE_RIG, out=tmp_path_factory.mktemp("serve"))
+    # max_seqs 1 (the tests below read its one request loop: ring steps, no batches; auto would take 4 here)
+    eng = PipelineEngine({**PIPE_RIG, "max_seqs": 1}, out=tmp_path_factory.mktemp("serve"))
     s = Running(eng)
     yield s, eng
     s.stop()
