@@ -77,13 +77,20 @@ def json_grammar(tokenizer, response_format: dict) -> str | None:
         schema = spec.get("schema", {})
         if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
             raise GrammarError(f"response_format json_schema: the schema is over {MAX_SCHEMA_BYTES} bytes")
+    return _compiled(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), tokenizer,
+                     f"response_format {kind}")
+
+
+def _compiled(make, tokenizer, what: str) -> str:
+    """make()'s grammar, validated against the tokenizer's vocabulary; what llguidance refuses is one line
+    beginning `what`."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        grammar = make()
     except ValueError as e:
-        raise GrammarError(f"response_format {kind}: {str(e).splitlines()[0][:300]}") from None
+        raise GrammarError(f"{what}: {str(e).splitlines()[0][:300]}") from None
     err = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer(tokenizer))
     if err:
-        raise GrammarError(f"response_format {kind}: {err.splitlines()[0][:300]}")
+        raise GrammarError(f"{what}: {err.splitlines()[0][:300]}")
     return grammar
 
 
@@ -112,14 +119,7 @@ def tool_grammar(tokenizer, tools: list[dict], name: str | None = None, parallel
     lark = (f"start: call{more}\n"
             'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
             f"body: %json {json.dumps(schema)}\n")
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-    except ValueError as e:
-        raise GrammarError(f"tool_choice: {str(e).splitlines()[0][:300]}") from None
-    err = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer(tokenizer))
-    if err:
-        raise GrammarError(f"tool_choice: {err.splitlines()[0][:300]}")
-    return grammar
+    return _compiled(lambda: llguidance.LLMatcher.grammar_from_lark(lark), tokenizer, "tool_choice")
 
 
 class Constraint:
